@@ -363,7 +363,7 @@ static int db_timeout;
 
 struct doorbell {
     u64 bar0;
-    u16 bar1;
+    u16 bar2; /* BAR0 is a 64-bit memory BAR, so the I/O BAR is BAR2 */
     int kind; /* 0 mmio register, 1 pio register, 2 shared-memory word */
 };
 
@@ -376,7 +376,7 @@ static void body_doorbell(const void *c, u64 n)
         if (d->kind == 2)
             db_shm = want;
         else if (d->kind == 1)
-            outl(d->bar1, 1);
+            outl(d->bar2, 1);
         else
             mmio_write32(d->bar0 + DB_REG_DOORBELL, 1);
         u64 t0 = rdtsc();
@@ -394,8 +394,8 @@ static void doorbell_row(const struct pci_dev *dev, const char *name, u32 mode, 
     if (!selected(name))
         return;
     u64 bar0 = dev->bar[0].addr;
-    struct doorbell d = {bar0, (u16)dev->bar[1].addr, kind};
-    if (kind == 1 && !dev->bar[1].size)
+    struct doorbell d = {bar0, (u16)dev->bar[2].addr, kind};
+    if (kind == 1 && !dev->bar[2].size)
         return;
     db_seq = 0;
     db_completion = 0;
