@@ -1,0 +1,231 @@
+//! A VM built from a [`VmConfig`], run to completion by [`run`].
+
+use crate::bus::Bus;
+use crate::debug_exit::{DebugExit, ExitStatus};
+use crate::memory::{self, GuestRam};
+use crate::pci::PciHost;
+use crate::serial::{LineCallback, LineSink, Uart};
+use crate::vcpu::{self, ExitStats};
+use iopath_devices::pci::BarPlacement;
+use iopath_devices::{Counter, DeviceContext, DeviceModel};
+use iopath_transport::exit::SharedDevice;
+use iopath_transport::ioeventfd::KvmIoEvents;
+use kvm_bindings::kvm_userspace_memory_region;
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use std::os::unix::thread::JoinHandleExt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Once};
+use std::time::{Duration, Instant};
+use vm_memory::GuestMemoryBackend;
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmmError {
+    #[error("KVM: {0}")]
+    Kvm(String),
+    #[error("guest memory: {0}")]
+    Memory(String),
+    #[error("guest image: {0}")]
+    Load(String),
+    #[error("device: {0}")]
+    Device(String),
+    #[error("{reason} (guest RIP {rip:#x})")]
+    Guest { reason: String, rip: u64 },
+    #[error("the guest did not finish in time (guest RIP {rip:#x})")]
+    Timeout { rip: u64 },
+}
+
+pub struct VmConfig {
+    pub image: Vec<u8>,
+    pub cmdline: String,
+    pub mem_size: u64,
+    pub devices: Vec<Box<dyn DeviceModel>>,
+    /// Assign BARs in the VMM (as firmware would); false leaves it to the guest.
+    pub place_bars: bool,
+    pub timeout: Duration,
+    pub on_line: Option<LineCallback>,
+}
+
+impl VmConfig {
+    pub fn new(image: &[u8], cmdline: &str) -> Self {
+        VmConfig {
+            image: image.to_vec(),
+            cmdline: cmdline.to_string(),
+            mem_size: 64 << 20,
+            devices: Vec::new(),
+            place_bars: true,
+            timeout: Duration::from_secs(600),
+            on_line: None,
+        }
+    }
+}
+
+pub struct DeviceReport {
+    pub name: String,
+    pub slot: u8,
+    pub bars: Vec<BarPlacement>,
+    pub counters: Vec<Counter>,
+}
+
+pub struct RunReport {
+    /// isa-debug-exit status, (value << 1) | 1.
+    pub status: i32,
+    pub lines: Vec<String>,
+    pub exits: ExitStats,
+    pub devices: Vec<DeviceReport>,
+    pub pci_absent_accesses: u64,
+    pub tsc_khz: u32,
+    pub wall: Duration,
+}
+
+/// A booted-but-not-running machine: KVM VM, RAM with the image, vCPU 0.
+pub(crate) struct Machine {
+    pub vm: Arc<VmFd>,
+    pub ram: GuestRam,
+    pub vcpu: VcpuFd,
+    pub tsc_khz: u32,
+}
+
+pub(crate) fn boot(image: &[u8], cmdline: &str, mem_size: u64) -> Result<Machine, VmmError> {
+    let k = |what: &str, e: kvm_ioctls::Error| VmmError::Kvm(format!("{what}: {e}"));
+    let kvm = Kvm::new().map_err(|e| {
+        VmmError::Kvm(format!("cannot open /dev/kvm: {e} (is KVM enabled, and may this user open /dev/kvm?)"))
+    })?;
+    let vm = kvm.create_vm().map_err(|e| k("KVM_CREATE_VM", e))?;
+    vm.set_tss_address(0xfffb_d000).map_err(|e| k("KVM_SET_TSS_ADDR", e))?;
+    vm.create_irq_chip().map_err(|e| k("KVM_CREATE_IRQCHIP", e))?;
+    if !(2 << 20..=3 << 30).contains(&mem_size) {
+        return Err(VmmError::Memory(format!("guest RAM of {mem_size} bytes: use 2 MiB .. 3 GiB")));
+    }
+    let ram = memory::create(mem_size).map_err(|e| VmmError::Memory(e.to_string()))?;
+    let host = ram.mem.get_host_address(vm_memory::GuestAddress(0)).map_err(|e| VmmError::Memory(e.to_string()))? as u64;
+    let region = kvm_userspace_memory_region { slot: 0, flags: 0, guest_phys_addr: 0, memory_size: mem_size, userspace_addr: host };
+    // SAFETY: the mapping is owned by `ram`, which lives as long as the VM (Machine).
+    unsafe { vm.set_user_memory_region(region) }.map_err(|e| k("KVM_SET_USER_MEMORY_REGION", e))?;
+    let loaded = crate::loader::load_elf(&ram.mem, mem_size, image).map_err(VmmError::Load)?;
+    if !crate::loader::has_multiboot_header(image) {
+        return Err(VmmError::Load("no multiboot header in the first 8 KiB".into()));
+    }
+    let vcpu = vm.create_vcpu(0).map_err(|e| k("KVM_CREATE_VCPU", e))?;
+    let tsc_khz = vcpu.get_tsc_khz().map_err(|e| k("KVM_GET_TSC_KHZ", e))?;
+    let mut cmd = cmdline.to_string();
+    if !cmd.split_whitespace().any(|w| w.starts_with("tsc_khz=")) {
+        cmd = format!("{cmd} tsc_khz={tsc_khz}").trim().to_string();
+    }
+    let mbi = crate::loader::write_mbi(&ram.mem, mem_size, &cmd).map_err(VmmError::Load)?;
+    vcpu::setup_multiboot(&kvm, &vcpu, loaded.entry, mbi)?;
+    Ok(Machine { vm: Arc::new(vm), ram, vcpu, tsc_khz })
+}
+
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+/// The signal that interrupts KVM_RUN when a run overstays its timeout.
+pub(crate) fn kick_signal() -> i32 {
+    static ONCE: Once = Once::new();
+    let sig = vmm_sys_util::signal::SIGRTMIN();
+    ONCE.call_once(|| {
+        if let Err(e) = vmm_sys_util::signal::register_signal_handler(sig, kick_handler) {
+            log::warn!("cannot install the vCPU kick handler: {e}");
+        }
+    });
+    sig
+}
+
+/// Runs `body` on a vCPU thread; past `timeout` sets `stop` and kicks the
+/// thread out of KVM_RUN until it returns.
+pub(crate) fn watched<R: Send + 'static>(
+    timeout: Duration,
+    body: impl FnOnce(&AtomicBool) -> R + Send + 'static,
+) -> Result<R, VmmError> {
+    let sig = kick_signal();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let h = std::thread::Builder::new()
+        .name("vcpu0".into())
+        .spawn(move || body(&stop2))
+        .map_err(|e| VmmError::Kvm(format!("cannot start the vCPU thread: {e}")))?;
+    let t0 = Instant::now();
+    while !h.is_finished() {
+        std::thread::sleep(Duration::from_millis(5));
+        if t0.elapsed() > timeout {
+            stop.store(true, Ordering::Release);
+            // SAFETY: the thread is alive (not finished) and joinable; the
+            // handler does nothing but interrupt the ioctl.
+            unsafe { libc::pthread_kill(h.as_pthread_t(), sig) };
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    h.join().map_err(|_| VmmError::Kvm("the vCPU thread panicked".into()))
+}
+
+/// Boots the guest image with the configured devices and runs it to the end.
+pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
+    let t0 = Instant::now();
+    let m = boot(&cfg.image, &cfg.cmdline, cfg.mem_size)?;
+    let pio = Arc::new(Bus::new());
+    let mmio = Arc::new(Bus::new());
+    let status = ExitStatus::new();
+    let sink = LineSink::new(cfg.on_line.take());
+    let lines = sink.lines.clone();
+    let uart = Arc::new(Mutex::new(Uart::new(sink)));
+    pio.insert(crate::serial::PORT, crate::serial::LEN, uart.clone()).map_err(|e| VmmError::Device(e.to_string()))?;
+    pio.insert(crate::debug_exit::PORT, 1, Arc::new(Mutex::new(DebugExit(status.clone()))))
+        .map_err(|e| VmmError::Device(e.to_string()))?;
+    let host = Arc::new(Mutex::new(PciHost::new(pio.clone(), mmio.clone())));
+    pio.insert(crate::pci::CONFIG_ADDRESS, 8, host.clone()).map_err(|e| VmmError::Device(e.to_string()))?;
+    let mut devices: Vec<(u8, SharedDevice)> = Vec::new();
+    for mut d in cfg.devices.drain(..) {
+        let ioevents = Arc::new(KvmIoEvents::new(m.vm.clone()));
+        d.attach(DeviceContext { mem: m.ram.mem.clone(), ioevents: ioevents.clone() });
+        let shared: SharedDevice = Arc::new(Mutex::new(d));
+        let slot = host.lock().unwrap().add(shared.clone(), Some(ioevents)).map_err(VmmError::Device)?;
+        devices.push((slot, shared));
+    }
+    if cfg.place_bars {
+        host.lock().unwrap().place_bars().map_err(VmmError::Device)?;
+    }
+    let Machine { vm, ram, mut vcpu, tsc_khz } = m;
+    let (pio2, mmio2, status2) = (pio.clone(), mmio.clone(), status.clone());
+    let result = watched(cfg.timeout, move |stop| {
+        let r = vcpu::run_loop(&mut vcpu, &pio2, &mmio2, &status2, stop);
+        (r, vcpu)
+    })?;
+    let (r, vcpu) = result;
+    let mut reports = Vec::new();
+    for (slot, d) in &devices {
+        let mut d = d.lock().unwrap();
+        d.quiesce();
+        reports.push(DeviceReport {
+            name: d.name().to_string(),
+            slot: *slot,
+            bars: host.lock().unwrap().placements(*slot as usize),
+            counters: d.counters(),
+        });
+    }
+    uart.lock().unwrap().0.writer_mut().flush_partial();
+    drop(vcpu);
+    drop(vm);
+    drop(ram);
+    let exits = match r {
+        Ok(s) => s,
+        Err((e, _)) => {
+            let tail: Vec<String> = lines.lock().unwrap().iter().rev().take(5).rev().cloned().collect();
+            return Err(match e {
+                VmmError::Guest { reason, rip } => {
+                    VmmError::Guest { reason: format!("{reason}; last guest output: {tail:?}"), rip }
+                }
+                e => e,
+            });
+        }
+    };
+    let lines = std::mem::take(&mut *lines.lock().unwrap());
+    let pci_absent_accesses = host.lock().unwrap().absent_accesses;
+    Ok(RunReport {
+        status: status.get().unwrap_or(-1),
+        lines,
+        exits,
+        devices: reports,
+        pci_absent_accesses,
+        tsc_khz,
+        wall: t0.elapsed(),
+    })
+}
