@@ -1,1 +1,9 @@
+//! Benchmarks: scenarios that run the guest on iopath's VMM, on the bare
+//! KVM_RUN floor and on QEMU, collect the guest's `@row` records and the
+//! devices' counters, verify routing, and report medians and ratios.
 
+pub mod exits;
+pub mod host;
+pub mod qemu;
+pub mod record;
+pub mod stats;

@@ -1,1 +1,167 @@
-fn main(){}
+//! iopath: run every path a VM's device accesses take, side by side on KVM,
+//! and measure each.
+//!
+//!   iopath bench [exits] [--vs qemu] [--json PATH]   the exit-cost table
+//!   iopath run [--workload exits] [--append ARGS]    boot the guest, show its console
+//!   iopath image --out PATH                          write the guest image (for QEMU)
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use iopath_bench::exits::{exit_devices, run_exits, ExitsOptions};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(name = "iopath", version, about = "Every path from a VM's device accesses to a device model, side by side on KVM, measured")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a benchmark (default: exits) and print a table (and JSON with --json).
+    Bench(BenchArgs),
+    /// Boot the guest image in iopath's VMM and show its console.
+    Run(RunArgs),
+    /// Write the guest image (an ELF32 multiboot kernel) to a file.
+    Image {
+        #[arg(long, short)]
+        out: PathBuf,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Which {
+    /// The exit-cost table: cpu, in-kernel, VMM exits, pci-testdev, doorbell round trips.
+    Exits,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum Peer {
+    /// QEMU + KVM with its own pci-testdev, same guest image, interleaved.
+    Qemu,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[arg(value_enum, default_value = "exits")]
+    which: Which,
+    /// Also run the same workload on this peer, in the same run, interleaved.
+    #[arg(long, value_enum)]
+    vs: Option<Peer>,
+    /// Write the results as JSON to PATH ("-" for standard output).
+    #[arg(long, value_name = "PATH")]
+    json: Option<PathBuf>,
+    /// Rounds; each round runs every target once (A/B interleaving).
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+    /// Timed batches per row and round.
+    #[arg(long, default_value_t = 9)]
+    batches: u32,
+    /// Target length of one batch, in microseconds.
+    #[arg(long, default_value_t = 20_000)]
+    batch_us: u64,
+    /// Only rows whose names start with one of these (comma-separated).
+    #[arg(long)]
+    only: Option<String>,
+    /// Skip the bare KVM_RUN floor.
+    #[arg(long)]
+    no_floor: bool,
+    /// Seconds one guest run may take before it is stopped.
+    #[arg(long, default_value_t = 300)]
+    timeout: u64,
+    /// A short run: 1 round, 5 batches of 5 ms.
+    #[arg(long)]
+    quick: bool,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// Guest workload.
+    #[arg(long, default_value = "exits")]
+    workload: String,
+    /// More guest command-line words (batches=N batch_us=N only=...).
+    #[arg(long, default_value = "")]
+    append: String,
+    /// Leave BAR assignment to the guest instead of placing BARs in the VMM.
+    #[arg(long)]
+    guest_bars: bool,
+    /// Guest RAM in MiB.
+    #[arg(long, default_value_t = 64)]
+    mem: u64,
+    #[arg(long, default_value_t = 300)]
+    timeout: u64,
+}
+
+fn bench(a: BenchArgs) -> anyhow::Result<i32> {
+    let Which::Exits = a.which;
+    let mut o = ExitsOptions {
+        rounds: a.rounds.max(1),
+        batches: a.batches.clamp(1, 64),
+        batch_us: a.batch_us.max(10),
+        only: a.only,
+        vs_qemu: a.vs == Some(Peer::Qemu),
+        floor: !a.no_floor,
+        timeout_s: a.timeout,
+        progress: true,
+    };
+    if a.quick {
+        o.rounds = 1;
+        o.batches = 5;
+        o.batch_us = 5000;
+    }
+    let r = run_exits(&o)?;
+    let json_to_stdout = a.json.as_deref() == Some(std::path::Path::new("-"));
+    if json_to_stdout {
+        eprint!("{}", r.table());
+        println!("{}", serde_json::to_string_pretty(&r.json())?);
+    } else {
+        print!("{}", r.table());
+        if let Some(p) = &a.json {
+            std::fs::write(p, serde_json::to_string_pretty(&r.json())?).with_context(|| format!("writing {}", p.display()))?;
+            println!("JSON written to {}", p.display());
+        }
+    }
+    Ok(if r.errors.is_empty() { 0 } else { 1 })
+}
+
+fn run_guest(a: RunArgs) -> anyhow::Result<i32> {
+    let cmdline = format!("workload={} {}", a.workload, a.append).trim().to_string();
+    let mut cfg = iopath_vmm::VmConfig::new(iopath_guest::IMAGE, &cmdline);
+    cfg.devices = exit_devices();
+    cfg.place_bars = !a.guest_bars;
+    cfg.mem_size = a.mem << 20;
+    cfg.timeout = Duration::from_secs(a.timeout);
+    cfg.on_line = Some(Box::new(|l: &str| {
+        println!("{l}");
+        let _ = std::io::stdout().flush();
+    }));
+    let r = iopath_vmm::run(cfg)?;
+    eprintln!("guest exit status {} (isa-debug-exit), {:.2} s, TSC {} kHz", r.status, r.wall.as_secs_f64(), r.tsc_khz);
+    eprintln!("vm exits: {}", r.exits.fields().iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "));
+    for d in &r.devices {
+        let bars: Vec<String> = d.bars.iter().map(|b| format!("BAR{}={:?}@{:#x}+{:#x}", b.spec.index, b.spec.kind, b.addr, b.spec.size)).collect();
+        eprintln!("00:{:02x}.0 {} {}", d.slot, d.name, bars.join(" "));
+        eprintln!("  {}", d.counters.iter().filter(|c| c.value > 0).map(|c| c.to_string()).collect::<Vec<_>>().join(" "));
+    }
+    Ok(if r.status == 1 { 0 } else { 1 })
+}
+
+fn main() {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Bench(a) => bench(a),
+        Cmd::Run(a) => run_guest(a),
+        Cmd::Image { out } => iopath_guest::write_image(&out).map(|_| 0).with_context(|| format!("writing {}", out.display())),
+    };
+    match r {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("iopath: {e:#}");
+            std::process::exit(2);
+        }
+    }
+}

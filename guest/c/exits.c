@@ -118,14 +118,14 @@ static u64 median_per_iter(const struct meas *m)
 
 /* "@row" record for the host, then a kvm-unit-tests style "name cycles" line. */
 static void report(const char *name, const char *group, const struct meas *m, const char *fmt_extra, u64 a,
-                   u64 b)
+                   u64 b, u64 c)
 {
     printf("@row name=%s group=%s iters=%lu accesses=%lu cycles=", name, group, m->iters, m->accesses);
     for (u32 i = 0; i < m->nb; i++)
         printf(i ? ",%lu" : "%lu", m->cycles[i]);
     if (fmt_extra) {
         putc_serial(' ');
-        printf(fmt_extra, a, b);
+        printf(fmt_extra, a, b, c);
     }
     printf("\n%s %lu\n", name, median_per_iter(m));
 }
@@ -246,7 +246,7 @@ static void run_simple(const char *name, const char *group, body_fn fn, const vo
     if (!selected(name))
         return;
     measure(&m, fn, ctx);
-    report(name, group, &m, NULL, 0, 0);
+    report(name, group, &m, NULL, 0, 0, 0);
 }
 
 /* Runs an instruction once with the CPL0 stub ready to skip it if it faults. */
@@ -348,7 +348,7 @@ static void rows_testdev(void)
             struct meas m;
             measure(&m, b->io ? body_out_port : body_mmio_write, &acc);
             u32 count = hdr_r32(b, TD_COUNT);
-            report(name, "pci-testdev", &m, "count=%lu count_at_start=%lu", count, before);
+            report(name, "pci-testdev", &m, "count=%lu count_at_start=%lu addr=0x%lx", count, before, acc.addr);
         }
     }
 }

@@ -1,0 +1,148 @@
+//! The guest's result records: `@row name=... iters=N accesses=N cycles=a,b,c k=v...`.
+
+use std::collections::BTreeMap;
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Row {
+    pub name: String,
+    pub group: String,
+    pub iters: u64,
+    pub accesses: u64,
+    /// Cycles of each timed batch of `iters` accesses.
+    pub cycles: Vec<u64>,
+    /// Other fields (count=, exits=, status=, reason=...).
+    pub extra: BTreeMap<String, String>,
+}
+
+impl Row {
+    /// Cycles per access of each batch.
+    pub fn per_access(&self) -> Vec<f64> {
+        if self.iters == 0 {
+            return Vec::new();
+        }
+        self.cycles.iter().map(|&c| c as f64 / self.iters as f64).collect()
+    }
+
+    pub fn get_u64(&self, k: &str) -> Option<u64> {
+        self.extra.get(k).and_then(|v| v.parse().ok())
+    }
+
+    /// The guest's own verdict, when it gave one (e.g. "unsupported", "error").
+    pub fn status(&self) -> Option<&str> {
+        self.extra.get("status").map(|s| s.as_str())
+    }
+}
+
+fn fields(line: &str) -> BTreeMap<String, String> {
+    line.split_whitespace().skip(1).filter_map(|w| w.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+/// Parses one `@row` line; malformed numbers make the line an error row,
+/// never a panic (the guest's output is input like any other).
+pub fn parse_row(line: &str) -> Option<Row> {
+    let rest = line.strip_prefix("@row ")?;
+    let mut f = fields(&format!("@row {rest}"));
+    let name = f.remove("name")?;
+    let group = f.remove("group").unwrap_or_default();
+    let mut row = Row { name, group, ..Default::default() };
+    let num = |f: &mut BTreeMap<String, String>, k: &str| f.remove(k).map(|v| v.parse::<u64>().ok());
+    match (num(&mut f, "iters"), num(&mut f, "accesses")) {
+        (Some(Some(i)), Some(Some(a))) => {
+            row.iters = i;
+            row.accesses = a;
+        }
+        (None, None) => {}
+        _ => {
+            f.insert("status".into(), "error".into());
+            f.insert("reason".into(), "malformed-record".into());
+        }
+    }
+    if let Some(c) = f.remove("cycles") {
+        match c.split(',').map(|x| x.parse::<u64>()).collect::<Result<Vec<_>, _>>() {
+            Ok(v) => row.cycles = v,
+            Err(_) => {
+                f.insert("status".into(), "error".into());
+                f.insert("reason".into(), "malformed-record".into());
+            }
+        }
+    }
+    row.extra = f;
+    Some(row)
+}
+
+/// Everything a guest run printed that the host uses.
+#[derive(Clone, Debug, Default)]
+pub struct GuestOutput {
+    pub rows: Vec<Row>,
+    pub guest: BTreeMap<String, String>,
+    pub pci: Vec<BTreeMap<String, String>>,
+    pub fault: Option<String>,
+    pub done_rc: Option<i64>,
+}
+
+impl GuestOutput {
+    pub fn parse<S: AsRef<str>>(lines: &[S]) -> Self {
+        let mut g = GuestOutput::default();
+        for l in lines {
+            let l = l.as_ref();
+            if let Some(r) = parse_row(l) {
+                g.rows.push(r);
+            } else if l.starts_with("@guest ") {
+                g.guest = fields(l);
+            } else if l.starts_with("@pci ") {
+                g.pci.push(fields(l));
+            } else if l.starts_with("@fault ") {
+                g.fault = Some(l.to_string());
+            } else if let Some(rc) = l.strip_prefix("@done rc=") {
+                g.done_rc = rc.trim().parse().ok();
+            }
+        }
+        g
+    }
+
+    pub fn row(&self, name: &str) -> Option<&Row> {
+        self.rows.iter().find(|r| r.name == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_rows_and_extras() {
+        let r = parse_row("@row name=cpuid group=cpu iters=10 accesses=50 cycles=100,200 count=3").unwrap();
+        assert_eq!(r.name, "cpuid");
+        assert_eq!(r.cycles, vec![100, 200]);
+        assert_eq!(r.per_access(), vec![10.0, 20.0]);
+        assert_eq!(r.get_u64("count"), Some(3));
+        assert_eq!(r.status(), None);
+    }
+
+    #[test]
+    fn malformed_records_become_errors() {
+        let r = parse_row("@row name=x iters=1 accesses=zz cycles=1").unwrap();
+        assert_eq!(r.status(), Some("error"));
+        let r = parse_row("@row name=x iters=1 accesses=1 cycles=1,,2").unwrap();
+        assert_eq!(r.status(), Some("error"));
+        assert!(parse_row("@row group=x").is_none());
+        let r = parse_row("@row name=vmcall group=cpu status=unsupported vector=6").unwrap();
+        assert_eq!(r.status(), Some("unsupported"));
+        assert!(r.per_access().is_empty());
+    }
+
+    #[test]
+    fn parses_a_whole_run() {
+        let g = GuestOutput::parse(&[
+            "@guest version=1 tsc_khz=2000000",
+            "@pci bdf=00:01.0 id=1b36:0005",
+            "@row name=a group=g iters=1 accesses=2 cycles=5",
+            "a 5",
+            "@done rc=0",
+        ]);
+        assert_eq!(g.guest["tsc_khz"], "2000000");
+        assert_eq!(g.pci.len(), 1);
+        assert_eq!(g.rows.len(), 1);
+        assert_eq!(g.done_rc, Some(0));
+    }
+}

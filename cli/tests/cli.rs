@@ -1,0 +1,58 @@
+//! The command line, end to end on the real /dev/kvm.
+
+use std::process::Command;
+
+fn iopath() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_iopath"))
+}
+
+#[test]
+fn bench_exits_json_has_verified_rows_and_floor_ratios() {
+    assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing");
+    let out = iopath()
+        .args(["bench", "exits", "--rounds", "1", "--batches", "3", "--batch-us", "2000"])
+        .args(["--only", "cpuid,outl_to_vmm,mmio-no,portio-wild,doorbell-rtt:shm", "--json", "-"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "iopath failed: {stderr}");
+    assert!(stderr.contains("routing"), "the table goes to stderr with --json -: {stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    assert!(v["errors"].as_array().unwrap().is_empty(), "{}", v["errors"]);
+    assert!(v["host"]["kvm_module"].is_string());
+    let rows = v["rows"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    for want in ["cpuid", "outl_to_vmm", "mmio-no-eventfd:pci-mem", "portio-wildcard-eventfd:pci-io", "doorbell-rtt:shm"] {
+        assert!(names.contains(&want), "row {want} missing from {names:?}");
+    }
+    for r in rows {
+        let io = &r["targets"]["iopath"];
+        assert!(io["cycles"]["median"].as_f64().unwrap() > 0.0, "{r}");
+        for v in io["routing"].as_array().unwrap() {
+            assert_eq!(v["ok"], true, "{r}");
+        }
+    }
+    let outl = rows.iter().find(|r| r["name"] == "outl_to_vmm").unwrap();
+    assert!(outl["ratio_iopath_over_floor"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn run_and_image_commands_work() {
+    let out = iopath().args(["run", "--append", "batches=1 batch_us=200 only=cpuid"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("@row name=cpuid"), "{stdout}");
+    assert!(stdout.contains("@done rc=0"));
+    let path = std::env::temp_dir().join(format!("iopath-image-test-{}.elf", std::process::id()));
+    assert!(iopath().args(["image", "--out"]).arg(&path).status().unwrap().success());
+    assert_eq!(std::fs::read(&path).unwrap(), iopath_guest::IMAGE);
+    let _ = std::fs::remove_file(path);
+}
+
+#[test]
+fn missing_qemu_is_explained() {
+    let out = iopath().args(["bench", "--quick", "--vs", "qemu"]).env("PATH", "/nonexistent").env_remove("IOPATH_QEMU").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("apt-get install -y qemu-system-x86"), "{stderr}");
+}
