@@ -25,6 +25,16 @@
 
 #define TSS_LIMIT   (104 + 8192 + 1 - 1)
 
+        /* DS, ES, SS, FS, GS <- the kernel data selector (same encoding in both modes). */
+        .macro LOAD_DATA_SEGMENTS
+        movw $SEL_KDATA, %ax
+        movw %ax, %ds
+        movw %ax, %es
+        movw %ax, %ss
+        movw %ax, %fs
+        movw %ax, %gs
+        .endm
+
         .section .multiboot, "a"
         .align 4
         .long MB_MAGIC
@@ -41,12 +51,7 @@ _start:
         lgdt gdt_desc32
         ljmp $SEL_KCODE32, $1f
 1:
-        movw $SEL_KDATA, %ax
-        movw %ax, %ds
-        movw %ax, %es
-        movw %ax, %ss
-        movw %ax, %fs
-        movw %ax, %gs
+        LOAD_DATA_SEGMENTS
         movl %cr4, %eax
         orl $0x20, %eax                /* PAE */
         movl %eax, %cr4
@@ -63,12 +68,7 @@ _start:
 
         .code64
 long_entry:
-        movw $SEL_KDATA, %ax
-        movw %ax, %ds
-        movw %ax, %es
-        movw %ax, %ss
-        movw %ax, %fs
-        movw %ax, %gs
+        LOAD_DATA_SEGMENTS
         movq $kstack_top, %rsp
 
         /* 64-bit TSS descriptor: the base is a link-time address, split here. */
