@@ -142,3 +142,40 @@ impl IoEvents for KvmIoEvents {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use iopath_devices::BarSpec;
+    use kvm_ioctls::Kvm;
+
+    fn vm() -> Arc<VmFd> {
+        assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing");
+        Arc::new(Kvm::new().unwrap().create_vm().unwrap())
+    }
+
+    fn io_bar(addr: u64) -> Option<BarPlacement> {
+        Some(BarPlacement { spec: BarSpec { index: 1, kind: BarKind::Io, size: 0x100 }, addr })
+    }
+
+    #[test]
+    fn registrations_follow_the_bar_and_stay_inside_it() {
+        let io = KvmIoEvents::new(vm());
+        let fd = EventFd::new(0).unwrap();
+        let spec = IoEventSpec { bar: 1, offset: 0x83, len: 1, datamatch: Some(0xfa) };
+        // Before the BAR decodes, the registration is remembered, not assigned.
+        io.register(spec, &fd).unwrap();
+        io.bar_moved(1, io_bar(0xc000));
+        // KVM now holds it at 0xc083: the same assignment again collides.
+        assert!(kvm_ioeventfd(&io.vm, 0xc083, true, 1, Some(0xfa), &fd, true).is_err());
+        io.bar_moved(1, io_bar(0xd000));
+        assert!(kvm_ioeventfd(&io.vm, 0xc083, true, 1, Some(0xfa), &fd, true).is_ok(), "old address released");
+        kvm_ioeventfd(&io.vm, 0xc083, true, 1, Some(0xfa), &fd, false).unwrap();
+        io.unregister(spec, &fd).unwrap();
+        assert!(io.unregister(spec, &fd).is_err(), "already removed");
+        let outside = IoEventSpec { bar: 1, offset: 0xff, len: 4, datamatch: None };
+        assert!(io.register(outside, &fd).is_err());
+        assert!(kvm_ioeventfd(&io.vm, 0xc000, true, 3, None, &fd, true).is_err(), "length 3");
+        assert!(kvm_ioeventfd(&io.vm, 0xc000, true, 0, Some(1), &fd, true).is_err(), "len 0 with datamatch");
+    }
+}
