@@ -217,13 +217,9 @@ pub fn exit_devices() -> Vec<Box<dyn DeviceModel>> {
     vec![Box::new(PciTestDev::new()), Box::new(Doorbell::new())]
 }
 
+/// The TSC rate KVM reports (KVM_GET_TSC_KHZ), from one tiny guest run that
+/// also proves the VMM works before the long runs start.
 fn tsc_khz_of_host() -> anyhow::Result<u64> {
-    let kvm = kvm_probe()?;
-    Ok(kvm)
-}
-
-fn kvm_probe() -> anyhow::Result<u64> {
-    // One tiny run of the guest tells the TSC frequency KVM reports.
     let mut cfg = VmConfig::new(iopath_guest::IMAGE, "workload=exits only=none batches=1 batch_us=1");
     cfg.devices = Vec::new();
     cfg.timeout = Duration::from_secs(60);

@@ -43,7 +43,6 @@ impl ConfigSpace {
         let mut c = ConfigSpace { regs: [0; CONFIG_SIZE], wmask: [0; CONFIG_SIZE], bars: [None; 6] };
         c.put16(0x00, ids.vendor);
         c.put16(0x02, ids.device);
-        c.regs[0x08] = ids.revision;
         c.put32(0x08, (ids.class << 8) | ids.revision as u32);
         c.put16(0x2c, ids.subsystem_vendor);
         c.put16(0x2e, ids.subsystem);
