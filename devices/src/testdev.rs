@@ -14,8 +14,6 @@
 //! `count`, as QEMU does: routing shows in `count` (exits) and the kicks.
 
 use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, IoEventSpec, PciIds};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 pub const VENDOR: u16 = 0x1b36;
@@ -46,7 +44,7 @@ struct Test {
     /// Header bytes as the guest reads them (count patched in on read).
     count: u32,
     exits_total: u64,
-    kicks: Arc<AtomicU64>,
+    kicks: u64,
     fd: Option<EventFd>,
     ioeventfd_errors: u64,
 }
@@ -58,6 +56,13 @@ impl Test {
             offset: self.offset as u64,
             len: 1,
             datamatch: (self.kind == Kind::Datamatch).then_some(self.data as u64),
+        }
+    }
+
+    /// Adds what KVM counted on the eventfd since the last read to `kicks`.
+    fn fold_kicks(&mut self) {
+        if let Some(Ok(n)) = self.fd.as_ref().map(|fd| fd.read()) {
+            self.kicks += n;
         }
     }
 
@@ -109,7 +114,7 @@ impl PciTestDev {
                     data: if kind == Kind::Wildcard { NOMATCH } else { DATAMATCH },
                     count: 0,
                     exits_total: 0,
-                    kicks: Arc::new(AtomicU64::new(0)),
+                    kicks: 0,
                     fd: None,
                     ioeventfd_errors: 0,
                 });
@@ -152,14 +157,8 @@ impl PciTestDev {
         self.current = Some(idx);
     }
 
-    fn drain(&self) {
-        for t in &self.tests {
-            if let Some(fd) = &t.fd {
-                if let Ok(n) = fd.read() {
-                    t.kicks.fetch_add(n, Ordering::Relaxed);
-                }
-            }
-        }
+    fn drain(&mut self) {
+        self.tests.iter_mut().for_each(Test::fold_kicks);
     }
 
     fn create_eventfds(&mut self) -> std::io::Result<()> {
@@ -211,11 +210,7 @@ impl DeviceModel for PciTestDev {
             return;
         };
         // Reading clears a pending notification, as QEMU's device does.
-        if let Some(fd) = &self.tests[cur].fd {
-            if let Ok(n) = fd.read() {
-                self.tests[cur].kicks.fetch_add(n, Ordering::Relaxed);
-            }
-        }
+        self.tests[cur].fold_kicks();
         let h = self.tests[cur].header();
         for (i, d) in data.iter_mut().enumerate() {
             *d = offset.checked_add(i as u64).and_then(|o| h.get(o as usize)).copied().unwrap_or(0);
@@ -250,7 +245,7 @@ impl DeviceModel for PciTestDev {
         let mut v = Vec::new();
         for t in &self.tests {
             v.push(Counter { name: format!("{}.exits", t.name), value: t.exits_total });
-            v.push(Counter { name: format!("{}.kicks", t.name), value: t.kicks.load(Ordering::Relaxed) });
+            v.push(Counter { name: format!("{}.kicks", t.name), value: t.kicks });
             if t.ioeventfd_errors > 0 {
                 v.push(Counter { name: format!("{}.ioeventfd_errors", t.name), value: t.ioeventfd_errors });
             }
@@ -263,7 +258,7 @@ impl DeviceModel for PciTestDev {
 mod tests {
     use super::*;
     use crate::{IoEvents, NoIoEvents};
-    use std::sync::Mutex;
+    use std::sync::{Arc, Mutex};
     use vm_memory::{GuestAddress, GuestMemoryMmap};
 
     #[derive(Default)]
