@@ -8,10 +8,25 @@ use std::process::Command;
 
 const SOURCES: &[&str] = &["boot.S", "lib.c", "pci.c", "exits.c", "main.c"];
 const CFLAGS: &[&str] = &[
-    "-m64", "-O2", "-g", "-ffreestanding", "-fno-pic", "-fno-pie", "-mno-red-zone",
-    "-mgeneral-regs-only", "-mno-sse", "-mno-mmx", "-mno-80387", "-fno-stack-protector",
-    "-fno-asynchronous-unwind-tables", "-fno-builtin", "-fno-tree-loop-distribute-patterns",
-    "-Wall", "-Wextra", "-Werror", "-Wa,--noexecstack",
+    "-m64",
+    "-O2",
+    "-g",
+    "-ffreestanding",
+    "-fno-pic",
+    "-fno-pie",
+    "-mno-red-zone",
+    "-mgeneral-regs-only",
+    "-mno-sse",
+    "-mno-mmx",
+    "-mno-80387",
+    "-fno-stack-protector",
+    "-fno-asynchronous-unwind-tables",
+    "-fno-builtin",
+    "-fno-tree-loop-distribute-patterns",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-Wa,--noexecstack",
 ];
 
 fn run(cmd: &mut Command) {

@@ -37,7 +37,16 @@ pub struct ExitsOptions {
 
 impl Default for ExitsOptions {
     fn default() -> Self {
-        ExitsOptions { rounds: 3, batches: 9, batch_us: 20_000, only: None, vs_qemu: false, floor: true, timeout_s: 300, progress: true }
+        ExitsOptions {
+            rounds: 3,
+            batches: 9,
+            batch_us: 20_000,
+            only: None,
+            vs_qemu: false,
+            floor: true,
+            timeout_s: 300,
+            progress: true,
+        }
     }
 }
 
@@ -83,14 +92,25 @@ pub fn verify_iopath(out: &GuestOutput, run: &RunReport) -> BTreeMap<String, Rou
     let mut v = BTreeMap::new();
     for r in &out.rows {
         let verdict = match (r.group.as_str(), r.status()) {
-            (_, Some(s)) if s != "ok" => bad(format!("guest reported status={s} {}", r.extra.get("reason").cloned().unwrap_or_default())),
+            (_, Some(s)) if s != "ok" => {
+                bad(format!("guest reported status={s} {}", r.extra.get("reason").cloned().unwrap_or_default()))
+            }
             ("pci-testdev", _) => {
                 let test = r.name.split(':').next().unwrap_or("");
-                let (exits, kicks) = (counter("pci-testdev", &format!("{test}.exits")), counter("pci-testdev", &format!("{test}.kicks")));
+                let (exits, kicks) = (
+                    counter("pci-testdev", &format!("{test}.exits")),
+                    counter("pci-testdev", &format!("{test}.kicks")),
+                );
                 let count = r.get_u64("count");
                 let want_exit = test.contains("no-eventfd");
                 let (we, wk) = if want_exit { (r.accesses, 0) } else { (0, r.accesses) };
-                let detail = format!("count={} exits={} kicks={} of {} writes", fmt_opt(count), fmt_opt(exits), fmt_opt(kicks), r.accesses);
+                let detail = format!(
+                    "count={} exits={} kicks={} of {} writes",
+                    fmt_opt(count),
+                    fmt_opt(exits),
+                    fmt_opt(kicks),
+                    r.accesses
+                );
                 if count == Some(we) && exits == Some(we) && kicks == Some(wk) {
                     ok(detail)
                 } else {
@@ -234,7 +254,9 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
     let host = host_info(tsc_khz);
     let per_round = 1 + o.floor as u64 + qemu.is_some() as u64;
     let pb = if o.progress { ProgressBar::new(o.rounds as u64 * per_round) } else { ProgressBar::hidden() };
-    pb.set_style(ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));
+    pb.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "),
+    );
     let timeout = Duration::from_secs(o.timeout_s);
     let mut runs = Vec::new();
     let mut errors = Vec::new();
@@ -249,12 +271,27 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
             Ok(r) => {
                 let out = GuestOutput::parse(&r.lines);
                 if r.status != 1 {
-                    errors.push(format!("iopath round {round}: guest exit status {} {}", r.status, out.fault.clone().unwrap_or_default()));
+                    errors.push(format!(
+                        "iopath round {round}: guest exit status {} {}",
+                        r.status,
+                        out.fault.clone().unwrap_or_default()
+                    ));
                 }
                 let routing = verify_iopath(&out, &r);
-                let addr = |n: &str| out.row(n).and_then(|r| r.extra.get("addr")).and_then(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).ok());
+                let addr = |n: &str| {
+                    out.row(n)
+                        .and_then(|r| r.extra.get("addr"))
+                        .and_then(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).ok())
+                };
                 let td = (addr("mmio-no-eventfd:pci-mem"), addr("portio-no-eventfd:pci-io"));
-                runs.push(TargetRun { target: Target::Iopath, round, out, routing, exits: Some(r.exits), wall_s: t0.elapsed().as_secs_f64() });
+                runs.push(TargetRun {
+                    target: Target::Iopath,
+                    round,
+                    out,
+                    routing,
+                    exits: Some(r.exits),
+                    wall_s: t0.elapsed().as_secs_f64(),
+                });
                 td
             }
             Err(e) => {
@@ -273,11 +310,23 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
             }
             pb.set_message(format!("round {}/{} bare KVM_RUN floor", round + 1, o.rounds));
             let t0 = std::time::Instant::now();
-            match iopath_vmm::bare::run_bare(iopath_guest::IMAGE, &guest_cmdline(o, "floor", tsc_khz, extra.trim()), 64 << 20, timeout) {
+            match iopath_vmm::bare::run_bare(
+                iopath_guest::IMAGE,
+                &guest_cmdline(o, "floor", tsc_khz, extra.trim()),
+                64 << 20,
+                timeout,
+            ) {
                 Ok(r) => {
                     let out = GuestOutput::parse(&r.lines);
                     let routing = out.rows.iter().map(|r| (r.name.clone(), ok("bare loop".into()))).collect();
-                    runs.push(TargetRun { target: Target::Floor, round, out, routing, exits: Some(r.exits), wall_s: t0.elapsed().as_secs_f64() });
+                    runs.push(TargetRun {
+                        target: Target::Floor,
+                        round,
+                        out,
+                        routing,
+                        exits: Some(r.exits),
+                        wall_s: t0.elapsed().as_secs_f64(),
+                    });
                 }
                 Err(e) => errors.push(format!("floor round {round}: {e}")),
             }
@@ -286,14 +335,32 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
         if let Some(q) = &qemu {
             let t0 = std::time::Instant::now();
             let mut cb = progress_callback(&pb, format!("round {}/{} qemu", round + 1, o.rounds));
-            match crate::qemu::run(q, &image_path, &guest_cmdline(o, "exits", tsc_khz, ""), &["pci-testdev"], timeout, |l| cb(l)) {
+            match crate::qemu::run(
+                q,
+                &image_path,
+                &guest_cmdline(o, "exits", tsc_khz, ""),
+                &["pci-testdev"],
+                timeout,
+                |l| cb(l),
+            ) {
                 Ok(r) => {
                     let out = GuestOutput::parse(&r.lines);
                     if r.status != Some(1) {
-                        errors.push(format!("qemu round {round}: exit status {:?}; stderr: {}", r.status, r.stderr.trim()));
+                        errors.push(format!(
+                            "qemu round {round}: exit status {:?}; stderr: {}",
+                            r.status,
+                            r.stderr.trim()
+                        ));
                     }
                     let routing = verify_qemu(&out);
-                    runs.push(TargetRun { target: Target::Qemu, round, out, routing, exits: None, wall_s: t0.elapsed().as_secs_f64() });
+                    runs.push(TargetRun {
+                        target: Target::Qemu,
+                        round,
+                        out,
+                        routing,
+                        exits: None,
+                        wall_s: t0.elapsed().as_secs_f64(),
+                    });
                 }
                 Err(e) => errors.push(format!("qemu round {round}: {e}")),
             }
@@ -340,13 +407,18 @@ impl ExitsResult {
             .map(|(name, group)| {
                 let mut targets = BTreeMap::new();
                 for t in [Target::Iopath, Target::Floor, Target::Qemu] {
-                    let rows: Vec<(&TargetRun, &Row)> =
-                        self.runs.iter().filter(|r| r.target == t).filter_map(|r| r.out.row(&name).map(|x| (r, x))).collect();
+                    let rows: Vec<(&TargetRun, &Row)> = self
+                        .runs
+                        .iter()
+                        .filter(|r| r.target == t)
+                        .filter_map(|r| r.out.row(&name).map(|x| (r, x)))
+                        .collect();
                     if rows.is_empty() {
                         continue;
                     }
                     let all: Vec<f64> = rows.iter().flat_map(|(_, r)| r.per_access()).collect();
-                    let per_round_median = rows.iter().filter_map(|(_, r)| summarize(&r.per_access()).map(|s| s.median)).collect();
+                    let per_round_median =
+                        rows.iter().filter_map(|(_, r)| summarize(&r.per_access()).map(|s| s.median)).collect();
                     let status = rows.iter().find_map(|(_, r)| r.status().map(|s| s.to_string()));
                     let routing = rows.iter().filter_map(|(run, _)| run.routing.get(&name).cloned()).collect();
                     targets.insert(t, TargetStats { cycles: summarize(&all), per_round_median, status, routing });
@@ -401,7 +473,13 @@ impl ExitsResult {
             }
             if have_qemu {
                 let q = r.targets.get(&Target::Qemu);
-                let _ = write!(line, " {:>26} {:>10} {:>8}", cyc(q), nsf(q), rat(self.ratio(&r, Target::Iopath, Target::Qemu)));
+                let _ = write!(
+                    line,
+                    " {:>26} {:>10} {:>8}",
+                    cyc(q),
+                    nsf(q),
+                    rat(self.ratio(&r, Target::Iopath, Target::Qemu))
+                );
             }
             let routing: Vec<&Routing> = r.targets.values().flat_map(|t| t.routing.iter()).collect();
             let verdict = if routing.iter().any(|v| !v.ok) {

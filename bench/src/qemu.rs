@@ -33,8 +33,21 @@ pub struct QemuRun {
 /// The command line: the one the project documents, plus `-append`.
 pub fn args(image: &Path, cmdline: &str, devices: &[&str]) -> Vec<String> {
     let mut a: Vec<String> = [
-        "-accel", "kvm", "-cpu", "host,-arch-capabilities", "-m", "64M", "-display", "none", "-serial", "stdio",
-        "-monitor", "none", "-no-reboot", "-device", "isa-debug-exit,iobase=0xf4,iosize=1",
+        "-accel",
+        "kvm",
+        "-cpu",
+        "host,-arch-capabilities",
+        "-m",
+        "64M",
+        "-display",
+        "none",
+        "-serial",
+        "stdio",
+        "-monitor",
+        "none",
+        "-no-reboot",
+        "-device",
+        "isa-debug-exit,iobase=0xf4,iosize=1",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -47,7 +60,14 @@ pub fn args(image: &Path, cmdline: &str, devices: &[&str]) -> Vec<String> {
     a
 }
 
-pub fn run(qemu: &Path, image: &Path, cmdline: &str, devices: &[&str], timeout: Duration, mut on_line: impl FnMut(&str)) -> anyhow::Result<QemuRun> {
+pub fn run(
+    qemu: &Path,
+    image: &Path,
+    cmdline: &str,
+    devices: &[&str],
+    timeout: Duration,
+    mut on_line: impl FnMut(&str),
+) -> anyhow::Result<QemuRun> {
     let mut child = Command::new(qemu)
         .args(args(image, cmdline, devices))
         .stdin(Stdio::null())
@@ -80,7 +100,10 @@ pub fn run(qemu: &Path, image: &Path, cmdline: &str, devices: &[&str], timeout: 
         if t0.elapsed() > timeout {
             let _ = child.kill();
             let _ = child.wait();
-            anyhow::bail!("QEMU did not finish within {timeout:?}; last output: {:?}", lines.iter().rev().take(3).collect::<Vec<_>>());
+            anyhow::bail!(
+                "QEMU did not finish within {timeout:?}; last output: {:?}",
+                lines.iter().rev().take(3).collect::<Vec<_>>()
+            );
         }
     };
     let _ = reader.join();

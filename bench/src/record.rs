@@ -34,7 +34,11 @@ impl Row {
 }
 
 fn fields(line: &str) -> BTreeMap<String, String> {
-    line.split_whitespace().skip(1).filter_map(|w| w.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    line.split_whitespace()
+        .skip(1)
+        .filter_map(|w| w.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }
 
 /// Parses one `@row` line; malformed numbers make the line an error row,

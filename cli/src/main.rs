@@ -13,7 +13,11 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(Parser)]
-#[command(name = "iopath", version, about = "Every path from a VM's device accesses to a device model, side by side on KVM, measured")]
+#[command(
+    name = "iopath",
+    version,
+    about = "Every path from a VM's device accesses to a device model, side by side on KVM, measured"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -120,7 +124,8 @@ fn bench(a: BenchArgs) -> anyhow::Result<i32> {
     } else {
         print!("{}", r.table());
         if let Some(p) = &a.json {
-            std::fs::write(p, serde_json::to_string_pretty(&r.json())?).with_context(|| format!("writing {}", p.display()))?;
+            std::fs::write(p, serde_json::to_string_pretty(&r.json())?)
+                .with_context(|| format!("writing {}", p.display()))?;
             println!("JSON written to {}", p.display());
         }
     }
@@ -142,9 +147,16 @@ fn run_guest(a: RunArgs) -> anyhow::Result<i32> {
     eprintln!("guest exit status {} (isa-debug-exit), {:.2} s, TSC {} kHz", r.status, r.wall.as_secs_f64(), r.tsc_khz);
     eprintln!("vm exits: {}", r.exits.fields().iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "));
     for d in &r.devices {
-        let bars: Vec<String> = d.bars.iter().map(|b| format!("BAR{}={:?}@{:#x}+{:#x}", b.spec.index, b.spec.kind, b.addr, b.spec.size)).collect();
+        let bars: Vec<String> = d
+            .bars
+            .iter()
+            .map(|b| format!("BAR{}={:?}@{:#x}+{:#x}", b.spec.index, b.spec.kind, b.addr, b.spec.size))
+            .collect();
         eprintln!("00:{:02x}.0 {} {}", d.slot, d.name, bars.join(" "));
-        eprintln!("  {}", d.counters.iter().filter(|c| c.value > 0).map(|c| c.to_string()).collect::<Vec<_>>().join(" "));
+        eprintln!(
+            "  {}",
+            d.counters.iter().filter(|c| c.value > 0).map(|c| c.to_string()).collect::<Vec<_>>().join(" ")
+        );
     }
     Ok(if r.status == 1 { 0 } else { 1 })
 }
@@ -155,7 +167,9 @@ fn main() {
     let r = match cli.cmd {
         Cmd::Bench(a) => bench(a),
         Cmd::Run(a) => run_guest(a),
-        Cmd::Image { out } => iopath_guest::write_image(&out).map(|_| 0).with_context(|| format!("writing {}", out.display())),
+        Cmd::Image { out } => {
+            iopath_guest::write_image(&out).map(|_| 0).with_context(|| format!("writing {}", out.display()))
+        }
     };
     match r {
         Ok(code) => std::process::exit(code),

@@ -22,7 +22,9 @@ fn bench_exits_json_has_verified_rows_and_floor_ratios() {
     assert!(v["host"]["kvm_module"].is_string());
     let rows = v["rows"].as_array().unwrap();
     let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
-    for want in ["cpuid", "outl_to_vmm", "mmio-no-eventfd:pci-mem", "portio-wildcard-eventfd:pci-io", "doorbell-rtt:shm"] {
+    for want in
+        ["cpuid", "outl_to_vmm", "mmio-no-eventfd:pci-mem", "portio-wildcard-eventfd:pci-io", "doorbell-rtt:shm"]
+    {
         assert!(names.contains(&want), "row {want} missing from {names:?}");
     }
     for r in rows {
@@ -51,7 +53,12 @@ fn run_and_image_commands_work() {
 
 #[test]
 fn missing_qemu_is_explained() {
-    let out = iopath().args(["bench", "--quick", "--vs", "qemu"]).env("PATH", "/nonexistent").env_remove("IOPATH_QEMU").output().unwrap();
+    let out = iopath()
+        .args(["bench", "--quick", "--vs", "qemu"])
+        .env("PATH", "/nonexistent")
+        .env_remove("IOPATH_QEMU")
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("apt-get install -y qemu-system-x86"), "{stderr}");

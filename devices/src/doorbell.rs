@@ -322,7 +322,14 @@ impl DeviceModel for Doorbell {
     }
 
     fn ids(&self) -> PciIds {
-        PciIds { vendor: VENDOR, device: DEVICE, class: 0xff0000, revision: 0, subsystem_vendor: VENDOR, subsystem: DEVICE }
+        PciIds {
+            vendor: VENDOR,
+            device: DEVICE,
+            class: 0xff0000,
+            revision: 0,
+            subsystem_vendor: VENDOR,
+            subsystem: DEVICE,
+        }
     }
 
     fn bars(&self) -> Vec<BarSpec> {
@@ -348,7 +355,9 @@ impl DeviceModel for Doorbell {
         match (bar, offset) {
             (BAR_MEM, REG_DOORBELL) | (BAR_IO, 0) => self.ring_exit(),
             (BAR_MEM, REG_MODE) => self.set_mode(le_value(data)),
-            (BAR_MEM, o) if (REG_COMPLETION..REG_COMPLETION + 8).contains(&o) => self.write_gpa(REG_COMPLETION, o, data),
+            (BAR_MEM, o) if (REG_COMPLETION..REG_COMPLETION + 8).contains(&o) => {
+                self.write_gpa(REG_COMPLETION, o, data)
+            }
             (BAR_MEM, o) if (REG_SHM..REG_SHM + 8).contains(&o) => self.write_gpa(REG_SHM, o, data),
             _ => {}
         }

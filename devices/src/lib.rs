@@ -60,6 +60,13 @@ pub struct IoEventSpec {
 pub trait IoEvents: Send + Sync {
     fn register(&self, spec: IoEventSpec, fd: &EventFd) -> Result<(), String>;
     fn unregister(&self, spec: IoEventSpec, fd: &EventFd) -> Result<(), String>;
+    /// True when registrations are announced once to another process (a
+    /// vfio-user client reads them with GET_REGION_IO_FDS) and cannot follow
+    /// the device afterwards: a device then registers every ioeventfd it may
+    /// want in `attach` and keeps them.
+    fn static_only(&self) -> bool {
+        false
+    }
 }
 
 /// An [`IoEvents`] for hosts without ioeventfd: every request fails, so the
@@ -74,11 +81,52 @@ impl IoEvents for NoIoEvents {
     }
 }
 
+/// Interrupts a device raises. The host wires them to KVM irqfds (directly in
+/// the VMM; through eventfds handed over a socket for a device process), so
+/// an interrupt never passes through the VMM's userspace.
+pub trait Interrupts: Send + Sync {
+    /// Sets the level of INTx (pin A).
+    fn set_intx(&self, level: bool);
+    /// Signals MSI-X vector `vector`; false if the vector has no route.
+    fn signal_msix(&self, vector: u16) -> bool;
+    /// Copies of the INTx (trigger, resample) eventfds, for a transport that
+    /// hands them to a device process (mpqemu SET_IRQFD, vfio-user SET_IRQS).
+    fn intx_eventfds(&self) -> Option<(EventFd, EventFd)> {
+        None
+    }
+}
+
+/// An [`Interrupts`] with nothing connected.
+pub struct NoInterrupts;
+impl Interrupts for NoInterrupts {
+    fn set_intx(&self, _: bool) {}
+    fn signal_msix(&self, _: u16) -> bool {
+        false
+    }
+}
+
+/// Stops the run with a message (a device whose peer process died, say).
+pub type FailFn = std::sync::Arc<dyn Fn(String) + Send + Sync>;
+
 /// What a device gets from whoever hosts it.
 #[derive(Clone)]
 pub struct DeviceContext {
     pub mem: GuestMemoryMmap,
     pub ioevents: std::sync::Arc<dyn IoEvents>,
+    pub irq: std::sync::Arc<dyn Interrupts>,
+    pub fail: FailFn,
+}
+
+impl DeviceContext {
+    /// A context with the given memory and nothing else connected.
+    pub fn detached(mem: GuestMemoryMmap) -> Self {
+        DeviceContext {
+            mem,
+            ioevents: std::sync::Arc::new(NoIoEvents),
+            irq: std::sync::Arc::new(NoInterrupts),
+            fail: std::sync::Arc::new(|m| log::error!("{m}")),
+        }
+    }
 }
 
 /// A named device counter (routing checks read these).
@@ -104,13 +152,27 @@ pub trait DeviceModel: Send {
     fn name(&self) -> &str;
     fn ids(&self) -> PciIds;
     fn bars(&self) -> Vec<BarSpec>;
-    /// Called once before the first access.
+    /// Called before the first access, and again when the host's view of
+    /// guest memory changes (a device process given a new memory map); a
+    /// model keeps what it set up the first time (eventfds, threads).
     fn attach(&mut self, ctx: DeviceContext);
     fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]);
     fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]);
+    /// Device reset (PCI function-level): back to the power-on register
+    /// state. Counters are kept.
+    fn reset(&mut self) {}
     /// Stops device threads and folds pending ioeventfd kicks into counters.
     fn quiesce(&mut self) {}
     fn counters(&self) -> Vec<Counter>;
+    /// Configuration-space read. A model that keeps its own configuration
+    /// space (a proxy for a device in another process) answers and returns
+    /// true; the default leaves it to the host's header built from
+    /// [`ids`](Self::ids) and [`bars`](Self::bars).
+    fn config_read(&mut self, _offset: usize, _data: &mut [u8]) -> bool {
+        false
+    }
+    /// Configuration-space write, after the host's header has taken it.
+    fn config_write(&mut self, _offset: usize, _data: &[u8]) {}
 }
 
 /// Little-endian value of an access of 1..=8 bytes.

@@ -122,7 +122,9 @@ impl ConfigSpace {
     pub fn write(&mut self, offset: usize, data: &[u8]) -> ConfigChange {
         let mut change = ConfigChange::default();
         for (i, &v) in data.iter().enumerate() {
-            let Some(o) = offset.checked_add(i).filter(|&o| o < CONFIG_SIZE) else { break };
+            let Some(o) = offset.checked_add(i).filter(|&o| o < CONFIG_SIZE) else {
+                break;
+            };
             let old = self.regs[o];
             let new = (old & !self.wmask[o]) | (v & self.wmask[o]);
             if new != old && ((PCI_BAR0..PCI_BAR0 + 24).contains(&o) || o == PCI_COMMAND) {
@@ -135,7 +137,9 @@ impl ConfigSpace {
 
     /// Programs a BAR's address directly (firmware-style placement).
     pub fn set_bar_addr(&mut self, index: u8, addr: u64) {
-        let Some(spec) = self.bars.get(index as usize).copied().flatten() else { return };
+        let Some(spec) = self.bars.get(index as usize).copied().flatten() else {
+            return;
+        };
         let off = PCI_BAR0 + 4 * index as usize;
         let low = self.get32(off);
         let mask = u32::from_le_bytes(self.wmask[off..off + 4].try_into().unwrap());
@@ -147,6 +151,12 @@ impl ConfigSpace {
     }
 
     /// Enables decoding bits in the command register.
+    /// Routes INTx pin A to interrupt line `line` (the GSI), as firmware would.
+    pub fn set_intx_line(&mut self, line: u8) {
+        self.regs[PCI_INTERRUPT_LINE] = line;
+        self.regs[PCI_INTERRUPT_LINE + 1] = 1;
+    }
+
     pub fn enable(&mut self, bits: u16) {
         let c = self.command() | bits;
         self.put16(PCI_COMMAND, c);

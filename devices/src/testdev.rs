@@ -12,6 +12,11 @@
 //! The wake-up of a waiting device thread is measured by iopath-doorbell's
 //! ioeventfd rows instead. A write that reaches the device is counted in
 //! `count`, as QEMU does: routing shows in `count` (exits) and the kicks.
+//!
+//! Hosted where ioeventfds are announced once to another process (vfio-user),
+//! every eventfd test's ioeventfd is registered at attach and kept; the tests
+//! use distinct offsets, so routing is the same. Reads of a BAR's `data`
+//! register are counted (`<bar>.data-reads`) for the read rows.
 
 use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, IoEventSpec, PciIds};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -26,6 +31,7 @@ const TESTS_PER_BAR: usize = 3;
 const DATAMATCH: u8 = 0xfa;
 const NOMATCH: u8 = 0xce;
 const HDR_TEST: u64 = 0;
+const TD_DATA: u64 = 8;
 const HDR_NAME: usize = 16;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -82,6 +88,8 @@ pub struct PciTestDev {
     tests: Vec<Test>,
     current: Option<usize>,
     ctx: Option<DeviceContext>,
+    /// Reads of the `data` register, per BAR (mem, io).
+    data_reads: [u64; 2],
 }
 
 impl Default for PciTestDev {
@@ -93,9 +101,8 @@ impl Default for PciTestDev {
 impl PciTestDev {
     pub fn new() -> Self {
         let mut tests = Vec::new();
-        for (t, (ty, bar, base)) in [("mmio", BAR_MEM, MEM_SIZE / 2), ("portio", BAR_IO, IO_SIZE / 2)]
-            .into_iter()
-            .enumerate()
+        for (t, (ty, bar, base)) in
+            [("mmio", BAR_MEM, MEM_SIZE / 2), ("portio", BAR_IO, IO_SIZE / 2)].into_iter().enumerate()
         {
             for (k, (kname, kind)) in [
                 ("no-eventfd", Kind::NoEventfd),
@@ -120,11 +127,20 @@ impl PciTestDev {
                 });
             }
         }
-        PciTestDev { tests, current: None, ctx: None }
+        PciTestDev { tests, current: None, ctx: None, data_reads: [0; 2] }
+    }
+
+    fn static_ioevents(&self) -> bool {
+        self.ctx.as_ref().is_some_and(|c| c.ioevents.static_only())
     }
 
     fn stop_current(&mut self) {
-        let Some(cur) = self.current.take() else { return };
+        let Some(cur) = self.current.take() else {
+            return;
+        };
+        if self.static_ioevents() {
+            return;
+        }
         let t = &self.tests[cur];
         if let (Some(fd), Some(ctx)) = (&t.fd, &self.ctx) {
             if let Err(e) = ctx.ioevents.unregister(t.spec(), fd) {
@@ -139,9 +155,10 @@ impl PciTestDev {
             return;
         }
         let idx = if bar == BAR_MEM { 0 } else { TESTS_PER_BAR } + n as usize;
+        let registered = self.static_ioevents();
         let t = &mut self.tests[idx];
         t.count = 0;
-        if t.kind != Kind::NoEventfd {
+        if t.kind != Kind::NoEventfd && !registered {
             match (&t.fd, &self.ctx) {
                 (Some(fd), Some(ctx)) => {
                     if let Err(e) = ctx.ioevents.register(t.spec(), fd) {
@@ -162,10 +179,23 @@ impl PciTestDev {
     }
 
     fn create_eventfds(&mut self) -> std::io::Result<()> {
-        for t in self.tests.iter_mut().filter(|t| t.kind != Kind::NoEventfd) {
+        for t in self.tests.iter_mut().filter(|t| t.kind != Kind::NoEventfd && t.fd.is_none()) {
             t.fd = Some(EventFd::new(EFD_NONBLOCK)?);
         }
         Ok(())
+    }
+
+    /// Registers every eventfd test's ioeventfd now (hosts that announce them once).
+    fn register_all(&mut self) {
+        let Some(ctx) = self.ctx.clone() else { return };
+        for t in self.tests.iter_mut() {
+            if let Some(fd) = &t.fd {
+                if let Err(e) = ctx.ioevents.register(t.spec(), fd) {
+                    t.ioeventfd_errors += 1;
+                    log::warn!("pci-testdev: no ioeventfd for {}: {e}", t.name);
+                }
+            }
+        }
     }
 
     fn bar_of(&self, bar: u8) -> Option<BarKind> {
@@ -183,7 +213,14 @@ impl DeviceModel for PciTestDev {
     }
 
     fn ids(&self) -> PciIds {
-        PciIds { vendor: VENDOR, device: DEVICE, class: 0xff0000, revision: 0, subsystem_vendor: 0x1af4, subsystem: 0x1100 }
+        PciIds {
+            vendor: VENDOR,
+            device: DEVICE,
+            class: 0xff0000,
+            revision: 0,
+            subsystem_vendor: 0x1af4,
+            subsystem: 0x1100,
+        }
     }
 
     fn bars(&self) -> Vec<BarSpec> {
@@ -194,9 +231,13 @@ impl DeviceModel for PciTestDev {
     }
 
     fn attach(&mut self, ctx: DeviceContext) {
+        let first = self.ctx.is_none();
         self.ctx = Some(ctx);
         if let Err(e) = self.create_eventfds() {
             log::error!("pci-testdev: cannot create eventfds: {e}");
+        }
+        if first && self.static_ioevents() {
+            self.register_all();
         }
     }
 
@@ -204,6 +245,9 @@ impl DeviceModel for PciTestDev {
         if self.bar_of(bar).is_none() {
             le_fill(data, u64::MAX);
             return;
+        }
+        if offset == TD_DATA {
+            self.data_reads[bar as usize] += 1;
         }
         let Some(cur) = self.current else {
             data.fill(0);
@@ -237,6 +281,12 @@ impl DeviceModel for PciTestDev {
         t.exits_total += 1;
     }
 
+    fn reset(&mut self) {
+        self.drain();
+        self.stop_current();
+        self.tests.iter_mut().for_each(|t| t.count = 0);
+    }
+
     fn quiesce(&mut self) {
         self.drain();
     }
@@ -250,6 +300,8 @@ impl DeviceModel for PciTestDev {
                 v.push(Counter { name: format!("{}.ioeventfd_errors", t.name), value: t.ioeventfd_errors });
             }
         }
+        v.push(Counter { name: "mmio.data-reads".into(), value: self.data_reads[0] });
+        v.push(Counter { name: "portio.data-reads".into(), value: self.data_reads[1] });
         v
     }
 }
@@ -275,7 +327,9 @@ mod tests {
     }
 
     fn ctx(io: Arc<dyn IoEvents>) -> DeviceContext {
-        DeviceContext { mem: GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap(), ioevents: io }
+        let mut c = DeviceContext::detached(GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap());
+        c.ioevents = io;
+        c
     }
 
     fn read32(d: &mut PciTestDev, bar: u8, off: u64) -> u32 {
@@ -362,6 +416,37 @@ mod tests {
         let wild = IoEventSpec { bar: BAR_MEM, offset: 2049, len: 1, datamatch: None };
         let dm = IoEventSpec { bar: BAR_MEM, offset: 2050, len: 1, datamatch: Some(0xfa) };
         assert_eq!(log, vec![(true, wild), (false, wild), (true, dm), (false, dm)]);
+    }
+
+    struct StaticRecorder(Recorder);
+    impl IoEvents for StaticRecorder {
+        fn register(&self, s: IoEventSpec, fd: &EventFd) -> Result<(), String> {
+            self.0.register(s, fd)
+        }
+        fn unregister(&self, s: IoEventSpec, fd: &EventFd) -> Result<(), String> {
+            self.0.unregister(s, fd)
+        }
+        fn static_only(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn static_hosts_get_every_ioeventfd_once_at_attach() {
+        let rec = Arc::new(StaticRecorder(Recorder::default()));
+        let mut d = PciTestDev::new();
+        d.attach(ctx(rec.clone()));
+        d.attach(ctx(rec.clone())); // a new memory map registers nothing again
+        d.bar_write(BAR_MEM, 0, &[1]);
+        d.bar_write(BAR_MEM, 0, &[2]);
+        let log = rec.0 .0.lock().unwrap().clone();
+        assert_eq!(log.len(), 4, "{log:?}");
+        assert!(log.iter().all(|(reg, _)| *reg));
+        // Reads of `data` are counted per BAR.
+        read32(&mut d, BAR_IO, 8);
+        read32(&mut d, BAR_IO, 8);
+        let c = d.counters();
+        assert_eq!(c.iter().find(|c| c.name == "portio.data-reads").unwrap().value, 2);
     }
 
     #[test]

@@ -26,7 +26,15 @@ pub const KVM_IOEVENTFD_FLAG_PIO: u32 = 1 << 1;
 pub const KVM_IOEVENTFD_FLAG_DEASSIGN: u32 = 1 << 2;
 
 /// Assigns or deassigns one ioeventfd at an absolute address.
-pub fn kvm_ioeventfd(vm: &VmFd, addr: u64, pio: bool, len: u32, datamatch: Option<u64>, fd: &EventFd, assign: bool) -> Result<(), String> {
+pub fn kvm_ioeventfd(
+    vm: &VmFd,
+    addr: u64,
+    pio: bool,
+    len: u32,
+    datamatch: Option<u64>,
+    fd: &EventFd,
+    assign: bool,
+) -> Result<(), String> {
     if ![0, 1, 2, 4, 8].contains(&len) || (len == 0 && datamatch.is_some()) {
         return Err(format!("invalid ioeventfd length {len}"));
     }
@@ -40,7 +48,8 @@ pub fn kvm_ioeventfd(vm: &VmFd, addr: u64, pio: bool, len: u32, datamatch: Optio
     if !assign {
         flags |= KVM_IOEVENTFD_FLAG_DEASSIGN;
     }
-    let arg = kvm_ioeventfd { datamatch: datamatch.unwrap_or(0), addr, len, fd: fd.as_raw_fd(), flags, ..Default::default() };
+    let arg =
+        kvm_ioeventfd { datamatch: datamatch.unwrap_or(0), addr, len, fd: fd.as_raw_fd(), flags, ..Default::default() };
     // SAFETY: the ioctl reads a kvm_ioeventfd we own; the fd outlives the call.
     let ret = unsafe { ioctl_with_ref(vm, KVM_IOEVENTFD(), &arg) };
     if ret < 0 {
@@ -100,10 +109,12 @@ impl KvmIoEvents {
                 }
             }
             match Self::target(&bars, &r.spec) {
-                Ok(Some((addr, pio))) => match kvm_ioeventfd(&self.vm, addr, pio, r.spec.len, r.spec.datamatch, &r.fd, true) {
-                    Ok(()) => r.at = Some((addr, pio)),
-                    Err(e) => log::warn!("moving BAR{bar}: {e}"),
-                },
+                Ok(Some((addr, pio))) => {
+                    match kvm_ioeventfd(&self.vm, addr, pio, r.spec.len, r.spec.datamatch, &r.fd, true) {
+                        Ok(()) => r.at = Some((addr, pio)),
+                        Err(e) => log::warn!("moving BAR{bar}: {e}"),
+                    }
+                }
                 Ok(None) => {}
                 Err(e) => log::warn!("moving BAR{bar}: {e}"),
             }

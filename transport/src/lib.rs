@@ -10,4 +10,9 @@
 //! device model trait and KVM; it does not know the VMM's buses.
 
 pub mod exit;
+pub mod function;
 pub mod ioeventfd;
+pub mod irq;
+pub mod mpqemu;
+pub mod process;
+pub mod socket;

@@ -74,9 +74,21 @@ pub fn load_elf(mem: &GuestMemoryMmap, ram_size: u64, img: &[u8]) -> Result<Load
     for i in 0..phnum {
         let ph = phoff.checked_add(i * phentsize).ok_or("program header offset overflow")?;
         let (ptype, offset, paddr, filesz, memsz) = if class == 1 {
-            (u32_at(img, ph)?, u32_at(img, ph + 4)?, u32_at(img, ph + 12)?, u32_at(img, ph + 16)?, u32_at(img, ph + 20)?)
+            (
+                u32_at(img, ph)?,
+                u32_at(img, ph + 4)?,
+                u32_at(img, ph + 12)?,
+                u32_at(img, ph + 16)?,
+                u32_at(img, ph + 20)?,
+            )
         } else {
-            (u32_at(img, ph)?, u64_at(img, ph + 8)?, u64_at(img, ph + 24)?, u64_at(img, ph + 32)?, u64_at(img, ph + 40)?)
+            (
+                u32_at(img, ph)?,
+                u64_at(img, ph + 8)?,
+                u64_at(img, ph + 24)?,
+                u64_at(img, ph + 32)?,
+                u64_at(img, ph + 40)?,
+            )
         };
         if ptype != 1 {
             continue;

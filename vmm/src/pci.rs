@@ -46,7 +46,8 @@ impl BusDevice for BarBusPort {
 }
 
 fn host_bridge() -> ConfigSpace {
-    let ids = PciIds { vendor: 0x1b36, device: 0x0008, class: 0x060000, revision: 0, subsystem_vendor: 0, subsystem: 0 };
+    let ids =
+        PciIds { vendor: 0x1b36, device: 0x0008, class: 0x060000, revision: 0, subsystem_vendor: 0, subsystem: 0 };
     ConfigSpace::new(ids, &[]).expect("host bridge has no BARs")
 }
 
@@ -90,9 +91,32 @@ impl PciHost {
                 enable |= bit;
             }
             self.slots[dev].config.enable(enable);
+            self.forward_header(dev);
             self.remap(dev);
         }
         Ok(())
+    }
+
+    /// Routes the device's INTx to `gsi` in its header.
+    pub fn set_intx_line(&mut self, dev: usize, gsi: u8) {
+        if let Some(s) = self.slots.get_mut(dev) {
+            s.config.set_intx_line(gsi);
+            self.forward_header(dev);
+        }
+    }
+
+    /// Tells a model that keeps its own header (a device in another process)
+    /// what the VMM programmed: BARs, interrupt line, then the command register.
+    fn forward_header(&mut self, dev: usize) {
+        let slot = &self.slots[dev];
+        let Some(device) = &slot.device else { return };
+        let mut d = device.lock().unwrap();
+        let bars = (0x10..0x28).step_by(4).map(|o| (o, 4));
+        for (off, len) in bars.chain([(0x3c, 1), (0x04, 2)]) {
+            let mut b = [0u8; 4];
+            slot.config.read(off, &mut b[..len]);
+            d.config_write(off, &b[..len]);
+        }
     }
 
     /// Current BAR placements of device `dev` (for reports).
@@ -102,7 +126,9 @@ impl PciHost {
 
     fn remap(&mut self, dev: usize) {
         let slot = &mut self.slots[dev];
-        let Some(device) = slot.device.clone() else { return };
+        let Some(device) = slot.device.clone() else {
+            return;
+        };
         for b in slot.config.bar_specs().collect::<Vec<_>>() {
             let i = b.index as usize;
             let new = slot.config.bar_placement(b.index);
@@ -132,7 +158,8 @@ impl PciHost {
     fn target(&self) -> Option<(usize, usize)> {
         let a = self.address;
         let (bus, dev, func, reg) = ((a >> 16) & 0xff, (a >> 11) & 0x1f, (a >> 8) & 0x7, (a & 0xfc) as usize);
-        (a & 0x8000_0000 != 0 && bus == 0 && func == 0 && (dev as usize) < self.slots.len()).then_some((dev as usize, reg))
+        (a & 0x8000_0000 != 0 && bus == 0 && func == 0 && (dev as usize) < self.slots.len())
+            .then_some((dev as usize, reg))
     }
 }
 
@@ -141,7 +168,14 @@ impl BusDevice for PciHost {
         match offset {
             0 if data.len() == 4 => data.copy_from_slice(&self.address.to_le_bytes()),
             4..=7 => match self.target() {
-                Some((dev, reg)) => self.slots[dev].config.read(reg + (offset as usize - 4), data),
+                Some((dev, reg)) => {
+                    let off = reg + (offset as usize - 4);
+                    let slot = &self.slots[dev];
+                    let remote = slot.device.as_ref().is_some_and(|d| d.lock().unwrap().config_read(off, data));
+                    if !remote {
+                        slot.config.read(off, data)
+                    }
+                }
                 None => {
                     self.absent_accesses += 1;
                     data.fill(0xff)
@@ -156,7 +190,12 @@ impl BusDevice for PciHost {
             0 if data.len() == 4 => self.address = u32::from_le_bytes(data.try_into().unwrap()),
             4..=7 => match self.target() {
                 Some((dev, reg)) => {
-                    if self.slots[dev].config.write(reg + (offset as usize - 4), data).decode {
+                    let off = reg + (offset as usize - 4);
+                    let change = self.slots[dev].config.write(off, data);
+                    if let Some(d) = &self.slots[dev].device {
+                        d.lock().unwrap().config_write(off, data);
+                    }
+                    if change.decode {
                         self.remap(dev);
                     }
                 }

@@ -68,7 +68,8 @@ fn flat(selector: u16, type_: u8) -> kvm_segment {
 /// Puts the vCPU in the state the Multiboot specification defines.
 pub fn setup_multiboot(kvm: &Kvm, vcpu: &VcpuFd, entry: u64, mbi: u64) -> Result<(), VmmError> {
     let k = |what: &str, e: kvm_ioctls::Error| VmmError::Kvm(format!("{what}: {e}"));
-    let cpuid = kvm.get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES).map_err(|e| k("KVM_GET_SUPPORTED_CPUID", e))?;
+    let cpuid =
+        kvm.get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES).map_err(|e| k("KVM_GET_SUPPORTED_CPUID", e))?;
     vcpu.set_cpuid2(&cpuid).map_err(|e| k("KVM_SET_CPUID2", e))?;
     let mut sregs = vcpu.get_sregs().map_err(|e| k("KVM_GET_SREGS", e))?;
     sregs.cs = flat(0x18, 0xb);
@@ -98,7 +99,13 @@ fn rip(vcpu: &VcpuFd) -> u64 {
 
 /// The exit loop: runs until the guest writes isa-debug-exit, `stop` is set
 /// (watchdog), or an exit the VMM cannot serve.
-pub fn run_loop(vcpu: &mut VcpuFd, pio: &Bus, mmio: &Bus, status: &ExitStatus, stop: &AtomicBool) -> Result<ExitStats, (VmmError, ExitStats)> {
+pub fn run_loop(
+    vcpu: &mut VcpuFd,
+    pio: &Bus,
+    mmio: &Bus,
+    status: &ExitStatus,
+    stop: &AtomicBool,
+) -> Result<ExitStats, (VmmError, ExitStats)> {
     let mut s = ExitStats::default();
     loop {
         let fatal = match vcpu.run() {
@@ -137,7 +144,9 @@ pub fn run_loop(vcpu: &mut VcpuFd, pio: &Bus, mmio: &Bus, status: &ExitStatus, s
             }
             Ok(VcpuExit::Hlt) => "the guest halted (HLT) without writing isa-debug-exit".to_string(),
             Ok(VcpuExit::Shutdown) => "the guest shut down (triple fault)".to_string(),
-            Ok(VcpuExit::FailEntry(reason, cpu)) => format!("KVM entry failed: hardware reason {reason:#x} on cpu {cpu}"),
+            Ok(VcpuExit::FailEntry(reason, cpu)) => {
+                format!("KVM entry failed: hardware reason {reason:#x} on cpu {cpu}")
+            }
             Ok(VcpuExit::InternalError) => "KVM internal error (emulation failure)".to_string(),
             Ok(VcpuExit::SystemEvent(t, _)) => format!("system event {t}"),
             Ok(other) => format!("unexpected exit {other:?}"),

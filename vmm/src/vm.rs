@@ -7,9 +7,10 @@ use crate::pci::PciHost;
 use crate::serial::{LineCallback, LineSink, Uart};
 use crate::vcpu::{self, ExitStats};
 use iopath_devices::pci::BarPlacement;
-use iopath_devices::{Counter, DeviceContext, DeviceModel};
+use iopath_devices::{Counter, DeviceContext, DeviceModel, FailFn};
 use iopath_transport::exit::SharedDevice;
 use iopath_transport::ioeventfd::KvmIoEvents;
+use iopath_transport::irq::IrqLines;
 use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use std::os::unix::thread::JoinHandleExt;
@@ -17,6 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant};
 use vm_memory::GuestMemoryBackend;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 #[derive(Debug, thiserror::Error)]
 pub enum VmmError {
@@ -97,8 +99,15 @@ pub(crate) fn boot(image: &[u8], cmdline: &str, mem_size: u64) -> Result<Machine
         return Err(VmmError::Memory(format!("guest RAM of {mem_size} bytes: use 2 MiB .. 3 GiB")));
     }
     let ram = memory::create(mem_size).map_err(|e| VmmError::Memory(e.to_string()))?;
-    let host = ram.mem.get_host_address(vm_memory::GuestAddress(0)).map_err(|e| VmmError::Memory(e.to_string()))? as u64;
-    let region = kvm_userspace_memory_region { slot: 0, flags: 0, guest_phys_addr: 0, memory_size: mem_size, userspace_addr: host };
+    let host =
+        ram.mem.get_host_address(vm_memory::GuestAddress(0)).map_err(|e| VmmError::Memory(e.to_string()))? as u64;
+    let region = kvm_userspace_memory_region {
+        slot: 0,
+        flags: 0,
+        guest_phys_addr: 0,
+        memory_size: mem_size,
+        userspace_addr: host,
+    };
     // SAFETY: the mapping is owned by `ram`, which lives as long as the VM (Machine).
     unsafe { vm.set_user_memory_region(region) }.map_err(|e| k("KVM_SET_USER_MEMORY_REGION", e))?;
     let loaded = crate::loader::load_elf(&ram.mem, mem_size, image).map_err(VmmError::Load)?;
@@ -132,8 +141,12 @@ pub(crate) fn kick_signal() -> i32 {
 
 /// Runs `body` on a vCPU thread; past `timeout` sets `stop` and kicks the
 /// thread out of KVM_RUN until it returns.
+/// A device's report that the run cannot go on (its device process died).
+pub(crate) type Fatal = Arc<Mutex<Option<String>>>;
+
 pub(crate) fn watched<R: Send + 'static>(
     timeout: Duration,
+    fatal: Option<Fatal>,
     body: impl FnOnce(&AtomicBool) -> R + Send + 'static,
 ) -> Result<R, VmmError> {
     let sig = kick_signal();
@@ -146,7 +159,8 @@ pub(crate) fn watched<R: Send + 'static>(
     let t0 = Instant::now();
     while !h.is_finished() {
         std::thread::sleep(Duration::from_millis(5));
-        if t0.elapsed() > timeout {
+        let failed = fatal.as_ref().is_some_and(|f| f.lock().unwrap().is_some());
+        if t0.elapsed() > timeout || failed {
             stop.store(true, Ordering::Release);
             // SAFETY: the thread is alive (not finished) and joinable; the
             // handler does nothing but interrupt the ioctl.
@@ -155,6 +169,23 @@ pub(crate) fn watched<R: Send + 'static>(
         }
     }
     h.join().map_err(|_| VmmError::Kvm("the vCPU thread panicked".into()))
+}
+
+/// PCI INTx lines go to IOAPIC pins 16..23 (level-triggered GSIs).
+const INTX_GSI_BASE: u32 = 16;
+
+/// A device's interrupt lines: INTx as a KVM irqfd with a resample fd on
+/// `gsi`, so an assertion (from this process or a device process that was
+/// handed the fds) goes straight into KVM.
+fn intx_lines(vm: &VmFd, gsi: u32) -> Result<Arc<IrqLines>, VmmError> {
+    let e = |what: &str, err: std::io::Error| VmmError::Kvm(format!("{what}: {err}"));
+    let trigger = EventFd::new(EFD_NONBLOCK).map_err(|x| e("eventfd", x))?;
+    let resample = EventFd::new(EFD_NONBLOCK).map_err(|x| e("eventfd", x))?;
+    vm.register_irqfd_with_resample(&trigger, &resample, gsi)
+        .map_err(|x| VmmError::Kvm(format!("KVM_IRQFD (resample) on GSI {gsi}: {x}")))?;
+    let lines = IrqLines::new();
+    lines.connect_intx(trigger, resample);
+    Ok(lines)
 }
 
 /// Boots the guest image with the configured devices and runs it to the end.
@@ -172,12 +203,22 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
         .map_err(|e| VmmError::Device(e.to_string()))?;
     let host = Arc::new(Mutex::new(PciHost::new(pio.clone(), mmio.clone())));
     pio.insert(crate::pci::CONFIG_ADDRESS, 8, host.clone()).map_err(|e| VmmError::Device(e.to_string()))?;
+    let fatal: Fatal = Arc::new(Mutex::new(None));
+    let fatal2 = fatal.clone();
+    let fail: FailFn = Arc::new(move |msg: String| {
+        log::error!("{msg}");
+        fatal2.lock().unwrap().get_or_insert(msg);
+    });
     let mut devices: Vec<(u8, SharedDevice)> = Vec::new();
-    for mut d in cfg.devices.drain(..) {
+    for (i, mut d) in cfg.devices.drain(..).enumerate() {
         let ioevents = Arc::new(KvmIoEvents::new(m.vm.clone()));
-        d.attach(DeviceContext { mem: m.ram.mem.clone(), ioevents: ioevents.clone() });
+        let gsi = INTX_GSI_BASE + (i as u32 % 8);
+        let irq = intx_lines(&m.vm, gsi)?;
+        d.attach(DeviceContext { mem: m.ram.mem.clone(), ioevents: ioevents.clone(), irq, fail: fail.clone() });
         let shared: SharedDevice = Arc::new(Mutex::new(d));
-        let slot = host.lock().unwrap().add(shared.clone(), Some(ioevents)).map_err(VmmError::Device)?;
+        let mut h = host.lock().unwrap();
+        let slot = h.add(shared.clone(), Some(ioevents)).map_err(VmmError::Device)?;
+        h.set_intx_line(slot as usize, gsi as u8);
         devices.push((slot, shared));
     }
     if cfg.place_bars {
@@ -185,11 +226,17 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     }
     let Machine { vm, ram, mut vcpu, tsc_khz } = m;
     let (pio2, mmio2, status2) = (pio.clone(), mmio.clone(), status.clone());
-    let result = watched(cfg.timeout, move |stop| {
+    let result = watched(cfg.timeout, Some(fatal.clone()), move |stop| {
         let r = vcpu::run_loop(&mut vcpu, &pio2, &mmio2, &status2, stop);
         (r, vcpu)
     })?;
     let (r, vcpu) = result;
+    if let Some(msg) = fatal.lock().unwrap().take() {
+        for (_, d) in &devices {
+            d.lock().unwrap().quiesce();
+        }
+        return Err(VmmError::Device(msg));
+    }
     let mut reports = Vec::new();
     for (slot, d) in &devices {
         let mut d = d.lock().unwrap();

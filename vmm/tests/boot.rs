@@ -20,10 +20,14 @@ fn kv(line: &str) -> HashMap<String, String> {
 }
 
 fn rows(lines: &[String]) -> HashMap<String, HashMap<String, String>> {
-    lines.iter().filter(|l| l.starts_with("@row ")).map(|l| {
-        let m = kv(l);
-        (m["name"].clone(), m)
-    }).collect()
+    lines
+        .iter()
+        .filter(|l| l.starts_with("@row "))
+        .map(|l| {
+            let m = kv(l);
+            (m["name"].clone(), m)
+        })
+        .collect()
 }
 
 fn counter(r: &iopath_vmm::vm::DeviceReport, name: &str) -> u64 {
@@ -102,8 +106,13 @@ fn guest_assigns_bars_when_the_vmm_does_not() {
 #[test]
 fn bare_loop_runs_the_floor_workload() {
     require_kvm();
-    let r = iopath_vmm::bare::run_bare(iopath_guest::IMAGE, "workload=floor batches=2 batch_us=1000", 64 << 20, Duration::from_secs(60))
-        .expect("bare run");
+    let r = iopath_vmm::bare::run_bare(
+        iopath_guest::IMAGE,
+        "workload=floor batches=2 batch_us=1000",
+        64 << 20,
+        Duration::from_secs(60),
+    )
+    .expect("bare run");
     assert_eq!(r.status, 1, "output:\n{}", r.lines.join("\n"));
     let rows = rows(&r.lines);
     assert!(rows.contains_key("outl_to_vmm") && rows.contains_key("mmio_to_vmm"));

@@ -1,0 +1,194 @@
+//! A device model with its PCI configuration space, as a device process
+//! hosts it: the server half of every out-of-process transport.
+//!
+//! The model is the same object the VMM hosts in process; here its header
+//! lives next to it, BAR accesses arrive either as (BAR, offset) (vfio-user
+//! regions, ioregionfd) or as absolute addresses decoded through the BARs the
+//! client programmed (mpqemu), and guest memory is built from the fds the
+//! client passes.
+
+use iopath_devices::pci::ConfigSpace;
+use iopath_devices::{BarKind, Counter, DeviceContext, DeviceModel, GuestMemoryMmap};
+use std::fs::File;
+use vm_memory::{FileOffset, GuestAddress, GuestRegionMmap, MmapRegion};
+
+pub struct PciFunction {
+    pub config: ConfigSpace,
+    pub device: Box<dyn DeviceModel>,
+    /// Accesses that hit no BAR or a bad size (logged, answered with all-ones).
+    pub stray_accesses: u64,
+}
+
+impl PciFunction {
+    pub fn new(device: Box<dyn DeviceModel>) -> Result<Self, String> {
+        let config = ConfigSpace::new(device.ids(), &device.bars())?;
+        Ok(PciFunction { config, device, stray_accesses: 0 })
+    }
+
+    pub fn attach(&mut self, ctx: DeviceContext) {
+        self.device.attach(ctx)
+    }
+
+    /// Reads configuration space; offsets past 4 KiB or sizes over 4 read as all-ones.
+    pub fn config_read(&mut self, offset: usize, data: &mut [u8]) {
+        if data.len() > 4 || offset.checked_add(data.len()).is_none_or(|e| e > 4096) {
+            data.fill(0xff);
+            return;
+        }
+        if !self.device.config_read(offset, data) {
+            self.config.read(offset, data);
+        }
+    }
+
+    pub fn config_write(&mut self, offset: usize, data: &[u8]) {
+        if data.len() > 4 || offset.checked_add(data.len()).is_none_or(|e| e > 4096) {
+            return;
+        }
+        if offset + data.len() <= iopath_devices::pci::CONFIG_SIZE {
+            self.config.write(offset, data);
+        }
+        self.device.config_write(offset, data);
+    }
+
+    /// The BAR and offset that an absolute guest address (or I/O port, with
+    /// `io`) of an access of `len` bytes decodes to, as programmed.
+    pub fn decode(&self, addr: u64, len: usize, io: bool) -> Option<(u8, u64)> {
+        self.config.bar_specs().find_map(|b| {
+            let p = self.config.bar_placement(b.index)?;
+            let is_io = b.kind == BarKind::Io;
+            let end = addr.checked_add(len as u64)?;
+            (is_io == io && addr >= p.addr && end <= p.addr + b.size).then(|| (b.index, addr - p.addr))
+        })
+    }
+
+    /// True if an access of `len` bytes at `offset` fits BAR `bar` and has a
+    /// size a CPU can make; otherwise counts and logs it.
+    fn checked(&mut self, what: &str, bar: u8, offset: u64, len: usize) -> bool {
+        let size = self.config.bar_specs().find(|b| b.index == bar).map(|b| b.size);
+        let fits = size.is_some_and(|s| offset.checked_add(len as u64).is_some_and(|e| e <= s));
+        if fits && matches!(len, 1 | 2 | 4 | 8) {
+            return true;
+        }
+        self.stray_accesses += 1;
+        log::warn!("{}: {what} of {len} bytes at BAR{bar}+{offset:#x} refused", self.device.name());
+        false
+    }
+
+    /// A read of BAR `bar` at `offset`; a bad one reads all-ones.
+    pub fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) {
+        if self.checked("read", bar, offset, data.len()) {
+            self.device.bar_read(bar, offset, data)
+        } else {
+            data.fill(0xff)
+        }
+    }
+
+    /// A write of BAR `bar` at `offset`; a bad one is dropped.
+    pub fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]) {
+        if self.checked("write", bar, offset, data.len()) {
+            self.device.bar_write(bar, offset, data)
+        }
+    }
+
+    /// Quiesces the model and returns its counters, plus the host's own.
+    pub fn counters(&mut self) -> Vec<Counter> {
+        self.device.quiesce();
+        let mut c = self.device.counters();
+        c.push(Counter { name: "stray-accesses".into(), value: self.stray_accesses });
+        c
+    }
+}
+
+/// One piece of guest RAM a client shares: `size` bytes of `file` from
+/// `offset`, at guest physical address `gpa`.
+pub struct SharedRegion {
+    pub gpa: u64,
+    pub size: u64,
+    pub offset: u64,
+    pub file: File,
+}
+
+/// Maps the regions a client passed as one guest memory. Each fd must be
+/// at least `offset + size` long (a shorter file would fault on access),
+/// and regions may not overlap.
+pub fn map_guest_memory(regions: Vec<SharedRegion>) -> Result<GuestMemoryMmap, String> {
+    let mut mapped = Vec::new();
+    for r in regions {
+        let end = r.offset.checked_add(r.size).ok_or("region offset + size overflows")?;
+        let len = r.file.metadata().map_err(|e| format!("fstat of a memory fd: {e}"))?.len();
+        if r.size == 0 || end > len {
+            return Err(format!(
+                "memory region at {:#x}: {:#x} bytes from offset {:#x} but the fd holds {len:#x}",
+                r.gpa, r.size, r.offset
+            ));
+        }
+        let size = usize::try_from(r.size).map_err(|_| "region too large")?;
+        let m = MmapRegion::from_file(FileOffset::new(r.file, r.offset), size)
+            .map_err(|e| format!("mmap of guest memory at {:#x}: {e}", r.gpa))?;
+        mapped.push(GuestRegionMmap::new(m, GuestAddress(r.gpa)).ok_or("guest region overflows")?);
+    }
+    GuestMemoryMmap::from_regions(mapped).map_err(|e| format!("guest memory map: {e}"))
+}
+
+/// An empty guest memory (before a client shared any).
+pub fn no_memory() -> GuestMemoryMmap {
+    GuestMemoryMmap::from_regions(Vec::new()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use iopath_devices::testdev::PciTestDev;
+    use std::io::Write;
+    use vm_memory::{Bytes, GuestMemoryBackend};
+
+    #[test]
+    fn absolute_addresses_decode_only_through_enabled_bars() {
+        let mut f = PciFunction::new(Box::new(PciTestDev::new())).unwrap();
+        f.config_write(0x10, &0xfe00_0000u32.to_le_bytes());
+        f.config_write(0x14, &0xc000u32.to_le_bytes());
+        assert_eq!(f.decode(0xfe00_0800, 1, false), None, "decode off");
+        f.config_write(0x04, &3u16.to_le_bytes());
+        assert_eq!(f.decode(0xfe00_0800, 1, false), Some((0, 0x800)));
+        assert_eq!(f.decode(0xc083, 1, true), Some((1, 0x83)));
+        assert_eq!(f.decode(0xc083, 1, false), None, "I/O port is not memory");
+        assert_eq!(f.decode(0xfe00_0fff, 2, false), None, "straddles the BAR end");
+        assert_eq!(f.decode(u64::MAX, 8, false), None);
+        let mut b = [0u8; 3];
+        f.bar_read(0, 0, &mut b);
+        assert_eq!(b, [0xff; 3], "odd size refused");
+        let mut b = [0u8; 4];
+        f.bar_read(0, 4094, &mut b);
+        assert_eq!(b, [0xff; 4], "past the BAR");
+        assert_eq!(f.stray_accesses, 2);
+        let mut id = [0u8; 4];
+        f.config_read(0, &mut id);
+        assert_eq!(u32::from_le_bytes(id), 0x0005_1b36);
+        f.config_read(usize::MAX - 1, &mut id);
+        assert_eq!(id, [0xff; 4]);
+    }
+
+    #[test]
+    fn shared_memory_is_checked_against_the_fd_length() {
+        let mut file = tempfile();
+        file.write_all(&[0u8; 8192]).unwrap();
+        let short = SharedRegion { gpa: 0, size: 16384, offset: 0, file: file.try_clone().unwrap() };
+        assert!(map_guest_memory(vec![short]).unwrap_err().contains("fd holds"));
+        let ok = SharedRegion { gpa: 0x10000, size: 4096, offset: 4096, file: file.try_clone().unwrap() };
+        let mem = map_guest_memory(vec![ok]).unwrap();
+        mem.write_obj(0xabcdu16, GuestAddress(0x10010)).unwrap();
+        assert!(!mem.address_in_range(GuestAddress(0x11000)));
+        let overflow = SharedRegion { gpa: 0, size: u64::MAX, offset: 4096, file };
+        assert!(map_guest_memory(vec![overflow]).is_err());
+    }
+
+    fn tempfile() -> File {
+        let name = std::ffi::CString::new("iopath-test").unwrap();
+        // SAFETY: memfd_create with a valid name; the fd is owned by the File.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), 0) };
+        assert!(fd >= 0);
+        use std::os::fd::FromRawFd;
+        // SAFETY: fresh, owned fd.
+        unsafe { File::from_raw_fd(fd) }
+    }
+}

@@ -1,0 +1,163 @@
+//! Interrupt lines as eventfds, for KVM irqfd.
+//!
+//! INTx is a pair: `trigger`, which KVM turns into a level-triggered GSI
+//! assertion (irqfd), and `resample`, which KVM signals when the guest's EOI
+//! de-asserts the line; a device whose level is still high asserts again.
+//! MSI-X is one eventfd per vector, each a KVM irqfd on its own MSI route.
+//! The same [`IrqLines`] serves a device in the VMM (fds registered with KVM
+//! right there) and in a device process (fds received over the socket): the
+//! interrupt never passes through the VMM's userspace.
+
+use iopath_devices::Interrupts;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use vmm_sys_util::eventfd::EventFd;
+
+struct Intx {
+    trigger: EventFd,
+    resample: EventFd,
+}
+
+#[derive(Default)]
+pub struct IrqLines {
+    intx: Mutex<Option<Arc<Intx>>>,
+    level: AtomicBool,
+    msix: Mutex<Vec<Option<EventFd>>>,
+    /// Interrupts signalled (INTx assertions and MSI-X messages).
+    pub signalled: AtomicU64,
+    generation: AtomicU64,
+}
+
+impl IrqLines {
+    pub fn new() -> Arc<Self> {
+        Arc::new(IrqLines::default())
+    }
+
+    /// Connects INTx. A thread waits on `resample` and re-asserts while the
+    /// device's level stays high; it ends when INTx is replaced or dropped.
+    pub fn connect_intx(self: &Arc<Self>, trigger: EventFd, resample: EventFd) {
+        let gen = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        let intx = Arc::new(Intx { trigger, resample });
+        *self.intx.lock().unwrap() = Some(intx.clone());
+        let weak = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new().name("intx-resample".into()).spawn(move || loop {
+            let ready = poll_in(&intx.resample, 200);
+            let Some(lines) = weak.upgrade() else { return };
+            if lines.generation.load(Ordering::Acquire) != gen {
+                return;
+            }
+            if ready && intx.resample.read().is_ok() && lines.level.load(Ordering::Acquire) {
+                let _ = intx.trigger.write(1);
+                lines.signalled.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        if let Err(e) = spawned {
+            log::error!("cannot start the INTx resample thread: {e}");
+        }
+    }
+
+    /// Disconnects INTx (its resample thread ends).
+    pub fn clear_intx(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        *self.intx.lock().unwrap() = None;
+    }
+
+    /// Copies of the INTx (trigger, resample) fds, to hand to another process.
+    pub fn intx_fds(&self) -> Option<(EventFd, EventFd)> {
+        let g = self.intx.lock().unwrap();
+        let i = g.as_ref()?;
+        Some((i.trigger.try_clone().ok()?, i.resample.try_clone().ok()?))
+    }
+
+    /// Sets (Some) or clears (None) the eventfds of vectors `start..`.
+    pub fn set_msix(&self, start: usize, fds: Vec<Option<EventFd>>) {
+        let mut v = self.msix.lock().unwrap();
+        let end = start + fds.len();
+        if v.len() < end {
+            v.resize_with(end, || None);
+        }
+        for (i, fd) in fds.into_iter().enumerate() {
+            v[start + i] = fd;
+        }
+    }
+
+    pub fn clear_msix(&self) {
+        self.msix.lock().unwrap().clear();
+    }
+}
+
+fn poll_in(fd: &EventFd, timeout_ms: i32) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd on the stack.
+    unsafe { libc::poll(&mut p, 1, timeout_ms) > 0 }
+}
+
+impl Interrupts for IrqLines {
+    fn set_intx(&self, level: bool) {
+        let was = self.level.swap(level, Ordering::AcqRel);
+        if level && !was {
+            if let Some(i) = self.intx.lock().unwrap().as_ref() {
+                let _ = i.trigger.write(1);
+                self.signalled.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn signal_msix(&self, vector: u16) -> bool {
+        let v = self.msix.lock().unwrap();
+        match v.get(vector as usize) {
+            Some(Some(fd)) => {
+                let ok = fd.write(1).is_ok();
+                self.signalled.fetch_add(ok as u64, Ordering::Relaxed);
+                ok
+            }
+            _ => false,
+        }
+    }
+
+    fn intx_eventfds(&self) -> Option<(EventFd, EventFd)> {
+        self.intx_fds()
+    }
+}
+
+/// Waits up to `timeout` for an eventfd to be readable (tests and tools).
+pub fn wait_readable(fd: &EventFd, timeout: Duration) -> bool {
+    poll_in(fd, timeout.as_millis().min(i32::MAX as u128) as i32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vmm_sys_util::eventfd::EFD_NONBLOCK;
+
+    #[test]
+    fn intx_asserts_on_the_rising_edge_and_again_after_resample_while_high() {
+        let lines = IrqLines::new();
+        let trig = EventFd::new(EFD_NONBLOCK).unwrap();
+        let res = EventFd::new(EFD_NONBLOCK).unwrap();
+        lines.connect_intx(trig.try_clone().unwrap(), res.try_clone().unwrap());
+        Interrupts::set_intx(&*lines, true);
+        Interrupts::set_intx(&*lines, true); // still high: no second edge
+        assert_eq!(trig.read().unwrap(), 1);
+        res.write(1).unwrap(); // the guest EOI'd while the level is high
+        assert!(wait_readable(&trig, Duration::from_secs(2)));
+        assert_eq!(trig.read().unwrap(), 1);
+        Interrupts::set_intx(&*lines, false);
+        res.write(1).unwrap();
+        assert!(!wait_readable(&trig, Duration::from_millis(300)), "low level: no re-assert");
+        lines.clear_intx();
+    }
+
+    #[test]
+    fn msix_vectors_signal_their_own_eventfd() {
+        let lines = IrqLines::new();
+        let a = EventFd::new(EFD_NONBLOCK).unwrap();
+        lines.set_msix(2, vec![Some(a.try_clone().unwrap())]);
+        assert!(!lines.signal_msix(0));
+        assert!(!lines.signal_msix(9));
+        assert!(lines.signal_msix(2));
+        assert_eq!(a.read().unwrap(), 1);
+    }
+}

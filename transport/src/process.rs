@@ -1,0 +1,122 @@
+//! A device process the VMM starts itself (`iopath serve ... --fd 3`), and
+//! the report a device process prints when a client disconnects: one JSON
+//! line on standard output with the device's own counters, which is how the
+//! VMM verifies routing for a device it does not host.
+
+use iopath_devices::Counter;
+use std::io::{BufRead, BufReader};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::Path;
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// The fd number a spawned device process finds its socket on.
+pub const CHILD_SOCKET_FD: i32 = 3;
+
+pub struct DeviceProcess {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+/// The line a device process prints when its client goes away.
+pub fn disconnect_report(transport: &str, device: &str, counters: &[Counter]) -> String {
+    let map: serde_json::Map<String, serde_json::Value> =
+        counters.iter().map(|c| (c.name.clone(), serde_json::Value::from(c.value))).collect();
+    serde_json::json!({"event": "disconnected", "transport": transport, "device": device, "counters": map}).to_string()
+}
+
+/// Parses a [`disconnect_report`] line; None for any other line.
+pub fn parse_report(line: &str) -> Option<Vec<Counter>> {
+    let v: serde_json::Value = serde_json::from_str(line).ok()?;
+    if v.get("event")?.as_str()? != "disconnected" {
+        return None;
+    }
+    let m = v.get("counters")?.as_object()?;
+    Some(m.iter().filter_map(|(k, v)| Some(Counter { name: k.clone(), value: v.as_u64()? })).collect())
+}
+
+impl DeviceProcess {
+    /// Starts `exe serve <args>` with `socket` as its fd 3.
+    pub fn spawn(exe: &Path, args: &[String], socket: OwnedFd) -> Result<Self, String> {
+        let mut cmd = Command::new(exe);
+        cmd.arg("serve").args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        let raw = socket.as_raw_fd();
+        // SAFETY: between fork and exec only async-signal-safe calls (dup2, fcntl).
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(move || {
+                if raw == CHILD_SOCKET_FD {
+                    let fl = libc::fcntl(raw, libc::F_GETFD);
+                    if fl < 0 || libc::fcntl(raw, libc::F_SETFD, fl & !libc::FD_CLOEXEC) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                } else if libc::dup2(raw, CHILD_SOCKET_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(|e| format!("cannot start the device process {}: {e}", exe.display()))?;
+        drop(socket);
+        let stdout: ChildStdout = child.stdout.take().ok_or("device process has no stdout")?;
+        let (tx, rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("device-process-out".into())
+            .spawn(move || {
+                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                    if tx.send(line).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| format!("cannot read the device process output: {e}"))?;
+        Ok(DeviceProcess { child, lines: rx })
+    }
+
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for the device's counters after the client disconnected.
+    pub fn counters(&mut self, timeout: Duration) -> Result<Vec<Counter>, String> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => match parse_report(&line) {
+                    Some(c) => return Ok(c),
+                    None => log::info!("device process {}: {line}", self.child.id()),
+                },
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(format!("device process {} sent no counters in {timeout:?}", self.child.id()))
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    let status = self.child.try_wait().ok().flatten();
+                    return Err(format!("device process {} ended ({status:?}) without counters", self.child.id()));
+                }
+            }
+        }
+    }
+}
+
+impl Drop for DeviceProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn report_round_trip() {
+        let c = vec![Counter { name: "a.exits".into(), value: 7 }];
+        let line = disconnect_report("mpqemu", "pci-testdev", &c);
+        assert_eq!(parse_report(&line).unwrap(), c);
+        assert!(parse_report("{\"event\":\"other\"}").is_none());
+        assert!(parse_report("not json").is_none());
+    }
+}
