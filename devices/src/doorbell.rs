@@ -386,13 +386,12 @@ impl Drop for Doorbell {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::NoIoEvents;
     use vm_memory::GuestMemoryMmap;
 
     fn dev() -> (Doorbell, GuestMemoryMmap) {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap();
         let mut d = Doorbell::new();
-        d.attach(DeviceContext { mem: mem.clone(), ioevents: Arc::new(NoIoEvents) });
+        d.attach(DeviceContext::detached(mem.clone()));
         (d, mem)
     }
 
