@@ -175,6 +175,18 @@ pub trait DeviceModel: Send {
     fn config_write(&mut self, _offset: usize, _data: &[u8]) {}
 }
 
+/// Device models by name, as `iopath serve` and `--device` name them.
+pub const DEVICE_NAMES: &[&str] = &["pci-testdev", "iopath-doorbell"];
+
+/// A new device model of the given name.
+pub fn by_name(name: &str) -> Option<Box<dyn DeviceModel>> {
+    match name {
+        "pci-testdev" => Some(Box::new(testdev::PciTestDev::new())),
+        "iopath-doorbell" => Some(Box::new(doorbell::Doorbell::new())),
+        _ => None,
+    }
+}
+
 /// Little-endian value of an access of 1..=8 bytes.
 pub fn le_value(data: &[u8]) -> u64 {
     let mut b = [0u8; 8];

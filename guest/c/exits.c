@@ -240,6 +240,13 @@ static void body_mmio_write(const void *c, u64 n)
     }
 }
 
+static void body_mmio_read(const void *c, u64 n)
+{
+    const struct access *a = c;
+    for (u64 i = 0; i < n; i++)
+        (void)mmio_read32(a->addr);
+}
+
 static void run_simple(const char *name, const char *group, body_fn fn, const void *ctx)
 {
     struct meas m;
@@ -349,6 +356,14 @@ static void rows_testdev(void)
             measure(&m, b->io ? body_out_port : body_mmio_write, &acc);
             u32 count = hdr_r32(b, TD_COUNT);
             report(name, "pci-testdev", &m, "count=%lu count_at_start=%lu addr=0x%lx", count, before, acc.addr);
+        }
+        /* A read row: 4-byte reads of the `data` register (the device counts them). */
+        const char *rname = b->io ? "portio-read:pci-io" : "mmio-read:pci-mem";
+        if (selected(rname)) {
+            struct access acc = {b->addr + TD_DATA, 0, 4};
+            struct meas m;
+            measure(&m, b->io ? body_in_port : body_mmio_read, &acc);
+            report(rname, "pci-testdev", &m, "addr=0x%lx", acc.addr, 0, 0);
         }
     }
 }

@@ -9,10 +9,14 @@
 //! shared-memory doorbell are added here, one file each. This crate knows the
 //! device model trait and KVM; it does not know the VMM's buses.
 
+pub mod attach;
 pub mod exit;
 pub mod function;
 pub mod ioeventfd;
+pub mod ioregionfd;
 pub mod irq;
 pub mod mpqemu;
 pub mod process;
+pub mod serve;
 pub mod socket;
+pub mod vfio_user;

@@ -153,9 +153,15 @@ impl Msg {
                 Msg::SyncSysmem(r)
             }
             RET => {
-                need(8)?;
+                // QEMU's remote answers DEVICE_RESET with an empty RET.
                 fds(0..=0)?;
-                Msg::Ret(u64_at(body, 0))
+                match body.len() {
+                    0 => Msg::Ret(0),
+                    _ => {
+                        need(8)?;
+                        Msg::Ret(u64_at(body, 0))
+                    }
+                }
             }
             PCI_CFGWRITE | PCI_CFGREAD => {
                 need(CONF_SIZE)?;
@@ -495,8 +501,9 @@ impl MpqemuProxy {
             regions.push(SysmemRegion { gpa: r.start_addr().0, size: r.len(), offset: fo.start() });
             fds.push(fo.file().as_raw_fd());
         }
-        if regions.is_empty() || regions.len() > MAX_FDS {
-            return Err(format!("{} guest RAM regions; mpqemu carries 1..=8", regions.len()));
+        // QEMU's remote refuses 8 regions although the message has room for them.
+        if regions.is_empty() || regions.len() > MAX_FDS - 1 {
+            return Err(format!("{} guest RAM regions; mpqemu carries 1..=7", regions.len()));
         }
         send(&self.sock, &Msg::SyncSysmem(regions), &fds).map_err(|e| format!("SYNC_SYSMEM: {e}"))
     }
@@ -619,6 +626,7 @@ mod tests {
         assert!(Msg::decode(SYNC_SYSMEM, &[0; 192], 0).is_err());
         assert!(Msg::decode(SET_IRQFD, &[], 1).is_err());
         assert!(Msg::decode(RET, &[0; 4], 0).is_err());
+        assert_eq!(Msg::decode(RET, &[], 0).unwrap(), Msg::Ret(0), "QEMU's reply to DEVICE_RESET");
         // Every truncation of a valid body fails, none panics.
         let e = Msg::BarWrite { addr: 1, val: 2, size: 4, memory: true }.encode();
         for n in 0..24 {

@@ -40,7 +40,15 @@ impl DeviceProcess {
     /// Starts `exe serve <args>` with `socket` as its fd 3.
     pub fn spawn(exe: &Path, args: &[String], socket: OwnedFd) -> Result<Self, String> {
         let mut cmd = Command::new(exe);
-        cmd.arg("serve").args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        cmd.arg("serve").args(args);
+        Self::spawn_command(cmd, socket)
+    }
+
+    /// Starts `cmd` with `socket` as its fd 3 (iopath serve, or QEMU's
+    /// `-machine x-remote`).
+    pub fn spawn_command(mut cmd: Command, socket: OwnedFd) -> Result<Self, String> {
+        let exe = std::path::PathBuf::from(cmd.get_program());
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         let raw = socket.as_raw_fd();
         // SAFETY: between fork and exec only async-signal-safe calls (dup2, fcntl).
         unsafe {

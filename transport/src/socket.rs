@@ -35,6 +35,9 @@ pub fn send(sock: &UnixStream, parts: &[&[u8]], fds: &[RawFd]) -> io::Result<()>
 /// Reads exactly `buf.len()` bytes; fds that arrive with them are returned.
 /// End of stream before the first byte is `UnexpectedEof` with no data read.
 pub fn recv_exact(sock: &UnixStream, buf: &mut [u8]) -> io::Result<Vec<File>> {
+    if buf.is_empty() {
+        return Ok(Vec::new()); // a zero-length recvmsg would wait for data
+    }
     let mut fds = [-1 as RawFd; MAX_FDS + 1];
     let mut iov = [libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() }];
     // SAFETY: the iovec points into `buf`, which is borrowed mutably for the call.

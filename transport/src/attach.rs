@@ -1,0 +1,202 @@
+//! How the VMM gets a device: `--device NAME[@TRANSPORT[:WHERE]]`.
+//!
+//! - `pci-testdev`: the model in the VMM (exits and KVM ioeventfds).
+//! - `pci-testdev@mpqemu`, `@vfio-user`, `@ioregionfd`, `@ioregionfd-posted`:
+//!   the model in a device process the VMM starts (`iopath serve`, over a
+//!   socketpair); its counters come back when the run ends.
+//! - `...@TRANSPORT:PATH`: connect to a device process already serving on
+//!   the UNIX socket PATH (`iopath serve ... --socket PATH`).
+//! - `pci-testdev@mpqemu:qemu`: QEMU's own model, in `qemu-system-x86_64
+//!   -machine x-remote` started by the VMM (interoperability).
+
+use crate::mpqemu::MpqemuProxy;
+use crate::process::DeviceProcess;
+use iopath_devices::DeviceModel;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    Mpqemu,
+    VfioUser,
+    /// vfio-user control channel, BAR accesses on ioregionfds; `posted`
+    /// makes writes posted (no reply awaited).
+    IoRegionFd { posted: bool },
+}
+
+impl Transport {
+    pub const NAMES: &'static [&'static str] = &["mpqemu", "vfio-user", "ioregionfd", "ioregionfd-posted"];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Mpqemu => "mpqemu",
+            Transport::VfioUser => "vfio-user",
+            Transport::IoRegionFd { posted: false } => "ioregionfd",
+            Transport::IoRegionFd { posted: true } => "ioregionfd-posted",
+        }
+    }
+}
+
+impl FromStr for Transport {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "mpqemu" => Transport::Mpqemu,
+            "vfio-user" => Transport::VfioUser,
+            "ioregionfd" => Transport::IoRegionFd { posted: false },
+            "ioregionfd-posted" => Transport::IoRegionFd { posted: true },
+            _ => return Err(format!("unknown transport {s:?} (one of {})", Transport::NAMES.join(", "))),
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// The VMM starts `iopath serve` on a socketpair.
+    Spawn,
+    /// A device process listening on this UNIX socket.
+    Socket(PathBuf),
+    /// QEMU `-machine x-remote` started by the VMM (mpqemu only).
+    Qemu,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceSpec {
+    pub device: String,
+    pub remote: Option<(Transport, Endpoint)>,
+}
+
+impl FromStr for DeviceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (device, rest) = match s.split_once('@') {
+            Some((d, r)) => (d, Some(r)),
+            None => (s, None),
+        };
+        if !iopath_devices::DEVICE_NAMES.contains(&device) {
+            return Err(format!("unknown device {device:?} (one of {})", iopath_devices::DEVICE_NAMES.join(", ")));
+        }
+        let remote = match rest {
+            None => None,
+            Some(r) => {
+                let (t, place) = match r.split_once(':') {
+                    Some((t, p)) => (t, Some(p)),
+                    None => (r, None),
+                };
+                let t: Transport = t.parse()?;
+                let ep = match place {
+                    None | Some("") => Endpoint::Spawn,
+                    Some("qemu") if t == Transport::Mpqemu => Endpoint::Qemu,
+                    Some("qemu") => return Err("QEMU's x-remote speaks mpqemu only".into()),
+                    Some(p) => Endpoint::Socket(PathBuf::from(p)),
+                };
+                Some((t, ep))
+            }
+        };
+        Ok(DeviceSpec { device: device.to_string(), remote })
+    }
+}
+
+/// Where the programs a device spec may start live.
+#[derive(Clone, Debug)]
+pub struct Programs {
+    /// The iopath binary (for `iopath serve`).
+    pub iopath: PathBuf,
+    /// qemu-system-x86_64, for `@mpqemu:qemu`.
+    pub qemu: Option<PathBuf>,
+}
+
+impl Programs {
+    /// This executable as the device-process binary.
+    pub fn current(qemu: Option<PathBuf>) -> Result<Self, String> {
+        let iopath = std::env::current_exe().map_err(|e| format!("cannot find the iopath binary: {e}"))?;
+        Ok(Programs { iopath, qemu })
+    }
+}
+
+/// QEMU's name for an iopath device model, where QEMU has one.
+fn qemu_device(device: &str) -> Result<&'static str, String> {
+    match device {
+        "pci-testdev" => Ok("pci-testdev"),
+        d => Err(format!("QEMU has no model of {d}")),
+    }
+}
+
+fn socketpair() -> Result<(UnixStream, UnixStream), String> {
+    UnixStream::pair().map_err(|e| format!("socketpair: {e}"))
+}
+
+/// Starts (or connects to) what the spec names and returns the model the
+/// VMM hosts: the device itself, or a proxy for it.
+pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<Box<dyn DeviceModel>, String> {
+    let Some((transport, ep)) = &spec.remote else {
+        return iopath_devices::by_name(&spec.device).ok_or_else(|| format!("unknown device {}", spec.device));
+    };
+    let label = format!("{}@{}", spec.device, transport.name());
+    let (sock, child) = match ep {
+        Endpoint::Spawn => {
+            let (mine, theirs) = socketpair()?;
+            let args = vec![
+                spec.device.clone(),
+                "--transport".into(),
+                transport.name().into(),
+                "--fd".into(),
+                crate::process::CHILD_SOCKET_FD.to_string(),
+            ];
+            let child = DeviceProcess::spawn(&progs.iopath, &args, theirs.into())?;
+            (mine, Some(child))
+        }
+        Endpoint::Socket(path) => {
+            let s = UnixStream::connect(path).map_err(|e| format!("{label}: cannot connect to {}: {e}", path.display()))?;
+            (s, None)
+        }
+        Endpoint::Qemu => {
+            let qemu = progs.qemu.as_deref().ok_or("QEMU is needed for @mpqemu:qemu but was not found")?;
+            let (mine, theirs) = socketpair()?;
+            let child = DeviceProcess::spawn_command(qemu_remote(qemu, qemu_device(&spec.device)?), theirs.into())?;
+            (mine, Some(child))
+        }
+    };
+    match transport {
+        Transport::Mpqemu => {
+            let mut p = MpqemuProxy::connect(sock, child).map_err(|e| format!("{label}: {e}"))?;
+            p.set_name(&spec.device);
+            Ok(Box::new(p))
+        }
+        Transport::VfioUser | Transport::IoRegionFd { .. } => {
+            let mut p = crate::vfio_user::VfioUserProxy::connect(sock, child).map_err(|e| format!("{label}: {e}"))?;
+            p.set_name(&spec.device);
+            Ok(Box::new(p))
+        }
+    }
+}
+
+/// `qemu-system-x86_64 -machine x-remote` hosting QEMU's `device` on fd 3.
+pub fn qemu_remote(qemu: &Path, device: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(qemu);
+    c.args(["-machine", "x-remote", "-nodefaults", "-display", "none", "-monitor", "none", "-serial", "none"]);
+    c.args(["-device", &format!("{device},id=dev0")]);
+    c.args(["-object", &format!("x-remote-object,id=robj0,devid=dev0,fd={}", crate::process::CHILD_SOCKET_FD)]);
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_specs_parse() {
+        let s: DeviceSpec = "pci-testdev".parse().unwrap();
+        assert_eq!(s.remote, None);
+        let s: DeviceSpec = "pci-testdev@vfio-user:/tmp/x.sock".parse().unwrap();
+        assert_eq!(s.remote, Some((Transport::VfioUser, Endpoint::Socket("/tmp/x.sock".into()))));
+        let s: DeviceSpec = "pci-testdev@mpqemu:qemu".parse().unwrap();
+        assert_eq!(s.remote, Some((Transport::Mpqemu, Endpoint::Qemu)));
+        let s: DeviceSpec = "pci-testdev@ioregionfd-posted".parse().unwrap();
+        assert_eq!(s.remote, Some((Transport::IoRegionFd { posted: true }, Endpoint::Spawn)));
+        assert!("nvme9".parse::<DeviceSpec>().is_err());
+        assert!("pci-testdev@carrier-pigeon".parse::<DeviceSpec>().is_err());
+        assert!("pci-testdev@vfio-user:qemu".parse::<DeviceSpec>().is_err());
+    }
+}
