@@ -33,6 +33,13 @@ pub struct ExitsOptions {
     pub floor: bool,
     pub timeout_s: u64,
     pub progress: bool,
+    /// Out-of-process transports to run pci-testdev over (mpqemu,
+    /// vfio-user, ioregionfd, ioregionfd-posted); with `vs_qemu`, QEMU's
+    /// x-remote joins as the mpqemu device process.
+    pub transports: Vec<String>,
+    /// The iopath binary that serves device processes (default: this one).
+    #[serde(skip)]
+    pub iopath_exe: Option<std::path::PathBuf>,
 }
 
 impl Default for ExitsOptions {
@@ -46,6 +53,8 @@ impl Default for ExitsOptions {
             floor: true,
             timeout_s: 300,
             progress: true,
+            transports: iopath_transport::attach::Transport::NAMES.iter().map(|s| s.to_string()).collect(),
+            iopath_exe: None,
         }
     }
 }
@@ -56,14 +65,37 @@ pub enum Target {
     Iopath,
     Floor,
     Qemu,
+    /// pci-testdev in an `iopath serve` device process, over each transport.
+    Mpqemu,
+    VfioUser,
+    IoRegionFd,
+    IoRegionFdPosted,
+    /// QEMU's pci-testdev in `qemu-system-x86_64 -machine x-remote`, iopath's VMM as the mpqemu proxy.
+    QemuRemote,
 }
 
 impl Target {
+    pub const ALL: [Target; 8] = [
+        Target::Iopath,
+        Target::Floor,
+        Target::Qemu,
+        Target::Mpqemu,
+        Target::VfioUser,
+        Target::IoRegionFd,
+        Target::IoRegionFdPosted,
+        Target::QemuRemote,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Target::Iopath => "iopath",
             Target::Floor => "floor",
             Target::Qemu => "qemu",
+            Target::Mpqemu => "mpqemu",
+            Target::VfioUser => "vfio-user",
+            Target::IoRegionFd => "ioregionfd",
+            Target::IoRegionFdPosted => "ioregionfd-posted",
+            Target::QemuRemote => "qemu-x-remote",
         }
     }
 }
@@ -94,6 +126,16 @@ pub fn verify_iopath(out: &GuestOutput, run: &RunReport) -> BTreeMap<String, Rou
         let verdict = match (r.group.as_str(), r.status()) {
             (_, Some(s)) if s != "ok" => {
                 bad(format!("guest reported status={s} {}", r.extra.get("reason").cloned().unwrap_or_default()))
+            }
+            ("pci-testdev", _) if r.name.contains("-read:") => {
+                // Reads of `data`: the row's, plus a few from the guest's test scan.
+                let ty = r.name.split('-').next().unwrap_or("");
+                let reads = counter("pci-testdev", &format!("{ty}.data-reads"));
+                let d = format!("data-reads={} of {} reads", fmt_opt(reads), r.accesses);
+                match reads {
+                    Some(n) if n >= r.accesses && n <= r.accesses + 64 => ok(d),
+                    _ => bad(d),
+                }
             }
             ("pci-testdev", _) => {
                 let test = r.name.split(':').next().unwrap_or("");
@@ -172,6 +214,7 @@ pub fn verify_qemu(out: &GuestOutput) -> BTreeMap<String, Routing> {
     for r in &out.rows {
         let verdict = match (r.group.as_str(), r.status()) {
             (_, Some(s)) if s != "ok" => bad(format!("guest reported status={s}")),
+            ("pci-testdev", _) if r.name.contains("-read:") => ok("reads: QEMU's pci-testdev counts none".into()),
             ("pci-testdev", _) => {
                 let want = if r.name.contains("no-eventfd") { r.accesses } else { 0 };
                 let c = r.get_u64("count");
@@ -189,7 +232,7 @@ pub fn verify_qemu(out: &GuestOutput) -> BTreeMap<String, Routing> {
     v
 }
 
-fn fmt_opt(v: Option<u64>) -> String {
+pub(crate) fn fmt_opt(v: Option<u64>) -> String {
     v.map(|x| x.to_string()).unwrap_or_else(|| "?".into())
 }
 
@@ -209,9 +252,11 @@ pub struct ExitsResult {
     pub tsc_khz: u64,
     pub runs: Vec<TargetRun>,
     pub errors: Vec<String>,
+    /// Host-side request/reply round trips per transport, ns per batch.
+    pub rtt_ns: BTreeMap<String, Vec<f64>>,
 }
 
-fn guest_cmdline(o: &ExitsOptions, workload: &str, tsc_khz: u64, extra: &str) -> String {
+pub(crate) fn guest_cmdline(o: &ExitsOptions, workload: &str, tsc_khz: u64, extra: &str) -> String {
     let mut c = format!("workload={workload} batches={} batch_us={} tsc_khz={tsc_khz}", o.batches, o.batch_us);
     if let Some(only) = &o.only {
         c.push_str(&format!(" only={only}"));
@@ -223,7 +268,7 @@ fn guest_cmdline(o: &ExitsOptions, workload: &str, tsc_khz: u64, extra: &str) ->
     c
 }
 
-fn progress_callback(pb: &ProgressBar, label: String) -> Box<dyn FnMut(&str) + Send> {
+pub(crate) fn progress_callback(pb: &ProgressBar, label: String) -> Box<dyn FnMut(&str) + Send> {
     let pb = pb.clone();
     Box::new(move |l: &str| {
         if let Some(r) = crate::record::parse_row(l) {
@@ -252,7 +297,8 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
     let image_path = iopath_guest::image_file()?;
     let tsc_khz = tsc_khz_of_host()?;
     let host = host_info(tsc_khz);
-    let per_round = 1 + o.floor as u64 + qemu.is_some() as u64;
+    let remote_targets = crate::remote::targets(o, qemu.is_some())?;
+    let per_round = 1 + o.floor as u64 + qemu.is_some() as u64 + remote_targets.len() as u64;
     let pb = if o.progress { ProgressBar::new(o.rounds as u64 * per_round) } else { ProgressBar::hidden() };
     pb.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "),
@@ -260,6 +306,14 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
     let timeout = Duration::from_secs(o.timeout_s);
     let mut runs = Vec::new();
     let mut errors = Vec::new();
+    let mut rtt_ns = BTreeMap::new();
+    let progs = iopath_transport::attach::Programs {
+        iopath: match &o.iopath_exe {
+            Some(p) => p.clone(),
+            None => std::env::current_exe()?,
+        },
+        qemu: qemu.clone(),
+    };
     for round in 0..o.rounds {
         // iopath's VMM with pci-testdev and iopath-doorbell.
         let mut cfg = VmConfig::new(iopath_guest::IMAGE, &guest_cmdline(o, "exits", tsc_khz, ""));
@@ -366,6 +420,11 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
             }
             pb.inc(1);
         }
+        let mut ctx = crate::remote::Round { o, round, tsc_khz, pb: &pb, progs: &progs };
+        for t in &remote_targets {
+            ctx.run(*t, &mut runs, &mut errors, &mut rtt_ns);
+            pb.inc(1);
+        }
     }
     pb.finish_and_clear();
     for r in &runs {
@@ -375,7 +434,7 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
             }
         }
     }
-    Ok(ExitsResult { host, options: o.clone(), tsc_khz, runs, errors })
+    Ok(ExitsResult { host, options: o.clone(), tsc_khz, runs, errors, rtt_ns })
 }
 
 /// Per-row, per-target statistics over every batch of every round.
@@ -406,7 +465,7 @@ impl ExitsResult {
             .into_iter()
             .map(|(name, group)| {
                 let mut targets = BTreeMap::new();
-                for t in [Target::Iopath, Target::Floor, Target::Qemu] {
+                for t in Target::ALL {
                     let rows: Vec<(&TargetRun, &Row)> = self
                         .runs
                         .iter()
@@ -428,7 +487,7 @@ impl ExitsResult {
             .collect()
     }
 
-    fn ratio(&self, r: &RowStats, a: Target, b: Target) -> Option<f64> {
+    pub fn ratio(&self, r: &RowStats, a: Target, b: Target) -> Option<f64> {
         let x = r.targets.get(&a)?.cycles?.median;
         let y = r.targets.get(&b)?.cycles?.median;
         (y > 0.0).then_some(x / y)
@@ -489,6 +548,7 @@ impl ExitsResult {
             };
             let _ = writeln!(s, "{line}  {verdict}");
         }
+        s.push_str(&crate::remote::table(self));
         if !self.errors.is_empty() {
             let _ = writeln!(s, "\nerrors:");
             for e in &self.errors {
@@ -538,6 +598,7 @@ impl ExitsResult {
             .collect();
         json!({
             "benchmark": "exits",
+            "out_of_process": crate::remote::json(self),
             "host": self.host,
             "options": self.options,
             "tsc_khz": self.tsc_khz,
@@ -548,7 +609,7 @@ impl ExitsResult {
     }
 }
 
-fn fmt_ns(v: f64) -> String {
+pub(crate) fn fmt_ns(v: f64) -> String {
     if !v.is_finite() {
         "-".into()
     } else if v >= 1000.0 {

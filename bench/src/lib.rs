@@ -6,4 +6,5 @@ pub mod exits;
 pub mod host;
 pub mod qemu;
 pub mod record;
+pub mod remote;
 pub mod stats;

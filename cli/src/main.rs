@@ -4,6 +4,7 @@
 //!   iopath bench [exits] [--vs qemu] [--json PATH]   the exit-cost table
 //!   iopath run [--workload exits] [--append ARGS]    boot the guest, show its console
 //!   iopath image --out PATH                          write the guest image (for QEMU)
+//!   iopath serve DEVICE --transport T --socket PATH  a device process (mpqemu, vfio-user, ioregionfd)
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -34,6 +35,29 @@ enum Cmd {
         #[arg(long, short)]
         out: PathBuf,
     },
+    /// Serve a device model from this process to a VMM (iopath's, or QEMU's
+    /// x-pci-proxy-dev for mpqemu) over a UNIX socket.
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// The device model (pci-testdev, iopath-doorbell).
+    device: String,
+    /// mpqemu, vfio-user, ioregionfd (vfio-user control, region fds for the
+    /// BARs) or ioregionfd-posted (the same, writes posted).
+    #[arg(long, default_value = "vfio-user")]
+    transport: String,
+    /// Listen on this UNIX socket path (one client at a time; the device
+    /// state survives a client).
+    #[arg(long, value_name = "PATH", conflicts_with = "fd", required_unless_present = "fd")]
+    socket: Option<PathBuf>,
+    /// Serve the connected socket inherited as this fd, then exit.
+    #[arg(long, value_name = "N")]
+    fd: Option<i32>,
+    /// With --socket: exit after the first client.
+    #[arg(long)]
+    once: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -79,6 +103,10 @@ struct BenchArgs {
     /// A short run: 1 round, 5 batches of 5 ms.
     #[arg(long)]
     quick: bool,
+    /// Out-of-process transports to run pci-testdev over, comma-separated
+    /// (mpqemu, vfio-user, ioregionfd, ioregionfd-posted), or "none".
+    #[arg(long, default_value = "mpqemu,vfio-user,ioregionfd,ioregionfd-posted")]
+    transports: String,
 }
 
 #[derive(Args)]
@@ -97,6 +125,42 @@ struct RunArgs {
     mem: u64,
     #[arg(long, default_value_t = 300)]
     timeout: u64,
+    /// Devices (repeatable): NAME, NAME@TRANSPORT (a device process the VMM
+    /// starts), NAME@TRANSPORT:PATH (one serving on PATH), or
+    /// pci-testdev@mpqemu:qemu (QEMU's own model in -machine x-remote).
+    /// Default: pci-testdev and iopath-doorbell in the VMM.
+    #[arg(long = "device", value_name = "SPEC")]
+    devices: Vec<String>,
+}
+
+fn serve(a: ServeArgs) -> anyhow::Result<i32> {
+    use iopath_transport::serve::{Listen, ServeOptions};
+    let transport = a.transport.parse().map_err(anyhow::Error::msg)?;
+    let listen = match (a.fd, a.socket) {
+        (Some(fd), _) => Listen::Fd(fd),
+        (None, Some(p)) => Listen::Socket(p),
+        (None, None) => anyhow::bail!("give --socket PATH or --fd N"),
+    };
+    let o = ServeOptions { device: a.device, transport, listen, once: a.once };
+    iopath_transport::serve::run(&o).map_err(anyhow::Error::msg)?;
+    Ok(0)
+}
+
+/// The devices `--device` specs name, started or connected.
+fn devices_of(specs: &[String]) -> anyhow::Result<Vec<Box<dyn iopath_devices::DeviceModel>>> {
+    use iopath_transport::attach::{instantiate, DeviceSpec, Programs};
+    if specs.is_empty() {
+        return Ok(exit_devices());
+    }
+    let qemu = iopath_bench::qemu::find().ok();
+    let progs = Programs::current(qemu).map_err(anyhow::Error::msg)?;
+    specs
+        .iter()
+        .map(|s| {
+            let spec: DeviceSpec = s.parse().map_err(anyhow::Error::msg)?;
+            instantiate(&spec, &progs).map_err(anyhow::Error::msg)
+        })
+        .collect()
 }
 
 fn bench(a: BenchArgs) -> anyhow::Result<i32> {
@@ -110,6 +174,8 @@ fn bench(a: BenchArgs) -> anyhow::Result<i32> {
         floor: !a.no_floor,
         timeout_s: a.timeout,
         progress: true,
+        transports: a.transports.split(',').filter(|t| !t.is_empty() && *t != "none").map(String::from).collect(),
+        iopath_exe: None,
     };
     if a.quick {
         o.rounds = 1;
@@ -135,7 +201,7 @@ fn bench(a: BenchArgs) -> anyhow::Result<i32> {
 fn run_guest(a: RunArgs) -> anyhow::Result<i32> {
     let cmdline = format!("workload={} {}", a.workload, a.append).trim().to_string();
     let mut cfg = iopath_vmm::VmConfig::new(iopath_guest::IMAGE, &cmdline);
-    cfg.devices = exit_devices();
+    cfg.devices = devices_of(&a.devices)?;
     cfg.place_bars = !a.guest_bars;
     cfg.mem_size = a.mem << 20;
     cfg.timeout = Duration::from_secs(a.timeout);
@@ -167,6 +233,7 @@ fn main() {
     let r = match cli.cmd {
         Cmd::Bench(a) => bench(a),
         Cmd::Run(a) => run_guest(a),
+        Cmd::Serve(a) => serve(a),
         Cmd::Image { out } => {
             iopath_guest::write_image(&out).map(|_| 0).with_context(|| format!("writing {}", out.display()))
         }

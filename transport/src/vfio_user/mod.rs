@@ -491,6 +491,8 @@ pub struct VfioUserProxy {
     remote: Vec<Counter>,
     requests: u64,
     dma_requests: u64,
+    /// ioregionfd commands of regions already closed.
+    region_commands: u64,
     max_xfer: u32,
 }
 
@@ -527,6 +529,7 @@ impl VfioUserProxy {
             remote: Vec::new(),
             requests: 0,
             dma_requests: 0,
+            region_commands: 0,
             max_xfer: DEFAULT_MAX_DATA_XFER_SIZE,
         };
         let caps = Capabilities { max_msg_fds: MAX_FDS, ..Capabilities::default() };
@@ -818,6 +821,7 @@ impl DeviceModel for VfioUserProxy {
     fn quiesce(&mut self) {
         self.watching.store(false, Ordering::Release);
         let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        self.region_commands += self.regions.iter().map(|(_, r)| r.commands).sum::<u64>();
         self.regions.clear();
         if let Some(child) = &mut self.child {
             match child.counters(Duration::from_secs(5)) {
@@ -832,7 +836,7 @@ impl DeviceModel for VfioUserProxy {
         c.push(Counter { name: "vfio-user.requests".into(), value: self.requests });
         c.push(Counter { name: "vfio-user.dma-requests".into(), value: self.dma_requests });
         let cmds: u64 = self.regions.iter().map(|(_, r)| r.commands).sum();
-        c.push(Counter { name: "ioregionfd.commands".into(), value: cmds });
+        c.push(Counter { name: "ioregionfd.commands".into(), value: self.region_commands + cmds });
         c
     }
 }

@@ -1,0 +1,284 @@
+//! The out-of-process rows of `iopath bench exits`: pci-testdev served by
+//! an `iopath serve` device process over mpqemu, vfio-user and ioregionfd
+//! (sync and posted), and QEMU's pci-testdev in `-machine x-remote` with
+//! iopath's VMM as the mpqemu proxy. Each run's routing is verified from
+//! the device process's own counters (its report when the client leaves)
+//! and the proxy's message counters. The socket round trip of each
+//! transport is measured on the host in the same round, without a VM, so
+//! that an out-of-process access can be set against exit + round trip.
+
+use crate::exits::{fmt_ns, fmt_opt, guest_cmdline, progress_callback, ExitsOptions, ExitsResult, Routing, Target, TargetRun};
+use crate::record::GuestOutput;
+use crate::stats::{ns, summarize};
+use indicatif::ProgressBar;
+use iopath_devices::DeviceModel;
+use iopath_transport::attach::{instantiate, DeviceSpec, Endpoint, Programs, Transport};
+use iopath_vmm::{run, VmConfig};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+/// Rows each out-of-process target runs: every access that reaches the
+/// device process synchronously, plus the ioeventfds vfio-user hands over.
+fn rows_of(t: Target) -> &'static [&'static str] {
+    const SYNC: &[&str] = &["mmio-no-eventfd:", "portio-no-eventfd:", "mmio-read:", "portio-read:"];
+    const VFIO: &[&str] = &[
+        "mmio-no-eventfd:",
+        "portio-no-eventfd:",
+        "mmio-read:",
+        "portio-read:",
+        "mmio-wildcard-eventfd:",
+        "mmio-datamatch-eventfd:",
+        "portio-wildcard-eventfd:",
+        "portio-datamatch-eventfd:",
+    ];
+    match t {
+        Target::VfioUser => VFIO,
+        _ => SYNC,
+    }
+}
+
+fn transport_of(t: Target) -> Option<Transport> {
+    Some(match t {
+        Target::Mpqemu | Target::QemuRemote => Transport::Mpqemu,
+        Target::VfioUser => Transport::VfioUser,
+        Target::IoRegionFd => Transport::IoRegionFd { posted: false },
+        Target::IoRegionFdPosted => Transport::IoRegionFd { posted: true },
+        _ => return None,
+    })
+}
+
+/// The out-of-process targets the options ask for.
+pub fn targets(o: &ExitsOptions, with_qemu: bool) -> anyhow::Result<Vec<Target>> {
+    let mut v = Vec::new();
+    for name in &o.transports {
+        let t: Transport = name.parse().map_err(anyhow::Error::msg)?;
+        v.push(match t {
+            Transport::Mpqemu => Target::Mpqemu,
+            Transport::VfioUser => Target::VfioUser,
+            Transport::IoRegionFd { posted: false } => Target::IoRegionFd,
+            Transport::IoRegionFd { posted: true } => Target::IoRegionFdPosted,
+        });
+    }
+    if with_qemu && !o.transports.is_empty() {
+        v.push(Target::QemuRemote);
+    }
+    v.retain(|t| !selected_rows(o, *t).is_empty());
+    Ok(v)
+}
+
+/// The target's rows, narrowed by `--only`.
+fn selected_rows(o: &ExitsOptions, t: Target) -> Vec<&'static str> {
+    rows_of(t)
+        .iter()
+        .copied()
+        .filter(|r| match &o.only {
+            None => true,
+            Some(only) => only.split(',').any(|p| r.starts_with(p) || p.starts_with(r.trim_end_matches(':'))),
+        })
+        .collect()
+}
+
+/// The proxy's count of messages (or region commands) it sent.
+fn transport_messages(t: Target, run: &iopath_vmm::vm::RunReport) -> Option<u64> {
+    let d = run.devices.iter().find(|d| d.name == "pci-testdev")?;
+    let get = |n: &str| d.counters.iter().find(|c| c.name == n).map(|c| c.value);
+    match t {
+        Target::Mpqemu | Target::QemuRemote => get("mpqemu.requests"),
+        Target::VfioUser => get("vfio-user.requests"),
+        _ => get("ioregionfd.commands"),
+    }
+}
+
+pub struct Round<'a> {
+    pub o: &'a ExitsOptions,
+    pub round: u32,
+    pub tsc_khz: u64,
+    pub pb: &'a ProgressBar,
+    pub progs: &'a Programs,
+}
+
+impl Round<'_> {
+    fn spec(&self, t: Target) -> DeviceSpec {
+        let ep = if t == Target::QemuRemote { Endpoint::Qemu } else { Endpoint::Spawn };
+        DeviceSpec { device: "pci-testdev".into(), remote: Some((transport_of(t).unwrap(), ep)) }
+    }
+
+    /// One guest run with pci-testdev behind `t`, then (for iopath's own
+    /// device processes) the host-side round trip of the same transport.
+    pub fn run(
+        &mut self,
+        t: Target,
+        runs: &mut Vec<TargetRun>,
+        errors: &mut Vec<String>,
+        rtt: &mut BTreeMap<String, Vec<f64>>,
+    ) {
+        let label = format!("round {}/{} {}", self.round + 1, self.o.rounds, t.name());
+        self.pb.set_message(label.clone());
+        match self.guest_run(t, &label) {
+            Ok(r) => runs.push(r),
+            Err(e) => errors.push(format!("{} round {}: {e}", t.name(), self.round)),
+        }
+        if t != Target::QemuRemote {
+            self.pb.set_message(format!("{label}: socket round trip"));
+            match self.round_trip(t) {
+                Ok(v) => rtt.entry(t.name().to_string()).or_default().extend(v),
+                Err(e) => errors.push(format!("{} round {}: round trip: {e}", t.name(), self.round)),
+            }
+        }
+    }
+
+    fn guest_run(&self, t: Target, label: &str) -> Result<TargetRun, String> {
+        let only = selected_rows(self.o, t).join(",");
+        let mut o = self.o.clone();
+        o.only = Some(only);
+        let mut cfg = VmConfig::new(iopath_guest::IMAGE, &guest_cmdline(&o, "exits", self.tsc_khz, ""));
+        cfg.devices = vec![instantiate(&self.spec(t), self.progs)?];
+        cfg.timeout = Duration::from_secs(self.o.timeout_s);
+        cfg.on_line = Some(progress_callback(self.pb, label.to_string()));
+        let t0 = Instant::now();
+        let r = run(cfg).map_err(|e| e.to_string())?;
+        let out = GuestOutput::parse(&r.lines);
+        if r.status != 1 {
+            return Err(format!("guest exit status {} {}", r.status, out.fault.clone().unwrap_or_default()));
+        }
+        let mut routing =
+            if t == Target::QemuRemote { crate::exits::verify_qemu(&out) } else { crate::exits::verify_iopath(&out, &r) };
+        // Every access that exits must have crossed the transport.
+        let crossing: u64 = out.rows.iter().filter(|x| !x.name.contains("-eventfd:") || x.name.contains("no-eventfd")).map(|x| x.accesses).sum();
+        let sent = transport_messages(t, &r);
+        let enough = sent.is_some_and(|n| n >= crossing);
+        for v in routing.values_mut() {
+            v.detail = format!("{} [{} {} >= {crossing} accesses]", v.detail, fmt_opt(sent), transport_word(t));
+            if !enough {
+                v.ok = false;
+            }
+        }
+        Ok(TargetRun { target: t, round: self.round, out, routing, exits: Some(r.exits), wall_s: t0.elapsed().as_secs_f64() })
+    }
+
+    /// Host-side request/reply round trips through the device process: a
+    /// 4-byte read of pci-testdev's `data` register, no VM involved.
+    fn round_trip(&self, t: Target) -> Result<Vec<f64>, String> {
+        let mut dev: Box<dyn DeviceModel> = instantiate(&self.spec(t), self.progs)?;
+        dev.config_write(0x10, &0xfe00_0000u32.to_le_bytes());
+        dev.config_write(0x04, &2u16.to_le_bytes());
+        let mut b = [0u8; 4];
+        for _ in 0..200 {
+            dev.bar_read(0, 8, &mut b);
+        }
+        let per_batch = 1000;
+        let mut v = Vec::new();
+        for _ in 0..self.o.batches.max(3) {
+            let t0 = Instant::now();
+            for _ in 0..per_batch {
+                dev.bar_read(0, 8, &mut b);
+            }
+            v.push(t0.elapsed().as_nanos() as f64 / per_batch as f64);
+        }
+        if b == [0xff; 4] {
+            return Err("the device process did not answer".into());
+        }
+        dev.quiesce();
+        Ok(v)
+    }
+}
+
+fn transport_word(t: Target) -> &'static str {
+    match t {
+        Target::Mpqemu | Target::QemuRemote => "mpqemu msgs",
+        Target::VfioUser => "vfio-user msgs",
+        _ => "ioregionfd cmds",
+    }
+}
+
+const OOP: [Target; 5] = [Target::Mpqemu, Target::VfioUser, Target::IoRegionFd, Target::IoRegionFdPosted, Target::QemuRemote];
+
+fn median_ns(r: &ExitsResult, row: &str, t: Target) -> Option<f64> {
+    let rs = r.rows();
+    let x = rs.iter().find(|x| x.name == row)?;
+    Some(ns(x.targets.get(&t)?.cycles?.median, r.tsc_khz))
+}
+
+fn rtt_median(r: &ExitsResult, t: Target) -> Option<f64> {
+    summarize(r.rtt_ns.get(t.name())?).map(|s| s.median)
+}
+
+/// The second table: pci-testdev rows per transport, against the in-VMM exit.
+pub fn table(r: &ExitsResult) -> String {
+    let present: Vec<Target> = OOP.into_iter().filter(|t| r.runs.iter().any(|x| x.target == *t)).collect();
+    if present.is_empty() {
+        return String::new();
+    }
+    let mut s = String::new();
+    let _ = writeln!(s, "\nout of process: pci-testdev in a device process; median ns per access (x in-VMM)");
+    let mut hdr = format!("{:<32} {:>10}", "row", "in-VMM");
+    for t in &present {
+        let _ = write!(hdr, " {:>20}", t.name());
+    }
+    let _ = writeln!(s, "{hdr}");
+    let _ = writeln!(s, "{}", "-".repeat(hdr.len()));
+    for row in r.rows() {
+        if !present.iter().any(|t| row.targets.contains_key(t)) {
+            continue;
+        }
+        let base = median_ns(r, &row.name, Target::Iopath);
+        let mut line = format!("{:<32} {:>10}", row.name, base.map(fmt_ns).unwrap_or_else(|| "-".into()));
+        for t in &present {
+            let cell = match (median_ns(r, &row.name, *t), base) {
+                (Some(v), Some(b)) if b > 0.0 => format!("{} {:.2}x", fmt_ns(v), v / b),
+                (Some(v), _) => fmt_ns(v),
+                _ => "-".into(),
+            };
+            let routing: Vec<&Routing> = row.targets.get(t).map(|x| x.routing.iter().collect()).unwrap_or_default();
+            let mark = if routing.iter().any(|v| !v.ok) { "!" } else { "" };
+            let _ = write!(line, " {:>20}", format!("{cell}{mark}"));
+        }
+        let _ = writeln!(s, "{line}");
+    }
+    let mut line = format!("{:<32} {:>10}", "socket round trip (host, no VM)", "-");
+    for t in &present {
+        let _ = write!(line, " {:>20}", rtt_median(r, *t).map(fmt_ns).unwrap_or_else(|| "-".into()));
+    }
+    let _ = writeln!(s, "{line}");
+    let _ = writeln!(s, "(! = routing check failed; see errors)");
+    for (k, v) in targets_report(r) {
+        let _ = writeln!(s, "{k}: {v}");
+    }
+    s
+}
+
+/// The targets, as ratios from this run.
+fn targets_report(r: &ExitsResult) -> Vec<(String, String)> {
+    let mut v = Vec::new();
+    for row in ["mmio-no-eventfd:pci-mem", "portio-no-eventfd:pci-io"] {
+        let Some(exit) = median_ns(r, row, Target::Iopath) else { continue };
+        for t in [Target::Mpqemu, Target::VfioUser, Target::IoRegionFd] {
+            if let (Some(x), Some(rt)) = (median_ns(r, row, t), rtt_median(r, t)) {
+                v.push((
+                    format!("{} {row} vs exit + round trip", t.name()),
+                    format!("{} / ({} + {}) = {:.2}", fmt_ns(x), fmt_ns(exit), fmt_ns(rt), x / (exit + rt)),
+                ));
+            }
+        }
+        if let Some(p) = median_ns(r, row, Target::IoRegionFdPosted) {
+            v.push((format!("ioregionfd-posted {row} vs in-VMM exit"), format!("{:.2}x", p / exit)));
+        }
+        if let (Some(a), Some(b)) = (median_ns(r, row, Target::IoRegionFd), median_ns(r, row, Target::Mpqemu)) {
+            v.push((format!("ioregionfd / mpqemu {row}"), format!("{:.2}x", a / b)));
+        }
+    }
+    v
+}
+
+pub fn json(r: &ExitsResult) -> Value {
+    let rtt: serde_json::Map<String, Value> = r
+        .rtt_ns
+        .iter()
+        .map(|(k, v)| (k.clone(), json!({"ns": summarize(v), "batches": v.len()})))
+        .collect();
+    let targets: serde_json::Map<String, Value> =
+        targets_report(r).into_iter().map(|(k, v)| (k, Value::String(v))).collect();
+    json!({"socket_round_trip": rtt, "targets": targets})
+}
