@@ -66,15 +66,40 @@ pub fn run(
     cmdline: &str,
     devices: &[&str],
     timeout: Duration,
+    on_line: impl FnMut(&str),
+) -> anyhow::Result<QemuRun> {
+    run_args(qemu, args(image, cmdline, devices), None, timeout, on_line)
+}
+
+/// The arguments that give QEMU's guest RAM as a shared memfd, which
+/// `x-pci-proxy-dev` hands to the device process (SYNC_SYSMEM).
+pub fn memfd_ram_args() -> Vec<String> {
+    ["-object", "memory-backend-memfd,id=ram0,size=64M,share=on", "-machine", "pc,memory-backend=ram0"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+}
+
+/// Runs QEMU with `args`; `fd3`, if given, becomes the child's fd 3.
+pub fn run_args(
+    qemu: &Path,
+    args: Vec<String>,
+    fd3: Option<std::os::fd::OwnedFd>,
+    timeout: Duration,
     mut on_line: impl FnMut(&str),
 ) -> anyhow::Result<QemuRun> {
-    let mut child = Command::new(qemu)
-        .args(args(image, cmdline, devices))
+    let mut cmd = Command::new(qemu);
+    if let Some(fd) = &fd3 {
+        iopath_transport::process::inherit_as_fd3(&mut cmd, fd);
+    }
+    let mut child = cmd
+        .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| anyhow::anyhow!("cannot start {}: {e}", qemu.display()))?;
+    drop(fd3);
     let stdout = child.stdout.take().unwrap();
     let stderr = child.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel::<String>();

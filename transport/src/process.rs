@@ -38,6 +38,26 @@ pub fn parse_report(line: &str) -> Option<Vec<Counter>> {
     Some(m.iter().filter_map(|(k, v)| Some(Counter { name: k.clone(), value: v.as_u64()? })).collect())
 }
 
+/// Makes `fd` the child's fd 3 (the caller keeps `fd` open until spawn).
+pub fn inherit_as_fd3(cmd: &mut Command, fd: &OwnedFd) {
+    let raw = fd.as_raw_fd();
+    // SAFETY: between fork and exec only async-signal-safe calls (dup2, fcntl).
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(move || {
+            if raw == CHILD_SOCKET_FD {
+                let fl = libc::fcntl(raw, libc::F_GETFD);
+                if fl < 0 || libc::fcntl(raw, libc::F_SETFD, fl & !libc::FD_CLOEXEC) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            } else if libc::dup2(raw, CHILD_SOCKET_FD) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 impl DeviceProcess {
     /// Starts `exe serve <args>` with `socket` as its fd 3.
     pub fn spawn(exe: &Path, args: &[String], socket: OwnedFd) -> Result<Self, String> {
@@ -53,22 +73,7 @@ impl DeviceProcess {
     pub fn spawn_command(mut cmd: Command, socket: OwnedFd) -> Result<Self, String> {
         let exe = std::path::PathBuf::from(cmd.get_program());
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-        let raw = socket.as_raw_fd();
-        // SAFETY: between fork and exec only async-signal-safe calls (dup2, fcntl).
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            cmd.pre_exec(move || {
-                if raw == CHILD_SOCKET_FD {
-                    let fl = libc::fcntl(raw, libc::F_GETFD);
-                    if fl < 0 || libc::fcntl(raw, libc::F_SETFD, fl & !libc::FD_CLOEXEC) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                } else if libc::dup2(raw, CHILD_SOCKET_FD) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        inherit_as_fd3(&mut cmd, &socket);
         let mut child = cmd.spawn().map_err(|e| format!("cannot start the device process {}: {e}", exe.display()))?;
         drop(socket);
         let stdout: ChildStdout = child.stdout.take().ok_or("device process has no stdout")?;
