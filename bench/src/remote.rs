@@ -243,6 +243,11 @@ pub fn table(r: &ExitsResult) -> String {
     }
     let _ = writeln!(s, "{line}");
     let _ = writeln!(s, "(! = routing check failed; see errors)");
+    if present.iter().any(|t| matches!(t, Target::IoRegionFd | Target::IoRegionFdPosted)) {
+        let k = kvm_ioctls::Kvm::new().map_err(|e| e.to_string());
+        let why = k.and_then(|k| iopath_transport::ioregionfd::kernel_support(&k).map(|c| format!("kernel capability {c}")));
+        let _ = writeln!(s, "ioregionfd: {}", why.unwrap_or_else(|e| e));
+    }
     for (k, v) in targets_report(r) {
         let _ = writeln!(s, "{k}: {v}");
     }

@@ -509,6 +509,14 @@ impl MpqemuProxy {
     }
 }
 
+impl Drop for MpqemuProxy {
+    /// Stops the watcher (it holds a copy of the socket) and ends the session.
+    fn drop(&mut self) {
+        self.watching.store(false, Ordering::Release);
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
+}
+
 impl DeviceModel for MpqemuProxy {
     fn name(&self) -> &str {
         &self.name
@@ -727,5 +735,61 @@ mod tests {
         let mut b = [0u8; 4];
         p.bar_read(0, 0, &mut b);
         assert_eq!(b, [0xff; 4]);
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod irq_tests {
+    use crate::function::{map_guest_memory, SharedRegion};
+    use crate::irq::IrqLines;
+    use iopath_devices::{DeviceContext, DeviceModel, Interrupts};
+    use std::fs::File;
+    use std::sync::Arc;
+    use std::time::Duration;
+    use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+    /// A memfd-backed guest memory and an INTx pair, as the VMM gives a proxy.
+    pub fn vmm_context() -> (DeviceContext, EventFd) {
+        let name = std::ffi::CString::new("ram").unwrap();
+        use std::os::fd::FromRawFd;
+        // SAFETY: memfd_create with a valid name; the fd is owned by the File.
+        let memfd = unsafe { File::from_raw_fd(libc::memfd_create(name.as_ptr(), 0)) };
+        memfd.set_len(1 << 20).unwrap();
+        let mem = map_guest_memory(vec![SharedRegion { gpa: 0, size: 1 << 20, offset: 0, file: memfd }]).unwrap();
+        let lines = IrqLines::new();
+        let trigger = EventFd::new(EFD_NONBLOCK).unwrap();
+        lines.connect_intx(trigger.try_clone().unwrap(), EventFd::new(EFD_NONBLOCK).unwrap());
+        let mut ctx = DeviceContext::detached(mem);
+        ctx.irq = lines;
+        (ctx, trigger)
+    }
+
+    /// Asserts INTx from the device side and sees it on the VMM's trigger fd.
+    pub fn device_intx_reaches(device_side: &Arc<IrqLines>, trigger: &EventFd) {
+        let t0 = std::time::Instant::now();
+        while device_side.intx_eventfds().is_none() {
+            assert!(t0.elapsed() < Duration::from_secs(2), "the device process never got the INTx fds");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        device_side.set_intx(true);
+        assert!(crate::irq::wait_readable(trigger, Duration::from_secs(2)));
+        assert_eq!(trigger.read().unwrap(), 1);
+    }
+
+    #[test]
+    fn set_irqfd_hands_intx_and_guest_ram_to_the_device_process() {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let irq = IrqLines::new();
+        let irq2 = irq.clone();
+        let h = std::thread::spawn(move || {
+            let mut f = crate::function::PciFunction::new(Box::new(iopath_devices::testdev::PciTestDev::new())).unwrap();
+            super::serve(&b, &mut f, &irq2)
+        });
+        let mut p = super::MpqemuProxy::connect(a, None).unwrap();
+        let (ctx, trigger) = vmm_context();
+        p.attach(ctx);
+        device_intx_reaches(&irq, &trigger);
+        drop(p);
+        h.join().unwrap().unwrap();
     }
 }

@@ -276,3 +276,29 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
         wall: t0.elapsed(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use iopath_devices::Interrupts;
+
+    #[test]
+    fn intx_goes_from_the_device_eventfd_into_kvm_not_through_the_vmm() {
+        assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing");
+        let kvm = Kvm::new().unwrap();
+        let vm = kvm.create_vm().unwrap();
+        vm.create_irq_chip().unwrap();
+        let lines = intx_lines(&vm, INTX_GSI_BASE).unwrap();
+        // What a device process would hold after SET_IRQFD / SET_IRQS.
+        let (trigger, _resample) = lines.intx_eventfds().unwrap();
+        lines.set_intx(true);
+        std::thread::sleep(Duration::from_millis(50));
+        // KVM's irqfd consumed the count: nobody in userspace reads it.
+        assert!(trigger.read().is_err(), "the trigger eventfd still holds its count: no irqfd took it");
+        let mut chip = kvm_bindings::kvm_irqchip { chip_id: kvm_bindings::KVM_IRQCHIP_IOAPIC, ..Default::default() };
+        vm.get_irqchip(&mut chip).unwrap();
+        // SAFETY: chip_id IOAPIC selects the ioapic member of the union.
+        let irr = unsafe { chip.chip.ioapic.irr };
+        assert_ne!(irr & (1 << INTX_GSI_BASE), 0, "IOAPIC pin {INTX_GSI_BASE} not asserted (irr {irr:#x})");
+    }
+}

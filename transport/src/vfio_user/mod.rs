@@ -757,6 +757,14 @@ impl VfioUserProxy {
     }
 }
 
+impl Drop for VfioUserProxy {
+    /// Stops the watcher (it holds a copy of the socket) and ends the session.
+    fn drop(&mut self) {
+        self.watching.store(false, Ordering::Release);
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
+}
+
 impl DeviceModel for VfioUserProxy {
     fn name(&self) -> &str {
         &self.name

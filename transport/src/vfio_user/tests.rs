@@ -209,3 +209,38 @@ fn the_client_answers_dma_fallback_requests_within_guest_ram_only() {
     drop(p);
     h.join().unwrap().0.unwrap();
 }
+
+#[test]
+fn set_irqs_hands_intx_to_the_device_process_and_dma_map_its_ram() {
+    let (a, b) = UnixStream::pair().unwrap();
+    let irq = IrqLines::new();
+    let irq2 = irq.clone();
+    let h = std::thread::spawn(move || {
+        let f = function();
+        let mut st = ServerState::new(&f, Transport::VfioUser, irq2.clone());
+        serve(&b, &f, &irq2, &mut st)
+    });
+    let mut p = VfioUserProxy::connect(a, None).unwrap();
+    let (ctx, trigger) = crate::mpqemu::irq_tests::vmm_context();
+    let recorder = Arc::new(Recorder::default());
+    let mut ctx = ctx;
+    ctx.ioevents = recorder.clone();
+    p.attach(ctx);
+    assert!(p.dead.is_none(), "{:?}", p.dead);
+    assert_eq!(recorder.0.lock().unwrap().len(), 4, "the announced ioeventfds went to KVM's registrar");
+    crate::mpqemu::irq_tests::device_intx_reaches(&irq, &trigger);
+    drop(p);
+    h.join().unwrap().unwrap();
+}
+
+#[derive(Default)]
+struct Recorder(Mutex<Vec<IoEventSpec>>);
+impl IoEvents for Recorder {
+    fn register(&self, s: IoEventSpec, _: &EventFd) -> Result<(), String> {
+        self.0.lock().unwrap().push(s);
+        Ok(())
+    }
+    fn unregister(&self, _: IoEventSpec, _: &EventFd) -> Result<(), String> {
+        Ok(())
+    }
+}
