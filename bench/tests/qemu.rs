@@ -19,7 +19,7 @@ fn guest_runs_under_qemu_and_routes_as_labelled() {
     assert!(out.pci.iter().any(|p| p["id"] == "1b36:0005"), "pci-testdev enumerated");
     let v = verify_qemu(&out);
     let testdev_rows: Vec<_> = out.rows.iter().filter(|r| r.group == "pci-testdev").collect();
-    assert_eq!(testdev_rows.len(), 6, "six pci-testdev tests");
+    assert_eq!(testdev_rows.len(), 8, "six pci-testdev tests and a read row per BAR");
     for r in testdev_rows {
         assert!(v[&r.name].ok, "{}: {}", r.name, v[&r.name].detail);
         assert!(r.accesses > 0);
