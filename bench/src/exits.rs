@@ -37,6 +37,8 @@ pub struct ExitsOptions {
     /// vfio-user, ioregionfd, ioregionfd-posted); with `vs_qemu`, QEMU's
     /// x-remote joins as the mpqemu device process.
     pub transports: Vec<String>,
+    /// Socket polling budget of the VMM and its device processes, in us.
+    pub spin_us: u64,
     /// The iopath binary that serves device processes (default: this one).
     #[serde(skip)]
     pub iopath_exe: Option<std::path::PathBuf>,
@@ -55,6 +57,7 @@ impl Default for ExitsOptions {
             progress: true,
             transports: iopath_transport::attach::Transport::NAMES.iter().map(|s| s.to_string()).collect(),
             iopath_exe: None,
+            spin_us: 0,
         }
     }
 }
@@ -313,7 +316,9 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
             None => std::env::current_exe()?,
         },
         qemu: qemu.clone(),
+        serve_args: vec!["--spin-us".into(), o.spin_us.to_string()],
     };
+    iopath_transport::socket::set_spin(Duration::from_micros(o.spin_us));
     for round in 0..o.rounds {
         // iopath's VMM with pci-testdev and iopath-doorbell.
         let mut cfg = VmConfig::new(iopath_guest::IMAGE, &guest_cmdline(o, "exits", tsc_khz, ""));

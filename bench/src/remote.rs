@@ -212,7 +212,11 @@ pub fn table(r: &ExitsResult) -> String {
         return String::new();
     }
     let mut s = String::new();
-    let _ = writeln!(s, "\nout of process: pci-testdev in a device process; median ns per access (x in-VMM)");
+    let spin = match r.options.spin_us {
+        0 => "receivers sleep at once".to_string(),
+        n => format!("receivers poll {n} us before sleeping"),
+    };
+    let _ = writeln!(s, "\nout of process: pci-testdev in a device process ({spin}); median ns per access (x in-VMM)");
     let mut hdr = format!("{:<32} {:>10}", "row", "in-VMM");
     for t in &present {
         let _ = write!(hdr, " {:>20}", t.name());

@@ -58,6 +58,9 @@ struct ServeArgs {
     /// With --socket: exit after the first client.
     #[arg(long)]
     once: bool,
+    /// Poll the socket this long for the next request before sleeping.
+    #[arg(long, default_value_t = 0, value_name = "US")]
+    spin_us: u64,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -107,6 +110,10 @@ struct BenchArgs {
     /// (mpqemu, vfio-user, ioregionfd, ioregionfd-posted), or "none".
     #[arg(long, default_value = "mpqemu,vfio-user,ioregionfd,ioregionfd-posted")]
     transports: String,
+    /// Poll a socket this long for a reply or request before sleeping
+    /// (client and the device processes it starts); 0 sleeps at once, as QEMU.
+    #[arg(long, default_value_t = 0, value_name = "US")]
+    spin_us: u64,
 }
 
 #[derive(Args)]
@@ -131,6 +138,10 @@ struct RunArgs {
     /// Default: pci-testdev and iopath-doorbell in the VMM.
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<String>,
+    /// Poll a socket this long for a reply or request before sleeping
+    /// (client and the device processes it starts); 0 sleeps at once, as QEMU.
+    #[arg(long, default_value_t = 0, value_name = "US")]
+    spin_us: u64,
 }
 
 fn serve(a: ServeArgs) -> anyhow::Result<i32> {
@@ -141,19 +152,22 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
         (None, Some(p)) => Listen::Socket(p),
         (None, None) => anyhow::bail!("give --socket PATH or --fd N"),
     };
+    iopath_transport::socket::set_spin(Duration::from_micros(a.spin_us));
     let o = ServeOptions { device: a.device, transport, listen, once: a.once };
     iopath_transport::serve::run(&o).map_err(anyhow::Error::msg)?;
     Ok(0)
 }
 
 /// The devices `--device` specs name, started or connected.
-fn devices_of(specs: &[String]) -> anyhow::Result<Vec<Box<dyn iopath_devices::DeviceModel>>> {
+fn devices_of(specs: &[String], spin_us: u64) -> anyhow::Result<Vec<Box<dyn iopath_devices::DeviceModel>>> {
     use iopath_transport::attach::{instantiate, DeviceSpec, Programs};
     if specs.is_empty() {
         return Ok(exit_devices());
     }
     let qemu = iopath_bench::qemu::find().ok();
-    let progs = Programs::current(qemu).map_err(anyhow::Error::msg)?;
+    let mut progs = Programs::current(qemu).map_err(anyhow::Error::msg)?;
+    iopath_transport::socket::set_spin(Duration::from_micros(spin_us));
+    progs.serve_args = vec!["--spin-us".into(), spin_us.to_string()];
     specs
         .iter()
         .map(|s| {
@@ -176,6 +190,7 @@ fn bench(a: BenchArgs) -> anyhow::Result<i32> {
         progress: true,
         transports: a.transports.split(',').filter(|t| !t.is_empty() && *t != "none").map(String::from).collect(),
         iopath_exe: None,
+        spin_us: a.spin_us,
     };
     if a.quick {
         o.rounds = 1;
@@ -201,7 +216,7 @@ fn bench(a: BenchArgs) -> anyhow::Result<i32> {
 fn run_guest(a: RunArgs) -> anyhow::Result<i32> {
     let cmdline = format!("workload={} {}", a.workload, a.append).trim().to_string();
     let mut cfg = iopath_vmm::VmConfig::new(iopath_guest::IMAGE, &cmdline);
-    cfg.devices = devices_of(&a.devices)?;
+    cfg.devices = devices_of(&a.devices, a.spin_us)?;
     cfg.place_bars = !a.guest_bars;
     cfg.mem_size = a.mem << 20;
     cfg.timeout = Duration::from_secs(a.timeout);

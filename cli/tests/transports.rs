@@ -18,7 +18,11 @@ fn kvm() {
 }
 
 fn programs() -> Programs {
-    Programs { iopath: PathBuf::from(env!("CARGO_BIN_EXE_iopath")), qemu: iopath_bench::qemu::find().ok() }
+    Programs {
+        iopath: PathBuf::from(env!("CARGO_BIN_EXE_iopath")),
+        qemu: iopath_bench::qemu::find().ok(),
+        serve_args: Vec::new(),
+    }
 }
 
 fn vm(spec: &str, only: &str) -> VmConfig {

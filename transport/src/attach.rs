@@ -105,13 +105,15 @@ pub struct Programs {
     pub iopath: PathBuf,
     /// qemu-system-x86_64, for `@mpqemu:qemu`.
     pub qemu: Option<PathBuf>,
+    /// More `iopath serve` arguments (e.g. `--spin-us N`).
+    pub serve_args: Vec<String>,
 }
 
 impl Programs {
     /// This executable as the device-process binary.
     pub fn current(qemu: Option<PathBuf>) -> Result<Self, String> {
         let iopath = std::env::current_exe().map_err(|e| format!("cannot find the iopath binary: {e}"))?;
-        Ok(Programs { iopath, qemu })
+        Ok(Programs { iopath, qemu, serve_args: Vec::new() })
     }
 }
 
@@ -137,13 +139,16 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<Box<dyn Device
     let (sock, child) = match ep {
         Endpoint::Spawn => {
             let (mine, theirs) = socketpair()?;
-            let args = vec![
+            let args: Vec<String> = [
                 spec.device.clone(),
                 "--transport".into(),
                 transport.name().into(),
                 "--fd".into(),
                 crate::process::CHILD_SOCKET_FD.to_string(),
-            ];
+            ]
+            .into_iter()
+            .chain(progs.serve_args.iter().cloned())
+            .collect::<Vec<_>>();
             let child = DeviceProcess::spawn(&progs.iopath, &args, theirs.into())?;
             (mine, Some(child))
         }

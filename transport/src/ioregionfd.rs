@@ -121,6 +121,7 @@ impl RegionClient {
 
     fn reply(&mut self) -> Result<u64, String> {
         let mut b = [0u8; MSG_SIZE];
+        crate::socket::spin_until_readable(std::os::fd::AsRawFd::as_raw_fd(&self.fd));
         self.fd.read_exact(&mut b).map_err(|e| format!("ioregionfd response: {e}"))?;
         Ok(u64::from_le_bytes(b[..8].try_into().unwrap()))
     }
@@ -158,6 +159,7 @@ pub fn spawn_server(
         let mut fd = fd;
         let mut b = [0u8; MSG_SIZE];
         loop {
+            crate::socket::spin_until_readable(std::os::fd::AsRawFd::as_raw_fd(&fd));
             if fd.read_exact(&mut b).is_err() {
                 return; // client gone
             }

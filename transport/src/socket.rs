@@ -9,10 +9,44 @@ use std::fs::File;
 use std::io::{self, IoSlice, Read, Write};
 use std::os::fd::{FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 /// Most fds accepted with one message; more is a protocol error.
 pub const MAX_FDS: usize = 16;
+
+/// How long a receiver polls its socket before it sleeps in the kernel
+/// (0: it sleeps at once, as QEMU does). Polling keeps the thread on its
+/// CPU, so a reply that comes within the budget costs no wake-up.
+static SPIN_NS: AtomicU64 = AtomicU64::new(0);
+
+/// Sets the polling budget of every receive in this process.
+pub fn set_spin(d: Duration) {
+    SPIN_NS.store(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+}
+
+pub fn spin() -> Duration {
+    Duration::from_nanos(SPIN_NS.load(Ordering::Relaxed))
+}
+
+/// Polls `fd` for input for up to the spin budget; returns early when
+/// input is there. The caller then does its (blocking) read.
+pub fn spin_until_readable(fd: std::os::fd::RawFd) {
+    let budget = SPIN_NS.load(Ordering::Relaxed);
+    if budget == 0 {
+        return;
+    }
+    let t0 = Instant::now();
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    loop {
+        // SAFETY: one valid pollfd on the stack; timeout 0 never blocks.
+        if unsafe { libc::poll(&mut p, 1, 0) } != 0 || t0.elapsed().as_nanos() as u64 >= budget {
+            return;
+        }
+        std::hint::spin_loop();
+    }
+}
 
 /// Sends `parts` as one message with `fds` attached to its first byte.
 pub fn send(sock: &UnixStream, parts: &[&[u8]], fds: &[RawFd]) -> io::Result<()> {
@@ -38,6 +72,7 @@ pub fn recv_exact(sock: &UnixStream, buf: &mut [u8]) -> io::Result<Vec<File>> {
     if buf.is_empty() {
         return Ok(Vec::new()); // a zero-length recvmsg would wait for data
     }
+    spin_until_readable(std::os::fd::AsRawFd::as_raw_fd(sock));
     let mut fds = [-1 as RawFd; MAX_FDS + 1];
     let mut iov = [libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() }];
     // SAFETY: the iovec points into `buf`, which is borrowed mutably for the call.
