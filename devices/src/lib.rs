@@ -7,6 +7,7 @@
 //! the transports comparable. This crate must not touch KVM or the VMM.
 
 pub mod doorbell;
+pub mod nvme;
 pub mod pci;
 pub mod testdev;
 

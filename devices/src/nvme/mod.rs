@@ -1,0 +1,922 @@
+//! An NVMe controller (NVMe 1.4 subset) with one namespace.
+//!
+//! BAR0 (64-bit memory, 16 KiB) holds the controller registers (CAP, VS,
+//! INTMS/INTMC, CC, CSTS, AQA, ASQ, ACQ) and, from 0x1000, the doorbells
+//! (stride 4: SQ y tail at 0x1000 + 8y, CQ y head at 0x1000 + 8y + 4).
+//! Admin: Identify (controller, namespace, active namespace list),
+//! Create/Delete I/O SQ and CQ, Get/Set Features (number of queues,
+//! interrupt coalescing, arbitration...), Get Log Page (error, SMART,
+//! firmware), Abort, Asynchronous Event Request, Doorbell Buffer Config.
+//! I/O: Read, Write, Flush, Write Zeroes, Dataset Management, with PRP1/PRP2
+//! and PRP lists. Completions are polled (phase tags); interrupts are not
+//! offered yet (IEN=1 is refused with Invalid Interrupt Vector).
+//!
+//! Doorbell modes (how I/O queue doorbells reach the controller):
+//! - `mmio`: every doorbell write exits to the VMM, and the vCPU thread
+//!   processes the queue at once. Doorbell Buffer Config is not offered.
+//! - `shm`: Doorbell Buffer Config is offered; a device thread polls the
+//!   shadow doorbells in guest RAM and keeps each EventIdx behind the tail,
+//!   so a driver that follows the EventIdx rule never writes the MMIO
+//!   doorbell: no exit per I/O.
+//!
+//! Every value from the guest is checked: queue ids and sizes, doorbell
+//! values (an invalid one raises an asynchronous event), PRPs (must lie in
+//! guest RAM), LBA ranges, opcodes. The controller answers with the NVMe
+//! status the spec defines and goes on serving the other queues.
+
+pub mod backend;
+pub mod queue;
+
+use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, GuestMemoryMmap, PciIds};
+use backend::{Backend, BackendKind};
+use queue::{post_cqe, prp_segments, queue_in_ram, read_sqe, status, Cq, Sq, Sqe, CQE_SIZE, PAGE, SQE_SIZE};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use vm_memory::{Bytes, GuestAddress};
+
+pub const VENDOR: u16 = 0x1234;
+pub const DEVICE: u16 = 0x10ed;
+pub const CLASS: u32 = 0x010802;
+pub const BAR0_SIZE: u64 = 16 << 10;
+/// Queue pairs the controller offers (I/O), besides the admin pair.
+pub const MAX_IO_QUEUES: u16 = 64;
+/// Largest queue (entries).
+pub const MQES: u16 = 4096;
+/// Maximum data transfer: 2^MDTS pages = 128 KiB.
+pub const MDTS: u8 = 5;
+const AERL: usize = 4;
+
+const REG_INTMS: u64 = 0x0c;
+const REG_INTMC: u64 = 0x10;
+const REG_CC: u64 = 0x14;
+const REG_CSTS: u64 = 0x1c;
+const REG_AQA: u64 = 0x24;
+const REG_ASQ: u64 = 0x28;
+const REG_ACQ: u64 = 0x30;
+const DOORBELLS: u64 = 0x1000;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DoorbellMode {
+    Mmio,
+    Shm,
+}
+
+impl std::str::FromStr for DoorbellMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "mmio" => Ok(DoorbellMode::Mmio),
+            "shm" => Ok(DoorbellMode::Shm),
+            _ => Err(format!("unknown doorbell mode {s:?} (mmio, shm)")),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct NvmeConfig {
+    pub backend: BackendKind,
+    /// Namespace size in bytes.
+    pub size: u64,
+    /// 512 or 4096.
+    pub lba_size: u32,
+    pub doorbell: DoorbellMode,
+}
+
+impl Default for NvmeConfig {
+    fn default() -> Self {
+        NvmeConfig { backend: BackendKind::Ram, size: 64 << 20, lba_size: 512, doorbell: DoorbellMode::Shm }
+    }
+}
+
+#[derive(Default)]
+struct Stats {
+    admin: u64,
+    io: u64,
+    reads: u64,
+    writes: u64,
+    errors: u64,
+    doorbell_writes: u64,
+    bad_doorbells: u64,
+    cq_full_waits: u64,
+    polls: u64,
+}
+
+/// Controller state shared by the vCPU thread (registers, doorbell writes)
+/// and the polling thread (shm mode).
+struct Core {
+    mem: GuestMemoryMmap,
+    cc: u32,
+    csts: u32,
+    aqa: u32,
+    asq: u64,
+    acq: u64,
+    intms: u32,
+    sqs: Vec<Option<Sq>>,
+    cqs: Vec<Option<Cq>>,
+    nsqa: u16,
+    ncqa: u16,
+    queues_created: bool,
+    /// Shadow doorbell and EventIdx buffers (Doorbell Buffer Config).
+    dbbuf: Option<(u64, u64)>,
+    aer: Vec<u16>,
+    events: VecDeque<u32>,
+    backend: Backend,
+    lba_shift: u32,
+    nlbas: u64,
+    coalescing: u32,
+    mode: DoorbellMode,
+    segs: Vec<(u64, u64)>,
+    buf: Vec<u8>,
+    st: Stats,
+    smart_read_units: u64,
+    smart_write_units: u64,
+}
+
+pub struct Nvme {
+    core: Arc<Mutex<Core>>,
+    cfg: NvmeConfig,
+    poller: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+    error: Option<String>,
+}
+
+impl Nvme {
+    pub fn new(cfg: NvmeConfig) -> Result<Self, String> {
+        if cfg.lba_size != 512 && cfg.lba_size != 4096 {
+            return Err(format!("LBA size {} (512 or 4096)", cfg.lba_size));
+        }
+        if cfg.size < cfg.lba_size as u64 || cfg.size % cfg.lba_size as u64 != 0 {
+            return Err(format!("namespace size {} is not a multiple of the LBA size", cfg.size));
+        }
+        let backend = Backend::open(&cfg.backend, cfg.size)?;
+        let core = Core {
+            mem: GuestMemoryMmap::default(),
+            cc: 0,
+            csts: 0,
+            aqa: 0,
+            asq: 0,
+            acq: 0,
+            intms: 0,
+            sqs: vec![None; MAX_IO_QUEUES as usize + 1],
+            cqs: vec![None; MAX_IO_QUEUES as usize + 1],
+            nsqa: MAX_IO_QUEUES,
+            ncqa: MAX_IO_QUEUES,
+            queues_created: false,
+            dbbuf: None,
+            aer: Vec::new(),
+            events: VecDeque::new(),
+            backend,
+            lba_shift: cfg.lba_size.trailing_zeros(),
+            nlbas: cfg.size / cfg.lba_size as u64,
+            coalescing: 0,
+            mode: cfg.doorbell,
+            segs: Vec::with_capacity(64),
+            buf: Vec::new(),
+            st: Stats::default(),
+            smart_read_units: 0,
+            smart_write_units: 0,
+        };
+        Ok(Nvme { core: Arc::new(Mutex::new(core)), cfg, poller: None, error: None })
+    }
+
+    fn cap() -> u64 {
+        let mqes = (MQES - 1) as u64;
+        let cqr = 1u64 << 16;
+        let to = 20u64 << 24; // 10 s
+        let css_nvm = 1u64 << 37;
+        mqes | cqr | to | css_nvm // DSTRD 0, MPSMIN = MPSMAX = 0 (4 KiB)
+    }
+
+    fn start_poller(&mut self) {
+        if self.cfg.doorbell != DoorbellMode::Shm || self.poller.is_some() {
+            return;
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (core, stop2) = (self.core.clone(), stop.clone());
+        let h = std::thread::Builder::new().name("nvme-poller".into()).spawn(move || {
+            let mut idle = 0u32;
+            while !stop2.load(Ordering::Relaxed) {
+                let busy = {
+                    let mut c = core.lock().unwrap();
+                    c.st.polls += 1;
+                    c.poll_shadow()
+                };
+                if busy {
+                    idle = 0;
+                } else {
+                    idle = idle.saturating_add(1);
+                    if idle > 4096 {
+                        // Nothing for a while: let the other threads run.
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+            }
+        });
+        match h {
+            Ok(h) => self.poller = Some((stop, h)),
+            Err(e) => self.error = Some(format!("nvme: cannot start the poller: {e}")),
+        }
+    }
+
+    fn stop_poller(&mut self) {
+        if let Some((stop, h)) = self.poller.take() {
+            stop.store(true, Ordering::Relaxed);
+            let _ = h.join();
+        }
+    }
+
+    fn write_cc(&mut self, v: u32) {
+        let was = self.core.lock().unwrap().cc & 1;
+        let en = v & 1;
+        if was == 1 && en == 0 {
+            self.stop_poller();
+            self.core.lock().unwrap().reset_queues();
+        }
+        let started = {
+            let mut c = self.core.lock().unwrap();
+            c.cc = v;
+            if v >> 14 & 3 != 0 {
+                c.csts = (c.csts & !0xc) | 0x8; // shutdown complete
+            }
+            if was == 0 && en == 1 {
+                c.enable()
+            } else {
+                if en == 0 {
+                    c.csts &= !1;
+                }
+                false
+            }
+        };
+        if started {
+            self.start_poller();
+        }
+    }
+}
+
+impl Core {
+    fn enable(&mut self) -> bool {
+        let asqs = (self.aqa & 0xfff) + 1;
+        let acqs = ((self.aqa >> 16) & 0xfff) + 1;
+        let mps = self.cc >> 7 & 0xf;
+        let iosqes = self.cc >> 16 & 0xf;
+        let iocqes = self.cc >> 20 & 0xf;
+        let css = self.cc >> 4 & 7;
+        let ok = asqs >= 2
+            && acqs >= 2
+            && mps == 0
+            && css == 0
+            && (iosqes == 0 || iosqes == 6)
+            && (iocqes == 0 || iocqes == 4)
+            && queue_in_ram(&self.mem, self.asq, asqs as u64 * SQE_SIZE)
+            && queue_in_ram(&self.mem, self.acq, acqs as u64 * CQE_SIZE);
+        if !ok {
+            self.csts |= 2; // controller fatal status
+            log::warn!("nvme: enable refused: AQA {:#x} ASQ {:#x} ACQ {:#x} CC {:#x}", self.aqa, self.asq, self.acq, self.cc);
+            return false;
+        }
+        self.sqs[0] = Some(Sq { gpa: self.asq, size: asqs as u16, head: 0, tail: 0, cqid: 0 });
+        self.cqs[0] = Some(Cq { gpa: self.acq, size: acqs as u16, ..Default::default() });
+        self.csts = 1;
+        true
+    }
+
+    fn reset_queues(&mut self) {
+        self.sqs.iter_mut().for_each(|q| *q = None);
+        self.cqs.iter_mut().for_each(|q| *q = None);
+        self.dbbuf = None;
+        self.aer.clear();
+        self.events.clear();
+        self.queues_created = false;
+        self.nsqa = MAX_IO_QUEUES;
+        self.ncqa = MAX_IO_QUEUES;
+        self.csts = 0;
+    }
+
+    fn event(&mut self, kind: u32, info: u32, log_page: u32) {
+        self.events.push_back(kind | info << 8 | log_page << 16);
+        self.deliver_events();
+    }
+
+    fn deliver_events(&mut self) {
+        while !self.events.is_empty() && !self.aer.is_empty() {
+            let cid = self.aer.remove(0);
+            let dw0 = self.events.pop_front().unwrap();
+            self.complete(0, cid, dw0, status::SUCCESS);
+        }
+    }
+
+    /// An MMIO doorbell write. `offset` is from the start of the doorbells.
+    fn doorbell(&mut self, off: u64, value: u32) {
+        self.st.doorbell_writes += 1;
+        if self.csts & 1 == 0 {
+            return;
+        }
+        let qid = (off / 8) as usize;
+        let is_cq = off % 8 == 4;
+        let size = if is_cq { self.cqs.get(qid).copied().flatten().map(|q| q.size) } else { self.sqs.get(qid).copied().flatten().map(|q| q.size) };
+        let Some(size) = size else {
+            self.st.bad_doorbells += 1;
+            self.event(0, 0, 1); // error: write to an invalid doorbell register
+            return;
+        };
+        if value >= size as u32 {
+            self.st.bad_doorbells += 1;
+            self.event(0, 1, 1); // error: invalid doorbell write value
+            return;
+        }
+        if is_cq {
+            self.cqs[qid].as_mut().unwrap().head = value as u16;
+            // Completions may have been waiting for room.
+            for sqid in 0..self.sqs.len() {
+                if self.sqs[sqid].is_some_and(|s| s.cqid as usize == qid && s.head != s.tail) {
+                    self.process_sq(sqid);
+                }
+            }
+        } else {
+            self.sqs[qid].as_mut().unwrap().tail = value as u16;
+            self.process_sq(qid);
+        }
+    }
+
+    /// shm mode: reads the shadow doorbells of the I/O queues and serves
+    /// what they show. True if there was work.
+    fn poll_shadow(&mut self) -> bool {
+        let Some((db, ei)) = self.dbbuf else { return false };
+        let mut busy = false;
+        for qid in 1..self.sqs.len() {
+            let Some(sq) = self.sqs[qid] else { continue };
+            let Ok(tail) = self.mem.load::<u32>(GuestAddress(db + qid as u64 * 8), Ordering::Acquire) else { continue };
+            let cqid = sq.cqid as usize;
+            if let Ok(head) = self.mem.load::<u32>(GuestAddress(db + cqid as u64 * 8 + 4), Ordering::Acquire) {
+                if let Some(cq) = self.cqs[cqid].as_mut() {
+                    if head < cq.size as u32 {
+                        cq.head = head as u16;
+                    }
+                }
+            }
+            if tail == sq.tail as u32 && sq.head == sq.tail {
+                continue;
+            }
+            if tail >= sq.size as u32 {
+                self.st.bad_doorbells += 1;
+                // Reset the shadow to the last good tail so the event is raised once.
+                let _ = self.mem.store(sq.tail as u32, GuestAddress(db + qid as u64 * 8), Ordering::Release);
+                self.event(0, 1, 1);
+                continue;
+            }
+            self.sqs[qid].as_mut().unwrap().tail = tail as u16;
+            busy |= self.process_sq(qid);
+            // Keep EventIdx just behind the tail: the driver need not ring.
+            let ev = (tail + sq.size as u32 - 1) % sq.size as u32;
+            let _ = self.mem.store(ev, GuestAddress(ei + qid as u64 * 8), Ordering::Release);
+        }
+        busy
+    }
+
+    /// Serves SQ `qid` up to its tail; stops early if its CQ is full.
+    fn process_sq(&mut self, qid: usize) -> bool {
+        let mut did = false;
+        loop {
+            let Some(sq) = self.sqs[qid] else { return did };
+            if sq.head == sq.tail {
+                return did;
+            }
+            let Some(cq) = self.cqs[sq.cqid as usize] else { return did };
+            if cq.full() {
+                self.st.cq_full_waits += 1;
+                return did;
+            }
+            let sqe = read_sqe(&self.mem, &sq, sq.head);
+            self.sqs[qid].as_mut().unwrap().head = (sq.head + 1) % sq.size;
+            did = true;
+            let (dw0, st) = match sqe {
+                None => (0, status::DATA_TRANSFER_ERROR),
+                Some(c) if qid == 0 => {
+                    self.st.admin += 1;
+                    match self.admin(&c) {
+                        Some(r) => r,
+                        None => continue, // AER: completed later
+                    }
+                }
+                Some(c) => {
+                    self.st.io += 1;
+                    (0, self.io(&c))
+                }
+            };
+            let cid = sqe.map(|c| c.cid).unwrap_or(0);
+            self.complete(qid, cid, dw0, st);
+        }
+    }
+
+    fn complete(&mut self, sqid: usize, cid: u16, dw0: u32, st: u16) {
+        if st != status::SUCCESS {
+            self.st.errors += 1;
+        }
+        let Some(sq) = self.sqs[sqid] else { return };
+        let cqid = sq.cqid as usize;
+        let mem = self.mem.clone();
+        if let Some(cq) = self.cqs[cqid].as_mut() {
+            if !post_cqe(&mem, cq, dw0, sq.head, sqid as u16, cid, st) {
+                log::warn!("nvme: CQ {cqid} is outside guest RAM; completion of cid {cid} dropped");
+            }
+        }
+    }
+
+    fn admin(&mut self, c: &Sqe) -> Option<(u32, u16)> {
+        let r = |st| Some((0, st));
+        match c.opcode {
+            0x00 => r(self.delete_sq(c.cdw10 as u16)),
+            0x01 => r(self.create_sq(c)),
+            0x02 => r(self.get_log_page(c)),
+            0x04 => r(self.delete_cq(c.cdw10 as u16)),
+            0x05 => r(self.create_cq(c)),
+            0x06 => r(self.identify(c)),
+            0x08 => Some((1, status::SUCCESS)), // Abort: the command was not aborted
+            0x09 => self.set_features(c),
+            0x0a => self.get_features(c),
+            0x0c => {
+                if self.aer.len() >= AERL {
+                    return r(status::AER_LIMIT_EXCEEDED);
+                }
+                self.aer.push(c.cid);
+                self.deliver_events();
+                None
+            }
+            0x7c => r(self.dbbuf_config(c)),
+            _ => r(status::INVALID_OPCODE),
+        }
+    }
+
+    fn create_cq(&mut self, c: &Sqe) -> u16 {
+        let qid = c.cdw10 as u16 as usize;
+        let size = (c.cdw10 >> 16) + 1;
+        if qid == 0 || qid > self.ncqa as usize || self.cqs[qid].is_some() {
+            return status::INVALID_QID;
+        }
+        if size < 2 || size > MQES as u32 {
+            return status::MAX_QSIZE_EXCEEDED;
+        }
+        if c.cdw11 & 1 == 0 {
+            return status::INVALID_FIELD; // only physically contiguous queues
+        }
+        if c.cdw11 & 2 != 0 {
+            return status::INVALID_INTERRUPT_VECTOR; // no interrupt vectors offered (polled)
+        }
+        if !queue_in_ram(&self.mem, c.prp1, size as u64 * CQE_SIZE) {
+            return status::INVALID_FIELD;
+        }
+        self.cqs[qid] = Some(Cq { gpa: c.prp1, size: size as u16, ..Default::default() });
+        self.queues_created = true;
+        self.sync_shadow(qid, true);
+        status::SUCCESS
+    }
+
+    fn create_sq(&mut self, c: &Sqe) -> u16 {
+        let qid = c.cdw10 as u16 as usize;
+        let size = (c.cdw10 >> 16) + 1;
+        let cqid = (c.cdw11 >> 16) as usize;
+        if qid == 0 || qid > self.nsqa as usize || self.sqs[qid].is_some() {
+            return status::INVALID_QID;
+        }
+        if size < 2 || size > MQES as u32 {
+            return status::MAX_QSIZE_EXCEEDED;
+        }
+        if cqid == 0 || cqid >= self.cqs.len() || self.cqs[cqid].is_none() {
+            return status::CQ_INVALID;
+        }
+        if c.cdw11 & 1 == 0 {
+            return status::INVALID_FIELD;
+        }
+        if !queue_in_ram(&self.mem, c.prp1, size as u64 * SQE_SIZE) {
+            return status::INVALID_FIELD;
+        }
+        self.sqs[qid] = Some(Sq { gpa: c.prp1, size: size as u16, head: 0, tail: 0, cqid: cqid as u16 });
+        self.queues_created = true;
+        self.sync_shadow(qid, false);
+        status::SUCCESS
+    }
+
+    /// Starts a new queue's shadow doorbell and EventIdx at 0.
+    fn sync_shadow(&mut self, qid: usize, cq: bool) {
+        if let Some((db, ei)) = self.dbbuf {
+            let off = qid as u64 * 8 + if cq { 4 } else { 0 };
+            let _ = self.mem.store(0u32, GuestAddress(db + off), Ordering::Release);
+            let _ = self.mem.store(0u32, GuestAddress(ei + off), Ordering::Release);
+        }
+    }
+
+    fn delete_sq(&mut self, qid: u16) -> u16 {
+        let q = qid as usize;
+        if q == 0 || q >= self.sqs.len() || self.sqs[q].is_none() {
+            return status::INVALID_QID;
+        }
+        self.sqs[q] = None;
+        status::SUCCESS
+    }
+
+    fn delete_cq(&mut self, qid: u16) -> u16 {
+        let q = qid as usize;
+        if q == 0 || q >= self.cqs.len() || self.cqs[q].is_none() {
+            return status::INVALID_QID;
+        }
+        if self.sqs.iter().flatten().any(|s| s.cqid == qid) {
+            return status::INVALID_QUEUE_DELETION;
+        }
+        self.cqs[q] = None;
+        status::SUCCESS
+    }
+
+    fn to_guest(&mut self, c: &Sqe, data: &[u8]) -> u16 {
+        let mut segs = std::mem::take(&mut self.segs);
+        let r = match prp_segments(&self.mem, c.prp1, c.prp2, data.len() as u64, &mut segs) {
+            Ok(()) => {
+                let mut done = 0usize;
+                let mut st = status::SUCCESS;
+                for &(a, n) in &segs {
+                    if self.mem.write_slice(&data[done..done + n as usize], GuestAddress(a)).is_err() {
+                        st = status::DATA_TRANSFER_ERROR;
+                        break;
+                    }
+                    done += n as usize;
+                }
+                st
+            }
+            Err(st) => st,
+        };
+        self.segs = segs;
+        r
+    }
+
+    fn identify(&mut self, c: &Sqe) -> u16 {
+        let cns = c.cdw10 & 0xff;
+        let mut d = vec![0u8; 4096];
+        match cns {
+            0x00 => {
+                if c.nsid != 1 {
+                    return status::INVALID_NAMESPACE;
+                }
+                d[0..8].copy_from_slice(&self.nlbas.to_le_bytes()); // NSZE
+                d[8..16].copy_from_slice(&self.nlbas.to_le_bytes()); // NCAP
+                d[16..24].copy_from_slice(&self.nlbas.to_le_bytes()); // NUSE
+                d[25] = 0; // NLBAF: one format
+                d[26] = 0; // FLBAS: format 0
+                d[33] = 1; // DLFEAT: deallocated blocks read as zeros
+                // LBAF0: MS 0, LBADS, RP 0
+                d[128 + 2] = self.lba_shift as u8;
+            }
+            0x01 => {
+                d[0..2].copy_from_slice(&VENDOR.to_le_bytes());
+                d[2..4].copy_from_slice(&VENDOR.to_le_bytes());
+                d[4..24].copy_from_slice(b"IOPATH0000000000001 ");
+                d[24..64].copy_from_slice(format!("{:<40}", "iopath NVMe controller").as_bytes());
+                d[64..72].copy_from_slice(b"1.0     ");
+                d[77] = MDTS;
+                d[78..80].copy_from_slice(&1u16.to_le_bytes()); // CNTLID
+                d[80..84].copy_from_slice(&0x0001_0400u32.to_le_bytes()); // VER 1.4
+                d[111] = 1; // CNTRLTYPE: I/O controller
+                // OACS: Doorbell Buffer Config only where shadow doorbells are served.
+                let oacs: u16 = if self.mode == DoorbellMode::Shm { 1 << 8 } else { 0 };
+                d[256..258].copy_from_slice(&oacs.to_le_bytes());
+                d[258] = 3; // ACL (0-based)
+                d[259] = (AERL - 1) as u8; // AERL (0-based)
+                d[260] = 0x02; // FRMW: slot 1 read-only
+                d[261] = 0x02; // LPA: command effects... log page attributes
+                d[262] = 0; // ELPE
+                d[512] = 0x66; // SQES: 64 bytes
+                d[513] = 0x44; // CQES: 16 bytes
+                d[516..520].copy_from_slice(&1u32.to_le_bytes()); // NN
+                let oncs: u16 = (1 << 2) | (1 << 3); // DSM, Write Zeroes
+                d[520..522].copy_from_slice(&oncs.to_le_bytes());
+                d[525] = 1; // VWC present
+            }
+            0x02 => {
+                if c.nsid < 1 {
+                    d[0..4].copy_from_slice(&1u32.to_le_bytes());
+                }
+            }
+            _ => return status::INVALID_FIELD,
+        }
+        self.to_guest(c, &d)
+    }
+
+    fn set_features(&mut self, c: &Sqe) -> Option<(u32, u16)> {
+        let fid = c.cdw10 & 0xff;
+        Some(match fid {
+            0x07 => {
+                if self.queues_created {
+                    return Some((0, status::COMMAND_SEQUENCE_ERROR));
+                }
+                let nsqr = (c.cdw11 & 0xffff) as u16;
+                let ncqr = (c.cdw11 >> 16) as u16;
+                if nsqr == 0xffff || ncqr == 0xffff {
+                    return Some((0, status::INVALID_FIELD));
+                }
+                self.nsqa = (nsqr + 1).min(MAX_IO_QUEUES);
+                self.ncqa = (ncqr + 1).min(MAX_IO_QUEUES);
+                (((self.ncqa - 1) as u32) << 16 | (self.nsqa - 1) as u32, status::SUCCESS)
+            }
+            0x08 => {
+                self.coalescing = c.cdw11 & 0xffff;
+                (0, status::SUCCESS)
+            }
+            0x01 | 0x02 | 0x04 | 0x05 | 0x06 | 0x09 | 0x0a | 0x0b => (0, status::SUCCESS),
+            _ => (0, status::INVALID_FIELD),
+        })
+    }
+
+    fn get_features(&mut self, c: &Sqe) -> Option<(u32, u16)> {
+        let fid = c.cdw10 & 0xff;
+        Some(match fid {
+            0x07 => (((self.ncqa - 1) as u32) << 16 | (self.nsqa - 1) as u32, status::SUCCESS),
+            0x08 => (self.coalescing, status::SUCCESS),
+            0x01 | 0x02 | 0x04 | 0x05 | 0x06 | 0x09 | 0x0a | 0x0b => (0, status::SUCCESS),
+            _ => (0, status::INVALID_FIELD),
+        })
+    }
+
+    fn get_log_page(&mut self, c: &Sqe) -> u16 {
+        let lid = c.cdw10 & 0xff;
+        let numd = ((c.cdw10 >> 16) | (c.cdw11 & 0xffff) << 16) as u64 + 1;
+        let len = (numd * 4) as usize;
+        if len > (PAGE << MDTS) as usize {
+            return status::INVALID_FIELD;
+        }
+        let mut page = match lid {
+            0x01 => vec![0u8; 64], // error information: no entries kept
+            0x02 => {
+                let mut s = vec![0u8; 512];
+                s[1..3].copy_from_slice(&313u16.to_le_bytes()); // composite temperature, K
+                s[3] = 100; // available spare
+                s[4] = 10; // threshold
+                s[32..40].copy_from_slice(&self.smart_read_units.div_ceil(1000).to_le_bytes());
+                s[48..56].copy_from_slice(&self.smart_write_units.div_ceil(1000).to_le_bytes());
+                s[64..72].copy_from_slice(&self.st.reads.to_le_bytes());
+                s[80..88].copy_from_slice(&self.st.writes.to_le_bytes());
+                s
+            }
+            0x03 => {
+                let mut f = vec![0u8; 512];
+                f[0] = 1;
+                f[8..16].copy_from_slice(b"1.0     ");
+                f
+            }
+            _ => return status::INVALID_LOG_PAGE,
+        };
+        page.resize(len, 0);
+        self.to_guest(c, &page)
+    }
+
+    fn dbbuf_config(&mut self, c: &Sqe) -> u16 {
+        if self.mode != DoorbellMode::Shm {
+            return status::INVALID_OPCODE;
+        }
+        if !queue_in_ram(&self.mem, c.prp1, PAGE) || !queue_in_ram(&self.mem, c.prp2, PAGE) {
+            return status::INVALID_FIELD;
+        }
+        self.dbbuf = Some((c.prp1, c.prp2));
+        for qid in 1..self.sqs.len() {
+            if let Some(sq) = self.sqs[qid] {
+                let _ = self.mem.store(sq.tail as u32, GuestAddress(c.prp1 + qid as u64 * 8), Ordering::Release);
+            }
+            if let Some(cq) = self.cqs[qid] {
+                let _ = self.mem.store(cq.head as u32, GuestAddress(c.prp1 + qid as u64 * 8 + 4), Ordering::Release);
+            }
+        }
+        status::SUCCESS
+    }
+
+    fn io(&mut self, c: &Sqe) -> u16 {
+        if c.nsid != 1 {
+            return status::INVALID_NAMESPACE;
+        }
+        match c.opcode {
+            0x00 => match self.backend.flush() {
+                Ok(()) => status::SUCCESS,
+                Err(_) => status::INTERNAL,
+            },
+            0x01 | 0x02 => self.rw(c, c.opcode == 0x01),
+            0x08 => {
+                let (slba, n) = (c.cdw10 as u64 | (c.cdw11 as u64) << 32, (c.cdw12 & 0xffff) as u64 + 1);
+                if slba.checked_add(n).is_none_or(|e| e > self.nlbas) {
+                    return status::LBA_OUT_OF_RANGE;
+                }
+                match self.backend.zero(slba << self.lba_shift, n << self.lba_shift) {
+                    Ok(()) => status::SUCCESS,
+                    Err(_) => status::INTERNAL,
+                }
+            }
+            0x09 => self.dsm(c),
+            _ => status::INVALID_OPCODE,
+        }
+    }
+
+    fn rw(&mut self, c: &Sqe, write: bool) -> u16 {
+        let slba = c.cdw10 as u64 | (c.cdw11 as u64) << 32;
+        let n = (c.cdw12 & 0xffff) as u64 + 1;
+        if slba.checked_add(n).is_none_or(|e| e > self.nlbas) {
+            return status::LBA_OUT_OF_RANGE;
+        }
+        let bytes = n << self.lba_shift;
+        if bytes > PAGE << MDTS {
+            return status::INVALID_FIELD;
+        }
+        let mut segs = std::mem::take(&mut self.segs);
+        let st = match prp_segments(&self.mem, c.prp1, c.prp2, bytes, &mut segs) {
+            Err(st) => st,
+            Ok(()) => self.transfer(&segs, slba << self.lba_shift, write),
+        };
+        self.segs = segs;
+        if st == status::SUCCESS {
+            if write {
+                self.st.writes += 1;
+                self.smart_write_units += bytes / 512;
+            } else {
+                self.st.reads += 1;
+                self.smart_read_units += bytes / 512;
+            }
+        }
+        st
+    }
+
+    /// Moves data between the backend and the guest pages.
+    fn transfer(&mut self, segs: &[(u64, u64)], mut off: u64, write: bool) -> u16 {
+        if matches!(self.backend, Backend::Null) {
+            return status::SUCCESS;
+        }
+        for &(a, n) in segs {
+            let n = n as usize;
+            if self.buf.len() < n {
+                self.buf.resize(n, 0);
+            }
+            let buf = &mut self.buf[..n];
+            let r = if write {
+                self.mem.read_slice(buf, GuestAddress(a)).map_err(|_| ()).and_then(|()| self.backend.write(off, buf).map_err(|_| ()))
+            } else {
+                self.backend.read(off, buf).map_err(|_| ()).and_then(|()| self.mem.write_slice(buf, GuestAddress(a)).map_err(|_| ()))
+            };
+            if r.is_err() {
+                return status::DATA_TRANSFER_ERROR;
+            }
+            off += n as u64;
+        }
+        status::SUCCESS
+    }
+
+    fn dsm(&mut self, c: &Sqe) -> u16 {
+        let nr = (c.cdw10 & 0xff) as usize + 1;
+        let mut ranges = vec![0u8; nr * 16];
+        let mut segs = std::mem::take(&mut self.segs);
+        let r = prp_segments(&self.mem, c.prp1, c.prp2, ranges.len() as u64, &mut segs);
+        let mut done = 0;
+        let mut st = match r {
+            Ok(()) => status::SUCCESS,
+            Err(s) => s,
+        };
+        if st == status::SUCCESS {
+            for &(a, n) in &segs {
+                if self.mem.read_slice(&mut ranges[done..done + n as usize], GuestAddress(a)).is_err() {
+                    st = status::DATA_TRANSFER_ERROR;
+                }
+                done += n as usize;
+            }
+        }
+        self.segs = segs;
+        if st != status::SUCCESS {
+            return st;
+        }
+        let deallocate = c.cdw11 & 4 != 0;
+        for r in ranges.chunks(16) {
+            let n = u32::from_le_bytes(r[4..8].try_into().unwrap()) as u64;
+            let slba = u64::from_le_bytes(r[8..16].try_into().unwrap());
+            if slba.checked_add(n).is_none_or(|e| e > self.nlbas) {
+                return status::LBA_OUT_OF_RANGE;
+            }
+            if deallocate && self.backend.zero(slba << self.lba_shift, n << self.lba_shift).is_err() {
+                return status::INTERNAL;
+            }
+        }
+        status::SUCCESS
+    }
+
+    fn regs(&self) -> [u8; 0x38] {
+        let mut r = [0u8; 0x38];
+        r[0..8].copy_from_slice(&Nvme::cap().to_le_bytes());
+        r[8..12].copy_from_slice(&0x0001_0400u32.to_le_bytes());
+        r[0x0c..0x10].copy_from_slice(&self.intms.to_le_bytes());
+        r[0x10..0x14].copy_from_slice(&self.intms.to_le_bytes());
+        r[0x14..0x18].copy_from_slice(&self.cc.to_le_bytes());
+        r[0x1c..0x20].copy_from_slice(&self.csts.to_le_bytes());
+        r[0x24..0x28].copy_from_slice(&self.aqa.to_le_bytes());
+        r[0x28..0x30].copy_from_slice(&self.asq.to_le_bytes());
+        r[0x30..0x38].copy_from_slice(&self.acq.to_le_bytes());
+        r
+    }
+}
+
+impl DeviceModel for Nvme {
+    fn name(&self) -> &str {
+        "nvme"
+    }
+
+    fn ids(&self) -> PciIds {
+        PciIds { vendor: VENDOR, device: DEVICE, class: CLASS, revision: 0, subsystem_vendor: VENDOR, subsystem: DEVICE }
+    }
+
+    fn bars(&self) -> Vec<BarSpec> {
+        vec![BarSpec { index: 0, kind: BarKind::Mem64, size: BAR0_SIZE }]
+    }
+
+    fn attach(&mut self, ctx: DeviceContext) {
+        self.core.lock().unwrap().mem = ctx.mem;
+    }
+
+    fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) {
+        if bar != 0 || offset >= DOORBELLS {
+            le_fill(data, if bar != 0 { u64::MAX } else { 0 });
+            return;
+        }
+        let regs = self.core.lock().unwrap().regs();
+        crate::read_regs(&regs, offset, data);
+    }
+
+    fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]) {
+        if bar != 0 {
+            return;
+        }
+        let v = le_value(data);
+        if offset >= DOORBELLS {
+            if data.len() == 4 && offset % 4 == 0 && offset < BAR0_SIZE {
+                self.core.lock().unwrap().doorbell(offset - DOORBELLS, v as u32);
+            }
+            return;
+        }
+        match (offset, data.len()) {
+            (REG_CC, 4) => self.write_cc(v as u32),
+            (REG_INTMS, 4) => self.core.lock().unwrap().intms |= v as u32,
+            (REG_INTMC, 4) => self.core.lock().unwrap().intms &= !(v as u32),
+            (REG_AQA, 4) => self.core.lock().unwrap().aqa = v as u32 & 0x0fff_0fff,
+            (REG_ASQ, 8) => self.core.lock().unwrap().asq = v & !0xfff,
+            (REG_ACQ, 8) => self.core.lock().unwrap().acq = v & !0xfff,
+            (REG_ASQ, 4) | (REG_ACQ, 4) => {
+                let mut c = self.core.lock().unwrap();
+                let r = if offset == REG_ASQ { &mut c.asq } else { &mut c.acq };
+                *r = (*r & !0xffff_ffff) | (v & 0xffff_f000);
+            }
+            (o, 4) if o == REG_ASQ + 4 || o == REG_ACQ + 4 => {
+                let mut c = self.core.lock().unwrap();
+                let r = if o == REG_ASQ + 4 { &mut c.asq } else { &mut c.acq };
+                *r = (*r & 0xffff_ffff) | v << 32;
+            }
+            _ => {} // read-only (CAP, VS, CSTS) or reserved
+        }
+    }
+
+    fn reset(&mut self) {
+        self.stop_poller();
+        let mut c = self.core.lock().unwrap();
+        c.reset_queues();
+        c.cc = 0;
+        c.aqa = 0;
+        c.asq = 0;
+        c.acq = 0;
+    }
+
+    fn quiesce(&mut self) {
+        self.stop_poller();
+    }
+
+    fn counters(&self) -> Vec<Counter> {
+        let c = self.core.lock().unwrap();
+        let s = &c.st;
+        let mut v: Vec<Counter> = [
+            ("admin.commands", s.admin),
+            ("io.commands", s.io),
+            ("io.reads", s.reads),
+            ("io.writes", s.writes),
+            ("errors", s.errors),
+            ("doorbell.writes", s.doorbell_writes),
+            ("doorbell.invalid", s.bad_doorbells),
+            ("cq.full-waits", s.cq_full_waits),
+            ("shadow.polls", s.polls),
+        ]
+        .into_iter()
+        .map(|(n, value)| Counter { name: n.into(), value })
+        .collect();
+        v.push(Counter { name: format!("backend.{}", c.backend.name()), value: 1 });
+        if let Some(e) = &self.error {
+            log::warn!("{e}");
+        }
+        v
+    }
+}
+
+impl Drop for Nvme {
+    fn drop(&mut self) {
+        self.stop_poller();
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,256 @@
+//! NVMe submission and completion queues in guest memory, and PRP walking.
+//!
+//! Entries live in guest RAM at the queue's base address; the controller
+//! keeps head/tail/phase. Every guest address is checked against guest RAM
+//! before use: a bad one becomes an NVMe status, never an access outside RAM.
+
+use std::sync::atomic::Ordering;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+pub const SQE_SIZE: u64 = 64;
+pub const CQE_SIZE: u64 = 16;
+pub const PAGE: u64 = 4096;
+
+/// Status codes (type in bits 10:8, code in 7:0), as the CQE carries them >> 1.
+pub mod status {
+    pub const SUCCESS: u16 = 0x000;
+    pub const INVALID_OPCODE: u16 = 0x001;
+    pub const INVALID_FIELD: u16 = 0x002;
+    pub const DATA_TRANSFER_ERROR: u16 = 0x004;
+    pub const INTERNAL: u16 = 0x006;
+    pub const INVALID_NAMESPACE: u16 = 0x00b;
+    pub const COMMAND_SEQUENCE_ERROR: u16 = 0x00c;
+    pub const INVALID_PRP_OFFSET: u16 = 0x013;
+    pub const LBA_OUT_OF_RANGE: u16 = 0x080;
+    // Command specific (SCT 1).
+    pub const CQ_INVALID: u16 = 0x100;
+    pub const INVALID_QID: u16 = 0x101;
+    pub const MAX_QSIZE_EXCEEDED: u16 = 0x102;
+    pub const AER_LIMIT_EXCEEDED: u16 = 0x105;
+    pub const INVALID_INTERRUPT_VECTOR: u16 = 0x108;
+    pub const INVALID_LOG_PAGE: u16 = 0x109;
+    pub const INVALID_QUEUE_DELETION: u16 = 0x10c;
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Sq {
+    pub gpa: u64,
+    /// Entries (1-based).
+    pub size: u16,
+    pub head: u16,
+    pub tail: u16,
+    pub cqid: u16,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cq {
+    pub gpa: u64,
+    pub size: u16,
+    pub head: u16,
+    pub tail: u16,
+    pub phase: bool,
+    pub ien: bool,
+    pub iv: u16,
+}
+
+impl Cq {
+    pub fn full(&self) -> bool {
+        (self.tail + 1) % self.size == self.head
+    }
+}
+
+/// A submission queue entry's fields the controller uses.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Sqe {
+    pub opcode: u8,
+    pub cid: u16,
+    pub nsid: u32,
+    pub prp1: u64,
+    pub prp2: u64,
+    pub cdw10: u32,
+    pub cdw11: u32,
+    pub cdw12: u32,
+    pub cdw13: u32,
+}
+
+impl Sqe {
+    pub fn parse(b: &[u8; 64]) -> Sqe {
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        Sqe {
+            opcode: b[0],
+            cid: u16::from_le_bytes([b[2], b[3]]),
+            nsid: u32_at(4),
+            prp1: u64_at(24),
+            prp2: u64_at(32),
+            cdw10: u32_at(40),
+            cdw11: u32_at(44),
+            cdw12: u32_at(48),
+            cdw13: u32_at(52),
+        }
+    }
+}
+
+/// Queue memory must be page aligned and wholly in guest RAM.
+pub fn queue_in_ram(mem: &GuestMemoryMmap, gpa: u64, bytes: u64) -> bool {
+    use vm_memory::GuestMemoryBackend;
+    gpa % PAGE == 0 && gpa != 0 && mem.get_slice(GuestAddress(gpa), bytes as usize).is_ok()
+}
+
+pub fn read_sqe(mem: &GuestMemoryMmap, sq: &Sq, idx: u16) -> Option<Sqe> {
+    let mut b = [0u8; 64];
+    mem.read_slice(&mut b, GuestAddress(sq.gpa + idx as u64 * SQE_SIZE)).ok()?;
+    Some(Sqe::parse(&b))
+}
+
+/// Posts a completion; the dword with the phase tag is stored last, with
+/// release ordering, so a guest that sees the new phase sees the entry.
+pub fn post_cqe(mem: &GuestMemoryMmap, cq: &mut Cq, dw0: u32, sqhd: u16, sqid: u16, cid: u16, st: u16) -> bool {
+    let addr = cq.gpa + cq.tail as u64 * CQE_SIZE;
+    let mut b = [0u8; 12];
+    b[..4].copy_from_slice(&dw0.to_le_bytes());
+    b[8..10].copy_from_slice(&sqhd.to_le_bytes());
+    b[10..12].copy_from_slice(&sqid.to_le_bytes());
+    // Phase is the value the entry must carry this lap: the inverse of what is there.
+    let phase = !cq.phase as u32;
+    let dw3 = cid as u32 | phase << 16 | (st as u32) << 17;
+    if mem.write_slice(&b, GuestAddress(addr)).is_err() || mem.store(dw3, GuestAddress(addr + 12), Ordering::Release).is_err()
+    {
+        return false;
+    }
+    cq.tail += 1;
+    if cq.tail == cq.size {
+        cq.tail = 0;
+        cq.phase = !cq.phase;
+    }
+    true
+}
+
+/// The guest pages of a transfer of `len` bytes described by PRP1/PRP2,
+/// as (guest address, length) segments; PRP lists are followed and every
+/// list entry is checked. Errors are NVMe status codes.
+pub fn prp_segments(mem: &GuestMemoryMmap, prp1: u64, prp2: u64, len: u64, out: &mut Vec<(u64, u64)>) -> Result<(), u16> {
+    out.clear();
+    if len == 0 {
+        return Ok(());
+    }
+    if prp1 & 3 != 0 {
+        return Err(status::INVALID_PRP_OFFSET);
+    }
+    let first = (PAGE - (prp1 & (PAGE - 1))).min(len);
+    out.push((prp1, first));
+    let mut left = len - first;
+    if left == 0 {
+        return check(mem, out);
+    }
+    if left <= PAGE {
+        if prp2 & (PAGE - 1) != 0 {
+            return Err(status::INVALID_PRP_OFFSET);
+        }
+        out.push((prp2, left));
+        return check(mem, out);
+    }
+    // PRP2 points to a list; the last entry of a full list page chains on.
+    let mut list = prp2;
+    if list & 7 != 0 {
+        return Err(status::INVALID_PRP_OFFSET);
+    }
+    let mut guard = 0;
+    while left > 0 {
+        let entries_here = (PAGE - (list & (PAGE - 1))) / 8;
+        for i in 0..entries_here {
+            let e: u64 = mem.read_obj(GuestAddress(list + i * 8)).map_err(|_| status::DATA_TRANSFER_ERROR)?;
+            if i == entries_here - 1 && left > PAGE {
+                if e & 7 != 0 {
+                    return Err(status::INVALID_PRP_OFFSET);
+                }
+                list = e;
+                break;
+            }
+            if e & (PAGE - 1) != 0 {
+                return Err(status::INVALID_PRP_OFFSET);
+            }
+            let n = left.min(PAGE);
+            out.push((e, n));
+            left -= n;
+            if left == 0 {
+                break;
+            }
+        }
+        guard += 1;
+        if guard > 64 {
+            return Err(status::INVALID_FIELD); // a list longer than any transfer this controller allows
+        }
+    }
+    check(mem, out)
+}
+
+fn check(mem: &GuestMemoryMmap, segs: &[(u64, u64)]) -> Result<(), u16> {
+    use vm_memory::GuestMemoryBackend;
+    for &(a, n) in segs {
+        if a == 0 || mem.get_slice(GuestAddress(a), n as usize).is_err() {
+            return Err(status::DATA_TRANSFER_ERROR);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mem() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap()
+    }
+
+    #[test]
+    fn prps_one_two_and_lists() {
+        let m = mem();
+        let mut v = Vec::new();
+        prp_segments(&m, 0x1200, 0, 512, &mut v).unwrap();
+        assert_eq!(v, [(0x1200, 512)]);
+        prp_segments(&m, 0x1800, 0x5000, 4096, &mut v).unwrap();
+        assert_eq!(v, [(0x1800, 2048), (0x5000, 2048)]);
+        // 16 KiB from a page-aligned PRP1: PRP2 is a list of 3 pages.
+        for (i, p) in [0x7000u64, 0x9000, 0xb000].iter().enumerate() {
+            m.write_obj(*p, GuestAddress(0x20000 + 8 * i as u64)).unwrap();
+        }
+        prp_segments(&m, 0x3000, 0x20000, 16384, &mut v).unwrap();
+        assert_eq!(v, [(0x3000, 4096), (0x7000, 4096), (0x9000, 4096), (0xb000, 4096)]);
+    }
+
+    #[test]
+    fn hostile_prps_get_a_status() {
+        let m = mem();
+        let mut v = Vec::new();
+        assert_eq!(prp_segments(&m, 0x1201, 0, 512, &mut v), Err(status::INVALID_PRP_OFFSET));
+        assert_eq!(prp_segments(&m, 0x1800, 0x5004, 4096, &mut v), Err(status::INVALID_PRP_OFFSET));
+        assert_eq!(prp_segments(&m, 1 << 30, 0, 512, &mut v), Err(status::DATA_TRANSFER_ERROR), "outside RAM");
+        assert_eq!(prp_segments(&m, 0xff000, 0x100000, 8192, &mut v), Err(status::DATA_TRANSFER_ERROR));
+        assert_eq!(prp_segments(&m, 0x3000, u64::MAX - 7, 16384, &mut v), Err(status::DATA_TRANSFER_ERROR));
+        // A list entry with an offset.
+        m.write_obj(0x7001u64, GuestAddress(0x20000)).unwrap();
+        assert_eq!(prp_segments(&m, 0x3000, 0x20000, 12288, &mut v), Err(status::INVALID_PRP_OFFSET));
+        // A list that points at itself forever ends with a status.
+        for i in 0..512u64 {
+            m.write_obj(0x20000u64, GuestAddress(0x20000 + 8 * i)).unwrap();
+        }
+        assert!(prp_segments(&m, 0x3000, 0x20000, 1 << 30, &mut v).is_err());
+    }
+
+    #[test]
+    fn completions_flip_phase_each_lap() {
+        let m = mem();
+        let mut cq = Cq { gpa: 0x8000, size: 2, ..Default::default() };
+        assert!(post_cqe(&m, &mut cq, 7, 1, 1, 0x42, 0));
+        let dw3: u32 = m.read_obj(GuestAddress(0x8000 + 12)).unwrap();
+        assert_eq!(dw3, 0x42 | 1 << 16);
+        assert!(post_cqe(&m, &mut cq, 0, 2, 1, 0x43, status::LBA_OUT_OF_RANGE));
+        assert_eq!((cq.tail, cq.phase), (0, true));
+        assert!(post_cqe(&m, &mut cq, 0, 3, 1, 0x44, 0));
+        let dw3: u32 = m.read_obj(GuestAddress(0x8000 + 12)).unwrap();
+        assert_eq!(dw3 >> 16 & 1, 0, "second lap carries phase 0");
+        let dw3b: u32 = m.read_obj(GuestAddress(0x8000 + 16 + 12)).unwrap();
+        assert_eq!(dw3b >> 17, status::LBA_OUT_OF_RANGE as u32);
+    }
+}

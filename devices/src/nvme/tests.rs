@@ -1,0 +1,247 @@
+//! The controller driven the way a driver would, through BAR0 and guest RAM.
+
+use super::*;
+use crate::DeviceContext;
+
+const ASQ: u64 = 0x10000;
+const ACQ: u64 = 0x11000;
+const IOSQ: u64 = 0x12000;
+const IOCQ: u64 = 0x13000;
+const DATA: u64 = 0x20000;
+const DBBUF: u64 = 0x30000;
+const EVIDX: u64 = 0x31000;
+
+struct Drv {
+    n: Nvme,
+    mem: GuestMemoryMmap,
+    atail: u16,
+    ahead: u16,
+    aphase: u32,
+    iotail: u16,
+    iohead: u16,
+    iophase: u32,
+    cid: u16,
+}
+
+impl Drv {
+    fn new(cfg: NvmeConfig) -> Drv {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let mut n = Nvme::new(cfg).unwrap();
+        n.attach(DeviceContext::detached(mem.clone()));
+        let mut d = Drv { n, mem, atail: 0, ahead: 0, aphase: 1, iotail: 0, iohead: 0, iophase: 1, cid: 0 };
+        d.w32(REG_AQA, 31 << 16 | 31);
+        d.n.bar_write(0, REG_ASQ, &ASQ.to_le_bytes());
+        d.n.bar_write(0, REG_ACQ, &ACQ.to_le_bytes());
+        d.w32(REG_CC, 0x0046_0001);
+        assert_eq!(d.r32(REG_CSTS) & 1, 1, "ready");
+        d
+    }
+    fn w32(&mut self, off: u64, v: u32) {
+        self.n.bar_write(0, off, &v.to_le_bytes());
+    }
+    fn r32(&mut self, off: u64) -> u32 {
+        let mut b = [0u8; 4];
+        self.n.bar_read(0, off, &mut b);
+        u32::from_le_bytes(b)
+    }
+    fn sqe(&mut self, op: u8, nsid: u32, prp1: u64, prp2: u64, cdw: [u32; 4]) -> [u8; 64] {
+        self.cid += 1;
+        let mut e = [0u8; 64];
+        e[0] = op;
+        e[2..4].copy_from_slice(&self.cid.to_le_bytes());
+        e[4..8].copy_from_slice(&nsid.to_le_bytes());
+        e[24..32].copy_from_slice(&prp1.to_le_bytes());
+        e[32..40].copy_from_slice(&prp2.to_le_bytes());
+        for (i, v) in cdw.iter().enumerate() {
+            e[40 + 4 * i..44 + 4 * i].copy_from_slice(&v.to_le_bytes());
+        }
+        e
+    }
+    /// Submits an admin command and returns (dw0, status) of its completion.
+    fn admin(&mut self, op: u8, nsid: u32, prp1: u64, prp2: u64, cdw: [u32; 4]) -> (u32, u16) {
+        let e = self.sqe(op, nsid, prp1, prp2, cdw);
+        self.mem.write_slice(&e, GuestAddress(ASQ + self.atail as u64 * 64)).unwrap();
+        self.atail = (self.atail + 1) % 32;
+        self.w32(DOORBELLS, self.atail as u32);
+        let r = self.reap(ACQ, 32, true).expect("admin completion");
+        self.w32(DOORBELLS + 4, self.ahead as u32);
+        r
+    }
+    fn reap(&mut self, cq: u64, size: u16, admin: bool) -> Option<(u32, u16)> {
+        let (head, phase) = if admin { (&mut self.ahead, &mut self.aphase) } else { (&mut self.iohead, &mut self.iophase) };
+        let a = cq + *head as u64 * 16;
+        let dw3: u32 = self.mem.read_obj(GuestAddress(a + 12)).unwrap();
+        if dw3 >> 16 & 1 != *phase {
+            return None;
+        }
+        let dw0: u32 = self.mem.read_obj(GuestAddress(a)).unwrap();
+        *head += 1;
+        if *head == size {
+            *head = 0;
+            *phase ^= 1;
+        }
+        Some((dw0, (dw3 >> 17) as u16))
+    }
+    fn io_queues(&mut self, size: u16) {
+        let (_, st) = self.admin(0x05, 0, IOCQ, 0, [1 | ((size as u32 - 1) << 16), 1, 0, 0]);
+        assert_eq!(st, 0);
+        let (_, st) = self.admin(0x01, 0, IOSQ, 0, [1 | ((size as u32 - 1) << 16), 1 | 1 << 16, 0, 0]);
+        assert_eq!(st, 0);
+    }
+    /// One I/O through the MMIO doorbell; returns its status.
+    fn io(&mut self, op: u8, slba: u64, nlb0: u32, prp1: u64, prp2: u64, size: u16) -> u16 {
+        let e = self.sqe(op, 1, prp1, prp2, [slba as u32, (slba >> 32) as u32, nlb0, 0]);
+        self.mem.write_slice(&e, GuestAddress(IOSQ + self.iotail as u64 * 64)).unwrap();
+        self.iotail = (self.iotail + 1) % size;
+        self.w32(DOORBELLS + 8, self.iotail as u32);
+        let (_, st) = self.reap(IOCQ, size, false).expect("io completion");
+        self.w32(DOORBELLS + 12, self.iohead as u32);
+        st
+    }
+}
+
+fn mmio(backend: BackendKind) -> NvmeConfig {
+    NvmeConfig { backend, size: 1 << 20, lba_size: 512, doorbell: DoorbellMode::Mmio }
+}
+
+#[test]
+fn bring_up_identify_and_data_round_trip() {
+    let mut d = Drv::new(mmio(BackendKind::Ram));
+    assert_eq!(d.admin(0x06, 0, DATA, 0, [1, 0, 0, 0]).1, 0);
+    let vid: u16 = d.mem.read_obj(GuestAddress(DATA)).unwrap();
+    assert_eq!(vid, VENDOR);
+    assert_eq!(d.admin(0x06, 1, DATA, 0, [0, 0, 0, 0]).1, 0);
+    let nsze: u64 = d.mem.read_obj(GuestAddress(DATA)).unwrap();
+    assert_eq!(nsze, 2048);
+    let (dw0, st) = d.admin(0x09, 0, 0, 0, [7, 3 | 3 << 16, 0, 0]);
+    assert_eq!((dw0, st), (3 | 3 << 16, 0));
+    d.io_queues(16);
+    // Write 8 KiB (a PRP list is not needed: PRP2 is the second page), read it back.
+    let pat: Vec<u8> = (0..8192u32).map(|i| (i * 7 + 3) as u8).collect();
+    d.mem.write_slice(&pat, GuestAddress(DATA)).unwrap();
+    assert_eq!(d.io(0x01, 100, 15, DATA, DATA + 4096, 16), 0);
+    d.mem.write_slice(&[0u8; 8192], GuestAddress(DATA)).unwrap();
+    assert_eq!(d.io(0x02, 100, 15, DATA, DATA + 4096, 16), 0);
+    let mut back = vec![0u8; 8192];
+    d.mem.read_slice(&mut back, GuestAddress(DATA)).unwrap();
+    assert_eq!(back, pat);
+    // Write Zeroes, then the data reads as zeros.
+    assert_eq!(d.io(0x08, 100, 15, 0, 0, 16), 0);
+    assert_eq!(d.io(0x02, 100, 0, DATA, 0, 16), 0);
+    let z: u64 = d.mem.read_obj(GuestAddress(DATA)).unwrap();
+    assert_eq!(z, 0);
+    assert_eq!(d.io(0x00, 0, 0, 0, 0, 16), 0, "flush");
+    // Many I/Os wrap the queues and flip the phase.
+    for i in 0..40 {
+        assert_eq!(d.io(0x02, i, 0, DATA, 0, 16), 0);
+    }
+    let c = d.n.counters();
+    let get = |n: &str| c.iter().find(|x| x.name == n).unwrap().value;
+    assert_eq!(get("io.reads"), 42);
+    assert_eq!(get("errors"), 0);
+}
+
+#[test]
+fn hostile_commands_get_nvme_statuses_and_the_controller_goes_on() {
+    let mut d = Drv::new(mmio(BackendKind::Ram));
+    assert_eq!(d.admin(0x55, 0, 0, 0, [0; 4]).1, status::INVALID_OPCODE);
+    assert_eq!(d.admin(0x06, 7, DATA, 0, [0, 0, 0, 0]).1, status::INVALID_NAMESPACE);
+    assert_eq!(d.admin(0x06, 0, 1 << 30, 0, [1, 0, 0, 0]).1, status::DATA_TRANSFER_ERROR, "PRP outside RAM");
+    assert_eq!(d.admin(0x06, 0, DATA + 2, 0, [1, 0, 0, 0]).1, status::INVALID_PRP_OFFSET);
+    // Queues: bad ids, sizes, a missing CQ, memory outside RAM, interrupts not offered.
+    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [0 | 15 << 16, 1, 0, 0]).1, status::INVALID_QID);
+    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 0xffff << 16, 1, 0, 0]).1, status::MAX_QSIZE_EXCEEDED);
+    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3, 0, 0]).1, status::INVALID_INTERRUPT_VECTOR);
+    assert_eq!(d.admin(0x05, 0, 0xff000, 0, [1 | 4095 << 16, 1, 0, 0]).1, status::INVALID_FIELD);
+    assert_eq!(d.admin(0x01, 0, IOSQ, 0, [1 | 15 << 16, 1 | 9 << 16, 0, 0]).1, status::CQ_INVALID);
+    assert_eq!(d.admin(0x01, 0, IOSQ, 0, [999 | 15 << 16, 1 | 1 << 16, 0, 0]).1, status::INVALID_QID);
+    d.io_queues(4);
+    assert_eq!(d.admin(0x04, 0, 0, 0, [1, 0, 0, 0]).1, status::INVALID_QUEUE_DELETION, "CQ still in use");
+    assert_eq!(d.admin(0x09, 0, 0, 0, [7, 1, 0, 0]).1, status::COMMAND_SEQUENCE_ERROR, "queues exist");
+    // I/O: past the namespace, too large, bad opcode, bad namespace, PRP outside RAM.
+    assert_eq!(d.io(0x02, 2047, 1, DATA, 0, 4), status::LBA_OUT_OF_RANGE);
+    assert_eq!(d.io(0x02, u64::MAX, 0, DATA, 0, 4), status::LBA_OUT_OF_RANGE);
+    assert_eq!(d.io(0x02, 0, 511, DATA, 0, 4), status::INVALID_FIELD, "256 KiB > MDTS");
+    assert_eq!(d.io(0x7f, 0, 0, DATA, 0, 4), status::INVALID_OPCODE);
+    assert_eq!(d.io(0x02, 0, 0, 0xfff00, 0x100000, 4), status::DATA_TRANSFER_ERROR);
+    assert_eq!(d.io(0x02, 0, 0, DATA, 0, 4), status::SUCCESS, "still serving");
+    // AER: an invalid doorbell value raises an error event.
+    let e = d.sqe(0x0c, 0, 0, 0, [0; 4]);
+    d.mem.write_slice(&e, GuestAddress(ASQ + d.atail as u64 * 64)).unwrap();
+    d.atail = (d.atail + 1) % 32;
+    d.w32(DOORBELLS, d.atail as u32);
+    assert!(d.reap(ACQ, 32, true).is_none(), "an AER completes only with an event");
+    d.w32(DOORBELLS + 8, 9); // tail 9 on a 4-entry SQ
+    let ev = d.reap(ACQ, 32, true).expect("the AER completes");
+    assert_eq!(ev, (1 << 8 | 1 << 16, 0), "error event: invalid doorbell write value, log page 1");
+    d.w32(DOORBELLS + 4, d.ahead as u32);
+    d.w32(DOORBELLS + 8 * 40, 1); // a queue that does not exist
+    assert_eq!(d.io(0x02, 0, 0, DATA, 0, 4), status::SUCCESS);
+    let c = d.n.counters();
+    assert_eq!(c.iter().find(|x| x.name == "doorbell.invalid").unwrap().value, 2);
+}
+
+#[test]
+fn a_full_cq_holds_submissions_until_the_host_frees_entries() {
+    let mut d = Drv::new(mmio(BackendKind::Null));
+    d.io_queues(4);
+    // Fill the SQ with 3 commands without reaping: a 4-entry CQ holds 3.
+    for _ in 0..3 {
+        let e = d.sqe(0x02, 1, DATA, 0, [0, 0, 0, 0]);
+        d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+        d.iotail = (d.iotail + 1) % 4;
+    }
+    d.w32(DOORBELLS + 8, d.iotail as u32);
+    for _ in 0..3 {
+        assert!(d.reap(IOCQ, 4, false).is_some());
+    }
+    // Three more while the host has not told the controller it reaped.
+    for _ in 0..3 {
+        let e = d.sqe(0x02, 1, DATA, 0, [0, 0, 0, 0]);
+        d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+        d.iotail = (d.iotail + 1) % 4;
+    }
+    d.w32(DOORBELLS + 8, d.iotail as u32);
+    assert!(d.reap(IOCQ, 4, false).is_none(), "no room: nothing posted over unreaped entries");
+    d.w32(DOORBELLS + 12, d.iohead as u32);
+    for _ in 0..3 {
+        assert!(d.reap(IOCQ, 4, false).is_some());
+    }
+}
+
+#[test]
+fn shm_doorbells_are_polled_with_eventidx_kept_behind() {
+    let cfg = NvmeConfig { backend: BackendKind::Ram, size: 1 << 20, lba_size: 4096, doorbell: DoorbellMode::Shm };
+    let mut d = Drv::new(cfg);
+    assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
+    d.io_queues(8);
+    let before = d.n.counters().iter().find(|x| x.name == "doorbell.writes").unwrap().value;
+    for i in 0..20u64 {
+        let e = d.sqe(0x02, 1, DATA, 0, [i as u32, 0, 0, 0]);
+        d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+        d.iotail = (d.iotail + 1) % 8;
+        d.mem.store(d.iotail as u32, GuestAddress(DBBUF + 8), Ordering::Release).unwrap();
+        let t0 = std::time::Instant::now();
+        let r = loop {
+            if let Some(r) = d.reap(IOCQ, 8, false) {
+                break r;
+            }
+            assert!(t0.elapsed() < std::time::Duration::from_secs(5), "the poller did not serve the queue");
+        };
+        assert_eq!(r.1, 0);
+        d.mem.store(d.iohead as u32, GuestAddress(DBBUF + 12), Ordering::Release).unwrap();
+        let ev: u32 = d.mem.load(GuestAddress(EVIDX + 8), Ordering::Acquire).unwrap();
+        assert_eq!(ev, (d.iotail as u32 + 7) % 8, "EventIdx one behind the tail");
+    }
+    let after = d.n.counters().iter().find(|x| x.name == "doorbell.writes").unwrap().value;
+    assert_eq!(after, before, "no MMIO doorbell write for I/O");
+    d.n.quiesce();
+}
+
+#[test]
+fn mmio_mode_offers_no_doorbell_buffer_config_and_bad_lba_sizes_are_refused() {
+    let mut d = Drv::new(mmio(BackendKind::Null));
+    assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, status::INVALID_OPCODE);
+    assert!(Nvme::new(NvmeConfig { lba_size: 1024, ..mmio(BackendKind::Null) }).is_err());
+    assert!(Nvme::new(NvmeConfig { size: 1000, ..mmio(BackendKind::Null) }).is_err());
+}
