@@ -177,14 +177,41 @@ pub trait DeviceModel: Send {
 }
 
 /// Device models by name, as `iopath serve` and `--device` name them.
-pub const DEVICE_NAMES: &[&str] = &["pci-testdev", "iopath-doorbell"];
+pub const DEVICE_NAMES: &[&str] = &["pci-testdev", "iopath-doorbell", "nvme"];
 
-/// A new device model of the given name.
-pub fn by_name(name: &str) -> Option<Box<dyn DeviceModel>> {
+/// A new device model from `NAME[,key=value...]`, e.g.
+/// `nvme,doorbell=shm,backend=ram,size_mb=64,lba=512`.
+pub fn by_name(spec: &str) -> Result<Box<dyn DeviceModel>, String> {
+    let mut parts = spec.split(',');
+    let name = parts.next().unwrap_or("");
+    let opts: Vec<(&str, &str)> = parts
+        .map(|kv| kv.split_once('=').ok_or_else(|| format!("{name}: option {kv:?} is not key=value")))
+        .collect::<Result<_, _>>()?;
+    let no_opts = |d: Box<dyn DeviceModel>| {
+        if opts.is_empty() {
+            Ok(d)
+        } else {
+            Err(format!("{name} takes no options"))
+        }
+    };
     match name {
-        "pci-testdev" => Some(Box::new(testdev::PciTestDev::new())),
-        "iopath-doorbell" => Some(Box::new(doorbell::Doorbell::new())),
-        _ => None,
+        "pci-testdev" => no_opts(Box::new(testdev::PciTestDev::new())),
+        "iopath-doorbell" => no_opts(Box::new(doorbell::Doorbell::new())),
+        "nvme" => {
+            let mut c = nvme::NvmeConfig::default();
+            for (k, v) in opts {
+                let num = || v.parse::<u64>().map_err(|_| format!("nvme: {k}={v} is not a number"));
+                match k {
+                    "doorbell" => c.doorbell = v.parse()?,
+                    "backend" => c.backend = v.parse()?,
+                    "size_mb" => c.size = num()? << 20,
+                    "lba" => c.lba_size = num()? as u32,
+                    _ => return Err(format!("nvme: unknown option {k} (doorbell, backend, size_mb, lba)")),
+                }
+            }
+            Ok(Box::new(nvme::Nvme::new(c)?))
+        }
+        _ => Err(format!("unknown device {name:?} (one of {})", DEVICE_NAMES.join(", "))),
     }
 }
 

@@ -105,5 +105,6 @@ void pci_cfg_write32(const struct pci_dev *d, u8 off, u32 v);
 /* Workloads. Each returns an exit code. */
 int workload_exits(void);
 int workload_floor(void);
+int workload_nvme(u64 mem_bytes);
 
 #endif

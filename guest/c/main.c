@@ -46,6 +46,9 @@ int guest_main(u64 mbi_addr, u32 magic)
     } else if (!workload || (!strncmp(workload, "exits", 5) && (workload[5] == ' ' || !workload[5]))) {
         pci_scan();
         rc = workload_exits();
+    } else if (!strncmp(workload, "nvme", 4) && (workload[4] == ' ' || !workload[4])) {
+        pci_scan();
+        rc = workload_nvme((u64)mem_kb * 1024);
     } else {
         printf("@error unknown workload\n");
         rc = EXIT_FAIL;

@@ -74,8 +74,9 @@ impl FromStr for DeviceSpec {
             Some((d, r)) => (d, Some(r)),
             None => (s, None),
         };
-        if !iopath_devices::DEVICE_NAMES.contains(&device) {
-            return Err(format!("unknown device {device:?} (one of {})", iopath_devices::DEVICE_NAMES.join(", ")));
+        let name = device.split(',').next().unwrap_or("");
+        if !iopath_devices::DEVICE_NAMES.contains(&name) {
+            return Err(format!("unknown device {name:?} (one of {})", iopath_devices::DEVICE_NAMES.join(", ")));
         }
         let remote = match rest {
             None => None,
@@ -119,7 +120,7 @@ impl Programs {
 
 /// QEMU's name for an iopath device model, where QEMU has one.
 fn qemu_device(device: &str) -> Result<&'static str, String> {
-    match device {
+    match device.split(',').next().unwrap_or("") {
         "pci-testdev" => Ok("pci-testdev"),
         d => Err(format!("QEMU has no model of {d}")),
     }
@@ -133,7 +134,7 @@ fn socketpair() -> Result<(UnixStream, UnixStream), String> {
 /// VMM hosts: the device itself, or a proxy for it.
 pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<Box<dyn DeviceModel>, String> {
     let Some((transport, ep)) = &spec.remote else {
-        return iopath_devices::by_name(&spec.device).ok_or_else(|| format!("unknown device {}", spec.device));
+        return iopath_devices::by_name(&spec.device);
     };
     let label = format!("{}@{}", spec.device, transport.name());
     let (sock, child) = match ep {
@@ -166,12 +167,12 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<Box<dyn Device
     match transport {
         Transport::Mpqemu => {
             let mut p = MpqemuProxy::connect(sock, child).map_err(|e| format!("{label}: {e}"))?;
-            p.set_name(&spec.device);
+            p.set_name(spec.device.split(',').next().unwrap_or(""));
             Ok(Box::new(p))
         }
         Transport::VfioUser | Transport::IoRegionFd { .. } => {
             let mut p = crate::vfio_user::VfioUserProxy::connect(sock, child).map_err(|e| format!("{label}: {e}"))?;
-            p.set_name(&spec.device);
+            p.set_name(spec.device.split(',').next().unwrap_or(""));
             Ok(Box::new(p))
         }
     }

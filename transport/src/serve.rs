@@ -34,7 +34,7 @@ pub struct ServeOptions {
 
 /// Serves until the inherited socket closes, or forever on a listening socket.
 pub fn run(o: &ServeOptions) -> Result<(), String> {
-    let dev = iopath_devices::by_name(&o.device).ok_or_else(|| format!("unknown device {}", o.device))?;
+    let dev = iopath_devices::by_name(&o.device)?;
     let f = Arc::new(Mutex::new(PciFunction::new(dev)?));
     let irq = IrqLines::new();
     let mut state = match o.transport {

@@ -50,7 +50,7 @@ const AERL: usize = 4;
 const REG_INTMS: u64 = 0x0c;
 const REG_INTMC: u64 = 0x10;
 const REG_CC: u64 = 0x14;
-const REG_CSTS: u64 = 0x1c;
+
 const REG_AQA: u64 = 0x24;
 const REG_ASQ: u64 = 0x28;
 const REG_ACQ: u64 = 0x30;
@@ -351,8 +351,11 @@ impl Core {
             let cqid = sq.cqid as usize;
             if let Ok(head) = self.mem.load::<u32>(GuestAddress(db + cqid as u64 * 8 + 4), Ordering::Acquire) {
                 if let Some(cq) = self.cqs[cqid].as_mut() {
-                    if head < cq.size as u32 {
+                    if head < cq.size as u32 && head != cq.head as u32 {
+                        // EventIdx one behind the head seen before this one (see below).
+                        let ev = (cq.head as u32 + cq.size as u32 - 1) % cq.size as u32;
                         cq.head = head as u16;
+                        let _ = self.mem.store(ev, GuestAddress(ei + cqid as u64 * 8 + 4), Ordering::Release);
                     }
                 }
             }
@@ -366,11 +369,17 @@ impl Core {
                 self.event(0, 1, 1);
                 continue;
             }
+            // EventIdx goes one behind the tail seen *before* this one. The
+            // driver's last written value is never behind a tail the
+            // controller has read, so EventIdx stays out of every range the
+            // driver crosses (unless it runs a queue length ahead): a driver
+            // that follows the rule never rings. Setting it behind the new
+            // tail instead races: the driver may read it right after the
+            // controller took its write, and ring for nothing.
+            let ev = (sq.tail as u32 + sq.size as u32 - 1) % sq.size as u32;
+            let _ = self.mem.store(ev, GuestAddress(ei + qid as u64 * 8), Ordering::Release);
             self.sqs[qid].as_mut().unwrap().tail = tail as u16;
             busy |= self.process_sq(qid);
-            // Keep EventIdx just behind the tail: the driver need not ring.
-            let ev = (tail + sq.size as u32 - 1) % sq.size as u32;
-            let _ = self.mem.store(ev, GuestAddress(ei + qid as u64 * 8), Ordering::Release);
         }
         busy
     }
@@ -416,9 +425,8 @@ impl Core {
         }
         let Some(sq) = self.sqs[sqid] else { return };
         let cqid = sq.cqid as usize;
-        let mem = self.mem.clone();
         if let Some(cq) = self.cqs[cqid].as_mut() {
-            if !post_cqe(&mem, cq, dw0, sq.head, sqid as u16, cid, st) {
+            if !post_cqe(&self.mem, cq, dw0, sq.head, sqid as u16, cid, st) {
                 log::warn!("nvme: CQ {cqid} is outside guest RAM; completion of cid {cid} dropped");
             }
         }
@@ -498,12 +506,14 @@ impl Core {
         status::SUCCESS
     }
 
-    /// Starts a new queue's shadow doorbell and EventIdx at 0.
+    /// Starts a new queue's shadow doorbell at 0 and its EventIdx at the
+    /// last entry, outside the first range the driver crosses.
     fn sync_shadow(&mut self, qid: usize, cq: bool) {
         if let Some((db, ei)) = self.dbbuf {
             let off = qid as u64 * 8 + if cq { 4 } else { 0 };
+            let size = if cq { self.cqs[qid].map(|q| q.size) } else { self.sqs[qid].map(|q| q.size) };
             let _ = self.mem.store(0u32, GuestAddress(db + off), Ordering::Release);
-            let _ = self.mem.store(0u32, GuestAddress(ei + off), Ordering::Release);
+            let _ = self.mem.store(size.unwrap_or(1) as u32 - 1, GuestAddress(ei + off), Ordering::Release);
         }
     }
 

@@ -1,0 +1,566 @@
+/*
+ * iopath guest: nvmeperf, a polled user-space NVMe driver and load generator.
+ *
+ * It finds the first NVMe controller (class 01/08/02), brings it up
+ * (CC.EN=0, AQA/ASQ/ACQ, CC.EN=1), reads Identify, asks for queues, creates
+ * I/O queue pairs with interrupts off, and uses Doorbell Buffer Config when
+ * the controller offers it (shadow doorbells with the EventIdx rule: an MMIO
+ * doorbell write only when the controller's EventIdx asks for one). Then it
+ * runs a fio-like job, time based, and prints one "@nvme" record: I/Os,
+ * cycles, and latency percentiles from a log-linear histogram of cycles.
+ * Verify mode writes an LBA-tagged pattern and reads it back.
+ *
+ * Command line: rw=read|write|randread|randwrite|randrw bs=N iodepth=N
+ *   queues=N time_ms=N rwmixread=N size_mb=N seed=N dbbuf=0|1 verify=0|1
+ *   qsize=N
+ * Memory: everything lives from 16 MiB up (identity mapped), bump allocated.
+ */
+#include "guest.h"
+
+#define NVME_CLASS 0x010802
+#define PAGE 4096ull
+#define MEM_BASE (16ull << 20)
+#define MAX_Q 16
+#define MAX_DEPTH 1024
+#define HIST_SUB 16
+#define HIST_BUCKETS (64 * HIST_SUB)
+
+static u64 bar0, mem_next, mem_end;
+static u32 hist[HIST_BUCKETS];
+static u64 lat_sum, lat_min, lat_max, nerrors;
+
+struct sq_cq {
+    u16 qid, size;
+    volatile u8 *sq;
+    volatile u32 *cq;
+    u16 sq_tail, cq_head;
+    u32 phase;
+    u16 sq_old, cq_old; /* last values rung or shadowed */
+};
+
+static struct sq_cq adminq;
+static struct sq_cq ioq[MAX_Q];
+static volatile u32 *dbbuf, *evidx;
+static int use_dbbuf;
+static u64 rings; /* MMIO doorbell writes the EventIdx rule asked for */
+
+static void *alloc(u64 n)
+{
+    u64 a = (mem_next + PAGE - 1) & ~(PAGE - 1);
+    if (a + n > mem_end)
+        return NULL;
+    mem_next = a + n;
+    memset((void *)a, 0, n);
+    return (void *)a;
+}
+
+static inline void mfence(void) { asm volatile("mfence" ::: "memory"); }
+
+static u64 db_addr(u16 qid, int cq) { return bar0 + 0x1000 + (2ull * qid + (u64)cq) * 4; }
+
+/* The EventIdx rule, modulo the queue size. */
+static int need_event(u32 ev, u32 nw, u32 old, u32 qs)
+{
+    return (nw + 2 * qs - ev - 1) % qs < (nw + qs - old) % qs;
+}
+
+static void ring(struct sq_cq *q, int cq)
+{
+    u16 nw = cq ? q->cq_head : q->sq_tail;
+    u16 *old = cq ? &q->cq_old : &q->sq_old;
+    if (nw == *old)
+        return;
+    if (use_dbbuf && q->qid) {
+        u32 i = 2u * q->qid + (u32)cq;
+        dbbuf[i] = nw;
+        mfence();
+        if (need_event(evidx[i], nw, *old, q->size)) {
+            rings++;
+            mmio_write32(db_addr(q->qid, cq), nw);
+        }
+    } else {
+        rings++;
+        mmio_write32(db_addr(q->qid, cq), nw);
+    }
+    *old = nw;
+}
+
+struct cmd {
+    u8 op;
+    u32 nsid;
+    u64 prp1, prp2;
+    u32 cdw10, cdw11, cdw12;
+};
+
+static void submit(struct sq_cq *q, u16 cid, const struct cmd *c)
+{
+    volatile u32 *e = (volatile u32 *)(q->sq + (u64)q->sq_tail * 64);
+    e[0] = c->op | (u32)cid << 16;
+    e[1] = c->nsid;
+    e[2] = e[3] = e[4] = e[5] = 0;
+    e[6] = (u32)c->prp1;
+    e[7] = (u32)(c->prp1 >> 32);
+    e[8] = (u32)c->prp2;
+    e[9] = (u32)(c->prp2 >> 32);
+    e[10] = c->cdw10;
+    e[11] = c->cdw11;
+    e[12] = c->cdw12;
+    e[13] = e[14] = e[15] = 0;
+    q->sq_tail = (u16)((q->sq_tail + 1) % q->size);
+}
+
+/* Returns 1 and the completion if one is there. */
+static int reap(struct sq_cq *q, u16 *cid, u16 *status, u32 *dw0)
+{
+    volatile u32 *e = q->cq + (u64)q->cq_head * 4;
+    u32 dw3 = e[3];
+    if (((dw3 >> 16) & 1) != q->phase)
+        return 0;
+    barrier();
+    *dw0 = e[0];
+    *cid = (u16)dw3;
+    *status = (u16)(dw3 >> 17);
+    if (++q->cq_head == q->size) {
+        q->cq_head = 0;
+        q->phase ^= 1;
+    }
+    return 1;
+}
+
+static u16 admin(const struct cmd *c, u32 *dw0)
+{
+    static u16 acid;
+    u16 cid = ++acid, rc, st;
+    u32 d;
+    submit(&adminq, cid, c);
+    ring(&adminq, 0);
+    u64 t0 = rdtsc(), limit = tsc_khz * 2000;
+    for (;;) {
+        if (reap(&adminq, &rc, &st, &d)) {
+            ring(&adminq, 1);
+            if (rc != cid)
+                continue;
+            if (dw0)
+                *dw0 = d;
+            return st;
+        }
+        if (rdtsc() - t0 > limit) {
+            printf("@nvme-error admin opcode=0x%x timeout\n", c->op);
+            return 0xffff;
+        }
+        cpu_relax();
+    }
+}
+
+static int wait_rdy(u32 want)
+{
+    u64 t0 = rdtsc(), limit = tsc_khz * 5000;
+    while ((mmio_read32(bar0 + 0x1c) & 1) != want) {
+        if (mmio_read32(bar0 + 0x1c) & 2) {
+            printf("@nvme-error controller fatal status\n");
+            return -1;
+        }
+        if (rdtsc() - t0 > limit) {
+            printf("@nvme-error CSTS.RDY did not become %u\n", want);
+            return -1;
+        }
+        cpu_relax();
+    }
+    return 0;
+}
+
+static u64 rng_state;
+static u64 rnd(void)
+{
+    u64 x = rng_state;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return rng_state = x;
+}
+
+static void hist_add(u64 c)
+{
+    u32 msb = 63 - (u32)__builtin_clzll(c | 1);
+    u32 sub = msb >= 4 ? (u32)(c >> (msb - 4)) & (HIST_SUB - 1) : (u32)c & (HIST_SUB - 1);
+    u32 b = msb * HIST_SUB + sub;
+    hist[b < HIST_BUCKETS ? b : HIST_BUCKETS - 1]++;
+    lat_sum += c;
+    if (c < lat_min)
+        lat_min = c;
+    if (c > lat_max)
+        lat_max = c;
+}
+
+/* Upper edge of bucket b, in cycles. */
+static u64 hist_value(u32 b)
+{
+    u32 msb = b / HIST_SUB, sub = b % HIST_SUB;
+    if (msb < 4)
+        return sub;
+    return ((u64)(HIST_SUB + sub + 1) << (msb - 4)) - 1;
+}
+
+static u64 percentile(u64 total, u64 per_mille_x10)
+{
+    u64 want = (total * per_mille_x10 + 9999) / 10000, seen = 0;
+    for (u32 b = 0; b < HIST_BUCKETS; b++) {
+        seen += hist[b];
+        if (seen >= want && want)
+            return hist_value(b);
+    }
+    return 0;
+}
+
+struct slot {
+    u64 buf, prp_list, t0, lba;
+    u8 op;
+};
+
+static struct slot *slots;
+static u64 nsze, lba_bytes, bs, range_lbas;
+static u32 nlb0;
+
+static void fill_prps(struct cmd *c, struct slot *s)
+{
+    c->prp1 = s->buf;
+    c->prp2 = 0;
+    if (bs <= PAGE)
+        return;
+    if (bs <= 2 * PAGE) {
+        c->prp2 = s->buf + PAGE;
+        return;
+    }
+    u64 *l = (u64 *)s->prp_list;
+    for (u64 i = 1; i < bs / PAGE; i++)
+        l[i - 1] = s->buf + i * PAGE;
+    c->prp2 = s->prp_list;
+}
+
+static void issue(struct sq_cq *q, u16 cid, struct slot *s, u8 op, u64 lba)
+{
+    struct cmd c = {op, 1, 0, 0, (u32)lba, (u32)(lba >> 32), nlb0};
+    s->op = op;
+    s->lba = lba;
+    fill_prps(&c, s);
+    s->t0 = rdtsc();
+    submit(q, cid, &c);
+}
+
+/* The pattern of verify mode: every 8 bytes carry the LBA and the offset. */
+static void pattern(u64 buf, u64 lba, u64 seed)
+{
+    u64 *p = (u64 *)buf;
+    for (u64 i = 0; i < bs / 8; i++)
+        p[i] = (lba + i * 8 / lba_bytes) * 0x9e3779b97f4a7c15ull ^ (i * 8 % lba_bytes) ^ seed;
+}
+
+static int job(const char *rw, u64 time_ms, u32 nq, u32 depth, u32 mixread, int verify)
+{
+    int rnd_rw = rw[0] == 'r' && rw[1] == 'a';
+    int is_write = !strncmp(rw, "write", 5) || !strncmp(rw, "randwrite", 9);
+    int mixed = !strncmp(rw, "randrw", 6);
+    u64 seq[MAX_Q];
+    u64 blocks = range_lbas / (bs / lba_bytes);
+    if (!blocks) {
+        printf("@nvme-error the range holds no block of %lu bytes\n", bs);
+        return -1;
+    }
+    for (u32 q = 0; q < nq; q++)
+        seq[q] = q * (blocks / nq);
+    u64 ios = 0, mismatches = 0;
+    rings = 0;
+    u64 t_start = rdtsc(), t_end = t_start + time_ms * tsc_khz;
+    int stopping = 0;
+    u64 inflight = 0;
+    u64 verify_written = 0;
+    /* Verify: write every block of the range once, then read them all back. */
+    for (u32 q = 0; q < nq; q++) {
+        for (u32 i = 0; i < depth; i++) {
+            struct slot *s = &slots[q * depth + i];
+            u64 blk, lba;
+            u8 op;
+            if (verify) {
+                blk = verify_written++;
+                if (blk >= blocks)
+                    break;
+                op = 1;
+            } else {
+                int w = mixed ? (rnd() % 100) >= mixread : is_write;
+                blk = rnd_rw ? rnd() % blocks : (seq[q]++ % blocks);
+                op = w ? 1 : 2;
+            }
+            lba = blk * (bs / lba_bytes);
+            if (op == 1 && verify)
+                pattern(s->buf, lba, rng_state);
+            issue(&ioq[q], (u16)i, s, op, lba);
+            inflight++;
+        }
+        ring(&ioq[q], 0);
+    }
+    u64 vseed = rng_state, read_back = 0;
+    int vphase = 0; /* 0 writing, 1 reading */
+    while (inflight) {
+        u64 now = rdtsc();
+        if (!verify && now >= t_end)
+            stopping = 1;
+        for (u32 q = 0; q < nq; q++) {
+            u16 cid, st;
+            u32 dw0;
+            int got = 0;
+            while (reap(&ioq[q], &cid, &st, &dw0)) {
+                got = 1;
+                inflight--;
+                if (cid >= depth) {
+                    printf("@nvme-error unknown cid=%u\n", cid);
+                    nerrors++;
+                    continue;
+                }
+                struct slot *s = &slots[q * depth + cid];
+                u64 t = rdtsc();
+                hist_add(t - s->t0);
+                ios++;
+                if (st) {
+                    if (nerrors++ < 10)
+                        printf("@nvme-error op=%u lba=%lu status=0x%x\n", s->op, s->lba, st);
+                }
+                if (verify && s->op == 2) {
+                    u64 *p = (u64 *)s->buf;
+                    int bad = 0;
+                    for (u64 i = 0; i < bs / 8 && !bad; i++) {
+                        u64 w = (s->lba + i * 8 / lba_bytes) * 0x9e3779b97f4a7c15ull ^ (i * 8 % lba_bytes) ^ vseed;
+                        if (p[i] != w) {
+                            bad = 1;
+                            if (mismatches < 10)
+                                printf("@nvme-mismatch lba=%lu offset=%lu got=0x%lx want=0x%lx\n",
+                                       s->lba + i * 8 / lba_bytes, i * 8 % lba_bytes, p[i], w);
+                        }
+                    }
+                    mismatches += (u64)bad;
+                }
+                /* Next command in this slot. */
+                if (verify) {
+                    u64 blk;
+                    if (vphase == 0 && verify_written < blocks) {
+                        blk = verify_written++;
+                        pattern(s->buf, blk * (bs / lba_bytes), vseed);
+                        issue(&ioq[q], cid, s, 1, blk * (bs / lba_bytes));
+                        inflight++;
+                    } else if (vphase == 1 && read_back < blocks) {
+                        blk = read_back++;
+                        memset((void *)s->buf, 0, bs);
+                        issue(&ioq[q], cid, s, 2, blk * (bs / lba_bytes));
+                        inflight++;
+                    }
+                } else if (!stopping) {
+                    int w = mixed ? (rnd() % 100) >= mixread : is_write;
+                    u64 blk = rnd_rw ? rnd() % blocks : (seq[q]++ % blocks);
+                    issue(&ioq[q], cid, s, w ? 1 : 2, blk * (bs / lba_bytes));
+                    inflight++;
+                }
+            }
+            if (got) {
+                ring(&ioq[q], 1);
+                ring(&ioq[q], 0);
+            }
+        }
+        /* Verify: once every write is done, read everything back. */
+        if (verify && vphase == 0 && !inflight && verify_written >= blocks) {
+            vphase = 1;
+            for (u32 q = 0; q < nq; q++) {
+                for (u32 i = 0; i < depth && read_back < blocks; i++) {
+                    struct slot *s = &slots[q * depth + i];
+                    u64 blk = read_back++;
+                    memset((void *)s->buf, 0, bs);
+                    issue(&ioq[q], (u16)i, s, 2, blk * (bs / lba_bytes));
+                    inflight++;
+                }
+                ring(&ioq[q], 0);
+            }
+        }
+        if (!verify && now - t_start > (time_ms + 5000) * tsc_khz) {
+            printf("@nvme-error %lu I/Os never completed\n", inflight);
+            return -1;
+        }
+    }
+    u64 cycles = rdtsc() - t_start;
+    printf("@nvme rw=%s bs=%lu iodepth=%u queues=%u dbbuf=%d ios=%lu cycles=%lu lat_sum=%lu lat_min=%lu lat_max=%lu "
+           "p50=%lu p90=%lu p99=%lu p999=%lu errors=%lu io_doorbell_writes=%lu",
+           verify ? "verify" : rw, bs, depth, nq, use_dbbuf, ios, cycles, lat_sum, lat_min, lat_max,
+           percentile(ios, 5000), percentile(ios, 9000), percentile(ios, 9900), percentile(ios, 9990), nerrors, rings);
+    if (verify)
+        printf(" verified_blocks=%lu mismatches=%lu", read_back, mismatches);
+    printf("\n");
+    return (nerrors || mismatches) ? -1 : 0;
+}
+
+static int create_queues(u32 nq, u32 qsize)
+{
+    u32 dw0;
+    struct cmd c = {0x09, 0, 0, 0, 0x07, (nq - 1) | (nq - 1) << 16, 0};
+    u16 st = admin(&c, &dw0);
+    if (st) {
+        printf("@nvme-error set features (queues) status=0x%x\n", st);
+        return -1;
+    }
+    u32 got = (dw0 & 0xffff) + 1;
+    if (((dw0 >> 16) + 1) < got)
+        got = (dw0 >> 16) + 1;
+    if (got < nq) {
+        printf("@nvme-error the controller grants %u queue pairs, not %u\n", got, nq);
+        return -1;
+    }
+    for (u32 q = 0; q < nq; q++) {
+        struct sq_cq *p = &ioq[q];
+        p->qid = (u16)(q + 1);
+        p->size = (u16)qsize;
+        p->sq = alloc((u64)qsize * 64);
+        p->cq = alloc((u64)qsize * 16);
+        p->phase = 1;
+        if (!p->sq || !p->cq) {
+            printf("@nvme-error out of guest memory for queues\n");
+            return -1;
+        }
+        struct cmd cq = {0x05, 0, (u64)p->cq, 0, p->qid | (qsize - 1) << 16, 1, 0};
+        if ((st = admin(&cq, NULL))) {
+            printf("@nvme-error create I/O CQ %u status=0x%x\n", p->qid, st);
+            return -1;
+        }
+        struct cmd sq = {0x01, 0, (u64)p->sq, 0, p->qid | (qsize - 1) << 16, 1 | (u32)p->qid << 16, 0};
+        if ((st = admin(&sq, NULL))) {
+            printf("@nvme-error create I/O SQ %u status=0x%x\n", p->qid, st);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int workload_nvme(u64 mem_bytes)
+{
+    struct pci_dev *d = NULL;
+    for (int i = 0; i < pci_ndevs; i++)
+        if ((pci_devs[i].class_rev >> 8) == NVME_CLASS)
+            d = &pci_devs[i];
+    if (!d || !d->bar[0].addr) {
+        printf("@nvme-error no NVMe controller\n");
+        return EXIT_FAIL;
+    }
+    pci_cfg_write32(d, 0x04, (pci_cfg_read32(d, 0x04) & 0xffff) | 0x6 | 0x400); /* memory, bus master, INTx off */
+    bar0 = d->bar[0].addr;
+    mem_next = MEM_BASE;
+    mem_end = mem_bytes;
+    rng_state = cmdline_u64("seed", 1) * 0x9e3779b97f4a7c15ull | 1;
+    u64 cap = mmio_read64(bar0);
+    u32 mqes = (u32)(cap & 0xffff) + 1;
+    if ((cap >> 32) & 0xf) {
+        printf("@nvme-error doorbell stride %lu not supported\n", (cap >> 32) & 0xf);
+        return EXIT_FAIL;
+    }
+    /* Disable, set up the admin queues, enable. */
+    mmio_write32(bar0 + 0x14, 0);
+    if (wait_rdy(0))
+        return EXIT_FAIL;
+    adminq.qid = 0;
+    adminq.size = 32;
+    adminq.sq = alloc(PAGE);
+    adminq.cq = alloc(PAGE);
+    adminq.phase = 1;
+    mmio_write32(bar0 + 0x24, (32 - 1) << 16 | (32 - 1));
+    mmio_write64(bar0 + 0x28, (u64)adminq.sq);
+    mmio_write64(bar0 + 0x30, (u64)adminq.cq);
+    mmio_write32(bar0 + 0x14, 0x00460001); /* IOCQES 4, IOSQES 6, MPS 0, CSS NVM, EN */
+    if (wait_rdy(1))
+        return EXIT_FAIL;
+    u8 *id = alloc(PAGE);
+    struct cmd idc = {0x06, 0, (u64)id, 0, 1, 0, 0};
+    u16 st = admin(&idc, NULL);
+    if (st) {
+        printf("@nvme-error identify controller status=0x%x\n", st);
+        return EXIT_FAIL;
+    }
+    u16 oacs = (u16)(id[256] | id[257] << 8);
+    u32 mdts = id[77];
+    u64 max_xfer = mdts ? (PAGE << mdts) : (1ull << 30);
+    u32 nn = id[516] | (u32)id[517] << 8;
+    char model[41];
+    memcpy(model, id + 24, 40);
+    model[40] = 0;
+    for (int i = 39; i >= 0 && model[i] == ' '; i--)
+        model[i] = 0;
+    struct cmd idn = {0x06, 1, (u64)id, 0, 0, 0, 0};
+    if ((st = admin(&idn, NULL))) {
+        printf("@nvme-error identify namespace status=0x%x\n", st);
+        return EXIT_FAIL;
+    }
+    nsze = *(u64 *)id;
+    u32 flbas = id[26] & 0xf;
+    lba_bytes = 1ull << id[128 + 4 * flbas + 2];
+    use_dbbuf = (oacs & (1 << 8)) && cmdline_u64("dbbuf", 1);
+    if (use_dbbuf) {
+        dbbuf = alloc(PAGE);
+        evidx = alloc(PAGE);
+        struct cmd db = {0x7c, 0, (u64)dbbuf, (u64)evidx, 0, 0, 0};
+        if ((st = admin(&db, NULL))) {
+            printf("@nvme-note doorbell buffer config status=0x%x: using MMIO doorbells\n", st);
+            use_dbbuf = 0;
+        }
+    }
+    u32 nq = (u32)cmdline_u64("queues", 1), depth = (u32)cmdline_u64("iodepth", 16);
+    u32 qsize = (u32)cmdline_u64("qsize", 0);
+    bs = cmdline_u64("bs", 4096);
+    if (nq < 1 || nq > MAX_Q || depth < 1 || depth > MAX_DEPTH || bs < lba_bytes || bs % lba_bytes ||
+        bs > max_xfer || bs > (128u << 10)) {
+        printf("@nvme-error bad job: queues=%u iodepth=%u bs=%lu (lba %lu, max transfer %lu)\n", nq, depth, bs,
+               lba_bytes, max_xfer);
+        return EXIT_FAIL;
+    }
+    /* Room for four times the depth keeps a polling controller's EventIdx out
+     * of every range the driver crosses (no doorbell write at all). */
+    if (!qsize)
+        qsize = 4 * depth < 32 ? 32 : 4 * depth;
+    if (qsize > mqes)
+        qsize = mqes;
+    if (qsize < depth + 1) {
+        printf("@nvme-error iodepth %u needs queues of %u entries; the controller allows %u\n", depth, depth + 1, mqes);
+        return EXIT_FAIL;
+    }
+    printf("@nvme-ctrl model=\"%s\" mqes=%u mdts=%u oacs=0x%x nn=%u nsze=%lu lba=%lu dbbuf=%d\n", model, mqes, mdts,
+           oacs, nn, nsze, lba_bytes, use_dbbuf);
+    if (create_queues(nq, qsize))
+        return EXIT_FAIL;
+    slots = alloc(sizeof(struct slot) * nq * depth);
+    u64 per_slot = bs + (bs > 2 * PAGE ? PAGE : 0);
+    if (!slots || mem_next + per_slot * nq * depth > mem_end) {
+        printf("@nvme-error %u x %u slots of %lu bytes do not fit in guest memory (%lu MiB): give the VM more RAM\n",
+               nq, depth, per_slot, mem_end >> 20);
+        return EXIT_FAIL;
+    }
+    for (u32 i = 0; i < nq * depth; i++) {
+        slots[i].buf = (u64)alloc(bs);
+        slots[i].prp_list = bs > 2 * PAGE ? (u64)alloc(PAGE) : 0;
+    }
+    u64 size_mb = cmdline_u64("size_mb", 0);
+    range_lbas = size_mb ? (size_mb << 20) / lba_bytes : nsze;
+    if (range_lbas > nsze)
+        range_lbas = nsze;
+    nlb0 = (u32)(bs / lba_bytes - 1);
+    lat_min = ~0ull;
+    char rw[16] = "randread";
+    const char *rwv = cmdline_get("rw");
+    for (u32 i = 0; rwv && i < sizeof(rw) - 1; i++) {
+        rw[i] = (rwv[i] == ' ') ? 0 : rwv[i];
+        rw[i + 1] = 0;
+        if (!rwv[i] || rwv[i] == ' ')
+            break;
+    }
+    if (strncmp(rw, "read", 5) && strncmp(rw, "write", 6) && strncmp(rw, "randread", 9) && strncmp(rw, "randwrite", 10) &&
+        strncmp(rw, "randrw", 7)) {
+        printf("@nvme-error rw=%s: use read, write, randread, randwrite or randrw\n", rw);
+        return EXIT_FAIL;
+    }
+    int verify = (int)cmdline_u64("verify", 0);
+    int rc = job(rw, cmdline_u64("time_ms", 1000), nq, depth, (u32)cmdline_u64("rwmixread", 50), verify);
+    /* Stop cleanly: shut down, wait for shutdown complete. */
+    mmio_write32(bar0 + 0x14, 0x00464001);
+    return rc ? EXIT_FAIL : EXIT_OK;
+}
