@@ -33,7 +33,7 @@ impl Drv {
         d.n.bar_write(0, REG_ASQ, &ASQ.to_le_bytes());
         d.n.bar_write(0, REG_ACQ, &ACQ.to_le_bytes());
         d.w32(REG_CC, 0x0046_0001);
-        assert_eq!(d.r32(REG_CSTS) & 1, 1, "ready");
+        assert_eq!(d.r32(0x1c) & 1, 1, "ready");
         d
     }
     fn w32(&mut self, off: u64, v: u32) {
