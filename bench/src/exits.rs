@@ -287,7 +287,7 @@ pub fn exit_devices() -> Vec<Box<dyn DeviceModel>> {
 
 /// The TSC rate KVM reports (KVM_GET_TSC_KHZ), from one tiny guest run that
 /// also proves the VMM works before the long runs start.
-fn tsc_khz_of_host() -> anyhow::Result<u64> {
+pub(crate) fn tsc_khz_of_host() -> anyhow::Result<u64> {
     let mut cfg = VmConfig::new(iopath_guest::IMAGE, "workload=exits only=none batches=1 batch_us=1");
     cfg.devices = Vec::new();
     cfg.timeout = Duration::from_secs(60);

@@ -67,6 +67,8 @@ struct ServeArgs {
 enum Which {
     /// The exit-cost table: cpu, in-kernel, VMM exits, pci-testdev, doorbell round trips.
     Exits,
+    /// The guest's polled NVMe driver against iopath's NVMe controller (and QEMU's with --vs qemu).
+    Nvme,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
@@ -114,6 +116,46 @@ struct BenchArgs {
     /// (client and the device processes it starts); 0 sleeps at once, as QEMU.
     #[arg(long, default_value_t = 0, value_name = "US")]
     spin_us: u64,
+    #[command(flatten)]
+    nvme: NvmeArgs,
+}
+
+/// `bench nvme` options. Without --rw/--bs/--iodepth/--queues the two
+/// reference jobs run: randread 512 B at iodepth 16 and 4 KiB at iodepth 1.
+#[derive(Args)]
+struct NvmeArgs {
+    /// Doorbell modes of iopath's controller, comma-separated (shm, mmio).
+    #[arg(long, default_value = "shm,mmio")]
+    doorbell: String,
+    /// null, ram, or file:PATH.
+    #[arg(long, default_value = "ram")]
+    backend: String,
+    /// Serve the controller from a device process over this transport (vfio-user, mpqemu, ioregionfd).
+    #[arg(long)]
+    transport: Option<String>,
+    /// read, write, randread, randwrite, randrw.
+    #[arg(long)]
+    rw: Option<String>,
+    /// Block size in bytes (512 .. 131072).
+    #[arg(long)]
+    bs: Option<u64>,
+    #[arg(long)]
+    iodepth: Option<u32>,
+    /// I/O queue pairs (numjobs).
+    #[arg(long)]
+    queues: Option<u32>,
+    /// Seconds per run.
+    #[arg(long, default_value_t = 2.0)]
+    time: f64,
+    /// LBA size: 512 or 4096.
+    #[arg(long, default_value_t = 512)]
+    lba: u32,
+    /// Write a pattern over the namespace and read it back (data check, not a speed run).
+    #[arg(long)]
+    verify: bool,
+    /// Guest RAM in MiB.
+    #[arg(long, default_value_t = 256)]
+    mem: u64,
 }
 
 #[derive(Args)]
@@ -177,8 +219,58 @@ fn devices_of(specs: &[String], spin_us: u64) -> anyhow::Result<Vec<Box<dyn iopa
         .collect()
 }
 
+fn bench_nvme(a: BenchArgs) -> anyhow::Result<i32> {
+    use iopath_bench::nvme::{run_nvme, Job, NvmeOptions};
+    let n = a.nvme;
+    let mut o = NvmeOptions {
+        doorbells: n.doorbell.split(',').filter(|s| !s.is_empty()).map(String::from).collect(),
+        backend: n.backend,
+        transport: n.transport,
+        lba: n.lba,
+        time_ms: (n.time * 1000.0).max(10.0) as u64,
+        rounds: a.rounds.max(1),
+        vs_qemu: a.vs == Some(Peer::Qemu),
+        mem_mb: n.mem,
+        timeout_s: a.timeout,
+        ..NvmeOptions::default()
+    };
+    if n.rw.is_some() || n.bs.is_some() || n.iodepth.is_some() || n.queues.is_some() || n.verify {
+        o.jobs = vec![Job {
+            rw: n.rw.unwrap_or_else(|| "randread".into()),
+            bs: n.bs.unwrap_or(4096),
+            iodepth: n.iodepth.unwrap_or(16),
+            queues: n.queues.unwrap_or(1),
+            verify: n.verify,
+        }];
+    }
+    if a.quick {
+        o.rounds = 1;
+        o.time_ms = 500;
+    }
+    let r = run_nvme(&o)?;
+    emit(&r.table(), &r.json(), a.json.as_deref())?;
+    Ok(if r.errors.is_empty() { 0 } else { 1 })
+}
+
+/// The table on stdout (stderr when JSON goes to stdout) and the JSON.
+fn emit(table: &str, json: &serde_json::Value, path: Option<&std::path::Path>) -> anyhow::Result<()> {
+    if path == Some(std::path::Path::new("-")) {
+        eprint!("{table}");
+        println!("{}", serde_json::to_string_pretty(json)?);
+    } else {
+        print!("{table}");
+        if let Some(p) = path {
+            std::fs::write(p, serde_json::to_string_pretty(json)?).with_context(|| format!("writing {}", p.display()))?;
+            println!("JSON written to {}", p.display());
+        }
+    }
+    Ok(())
+}
+
 fn bench(a: BenchArgs) -> anyhow::Result<i32> {
-    let Which::Exits = a.which;
+    if matches!(a.which, Which::Nvme) {
+        return bench_nvme(a);
+    }
     let mut o = ExitsOptions {
         rounds: a.rounds.max(1),
         batches: a.batches.clamp(1, 64),
@@ -198,18 +290,7 @@ fn bench(a: BenchArgs) -> anyhow::Result<i32> {
         o.batch_us = 5000;
     }
     let r = run_exits(&o)?;
-    let json_to_stdout = a.json.as_deref() == Some(std::path::Path::new("-"));
-    if json_to_stdout {
-        eprint!("{}", r.table());
-        println!("{}", serde_json::to_string_pretty(&r.json())?);
-    } else {
-        print!("{}", r.table());
-        if let Some(p) = &a.json {
-            std::fs::write(p, serde_json::to_string_pretty(&r.json())?)
-                .with_context(|| format!("writing {}", p.display()))?;
-            println!("JSON written to {}", p.display());
-        }
-    }
+    emit(&r.table(), &r.json(), a.json.as_deref())?;
     Ok(if r.errors.is_empty() { 0 } else { 1 })
 }
 

@@ -1,0 +1,364 @@
+//! `iopath bench nvme`: the guest's polled NVMe driver (nvmeperf) against
+//! iopath's NVMe controller in each doorbell mode, and against QEMU's
+//! `-device nvme` on `null-co` in the same run (`--vs qemu`), interleaved
+//! round by round. Each iopath run is checked against the controller's own
+//! counters (every guest I/O is a controller command; every MMIO doorbell
+//! write the guest made is one the controller saw) and the VMM's exit
+//! counters give exits per I/O.
+
+use crate::host::{host_info, HostInfo};
+use crate::stats::summarize;
+use indicatif::{ProgressBar, ProgressStyle};
+use iopath_transport::attach::{instantiate, DeviceSpec, Programs};
+use iopath_vmm::{run, VmConfig};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Job {
+    pub rw: String,
+    pub bs: u64,
+    pub iodepth: u32,
+    pub queues: u32,
+    pub verify: bool,
+}
+
+impl Job {
+    pub fn label(&self) -> String {
+        let bs = if self.bs % 1024 == 0 { format!("{}k", self.bs / 1024) } else { format!("{}", self.bs) };
+        if self.verify {
+            format!("verify {bs} qd{} x{}", self.iodepth, self.queues)
+        } else {
+            format!("{} {bs} qd{} x{}", self.rw, self.iodepth, self.queues)
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct NvmeOptions {
+    pub jobs: Vec<Job>,
+    /// Doorbell modes of iopath's controller to run (mmio, shm).
+    pub doorbells: Vec<String>,
+    pub backend: String,
+    /// vfio-user, mpqemu, ioregionfd... (None: the controller in the VMM).
+    pub transport: Option<String>,
+    pub lba: u32,
+    pub time_ms: u64,
+    pub rounds: u32,
+    pub vs_qemu: bool,
+    pub mem_mb: u64,
+    pub timeout_s: u64,
+    pub progress: bool,
+    #[serde(skip)]
+    pub iopath_exe: Option<std::path::PathBuf>,
+}
+
+impl Default for NvmeOptions {
+    fn default() -> Self {
+        NvmeOptions {
+            jobs: vec![
+                Job { rw: "randread".into(), bs: 512, iodepth: 16, queues: 1, verify: false },
+                Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify: false },
+            ],
+            doorbells: vec!["shm".into(), "mmio".into()],
+            backend: "ram".into(),
+            transport: None,
+            lba: 512,
+            time_ms: 2000,
+            rounds: 1,
+            vs_qemu: false,
+            mem_mb: 256,
+            timeout_s: 120,
+            progress: true,
+            iopath_exe: None,
+        }
+    }
+}
+
+/// One guest run's `@nvme` record, with the host's view.
+#[derive(Clone, Debug, Serialize)]
+pub struct NvmeRun {
+    pub target: String,
+    pub job: usize,
+    pub round: u32,
+    pub ios: u64,
+    pub iops: f64,
+    pub mb_s: f64,
+    pub lat_avg_ns: f64,
+    pub p50_ns: f64,
+    pub p90_ns: f64,
+    pub p99_ns: f64,
+    pub p999_ns: f64,
+    pub errors: u64,
+    pub mismatches: Option<u64>,
+    /// MMIO doorbell writes the guest made for I/O queues.
+    pub io_doorbell_writes: u64,
+    /// VMM exits of the whole run (setup included), where the VMM is iopath's.
+    pub vm_exits: Option<u64>,
+    pub exits_per_io: Option<f64>,
+    pub routing: String,
+    pub routing_ok: bool,
+}
+
+pub struct NvmeResult {
+    pub host: HostInfo,
+    pub options: NvmeOptions,
+    pub tsc_khz: u64,
+    pub runs: Vec<NvmeRun>,
+    pub errors: Vec<String>,
+}
+
+fn cmdline(j: &Job, o: &NvmeOptions, tsc_khz: u64) -> String {
+    format!(
+        "workload=nvme rw={} bs={} iodepth={} queues={} time_ms={} verify={} tsc_khz={tsc_khz}",
+        j.rw, j.bs, j.iodepth, j.queues, o.time_ms, j.verify as u8
+    )
+}
+
+fn record(lines: &[String]) -> Option<BTreeMap<String, String>> {
+    let l = lines.iter().find(|l| l.starts_with("@nvme "))?;
+    Some(l.split_whitespace().skip(1).filter_map(|w| w.split_once('=')).map(|(k, v)| (k.into(), v.into())).collect())
+}
+
+fn to_run(target: &str, job: usize, round: u32, j: &Job, lines: &[String], tsc_khz: u64) -> Result<NvmeRun, String> {
+    let f = record(lines).ok_or_else(|| {
+        let errs: Vec<&String> = lines.iter().filter(|l| l.contains("error") || l.starts_with("@fault")).collect();
+        format!("no @nvme record; {errs:?}")
+    })?;
+    let g = |k: &str| f.get(k).and_then(|v| v.parse::<u64>().ok()).ok_or(format!("@nvme record without {k}"));
+    let ios = g("ios")?;
+    let cycles = g("cycles")?.max(1);
+    let secs = cycles as f64 / (tsc_khz as f64 * 1000.0);
+    let ns = |c: u64| c as f64 * 1e6 / tsc_khz as f64;
+    Ok(NvmeRun {
+        target: target.into(),
+        job,
+        round,
+        ios,
+        iops: ios as f64 / secs,
+        mb_s: ios as f64 * j.bs as f64 / secs / 1e6,
+        lat_avg_ns: ns(g("lat_sum")?) / ios.max(1) as f64,
+        p50_ns: ns(g("p50")?),
+        p90_ns: ns(g("p90")?),
+        p99_ns: ns(g("p99")?),
+        p999_ns: ns(g("p999")?),
+        errors: g("errors")?,
+        mismatches: g("mismatches").ok(),
+        io_doorbell_writes: g("io_doorbell_writes").unwrap_or(0),
+        vm_exits: None,
+        exits_per_io: None,
+        routing: String::new(),
+        routing_ok: true,
+    })
+}
+
+pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
+    let qemu = if o.vs_qemu { Some(crate::qemu::find()?) } else { None };
+    let tsc_khz = crate::exits::tsc_khz_of_host()?;
+    let host = host_info(tsc_khz);
+    let image = iopath_guest::image_file()?;
+    let progs = Programs {
+        iopath: match &o.iopath_exe {
+            Some(p) => p.clone(),
+            None => std::env::current_exe()?,
+        },
+        qemu: qemu.clone(),
+        serve_args: Vec::new(),
+    };
+    let per_round = o.jobs.len() as u64 * (o.doorbells.len() as u64 + qemu.is_some() as u64);
+    let pb = if o.progress { ProgressBar::new(per_round * o.rounds as u64) } else { ProgressBar::hidden() };
+    pb.set_style(ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));
+    let mut runs = Vec::new();
+    let mut errors = Vec::new();
+    let timeout = Duration::from_secs(o.timeout_s);
+    for round in 0..o.rounds {
+        for (ji, j) in o.jobs.iter().enumerate() {
+            for db in &o.doorbells {
+                let target = match &o.transport {
+                    Some(t) => format!("iopath-{db}@{t}"),
+                    None => format!("iopath-{db}"),
+                };
+                pb.set_message(format!("round {}/{} {} {target}", round + 1, o.rounds, j.label()));
+                let mut spec = format!("nvme,doorbell={db},backend={},lba={}", o.backend, o.lba);
+                if let Some(t) = &o.transport {
+                    spec = format!("{spec}@{t}");
+                }
+                let r = (|| -> Result<NvmeRun, String> {
+                    let spec: DeviceSpec = spec.parse()?;
+                    let mut cfg = VmConfig::new(iopath_guest::IMAGE, &cmdline(j, o, tsc_khz));
+                    cfg.devices = vec![instantiate(&spec, &progs)?];
+                    cfg.mem_size = o.mem_mb << 20;
+                    cfg.timeout = timeout;
+                    let rep = run(cfg).map_err(|e| e.to_string())?;
+                    let mut r = to_run(&target, ji, round, j, &rep.lines, tsc_khz)?;
+                    let dev = rep.devices.first().ok_or("no device report")?;
+                    let c = |n: &str| dev.counters.iter().find(|c| c.name == n).map(|c| c.value);
+                    let exits = rep.exits.mmio_write + rep.exits.mmio_read + rep.exits.io_out + rep.exits.io_in;
+                    r.vm_exits = Some(exits);
+                    r.exits_per_io = Some(exits as f64 / r.ios.max(1) as f64);
+                    let (cmds, dbw, admin) = (c("io.commands"), c("doorbell.writes"), c("admin.commands"));
+                    let io_dbw = dbw.zip(admin).map(|(d, a)| d.saturating_sub(2 * a));
+                    r.routing = format!(
+                        "controller io.commands={} of {} guest I/Os, I/O doorbell writes {} (guest {})",
+                        cmds.map_or("?".into(), |v| v.to_string()),
+                        r.ios,
+                        io_dbw.map_or("?".into(), |v| v.to_string()),
+                        r.io_doorbell_writes
+                    );
+                    r.routing_ok = cmds == Some(r.ios) && (o.transport.is_some() || io_dbw == Some(r.io_doorbell_writes));
+                    if rep.status != 1 {
+                        return Err(format!("guest exit status {}: {}", rep.status, r.routing));
+                    }
+                    Ok(r)
+                })();
+                match r {
+                    Ok(r) => runs.push(r),
+                    Err(e) => errors.push(format!("{target} {} round {round}: {e}", j.label())),
+                }
+                pb.inc(1);
+            }
+            if let Some(q) = &qemu {
+                pb.set_message(format!("round {}/{} {} qemu", round + 1, o.rounds, j.label()));
+                let mut args: Vec<String> = [
+                    "-accel", "kvm", "-cpu", "host,-arch-capabilities", "-display", "none", "-serial", "stdio",
+                    "-monitor", "none", "-no-reboot", "-device", "isa-debug-exit,iobase=0xf4,iosize=1",
+                ]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+                args.extend(["-m".into(), format!("{}M", o.mem_mb)]);
+                args.extend(["-drive".into(), format!("driver=null-co,size={}M,if=none,id=nvm0", 64)]);
+                args.extend(["-device".into(), format!("nvme,drive=nvm0,serial=iopath0,logical_block_size={}", o.lba)]);
+                args.extend(["-kernel".into(), image.display().to_string(), "-append".into(), cmdline(j, o, tsc_khz)]);
+                match crate::qemu::run_args(q, args, None, timeout, |_| {}) {
+                    Ok(qr) => match to_run("qemu", ji, round, j, &qr.lines, tsc_khz) {
+                        Ok(mut r) => {
+                            r.routing = "QEMU nvme on null-co".into();
+                            r.routing_ok = qr.status == Some(1);
+                            runs.push(r)
+                        }
+                        Err(e) => errors.push(format!("qemu {} round {round}: {e}; stderr: {}", j.label(), qr.stderr.trim())),
+                    },
+                    Err(e) => errors.push(format!("qemu {} round {round}: {e}", j.label())),
+                }
+                pb.inc(1);
+            }
+        }
+    }
+    pb.finish_and_clear();
+    for r in &runs {
+        if !r.routing_ok {
+            errors.push(format!("{} job {}: routing wrong: {}", r.target, r.job, r.routing));
+        }
+        if r.errors > 0 || r.mismatches.unwrap_or(0) > 0 {
+            errors.push(format!("{} job {}: {} I/O errors, {:?} mismatches", r.target, r.job, r.errors, r.mismatches));
+        }
+    }
+    Ok(NvmeResult { host, options: o.clone(), tsc_khz, runs, errors })
+}
+
+fn fmt_rate(v: f64) -> String {
+    if v >= 1e6 {
+        format!("{:.2} M", v / 1e6)
+    } else {
+        format!("{:.1} k", v / 1e3)
+    }
+}
+
+fn fmt_ns(v: f64) -> String {
+    if v >= 1000.0 {
+        format!("{:.2} us", v / 1000.0)
+    } else {
+        format!("{v:.0} ns")
+    }
+}
+
+impl NvmeResult {
+    /// (job, target) -> runs, in first-seen order.
+    fn groups(&self) -> Vec<((usize, String), Vec<&NvmeRun>)> {
+        let mut g: Vec<((usize, String), Vec<&NvmeRun>)> = Vec::new();
+        for r in &self.runs {
+            let k = (r.job, r.target.clone());
+            match g.iter_mut().find(|(x, _)| *x == k) {
+                Some((_, v)) => v.push(r),
+                None => g.push((k, vec![r])),
+            }
+        }
+        g.sort_by(|a, b| a.0 .0.cmp(&b.0 .0));
+        g
+    }
+
+    fn median(rs: &[&NvmeRun], f: impl Fn(&NvmeRun) -> f64) -> f64 {
+        summarize(&rs.iter().map(|r| f(r)).collect::<Vec<_>>()).map(|s| s.median).unwrap_or(f64::NAN)
+    }
+
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "{}", self.host);
+        let o = &self.options;
+        let _ = writeln!(
+            s,
+            "nvme: backend {}, LBA {} B, {} s per run, {} round(s); median over rounds; 1 guest vCPU, 1 controller poller",
+            o.backend,
+            o.lba,
+            o.time_ms as f64 / 1000.0,
+            o.rounds
+        );
+        let hdr = format!(
+            "{:<24} {:<18} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}  {}",
+            "job", "target", "IOPS", "MB/s", "lat avg", "p50", "p99", "p99.9", "exits/IO", "check"
+        );
+        let _ = writeln!(s, "{hdr}");
+        let _ = writeln!(s, "{}", "-".repeat(hdr.len() + 30));
+        for ((ji, target), rs) in self.groups() {
+            let j = &o.jobs[ji];
+            let epi = rs.iter().filter_map(|r| r.exits_per_io).collect::<Vec<_>>();
+            let epi = summarize(&epi).map(|x| format!("{:.6}", x.median)).unwrap_or_else(|| "-".into());
+            let ok = if rs.iter().all(|r| r.routing_ok) { "ok" } else { "WRONG" };
+            let _ = writeln!(
+                s,
+                "{:<24} {:<18} {:>9} {:>9.0} {:>9} {:>9} {:>9} {:>9} {:>11}  {ok} {}",
+                j.label(),
+                target,
+                fmt_rate(Self::median(&rs, |r| r.iops)),
+                Self::median(&rs, |r| r.mb_s),
+                fmt_ns(Self::median(&rs, |r| r.lat_avg_ns)),
+                fmt_ns(Self::median(&rs, |r| r.p50_ns)),
+                fmt_ns(Self::median(&rs, |r| r.p99_ns)),
+                fmt_ns(Self::median(&rs, |r| r.p999_ns)),
+                epi,
+                rs[0].routing
+            );
+        }
+        for (ji, j) in o.jobs.iter().enumerate() {
+            let iops = |t: &str| {
+                let rs: Vec<&NvmeRun> = self.runs.iter().filter(|r| r.job == ji && r.target == t).collect();
+                (!rs.is_empty()).then(|| Self::median(&rs, |r| r.iops))
+            };
+            if let (Some(a), Some(q)) = (iops("iopath-shm"), iops("qemu")) {
+                let _ = writeln!(s, "{}: iopath-shm / qemu IOPS = {:.2}x", j.label(), a / q);
+            }
+        }
+        if !self.errors.is_empty() {
+            let _ = writeln!(s, "\nerrors:");
+            for e in &self.errors {
+                let _ = writeln!(s, "  {e}");
+            }
+        }
+        s
+    }
+
+    pub fn json(&self) -> Value {
+        json!({
+            "benchmark": "nvme",
+            "host": self.host,
+            "options": self.options,
+            "tsc_khz": self.tsc_khz,
+            "runs": self.runs,
+            "errors": self.errors,
+        })
+    }
+}

@@ -1,0 +1,171 @@
+//! The NVMe controller end to end on the real /dev/kvm, driven by the
+//! guest's nvmeperf: every backend and doorbell mode, in the VMM and from a
+//! device process, and the same driver against QEMU's nvme.
+
+use iopath_transport::attach::{instantiate, DeviceSpec, Programs};
+use iopath_vmm::{run, VmConfig};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+fn kvm() {
+    assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing: these tests need KVM");
+}
+
+fn programs() -> Programs {
+    Programs {
+        iopath: PathBuf::from(env!("CARGO_BIN_EXE_iopath")),
+        qemu: iopath_bench::qemu::find().ok(),
+        serve_args: Vec::new(),
+    }
+}
+
+fn nvme_record(lines: &[String]) -> BTreeMap<String, String> {
+    let l = lines
+        .iter()
+        .find(|l| l.starts_with("@nvme "))
+        .unwrap_or_else(|| panic!("no @nvme record in {:?}", lines.iter().rev().take(8).collect::<Vec<_>>()));
+    l.split_whitespace().skip(1).filter_map(|w| w.split_once('=')).map(|(k, v)| (k.into(), v.into())).collect()
+}
+
+fn num(r: &BTreeMap<String, String>, k: &str) -> u64 {
+    r.get(k).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{k} missing in {r:?}"))
+}
+
+/// Runs nvmeperf against `spec`; returns the record and the controller's counters.
+fn nvmeperf(spec: &str, args: &str) -> (BTreeMap<String, String>, BTreeMap<String, u64>, iopath_vmm::vm::RunReport) {
+    let spec: DeviceSpec = spec.parse().unwrap();
+    let mut cfg = VmConfig::new(iopath_guest::IMAGE, &format!("workload=nvme {args}"));
+    cfg.devices = vec![instantiate(&spec, &programs()).unwrap()];
+    cfg.mem_size = 128 << 20;
+    cfg.timeout = Duration::from_secs(120);
+    let r = run(cfg).unwrap();
+    assert_eq!(r.status, 1, "{spec:?} {args}: {:?}", r.lines.iter().rev().take(6).collect::<Vec<_>>());
+    let rec = nvme_record(&r.lines);
+    let c = r.devices[0].counters.iter().map(|c| (c.name.clone(), c.value)).collect();
+    (rec, c, r)
+}
+
+#[test]
+fn verify_passes_on_every_backend_and_doorbell_mode_in_the_vmm() {
+    kvm();
+    let file = std::env::temp_dir().join(format!("iopath-nvme-test-{}.img", std::process::id()));
+    for backend in ["ram".to_string(), format!("file:{}", file.display())] {
+        for db in ["mmio", "shm"] {
+            for (bs, lba) in [(4096, 512), (65536, 4096)] {
+                let spec = format!("nvme,doorbell={db},backend={backend},size_mb=8,lba={lba}");
+                let (rec, c, _) = nvmeperf(&spec, &format!("verify=1 bs={bs} iodepth=8 size_mb=4"));
+                assert_eq!(num(&rec, "errors"), 0, "{spec}");
+                assert_eq!(num(&rec, "mismatches"), 0, "{spec}");
+                assert_eq!(num(&rec, "verified_blocks"), (4 << 20) / bs, "{spec}");
+                assert_eq!(c["io.commands"], num(&rec, "ios"), "{spec}: every guest I/O is a controller command");
+                assert_eq!(c["io.writes"], c["io.reads"], "{spec}");
+            }
+        }
+    }
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
+fn shm_doorbells_take_no_exit_per_io_and_mmio_doorbells_take_two() {
+    kvm();
+    for backend in ["null", "ram"] {
+        let (rec, c, r) = nvmeperf(&format!("nvme,doorbell=shm,backend={backend}"), "rw=randread bs=512 iodepth=16 time_ms=300");
+        let ios = num(&rec, "ios");
+        assert!(ios > 0, "{rec:?}");
+        assert_eq!(num(&rec, "dbbuf"), 1);
+        assert_eq!(num(&rec, "io_doorbell_writes"), 0, "the EventIdx rule never asked for a doorbell");
+        // Only the admin queue's doorbells exited (submission + completion per command).
+        assert_eq!(c["doorbell.writes"], 2 * c["admin.commands"], "{c:?}");
+        assert!(r.exits.mmio_write < 40, "{:?}", r.exits);
+        assert_eq!(c["io.commands"], ios);
+    }
+    let (rec, c, r) = nvmeperf("nvme,doorbell=mmio,backend=null", "rw=randread bs=4096 iodepth=1 time_ms=300");
+    let ios = num(&rec, "ios");
+    assert_eq!(num(&rec, "dbbuf"), 0, "mmio mode offers no Doorbell Buffer Config");
+    assert_eq!(c["doorbell.writes"] - 2 * c["admin.commands"], 2 * ios, "SQ tail + CQ head per I/O");
+    assert!(r.exits.mmio_write >= 2 * ios);
+}
+
+#[test]
+fn every_rw_mode_and_several_queues_run_clean() {
+    kvm();
+    for rw in ["read", "write", "randread", "randwrite", "randrw"] {
+        let (rec, c, _) = nvmeperf("nvme,doorbell=shm,backend=ram", &format!("rw={rw} bs=8192 iodepth=4 queues=3 time_ms=200"));
+        assert_eq!(num(&rec, "errors"), 0, "{rw}");
+        assert_eq!(num(&rec, "queues"), 3);
+        assert_eq!(c["io.commands"], num(&rec, "ios"));
+        match rw {
+            "read" | "randread" => assert_eq!(c["io.writes"], 0),
+            "write" | "randwrite" => assert_eq!(c["io.reads"], 0),
+            _ => assert!(c["io.reads"] > 0 && c["io.writes"] > 0),
+        }
+    }
+    // 128 KiB transfers need PRP lists.
+    let (rec, _, _) = nvmeperf("nvme,doorbell=shm,backend=ram", "verify=1 bs=131072 iodepth=4 size_mb=8");
+    assert_eq!((num(&rec, "errors"), num(&rec, "mismatches")), (0, 0));
+}
+
+#[test]
+fn the_controller_serves_from_a_device_process_over_vfio_user_and_mpqemu() {
+    kvm();
+    for t in ["vfio-user", "mpqemu"] {
+        let spec = format!("nvme,doorbell=shm,backend=ram,size_mb=8@{t}");
+        let (rec, c, r) = nvmeperf(&spec, "verify=1 bs=4096 iodepth=8 size_mb=4");
+        assert_eq!((num(&rec, "errors"), num(&rec, "mismatches")), (0, 0), "{t}");
+        assert_eq!(c["io.commands"], num(&rec, "ios"), "{t}: counters from the device process");
+        let (rec, _, _) = nvmeperf(&spec, "rw=randread bs=4096 iodepth=1 time_ms=300");
+        assert_eq!(num(&rec, "io_doorbell_writes"), 0, "{t}: shadow doorbells in shared guest RAM");
+        assert!(r.exits.mmio_write < 40, "{t}: {:?}", r.exits);
+    }
+}
+
+#[test]
+fn the_same_driver_runs_against_qemus_nvme() {
+    kvm();
+    let qemu = programs().qemu.expect("qemu-system-x86_64 is needed (apt-get install -y qemu-system-x86)");
+    let image = iopath_guest::image_file().unwrap();
+    let disk = std::env::temp_dir().join(format!("iopath-qemu-nvme-{}.img", std::process::id()));
+    std::fs::File::create(&disk).unwrap().set_len(16 << 20).unwrap();
+    for (drive, args) in [
+        ("driver=null-co,size=64M,if=none,id=nvm0".to_string(), "rw=randread bs=4096 iodepth=4 time_ms=300"),
+        (format!("file={},format=raw,if=none,id=nvm0", disk.display()), "verify=1 bs=4096 iodepth=8 size_mb=4"),
+    ] {
+        let mut a: Vec<String> = ["-accel", "kvm", "-cpu", "host,-arch-capabilities", "-m", "128M", "-display", "none"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(["-serial", "stdio", "-monitor", "none", "-no-reboot"].map(String::from));
+        a.extend(["-device".into(), "isa-debug-exit,iobase=0xf4,iosize=1".into(), "-drive".into(), drive]);
+        a.extend(["-device".into(), "nvme,drive=nvm0,serial=iopath0".into(), "-kernel".into()]);
+        a.extend([image.display().to_string(), "-append".into(), format!("workload=nvme {args}")]);
+        let q = iopath_bench::qemu::run_args(&qemu, a, None, Duration::from_secs(120), |_| {}).unwrap();
+        assert_eq!(q.status, Some(1), "{args}: {}\n{:?}", q.stderr, q.lines);
+        let rec = nvme_record(&q.lines);
+        assert_eq!(num(&rec, "errors"), 0);
+        assert!(num(&rec, "ios") > 0);
+        if args.contains("verify") {
+            assert_eq!(num(&rec, "mismatches"), 0);
+        }
+    }
+    let _ = std::fs::remove_file(disk);
+}
+
+#[test]
+fn bench_nvme_reports_a_checked_table_and_json() {
+    kvm();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["bench", "nvme", "--rounds", "1", "--time", "0.3", "--backend", "null", "--json", "-"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["errors"].as_array().unwrap().is_empty(), "{}", v["errors"]);
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 4, "2 jobs x 2 doorbell modes");
+    for r in runs {
+        assert!(r["iops"].as_f64().unwrap() > 0.0 && r["routing_ok"] == true, "{r}");
+    }
+    assert!(stderr.contains("iopath-shm") && stderr.contains("exits/IO"));
+}
