@@ -63,7 +63,7 @@ impl Default for NvmeOptions {
                 Job { rw: "randread".into(), bs: 512, iodepth: 16, queues: 1, verify: false },
                 Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify: false },
             ],
-            doorbells: vec!["shm".into(), "mmio".into()],
+            doorbells: vec!["shm".into(), "ioeventfd".into(), "mmio".into()],
             backend: "ram".into(),
             transport: None,
             lba: 512,
@@ -200,15 +200,20 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     r.vm_exits = Some(exits);
                     r.exits_per_io = Some(exits as f64 / r.ios.max(1) as f64);
                     let (cmds, dbw, admin) = (c("io.commands"), c("doorbell.writes"), c("admin.commands"));
-                    let io_dbw = dbw.zip(admin).map(|(d, a)| d.saturating_sub(2 * a));
+                    // The guest's I/O doorbell writes either exited (the
+                    // controller saw them as MMIO) or were KVM ioeventfd kicks.
+                    let io_exits = dbw.zip(admin).map(|(d, a)| d.saturating_sub(2 * a));
+                    let kicks = c("ioeventfd.kicks").unwrap_or(0);
                     r.routing = format!(
-                        "controller io.commands={} of {} guest I/Os, I/O doorbell writes {} (guest {})",
+                        "controller io.commands={} of {} guest I/Os; guest doorbell writes {} = {} exits + {kicks} ioeventfd kicks",
                         cmds.map_or("?".into(), |v| v.to_string()),
                         r.ios,
-                        io_dbw.map_or("?".into(), |v| v.to_string()),
-                        r.io_doorbell_writes
+                        r.io_doorbell_writes,
+                        io_exits.map_or("?".into(), |v| v.to_string()),
                     );
-                    r.routing_ok = cmds == Some(r.ios) && (o.transport.is_some() || io_dbw == Some(r.io_doorbell_writes));
+                    let dbs_ok = io_exits.map(|x| x + kicks) == Some(r.io_doorbell_writes);
+                    let want_exits = if db == "mmio" { r.io_doorbell_writes } else { 0 };
+                    r.routing_ok = cmds == Some(r.ios) && dbs_ok && io_exits == Some(want_exits);
                     if rep.status != 1 {
                         return Err(format!("guest exit status {}: {}", rep.status, r.routing));
                     }

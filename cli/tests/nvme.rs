@@ -51,7 +51,7 @@ fn verify_passes_on_every_backend_and_doorbell_mode_in_the_vmm() {
     kvm();
     let file = std::env::temp_dir().join(format!("iopath-nvme-test-{}.img", std::process::id()));
     for backend in ["ram".to_string(), format!("file:{}", file.display())] {
-        for db in ["mmio", "shm"] {
+        for db in ["mmio", "ioeventfd", "shm"] {
             for (bs, lba) in [(4096, 512), (65536, 4096)] {
                 let spec = format!("nvme,doorbell={db},backend={backend},size_mb=8,lba={lba}");
                 let (rec, c, _) = nvmeperf(&spec, &format!("verify=1 bs={bs} iodepth=8 size_mb=4"));
@@ -67,7 +67,7 @@ fn verify_passes_on_every_backend_and_doorbell_mode_in_the_vmm() {
 }
 
 #[test]
-fn shm_doorbells_take_no_exit_per_io_and_mmio_doorbells_take_two() {
+fn shm_doorbells_take_no_exit_per_io_ioeventfd_ones_kick_and_mmio_ones_exit() {
     kvm();
     for backend in ["null", "ram"] {
         let (rec, c, r) = nvmeperf(&format!("nvme,doorbell=shm,backend={backend}"), "rw=randread bs=512 iodepth=16 time_ms=300");
@@ -80,6 +80,12 @@ fn shm_doorbells_take_no_exit_per_io_and_mmio_doorbells_take_two() {
         assert!(r.exits.mmio_write < 40, "{:?}", r.exits);
         assert_eq!(c["io.commands"], ios);
     }
+    // ioeventfd: every doorbell the guest writes is a KVM ioeventfd kick, none exits.
+    let (rec, c, r) = nvmeperf("nvme,doorbell=ioeventfd,backend=null", "rw=randread bs=4096 iodepth=1 time_ms=300");
+    assert!(num(&rec, "io_doorbell_writes") > 0);
+    assert_eq!(c["ioeventfd.kicks"], num(&rec, "io_doorbell_writes"));
+    assert_eq!(c["doorbell.writes"], 2 * c["admin.commands"], "{c:?}");
+    assert!(r.exits.mmio_write < 40, "{:?}", r.exits);
     let (rec, c, r) = nvmeperf("nvme,doorbell=mmio,backend=null", "rw=randread bs=4096 iodepth=1 time_ms=300");
     let ios = num(&rec, "ios");
     assert_eq!(num(&rec, "dbbuf"), 0, "mmio mode offers no Doorbell Buffer Config");
@@ -163,7 +169,7 @@ fn bench_nvme_reports_a_checked_table_and_json() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["errors"].as_array().unwrap().is_empty(), "{}", v["errors"]);
     let runs = v["runs"].as_array().unwrap();
-    assert_eq!(runs.len(), 4, "2 jobs x 2 doorbell modes");
+    assert_eq!(runs.len(), 6, "2 jobs x 3 doorbell modes");
     for r in runs {
         assert!(r["iops"].as_f64().unwrap() > 0.0 && r["routing_ok"] == true, "{r}");
     }

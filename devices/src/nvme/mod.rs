@@ -18,6 +18,14 @@
 //!   shadow doorbells in guest RAM and keeps each EventIdx behind the tail,
 //!   so a driver that follows the EventIdx rule never writes the MMIO
 //!   doorbell: no exit per I/O.
+//! - `ioeventfd`: Doorbell Buffer Config is offered and every I/O doorbell
+//!   is a KVM ioeventfd (one eventfd for all of them). An ioeventfd loses
+//!   the written value, so the device thread, woken by it, takes the tails
+//!   from the shadow doorbells; it keeps EventIdx at the tail it served so
+//!   the driver rings on its next submission, and re-reads the shadow after
+//!   publishing EventIdx so a submission that raced with it is not missed.
+//!   Until the driver configures the buffer, doorbell writes exit as in
+//!   `mmio` (their value is needed).
 //!
 //! Every value from the guest is checked: queue ids and sizes, doorbell
 //! values (an invalid one raises an asynchronous event), PRPs (must lie in
@@ -34,6 +42,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::EventFd;
 
 pub const VENDOR: u16 = 0x1234;
 pub const DEVICE: u16 = 0x10ed;
@@ -59,6 +68,7 @@ const DOORBELLS: u64 = 0x1000;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DoorbellMode {
     Mmio,
+    Ioeventfd,
     Shm,
 }
 
@@ -67,8 +77,9 @@ impl std::str::FromStr for DoorbellMode {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "mmio" => Ok(DoorbellMode::Mmio),
+            "ioeventfd" => Ok(DoorbellMode::Ioeventfd),
             "shm" => Ok(DoorbellMode::Shm),
-            _ => Err(format!("unknown doorbell mode {s:?} (mmio, shm)")),
+            _ => Err(format!("unknown doorbell mode {s:?} (mmio, ioeventfd, shm)")),
         }
     }
 }
@@ -100,6 +111,7 @@ struct Stats {
     bad_doorbells: u64,
     cq_full_waits: u64,
     polls: u64,
+    kicks: u64,
 }
 
 /// Controller state shared by the vCPU thread (registers, doorbell writes)
@@ -129,6 +141,11 @@ struct Core {
     segs: Vec<(u64, u64)>,
     buf: Vec<u8>,
     st: Stats,
+    /// ioeventfd mode: the eventfd on every I/O doorbell, and the host's registrar.
+    kick: Option<Arc<EventFd>>,
+    ioevents: Option<Arc<dyn crate::IoEvents>>,
+    /// Doorbells registered as ioeventfds (offset in BAR0).
+    registered: Vec<u64>,
     smart_read_units: u64,
     smart_write_units: u64,
 }
@@ -173,6 +190,9 @@ impl Nvme {
             segs: Vec::with_capacity(64),
             buf: Vec::new(),
             st: Stats::default(),
+            kick: None,
+            ioevents: None,
+            registered: Vec::new(),
             smart_read_units: 0,
             smart_write_units: 0,
         };
@@ -188,7 +208,14 @@ impl Nvme {
     }
 
     fn start_poller(&mut self) {
-        if self.cfg.doorbell != DoorbellMode::Shm || self.poller.is_some() {
+        if self.poller.is_some() {
+            return;
+        }
+        if self.cfg.doorbell == DoorbellMode::Ioeventfd {
+            self.start_kicked();
+            return;
+        }
+        if self.cfg.doorbell != DoorbellMode::Shm {
             return;
         }
         let stop = Arc::new(AtomicBool::new(false));
@@ -220,9 +247,46 @@ impl Nvme {
         }
     }
 
+    /// ioeventfd mode: a thread that sleeps on the doorbells' eventfd.
+    fn start_kicked(&mut self) {
+        let kick = match EventFd::new(0) {
+            Ok(k) => Arc::new(k),
+            Err(e) => {
+                self.error = Some(format!("nvme: eventfd: {e}"));
+                return;
+            }
+        };
+        self.core.lock().unwrap().kick = Some(kick.clone());
+        let stop = Arc::new(AtomicBool::new(false));
+        let (core, stop2) = (self.core.clone(), stop.clone());
+        let h = std::thread::Builder::new().name("nvme-ioeventfd".into()).spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                let Ok(n) = kick.read() else { return };
+                if stop2.load(Ordering::Relaxed) {
+                    return; // woken to stop (that write is not a doorbell)
+                }
+                let mut c = core.lock().unwrap();
+                c.st.kicks += n;
+                c.serve_kicked();
+            }
+        });
+        match h {
+            Ok(h) => self.poller = Some((stop, h)),
+            Err(e) => self.error = Some(format!("nvme: cannot start the ioeventfd thread: {e}")),
+        }
+    }
+
     fn stop_poller(&mut self) {
         if let Some((stop, h)) = self.poller.take() {
             stop.store(true, Ordering::Relaxed);
+            let kick = {
+                let mut c = self.core.lock().unwrap();
+                c.unregister_all();
+                c.kick.take()
+            };
+            if let Some(k) = kick {
+                let _ = k.write(1); // wake the ioeventfd thread to see `stop`
+            }
             let _ = h.join();
         }
     }
@@ -384,6 +448,67 @@ impl Core {
         busy
     }
 
+    /// ioeventfd mode: serve every I/O queue from its shadow tail, publish
+    /// EventIdx = the tail served (ring me next time), then look again.
+    fn serve_kicked(&mut self) {
+        let Some((db, ei)) = self.dbbuf else { return };
+        for qid in 1..self.sqs.len() {
+            loop {
+                let Some(sq) = self.sqs[qid] else { break };
+                let cqid = sq.cqid as usize;
+                if let Ok(head) = self.mem.load::<u32>(GuestAddress(db + cqid as u64 * 8 + 4), Ordering::Acquire) {
+                    if let Some(cq) = self.cqs[cqid].as_mut() {
+                        if head < cq.size as u32 {
+                            cq.head = head as u16;
+                            let ev = (head + cq.size as u32 - 1) % cq.size as u32;
+                            let _ = self.mem.store(ev, GuestAddress(ei + cqid as u64 * 8 + 4), Ordering::Release);
+                        }
+                    }
+                }
+                let Ok(tail) = self.mem.load::<u32>(GuestAddress(db + qid as u64 * 8), Ordering::Acquire) else { break };
+                if tail >= sq.size as u32 {
+                    self.st.bad_doorbells += 1;
+                    let _ = self.mem.store(sq.tail as u32, GuestAddress(db + qid as u64 * 8), Ordering::Release);
+                    self.event(0, 1, 1);
+                    break;
+                }
+                self.sqs[qid].as_mut().unwrap().tail = tail as u16;
+                self.process_sq(qid);
+                let _ = self.mem.store(tail, GuestAddress(ei + qid as u64 * 8), Ordering::SeqCst);
+                std::sync::atomic::fence(Ordering::SeqCst);
+                match self.mem.load::<u32>(GuestAddress(db + qid as u64 * 8), Ordering::Acquire) {
+                    Ok(t) if t != tail => continue, // a submission raced with EventIdx
+                    _ => break,
+                }
+            }
+        }
+    }
+
+    /// ioeventfd mode: the I/O queue doorbells of `qid` as ioeventfds.
+    fn register_doorbells(&mut self, qid: usize) {
+        let (Some(kick), Some(io)) = (self.kick.clone(), self.ioevents.clone()) else { return };
+        if self.mode != DoorbellMode::Ioeventfd || self.dbbuf.is_none() || qid == 0 {
+            return;
+        }
+        for off in [DOORBELLS + qid as u64 * 8, DOORBELLS + qid as u64 * 8 + 4] {
+            if self.registered.contains(&off) {
+                continue;
+            }
+            let spec = crate::IoEventSpec { bar: 0, offset: off, len: 4, datamatch: None };
+            match io.register(spec, &kick) {
+                Ok(()) => self.registered.push(off),
+                Err(e) => log::warn!("nvme: no ioeventfd for the doorbell at {off:#x}: {e}; it exits"),
+            }
+        }
+    }
+
+    fn unregister_all(&mut self) {
+        let (Some(kick), Some(io)) = (self.kick.clone(), self.ioevents.clone()) else { return };
+        for off in self.registered.drain(..) {
+            let _ = io.unregister(crate::IoEventSpec { bar: 0, offset: off, len: 4, datamatch: None }, &kick);
+        }
+    }
+
     /// Serves SQ `qid` up to its tail; stops early if its CQ is full.
     fn process_sq(&mut self, qid: usize) -> bool {
         let mut did = false;
@@ -503,17 +628,21 @@ impl Core {
         self.sqs[qid] = Some(Sq { gpa: c.prp1, size: size as u16, head: 0, tail: 0, cqid: cqid as u16 });
         self.queues_created = true;
         self.sync_shadow(qid, false);
+        self.register_doorbells(qid);
         status::SUCCESS
     }
 
-    /// Starts a new queue's shadow doorbell at 0 and its EventIdx at the
-    /// last entry, outside the first range the driver crosses.
+    /// Starts a new queue's shadow doorbell at 0 and its EventIdx where the
+    /// mode wants the driver's first doorbell write: nowhere (shm) or on the
+    /// first submission (ioeventfd).
     fn sync_shadow(&mut self, qid: usize, cq: bool) {
         if let Some((db, ei)) = self.dbbuf {
             let off = qid as u64 * 8 + if cq { 4 } else { 0 };
             let size = if cq { self.cqs[qid].map(|q| q.size) } else { self.sqs[qid].map(|q| q.size) };
+            // shm: behind (never ring); ioeventfd SQ: 0 (ring on the first submission).
+            let ev = if self.mode == DoorbellMode::Ioeventfd && !cq { 0 } else { size.unwrap_or(1) as u32 - 1 };
             let _ = self.mem.store(0u32, GuestAddress(db + off), Ordering::Release);
-            let _ = self.mem.store(size.unwrap_or(1) as u32 - 1, GuestAddress(ei + off), Ordering::Release);
+            let _ = self.mem.store(ev, GuestAddress(ei + off), Ordering::Release);
         }
     }
 
@@ -587,7 +716,7 @@ impl Core {
                 d[80..84].copy_from_slice(&0x0001_0400u32.to_le_bytes()); // VER 1.4
                 d[111] = 1; // CNTRLTYPE: I/O controller
                 // OACS: Doorbell Buffer Config only where shadow doorbells are served.
-                let oacs: u16 = if self.mode == DoorbellMode::Shm { 1 << 8 } else { 0 };
+                let oacs: u16 = if self.mode != DoorbellMode::Mmio { 1 << 8 } else { 0 };
                 d[256..258].copy_from_slice(&oacs.to_le_bytes());
                 d[258] = 3; // ACL (0-based)
                 d[259] = (AERL - 1) as u8; // AERL (0-based)
@@ -679,7 +808,7 @@ impl Core {
     }
 
     fn dbbuf_config(&mut self, c: &Sqe) -> u16 {
-        if self.mode != DoorbellMode::Shm {
+        if self.mode == DoorbellMode::Mmio {
             return status::INVALID_OPCODE;
         }
         if !queue_in_ram(&self.mem, c.prp1, PAGE) || !queue_in_ram(&self.mem, c.prp2, PAGE) {
@@ -687,6 +816,9 @@ impl Core {
         }
         self.dbbuf = Some((c.prp1, c.prp2));
         for qid in 1..self.sqs.len() {
+            if self.sqs[qid].is_some() || self.cqs[qid].is_some() {
+                self.register_doorbells(qid);
+            }
             if let Some(sq) = self.sqs[qid] {
                 let _ = self.mem.store(sq.tail as u32, GuestAddress(c.prp1 + qid as u64 * 8), Ordering::Release);
             }
@@ -839,7 +971,9 @@ impl DeviceModel for Nvme {
     }
 
     fn attach(&mut self, ctx: DeviceContext) {
-        self.core.lock().unwrap().mem = ctx.mem;
+        let mut c = self.core.lock().unwrap();
+        c.mem = ctx.mem;
+        c.ioevents = Some(ctx.ioevents);
     }
 
     fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) {
@@ -910,6 +1044,7 @@ impl DeviceModel for Nvme {
             ("doorbell.invalid", s.bad_doorbells),
             ("cq.full-waits", s.cq_full_waits),
             ("shadow.polls", s.polls),
+            ("ioeventfd.kicks", s.kicks),
         ]
         .into_iter()
         .map(|(n, value)| Counter { name: n.into(), value })
