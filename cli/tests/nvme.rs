@@ -113,6 +113,19 @@ fn every_rw_mode_and_several_queues_run_clean() {
 }
 
 #[test]
+fn msix_completions_signal_their_vectors_through_kvm_irqfds() {
+    kvm();
+    // The guest enables MSI-X, points vectors 1 and 2 at its LAPIC, and creates its CQs with
+    // IEN=1; it runs with IF=0 and still reaps by polling.
+    let (rec, c, _) = nvmeperf("nvme,doorbell=shm,backend=null", "rw=randread bs=4096 iodepth=4 queues=2 irq=1 time_ms=200");
+    assert_eq!(num(&rec, "irq"), 1);
+    assert_eq!(num(&rec, "errors"), 0);
+    assert_eq!(c["msix.interrupts"], num(&rec, "ios"), "one MSI-X message per completion");
+    let (rec, c, _) = nvmeperf("nvme,doorbell=shm,backend=null", "rw=randread bs=4096 iodepth=4 time_ms=100");
+    assert_eq!((num(&rec, "irq"), c["msix.interrupts"]), (0, 0), "polled mode: none");
+}
+
+#[test]
 fn the_controller_serves_from_a_device_process_over_vfio_user_and_mpqemu() {
     kvm();
     for t in ["vfio-user", "mpqemu"] {
@@ -135,6 +148,7 @@ fn the_same_driver_runs_against_qemus_nvme() {
     std::fs::File::create(&disk).unwrap().set_len(16 << 20).unwrap();
     for (drive, args) in [
         ("driver=null-co,size=64M,if=none,id=nvm0".to_string(), "rw=randread bs=4096 iodepth=4 time_ms=300"),
+        ("driver=null-co,size=64M,if=none,id=nvm0".to_string(), "rw=randread bs=4096 iodepth=4 time_ms=300 irq=1"),
         (format!("file={},format=raw,if=none,id=nvm0", disk.display()), "verify=1 bs=4096 iodepth=8 size_mb=4"),
     ] {
         let mut a: Vec<String> = ["-accel", "kvm", "-cpu", "host,-arch-capabilities", "-m", "128M", "-display", "none"]

@@ -95,6 +95,9 @@ pub trait Interrupts: Send + Sync {
     fn intx_eventfds(&self) -> Option<(EventFd, EventFd)> {
         None
     }
+    /// Points MSI-X vector `vector` at the message (address, data) the guest
+    /// programmed, or takes its route away (None: masked or disabled).
+    fn msix_route(&self, _vector: u16, _msg: Option<(u64, u32)>) {}
 }
 
 /// An [`Interrupts`] with nothing connected.
@@ -174,6 +177,10 @@ pub trait DeviceModel: Send {
     }
     /// Configuration-space write, after the host's header has taken it.
     fn config_write(&mut self, _offset: usize, _data: &[u8]) {}
+    /// PCI capabilities the host lays out in the header from 0x40 (MSI-X...).
+    fn capabilities(&self) -> Vec<pci::Capability> {
+        Vec::new()
+    }
 }
 
 /// Device models by name, as `iopath serve` and `--device` name them.

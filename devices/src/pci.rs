@@ -15,6 +15,17 @@ pub const PCI_BAR0: usize = 0x10;
 pub const PCI_INTERRUPT_LINE: usize = 0x3c;
 pub const CONFIG_SIZE: usize = 256;
 
+pub const PCI_CAP_ID_MSIX: u8 = 0x11;
+
+/// A PCI capability a device declares: its ID, its body (the bytes after
+/// the ID and next pointer) and which body bits the guest may write.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Capability {
+    pub id: u8,
+    pub body: Vec<u8>,
+    pub wmask: Vec<u8>,
+}
+
 /// Where a BAR currently decodes, if it does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BarPlacement {
@@ -150,13 +161,37 @@ impl ConfigSpace {
         }
     }
 
-    /// Enables decoding bits in the command register.
     /// Routes INTx pin A to interrupt line `line` (the GSI), as firmware would.
     pub fn set_intx_line(&mut self, line: u8) {
         self.regs[PCI_INTERRUPT_LINE] = line;
         self.regs[PCI_INTERRUPT_LINE + 1] = 1;
     }
 
+    /// Lays out `caps` from 0x40 as the capability list; returns each one's offset.
+    pub fn add_capabilities(&mut self, caps: &[Capability]) -> Result<Vec<usize>, String> {
+        let mut at = 0x40usize;
+        let mut offsets = Vec::new();
+        for (i, c) in caps.iter().enumerate() {
+            let len = 2 + c.body.len();
+            if at + len > CONFIG_SIZE || c.wmask.len() > c.body.len() {
+                return Err(format!("capability {:#x} does not fit the header", c.id));
+            }
+            let next = if i + 1 < caps.len() { (at + len).next_multiple_of(4) } else { 0 };
+            self.regs[at] = c.id;
+            self.regs[at + 1] = next as u8;
+            self.regs[at + 2..at + len].copy_from_slice(&c.body);
+            self.wmask[at + 2..at + 2 + c.wmask.len()].copy_from_slice(&c.wmask);
+            offsets.push(at);
+            at = (at + len).next_multiple_of(4);
+        }
+        if !caps.is_empty() {
+            self.regs[0x34] = 0x40;
+            self.regs[0x06] |= 0x10; // status: capabilities list
+        }
+        Ok(offsets)
+    }
+
+    /// Enables decoding bits in the command register.
     pub fn enable(&mut self, bits: u16) {
         let c = self.command() | bits;
         self.put16(PCI_COMMAND, c);
@@ -194,6 +229,25 @@ impl ConfigSpace {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn capabilities_are_chained_from_0x40_and_only_their_writable_bits_change() {
+        let mut c = ConfigSpace::new(ids(), &[]).unwrap();
+        let msix = Capability { id: PCI_CAP_ID_MSIX, body: vec![0x3f, 0, 0, 0x20, 0, 0, 0, 0x30, 0, 0], wmask: vec![0, 0xc0] };
+        let offs = c.add_capabilities(&[msix.clone(), Capability { id: 0x10, body: vec![0; 2], wmask: vec![] }]).unwrap();
+        assert_eq!(offs, [0x40, 0x4c]);
+        let mut b = [0u8; 4];
+        c.read(0x34, &mut b[..1]);
+        assert_eq!(b[0], 0x40);
+        c.read(0x40, &mut b);
+        assert_eq!(b, [0x11, 0x4c, 0x3f, 0x00]);
+        c.write(0x40, &[0xff, 0xff, 0xff, 0xff]);
+        c.read(0x40, &mut b);
+        assert_eq!(b, [0x11, 0x4c, 0x3f, 0xc0], "only enable and function mask are writable");
+        let mut st = [0u8; 2];
+        c.read(0x06, &mut st);
+        assert_eq!(st[0] & 0x10, 0x10);
+    }
 
     fn ids() -> PciIds {
         PciIds { vendor: 0x1b36, device: 0x0005, class: 0xff0000, revision: 1, subsystem_vendor: 0, subsystem: 0 }

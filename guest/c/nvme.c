@@ -12,7 +12,9 @@
  *
  * Command line: rw=read|write|randread|randwrite|randrw bs=N iodepth=N
  *   queues=N time_ms=N rwmixread=N size_mb=N seed=N dbbuf=0|1 verify=0|1
- *   qsize=N
+ *   qsize=N irq=0|1 (irq=1: MSI-X on, each I/O CQ signals its own vector;
+ *   the guest runs with IF=0, so the messages stay pending in the LAPIC
+ *   while completions are still reaped by polling)
  * Memory: everything lives from 16 MiB up (identity mapped), bump allocated.
  */
 #include "guest.h"
@@ -43,6 +45,7 @@ static struct sq_cq ioq[MAX_Q];
 static volatile u32 *dbbuf, *evidx;
 static int use_dbbuf;
 static u64 rings; /* MMIO doorbell writes the EventIdx rule asked for */
+static int use_irq;
 
 static void *alloc(u64 n)
 {
@@ -384,14 +387,45 @@ static int job(const char *rw, u64 time_ms, u32 nq, u32 depth, u32 mixread, int 
         }
     }
     u64 cycles = rdtsc() - t_start;
-    printf("@nvme rw=%s bs=%lu iodepth=%u queues=%u dbbuf=%d ios=%lu cycles=%lu lat_sum=%lu lat_min=%lu lat_max=%lu "
+    printf("@nvme rw=%s bs=%lu iodepth=%u queues=%u dbbuf=%d irq=%d ios=%lu cycles=%lu lat_sum=%lu lat_min=%lu lat_max=%lu "
            "p50=%lu p90=%lu p99=%lu p999=%lu errors=%lu io_doorbell_writes=%lu",
-           verify ? "verify" : rw, bs, depth, nq, use_dbbuf, ios, cycles, lat_sum, lat_min, lat_max,
+           verify ? "verify" : rw, bs, depth, nq, use_dbbuf, use_irq, ios, cycles, lat_sum, lat_min, lat_max,
            percentile(ios, 5000), percentile(ios, 9000), percentile(ios, 9900), percentile(ios, 9990), nerrors, rings);
     if (verify)
         printf(" verified_blocks=%lu mismatches=%lu", read_back, mismatches);
     printf("\n");
     return (nerrors || mismatches) ? -1 : 0;
+}
+
+/* Finds the MSI-X capability, points vectors 1..nq at the LAPIC and enables MSI-X. */
+static int msix_setup(struct pci_dev *d, u32 nq)
+{
+    u8 p = (pci_cfg_read32(d, 0x04) >> 16) & 0x10 ? (u8)(pci_cfg_read32(d, 0x34) & 0xfc) : 0;
+    for (int guard = 0; p && guard < 48; guard++) {
+        if ((pci_cfg_read32(d, p) & 0xff) == 0x11)
+            break;
+        p = (u8)((pci_cfg_read32(d, p) >> 8) & 0xfc);
+    }
+    if (!p) {
+        printf("@nvme-error no MSI-X capability\n");
+        return -1;
+    }
+    u32 hdr = pci_cfg_read32(d, p);
+    u32 ctl = hdr >> 16, tsize = (ctl & 0x7ff) + 1, tbl = pci_cfg_read32(d, p + 4);
+    u64 base = d->bar[tbl & 7].addr;
+    if (!base || tsize <= nq) {
+        printf("@nvme-error MSI-X table of %u vectors in BAR%u at 0x%lx\n", tsize, tbl & 7, base);
+        return -1;
+    }
+    u64 table = base + (tbl & ~7u);
+    for (u32 v = 1; v <= nq; v++) {
+        mmio_write32(table + 16 * v, 0xfee00000);
+        mmio_write32(table + 16 * v + 4, 0);
+        mmio_write32(table + 16 * v + 8, 0x40 + v);
+        mmio_write32(table + 16 * v + 12, 0);
+    }
+    pci_cfg_write32(d, p, (hdr & 0xffff) | (ctl | 0x8000) << 16);
+    return 0;
 }
 
 static int create_queues(u32 nq, u32 qsize)
@@ -421,7 +455,8 @@ static int create_queues(u32 nq, u32 qsize)
             printf("@nvme-error out of guest memory for queues\n");
             return -1;
         }
-        struct cmd cq = {0x05, 0, (u64)p->cq, 0, p->qid | (qsize - 1) << 16, 1, 0};
+        u32 ien = use_irq ? 2u | (u32)p->qid << 16 : 0;
+        struct cmd cq = {0x05, 0, (u64)p->cq, 0, p->qid | (qsize - 1) << 16, 1 | ien, 0};
         if ((st = admin(&cq, NULL))) {
             printf("@nvme-error create I/O CQ %u status=0x%x\n", p->qid, st);
             return -1;
@@ -526,6 +561,9 @@ int workload_nvme(u64 mem_bytes)
     }
     printf("@nvme-ctrl model=\"%s\" mqes=%u mdts=%u oacs=0x%x nn=%u nsze=%lu lba=%lu dbbuf=%d\n", model, mqes, mdts,
            oacs, nn, nsze, lba_bytes, use_dbbuf);
+    use_irq = (int)cmdline_u64("irq", 0);
+    if (use_irq && msix_setup(d, nq))
+        return EXIT_FAIL;
     if (create_queues(nq, qsize))
         return EXIT_FAIL;
     slots = alloc(sizeof(struct slot) * nq * depth);

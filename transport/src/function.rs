@@ -21,7 +21,8 @@ pub struct PciFunction {
 
 impl PciFunction {
     pub fn new(device: Box<dyn DeviceModel>) -> Result<Self, String> {
-        let config = ConfigSpace::new(device.ids(), &device.bars())?;
+        let mut config = ConfigSpace::new(device.ids(), &device.bars())?;
+        config.add_capabilities(&device.capabilities())?;
         Ok(PciFunction { config, device, stray_accesses: 0 })
     }
 

@@ -12,6 +12,7 @@
 pub mod bare;
 pub mod bus;
 pub mod debug_exit;
+pub mod irq;
 pub mod loader;
 pub mod memory;
 pub mod pci;

@@ -62,11 +62,12 @@ impl PciHost {
         if self.slots.len() >= 32 {
             return Err("PCI bus 0 is full".into());
         }
-        let (ids, bars) = {
+        let (ids, bars, caps) = {
             let d = device.lock().unwrap();
-            (d.ids(), d.bars())
+            (d.ids(), d.bars(), d.capabilities())
         };
-        let config = ConfigSpace::new(ids, &bars)?;
+        let mut config = ConfigSpace::new(ids, &bars)?;
+        config.add_capabilities(&caps)?;
         self.slots.push(Slot { config, device: Some(device), ioevents, mapped: [None; 6] });
         Ok((self.slots.len() - 1) as u8)
     }

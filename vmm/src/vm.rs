@@ -210,10 +210,11 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
         fatal2.lock().unwrap().get_or_insert(msg);
     });
     let mut devices: Vec<(u8, SharedDevice)> = Vec::new();
+    let router = crate::irq::GsiRouter::new(m.vm.clone());
     for (i, mut d) in cfg.devices.drain(..).enumerate() {
         let ioevents = Arc::new(KvmIoEvents::new(m.vm.clone()));
         let gsi = INTX_GSI_BASE + (i as u32 % 8);
-        let irq = intx_lines(&m.vm, gsi)?;
+        let irq = Arc::new(crate::irq::VmIrq::new(m.vm.clone(), router.clone(), intx_lines(&m.vm, gsi)?, i as u32));
         d.attach(DeviceContext { mem: m.ram.mem.clone(), ioevents: ioevents.clone(), irq, fail: fail.clone() });
         let shared: SharedDevice = Arc::new(Mutex::new(d));
         let mut h = host.lock().unwrap();

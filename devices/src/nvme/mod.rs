@@ -8,8 +8,11 @@
 //! interrupt coalescing, arbitration...), Get Log Page (error, SMART,
 //! firmware), Abort, Asynchronous Event Request, Doorbell Buffer Config.
 //! I/O: Read, Write, Flush, Write Zeroes, Dataset Management, with PRP1/PRP2
-//! and PRP lists. Completions are polled (phase tags); interrupts are not
-//! offered yet (IEN=1 is refused with Invalid Interrupt Vector).
+//! and PRP lists. Completions carry phase tags for polling drivers; a CQ
+//! created with IEN=1 signals its MSI-X vector (65 vectors, table at BAR0
+//! 0x2000, PBA at 0x3000): the host turns each vector into a KVM irqfd on
+//! the MSI route the guest programmed. A vector that is masked (or MSI-X
+//! off) keeps its pending bit and fires when unmasked.
 //!
 //! Doorbell modes (how I/O queue doorbells reach the controller):
 //! - `mmio`: every doorbell write exits to the VMM, and the vCPU thread
@@ -55,6 +58,12 @@ pub const MQES: u16 = 4096;
 /// Maximum data transfer: 2^MDTS pages = 128 KiB.
 pub const MDTS: u8 = 5;
 const AERL: usize = 4;
+/// MSI-X vectors: one per queue pair, admin included.
+pub const MSIX_VECTORS: usize = MAX_IO_QUEUES as usize + 1;
+const MSIX_TABLE: u64 = 0x2000;
+const MSIX_PBA: u64 = 0x3000;
+/// Where the host lays out the MSI-X capability (the first and only one).
+const MSIX_CAP: usize = 0x40;
 
 const REG_INTMS: u64 = 0x0c;
 const REG_INTMC: u64 = 0x10;
@@ -112,6 +121,7 @@ struct Stats {
     cq_full_waits: u64,
     polls: u64,
     kicks: u64,
+    interrupts: u64,
 }
 
 /// Controller state shared by the vCPU thread (registers, doorbell writes)
@@ -146,6 +156,12 @@ struct Core {
     ioevents: Option<Arc<dyn crate::IoEvents>>,
     /// Doorbells registered as ioeventfds (offset in BAR0).
     registered: Vec<u64>,
+    irq: Arc<dyn crate::Interrupts>,
+    /// MSI-X table (address lo, hi, data, vector control per vector) and state.
+    msix: Vec<u32>,
+    msix_enabled: bool,
+    msix_fmask: bool,
+    pending: Vec<bool>,
     smart_read_units: u64,
     smart_write_units: u64,
 }
@@ -193,6 +209,11 @@ impl Nvme {
             kick: None,
             ioevents: None,
             registered: Vec::new(),
+            irq: Arc::new(crate::NoInterrupts),
+            msix: (0..MSIX_VECTORS).flat_map(|_| [0, 0, 0, 1]).collect(),
+            msix_enabled: false,
+            msix_fmask: false,
+            pending: vec![false; MSIX_VECTORS],
             smart_read_units: 0,
             smart_write_units: 0,
         };
@@ -398,6 +419,11 @@ impl Core {
                     self.process_sq(sqid);
                 }
             }
+        } else if self.mode == DoorbellMode::Ioeventfd && qid > 0 && self.dbbuf.is_some() {
+            // A doorbell that was to be an ioeventfd but exited (the host
+            // could not install it): serve it the ioeventfd way, so that
+            // EventIdx keeps asking for the next one.
+            self.serve_kicked();
         } else {
             self.sqs[qid].as_mut().unwrap().tail = value as u16;
             self.process_sq(qid);
@@ -446,6 +472,36 @@ impl Core {
             busy |= self.process_sq(qid);
         }
         busy
+    }
+
+    fn msix_masked(&self, v: usize) -> bool {
+        !self.msix_enabled || self.msix_fmask || self.msix[4 * v + 3] & 1 != 0
+    }
+
+    /// Signals vector `v`, or leaves it pending while it is masked.
+    fn interrupt(&mut self, v: u16) {
+        let v = v as usize;
+        if v >= MSIX_VECTORS {
+            return;
+        }
+        if self.msix_masked(v) || !self.irq.signal_msix(v as u16) {
+            self.pending[v] = true;
+        } else {
+            self.st.interrupts += 1;
+        }
+    }
+
+    /// Tells the host where vector `v` goes now, and fires it if it was pending.
+    fn msix_update(&mut self, v: usize) {
+        let route = (!self.msix_masked(v)).then(|| {
+            let e = &self.msix[4 * v..4 * v + 3];
+            (e[0] as u64 | (e[1] as u64) << 32, e[2])
+        });
+        self.irq.msix_route(v as u16, route);
+        if route.is_some() && self.pending[v] && self.irq.signal_msix(v as u16) {
+            self.pending[v] = false;
+            self.st.interrupts += 1;
+        }
     }
 
     /// ioeventfd mode: serve every I/O queue from its shadow tail, publish
@@ -553,6 +609,11 @@ impl Core {
         if let Some(cq) = self.cqs[cqid].as_mut() {
             if !post_cqe(&self.mem, cq, dw0, sq.head, sqid as u16, cid, st) {
                 log::warn!("nvme: CQ {cqid} is outside guest RAM; completion of cid {cid} dropped");
+                return;
+            }
+            let (ien, iv) = (cq.ien, cq.iv);
+            if ien {
+                self.interrupt(iv);
             }
         }
     }
@@ -594,13 +655,14 @@ impl Core {
         if c.cdw11 & 1 == 0 {
             return status::INVALID_FIELD; // only physically contiguous queues
         }
-        if c.cdw11 & 2 != 0 {
-            return status::INVALID_INTERRUPT_VECTOR; // no interrupt vectors offered (polled)
+        let (ien, iv) = (c.cdw11 & 2 != 0, (c.cdw11 >> 16) as u16);
+        if ien && iv as usize >= MSIX_VECTORS {
+            return status::INVALID_INTERRUPT_VECTOR;
         }
         if !queue_in_ram(&self.mem, c.prp1, size as u64 * CQE_SIZE) {
             return status::INVALID_FIELD;
         }
-        self.cqs[qid] = Some(Cq { gpa: c.prp1, size: size as u16, ..Default::default() });
+        self.cqs[qid] = Some(Cq { gpa: c.prp1, size: size as u16, ien, iv, ..Default::default() });
         self.queues_created = true;
         self.sync_shadow(qid, true);
         status::SUCCESS
@@ -974,9 +1036,48 @@ impl DeviceModel for Nvme {
         let mut c = self.core.lock().unwrap();
         c.mem = ctx.mem;
         c.ioevents = Some(ctx.ioevents);
+        c.irq = ctx.irq;
+    }
+
+    fn capabilities(&self) -> Vec<crate::pci::Capability> {
+        let mut body = Vec::new();
+        body.extend_from_slice(&(MSIX_VECTORS as u16 - 1).to_le_bytes()); // table size; enable/mask off
+        body.extend_from_slice(&(MSIX_TABLE as u32).to_le_bytes()); // BIR 0
+        body.extend_from_slice(&(MSIX_PBA as u32).to_le_bytes());
+        vec![crate::pci::Capability { id: crate::pci::PCI_CAP_ID_MSIX, body, wmask: vec![0, 0xc0] }]
+    }
+
+    fn config_write(&mut self, offset: usize, data: &[u8]) {
+        // Message Control's high byte holds MSI-X Enable (bit 15) and Function Mask (bit 14).
+        let hi = MSIX_CAP + 3;
+        if offset <= hi && hi < offset + data.len() {
+            let b = data[hi - offset];
+            let mut c = self.core.lock().unwrap();
+            c.msix_enabled = b & 0x80 != 0;
+            c.msix_fmask = b & 0x40 != 0;
+            for v in 0..MSIX_VECTORS {
+                c.msix_update(v);
+            }
+        }
     }
 
     fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) {
+        let table_end = MSIX_TABLE + 16 * MSIX_VECTORS as u64;
+        if bar == 0 && (MSIX_TABLE..table_end).contains(&offset) {
+            let c = self.core.lock().unwrap();
+            let bytes: Vec<u8> = c.msix.iter().flat_map(|w| w.to_le_bytes()).collect();
+            crate::read_regs(&bytes, offset - MSIX_TABLE, data);
+            return;
+        }
+        if bar == 0 && (MSIX_PBA..MSIX_PBA + 16).contains(&offset) {
+            let c = self.core.lock().unwrap();
+            let mut bits = [0u8; 16];
+            for (v, p) in c.pending.iter().enumerate() {
+                bits[v / 8] |= (*p as u8) << (v % 8);
+            }
+            crate::read_regs(&bits, offset - MSIX_PBA, data);
+            return;
+        }
         if bar != 0 || offset >= DOORBELLS {
             le_fill(data, if bar != 0 { u64::MAX } else { 0 });
             return;
@@ -990,8 +1091,23 @@ impl DeviceModel for Nvme {
             return;
         }
         let v = le_value(data);
-        if offset >= DOORBELLS {
-            if data.len() == 4 && offset % 4 == 0 && offset < BAR0_SIZE {
+        if (MSIX_TABLE..MSIX_TABLE + 16 * MSIX_VECTORS as u64).contains(&offset) {
+            // DWORD or QWORD writes, naturally aligned (PCI spec).
+            if !matches!(data.len(), 4 | 8) || offset % data.len() as u64 != 0 {
+                return;
+            }
+            let mut c = self.core.lock().unwrap();
+            let i = ((offset - MSIX_TABLE) / 4) as usize;
+            for (k, w) in (0..data.len() / 4).map(|k| (k, (v >> (32 * k)) as u32)) {
+                if let Some(slot) = c.msix.get_mut(i + k) {
+                    *slot = if (i + k) % 4 == 3 { w & 1 } else { w };
+                }
+            }
+            c.msix_update(i / 4);
+            return;
+        }
+        if offset >= DOORBELLS && offset < MSIX_TABLE {
+            if data.len() == 4 && offset % 4 == 0 {
                 self.core.lock().unwrap().doorbell(offset - DOORBELLS, v as u32);
             }
             return;
@@ -1045,6 +1161,7 @@ impl DeviceModel for Nvme {
             ("cq.full-waits", s.cq_full_waits),
             ("shadow.polls", s.polls),
             ("ioeventfd.kicks", s.kicks),
+            ("msix.interrupts", s.interrupts),
         ]
         .into_iter()
         .map(|(n, value)| Counter { name: n.into(), value })

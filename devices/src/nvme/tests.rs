@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::DeviceContext;
+use std::sync::Arc;
 
 const ASQ: u64 = 0x10000;
 const ACQ: u64 = 0x11000;
@@ -151,7 +152,7 @@ fn hostile_commands_get_nvme_statuses_and_the_controller_goes_on() {
     // Queues: bad ids, sizes, a missing CQ, memory outside RAM, interrupts not offered.
     assert_eq!(d.admin(0x05, 0, IOCQ, 0, [0 | 15 << 16, 1, 0, 0]).1, status::INVALID_QID);
     assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 0xffff << 16, 1, 0, 0]).1, status::MAX_QSIZE_EXCEEDED);
-    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3, 0, 0]).1, status::INVALID_INTERRUPT_VECTOR);
+    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3 | 900 << 16, 0, 0]).1, status::INVALID_INTERRUPT_VECTOR);
     assert_eq!(d.admin(0x05, 0, 0xff000, 0, [1 | 4095 << 16, 1, 0, 0]).1, status::INVALID_FIELD);
     assert_eq!(d.admin(0x01, 0, IOSQ, 0, [1 | 15 << 16, 1 | 9 << 16, 0, 0]).1, status::CQ_INVALID);
     assert_eq!(d.admin(0x01, 0, IOSQ, 0, [999 | 15 << 16, 1 | 1 << 16, 0, 0]).1, status::INVALID_QID);
@@ -244,4 +245,61 @@ fn mmio_mode_offers_no_doorbell_buffer_config_and_bad_lba_sizes_are_refused() {
     assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, status::INVALID_OPCODE);
     assert!(Nvme::new(NvmeConfig { lba_size: 1024, ..mmio(BackendKind::Null) }).is_err());
     assert!(Nvme::new(NvmeConfig { size: 1000, ..mmio(BackendKind::Null) }).is_err());
+}
+
+#[derive(Default)]
+struct Irqs {
+    routes: std::sync::Mutex<Vec<(u16, Option<(u64, u32)>)>>,
+    signals: std::sync::Mutex<Vec<u16>>,
+}
+impl crate::Interrupts for Irqs {
+    fn set_intx(&self, _: bool) {}
+    fn signal_msix(&self, v: u16) -> bool {
+        self.signals.lock().unwrap().push(v);
+        true
+    }
+    fn msix_route(&self, v: u16, m: Option<(u64, u32)>) {
+        self.routes.lock().unwrap().push((v, m));
+    }
+}
+
+#[test]
+fn msix_vectors_follow_the_table_and_fire_on_completions_or_stay_pending_while_masked() {
+    let mut d = Drv::new(mmio(BackendKind::Null));
+    let irqs = Arc::new(Irqs::default());
+    let mut ctx = DeviceContext::detached(d.mem.clone());
+    ctx.irq = irqs.clone();
+    d.n.attach(ctx);
+    let caps = d.n.capabilities();
+    assert_eq!(caps[0].id, crate::pci::PCI_CAP_ID_MSIX);
+    // Vector 1: address 0xfee00000, data 0x45, unmasked; MSI-X enabled.
+    d.n.bar_write(0, MSIX_TABLE + 16, &0xfee0_0000u64.to_le_bytes());
+    d.n.bar_write(0, MSIX_TABLE + 24, &0x45u32.to_le_bytes());
+    d.n.bar_write(0, MSIX_TABLE + 28, &0u32.to_le_bytes());
+    assert!(irqs.routes.lock().unwrap().iter().all(|(_, r)| r.is_none()), "no route while MSI-X is off");
+    d.n.config_write(MSIX_CAP + 2, &0x8000u16.to_le_bytes());
+    assert!(irqs.routes.lock().unwrap().contains(&(1, Some((0xfee0_0000, 0x45)))));
+    // A CQ with IEN on vector 1; an invalid vector is refused.
+    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3 | 900 << 16, 0, 0]).1, status::INVALID_INTERRUPT_VECTOR);
+    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3 | 1 << 16, 0, 0]).1, 0);
+    assert_eq!(d.admin(0x01, 0, IOSQ, 0, [1 | 15 << 16, 1 | 1 << 16, 0, 0]).1, 0);
+    assert_eq!(d.io(0x02, 0, 0, DATA, 0, 16), 0);
+    assert_eq!(irqs.signals.lock().unwrap().as_slice(), [1]);
+    // Masked: the completion sets the pending bit; unmasking fires it.
+    d.n.bar_write(0, MSIX_TABLE + 28, &1u32.to_le_bytes());
+    assert_eq!(d.io(0x02, 0, 0, DATA, 0, 16), 0);
+    assert_eq!(irqs.signals.lock().unwrap().len(), 1);
+    let mut pba = [0u8; 8];
+    d.n.bar_read(0, MSIX_PBA, &mut pba);
+    assert_eq!(pba[0], 0b10, "vector 1 pending");
+    d.n.bar_write(0, MSIX_TABLE + 28, &0u32.to_le_bytes());
+    assert_eq!(irqs.signals.lock().unwrap().as_slice(), [1, 1]);
+    d.n.bar_read(0, MSIX_PBA, &mut pba);
+    assert_eq!(pba[0], 0);
+    // Hostile table accesses: odd sizes and offsets are dropped, reads stay in the table.
+    d.n.bar_write(0, MSIX_TABLE + 17, &[1, 2, 3, 4]);
+    d.n.bar_write(0, MSIX_TABLE + 16 * MSIX_VECTORS as u64 - 4, &u64::MAX.to_le_bytes());
+    let mut b = [0u8; 4];
+    d.n.bar_read(0, MSIX_TABLE + 24, &mut b);
+    assert_eq!(u32::from_le_bytes(b), 0x45);
 }

@@ -1,0 +1,183 @@
+//! A device's interrupts in the VMM: INTx as a KVM irqfd with resample
+//! (transport::irq::IrqLines), and MSI-X vectors as KVM irqfds on GSIs whose
+//! MSI routes follow the device's MSI-X table. The device writes an eventfd;
+//! KVM injects; the VMM's threads are not involved.
+
+use iopath_devices::Interrupts;
+use iopath_transport::irq::IrqLines;
+use kvm_bindings::{
+    kvm_irq_routing_entry, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
+    KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI,
+};
+use kvm_ioctls::VmFd;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+/// The VM's GSI routing table: KVM's default irqchip routes plus the MSI
+/// routes devices ask for. KVM_SET_GSI_ROUTING replaces the whole table.
+pub struct GsiRouter {
+    vm: Arc<VmFd>,
+    msi: Mutex<BTreeMap<u32, (u64, u32)>>,
+}
+
+impl GsiRouter {
+    pub fn new(vm: Arc<VmFd>) -> Arc<Self> {
+        Arc::new(GsiRouter { vm, msi: Mutex::new(BTreeMap::new()) })
+    }
+
+    /// Sets (Some) or removes (None) the MSI route of `gsi`.
+    pub fn set(&self, gsi: u32, msg: Option<(u64, u32)>) -> Result<(), String> {
+        let mut msi = self.msi.lock().unwrap();
+        match msg {
+            Some(m) => msi.insert(gsi, m),
+            None => msi.remove(&gsi),
+        };
+        let mut entries = Vec::new();
+        for pin in 0..24u32 {
+            entries.push(irqchip(pin, KVM_IRQCHIP_IOAPIC, pin));
+            if pin < 16 {
+                let chip = if pin < 8 { KVM_IRQCHIP_PIC_MASTER } else { KVM_IRQCHIP_PIC_SLAVE };
+                entries.push(irqchip(pin, chip, pin % 8));
+            }
+        }
+        for (&gsi, &(addr, data)) in msi.iter() {
+            let mut e = kvm_irq_routing_entry { gsi, type_: KVM_IRQ_ROUTING_MSI, ..Default::default() };
+            e.u.msi.address_lo = addr as u32;
+            e.u.msi.address_hi = (addr >> 32) as u32;
+            e.u.msi.data = data;
+            entries.push(e);
+        }
+        let mut table = KvmIrqRouting::new(entries.len()).map_err(|e| format!("routing table: {e:?}"))?;
+        table.as_mut_slice().copy_from_slice(&entries);
+        self.vm.set_gsi_routing(&table).map_err(|e| format!("KVM_SET_GSI_ROUTING: {e}"))
+    }
+}
+
+fn irqchip(gsi: u32, chip: u32, pin: u32) -> kvm_irq_routing_entry {
+    let mut e = kvm_irq_routing_entry { gsi, type_: KVM_IRQ_ROUTING_IRQCHIP, ..Default::default() };
+    e.u.irqchip.irqchip = chip;
+    e.u.irqchip.pin = pin;
+    e
+}
+
+/// One device's interrupts: INTx lines plus MSI-X vectors on GSIs
+/// `base_gsi + vector`.
+pub struct VmIrq {
+    pub intx: Arc<IrqLines>,
+    router: Arc<GsiRouter>,
+    vm: Arc<VmFd>,
+    base_gsi: u32,
+    vectors: Mutex<Vec<Option<(EventFd, bool)>>>,
+}
+
+/// GSIs for MSI-X start above the IOAPIC's 24 pins; each device gets 128.
+pub const MSI_GSI_BASE: u32 = 32;
+pub const MSI_GSIS_PER_DEVICE: u32 = 128;
+
+impl VmIrq {
+    pub fn new(vm: Arc<VmFd>, router: Arc<GsiRouter>, intx: Arc<IrqLines>, device_index: u32) -> Self {
+        VmIrq {
+            intx,
+            router,
+            vm,
+            base_gsi: MSI_GSI_BASE + device_index * MSI_GSIS_PER_DEVICE,
+            vectors: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl Interrupts for VmIrq {
+    fn set_intx(&self, level: bool) {
+        Interrupts::set_intx(&*self.intx, level)
+    }
+
+    fn signal_msix(&self, vector: u16) -> bool {
+        match self.vectors.lock().unwrap().get(vector as usize) {
+            Some(Some((fd, true))) => fd.write(1).is_ok(),
+            _ => false,
+        }
+    }
+
+    fn intx_eventfds(&self) -> Option<(EventFd, EventFd)> {
+        self.intx.intx_fds()
+    }
+
+    fn msix_route(&self, vector: u16, msg: Option<(u64, u32)>) {
+        if vector as u32 >= MSI_GSIS_PER_DEVICE {
+            return;
+        }
+        let gsi = self.base_gsi + vector as u32;
+        let mut v = self.vectors.lock().unwrap();
+        if v.len() <= vector as usize {
+            v.resize_with(vector as usize + 1, || None);
+        }
+        if v[vector as usize].is_none() {
+            if msg.is_none() {
+                return; // never routed: nothing to take away
+            }
+            let fd = match EventFd::new(EFD_NONBLOCK) {
+                Ok(f) => f,
+                Err(e) => return log::error!("MSI-X vector {vector}: eventfd: {e}"),
+            };
+            if let Err(e) = self.vm.register_irqfd(&fd, gsi) {
+                return log::error!("MSI-X vector {vector}: KVM_IRQFD on GSI {gsi}: {e}");
+            }
+            v[vector as usize] = Some((fd, false));
+        }
+        match self.router.set(gsi, msg) {
+            Ok(()) => v[vector as usize].as_mut().unwrap().1 = msg.is_some(),
+            Err(e) => log::error!("MSI-X vector {vector}: {e}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lapic_irr(vcpu: &kvm_ioctls::VcpuFd, vector: u8) -> bool {
+        let l = vcpu.get_lapic().unwrap();
+        let off = 0x200 + (vector as usize / 32) * 16;
+        let w = u32::from_le_bytes([
+            l.regs[off] as u8,
+            l.regs[off + 1] as u8,
+            l.regs[off + 2] as u8,
+            l.regs[off + 3] as u8,
+        ]);
+        w & (1 << (vector % 32)) != 0
+    }
+
+    #[test]
+    fn an_msix_vector_reaches_the_lapic_through_an_irqfd_and_stops_when_unrouted() {
+        assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing");
+        let kvm = kvm_ioctls::Kvm::new().unwrap();
+        let vm = Arc::new(kvm.create_vm().unwrap());
+        vm.create_irq_chip().unwrap();
+        let vcpu = vm.create_vcpu(0).unwrap();
+        // Software-enable the LAPIC (SVR bit 8) so it accepts fixed interrupts.
+        let mut l = vcpu.get_lapic().unwrap();
+        l.regs[0xf0 + 1] |= 1;
+        vcpu.set_lapic(&l).unwrap();
+        let router = GsiRouter::new(vm.clone());
+        let irq = VmIrq::new(vm.clone(), router.clone(), IrqLines::new(), 0);
+        assert!(!irq.signal_msix(3), "an unrouted vector does not fire");
+        // Destination APIC 0, fixed, vector 0x45.
+        irq.msix_route(3, Some((0xfee0_0000, 0x45)));
+        assert!(irq.signal_msix(3));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(lapic_irr(&vcpu, 0x45), "vector 0x45 not pending in the LAPIC");
+        irq.msix_route(3, None);
+        assert!(!irq.signal_msix(3), "masked: the device keeps it pending instead");
+        // INTx routes survive a routing-table rewrite.
+        let trigger = EventFd::new(EFD_NONBLOCK).unwrap();
+        let resample = EventFd::new(EFD_NONBLOCK).unwrap();
+        vm.register_irqfd_with_resample(&trigger, &resample, 17).unwrap();
+        trigger.write(1).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let mut chip = kvm_bindings::kvm_irqchip { chip_id: KVM_IRQCHIP_IOAPIC, ..Default::default() };
+        vm.get_irqchip(&mut chip).unwrap();
+        // SAFETY: chip_id IOAPIC selects the ioapic member.
+        assert_ne!(unsafe { chip.chip.ioapic.irr } & (1 << 17), 0);
+    }
+}
