@@ -150,6 +150,7 @@ struct Core {
     mode: DoorbellMode,
     segs: Vec<(u64, u64)>,
     buf: Vec<u8>,
+    bounce: backend::Bounce,
     st: Stats,
     /// ioeventfd mode: the eventfd on every I/O doorbell, and the host's registrar.
     kick: Option<Arc<EventFd>>,
@@ -205,6 +206,7 @@ impl Nvme {
             mode: cfg.doorbell,
             segs: Vec::with_capacity(64),
             buf: Vec::new(),
+            bounce: backend::Bounce::new(0),
             st: Stats::default(),
             kick: None,
             ioevents: None,
@@ -949,6 +951,9 @@ impl Core {
         if matches!(self.backend, Backend::Null) {
             return status::SUCCESS;
         }
+        if matches!(self.backend, Backend::File(_)) {
+            return self.transfer_whole(segs, off, write);
+        }
         for &(a, n) in segs {
             let n = n as usize;
             if self.buf.len() < n {
@@ -966,6 +971,38 @@ impl Core {
             off += n as u64;
         }
         status::SUCCESS
+    }
+
+    /// A file transfer as one aligned backend operation (O_DIRECT-able),
+    /// gathered from or scattered to the guest pages.
+    fn transfer_whole(&mut self, segs: &[(u64, u64)], off: u64, write: bool) -> u16 {
+        let len: u64 = segs.iter().map(|s| s.1).sum();
+        let mut bounce = std::mem::replace(&mut self.bounce, backend::Bounce::new(0));
+        let buf = bounce.get(len as usize);
+        let mut pos = 0usize;
+        let mut ok = true;
+        if write {
+            for &(a, n) in segs {
+                ok &= self.mem.read_slice(&mut buf[pos..pos + n as usize], GuestAddress(a)).is_ok();
+                pos += n as usize;
+            }
+            ok = ok && self.backend.write(off, buf).is_ok();
+        } else {
+            ok = self.backend.read(off, buf).is_ok();
+            for &(a, n) in segs {
+                if !ok {
+                    break;
+                }
+                ok = self.mem.write_slice(&buf[pos..pos + n as usize], GuestAddress(a)).is_ok();
+                pos += n as usize;
+            }
+        }
+        self.bounce = bounce;
+        if ok {
+            status::SUCCESS
+        } else {
+            status::DATA_TRANSFER_ERROR
+        }
     }
 
     fn dsm(&mut self, c: &Sqe) -> u16 {
@@ -1167,6 +1204,9 @@ impl DeviceModel for Nvme {
         .map(|(n, value)| Counter { name: n.into(), value })
         .collect();
         v.push(Counter { name: format!("backend.{}", c.backend.name()), value: 1 });
+        if let Backend::File(f) = &c.backend {
+            v.push(Counter { name: "backend.direct-ops".into(), value: f.direct_ops });
+        }
         if let Some(e) = &self.error {
             log::warn!("{e}");
         }
