@@ -2,23 +2,14 @@
 //! guest's nvmeperf: every backend and doorbell mode, in the VMM and from a
 //! device process, and the same driver against QEMU's nvme.
 
-use iopath_transport::attach::{instantiate, DeviceSpec, Programs};
+mod common;
+use common::{kvm, programs};
+
+use iopath_transport::attach::{instantiate, DeviceSpec};
 use iopath_vmm::{run, VmConfig};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::time::Duration;
 
-fn kvm() {
-    assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing: these tests need KVM");
-}
-
-fn programs() -> Programs {
-    Programs {
-        iopath: PathBuf::from(env!("CARGO_BIN_EXE_iopath")),
-        qemu: iopath_bench::qemu::find().ok(),
-        serve_args: Vec::new(),
-    }
-}
 
 fn nvme_record(lines: &[String]) -> BTreeMap<String, String> {
     let l = lines

@@ -2,9 +2,12 @@
 //! `iopath serve` over each transport, QEMU interop in both directions for
 //! mpqemu, a device process that outlives its VMM, and one that dies.
 
+mod common;
+use common::{kvm, programs};
+
 use iopath_bench::exits::{verify_iopath, verify_qemu};
 use iopath_bench::record::GuestOutput;
-use iopath_transport::attach::{instantiate, DeviceSpec, Programs};
+use iopath_transport::attach::{instantiate, DeviceSpec};
 use iopath_vmm::{run, VmConfig};
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -13,17 +16,6 @@ use std::time::{Duration, Instant};
 
 const SYNC_ROWS: &str = "mmio-no-eventfd,portio-no-eventfd,mmio-read,portio-read";
 
-fn kvm() {
-    assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing: these tests need KVM");
-}
-
-fn programs() -> Programs {
-    Programs {
-        iopath: PathBuf::from(env!("CARGO_BIN_EXE_iopath")),
-        qemu: iopath_bench::qemu::find().ok(),
-        serve_args: Vec::new(),
-    }
-}
 
 fn vm(spec: &str, only: &str) -> VmConfig {
     let spec: DeviceSpec = spec.parse().unwrap();

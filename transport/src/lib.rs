@@ -16,6 +16,7 @@ pub mod ioeventfd;
 pub mod ioregionfd;
 pub mod irq;
 pub mod mpqemu;
+pub mod peer;
 pub mod process;
 pub mod serve;
 pub mod socket;

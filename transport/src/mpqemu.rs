@@ -16,18 +16,17 @@
 
 use crate::function::{map_guest_memory, no_memory, PciFunction, SharedRegion};
 use crate::irq::IrqLines;
+use crate::peer::Peer;
 use crate::process::DeviceProcess;
 use crate::socket;
 use iopath_devices::pci::ConfigSpace;
 use iopath_devices::{
-    le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, FailFn, NoIoEvents, PciIds,
+    le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, NoIoEvents, PciIds,
 };
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 pub const HEADER_SIZE: usize = 16;
@@ -344,18 +343,12 @@ fn file_to_eventfd(f: File) -> std::io::Result<vmm_sys_util::eventfd::EventFd> {
 /// [`DeviceModel`] to the VMM: configuration and BAR accesses are forwarded
 /// and waited for; guest RAM and the INTx eventfds are handed over at attach.
 pub struct MpqemuProxy {
-    sock: UnixStream,
-    name: String,
+    peer: Peer,
     ids: PciIds,
     bars: Vec<BarSpec>,
     /// The configuration the guest programmed, to turn (BAR, offset) into
     /// the absolute addresses mpqemu carries.
     shadow: ConfigSpace,
-    fail: Option<FailFn>,
-    dead: Option<String>,
-    watching: Arc<AtomicBool>,
-    child: Option<DeviceProcess>,
-    remote: Vec<Counter>,
     requests: u64,
 }
 
@@ -364,19 +357,13 @@ impl MpqemuProxy {
     /// QEMU's proxy does (configuration reads, BAR sizing).
     pub fn connect(sock: UnixStream, child: Option<DeviceProcess>) -> Result<Self, String> {
         let mut p = MpqemuProxy {
-            sock,
-            name: "mpqemu".into(),
+            peer: Peer::new(sock, "mpqemu", child),
             ids: PciIds { vendor: 0xffff, device: 0xffff, class: 0, revision: 0, subsystem_vendor: 0, subsystem: 0 },
             bars: Vec::new(),
             shadow: ConfigSpace::new(
                 PciIds { vendor: 0, device: 0, class: 0, revision: 0, subsystem_vendor: 0, subsystem: 0 },
                 &[],
             )?,
-            fail: None,
-            dead: None,
-            watching: Arc::new(AtomicBool::new(false)),
-            child,
-            remote: Vec::new(),
             requests: 0,
         };
         let id = p.cfg_read(0, 4)?;
@@ -421,41 +408,32 @@ impl MpqemuProxy {
             p.bars.push(spec);
         }
         p.shadow = ConfigSpace::new(p.ids, &p.bars).map_err(|e| format!("the remote's BARs: {e}"))?;
-        p.name = format!("mpqemu:{:04x}:{:04x}", p.ids.vendor, p.ids.device);
+        p.peer.name = format!("mpqemu:{:04x}:{:04x}", p.ids.vendor, p.ids.device);
         Ok(p)
     }
 
     /// Names the device in reports (e.g. "pci-testdev@mpqemu").
     pub fn set_name(&mut self, name: &str) {
-        self.name = name.to_string();
+        self.peer.name = name.to_string();
     }
 
     fn call(&mut self, msg: Msg) -> Result<u64, String> {
-        if let Some(e) = &self.dead {
+        if let Some(e) = &self.peer.dead {
             return Err(e.clone());
         }
         self.requests += 1;
-        let r = send(&self.sock, &msg, &[]).map_err(|e| format!("sending to the device process: {e}")).and_then(|()| {
-            match recv(&self.sock)? {
+        let sock = &self.peer.sock;
+        let r = send(sock, &msg, &[]).map_err(|e| format!("sending to the device process: {e}")).and_then(|()| {
+            match recv(sock)? {
                 Some((Msg::Ret(v), _)) => Ok(v),
                 Some((m, _)) => Err(format!("device process answered command {} instead of RET", m.cmd())),
                 None => Err("the device process closed the mpqemu socket".to_string()),
             }
         });
         if let Err(e) = &r {
-            self.die(e.clone());
+            self.peer.die(e.clone());
         }
         r
-    }
-
-    fn die(&mut self, e: String) {
-        if self.dead.is_none() {
-            self.watching.store(false, Ordering::Release);
-            if let Some(f) = &self.fail {
-                f(format!("{}: {e}", self.name));
-            }
-            self.dead = Some(e);
-        }
     }
 
     fn cfg_read(&mut self, addr: u32, len: i32) -> Result<u32, String> {
@@ -469,26 +447,6 @@ impl MpqemuProxy {
     fn bar_addr(&self, bar: u8, offset: u64) -> Option<(u64, bool)> {
         let p = self.shadow.bar_placement(bar)?;
         Some((p.addr + offset, p.spec.kind != BarKind::Io))
-    }
-
-    /// Watches the socket: a device process that dies stops the run.
-    fn watch(&self) {
-        let (Ok(sock), Some(fail)) = (self.sock.try_clone(), self.fail.clone()) else {
-            return;
-        };
-        let on = self.watching.clone();
-        on.store(true, Ordering::Release);
-        let name = self.name.clone();
-        let _ = std::thread::Builder::new().name("mpqemu-watch".into()).spawn(move || {
-            while on.load(Ordering::Acquire) {
-                if socket::peer_closed(&sock, 100) {
-                    if on.swap(false, Ordering::AcqRel) {
-                        fail(format!("{name}: the device process closed its socket (did it die?)"));
-                    }
-                    return;
-                }
-            }
-        });
     }
 
     fn share_memory(&mut self, ctx: &DeviceContext) -> Result<(), String> {
@@ -505,21 +463,13 @@ impl MpqemuProxy {
         if regions.is_empty() || regions.len() > MAX_FDS - 1 {
             return Err(format!("{} guest RAM regions; mpqemu carries 1..=7", regions.len()));
         }
-        send(&self.sock, &Msg::SyncSysmem(regions), &fds).map_err(|e| format!("SYNC_SYSMEM: {e}"))
-    }
-}
-
-impl Drop for MpqemuProxy {
-    /// Stops the watcher (it holds a copy of the socket) and ends the session.
-    fn drop(&mut self) {
-        self.watching.store(false, Ordering::Release);
-        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        send(&self.peer.sock, &Msg::SyncSysmem(regions), &fds).map_err(|e| format!("SYNC_SYSMEM: {e}"))
     }
 }
 
 impl DeviceModel for MpqemuProxy {
     fn name(&self) -> &str {
-        &self.name
+        &self.peer.name
     }
     fn ids(&self) -> PciIds {
         self.ids
@@ -529,18 +479,18 @@ impl DeviceModel for MpqemuProxy {
     }
 
     fn attach(&mut self, ctx: DeviceContext) {
-        self.fail = Some(ctx.fail.clone());
+        self.peer.fail = Some(ctx.fail.clone());
         if let Err(e) = self.share_memory(&ctx) {
-            self.die(e);
+            self.peer.die(e);
             return;
         }
         if let Some((t, r)) = ctx.irq.intx_eventfds() {
-            if let Err(e) = send(&self.sock, &Msg::SetIrqfd, &[t.as_raw_fd(), r.as_raw_fd()]) {
-                self.die(format!("SET_IRQFD: {e}"));
+            if let Err(e) = send(&self.peer.sock, &Msg::SetIrqfd, &[t.as_raw_fd(), r.as_raw_fd()]) {
+                self.peer.die(format!("SET_IRQFD: {e}"));
                 return;
             }
         }
-        self.watch();
+        self.peer.watch();
     }
 
     fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) {
@@ -576,18 +526,11 @@ impl DeviceModel for MpqemuProxy {
 
     /// Ends the session: the device process reports its counters.
     fn quiesce(&mut self) {
-        self.watching.store(false, Ordering::Release);
-        let _ = self.sock.shutdown(std::net::Shutdown::Both);
-        if let Some(child) = &mut self.child {
-            match child.counters(Duration::from_secs(5)) {
-                Ok(c) => self.remote = c,
-                Err(e) => log::warn!("{}: {e}", self.name),
-            }
-        }
+        self.peer.end();
     }
 
     fn counters(&self) -> Vec<Counter> {
-        let mut c = self.remote.clone();
+        let mut c = self.peer.remote.clone();
         c.push(Counter { name: "mpqemu.requests".into(), value: self.requests });
         c
     }
@@ -596,6 +539,7 @@ impl DeviceModel for MpqemuProxy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
     use iopath_devices::testdev::PciTestDev;
 
     #[test]
@@ -722,10 +666,10 @@ mod tests {
         let f2 = failed.clone();
         let mut ctx = DeviceContext::detached(iopath_devices::GuestMemoryMmap::default());
         ctx.fail = Arc::new(move |m| f2.lock().unwrap().push(m));
-        p.fail = Some(ctx.fail.clone());
-        p.watch();
+        p.peer.fail = Some(ctx.fail.clone());
+        p.peer.watch();
         // Kill the server side by shutting the socket from its end.
-        p.sock.try_clone().unwrap().shutdown(std::net::Shutdown::Write).unwrap();
+        p.peer.sock.try_clone().unwrap().shutdown(std::net::Shutdown::Write).unwrap();
         let _ = h.join();
         let t0 = std::time::Instant::now();
         while failed.lock().unwrap().is_empty() && t0.elapsed() < Duration::from_secs(2) {
@@ -745,8 +689,7 @@ pub(crate) mod irq_tests {
     use iopath_devices::{DeviceContext, DeviceModel, Interrupts};
     use std::fs::File;
     use std::sync::Arc;
-    use std::time::Duration;
-    use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+        use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
     /// A memfd-backed guest memory and an INTx pair, as the VMM gives a proxy.
     pub fn vmm_context() -> (DeviceContext, EventFd) {

@@ -18,18 +18,17 @@ use crate::attach::Transport;
 use crate::function::{map_guest_memory, no_memory, PciFunction, SharedRegion};
 use crate::ioregionfd::{self, RegionClient};
 use crate::irq::IrqLines;
+use crate::peer::Peer;
 use crate::process::DeviceProcess;
 use crate::socket;
 use iopath_devices::{
-    le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, FailFn, IoEventSpec, IoEvents,
+    le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, IoEventSpec, IoEvents,
     NoIoEvents, PciIds,
 };
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 use wire::*;
@@ -474,8 +473,7 @@ fn region_access(f: &mut PciFunction, region: u32, offset: u64, a: Access) -> Re
 /// The VMM side: a device in another process over vfio-user, hosted by the
 /// VMM as a [`DeviceModel`].
 pub struct VfioUserProxy {
-    sock: UnixStream,
-    name: String,
+    peer: Peer,
     next_id: u16,
     ids: PciIds,
     bars: Vec<BarSpec>,
@@ -484,11 +482,6 @@ pub struct VfioUserProxy {
     /// ioregionfd regions the server announced, by BAR.
     regions: Vec<(u8, RegionClient)>,
     mem: Option<iopath_devices::GuestMemoryMmap>,
-    fail: Option<FailFn>,
-    dead: Option<String>,
-    watching: Arc<AtomicBool>,
-    child: Option<DeviceProcess>,
-    remote: Vec<Counter>,
     requests: u64,
     dma_requests: u64,
     /// ioregionfd commands of regions already closed.
@@ -514,19 +507,13 @@ impl VfioUserProxy {
     /// announced io fds.
     pub fn connect(sock: UnixStream, child: Option<DeviceProcess>) -> Result<Self, String> {
         let mut p = VfioUserProxy {
-            sock,
-            name: "vfio-user".into(),
+            peer: Peer::new(sock, "vfio-user", child),
             next_id: 0,
             ids: pci_ids(&[0; 64]),
             bars: Vec::new(),
             ioevents: Vec::new(),
             regions: Vec::new(),
             mem: None,
-            fail: None,
-            dead: None,
-            watching: Arc::new(AtomicBool::new(false)),
-            child,
-            remote: Vec::new(),
             requests: 0,
             dma_requests: 0,
             region_commands: 0,
@@ -572,7 +559,7 @@ impl VfioUserProxy {
     }
 
     pub fn set_name(&mut self, name: &str) {
-        self.name = name.to_string();
+        self.peer.name = name.to_string();
     }
 
     /// Reads the io fds the server offers for BAR `b`.
@@ -582,8 +569,8 @@ impl VfioUserProxy {
             let q = IoFdsRequest { argsz, index: b.index as u32 };
             let r = match self.request(Command::DeviceGetRegionIoFds, &q.to_bytes(), &[]) {
                 Ok(r) => r,
-                Err(e) if self.dead.is_none() => {
-                    log::info!("{}: no io fds for BAR{}: {e}", self.name, b.index);
+                Err(e) if self.peer.dead.is_none() => {
+                    log::info!("{}: no io fds for BAR{}: {e}", self.peer.name, b.index);
                     return Ok(());
                 }
                 Err(e) => return Err(e),
@@ -626,7 +613,7 @@ impl VfioUserProxy {
     /// Sends a command and waits for its reply, serving the server's
     /// DMA_READ/DMA_WRITE commands that arrive meanwhile.
     fn request(&mut self, cmd: Command, payload: &[u8], fds: &[RawFd]) -> Result<Received, String> {
-        if let Some(e) = &self.dead {
+        if let Some(e) = &self.peer.dead {
             return Err(e.clone());
         }
         self.requests += 1;
@@ -635,19 +622,19 @@ impl VfioUserProxy {
         let r = self.exchange(id, cmd, payload, fds);
         if let Err(e) = &r {
             if !e.starts_with("error reply") {
-                self.die(e.clone());
+                self.peer.die(e.clone());
             }
         }
         r
     }
 
     fn exchange(&mut self, id: u16, cmd: Command, payload: &[u8], fds: &[RawFd]) -> Result<Received, String> {
-        send(&self.sock, &message(id, cmd, FLAGS_TYPE_COMMAND, payload), fds)?;
+        send(&self.peer.sock, &message(id, cmd, FLAGS_TYPE_COMMAND, payload), fds)?;
         loop {
-            let m = recv(&self.sock)?.ok_or("the device process closed the vfio-user socket")?;
+            let m = recv(&self.peer.sock)?.ok_or("the device process closed the vfio-user socket")?;
             if !m.hdr.is_reply() {
                 let reply = self.serve_dma(&m);
-                send(&self.sock, &reply, &[])?;
+                send(&self.peer.sock, &reply, &[])?;
                 continue;
             }
             if m.hdr.msg_id != id || m.hdr.cmd != cmd as u16 {
@@ -687,16 +674,6 @@ impl VfioUserProxy {
         }
     }
 
-    fn die(&mut self, e: String) {
-        if self.dead.is_none() {
-            self.watching.store(false, Ordering::Release);
-            if let Some(f) = &self.fail {
-                f(format!("{}: {e}", self.name));
-            }
-            self.dead = Some(e);
-        }
-    }
-
     fn region_read(&mut self, region: u32, offset: u64, count: u32) -> Result<Vec<u8>, String> {
         let q = RegionAccess { offset, region, count };
         let r = self.request(Command::RegionRead, &q.to_bytes(), &[])?;
@@ -714,23 +691,6 @@ impl VfioUserProxy {
 
     fn region_of(&mut self, bar: u8, offset: u64, len: usize) -> Option<&mut RegionClient> {
         self.regions.iter_mut().find(|(b, r)| *b == bar && r.covers(offset, len)).map(|(_, r)| r)
-    }
-
-    fn watch(&self) {
-        let (Ok(sock), Some(fail)) = (self.sock.try_clone(), self.fail.clone()) else { return };
-        let on = self.watching.clone();
-        on.store(true, Ordering::Release);
-        let name = self.name.clone();
-        let _ = std::thread::Builder::new().name("vfio-user-watch".into()).spawn(move || {
-            while on.load(Ordering::Acquire) {
-                if socket::peer_closed(&sock, 100) {
-                    if on.swap(false, Ordering::AcqRel) {
-                        fail(format!("{name}: the device process closed its socket (did it die?)"));
-                    }
-                    return;
-                }
-            }
-        });
     }
 
     fn setup(&mut self, ctx: &DeviceContext) -> Result<(), String> {
@@ -757,17 +717,9 @@ impl VfioUserProxy {
     }
 }
 
-impl Drop for VfioUserProxy {
-    /// Stops the watcher (it holds a copy of the socket) and ends the session.
-    fn drop(&mut self) {
-        self.watching.store(false, Ordering::Release);
-        let _ = self.sock.shutdown(std::net::Shutdown::Both);
-    }
-}
-
 impl DeviceModel for VfioUserProxy {
     fn name(&self) -> &str {
-        &self.name
+        &self.peer.name
     }
     fn ids(&self) -> PciIds {
         self.ids
@@ -777,11 +729,11 @@ impl DeviceModel for VfioUserProxy {
     }
 
     fn attach(&mut self, ctx: DeviceContext) {
-        self.fail = Some(ctx.fail.clone());
+        self.peer.fail = Some(ctx.fail.clone());
         self.mem = Some(ctx.mem.clone());
         match self.setup(&ctx) {
-            Ok(()) => self.watch(),
-            Err(e) => self.die(e),
+            Ok(()) => self.peer.watch(),
+            Err(e) => self.peer.die(e),
         }
     }
 
@@ -794,7 +746,7 @@ impl DeviceModel for VfioUserProxy {
         match v {
             Ok(v) => le_fill(data, v),
             Err(e) => {
-                self.die(e);
+                self.peer.die(e);
                 data.fill(0xff);
             }
         }
@@ -806,7 +758,7 @@ impl DeviceModel for VfioUserProxy {
             None => self.region_write(bar as u32, offset, data),
         };
         if let Err(e) = r {
-            self.die(e);
+            self.peer.die(e);
         }
     }
 
@@ -827,20 +779,13 @@ impl DeviceModel for VfioUserProxy {
     }
 
     fn quiesce(&mut self) {
-        self.watching.store(false, Ordering::Release);
-        let _ = self.sock.shutdown(std::net::Shutdown::Both);
         self.region_commands += self.regions.iter().map(|(_, r)| r.commands).sum::<u64>();
         self.regions.clear();
-        if let Some(child) = &mut self.child {
-            match child.counters(Duration::from_secs(5)) {
-                Ok(c) => self.remote = c,
-                Err(e) => log::warn!("{}: {e}", self.name),
-            }
-        }
+        self.peer.end();
     }
 
     fn counters(&self) -> Vec<Counter> {
-        let mut c = self.remote.clone();
+        let mut c = self.peer.remote.clone();
         c.push(Counter { name: "vfio-user.requests".into(), value: self.requests });
         c.push(Counter { name: "vfio-user.dma-requests".into(), value: self.dma_requests });
         let cmds: u64 = self.regions.iter().map(|(_, r)| r.commands).sum();

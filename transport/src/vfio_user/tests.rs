@@ -226,7 +226,7 @@ fn set_irqs_hands_intx_to_the_device_process_and_dma_map_its_ram() {
     let mut ctx = ctx;
     ctx.ioevents = recorder.clone();
     p.attach(ctx);
-    assert!(p.dead.is_none(), "{:?}", p.dead);
+    assert!(p.peer.dead.is_none(), "{:?}", p.peer.dead);
     assert_eq!(recorder.0.lock().unwrap().len(), 4, "the announced ioeventfds went to KVM's registrar");
     crate::mpqemu::irq_tests::device_intx_reaches(&irq, &trigger);
     drop(p);

@@ -1,0 +1,17 @@
+//! Helpers shared by the end-to-end tests.
+
+use iopath_transport::attach::Programs;
+use std::path::PathBuf;
+
+pub fn kvm() {
+    assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing: these tests need KVM");
+}
+
+/// The iopath binary under test (for `iopath serve`) and QEMU if installed.
+pub fn programs() -> Programs {
+    Programs {
+        iopath: PathBuf::from(env!("CARGO_BIN_EXE_iopath")),
+        qemu: iopath_bench::qemu::find().ok(),
+        serve_args: Vec::new(),
+    }
+}
