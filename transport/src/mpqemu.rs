@@ -689,7 +689,8 @@ pub(crate) mod irq_tests {
     use iopath_devices::{DeviceContext, DeviceModel, Interrupts};
     use std::fs::File;
     use std::sync::Arc;
-        use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+    use std::time::Duration;
+    use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
     /// A memfd-backed guest memory and an INTx pair, as the VMM gives a proxy.
     pub fn vmm_context() -> (DeviceContext, EventFd) {
