@@ -98,6 +98,11 @@ pub trait Interrupts: Send + Sync {
     /// Points MSI-X vector `vector` at the message (address, data) the guest
     /// programmed, or takes its route away (None: masked or disabled).
     fn msix_route(&self, _vector: u16, _msg: Option<(u64, u32)>) {}
+    /// A copy of the eventfd behind a routed MSI-X vector, for a transport
+    /// that hands it to a device process (vfio-user SET_IRQS).
+    fn msix_eventfd(&self, _vector: u16) -> Option<EventFd> {
+        None
+    }
 }
 
 /// An [`Interrupts`] with nothing connected.

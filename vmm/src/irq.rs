@@ -103,6 +103,10 @@ impl Interrupts for VmIrq {
         self.intx.intx_fds()
     }
 
+    fn msix_eventfd(&self, vector: u16) -> Option<EventFd> {
+        self.vectors.lock().unwrap().get(vector as usize)?.as_ref()?.0.try_clone().ok()
+    }
+
     fn msix_route(&self, vector: u16, msg: Option<(u64, u32)>) {
         if vector as u32 >= MSI_GSIS_PER_DEVICE {
             return;

@@ -305,7 +305,8 @@ fn handle(
             let q = IrqInfo::parse(p).map_err(|e| e.to_string())?;
             let (flags, count) = match q.index {
                 PCI_INTX_IRQ_INDEX => (IRQ_INFO_EVENTFD | IRQ_INFO_MASKABLE | IRQ_INFO_AUTOMASKED, 1),
-                PCI_MSI_IRQ_INDEX | PCI_MSIX_IRQ_INDEX | PCI_ERR_IRQ_INDEX | PCI_REQ_IRQ_INDEX => {
+                PCI_MSIX_IRQ_INDEX => (IRQ_INFO_EVENTFD | IRQ_INFO_NORESIZE, msix_vectors(&f.lock().unwrap())),
+                PCI_MSI_IRQ_INDEX | PCI_ERR_IRQ_INDEX | PCI_REQ_IRQ_INDEX => {
                     (IRQ_INFO_EVENTFD | IRQ_INFO_NORESIZE, 0)
                 }
                 i => return Err(format!("no IRQ index {i}")),
@@ -314,7 +315,8 @@ fn handle(
         }
         Some(Command::DeviceSetIrqs) => {
             let q = IrqSet::parse(p).map_err(|e| e.to_string())?;
-            set_irqs(&q, m, irq, s)?;
+            let vectors = msix_vectors(&f.lock().unwrap());
+            set_irqs(&q, m, irq, s, vectors)?;
             ok(Vec::new())
         }
         Some(Command::RegionRead) => {
@@ -370,7 +372,16 @@ fn remap(f: &Arc<Mutex<PciFunction>>, state: &ServerState, s: &Session) -> Resul
     Ok(())
 }
 
-fn set_irqs(q: &IrqSet, m: &Received, irq: &Arc<IrqLines>, s: &mut Session) -> Result<(), String> {
+/// MSI-X vectors the device's capability declares (0 without one).
+fn msix_vectors(f: &PciFunction) -> u32 {
+    f.device
+        .capabilities()
+        .iter()
+        .find(|c| c.id == iopath_devices::pci::PCI_CAP_ID_MSIX && c.body.len() >= 2)
+        .map_or(0, |c| (u16::from_le_bytes([c.body[0], c.body[1]]) & 0x7ff) as u32 + 1)
+}
+
+fn set_irqs(q: &IrqSet, m: &Received, irq: &Arc<IrqLines>, s: &mut Session, msix: u32) -> Result<(), String> {
     let data_eventfd = q.flags & IRQ_SET_DATA_EVENTFD != 0;
     let nfds = m.fds.len();
     if (!data_eventfd && nfds > 0) || (data_eventfd && nfds != 0 && nfds != q.count as usize) {
@@ -403,6 +414,19 @@ fn set_irqs(q: &IrqSet, m: &Received, irq: &Arc<IrqLines>, s: &mut Session) -> R
                 ),
                 _ => irq.clear_intx(),
             }
+            Ok(())
+        }
+        PCI_MSIX_IRQ_INDEX if q.count > 0 && data_eventfd && q.flags & IRQ_SET_ACTION_TRIGGER != 0 => {
+            if q.start + q.count > msix {
+                return Err(format!("MSI-X vectors {}..{} of {msix}", q.start, q.start + q.count));
+            }
+            // No fds de-assigns the range.
+            let fds: Vec<Option<EventFd>> = if nfds == 0 {
+                (0..q.count).map(|_| None).collect()
+            } else {
+                fds().map_err(|e| e.to_string())?.into_iter().map(Some).collect()
+            };
+            irq.set_msix(q.start as usize, fds);
             Ok(())
         }
         PCI_MSIX_IRQ_INDEX | PCI_MSI_IRQ_INDEX | PCI_ERR_IRQ_INDEX | PCI_REQ_IRQ_INDEX => {
@@ -487,6 +511,57 @@ pub struct VfioUserProxy {
     /// ioregionfd commands of regions already closed.
     region_commands: u64,
     max_xfer: u32,
+    /// The device's MSI-X table as the guest programs it (the proxy turns it into routes).
+    msix: Option<MsixShadow>,
+    irq: Option<Arc<dyn iopath_devices::Interrupts>>,
+}
+
+/// The client's copy of the device's MSI-X state: every write to the table
+/// and to Message Control goes to the device too, but the routes (KVM irqfd
+/// on an MSI route, whose eventfd is handed over with SET_IRQS) are made here.
+struct MsixShadow {
+    cap: usize,
+    bar: u8,
+    table: u64,
+    entries: Vec<[u32; 4]>,
+    enabled: bool,
+    fmask: bool,
+    given: Vec<bool>,
+}
+
+impl MsixShadow {
+    /// Finds MSI-X in a configuration header; `max` bounds the vectors.
+    fn find(cfg: &[u8], max: u32) -> Option<MsixShadow> {
+        if cfg.len() < 256 || cfg[6] & 0x10 == 0 {
+            return None;
+        }
+        let mut p = cfg[0x34] as usize & 0xfc;
+        for _ in 0..48 {
+            if p < 0x40 || p + 12 > cfg.len() {
+                return None;
+            }
+            if cfg[p] == iopath_devices::pci::PCI_CAP_ID_MSIX {
+                let n = ((u16::from_le_bytes([cfg[p + 2], cfg[p + 3]]) & 0x7ff) as u32 + 1).min(max) as usize;
+                let t = u32::from_le_bytes(cfg[p + 4..p + 8].try_into().unwrap());
+                return (n > 0 && (t & 7) < 6).then(|| MsixShadow {
+                    cap: p,
+                    bar: (t & 7) as u8,
+                    table: (t & !7) as u64,
+                    entries: vec![[0, 0, 0, 1]; n],
+                    enabled: false,
+                    fmask: false,
+                    given: vec![false; n],
+                });
+            }
+            p = cfg[p + 1] as usize & 0xfc;
+        }
+        None
+    }
+
+    fn route(&self, v: usize) -> Option<(u64, u32)> {
+        let e = self.entries[v];
+        (self.enabled && !self.fmask && e[3] & 1 == 0).then(|| (e[0] as u64 | (e[1] as u64) << 32, e[2]))
+    }
 }
 
 fn pci_ids(cfg: &[u8]) -> PciIds {
@@ -518,6 +593,8 @@ impl VfioUserProxy {
             dma_requests: 0,
             region_commands: 0,
             max_xfer: DEFAULT_MAX_DATA_XFER_SIZE,
+            msix: None,
+            irq: None,
         };
         let caps = Capabilities { max_msg_fds: MAX_FDS, ..Capabilities::default() };
         let v = Version { major: VERSION_MAJOR, minor: VERSION_MINOR, capabilities: Some(caps) };
@@ -532,8 +609,11 @@ impl VfioUserProxy {
         if info.flags & DEVICE_FLAGS_PCI == 0 || info.num_regions <= PCI_CONFIG_REGION_INDEX {
             return Err(format!("not a PCI device (flags {:#x}, {} regions)", info.flags, info.num_regions));
         }
-        let cfg = p.region_read(PCI_CONFIG_REGION_INDEX, 0, 64)?;
+        let cfg = p.region_read(PCI_CONFIG_REGION_INDEX, 0, CONFIG_REGION_SIZE as u32)?;
         p.ids = pci_ids(&cfg);
+        let r = p.request(Command::DeviceGetIrqInfo, &IrqInfo::request(PCI_MSIX_IRQ_INDEX).to_bytes(), &[]);
+        let msix_count = r.ok().and_then(|r| IrqInfo::parse(&r.payload).ok()).map_or(0, |i| i.count);
+        p.msix = MsixShadow::find(&cfg, msix_count);
         let mut i = 0u32;
         while i < 6 {
             let q = RegionInfo::request(i, 32);
@@ -689,6 +769,55 @@ impl VfioUserProxy {
         self.request(Command::RegionWrite, &q, &[]).map(|_| ())
     }
 
+    /// Brings vector `v`'s route up to date and, the first time it is
+    /// routed, hands its eventfd to the device process.
+    fn msix_sync(&mut self, v: usize) {
+        let (Some(m), Some(irq)) = (&self.msix, self.irq.clone()) else { return };
+        let route = m.route(v);
+        irq.msix_route(v as u16, route);
+        if route.is_none() || m.given[v] {
+            return;
+        }
+        let Some(fd) = irq.msix_eventfd(v as u16) else { return };
+        let q = IrqSet { flags: IRQ_SET_DATA_EVENTFD | IRQ_SET_ACTION_TRIGGER, index: PCI_MSIX_IRQ_INDEX, start: v as u32, count: 1, data: vec![] };
+        match self.request(Command::DeviceSetIrqs, &q.to_bytes(), &[fd.as_raw_fd()]) {
+            Ok(_) => self.msix.as_mut().unwrap().given[v] = true,
+            Err(e) => log::warn!("{}: MSI-X vector {v}: {e}", self.peer.name),
+        }
+    }
+
+    /// Observes a BAR write that lands in the MSI-X table (before it is forwarded).
+    fn msix_table_write(&mut self, bar: u8, offset: u64, data: &[u8]) {
+        let Some(m) = &mut self.msix else { return };
+        let end = m.table + 16 * m.entries.len() as u64;
+        if bar != m.bar || offset < m.table || offset >= end || !matches!(data.len(), 4 | 8) || offset % 4 != 0 {
+            return;
+        }
+        let v = le_value(data);
+        let first = ((offset - m.table) / 4) as usize;
+        for k in 0..data.len() / 4 {
+            let i = first + k;
+            if i / 4 < m.entries.len() {
+                m.entries[i / 4][i % 4] = (v >> (32 * k)) as u32;
+            }
+        }
+        self.msix_sync(first / 4);
+    }
+
+    /// Observes a configuration write to MSI-X Message Control.
+    fn msix_control_write(&mut self, offset: usize, data: &[u8]) {
+        let Some(m) = &mut self.msix else { return };
+        let hi = m.cap + 3;
+        if offset > hi || hi >= offset + data.len() {
+            return;
+        }
+        m.enabled = data[hi - offset] & 0x80 != 0;
+        m.fmask = data[hi - offset] & 0x40 != 0;
+        for v in 0..m.entries.len() {
+            self.msix_sync(v);
+        }
+    }
+
     fn region_of(&mut self, bar: u8, offset: u64, len: usize) -> Option<&mut RegionClient> {
         self.regions.iter_mut().find(|(b, r)| *b == bar && r.covers(offset, len)).map(|(_, r)| r)
     }
@@ -731,6 +860,7 @@ impl DeviceModel for VfioUserProxy {
     fn attach(&mut self, ctx: DeviceContext) {
         self.peer.fail = Some(ctx.fail.clone());
         self.mem = Some(ctx.mem.clone());
+        self.irq = Some(ctx.irq.clone());
         match self.setup(&ctx) {
             Ok(()) => self.peer.watch(),
             Err(e) => self.peer.die(e),
@@ -753,6 +883,8 @@ impl DeviceModel for VfioUserProxy {
     }
 
     fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]) {
+        // Routes first: the device may fire a vector as soon as it sees it unmasked.
+        self.msix_table_write(bar, offset, data);
         let r = match self.region_of(bar, offset, data.len()) {
             Some(r) => r.write(offset, data.len(), le_value(data)),
             None => self.region_write(bar as u32, offset, data),
@@ -771,6 +903,7 @@ impl DeviceModel for VfioUserProxy {
     }
 
     fn config_write(&mut self, offset: usize, data: &[u8]) {
+        self.msix_control_write(offset, data);
         let _ = self.region_write(PCI_CONFIG_REGION_INDEX, offset as u64, data);
     }
 
