@@ -445,7 +445,7 @@ impl Core {
                 if let Some(cq) = self.cqs[cqid].as_mut() {
                     if head < cq.size as u32 && head != cq.head as u32 {
                         // EventIdx one behind the head seen before this one (see below).
-                        let ev = (cq.head as u32 + cq.size as u32 - 1) % cq.size as u32;
+                        let ev = queue::prev(cq.head as u32, cq.size as u32);
                         cq.head = head as u16;
                         let _ = self.mem.store(ev, GuestAddress(ei + cqid as u64 * 8 + 4), Ordering::Release);
                     }
@@ -468,7 +468,7 @@ impl Core {
             // that follows the rule never rings. Setting it behind the new
             // tail instead races: the driver may read it right after the
             // controller took its write, and ring for nothing.
-            let ev = (sq.tail as u32 + sq.size as u32 - 1) % sq.size as u32;
+            let ev = queue::prev(sq.tail as u32, sq.size as u32);
             let _ = self.mem.store(ev, GuestAddress(ei + qid as u64 * 8), Ordering::Release);
             self.sqs[qid].as_mut().unwrap().tail = tail as u16;
             busy |= self.process_sq(qid);
@@ -518,7 +518,7 @@ impl Core {
                     if let Some(cq) = self.cqs[cqid].as_mut() {
                         if head < cq.size as u32 {
                             cq.head = head as u16;
-                            let ev = (head + cq.size as u32 - 1) % cq.size as u32;
+                            let ev = queue::prev(head, cq.size as u32);
                             let _ = self.mem.store(ev, GuestAddress(ei + cqid as u64 * 8 + 4), Ordering::Release);
                         }
                     }
@@ -581,7 +581,7 @@ impl Core {
                 return did;
             }
             let sqe = read_sqe(&self.mem, &sq, sq.head);
-            self.sqs[qid].as_mut().unwrap().head = (sq.head + 1) % sq.size;
+            self.sqs[qid].as_mut().unwrap().head = queue::next(sq.head, sq.size);
             did = true;
             let (dw0, st) = match sqe {
                 None => (0, status::DATA_TRANSFER_ERROR),

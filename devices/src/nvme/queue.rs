@@ -55,7 +55,27 @@ pub struct Cq {
 
 impl Cq {
     pub fn full(&self) -> bool {
-        (self.tail + 1) % self.size == self.head
+        next(self.tail, self.size) == self.head
+    }
+}
+
+/// The index after `i` in a queue of `size` entries (no division: this is per I/O).
+#[inline]
+pub fn next(i: u16, size: u16) -> u16 {
+    if i + 1 >= size {
+        0
+    } else {
+        i + 1
+    }
+}
+
+/// The index before `i` in a queue of `size` entries.
+#[inline]
+pub fn prev(i: u32, size: u32) -> u32 {
+    if i == 0 {
+        size - 1
+    } else {
+        i - 1
     }
 }
 
@@ -114,8 +134,10 @@ pub fn post_cqe(mem: &GuestMemoryMmap, cq: &mut Cq, dw0: u32, sqhd: u16, sqid: u
     // Phase is the value the entry must carry this lap: the inverse of what is there.
     let phase = !cq.phase as u32;
     let dw3 = cid as u32 | phase << 16 | (st as u32) << 17;
-    if mem.write_slice(&b, GuestAddress(addr)).is_err() || mem.store(dw3, GuestAddress(addr + 12), Ordering::Release).is_err()
-    {
+    // One lookup for the entry; the phase dword goes last, with release ordering.
+    use vm_memory::GuestMemoryBackend;
+    let Ok(e) = mem.get_slice(GuestAddress(addr), CQE_SIZE as usize) else { return false };
+    if e.write_slice(&b, 0).is_err() || e.store(dw3, 12, Ordering::Release).is_err() {
         return false;
     }
     cq.tail += 1;
