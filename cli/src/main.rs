@@ -124,8 +124,8 @@ struct BenchArgs {
 /// reference jobs run: randread 512 B at iodepth 16 and 4 KiB at iodepth 1.
 #[derive(Args)]
 struct NvmeArgs {
-    /// Doorbell modes of iopath's controller, comma-separated (shm, ioeventfd, mmio).
-    #[arg(long, default_value = "shm,ioeventfd,mmio")]
+    /// Doorbell modes of iopath's controller, comma-separated (shm, bar, ioeventfd, mmio).
+    #[arg(long, default_value = "shm,bar,ioeventfd,mmio")]
     doorbell: String,
     /// null, ram, or file:PATH.
     #[arg(long, default_value = "ram")]

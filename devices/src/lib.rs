@@ -114,6 +114,16 @@ impl Interrupts for NoInterrupts {
     }
 }
 
+/// A page-aligned part of a BAR backed by `size` bytes of `fd` from `fd_offset`.
+#[derive(Debug)]
+pub struct MappedArea {
+    pub bar: u8,
+    pub offset: u64,
+    pub size: u64,
+    pub fd: std::fs::File,
+    pub fd_offset: u64,
+}
+
 /// Stops the run with a message (a device whose peer process died, say).
 pub type FailFn = std::sync::Arc<dyn Fn(String) + Send + Sync>;
 
@@ -184,6 +194,12 @@ pub trait DeviceModel: Send {
     fn config_write(&mut self, _offset: usize, _data: &[u8]) {}
     /// PCI capabilities the host lays out in the header from 0x40 (MSI-X...).
     fn capabilities(&self) -> Vec<pci::Capability> {
+        Vec::new()
+    }
+    /// Parts of BARs that are plain memory the device shares (a doorbell
+    /// page it polls): the host maps them into the guest where the BAR
+    /// sits, so guest stores there never exit (vfio-user sparse mmap).
+    fn mapped_areas(&self) -> Vec<MappedArea> {
         Vec::new()
     }
 }

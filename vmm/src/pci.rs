@@ -24,6 +24,17 @@ struct Slot {
     device: Option<SharedDevice>,
     ioevents: Option<Arc<KvmIoEvents>>,
     mapped: [Option<BarPlacement>; 6],
+    /// Parts of BARs that are shared memory, mapped into the guest as KVM memslots.
+    ram: Vec<RamArea>,
+}
+
+/// A BAR part the device shares as memory (see `DeviceModel::mapped_areas`).
+struct RamArea {
+    bar: u8,
+    offset: u64,
+    map: vm_memory::MmapRegion,
+    kvm_slot: u32,
+    placed: bool,
 }
 
 pub struct PciHost {
@@ -31,6 +42,9 @@ pub struct PciHost {
     slots: Vec<Slot>,
     pio: Arc<Bus>,
     mmio: Arc<Bus>,
+    /// Where BAR memory areas become KVM memslots (slot 0 is guest RAM).
+    vm: Option<Arc<kvm_ioctls::VmFd>>,
+    next_kvm_slot: u32,
     /// Config accesses to absent devices (reads return all-ones).
     pub absent_accesses: u64,
 }
@@ -45,6 +59,34 @@ impl BusDevice for BarBusPort {
     }
 }
 
+/// Puts a shared BAR area at guest address `at` (a KVM memslot), or takes it away.
+fn map_area(vm: &kvm_ioctls::VmFd, a: &mut RamArea, at: Option<u64>) {
+    use kvm_bindings::kvm_userspace_memory_region as Region;
+    if a.placed {
+        let gone = Region { slot: a.kvm_slot, flags: 0, guest_phys_addr: 0, memory_size: 0, userspace_addr: 0 };
+        // SAFETY: deleting a slot this host created.
+        if let Err(e) = unsafe { vm.set_user_memory_region(gone) } {
+            log::warn!("removing KVM memslot {}: {e}", a.kvm_slot);
+        }
+        a.placed = false;
+    }
+    if let Some(gpa) = at {
+        let r = Region {
+            slot: a.kvm_slot,
+            flags: 0,
+            guest_phys_addr: gpa,
+            memory_size: a.map.size() as u64,
+            userspace_addr: a.map.as_ptr() as u64,
+        };
+        // SAFETY: the mapping lives in the RamArea as long as the slot does (the host
+        // removes the slot before dropping or moving it).
+        match unsafe { vm.set_user_memory_region(r) } {
+            Ok(()) => a.placed = true,
+            Err(e) => log::warn!("KVM memslot for a BAR area at {gpa:#x}: {e}; its accesses exit"),
+        }
+    }
+}
+
 fn host_bridge() -> ConfigSpace {
     let ids =
         PciIds { vendor: 0x1b36, device: 0x0008, class: 0x060000, revision: 0, subsystem_vendor: 0, subsystem: 0 };
@@ -53,8 +95,13 @@ fn host_bridge() -> ConfigSpace {
 
 impl PciHost {
     pub fn new(pio: Arc<Bus>, mmio: Arc<Bus>) -> Self {
-        let bridge = Slot { config: host_bridge(), device: None, ioevents: None, mapped: [None; 6] };
-        PciHost { address: 0, slots: vec![bridge], pio, mmio, absent_accesses: 0 }
+        let bridge = Slot { config: host_bridge(), device: None, ioevents: None, mapped: [None; 6], ram: Vec::new() };
+        PciHost { address: 0, slots: vec![bridge], pio, mmio, vm: None, next_kvm_slot: 1, absent_accesses: 0 }
+    }
+
+    /// Lets BAR memory areas be mapped into the guest (KVM memslots).
+    pub fn set_vm(&mut self, vm: Arc<kvm_ioctls::VmFd>) {
+        self.vm = Some(vm);
     }
 
     /// Adds a device at the next slot; returns its device number.
@@ -62,13 +109,29 @@ impl PciHost {
         if self.slots.len() >= 32 {
             return Err("PCI bus 0 is full".into());
         }
-        let (ids, bars, caps) = {
+        let (ids, bars, caps, areas) = {
             let d = device.lock().unwrap();
-            (d.ids(), d.bars(), d.capabilities())
+            (d.ids(), d.bars(), d.capabilities(), d.mapped_areas())
         };
         let mut config = ConfigSpace::new(ids, &bars)?;
         config.add_capabilities(&caps)?;
-        self.slots.push(Slot { config, device: Some(device), ioevents, mapped: [None; 6] });
+        let mut ram = Vec::new();
+        for a in areas.into_iter().filter(|_| self.vm.is_some()) {
+            let fits = bars.iter().any(|b| b.index == a.bar && a.offset.checked_add(a.size).is_some_and(|e| e <= b.size));
+            if !fits || a.offset % 4096 != 0 || a.size % 4096 != 0 || a.size == 0 {
+                log::warn!("{}: BAR{} area at {:#x}+{:#x} cannot be mapped; its accesses exit", ids.vendor, a.bar, a.offset, a.size);
+                continue;
+            }
+            let fo = vm_memory::FileOffset::new(a.fd, a.fd_offset);
+            match vm_memory::MmapRegion::from_file(fo, a.size as usize) {
+                Ok(map) => {
+                    ram.push(RamArea { bar: a.bar, offset: a.offset, map, kvm_slot: self.next_kvm_slot, placed: false });
+                    self.next_kvm_slot += 1;
+                }
+                Err(e) => log::warn!("BAR{} area: mmap: {e}; its accesses exit", a.bar),
+            }
+        }
+        self.slots.push(Slot { config, device: Some(device), ioevents, mapped: [None; 6], ram });
         Ok((self.slots.len() - 1) as u8)
     }
 
@@ -152,6 +215,11 @@ impl PciHost {
             slot.mapped[i] = placed;
             if let Some(io) = &slot.ioevents {
                 io.bar_moved(b.index, placed);
+            }
+            if let Some(vm) = &self.vm {
+                for a in slot.ram.iter_mut().filter(|a| a.bar == b.index) {
+                    map_area(vm, a, placed.map(|p| p.addr + a.offset));
+                }
             }
         }
     }

@@ -202,6 +202,7 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     pio.insert(crate::debug_exit::PORT, 1, Arc::new(Mutex::new(DebugExit(status.clone()))))
         .map_err(|e| VmmError::Device(e.to_string()))?;
     let host = Arc::new(Mutex::new(PciHost::new(pio.clone(), mmio.clone())));
+    host.lock().unwrap().set_vm(m.vm.clone());
     pio.insert(crate::pci::CONFIG_ADDRESS, 8, host.clone()).map_err(|e| VmmError::Device(e.to_string()))?;
     let fatal: Fatal = Arc::new(Mutex::new(None));
     let fatal2 = fatal.clone();

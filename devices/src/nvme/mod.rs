@@ -21,6 +21,11 @@
 //!   shadow doorbells in guest RAM and keeps each EventIdx behind the tail,
 //!   so a driver that follows the EventIdx rule never writes the MMIO
 //!   doorbell: no exit per I/O.
+//! - `bar`: the doorbell page of BAR0 is memory the controller shares (a
+//!   memfd): the host maps it into the guest at BAR0+0x1000, so a driver's
+//!   plain MMIO doorbell stores land in it without an exit, and the polling
+//!   thread reads them there, admin queue included. No Doorbell Buffer
+//!   Config is needed (SPDK's mappable BAR0, vfio-user sparse mmap).
 //! - `ioeventfd`: Doorbell Buffer Config is offered and every I/O doorbell
 //!   is a KVM ioeventfd (one eventfd for all of them). An ioeventfd loses
 //!   the written value, so the device thread, woken by it, takes the tails
@@ -79,6 +84,7 @@ pub enum DoorbellMode {
     Mmio,
     Ioeventfd,
     Shm,
+    Bar,
 }
 
 impl std::str::FromStr for DoorbellMode {
@@ -88,7 +94,8 @@ impl std::str::FromStr for DoorbellMode {
             "mmio" => Ok(DoorbellMode::Mmio),
             "ioeventfd" => Ok(DoorbellMode::Ioeventfd),
             "shm" => Ok(DoorbellMode::Shm),
-            _ => Err(format!("unknown doorbell mode {s:?} (mmio, ioeventfd, shm)")),
+            "bar" => Ok(DoorbellMode::Bar),
+            _ => Err(format!("unknown doorbell mode {s:?} (mmio, ioeventfd, shm, bar)")),
         }
     }
 }
@@ -158,6 +165,8 @@ struct Core {
     /// Doorbells registered as ioeventfds (offset in BAR0).
     registered: Vec<u64>,
     irq: Arc<dyn crate::Interrupts>,
+    /// bar mode: BAR0 as shared memory (the doorbells at 0x1000) and its fd.
+    bar_page: Option<(GuestMemoryMmap, std::fs::File)>,
     /// MSI-X table (address lo, hi, data, vector control per vector) and state.
     msix: Vec<u32>,
     msix_enabled: bool,
@@ -212,6 +221,7 @@ impl Nvme {
             ioevents: None,
             registered: Vec::new(),
             irq: Arc::new(crate::NoInterrupts),
+            bar_page: None,
             msix: (0..MSIX_VECTORS).flat_map(|_| [0, 0, 0, 1]).collect(),
             msix_enabled: false,
             msix_fmask: false,
@@ -219,6 +229,10 @@ impl Nvme {
             smart_read_units: 0,
             smart_write_units: 0,
         };
+        let mut core = core;
+        if cfg.doorbell == DoorbellMode::Bar {
+            core.bar_page = Some(bar_memory()?);
+        }
         Ok(Nvme { core: Arc::new(Mutex::new(core)), cfg, poller: None, error: None })
     }
 
@@ -238,7 +252,7 @@ impl Nvme {
             self.start_kicked();
             return;
         }
-        if self.cfg.doorbell != DoorbellMode::Shm {
+        if !matches!(self.cfg.doorbell, DoorbellMode::Shm | DoorbellMode::Bar) {
             return;
         }
         let stop = Arc::new(AtomicBool::new(false));
@@ -249,7 +263,11 @@ impl Nvme {
                 let busy = {
                     let mut c = core.lock().unwrap();
                     c.st.polls += 1;
-                    c.poll_shadow()
+                    if c.bar_page.is_some() {
+                        c.poll_bar()
+                    } else {
+                        c.poll_shadow()
+                    }
                 };
                 if busy {
                     idle = 0;
@@ -370,6 +388,9 @@ impl Core {
     }
 
     fn reset_queues(&mut self) {
+        if let Some((page, _)) = &self.bar_page {
+            let _ = page.write_slice(&[0u8; 4096], GuestAddress(DOORBELLS));
+        }
         self.sqs.iter_mut().for_each(|q| *q = None);
         self.cqs.iter_mut().for_each(|q| *q = None);
         self.dbbuf = None;
@@ -397,6 +418,12 @@ impl Core {
     /// An MMIO doorbell write. `offset` is from the start of the doorbells.
     fn doorbell(&mut self, off: u64, value: u32) {
         self.st.doorbell_writes += 1;
+        if let Some((page, _)) = &self.bar_page {
+            // The page was not mapped into the guest (or this write came as a
+            // message): put the value where the poller reads doorbells.
+            let _ = page.store(value, GuestAddress(DOORBELLS + off), Ordering::Release);
+            return;
+        }
         if self.csts & 1 == 0 {
             return;
         }
@@ -504,6 +531,35 @@ impl Core {
             self.pending[v] = false;
             self.st.interrupts += 1;
         }
+    }
+
+    /// bar mode: the doorbells are the words of the shared page; serve what
+    /// they show, admin queue included.
+    fn poll_bar(&mut self) -> bool {
+        let Some(page) = self.bar_page.as_ref().map(|(p, _)| p.clone()) else { return false };
+        let mut busy = false;
+        for qid in 0..self.sqs.len() {
+            let Some(sq) = self.sqs[qid] else { continue };
+            let cqid = sq.cqid as usize;
+            if let (Ok(head), Some(cq)) = (page.load::<u32>(GuestAddress(DOORBELLS + cqid as u64 * 8 + 4), Ordering::Acquire), self.cqs[cqid].as_mut()) {
+                if head < cq.size as u32 {
+                    cq.head = head as u16;
+                }
+            }
+            let Ok(tail) = page.load::<u32>(GuestAddress(DOORBELLS + qid as u64 * 8), Ordering::Acquire) else { continue };
+            if tail == sq.tail as u32 && sq.head == sq.tail {
+                continue;
+            }
+            if tail >= sq.size as u32 {
+                self.st.bad_doorbells += 1;
+                let _ = page.store(sq.tail as u32, GuestAddress(DOORBELLS + qid as u64 * 8), Ordering::Release);
+                self.event(0, 1, 1);
+                continue;
+            }
+            self.sqs[qid].as_mut().unwrap().tail = tail as u16;
+            busy |= self.process_sq(qid);
+        }
+        busy
     }
 
     /// ioeventfd mode: serve every I/O queue from its shadow tail, publish
@@ -780,7 +836,8 @@ impl Core {
                 d[80..84].copy_from_slice(&0x0001_0400u32.to_le_bytes()); // VER 1.4
                 d[111] = 1; // CNTRLTYPE: I/O controller
                 // OACS: Doorbell Buffer Config only where shadow doorbells are served.
-                let oacs: u16 = if self.mode != DoorbellMode::Mmio { 1 << 8 } else { 0 };
+                let shadow = matches!(self.mode, DoorbellMode::Shm | DoorbellMode::Ioeventfd);
+                let oacs: u16 = if shadow { 1 << 8 } else { 0 };
                 d[256..258].copy_from_slice(&oacs.to_le_bytes());
                 d[258] = 3; // ACL (0-based)
                 d[259] = (AERL - 1) as u8; // AERL (0-based)
@@ -872,7 +929,7 @@ impl Core {
     }
 
     fn dbbuf_config(&mut self, c: &Sqe) -> u16 {
-        if self.mode == DoorbellMode::Mmio {
+        if !matches!(self.mode, DoorbellMode::Shm | DoorbellMode::Ioeventfd) {
             return status::INVALID_OPCODE;
         }
         if !queue_in_ram(&self.mem, c.prp1, PAGE) || !queue_in_ram(&self.mem, c.prp2, PAGE) {
@@ -1076,6 +1133,18 @@ impl DeviceModel for Nvme {
         c.irq = ctx.irq;
     }
 
+    fn mapped_areas(&self) -> Vec<crate::MappedArea> {
+        let c = self.core.lock().unwrap();
+        let Some((_, fd)) = &c.bar_page else { return Vec::new() };
+        match fd.try_clone() {
+            Ok(fd) => vec![crate::MappedArea { bar: 0, offset: DOORBELLS, size: 0x1000, fd, fd_offset: DOORBELLS }],
+            Err(e) => {
+                log::warn!("nvme: cannot share the doorbell page: {e}");
+                Vec::new()
+            }
+        }
+    }
+
     fn capabilities(&self) -> Vec<crate::pci::Capability> {
         let mut body = Vec::new();
         body.extend_from_slice(&(MSIX_VECTORS as u16 - 1).to_le_bytes()); // table size; enable/mask off
@@ -1212,6 +1281,25 @@ impl DeviceModel for Nvme {
         }
         v
     }
+}
+
+/// BAR0 as a memfd, mapped here at "address" 0, for the bar doorbell mode.
+fn bar_memory() -> Result<(GuestMemoryMmap, std::fs::File), String> {
+    use std::os::fd::FromRawFd;
+    let name = std::ffi::CString::new("iopath-nvme-bar0").unwrap();
+    // SAFETY: memfd_create with a valid name; the fd is owned by the File.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(format!("memfd_create: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: a fresh descriptor nobody else owns.
+    let f = unsafe { std::fs::File::from_raw_fd(fd) };
+    f.set_len(BAR0_SIZE).map_err(|e| e.to_string())?;
+    let region = vm_memory::MmapRegion::from_file(vm_memory::FileOffset::new(f.try_clone().map_err(|e| e.to_string())?, 0), BAR0_SIZE as usize)
+        .map_err(|e| format!("mmap of the doorbell page: {e}"))?;
+    let r = vm_memory::GuestRegionMmap::new(region, GuestAddress(0)).ok_or("doorbell page region")?;
+    let m = GuestMemoryMmap::from_regions(vec![r]).map_err(|e| e.to_string())?;
+    Ok((m, f))
 }
 
 impl Drop for Nvme {

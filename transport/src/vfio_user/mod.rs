@@ -249,9 +249,27 @@ fn handle(
         Some(Command::DeviceGetRegionInfo) => {
             no_fds()?;
             let q = RegionInfo::parse(p).map_err(|e| e.to_string())?;
-            let size = region_size(&f.lock().unwrap(), q.index).ok_or(format!("no region {}", q.index))?;
-            let flags = if size > 0 { REGION_INFO_FLAG_READ | REGION_INFO_FLAG_WRITE } else { 0 };
-            ok(RegionInfoReply::new(q.index, flags, size, 0, None).fit(q.argsz).to_bytes())
+            let g = f.lock().unwrap();
+            let size = region_size(&g, q.index).ok_or(format!("no region {}", q.index))?;
+            let mut flags = if size > 0 { REGION_INFO_FLAG_READ | REGION_INFO_FLAG_WRITE } else { 0 };
+            // Parts of this BAR the device shares as memory: a sparse mmap of one fd.
+            let areas: Vec<_> = g.device.mapped_areas().into_iter().filter(|a| a.bar as u32 == q.index).collect();
+            drop(g);
+            let base = areas.first().map(|a| a.fd_offset.wrapping_sub(a.offset)).unwrap_or(0);
+            let sparse: Vec<SparseMmapArea> = areas
+                .iter()
+                .filter(|a| a.fd_offset.wrapping_sub(a.offset) == base)
+                .map(|a| SparseMmapArea { offset: a.offset, size: a.size })
+                .collect();
+            if sparse.is_empty() {
+                return Ok(ok(RegionInfoReply::new(q.index, flags, size, 0, None).fit(q.argsz).to_bytes()));
+            }
+            flags |= REGION_INFO_FLAG_MMAP;
+            let reply = RegionInfoReply::new(q.index, flags, size, base, Some(sparse)).fit(q.argsz);
+            let fd = areas.into_iter().next().map(|a| a.fd).unwrap();
+            let raw = fd.as_raw_fd();
+            keep.push(fd);
+            Reply::Data(reply.to_bytes(), vec![raw])
         }
         Some(Command::DeviceGetRegionIoFds) => {
             no_fds()?;
@@ -513,6 +531,8 @@ pub struct VfioUserProxy {
     max_xfer: u32,
     /// The device's MSI-X table as the guest programs it (the proxy turns it into routes).
     msix: Option<MsixShadow>,
+    /// BAR parts the server offered as memory (sparse mmap).
+    areas: Vec<iopath_devices::MappedArea>,
     irq: Option<Arc<dyn iopath_devices::Interrupts>>,
 }
 
@@ -594,6 +614,7 @@ impl VfioUserProxy {
             region_commands: 0,
             max_xfer: DEFAULT_MAX_DATA_XFER_SIZE,
             msix: None,
+            areas: Vec::new(),
             irq: None,
         };
         let caps = Capabilities { max_msg_fds: MAX_FDS, ..Capabilities::default() };
@@ -616,9 +637,22 @@ impl VfioUserProxy {
         p.msix = MsixShadow::find(&cfg, msix_count);
         let mut i = 0u32;
         while i < 6 {
-            let q = RegionInfo::request(i, 32);
+            let q = RegionInfo::request(i, 32 + 16 + 16 * 16);
             let r = p.request(Command::DeviceGetRegionInfo, &q.to_bytes(), &[])?;
-            let ri = RegionInfoReply::parse(&r.payload).map_err(|e| format!("REGION_INFO {i}: {e}"))?.info;
+            let reply = RegionInfoReply::parse(&r.payload).map_err(|e| format!("REGION_INFO {i}: {e}"))?;
+            let ri = reply.info;
+            // A sparse mmap: parts of the BAR that are memory of the device process.
+            if let (Some(areas), Some(fd)) = (&reply.sparse_mmap, r.fds.first()) {
+                if ri.flags & REGION_INFO_FLAG_MMAP != 0 {
+                    for a in areas {
+                        let Some(fd_offset) = ri.offset.checked_add(a.offset) else { continue };
+                        if a.offset.checked_add(a.size).is_some_and(|e| e <= ri.size) {
+                            let fd = fd.try_clone().map_err(|e| e.to_string())?;
+                            p.areas.push(iopath_devices::MappedArea { bar: i as u8, offset: a.offset, size: a.size, fd, fd_offset });
+                        }
+                    }
+                }
+            }
             let bar = u32::from_le_bytes(cfg[0x10 + 4 * i as usize..0x14 + 4 * i as usize].try_into().unwrap());
             let kind = if bar & 1 == 1 {
                 BarKind::Io
@@ -892,6 +926,16 @@ impl DeviceModel for VfioUserProxy {
         if let Err(e) = r {
             self.peer.die(e);
         }
+    }
+
+    fn mapped_areas(&self) -> Vec<iopath_devices::MappedArea> {
+        self.areas
+            .iter()
+            .filter_map(|a| {
+                let fd = a.fd.try_clone().ok()?;
+                Some(iopath_devices::MappedArea { bar: a.bar, offset: a.offset, size: a.size, fd, fd_offset: a.fd_offset })
+            })
+            .collect()
     }
 
     fn config_read(&mut self, offset: usize, data: &mut [u8]) -> bool {
