@@ -153,7 +153,12 @@ struct Core {
     backend: Backend,
     lba_shift: u32,
     nlbas: u64,
+    /// Interrupt Coalescing (Set Features 0x08): THR in bits 7:0 (0-based
+    /// completions), TIME in bits 15:8 (100 us units). Applied to I/O CQs
+    /// where a device thread can keep time (shm, bar, ioeventfd).
     coalescing: u32,
+    /// Per vector: completions not yet signalled, and since when.
+    agg: Vec<(u32, Option<std::time::Instant>)>,
     mode: DoorbellMode,
     segs: Vec<(u64, u64)>,
     buf: Vec<u8>,
@@ -212,6 +217,7 @@ impl Nvme {
             lba_shift: cfg.lba_size.trailing_zeros(),
             nlbas: cfg.size / cfg.lba_size as u64,
             coalescing: 0,
+            agg: vec![(0, None); MSIX_VECTORS],
             mode: cfg.doorbell,
             segs: Vec::with_capacity(64),
             buf: Vec::new(),
@@ -263,11 +269,9 @@ impl Nvme {
                 let busy = {
                     let mut c = core.lock().unwrap();
                     c.st.polls += 1;
-                    if c.bar_page.is_some() {
-                        c.poll_bar()
-                    } else {
-                        c.poll_shadow()
-                    }
+                    let busy = if c.bar_page.is_some() { c.poll_bar() } else { c.poll_shadow() };
+                    c.flush_coalesced();
+                    busy
                 };
                 if busy {
                     idle = 0;
@@ -309,6 +313,11 @@ impl Nvme {
                 let mut c = core.lock().unwrap();
                 c.st.kicks += n;
                 c.serve_kicked();
+                // No timer here: what the aggregation threshold holds goes out now.
+                let time = c.coalescing & 0xff00;
+                c.coalescing &= !0xff00;
+                c.flush_coalesced();
+                c.coalescing |= time;
             }
         });
         match h {
@@ -507,6 +516,37 @@ impl Core {
         !self.msix_enabled || self.msix_fmask || self.msix[4 * v + 3] & 1 != 0
     }
 
+    /// A completion on CQ `cqid` for vector `v`: signals at once, or counts
+    /// it toward the aggregation threshold (I/O queues, modes with a device
+    /// thread to keep the aggregation time).
+    fn completion_interrupt(&mut self, cqid: usize, v: u16) {
+        let thr = (self.coalescing & 0xff) + 1;
+        if cqid == 0 || self.coalescing == 0 || self.mode == DoorbellMode::Mmio || v as usize >= MSIX_VECTORS {
+            return self.interrupt(v);
+        }
+        let a = &mut self.agg[v as usize];
+        a.0 += 1;
+        a.1.get_or_insert_with(std::time::Instant::now);
+        if a.0 >= thr {
+            *a = (0, None);
+            self.interrupt(v);
+        }
+    }
+
+    /// Signals the vectors whose aggregation time has run out (device threads call this).
+    fn flush_coalesced(&mut self) {
+        if self.coalescing == 0 {
+            return;
+        }
+        let time = std::time::Duration::from_micros(100 * ((self.coalescing >> 8) & 0xff) as u64);
+        for v in 0..MSIX_VECTORS {
+            if self.agg[v].1.is_some_and(|t| t.elapsed() >= time) {
+                self.agg[v] = (0, None);
+                self.interrupt(v as u16);
+            }
+        }
+    }
+
     /// Signals vector `v`, or leaves it pending while it is masked.
     fn interrupt(&mut self, v: u16) {
         let v = v as usize;
@@ -671,7 +711,7 @@ impl Core {
             }
             let (ien, iv) = (cq.ien, cq.iv);
             if ien {
-                self.interrupt(iv);
+                self.completion_interrupt(cqid, iv);
             }
         }
     }
