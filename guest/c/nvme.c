@@ -235,7 +235,7 @@ static void fill_prps(struct cmd *c, struct slot *s)
         return;
     }
     u64 *l = (u64 *)s->prp_list;
-    for (u64 i = 1; i < bs / PAGE; i++)
+    for (u64 i = 1; i < (bs + PAGE - 1) / PAGE; i++)
         l[i - 1] = s->buf + i * PAGE;
     c->prp2 = s->prp_list;
 }

@@ -106,6 +106,8 @@ pub struct RegionClient {
 
 impl RegionClient {
     pub fn new(fd: UnixStream, start: u64, size: u64, user_data: u64, posted_writes: bool) -> Self {
+        let _ = fd.set_read_timeout(Some(crate::peer::REPLY_TIMEOUT));
+        let _ = fd.set_write_timeout(Some(crate::peer::REPLY_TIMEOUT));
         RegionClient { fd, start, size, user_data, posted_writes, commands: 0 }
     }
 

@@ -122,6 +122,24 @@ impl Interrupts for IrqLines {
     }
 }
 
+/// An eventfd received from a peer, made non-blocking. Something that is not
+/// an eventfd fails on first use, which disables the line it was meant for.
+pub fn eventfd_from(f: std::fs::File) -> EventFd {
+    // Non-blocking: a peer that hands over something that is not an eventfd
+    // (a full pipe) must not block the device thread that signals it.
+    use std::os::fd::AsRawFd;
+    // SAFETY: fcntl on an fd we own.
+    unsafe {
+        let fl = libc::fcntl(f.as_raw_fd(), libc::F_GETFL);
+        if fl >= 0 {
+            libc::fcntl(f.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
+        }
+    }
+    // SAFETY: the fd is owned by `f` and handed over; a non-eventfd fails
+    // on first use, which disables the line it was meant for.
+    unsafe { <EventFd as std::os::fd::FromRawFd>::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(f)) }
+}
+
 /// Waits up to `timeout` for an eventfd to be readable (tests and tools).
 pub fn wait_readable(fd: &EventFd, timeout: Duration) -> bool {
     poll_in(fd, timeout.as_millis().min(i32::MAX as u128) as i32)

@@ -299,8 +299,8 @@ pub fn serve(sock: &UnixStream, f: &mut PciFunction, irq: &Arc<IrqLines>) -> Res
                 reply(v)?;
             }
             Msg::SetIrqfd => {
-                let mut it = files.into_iter().map(file_to_eventfd);
-                if let (Some(Ok(t)), Some(Ok(r))) = (it.next(), it.next()) {
+                let mut it = files.into_iter().map(crate::irq::eventfd_from);
+                if let (Some(t), Some(r)) = (it.next(), it.next()) {
                     irq.connect_intx(t, r);
                 }
             }
@@ -331,13 +331,6 @@ fn bar_target(f: &PciFunction, addr: u64, size: u32, memory: bool) -> Option<(u8
     Some((bar, off, n))
 }
 
-fn file_to_eventfd(f: File) -> std::io::Result<vmm_sys_util::eventfd::EventFd> {
-    use std::os::fd::{FromRawFd, IntoRawFd};
-    // An eventfd that is not one fails on its first read/write: the line is
-    // then dead, which is what a bad fd deserves.
-    // SAFETY: the fd is owned by `f` and handed over.
-    Ok(unsafe { vmm_sys_util::eventfd::EventFd::from_raw_fd(f.into_raw_fd()) })
-}
 
 /// The VMM side: a device in another process, reached over mpqemu. It is a
 /// [`DeviceModel`] to the VMM: configuration and BAR accesses are forwarded

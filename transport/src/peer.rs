@@ -10,6 +10,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// How long a proxy waits for its device process to answer before the run stops.
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
+
 pub struct Peer {
     pub sock: UnixStream,
     pub name: String,
@@ -23,6 +26,9 @@ pub struct Peer {
 
 impl Peer {
     pub fn new(sock: UnixStream, name: &str, child: Option<DeviceProcess>) -> Self {
+        // A device process that stops answering must not hold the vCPU forever.
+        let _ = sock.set_read_timeout(Some(REPLY_TIMEOUT));
+        let _ = sock.set_write_timeout(Some(REPLY_TIMEOUT));
         Peer {
             sock,
             name: name.to_string(),

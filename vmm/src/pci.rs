@@ -59,16 +59,33 @@ impl BusDevice for BarBusPort {
     }
 }
 
+impl Drop for PciHost {
+    /// Takes the BAR areas out of the guest before their mappings go away.
+    fn drop(&mut self) {
+        if let Some(vm) = self.vm.clone() {
+            for slot in &mut self.slots {
+                for a in slot.ram.iter_mut() {
+                    map_area(&vm, a, None);
+                }
+            }
+        }
+    }
+}
+
 /// Puts a shared BAR area at guest address `at` (a KVM memslot), or takes it away.
 fn map_area(vm: &kvm_ioctls::VmFd, a: &mut RamArea, at: Option<u64>) {
     use kvm_bindings::kvm_userspace_memory_region as Region;
     if a.placed {
         let gone = Region { slot: a.kvm_slot, flags: 0, guest_phys_addr: 0, memory_size: 0, userspace_addr: 0 };
         // SAFETY: deleting a slot this host created.
-        if let Err(e) = unsafe { vm.set_user_memory_region(gone) } {
-            log::warn!("removing KVM memslot {}: {e}", a.kvm_slot);
+        match unsafe { vm.set_user_memory_region(gone) } {
+            Ok(()) => a.placed = false,
+            Err(e) => {
+                // The guest still sees the old mapping: keep it (and the slot) as they are.
+                log::warn!("removing KVM memslot {}: {e}; the area stays where it was", a.kvm_slot);
+                return;
+            }
         }
-        a.placed = false;
     }
     if let Some(gpa) = at {
         let r = Region {
@@ -78,8 +95,8 @@ fn map_area(vm: &kvm_ioctls::VmFd, a: &mut RamArea, at: Option<u64>) {
             memory_size: a.map.size() as u64,
             userspace_addr: a.map.as_ptr() as u64,
         };
-        // SAFETY: the mapping lives in the RamArea as long as the slot does (the host
-        // removes the slot before dropping or moving it).
+        // SAFETY: the mapping lives in the RamArea as long as the slot does: the
+        // host removes a slot before moving it, and PciHost's Drop removes them all.
         match unsafe { vm.set_user_memory_region(r) } {
             Ok(()) => a.placed = true,
             Err(e) => log::warn!("KVM memslot for a BAR area at {gpa:#x}: {e}; its accesses exit"),
@@ -118,7 +135,8 @@ impl PciHost {
         let mut ram = Vec::new();
         for a in areas.into_iter().filter(|_| self.vm.is_some()) {
             let fits = bars.iter().any(|b| b.index == a.bar && a.offset.checked_add(a.size).is_some_and(|e| e <= b.size));
-            if !fits || a.offset % 4096 != 0 || a.size % 4096 != 0 || a.size == 0 {
+            let long_enough = a.fd.metadata().is_ok_and(|m| a.fd_offset.checked_add(a.size).is_some_and(|e| e <= m.len()));
+            if !fits || !long_enough || a.offset % 4096 != 0 || a.size % 4096 != 0 || a.size == 0 {
                 log::warn!("{}: BAR{} area at {:#x}+{:#x} cannot be mapped; its accesses exit", ids.vendor, a.bar, a.offset, a.size);
                 continue;
             }
@@ -146,10 +164,11 @@ impl PciHost {
                     BarKind::Io => (&mut io, IO_WINDOW, PCI_COMMAND_IO),
                     _ => (&mut mem, MMIO_WINDOW, PCI_COMMAND_MEMORY),
                 };
-                let addr = next.div_ceil(b.size) * b.size;
-                if addr + b.size > window.1 {
+                // BAR sizes come from devices, some in other processes: no overflow.
+                let end = next.div_ceil(b.size).checked_mul(b.size).and_then(|a| a.checked_add(b.size));
+                let Some(addr) = end.filter(|&e| e <= window.1).map(|e| e - b.size) else {
                     return Err(format!("no room for BAR{} ({:#x} bytes) of device {dev}", b.index, b.size));
-                }
+                };
                 *next = addr + b.size;
                 self.slots[dev].config.set_bar_addr(b.index, addr);
                 enable |= bit;

@@ -39,6 +39,7 @@ pub struct FileBackend {
     direct: Option<(File, io_uring::IoUring)>,
     /// Operations that went through io_uring with O_DIRECT.
     pub direct_ops: u64,
+    seq: u64,
 }
 
 impl FileBackend {
@@ -66,7 +67,7 @@ impl FileBackend {
                 None
             }
         };
-        Ok(FileBackend { file: f, direct, direct_ops: 0 })
+        Ok(FileBackend { file: f, direct, direct_ops: 0, seq: 0 })
     }
 
     /// One O_DIRECT read or write through io_uring; None if it cannot be
@@ -78,19 +79,31 @@ impl FileBackend {
             return None;
         }
         let fd = io_uring::types::Fd(f.as_raw_fd());
+        self.seq = self.seq.wrapping_add(1);
+        let tag = self.seq;
         let e = if write {
             io_uring::opcode::Write::new(fd, ptr, len as u32).offset(off).build()
         } else {
             io_uring::opcode::Read::new(fd, ptr, len as u32).offset(off).build()
-        };
-        // SAFETY: the buffer outlives the operation: we wait for its completion below.
+        }
+        .user_data(tag);
+        // SAFETY: the buffer outlives the operation: this function does not
+        // return before the operation's own completion has been reaped.
         if unsafe { ring.submission().push(&e) }.is_err() {
             return None;
         }
-        if let Err(e) = ring.submit_and_wait(1) {
-            return Some(Err(e));
-        }
-        let r = ring.completion().next()?.result();
+        let r = loop {
+            match ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                // Not submitted at all: nothing is in flight, the caller may fall back.
+                Err(e) if !ring.submission().is_empty() => return Some(Err(e)),
+                Err(_) => {}
+            }
+            if let Some(c) = ring.completion().find(|c| c.user_data() == tag) {
+                break c.result();
+            }
+        };
         match r {
             n if n as usize == len => {
                 self.direct_ops += 1;

@@ -301,7 +301,15 @@ impl Nvme {
                 return;
             }
         };
-        self.core.lock().unwrap().kick = Some(kick.clone());
+        {
+            let mut c = self.core.lock().unwrap();
+            c.kick = Some(kick.clone());
+            for qid in 1..c.sqs.len() {
+                if c.sqs[qid].is_some() {
+                    c.register_doorbells(qid);
+                }
+            }
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let (core, stop2) = (self.core.clone(), stop.clone());
         let h = std::thread::Builder::new().name("nvme-ioeventfd".into()).spawn(move || {
@@ -406,6 +414,7 @@ impl Core {
         self.aer.clear();
         self.events.clear();
         self.queues_created = false;
+        self.agg.iter_mut().for_each(|a| *a = (0, None));
         self.nsqa = MAX_IO_QUEUES;
         self.ncqa = MAX_IO_QUEUES;
         self.csts = 0;
@@ -416,8 +425,10 @@ impl Core {
         self.deliver_events();
     }
 
+    /// Completes outstanding AERs with queued events while the admin CQ has
+    /// room (an event waits otherwise: it never overwrites an unreaped entry).
     fn deliver_events(&mut self) {
-        while !self.events.is_empty() && !self.aer.is_empty() {
+        while !self.events.is_empty() && !self.aer.is_empty() && self.cqs[0].is_some_and(|c| !c.full()) {
             let cid = self.aer.remove(0);
             let dw0 = self.events.pop_front().unwrap();
             self.complete(0, cid, dw0, status::SUCCESS);
@@ -451,6 +462,9 @@ impl Core {
         }
         if is_cq {
             self.cqs[qid].as_mut().unwrap().head = value as u16;
+            if qid == 0 {
+                self.deliver_events();
+            }
             // Completions may have been waiting for room.
             for sqid in 0..self.sqs.len() {
                 if self.sqs[sqid].is_some_and(|s| s.cqid as usize == qid && s.head != s.tail) {
@@ -535,12 +549,20 @@ impl Core {
 
     /// Signals the vectors whose aggregation time has run out (device threads call this).
     fn flush_coalesced(&mut self) {
-        if self.coalescing == 0 {
-            return;
-        }
+        // Decided from the counters: turning coalescing off releases what it held.
         let time = std::time::Duration::from_micros(100 * ((self.coalescing >> 8) & 0xff) as u64);
         for v in 0..MSIX_VECTORS {
             if self.agg[v].1.is_some_and(|t| t.elapsed() >= time) {
+                self.agg[v] = (0, None);
+                self.interrupt(v as u16);
+            }
+        }
+    }
+
+    /// Signals every vector that holds coalesced completions.
+    fn flush_coalesced_now(&mut self) {
+        for v in 0..MSIX_VECTORS {
+            if self.agg[v].0 > 0 {
                 self.agg[v] = (0, None);
                 self.interrupt(v as u16);
             }
@@ -582,8 +604,11 @@ impl Core {
             let Some(sq) = self.sqs[qid] else { continue };
             let cqid = sq.cqid as usize;
             if let (Ok(head), Some(cq)) = (page.load::<u32>(GuestAddress(DOORBELLS + cqid as u64 * 8 + 4), Ordering::Acquire), self.cqs[cqid].as_mut()) {
-                if head < cq.size as u32 {
+                if head < cq.size as u32 && head != cq.head as u32 {
                     cq.head = head as u16;
+                    if cqid == 0 {
+                        self.deliver_events();
+                    }
                 }
             }
             let Ok(tail) = page.load::<u32>(GuestAddress(DOORBELLS + qid as u64 * 8), Ordering::Acquire) else { continue };
@@ -629,9 +654,19 @@ impl Core {
                 self.sqs[qid].as_mut().unwrap().tail = tail as u16;
                 self.process_sq(qid);
                 let _ = self.mem.store(tail, GuestAddress(ei + qid as u64 * 8), Ordering::SeqCst);
+                // Commands held back by a full CQ: ask for the CQ head doorbell
+                // (EventIdx = the head), then look at the head again.
+                let held = self.sqs[qid].is_some_and(|s| s.head != s.tail);
+                let cq_head = self.cqs[cqid].map(|c| c.head as u32);
+                if let (true, Some(h)) = (held, cq_head) {
+                    let _ = self.mem.store(h, GuestAddress(ei + cqid as u64 * 8 + 4), Ordering::SeqCst);
+                }
                 std::sync::atomic::fence(Ordering::SeqCst);
+                let head_moved = held
+                    && self.mem.load::<u32>(GuestAddress(db + cqid as u64 * 8 + 4), Ordering::Acquire).ok() != cq_head;
                 match self.mem.load::<u32>(GuestAddress(db + qid as u64 * 8), Ordering::Acquire) {
                     Ok(t) if t != tail => continue, // a submission raced with EventIdx
+                    _ if head_moved => continue,    // the host freed CQ entries meanwhile
                     _ => break,
                 }
             }
@@ -919,6 +954,7 @@ impl Core {
             }
             0x08 => {
                 self.coalescing = c.cdw11 & 0xffff;
+                self.flush_coalesced_now();
                 (0, status::SUCCESS)
             }
             0x01 | 0x02 | 0x04 | 0x05 | 0x06 | 0x09 | 0x0a | 0x0b => (0, status::SUCCESS),
@@ -1167,10 +1203,18 @@ impl DeviceModel for Nvme {
     }
 
     fn attach(&mut self, ctx: DeviceContext) {
-        let mut c = self.core.lock().unwrap();
-        c.mem = ctx.mem;
-        c.ioevents = Some(ctx.ioevents);
-        c.irq = ctx.irq;
+        let ready = {
+            let mut c = self.core.lock().unwrap();
+            c.mem = ctx.mem;
+            c.ioevents = Some(ctx.ioevents);
+            c.irq = ctx.irq;
+            c.csts & 1 == 1
+        };
+        // A device process's next client finds the controller as the last
+        // one left it: enabled, so its queues are served again.
+        if ready {
+            self.start_poller();
+        }
     }
 
     fn mapped_areas(&self) -> Vec<crate::MappedArea> {

@@ -26,11 +26,14 @@ struct Drv {
 
 impl Drv {
     fn new(cfg: NvmeConfig) -> Drv {
+        Drv::with_admin(cfg, 32)
+    }
+    fn with_admin(cfg: NvmeConfig, aq: u32) -> Drv {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let mut n = Nvme::new(cfg).unwrap();
         n.attach(DeviceContext::detached(mem.clone()));
         let mut d = Drv { n, mem, atail: 0, ahead: 0, aphase: 1, iotail: 0, iohead: 0, iophase: 1, cid: 0 };
-        d.w32(REG_AQA, 31 << 16 | 31);
+        d.w32(REG_AQA, (aq - 1) << 16 | (aq - 1));
         d.n.bar_write(0, REG_ASQ, &ASQ.to_le_bytes());
         d.n.bar_write(0, REG_ACQ, &ACQ.to_le_bytes());
         d.w32(REG_CC, 0x0046_0001);
@@ -355,4 +358,26 @@ fn interrupt_coalescing_holds_completions_to_the_threshold_or_the_time() {
     }
     assert!(t0.elapsed() < std::time::Duration::from_millis(500));
     d.n.quiesce();
+}
+
+#[test]
+fn an_async_event_waits_for_room_in_the_admin_cq() {
+    // Admin queues of 2 entries: the CQ holds one unreaped completion at most.
+    let mut d = Drv::with_admin(mmio(BackendKind::Null), 2);
+    let submit = |d: &mut Drv, op: u8, prp: u64, cdw10: u32| {
+        let e = d.sqe(op, 0, prp, 0, [cdw10, 0, 0, 0]);
+        d.mem.write_slice(&e, GuestAddress(ASQ + d.atail as u64 * 64)).unwrap();
+        d.atail = (d.atail + 1) % 2;
+        d.w32(DOORBELLS, d.atail as u32);
+    };
+    submit(&mut d, 0x0c, 0, 0); // AER, outstanding
+    submit(&mut d, 0x06, DATA, 1); // Identify: its completion now fills the CQ
+    d.w32(DOORBELLS + 8 * 9, 1); // a doorbell of no queue: an error event
+    // The event must not overwrite the unreaped Identify completion.
+    let id = d.reap(ACQ, 2, true).unwrap();
+    assert_eq!(id, (0, 0), "the Identify completion is intact");
+    assert!(d.reap(ACQ, 2, true).is_none(), "no event while the CQ was full");
+    d.w32(DOORBELLS + 4, d.ahead as u32); // the host frees the entry: the event goes out
+    let ev = d.reap(ACQ, 2, true).expect("the AER completes once there is room");
+    assert_eq!(ev.0 & 0xff07, 0, "error event, invalid doorbell register");
 }

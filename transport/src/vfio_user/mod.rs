@@ -26,7 +26,7 @@ use iopath_devices::{
     NoIoEvents, PciIds,
 };
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
@@ -65,11 +65,6 @@ fn send(sock: &UnixStream, msg: &[u8], fds: &[RawFd]) -> Result<(), String> {
     socket::send(sock, &[msg], fds).map_err(|e| format!("sending: {e}"))
 }
 
-fn eventfd_of(f: File) -> EventFd {
-    // SAFETY: the fd is owned by `f` and handed over; a non-eventfd fails
-    // on first use, which disables the line it was meant for.
-    unsafe { EventFd::from_raw_fd(f.into_raw_fd()) }
-}
 
 // ---------------------------------------------------------------- server --
 
@@ -340,6 +335,10 @@ fn handle(
         Some(Command::RegionRead) => {
             no_fds()?;
             let a = RegionAccess::parse(p).map_err(|e| e.to_string())?;
+            let size = region_size(&f.lock().unwrap(), a.region).ok_or(format!("no region {}", a.region))?;
+            if a.count as u64 > size {
+                return Err(format!("REGION_READ of {} bytes from a region of {size}", a.count));
+            }
             let mut data = vec![0u8; a.count as usize];
             region_access(&mut f.lock().unwrap(), a.region, a.offset, Access::Read(&mut data))?;
             ok(RegionAccess::to_bytes_with_data(a.offset, a.region, &data))
@@ -405,7 +404,7 @@ fn set_irqs(q: &IrqSet, m: &Received, irq: &Arc<IrqLines>, s: &mut Session, msix
     if (!data_eventfd && nfds > 0) || (data_eventfd && nfds != 0 && nfds != q.count as usize) {
         return Err(format!("SET_IRQS count {} with {nfds} fds", q.count));
     }
-    let fds = || m.fds.iter().map(|f| f.try_clone().map(eventfd_of)).collect::<Result<Vec<_>, _>>();
+    let fds = || m.fds.iter().map(|f| f.try_clone().map(crate::irq::eventfd_from)).collect::<Result<Vec<_>, _>>();
     match q.index {
         PCI_INTX_IRQ_INDEX => {
             if q.start + q.count > 1 {
@@ -709,7 +708,7 @@ impl VfioUserProxy {
                         return Err(format!("BAR{}: bad ioeventfd sub-region {e:?}", b.index));
                     }
                     let dm = (flags & KVM_IOEVENTFD_FLAG_DATAMATCH != 0).then_some(datamatch);
-                    self.ioevents.push((IoEventSpec { bar: b.index, offset, len: size as u32, datamatch: dm }, eventfd_of(fd)));
+                    self.ioevents.push((IoEventSpec { bar: b.index, offset, len: size as u32, datamatch: dm }, crate::irq::eventfd_from(fd)));
                 }
                 IoFdEntry::IoRegionFd { offset, size, flags, user_data, .. } => {
                     if offset.checked_add(size).is_none_or(|x| x > b.size) || (flags & KVM_IOREGION_PIO != 0) != io {
@@ -744,9 +743,14 @@ impl VfioUserProxy {
 
     fn exchange(&mut self, id: u16, cmd: Command, payload: &[u8], fds: &[RawFd]) -> Result<Received, String> {
         send(&self.peer.sock, &message(id, cmd, FLAGS_TYPE_COMMAND, payload), fds)?;
+        let mut served = 0;
         loop {
             let m = recv(&self.peer.sock)?.ok_or("the device process closed the vfio-user socket")?;
             if !m.hdr.is_reply() {
+                served += 1;
+                if served > 4096 {
+                    return Err(format!("the server sent {served} commands while {cmd:?} waited for its reply"));
+                }
                 let reply = self.serve_dma(&m);
                 send(&self.peer.sock, &reply, &[])?;
                 continue;

@@ -1,4 +1,5 @@
 use super::*;
+use std::os::fd::FromRawFd;
 use iopath_devices::testdev::PciTestDev;
 use std::thread::JoinHandle;
 
