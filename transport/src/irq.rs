@@ -23,6 +23,8 @@ struct Intx {
 pub struct IrqLines {
     intx: Mutex<Option<Arc<Intx>>>,
     level: AtomicBool,
+    /// INTx masked by the client (vfio-user SET_IRQS ACTION_MASK).
+    masked: AtomicBool,
     msix: Mutex<Vec<Option<EventFd>>>,
     /// Interrupts signalled (INTx assertions and MSI-X messages).
     pub signalled: AtomicU64,
@@ -47,7 +49,8 @@ impl IrqLines {
             if lines.generation.load(Ordering::Acquire) != gen {
                 return;
             }
-            if ready && intx.resample.read().is_ok() && lines.level.load(Ordering::Acquire) {
+            let high = lines.level.load(Ordering::Acquire) && !lines.masked.load(Ordering::Acquire);
+            if ready && intx.resample.read().is_ok() && high {
                 let _ = intx.trigger.write(1);
                 lines.signalled.fetch_add(1, Ordering::Relaxed);
             }
@@ -57,9 +60,21 @@ impl IrqLines {
         }
     }
 
+    /// Masks or unmasks INTx; unmasking re-asserts a line that is still high.
+    pub fn mask_intx(&self, mask: bool) {
+        let was = self.masked.swap(mask, Ordering::AcqRel);
+        if was && !mask && self.level.load(Ordering::Acquire) {
+            if let Some(i) = self.intx.lock().unwrap().as_ref() {
+                let _ = i.trigger.write(1);
+                self.signalled.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Disconnects INTx (its resample thread ends).
     pub fn clear_intx(&self) {
         self.generation.fetch_add(1, Ordering::AcqRel);
+        self.masked.store(false, Ordering::Release);
         *self.intx.lock().unwrap() = None;
     }
 
@@ -97,7 +112,7 @@ fn poll_in(fd: &EventFd, timeout_ms: i32) -> bool {
 impl Interrupts for IrqLines {
     fn set_intx(&self, level: bool) {
         let was = self.level.swap(level, Ordering::AcqRel);
-        if level && !was {
+        if level && !was && !self.masked.load(Ordering::Acquire) {
             if let Some(i) = self.intx.lock().unwrap().as_ref() {
                 let _ = i.trigger.write(1);
                 self.signalled.fetch_add(1, Ordering::Relaxed);
@@ -165,6 +180,19 @@ mod tests {
         Interrupts::set_intx(&*lines, false);
         res.write(1).unwrap();
         assert!(!wait_readable(&trig, Duration::from_millis(300)), "low level: no re-assert");
+        lines.clear_intx();
+    }
+
+    #[test]
+    fn a_masked_intx_asserts_when_unmasked_if_still_high() {
+        let lines = IrqLines::new();
+        let trig = EventFd::new(EFD_NONBLOCK).unwrap();
+        lines.connect_intx(trig.try_clone().unwrap(), EventFd::new(EFD_NONBLOCK).unwrap());
+        lines.mask_intx(true);
+        Interrupts::set_intx(&*lines, true);
+        assert!(trig.read().is_err(), "masked: nothing asserted");
+        lines.mask_intx(false);
+        assert_eq!(trig.read().unwrap(), 1, "unmasked while high: asserted");
         lines.clear_intx();
     }
 

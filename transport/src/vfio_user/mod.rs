@@ -416,7 +416,13 @@ fn set_irqs(q: &IrqSet, m: &Received, irq: &Arc<IrqLines>, s: &mut Session, msix
                 return Ok(());
             }
             if !data_eventfd {
-                return Ok(()); // mask/unmask/trigger by value: nothing to keep
+                // Mask, unmask (re-asserts a line still high) or trigger, by value.
+                if q.flags & IRQ_SET_ACTION_MASK != 0 {
+                    irq.mask_intx(true);
+                } else if q.flags & IRQ_SET_ACTION_UNMASK != 0 {
+                    irq.mask_intx(false);
+                }
+                return Ok(());
             }
             let fd = fds().map_err(|e| e.to_string())?.pop();
             if q.flags & IRQ_SET_ACTION_TRIGGER != 0 {
@@ -812,8 +818,14 @@ impl VfioUserProxy {
     fn msix_sync(&mut self, v: usize) {
         let (Some(m), Some(irq)) = (&self.msix, self.irq.clone()) else { return };
         let route = m.route(v);
+        // Masking is the device's to enforce (it sees the same write and holds
+        // the vector pending). Taking the route away here could drop a
+        // message the device sent just before it saw the mask.
+        if route.is_none() {
+            return;
+        }
         irq.msix_route(v as u16, route);
-        if route.is_none() || m.given[v] {
+        if m.given[v] {
             return;
         }
         let Some(fd) = irq.msix_eventfd(v as u16) else { return };
