@@ -130,7 +130,8 @@ fn qemu_x_remote_serves_its_pci_testdev_to_iopath_over_mpqemu() {
     let r = run(vm("pci-testdev@mpqemu:qemu", SYNC_ROWS)).unwrap();
     assert_eq!(r.status, 1, "{:?}", r.lines);
     let out = GuestOutput::parse(&r.lines);
-    assert_eq!(out.rows.len(), 4);
+    let counters: Vec<String> = r.devices[0].counters.iter().map(|c| c.to_string()).collect();
+    assert_eq!(out.rows.len(), 4, "guest output {:?}; proxy {counters:?}", r.lines);
     for (row, v) in verify_qemu(&out) {
         assert!(v.ok, "{row}: {}", v.detail);
     }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// How long a proxy waits for its device process to answer before the run stops.
-pub const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub struct Peer {
     pub sock: UnixStream,
