@@ -229,17 +229,8 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
             }
             if let Some(q) = &qemu {
                 pb.set_message(format!("round {}/{} {} qemu", round + 1, o.rounds, j.label()));
-                let mut args: Vec<String> = [
-                    "-accel", "kvm", "-cpu", "host,-arch-capabilities", "-display", "none", "-serial", "stdio",
-                    "-monitor", "none", "-no-reboot", "-device", "isa-debug-exit,iobase=0xf4,iosize=1",
-                ]
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
-                args.extend(["-m".into(), format!("{}M", o.mem_mb)]);
-                args.extend(["-drive".into(), format!("driver=null-co,size={}M,if=none,id=nvm0", 64)]);
-                args.extend(["-device".into(), format!("nvme,drive=nvm0,serial=iopath0,logical_block_size={}", o.lba)]);
-                args.extend(["-kernel".into(), image.display().to_string(), "-append".into(), cmdline(j, o, tsc_khz)]);
+                let drive = "driver=null-co,size=64M,if=none,id=nvm0";
+                let args = crate::qemu::nvme_args(&image, &cmdline(j, o, tsc_khz), o.mem_mb, drive, o.lba);
                 match crate::qemu::run_args(q, args, None, timeout, |_| {}) {
                     Ok(qr) => match to_run("qemu", ji, round, j, &qr.lines, tsc_khz) {
                         Ok(mut r) => {

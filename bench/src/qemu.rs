@@ -32,13 +32,17 @@ pub struct QemuRun {
 
 /// The command line: the one the project documents, plus `-append`.
 pub fn args(image: &Path, cmdline: &str, devices: &[&str]) -> Vec<String> {
+    args_with(image, cmdline, 64, &[], devices)
+}
+
+/// The documented command line with `mem_mb` of RAM, `extra` arguments
+/// (e.g. a `-drive`) and `devices`.
+pub fn args_with(image: &Path, cmdline: &str, mem_mb: u64, extra: &[String], devices: &[&str]) -> Vec<String> {
     let mut a: Vec<String> = [
         "-accel",
         "kvm",
         "-cpu",
         "host,-arch-capabilities",
-        "-m",
-        "64M",
         "-display",
         "none",
         "-serial",
@@ -52,6 +56,8 @@ pub fn args(image: &Path, cmdline: &str, devices: &[&str]) -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    a.extend(["-m".into(), format!("{mem_mb}M")]);
+    a.extend(extra.iter().cloned());
     for d in devices {
         a.push("-device".into());
         a.push(d.to_string());
@@ -69,6 +75,13 @@ pub fn run(
     on_line: impl FnMut(&str),
 ) -> anyhow::Result<QemuRun> {
     run_args(qemu, args(image, cmdline, devices), None, timeout, on_line)
+}
+
+/// QEMU's `-device nvme` on the block device `drive` (a `-drive` value
+/// with `id=nvm0`), for nvmeperf.
+pub fn nvme_args(image: &Path, cmdline: &str, mem_mb: u64, drive: &str, lba: u32) -> Vec<String> {
+    let dev = format!("nvme,drive=nvm0,serial=iopath0,logical_block_size={lba}");
+    args_with(image, cmdline, mem_mb, &["-drive".into(), drive.to_string()], &[&dev])
 }
 
 /// The arguments that give QEMU's guest RAM as a shared memfd, which

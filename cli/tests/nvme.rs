@@ -160,14 +160,7 @@ fn the_same_driver_runs_against_qemus_nvme() {
         ("driver=null-co,size=64M,if=none,id=nvm0".to_string(), "rw=randread bs=4096 iodepth=4 time_ms=300 irq=1"),
         (format!("file={},format=raw,if=none,id=nvm0", disk.display()), "verify=1 bs=4096 iodepth=8 size_mb=4"),
     ] {
-        let mut a: Vec<String> = ["-accel", "kvm", "-cpu", "host,-arch-capabilities", "-m", "128M", "-display", "none"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        a.extend(["-serial", "stdio", "-monitor", "none", "-no-reboot"].map(String::from));
-        a.extend(["-device".into(), "isa-debug-exit,iobase=0xf4,iosize=1".into(), "-drive".into(), drive]);
-        a.extend(["-device".into(), "nvme,drive=nvm0,serial=iopath0".into(), "-kernel".into()]);
-        a.extend([image.display().to_string(), "-append".into(), format!("workload=nvme {args}")]);
+        let a = iopath_bench::qemu::nvme_args(&image, &format!("workload=nvme {args}"), 128, &drive, 512);
         let q = iopath_bench::qemu::run_args(&qemu, a, None, Duration::from_secs(120), |_| {}).unwrap();
         assert_eq!(q.status, Some(1), "{args}: {}\n{:?}", q.stderr, q.lines);
         let rec = nvme_record(&q.lines);

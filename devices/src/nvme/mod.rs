@@ -505,10 +505,7 @@ impl Core {
                 continue;
             }
             if tail >= sq.size as u32 {
-                self.st.bad_doorbells += 1;
-                // Reset the shadow to the last good tail so the event is raised once.
-                let _ = self.mem.store(sq.tail as u32, GuestAddress(db + qid as u64 * 8), Ordering::Release);
-                self.event(0, 1, 1);
+                self.refuse_tail(&self.mem.clone(), db + qid as u64 * 8, &sq);
                 continue;
             }
             // EventIdx goes one behind the tail seen *before* this one. The
@@ -595,6 +592,15 @@ impl Core {
         }
     }
 
+    /// A tail beyond the queue read from a shared doorbell word (`addr` in
+    /// `mem`): counted, raised as an Invalid Doorbell Write Value event, and
+    /// the word put back to the last good tail so the event is raised once.
+    fn refuse_tail(&mut self, mem: &GuestMemoryMmap, addr: u64, sq: &Sq) {
+        self.st.bad_doorbells += 1;
+        let _ = mem.store(sq.tail as u32, GuestAddress(addr), Ordering::Release);
+        self.event(0, 1, 1);
+    }
+
     /// bar mode: the doorbells are the words of the shared page; serve what
     /// they show, admin queue included.
     fn poll_bar(&mut self) -> bool {
@@ -616,9 +622,7 @@ impl Core {
                 continue;
             }
             if tail >= sq.size as u32 {
-                self.st.bad_doorbells += 1;
-                let _ = page.store(sq.tail as u32, GuestAddress(DOORBELLS + qid as u64 * 8), Ordering::Release);
-                self.event(0, 1, 1);
+                self.refuse_tail(&page, DOORBELLS + qid as u64 * 8, &sq);
                 continue;
             }
             self.sqs[qid].as_mut().unwrap().tail = tail as u16;
@@ -646,9 +650,7 @@ impl Core {
                 }
                 let Ok(tail) = self.mem.load::<u32>(GuestAddress(db + qid as u64 * 8), Ordering::Acquire) else { break };
                 if tail >= sq.size as u32 {
-                    self.st.bad_doorbells += 1;
-                    let _ = self.mem.store(sq.tail as u32, GuestAddress(db + qid as u64 * 8), Ordering::Release);
-                    self.event(0, 1, 1);
+                    self.refuse_tail(&self.mem.clone(), db + qid as u64 * 8, &sq);
                     break;
                 }
                 self.sqs[qid].as_mut().unwrap().tail = tail as u16;
