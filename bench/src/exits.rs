@@ -12,7 +12,8 @@ use crate::stats::{ns, summarize, Summary};
 use indicatif::{ProgressBar, ProgressStyle};
 use iopath_devices::doorbell::Doorbell;
 use iopath_devices::testdev::PciTestDev;
-use iopath_devices::DeviceModel;
+use iopath_devices::SharedDevice;
+use std::sync::{Arc, Mutex};
 use iopath_vmm::vcpu::ExitStats;
 use iopath_vmm::vm::RunReport;
 use iopath_vmm::{run, VmConfig};
@@ -281,8 +282,8 @@ pub(crate) fn progress_callback(pb: &ProgressBar, label: String) -> Box<dyn FnMu
 }
 
 /// The devices of an exits run.
-pub fn exit_devices() -> Vec<Box<dyn DeviceModel>> {
-    vec![Box::new(PciTestDev::new()), Box::new(Doorbell::new())]
+pub fn exit_devices() -> Vec<SharedDevice> {
+    vec![Arc::new(Mutex::new(PciTestDev::new())), Arc::new(Mutex::new(Doorbell::new()))]
 }
 
 /// The TSC rate KVM reports (KVM_GET_TSC_KHZ), from one tiny guest run that

@@ -11,7 +11,6 @@ use crate::exits::{fmt_ns, fmt_opt, guest_cmdline, progress_callback, ExitsOptio
 use crate::record::GuestOutput;
 use crate::stats::{ns, summarize};
 use indicatif::ProgressBar;
-use iopath_devices::DeviceModel;
 use iopath_transport::attach::{instantiate, DeviceSpec, Endpoint, Programs, Transport};
 use iopath_vmm::{run, VmConfig};
 use serde_json::{json, Value};
@@ -161,7 +160,7 @@ impl Round<'_> {
     /// Host-side request/reply round trips through the device process: a
     /// 4-byte read of pci-testdev's `data` register, no VM involved.
     fn round_trip(&self, t: Target) -> Result<Vec<f64>, String> {
-        let mut dev: Box<dyn DeviceModel> = instantiate(&self.spec(t), self.progs)?;
+        let dev = instantiate(&self.spec(t), self.progs)?;
         dev.config_write(0x10, &0xfe00_0000u32.to_le_bytes());
         dev.config_write(0x04, &2u16.to_le_bytes());
         let mut b = [0u8; 4];

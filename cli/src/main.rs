@@ -201,7 +201,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
 }
 
 /// The devices `--device` specs name, started or connected.
-fn devices_of(specs: &[String], spin_us: u64) -> anyhow::Result<Vec<Box<dyn iopath_devices::DeviceModel>>> {
+fn devices_of(specs: &[String], spin_us: u64) -> anyhow::Result<Vec<iopath_devices::SharedDevice>> {
     use iopath_transport::attach::{instantiate, DeviceSpec, Programs};
     if specs.is_empty() {
         return Ok(exit_devices());

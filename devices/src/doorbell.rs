@@ -18,7 +18,7 @@
 //! Writing the mode resets the sequence to 0. GPAs are validated when written:
 //! a GPA outside guest RAM or misaligned sets `error` and is not taken.
 
-use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, IoEventSpec, PciIds};
+use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModelMut, IoEventSpec, PciIds};
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -316,9 +316,9 @@ impl Doorbell {
     }
 }
 
-impl DeviceModel for Doorbell {
-    fn name(&self) -> &str {
-        "iopath-doorbell"
+impl DeviceModelMut for Doorbell {
+    fn name(&self) -> String {
+        "iopath-doorbell".into()
     }
 
     fn ids(&self) -> PciIds {

@@ -7,6 +7,7 @@
 //! the transports comparable. This crate must not touch KVM or the VMM.
 
 pub mod doorbell;
+pub mod irq;
 pub mod nvme;
 pub mod pci;
 pub mod testdev;
@@ -161,37 +162,40 @@ impl fmt::Display for Counter {
     }
 }
 
-/// A PCI device model.
+/// A PCI device model, as its host calls it.
 ///
-/// `bar_read`/`bar_write` receive an offset inside BAR `bar`; `data.len()` is
-/// the access size (1, 2, 4 or 8). A model must accept any offset and size
+/// Every method takes `&self`: a model keeps its own state behind the one
+/// lock it needs, so an access takes at most one lock on the device (the
+/// usual shape is a [`DeviceModelMut`] inside a `Mutex`, which implements
+/// this trait). `bar_read`/`bar_write` receive an offset inside BAR `bar`;
+/// `data.len()` is the access size. A model must accept any offset and size
 /// without panicking: out-of-range reads return all-ones, writes are dropped.
-pub trait DeviceModel: Send {
+pub trait DeviceModel: Send + Sync {
     /// Short name, e.g. "pci-testdev".
-    fn name(&self) -> &str;
+    fn name(&self) -> String;
     fn ids(&self) -> PciIds;
     fn bars(&self) -> Vec<BarSpec>;
     /// Called before the first access, and again when the host's view of
     /// guest memory changes (a device process given a new memory map); a
     /// model keeps what it set up the first time (eventfds, threads).
-    fn attach(&mut self, ctx: DeviceContext);
-    fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]);
-    fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]);
+    fn attach(&self, ctx: DeviceContext);
+    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]);
+    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]);
     /// Device reset (PCI function-level): back to the power-on register
     /// state. Counters are kept.
-    fn reset(&mut self) {}
+    fn reset(&self) {}
     /// Stops device threads and folds pending ioeventfd kicks into counters.
-    fn quiesce(&mut self) {}
+    fn quiesce(&self) {}
     fn counters(&self) -> Vec<Counter>;
     /// Configuration-space read. A model that keeps its own configuration
     /// space (a proxy for a device in another process) answers and returns
     /// true; the default leaves it to the host's header built from
     /// [`ids`](Self::ids) and [`bars`](Self::bars).
-    fn config_read(&mut self, _offset: usize, _data: &mut [u8]) -> bool {
+    fn config_read(&self, _offset: usize, _data: &mut [u8]) -> bool {
         false
     }
     /// Configuration-space write, after the host's header has taken it.
-    fn config_write(&mut self, _offset: usize, _data: &[u8]) {}
+    fn config_write(&self, _offset: usize, _data: &[u8]) {}
     /// PCI capabilities the host lays out in the header from 0x40 (MSI-X...).
     fn capabilities(&self) -> Vec<pci::Capability> {
         Vec::new()
@@ -204,18 +208,93 @@ pub trait DeviceModel: Send {
     }
 }
 
+/// The same methods as [`DeviceModel`] with `&mut self`, for a model whose
+/// whole state sits behind one lock: `Mutex<T>` is then the [`DeviceModel`].
+pub trait DeviceModelMut: Send {
+    fn name(&self) -> String;
+    fn ids(&self) -> PciIds;
+    fn bars(&self) -> Vec<BarSpec>;
+    fn attach(&mut self, ctx: DeviceContext);
+    fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]);
+    fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]);
+    fn reset(&mut self) {}
+    fn quiesce(&mut self) {}
+    fn counters(&self) -> Vec<Counter>;
+    fn config_read(&mut self, _offset: usize, _data: &mut [u8]) -> bool {
+        false
+    }
+    fn config_write(&mut self, _offset: usize, _data: &[u8]) {}
+    fn capabilities(&self) -> Vec<pci::Capability> {
+        Vec::new()
+    }
+    fn mapped_areas(&self) -> Vec<MappedArea> {
+        Vec::new()
+    }
+}
+
+impl<T: DeviceModelMut> DeviceModel for std::sync::Mutex<T> {
+    fn name(&self) -> String {
+        lock(self).name()
+    }
+    fn ids(&self) -> PciIds {
+        lock(self).ids()
+    }
+    fn bars(&self) -> Vec<BarSpec> {
+        lock(self).bars()
+    }
+    fn attach(&self, ctx: DeviceContext) {
+        lock(self).attach(ctx)
+    }
+    fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]) {
+        lock(self).bar_read(bar, offset, data)
+    }
+    fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) {
+        lock(self).bar_write(bar, offset, data)
+    }
+    fn reset(&self) {
+        lock(self).reset()
+    }
+    fn quiesce(&self) {
+        lock(self).quiesce()
+    }
+    fn counters(&self) -> Vec<Counter> {
+        lock(self).counters()
+    }
+    fn config_read(&self, offset: usize, data: &mut [u8]) -> bool {
+        lock(self).config_read(offset, data)
+    }
+    fn config_write(&self, offset: usize, data: &[u8]) {
+        lock(self).config_write(offset, data)
+    }
+    fn capabilities(&self) -> Vec<pci::Capability> {
+        lock(self).capabilities()
+    }
+    fn mapped_areas(&self) -> Vec<MappedArea> {
+        lock(self).mapped_areas()
+    }
+}
+
+/// Locks a device's state; a panic on another thread poisoned nothing a
+/// register access cannot go on with, so the state is used as it is.
+pub fn lock<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A device model shared by its host's bus entries and threads.
+pub type SharedDevice = std::sync::Arc<dyn DeviceModel>;
+
 /// Device models by name, as `iopath serve` and `--device` name them.
 pub const DEVICE_NAMES: &[&str] = &["pci-testdev", "iopath-doorbell", "nvme"];
 
 /// A new device model from `NAME[,key=value...]`, e.g.
 /// `nvme,doorbell=shm,backend=ram,size_mb=64,lba=512`.
-pub fn by_name(spec: &str) -> Result<Box<dyn DeviceModel>, String> {
+pub fn by_name(spec: &str) -> Result<SharedDevice, String> {
     let mut parts = spec.split(',');
     let name = parts.next().unwrap_or("");
     let opts: Vec<(&str, &str)> = parts
         .map(|kv| kv.split_once('=').ok_or_else(|| format!("{name}: option {kv:?} is not key=value")))
         .collect::<Result<_, _>>()?;
-    let no_opts = |d: Box<dyn DeviceModel>| {
+    let no_opts = |d: SharedDevice| {
         if opts.is_empty() {
             Ok(d)
         } else {
@@ -223,8 +302,8 @@ pub fn by_name(spec: &str) -> Result<Box<dyn DeviceModel>, String> {
         }
     };
     match name {
-        "pci-testdev" => no_opts(Box::new(testdev::PciTestDev::new())),
-        "iopath-doorbell" => no_opts(Box::new(doorbell::Doorbell::new())),
+        "pci-testdev" => no_opts(std::sync::Arc::new(std::sync::Mutex::new(testdev::PciTestDev::new()))),
+        "iopath-doorbell" => no_opts(std::sync::Arc::new(std::sync::Mutex::new(doorbell::Doorbell::new()))),
         "nvme" => {
             let mut c = nvme::NvmeConfig::default();
             for (k, v) in opts {
@@ -237,7 +316,7 @@ pub fn by_name(spec: &str) -> Result<Box<dyn DeviceModel>, String> {
                     _ => return Err(format!("nvme: unknown option {k} (doorbell, backend, size_mb, lba)")),
                 }
             }
-            Ok(Box::new(nvme::Nvme::new(c)?))
+            Ok(std::sync::Arc::new(std::sync::Mutex::new(nvme::Nvme::new(c)?)))
         }
         _ => Err(format!("unknown device {name:?} (one of {})", DEVICE_NAMES.join(", "))),
     }

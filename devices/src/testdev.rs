@@ -18,7 +18,7 @@
 //! use distinct offsets, so routing is the same. Reads of a BAR's `data`
 //! register are counted (`<bar>.data-reads`) for the read rows.
 
-use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, IoEventSpec, PciIds};
+use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModelMut, IoEventSpec, PciIds};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 pub const VENDOR: u16 = 0x1b36;
@@ -207,9 +207,9 @@ impl PciTestDev {
     }
 }
 
-impl DeviceModel for PciTestDev {
-    fn name(&self) -> &str {
-        "pci-testdev"
+impl DeviceModelMut for PciTestDev {
+    fn name(&self) -> String {
+        "pci-testdev".into()
     }
 
     fn ids(&self) -> PciIds {

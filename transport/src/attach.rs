@@ -11,7 +11,8 @@
 
 use crate::mpqemu::MpqemuProxy;
 use crate::process::DeviceProcess;
-use iopath_devices::DeviceModel;
+use iopath_devices::SharedDevice;
+use std::sync::{Arc, Mutex};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -132,7 +133,7 @@ fn socketpair() -> Result<(UnixStream, UnixStream), String> {
 
 /// Starts (or connects to) what the spec names and returns the model the
 /// VMM hosts: the device itself, or a proxy for it.
-pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<Box<dyn DeviceModel>, String> {
+pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice, String> {
     let Some((transport, ep)) = &spec.remote else {
         return iopath_devices::by_name(&spec.device);
     };
@@ -168,12 +169,12 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<Box<dyn Device
         Transport::Mpqemu => {
             let mut p = MpqemuProxy::connect(sock, child).map_err(|e| format!("{label}: {e}"))?;
             p.set_name(spec.device.split(',').next().unwrap_or(""));
-            Ok(Box::new(p))
+            Ok(Arc::new(Mutex::new(p)))
         }
         Transport::VfioUser | Transport::IoRegionFd { .. } => {
             let mut p = crate::vfio_user::VfioUserProxy::connect(sock, child).map_err(|e| format!("{label}: {e}"))?;
             p.set_name(spec.device.split(',').next().unwrap_or(""));
-            Ok(Box::new(p))
+            Ok(Arc::new(Mutex::new(p)))
         }
     }
 }

@@ -8,19 +8,19 @@
 //! client passes.
 
 use iopath_devices::pci::ConfigSpace;
-use iopath_devices::{BarKind, Counter, DeviceContext, DeviceModel, GuestMemoryMmap};
+use iopath_devices::{BarKind, Counter, DeviceContext, GuestMemoryMmap, SharedDevice};
 use std::fs::File;
 use vm_memory::{FileOffset, GuestAddress, GuestRegionMmap, MmapRegion};
 
 pub struct PciFunction {
     pub config: ConfigSpace,
-    pub device: Box<dyn DeviceModel>,
+    pub device: SharedDevice,
     /// Accesses that hit no BAR or a bad size (logged, answered with all-ones).
     pub stray_accesses: u64,
 }
 
 impl PciFunction {
-    pub fn new(device: Box<dyn DeviceModel>) -> Result<Self, String> {
+    pub fn new(device: SharedDevice) -> Result<Self, String> {
         let mut config = ConfigSpace::new(device.ids(), &device.bars())?;
         config.add_capabilities(&device.capabilities())?;
         Ok(PciFunction { config, device, stray_accesses: 0 })
@@ -145,7 +145,7 @@ mod tests {
 
     #[test]
     fn absolute_addresses_decode_only_through_enabled_bars() {
-        let mut f = PciFunction::new(Box::new(PciTestDev::new())).unwrap();
+        let mut f = PciFunction::new(std::sync::Arc::new(std::sync::Mutex::new(PciTestDev::new()))).unwrap();
         f.config_write(0x10, &0xfe00_0000u32.to_le_bytes());
         f.config_write(0x14, &0xc000u32.to_le_bytes());
         assert_eq!(f.decode(0xfe00_0800, 1, false), None, "decode off");

@@ -242,7 +242,7 @@ mod tests {
 
     #[test]
     fn sync_and_posted_writes_reach_the_device_in_order() {
-        let f = Arc::new(Mutex::new(PciFunction::new(Box::new(PciTestDev::new())).unwrap()));
+        let f = Arc::new(Mutex::new(PciFunction::new(Arc::new(Mutex::new(PciTestDev::new()))).unwrap()));
         for posted in [false, true] {
             let (a, b) = UnixStream::pair().unwrap();
             let h = spawn_server(b, f.clone(), 0, 0, 4096).unwrap();
@@ -261,7 +261,7 @@ mod tests {
 
     #[test]
     fn a_command_outside_the_region_closes_it() {
-        let f = Arc::new(Mutex::new(PciFunction::new(Box::new(PciTestDev::new())).unwrap()));
+        let f = Arc::new(Mutex::new(PciFunction::new(Arc::new(Mutex::new(PciTestDev::new()))).unwrap()));
         let (mut a, b) = UnixStream::pair().unwrap();
         let h = spawn_server(b, f, 0, 0, 16).unwrap();
         let c = Cmd { cmd: CMD_READ, size_exponent: 3, resp: true, user_data: 0, offset: 12, data: 0 };

@@ -10,11 +10,8 @@
 //! device model trait and KVM; it does not know the VMM's buses.
 
 pub mod attach;
-pub mod exit;
 pub mod function;
-pub mod ioeventfd;
 pub mod ioregionfd;
-pub mod irq;
 pub mod mpqemu;
 pub mod peer;
 pub mod process;

@@ -15,13 +15,13 @@
 //! synchronous: the vCPU waits for RET.
 
 use crate::function::{map_guest_memory, no_memory, PciFunction, SharedRegion};
-use crate::irq::IrqLines;
+use iopath_devices::irq::IrqLines;
 use crate::peer::Peer;
 use crate::process::DeviceProcess;
 use crate::socket;
 use iopath_devices::pci::ConfigSpace;
 use iopath_devices::{
-    le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, NoIoEvents, PciIds,
+    le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModelMut, NoIoEvents, PciIds,
 };
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
@@ -299,7 +299,7 @@ pub fn serve(sock: &UnixStream, f: &mut PciFunction, irq: &Arc<IrqLines>) -> Res
                 reply(v)?;
             }
             Msg::SetIrqfd => {
-                let mut it = files.into_iter().map(crate::irq::eventfd_from);
+                let mut it = files.into_iter().map(iopath_devices::irq::eventfd_from);
                 if let (Some(t), Some(r)) = (it.next(), it.next()) {
                     irq.connect_intx(t, r);
                 }
@@ -460,9 +460,9 @@ impl MpqemuProxy {
     }
 }
 
-impl DeviceModel for MpqemuProxy {
-    fn name(&self) -> &str {
-        &self.peer.name
+impl DeviceModelMut for MpqemuProxy {
+    fn name(&self) -> String {
+        self.peer.name.clone()
     }
     fn ids(&self) -> PciIds {
         self.ids
@@ -534,6 +534,7 @@ mod tests {
     use super::*;
     use std::time::Duration;
     use iopath_devices::testdev::PciTestDev;
+    use std::sync::{Arc, Mutex};
 
     #[test]
     fn encodings_match_qemu_layout() {
@@ -585,7 +586,7 @@ mod tests {
 
     fn server(sock: UnixStream) -> std::thread::JoinHandle<(Result<(), String>, Vec<Counter>)> {
         std::thread::spawn(move || {
-            let mut f = PciFunction::new(Box::new(PciTestDev::new())).unwrap();
+            let mut f = PciFunction::new(Arc::new(Mutex::new(PciTestDev::new()))).unwrap();
             let r = serve(&sock, &mut f, &IrqLines::new());
             (r, f.counters())
         })
@@ -678,8 +679,8 @@ mod tests {
 #[cfg(test)]
 pub(crate) mod irq_tests {
     use crate::function::{map_guest_memory, SharedRegion};
-    use crate::irq::IrqLines;
-    use iopath_devices::{DeviceContext, DeviceModel, Interrupts};
+    use iopath_devices::irq::IrqLines;
+    use iopath_devices::{DeviceContext, DeviceModelMut, Interrupts};
     use std::fs::File;
     use std::sync::Arc;
     use std::time::Duration;
@@ -709,7 +710,7 @@ pub(crate) mod irq_tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         device_side.set_intx(true);
-        assert!(crate::irq::wait_readable(trigger, Duration::from_secs(2)));
+        assert!(iopath_devices::irq::wait_readable(trigger, Duration::from_secs(2)));
         assert_eq!(trigger.read().unwrap(), 1);
     }
 
@@ -719,7 +720,7 @@ pub(crate) mod irq_tests {
         let irq = IrqLines::new();
         let irq2 = irq.clone();
         let h = std::thread::spawn(move || {
-            let mut f = crate::function::PciFunction::new(Box::new(iopath_devices::testdev::PciTestDev::new())).unwrap();
+            let mut f = crate::function::PciFunction::new(std::sync::Arc::new(std::sync::Mutex::new(iopath_devices::testdev::PciTestDev::new()))).unwrap();
             super::serve(&b, &mut f, &irq2)
         });
         let mut p = super::MpqemuProxy::connect(a, None).unwrap();

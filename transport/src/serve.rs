@@ -8,7 +8,7 @@
 
 use crate::attach::Transport;
 use crate::function::PciFunction;
-use crate::irq::IrqLines;
+use iopath_devices::irq::IrqLines;
 use crate::process::disconnect_report;
 use std::io::Write;
 use std::os::fd::FromRawFd;

@@ -1,19 +1,36 @@
 //! PIO and MMIO buses: a range map from guest address to device.
 //!
 //! A bus is read-locked on every access and write-locked only when the guest
-//! moves a BAR; the device itself is locked for the access. Accesses nobody
-//! claims are counted by the caller (the vCPU loop).
+//! moves a BAR. An entry is called with `&self`: a BAR entry goes straight to
+//! the device model, which takes the one lock it needs; the VMM's own small
+//! devices (serial, PCI host) are a [`BusDeviceMut`] in a `Mutex`. Accesses
+//! nobody claims are counted by the caller (the vCPU loop).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, RwLock};
 
 /// A device on a bus. `offset` is relative to the base it was inserted at.
-pub trait BusDevice: Send {
+pub trait BusDevice: Send + Sync {
+    fn read(&self, offset: u64, data: &mut [u8]);
+    fn write(&self, offset: u64, data: &[u8]);
+}
+
+/// A bus device whose state sits behind one lock: `Mutex<T>` is the [`BusDevice`].
+pub trait BusDeviceMut: Send {
     fn read(&mut self, offset: u64, data: &mut [u8]);
     fn write(&mut self, offset: u64, data: &[u8]);
 }
 
-pub type SharedBusDevice = Arc<Mutex<dyn BusDevice>>;
+impl<T: BusDeviceMut> BusDevice for Mutex<T> {
+    fn read(&self, offset: u64, data: &mut [u8]) {
+        iopath_devices::lock(self).read(offset, data)
+    }
+    fn write(&self, offset: u64, data: &[u8]) {
+        iopath_devices::lock(self).write(offset, data)
+    }
+}
+
+pub type SharedBusDevice = Arc<dyn BusDevice>;
 
 #[derive(Debug, PartialEq, Eq)]
 pub struct Overlap {
@@ -66,7 +83,7 @@ impl Bus {
     pub fn read(&self, addr: u64, data: &mut [u8]) -> bool {
         match self.resolve(addr, data.len()) {
             Some((off, dev)) => {
-                dev.lock().unwrap().read(off, data);
+                dev.read(off, data);
                 true
             }
             None => false,
@@ -76,7 +93,7 @@ impl Bus {
     pub fn write(&self, addr: u64, data: &[u8]) -> bool {
         match self.resolve(addr, data.len()) {
             Some((off, dev)) => {
-                dev.lock().unwrap().write(off, data);
+                dev.write(off, data);
                 true
             }
             None => false,
@@ -92,7 +109,7 @@ mod tests {
     struct Reg {
         last: Option<(u64, Vec<u8>)>,
     }
-    impl BusDevice for Reg {
+    impl BusDeviceMut for Reg {
         fn read(&mut self, offset: u64, data: &mut [u8]) {
             data.fill(offset as u8);
         }

@@ -30,10 +30,10 @@ impl Default for ExitStatus {
 pub struct DebugExit(pub ExitStatus);
 
 impl BusDevice for DebugExit {
-    fn read(&mut self, _offset: u64, data: &mut [u8]) {
+    fn read(&self, _offset: u64, data: &mut [u8]) {
         data.fill(0xff);
     }
-    fn write(&mut self, _offset: u64, data: &[u8]) {
+    fn write(&self, _offset: u64, data: &[u8]) {
         let v = data.first().copied().unwrap_or(0) as i32;
         self.0 .0.store((v << 1) | 1, Ordering::Release);
     }

@@ -4,7 +4,7 @@
 //! KVM injects; the VMM's threads are not involved.
 
 use iopath_devices::Interrupts;
-use iopath_transport::irq::IrqLines;
+use iopath_devices::irq::IrqLines;
 use kvm_bindings::{
     kvm_irq_routing_entry, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
     KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI,

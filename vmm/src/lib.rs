@@ -9,9 +9,11 @@
 //! - [`vm`]: puts these together and runs a guest; [`bare`]: a bare KVM_RUN
 //!   loop with no buses, the floor that the VMM's exit path is compared with.
 
+pub mod bar;
 pub mod bare;
 pub mod bus;
 pub mod debug_exit;
+pub mod ioeventfd;
 pub mod irq;
 pub mod loader;
 pub mod memory;

@@ -8,12 +8,13 @@
 //! would (32- and 64-bit memory BARs in [0xE000_0000, 0xFEC0_0000), I/O BARs
 //! from 0xC000) and enables decoding; otherwise the guest assigns them.
 
-use crate::bus::{Bus, BusDevice};
+use crate::bus::{Bus, BusDeviceMut};
 use iopath_devices::pci::{BarPlacement, ConfigSpace, PCI_COMMAND_IO, PCI_COMMAND_MEMORY};
 use iopath_devices::{BarKind, PciIds};
-use iopath_transport::exit::{BarPort, SharedDevice};
-use iopath_transport::ioeventfd::KvmIoEvents;
-use std::sync::{Arc, Mutex};
+use crate::bar::BarPort;
+use iopath_devices::SharedDevice;
+use crate::ioeventfd::KvmIoEvents;
+use std::sync::Arc;
 
 pub const CONFIG_ADDRESS: u64 = 0xcf8;
 pub const MMIO_WINDOW: (u64, u64) = (0xe000_0000, 0xfec0_0000);
@@ -47,16 +48,6 @@ pub struct PciHost {
     next_kvm_slot: u32,
     /// Config accesses to absent devices (reads return all-ones).
     pub absent_accesses: u64,
-}
-
-struct BarBusPort(BarPort);
-impl BusDevice for BarBusPort {
-    fn read(&mut self, offset: u64, data: &mut [u8]) {
-        self.0.read(offset, data)
-    }
-    fn write(&mut self, offset: u64, data: &[u8]) {
-        self.0.write(offset, data)
-    }
 }
 
 impl Drop for PciHost {
@@ -126,10 +117,7 @@ impl PciHost {
         if self.slots.len() >= 32 {
             return Err("PCI bus 0 is full".into());
         }
-        let (ids, bars, caps, areas) = {
-            let d = device.lock().unwrap();
-            (d.ids(), d.bars(), d.capabilities(), d.mapped_areas())
-        };
+        let (ids, bars, caps, areas) = (device.ids(), device.bars(), device.capabilities(), device.mapped_areas());
         let mut config = ConfigSpace::new(ids, &bars)?;
         config.add_capabilities(&caps)?;
         let mut ram = Vec::new();
@@ -192,8 +180,7 @@ impl PciHost {
     /// what the VMM programmed: BARs, interrupt line, then the command register.
     fn forward_header(&mut self, dev: usize) {
         let slot = &self.slots[dev];
-        let Some(device) = &slot.device else { return };
-        let mut d = device.lock().unwrap();
+        let Some(d) = &slot.device else { return };
         let bars = (0x10..0x28).step_by(4).map(|o| (o, 4));
         for (off, len) in bars.chain([(0x3c, 1), (0x04, 2)]) {
             let mut b = [0u8; 4];
@@ -225,8 +212,8 @@ impl PciHost {
             let mut placed = None;
             if let Some(p) = new {
                 let bus = if p.spec.kind == BarKind::Io { &self.pio } else { &self.mmio };
-                let port = BarBusPort(BarPort { device: device.clone(), bar: b.index });
-                match bus.insert(p.addr, p.spec.size, Arc::new(Mutex::new(port))) {
+                let port = BarPort { device: device.clone(), bar: b.index };
+                match bus.insert(p.addr, p.spec.size, Arc::new(port)) {
                     Ok(()) => placed = Some(p),
                     Err(e) => log::warn!("00:{dev:02x}.0 BAR{}: {e}; left unmapped", b.index),
                 }
@@ -251,7 +238,7 @@ impl PciHost {
     }
 }
 
-impl BusDevice for PciHost {
+impl BusDeviceMut for PciHost {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         match offset {
             0 if data.len() == 4 => data.copy_from_slice(&self.address.to_le_bytes()),
@@ -259,7 +246,7 @@ impl BusDevice for PciHost {
                 Some((dev, reg)) => {
                     let off = reg + (offset as usize - 4);
                     let slot = &self.slots[dev];
-                    let remote = slot.device.as_ref().is_some_and(|d| d.lock().unwrap().config_read(off, data));
+                    let remote = slot.device.as_ref().is_some_and(|d| d.config_read(off, data));
                     if !remote {
                         slot.config.read(off, data)
                     }
@@ -281,7 +268,7 @@ impl BusDevice for PciHost {
                     let off = reg + (offset as usize - 4);
                     let change = self.slots[dev].config.write(off, data);
                     if let Some(d) = &self.slots[dev].device {
-                        d.lock().unwrap().config_write(off, data);
+                        d.config_write(off, data);
                     }
                     if change.decode {
                         self.remap(dev);
@@ -297,8 +284,8 @@ impl BusDevice for PciHost {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Mutex;
     use iopath_devices::testdev::PciTestDev;
-    use iopath_devices::DeviceModel;
 
     fn host() -> (PciHost, Arc<Bus>, Arc<Bus>) {
         let (pio, mmio) = (Arc::new(Bus::new()), Arc::new(Bus::new()));
@@ -318,7 +305,7 @@ mod tests {
     }
 
     fn testdev() -> SharedDevice {
-        Arc::new(Mutex::new(Box::new(PciTestDev::new()) as Box<dyn DeviceModel>))
+        Arc::new(Mutex::new(PciTestDev::new()))
     }
 
     #[test]
@@ -365,8 +352,7 @@ mod tests {
     fn firmware_placement_aligns_and_enables() {
         let (mut h, pio, mmio) = host();
         h.add(testdev(), None).unwrap();
-        h.add(Arc::new(Mutex::new(Box::new(iopath_devices::doorbell::Doorbell::new()) as Box<dyn DeviceModel>)), None)
-            .unwrap();
+        h.add(Arc::new(Mutex::new(iopath_devices::doorbell::Doorbell::new())), None).unwrap();
         h.place_bars().unwrap();
         let p1 = h.placements(1);
         let p2 = h.placements(2);

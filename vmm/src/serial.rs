@@ -1,7 +1,7 @@
 //! The guest's console: a 16550 UART (vm-superio) at 0x3f8, whose output is
 //! split into lines, kept, and handed to an optional per-line callback.
 
-use crate::bus::BusDevice;
+use crate::bus::BusDeviceMut;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use vm_superio::{Serial, Trigger};
@@ -79,7 +79,7 @@ impl Uart {
     }
 }
 
-impl BusDevice for Uart {
+impl BusDeviceMut for Uart {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         data.fill(0);
         if let Some(d) = data.first_mut() {

@@ -7,10 +7,10 @@ use crate::pci::PciHost;
 use crate::serial::{LineCallback, LineSink, Uart};
 use crate::vcpu::{self, ExitStats};
 use iopath_devices::pci::BarPlacement;
-use iopath_devices::{Counter, DeviceContext, DeviceModel, FailFn};
-use iopath_transport::exit::SharedDevice;
-use iopath_transport::ioeventfd::KvmIoEvents;
-use iopath_transport::irq::IrqLines;
+use iopath_devices::{Counter, DeviceContext, FailFn};
+use iopath_devices::SharedDevice;
+use crate::ioeventfd::KvmIoEvents;
+use iopath_devices::irq::IrqLines;
 use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use std::os::unix::thread::JoinHandleExt;
@@ -40,7 +40,7 @@ pub struct VmConfig {
     pub image: Vec<u8>,
     pub cmdline: String,
     pub mem_size: u64,
-    pub devices: Vec<Box<dyn DeviceModel>>,
+    pub devices: Vec<SharedDevice>,
     /// Assign BARs in the VMM (as firmware would); false leaves it to the guest.
     pub place_bars: bool,
     pub timeout: Duration,
@@ -199,7 +199,7 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     let lines = sink.lines.clone();
     let uart = Arc::new(Mutex::new(Uart::new(sink)));
     pio.insert(crate::serial::PORT, crate::serial::LEN, uart.clone()).map_err(|e| VmmError::Device(e.to_string()))?;
-    pio.insert(crate::debug_exit::PORT, 1, Arc::new(Mutex::new(DebugExit(status.clone()))))
+    pio.insert(crate::debug_exit::PORT, 1, Arc::new(DebugExit(status.clone())))
         .map_err(|e| VmmError::Device(e.to_string()))?;
     let host = Arc::new(Mutex::new(PciHost::new(pio.clone(), mmio.clone())));
     host.lock().unwrap().set_vm(m.vm.clone());
@@ -212,16 +212,15 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     });
     let mut devices: Vec<(u8, SharedDevice)> = Vec::new();
     let router = crate::irq::GsiRouter::new(m.vm.clone());
-    for (i, mut d) in cfg.devices.drain(..).enumerate() {
+    for (i, d) in cfg.devices.drain(..).enumerate() {
         let ioevents = Arc::new(KvmIoEvents::new(m.vm.clone()));
         let gsi = INTX_GSI_BASE + (i as u32 % 8);
         let irq = Arc::new(crate::irq::VmIrq::new(m.vm.clone(), router.clone(), intx_lines(&m.vm, gsi)?, i as u32));
         d.attach(DeviceContext { mem: m.ram.mem.clone(), ioevents: ioevents.clone(), irq, fail: fail.clone() });
-        let shared: SharedDevice = Arc::new(Mutex::new(d));
         let mut h = host.lock().unwrap();
-        let slot = h.add(shared.clone(), Some(ioevents)).map_err(VmmError::Device)?;
+        let slot = h.add(d.clone(), Some(ioevents)).map_err(VmmError::Device)?;
         h.set_intx_line(slot as usize, gsi as u8);
-        devices.push((slot, shared));
+        devices.push((slot, d));
     }
     if cfg.place_bars {
         host.lock().unwrap().place_bars().map_err(VmmError::Device)?;
@@ -235,13 +234,12 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     let (r, vcpu) = result;
     if let Some(msg) = fatal.lock().unwrap().take() {
         for (_, d) in &devices {
-            d.lock().unwrap().quiesce();
+            d.quiesce();
         }
         return Err(VmmError::Device(msg));
     }
     let mut reports = Vec::new();
     for (slot, d) in &devices {
-        let mut d = d.lock().unwrap();
         d.quiesce();
         reports.push(DeviceReport {
             name: d.name().to_string(),

@@ -3,7 +3,7 @@
 
 use iopath_devices::doorbell::Doorbell;
 use iopath_devices::testdev::PciTestDev;
-use iopath_devices::DeviceModel;
+use std::sync::{Arc, Mutex};
 use iopath_vmm::{run, VmConfig};
 use std::collections::HashMap;
 use std::time::Duration;
@@ -36,7 +36,7 @@ fn counter(r: &iopath_vmm::vm::DeviceReport, name: &str) -> u64 {
 
 fn config(cmdline: &str, place_bars: bool) -> VmConfig {
     let mut cfg = VmConfig::new(iopath_guest::IMAGE, cmdline);
-    cfg.devices = vec![Box::new(PciTestDev::new()) as Box<dyn DeviceModel>, Box::new(Doorbell::new())];
+    cfg.devices = vec![Arc::new(Mutex::new(PciTestDev::new())), Arc::new(Mutex::new(Doorbell::new()))];
     cfg.place_bars = place_bars;
     cfg.timeout = Duration::from_secs(120);
     cfg

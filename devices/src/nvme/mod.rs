@@ -43,7 +43,7 @@
 pub mod backend;
 pub mod queue;
 
-use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, GuestMemoryMmap, PciIds};
+use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModelMut, GuestMemoryMmap, PciIds};
 use backend::{Backend, BackendKind};
 use queue::{post_cqe, prp_segments, queue_in_ram, read_sqe, status, Cq, Sq, Sqe, CQE_SIZE, PAGE, SQE_SIZE};
 use std::collections::VecDeque;
@@ -1191,9 +1191,9 @@ impl Core {
     }
 }
 
-impl DeviceModel for Nvme {
-    fn name(&self) -> &str {
-        "nvme"
+impl DeviceModelMut for Nvme {
+    fn name(&self) -> String {
+        "nvme".into()
     }
 
     fn ids(&self) -> PciIds {

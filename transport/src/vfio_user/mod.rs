@@ -17,12 +17,12 @@ pub mod wire;
 use crate::attach::Transport;
 use crate::function::{map_guest_memory, no_memory, PciFunction, SharedRegion};
 use crate::ioregionfd::{self, RegionClient};
-use crate::irq::IrqLines;
+use iopath_devices::irq::IrqLines;
 use crate::peer::Peer;
 use crate::process::DeviceProcess;
 use crate::socket;
 use iopath_devices::{
-    le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, IoEventSpec, IoEvents,
+    le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModelMut, IoEventSpec, IoEvents,
     NoIoEvents, PciIds,
 };
 use std::fs::File;
@@ -404,7 +404,7 @@ fn set_irqs(q: &IrqSet, m: &Received, irq: &Arc<IrqLines>, s: &mut Session, msix
     if (!data_eventfd && nfds > 0) || (data_eventfd && nfds != 0 && nfds != q.count as usize) {
         return Err(format!("SET_IRQS count {} with {nfds} fds", q.count));
     }
-    let fds = || m.fds.iter().map(|f| f.try_clone().map(crate::irq::eventfd_from)).collect::<Result<Vec<_>, _>>();
+    let fds = || m.fds.iter().map(|f| f.try_clone().map(iopath_devices::irq::eventfd_from)).collect::<Result<Vec<_>, _>>();
     match q.index {
         PCI_INTX_IRQ_INDEX => {
             if q.start + q.count > 1 {
@@ -714,7 +714,7 @@ impl VfioUserProxy {
                         return Err(format!("BAR{}: bad ioeventfd sub-region {e:?}", b.index));
                     }
                     let dm = (flags & KVM_IOEVENTFD_FLAG_DATAMATCH != 0).then_some(datamatch);
-                    self.ioevents.push((IoEventSpec { bar: b.index, offset, len: size as u32, datamatch: dm }, crate::irq::eventfd_from(fd)));
+                    self.ioevents.push((IoEventSpec { bar: b.index, offset, len: size as u32, datamatch: dm }, iopath_devices::irq::eventfd_from(fd)));
                 }
                 IoFdEntry::IoRegionFd { offset, size, flags, user_data, .. } => {
                     if offset.checked_add(size).is_none_or(|x| x > b.size) || (flags & KVM_IOREGION_PIO != 0) != io {
@@ -896,9 +896,9 @@ impl VfioUserProxy {
     }
 }
 
-impl DeviceModel for VfioUserProxy {
-    fn name(&self) -> &str {
-        &self.peer.name
+impl DeviceModelMut for VfioUserProxy {
+    fn name(&self) -> String {
+        self.peer.name.clone()
     }
     fn ids(&self) -> PciIds {
         self.ids

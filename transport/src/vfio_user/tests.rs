@@ -6,7 +6,7 @@ use std::thread::JoinHandle;
 type Server = JoinHandle<(Result<(), String>, Vec<Counter>)>;
 
 fn function() -> Arc<Mutex<PciFunction>> {
-    Arc::new(Mutex::new(PciFunction::new(Box::new(PciTestDev::new())).unwrap()))
+    Arc::new(Mutex::new(PciFunction::new(Arc::new(Mutex::new(PciTestDev::new()))).unwrap()))
 }
 
 /// Serves `clients` connections in turn, one function (state kept across them).

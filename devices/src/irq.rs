@@ -8,7 +8,7 @@
 //! right there) and in a device process (fds received over the socket): the
 //! interrupt never passes through the VMM's userspace.
 
-use iopath_devices::Interrupts;
+use crate::Interrupts;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
