@@ -56,7 +56,7 @@ impl Default for ExitsOptions {
             floor: true,
             timeout_s: 300,
             progress: true,
-            transports: iopath_transport::attach::Transport::NAMES.iter().map(|s| s.to_string()).collect(),
+            transports: iopath_protocols::attach::Transport::NAMES.iter().map(|s| s.to_string()).collect(),
             iopath_exe: None,
             spin_us: 0,
         }
@@ -311,7 +311,7 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
     let mut runs = Vec::new();
     let mut errors = Vec::new();
     let mut rtt_ns = BTreeMap::new();
-    let progs = iopath_transport::attach::Programs {
+    let progs = iopath_protocols::attach::Programs {
         iopath: match &o.iopath_exe {
             Some(p) => p.clone(),
             None => std::env::current_exe()?,
@@ -319,7 +319,7 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
         qemu: qemu.clone(),
         serve_args: vec!["--spin-us".into(), o.spin_us.to_string()],
     };
-    iopath_transport::socket::set_spin(Duration::from_micros(o.spin_us));
+    iopath_protocols::socket::set_spin(Duration::from_micros(o.spin_us));
     for round in 0..o.rounds {
         // iopath's VMM with pci-testdev and iopath-doorbell.
         let mut cfg = VmConfig::new(iopath_guest::IMAGE, &guest_cmdline(o, "exits", tsc_khz, ""));

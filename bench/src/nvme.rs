@@ -9,7 +9,7 @@
 use crate::host::{host_info, HostInfo};
 use crate::stats::summarize;
 use indicatif::{ProgressBar, ProgressStyle};
-use iopath_transport::attach::{instantiate, DeviceSpec, Programs};
+use iopath_protocols::attach::{instantiate, DeviceSpec, Programs};
 use iopath_vmm::{run, VmConfig};
 use serde::Serialize;
 use serde_json::{json, Value};

@@ -103,7 +103,7 @@ pub fn run_args(
 ) -> anyhow::Result<QemuRun> {
     let mut cmd = Command::new(qemu);
     if let Some(fd) = &fd3 {
-        iopath_transport::process::inherit_as_fd3(&mut cmd, fd);
+        iopath_protocols::process::inherit_as_fd3(&mut cmd, fd);
     }
     let mut child = cmd
         .args(args)

@@ -11,7 +11,7 @@ use crate::exits::{fmt_ns, fmt_opt, guest_cmdline, progress_callback, ExitsOptio
 use crate::record::GuestOutput;
 use crate::stats::{ns, summarize};
 use indicatif::ProgressBar;
-use iopath_transport::attach::{instantiate, DeviceSpec, Endpoint, Programs, Transport};
+use iopath_protocols::attach::{instantiate, DeviceSpec, Endpoint, Programs, Transport};
 use iopath_vmm::{run, VmConfig};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -248,7 +248,7 @@ pub fn table(r: &ExitsResult) -> String {
     let _ = writeln!(s, "(! = routing check failed; see errors)");
     if present.iter().any(|t| matches!(t, Target::IoRegionFd | Target::IoRegionFdPosted)) {
         let k = kvm_ioctls::Kvm::new().map_err(|e| e.to_string());
-        let why = k.and_then(|k| iopath_transport::ioregionfd::kernel_support(&k).map(|c| format!("kernel capability {c}")));
+        let why = k.and_then(|k| iopath_protocols::ioregionfd::kernel_support(&k).map(|c| format!("kernel capability {c}")));
         let _ = writeln!(s, "ioregionfd: {}", why.unwrap_or_else(|e| e));
     }
     for (k, v) in targets_report(r) {

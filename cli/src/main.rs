@@ -187,28 +187,28 @@ struct RunArgs {
 }
 
 fn serve(a: ServeArgs) -> anyhow::Result<i32> {
-    use iopath_transport::serve::{Listen, ServeOptions};
+    use iopath_protocols::serve::{Listen, ServeOptions};
     let transport = a.transport.parse().map_err(anyhow::Error::msg)?;
     let listen = match (a.fd, a.socket) {
         (Some(fd), _) => Listen::Fd(fd),
         (None, Some(p)) => Listen::Socket(p),
         (None, None) => anyhow::bail!("give --socket PATH or --fd N"),
     };
-    iopath_transport::socket::set_spin(Duration::from_micros(a.spin_us));
+    iopath_protocols::socket::set_spin(Duration::from_micros(a.spin_us));
     let o = ServeOptions { device: a.device, transport, listen, once: a.once };
-    iopath_transport::serve::run(&o).map_err(anyhow::Error::msg)?;
+    iopath_protocols::serve::run(&o).map_err(anyhow::Error::msg)?;
     Ok(0)
 }
 
 /// The devices `--device` specs name, started or connected.
 fn devices_of(specs: &[String], spin_us: u64) -> anyhow::Result<Vec<iopath_devices::SharedDevice>> {
-    use iopath_transport::attach::{instantiate, DeviceSpec, Programs};
+    use iopath_protocols::attach::{instantiate, DeviceSpec, Programs};
     if specs.is_empty() {
         return Ok(exit_devices());
     }
     let qemu = iopath_bench::qemu::find().ok();
     let mut progs = Programs::current(qemu).map_err(anyhow::Error::msg)?;
-    iopath_transport::socket::set_spin(Duration::from_micros(spin_us));
+    iopath_protocols::socket::set_spin(Duration::from_micros(spin_us));
     progs.serve_args = vec!["--spin-us".into(), spin_us.to_string()];
     specs
         .iter()

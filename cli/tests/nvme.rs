@@ -5,7 +5,7 @@
 mod common;
 use common::{kvm, programs};
 
-use iopath_transport::attach::{instantiate, DeviceSpec};
+use iopath_protocols::attach::{instantiate, DeviceSpec};
 use iopath_vmm::{run, VmConfig};
 use std::collections::BTreeMap;
 use std::time::Duration;

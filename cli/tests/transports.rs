@@ -7,7 +7,7 @@ use common::{kvm, programs};
 
 use iopath_bench::exits::{verify_iopath, verify_qemu};
 use iopath_bench::record::GuestOutput;
-use iopath_transport::attach::{instantiate, DeviceSpec};
+use iopath_protocols::attach::{instantiate, DeviceSpec};
 use iopath_vmm::{run, VmConfig};
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -148,7 +148,7 @@ fn qemu_x_pci_proxy_dev_drives_iopath_serve_over_mpqemu() {
     let mut serve = Command::new(env!("CARGO_BIN_EXE_iopath"));
     serve.args(["serve", "pci-testdev", "--transport", "mpqemu", "--fd", "3"]);
     let ours: std::os::fd::OwnedFd = ours.into();
-    iopath_transport::process::inherit_as_fd3(&mut serve, &ours);
+    iopath_protocols::process::inherit_as_fd3(&mut serve, &ours);
     let mut serve = serve.stdout(Stdio::piped()).spawn().unwrap();
     drop(ours);
     let image = iopath_guest::image_file().unwrap();
@@ -165,7 +165,7 @@ fn qemu_x_pci_proxy_dev_drives_iopath_serve_over_mpqemu() {
     // iopath serve reports its own counters when QEMU goes away.
     let mut line = String::new();
     BufReader::new(serve.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let c = iopath_transport::process::parse_report(&line).expect("a counter report");
+    let c = iopath_protocols::process::parse_report(&line).expect("a counter report");
     let get = |n: &str| c.iter().find(|c| c.name == n).map(|c| c.value);
     let w = out.row("mmio-no-eventfd:pci-mem").unwrap().accesses;
     assert_eq!(get("mmio-no-eventfd.exits"), Some(w), "{line}");

@@ -1,6 +1,6 @@
 //! Helpers shared by the end-to-end tests.
 
-use iopath_transport::attach::Programs;
+use iopath_protocols::attach::Programs;
 use std::path::PathBuf;
 
 pub fn kvm() {
