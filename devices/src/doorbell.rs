@@ -18,7 +18,7 @@
 //! Writing the mode resets the sequence to 0. GPAs are validated when written:
 //! a GPA outside guest RAM or misaligned sets `error` and is not taken.
 
-use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModelMut, IoEventSpec, PciIds};
+use crate::{Error, le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModelMut, IoEventSpec, PciIds};
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -187,10 +187,10 @@ impl Doorbell {
         }
     }
 
-    fn start_ioeventfd(&mut self, ctx: &DeviceContext, stop: Arc<AtomicBool>) -> Result<Worker, String> {
+    fn start_ioeventfd(&mut self, ctx: &DeviceContext, stop: Arc<AtomicBool>) -> crate::Result<Worker> {
         if self.fds.is_none() {
-            let m = EventFd::new(EFD_NONBLOCK).map_err(|e| e.to_string())?;
-            let p = EventFd::new(EFD_NONBLOCK).map_err(|e| e.to_string())?;
+            let m = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("eventfd", e))?;
+            let p = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("eventfd", e))?;
             self.fds = Some((m, p));
         }
         let (m, p) = self.fds.as_ref().unwrap();
@@ -200,12 +200,12 @@ impl Doorbell {
             let _ = ctx.ioevents.unregister(sm, m);
             return Err(e);
         }
-        let wake = EventFd::new(EFD_NONBLOCK).map_err(|e| e.to_string())?;
-        let epoll = Epoll::new().map_err(|e| e.to_string())?;
+        let wake = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("eventfd", e))?;
+        let epoll = Epoll::new().map_err(|e| Error::io("epoll", e))?;
         for (fd, tag) in [(wake.as_raw_fd(), 0u64), (m.as_raw_fd(), 1), (p.as_raw_fd(), 2)] {
-            epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, tag)).map_err(|e| e.to_string())?;
+            epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, tag)).map_err(|e| Error::io("epoll_ctl", e))?;
         }
-        let fds = [m.try_clone().map_err(|e| e.to_string())?, p.try_clone().map_err(|e| e.to_string())?];
+        let fds = [m.try_clone().map_err(|e| Error::io("dup", e))?, p.try_clone().map_err(|e| Error::io("dup", e))?];
         let shared = self.shared.clone();
         let mem = ctx.mem.clone();
         let stop2 = stop.clone();
@@ -232,17 +232,17 @@ impl Doorbell {
                     }
                 }
             })
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Error::io("doorbell thread", e))?;
         Ok(Worker { stop, wake, handle })
     }
 
-    fn start_shm(&mut self, ctx: &DeviceContext, stop: Arc<AtomicBool>) -> Result<Worker, String> {
+    fn start_shm(&mut self, ctx: &DeviceContext, stop: Arc<AtomicBool>) -> crate::Result<Worker> {
         let shm = self.shared.shm.load(Ordering::Relaxed);
         let comp = self.shared.completion.load(Ordering::Relaxed);
         if !self.gpa_ok(shm) || !self.gpa_ok(comp) {
-            return Err("shm or completion GPA not set".into());
+            return Err(Error::Host("shm or completion GPA not set".into()));
         }
-        let wake = EventFd::new(EFD_NONBLOCK).map_err(|e| e.to_string())?;
+        let wake = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("eventfd", e))?;
         let shared = self.shared.clone();
         let mem = ctx.mem.clone();
         let stop2 = stop.clone();
@@ -269,7 +269,7 @@ impl Doorbell {
                     }
                 }
             })
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| Error::io("doorbell thread", e))?;
         Ok(Worker { stop, wake, handle })
     }
 

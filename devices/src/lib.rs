@@ -7,11 +7,13 @@
 //! the transports comparable. This crate must not touch KVM or the VMM.
 
 pub mod doorbell;
+pub mod error;
 pub mod irq;
 pub mod nvme;
 pub mod pci;
 pub mod testdev;
 
+pub use error::{Error, Result};
 use std::fmt;
 pub use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
@@ -60,8 +62,8 @@ pub struct IoEventSpec {
 
 /// Registers ioeventfds for a device; implemented by the transport that hosts it.
 pub trait IoEvents: Send + Sync {
-    fn register(&self, spec: IoEventSpec, fd: &EventFd) -> Result<(), String>;
-    fn unregister(&self, spec: IoEventSpec, fd: &EventFd) -> Result<(), String>;
+    fn register(&self, spec: IoEventSpec, fd: &EventFd) -> Result<()>;
+    fn unregister(&self, spec: IoEventSpec, fd: &EventFd) -> Result<()>;
     /// True when registrations are announced once to another process (a
     /// vfio-user client reads them with GET_REGION_IO_FDS) and cannot follow
     /// the device afterwards: a device then registers every ioeventfd it may
@@ -75,10 +77,10 @@ pub trait IoEvents: Send + Sync {
 /// device falls back to serving the access where it arrives.
 pub struct NoIoEvents;
 impl IoEvents for NoIoEvents {
-    fn register(&self, _: IoEventSpec, _: &EventFd) -> Result<(), String> {
-        Err("this transport has no ioeventfd".into())
+    fn register(&self, _: IoEventSpec, _: &EventFd) -> Result<()> {
+        Err(Error::Host("this transport has no ioeventfd".into()))
     }
-    fn unregister(&self, _: IoEventSpec, _: &EventFd) -> Result<(), String> {
+    fn unregister(&self, _: IoEventSpec, _: &EventFd) -> Result<()> {
         Ok(())
     }
 }

@@ -316,11 +316,11 @@ mod tests {
     #[derive(Default)]
     struct Recorder(Mutex<Vec<(bool, IoEventSpec)>>);
     impl IoEvents for Recorder {
-        fn register(&self, s: IoEventSpec, _: &EventFd) -> Result<(), String> {
+        fn register(&self, s: IoEventSpec, _: &EventFd) -> crate::Result<()> {
             self.0.lock().unwrap().push((true, s));
             Ok(())
         }
-        fn unregister(&self, s: IoEventSpec, _: &EventFd) -> Result<(), String> {
+        fn unregister(&self, s: IoEventSpec, _: &EventFd) -> crate::Result<()> {
             self.0.lock().unwrap().push((false, s));
             Ok(())
         }
@@ -420,10 +420,10 @@ mod tests {
 
     struct StaticRecorder(Recorder);
     impl IoEvents for StaticRecorder {
-        fn register(&self, s: IoEventSpec, fd: &EventFd) -> Result<(), String> {
+        fn register(&self, s: IoEventSpec, fd: &EventFd) -> crate::Result<()> {
             self.0.register(s, fd)
         }
-        fn unregister(&self, s: IoEventSpec, fd: &EventFd) -> Result<(), String> {
+        fn unregister(&self, s: IoEventSpec, fd: &EventFd) -> crate::Result<()> {
             self.0.unregister(s, fd)
         }
         fn static_only(&self) -> bool {

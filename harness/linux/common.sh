@@ -37,7 +37,8 @@ take_lock() {
 }
 
 # in_root ROOT CMD...: run CMD chrooted in ROOT inside a private mount namespace with
-# /proc, /sys and /dev bound (and the host /tmp on ROOT/tmp when HARNESS_BIND_TMP=1);
+# /proc, /sys and /dev bound (and the host /tmp on ROOT/tmp when HARNESS_BIND_TMP=1, and the
+# host directory HARNESS_BIND_MNT on ROOT/mnt when set);
 # the mounts vanish with the namespace.
 in_root() {
     local root=$1; shift
@@ -47,6 +48,9 @@ in_root() {
         mount -t sysfs sysfs "$r/sys"
         mount --rbind /dev "$r/dev"
         mount --make-rslave "$r/dev"
+        if [[ -n ${HARNESS_BIND_MNT:-} ]]; then
+            mount --bind "$HARNESS_BIND_MNT" "$r/mnt"
+        fi
         if [[ ${HARNESS_BIND_TMP:-0} == 1 ]]; then
             mkdir -p "$r/tmp"
             mount --rbind /tmp "$r/tmp"

@@ -9,7 +9,7 @@
 //! through its faster FAST_MMIO bus and would not be the same measurement.
 
 use iopath_devices::pci::BarPlacement;
-use iopath_devices::{BarKind, IoEventSpec, IoEvents};
+use iopath_devices::{BarKind, Error as DevError, IoEventSpec, IoEvents};
 use kvm_bindings::kvm_ioeventfd;
 use kvm_ioctls::VmFd;
 use std::os::unix::io::AsRawFd;
@@ -123,32 +123,32 @@ impl KvmIoEvents {
 }
 
 impl IoEvents for KvmIoEvents {
-    fn register(&self, spec: IoEventSpec, fd: &EventFd) -> Result<(), String> {
+    fn register(&self, spec: IoEventSpec, fd: &EventFd) -> iopath_devices::Result<()> {
         let mut st = self.state.lock().unwrap();
-        let at = Self::target(&st.bars, &spec)?;
+        let at = Self::target(&st.bars, &spec).map_err(DevError::Host)?;
         let at = match at {
             Some((addr, pio)) => {
-                kvm_ioeventfd(&self.vm, addr, pio, spec.len, spec.datamatch, fd, true)?;
+                kvm_ioeventfd(&self.vm, addr, pio, spec.len, spec.datamatch, fd, true).map_err(DevError::Host)?;
                 Some((addr, pio))
             }
             None => None,
         };
-        let fd = fd.try_clone().map_err(|e| e.to_string())?;
+        let fd = fd.try_clone().map_err(|e| DevError::io("dup of an ioeventfd", e))?;
         st.regs.push(Registration { spec, fd, at });
         Ok(())
     }
 
-    fn unregister(&self, spec: IoEventSpec, _fd: &EventFd) -> Result<(), String> {
+    fn unregister(&self, spec: IoEventSpec, _fd: &EventFd) -> iopath_devices::Result<()> {
         let mut st = self.state.lock().unwrap();
         // KVM refuses two assignments of one spec, so the spec names the registration.
         let pos = st
             .regs
             .iter()
             .position(|r| r.spec == spec)
-            .ok_or_else(|| format!("no ioeventfd registered at BAR{} offset {:#x}", spec.bar, spec.offset))?;
+            .ok_or_else(|| DevError::Host(format!("no ioeventfd registered at BAR{} offset {:#x}", spec.bar, spec.offset)))?;
         let r = st.regs.remove(pos);
         if let Some((addr, pio)) = r.at {
-            kvm_ioeventfd(&self.vm, addr, pio, spec.len, spec.datamatch, &r.fd, false)?;
+            kvm_ioeventfd(&self.vm, addr, pio, spec.len, spec.datamatch, &r.fd, false).map_err(DevError::Host)?;
         }
         Ok(())
     }

@@ -73,12 +73,12 @@ fn send(sock: &UnixStream, msg: &[u8], fds: &[RawFd]) -> Result<(), String> {
 struct Announced(Mutex<Vec<(IoEventSpec, EventFd)>>);
 
 impl IoEvents for Announced {
-    fn register(&self, spec: IoEventSpec, fd: &EventFd) -> Result<(), String> {
-        let fd = fd.try_clone().map_err(|e| e.to_string())?;
+    fn register(&self, spec: IoEventSpec, fd: &EventFd) -> iopath_devices::Result<()> {
+        let fd = fd.try_clone().map_err(|e| iopath_devices::Error::io("dup of an ioeventfd", e))?;
         self.0.lock().unwrap().push((spec, fd));
         Ok(())
     }
-    fn unregister(&self, spec: IoEventSpec, _: &EventFd) -> Result<(), String> {
+    fn unregister(&self, spec: IoEventSpec, _: &EventFd) -> iopath_devices::Result<()> {
         self.0.lock().unwrap().retain(|(s, _)| *s != spec);
         Ok(())
     }

@@ -237,11 +237,11 @@ fn set_irqs_hands_intx_to_the_device_process_and_dma_map_its_ram() {
 #[derive(Default)]
 struct Recorder(Mutex<Vec<IoEventSpec>>);
 impl IoEvents for Recorder {
-    fn register(&self, s: IoEventSpec, _: &EventFd) -> Result<(), String> {
+    fn register(&self, s: IoEventSpec, _: &EventFd) -> iopath_devices::Result<()> {
         self.0.lock().unwrap().push(s);
         Ok(())
     }
-    fn unregister(&self, _: IoEventSpec, _: &EventFd) -> Result<(), String> {
+    fn unregister(&self, _: IoEventSpec, _: &EventFd) -> iopath_devices::Result<()> {
         Ok(())
     }
 }
