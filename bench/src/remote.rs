@@ -101,7 +101,7 @@ pub struct Round<'a> {
 impl Round<'_> {
     fn spec(&self, t: Target) -> DeviceSpec {
         let ep = if t == Target::QemuRemote { Endpoint::Qemu } else { Endpoint::Spawn };
-        DeviceSpec { device: "pci-testdev".into(), remote: Some((transport_of(t).unwrap(), ep)) }
+        DeviceSpec { device: iopath_devices::DeviceConfig::PciTestDev, remote: Some((transport_of(t).unwrap(), ep)) }
     }
 
     /// One guest run with pci-testdev behind `t`, then (for iopath's own
@@ -248,7 +248,7 @@ pub fn table(r: &ExitsResult) -> String {
     let _ = writeln!(s, "(! = routing check failed; see errors)");
     if present.iter().any(|t| matches!(t, Target::IoRegionFd | Target::IoRegionFdPosted)) {
         let k = kvm_ioctls::Kvm::new().map_err(|e| e.to_string());
-        let why = k.and_then(|k| iopath_protocols::ioregionfd::kernel_support(&k).map(|c| format!("kernel capability {c}")));
+        let why = k.and_then(|k| iopath_vmm::kvm::ioregionfd_support(&k).map(|c| format!("kernel capability {c}")));
         let _ = writeln!(s, "ioregionfd: {}", why.unwrap_or_else(|e| e));
     }
     for (k, v) in targets_report(r) {

@@ -42,8 +42,10 @@ enum Cmd {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// The device model (pci-testdev, iopath-doorbell).
-    device: String,
+    /// The device model and its options: pci-testdev, iopath-doorbell,
+    /// nvme[,doorbell=shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096]
+    /// (a `,` or `@` inside a value is written twice).
+    device: iopath_devices::DeviceConfig,
     /// mpqemu, vfio-user, ioregionfd (vfio-user control, region fds for the
     /// BARs) or ioregionfd-posted (the same, writes posted).
     #[arg(long, default_value = "vfio-user")]
@@ -179,7 +181,7 @@ struct RunArgs {
     /// pci-testdev@mpqemu:qemu (QEMU's own model in -machine x-remote).
     /// Default: pci-testdev and iopath-doorbell in the VMM.
     #[arg(long = "device", value_name = "SPEC")]
-    devices: Vec<String>,
+    devices: Vec<iopath_protocols::attach::DeviceSpec>,
     /// Poll a socket this long for a reply or request before sleeping
     /// (client and the device processes it starts); 0 sleeps at once, as QEMU.
     #[arg(long, default_value_t = 0, value_name = "US")]
@@ -201,8 +203,11 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
 }
 
 /// The devices `--device` specs name, started or connected.
-fn devices_of(specs: &[String], spin_us: u64) -> anyhow::Result<Vec<iopath_devices::SharedDevice>> {
-    use iopath_protocols::attach::{instantiate, DeviceSpec, Programs};
+fn devices_of(
+    specs: &[iopath_protocols::attach::DeviceSpec],
+    spin_us: u64,
+) -> anyhow::Result<Vec<iopath_devices::SharedDevice>> {
+    use iopath_protocols::attach::{instantiate, Programs};
     if specs.is_empty() {
         return Ok(exit_devices());
     }
@@ -212,10 +217,7 @@ fn devices_of(specs: &[String], spin_us: u64) -> anyhow::Result<Vec<iopath_devic
     progs.serve_args = vec!["--spin-us".into(), spin_us.to_string()];
     specs
         .iter()
-        .map(|s| {
-            let spec: DeviceSpec = s.parse().map_err(anyhow::Error::msg)?;
-            instantiate(&spec, &progs).map_err(anyhow::Error::msg)
-        })
+        .map(|spec| instantiate(spec, &progs).map_err(anyhow::Error::msg))
         .collect()
 }
 

@@ -11,9 +11,11 @@ pub mod error;
 pub mod irq;
 pub mod nvme;
 pub mod pci;
+pub mod spec;
 pub mod testdev;
 
 pub use error::{Error, Result};
+pub use spec::{DeviceConfig, DEVICE_NAMES};
 use std::fmt;
 pub use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
@@ -284,45 +286,6 @@ pub fn lock<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> 
 
 /// A device model shared by its host's bus entries and threads.
 pub type SharedDevice = std::sync::Arc<dyn DeviceModel>;
-
-/// Device models by name, as `iopath serve` and `--device` name them.
-pub const DEVICE_NAMES: &[&str] = &["pci-testdev", "iopath-doorbell", "nvme"];
-
-/// A new device model from `NAME[,key=value...]`, e.g.
-/// `nvme,doorbell=shm,backend=ram,size_mb=64,lba=512`.
-pub fn by_name(spec: &str) -> Result<SharedDevice, String> {
-    let mut parts = spec.split(',');
-    let name = parts.next().unwrap_or("");
-    let opts: Vec<(&str, &str)> = parts
-        .map(|kv| kv.split_once('=').ok_or_else(|| format!("{name}: option {kv:?} is not key=value")))
-        .collect::<Result<_, _>>()?;
-    let no_opts = |d: SharedDevice| {
-        if opts.is_empty() {
-            Ok(d)
-        } else {
-            Err(format!("{name} takes no options"))
-        }
-    };
-    match name {
-        "pci-testdev" => no_opts(std::sync::Arc::new(std::sync::Mutex::new(testdev::PciTestDev::new()))),
-        "iopath-doorbell" => no_opts(std::sync::Arc::new(std::sync::Mutex::new(doorbell::Doorbell::new()))),
-        "nvme" => {
-            let mut c = nvme::NvmeConfig::default();
-            for (k, v) in opts {
-                let num = || v.parse::<u64>().map_err(|_| format!("nvme: {k}={v} is not a number"));
-                match k {
-                    "doorbell" => c.doorbell = v.parse()?,
-                    "backend" => c.backend = v.parse()?,
-                    "size_mb" => c.size = num()? << 20,
-                    "lba" => c.lba_size = num()? as u32,
-                    _ => return Err(format!("nvme: unknown option {k} (doorbell, backend, size_mb, lba)")),
-                }
-            }
-            Ok(std::sync::Arc::new(std::sync::Mutex::new(nvme::Nvme::new(c)?)))
-        }
-        _ => Err(format!("unknown device {name:?} (one of {})", DEVICE_NAMES.join(", "))),
-    }
-}
 
 /// Little-endian value of an access of 1..=8 bytes.
 pub fn le_value(data: &[u8]) -> u64 {

@@ -11,7 +11,7 @@
 
 use crate::mpqemu::MpqemuProxy;
 use crate::process::DeviceProcess;
-use iopath_devices::SharedDevice;
+use iopath_devices::{DeviceConfig, SharedDevice};
 use std::sync::{Arc, Mutex};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -62,23 +62,22 @@ pub enum Endpoint {
     Qemu,
 }
 
+/// A device and where it runs: `CONFIG[@TRANSPORT[:PATH|:qemu]]`, parsed and
+/// validated once (the device options included) before anything starts.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceSpec {
-    pub device: String,
+    pub device: DeviceConfig,
     pub remote: Option<(Transport, Endpoint)>,
 }
 
 impl FromStr for DeviceSpec {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let (device, rest) = match s.split_once('@') {
-            Some((d, r)) => (d, Some(r)),
+        let (device, rest) = match iopath_devices::spec::find_unescaped_at(s) {
+            Some(i) => (&s[..i], Some(&s[i + 1..])),
             None => (s, None),
         };
-        let name = device.split(',').next().unwrap_or("");
-        if !iopath_devices::DEVICE_NAMES.contains(&name) {
-            return Err(format!("unknown device {name:?} (one of {})", iopath_devices::DEVICE_NAMES.join(", ")));
-        }
+        let device: DeviceConfig = device.parse().map_err(|e: iopath_devices::Error| e.to_string())?;
         let remote = match rest {
             None => None,
             Some(r) => {
@@ -96,7 +95,19 @@ impl FromStr for DeviceSpec {
                 Some((t, ep))
             }
         };
-        Ok(DeviceSpec { device: device.to_string(), remote })
+        Ok(DeviceSpec { device, remote })
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.device)?;
+        match &self.remote {
+            None => Ok(()),
+            Some((t, Endpoint::Spawn)) => write!(f, "@{}", t.name()),
+            Some((t, Endpoint::Qemu)) => write!(f, "@{}:qemu", t.name()),
+            Some((t, Endpoint::Socket(p))) => write!(f, "@{}:{}", t.name(), p.display()),
+        }
     }
 }
 
@@ -120,10 +131,10 @@ impl Programs {
 }
 
 /// QEMU's name for an iopath device model, where QEMU has one.
-fn qemu_device(device: &str) -> Result<&'static str, String> {
-    match device.split(',').next().unwrap_or("") {
-        "pci-testdev" => Ok("pci-testdev"),
-        d => Err(format!("QEMU has no model of {d}")),
+fn qemu_device(device: &DeviceConfig) -> Result<&'static str, String> {
+    match device {
+        DeviceConfig::PciTestDev => Ok("pci-testdev"),
+        d => Err(format!("QEMU has no model of {}", d.name())),
     }
 }
 
@@ -135,14 +146,14 @@ fn socketpair() -> Result<(UnixStream, UnixStream), String> {
 /// VMM hosts: the device itself, or a proxy for it.
 pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice, String> {
     let Some((transport, ep)) = &spec.remote else {
-        return iopath_devices::by_name(&spec.device);
+        return spec.device.build().map_err(|e| e.to_string());
     };
     let label = format!("{}@{}", spec.device, transport.name());
     let (sock, child) = match ep {
         Endpoint::Spawn => {
             let (mine, theirs) = socketpair()?;
             let args: Vec<String> = [
-                spec.device.clone(),
+                spec.device.to_string(),
                 "--transport".into(),
                 transport.name().into(),
                 "--fd".into(),
@@ -168,12 +179,12 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice, 
     match transport {
         Transport::Mpqemu => {
             let mut p = MpqemuProxy::connect(sock, child).map_err(|e| format!("{label}: {e}"))?;
-            p.set_name(spec.device.split(',').next().unwrap_or(""));
+            p.set_name(spec.device.name());
             Ok(Arc::new(Mutex::new(p)))
         }
         Transport::VfioUser | Transport::IoRegionFd { .. } => {
             let mut p = crate::vfio_user::VfioUserProxy::connect(sock, child).map_err(|e| format!("{label}: {e}"))?;
-            p.set_name(spec.device.split(',').next().unwrap_or(""));
+            p.set_name(spec.device.name());
             Ok(Arc::new(Mutex::new(p)))
         }
     }
@@ -205,5 +216,10 @@ mod tests {
         assert!("nvme9".parse::<DeviceSpec>().is_err());
         assert!("pci-testdev@carrier-pigeon".parse::<DeviceSpec>().is_err());
         assert!("pci-testdev@vfio-user:qemu".parse::<DeviceSpec>().is_err());
+        let e = "nvme,doorbell=shmm@vfio-user".parse::<DeviceSpec>().unwrap_err();
+        assert!(e.contains("doorbell"), "a bad option is named before anything starts: {e}");
+        for s in ["nvme,doorbell=bar,backend=file:/a,,b@@c,size_mb=64,lba=512@vfio-user:/tmp/s", "pci-testdev@mpqemu:qemu"] {
+            assert_eq!(s.parse::<DeviceSpec>().unwrap().to_string(), s);
+        }
     }
 }

@@ -7,7 +7,7 @@
 //! Upstream KVM has no KVM_SET_IOREGION (0x49 is KVM_SET_USER_MEMORY_REGION2
 //! there, and capability 191 is KVM_CAP_SYS_HYPERV_CPUID), so iopath's VMM
 //! plays KVM's part in userspace: a vCPU exit on the region becomes a
-//! command on the fd ([`RegionClient`]). [`kernel_support`] looks for a
+//! command on the fd ([`RegionClient`]). `iopath_vmm::kvm::ioregionfd_support` looks for a
 //! patched kernel. The device process announces its regions and creates
 //! the fds (vfio-user GET_REGION_IO_FDS, type IOREGIONFD), as the RFC's
 //! review asked; [`spawn_server`] serves one fd.
@@ -194,23 +194,6 @@ pub fn spawn_server(
             }
         }
     })
-}
-
-/// A kernel that implements KVM_SET_IOREGION, if this one does. Upstream
-/// kernels do not; the RFC's numbers were taken by other ioctls, so only an
-/// explicitly named capability (`IOPATH_KVM_CAP_IOREGIONFD=N`, as a patched
-/// kernel defines it) is probed.
-pub fn kernel_support(kvm: &kvm_ioctls::Kvm) -> Result<u32, String> {
-    let Some(cap) = std::env::var("IOPATH_KVM_CAP_IOREGIONFD").ok().and_then(|v| v.parse::<u32>().ok()) else {
-        return Err("KVM_SET_IOREGION is not in upstream Linux (RFC v3 was never merged); served in userspace".into());
-    };
-    // SAFETY: KVM_CHECK_EXTENSION with an integer argument only reads it.
-    let r = unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(kvm), 0xae03, cap as libc::c_ulong) };
-    if r > 0 {
-        Ok(cap)
-    } else {
-        Err(format!("KVM capability {cap} (IOPATH_KVM_CAP_IOREGIONFD) is absent; served in userspace"))
-    }
 }
 
 #[cfg(test)]

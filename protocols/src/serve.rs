@@ -25,7 +25,7 @@ pub enum Listen {
 }
 
 pub struct ServeOptions {
-    pub device: String,
+    pub device: iopath_devices::DeviceConfig,
     pub transport: Transport,
     pub listen: Listen,
     /// Exit after the first client (with a listening socket).
@@ -34,7 +34,7 @@ pub struct ServeOptions {
 
 /// Serves until the inherited socket closes, or forever on a listening socket.
 pub fn run(o: &ServeOptions) -> Result<(), String> {
-    let dev = iopath_devices::by_name(&o.device)?;
+    let dev = o.device.build().map_err(|e| e.to_string())?;
     let f = Arc::new(Mutex::new(PciFunction::new(dev)?));
     let irq = IrqLines::new();
     let mut state = match o.transport {
@@ -87,7 +87,7 @@ fn session(
     }
     irq.clear_intx();
     irq.clear_msix();
-    let line = disconnect_report(o.transport.name(), &o.device, &f.lock().unwrap().counters());
+    let line = disconnect_report(o.transport.name(), o.device.name(), &f.lock().unwrap().counters());
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
     let _ = out.flush();

@@ -15,6 +15,7 @@ pub mod bus;
 pub mod debug_exit;
 pub mod ioeventfd;
 pub mod irq;
+pub mod kvm;
 pub mod loader;
 pub mod memory;
 pub mod pci;

@@ -100,7 +100,7 @@ impl std::str::FromStr for DoorbellMode {
     }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NvmeConfig {
     pub backend: BackendKind,
     /// Namespace size in bytes.

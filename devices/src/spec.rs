@@ -1,0 +1,216 @@
+//! A device model and its options as one typed value: `NAME[,KEY=VALUE...]`.
+//!
+//! [`DeviceConfig`] is parsed and validated once, where the user typed it
+//! (the CLI, a bench), before any process starts; its [`Display`](fmt::Display)
+//! form round-trips, so the same value becomes a device process's argv. A
+//! value that holds `,` writes it `,,` (QEMU's option escaping), and `@`
+//! (which separates a device from its transport in a device spec) `@@`:
+//! `nvme,backend=file:/data/a,,b@@c.img` names the file `/data/a,b@c.img`.
+
+use crate::nvme::backend::BackendKind;
+use crate::nvme::{DoorbellMode, NvmeConfig};
+use crate::{doorbell, nvme, testdev, Error, Result, SharedDevice};
+use std::fmt;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+
+/// Device models by name, as `iopath serve` and `--device` name them.
+pub const DEVICE_NAMES: &[&str] = &["pci-testdev", "iopath-doorbell", "nvme"];
+
+/// One device model with its options.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceConfig {
+    /// QEMU's pci-testdev (1b36:0005).
+    PciTestDev,
+    /// iopath's doorbell round-trip device.
+    Doorbell,
+    /// The NVMe controller.
+    Nvme(NvmeConfig),
+}
+
+impl DeviceConfig {
+    pub fn name(&self) -> &'static str {
+        match self {
+            DeviceConfig::PciTestDev => "pci-testdev",
+            DeviceConfig::Doorbell => "iopath-doorbell",
+            DeviceConfig::Nvme(_) => "nvme",
+        }
+    }
+
+    /// A new device model with these options.
+    pub fn build(&self) -> Result<SharedDevice> {
+        Ok(match self {
+            DeviceConfig::PciTestDev => Arc::new(Mutex::new(testdev::PciTestDev::new())),
+            DeviceConfig::Doorbell => Arc::new(Mutex::new(doorbell::Doorbell::new())),
+            DeviceConfig::Nvme(c) => Arc::new(Mutex::new(nvme::Nvme::new(c.clone()).map_err(|e| Error::Host(e.to_string()))?)),
+        })
+    }
+}
+
+/// Splits `s` at every `sep` that is not doubled; doubled separators (and
+/// doubled `@`) become single characters in the pieces.
+pub fn split_escaped(s: &str, sep: char) -> Vec<String> {
+    let mut out = vec![String::new()];
+    let mut it = s.chars().peekable();
+    while let Some(c) = it.next() {
+        if (c == sep || c == '@' || c == ',') && it.peek() == Some(&c) {
+            it.next();
+            out.last_mut().unwrap().push(c);
+        } else if c == sep {
+            out.push(String::new());
+        } else {
+            out.last_mut().unwrap().push(c);
+        }
+    }
+    out
+}
+
+/// The position of the first `@` that is not doubled, if any.
+pub fn find_unescaped_at(s: &str) -> Option<usize> {
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'@' || b[i] == b',' {
+            if b.get(i + 1) == Some(&b[i]) {
+                i += 2;
+                continue;
+            }
+            if b[i] == b'@' {
+                return Some(i);
+            }
+        }
+        i += 1;
+    }
+    None
+}
+
+/// Writes a value with `,` and `@` doubled.
+pub fn escape(v: &str) -> String {
+    v.replace(',', ",,").replace('@', "@@")
+}
+
+fn option(device: &'static str, key: &str, reason: impl Into<String>) -> Error {
+    Error::Option { device, option: key.to_string(), reason: reason.into() }
+}
+
+impl FromStr for DeviceConfig {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let parts = split_escaped(s, ',');
+        let name = parts[0].as_str();
+        let opts: Vec<(String, String)> = parts[1..]
+            .iter()
+            .map(|kv| match kv.split_once('=') {
+                Some((k, v)) => Ok((k.to_string(), v.to_string())),
+                None => Err(Error::Option {
+                    device: "device",
+                    option: kv.clone(),
+                    reason: "is not KEY=VALUE".into(),
+                }),
+            })
+            .collect::<Result<_>>()?;
+        let no_opts = |c: DeviceConfig| match opts.first() {
+            None => Ok(c),
+            Some((k, _)) => Err(option(c.name(), k, "this device takes no options")),
+        };
+        match name {
+            "pci-testdev" => no_opts(DeviceConfig::PciTestDev),
+            "iopath-doorbell" => no_opts(DeviceConfig::Doorbell),
+            "nvme" => {
+                let mut c = NvmeConfig::default();
+                for (k, v) in &opts {
+                    let num = || v.parse::<u64>().map_err(|_| option("nvme", k, format!("{v:?} is not a number")));
+                    match k.as_str() {
+                        "doorbell" => {
+                            c.doorbell = v.parse::<DoorbellMode>().map_err(|e| option("nvme", k, e.to_string()))?
+                        }
+                        "backend" => {
+                            c.backend = v.parse::<BackendKind>().map_err(|e| option("nvme", k, e.to_string()))?
+                        }
+                        "size_mb" => {
+                            let mb = num()?;
+                            if mb == 0 || mb > 1 << 20 {
+                                return Err(option("nvme", k, format!("{mb} MiB (1 .. 1048576)")));
+                            }
+                            c.size = mb << 20;
+                        }
+                        "lba" => {
+                            c.lba_size = match num()? {
+                                512 => 512,
+                                4096 => 4096,
+                                n => return Err(option("nvme", k, format!("{n} (512 or 4096)"))),
+                            }
+                        }
+                        _ => return Err(option("nvme", k, "unknown option (doorbell, backend, size_mb, lba)")),
+                    }
+                }
+                Ok(DeviceConfig::Nvme(c))
+            }
+            _ => Err(Error::UnknownDevice(name.to_string())),
+        }
+    }
+}
+
+impl fmt::Display for DeviceConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.name())?;
+        if let DeviceConfig::Nvme(c) = self {
+            let backend = match &c.backend {
+                BackendKind::Null => "null".to_string(),
+                BackendKind::Ram => "ram".to_string(),
+                BackendKind::File(p) => format!("file:{}", escape(&p.to_string_lossy())),
+            };
+            let doorbell = match c.doorbell {
+                DoorbellMode::Mmio => "mmio",
+                DoorbellMode::Ioeventfd => "ioeventfd",
+                DoorbellMode::Shm => "shm",
+                DoorbellMode::Bar => "bar",
+            };
+            write!(f, ",doorbell={doorbell},backend={backend},size_mb={},lba={}", c.size >> 20, c.lba_size)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configs_round_trip_through_their_text() {
+        for s in [
+            "pci-testdev",
+            "iopath-doorbell",
+            "nvme,doorbell=bar,backend=null,size_mb=64,lba=4096",
+            "nvme,doorbell=shm,backend=file:/tmp/a,,b@@c.img,size_mb=8,lba=512",
+        ] {
+            let c: DeviceConfig = s.parse().unwrap();
+            assert_eq!(c.to_string(), s);
+            assert_eq!(c.to_string().parse::<DeviceConfig>().unwrap(), c);
+        }
+        let c: DeviceConfig = "nvme,backend=file:/tmp/a,,b@@c.img".parse().unwrap();
+        let DeviceConfig::Nvme(n) = c else { panic!() };
+        assert_eq!(n.backend, BackendKind::File("/tmp/a,b@c.img".into()));
+    }
+
+    #[test]
+    fn bad_options_are_named() {
+        let e = |s: &str| s.parse::<DeviceConfig>().unwrap_err().to_string();
+        assert!(e("nvme,doorbell=shmm").contains("doorbell"), "{}", e("nvme,doorbell=shmm"));
+        assert!(e("nvme,lba=4097").contains("lba"));
+        assert!(e("nvme,lba=4294967808").contains("lba"), "no silent truncation");
+        assert!(e("nvme,size_mb=0").contains("size_mb"));
+        assert!(e("nvme,colour=blue").contains("colour"));
+        assert!(e("nvme,doorbell").contains("KEY=VALUE"));
+        assert!(e("pci-testdev,x=1").contains("no options"));
+        assert!(e("nvme9").contains("unknown device"));
+    }
+
+    #[test]
+    fn escaped_separators() {
+        assert_eq!(split_escaped("a,b,,c@@d,e", ','), ["a", "b,c@d", "e"]);
+        assert_eq!(find_unescaped_at("nvme,backend=file:/x@@y@vfio-user"), Some(24));
+        assert_eq!(find_unescaped_at("a,,@b"), Some(3));
+        assert_eq!(find_unescaped_at("a@@b"), None);
+    }
+}
