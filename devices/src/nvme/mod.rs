@@ -1236,7 +1236,7 @@ impl DeviceModelMut for Nvme {
         body.extend_from_slice(&(MSIX_VECTORS as u16 - 1).to_le_bytes()); // table size; enable/mask off
         body.extend_from_slice(&(MSIX_TABLE as u32).to_le_bytes()); // BIR 0
         body.extend_from_slice(&(MSIX_PBA as u32).to_le_bytes());
-        vec![crate::pci::Capability { id: crate::pci::PCI_CAP_ID_MSIX, body, wmask: vec![0, 0xc0] }]
+        vec![crate::pci::Capability { offset: MSIX_CAP, id: crate::pci::PCI_CAP_ID_MSIX, body, wmask: vec![0, 0xc0] }]
     }
 
     fn config_write(&mut self, offset: usize, data: &[u8]) {

@@ -1,44 +1,11 @@
-//! PCI type-0 configuration space with BAR sizing, as a device carries it.
+//! The PCI type-0 configuration header with BAR sizing and a capability list.
 //!
 //! Owns the 256-byte header and its write masks. It knows nothing of buses:
-//! the host (VMM PCI host, or later a device process) reads the decoded BAR
+//! the host (VMM PCI host, or a device process) reads the decoded BAR
 //! placements from [`ConfigSpace::bar_placement`] after each write.
 
-use crate::{BarKind, BarSpec, PciIds};
-
-pub const PCI_COMMAND: usize = 0x04;
-pub const PCI_COMMAND_IO: u16 = 0x1;
-pub const PCI_COMMAND_MEMORY: u16 = 0x2;
-pub const PCI_COMMAND_MASTER: u16 = 0x4;
-pub const PCI_COMMAND_INTX_DISABLE: u16 = 0x400;
-pub const PCI_BAR0: usize = 0x10;
-pub const PCI_INTERRUPT_LINE: usize = 0x3c;
-pub const CONFIG_SIZE: usize = 256;
-
-pub const PCI_CAP_ID_MSIX: u8 = 0x11;
-
-/// A PCI capability a device declares: its ID, its body (the bytes after
-/// the ID and next pointer) and which body bits the guest may write.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Capability {
-    pub id: u8,
-    pub body: Vec<u8>,
-    pub wmask: Vec<u8>,
-}
-
-/// Where a BAR currently decodes, if it does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BarPlacement {
-    pub spec: BarSpec,
-    pub addr: u64,
-}
-
-/// What a configuration write changed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ConfigChange {
-    /// A BAR register or the command register's decode bits changed.
-    pub decode: bool,
-}
+use super::*;
+use crate::{BarKind, BarSpec, Error, PciIds, Result};
 
 #[derive(Clone)]
 pub struct ConfigSpace {
@@ -50,14 +17,14 @@ pub struct ConfigSpace {
 impl ConfigSpace {
     /// Builds the header for `ids` and `bars`. BAR sizes must be powers of two
     /// (at least 16 bytes for memory, 4 for I/O); a 64-bit BAR takes two slots.
-    pub fn new(ids: PciIds, bars: &[BarSpec]) -> Result<Self, String> {
+    pub fn new(ids: PciIds, bars: &[BarSpec]) -> Result<Self> {
         let mut c = ConfigSpace { regs: [0; CONFIG_SIZE], wmask: [0; CONFIG_SIZE], bars: [None; 6] };
         c.put16(0x00, ids.vendor);
         c.put16(0x02, ids.device);
         c.put32(0x08, (ids.class << 8) | ids.revision as u32);
         c.put16(0x2c, ids.subsystem_vendor);
         c.put16(0x2e, ids.subsystem);
-        c.put16(0x06, 0x0000); // status: no capabilities list yet
+        c.put16(PCI_STATUS, 0x0000); // status: no capabilities list yet
         let cmd_mask = PCI_COMMAND_IO | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER | PCI_COMMAND_INTX_DISABLE;
         c.wmask[PCI_COMMAND..PCI_COMMAND + 2].copy_from_slice(&cmd_mask.to_le_bytes());
         c.wmask[PCI_INTERRUPT_LINE] = 0xff;
@@ -65,14 +32,14 @@ impl ConfigSpace {
             let i = b.index as usize;
             let slots = if b.kind == BarKind::Mem64 { 2 } else { 1 };
             if i + slots > 6 || (i..i + slots).any(|s| c.bars[s].is_some() || c.is_upper_half(s)) {
-                return Err(format!("BAR{i} overlaps another BAR or is out of range"));
+                return Err(Error::Config(format!("BAR{i} overlaps another BAR or is out of range")));
             }
             let min = if b.kind == BarKind::Io { 4 } else { 16 };
             if !b.size.is_power_of_two() || b.size < min || (b.kind == BarKind::Io && b.size > 256) {
-                return Err(format!("BAR{i} size {:#x} is not a valid power of two", b.size));
+                return Err(Error::Config(format!("BAR{i} size {:#x} is not a valid power of two", b.size)));
             }
             if b.kind == BarKind::Mem32 && b.size > 1 << 31 {
-                return Err(format!("BAR{i} too large for a 32-bit BAR"));
+                return Err(Error::Config(format!("BAR{i} too large for a 32-bit BAR")));
             }
             c.bars[i] = Some(*b);
             let off = PCI_BAR0 + 4 * i;
@@ -167,28 +134,46 @@ impl ConfigSpace {
         self.regs[PCI_INTERRUPT_LINE + 1] = 1;
     }
 
-    /// Lays out `caps` from 0x40 as the capability list; returns each one's offset.
-    pub fn add_capabilities(&mut self, caps: &[Capability]) -> Result<Vec<usize>, String> {
-        let mut at = 0x40usize;
-        let mut offsets = Vec::new();
-        for (i, c) in caps.iter().enumerate() {
-            let len = 2 + c.body.len();
-            if at + len > CONFIG_SIZE || c.wmask.len() > c.body.len() {
-                return Err(format!("capability {:#x} does not fit the header", c.id));
+    /// Lays out `caps` as the capability list, each at its own
+    /// [`Capability::offset`], chained in offset order; sets the capability
+    /// pointer and the status bit. Every capability must start at a dword
+    /// offset from 0x40, fit the header, and overlap no other one; nothing
+    /// is written unless all of them do. Called once (a second list is
+    /// refused); no capabilities leave the header without a list.
+    pub fn add_capabilities(&mut self, caps: &[Capability]) -> Result<()> {
+        if caps.is_empty() {
+            return Ok(());
+        }
+        if self.regs[PCI_STATUS] & PCI_STATUS_CAP_LIST != 0 {
+            return Err(Error::Config("the capability list is already laid out".into()));
+        }
+        let mut order: Vec<&Capability> = caps.iter().collect();
+        order.sort_by_key(|c| c.offset);
+        let mut free = PCI_CAP_START;
+        for c in &order {
+            let (id, at) = (c.id, c.offset);
+            if at < PCI_CAP_START || !at.is_multiple_of(4) {
+                return Err(Error::Config(format!("capability {id:#x} at {at:#x}: not a dword offset from 0x40")));
             }
-            let next = if i + 1 < caps.len() { (at + len).next_multiple_of(4) } else { 0 };
+            let end = at.checked_add(2 + c.body.len()).filter(|&e| e <= CONFIG_SIZE);
+            let Some(end) = end.filter(|_| c.wmask.len() <= c.body.len()) else {
+                return Err(Error::Config(format!("capability {id:#x} at {at:#x} does not fit the header")));
+            };
+            if at < free {
+                return Err(Error::Config(format!("capability {id:#x} at {at:#x} overlaps the one before it")));
+            }
+            free = end;
+        }
+        for (i, c) in order.iter().enumerate() {
+            let (at, len) = (c.offset, 2 + c.body.len());
             self.regs[at] = c.id;
-            self.regs[at + 1] = next as u8;
+            self.regs[at + 1] = order.get(i + 1).map_or(0, |n| n.offset as u8);
             self.regs[at + 2..at + len].copy_from_slice(&c.body);
             self.wmask[at + 2..at + 2 + c.wmask.len()].copy_from_slice(&c.wmask);
-            offsets.push(at);
-            at = (at + len).next_multiple_of(4);
         }
-        if !caps.is_empty() {
-            self.regs[0x34] = 0x40;
-            self.regs[0x06] |= 0x10; // status: capabilities list
-        }
-        Ok(offsets)
+        self.regs[PCI_CAPABILITY_LIST] = order[0].offset as u8;
+        self.regs[PCI_STATUS] |= PCI_STATUS_CAP_LIST;
+        Ok(())
     }
 
     /// Enables decoding bits in the command register.
@@ -230,23 +215,65 @@ impl ConfigSpace {
 mod tests {
     use super::*;
 
+    fn msix_cap(offset: usize) -> Capability {
+        let body = vec![0x3f, 0, 0, 0x20, 0, 0, 0, 0x30, 0, 0];
+        Capability { offset, id: PCI_CAP_ID_MSIX, body, wmask: vec![0, 0xc0] }
+    }
+
     #[test]
-    fn capabilities_are_chained_from_0x40_and_only_their_writable_bits_change() {
+    fn capabilities_sit_where_declared_chained_in_offset_order_and_only_their_writable_bits_change() {
         let mut c = ConfigSpace::new(ids(), &[]).unwrap();
-        let msix = Capability { id: PCI_CAP_ID_MSIX, body: vec![0x3f, 0, 0, 0x20, 0, 0, 0, 0x30, 0, 0], wmask: vec![0, 0xc0] };
-        let offs = c.add_capabilities(&[msix.clone(), Capability { id: 0x10, body: vec![0; 2], wmask: vec![] }]).unwrap();
-        assert_eq!(offs, [0x40, 0x4c]);
+        let other = Capability { offset: 0x40, id: 0x10, body: vec![0; 2], wmask: vec![] };
+        c.add_capabilities(&[msix_cap(0x50), other]).unwrap();
         let mut b = [0u8; 4];
-        c.read(0x34, &mut b[..1]);
-        assert_eq!(b[0], 0x40);
+        c.read(PCI_CAPABILITY_LIST, &mut b[..1]);
+        assert_eq!(b[0], 0x40, "the list starts at the lowest offset");
         c.read(0x40, &mut b);
-        assert_eq!(b, [0x11, 0x4c, 0x3f, 0x00]);
-        c.write(0x40, &[0xff, 0xff, 0xff, 0xff]);
-        c.read(0x40, &mut b);
-        assert_eq!(b, [0x11, 0x4c, 0x3f, 0xc0], "only enable and function mask are writable");
+        assert_eq!(b, [0x10, 0x50, 0, 0]);
+        c.read(0x50, &mut b);
+        assert_eq!(b, [0x11, 0x00, 0x3f, 0x00], "MSI-X at 0x50, the last one");
+        c.write(0x50, &[0xff, 0xff, 0xff, 0xff]);
+        c.read(0x50, &mut b);
+        assert_eq!(b, [0x11, 0x00, 0x3f, 0xc0], "only enable and function mask are writable");
         let mut st = [0u8; 2];
-        c.read(0x06, &mut st);
-        assert_eq!(st[0] & 0x10, 0x10);
+        c.read(PCI_STATUS, &mut st);
+        assert_eq!(st[0] & PCI_STATUS_CAP_LIST, PCI_STATUS_CAP_LIST);
+        assert!(c.add_capabilities(&[msix_cap(0x80)]).is_err(), "one list per header");
+        // MsixTable's own capability lands at the offset it was given.
+        let mut c = ConfigSpace::new(ids(), &[]).unwrap();
+        c.add_capabilities(&[MsixTable::new(65, 0, 0x2000, 0x3000, 0x60).capability()]).unwrap();
+        let cfg: Vec<u8> = (0..CONFIG_SIZE)
+            .map(|o| {
+                let mut b = [0u8];
+                c.read(o, &mut b);
+                b[0]
+            })
+            .collect();
+        let m = MsixTable::find(&cfg, 2048).unwrap();
+        assert_eq!((m.cap_offset(), m.vectors()), (0x60, 65));
+    }
+
+    #[test]
+    fn misplaced_capabilities_are_refused_and_nothing_is_written() {
+        let bad: [&[Capability]; 5] = [
+            &[msix_cap(0x3c)],
+            &[msix_cap(0x42)],
+            &[msix_cap(0xf8)],
+            &[msix_cap(0x40), msix_cap(0x48)],
+            &[Capability { offset: 0x40, id: 9, body: vec![0], wmask: vec![0, 0] }],
+        ];
+        for caps in bad {
+            let mut c = ConfigSpace::new(ids(), &[]).unwrap();
+            assert!(matches!(c.add_capabilities(caps), Err(Error::Config(_))), "{caps:?}");
+            let mut b = [0u8; 4];
+            c.read(PCI_CAPABILITY_LIST, &mut b[..1]);
+            c.read(PCI_STATUS, &mut b[1..2]);
+            c.read(0x40, &mut b[2..4]);
+            assert_eq!(b, [0; 4], "{caps:?}");
+        }
+        let mut c = ConfigSpace::new(ids(), &[]).unwrap();
+        c.add_capabilities(&[msix_cap(0xf4)]).unwrap(); // 12 bytes: 0xf4..0x100 fits exactly
+        c.add_capabilities(&[]).unwrap();
     }
 
     fn ids() -> PciIds {
