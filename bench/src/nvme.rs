@@ -118,13 +118,8 @@ fn cmdline(j: &Job, o: &NvmeOptions, tsc_khz: u64) -> String {
     )
 }
 
-fn record(lines: &[String]) -> Option<BTreeMap<String, String>> {
-    let l = lines.iter().find(|l| l.starts_with("@nvme "))?;
-    Some(l.split_whitespace().skip(1).filter_map(|w| w.split_once('=')).map(|(k, v)| (k.into(), v.into())).collect())
-}
-
 fn to_run(target: &str, job: usize, round: u32, j: &Job, lines: &[String], tsc_khz: u64) -> Result<NvmeRun, String> {
-    let f = record(lines).ok_or_else(|| {
+    let f = crate::record::find_record(lines, "nvme").ok_or_else(|| {
         let errs: Vec<&String> = lines.iter().filter(|l| l.contains("error") || l.starts_with("@fault")).collect();
         format!("no @nvme record; {errs:?}")
     })?;

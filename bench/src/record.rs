@@ -1,4 +1,7 @@
-//! The guest's result records: `@row name=... iters=N accesses=N cycles=a,b,c k=v...`.
+//! The guest's result records, one parser for all of them: a line
+//! `@KIND k=v k=v...` (`@row name=... iters=N accesses=N cycles=a,b,c`,
+//! `@nvme ios=N cycles=N ...`, `@guest`, `@pci`). Bench and the tests read
+//! guest output only through this file.
 
 use std::collections::BTreeMap;
 
@@ -33,12 +36,19 @@ impl Row {
     }
 }
 
-fn fields(line: &str) -> BTreeMap<String, String> {
+/// The `k=v` fields of a record line (its first word, `@KIND`, skipped).
+pub fn fields(line: &str) -> BTreeMap<String, String> {
     line.split_whitespace()
         .skip(1)
         .filter_map(|w| w.split_once('='))
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
+}
+
+/// The fields of the first `@KIND` record in a guest's output.
+pub fn find_record<S: AsRef<str>>(lines: &[S], kind: &str) -> Option<BTreeMap<String, String>> {
+    let prefix = format!("@{kind} ");
+    lines.iter().map(|l| l.as_ref()).find(|l| l.starts_with(&prefix)).map(fields)
 }
 
 /// Parses one `@row` line; malformed numbers make the line an error row,

@@ -12,11 +12,8 @@ use std::time::Duration;
 
 
 fn nvme_record(lines: &[String]) -> BTreeMap<String, String> {
-    let l = lines
-        .iter()
-        .find(|l| l.starts_with("@nvme "))
-        .unwrap_or_else(|| panic!("no @nvme record in {:?}", lines.iter().rev().take(8).collect::<Vec<_>>()));
-    l.split_whitespace().skip(1).filter_map(|w| w.split_once('=')).map(|(k, v)| (k.into(), v.into())).collect()
+    iopath_bench::record::find_record(lines, "nvme")
+        .unwrap_or_else(|| panic!("no @nvme record in {:?}", lines.iter().rev().take(8).collect::<Vec<_>>()))
 }
 
 fn num(r: &BTreeMap<String, String>, k: &str) -> u64 {

@@ -3,7 +3,7 @@
 //! A device model sees its BARs as offsets, guest memory as a
 //! [`GuestMemoryMmap`], and asks for KVM ioeventfds through the [`IoEvents`]
 //! trait. It never learns which transport carries its accesses (a VMM exit,
-//! an ioeventfd, or later a message from another process): that is what makes
+//! an ioeventfd, or a message from another process): that is what makes
 //! the transports comparable. This crate must not touch KVM or the VMM.
 
 pub mod doorbell;

@@ -44,13 +44,13 @@ pub fn run_bare(image: &[u8], cmdline: &str, mem_size: u64, timeout: Duration) -
                     data.fill(0xff)
                 }
                 Ok(VcpuExit::MmioWrite(..)) => s.mmio_write += 1,
-                Ok(other) => break Err(format!("unexpected exit {other:?}")),
+                Ok(other) => break Err(Some(format!("unexpected exit {other:?}"))),
                 Err(e) if e.errno() == libc::EINTR => {
                     if stop.load(Ordering::Acquire) {
-                        break Err("timeout".into());
+                        break Err(None);
                     }
                 }
-                Err(e) => break Err(format!("KVM_RUN: {e}")),
+                Err(e) => break Err(Some(format!("KVM_RUN: {e}"))),
             }
         };
         let rip = vcpu.get_regs().map(|r| r.rip).unwrap_or(0);
@@ -62,7 +62,8 @@ pub fn run_bare(image: &[u8], cmdline: &str, mem_size: u64, timeout: Duration) -
     let lines = String::from_utf8_lossy(&out).lines().map(|l| l.trim_end_matches('\r').to_string()).collect();
     match r {
         Ok(status) => Ok(BareReport { status, lines, exits, tsc_khz }),
-        Err(reason) if reason == "timeout" => Err(VmmError::Timeout { rip }),
-        Err(reason) => Err(VmmError::Guest { reason, rip }),
+        // None: stopped by the watchdog.
+        Err(None) => Err(VmmError::Timeout { rip }),
+        Err(Some(reason)) => Err(VmmError::Guest { reason, rip }),
     }
 }

@@ -32,16 +32,11 @@ impl<T: BusDeviceMut> BusDevice for Mutex<T> {
 
 pub type SharedBusDevice = Arc<dyn BusDevice>;
 
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("range {base:#x}+{len:#x} overlaps a device already on the bus")]
 pub struct Overlap {
     pub base: u64,
     pub len: u64,
-}
-
-impl std::fmt::Display for Overlap {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "range {:#x}+{:#x} overlaps a device already on the bus", self.base, self.len)
-    }
 }
 
 #[derive(Default)]

@@ -25,6 +25,24 @@ pub const KVM_IOEVENTFD_FLAG_DATAMATCH: u32 = 1 << 0;
 pub const KVM_IOEVENTFD_FLAG_PIO: u32 = 1 << 1;
 pub const KVM_IOEVENTFD_FLAG_DEASSIGN: u32 = 1 << 2;
 
+/// Why an ioeventfd could not be (de)assigned.
+#[derive(Debug, thiserror::Error)]
+pub enum IoEventFdError {
+    #[error("invalid ioeventfd length {0} (0, 1, 2, 4 or 8; 0 only without datamatch)")]
+    Length(u32),
+    #[error("ioeventfd at BAR{bar} offset {offset:#x} is outside the BAR")]
+    OutsideBar { bar: u8, offset: u64 },
+    #[error("KVM_IOEVENTFD {} {}{addr:#x} len {len}: {source}", if *.assign { "assign" } else { "deassign" }, if *.pio { "port " } else { "mmio " })]
+    Ioctl {
+        assign: bool,
+        pio: bool,
+        addr: u64,
+        len: u32,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 /// Assigns or deassigns one ioeventfd at an absolute address.
 pub fn kvm_ioeventfd(
     vm: &VmFd,
@@ -34,9 +52,9 @@ pub fn kvm_ioeventfd(
     datamatch: Option<u64>,
     fd: &EventFd,
     assign: bool,
-) -> Result<(), String> {
+) -> Result<(), IoEventFdError> {
     if ![0, 1, 2, 4, 8].contains(&len) || (len == 0 && datamatch.is_some()) {
-        return Err(format!("invalid ioeventfd length {len}"));
+        return Err(IoEventFdError::Length(len));
     }
     let mut flags = 0;
     if datamatch.is_some() {
@@ -53,12 +71,7 @@ pub fn kvm_ioeventfd(
     // SAFETY: the ioctl reads a kvm_ioeventfd we own; the fd outlives the call.
     let ret = unsafe { ioctl_with_ref(vm, KVM_IOEVENTFD(), &arg) };
     if ret < 0 {
-        return Err(format!(
-            "KVM_IOEVENTFD {} {}{addr:#x} len {len}: {}",
-            if assign { "assign" } else { "deassign" },
-            if pio { "port " } else { "mmio " },
-            std::io::Error::last_os_error()
-        ));
+        return Err(IoEventFdError::Ioctl { assign, pio, addr, len, source: std::io::Error::last_os_error() });
     }
     Ok(())
 }
@@ -86,11 +99,11 @@ impl KvmIoEvents {
         KvmIoEvents { vm, state: Mutex::new(State { bars: [None; 6], regs: Vec::new() }) }
     }
 
-    fn target(bars: &[Option<BarPlacement>; 6], spec: &IoEventSpec) -> Result<Option<(u64, bool)>, String> {
+    fn target(bars: &[Option<BarPlacement>; 6], spec: &IoEventSpec) -> Result<Option<(u64, bool)>, IoEventFdError> {
         let Some(p) = bars.get(spec.bar as usize).copied().flatten() else { return Ok(None) };
         let end = spec.offset.checked_add(spec.len.max(1) as u64);
         if end.is_none_or(|e| e > p.spec.size) {
-            return Err(format!("ioeventfd at BAR{} offset {:#x} is outside the BAR", spec.bar, spec.offset));
+            return Err(IoEventFdError::OutsideBar { bar: spec.bar, offset: spec.offset });
         }
         Ok(Some((p.addr + spec.offset, p.spec.kind == BarKind::Io)))
     }
@@ -125,10 +138,10 @@ impl KvmIoEvents {
 impl IoEvents for KvmIoEvents {
     fn register(&self, spec: IoEventSpec, fd: &EventFd) -> iopath_devices::Result<()> {
         let mut st = self.state.lock().unwrap();
-        let at = Self::target(&st.bars, &spec).map_err(DevError::Host)?;
+        let at = Self::target(&st.bars, &spec).map_err(|e| DevError::Host(e.to_string()))?;
         let at = match at {
             Some((addr, pio)) => {
-                kvm_ioeventfd(&self.vm, addr, pio, spec.len, spec.datamatch, fd, true).map_err(DevError::Host)?;
+                kvm_ioeventfd(&self.vm, addr, pio, spec.len, spec.datamatch, fd, true).map_err(|e| DevError::Host(e.to_string()))?;
                 Some((addr, pio))
             }
             None => None,
@@ -148,7 +161,7 @@ impl IoEvents for KvmIoEvents {
             .ok_or_else(|| DevError::Host(format!("no ioeventfd registered at BAR{} offset {:#x}", spec.bar, spec.offset)))?;
         let r = st.regs.remove(pos);
         if let Some((addr, pio)) = r.at {
-            kvm_ioeventfd(&self.vm, addr, pio, spec.len, spec.datamatch, &r.fd, false).map_err(DevError::Host)?;
+            kvm_ioeventfd(&self.vm, addr, pio, spec.len, spec.datamatch, &r.fd, false).map_err(|e| DevError::Host(e.to_string()))?;
         }
         Ok(())
     }

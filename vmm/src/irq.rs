@@ -27,7 +27,7 @@ impl GsiRouter {
     }
 
     /// Sets (Some) or removes (None) the MSI route of `gsi`.
-    pub fn set(&self, gsi: u32, msg: Option<(u64, u32)>) -> Result<(), String> {
+    pub fn set(&self, gsi: u32, msg: Option<(u64, u32)>) -> Result<(), crate::VmmError> {
         let mut msi = self.msi.lock().unwrap();
         match msg {
             Some(m) => msi.insert(gsi, m),
@@ -48,9 +48,10 @@ impl GsiRouter {
             e.u.msi.data = data;
             entries.push(e);
         }
-        let mut table = KvmIrqRouting::new(entries.len()).map_err(|e| format!("routing table: {e:?}"))?;
+        let mut table = KvmIrqRouting::new(entries.len())
+            .map_err(|e| crate::VmmError::Memory(format!("a routing table of {} entries: {e:?}", entries.len())))?;
         table.as_mut_slice().copy_from_slice(&entries);
-        self.vm.set_gsi_routing(&table).map_err(|e| format!("KVM_SET_GSI_ROUTING: {e}"))
+        self.vm.set_gsi_routing(&table).map_err(|source| crate::VmmError::Kvm { what: "KVM_SET_GSI_ROUTING", source })
     }
 }
 

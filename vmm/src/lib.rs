@@ -13,6 +13,7 @@ pub mod bar;
 pub mod bare;
 pub mod bus;
 pub mod debug_exit;
+pub mod error;
 pub mod ioeventfd;
 pub mod irq;
 pub mod kvm;

@@ -14,25 +14,42 @@ pub const CMDLINE_MAX: usize = 0x0f00;
 /// Images may not load below 1 MiB (the MBI and boot data live there).
 pub const LOAD_MIN: u64 = 0x10_0000;
 
+/// Why an image cannot be loaded (which header field, which segment).
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct LoadError(pub String);
+
+impl From<&str> for LoadError {
+    fn from(s: &str) -> Self {
+        LoadError(s.to_string())
+    }
+}
+
+impl From<String> for LoadError {
+    fn from(s: String) -> Self {
+        LoadError(s)
+    }
+}
+
 #[derive(Debug, PartialEq, Eq)]
 pub struct Loaded {
     pub entry: u64,
     pub end: u64,
 }
 
-fn rd<const N: usize>(img: &[u8], off: u64) -> Result<[u8; N], String> {
+fn rd<const N: usize>(img: &[u8], off: u64) -> Result<[u8; N], LoadError> {
     let off = usize::try_from(off).map_err(|_| "offset overflow")?;
     img.get(off..off.checked_add(N).ok_or("offset overflow")?)
         .map(|s| s.try_into().unwrap())
-        .ok_or_else(|| format!("ELF image truncated at {off:#x}"))
+        .ok_or_else(|| LoadError(format!("ELF image truncated at {off:#x}")))
 }
-fn u16_at(img: &[u8], off: u64) -> Result<u64, String> {
+fn u16_at(img: &[u8], off: u64) -> Result<u64, LoadError> {
     Ok(u16::from_le_bytes(rd(img, off)?) as u64)
 }
-fn u32_at(img: &[u8], off: u64) -> Result<u64, String> {
+fn u32_at(img: &[u8], off: u64) -> Result<u64, LoadError> {
     Ok(u32::from_le_bytes(rd(img, off)?) as u64)
 }
-fn u64_at(img: &[u8], off: u64) -> Result<u64, String> {
+fn u64_at(img: &[u8], off: u64) -> Result<u64, LoadError> {
     Ok(u64::from_le_bytes(rd(img, off)?))
 }
 
@@ -52,7 +69,7 @@ pub fn has_multiboot_header(img: &[u8]) -> bool {
 }
 
 /// Loads the PT_LOAD segments of an ELF32 or ELF64 little-endian x86 image.
-pub fn load_elf(mem: &GuestMemoryMmap, ram_size: u64, img: &[u8]) -> Result<Loaded, String> {
+pub fn load_elf(mem: &GuestMemoryMmap, ram_size: u64, img: &[u8]) -> Result<Loaded, LoadError> {
     if rd::<4>(img, 0)? != *b"\x7fELF" {
         return Err("not an ELF image".into());
     }
@@ -63,11 +80,11 @@ pub fn load_elf(mem: &GuestMemoryMmap, ram_size: u64, img: &[u8]) -> Result<Load
     let (entry, phoff, phentsize, phnum) = match class {
         1 => (u32_at(img, 24)?, u32_at(img, 28)?, u16_at(img, 42)?, u16_at(img, 44)?),
         2 => (u64_at(img, 24)?, u64_at(img, 32)?, u16_at(img, 54)?, u16_at(img, 56)?),
-        _ => return Err(format!("unknown ELF class {class}")),
+        _ => return Err(LoadError(format!("unknown ELF class {class}"))),
     };
     let min_ph = if class == 1 { 32 } else { 56 };
     if phentsize < min_ph || phnum == 0 || phnum > 64 {
-        return Err(format!("bad program header table ({phnum} entries of {phentsize} bytes)"));
+        return Err(LoadError(format!("bad program header table ({phnum} entries of {phentsize} bytes)")));
     }
     let mut end = 0u64;
     let mut entry_ok = false;
@@ -95,30 +112,30 @@ pub fn load_elf(mem: &GuestMemoryMmap, ram_size: u64, img: &[u8]) -> Result<Load
         }
         let seg_end = paddr.checked_add(memsz).ok_or("segment address overflow")?;
         if filesz > memsz || paddr < LOAD_MIN || seg_end > ram_size {
-            return Err(format!(
+            return Err(LoadError(format!(
                 "segment {i} ({paddr:#x}+{memsz:#x}) does not fit guest RAM [{LOAD_MIN:#x}, {ram_size:#x})"
-            ));
+            )));
         }
         let data = usize::try_from(offset)
             .ok()
             .and_then(|o| img.get(o..o.checked_add(filesz as usize)?))
             .ok_or_else(|| format!("segment {i} data lies outside the image"))?;
-        mem.write_slice(data, GuestAddress(paddr)).map_err(|e| e.to_string())?;
+        mem.write_slice(data, GuestAddress(paddr)).map_err(|e| LoadError(e.to_string()))?;
         let zeros = vec![0u8; (memsz - filesz) as usize];
-        mem.write_slice(&zeros, GuestAddress(paddr + filesz)).map_err(|e| e.to_string())?;
+        mem.write_slice(&zeros, GuestAddress(paddr + filesz)).map_err(|e| LoadError(e.to_string()))?;
         entry_ok |= (paddr..seg_end).contains(&entry);
         end = end.max(seg_end);
     }
     if !entry_ok {
-        return Err(format!("entry point {entry:#x} is not inside a loaded segment"));
+        return Err(LoadError(format!("entry point {entry:#x} is not inside a loaded segment")));
     }
     Ok(Loaded { entry, end })
 }
 
 /// Writes the multiboot information structure (memory sizes, command line).
-pub fn write_mbi(mem: &GuestMemoryMmap, ram_size: u64, cmdline: &str) -> Result<u64, String> {
+pub fn write_mbi(mem: &GuestMemoryMmap, ram_size: u64, cmdline: &str) -> Result<u64, LoadError> {
     if cmdline.len() >= CMDLINE_MAX {
-        return Err(format!("command line longer than {} bytes", CMDLINE_MAX - 1));
+        return Err(LoadError(format!("command line longer than {} bytes", CMDLINE_MAX - 1)));
     }
     let mut mbi = [0u32; 5];
     mbi[0] = 1 | 4; // mem_* and cmdline valid
@@ -126,10 +143,10 @@ pub fn write_mbi(mem: &GuestMemoryMmap, ram_size: u64, cmdline: &str) -> Result<
     mbi[2] = ((ram_size - 0x10_0000) / 1024) as u32;
     mbi[4] = CMDLINE_ADDR as u32;
     let bytes: Vec<u8> = mbi.iter().flat_map(|v| v.to_le_bytes()).collect();
-    mem.write_slice(&bytes, GuestAddress(MBI_ADDR)).map_err(|e| e.to_string())?;
+    mem.write_slice(&bytes, GuestAddress(MBI_ADDR)).map_err(|e| LoadError(e.to_string()))?;
     let mut c = cmdline.as_bytes().to_vec();
     c.push(0);
-    mem.write_slice(&c, GuestAddress(CMDLINE_ADDR)).map_err(|e| e.to_string())?;
+    mem.write_slice(&c, GuestAddress(CMDLINE_ADDR)).map_err(|e| LoadError(e.to_string()))?;
     Ok(MBI_ADDR)
 }
 

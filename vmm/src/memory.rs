@@ -1,7 +1,7 @@
 //! Guest RAM: one memfd-backed region at guest physical address 0.
 //!
-//! The memfd is kept so that later transports can hand guest RAM to a device
-//! process (mpqemu SYNC_SYSMEM, vfio-user DMA_MAP).
+//! The region keeps its memfd (`GuestRegionMmap::file_offset`), which the
+//! proxies hand to a device process (mpqemu SYNC_SYSMEM, vfio-user DMA_MAP).
 
 use std::ffi::CString;
 use std::fs::File;
@@ -10,8 +10,6 @@ use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, Mmap
 
 pub struct GuestRam {
     pub mem: GuestMemoryMmap,
-    pub memfd: File,
-    pub size: u64,
 }
 
 pub fn create(size: u64) -> std::io::Result<GuestRam> {
@@ -24,10 +22,10 @@ pub fn create(size: u64) -> std::io::Result<GuestRam> {
     // SAFETY: fd is a fresh, owned descriptor.
     let memfd = unsafe { File::from_raw_fd(fd) };
     memfd.set_len(size)?;
-    let region = MmapRegion::from_file(FileOffset::new(memfd.try_clone()?, 0), size as usize)
+    let region = MmapRegion::from_file(FileOffset::new(memfd, 0), size as usize)
         .map_err(|e| std::io::Error::other(format!("mmap guest RAM: {e}")))?;
     let region = GuestRegionMmap::new(region, GuestAddress(0))
         .ok_or_else(|| std::io::Error::other("guest RAM region overflows"))?;
     let mem = GuestMemoryMmap::from_regions(vec![region]).map_err(|e| std::io::Error::other(e.to_string()))?;
-    Ok(GuestRam { mem, memfd, size })
+    Ok(GuestRam { mem })
 }

@@ -17,6 +17,16 @@ use crate::ioeventfd::KvmIoEvents;
 use std::sync::Arc;
 
 pub const CONFIG_ADDRESS: u64 = 0xcf8;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PciError {
+    #[error("PCI bus 0 is full")]
+    BusFull,
+    #[error("no room for BAR{bar} ({size:#x} bytes) of device {dev}")]
+    NoRoom { dev: usize, bar: u8, size: u64 },
+    #[error("{0}")]
+    Header(#[from] iopath_devices::Error),
+}
 pub const MMIO_WINDOW: (u64, u64) = (0xe000_0000, 0xfec0_0000);
 pub const IO_WINDOW: (u64, u64) = (0xc000, 0x1_0000);
 
@@ -113,9 +123,9 @@ impl PciHost {
     }
 
     /// Adds a device at the next slot; returns its device number.
-    pub fn add(&mut self, device: SharedDevice, ioevents: Option<Arc<KvmIoEvents>>) -> Result<u8, String> {
+    pub fn add(&mut self, device: SharedDevice, ioevents: Option<Arc<KvmIoEvents>>) -> Result<u8, PciError> {
         if self.slots.len() >= 32 {
-            return Err("PCI bus 0 is full".into());
+            return Err(PciError::BusFull);
         }
         let (ids, bars, caps, areas) = (device.ids(), device.bars(), device.capabilities(), device.mapped_areas());
         let mut config = ConfigSpace::new(ids, &bars)?;
@@ -142,7 +152,7 @@ impl PciHost {
     }
 
     /// Assigns every BAR as firmware would and enables decoding.
-    pub fn place_bars(&mut self) -> Result<(), String> {
+    pub fn place_bars(&mut self) -> Result<(), PciError> {
         let (mut mem, mut io) = (MMIO_WINDOW.0, IO_WINDOW.0);
         for dev in 0..self.slots.len() {
             let specs: Vec<_> = self.slots[dev].config.bar_specs().collect();
@@ -155,7 +165,7 @@ impl PciHost {
                 // BAR sizes come from devices, some in other processes: no overflow.
                 let end = next.div_ceil(b.size).checked_mul(b.size).and_then(|a| a.checked_add(b.size));
                 let Some(addr) = end.filter(|&e| e <= window.1).map(|e| e - b.size) else {
-                    return Err(format!("no room for BAR{} ({:#x} bytes) of device {dev}", b.index, b.size));
+                    return Err(PciError::NoRoom { dev, bar: b.index, size: b.size });
                 };
                 *next = addr + b.size;
                 self.slots[dev].config.set_bar_addr(b.index, addr);

@@ -67,7 +67,7 @@ fn flat(selector: u16, type_: u8) -> kvm_segment {
 
 /// Puts the vCPU in the state the Multiboot specification defines.
 pub fn setup_multiboot(kvm: &Kvm, vcpu: &VcpuFd, entry: u64, mbi: u64) -> Result<(), VmmError> {
-    let k = |what: &str, e: kvm_ioctls::Error| VmmError::Kvm(format!("{what}: {e}"));
+    let k = |what: &'static str, source: kvm_ioctls::Error| VmmError::Kvm { what, source };
     let cpuid =
         kvm.get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES).map_err(|e| k("KVM_GET_SUPPORTED_CPUID", e))?;
     vcpu.set_cpuid2(&cpuid).map_err(|e| k("KVM_SET_CPUID2", e))?;

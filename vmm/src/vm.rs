@@ -6,6 +6,7 @@ use crate::memory::{self, GuestRam};
 use crate::pci::PciHost;
 use crate::serial::{LineCallback, LineSink, Uart};
 use crate::vcpu::{self, ExitStats};
+pub use crate::error::VmmError;
 use iopath_devices::pci::BarPlacement;
 use iopath_devices::{Counter, DeviceContext, FailFn};
 use iopath_devices::SharedDevice;
@@ -19,22 +20,6 @@ use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant};
 use vm_memory::GuestMemoryBackend;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
-
-#[derive(Debug, thiserror::Error)]
-pub enum VmmError {
-    #[error("KVM: {0}")]
-    Kvm(String),
-    #[error("guest memory: {0}")]
-    Memory(String),
-    #[error("guest image: {0}")]
-    Load(String),
-    #[error("device: {0}")]
-    Device(String),
-    #[error("{reason} (guest RIP {rip:#x})")]
-    Guest { reason: String, rip: u64 },
-    #[error("the guest did not finish in time (guest RIP {rip:#x})")]
-    Timeout { rip: u64 },
-}
 
 pub struct VmConfig {
     pub image: Vec<u8>,
@@ -88,17 +73,15 @@ pub(crate) struct Machine {
 }
 
 pub(crate) fn boot(image: &[u8], cmdline: &str, mem_size: u64) -> Result<Machine, VmmError> {
-    let k = |what: &str, e: kvm_ioctls::Error| VmmError::Kvm(format!("{what}: {e}"));
-    let kvm = Kvm::new().map_err(|e| {
-        VmmError::Kvm(format!("cannot open /dev/kvm: {e} (is KVM enabled, and may this user open /dev/kvm?)"))
-    })?;
+    let k = |what: &'static str, source: kvm_ioctls::Error| VmmError::Kvm { what, source };
+    let kvm = Kvm::new().map_err(VmmError::NoKvm)?;
     let vm = kvm.create_vm().map_err(|e| k("KVM_CREATE_VM", e))?;
     vm.set_tss_address(0xfffb_d000).map_err(|e| k("KVM_SET_TSS_ADDR", e))?;
     vm.create_irq_chip().map_err(|e| k("KVM_CREATE_IRQCHIP", e))?;
     if !(2 << 20..=3 << 30).contains(&mem_size) {
         return Err(VmmError::Memory(format!("guest RAM of {mem_size} bytes: use 2 MiB .. 3 GiB")));
     }
-    let ram = memory::create(mem_size).map_err(|e| VmmError::Memory(e.to_string()))?;
+    let ram = memory::create(mem_size).map_err(|source| VmmError::Host { what: "guest RAM", source })?;
     let host =
         ram.mem.get_host_address(vm_memory::GuestAddress(0)).map_err(|e| VmmError::Memory(e.to_string()))? as u64;
     let region = kvm_userspace_memory_region {
@@ -110,7 +93,7 @@ pub(crate) fn boot(image: &[u8], cmdline: &str, mem_size: u64) -> Result<Machine
     };
     // SAFETY: the mapping is owned by `ram`, which lives as long as the VM (Machine).
     unsafe { vm.set_user_memory_region(region) }.map_err(|e| k("KVM_SET_USER_MEMORY_REGION", e))?;
-    let loaded = crate::loader::load_elf(&ram.mem, mem_size, image).map_err(VmmError::Load)?;
+    let loaded = crate::loader::load_elf(&ram.mem, mem_size, image)?;
     if !crate::loader::has_multiboot_header(image) {
         return Err(VmmError::Load("no multiboot header in the first 8 KiB".into()));
     }
@@ -120,7 +103,7 @@ pub(crate) fn boot(image: &[u8], cmdline: &str, mem_size: u64) -> Result<Machine
     if !cmd.split_whitespace().any(|w| w.starts_with("tsc_khz=")) {
         cmd = format!("{cmd} tsc_khz={tsc_khz}").trim().to_string();
     }
-    let mbi = crate::loader::write_mbi(&ram.mem, mem_size, &cmd).map_err(VmmError::Load)?;
+    let mbi = crate::loader::write_mbi(&ram.mem, mem_size, &cmd)?;
     vcpu::setup_multiboot(&kvm, &vcpu, loaded.entry, mbi)?;
     Ok(Machine { vm: Arc::new(vm), ram, vcpu, tsc_khz })
 }
@@ -155,7 +138,7 @@ pub(crate) fn watched<R: Send + 'static>(
     let h = std::thread::Builder::new()
         .name("vcpu0".into())
         .spawn(move || body(&stop2))
-        .map_err(|e| VmmError::Kvm(format!("cannot start the vCPU thread: {e}")))?;
+        .map_err(|e| VmmError::Host { what: "the vCPU thread", source: e })?;
     let t0 = Instant::now();
     while !h.is_finished() {
         std::thread::sleep(Duration::from_millis(5));
@@ -168,7 +151,7 @@ pub(crate) fn watched<R: Send + 'static>(
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-    h.join().map_err(|_| VmmError::Kvm("the vCPU thread panicked".into()))
+    h.join().map_err(|_| VmmError::Panicked("the vCPU thread"))
 }
 
 /// PCI INTx lines go to IOAPIC pins 16..23 (level-triggered GSIs).
@@ -178,11 +161,11 @@ const INTX_GSI_BASE: u32 = 16;
 /// `gsi`, so an assertion (from this process or a device process that was
 /// handed the fds) goes straight into KVM.
 fn intx_lines(vm: &VmFd, gsi: u32) -> Result<Arc<IrqLines>, VmmError> {
-    let e = |what: &str, err: std::io::Error| VmmError::Kvm(format!("{what}: {err}"));
-    let trigger = EventFd::new(EFD_NONBLOCK).map_err(|x| e("eventfd", x))?;
-    let resample = EventFd::new(EFD_NONBLOCK).map_err(|x| e("eventfd", x))?;
+    let e = |source| VmmError::Host { what: "an INTx eventfd", source };
+    let trigger = EventFd::new(EFD_NONBLOCK).map_err(e)?;
+    let resample = EventFd::new(EFD_NONBLOCK).map_err(e)?;
     vm.register_irqfd_with_resample(&trigger, &resample, gsi)
-        .map_err(|x| VmmError::Kvm(format!("KVM_IRQFD (resample) on GSI {gsi}: {x}")))?;
+        .map_err(|source| VmmError::Kvm { what: "KVM_IRQFD with resample for INTx", source })?;
     let lines = IrqLines::new();
     lines.connect_intx(trigger, resample);
     Ok(lines)
@@ -198,12 +181,12 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     let sink = LineSink::new(cfg.on_line.take());
     let lines = sink.lines.clone();
     let uart = Arc::new(Mutex::new(Uart::new(sink)));
-    pio.insert(crate::serial::PORT, crate::serial::LEN, uart.clone()).map_err(|e| VmmError::Device(e.to_string()))?;
+    pio.insert(crate::serial::PORT, crate::serial::LEN, uart.clone())?;
     pio.insert(crate::debug_exit::PORT, 1, Arc::new(DebugExit(status.clone())))
-        .map_err(|e| VmmError::Device(e.to_string()))?;
+        ?;
     let host = Arc::new(Mutex::new(PciHost::new(pio.clone(), mmio.clone())));
     host.lock().unwrap().set_vm(m.vm.clone());
-    pio.insert(crate::pci::CONFIG_ADDRESS, 8, host.clone()).map_err(|e| VmmError::Device(e.to_string()))?;
+    pio.insert(crate::pci::CONFIG_ADDRESS, 8, host.clone())?;
     let fatal: Fatal = Arc::new(Mutex::new(None));
     let fatal2 = fatal.clone();
     let fail: FailFn = Arc::new(move |msg: String| {
@@ -218,12 +201,12 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
         let irq = Arc::new(crate::irq::VmIrq::new(m.vm.clone(), router.clone(), intx_lines(&m.vm, gsi)?, i as u32));
         d.attach(DeviceContext { mem: m.ram.mem.clone(), ioevents: ioevents.clone(), irq, fail: fail.clone() });
         let mut h = host.lock().unwrap();
-        let slot = h.add(d.clone(), Some(ioevents)).map_err(VmmError::Device)?;
+        let slot = h.add(d.clone(), Some(ioevents))?;
         h.set_intx_line(slot as usize, gsi as u8);
         devices.push((slot, d));
     }
     if cfg.place_bars {
-        host.lock().unwrap().place_bars().map_err(VmmError::Device)?;
+        host.lock().unwrap().place_bars()?;
     }
     let Machine { vm, ram, mut vcpu, tsc_khz } = m;
     let (pio2, mmio2, status2) = (pio.clone(), mmio.clone(), status.clone());

@@ -1,11 +1,12 @@
-//! End-to-end: the real guest image on the real /dev/kvm. These tests fail
+//! End-to-end: the real guest image in iopath's VMM on the real /dev/kvm. These tests fail
 //! (they do not skip) when /dev/kvm is missing, so CI cannot pass without KVM.
 
 use iopath_devices::doorbell::Doorbell;
 use iopath_devices::testdev::PciTestDev;
 use std::sync::{Arc, Mutex};
 use iopath_vmm::{run, VmConfig};
-use std::collections::HashMap;
+use iopath_bench::record::fields;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 fn require_kvm() {
@@ -15,16 +16,12 @@ fn require_kvm() {
     );
 }
 
-fn kv(line: &str) -> HashMap<String, String> {
-    line.split_whitespace().skip(1).filter_map(|w| w.split_once('=')).map(|(k, v)| (k.into(), v.into())).collect()
-}
-
-fn rows(lines: &[String]) -> HashMap<String, HashMap<String, String>> {
+fn rows(lines: &[String]) -> HashMap<String, BTreeMap<String, String>> {
     lines
         .iter()
         .filter(|l| l.starts_with("@row "))
         .map(|l| {
-            let m = kv(l);
+            let m = fields(l);
             (m["name"].clone(), m)
         })
         .collect()
