@@ -42,7 +42,7 @@ impl DeviceConfig {
         Ok(match self {
             DeviceConfig::PciTestDev => Arc::new(Mutex::new(testdev::PciTestDev::new())),
             DeviceConfig::Doorbell => Arc::new(Mutex::new(doorbell::Doorbell::new())),
-            DeviceConfig::Nvme(c) => Arc::new(Mutex::new(nvme::Nvme::new(c.clone()).map_err(|e| Error::Host(e.to_string()))?)),
+            DeviceConfig::Nvme(c) => Arc::new(nvme::Nvme::new(c.clone())?),
         })
     }
 }

@@ -4,6 +4,7 @@
 //! aligned buffer; where O_DIRECT or io_uring is refused, pread/pwrite).
 //! Callers pass LBA ranges already checked against the namespace.
 
+use crate::{Error, Result};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 
@@ -15,13 +16,29 @@ pub enum BackendKind {
 }
 
 impl std::str::FromStr for BackendKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
         match s {
             "null" => Ok(BackendKind::Null),
             "ram" => Ok(BackendKind::Ram),
             f if f.starts_with("file:") && f.len() > 5 => Ok(BackendKind::File(f[5..].into())),
-            _ => Err(format!("unknown backend {s:?} (null, ram, file:PATH)")),
+            _ => Err(Error::Option {
+                device: "nvme",
+                option: "backend".into(),
+                reason: format!("unknown backend {s:?} (null, ram, file:PATH)"),
+            }),
+        }
+    }
+}
+
+/// `null`, `ram` or `file:PATH`, as [`FromStr`](std::str::FromStr) takes
+/// them (a path that is not UTF-8 is written lossily).
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BackendKind::Null => f.write_str("null"),
+            BackendKind::Ram => f.write_str("ram"),
+            BackendKind::File(p) => write!(f, "file:{}", p.display()),
         }
     }
 }
@@ -29,7 +46,7 @@ impl std::str::FromStr for BackendKind {
 pub enum Backend {
     Null,
     Ram(Vec<u8>),
-    File(FileBackend),
+    File(Box<FileBackend>),
 }
 
 /// A file namespace: a buffered fd always, and when the filesystem and
@@ -43,16 +60,12 @@ pub struct FileBackend {
 }
 
 impl FileBackend {
-    fn open(p: &std::path::Path, bytes: u64) -> Result<Self, String> {
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(p)
-            .map_err(|e| format!("{}: {e}", p.display()))?;
-        if f.metadata().map_err(|e| e.to_string())?.len() < bytes {
-            f.set_len(bytes).map_err(|e| format!("{}: {e}", p.display()))?;
+    fn open(p: &std::path::Path, bytes: u64) -> Result<Self> {
+        let io_err = |e| Error::io(p.display().to_string(), e);
+        let f =
+            std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(p).map_err(io_err)?;
+        if f.metadata().map_err(io_err)?.len() < bytes {
+            f.set_len(bytes).map_err(io_err)?;
         }
         use std::os::unix::fs::OpenOptionsExt;
         let direct = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(p).ok();
@@ -75,7 +88,7 @@ impl FileBackend {
     fn uring(&mut self, write: bool, off: u64, ptr: *mut u8, len: usize) -> Option<std::io::Result<()>> {
         use std::os::fd::AsRawFd;
         let (f, ring) = self.direct.as_mut()?;
-        if off % 512 != 0 || len % 512 != 0 || ptr as usize % 4096 != 0 {
+        if !off.is_multiple_of(512) || !len.is_multiple_of(512) || !(ptr as usize).is_multiple_of(4096) {
             return None;
         }
         let fd = io_uring::types::Fd(f.as_raw_fd());
@@ -134,15 +147,19 @@ impl Bounce {
 }
 
 impl Backend {
-    pub fn open(kind: &BackendKind, bytes: u64) -> Result<Self, String> {
+    pub fn open(kind: &BackendKind, bytes: u64) -> Result<Self> {
         Ok(match kind {
             BackendKind::Null => Backend::Null,
             BackendKind::Ram => {
-                let n = usize::try_from(bytes).map_err(|_| "namespace too large")?;
+                let n = usize::try_from(bytes).map_err(|_| Error::Option {
+                    device: "nvme",
+                    option: "size_mb".into(),
+                    reason: "namespace too large".into(),
+                })?;
                 // vec! of zeros is calloc: pages are mapped on first touch.
                 Backend::Ram(vec![0u8; n])
             }
-            BackendKind::File(p) => Backend::File(FileBackend::open(p, bytes)?),
+            BackendKind::File(p) => Backend::File(Box::new(FileBackend::open(p, bytes)?)),
         })
     }
 
@@ -244,5 +261,10 @@ mod tests {
         let _ = std::fs::remove_file(path);
         assert!("floppy".parse::<BackendKind>().is_err());
         assert_eq!("file:/x".parse::<BackendKind>().unwrap(), BackendKind::File("/x".into()));
+        for s in ["null", "ram", "file:/x/y z.img"] {
+            assert_eq!(s.parse::<BackendKind>().unwrap().to_string(), s, "round trip");
+        }
+        let e = "file:".parse::<BackendKind>().unwrap_err();
+        assert!(matches!(&e, Error::Option { option, .. } if option == "backend"), "{e}");
     }
 }

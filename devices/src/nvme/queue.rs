@@ -114,7 +114,7 @@ impl Sqe {
 /// Queue memory must be page aligned and wholly in guest RAM.
 pub fn queue_in_ram(mem: &GuestMemoryMmap, gpa: u64, bytes: u64) -> bool {
     use vm_memory::GuestMemoryBackend;
-    gpa % PAGE == 0 && gpa != 0 && mem.get_slice(GuestAddress(gpa), bytes as usize).is_ok()
+    gpa.is_multiple_of(PAGE) && gpa != 0 && mem.get_slice(GuestAddress(gpa), bytes as usize).is_ok()
 }
 
 pub fn read_sqe(mem: &GuestMemoryMmap, sq: &Sq, idx: u16) -> Option<Sqe> {
@@ -151,7 +151,13 @@ pub fn post_cqe(mem: &GuestMemoryMmap, cq: &mut Cq, dw0: u32, sqhd: u16, sqid: u
 /// The guest pages of a transfer of `len` bytes described by PRP1/PRP2,
 /// as (guest address, length) segments; PRP lists are followed and every
 /// list entry is checked. Errors are NVMe status codes.
-pub fn prp_segments(mem: &GuestMemoryMmap, prp1: u64, prp2: u64, len: u64, out: &mut Vec<(u64, u64)>) -> Result<(), u16> {
+pub fn prp_segments(
+    mem: &GuestMemoryMmap,
+    prp1: u64,
+    prp2: u64,
+    len: u64,
+    out: &mut Vec<(u64, u64)>,
+) -> Result<(), u16> {
     out.clear();
     if len == 0 {
         return Ok(());

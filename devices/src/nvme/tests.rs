@@ -1,8 +1,13 @@
 //! The controller driven the way a driver would, through BAR0 and guest RAM.
 
+use super::backend::BackendKind;
+use super::queue::status;
+use super::regs::{REG_ACQ, REG_AQA, REG_ASQ, REG_CC};
 use super::*;
-use crate::DeviceContext;
+use crate::{DeviceContext, GuestMemoryMmap};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use vm_memory::{Bytes, GuestAddress};
 
 const ASQ: u64 = 0x10000;
 const ACQ: u64 = 0x11000;
@@ -30,7 +35,7 @@ impl Drv {
     }
     fn with_admin(cfg: NvmeConfig, aq: u32) -> Drv {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
-        let mut n = Nvme::new(cfg).unwrap();
+        let n = Nvme::new(cfg).unwrap();
         n.attach(DeviceContext::detached(mem.clone()));
         let mut d = Drv { n, mem, atail: 0, ahead: 0, aphase: 1, iotail: 0, iohead: 0, iophase: 1, cid: 0 };
         d.w32(REG_AQA, (aq - 1) << 16 | (aq - 1));
@@ -72,7 +77,8 @@ impl Drv {
         r
     }
     fn reap(&mut self, cq: u64, size: u16, admin: bool) -> Option<(u32, u16)> {
-        let (head, phase) = if admin { (&mut self.ahead, &mut self.aphase) } else { (&mut self.iohead, &mut self.iophase) };
+        let (head, phase) =
+            if admin { (&mut self.ahead, &mut self.aphase) } else { (&mut self.iohead, &mut self.iophase) };
         let a = cq + *head as u64 * 16;
         let dw3: u32 = self.mem.read_obj(GuestAddress(a + 12)).unwrap();
         if dw3 >> 16 & 1 != *phase {
@@ -153,7 +159,7 @@ fn hostile_commands_get_nvme_statuses_and_the_controller_goes_on() {
     assert_eq!(d.admin(0x06, 0, 1 << 30, 0, [1, 0, 0, 0]).1, status::DATA_TRANSFER_ERROR, "PRP outside RAM");
     assert_eq!(d.admin(0x06, 0, DATA + 2, 0, [1, 0, 0, 0]).1, status::INVALID_PRP_OFFSET);
     // Queues: bad ids, sizes, a missing CQ, memory outside RAM, interrupts not offered.
-    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [0 | 15 << 16, 1, 0, 0]).1, status::INVALID_QID);
+    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [15 << 16, 1, 0, 0]).1, status::INVALID_QID);
     assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 0xffff << 16, 1, 0, 0]).1, status::MAX_QSIZE_EXCEEDED);
     assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3 | 900 << 16, 0, 0]).1, status::INVALID_INTERRUPT_VECTOR);
     assert_eq!(d.admin(0x05, 0, 0xff000, 0, [1 | 4095 << 16, 1, 0, 0]).1, status::INVALID_FIELD);
@@ -250,9 +256,11 @@ fn mmio_mode_offers_no_doorbell_buffer_config_and_bad_lba_sizes_are_refused() {
     assert!(Nvme::new(NvmeConfig { size: 1000, ..mmio(BackendKind::Null) }).is_err());
 }
 
+type Routes = Vec<(u16, Option<(u64, u32)>)>;
+
 #[derive(Default)]
 struct Irqs {
-    routes: std::sync::Mutex<Vec<(u16, Option<(u64, u32)>)>>,
+    routes: std::sync::Mutex<Routes>,
     signals: std::sync::Mutex<Vec<u16>>,
 }
 impl crate::Interrupts for Irqs {
@@ -373,7 +381,7 @@ fn an_async_event_waits_for_room_in_the_admin_cq() {
     submit(&mut d, 0x0c, 0, 0); // AER, outstanding
     submit(&mut d, 0x06, DATA, 1); // Identify: its completion now fills the CQ
     d.w32(DOORBELLS + 8 * 9, 1); // a doorbell of no queue: an error event
-    // The event must not overwrite the unreaped Identify completion.
+                                 // The event must not overwrite the unreaped Identify completion.
     let id = d.reap(ACQ, 2, true).unwrap();
     assert_eq!(id, (0, 0), "the Identify completion is intact");
     assert!(d.reap(ACQ, 2, true).is_none(), "no event while the CQ was full");
@@ -381,3 +389,4 @@ fn an_async_event_waits_for_room_in_the_admin_cq() {
     let ev = d.reap(ACQ, 2, true).expect("the AER completes once there is room");
     assert_eq!(ev.0 & 0xff07, 0, "error event, invalid doorbell register");
 }
+

@@ -1,0 +1,373 @@
+//! How doorbells reach the controller, in the four modes (see the module
+//! documentation of `nvme`): MMIO doorbell writes (`mmio`, and the admin
+//! queue and not-yet-shadowed queues of `shm` and `ioeventfd`), shadow
+//! doorbells polled by a thread (`shm`), BAR0's doorbell page as shared
+//! memory polled by a thread (`bar`), and ioeventfd kicks that wake a thread
+//! which reads the shadow doorbells (`ioeventfd`). The thread itself is
+//! started and stopped here.
+
+use super::controller::Core;
+use super::queue::{self, Sq};
+use super::{DoorbellMode, Nvme, BAR0_SIZE, DOORBELLS};
+use crate::{Error, GuestMemoryMmap, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::EventFd;
+
+/// Doorbell state of the controller.
+pub(super) struct Doorbells {
+    pub mode: DoorbellMode,
+    /// Shadow doorbell and EventIdx buffers (Doorbell Buffer Config).
+    pub shadow: Option<(u64, u64)>,
+    /// ioeventfd mode: the eventfd on every I/O doorbell, and the host's registrar.
+    pub kick: Option<Arc<EventFd>>,
+    pub ioevents: Option<Arc<dyn crate::IoEvents>>,
+    /// Doorbells registered as ioeventfds (offset in BAR0).
+    pub registered: Vec<u64>,
+    /// bar mode: BAR0 as shared memory (the doorbells at 0x1000).
+    pub bar_page: Option<GuestMemoryMmap>,
+}
+
+impl Doorbells {
+    pub fn new(mode: DoorbellMode, bar_page: Option<GuestMemoryMmap>) -> Self {
+        Doorbells { mode, shadow: None, kick: None, ioevents: None, registered: Vec::new(), bar_page }
+    }
+}
+
+/// The device thread (poller or ioeventfd server), if one runs.
+#[derive(Default)]
+pub(super) struct Threads {
+    worker: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+    /// Why a thread could not be started (reported with the counters).
+    pub error: Option<String>,
+}
+
+impl Nvme {
+    /// Starts the device thread the doorbell mode needs (none for mmio).
+    pub(super) fn start_threads(&self, t: &mut Threads) {
+        if t.worker.is_some() {
+            return;
+        }
+        if self.cfg.doorbell == DoorbellMode::Ioeventfd {
+            self.start_kicked(t);
+            return;
+        }
+        if !matches!(self.cfg.doorbell, DoorbellMode::Shm | DoorbellMode::Bar) {
+            return;
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (core, stop2) = (self.core.clone(), stop.clone());
+        let h = std::thread::Builder::new().name("nvme-poller".into()).spawn(move || {
+            let mut idle = 0u32;
+            while !stop2.load(Ordering::Relaxed) {
+                let busy = {
+                    let mut c = core.lock().unwrap();
+                    c.st.polls += 1;
+                    let busy = if c.db.bar_page.is_some() { c.poll_bar() } else { c.poll_shadow() };
+                    c.flush_coalesced();
+                    busy
+                };
+                if busy {
+                    idle = 0;
+                } else {
+                    idle = idle.saturating_add(1);
+                    if idle > 4096 {
+                        // Nothing for a while: let the other threads run.
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+            }
+        });
+        match h {
+            Ok(h) => t.worker = Some((stop, h)),
+            Err(e) => t.error = Some(format!("nvme: cannot start the poller: {e}")),
+        }
+    }
+
+    /// ioeventfd mode: a thread that sleeps on the doorbells' eventfd.
+    fn start_kicked(&self, t: &mut Threads) {
+        let kick = match EventFd::new(0) {
+            Ok(k) => Arc::new(k),
+            Err(e) => {
+                t.error = Some(format!("nvme: eventfd: {e}"));
+                return;
+            }
+        };
+        {
+            let mut c = self.core.lock().unwrap();
+            c.db.kick = Some(kick.clone());
+            for qid in 1..c.queues.sqs.len() {
+                if c.queues.sqs[qid].is_some() {
+                    c.register_doorbells(qid);
+                }
+            }
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (core, stop2) = (self.core.clone(), stop.clone());
+        let h = std::thread::Builder::new().name("nvme-ioeventfd".into()).spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                let Ok(n) = kick.read() else { return };
+                if stop2.load(Ordering::Relaxed) {
+                    return; // woken to stop (that write is not a doorbell)
+                }
+                let mut c = core.lock().unwrap();
+                c.st.kicks += n;
+                c.serve_kicked();
+                // No timer here: what the aggregation threshold holds goes out now.
+                c.flush_coalesced_untimed();
+            }
+        });
+        match h {
+            Ok(h) => t.worker = Some((stop, h)),
+            Err(e) => t.error = Some(format!("nvme: cannot start the ioeventfd thread: {e}")),
+        }
+    }
+
+    /// Stops the device thread: unregisters the ioeventfds, wakes the thread
+    /// and joins it without holding the core lock.
+    pub(super) fn stop_threads(&self, t: &mut Threads) {
+        if let Some((stop, h)) = t.worker.take() {
+            stop.store(true, Ordering::Relaxed);
+            let kick = {
+                let mut c = self.core.lock().unwrap();
+                c.unregister_all();
+                c.db.kick.take()
+            };
+            if let Some(k) = kick {
+                let _ = k.write(1); // wake the ioeventfd thread to see `stop`
+            }
+            let _ = h.join();
+        }
+    }
+}
+
+impl Core {
+    /// An MMIO doorbell write. `offset` is from the start of the doorbells.
+    pub(super) fn doorbell(&mut self, off: u64, value: u32) {
+        self.st.doorbell_writes += 1;
+        if let Some(page) = &self.db.bar_page {
+            // The page was not mapped into the guest (or this write came as a
+            // message): put the value where the poller reads doorbells.
+            let _ = page.store(value, GuestAddress(DOORBELLS + off), Ordering::Release);
+            return;
+        }
+        if self.regs.csts & 1 == 0 {
+            return;
+        }
+        let qid = (off / 8) as usize;
+        let is_cq = off % 8 == 4;
+        let q = &self.queues;
+        let size = if is_cq {
+            q.cqs.get(qid).copied().flatten().map(|q| q.size)
+        } else {
+            q.sqs.get(qid).copied().flatten().map(|q| q.size)
+        };
+        let Some(size) = size else {
+            self.st.bad_doorbells += 1;
+            self.event(0, 0, 1); // error: write to an invalid doorbell register
+            return;
+        };
+        if value >= size as u32 {
+            self.st.bad_doorbells += 1;
+            self.event(0, 1, 1); // error: invalid doorbell write value
+            return;
+        }
+        if is_cq {
+            self.queues.cqs[qid].as_mut().unwrap().head = value as u16;
+            if qid == 0 {
+                self.deliver_events();
+            }
+            // Completions may have been waiting for room.
+            for sqid in 0..self.queues.sqs.len() {
+                if self.queues.sqs[sqid].is_some_and(|s| s.cqid as usize == qid && s.head != s.tail) {
+                    self.process_sq(sqid);
+                }
+            }
+        } else if self.mode() == DoorbellMode::Ioeventfd && qid > 0 && self.db.shadow.is_some() {
+            // A doorbell that was to be an ioeventfd but exited (the host
+            // could not install it): serve it the ioeventfd way, so that
+            // EventIdx keeps asking for the next one.
+            self.serve_kicked();
+        } else {
+            self.queues.sqs[qid].as_mut().unwrap().tail = value as u16;
+            self.process_sq(qid);
+        }
+    }
+
+    /// shm mode: reads the shadow doorbells of the I/O queues and serves
+    /// what they show. True if there was work.
+    pub(super) fn poll_shadow(&mut self) -> bool {
+        let Some((db, ei)) = self.db.shadow else { return false };
+        let mut busy = false;
+        for qid in 1..self.queues.sqs.len() {
+            let Some(sq) = self.queues.sqs[qid] else { continue };
+            let Ok(tail) = self.mem.load::<u32>(GuestAddress(db + qid as u64 * 8), Ordering::Acquire) else { continue };
+            let cqid = sq.cqid as usize;
+            if let Ok(head) = self.mem.load::<u32>(GuestAddress(db + cqid as u64 * 8 + 4), Ordering::Acquire) {
+                if let Some(cq) = self.queues.cqs[cqid].as_mut() {
+                    if head < cq.size as u32 && head != cq.head as u32 {
+                        // EventIdx one behind the head seen before this one (see below).
+                        let ev = queue::prev(cq.head as u32, cq.size as u32);
+                        cq.head = head as u16;
+                        let _ = self.mem.store(ev, GuestAddress(ei + cqid as u64 * 8 + 4), Ordering::Release);
+                    }
+                }
+            }
+            if tail == sq.tail as u32 && sq.head == sq.tail {
+                continue;
+            }
+            if tail >= sq.size as u32 {
+                self.refuse_tail(&self.mem.clone(), db + qid as u64 * 8, &sq);
+                continue;
+            }
+            // EventIdx goes one behind the tail seen *before* this one. The
+            // driver's last written value is never behind a tail the
+            // controller has read, so EventIdx stays out of every range the
+            // driver crosses (unless it runs a queue length ahead): a driver
+            // that follows the rule never rings. Setting it behind the new
+            // tail instead races: the driver may read it right after the
+            // controller took its write, and ring for nothing.
+            let ev = queue::prev(sq.tail as u32, sq.size as u32);
+            let _ = self.mem.store(ev, GuestAddress(ei + qid as u64 * 8), Ordering::Release);
+            self.queues.sqs[qid].as_mut().unwrap().tail = tail as u16;
+            busy |= self.process_sq(qid);
+        }
+        busy
+    }
+
+    /// A tail beyond the queue read from a shared doorbell word (`addr` in
+    /// `mem`): counted, raised as an Invalid Doorbell Write Value event, and
+    /// the word put back to the last good tail so the event is raised once.
+    fn refuse_tail(&mut self, mem: &GuestMemoryMmap, addr: u64, sq: &Sq) {
+        self.st.bad_doorbells += 1;
+        let _ = mem.store(sq.tail as u32, GuestAddress(addr), Ordering::Release);
+        self.event(0, 1, 1);
+    }
+
+    /// bar mode: the doorbells are the words of the shared page; serve what
+    /// they show, admin queue included.
+    pub(super) fn poll_bar(&mut self) -> bool {
+        let Some(page) = self.db.bar_page.clone() else { return false };
+        let mut busy = false;
+        for qid in 0..self.queues.sqs.len() {
+            let Some(sq) = self.queues.sqs[qid] else { continue };
+            let cqid = sq.cqid as usize;
+            let head = page.load::<u32>(GuestAddress(DOORBELLS + cqid as u64 * 8 + 4), Ordering::Acquire);
+            if let (Ok(head), Some(cq)) = (head, self.queues.cqs[cqid].as_mut()) {
+                if head < cq.size as u32 && head != cq.head as u32 {
+                    cq.head = head as u16;
+                    if cqid == 0 {
+                        self.deliver_events();
+                    }
+                }
+            }
+            let Ok(tail) = page.load::<u32>(GuestAddress(DOORBELLS + qid as u64 * 8), Ordering::Acquire) else {
+                continue;
+            };
+            if tail == sq.tail as u32 && sq.head == sq.tail {
+                continue;
+            }
+            if tail >= sq.size as u32 {
+                self.refuse_tail(&page, DOORBELLS + qid as u64 * 8, &sq);
+                continue;
+            }
+            self.queues.sqs[qid].as_mut().unwrap().tail = tail as u16;
+            busy |= self.process_sq(qid);
+        }
+        busy
+    }
+
+    /// ioeventfd mode: serve every I/O queue from its shadow tail, publish
+    /// EventIdx = the tail served (ring me next time), then look again.
+    pub(super) fn serve_kicked(&mut self) {
+        let Some((db, ei)) = self.db.shadow else { return };
+        for qid in 1..self.queues.sqs.len() {
+            while let Some(sq) = self.queues.sqs[qid] {
+                let cqid = sq.cqid as usize;
+                if let Ok(head) = self.mem.load::<u32>(GuestAddress(db + cqid as u64 * 8 + 4), Ordering::Acquire) {
+                    if let Some(cq) = self.queues.cqs[cqid].as_mut() {
+                        if head < cq.size as u32 {
+                            cq.head = head as u16;
+                            let ev = queue::prev(head, cq.size as u32);
+                            let _ = self.mem.store(ev, GuestAddress(ei + cqid as u64 * 8 + 4), Ordering::Release);
+                        }
+                    }
+                }
+                let Ok(tail) = self.mem.load::<u32>(GuestAddress(db + qid as u64 * 8), Ordering::Acquire) else {
+                    break;
+                };
+                if tail >= sq.size as u32 {
+                    self.refuse_tail(&self.mem.clone(), db + qid as u64 * 8, &sq);
+                    break;
+                }
+                self.queues.sqs[qid].as_mut().unwrap().tail = tail as u16;
+                self.process_sq(qid);
+                let _ = self.mem.store(tail, GuestAddress(ei + qid as u64 * 8), Ordering::SeqCst);
+                // Commands held back by a full CQ: ask for the CQ head doorbell
+                // (EventIdx = the head), then look at the head again.
+                let held = self.queues.sqs[qid].is_some_and(|s| s.head != s.tail);
+                let cq_head = self.queues.cqs[cqid].map(|c| c.head as u32);
+                if let (true, Some(h)) = (held, cq_head) {
+                    let _ = self.mem.store(h, GuestAddress(ei + cqid as u64 * 8 + 4), Ordering::SeqCst);
+                }
+                std::sync::atomic::fence(Ordering::SeqCst);
+                let head_moved = held
+                    && self.mem.load::<u32>(GuestAddress(db + cqid as u64 * 8 + 4), Ordering::Acquire).ok() != cq_head;
+                match self.mem.load::<u32>(GuestAddress(db + qid as u64 * 8), Ordering::Acquire) {
+                    Ok(t) if t != tail => continue, // a submission raced with EventIdx
+                    _ if head_moved => continue,    // the host freed CQ entries meanwhile
+                    _ => break,
+                }
+            }
+        }
+    }
+
+    /// ioeventfd mode: the I/O queue doorbells of `qid` as ioeventfds.
+    pub(super) fn register_doorbells(&mut self, qid: usize) {
+        let (Some(kick), Some(io)) = (self.db.kick.clone(), self.db.ioevents.clone()) else { return };
+        if self.mode() != DoorbellMode::Ioeventfd || self.db.shadow.is_none() || qid == 0 {
+            return;
+        }
+        for off in [DOORBELLS + qid as u64 * 8, DOORBELLS + qid as u64 * 8 + 4] {
+            if self.db.registered.contains(&off) {
+                continue;
+            }
+            let spec = crate::IoEventSpec { bar: 0, offset: off, len: 4, datamatch: None };
+            match io.register(spec, &kick) {
+                Ok(()) => self.db.registered.push(off),
+                Err(e) => log::warn!("nvme: no ioeventfd for the doorbell at {off:#x}: {e}; it exits"),
+            }
+        }
+    }
+
+    fn unregister_all(&mut self) {
+        let (Some(kick), Some(io)) = (self.db.kick.clone(), self.db.ioevents.clone()) else { return };
+        for off in self.db.registered.drain(..) {
+            let _ = io.unregister(crate::IoEventSpec { bar: 0, offset: off, len: 4, datamatch: None }, &kick);
+        }
+    }
+}
+
+/// BAR0 as a memfd, mapped here at "address" 0, for the bar doorbell mode.
+pub(super) fn bar_memory() -> Result<(GuestMemoryMmap, std::fs::File)> {
+    use std::os::fd::FromRawFd;
+    let name = std::ffi::CString::new("iopath-nvme-bar0").unwrap();
+    // SAFETY: memfd_create with a valid name; the fd is owned by the File.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::io("nvme: memfd_create", std::io::Error::last_os_error()));
+    }
+    // SAFETY: a fresh descriptor nobody else owns.
+    let f = unsafe { std::fs::File::from_raw_fd(fd) };
+    f.set_len(BAR0_SIZE).map_err(|e| Error::io("nvme: doorbell page size", e))?;
+    let fo = vm_memory::FileOffset::new(f.try_clone().map_err(|e| Error::io("nvme: doorbell page fd", e))?, 0);
+    let region = vm_memory::MmapRegion::from_file(fo, BAR0_SIZE as usize)
+        .map_err(|e| Error::Host(format!("nvme: mmap of the doorbell page: {e}")))?;
+    let r = vm_memory::GuestRegionMmap::new(region, GuestAddress(0))
+        .ok_or_else(|| Error::Host("nvme: doorbell page region".into()))?;
+    let m = GuestMemoryMmap::from_regions(vec![r]).map_err(|e| Error::Host(format!("nvme: doorbell page: {e}")))?;
+    Ok((m, f))
+}

@@ -1,0 +1,106 @@
+//! Completion interrupts: MSI-X through the shared
+//! [`MsixTable`](crate::pci::MsixTable) (the host gets each vector's route
+//! when its message or mask changes; a masked vector keeps its pending bit
+//! and fires when unmasked), and Interrupt Coalescing (Set Features 0x08).
+
+use super::controller::Core;
+use super::{DoorbellMode, MSIX_CAP, MSIX_PBA, MSIX_TABLE, MSIX_VECTORS};
+use crate::pci::MsixTable;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub(super) struct IrqState {
+    /// The host's interrupt lines.
+    pub irq: Arc<dyn crate::Interrupts>,
+    pub msix: MsixTable,
+    /// Interrupt Coalescing: THR in bits 7:0 (0-based completions), TIME in
+    /// bits 15:8 (100 us units). Applied to I/O CQs where a device thread
+    /// can keep time (shm, bar, ioeventfd).
+    pub coalescing: u32,
+    /// Per vector: completions not yet signalled, and since when.
+    pub agg: Vec<(u32, Option<Instant>)>,
+}
+
+impl IrqState {
+    pub fn new() -> Self {
+        IrqState {
+            irq: Arc::new(crate::NoInterrupts),
+            msix: MsixTable::new(MSIX_VECTORS as u16, 0, MSIX_TABLE, MSIX_PBA, MSIX_CAP),
+            coalescing: 0,
+            agg: vec![(0, None); MSIX_VECTORS],
+        }
+    }
+}
+
+impl Core {
+    /// A completion on CQ `cqid` for vector `v`: signals at once, or counts
+    /// it toward the aggregation threshold (I/O queues, modes with a device
+    /// thread to keep the aggregation time).
+    pub(super) fn completion_interrupt(&mut self, cqid: usize, v: u16) {
+        let thr = (self.intr.coalescing & 0xff) + 1;
+        if cqid == 0 || self.intr.coalescing == 0 || self.mode() == DoorbellMode::Mmio || v as usize >= MSIX_VECTORS {
+            return self.interrupt(v);
+        }
+        let a = &mut self.intr.agg[v as usize];
+        a.0 += 1;
+        a.1.get_or_insert_with(Instant::now);
+        if a.0 >= thr {
+            *a = (0, None);
+            self.interrupt(v);
+        }
+    }
+
+    /// Signals the vectors whose aggregation time has run out (device threads call this).
+    pub(super) fn flush_coalesced(&mut self) {
+        // Decided from the counters: turning coalescing off releases what it held.
+        let time = Duration::from_micros(100 * ((self.intr.coalescing >> 8) & 0xff) as u64);
+        for v in 0..MSIX_VECTORS {
+            if self.intr.agg[v].1.is_some_and(|t| t.elapsed() >= time) {
+                self.intr.agg[v] = (0, None);
+                self.interrupt(v as u16);
+            }
+        }
+    }
+
+    /// What the aggregation threshold holds goes out now (a device thread
+    /// with no timer: the ioeventfd one).
+    pub(super) fn flush_coalesced_untimed(&mut self) {
+        let time = self.intr.coalescing & 0xff00;
+        self.intr.coalescing &= !0xff00;
+        self.flush_coalesced();
+        self.intr.coalescing |= time;
+    }
+
+    /// Signals every vector that holds coalesced completions.
+    pub(super) fn flush_coalesced_now(&mut self) {
+        for v in 0..MSIX_VECTORS {
+            if self.intr.agg[v].0 > 0 {
+                self.intr.agg[v] = (0, None);
+                self.interrupt(v as u16);
+            }
+        }
+    }
+
+    /// Signals vector `v`, or leaves it pending while it is masked.
+    pub(super) fn interrupt(&mut self, v: u16) {
+        let v = v as usize;
+        if v >= MSIX_VECTORS {
+            return;
+        }
+        if self.intr.msix.masked(v) || !self.intr.irq.signal_msix(v as u16) {
+            self.intr.msix.set_pending(v, true);
+        } else {
+            self.st.interrupts += 1;
+        }
+    }
+
+    /// Tells the host where vector `v` goes now, and fires it if it was pending.
+    pub(super) fn msix_update(&mut self, v: usize) {
+        let route = self.intr.msix.route(v);
+        self.intr.irq.msix_route(v as u16, route);
+        if route.is_some() && self.intr.msix.pending(v) && self.intr.irq.signal_msix(v as u16) {
+            self.intr.msix.set_pending(v, false);
+            self.st.interrupts += 1;
+        }
+    }
+}
