@@ -148,7 +148,7 @@ impl Doorbell {
     fn gpa_ok(&self, gpa: u64) -> bool {
         let Some(ctx) = &self.ctx else { return false };
         gpa != 0
-            && gpa % 8 == 0
+            && gpa.is_multiple_of(8)
             && gpa.checked_add(7).is_some_and(|end| ctx.mem.address_in_range(GuestAddress(end)))
             && ctx.mem.address_in_range(GuestAddress(gpa))
     }

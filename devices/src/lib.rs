@@ -200,7 +200,7 @@ pub trait DeviceModel: Send + Sync {
     }
     /// Configuration-space write, after the host's header has taken it.
     fn config_write(&self, _offset: usize, _data: &[u8]) {}
-    /// PCI capabilities the host lays out in the header from 0x40 (MSI-X...).
+    /// PCI capabilities, each at the `Capability::offset` the device chose (MSI-X...).
     fn capabilities(&self) -> Vec<pci::Capability> {
         Vec::new()
     }

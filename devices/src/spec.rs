@@ -121,12 +121,8 @@ impl FromStr for DeviceConfig {
                 for (k, v) in &opts {
                     let num = || v.parse::<u64>().map_err(|_| option("nvme", k, format!("{v:?} is not a number")));
                     match k.as_str() {
-                        "doorbell" => {
-                            c.doorbell = v.parse::<DoorbellMode>().map_err(|e| option("nvme", k, e.to_string()))?
-                        }
-                        "backend" => {
-                            c.backend = v.parse::<BackendKind>().map_err(|e| option("nvme", k, e.to_string()))?
-                        }
+                        "doorbell" => c.doorbell = v.parse::<DoorbellMode>()?,
+                        "backend" => c.backend = v.parse::<BackendKind>()?,
                         "size_mb" => {
                             let mb = num()?;
                             if mb == 0 || mb > 1 << 20 {
@@ -144,6 +140,7 @@ impl FromStr for DeviceConfig {
                         _ => return Err(option("nvme", k, "unknown option (doorbell, backend, size_mb, lba)")),
                     }
                 }
+                c.validate()?;
                 Ok(DeviceConfig::Nvme(c))
             }
             _ => Err(Error::UnknownDevice(name.to_string())),
@@ -155,18 +152,9 @@ impl fmt::Display for DeviceConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.name())?;
         if let DeviceConfig::Nvme(c) = self {
-            let backend = match &c.backend {
-                BackendKind::Null => "null".to_string(),
-                BackendKind::Ram => "ram".to_string(),
-                BackendKind::File(p) => format!("file:{}", escape(&p.to_string_lossy())),
-            };
-            let doorbell = match c.doorbell {
-                DoorbellMode::Mmio => "mmio",
-                DoorbellMode::Ioeventfd => "ioeventfd",
-                DoorbellMode::Shm => "shm",
-                DoorbellMode::Bar => "bar",
-            };
-            write!(f, ",doorbell={doorbell},backend={backend},size_mb={},lba={}", c.size >> 20, c.lba_size)?;
+            // Paths may hold the separators: escaped, unlike BackendKind's own Display.
+            let backend = escape(&c.backend.to_string());
+            write!(f, ",doorbell={},backend={backend},size_mb={},lba={}", c.doorbell, c.size >> 20, c.lba_size)?;
         }
         Ok(())
     }
@@ -209,7 +197,7 @@ mod tests {
     #[test]
     fn escaped_separators() {
         assert_eq!(split_escaped("a,b,,c@@d,e", ','), ["a", "b,c@d", "e"]);
-        assert_eq!(find_unescaped_at("nvme,backend=file:/x@@y@vfio-user"), Some(24));
+        assert_eq!(find_unescaped_at("nvme,backend=file:/x@@y@vfio-user"), Some(23));
         assert_eq!(find_unescaped_at("a,,@b"), Some(3));
         assert_eq!(find_unescaped_at("a@@b"), None);
     }
