@@ -56,7 +56,7 @@ impl Default for ExitsOptions {
             floor: true,
             timeout_s: 300,
             progress: true,
-            transports: iopath_protocols::attach::Transport::NAMES.iter().map(|s| s.to_string()).collect(),
+            transports: iopath_protocols::TRANSPORTS.iter().map(|t| t.name().to_string()).collect(),
             iopath_exe: None,
             spin_us: 0,
         }

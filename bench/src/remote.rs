@@ -7,11 +7,14 @@
 //! transport is measured on the host in the same round, without a VM, so
 //! that an out-of-process access can be set against exit + round trip.
 
-use crate::exits::{fmt_ns, fmt_opt, guest_cmdline, progress_callback, ExitsOptions, ExitsResult, Routing, Target, TargetRun};
+use crate::exits::{
+    fmt_ns, fmt_opt, guest_cmdline, progress_callback, ExitsOptions, ExitsResult, Routing, Target, TargetRun,
+};
 use crate::record::GuestOutput;
 use crate::stats::{ns, summarize};
 use indicatif::ProgressBar;
-use iopath_protocols::attach::{instantiate, DeviceSpec, Endpoint, Programs, Transport};
+use iopath_protocols::attach::{instantiate, DeviceSpec, Endpoint, Programs};
+use iopath_protocols::{Transport, TRANSPORTS};
 use iopath_vmm::{run, VmConfig};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -19,7 +22,8 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 /// Rows each out-of-process target runs: every access that reaches the
-/// device process synchronously, plus the ioeventfds vfio-user hands over.
+/// device process synchronously, plus the ioeventfds where its transport
+/// announces them.
 fn rows_of(t: Target) -> &'static [&'static str] {
     const SYNC: &[&str] = &["mmio-no-eventfd:", "portio-no-eventfd:", "mmio-read:", "portio-read:"];
     const VFIO: &[&str] = &[
@@ -32,33 +36,34 @@ fn rows_of(t: Target) -> &'static [&'static str] {
         "portio-wildcard-eventfd:",
         "portio-datamatch-eventfd:",
     ];
-    match t {
-        Target::VfioUser => VFIO,
-        _ => SYNC,
+    if transport_of(t).is_some_and(|x| x.announces_ioeventfds()) {
+        VFIO
+    } else {
+        SYNC
     }
 }
 
-fn transport_of(t: Target) -> Option<Transport> {
-    Some(match t {
-        Target::Mpqemu | Target::QemuRemote => Transport::Mpqemu,
-        Target::VfioUser => Transport::VfioUser,
-        Target::IoRegionFd => Transport::IoRegionFd { posted: false },
-        Target::IoRegionFdPosted => Transport::IoRegionFd { posted: true },
-        _ => return None,
-    })
+/// The transport a target runs pci-testdev over: the one of the same name,
+/// or for QEMU's x-remote the one QEMU speaks.
+fn transport_of(t: Target) -> Option<&'static dyn Transport> {
+    if t == Target::QemuRemote {
+        return TRANSPORTS.iter().copied().find(|x| x.qemu_speaks());
+    }
+    TRANSPORTS.iter().copied().find(|x| x.name() == t.name())
+}
+
+/// The out-of-process targets: one per transport, then QEMU's x-remote.
+fn out_of_process() -> impl Iterator<Item = Target> {
+    Target::ALL.into_iter().filter(|t| transport_of(*t).is_some())
 }
 
 /// The out-of-process targets the options ask for.
 pub fn targets(o: &ExitsOptions, with_qemu: bool) -> anyhow::Result<Vec<Target>> {
     let mut v = Vec::new();
     for name in &o.transports {
-        let t: Transport = name.parse().map_err(anyhow::Error::msg)?;
-        v.push(match t {
-            Transport::Mpqemu => Target::Mpqemu,
-            Transport::VfioUser => Target::VfioUser,
-            Transport::IoRegionFd { posted: false } => Target::IoRegionFd,
-            Transport::IoRegionFd { posted: true } => Target::IoRegionFdPosted,
-        });
+        let t = iopath_protocols::transport(name)?;
+        let target = out_of_process().find(|x| x.name() == t.name());
+        v.push(target.ok_or_else(|| anyhow::anyhow!("transport {} has no bench target", t.name()))?);
     }
     if with_qemu && !o.transports.is_empty() {
         v.push(Target::QemuRemote);
@@ -82,12 +87,8 @@ fn selected_rows(o: &ExitsOptions, t: Target) -> Vec<&'static str> {
 /// The proxy's count of messages (or region commands) it sent.
 fn transport_messages(t: Target, run: &iopath_vmm::vm::RunReport) -> Option<u64> {
     let d = run.devices.iter().find(|d| d.name == "pci-testdev")?;
-    let get = |n: &str| d.counters.iter().find(|c| c.name == n).map(|c| c.value);
-    match t {
-        Target::Mpqemu | Target::QemuRemote => get("mpqemu.requests"),
-        Target::VfioUser => get("vfio-user.requests"),
-        _ => get("ioregionfd.commands"),
-    }
+    let (counter, _) = transport_of(t)?.crossings();
+    d.counters.iter().find(|c| c.name == counter).map(|c| c.value)
 }
 
 pub struct Round<'a> {
@@ -99,9 +100,10 @@ pub struct Round<'a> {
 }
 
 impl Round<'_> {
-    fn spec(&self, t: Target) -> DeviceSpec {
+    fn spec(&self, t: Target) -> Result<DeviceSpec, String> {
         let ep = if t == Target::QemuRemote { Endpoint::Qemu } else { Endpoint::Spawn };
-        DeviceSpec { device: iopath_devices::DeviceConfig::PciTestDev, remote: Some((transport_of(t).unwrap(), ep)) }
+        let transport = transport_of(t).ok_or_else(|| format!("{} is not out of process", t.name()))?;
+        Ok(DeviceSpec { device: iopath_devices::DeviceConfig::PciTestDev, remote: Some((transport, ep)) })
     }
 
     /// One guest run with pci-testdev behind `t`, then (for iopath's own
@@ -133,7 +135,7 @@ impl Round<'_> {
         let mut o = self.o.clone();
         o.only = Some(only);
         let mut cfg = VmConfig::new(iopath_guest::IMAGE, &guest_cmdline(&o, "exits", self.tsc_khz, ""));
-        cfg.devices = vec![instantiate(&self.spec(t), self.progs)?];
+        cfg.devices = vec![instantiate(&self.spec(t)?, self.progs)?];
         cfg.timeout = Duration::from_secs(self.o.timeout_s);
         cfg.on_line = Some(progress_callback(self.pb, label.to_string()));
         let t0 = Instant::now();
@@ -142,10 +144,18 @@ impl Round<'_> {
         if r.status != 1 {
             return Err(format!("guest exit status {} {}", r.status, out.fault.clone().unwrap_or_default()));
         }
-        let mut routing =
-            if t == Target::QemuRemote { crate::exits::verify_qemu(&out) } else { crate::exits::verify_iopath(&out, &r) };
+        let mut routing = if t == Target::QemuRemote {
+            crate::exits::verify_qemu(&out)
+        } else {
+            crate::exits::verify_iopath(&out, &r)
+        };
         // Every access that exits must have crossed the transport.
-        let crossing: u64 = out.rows.iter().filter(|x| !x.name.contains("-eventfd:") || x.name.contains("no-eventfd")).map(|x| x.accesses).sum();
+        let crossing: u64 = out
+            .rows
+            .iter()
+            .filter(|x| !x.name.contains("-eventfd:") || x.name.contains("no-eventfd"))
+            .map(|x| x.accesses)
+            .sum();
         let sent = transport_messages(t, &r);
         let enough = sent.is_some_and(|n| n >= crossing);
         for v in routing.values_mut() {
@@ -154,13 +164,20 @@ impl Round<'_> {
                 v.ok = false;
             }
         }
-        Ok(TargetRun { target: t, round: self.round, out, routing, exits: Some(r.exits), wall_s: t0.elapsed().as_secs_f64() })
+        Ok(TargetRun {
+            target: t,
+            round: self.round,
+            out,
+            routing,
+            exits: Some(r.exits),
+            wall_s: t0.elapsed().as_secs_f64(),
+        })
     }
 
     /// Host-side request/reply round trips through the device process: a
     /// 4-byte read of pci-testdev's `data` register, no VM involved.
     fn round_trip(&self, t: Target) -> Result<Vec<f64>, String> {
-        let dev = instantiate(&self.spec(t), self.progs)?;
+        let dev = instantiate(&self.spec(t)?, self.progs)?;
         dev.config_write(0x10, &0xfe00_0000u32.to_le_bytes());
         dev.config_write(0x04, &2u16.to_le_bytes());
         let mut b = [0u8; 4];
@@ -185,14 +202,8 @@ impl Round<'_> {
 }
 
 fn transport_word(t: Target) -> &'static str {
-    match t {
-        Target::Mpqemu | Target::QemuRemote => "mpqemu msgs",
-        Target::VfioUser => "vfio-user msgs",
-        _ => "ioregionfd cmds",
-    }
+    transport_of(t).map_or("msgs", |x| x.crossings().1)
 }
-
-const OOP: [Target; 5] = [Target::Mpqemu, Target::VfioUser, Target::IoRegionFd, Target::IoRegionFdPosted, Target::QemuRemote];
 
 fn median_ns(r: &ExitsResult, row: &str, t: Target) -> Option<f64> {
     let rs = r.rows();
@@ -206,7 +217,7 @@ fn rtt_median(r: &ExitsResult, t: Target) -> Option<f64> {
 
 /// The second table: pci-testdev rows per transport, against the in-VMM exit.
 pub fn table(r: &ExitsResult) -> String {
-    let present: Vec<Target> = OOP.into_iter().filter(|t| r.runs.iter().any(|x| x.target == *t)).collect();
+    let present: Vec<Target> = out_of_process().filter(|t| r.runs.iter().any(|x| x.target == *t)).collect();
     if present.is_empty() {
         return String::new();
     }
@@ -248,7 +259,9 @@ pub fn table(r: &ExitsResult) -> String {
     let _ = writeln!(s, "(! = routing check failed; see errors)");
     if present.iter().any(|t| matches!(t, Target::IoRegionFd | Target::IoRegionFdPosted)) {
         let k = kvm_ioctls::Kvm::new().map_err(|e| e.to_string());
-        let why = k.and_then(|k| iopath_vmm::kvm::ioregionfd_support(&k).map(|c| format!("kernel capability {c}")));
+        let why = k.and_then(|k| {
+            iopath_vmm::kvm::ioregionfd_support(&k).map(|c| format!("kernel capability {c}")).map_err(|e| e.to_string())
+        });
         let _ = writeln!(s, "ioregionfd: {}", why.unwrap_or_else(|e| e));
     }
     for (k, v) in targets_report(r) {
@@ -281,11 +294,8 @@ fn targets_report(r: &ExitsResult) -> Vec<(String, String)> {
 }
 
 pub fn json(r: &ExitsResult) -> Value {
-    let rtt: serde_json::Map<String, Value> = r
-        .rtt_ns
-        .iter()
-        .map(|(k, v)| (k.clone(), json!({"ns": summarize(v), "batches": v.len()})))
-        .collect();
+    let rtt: serde_json::Map<String, Value> =
+        r.rtt_ns.iter().map(|(k, v)| (k.clone(), json!({"ns": summarize(v), "batches": v.len()}))).collect();
     let targets: serde_json::Map<String, Value> =
         targets_report(r).into_iter().map(|(k, v)| (k, Value::String(v))).collect();
     json!({"socket_round_trip": rtt, "targets": targets})

@@ -46,9 +46,10 @@ struct ServeArgs {
     /// nvme[,doorbell=shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096]
     /// (a `,` or `@` inside a value is written twice).
     device: iopath_devices::DeviceConfig,
-    /// mpqemu, vfio-user, ioregionfd (vfio-user control, region fds for the
-    /// BARs) or ioregionfd-posted (the same, writes posted).
-    #[arg(long, default_value = "vfio-user")]
+    /// The transport (ioregionfd: vfio-user control and a region fd for each
+    /// BAR; ioregionfd-posted: the same with writes posted).
+    #[arg(long, default_value = "vfio-user",
+          value_parser = clap::builder::PossibleValuesParser::new(iopath_protocols::TRANSPORTS.iter().map(|t| t.name())))]
     transport: String,
     /// Listen on this UNIX socket path (one client at a time; the device
     /// state survives a client).
@@ -190,7 +191,7 @@ struct RunArgs {
 
 fn serve(a: ServeArgs) -> anyhow::Result<i32> {
     use iopath_protocols::serve::{Listen, ServeOptions};
-    let transport = a.transport.parse().map_err(anyhow::Error::msg)?;
+    let transport = iopath_protocols::transport(&a.transport)?;
     let listen = match (a.fd, a.socket) {
         (Some(fd), _) => Listen::Fd(fd),
         (None, Some(p)) => Listen::Socket(p),
@@ -198,7 +199,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
     };
     iopath_protocols::socket::set_spin(Duration::from_micros(a.spin_us));
     let o = ServeOptions { device: a.device, transport, listen, once: a.once };
-    iopath_protocols::serve::run(&o).map_err(anyhow::Error::msg)?;
+    iopath_protocols::serve::run(&o)?;
     Ok(0)
 }
 

@@ -1,56 +1,22 @@
 //! How the VMM gets a device: `--device NAME[@TRANSPORT[:WHERE]]`.
 //!
 //! - `pci-testdev`: the model in the VMM (exits and KVM ioeventfds).
-//! - `pci-testdev@mpqemu`, `@vfio-user`, `@ioregionfd`, `@ioregionfd-posted`:
+//! - `pci-testdev@TRANSPORT` (a name in [`TRANSPORTS`](crate::TRANSPORTS)):
 //!   the model in a device process the VMM starts (`iopath serve`, over a
 //!   socketpair); its counters come back when the run ends.
 //! - `...@TRANSPORT:PATH`: connect to a device process already serving on
 //!   the UNIX socket PATH (`iopath serve ... --socket PATH`).
 //! - `pci-testdev@mpqemu:qemu`: QEMU's own model, in `qemu-system-x86_64
-//!   -machine x-remote` started by the VMM (interoperability).
+//!   -machine x-remote` started by the VMM (interoperability), for a
+//!   transport QEMU speaks.
 
-use crate::mpqemu::MpqemuProxy;
-use crate::process::DeviceProcess;
+use crate::process::{DeviceProcess, CHILD_SOCKET_FD};
+use crate::transport::{transport, Transport};
+use crate::{Error, Result};
 use iopath_devices::{DeviceConfig, SharedDevice};
-use std::sync::{Arc, Mutex};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Transport {
-    Mpqemu,
-    VfioUser,
-    /// vfio-user control channel, BAR accesses on ioregionfds; `posted`
-    /// makes writes posted (no reply awaited).
-    IoRegionFd { posted: bool },
-}
-
-impl Transport {
-    pub const NAMES: &'static [&'static str] = &["mpqemu", "vfio-user", "ioregionfd", "ioregionfd-posted"];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Transport::Mpqemu => "mpqemu",
-            Transport::VfioUser => "vfio-user",
-            Transport::IoRegionFd { posted: false } => "ioregionfd",
-            Transport::IoRegionFd { posted: true } => "ioregionfd-posted",
-        }
-    }
-}
-
-impl FromStr for Transport {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Ok(match s {
-            "mpqemu" => Transport::Mpqemu,
-            "vfio-user" => Transport::VfioUser,
-            "ioregionfd" => Transport::IoRegionFd { posted: false },
-            "ioregionfd-posted" => Transport::IoRegionFd { posted: true },
-            _ => return Err(format!("unknown transport {s:?} (one of {})", Transport::NAMES.join(", "))),
-        })
-    }
-}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Endpoint {
@@ -58,7 +24,7 @@ pub enum Endpoint {
     Spawn,
     /// A device process listening on this UNIX socket.
     Socket(PathBuf),
-    /// QEMU `-machine x-remote` started by the VMM (mpqemu only).
+    /// QEMU `-machine x-remote` started by the VMM.
     Qemu,
 }
 
@@ -67,17 +33,17 @@ pub enum Endpoint {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceSpec {
     pub device: DeviceConfig,
-    pub remote: Option<(Transport, Endpoint)>,
+    pub remote: Option<(&'static dyn Transport, Endpoint)>,
 }
 
 impl FromStr for DeviceSpec {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
         let (device, rest) = match iopath_devices::spec::find_unescaped_at(s) {
             Some(i) => (&s[..i], Some(&s[i + 1..])),
             None => (s, None),
         };
-        let device: DeviceConfig = device.parse().map_err(|e: iopath_devices::Error| e.to_string())?;
+        let device: DeviceConfig = device.parse()?;
         let remote = match rest {
             None => None,
             Some(r) => {
@@ -85,11 +51,11 @@ impl FromStr for DeviceSpec {
                     Some((t, p)) => (t, Some(p)),
                     None => (r, None),
                 };
-                let t: Transport = t.parse()?;
+                let t = transport(t)?;
                 let ep = match place {
                     None | Some("") => Endpoint::Spawn,
-                    Some("qemu") if t == Transport::Mpqemu => Endpoint::Qemu,
-                    Some("qemu") => return Err("QEMU's x-remote speaks mpqemu only".into()),
+                    Some("qemu") if t.qemu_speaks() => Endpoint::Qemu,
+                    Some("qemu") => return Err(Error::Config(format!("QEMU's x-remote does not speak {}", t.name()))),
                     Some(p) => Endpoint::Socket(PathBuf::from(p)),
                 };
                 Some((t, ep))
@@ -116,7 +82,7 @@ impl std::fmt::Display for DeviceSpec {
 pub struct Programs {
     /// The iopath binary (for `iopath serve`).
     pub iopath: PathBuf,
-    /// qemu-system-x86_64, for `@mpqemu:qemu`.
+    /// qemu-system-x86_64, for `@TRANSPORT:qemu`.
     pub qemu: Option<PathBuf>,
     /// More `iopath serve` arguments (e.g. `--spin-us N`).
     pub serve_args: Vec<String>,
@@ -124,29 +90,29 @@ pub struct Programs {
 
 impl Programs {
     /// This executable as the device-process binary.
-    pub fn current(qemu: Option<PathBuf>) -> Result<Self, String> {
-        let iopath = std::env::current_exe().map_err(|e| format!("cannot find the iopath binary: {e}"))?;
+    pub fn current(qemu: Option<PathBuf>) -> Result<Self> {
+        let iopath = std::env::current_exe().map_err(|e| Error::io("cannot find the iopath binary", e))?;
         Ok(Programs { iopath, qemu, serve_args: Vec::new() })
     }
 }
 
 /// QEMU's name for an iopath device model, where QEMU has one.
-fn qemu_device(device: &DeviceConfig) -> Result<&'static str, String> {
+fn qemu_device(device: &DeviceConfig) -> Result<&'static str> {
     match device {
         DeviceConfig::PciTestDev => Ok("pci-testdev"),
-        d => Err(format!("QEMU has no model of {}", d.name())),
+        d => Err(Error::Config(format!("QEMU has no model of {}", d.name()))),
     }
 }
 
-fn socketpair() -> Result<(UnixStream, UnixStream), String> {
-    UnixStream::pair().map_err(|e| format!("socketpair: {e}"))
+fn socketpair() -> Result<(UnixStream, UnixStream)> {
+    UnixStream::pair().map_err(|e| Error::io("socketpair", e))
 }
 
 /// Starts (or connects to) what the spec names and returns the model the
-/// VMM hosts: the device itself, or a proxy for it.
-pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice, String> {
+/// VMM hosts: the device itself, or its transport's proxy for it.
+pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> {
     let Some((transport, ep)) = &spec.remote else {
-        return spec.device.build().map_err(|e| e.to_string());
+        return Ok(spec.device.build()?);
     };
     let label = format!("{}@{}", spec.device, transport.name());
     let (sock, child) = match ep {
@@ -157,37 +123,29 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice, 
                 "--transport".into(),
                 transport.name().into(),
                 "--fd".into(),
-                crate::process::CHILD_SOCKET_FD.to_string(),
+                CHILD_SOCKET_FD.to_string(),
             ]
             .into_iter()
             .chain(progs.serve_args.iter().cloned())
-            .collect::<Vec<_>>();
+            .collect();
             let child = DeviceProcess::spawn(&progs.iopath, &args, theirs.into())?;
             (mine, Some(child))
         }
         Endpoint::Socket(path) => {
-            let s = UnixStream::connect(path).map_err(|e| format!("{label}: cannot connect to {}: {e}", path.display()))?;
+            let s = UnixStream::connect(path)
+                .map_err(|e| Error::io(format!("{label}: cannot connect to {}", path.display()), e))?;
             (s, None)
         }
         Endpoint::Qemu => {
-            let qemu = progs.qemu.as_deref().ok_or("QEMU is needed for @mpqemu:qemu but was not found")?;
+            let qemu = progs.qemu.as_deref().ok_or_else(|| {
+                Error::Config(format!("QEMU is needed for @{}:qemu but was not found", transport.name()))
+            })?;
             let (mine, theirs) = socketpair()?;
             let child = DeviceProcess::spawn_command(qemu_remote(qemu, qemu_device(&spec.device)?), theirs.into())?;
             (mine, Some(child))
         }
     };
-    match transport {
-        Transport::Mpqemu => {
-            let mut p = MpqemuProxy::connect(sock, child).map_err(|e| format!("{label}: {e}"))?;
-            p.set_name(spec.device.name());
-            Ok(Arc::new(Mutex::new(p)))
-        }
-        Transport::VfioUser | Transport::IoRegionFd { .. } => {
-            let mut p = crate::vfio_user::VfioUserProxy::connect(sock, child).map_err(|e| format!("{label}: {e}"))?;
-            p.set_name(spec.device.name());
-            Ok(Arc::new(Mutex::new(p)))
-        }
-    }
+    transport.connect(sock, child, spec.device.name()).map_err(|e| e.context(label))
 }
 
 /// `qemu-system-x86_64 -machine x-remote` hosting QEMU's `device` on fd 3.
@@ -195,7 +153,7 @@ pub fn qemu_remote(qemu: &Path, device: &str) -> std::process::Command {
     let mut c = std::process::Command::new(qemu);
     c.args(["-machine", "x-remote", "-nodefaults", "-display", "none", "-monitor", "none", "-serial", "none"]);
     c.args(["-device", &format!("{device},id=dev0")]);
-    c.args(["-object", &format!("x-remote-object,id=robj0,devid=dev0,fd={}", crate::process::CHILD_SOCKET_FD)]);
+    c.args(["-object", &format!("x-remote-object,id=robj0,devid=dev0,fd={CHILD_SOCKET_FD}")]);
     c
 }
 
@@ -205,20 +163,23 @@ mod tests {
 
     #[test]
     fn device_specs_parse() {
+        let t = |name| transport(name).unwrap();
         let s: DeviceSpec = "pci-testdev".parse().unwrap();
         assert_eq!(s.remote, None);
         let s: DeviceSpec = "pci-testdev@vfio-user:/tmp/x.sock".parse().unwrap();
-        assert_eq!(s.remote, Some((Transport::VfioUser, Endpoint::Socket("/tmp/x.sock".into()))));
+        assert_eq!(s.remote, Some((t("vfio-user"), Endpoint::Socket("/tmp/x.sock".into()))));
         let s: DeviceSpec = "pci-testdev@mpqemu:qemu".parse().unwrap();
-        assert_eq!(s.remote, Some((Transport::Mpqemu, Endpoint::Qemu)));
+        assert_eq!(s.remote, Some((t("mpqemu"), Endpoint::Qemu)));
         let s: DeviceSpec = "pci-testdev@ioregionfd-posted".parse().unwrap();
-        assert_eq!(s.remote, Some((Transport::IoRegionFd { posted: true }, Endpoint::Spawn)));
+        assert_eq!(s.remote, Some((t("ioregionfd-posted"), Endpoint::Spawn)));
         assert!("nvme9".parse::<DeviceSpec>().is_err());
         assert!("pci-testdev@carrier-pigeon".parse::<DeviceSpec>().is_err());
         assert!("pci-testdev@vfio-user:qemu".parse::<DeviceSpec>().is_err());
-        let e = "nvme,doorbell=shmm@vfio-user".parse::<DeviceSpec>().unwrap_err();
+        let e = "nvme,doorbell=shmm@vfio-user".parse::<DeviceSpec>().unwrap_err().to_string();
         assert!(e.contains("doorbell"), "a bad option is named before anything starts: {e}");
-        for s in ["nvme,doorbell=bar,backend=file:/a,,b@@c,size_mb=64,lba=512@vfio-user:/tmp/s", "pci-testdev@mpqemu:qemu"] {
+        for s in
+            ["nvme,doorbell=bar,backend=file:/a,,b@@c,size_mb=64,lba=512@vfio-user:/tmp/s", "pci-testdev@mpqemu:qemu"]
+        {
             assert_eq!(s.parse::<DeviceSpec>().unwrap().to_string(), s);
         }
     }

@@ -7,6 +7,7 @@
 //! client programmed (mpqemu), and guest memory is built from the fds the
 //! client passes.
 
+use crate::{Error, Result};
 use iopath_devices::pci::ConfigSpace;
 use iopath_devices::{BarKind, Counter, DeviceContext, GuestMemoryMmap, SharedDevice};
 use std::fs::File;
@@ -20,7 +21,7 @@ pub struct PciFunction {
 }
 
 impl PciFunction {
-    pub fn new(device: SharedDevice) -> Result<Self, String> {
+    pub fn new(device: SharedDevice) -> Result<Self> {
         let mut config = ConfigSpace::new(device.ids(), &device.bars())?;
         config.add_capabilities(&device.capabilities())?;
         Ok(PciFunction { config, device, stray_accesses: 0 })
@@ -112,23 +113,29 @@ pub struct SharedRegion {
 /// Maps the regions a client passed as one guest memory. Each fd must be
 /// at least `offset + size` long (a shorter file would fault on access),
 /// and regions may not overlap.
-pub fn map_guest_memory(regions: Vec<SharedRegion>) -> Result<GuestMemoryMmap, String> {
+pub fn map_guest_memory(regions: Vec<SharedRegion>) -> Result<GuestMemoryMmap> {
     let mut mapped = Vec::new();
     for r in regions {
-        let end = r.offset.checked_add(r.size).ok_or("region offset + size overflows")?;
-        let len = r.file.metadata().map_err(|e| format!("fstat of a memory fd: {e}"))?.len();
+        let at = r.gpa;
+        let end = r
+            .offset
+            .checked_add(r.size)
+            .ok_or_else(|| Error::protocol(format!("memory region at {at:#x}: offset + size overflows")))?;
+        let len = r.file.metadata().map_err(|e| Error::io("fstat of a memory fd", e))?.len();
         if r.size == 0 || end > len {
-            return Err(format!(
-                "memory region at {:#x}: {:#x} bytes from offset {:#x} but the fd holds {len:#x}",
-                r.gpa, r.size, r.offset
-            ));
+            return Err(Error::protocol(format!(
+                "memory region at {at:#x}: {:#x} bytes from offset {:#x} but the fd holds {len:#x}",
+                r.size, r.offset
+            )));
         }
-        let size = usize::try_from(r.size).map_err(|_| "region too large")?;
+        let size =
+            usize::try_from(r.size).map_err(|_| Error::protocol(format!("memory region at {at:#x}: too large")))?;
         let m = MmapRegion::from_file(FileOffset::new(r.file, r.offset), size)
-            .map_err(|e| format!("mmap of guest memory at {:#x}: {e}", r.gpa))?;
-        mapped.push(GuestRegionMmap::new(m, GuestAddress(r.gpa)).ok_or("guest region overflows")?);
+            .map_err(|e| Error::io(format!("mmap of guest memory at {at:#x}"), std::io::Error::other(e)))?;
+        let region = GuestRegionMmap::new(m, GuestAddress(at));
+        mapped.push(region.ok_or_else(|| Error::protocol(format!("memory region at {at:#x}: overflows")))?);
     }
-    GuestMemoryMmap::from_regions(mapped).map_err(|e| format!("guest memory map: {e}"))
+    GuestMemoryMmap::from_regions(mapped).map_err(|e| Error::protocol(format!("guest memory map: {e}")))
 }
 
 /// An empty guest memory (before a client shared any).
@@ -174,7 +181,7 @@ mod tests {
         let mut file = tempfile();
         file.write_all(&[0u8; 8192]).unwrap();
         let short = SharedRegion { gpa: 0, size: 16384, offset: 0, file: file.try_clone().unwrap() };
-        assert!(map_guest_memory(vec![short]).unwrap_err().contains("fd holds"));
+        assert!(map_guest_memory(vec![short]).unwrap_err().to_string().contains("fd holds"));
         let ok = SharedRegion { gpa: 0x10000, size: 4096, offset: 4096, file: file.try_clone().unwrap() };
         let mem = map_guest_memory(vec![ok]).unwrap();
         mem.write_obj(0xabcdu16, GuestAddress(0x10010)).unwrap();
@@ -184,12 +191,6 @@ mod tests {
     }
 
     fn tempfile() -> File {
-        let name = std::ffi::CString::new("iopath-test").unwrap();
-        // SAFETY: memfd_create with a valid name; the fd is owned by the File.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), 0) };
-        assert!(fd >= 0);
-        use std::os::fd::FromRawFd;
-        // SAFETY: fresh, owned fd.
-        unsafe { File::from_raw_fd(fd) }
+        crate::testing::memfd("iopath-test")
     }
 }

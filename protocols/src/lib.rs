@@ -1,20 +1,36 @@
-//! Transports: how a guest's BAR access reaches a device model.
+//! Out-of-process device protocols: how a guest's BAR access reaches a
+//! device model that runs in another process.
 //!
-//! - [`exit`]: the access exits KVM to the VMM's vCPU thread, which calls the
-//!   device model directly (KVM_EXIT_MMIO / KVM_EXIT_IO).
-//! - [`ioeventfd`]: KVM consumes a matching write in the kernel and signals an
-//!   eventfd that a device thread waits on (the value is lost, only counted).
+//! Each protocol is a folder with its wire codec, its proxy (the VMM side: a
+//! `DeviceModel` the VMM hosts) and its server (the device side, in
+//! `iopath serve`):
+//! - [`mpqemu`]: QEMU's multi-process protocol.
+//! - [`vfio_user`]: vfio-user, and [`vfio_user::ioregionfd`], its extension
+//!   that carries BAR accesses on ioregionfd region fds.
 //!
-//! Out-of-process transports (mpqemu, ioregionfd, vfio-user) and the
-//! shared-memory doorbell are added here, one file each. This crate knows the
-//! device model trait and KVM; it does not know the VMM's buses.
+//! Each one is a [`Transport`] with one entry in [`TRANSPORTS`]; [`attach`]
+//! (the VMM side), [`serve`] (the device process) and the benches find it
+//! there by name. Shared by all: [`socket`] (messages with SCM_RIGHTS fds),
+//! [`peer`] (what a proxy keeps about its device process), [`process`]
+//! (starting one, reading its report), [`function`] (a model and its
+//! configuration space, as a device process hosts it).
+//!
+//! This crate knows the device model trait and hands interrupt eventfds
+//! around; it does not call KVM and does not know the VMM's buses.
 
 pub mod attach;
+pub mod error;
 pub mod function;
-pub mod ioregionfd;
 pub mod mpqemu;
 pub mod peer;
 pub mod process;
 pub mod serve;
 pub mod socket;
+pub mod transport;
 pub mod vfio_user;
+
+#[cfg(test)]
+mod testing;
+
+pub use error::{Error, Result};
+pub use transport::{transport, Server, Transport, TRANSPORTS};

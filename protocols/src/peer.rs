@@ -4,6 +4,7 @@
 //! process's own counters once the session ends.
 
 use crate::process::DeviceProcess;
+use crate::{Error, Result};
 use iopath_devices::{Counter, FailFn};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +18,7 @@ pub struct Peer {
     pub sock: UnixStream,
     pub name: String,
     pub fail: Option<FailFn>,
+    /// The first error, after which the peer is given up on.
     pub dead: Option<String>,
     watching: Arc<AtomicBool>,
     child: Option<DeviceProcess>,
@@ -41,13 +43,21 @@ impl Peer {
     }
 
     /// Records the first error and stops the run through the fail hook.
-    pub fn die(&mut self, e: String) {
+    pub fn die(&mut self, e: &Error) {
         if self.dead.is_none() {
             self.watching.store(false, Ordering::Release);
             if let Some(f) = &self.fail {
                 f(format!("{}: {e}", self.name));
             }
-            self.dead = Some(e);
+            self.dead = Some(e.to_string());
+        }
+    }
+
+    /// `Err(PeerGone)` once the peer is given up on: nothing more is sent.
+    pub fn alive(&self) -> Result<()> {
+        match &self.dead {
+            Some(e) => Err(Error::PeerGone(e.clone())),
+            None => Ok(()),
         }
     }
 

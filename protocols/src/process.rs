@@ -3,6 +3,7 @@
 //! line on standard output with the device's own counters, which is how the
 //! VMM verifies routing for a device it does not host.
 
+use crate::{Error, Result};
 use iopath_devices::Counter;
 use std::io::{BufRead, BufReader};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -60,7 +61,7 @@ pub fn inherit_as_fd3(cmd: &mut Command, fd: &OwnedFd) {
 
 impl DeviceProcess {
     /// Starts `exe serve <args>` with `socket` as its fd 3.
-    pub fn spawn(exe: &Path, args: &[String], socket: OwnedFd) -> Result<Self, String> {
+    pub fn spawn(exe: &Path, args: &[String], socket: OwnedFd) -> Result<Self> {
         let mut cmd = Command::new(exe);
         cmd.arg("serve").args(args);
         let mut p = Self::spawn_command(cmd, socket)?;
@@ -70,13 +71,15 @@ impl DeviceProcess {
 
     /// Starts `cmd` with `socket` as its fd 3 (iopath serve, or QEMU's
     /// `-machine x-remote`).
-    pub fn spawn_command(mut cmd: Command, socket: OwnedFd) -> Result<Self, String> {
+    pub fn spawn_command(mut cmd: Command, socket: OwnedFd) -> Result<Self> {
         let exe = std::path::PathBuf::from(cmd.get_program());
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         inherit_as_fd3(&mut cmd, &socket);
-        let mut child = cmd.spawn().map_err(|e| format!("cannot start the device process {}: {e}", exe.display()))?;
+        let mut child =
+            cmd.spawn().map_err(|e| Error::io(format!("cannot start the device process {}", exe.display()), e))?;
         drop(socket);
-        let stdout: ChildStdout = child.stdout.take().ok_or("device process has no stdout")?;
+        let stdout: ChildStdout =
+            child.stdout.take().ok_or_else(|| Error::PeerGone("the device process has no stdout".into()))?;
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("device-process-out".into())
@@ -87,16 +90,12 @@ impl DeviceProcess {
                     }
                 }
             })
-            .map_err(|e| format!("cannot read the device process output: {e}"))?;
+            .map_err(|e| Error::io("cannot read the device process output", e))?;
         Ok(DeviceProcess { child, lines: rx, reports: false })
     }
 
-    pub fn id(&self) -> u32 {
-        self.child.id()
-    }
-
     /// Waits for the device's counters after the client disconnected.
-    pub fn counters(&mut self, timeout: Duration) -> Result<Vec<Counter>, String> {
+    pub fn counters(&mut self, timeout: Duration) -> Result<Vec<Counter>> {
         if !self.reports {
             return Ok(Vec::new());
         }
@@ -109,11 +108,13 @@ impl DeviceProcess {
                     None => log::info!("device process {}: {line}", self.child.id()),
                 },
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    return Err(format!("device process {} sent no counters in {timeout:?}", self.child.id()))
+                    let what = format!("counters of device process {} ({timeout:?})", self.child.id());
+                    return Err(Error::Timeout { what });
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     let status = self.child.try_wait().ok().flatten();
-                    return Err(format!("device process {} ended ({status:?}) without counters", self.child.id()));
+                    let id = self.child.id();
+                    return Err(Error::PeerGone(format!("device process {id} ended ({status:?}) without counters")));
                 }
             }
         }

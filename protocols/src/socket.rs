@@ -1,5 +1,6 @@
 //! Message I/O on an AF_UNIX stream socket with file descriptors passed as
-//! SCM_RIGHTS, shared by the mpqemu and vfio-user transports.
+//! SCM_RIGHTS, shared by every protocol, and the receive polling budget
+//! (`--spin-us`). Plain `io::Result`: the protocols add what was being read.
 //!
 //! A message is read whole: the fixed-size header first (fds travel with its
 //! first byte), then the body. Received fds are owned [`File`]s at once, so
@@ -24,10 +25,6 @@ static SPIN_NS: AtomicU64 = AtomicU64::new(0);
 /// Sets the polling budget of every receive in this process.
 pub fn set_spin(d: Duration) {
     SPIN_NS.store(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
-}
-
-pub fn spin() -> Duration {
-    Duration::from_nanos(SPIN_NS.load(Ordering::Relaxed))
 }
 
 /// Polls `fd` for input for up to the spin budget; returns early when

@@ -1,23 +1,31 @@
-use super::*;
-use std::os::fd::FromRawFd;
-use iopath_devices::testdev::PciTestDev;
+//! The proxy and the server over socketpairs: both io fd offers, a client
+//! after another, hostile requests, the DMA fallback, interrupts.
+
+use super::wire::*;
+use super::{recv, send, IoFds, Received, VfioUserProxy, VfioUserServer};
+use crate::function::PciFunction;
+use crate::testing::{device_intx_reaches, memfd, testdev, vmm_context};
+use crate::transport::Server;
+use crate::{Error, Result};
+use iopath_devices::irq::IrqLines;
+use iopath_devices::{BarKind, Counter, DeviceConfig, DeviceModelMut, Interrupts, IoEventSpec, IoEvents};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-type Server = JoinHandle<(Result<(), String>, Vec<Counter>)>;
-
-fn function() -> Arc<Mutex<PciFunction>> {
-    Arc::new(Mutex::new(PciFunction::new(Arc::new(Mutex::new(PciTestDev::new()))).unwrap()))
-}
+type ServerThread = JoinHandle<(Result<()>, Vec<Counter>)>;
 
 /// Serves `clients` connections in turn, one function (state kept across them).
-fn server(transport: Transport, socks: Vec<UnixStream>) -> Server {
+fn server(io_fds: IoFds, socks: Vec<UnixStream>) -> ServerThread {
     std::thread::spawn(move || {
-        let f = function();
-        let irq = IrqLines::new();
-        let mut st = ServerState::new(&f, transport, irq.clone());
+        let f = testdev();
+        let mut srv = VfioUserServer::new(f.clone(), IrqLines::new(), io_fds);
         let mut r = Ok(());
         for s in socks {
-            r = r.and(serve(&s, &f, &irq, &mut st));
+            r = r.and(srv.session(&s, "test"));
         }
         let c = f.lock().unwrap().counters();
         (r, c)
@@ -37,14 +45,14 @@ fn place(p: &mut VfioUserProxy) {
 #[test]
 fn proxy_and_server_run_pci_testdev_and_announce_its_ioeventfds() {
     let (a, b) = UnixStream::pair().unwrap();
-    let h = server(Transport::VfioUser, vec![b]);
+    let h = server(IoFds::IoEventFds, vec![b]);
     let mut p = VfioUserProxy::connect(a, None).unwrap();
     assert_eq!((p.ids().vendor, p.ids().device, p.ids().class), (0x1b36, 0x0005, 0xff0000));
     let bars = p.bars();
-    assert_eq!(bars.iter().map(|b| (b.index, b.kind, b.size)).collect::<Vec<_>>(), [
-        (0, BarKind::Mem32, 4096),
-        (1, BarKind::Io, 256)
-    ]);
+    assert_eq!(
+        bars.iter().map(|b| (b.index, b.kind, b.size)).collect::<Vec<_>>(),
+        [(0, BarKind::Mem32, 4096), (1, BarKind::Io, 256)]
+    );
     // Both eventfd tests of each BAR are announced: wildcard and datamatch 0xfa.
     let specs: Vec<IoEventSpec> = p.ioevents.iter().map(|(s, _)| *s).collect();
     assert_eq!(specs.len(), 4, "{specs:?}");
@@ -75,7 +83,7 @@ fn proxy_and_server_run_pci_testdev_and_announce_its_ioeventfds() {
 fn ioregionfd_regions_carry_sync_and_posted_accesses() {
     for posted in [false, true] {
         let (a, b) = UnixStream::pair().unwrap();
-        let h = server(Transport::IoRegionFd { posted }, vec![b]);
+        let h = server(IoFds::IoRegionFds { posted }, vec![b]);
         let mut p = VfioUserProxy::connect(a, None).unwrap();
         assert!(p.ioevents.is_empty());
         assert_eq!(p.regions.len(), 2);
@@ -102,7 +110,7 @@ fn ioregionfd_regions_carry_sync_and_posted_accesses() {
 fn a_new_client_finds_the_device_state_kept() {
     let (a1, b1) = UnixStream::pair().unwrap();
     let (a2, b2) = UnixStream::pair().unwrap();
-    let h = server(Transport::VfioUser, vec![b1, b2]);
+    let h = server(IoFds::IoEventFds, vec![b1, b2]);
     let mut p = VfioUserProxy::connect(a1, None).unwrap();
     place(&mut p);
     p.bar_write(0, 0, &[0]);
@@ -137,7 +145,7 @@ impl Raw {
 #[test]
 fn hostile_requests_get_error_replies_and_the_session_goes_on() {
     let (a, b) = UnixStream::pair().unwrap();
-    let h = server(Transport::VfioUser, vec![b]);
+    let h = server(IoFds::IoEventFds, vec![b]);
     let mut c = Raw(a, 0);
     let info = DeviceInfo::request().to_bytes();
     let e = c.call(Command::DeviceGetInfo as u16, &info, &[]);
@@ -154,9 +162,7 @@ fn hostile_requests_get_error_replies_and_the_session_goes_on() {
     short.truncate(18);
     assert!(c.call(Command::RegionWrite as u16, &short, &[]).is_error(), "data shorter than count");
     // A memfd shorter than the mapping it claims is refused, not mapped.
-    let name = std::ffi::CString::new("short").unwrap();
-    // SAFETY: memfd_create with a valid name; the fd is owned by the File.
-    let memfd = unsafe { File::from_raw_fd(libc::memfd_create(name.as_ptr(), 0)) };
+    let memfd = memfd("short");
     memfd.set_len(4096).unwrap();
     let map = DmaMap { flags: 3, offset: 0, address: 0, size: 1 << 20 };
     assert!(c.call(Command::DmaMap as u16, &map.to_bytes(), &[memfd.as_raw_fd()]).is_error());
@@ -179,32 +185,38 @@ fn hostile_requests_get_error_replies_and_the_session_goes_on() {
     m[4..8].copy_from_slice(&(64u32 << 20).to_le_bytes());
     send(&c.0, &m, &[]).unwrap();
     let (r, _) = h.join().unwrap();
-    assert!(r.unwrap_err().contains("exceeds"));
+    let e = r.unwrap_err();
+    assert!(matches!(e, Error::Protocol(_)) && e.to_string().contains("exceeds"), "{e}");
 }
 
 #[test]
 fn the_client_answers_dma_fallback_requests_within_guest_ram_only() {
     let (a, b) = UnixStream::pair().unwrap();
-    let h = server(Transport::VfioUser, vec![b]);
+    let h = server(IoFds::IoEventFds, vec![b]);
     let mut p = VfioUserProxy::connect(a, None).unwrap();
     let mem = iopath_devices::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap();
     p.mem = Some(mem.clone());
     let hdr = |cmd: Command| Header { msg_id: 9, cmd: cmd as u16, msg_size: 0, flags: 0, error_no: 0 };
-    let w = Received {
-        hdr: hdr(Command::DmaWrite),
-        payload: DmaAccess::to_bytes_with_data(0x100, b"hello"),
-        fds: vec![],
-    };
+    let w =
+        Received { hdr: hdr(Command::DmaWrite), payload: DmaAccess::to_bytes_with_data(0x100, b"hello"), fds: vec![] };
     let (rh, _) = parse_message(&p.serve_dma(&w)).map(|(h, p)| (h, p.to_vec())).unwrap();
     assert!(!rh.is_error());
     let mut got = [0u8; 5];
     mem.read_slice(&mut got, GuestAddress(0x100)).unwrap();
     assert_eq!(&got, b"hello");
-    let r = Received { hdr: hdr(Command::DmaRead), payload: DmaAccess { address: 0x100, count: 5 }.to_bytes(), fds: vec![] };
+    let r = Received {
+        hdr: hdr(Command::DmaRead),
+        payload: DmaAccess { address: 0x100, count: 5 }.to_bytes(),
+        fds: vec![],
+    };
     let reply = p.serve_dma(&r);
     let (_, payload) = parse_message(&reply).unwrap();
     assert_eq!(DmaAccess::parse_with_data(payload).unwrap().1, b"hello");
-    let out = Received { hdr: hdr(Command::DmaRead), payload: DmaAccess { address: 0xfffe, count: 4 }.to_bytes(), fds: vec![] };
+    let out = Received {
+        hdr: hdr(Command::DmaRead),
+        payload: DmaAccess { address: 0xfffe, count: 4 }.to_bytes(),
+        fds: vec![],
+    };
     let (eh, _) = parse_message(&p.serve_dma(&out)).unwrap();
     assert_eq!((eh.is_error(), eh.error_no), (true, libc::EFAULT as u32), "straddles the end of guest RAM");
     drop(p);
@@ -216,20 +228,16 @@ fn set_irqs_hands_intx_to_the_device_process_and_dma_map_its_ram() {
     let (a, b) = UnixStream::pair().unwrap();
     let irq = IrqLines::new();
     let irq2 = irq.clone();
-    let h = std::thread::spawn(move || {
-        let f = function();
-        let mut st = ServerState::new(&f, Transport::VfioUser, irq2.clone());
-        serve(&b, &f, &irq2, &mut st)
-    });
+    let h = std::thread::spawn(move || VfioUserServer::new(testdev(), irq2, IoFds::IoEventFds).session(&b, "test"));
     let mut p = VfioUserProxy::connect(a, None).unwrap();
-    let (ctx, trigger) = crate::mpqemu::irq_tests::vmm_context();
+    let (ctx, trigger) = vmm_context();
     let recorder = Arc::new(Recorder::default());
     let mut ctx = ctx;
     ctx.ioevents = recorder.clone();
     p.attach(ctx);
     assert!(p.peer.dead.is_none(), "{:?}", p.peer.dead);
     assert_eq!(recorder.0.lock().unwrap().len(), 4, "the announced ioeventfds went to KVM's registrar");
-    crate::mpqemu::irq_tests::device_intx_reaches(&irq, &trigger);
+    device_intx_reaches(&irq, &trigger);
     drop(p);
     h.join().unwrap().unwrap();
 }
@@ -244,4 +252,72 @@ impl IoEvents for Recorder {
     fn unregister(&self, _: IoEventSpec, _: &EventFd) -> iopath_devices::Result<()> {
         Ok(())
     }
+}
+
+/// What the VMM's interrupt host sees of a proxy's MSI-X: routes, and the
+/// vector eventfds it handed out.
+type Route = (u16, Option<(u64, u32)>);
+
+#[derive(Default)]
+struct MsixHost {
+    routes: Mutex<Vec<Route>>,
+    given: Mutex<Vec<(u16, EventFd)>>,
+}
+impl Interrupts for MsixHost {
+    fn set_intx(&self, _: bool) {}
+    fn signal_msix(&self, _: u16) -> bool {
+        false
+    }
+    fn msix_route(&self, v: u16, msg: Option<(u64, u32)>) {
+        self.routes.lock().unwrap().push((v, msg));
+    }
+    fn msix_eventfd(&self, v: u16) -> Option<EventFd> {
+        let fd = EventFd::new(EFD_NONBLOCK).unwrap();
+        let copy = fd.try_clone().unwrap();
+        self.given.lock().unwrap().push((v, fd));
+        Some(copy)
+    }
+}
+
+#[test]
+fn msix_vectors_are_routed_in_the_vmm_and_their_eventfds_handed_over_once() {
+    let (a, b) = UnixStream::pair().unwrap();
+    let dev = "nvme,doorbell=mmio,backend=null".parse::<DeviceConfig>().unwrap().build().unwrap();
+    let irq = IrqLines::new();
+    let device_side = irq.clone();
+    let h = std::thread::spawn(move || {
+        let f = Arc::new(Mutex::new(PciFunction::new(dev).unwrap()));
+        VfioUserServer::new(f, irq, IoFds::IoEventFds).session(&b, "test")
+    });
+    let mut p = VfioUserProxy::connect(a, None).unwrap();
+    let (mut ctx, _) = vmm_context();
+    let host = Arc::new(MsixHost::default());
+    ctx.irq = host.clone();
+    p.attach(ctx);
+    let (bar, cap) = p.msix.as_ref().map(|m| (m.bar(), m.cap_offset())).expect("the controller has MSI-X");
+    let mut t = [0u8; 4];
+    assert!(p.config_read(cap + 4, &mut t));
+    let table = (u32::from_le_bytes(t) & !7) as u64;
+    // Vector 1: message, then unmasked; MSI-X still off, so nothing is routed.
+    p.bar_write(bar, table + 16, &0xfee0_0000u64.to_le_bytes());
+    p.bar_write(bar, table + 24, &0x45u32.to_le_bytes());
+    p.bar_write(bar, table + 28, &0u32.to_le_bytes());
+    assert!(host.routes.lock().unwrap().is_empty());
+    // MSI-X Enable: vector 1 is routed in the VMM and its eventfd handed over.
+    p.config_write(cap + 3, &[0x80]);
+    assert_eq!(*host.routes.lock().unwrap(), [(1, Some((0xfee0_0000, 0x45)))]);
+    assert!(device_side.signal_msix(1), "the device process has vector 1's eventfd");
+    let given: Vec<u16> = host.given.lock().unwrap().iter().map(|(v, _)| *v).collect();
+    assert_eq!(given, [1]);
+    assert_eq!(host.given.lock().unwrap()[0].1.read().unwrap(), 1);
+    // Masking keeps the route (the device holds the vector pending); a new
+    // message re-routes it, and the eventfd is not handed over again.
+    p.bar_write(bar, table + 28, &1u32.to_le_bytes());
+    p.bar_write(bar, table + 24, &0x46u32.to_le_bytes());
+    p.bar_write(bar, table + 28, &0u32.to_le_bytes());
+    assert_eq!(host.routes.lock().unwrap().last(), Some(&(1, Some((0xfee0_0000, 0x46)))));
+    assert_eq!(host.given.lock().unwrap().len(), 1);
+    assert!(p.peer.dead.is_none(), "{:?}", p.peer.dead);
+    drop(p);
+    h.join().unwrap().unwrap();
 }

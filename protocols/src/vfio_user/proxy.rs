@@ -1,0 +1,462 @@
+//! The VMM side of vfio-user: a device in another process as a
+//! [`DeviceModel`](iopath_devices::DeviceModel) the VMM hosts.
+//!
+//! `connect` negotiates the version and reads the device's identity,
+//! regions, MSI-X table location and io fds. At attach the proxy maps guest
+//! RAM into the device process (DMA_MAP with the memfd), installs the
+//! ioeventfds the server announced, and hands over the INTx eventfds. BAR
+//! accesses go on a region fd if one covers them, else as REGION_READ/WRITE.
+//! The proxy keeps a copy of the MSI-X table from the writes it forwards,
+//! routes each vector in the VMM and hands the vector's eventfd to the
+//! device process (SET_IRQS) the first time it is routed.
+//!
+//! An error reply is the answer to one request; any other error ends the
+//! peer (the run stops, accesses read all-ones).
+
+use super::ioregionfd::{RegionClient, COMMANDS};
+use super::wire::*;
+use super::{recv, send, Received, CONFIG_REGION_SIZE, MAX_FDS};
+use crate::peer::Peer;
+use crate::process::DeviceProcess;
+use crate::{Error, Result};
+use iopath_devices::pci::MsixTable;
+use iopath_devices::{
+    le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModelMut, Interrupts, IoEventSpec, MappedArea,
+    PciIds, SharedDevice,
+};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+use vmm_sys_util::eventfd::EventFd;
+
+/// The proxy counter of requests sent (one per access that crossed as a message).
+pub const REQUESTS: &str = "vfio-user.requests";
+
+/// A device in another process over vfio-user (or its ioregionfd extension).
+pub struct VfioUserProxy {
+    pub(super) peer: Peer,
+    next_id: u16,
+    ids: PciIds,
+    bars: Vec<BarSpec>,
+    /// Ioeventfds the server announced: installed as KVM ioeventfds at attach.
+    pub(super) ioevents: Vec<(IoEventSpec, EventFd)>,
+    /// ioregionfd regions the server announced, by BAR.
+    pub(super) regions: Vec<(u8, RegionClient)>,
+    pub(super) mem: Option<iopath_devices::GuestMemoryMmap>,
+    pub(super) requests: u64,
+    dma_requests: u64,
+    /// ioregionfd commands of regions already closed.
+    region_commands: u64,
+    max_xfer: u32,
+    /// The device's MSI-X table as the guest programs it (the proxy turns it into routes).
+    pub(super) msix: Option<MsixTable>,
+    /// Per MSI-X vector: its eventfd was handed to the device process.
+    msix_given: Vec<bool>,
+    /// BAR parts the server offered as memory (sparse mmap).
+    areas: Vec<MappedArea>,
+    irq: Option<Arc<dyn Interrupts>>,
+}
+
+fn pci_ids(cfg: &[u8]) -> PciIds {
+    let u16_at = |o: usize| u16::from_le_bytes([cfg[o], cfg[o + 1]]);
+    let class = u32::from_le_bytes([cfg[8], cfg[9], cfg[10], cfg[11]]);
+    PciIds {
+        vendor: u16_at(0),
+        device: u16_at(2),
+        class: class >> 8,
+        revision: class as u8,
+        subsystem_vendor: u16_at(0x2c),
+        subsystem: u16_at(0x2e),
+    }
+}
+
+/// A reply payload that does not parse.
+fn bad_reply(what: impl std::fmt::Display) -> impl FnOnce(WireError) -> Error {
+    move |e| Error::protocol(format!("{what}: {e}"))
+}
+
+impl VfioUserProxy {
+    /// Negotiates the version, reads the device's regions, identity and
+    /// announced io fds.
+    pub fn connect(sock: UnixStream, child: Option<DeviceProcess>) -> Result<Self> {
+        let mut p = VfioUserProxy {
+            peer: Peer::new(sock, "vfio-user", child),
+            next_id: 0,
+            ids: pci_ids(&[0; 64]),
+            bars: Vec::new(),
+            ioevents: Vec::new(),
+            regions: Vec::new(),
+            mem: None,
+            requests: 0,
+            dma_requests: 0,
+            region_commands: 0,
+            max_xfer: DEFAULT_MAX_DATA_XFER_SIZE,
+            msix: None,
+            msix_given: Vec::new(),
+            areas: Vec::new(),
+            irq: None,
+        };
+        let caps = Capabilities { max_msg_fds: MAX_FDS, ..Capabilities::default() };
+        let v = Version { major: VERSION_MAJOR, minor: VERSION_MINOR, capabilities: Some(caps) };
+        let r = p.request(Command::Version, &v.to_bytes(), &[])?;
+        let theirs = Version::parse(&r.payload).map_err(bad_reply("VERSION reply"))?;
+        if theirs.major != VERSION_MAJOR || theirs.minor > VERSION_MINOR {
+            return Err(Error::protocol(format!("server speaks version {}.{}", theirs.major, theirs.minor)));
+        }
+        p.max_xfer = theirs.caps().max_data_xfer_size;
+        let r = p.request(Command::DeviceGetInfo, &DeviceInfo::request().to_bytes(), &[])?;
+        let info = DeviceInfo::parse(&r.payload).map_err(bad_reply("DEVICE_GET_INFO reply"))?;
+        if info.flags & DEVICE_FLAGS_PCI == 0 || info.num_regions <= PCI_CONFIG_REGION_INDEX {
+            let (flags, n) = (info.flags, info.num_regions);
+            return Err(Error::protocol(format!("not a PCI device (flags {flags:#x}, {n} regions)")));
+        }
+        let cfg = p.region_read(PCI_CONFIG_REGION_INDEX, 0, CONFIG_REGION_SIZE as u32)?;
+        p.ids = pci_ids(&cfg);
+        let r = p.request(Command::DeviceGetIrqInfo, &IrqInfo::request(PCI_MSIX_IRQ_INDEX).to_bytes(), &[]);
+        let msix_count = r.ok().and_then(|r| IrqInfo::parse(&r.payload).ok()).map_or(0, |i| i.count);
+        p.msix = MsixTable::find(&cfg, msix_count);
+        p.msix_given = vec![false; p.msix.as_ref().map_or(0, |m| m.vectors())];
+        let mut i = 0u32;
+        while i < 6 {
+            let q = RegionInfo::request(i, 32 + 16 + 16 * 16);
+            let r = p.request(Command::DeviceGetRegionInfo, &q.to_bytes(), &[])?;
+            let reply = RegionInfoReply::parse(&r.payload).map_err(bad_reply(format!("REGION_INFO {i}")))?;
+            let ri = reply.info;
+            // A sparse mmap: parts of the BAR that are memory of the device process.
+            if let (Some(areas), Some(fd)) = (&reply.sparse_mmap, r.fds.first()) {
+                if ri.flags & REGION_INFO_FLAG_MMAP != 0 {
+                    for a in areas {
+                        let Some(fd_offset) = ri.offset.checked_add(a.offset) else { continue };
+                        if a.offset.checked_add(a.size).is_some_and(|e| e <= ri.size) {
+                            let fd = fd.try_clone().map_err(|e| Error::io("dup of a region fd", e))?;
+                            p.areas.push(MappedArea { bar: i as u8, offset: a.offset, size: a.size, fd, fd_offset });
+                        }
+                    }
+                }
+            }
+            let at = 0x10 + 4 * i as usize;
+            let bar = u32::from_le_bytes([cfg[at], cfg[at + 1], cfg[at + 2], cfg[at + 3]]);
+            let kind = if bar & 1 == 1 {
+                BarKind::Io
+            } else if (bar >> 1) & 3 == 2 {
+                BarKind::Mem64
+            } else {
+                BarKind::Mem32
+            };
+            if ri.size > 0 {
+                p.bars.push(BarSpec { index: i as u8, kind, size: ri.size });
+            }
+            i += if kind == BarKind::Mem64 && ri.size > 0 { 2 } else { 1 };
+        }
+        for b in p.bars.clone() {
+            p.io_fds(b)?;
+        }
+        Ok(p)
+    }
+
+    /// [`connect`](Self::connect), named `name` in reports, as the VMM hosts it.
+    pub fn shared(sock: UnixStream, child: Option<DeviceProcess>, name: &str) -> Result<SharedDevice> {
+        let mut p = Self::connect(sock, child)?;
+        p.set_name(name);
+        Ok(Arc::new(Mutex::new(p)))
+    }
+
+    pub fn set_name(&mut self, name: &str) {
+        self.peer.name = name.to_string();
+    }
+
+    /// Reads the io fds the server offers for BAR `b`.
+    fn io_fds(&mut self, b: BarSpec) -> Result<()> {
+        let mut argsz = 16 + 40 * 8;
+        let (reply, fds) = loop {
+            let q = IoFdsRequest { argsz, index: b.index as u32 };
+            let r = match self.request(Command::DeviceGetRegionIoFds, &q.to_bytes(), &[]) {
+                Ok(r) => r,
+                Err(e @ Error::Remote { .. }) => {
+                    log::info!("{}: no io fds for BAR{}: {e}", self.peer.name, b.index);
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            };
+            let reply = IoFdsReply::parse(&r.payload).map_err(bad_reply(format!("REGION_IO_FDS {}", b.index)))?;
+            if reply.is_truncated() && reply.argsz > argsz && reply.argsz < 1 << 20 {
+                argsz = reply.argsz;
+                continue;
+            }
+            break (reply, r.fds);
+        };
+        let io = b.kind == BarKind::Io;
+        for e in reply.entries {
+            let (i, n) = (e.fd_index(), fds.len());
+            let fd =
+                fds.get(i as usize).ok_or_else(|| Error::protocol(format!("BAR{}: fd index {i} of {n}", b.index)))?;
+            let fd = fd.try_clone().map_err(|e| Error::io("dup of an io fd", e))?;
+            match e {
+                IoFdEntry::IoEventFd { offset, size, flags, datamatch, .. } => {
+                    if offset.checked_add(size.max(1)).is_none_or(|x| x > b.size)
+                        || (flags & KVM_IOEVENTFD_FLAG_PIO != 0) != io
+                        || !matches!(size, 0 | 1 | 2 | 4 | 8)
+                    {
+                        return Err(Error::protocol(format!("BAR{}: bad ioeventfd sub-region {e:?}", b.index)));
+                    }
+                    let dm = (flags & KVM_IOEVENTFD_FLAG_DATAMATCH != 0).then_some(datamatch);
+                    let spec = IoEventSpec { bar: b.index, offset, len: size as u32, datamatch: dm };
+                    self.ioevents.push((spec, iopath_devices::irq::eventfd_from(fd)));
+                }
+                IoFdEntry::IoRegionFd { offset, size, flags, user_data, .. } => {
+                    if offset.checked_add(size).is_none_or(|x| x > b.size) || (flags & KVM_IOREGION_PIO != 0) != io {
+                        return Err(Error::protocol(format!("BAR{}: bad ioregionfd sub-region {e:?}", b.index)));
+                    }
+                    let posted = flags & KVM_IOREGION_POSTED_WRITES != 0;
+                    let s = UnixStream::from(std::os::fd::OwnedFd::from(fd));
+                    self.regions.push((b.index, RegionClient::new(s, offset, size, user_data, posted)));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends a command and waits for its reply, serving the server's
+    /// DMA_READ/DMA_WRITE commands that arrive meanwhile. An error reply is
+    /// [`Error::Remote`] and leaves the peer up; any other error ends it.
+    fn request(&mut self, cmd: Command, payload: &[u8], fds: &[RawFd]) -> Result<Received> {
+        self.peer.alive()?;
+        self.requests += 1;
+        self.next_id = self.next_id.wrapping_add(1);
+        let id = self.next_id;
+        let r = self.exchange(id, cmd, payload, fds);
+        match &r {
+            Ok(_) | Err(Error::Remote { .. }) => {}
+            Err(e) => self.peer.die(e),
+        }
+        r
+    }
+
+    fn exchange(&mut self, id: u16, cmd: Command, payload: &[u8], fds: &[RawFd]) -> Result<Received> {
+        send(&self.peer.sock, &message(id, cmd, FLAGS_TYPE_COMMAND, payload), fds)?;
+        let mut served = 0;
+        loop {
+            let m = recv(&self.peer.sock)?
+                .ok_or_else(|| Error::PeerGone("the device process closed the vfio-user socket".into()))?;
+            if !m.hdr.is_reply() {
+                served += 1;
+                if served > 4096 {
+                    let e = format!("the server sent {served} commands while {cmd:?} waited for its reply");
+                    return Err(Error::protocol(e));
+                }
+                let reply = self.serve_dma(&m);
+                send(&self.peer.sock, &reply, &[])?;
+                continue;
+            }
+            if m.hdr.msg_id != id || m.hdr.cmd != cmd as u16 {
+                let (got, c) = (m.hdr.msg_id, m.hdr.cmd);
+                return Err(Error::protocol(format!("reply {got} to command {c} while waiting for {id}")));
+            }
+            if m.hdr.is_error() {
+                return Err(Error::Remote { command: format!("{cmd:?}"), errno: m.hdr.error_no });
+            }
+            return Ok(m);
+        }
+    }
+
+    /// Answers a server's DMA_READ/DMA_WRITE from guest RAM, bounds-checked.
+    pub(super) fn serve_dma(&mut self, m: &Received) -> Vec<u8> {
+        self.dma_requests += 1;
+        let Some(mem) = &self.mem else { return error_reply(&m.hdr, libc::EFAULT) };
+        let max = self.max_xfer as u64;
+        match m.hdr.command() {
+            Some(Command::DmaRead) => match DmaAccess::parse(&m.payload) {
+                Ok(a) if a.count <= max => {
+                    let mut buf = vec![0u8; a.count as usize];
+                    match mem.read_slice(&mut buf, GuestAddress(a.address)) {
+                        Ok(()) => reply(&m.hdr, &DmaAccess::to_bytes_with_data(a.address, &buf)),
+                        Err(_) => error_reply(&m.hdr, libc::EFAULT),
+                    }
+                }
+                _ => error_reply(&m.hdr, libc::EINVAL),
+            },
+            Some(Command::DmaWrite) => match DmaAccess::parse_with_data(&m.payload) {
+                Ok((a, data)) if a.count <= max => match mem.write_slice(data, GuestAddress(a.address)) {
+                    Ok(()) => reply(&m.hdr, &DmaAccess { address: a.address, count: a.count }.to_bytes()),
+                    Err(_) => error_reply(&m.hdr, libc::EFAULT),
+                },
+                _ => error_reply(&m.hdr, libc::EINVAL),
+            },
+            _ => error_reply(&m.hdr, libc::ENOTSUP),
+        }
+    }
+
+    fn region_read(&mut self, region: u32, offset: u64, count: u32) -> Result<Vec<u8>> {
+        let q = RegionAccess { offset, region, count };
+        let r = self.request(Command::RegionRead, &q.to_bytes(), &[])?;
+        let (a, data) = RegionAccess::parse_with_data(&r.payload).map_err(bad_reply("REGION_READ reply"))?;
+        if a.count != count || data.len() != count as usize {
+            return Err(Error::protocol(format!("REGION_READ of {count} bytes answered with {}", data.len())));
+        }
+        Ok(data.to_vec())
+    }
+
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<()> {
+        let q = RegionAccess::to_bytes_with_data(offset, region, data);
+        self.request(Command::RegionWrite, &q, &[]).map(|_| ())
+    }
+
+    /// Brings vector `v`'s route up to date and, the first time it is
+    /// routed, hands its eventfd to the device process.
+    fn msix_sync(&mut self, v: usize) {
+        let (Some(m), Some(irq)) = (&self.msix, self.irq.clone()) else { return };
+        // Masking is the device's to enforce (it sees the same write and holds
+        // the vector pending). Taking the route away here could drop a
+        // message the device sent just before it saw the mask.
+        let Some(route) = m.route(v) else { return };
+        irq.msix_route(v as u16, Some(route));
+        if self.msix_given.get(v) != Some(&false) {
+            return;
+        }
+        let Some(fd) = irq.msix_eventfd(v as u16) else { return };
+        let flags = IRQ_SET_DATA_EVENTFD | IRQ_SET_ACTION_TRIGGER;
+        let q = IrqSet { flags, index: PCI_MSIX_IRQ_INDEX, start: v as u32, count: 1, data: vec![] };
+        match self.request(Command::DeviceSetIrqs, &q.to_bytes(), &[fd.as_raw_fd()]) {
+            Ok(_) => self.msix_given[v] = true,
+            Err(e) => log::warn!("{}: MSI-X vector {v}: {e}", self.peer.name),
+        }
+    }
+
+    /// Observes a BAR write that lands in the MSI-X table (before it is forwarded).
+    fn msix_table_write(&mut self, bar: u8, offset: u64, data: &[u8]) {
+        if let Some(v) = self.msix.as_mut().and_then(|m| m.write(bar, offset, data)) {
+            self.msix_sync(v);
+        }
+    }
+
+    /// Observes a configuration write to MSI-X Message Control.
+    fn msix_control_write(&mut self, offset: usize, data: &[u8]) {
+        let Some(m) = &mut self.msix else { return };
+        if !m.config_write(offset, data) {
+            return;
+        }
+        for v in 0..m.vectors() {
+            self.msix_sync(v);
+        }
+    }
+
+    fn region_of(&mut self, bar: u8, offset: u64, len: usize) -> Option<&mut RegionClient> {
+        self.regions.iter_mut().find(|(b, r)| *b == bar && r.covers(offset, len)).map(|(_, r)| r)
+    }
+
+    fn setup(&mut self, ctx: &DeviceContext) -> Result<()> {
+        for r in ctx.mem.iter() {
+            let fo = r.file_offset().ok_or_else(|| Error::Config("guest RAM is not fd-backed".into()))?;
+            let map = DmaMap {
+                flags: DMA_MAP_FLAG_READ | DMA_MAP_FLAG_WRITE,
+                offset: fo.start(),
+                address: r.start_addr().0,
+                size: r.len(),
+            };
+            self.request(Command::DmaMap, &map.to_bytes(), &[fo.file().as_raw_fd()])?;
+        }
+        for (spec, fd) in &self.ioevents {
+            ctx.ioevents.register(*spec, fd).map_err(|e| Error::from(e).context(format!("installing {spec:?}")))?;
+        }
+        if let Some((t, r)) = ctx.irq.intx_eventfds() {
+            for (action, fd) in [(IRQ_SET_ACTION_TRIGGER, &t), (IRQ_SET_ACTION_UNMASK, &r)] {
+                let flags = IRQ_SET_DATA_EVENTFD | action;
+                let q = IrqSet { flags, index: PCI_INTX_IRQ_INDEX, start: 0, count: 1, data: vec![] };
+                self.request(Command::DeviceSetIrqs, &q.to_bytes(), &[fd.as_raw_fd()])?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl DeviceModelMut for VfioUserProxy {
+    fn name(&self) -> String {
+        self.peer.name.clone()
+    }
+    fn ids(&self) -> PciIds {
+        self.ids
+    }
+    fn bars(&self) -> Vec<BarSpec> {
+        self.bars.clone()
+    }
+
+    fn attach(&mut self, ctx: DeviceContext) {
+        self.peer.fail = Some(ctx.fail.clone());
+        self.mem = Some(ctx.mem.clone());
+        self.irq = Some(ctx.irq.clone());
+        match self.setup(&ctx) {
+            Ok(()) => self.peer.watch(),
+            Err(e) => self.peer.die(&e),
+        }
+    }
+
+    fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) {
+        let n = data.len();
+        let v = match self.region_of(bar, offset, n) {
+            Some(r) => r.read(offset, n),
+            None => self.region_read(bar as u32, offset, n as u32).map(|d| le_value(&d)),
+        };
+        match v {
+            Ok(v) => le_fill(data, v),
+            Err(e) => {
+                self.peer.die(&e);
+                data.fill(0xff);
+            }
+        }
+    }
+
+    fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]) {
+        // Routes first: the device may fire a vector as soon as it sees it unmasked.
+        self.msix_table_write(bar, offset, data);
+        let r = match self.region_of(bar, offset, data.len()) {
+            Some(r) => r.write(offset, data.len(), le_value(data)),
+            None => self.region_write(bar as u32, offset, data),
+        };
+        if let Err(e) = r {
+            self.peer.die(&e);
+        }
+    }
+
+    fn mapped_areas(&self) -> Vec<MappedArea> {
+        self.areas
+            .iter()
+            .filter_map(|a| {
+                let fd = a.fd.try_clone().ok()?;
+                Some(MappedArea { bar: a.bar, offset: a.offset, size: a.size, fd, fd_offset: a.fd_offset })
+            })
+            .collect()
+    }
+
+    fn config_read(&mut self, offset: usize, data: &mut [u8]) -> bool {
+        match self.region_read(PCI_CONFIG_REGION_INDEX, offset as u64, data.len() as u32) {
+            Ok(d) => data.copy_from_slice(&d),
+            Err(_) => data.fill(0xff),
+        }
+        true
+    }
+
+    fn config_write(&mut self, offset: usize, data: &[u8]) {
+        self.msix_control_write(offset, data);
+        let _ = self.region_write(PCI_CONFIG_REGION_INDEX, offset as u64, data);
+    }
+
+    fn reset(&mut self) {
+        let _ = self.request(Command::DeviceReset, &[], &[]);
+    }
+
+    fn quiesce(&mut self) {
+        self.region_commands += self.regions.iter().map(|(_, r)| r.commands).sum::<u64>();
+        self.regions.clear();
+        self.peer.end();
+    }
+
+    fn counters(&self) -> Vec<Counter> {
+        let mut c = self.peer.remote.clone();
+        c.push(Counter { name: REQUESTS.into(), value: self.requests });
+        c.push(Counter { name: "vfio-user.dma-requests".into(), value: self.dma_requests });
+        let cmds: u64 = self.regions.iter().map(|(_, r)| r.commands).sum();
+        c.push(Counter { name: COMMANDS.into(), value: self.region_commands + cmds });
+        c
+    }
+}

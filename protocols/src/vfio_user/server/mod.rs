@@ -1,0 +1,218 @@
+//! The device side of vfio-user: the session loop and one handler per
+//! command, grouped by concern (`dma.rs`, `region.rs`, `irq.rs`; version,
+//! device info and reset here).
+//!
+//! Input is hostile. A request this side cannot serve gets an error reply
+//! (EINVAL unless a handler says which errno) and the session goes on; only
+//! a broken stream (a message that cannot be read or skipped, a reply where a
+//! command belongs, a failed send) ends the session with an error.
+
+mod dma;
+mod irq;
+mod region;
+
+use super::wire::{self, error_reply, Capabilities, Command, DeviceInfo, Version};
+use super::wire::{DEVICE_FLAGS_PCI, DEVICE_FLAGS_RESET, PCI_NUM_IRQS, PCI_NUM_REGIONS, VERSION_MAJOR, VERSION_MINOR};
+use super::{recv, send, Received, MAX_FDS};
+use crate::function::{no_memory, PciFunction};
+use crate::transport::Server;
+use crate::{Error, Result};
+use iopath_devices::irq::IrqLines;
+use iopath_devices::{DeviceContext, GuestMemoryMmap, IoEventSpec, IoEvents, NoIoEvents};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex, MutexGuard};
+use vmm_sys_util::eventfd::EventFd;
+
+/// What GET_REGION_IO_FDS offers for a BAR.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoFds {
+    /// The ioeventfds the device registers (type IOEVENTFD): the client
+    /// installs them as KVM ioeventfds.
+    IoEventFds,
+    /// One ioregionfd region per BAR (type IOREGIONFD, the [`ioregionfd`]
+    /// extension); with `posted`, writes get no reply.
+    ///
+    /// [`ioregionfd`]: crate::vfio_user::ioregionfd
+    IoRegionFds { posted: bool },
+}
+
+/// Ioeventfds the device asked for, kept to announce with GET_REGION_IO_FDS.
+#[derive(Default)]
+struct Announced(Mutex<Vec<(IoEventSpec, EventFd)>>);
+
+impl IoEvents for Announced {
+    fn register(&self, spec: IoEventSpec, fd: &EventFd) -> iopath_devices::Result<()> {
+        let fd = fd.try_clone().map_err(|e| iopath_devices::Error::io("dup of an ioeventfd", e))?;
+        iopath_devices::lock(&self.0).push((spec, fd));
+        Ok(())
+    }
+    fn unregister(&self, spec: IoEventSpec, _: &EventFd) -> iopath_devices::Result<()> {
+        iopath_devices::lock(&self.0).retain(|(s, _)| *s != spec);
+        Ok(())
+    }
+    fn static_only(&self) -> bool {
+        true
+    }
+}
+
+/// Serves one function to one vfio-user client at a time; what it keeps
+/// across clients is the function and the ioeventfds its device announced.
+pub struct VfioUserServer {
+    f: Arc<Mutex<PciFunction>>,
+    irq: Arc<IrqLines>,
+    io_fds: IoFds,
+    announced: Arc<Announced>,
+    ioevents: Arc<dyn IoEvents>,
+}
+
+impl VfioUserServer {
+    /// Attaches the device (no memory yet) with the host services the
+    /// server offers: announced ioeventfds with [`IoFds::IoEventFds`], none
+    /// with ioregionfd (its regions carry every access).
+    pub fn new(f: Arc<Mutex<PciFunction>>, irq: Arc<IrqLines>, io_fds: IoFds) -> Self {
+        let announced = Arc::new(Announced::default());
+        let ioevents: Arc<dyn IoEvents> =
+            if io_fds == IoFds::IoEventFds { announced.clone() } else { Arc::new(NoIoEvents) };
+        let s = VfioUserServer { f, irq, io_fds, announced, ioevents };
+        s.function().attach(s.context(no_memory()));
+        s
+    }
+
+    fn function(&self) -> MutexGuard<'_, PciFunction> {
+        iopath_devices::lock(&self.f)
+    }
+
+    fn context(&self, mem: GuestMemoryMmap) -> DeviceContext {
+        let mut c = DeviceContext::detached(mem);
+        c.ioevents = self.ioevents.clone();
+        c.irq = self.irq.clone();
+        c
+    }
+}
+
+impl Server for VfioUserServer {
+    fn session(&mut self, sock: &UnixStream, peer: &str) -> Result<()> {
+        let mut s = Session { srv: self, peer, versioned: false, dma: Vec::new(), intx: (None, None) };
+        let r = s.run(sock);
+        // Disconnect: drop DMA and IRQ fds; the device keeps its state.
+        self.function().attach(self.context(no_memory()));
+        drop(s);
+        r
+    }
+}
+
+/// A DMA_MAP the client made, with its fd if it sent one.
+struct DmaEntry {
+    map: wire::DmaMap,
+    file: Option<std::fs::File>,
+}
+
+/// Per-client state.
+struct Session<'a> {
+    srv: &'a VfioUserServer,
+    peer: &'a str,
+    versioned: bool,
+    dma: Vec<DmaEntry>,
+    /// INTx trigger and unmask (resample) eventfds, as SET_IRQS gave them.
+    intx: (Option<EventFd>, Option<EventFd>),
+}
+
+/// A handler's answer: a payload with the fds it hands out, or an errno.
+enum Reply {
+    Data(Vec<u8>, Vec<OwnedFd>),
+    Error(i32),
+}
+
+fn ok(payload: Vec<u8>) -> Result<Reply> {
+    Ok(Reply::Data(payload, Vec::new()))
+}
+
+impl Session<'_> {
+    fn run(&mut self, sock: &UnixStream) -> Result<()> {
+        loop {
+            let Some(m) = recv(sock)? else { return Ok(()) };
+            if m.hdr.is_reply() {
+                return Err(Error::protocol(format!("message {} is a reply; the client sends commands", m.hdr.msg_id)));
+            }
+            let reply = self.handle(&m).unwrap_or_else(|e| {
+                log::warn!("vfio-user {}: command {} (message {}): {e}", self.peer, m.hdr.cmd, m.hdr.msg_id);
+                Reply::Error(libc::EINVAL)
+            });
+            if m.hdr.no_reply() {
+                continue;
+            }
+            match reply {
+                Reply::Data(p, fds) => {
+                    let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+                    send(sock, &wire::reply(&m.hdr, &p), &raw)?
+                }
+                Reply::Error(errno) => send(sock, &error_reply(&m.hdr, errno), &[])?,
+            }
+        }
+    }
+
+    /// One command: its handler, after VERSION.
+    fn handle(&mut self, m: &Received) -> Result<Reply> {
+        let cmd = m.hdr.command();
+        if cmd != Some(Command::Version) && !self.versioned {
+            return Err(Error::protocol("VERSION must come first"));
+        }
+        match cmd {
+            Some(Command::Version) => self.version(m),
+            Some(Command::DmaMap) => self.dma_map(m),
+            Some(Command::DmaUnmap) => self.dma_unmap(m),
+            Some(Command::DeviceGetInfo) => self.device_info(m),
+            Some(Command::DeviceGetRegionInfo) => self.region_info(m),
+            Some(Command::DeviceGetRegionIoFds) => self.region_io_fds(m),
+            Some(Command::DeviceGetIrqInfo) => self.irq_info(m),
+            Some(Command::DeviceSetIrqs) => self.set_irqs(m),
+            Some(Command::RegionRead) => self.region_read(m),
+            Some(Command::RegionWrite) => self.region_write(m),
+            Some(Command::RegionWriteMulti) => self.region_write_multi(m),
+            Some(Command::DeviceReset) => self.reset(m),
+            Some(c) => {
+                log::warn!("vfio-user {}: command {c:?} is not served here", self.peer);
+                Ok(Reply::Error(libc::ENOTSUP))
+            }
+            None => {
+                log::warn!("vfio-user {}: unknown command {}", self.peer, m.hdr.cmd);
+                Ok(Reply::Error(libc::ENOSYS))
+            }
+        }
+    }
+
+    fn version(&mut self, m: &Received) -> Result<Reply> {
+        no_fds(m)?;
+        let v = Version::parse(&m.payload)?;
+        if v.major != VERSION_MAJOR {
+            return Err(Error::protocol(format!("client speaks major version {}", v.major)));
+        }
+        self.versioned = true;
+        let caps = Capabilities { max_msg_fds: MAX_FDS, ..Capabilities::default() };
+        let mine = Version { major: VERSION_MAJOR, minor: v.minor.min(VERSION_MINOR), capabilities: Some(caps) };
+        ok(mine.to_bytes())
+    }
+
+    fn device_info(&mut self, m: &Received) -> Result<Reply> {
+        no_fds(m)?;
+        DeviceInfo::parse(&m.payload)?;
+        let flags = DEVICE_FLAGS_RESET | DEVICE_FLAGS_PCI;
+        ok(DeviceInfo { argsz: 16, flags, num_regions: PCI_NUM_REGIONS, num_irqs: PCI_NUM_IRQS }.to_bytes())
+    }
+
+    fn reset(&mut self, m: &Received) -> Result<Reply> {
+        no_fds(m)?;
+        wire::expect_empty("device reset", &m.payload)?;
+        self.srv.function().device.reset();
+        ok(Vec::new())
+    }
+}
+
+/// Refuses a request that came with fds it does not take.
+fn no_fds(m: &Received) -> Result<()> {
+    match m.fds.len() {
+        0 => Ok(()),
+        n => Err(Error::protocol(format!("{n} unexpected fds"))),
+    }
+}
