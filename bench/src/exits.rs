@@ -63,42 +63,40 @@ impl Default for ExitsOptions {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "lowercase")]
+/// Where one run of the exit rows runs. Out-of-process targets come from the
+/// transport registry: a transport added there is a bench target too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Target {
     Iopath,
     Floor,
     Qemu,
-    /// pci-testdev in an `iopath serve` device process, over each transport.
-    Mpqemu,
-    VfioUser,
-    IoRegionFd,
-    IoRegionFdPosted,
+    /// pci-testdev in an `iopath serve` device process, over the transport of this name.
+    Remote(&'static str),
     /// QEMU's pci-testdev in `qemu-system-x86_64 -machine x-remote`, iopath's VMM as the mpqemu proxy.
     QemuRemote,
 }
 
+impl Serialize for Target {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
 impl Target {
-    pub const ALL: [Target; 8] = [
-        Target::Iopath,
-        Target::Floor,
-        Target::Qemu,
-        Target::Mpqemu,
-        Target::VfioUser,
-        Target::IoRegionFd,
-        Target::IoRegionFdPosted,
-        Target::QemuRemote,
-    ];
+    /// Every target, in table order: the VMM, its floor, QEMU, each transport, QEMU's x-remote.
+    pub fn all() -> Vec<Target> {
+        let mut v = vec![Target::Iopath, Target::Floor, Target::Qemu];
+        v.extend(iopath_protocols::TRANSPORTS.iter().map(|t| Target::Remote(t.name())));
+        v.push(Target::QemuRemote);
+        v
+    }
 
     pub fn name(self) -> &'static str {
         match self {
             Target::Iopath => "iopath",
             Target::Floor => "floor",
             Target::Qemu => "qemu",
-            Target::Mpqemu => "mpqemu",
-            Target::VfioUser => "vfio-user",
-            Target::IoRegionFd => "ioregionfd",
-            Target::IoRegionFdPosted => "ioregionfd-posted",
+            Target::Remote(t) => t,
             Target::QemuRemote => "qemu-x-remote",
         }
     }
@@ -471,7 +469,7 @@ impl ExitsResult {
             .into_iter()
             .map(|(name, group)| {
                 let mut targets = BTreeMap::new();
-                for t in Target::ALL {
+                for t in Target::all() {
                     let rows: Vec<(&TargetRun, &Row)> = self
                         .runs
                         .iter()

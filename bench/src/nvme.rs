@@ -9,11 +9,14 @@
 use crate::host::{host_info, HostInfo};
 use crate::stats::summarize;
 use indicatif::{ProgressBar, ProgressStyle};
-use iopath_protocols::attach::{instantiate, DeviceSpec, Programs};
+use iopath_devices::nvme::backend::BackendKind;
+use iopath_devices::nvme::{DoorbellMode, NvmeConfig};
+use iopath_devices::DeviceConfig;
+use iopath_protocols::attach::{instantiate, DeviceSpec, Endpoint, Programs};
+use iopath_protocols::Transport;
 use iopath_vmm::{run, VmConfig};
 use serde::Serialize;
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
 
@@ -37,14 +40,32 @@ impl Job {
     }
 }
 
+fn as_string<T: std::fmt::Display, S: serde::Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+fn as_strings<T: std::fmt::Display, S: serde::Serializer>(v: &[T], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(v.iter().map(|x| x.to_string()))
+}
+
+fn transport_name<S: serde::Serializer>(t: &Option<&'static dyn Transport>, s: S) -> Result<S::Ok, S::Error> {
+    match t {
+        Some(t) => s.serialize_str(t.name()),
+        None => s.serialize_none(),
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct NvmeOptions {
     pub jobs: Vec<Job>,
-    /// Doorbell modes of iopath's controller to run (mmio, shm).
-    pub doorbells: Vec<String>,
-    pub backend: String,
-    /// vfio-user, mpqemu, ioregionfd... (None: the controller in the VMM).
-    pub transport: Option<String>,
+    /// Doorbell modes of iopath's controller to run.
+    #[serde(serialize_with = "as_strings")]
+    pub doorbells: Vec<DoorbellMode>,
+    #[serde(serialize_with = "as_string")]
+    pub backend: BackendKind,
+    /// The controller in a device process over this transport (None: in the VMM).
+    #[serde(serialize_with = "transport_name")]
+    pub transport: Option<&'static dyn Transport>,
     pub lba: u32,
     pub time_ms: u64,
     pub rounds: u32,
@@ -63,8 +84,8 @@ impl Default for NvmeOptions {
                 Job { rw: "randread".into(), bs: 512, iodepth: 16, queues: 1, verify: false },
                 Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify: false },
             ],
-            doorbells: vec!["shm".into(), "bar".into(), "ioeventfd".into(), "mmio".into()],
-            backend: "ram".into(),
+            doorbells: vec![DoorbellMode::Shm, DoorbellMode::Bar, DoorbellMode::Ioeventfd, DoorbellMode::Mmio],
+            backend: BackendKind::Ram,
             transport: None,
             lba: 512,
             time_ms: 2000,
@@ -118,12 +139,12 @@ fn cmdline(j: &Job, o: &NvmeOptions, tsc_khz: u64) -> String {
     )
 }
 
-fn to_run(target: &str, job: usize, round: u32, j: &Job, lines: &[String], tsc_khz: u64) -> Result<NvmeRun, String> {
+fn to_run(target: &str, job: usize, round: u32, j: &Job, lines: &[String], tsc_khz: u64) -> anyhow::Result<NvmeRun> {
     let f = crate::record::find_record(lines, "nvme").ok_or_else(|| {
         let errs: Vec<&String> = lines.iter().filter(|l| l.contains("error") || l.starts_with("@fault")).collect();
-        format!("no @nvme record; {errs:?}")
+        anyhow::anyhow!("no @nvme record; {errs:?}")
     })?;
-    let g = |k: &str| f.get(k).and_then(|v| v.parse::<u64>().ok()).ok_or(format!("@nvme record without {k}"));
+    let g = |k: &str| f.get(k).and_then(|v| v.parse::<u64>().ok()).ok_or_else(|| anyhow::anyhow!("@nvme record without {k}"));
     let ios = g("ios")?;
     let cycles = g("cycles")?.max(1);
     let secs = cycles as f64 / (tsc_khz as f64 * 1000.0);
@@ -172,24 +193,24 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     for round in 0..o.rounds {
         for (ji, j) in o.jobs.iter().enumerate() {
             for db in &o.doorbells {
-                let target = match &o.transport {
+                let target = match o.transport.map(|t| t.name()) {
                     Some(t) => format!("iopath-{db}@{t}"),
                     None => format!("iopath-{db}"),
                 };
                 pb.set_message(format!("round {}/{} {} {target}", round + 1, o.rounds, j.label()));
-                let mut spec = format!("nvme,doorbell={db},backend={},lba={}", o.backend, o.lba);
-                if let Some(t) = &o.transport {
-                    spec = format!("{spec}@{t}");
-                }
-                let r = (|| -> Result<NvmeRun, String> {
-                    let spec: DeviceSpec = spec.parse()?;
+                let config = NvmeConfig { doorbell: *db, backend: o.backend.clone(), lba_size: o.lba, ..Default::default() };
+                let spec = DeviceSpec {
+                    device: DeviceConfig::Nvme(config),
+                    remote: o.transport.map(|t| (t, Endpoint::Spawn)),
+                };
+                let r = (|| -> anyhow::Result<NvmeRun> {
                     let mut cfg = VmConfig::new(iopath_guest::IMAGE, &cmdline(j, o, tsc_khz));
                     cfg.devices = vec![instantiate(&spec, &progs)?];
                     cfg.mem_size = o.mem_mb << 20;
                     cfg.timeout = timeout;
-                    let rep = run(cfg).map_err(|e| e.to_string())?;
+                    let rep = run(cfg)?;
                     let mut r = to_run(&target, ji, round, j, &rep.lines, tsc_khz)?;
-                    let dev = rep.devices.first().ok_or("no device report")?;
+                    let dev = rep.devices.first().ok_or_else(|| anyhow::anyhow!("no device report"))?;
                     let c = |n: &str| dev.counters.iter().find(|c| c.name == n).map(|c| c.value);
                     let exits = rep.exits.mmio_write + rep.exits.mmio_read + rep.exits.io_out + rep.exits.io_in;
                     r.vm_exits = Some(exits);
@@ -208,11 +229,11 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     );
                     // bar: the guest's doorbell stores land in the page mapped over BAR0, so
                     // none of them may reach the controller as an exit or a kick.
-                    let dbs_ok = db == "bar" || io_exits.map(|x| x + kicks) == Some(r.io_doorbell_writes);
-                    let want_exits = if db == "mmio" { r.io_doorbell_writes } else { 0 };
+                    let dbs_ok = *db == DoorbellMode::Bar || io_exits.map(|x| x + kicks) == Some(r.io_doorbell_writes);
+                    let want_exits = if *db == DoorbellMode::Mmio { r.io_doorbell_writes } else { 0 };
                     r.routing_ok = cmds == Some(r.ios) && dbs_ok && io_exits == Some(want_exits);
                     if rep.status != 1 {
-                        return Err(format!("guest exit status {}: {}", rep.status, r.routing));
+                        anyhow::bail!("guest exit status {}: {}", rep.status, r.routing);
                     }
                     Ok(r)
                 })();

@@ -49,21 +49,17 @@ fn transport_of(t: Target) -> Option<&'static dyn Transport> {
     if t == Target::QemuRemote {
         return TRANSPORTS.iter().copied().find(|x| x.qemu_speaks());
     }
-    TRANSPORTS.iter().copied().find(|x| x.name() == t.name())
-}
-
-/// The out-of-process targets: one per transport, then QEMU's x-remote.
-fn out_of_process() -> impl Iterator<Item = Target> {
-    Target::ALL.into_iter().filter(|t| transport_of(*t).is_some())
+    match t {
+        Target::Remote(name) => TRANSPORTS.iter().copied().find(|x| x.name() == name),
+        _ => None,
+    }
 }
 
 /// The out-of-process targets the options ask for.
 pub fn targets(o: &ExitsOptions, with_qemu: bool) -> anyhow::Result<Vec<Target>> {
     let mut v = Vec::new();
     for name in &o.transports {
-        let t = iopath_protocols::transport(name)?;
-        let target = out_of_process().find(|x| x.name() == t.name());
-        v.push(target.ok_or_else(|| anyhow::anyhow!("transport {} has no bench target", t.name()))?);
+        v.push(Target::Remote(iopath_protocols::transport(name)?.name()));
     }
     if with_qemu && !o.transports.is_empty() {
         v.push(Target::QemuRemote);
@@ -100,9 +96,9 @@ pub struct Round<'a> {
 }
 
 impl Round<'_> {
-    fn spec(&self, t: Target) -> Result<DeviceSpec, String> {
+    fn spec(&self, t: Target) -> anyhow::Result<DeviceSpec> {
         let ep = if t == Target::QemuRemote { Endpoint::Qemu } else { Endpoint::Spawn };
-        let transport = transport_of(t).ok_or_else(|| format!("{} is not out of process", t.name()))?;
+        let transport = transport_of(t).ok_or_else(|| anyhow::anyhow!("{} is not out of process", t.name()))?;
         Ok(DeviceSpec { device: iopath_devices::DeviceConfig::PciTestDev, remote: Some((transport, ep)) })
     }
 
@@ -130,7 +126,7 @@ impl Round<'_> {
         }
     }
 
-    fn guest_run(&self, t: Target, label: &str) -> Result<TargetRun, String> {
+    fn guest_run(&self, t: Target, label: &str) -> anyhow::Result<TargetRun> {
         let only = selected_rows(self.o, t).join(",");
         let mut o = self.o.clone();
         o.only = Some(only);
@@ -139,10 +135,10 @@ impl Round<'_> {
         cfg.timeout = Duration::from_secs(self.o.timeout_s);
         cfg.on_line = Some(progress_callback(self.pb, label.to_string()));
         let t0 = Instant::now();
-        let r = run(cfg).map_err(|e| e.to_string())?;
+        let r = run(cfg)?;
         let out = GuestOutput::parse(&r.lines);
         if r.status != 1 {
-            return Err(format!("guest exit status {} {}", r.status, out.fault.clone().unwrap_or_default()));
+            anyhow::bail!("guest exit status {} {}", r.status, out.fault.clone().unwrap_or_default());
         }
         let mut routing = if t == Target::QemuRemote {
             crate::exits::verify_qemu(&out)
@@ -176,7 +172,7 @@ impl Round<'_> {
 
     /// Host-side request/reply round trips through the device process: a
     /// 4-byte read of pci-testdev's `data` register, no VM involved.
-    fn round_trip(&self, t: Target) -> Result<Vec<f64>, String> {
+    fn round_trip(&self, t: Target) -> anyhow::Result<Vec<f64>> {
         let dev = instantiate(&self.spec(t)?, self.progs)?;
         dev.config_write(0x10, &0xfe00_0000u32.to_le_bytes());
         dev.config_write(0x04, &2u16.to_le_bytes());
@@ -194,7 +190,7 @@ impl Round<'_> {
             v.push(t0.elapsed().as_nanos() as f64 / per_batch as f64);
         }
         if b == [0xff; 4] {
-            return Err("the device process did not answer".into());
+            anyhow::bail!("the device process did not answer");
         }
         dev.quiesce();
         Ok(v)
@@ -217,7 +213,10 @@ fn rtt_median(r: &ExitsResult, t: Target) -> Option<f64> {
 
 /// The second table: pci-testdev rows per transport, against the in-VMM exit.
 pub fn table(r: &ExitsResult) -> String {
-    let present: Vec<Target> = out_of_process().filter(|t| r.runs.iter().any(|x| x.target == *t)).collect();
+    let present: Vec<Target> = Target::all()
+        .into_iter()
+        .filter(|t| matches!(t, Target::Remote(_) | Target::QemuRemote) && r.runs.iter().any(|x| x.target == *t))
+        .collect();
     if present.is_empty() {
         return String::new();
     }
@@ -257,7 +256,7 @@ pub fn table(r: &ExitsResult) -> String {
     }
     let _ = writeln!(s, "{line}");
     let _ = writeln!(s, "(! = routing check failed; see errors)");
-    if present.iter().any(|t| matches!(t, Target::IoRegionFd | Target::IoRegionFdPosted)) {
+    if present.iter().any(|t| t.name().starts_with("ioregionfd")) {
         let k = kvm_ioctls::Kvm::new().map_err(|e| e.to_string());
         let why = k.and_then(|k| {
             iopath_vmm::kvm::ioregionfd_support(&k).map(|c| format!("kernel capability {c}")).map_err(|e| e.to_string())
@@ -270,12 +269,18 @@ pub fn table(r: &ExitsResult) -> String {
     s
 }
 
-/// The targets, as ratios from this run.
+/// The questions this table answers, as ratios from this run: does a
+/// synchronous out-of-process access cost exit + round trip (every
+/// transport); is a posted ioregionfd write as cheap as an exit; does
+/// ioregionfd beat mpqemu, as its RFC claimed.
 fn targets_report(r: &ExitsResult) -> Vec<(String, String)> {
+    const MPQEMU: Target = Target::Remote("mpqemu");
+    const IOREGIONFD: Target = Target::Remote("ioregionfd");
+    const POSTED: Target = Target::Remote("ioregionfd-posted");
     let mut v = Vec::new();
     for row in ["mmio-no-eventfd:pci-mem", "portio-no-eventfd:pci-io"] {
         let Some(exit) = median_ns(r, row, Target::Iopath) else { continue };
-        for t in [Target::Mpqemu, Target::VfioUser, Target::IoRegionFd] {
+        for t in Target::all().into_iter().filter(|t| matches!(t, Target::Remote(_)) && *t != POSTED) {
             if let (Some(x), Some(rt)) = (median_ns(r, row, t), rtt_median(r, t)) {
                 v.push((
                     format!("{} {row} vs exit + round trip", t.name()),
@@ -283,10 +288,10 @@ fn targets_report(r: &ExitsResult) -> Vec<(String, String)> {
                 ));
             }
         }
-        if let Some(p) = median_ns(r, row, Target::IoRegionFdPosted) {
+        if let Some(p) = median_ns(r, row, POSTED) {
             v.push((format!("ioregionfd-posted {row} vs in-VMM exit"), format!("{:.2}x", p / exit)));
         }
-        if let (Some(a), Some(b)) = (median_ns(r, row, Target::IoRegionFd), median_ns(r, row, Target::Mpqemu)) {
+        if let (Some(a), Some(b)) = (median_ns(r, row, IOREGIONFD), median_ns(r, row, MPQEMU)) {
             v.push((format!("ioregionfd / mpqemu {row}"), format!("{:.2}x", a / b)));
         }
     }

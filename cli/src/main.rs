@@ -226,9 +226,9 @@ fn bench_nvme(a: BenchArgs) -> anyhow::Result<i32> {
     use iopath_bench::nvme::{run_nvme, Job, NvmeOptions};
     let n = a.nvme;
     let mut o = NvmeOptions {
-        doorbells: n.doorbell.split(',').filter(|s| !s.is_empty()).map(String::from).collect(),
-        backend: n.backend,
-        transport: n.transport,
+        doorbells: n.doorbell.split(',').filter(|s| !s.is_empty()).map(|d| d.parse()).collect::<Result<_, _>>()?,
+        backend: n.backend.parse()?,
+        transport: n.transport.as_deref().map(iopath_protocols::transport).transpose()?,
         lba: n.lba,
         time_ms: (n.time * 1000.0).max(10.0) as u64,
         rounds: a.rounds.max(1),

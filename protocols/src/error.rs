@@ -79,10 +79,3 @@ impl From<crate::vfio_user::wire::WireError> for Error {
     }
 }
 
-/// For callers that keep errors as text (`?` in a function returning
-/// `Result<_, String>`).
-impl From<Error> for String {
-    fn from(e: Error) -> String {
-        e.to_string()
-    }
-}
