@@ -13,7 +13,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use iopath_devices::doorbell::Doorbell;
 use iopath_devices::testdev::PciTestDev;
 use iopath_devices::SharedDevice;
-use std::sync::{Arc, Mutex};
 use iopath_vmm::vcpu::ExitStats;
 use iopath_vmm::vm::RunReport;
 use iopath_vmm::{run, VmConfig};
@@ -21,6 +20,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 #[derive(Clone, Debug, Serialize)]

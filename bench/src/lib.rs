@@ -3,8 +3,8 @@
 //! devices' counters, verify routing, and report medians and ratios.
 
 pub mod exits;
-pub mod nvme;
 pub mod host;
+pub mod nvme;
 pub mod qemu;
 pub mod record;
 pub mod remote;

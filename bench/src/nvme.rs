@@ -31,7 +31,7 @@ pub struct Job {
 
 impl Job {
     pub fn label(&self) -> String {
-        let bs = if self.bs % 1024 == 0 { format!("{}k", self.bs / 1024) } else { format!("{}", self.bs) };
+        let bs = if self.bs.is_multiple_of(1024) { format!("{}k", self.bs / 1024) } else { format!("{}", self.bs) };
         if self.verify {
             format!("verify {bs} qd{} x{}", self.iodepth, self.queues)
         } else {
@@ -144,7 +144,9 @@ fn to_run(target: &str, job: usize, round: u32, j: &Job, lines: &[String], tsc_k
         let errs: Vec<&String> = lines.iter().filter(|l| l.contains("error") || l.starts_with("@fault")).collect();
         anyhow::anyhow!("no @nvme record; {errs:?}")
     })?;
-    let g = |k: &str| f.get(k).and_then(|v| v.parse::<u64>().ok()).ok_or_else(|| anyhow::anyhow!("@nvme record without {k}"));
+    let g = |k: &str| {
+        f.get(k).and_then(|v| v.parse::<u64>().ok()).ok_or_else(|| anyhow::anyhow!("@nvme record without {k}"))
+    };
     let ios = g("ios")?;
     let cycles = g("cycles")?.max(1);
     let secs = cycles as f64 / (tsc_khz as f64 * 1000.0);
@@ -186,7 +188,9 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     };
     let per_round = o.jobs.len() as u64 * (o.doorbells.len() as u64 + qemu.is_some() as u64);
     let pb = if o.progress { ProgressBar::new(per_round * o.rounds as u64) } else { ProgressBar::hidden() };
-    pb.set_style(ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));
+    pb.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "),
+    );
     let mut runs = Vec::new();
     let mut errors = Vec::new();
     let timeout = Duration::from_secs(o.timeout_s);
@@ -198,7 +202,8 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     None => format!("iopath-{db}"),
                 };
                 pb.set_message(format!("round {}/{} {} {target}", round + 1, o.rounds, j.label()));
-                let config = NvmeConfig { doorbell: *db, backend: o.backend.clone(), lba_size: o.lba, ..Default::default() };
+                let config =
+                    NvmeConfig { doorbell: *db, backend: o.backend.clone(), lba_size: o.lba, ..Default::default() };
                 let spec = DeviceSpec {
                     device: DeviceConfig::Nvme(config),
                     remote: o.transport.map(|t| (t, Endpoint::Spawn)),
@@ -254,7 +259,9 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                             r.routing_ok = qr.status == Some(1);
                             runs.push(r)
                         }
-                        Err(e) => errors.push(format!("qemu {} round {round}: {e}; stderr: {}", j.label(), qr.stderr.trim())),
+                        Err(e) => {
+                            errors.push(format!("qemu {} round {round}: {e}; stderr: {}", j.label(), qr.stderr.trim()))
+                        }
                     },
                     Err(e) => errors.push(format!("qemu {} round {round}: {e}", j.label())),
                 }
@@ -301,7 +308,7 @@ impl NvmeResult {
                 None => g.push((k, vec![r])),
             }
         }
-        g.sort_by(|a, b| a.0 .0.cmp(&b.0 .0));
+        g.sort_by_key(|a| a.0 .0);
         g
     }
 

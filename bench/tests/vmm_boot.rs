@@ -1,12 +1,12 @@
 //! End-to-end: the real guest image in iopath's VMM on the real /dev/kvm. These tests fail
 //! (they do not skip) when /dev/kvm is missing, so CI cannot pass without KVM.
 
+use iopath_bench::record::fields;
 use iopath_devices::doorbell::Doorbell;
 use iopath_devices::testdev::PciTestDev;
-use std::sync::{Arc, Mutex};
 use iopath_vmm::{run, VmConfig};
-use iopath_bench::record::fields;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 fn require_kvm() {

@@ -216,10 +216,7 @@ fn devices_of(
     let mut progs = Programs::current(qemu).map_err(anyhow::Error::msg)?;
     iopath_protocols::socket::set_spin(Duration::from_micros(spin_us));
     progs.serve_args = vec!["--spin-us".into(), spin_us.to_string()];
-    specs
-        .iter()
-        .map(|spec| instantiate(spec, &progs).map_err(anyhow::Error::msg))
-        .collect()
+    specs.iter().map(|spec| instantiate(spec, &progs).map_err(anyhow::Error::msg)).collect()
 }
 
 fn bench_nvme(a: BenchArgs) -> anyhow::Result<i32> {
@@ -263,7 +260,8 @@ fn emit(table: &str, json: &serde_json::Value, path: Option<&std::path::Path>) -
     } else {
         print!("{table}");
         if let Some(p) = path {
-            std::fs::write(p, serde_json::to_string_pretty(json)?).with_context(|| format!("writing {}", p.display()))?;
+            std::fs::write(p, serde_json::to_string_pretty(json)?)
+                .with_context(|| format!("writing {}", p.display()))?;
             println!("JSON written to {}", p.display());
         }
     }

@@ -10,7 +10,6 @@ use iopath_vmm::{run, VmConfig};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-
 fn nvme_record(lines: &[String]) -> BTreeMap<String, String> {
     iopath_bench::record::find_record(lines, "nvme")
         .unwrap_or_else(|| panic!("no @nvme record in {:?}", lines.iter().rev().take(8).collect::<Vec<_>>()))
@@ -58,7 +57,8 @@ fn verify_passes_on_every_backend_and_doorbell_mode_in_the_vmm() {
 fn shm_doorbells_take_no_exit_per_io_ioeventfd_ones_kick_and_mmio_ones_exit() {
     kvm();
     for backend in ["null", "ram"] {
-        let (rec, c, r) = nvmeperf(&format!("nvme,doorbell=shm,backend={backend}"), "rw=randread bs=512 iodepth=16 time_ms=300");
+        let (rec, c, r) =
+            nvmeperf(&format!("nvme,doorbell=shm,backend={backend}"), "rw=randread bs=512 iodepth=16 time_ms=300");
         let ios = num(&rec, "ios");
         assert!(ios > 0, "{rec:?}");
         assert_eq!(num(&rec, "dbbuf"), 1);
@@ -92,7 +92,8 @@ fn shm_doorbells_take_no_exit_per_io_ioeventfd_ones_kick_and_mmio_ones_exit() {
 fn every_rw_mode_and_several_queues_run_clean() {
     kvm();
     for rw in ["read", "write", "randread", "randwrite", "randrw"] {
-        let (rec, c, _) = nvmeperf("nvme,doorbell=shm,backend=ram", &format!("rw={rw} bs=8192 iodepth=4 queues=3 time_ms=200"));
+        let (rec, c, _) =
+            nvmeperf("nvme,doorbell=shm,backend=ram", &format!("rw={rw} bs=8192 iodepth=4 queues=3 time_ms=200"));
         assert_eq!(num(&rec, "errors"), 0, "{rw}");
         assert_eq!(num(&rec, "queues"), 3);
         assert_eq!(c["io.commands"], num(&rec, "ios"));
@@ -112,7 +113,8 @@ fn msix_completions_signal_their_vectors_through_kvm_irqfds() {
     kvm();
     // The guest enables MSI-X, points vectors 1 and 2 at its LAPIC, and creates its CQs with
     // IEN=1; it runs with IF=0 and still reaps by polling.
-    let (rec, c, _) = nvmeperf("nvme,doorbell=shm,backend=null", "rw=randread bs=4096 iodepth=4 queues=2 irq=1 time_ms=200");
+    let (rec, c, _) =
+        nvmeperf("nvme,doorbell=shm,backend=null", "rw=randread bs=4096 iodepth=4 queues=2 irq=1 time_ms=200");
     assert_eq!(num(&rec, "irq"), 1);
     assert_eq!(num(&rec, "errors"), 0);
     assert_eq!(c["msix.interrupts"], num(&rec, "ios"), "one MSI-X message per completion");
@@ -130,7 +132,8 @@ fn msix_completions_signal_their_vectors_through_kvm_irqfds() {
 fn the_controller_serves_from_a_device_process_over_vfio_user_and_mpqemu() {
     kvm();
     // vfio-user offers the doorbell page as a sparse mmap of BAR0: no exit out of process either.
-    let (rec, c, r) = nvmeperf("nvme,doorbell=bar,backend=ram,size_mb=8@vfio-user", "verify=1 bs=4096 iodepth=8 size_mb=4");
+    let (rec, c, r) =
+        nvmeperf("nvme,doorbell=bar,backend=ram,size_mb=8@vfio-user", "verify=1 bs=4096 iodepth=8 size_mb=4");
     assert_eq!((num(&rec, "errors"), num(&rec, "mismatches")), (0, 0));
     assert_eq!(c["doorbell.writes"], 0, "{c:?}");
     assert!(r.exits.mmio_write < 10, "{:?}", r.exits);

@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 const SYNC_ROWS: &str = "mmio-no-eventfd,portio-no-eventfd,mmio-read,portio-read";
 
-
 fn vm(spec: &str, only: &str) -> VmConfig {
     let spec: DeviceSpec = spec.parse().unwrap();
     let cmd = format!("workload=exits batches=3 batch_us=2000 only={only}");
@@ -50,8 +49,12 @@ fn every_transport_serves_pci_testdev_from_a_device_process() {
         // The counters came from the device process, and the accesses crossed the transport.
         let writes = out.row("mmio-no-eventfd:pci-mem").unwrap().accesses;
         assert_eq!(counter(&r, "mmio-no-eventfd.exits"), writes, "{t}");
-        let crossing: u64 =
-            out.rows.iter().filter(|x| !x.name.contains("-eventfd:") || x.name.contains("no-")).map(|x| x.accesses).sum();
+        let crossing: u64 = out
+            .rows
+            .iter()
+            .filter(|x| !x.name.contains("-eventfd:") || x.name.contains("no-"))
+            .map(|x| x.accesses)
+            .sum();
         assert!(counter(&r, msgs) >= crossing, "{t}: {msgs}={} < {crossing}", counter(&r, msgs));
         assert_eq!(r.exits.unclaimed_mmio_write, 0, "{t}");
     }

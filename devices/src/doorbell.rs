@@ -18,7 +18,7 @@
 //! Writing the mode resets the sequence to 0. GPAs are validated when written:
 //! a GPA outside guest RAM or misaligned sets `error` and is not taken.
 
-use crate::{Error, le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModelMut, IoEventSpec, PciIds};
+use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModelMut, Error, IoEventSpec, PciIds};
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -203,7 +203,9 @@ impl Doorbell {
         let wake = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("eventfd", e))?;
         let epoll = Epoll::new().map_err(|e| Error::io("epoll", e))?;
         for (fd, tag) in [(wake.as_raw_fd(), 0u64), (m.as_raw_fd(), 1), (p.as_raw_fd(), 2)] {
-            epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, tag)).map_err(|e| Error::io("epoll_ctl", e))?;
+            epoll
+                .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, tag))
+                .map_err(|e| Error::io("epoll_ctl", e))?;
         }
         let fds = [m.try_clone().map_err(|e| Error::io("dup", e))?, p.try_clone().map_err(|e| Error::io("dup", e))?];
         let shared = self.shared.clone();

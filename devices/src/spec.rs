@@ -102,11 +102,7 @@ impl FromStr for DeviceConfig {
             .iter()
             .map(|kv| match kv.split_once('=') {
                 Some((k, v)) => Ok((k.to_string(), v.to_string())),
-                None => Err(Error::Option {
-                    device: "device",
-                    option: kv.clone(),
-                    reason: "is not KEY=VALUE".into(),
-                }),
+                None => Err(Error::Option { device: "device", option: kv.clone(), reason: "is not KEY=VALUE".into() }),
             })
             .collect::<Result<_>>()?;
         let no_opts = |c: DeviceConfig| match opts.first() {

@@ -78,4 +78,3 @@ impl From<crate::vfio_user::wire::WireError> for Error {
         Error::Protocol(e.to_string())
     }
 }
-

@@ -141,7 +141,8 @@ impl IoEvents for KvmIoEvents {
         let at = Self::target(&st.bars, &spec).map_err(|e| DevError::Host(e.to_string()))?;
         let at = match at {
             Some((addr, pio)) => {
-                kvm_ioeventfd(&self.vm, addr, pio, spec.len, spec.datamatch, fd, true).map_err(|e| DevError::Host(e.to_string()))?;
+                kvm_ioeventfd(&self.vm, addr, pio, spec.len, spec.datamatch, fd, true)
+                    .map_err(|e| DevError::Host(e.to_string()))?;
                 Some((addr, pio))
             }
             None => None,
@@ -154,14 +155,13 @@ impl IoEvents for KvmIoEvents {
     fn unregister(&self, spec: IoEventSpec, _fd: &EventFd) -> iopath_devices::Result<()> {
         let mut st = self.state.lock().unwrap();
         // KVM refuses two assignments of one spec, so the spec names the registration.
-        let pos = st
-            .regs
-            .iter()
-            .position(|r| r.spec == spec)
-            .ok_or_else(|| DevError::Host(format!("no ioeventfd registered at BAR{} offset {:#x}", spec.bar, spec.offset)))?;
+        let pos = st.regs.iter().position(|r| r.spec == spec).ok_or_else(|| {
+            DevError::Host(format!("no ioeventfd registered at BAR{} offset {:#x}", spec.bar, spec.offset))
+        })?;
         let r = st.regs.remove(pos);
         if let Some((addr, pio)) = r.at {
-            kvm_ioeventfd(&self.vm, addr, pio, spec.len, spec.datamatch, &r.fd, false).map_err(|e| DevError::Host(e.to_string()))?;
+            kvm_ioeventfd(&self.vm, addr, pio, spec.len, spec.datamatch, &r.fd, false)
+                .map_err(|e| DevError::Host(e.to_string()))?;
         }
         Ok(())
     }

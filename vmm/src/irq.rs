@@ -3,8 +3,8 @@
 //! MSI routes follow the device's MSI-X table. The device writes an eventfd;
 //! KVM injects; the VMM's threads are not involved.
 
-use iopath_devices::Interrupts;
 use iopath_devices::irq::IrqLines;
+use iopath_devices::Interrupts;
 use kvm_bindings::{
     kvm_irq_routing_entry, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
     KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI,

@@ -8,12 +8,12 @@
 //! would (32- and 64-bit memory BARs in [0xE000_0000, 0xFEC0_0000), I/O BARs
 //! from 0xC000) and enables decoding; otherwise the guest assigns them.
 
-use crate::bus::{Bus, BusDeviceMut};
-use iopath_devices::pci::{BarPlacement, ConfigSpace, PCI_COMMAND_IO, PCI_COMMAND_MEMORY};
-use iopath_devices::{BarKind, PciIds};
 use crate::bar::BarPort;
-use iopath_devices::SharedDevice;
+use crate::bus::{Bus, BusDeviceMut};
 use crate::ioeventfd::KvmIoEvents;
+use iopath_devices::pci::{BarPlacement, ConfigSpace, PCI_COMMAND_IO, PCI_COMMAND_MEMORY};
+use iopath_devices::SharedDevice;
+use iopath_devices::{BarKind, PciIds};
 use std::sync::Arc;
 
 pub const CONFIG_ADDRESS: u64 = 0xcf8;
@@ -132,16 +132,30 @@ impl PciHost {
         config.add_capabilities(&caps)?;
         let mut ram = Vec::new();
         for a in areas.into_iter().filter(|_| self.vm.is_some()) {
-            let fits = bars.iter().any(|b| b.index == a.bar && a.offset.checked_add(a.size).is_some_and(|e| e <= b.size));
-            let long_enough = a.fd.metadata().is_ok_and(|m| a.fd_offset.checked_add(a.size).is_some_and(|e| e <= m.len()));
+            let fits =
+                bars.iter().any(|b| b.index == a.bar && a.offset.checked_add(a.size).is_some_and(|e| e <= b.size));
+            let long_enough =
+                a.fd.metadata().is_ok_and(|m| a.fd_offset.checked_add(a.size).is_some_and(|e| e <= m.len()));
             if !fits || !long_enough || a.offset % 4096 != 0 || a.size % 4096 != 0 || a.size == 0 {
-                log::warn!("{}: BAR{} area at {:#x}+{:#x} cannot be mapped; its accesses exit", ids.vendor, a.bar, a.offset, a.size);
+                log::warn!(
+                    "{}: BAR{} area at {:#x}+{:#x} cannot be mapped; its accesses exit",
+                    ids.vendor,
+                    a.bar,
+                    a.offset,
+                    a.size
+                );
                 continue;
             }
             let fo = vm_memory::FileOffset::new(a.fd, a.fd_offset);
             match vm_memory::MmapRegion::from_file(fo, a.size as usize) {
                 Ok(map) => {
-                    ram.push(RamArea { bar: a.bar, offset: a.offset, map, kvm_slot: self.next_kvm_slot, placed: false });
+                    ram.push(RamArea {
+                        bar: a.bar,
+                        offset: a.offset,
+                        map,
+                        kvm_slot: self.next_kvm_slot,
+                        placed: false,
+                    });
                     self.next_kvm_slot += 1;
                 }
                 Err(e) => log::warn!("BAR{} area: mmap: {e}; its accesses exit", a.bar),
@@ -294,8 +308,8 @@ impl BusDeviceMut for PciHost {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Mutex;
     use iopath_devices::testdev::PciTestDev;
+    use std::sync::Mutex;
 
     fn host() -> (PciHost, Arc<Bus>, Arc<Bus>) {
         let (pio, mmio) = (Arc::new(Bus::new()), Arc::new(Bus::new()));

@@ -105,7 +105,7 @@ pub fn run_loop(
     mmio: &Bus,
     status: &ExitStatus,
     stop: &AtomicBool,
-) -> Result<ExitStats, (VmmError, ExitStats)> {
+) -> Result<ExitStats, VmmError> {
     let mut s = ExitStats::default();
     loop {
         let fatal = match vcpu.run() {
@@ -153,12 +153,12 @@ pub fn run_loop(
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 s.interrupted += 1;
                 if stop.load(Ordering::Acquire) {
-                    return Err((VmmError::Timeout { rip: rip(vcpu) }, s));
+                    return Err(VmmError::Timeout { rip: rip(vcpu) });
                 }
                 continue;
             }
             Err(e) => format!("KVM_RUN: {e}"),
         };
-        return Err((VmmError::Guest { reason: fatal, rip: rip(vcpu) }, s));
+        return Err(VmmError::Guest { reason: fatal, rip: rip(vcpu) });
     }
 }

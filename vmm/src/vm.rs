@@ -2,16 +2,16 @@
 
 use crate::bus::Bus;
 use crate::debug_exit::{DebugExit, ExitStatus};
+pub use crate::error::VmmError;
+use crate::ioeventfd::KvmIoEvents;
 use crate::memory::{self, GuestRam};
 use crate::pci::PciHost;
 use crate::serial::{LineCallback, LineSink, Uart};
 use crate::vcpu::{self, ExitStats};
-pub use crate::error::VmmError;
-use iopath_devices::pci::BarPlacement;
-use iopath_devices::{Counter, DeviceContext, FailFn};
-use iopath_devices::SharedDevice;
-use crate::ioeventfd::KvmIoEvents;
 use iopath_devices::irq::IrqLines;
+use iopath_devices::pci::BarPlacement;
+use iopath_devices::SharedDevice;
+use iopath_devices::{Counter, DeviceContext, FailFn};
 use kvm_bindings::kvm_userspace_memory_region;
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use std::os::unix::thread::JoinHandleExt;
@@ -182,8 +182,7 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     let lines = sink.lines.clone();
     let uart = Arc::new(Mutex::new(Uart::new(sink)));
     pio.insert(crate::serial::PORT, crate::serial::LEN, uart.clone())?;
-    pio.insert(crate::debug_exit::PORT, 1, Arc::new(DebugExit(status.clone())))
-        ?;
+    pio.insert(crate::debug_exit::PORT, 1, Arc::new(DebugExit(status.clone())))?;
     let host = Arc::new(Mutex::new(PciHost::new(pio.clone(), mmio.clone())));
     host.lock().unwrap().set_vm(m.vm.clone());
     pio.insert(crate::pci::CONFIG_ADDRESS, 8, host.clone())?;
@@ -237,7 +236,7 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     drop(ram);
     let exits = match r {
         Ok(s) => s,
-        Err((e, _)) => {
+        Err(e) => {
             let tail: Vec<String> = lines.lock().unwrap().iter().rev().take(5).rev().cloned().collect();
             return Err(match e {
                 VmmError::Guest { reason, rip } => {
