@@ -7,6 +7,11 @@
 //! The same [`IrqLines`] serves a device in the VMM (fds registered with KVM
 //! right there) and in a device process (fds received over the socket): the
 //! interrupt never passes through the VMM's userspace.
+//!
+//! A client that gives MSI-X eventfds (vfio-user SET_IRQS) keeps the MSI-X
+//! table itself, as QEMU does: from then on the lines report the table as
+//! the host's ([`Interrupts::msix_host_owned`]), and a vector raised before
+//! its eventfd arrives is held here and signalled when it does.
 
 use crate::Interrupts;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,13 +24,23 @@ struct Intx {
     resample: EventFd,
 }
 
+/// MSI-X as a client set it up.
+#[derive(Default)]
+struct Msix {
+    fds: Vec<Option<EventFd>>,
+    /// Vectors raised while they had no eventfd (host-owned table only).
+    pending: Vec<bool>,
+    /// The client gave at least one eventfd since MSI-X was last cleared.
+    host_owned: bool,
+}
+
 #[derive(Default)]
 pub struct IrqLines {
     intx: Mutex<Option<Arc<Intx>>>,
     level: AtomicBool,
     /// INTx masked by the client (vfio-user SET_IRQS ACTION_MASK).
     masked: AtomicBool,
-    msix: Mutex<Vec<Option<EventFd>>>,
+    msix: Mutex<Msix>,
     /// Interrupts signalled (INTx assertions and MSI-X messages).
     pub signalled: AtomicU64,
     generation: AtomicU64,
@@ -85,20 +100,33 @@ impl IrqLines {
         Some((i.trigger.try_clone().ok()?, i.resample.try_clone().ok()?))
     }
 
-    /// Sets (Some) or clears (None) the eventfds of vectors `start..`.
+    /// Sets (Some) or clears (None) the eventfds of vectors `start..`. The
+    /// first eventfd makes the table the client's; a vector held while it
+    /// had none is signalled now.
     pub fn set_msix(&self, start: usize, fds: Vec<Option<EventFd>>) {
-        let mut v = self.msix.lock().unwrap();
+        let mut m = self.msix.lock().unwrap();
         let end = start + fds.len();
-        if v.len() < end {
-            v.resize_with(end, || None);
+        if m.fds.len() < end {
+            m.fds.resize_with(end, || None);
         }
         for (i, fd) in fds.into_iter().enumerate() {
-            v[start + i] = fd;
+            let v = start + i;
+            m.host_owned |= fd.is_some();
+            if let Some(fd) = &fd {
+                if m.pending.get(v).copied().unwrap_or(false) {
+                    m.pending[v] = false;
+                    if fd.write(1).is_ok() {
+                        self.signalled.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            m.fds[v] = fd;
         }
     }
 
+    /// Drops every MSI-X eventfd and held vector: the table is the device's again.
     pub fn clear_msix(&self) {
-        self.msix.lock().unwrap().clear();
+        *self.msix.lock().unwrap() = Msix::default();
     }
 }
 
@@ -121,15 +149,25 @@ impl Interrupts for IrqLines {
     }
 
     fn signal_msix(&self, vector: u16) -> bool {
-        let v = self.msix.lock().unwrap();
-        match v.get(vector as usize) {
-            Some(Some(fd)) => {
-                let ok = fd.write(1).is_ok();
-                self.signalled.fetch_add(ok as u64, Ordering::Relaxed);
-                ok
-            }
-            _ => false,
+        let mut m = self.msix.lock().unwrap();
+        let v = vector as usize;
+        if let Some(Some(fd)) = m.fds.get(v) {
+            let ok = fd.write(1).is_ok();
+            self.signalled.fetch_add(ok as u64, Ordering::Relaxed);
+            return ok;
         }
+        // Held for the client's table (bounded by the vectors a function can have).
+        if m.host_owned && v < crate::pci::MSIX_MAX_VECTORS {
+            if m.pending.len() <= v {
+                m.pending.resize(v + 1, false);
+            }
+            m.pending[v] = true;
+        }
+        false
+    }
+
+    fn msix_host_owned(&self) -> bool {
+        self.msix.lock().unwrap().host_owned
     }
 
     fn intx_eventfds(&self) -> Option<(EventFd, EventFd)> {
@@ -205,5 +243,35 @@ mod tests {
         assert!(!lines.signal_msix(9));
         assert!(lines.signal_msix(2));
         assert_eq!(a.read().unwrap(), 1);
+    }
+
+    #[test]
+    fn the_table_is_the_clients_once_it_gives_eventfds_and_held_vectors_fire_when_theirs_arrives() {
+        let lines = IrqLines::new();
+        assert!(!lines.msix_host_owned(), "no eventfd: the device's table");
+        assert!(!lines.signal_msix(3));
+        lines.set_msix(0, vec![None, None]);
+        assert!(!lines.msix_host_owned(), "de-assigning gives nothing");
+        let a = EventFd::new(EFD_NONBLOCK).unwrap();
+        lines.set_msix(1, vec![Some(a.try_clone().unwrap())]);
+        assert!(lines.msix_host_owned());
+        // Vector 3 raised twice with no eventfd: held once, fired when it gets one.
+        assert!(!lines.signal_msix(3) && !lines.signal_msix(3));
+        assert!(!lines.signal_msix(u16::MAX), "any vector number is safe");
+        let b = EventFd::new(EFD_NONBLOCK).unwrap();
+        lines.set_msix(3, vec![Some(b.try_clone().unwrap())]);
+        assert_eq!(b.read().unwrap(), 1);
+        lines.set_msix(3, vec![Some(b.try_clone().unwrap())]);
+        assert!(b.read().is_err(), "fired once");
+        assert_eq!(lines.signalled.load(Ordering::Relaxed), 1);
+        // Vector 3 de-assigned, raised, then the client leaves: nothing is kept.
+        lines.set_msix(3, vec![None]);
+        assert!(!lines.signal_msix(3));
+        lines.clear_msix();
+        assert!(!lines.msix_host_owned(), "cleared: the device's table again");
+        lines.set_msix(3, vec![Some(b.try_clone().unwrap())]);
+        assert!(b.read().is_err(), "what was held went with the client");
+        assert!(lines.signal_msix(3));
+        assert_eq!(b.read().unwrap(), 1);
     }
 }

@@ -108,6 +108,18 @@ pub trait Interrupts: Send + Sync {
     fn msix_eventfd(&self, _vector: u16) -> Option<EventFd> {
         None
     }
+    /// True when the host keeps the MSI-X table and PBA itself, as QEMU and
+    /// kernel VFIO do: it gave the device an eventfd per vector (vfio-user
+    /// SET_IRQS) and masks, holds and re-sends messages on its side. A table
+    /// write may then never reach the device, whose own table stays masked:
+    /// the device signals a vector whenever it raises it, whatever its table
+    /// says. The host holds a vector raised before it has an eventfd and
+    /// signals it when one arrives ([`signal_msix`](Self::signal_msix)
+    /// returns false then). False (the default): the device's table rules,
+    /// and the host only routes what [`msix_route`](Self::msix_route) gives.
+    fn msix_host_owned(&self) -> bool {
+        false
+    }
 }
 
 /// An [`Interrupts`] with nothing connected.

@@ -2,6 +2,15 @@
 //! [`MsixTable`](crate::pci::MsixTable) (the host gets each vector's route
 //! when its message or mask changes; a masked vector keeps its pending bit
 //! and fires when unmasked), and Interrupt Coalescing (Set Features 0x08).
+//!
+//! Whose table: a host that keeps the MSI-X table itself (QEMU's
+//! vfio-user-pci, like kernel VFIO, emulates table and PBA and forwards no
+//! table write; [`Interrupts::msix_host_owned`](crate::Interrupts::msix_host_owned))
+//! gets every raised vector on its eventfd, and the controller's own table,
+//! which stays masked, is not consulted. A client that does write the table
+//! (iopath's own vfio-user proxy, which forwards the guest's writes and
+//! relies on the controller to mask) keeps the controller's table in charge
+//! until the next attach (a new client) or reset.
 
 use super::controller::Core;
 use super::{DoorbellMode, MSIX_CAP, MSIX_PBA, MSIX_TABLE, MSIX_VECTORS};
@@ -13,6 +22,9 @@ pub(super) struct IrqState {
     /// The host's interrupt lines.
     pub irq: Arc<dyn crate::Interrupts>,
     pub msix: MsixTable,
+    /// The client has written the table since it attached: the table is ours
+    /// to enforce even if the host says it keeps one.
+    pub client_table: bool,
     /// Interrupt Coalescing: THR in bits 7:0 (0-based completions), TIME in
     /// bits 15:8 (100 us units). Applied to I/O CQs where a device thread
     /// can keep time (shm, bar, ioeventfd).
@@ -26,6 +38,7 @@ impl IrqState {
         IrqState {
             irq: Arc::new(crate::NoInterrupts),
             msix: MsixTable::new(MSIX_VECTORS as u16, 0, MSIX_TABLE, MSIX_PBA, MSIX_CAP),
+            client_table: false,
             coalescing: 0,
             agg: vec![(0, None); MSIX_VECTORS],
         }
@@ -81,10 +94,22 @@ impl Core {
         }
     }
 
-    /// Signals vector `v`, or leaves it pending while it is masked.
+    /// True when the host keeps the MSI-X table (see the module documentation).
+    fn host_owns_table(&self) -> bool {
+        !self.intr.client_table && self.intr.irq.msix_host_owned()
+    }
+
+    /// Signals vector `v`, or leaves it pending while it is masked. With the
+    /// host's table, signals it whatever ours says (the host masks and holds).
     pub(super) fn interrupt(&mut self, v: u16) {
         let v = v as usize;
         if v >= MSIX_VECTORS {
+            return;
+        }
+        if self.host_owns_table() {
+            if self.intr.irq.signal_msix(v as u16) {
+                self.st.interrupts += 1;
+            }
             return;
         }
         if self.intr.msix.masked(v) || !self.intr.irq.signal_msix(v as u16) {

@@ -9,10 +9,12 @@
 //! firmware), Abort, Asynchronous Event Request, Doorbell Buffer Config.
 //! I/O: Read, Write, Flush, Write Zeroes, Dataset Management, with PRP1/PRP2
 //! and PRP lists. Completions carry phase tags for polling drivers; a CQ
-//! created with IEN=1 signals its MSI-X vector (65 vectors, table at BAR0
-//! 0x2000, PBA at 0x3000): the host turns each vector into a KVM irqfd on
-//! the MSI route the guest programmed. A vector that is masked (or MSI-X
-//! off) keeps its pending bit and fires when unmasked.
+//! created with IEN=1, and the admin CQ always (vector 0), signals its MSI-X
+//! vector (65 vectors, table at BAR0 0x2000, PBA at 0x3000): the host turns
+//! each vector into a KVM irqfd on the MSI route the guest programmed. A
+//! vector that is masked (or MSI-X off) keeps its pending bit and fires when
+//! unmasked. A host that keeps the MSI-X table itself (QEMU's vfio-user-pci)
+//! gets every raised vector on its eventfd instead (`interrupts.rs`).
 //!
 //! Doorbell modes (how I/O queue doorbells reach the controller):
 //! - `mmio`: every doorbell write exits to the VMM, and the vCPU thread
@@ -215,6 +217,8 @@ impl DeviceModel for Nvme {
             c.mem = ctx.mem;
             c.db.ioevents = Some(ctx.ioevents);
             c.intr.irq = ctx.irq;
+            // A new client: whether it keeps the MSI-X table shows in its writes.
+            c.intr.client_table = false;
             c.regs.csts & 1 == 1
         };
         // A device process's next client finds the controller as the last
@@ -275,6 +279,7 @@ impl DeviceModel for Nvme {
         let mut c = self.core.lock().unwrap();
         if c.intr.msix.claims(bar, offset) {
             if let Some(vector) = c.intr.msix.write(bar, offset, data) {
+                c.intr.client_table = true;
                 c.msix_update(vector);
             }
             return;
@@ -293,6 +298,7 @@ impl DeviceModel for Nvme {
         self.stop_threads(&mut t);
         let mut c = self.core.lock().unwrap();
         c.reset_queues();
+        c.intr.client_table = false;
         c.regs.cc = 0;
         c.regs.aqa = 0;
         c.regs.asq = 0;

@@ -134,7 +134,8 @@ impl Core {
             return false;
         }
         self.queues.sqs[0] = Some(Sq { gpa: r.asq, size: asqs as u16, head: 0, tail: 0, cqid: 0 });
-        self.queues.cqs[0] = Some(Cq { gpa: r.acq, size: acqs as u16, ..Default::default() });
+        // The admin CQ always interrupts, on vector 0.
+        self.queues.cqs[0] = Some(Cq { gpa: r.acq, size: acqs as u16, ien: true, iv: 0, ..Default::default() });
         self.regs.csts = 1;
         true
     }

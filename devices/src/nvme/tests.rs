@@ -302,11 +302,12 @@ fn msix_vectors_follow_the_table_and_fire_on_completions_or_stay_pending_while_m
     assert_eq!(irqs.signals.lock().unwrap().len(), 1);
     let mut pba = [0u8; 8];
     d.n.bar_read(0, MSIX_PBA, &mut pba);
-    assert_eq!(pba[0], 0b10, "vector 1 pending");
+    // Vector 0 is the admin CQ's, which the guest left masked: its completions wait there too.
+    assert_eq!(pba[0], 0b11, "vector 1 pending (and vector 0)");
     d.n.bar_write(0, MSIX_TABLE + 28, &0u32.to_le_bytes());
     assert_eq!(irqs.signals.lock().unwrap().as_slice(), [1, 1]);
     d.n.bar_read(0, MSIX_PBA, &mut pba);
-    assert_eq!(pba[0], 0);
+    assert_eq!(pba[0], 0b01);
     // Hostile table accesses: odd sizes and offsets are dropped, reads stay in the table.
     d.n.bar_write(0, MSIX_TABLE + 17, &[1, 2, 3, 4]);
     d.n.bar_write(0, MSIX_TABLE + 16 * MSIX_VECTORS as u64 - 4, &u64::MAX.to_le_bytes());
@@ -444,4 +445,86 @@ fn options_round_trip_and_bad_geometry_names_its_option() {
     assert!(matches!(&e, crate::Error::Option { option, .. } if option == "lba"), "{e}");
     let e = Nvme::new(NvmeConfig { size: 1000, ..mmio(BackendKind::Null) }).err().unwrap();
     assert!(matches!(&e, crate::Error::Option { option, .. } if option == "size_mb"), "{e}");
+}
+
+/// Vectors a vfio-user client (QEMU) gave eventfds for; it emulates the MSI-X
+/// table itself and forwards no table write.
+fn client_lines(vectors: &[u16]) -> (Arc<crate::irq::IrqLines>, Vec<vmm_sys_util::eventfd::EventFd>) {
+    use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+    let lines = crate::irq::IrqLines::new();
+    let fds: Vec<EventFd> = vectors.iter().map(|_| EventFd::new(EFD_NONBLOCK).unwrap()).collect();
+    for (v, fd) in vectors.iter().zip(&fds) {
+        lines.set_msix(*v as usize, vec![Some(fd.try_clone().unwrap())]);
+    }
+    (lines, fds)
+}
+
+fn counter(n: &Nvme, name: &str) -> u64 {
+    n.counters().iter().find(|c| c.name == name).map_or(0, |c| c.value)
+}
+
+#[test]
+fn a_client_that_owns_the_msix_table_gets_every_raised_vector_on_its_eventfd() {
+    let mut d = Drv::new(mmio(BackendKind::Null));
+    let (lines, fds) = client_lines(&[0, 1]);
+    let mut ctx = DeviceContext::detached(d.mem.clone());
+    ctx.irq = lines.clone();
+    d.n.attach(ctx);
+    // The client forwards the Message Control write (MSI-X on) but no table
+    // write: the controller's own table keeps every vector masked.
+    d.n.config_write(MSIX_CAP + 2, &0x8000u16.to_le_bytes());
+    // The admin CQ signals vector 0 (its interrupts are always enabled).
+    assert_eq!(d.admin(0x06, 0, DATA, 0, [1, 0, 0, 0]).1, 0);
+    assert_eq!(fds[0].read().ok(), Some(1), "admin completion on vector 0");
+    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3 | 1 << 16, 0, 0]).1, 0);
+    assert_eq!(d.admin(0x01, 0, IOSQ, 0, [1 | 15 << 16, 1 | 1 << 16, 0, 0]).1, 0);
+    let _ = fds[0].read();
+    for _ in 0..3 {
+        assert_eq!(d.io(0x02, 0, 0, DATA, 0, 16), 0);
+    }
+    assert_eq!(fds[1].read().ok(), Some(3), "one signal per completion on vector 1");
+    assert_eq!(counter(&d.n, "msix.interrupts"), 3 + 3, "3 admin + 3 I/O");
+    // A vector without an eventfd yet is held, and signalled when one arrives.
+    assert_eq!(d.admin(0x05, 0, 0x14000, 0, [2 | 15 << 16, 3 | 2 << 16, 0, 0]).1, 0);
+    assert_eq!(d.admin(0x01, 0, 0x15000, 0, [2 | 15 << 16, 1 | 2 << 16, 0, 0]).1, 0);
+    let e = d.sqe(0x02, 1, DATA, 0, [0; 4]);
+    d.mem.write_slice(&e, GuestAddress(0x15000)).unwrap();
+    d.w32(DOORBELLS + 16, 1);
+    let dw3: u32 = d.mem.read_obj(GuestAddress(0x14000 + 12)).unwrap();
+    assert_eq!(dw3 >> 16 & 1, 1, "the completion is posted");
+    let late = vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap();
+    lines.set_msix(2, vec![Some(late.try_clone().unwrap())]);
+    assert_eq!(late.read().ok(), Some(1), "the held vector 2 fires when its eventfd arrives");
+    // The client takes its eventfds back (MSI-X off): the controller's table rules again.
+    lines.clear_msix();
+    assert_eq!(d.io(0x02, 0, 0, DATA, 0, 16), 0);
+    assert!(fds[1].read().is_err(), "no longer signalled");
+    let mut pba = [0u8; 1];
+    d.n.bar_read(0, MSIX_PBA, &mut pba);
+    assert_eq!(pba[0] & 0b10, 0b10, "vector 1 pending in the controller's own PBA");
+}
+
+#[test]
+fn a_client_that_programs_the_msix_table_keeps_the_controllers_masking() {
+    // iopath's own vfio-user proxy forwards table writes and hands eventfds
+    // over: the controller's table stays authoritative, so a masked vector
+    // is held pending and fires on unmask.
+    let mut d = Drv::new(mmio(BackendKind::Null));
+    let (lines, fds) = client_lines(&[1]);
+    let mut ctx = DeviceContext::detached(d.mem.clone());
+    ctx.irq = lines.clone();
+    d.n.attach(ctx);
+    d.n.bar_write(0, MSIX_TABLE + 16, &0xfee0_0000u64.to_le_bytes());
+    d.n.bar_write(0, MSIX_TABLE + 24, &0x45u32.to_le_bytes());
+    d.n.bar_write(0, MSIX_TABLE + 28, &0u32.to_le_bytes());
+    d.n.config_write(MSIX_CAP + 2, &0x8000u16.to_le_bytes());
+    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3 | 1 << 16, 0, 0]).1, 0);
+    assert_eq!(d.admin(0x01, 0, IOSQ, 0, [1 | 15 << 16, 1 | 1 << 16, 0, 0]).1, 0);
+    assert_eq!(d.io(0x02, 0, 0, DATA, 0, 16), 0);
+    assert_eq!(fds[0].read().ok(), Some(1));
+    d.n.bar_write(0, MSIX_TABLE + 28, &1u32.to_le_bytes());
+    assert_eq!(d.io(0x02, 0, 0, DATA, 0, 16), 0);
+    assert!(fds[0].read().is_err(), "masked in the table the client programs: held");
+    d.n.bar_write(0, MSIX_TABLE + 28, &0u32.to_le_bytes());
+    assert_eq!(fds[0].read().ok(), Some(1), "fired on unmask");
 }
