@@ -59,6 +59,7 @@ impl Core {
         }
         self.queues.cqs[qid] = Some(Cq { gpa: c.prp1, size: size as u16, ien, iv, ..Default::default() });
         self.queues.created = true;
+        self.zero_bar_doorbell(qid, true);
         self.sync_shadow(qid, true);
         status::SUCCESS
     }
@@ -84,6 +85,7 @@ impl Core {
         }
         self.queues.sqs[qid] = Some(Sq { gpa: c.prp1, size: size as u16, head: 0, tail: 0, cqid: cqid as u16 });
         self.queues.created = true;
+        self.zero_bar_doorbell(qid, false);
         self.sync_shadow(qid, false);
         self.register_doorbells(qid);
         status::SUCCESS
@@ -109,6 +111,7 @@ impl Core {
             return status::INVALID_QID;
         }
         self.queues.sqs[q] = None;
+        self.zero_bar_doorbell(q, false);
         status::SUCCESS
     }
 
@@ -121,6 +124,7 @@ impl Core {
             return status::INVALID_QUEUE_DELETION;
         }
         self.queues.cqs[q] = None;
+        self.zero_bar_doorbell(q, true);
         status::SUCCESS
     }
 

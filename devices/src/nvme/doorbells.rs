@@ -247,6 +247,19 @@ impl Core {
         self.event(0, 1, 1);
     }
 
+    /// bar mode: puts queue `qid`'s SQ tail (or CQ head) word of the shared
+    /// page back to 0, on Create and Delete. A new queue's tail and head
+    /// start at 0; the word the guest last wrote for a deleted queue of the
+    /// same id would otherwise be taken for the new queue's tail (stale
+    /// commands served) or head (entries taken as reaped). The shadow
+    /// doorbells of shm and ioeventfd are zeroed on Create by `sync_shadow`.
+    pub(super) fn zero_bar_doorbell(&mut self, qid: usize, cq: bool) {
+        if let Some(page) = &self.db.bar_page {
+            let off = DOORBELLS + qid as u64 * 8 + if cq { 4 } else { 0 };
+            let _ = page.store(0u32, GuestAddress(off), Ordering::Release);
+        }
+    }
+
     /// bar mode: the doorbells are the words of the shared page; serve what
     /// they show, admin queue included.
     pub(super) fn poll_bar(&mut self) -> bool {
