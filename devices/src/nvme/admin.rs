@@ -271,7 +271,11 @@ impl Core {
             _ => return status::INVALID_LOG_PAGE,
         };
         page.resize(len, 0);
-        self.copy_to_guest(c, &page)
+        let st = self.copy_to_guest(c, &page);
+        if st == status::SUCCESS && c.cdw10 & 1 << 15 == 0 {
+            self.log_page_read(lid as u8);
+        }
+        st
     }
 
     /// Doorbell Buffer Config (shm, ioeventfd): the shadow doorbell and

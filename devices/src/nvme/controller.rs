@@ -41,11 +41,24 @@ pub(super) struct Queues {
     pub created: bool,
 }
 
-/// Asynchronous events: outstanding AER command ids and events waiting for one.
+/// Asynchronous events: outstanding AER command ids, events waiting for one,
+/// and the event types reported and not yet cleared.
+///
+/// As the spec has it, an event type that is outstanding (reported, its log
+/// page not yet read) is not reported again: its events wait, and reading
+/// the log page (Get Log Page without RAE) clears the type and the events
+/// waiting for that page (the page reported them). At most one event per
+/// (type, info) waits; the rest are counted and dropped, so a guest that
+/// repeats a bad doorbell write forever cannot grow the queue.
 #[derive(Default)]
 pub(super) struct Events {
     pub aers: Vec<u16>,
+    /// Completion dword 0 of each waiting event: type, info, log page.
     pub queued: VecDeque<u32>,
+    /// Per event type: the log page of its event reported and not yet cleared.
+    pub outstanding: [Option<u8>; 8],
+    /// Events dropped because one of the same type and info was waiting.
+    pub dropped: u64,
 }
 
 /// Buffers reused across commands.
@@ -108,24 +121,41 @@ impl Core {
         self.db.mode
     }
 
-    /// Queues an asynchronous event (type, info, log page) and delivers it
-    /// if an AER is outstanding.
+    /// Queues an asynchronous event (type, info, log page) unless one of the
+    /// same type and info waits already, and delivers it if it can.
     pub fn event(&mut self, kind: u32, info: u32, log_page: u32) {
-        self.events.queued.push_back(kind | info << 8 | log_page << 16);
+        let dw0 = kind & 7 | (info & 0xff) << 8 | (log_page & 0xff) << 16;
+        if self.events.queued.iter().any(|e| e & 0xff07 == dw0 & 0xff07) {
+            self.events.dropped += 1;
+            return;
+        }
+        self.events.queued.push_back(dw0);
         self.deliver_events();
     }
 
-    /// Completes outstanding AERs with queued events while the admin CQ has
-    /// room (an event waits otherwise: it never overwrites an unreaped entry).
+    /// Completes outstanding AERs with the first queued events of types not
+    /// outstanding, while the admin CQ has room (an event waits otherwise:
+    /// it never overwrites an unreaped entry).
     pub fn deliver_events(&mut self) {
-        while !self.events.queued.is_empty()
-            && !self.events.aers.is_empty()
-            && self.queues.cqs[0].is_some_and(|c| !c.full())
-        {
-            let cid = self.events.aers.remove(0);
-            let dw0 = self.events.queued.pop_front().unwrap();
+        while !self.events.aers.is_empty() && self.queues.cqs[0].is_some_and(|c| !c.full()) {
+            let ev = &mut self.events;
+            let Some(i) = ev.queued.iter().position(|&e| ev.outstanding[(e & 7) as usize].is_none()) else { return };
+            let dw0 = ev.queued.remove(i).unwrap();
+            ev.outstanding[(dw0 & 7) as usize] = Some((dw0 >> 16) as u8);
+            let cid = ev.aers.remove(0);
             self.complete(0, cid, dw0, status::SUCCESS);
         }
+    }
+
+    /// The host read log page `lid` (without Retain Asynchronous Event): the
+    /// event types it reported are no longer outstanding, and the events
+    /// waiting for it are reported. The admin command completes first;
+    /// `process_sq` delivers what may go now.
+    pub fn log_page_read(&mut self, lid: u8) {
+        for t in self.events.outstanding.iter_mut().filter(|t| **t == Some(lid)) {
+            *t = None;
+        }
+        self.events.queued.retain(|&e| (e >> 16) as u8 != lid);
     }
 
     /// Serves SQ `qid` up to its tail; stops early if its CQ is full.
@@ -160,6 +190,10 @@ impl Core {
             };
             let cid = sqe.map(|c| c.cid).unwrap_or(0);
             self.complete(qid, cid, dw0, st);
+            if qid == 0 {
+                // An event a log page read let go.
+                self.deliver_events();
+            }
         }
     }
 
@@ -193,6 +227,7 @@ impl Core {
             ("errors", s.errors),
             ("doorbell.writes", s.doorbell_writes),
             ("doorbell.invalid", s.bad_doorbells),
+            ("events.dropped", self.events.dropped),
             ("cq.full-waits", s.cq_full_waits),
             ("shadow.polls", s.polls),
             ("ioeventfd.kicks", s.kicks),

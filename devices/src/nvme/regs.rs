@@ -152,6 +152,7 @@ impl Core {
         self.db.shadow = None;
         self.events.aers.clear();
         self.events.queued.clear();
+        self.events.outstanding = [None; 8];
         q.created = false;
         self.intr.agg.iter_mut().for_each(|a| *a = (0, None));
         q.nsqa = MAX_IO_QUEUES;

@@ -596,3 +596,63 @@ fn a_recreated_io_queue_starts_from_zeroed_doorbells_in_every_mode() {
         d.n.quiesce();
     }
 }
+
+impl Drv {
+    /// Submits an Asynchronous Event Request (it completes when an event comes).
+    fn submit_aer(&mut self) -> u16 {
+        let e = self.sqe(0x0c, 0, 0, 0, [0; 4]);
+        self.mem.write_slice(&e, GuestAddress(ASQ + self.atail as u64 * 64)).unwrap();
+        self.atail = (self.atail + 1) % 32;
+        self.w32(DOORBELLS, self.atail as u32);
+        self.cid
+    }
+    fn queued_events(&self) -> usize {
+        self.n.core.lock().unwrap().events.queued.len()
+    }
+}
+
+#[test]
+fn a_doorbell_flood_keeps_one_pending_event_per_type_and_info() {
+    for mode in [DoorbellMode::Mmio, DoorbellMode::Bar] {
+        let cfg = NvmeConfig { backend: BackendKind::Null, size: 1 << 20, lba_size: 512, doorbell: mode };
+        let mut d = Drv::new(cfg);
+        d.io_queues(4);
+        for i in 0..100_000u32 {
+            d.w32(DOORBELLS + 8, 0xffff_ffff); // invalid doorbell write value
+            if mode == DoorbellMode::Mmio {
+                d.w32(DOORBELLS + 8 * 40, 1); // invalid doorbell register
+            }
+            if i % 1000 == 0 {
+                assert!(d.queued_events() <= 2, "{mode}: {} events queued", d.queued_events());
+            }
+        }
+        assert!(d.queued_events() <= 2, "{mode}: {} events queued", d.queued_events());
+        d.n.quiesce();
+        let invalid = counter(&d.n, "doorbell.invalid");
+        assert!(invalid > 0, "{mode}");
+        assert_eq!(counter(&d.n, "events.dropped"), invalid - d.queued_events() as u64, "{mode}");
+    }
+}
+
+#[test]
+fn an_event_type_reported_is_not_reported_again_until_its_log_page_is_read() {
+    let mut d = Drv::new(mmio(BackendKind::Null));
+    d.io_queues(4);
+    let (a1, a2) = (d.submit_aer(), d.submit_aer());
+    d.w32(DOORBELLS + 8, 9); // invalid value: error event, info 1, log page 1
+    d.w32(DOORBELLS + 8 * 40, 1); // invalid register: error event, info 0
+    let ev = d.reap(ACQ, 32, true).expect("the first AER completes");
+    assert_eq!(ev, (1 << 8 | 1 << 16, 0));
+    assert!(d.reap(ACQ, 32, true).is_none(), "an error event is outstanding: the second waits");
+    d.w32(DOORBELLS + 4, d.ahead as u32);
+    // Reading the error log with RAE (bit 15) set keeps the event outstanding.
+    assert_eq!(d.admin(0x02, 0, DATA, 0, [1 | 1 << 15 | 15 << 16, 0, 0, 0]).1, 0);
+    assert!(d.reap(ACQ, 32, true).is_none(), "retained");
+    // Reading it clears the event, and what it reported with it.
+    assert_eq!(d.admin(0x02, 0, DATA, 0, [1 | 15 << 16, 0, 0, 0]).1, 0);
+    assert!(d.reap(ACQ, 32, true).is_none(), "the queued error was reported by the log page");
+    d.w32(DOORBELLS + 8 * 40, 1);
+    let ev = d.reap(ACQ, 32, true).expect("a new error is reported");
+    assert_eq!(ev, (1 << 16, 0));
+    let _ = (a1, a2);
+}
