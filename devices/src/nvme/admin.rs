@@ -9,6 +9,99 @@ use vm_memory::{Bytes, GuestAddress};
 
 /// Asynchronous Event Requests outstanding at most.
 const AERL: usize = 4;
+/// The serial number (Identify Controller SN); the namespace's NGUID and
+/// UUID and the subsystem NQN are derived from it.
+const SERIAL: &[u8; 20] = b"IOPATH0000000000001 ";
+/// Firmware revision (Identify Controller FR, firmware slot 1).
+const FIRMWARE: &[u8; 8] = b"1.0     ";
+/// Admin opcodes implemented (Doorbell Buffer Config, 0x7c, only where shadow
+/// doorbells are served): what `admin` dispatches and the effects log lists.
+const ADMIN_OPCODES: [u8; 10] = [0x00, 0x01, 0x02, 0x04, 0x05, 0x06, 0x08, 0x09, 0x0a, 0x0c];
+/// I/O opcodes implemented (`io`), and those that change LBA contents.
+const IO_OPCODES: [u8; 5] = [0x00, 0x01, 0x02, 0x08, 0x09];
+pub(super) const IO_LBA_CHANGING: [u8; 3] = [0x01, 0x08, 0x09];
+/// Warning and critical composite temperature thresholds (Kelvin); the
+/// SMART log reports 313 K.
+const WCTEMP: u16 = 343;
+const CCTEMP: u16 = 373;
+const TEMPERATURE: u16 = 313;
+
+/// The features Set Features keeps (Number of Queues and Interrupt
+/// Coalescing live with the queues and the interrupts). Back to these
+/// defaults on a controller reset.
+pub(super) struct Features {
+    /// Arbitration (FID 01h) as set.
+    pub arbitration: u32,
+    /// Power Management (02h): workload hint; the one power state is 0.
+    pub power: u32,
+    /// Temperature Threshold (04h): composite sensor, over and under.
+    pub temp_over: u16,
+    pub temp_under: u16,
+    /// Error Recovery (05h): TLER.
+    pub error_recovery: u32,
+    /// Volatile Write Cache (06h): enabled; off, every LBA-changing command
+    /// is flushed before it completes.
+    pub write_cache: bool,
+    /// Interrupt Vector Configuration (09h): Coalescing Disable per vector.
+    pub coalescing_off: Vec<bool>,
+    /// Write Atomicity Normal (0Ah).
+    pub write_atomicity: u32,
+    /// Asynchronous Event Configuration (0Bh): SMART warnings to report.
+    pub async_events: u32,
+}
+
+impl Features {
+    pub fn new() -> Self {
+        Features {
+            arbitration: 0,
+            power: 0,
+            temp_over: WCTEMP,
+            temp_under: 0,
+            error_recovery: 0,
+            write_cache: true,
+            coalescing_off: vec![false; MSIX_VECTORS],
+            write_atomicity: 0,
+            async_events: 0,
+        }
+    }
+}
+
+/// 128 bits derived from the serial number and a label: stable for a
+/// controller, with no randomness (FNV-1a, then two SplitMix64 finalisers).
+fn derived_id(serial: &[u8], label: &[u8]) -> [u8; 16] {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in label.iter().chain(serial) {
+        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    let mix = |mut z: u64| {
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut id = [0u8; 16];
+    id[..8].copy_from_slice(&mix(h).to_be_bytes());
+    id[8..].copy_from_slice(&mix(h ^ 0x9e37_79b9_7f4a_7c15).to_be_bytes());
+    id
+}
+
+/// The namespace's NGUID (Identify Namespace and its descriptor).
+fn nguid() -> [u8; 16] {
+    derived_id(SERIAL, b"nguid")
+}
+
+/// The namespace's UUID: RFC 9562 version 8 (custom), variant 10b.
+fn uuid() -> [u8; 16] {
+    let mut u = derived_id(SERIAL, b"uuid");
+    u[6] = (u[6] & 0x0f) | 0x80;
+    u[8] = (u[8] & 0x3f) | 0x80;
+    u
+}
+
+/// The NVM Subsystem NVMe Qualified Name (Identify Controller SUBNQN).
+fn subnqn() -> String {
+    let serial = String::from_utf8_lossy(SERIAL);
+    format!("nqn.2026-11.io.iopath:nvme:{}", serial.trim_end())
+}
 
 impl Core {
     /// Executes an admin command: Some((dw0, status)) to complete now, None
@@ -34,6 +127,7 @@ impl Core {
                 None
             }
             0x7c => r(self.dbbuf_config(c)),
+            // Anything else is not implemented: not in ADMIN_OPCODES (the effects log).
             _ => r(status::INVALID_OPCODE),
         }
     }
@@ -165,38 +259,55 @@ impl Core {
                 d[25] = 0; // NLBAF: one format
                 d[26] = 0; // FLBAS: format 0
                 d[33] = 1; // DLFEAT: deallocated blocks read as zeros
-                           // LBAF0: MS 0, LBADS, RP 0
-                d[128 + 2] = self.ns.lba_shift as u8;
+                d[104..120].copy_from_slice(&nguid()); // NGUID; EUI64 (120..128) not reported
+                d[128 + 2] = self.ns.lba_shift as u8; // LBAF0: MS 0, LBADS, RP 0
             }
             0x01 => {
                 d[0..2].copy_from_slice(&VENDOR.to_le_bytes());
                 d[2..4].copy_from_slice(&VENDOR.to_le_bytes());
-                d[4..24].copy_from_slice(b"IOPATH0000000000001 ");
+                d[4..24].copy_from_slice(SERIAL);
                 d[24..64].copy_from_slice(format!("{:<40}", "iopath NVMe controller").as_bytes());
-                d[64..72].copy_from_slice(b"1.0     ");
+                d[64..72].copy_from_slice(FIRMWARE);
                 d[77] = MDTS;
                 d[78..80].copy_from_slice(&1u16.to_le_bytes()); // CNTLID
                 d[80..84].copy_from_slice(&0x0001_0400u32.to_le_bytes()); // VER 1.4
                 d[111] = 1; // CNTRLTYPE: I/O controller
-                            // OACS: Doorbell Buffer Config only where shadow doorbells are served.
-                let shadow = matches!(self.mode(), DoorbellMode::Shm | DoorbellMode::Ioeventfd);
-                let oacs: u16 = if shadow { 1 << 8 } else { 0 };
-                d[256..258].copy_from_slice(&oacs.to_le_bytes());
+                d[256..258].copy_from_slice(&self.oacs().to_le_bytes());
                 d[258] = 3; // ACL (0-based)
                 d[259] = (AERL - 1) as u8; // AERL (0-based)
-                d[260] = 0x02; // FRMW: slot 1 read-only
-                d[261] = 0x02; // LPA: command effects... log page attributes
-                d[262] = 0; // ELPE
+                d[260] = 0b11; // FRMW: one slot, read-only (no Firmware Download or Commit)
+                d[261] = 0b110; // LPA: Commands Supported and Effects log, extended data (NUMDU, LPOL/LPOU)
+                d[262] = 0; // ELPE: one error log entry
+                d[266..268].copy_from_slice(&WCTEMP.to_le_bytes());
+                d[268..270].copy_from_slice(&CCTEMP.to_le_bytes());
                 d[512] = 0x66; // SQES: 64 bytes
                 d[513] = 0x44; // CQES: 16 bytes
                 d[516..520].copy_from_slice(&1u32.to_le_bytes()); // NN
                 let oncs: u16 = (1 << 2) | (1 << 3); // DSM, Write Zeroes
                 d[520..522].copy_from_slice(&oncs.to_le_bytes());
-                d[525] = 1; // VWC present
+                d[525] = 1; // VWC present (Set Features 06h turns it off)
+                let nqn = subnqn();
+                d[768..768 + nqn.len()].copy_from_slice(nqn.as_bytes()); // SUBNQN, NUL-terminated
             }
             0x02 => {
+                if c.nsid >= 0xffff_fffe {
+                    return status::INVALID_NAMESPACE;
+                }
                 if c.nsid < 1 {
                     d[0..4].copy_from_slice(&1u32.to_le_bytes());
+                }
+            }
+            0x03 => {
+                if c.nsid != 1 {
+                    return status::INVALID_NAMESPACE;
+                }
+                // Namespace Identification Descriptors: NIDT, NIDL, 2 reserved, NID.
+                let mut p = 0;
+                for (nidt, nid) in [(2u8, nguid()), (3, uuid())] {
+                    d[p] = nidt;
+                    d[p + 1] = nid.len() as u8;
+                    d[p + 4..p + 4 + nid.len()].copy_from_slice(&nid);
+                    p += 4 + nid.len();
                 }
             }
             _ => return status::INVALID_FIELD,
@@ -204,9 +315,60 @@ impl Core {
         self.copy_to_guest(c, &d)
     }
 
+    /// Optional Admin Command Support: Doorbell Buffer Config only where
+    /// shadow doorbells are served.
+    fn oacs(&self) -> u16 {
+        if self.shadow_mode() {
+            1 << 8
+        } else {
+            0
+        }
+    }
+
+    fn shadow_mode(&self) -> bool {
+        matches!(self.mode(), DoorbellMode::Shm | DoorbellMode::Ioeventfd)
+    }
+
     fn set_features(&mut self, c: &Sqe) -> Option<(u32, u16)> {
         let fid = c.cdw10 & 0xff;
+        if c.cdw10 & 1 << 31 != 0 {
+            return Some((0, status::FEATURE_NOT_SAVEABLE)); // no Save (ONCS bit 4)
+        }
+        let v = c.cdw11;
+        let f = &mut self.feat;
+        let ok = (0, status::SUCCESS);
+        let invalid = Some((0, status::INVALID_FIELD));
         Some(match fid {
+            0x01 => {
+                f.arbitration = v & 0xffff_ff07;
+                ok
+            }
+            0x02 => {
+                if v & 0x1f != 0 {
+                    return invalid; // power state 0 is the only one (NPSS 0)
+                }
+                f.power = v & 0xe0;
+                ok
+            }
+            0x04 => {
+                let (tmpth, tmpsel, thsel) = (v as u16, v >> 16 & 0xf, v >> 20 & 3);
+                if !matches!(tmpsel, 0 | 0xf) || thsel > 1 {
+                    return invalid; // the composite temperature is the only sensor
+                }
+                *if thsel == 0 { &mut f.temp_over } else { &mut f.temp_under } = tmpth;
+                ok
+            }
+            0x05 => {
+                if v & 1 << 16 != 0 {
+                    return invalid; // no DULBE (NSFEAT bit 2)
+                }
+                f.error_recovery = v & 0xffff;
+                ok
+            }
+            0x06 => {
+                f.write_cache = v & 1 != 0;
+                ok
+            }
             0x07 => {
                 if self.queues.created {
                     return Some((0, status::COMMAND_SEQUENCE_ERROR));
@@ -214,7 +376,7 @@ impl Core {
                 let nsqr = (c.cdw11 & 0xffff) as u16;
                 let ncqr = (c.cdw11 >> 16) as u16;
                 if nsqr == 0xffff || ncqr == 0xffff {
-                    return Some((0, status::INVALID_FIELD));
+                    return invalid;
                 }
                 let q = &mut self.queues;
                 q.nsqa = (nsqr + 1).min(MAX_IO_QUEUES);
@@ -224,24 +386,59 @@ impl Core {
             0x08 => {
                 self.intr.coalescing = c.cdw11 & 0xffff;
                 self.flush_coalesced_now();
-                (0, status::SUCCESS)
+                ok
             }
-            0x01 | 0x02 | 0x04 | 0x05 | 0x06 | 0x09 | 0x0a | 0x0b => (0, status::SUCCESS),
-            _ => (0, status::INVALID_FIELD),
+            0x09 => {
+                let Some(cd) = f.coalescing_off.get_mut((v & 0xffff) as usize) else { return invalid };
+                *cd = v & 1 << 16 != 0;
+                ok
+            }
+            0x0a => {
+                f.write_atomicity = v & 1;
+                ok
+            }
+            0x0b => {
+                f.async_events = v & 0xff;
+                ok
+            }
+            _ => return invalid,
         })
     }
 
     fn get_features(&mut self, c: &Sqe) -> Option<(u32, u16)> {
         let fid = c.cdw10 & 0xff;
-        let q = &self.queues;
-        Some(match fid {
-            0x07 => (((q.ncqa - 1) as u32) << 16 | (q.nsqa - 1) as u32, status::SUCCESS),
-            0x08 => (self.intr.coalescing, status::SUCCESS),
-            0x01 | 0x02 | 0x04 | 0x05 | 0x06 | 0x09 | 0x0a | 0x0b => (0, status::SUCCESS),
-            _ => (0, status::INVALID_FIELD),
-        })
+        let (q, f) = (&self.queues, &self.feat);
+        let v = match fid {
+            0x01 => f.arbitration,
+            0x02 => f.power,
+            0x04 => {
+                let (tmpsel, thsel) = (c.cdw11 >> 16 & 0xf, c.cdw11 >> 20 & 3);
+                match (tmpsel, thsel) {
+                    (0, 0) => f.temp_over as u32,
+                    (0, 1) => f.temp_under as u32,
+                    _ => return Some((0, status::INVALID_FIELD)),
+                }
+            }
+            0x05 => f.error_recovery,
+            0x06 => f.write_cache as u32,
+            0x07 => ((q.ncqa - 1) as u32) << 16 | (q.nsqa - 1) as u32,
+            0x08 => self.intr.coalescing,
+            0x09 => {
+                let iv = c.cdw11 & 0xffff;
+                let Some(&cd) = f.coalescing_off.get(iv as usize) else { return Some((0, status::INVALID_FIELD)) };
+                iv | (cd as u32) << 16
+            }
+            0x0a => f.write_atomicity,
+            0x0b => f.async_events,
+            _ => return Some((0, status::INVALID_FIELD)),
+        };
+        Some((v, status::SUCCESS))
     }
 
+    /// Get Log Page: NUMD dwords (NUMDL, NUMDU) from byte offset LPOL/LPOU,
+    /// which must be dword aligned and inside the page; bytes past the end
+    /// of the page read as zeros. Without RAE, reading a page clears the
+    /// asynchronous events it reports.
     fn get_log_page(&mut self, c: &Sqe) -> u16 {
         let lid = c.cdw10 & 0xff;
         let numd = ((c.cdw10 >> 16) | (c.cdw11 & 0xffff) << 16) as u64 + 1;
@@ -249,11 +446,15 @@ impl Core {
         if len > (PAGE << MDTS) as usize {
             return status::INVALID_FIELD;
         }
-        let mut page = match lid {
+        let page = match lid {
             0x01 => vec![0u8; 64], // error information: no entries kept
             0x02 => {
                 let mut s = vec![0u8; 512];
-                s[1..3].copy_from_slice(&313u16.to_le_bytes()); // composite temperature, K
+                let f = &self.feat;
+                if TEMPERATURE > f.temp_over || TEMPERATURE < f.temp_under {
+                    s[0] |= 1 << 1; // critical warning: temperature
+                }
+                s[1..3].copy_from_slice(&TEMPERATURE.to_le_bytes()); // composite temperature, K
                 s[3] = 100; // available spare
                 s[4] = 10; // threshold
                 s[32..40].copy_from_slice(&self.smart.read_units.div_ceil(1000).to_le_bytes());
@@ -264,24 +465,48 @@ impl Core {
             }
             0x03 => {
                 let mut f = vec![0u8; 512];
-                f[0] = 1;
-                f[8..16].copy_from_slice(b"1.0     ");
+                f[0] = 1; // AFI: slot 1 active
+                f[8..16].copy_from_slice(FIRMWARE);
                 f
             }
+            0x05 => self.effects_log(),
             _ => return status::INVALID_LOG_PAGE,
         };
-        page.resize(len, 0);
-        let st = self.copy_to_guest(c, &page);
+        let off = c.cdw12 as u64 | (c.cdw13 as u64) << 32;
+        if !off.is_multiple_of(4) || off > page.len() as u64 {
+            return status::INVALID_FIELD;
+        }
+        let mut data = page[off as usize..].to_vec();
+        data.resize(len, 0);
+        let st = self.copy_to_guest(c, &data);
         if st == status::SUCCESS && c.cdw10 & 1 << 15 == 0 {
             self.log_page_read(lid as u8);
         }
         st
     }
 
+    /// Commands Supported and Effects (log page 05h): a dword per admin
+    /// opcode, then per I/O opcode; CSUPP for each one implemented, LBCC for
+    /// those that change LBA contents.
+    fn effects_log(&self) -> Vec<u8> {
+        let mut log = vec![0u8; 4096];
+        let mut set = |i: usize, v: u32| log[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+        for op in ADMIN_OPCODES {
+            set(op as usize, 1);
+        }
+        if self.shadow_mode() {
+            set(0x7c, 1);
+        }
+        for op in IO_OPCODES {
+            set(256 + op as usize, if IO_LBA_CHANGING.contains(&op) { 0b11 } else { 1 });
+        }
+        log
+    }
+
     /// Doorbell Buffer Config (shm, ioeventfd): the shadow doorbell and
     /// EventIdx pages; existing queues' values are copied into them.
     fn dbbuf_config(&mut self, c: &Sqe) -> u16 {
-        if !matches!(self.mode(), DoorbellMode::Shm | DoorbellMode::Ioeventfd) {
+        if !self.shadow_mode() {
             return status::INVALID_OPCODE;
         }
         if !queue_in_ram(&self.mem, c.prp1, PAGE) || !queue_in_ram(&self.mem, c.prp2, PAGE) {

@@ -6,6 +6,7 @@
 //! the device thread (polling, ioeventfd) behind one mutex; its methods are
 //! spread over the files of the concern they serve.
 
+use super::admin::Features;
 use super::backend::{Backend, Bounce};
 use super::doorbells::Doorbells;
 use super::interrupts::IrqState;
@@ -28,6 +29,7 @@ pub(super) struct Core {
     pub intr: IrqState,
     pub st: Stats,
     pub smart: Smart,
+    pub feat: Features,
 }
 
 /// The submission and completion queues (index = queue id; 0 is admin).
@@ -114,6 +116,7 @@ impl Core {
             intr: IrqState::new(),
             st: Stats::default(),
             smart: Smart::default(),
+            feat: Features::new(),
         }
     }
 

@@ -48,10 +48,15 @@ impl IrqState {
 impl Core {
     /// A completion on CQ `cqid` for vector `v`: signals at once, or counts
     /// it toward the aggregation threshold (I/O queues, modes with a device
-    /// thread to keep the aggregation time).
+    /// thread to keep the aggregation time, vectors whose Interrupt Vector
+    /// Configuration does not disable coalescing).
     pub(super) fn completion_interrupt(&mut self, cqid: usize, v: u16) {
         let thr = (self.intr.coalescing & 0xff) + 1;
-        if cqid == 0 || self.intr.coalescing == 0 || self.mode() == DoorbellMode::Mmio || v as usize >= MSIX_VECTORS {
+        if cqid == 0
+            || self.intr.coalescing == 0
+            || self.mode() == DoorbellMode::Mmio
+            || self.feat.coalescing_off.get(v as usize).is_none_or(|&off| off)
+        {
             return self.interrupt(v);
         }
         let a = &mut self.intr.agg[v as usize];

@@ -1,7 +1,8 @@
 //! I/O commands on namespace 1 (Flush, Read, Write, Write Zeroes, Dataset
 //! Management) and the data movement between guest pages (PRPs) and the
-//! backend.
+//! backend. The opcodes are listed once, for the effects log, in `admin.rs`.
 
+use super::admin::IO_LBA_CHANGING;
 use super::backend::Backend;
 use super::controller::Core;
 use super::queue::{prp_segments, status, Sqe, PAGE};
@@ -23,7 +24,7 @@ impl Core {
         if c.nsid != 1 {
             return status::INVALID_NAMESPACE;
         }
-        match c.opcode {
+        let st = match c.opcode {
             0x00 => match self.ns.backend.flush() {
                 Ok(()) => status::SUCCESS,
                 Err(_) => status::INTERNAL,
@@ -41,7 +42,15 @@ impl Core {
             }
             0x09 => self.dsm(c),
             _ => status::INVALID_OPCODE,
+        };
+        // Volatile write cache off (Set Features 06h): what changed is stable before it completes.
+        if st == status::SUCCESS && !self.feat.write_cache && IO_LBA_CHANGING.contains(&c.opcode) {
+            if let Err(e) = self.ns.backend.flush() {
+                log::warn!("nvme: flush with the write cache off: {e}");
+                return status::INTERNAL;
+            }
         }
+        st
     }
 
     fn rw(&mut self, c: &Sqe, write: bool) -> u16 {

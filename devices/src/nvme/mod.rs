@@ -3,10 +3,12 @@
 //! BAR0 (64-bit memory, 16 KiB) holds the controller registers (CAP, VS,
 //! INTMS/INTMC, CC, CSTS, AQA, ASQ, ACQ) and, from 0x1000, the doorbells
 //! (stride 4: SQ y tail at 0x1000 + 8y, CQ y head at 0x1000 + 8y + 4).
-//! Admin: Identify (controller, namespace, active namespace list),
-//! Create/Delete I/O SQ and CQ, Get/Set Features (number of queues,
-//! interrupt coalescing, arbitration...), Get Log Page (error, SMART,
-//! firmware), Abort, Asynchronous Event Request, Doorbell Buffer Config.
+//! Admin: Identify (controller, namespace, active namespace list, namespace
+//! identification descriptors), Create/Delete I/O SQ and CQ, Get/Set
+//! Features (number of queues, interrupt coalescing, volatile write cache,
+//! arbitration...), Get Log Page (error, SMART, firmware, commands supported
+//! and effects; with offsets), Abort, Asynchronous Event Request, Doorbell
+//! Buffer Config. Identify advertises only what is implemented.
 //! I/O: Read, Write, Flush, Write Zeroes, Dataset Management, with PRP1/PRP2
 //! and PRP lists. Completions carry phase tags for polling drivers; a CQ
 //! created with IEN=1, and the admin CQ always (vector 0), signals its MSI-X

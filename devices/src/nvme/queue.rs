@@ -30,6 +30,7 @@ pub mod status {
     pub const INVALID_INTERRUPT_VECTOR: u16 = 0x108;
     pub const INVALID_LOG_PAGE: u16 = 0x109;
     pub const INVALID_QUEUE_DELETION: u16 = 0x10c;
+    pub const FEATURE_NOT_SAVEABLE: u16 = 0x10d;
 }
 
 #[derive(Clone, Copy, Debug, Default)]

@@ -141,7 +141,8 @@ impl Core {
     }
 
     /// Controller disable (or reset): every queue, the shadow doorbells,
-    /// outstanding AERs and events, held interrupts and CSTS go.
+    /// outstanding AERs and events, held interrupts and CSTS go; the
+    /// features Set Features keeps return to their defaults.
     pub(super) fn reset_queues(&mut self) {
         if let Some(page) = &self.db.bar_page {
             let _ = page.write_slice(&[0u8; 4096], GuestAddress(DOORBELLS));
@@ -153,6 +154,7 @@ impl Core {
         self.events.aers.clear();
         self.events.queued.clear();
         self.events.outstanding = [None; 8];
+        self.feat = super::admin::Features::new();
         q.created = false;
         self.intr.agg.iter_mut().for_each(|a| *a = (0, None));
         q.nsqa = MAX_IO_QUEUES;

@@ -656,3 +656,159 @@ fn an_event_type_reported_is_not_reported_again_until_its_log_page_is_read() {
     assert_eq!(ev, (1 << 16, 0));
     let _ = (a1, a2);
 }
+
+impl Drv {
+    /// Runs an admin command that returns data to DATA and returns (status, the data).
+    fn admin_data(&mut self, op: u8, nsid: u32, cdw: [u32; 4], len: usize) -> (u16, Vec<u8>) {
+        self.mem.write_slice(&vec![0xa5u8; 8192], GuestAddress(DATA)).unwrap();
+        let st = self.admin(op, nsid, DATA, DATA + 4096, cdw).1;
+        let mut b = vec![0u8; len];
+        self.mem.read_slice(&mut b, GuestAddress(DATA)).unwrap();
+        (st, b)
+    }
+    /// Get Log Page `lid` of `len` bytes (a multiple of 4) from byte offset `off`.
+    fn log_page(&mut self, lid: u8, off: u64, len: usize) -> (u16, Vec<u8>) {
+        let numd = (len / 4 - 1) as u32;
+        let cdw = [lid as u32 | 1 << 15 | (numd & 0xffff) << 16, numd >> 16, off as u32, (off >> 32) as u32];
+        self.admin_data(0x02, 0xffff_ffff, cdw, len)
+    }
+}
+
+#[test]
+fn identify_gives_namespace_descriptors_a_subsystem_nqn_and_matching_namespace_ids() {
+    let mut d = Drv::new(mmio(BackendKind::Null));
+    let (st, ctrl) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
+    assert_eq!(st, 0);
+    let serial = std::str::from_utf8(&ctrl[4..24]).unwrap().trim_end().to_string();
+    let nqn = &ctrl[768..1024];
+    let end = nqn.iter().position(|&b| b == 0).expect("SUBNQN is NUL-terminated");
+    assert_eq!(std::str::from_utf8(&nqn[..end]).unwrap(), format!("nqn.2026-11.io.iopath:nvme:{serial}"));
+    assert!(nqn[end..].iter().all(|&b| b == 0));
+    // CNS 03h: a descriptor list (NIDT, NIDL, 2 reserved, NID) ended by a zero NIDT.
+    let (st, list) = d.admin_data(0x06, 1, [3, 0, 0, 0], 4096);
+    assert_eq!(st, 0, "Namespace Identification Descriptor list");
+    let mut ids = std::collections::BTreeMap::new();
+    let mut p = 0;
+    while list[p] != 0 {
+        let (t, l) = (list[p], list[p + 1] as usize);
+        assert!(ids.insert(t, list[p + 4..p + 4 + l].to_vec()).is_none(), "one descriptor per type");
+        p += 4 + l;
+    }
+    assert!(list[p..].iter().all(|&b| b == 0));
+    let (nguid, uuid) = (ids[&2].clone(), ids[&3].clone());
+    assert_eq!((nguid.len(), uuid.len()), (16, 16));
+    assert!(nguid.iter().any(|&b| b != 0) && uuid.iter().any(|&b| b != 0));
+    assert_eq!((uuid[6] >> 4, uuid[8] >> 6), (8, 0b10), "an RFC 9562 version 8 UUID");
+    assert!(!ids.contains_key(&1), "no EUI64");
+    // Identify Namespace carries the same NGUID and no EUI64.
+    let (st, ns) = d.admin_data(0x06, 1, [0, 0, 0, 0], 4096);
+    assert_eq!(st, 0);
+    assert_eq!(&ns[104..120], &nguid[..], "NGUID as in the descriptor");
+    assert_eq!(&ns[120..128], &[0u8; 8], "EUI64 not reported");
+    // Stable: another controller instance with the same serial number reports the same ids.
+    let mut e = Drv::new(mmio(BackendKind::Null));
+    assert_eq!(e.admin_data(0x06, 1, [3, 0, 0, 0], 4096).1, list);
+    // Only namespace 1 exists; the active namespace list refuses the reserved ids.
+    assert_eq!(d.admin(0x06, 2, DATA, 0, [3, 0, 0, 0]).1, status::INVALID_NAMESPACE);
+    assert_eq!(d.admin(0x06, 0xffff_ffff, DATA, 0, [3, 0, 0, 0]).1, status::INVALID_NAMESPACE);
+    assert_eq!(d.admin(0x06, 0xffff_fffe, DATA, 0, [2, 0, 0, 0]).1, status::INVALID_NAMESPACE);
+    let (st, active) = d.admin_data(0x06, 0, [2, 0, 0, 0], 8);
+    assert_eq!((st, &active[..]), (0, &[1u8, 0, 0, 0, 0, 0, 0, 0][..]));
+}
+
+#[test]
+fn the_effects_log_marks_exactly_the_commands_the_controller_implements() {
+    for mode in [DoorbellMode::Mmio, DoorbellMode::Shm] {
+        let cfg = NvmeConfig { backend: BackendKind::Null, size: 1 << 20, lba_size: 512, doorbell: mode };
+        let mut d = Drv::new(cfg);
+        let (_, ctrl) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
+        assert_eq!(ctrl[261] & 0b110, 0b110, "LPA: effects log, extended data (NUMDU, offsets)");
+        let (st, log) = d.log_page(0x05, 0, 4096);
+        assert_eq!(st, 0, "{mode}: Commands Supported and Effects");
+        let dword = |i: usize| u32::from_le_bytes(log[4 * i..4 * i + 4].try_into().unwrap());
+        d.io_queues(16);
+        for op in 0..=255u8 {
+            let (acs, iocs) = (dword(op as usize), dword(256 + op as usize));
+            // Every admin opcode without CSUPP answers Invalid Opcode, every one with it does not.
+            // (An AER completes only with an event; Doorbell Buffer Config, below, moves the doorbells.)
+            if !matches!(op, 0x0c | 0x7c) {
+                let st = d.admin(op, 0, 0, 0, [0; 4]).1;
+                assert_eq!(acs & 1 == 1, st != status::INVALID_OPCODE, "{mode}: admin {op:#04x}: {st:#x}");
+            }
+            let st = d.io(op, 0, 0, 0, 0, 16);
+            assert_eq!(iocs & 1 == 1, st != status::INVALID_OPCODE, "{mode}: I/O {op:#04x}: {st:#x}");
+            assert_eq!(iocs & 2 != 0, matches!(op, 0x01 | 0x08 | 0x09), "{mode}: LBCC of {op:#04x}");
+            assert_eq!(acs & !1, 0, "{mode}: admin {op:#04x} changes nothing the host must know");
+        }
+        let acs = |op: usize| dword(op) & 1;
+        assert_eq!((acs(0x0c), acs(0x7c)), (1, (mode == DoorbellMode::Shm) as u32), "{mode}: AER, DBBC");
+        assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1 == status::INVALID_OPCODE, acs(0x7c) == 0);
+        d.n.quiesce();
+    }
+}
+
+#[test]
+fn get_log_page_reads_from_its_offset_within_bounds() {
+    let mut d = Drv::new(mmio(BackendKind::Null));
+    let (_, full) = d.log_page(0x05, 0, 4096);
+    let (st, part) = d.log_page(0x05, 4096 - 8, 8);
+    assert_eq!((st, &part[..]), (0, &full[4088..]), "the last two dwords");
+    let (st, part) = d.log_page(0x05, 0x40, 12);
+    assert_eq!((st, &part[..]), (0, &full[0x40..0x4c]));
+    let (st, smart) = d.log_page(0x02, 0, 512);
+    let (st2, tail) = d.log_page(0x02, 500, 16);
+    assert_eq!((st, st2), (0, 0));
+    assert_eq!(&tail[..12], &smart[500..], "past the end of the page reads as zeros");
+    assert_eq!(&tail[12..], &[0u8; 4]);
+    assert_eq!(d.log_page(0x05, 2, 8).0, status::INVALID_FIELD, "not dword aligned");
+    assert_eq!(d.log_page(0x05, 4100, 8).0, status::INVALID_FIELD, "past the log page");
+    assert_eq!(d.log_page(0x05, u64::MAX - 3, 8).0, status::INVALID_FIELD);
+    assert_eq!(d.log_page(0x03, 512, 4).0, status::SUCCESS, "at the end: zeros");
+}
+
+#[test]
+fn identify_controller_advertises_only_what_the_controller_implements() {
+    for mode in [DoorbellMode::Mmio, DoorbellMode::Ioeventfd, DoorbellMode::Shm, DoorbellMode::Bar] {
+        let cfg = NvmeConfig { backend: BackendKind::Null, size: 1 << 20, lba_size: 512, doorbell: mode };
+        let mut d = Drv::new(cfg);
+        let (_, c) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
+        let shadow = matches!(mode, DoorbellMode::Shm | DoorbellMode::Ioeventfd);
+        assert_eq!(u16::from_le_bytes([c[256], c[257]]), (shadow as u16) << 8, "{mode}: OACS: DBBC only");
+        d.n.quiesce();
+    }
+    let mut d = Drv::new(mmio(BackendKind::Ram));
+    let (_, c) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
+    // Firmware: one slot, read-only (no Firmware Download or Commit).
+    assert_eq!(c[260], 0b11, "FRMW");
+    assert_eq!(d.admin(0x10, 0, 0, 0, [0; 4]).1, status::INVALID_OPCODE);
+    assert_eq!(d.admin(0x11, 0, 0, 0, [0; 4]).1, status::INVALID_OPCODE);
+    assert_eq!(c[261], 0b110, "LPA: no per-namespace SMART, effects log, extended data");
+    assert_eq!(u16::from_le_bytes([c[520], c[521]]), 0b1100, "ONCS: DSM and Write Zeroes");
+    assert_eq!(c[525] & 1, 1, "VWC present");
+    let (wctemp, cctemp) = (u16::from_le_bytes([c[266], c[267]]), u16::from_le_bytes([c[268], c[269]]));
+    assert!(wctemp > 0 && cctemp > wctemp, "temperature thresholds reported");
+    assert_eq!(&c[64..72], b"1.0     ");
+    let (_, fw) = d.log_page(0x03, 0, 512);
+    assert_eq!((fw[0], &fw[8..16]), (1, &b"1.0     "[..]), "slot 1 active, the revision Identify gives");
+    // Volatile Write Cache: enabled, and the host may turn it off.
+    assert_eq!(d.admin(0x0a, 0, 0, 0, [0x06, 0, 0, 0]), (1, 0));
+    assert_eq!(d.admin(0x09, 0, 0, 0, [0x06, 0, 0, 0]).1, 0);
+    assert_eq!(d.admin(0x0a, 0, 0, 0, [0x06, 0, 0, 0]), (0, 0));
+    d.io_queues(16);
+    assert_eq!(d.io(0x01, 0, 0, DATA, 0, 16), 0, "write-through");
+    // The features the controller keeps read back as set; values it cannot honour are refused.
+    for (fid, v) in [(0x01, 0x0302_0103), (0x04, 0x0150), (0x05, 0x20), (0x0a, 1), (0x0b, 0x02)] {
+        assert_eq!(d.admin(0x09, 0, 0, 0, [fid, v, 0, 0]).1, 0, "set {fid:#x}");
+        assert_eq!(d.admin(0x0a, 0, 0, 0, [fid, 0, 0, 0]), (v, 0), "get {fid:#x}");
+    }
+    assert_eq!(d.admin(0x0a, 0, 0, 0, [0x04, 1 << 20, 0, 0]), (0, 0), "under-temperature threshold");
+    assert_eq!(d.admin(0x09, 0, 0, 0, [0x04, 3 << 16, 0, 0]).1, status::INVALID_FIELD, "no sensor 3");
+    assert_eq!(d.admin(0x09, 0, 0, 0, [0x02, 1, 0, 0]).1, status::INVALID_FIELD, "one power state");
+    assert_eq!(d.admin(0x09, 0, 0, 0, [0x05, 1 << 16, 0, 0]).1, status::INVALID_FIELD, "no DULBE");
+    assert_eq!(d.admin(0x09, 0, 0, 0, [0x07 | 1 << 31, 0, 0, 0]).1, status::FEATURE_NOT_SAVEABLE);
+    // Interrupt Vector Configuration: per vector, for vectors that exist.
+    assert_eq!(d.admin(0x09, 0, 0, 0, [0x09, 1 | 1 << 16, 0, 0]).1, 0);
+    assert_eq!(d.admin(0x0a, 0, 0, 0, [0x09, 1, 0, 0]), (1 | 1 << 16, 0));
+    assert_eq!(d.admin(0x0a, 0, 0, 0, [0x09, 2, 0, 0]), (2, 0));
+    assert_eq!(d.admin(0x0a, 0, 0, 0, [0x09, 900, 0, 0]).1, status::INVALID_FIELD);
+}
