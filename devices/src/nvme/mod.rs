@@ -267,7 +267,12 @@ impl DeviceModel for Nvme {
             le_fill(data, 0);
             return;
         }
-        crate::read_regs(&c.regs.image(), offset, data);
+        // Registers past ACQ (CMBLOC, CMBSZ, BPINFO, PMRCAP...) are not
+        // implemented: they read as zero (all-ones would describe a CMB).
+        let image = c.regs.image();
+        for (i, d) in data.iter_mut().enumerate() {
+            *d = image.get(offset as usize + i).copied().unwrap_or(0);
+        }
     }
 
     fn bar_write(&self, bar: u8, offset: u64, data: &[u8]) {

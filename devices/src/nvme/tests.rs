@@ -812,3 +812,15 @@ fn identify_controller_advertises_only_what_the_controller_implements() {
     assert_eq!(d.admin(0x0a, 0, 0, 0, [0x09, 2, 0, 0]), (2, 0));
     assert_eq!(d.admin(0x0a, 0, 0, 0, [0x09, 900, 0, 0]).1, status::INVALID_FIELD);
 }
+
+#[test]
+fn registers_the_controller_does_not_implement_read_as_zero() {
+    // Linux reads CMBSZ (0x3c) and CMBLOC (0x38): all-ones there is a controller memory buffer.
+    let mut d = Drv::new(mmio(BackendKind::Null));
+    for off in [0x38, 0x3c, 0x40, 0x50, 0x58, 0xe00, 0xffc] {
+        assert_eq!(d.r32(off), 0, "{off:#x}");
+    }
+    let mut b = [0xaau8; 8];
+    d.n.bar_read(0, REG_ACQ + 4, &mut b);
+    assert_eq!(b, [0; 8], "ACQ's high dword, then CMBLOC");
+}
