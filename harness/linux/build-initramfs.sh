@@ -14,13 +14,13 @@ OUT=$(initramfs_dir)
 H=$(initramfs_hash)
 
 if [[ -f "$OUT/.complete" ]]; then
-    log "initramfs cached: $OUT"
+    log_cached "initramfs cached: $OUT"
     echo "$OUT"
     exit 0
 fi
 take_lock "initramfs-$H"
 if [[ -f "$OUT/.complete" ]]; then
-    log "initramfs cached: $OUT"
+    log_cached "initramfs cached: $OUT"
     echo "$OUT"
     exit 0
 fi
@@ -44,7 +44,7 @@ mknod -m 600 "$S/dev/console" c 5 1
 mknod -m 666 "$S/dev/null" c 1 3
 
 # --- binaries and their shared libraries (resolved by ldd inside the root) ---
-BINS=(/usr/bin/busybox /usr/bin/fio /usr/sbin/nvme /usr/sbin/mke2fs /usr/sbin/e2fsck)
+BINS=(/usr/bin/busybox /usr/bin/fio /usr/sbin/nvme /usr/sbin/mke2fs /usr/sbin/e2fsck /usr/bin/lspci)
 for b in "${BINS[@]}"; do
     [[ -x "$ROOT$b" ]] || die "missing $b in the root"
     cp -L "$ROOT$b" "$S$b"

@@ -16,14 +16,14 @@ ROOT="$BASE/root"
 H=$(root_hash)
 
 if [[ -f "$BASE/.complete" && -x "$ROOT/usr/bin/qemu-system-x86_64" ]]; then
-    log "root cached: $ROOT"
+    log_cached "root cached: $ROOT"
     echo "$ROOT"
     exit 0
 fi
 
 take_lock "root-$H"
 if [[ -f "$BASE/.complete" ]]; then   # built by a concurrent run while we waited
-    log "root cached: $ROOT"
+    log_cached "root cached: $ROOT"
     echo "$ROOT"
     exit 0
 fi

@@ -10,6 +10,8 @@ HARNESS_CACHE="${IOPATH_HARNESS_CACHE:-/var/cache/iopath-harness}"
 HARNESS_MIRROR="${IOPATH_HARNESS_MIRROR:-http://deb.debian.org/debian}"
 
 log()  { printf '[harness] %s\n' "$*" >&2; }
+# "cached" notices are silenced with IOPATH_HARNESS_QUIET=1 (qemu.sh sets it for its own lookup)
+log_cached() { [[ ${IOPATH_HARNESS_QUIET:-0} == 1 ]] || log "$@"; }
 die()  { printf '[harness] ERROR: %s\n' "$*" >&2; exit 1; }
 
 need_root() { [[ $(id -u) -eq 0 ]] || die "$1 must run as root (debootstrap/chroot/unshare)"; }
