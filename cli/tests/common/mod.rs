@@ -1,4 +1,6 @@
 //! Helpers shared by the end-to-end tests.
+//! Each test binary uses a part of it.
+#![allow(dead_code)]
 
 use iopath_protocols::attach::Programs;
 use std::path::PathBuf;

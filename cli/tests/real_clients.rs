@@ -1,0 +1,210 @@
+//! iopath's device processes driven by clients iopath did not write: QEMU 11's `vfio-user-pci`
+//! with a stock Linux guest (its nvme driver, fio, nvme-cli, mkfs/fsck; under TCG, since this
+//! host's KVM emulates guest ring 0), and iopath's own guest image under QEMU 11 + KVM.
+//!
+//! The QEMU 11 root, the trixie kernel and the initramfs come from `harness/linux/` (built once
+//! and cached by the scripts' hash). These tests build it if it is missing and fail loudly if it
+//! cannot be built: they are never skipped. They run one at a time (TCG guests need the cores).
+
+mod common;
+use common::kvm;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// One QEMU guest at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn harness(script: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../harness/linux").join(script)
+}
+
+/// An `iopath serve DEVICE --transport vfio-user` on a fresh socket; killed on drop.
+struct Serve {
+    child: Child,
+    socket: PathBuf,
+    stderr: std::sync::Arc<Mutex<Vec<String>>>,
+}
+
+impl Serve {
+    fn start(device: &str) -> Serve {
+        let dir = std::env::temp_dir().join(format!("iopath-rc-{}-{}", std::process::id(), unique()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("dev.sock");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_iopath"))
+            .args(["serve", device, "--transport", "vfio-user", "--socket"])
+            .arg(&socket)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start iopath serve");
+        let stderr = std::sync::Arc::new(Mutex::new(Vec::new()));
+        let (err, keep) = (child.stderr.take().unwrap(), stderr.clone());
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(Result::ok) {
+                let mut k = keep.lock().unwrap();
+                if k.len() < 2000 {
+                    k.push(l);
+                }
+            }
+        });
+        let t0 = Instant::now();
+        while !socket.exists() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "iopath serve made no socket at {}", socket.display());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Serve { child, socket, stderr }
+    }
+
+    /// The device's counters from the report `iopath serve` prints when its client leaves.
+    fn report(&mut self) -> String {
+        let out = self.child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if l.contains("\"disconnected\"") {
+                    let _ = tx.send(l);
+                    return;
+                }
+            }
+        });
+        rx.recv_timeout(Duration::from_secs(20)).unwrap_or_default()
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(self.socket.parent().unwrap());
+    }
+}
+
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Runs a harness script; returns (exit code, stdout+stderr).
+fn script(name: &str, args: &[&str]) -> (i32, String) {
+    let out = Command::new("bash").arg(harness(name)).args(args).output().expect("run a harness script");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// The `@check` lines and the `@done` verdict of a Linux guest run.
+fn checks(text: &str) -> Vec<&str> {
+    text.lines().filter(|l| l.starts_with("@check ") || l.starts_with("@done ")).collect()
+}
+
+/// Boots Linux under QEMU 11 (TCG) with `device` and runs the guest checks.
+fn linux(device_args: &[&str]) -> String {
+    let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut args = vec!["--timeout", "420"];
+    args.extend_from_slice(device_args);
+    let (rc, text) = script("run-linux.sh", &args);
+    let c = checks(&text);
+    eprintln!("{}", c.join("\n"));
+    assert!(c.iter().any(|l| l.starts_with("@done ")), "no @done (rc {rc}):\n{text}");
+    assert_eq!(rc, 0, "Linux guest checks failed:\n{}\n--- full output ---\n{text}", c.join("\n"));
+    text
+}
+
+fn linux_against_iopath(device: &str) {
+    let mut serve = Serve::start(device);
+    let sock = serve.socket.to_str().unwrap().to_string();
+    // A short driver timeout: a controller that misses interrupts fails the run in minutes, not hours.
+    let text = linux(&["--vfio-user", &sock, "--nvme-timeout", "10"]);
+    for want in [
+        "probe",
+        "irq-msix",
+        "nvme-list",
+        "id-ctrl",
+        "id-ns",
+        "ns-descs",
+        "fio-randread",
+        "fio-randwrite",
+        "irq-count-rise",
+        "ext4",
+        "io-after-reset",
+        "io-after-rebind",
+        "no-timeout",
+    ] {
+        assert!(
+            checks(&text).iter().any(|l| l.starts_with(&format!("@check {want}")) && l.contains(" ok")),
+            "{device}: check {want} did not pass:\n{}",
+            checks(&text).join("\n")
+        );
+    }
+    let report = serve.report();
+    let stderr = serve.stderr.lock().unwrap().join("\n");
+    assert!(report.contains("msix.interrupts"), "{device}: no counters from iopath serve: {report}\n{stderr}");
+    assert!(!report.contains("\"msix.interrupts\":0"), "{device}: the Linux driver got no MSI-X: {report}");
+}
+
+#[test]
+fn linux_nvme_driver_against_qemu_nvme_control() {
+    linux(&["--device", "qemu-nvme"]);
+}
+
+#[test]
+fn linux_nvme_driver_against_iopath_nvme_bar_ram() {
+    linux_against_iopath("nvme,doorbell=bar,backend=ram,size_mb=64");
+}
+
+#[test]
+fn linux_nvme_driver_against_iopath_nvme_shm_file() {
+    let dir = std::env::temp_dir().join(format!("iopath-rc-file-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let img = dir.join("ns.img");
+    linux_against_iopath(&format!("nvme,doorbell=shm,backend=file:{},size_mb=64", img.display()));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// iopath's own guest image under QEMU 11 + KVM, with `vfio-user-pci` to `iopath serve`.
+fn image_under_qemu11(device: &str, append: &str) -> (String, String) {
+    kvm();
+    let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut serve = Serve::start(device);
+    let img = serve.socket.parent().unwrap().join("guest.elf");
+    iopath_guest::write_image(&img).unwrap();
+    let (rc, text) = script("run-image.sh", &[img.to_str().unwrap(), serve.socket.to_str().unwrap(), append, "180"]);
+    assert_eq!(rc, 0, "{device}: guest under QEMU 11 failed (rc {rc}):\n{text}");
+    let report = serve.report();
+    (text, report)
+}
+
+fn counter(report: &str, name: &str) -> u64 {
+    let v: serde_json::Value = serde_json::from_str(report).unwrap_or_default();
+    v["counters"][name].as_u64().unwrap_or_else(|| panic!("no counter {name} in {report}"))
+}
+
+#[test]
+fn qemu11_vfio_user_pci_drives_iopath_pci_testdev() {
+    let (text, report) = image_under_qemu11("pci-testdev", "batches=3 batch_us=2000 only=mmio-no,portio-no,mmio-read");
+    let out = iopath_bench::record::GuestOutput::parse(&text.lines().collect::<Vec<_>>());
+    let row = out.row("mmio-no-eventfd:pci-mem").unwrap_or_else(|| panic!("no mmio row:\n{text}"));
+    // Every write went through QEMU's vfio-user client to the device process: its counter says so.
+    assert_eq!(counter(&report, "mmio-no-eventfd.exits"), row.accesses, "{report}");
+    let pio = out.row("portio-no-eventfd:pci-io").unwrap();
+    assert_eq!(counter(&report, "portio-no-eventfd.exits"), pio.accesses, "{report}");
+}
+
+#[test]
+fn qemu11_vfio_user_pci_drives_iopath_nvme_in_every_doorbell_mode() {
+    for db in ["bar", "shm", "ioeventfd", "mmio"] {
+        let dev = format!("nvme,doorbell={db},backend=ram,size_mb=16");
+        let (text, report) = image_under_qemu11(&dev, "workload=nvme verify=1 bs=4096 iodepth=8 size_mb=8 irq=1");
+        let rec = iopath_bench::record::find_record(&text.lines().collect::<Vec<_>>(), "nvme")
+            .unwrap_or_else(|| panic!("{db}: no @nvme record:\n{text}"));
+        assert_eq!(rec.get("mismatches").map(String::as_str), Some("0"), "{db}: {rec:?}");
+        let ios: u64 = rec["ios"].parse().unwrap();
+        assert!(ios > 0, "{db}: {rec:?}");
+        assert_eq!(counter(&report, "io.commands"), ios, "{db}: every guest I/O is a controller command: {report}");
+        assert!(counter(&report, "msix.interrupts") > 0, "{db}: irq=1 but no MSI-X signalled: {report}");
+    }
+}
