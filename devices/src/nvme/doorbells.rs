@@ -175,6 +175,23 @@ impl Core {
             self.event(0, 1, 1); // error: invalid doorbell write value
             return;
         }
+        if qid > 0 && self.db.shadow.is_some() {
+            // Shadow doorbells (shm, ioeventfd): the shadow holds the newest
+            // value, and a register write only asks the controller to look
+            // (the EventIdx rule). Its value may be older than tails already
+            // served from the shadow: over vfio-user the write is a posted
+            // message and can arrive late. Taken as the tail, it would make
+            // the controller serve the whole ring again. (ioeventfd: a
+            // doorbell that was to be an ioeventfd but exited, the host could
+            // not install it, is served the ioeventfd way, so that EventIdx
+            // keeps asking for the next one.)
+            if self.mode() == DoorbellMode::Ioeventfd {
+                self.serve_kicked();
+            } else {
+                self.poll_shadow();
+            }
+            return;
+        }
         if is_cq {
             self.queues.cqs[qid].as_mut().unwrap().head = value as u16;
             if qid == 0 {
@@ -186,11 +203,6 @@ impl Core {
                     self.process_sq(sqid);
                 }
             }
-        } else if self.mode() == DoorbellMode::Ioeventfd && qid > 0 && self.db.shadow.is_some() {
-            // A doorbell that was to be an ioeventfd but exited (the host
-            // could not install it): serve it the ioeventfd way, so that
-            // EventIdx keeps asking for the next one.
-            self.serve_kicked();
         } else {
             self.queues.sqs[qid].as_mut().unwrap().tail = value as u16;
             self.process_sq(qid);

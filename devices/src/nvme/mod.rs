@@ -24,7 +24,9 @@
 //! - `shm`: Doorbell Buffer Config is offered; a device thread polls the
 //!   shadow doorbells in guest RAM and keeps each EventIdx behind the tail,
 //!   so a driver that follows the EventIdx rule never writes the MMIO
-//!   doorbell: no exit per I/O.
+//!   doorbell: no exit per I/O. A register write that does come only makes
+//!   the controller look at the shadow (its value may be stale: a posted
+//!   vfio-user write can arrive after newer shadow values were served).
 //! - `bar`: the doorbell page of BAR0 is memory the controller shares (a
 //!   memfd): the host maps it into the guest at BAR0+0x1000, so a driver's
 //!   plain MMIO doorbell stores land in it without an exit, and the polling
