@@ -11,7 +11,8 @@ use crate::{Error, Result};
 use iopath_devices::pci::ConfigSpace;
 use iopath_devices::{BarKind, Counter, DeviceContext, GuestMemoryMmap, SharedDevice};
 use std::fs::File;
-use vm_memory::{FileOffset, GuestAddress, GuestRegionMmap, MmapRegion};
+use std::sync::Arc;
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryRegion, GuestRegionMmap, MmapRegion};
 
 pub struct PciFunction {
     pub config: ConfigSpace,
@@ -110,32 +111,46 @@ pub struct SharedRegion {
     pub file: File,
 }
 
-/// Maps the regions a client passed as one guest memory. Each fd must be
-/// at least `offset + size` long (a shorter file would fault on access),
-/// and regions may not overlap.
+/// Maps the regions a client passed as one guest memory, in any order
+/// (clients map guest RAM in whatever order their memory listener sees
+/// it). Each fd must be at least `offset + size` long (a shorter file would
+/// fault on access), and regions may not overlap. No region at all is the
+/// empty memory.
 pub fn map_guest_memory(regions: Vec<SharedRegion>) -> Result<GuestMemoryMmap> {
-    let mut mapped = Vec::new();
-    for r in regions {
-        let at = r.gpa;
-        let end = r
-            .offset
-            .checked_add(r.size)
-            .ok_or_else(|| Error::protocol(format!("memory region at {at:#x}: offset + size overflows")))?;
-        let len = r.file.metadata().map_err(|e| Error::io("fstat of a memory fd", e))?.len();
-        if r.size == 0 || end > len {
-            return Err(Error::protocol(format!(
-                "memory region at {at:#x}: {:#x} bytes from offset {:#x} but the fd holds {len:#x}",
-                r.size, r.offset
-            )));
-        }
-        let size =
-            usize::try_from(r.size).map_err(|_| Error::protocol(format!("memory region at {at:#x}: too large")))?;
-        let m = MmapRegion::from_file(FileOffset::new(r.file, r.offset), size)
-            .map_err(|e| Error::io(format!("mmap of guest memory at {at:#x}"), std::io::Error::other(e)))?;
-        let region = GuestRegionMmap::new(m, GuestAddress(at));
-        mapped.push(region.ok_or_else(|| Error::protocol(format!("memory region at {at:#x}: overflows")))?);
+    let mapped = regions.into_iter().map(|r| map_region(r).map(Arc::new)).collect::<Result<Vec<_>>>()?;
+    guest_memory(mapped)
+}
+
+/// Maps one region a client shares: `size` bytes of its fd from `offset`,
+/// checked against the fd's length.
+pub fn map_region(r: SharedRegion) -> Result<GuestRegionMmap> {
+    let at = r.gpa;
+    let end = r
+        .offset
+        .checked_add(r.size)
+        .ok_or_else(|| Error::protocol(format!("memory region at {at:#x}: offset + size overflows")))?;
+    let len = r.file.metadata().map_err(|e| Error::io("fstat of a memory fd", e))?.len();
+    if r.size == 0 || end > len {
+        return Err(Error::protocol(format!(
+            "memory region at {at:#x}: {:#x} bytes from offset {:#x} but the fd holds {len:#x}",
+            r.size, r.offset
+        )));
     }
-    GuestMemoryMmap::from_regions(mapped).map_err(|e| Error::protocol(format!("guest memory map: {e}")))
+    let size = usize::try_from(r.size).map_err(|_| Error::protocol(format!("memory region at {at:#x}: too large")))?;
+    let m = MmapRegion::from_file(FileOffset::new(r.file, r.offset), size)
+        .map_err(|e| Error::io(format!("mmap of guest memory at {at:#x}"), std::io::Error::other(e)))?;
+    GuestRegionMmap::new(m, GuestAddress(at))
+        .ok_or_else(|| Error::protocol(format!("memory region at {at:#x}: overflows")))
+}
+
+/// One guest memory of already mapped regions, sorted here by address;
+/// overlapping regions are refused, and none at all is the empty memory.
+pub fn guest_memory(mut regions: Vec<Arc<GuestRegionMmap>>) -> Result<GuestMemoryMmap> {
+    if regions.is_empty() {
+        return Ok(no_memory());
+    }
+    regions.sort_by_key(|r| r.start_addr());
+    GuestMemoryMmap::from_arc_regions(regions).map_err(|e| Error::protocol(format!("guest memory map: {e}")))
 }
 
 /// An empty guest memory (before a client shared any).
@@ -188,6 +203,21 @@ mod tests {
         assert!(!mem.address_in_range(GuestAddress(0x11000)));
         let overflow = SharedRegion { gpa: 0, size: u64::MAX, offset: 4096, file };
         assert!(map_guest_memory(vec![overflow]).is_err());
+    }
+
+    #[test]
+    fn regions_map_in_any_order_and_none_is_the_empty_memory() {
+        let region = |gpa: u64| {
+            let f = tempfile();
+            f.set_len(4096).unwrap();
+            SharedRegion { gpa, size: 4096, offset: 0, file: f }
+        };
+        let mem = map_guest_memory(vec![region(0x20000), region(0x10000)]).unwrap();
+        mem.write_obj(1u8, GuestAddress(0x10000)).unwrap();
+        mem.write_obj(2u8, GuestAddress(0x20fff)).unwrap();
+        assert!(map_guest_memory(vec![region(0x10000), region(0x10800)]).is_err(), "overlap");
+        let empty = map_guest_memory(Vec::new()).unwrap();
+        assert!(!empty.address_in_range(GuestAddress(0)));
     }
 
     fn tempfile() -> File {
