@@ -3,8 +3,8 @@
 
 use super::*;
 
-const DMA_MAP_SIZE: usize = 32;
-const DMA_UNMAP_SIZE: usize = 24;
+pub const DMA_MAP_SIZE: usize = 32;
+pub const DMA_UNMAP_SIZE: usize = 24;
 
 pub const DMA_MAP_FLAG_READ: u32 = 1 << 0;
 pub const DMA_MAP_FLAG_WRITE: u32 = 1 << 1;
@@ -38,8 +38,9 @@ impl DmaMap {
     }
 }
 
-/// DMA_UNMAP request and reply (the server echoes the request). Flags 0 and
-/// `DMA_UNMAP_FLAG_ALL` only: dirty bitmaps are not supported.
+/// DMA_UNMAP request and reply (the server echoes the entry, `argsz` the
+/// 24 bytes it needs). Flags 0 and `DMA_UNMAP_FLAG_ALL` (libvfio-user's and
+/// QEMU's, with address and size 0) only: dirty bitmaps are not supported.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DmaUnmap {
     pub argsz: u32,

@@ -184,8 +184,33 @@ impl Capabilities {
         caps.insert("max_data_xfer_size".into(), self.max_data_xfer_size.into());
         caps.insert("max_dma_maps".into(), self.max_dma_maps.into());
         caps.insert("pgsizes".into(), self.pgsizes.into());
-        caps.insert("write_multiple".into(), self.write_multiple.into());
+        if self.write_multiple {
+            // Absent means false; a reply names only what it agrees to.
+            caps.insert("write_multiple".into(), true.into());
+        }
         Value::Object(Map::from_iter([("capabilities".to_string(), Value::Object(caps))]))
+    }
+
+    /// A server's answer to the client's `proposed` capabilities, `self`
+    /// being what the server can do. The spec's rule: the reply is a subset
+    /// of the proposal. Each limit is no larger than the client's (and none
+    /// larger than the server's), the page sizes are those the client
+    /// offered that the server maps (QEMU also refuses a reply with a page
+    /// size below 4 KiB), and REGION_WRITE_MULTI is on only if both do it.
+    /// Twin sockets and migration are never part of an answer. `None` if no
+    /// page size is left.
+    ///
+    /// Deployed servers differ: libvfio-user answers with its own limits
+    /// whatever the client proposed, and rust-vmm's server with its defaults.
+    pub fn answer(&self, proposed: &Capabilities) -> Option<Capabilities> {
+        let pgsizes = self.pgsizes & proposed.pgsizes;
+        (pgsizes != 0).then(|| Capabilities {
+            max_msg_fds: self.max_msg_fds.min(proposed.max_msg_fds),
+            max_data_xfer_size: self.max_data_xfer_size.min(proposed.max_data_xfer_size),
+            max_dma_maps: self.max_dma_maps.min(proposed.max_dma_maps),
+            pgsizes,
+            write_multiple: self.write_multiple && proposed.write_multiple,
+        })
     }
 
     /// Reads `{"capabilities": {...}}`: absent keys keep their defaults,
@@ -331,6 +356,32 @@ mod tests {
         ] {
             assert!(Capabilities::from_json(&bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn an_answer_is_a_subset_of_the_proposal() {
+        let server = Capabilities {
+            max_msg_fds: 16,
+            max_data_xfer_size: 1 << 20,
+            max_dma_maps: 65535,
+            pgsizes: !0xfff,
+            write_multiple: true,
+        };
+        let a = server.answer(&Capabilities::default()).unwrap();
+        assert_eq!(a, Capabilities::default(), "the defaults are the most a client without JSON takes");
+        assert_eq!(
+            a.to_json(),
+            json!({"capabilities": {"max_msg_fds": 1, "max_data_xfer_size": 1048576,
+            "max_dma_maps": 65535, "pgsizes": 4096}}),
+            "write_multiple false is left out"
+        );
+        let big = Capabilities { max_msg_fds: 64, max_data_xfer_size: 64 << 20, max_dma_maps: 1 << 20, ..server };
+        assert_eq!(server.answer(&big).unwrap(), server, "the server's own limits");
+        let small = Capabilities { max_msg_fds: 0, max_data_xfer_size: 512, max_dma_maps: 3, pgsizes: 0x20_1800, ..a };
+        let s = server.answer(&small).unwrap();
+        assert_eq!((s.max_msg_fds, s.max_data_xfer_size, s.max_dma_maps), (0, 512, 3));
+        assert_eq!((s.pgsizes, s.write_multiple), (0x20_1000, false));
+        assert_eq!(server.answer(&Capabilities { pgsizes: 0x800, ..a }), None, "no page size in common");
     }
 
     #[test]

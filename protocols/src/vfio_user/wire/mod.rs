@@ -16,6 +16,7 @@
 //! [`WireError`] instead of panicking, and never allocates more than the input
 //! could describe. Fixed-size payloads must have exactly their size. File
 //! descriptors travel out of band (SCM_RIGHTS); payloads only index them.
+//! A server takes requests longer than their fixed part ([`fixed_part`]).
 
 mod device;
 mod dma;
@@ -33,7 +34,7 @@ pub use region::*;
 
 /// Size of the `{argsz, flags, index, count}` structs (DEVICE_GET_INFO,
 /// GET_IRQ_INFO, the GET_REGION_IO_FDS head).
-const INFO16_SIZE: usize = 16;
+pub const INFO16_SIZE: usize = 16;
 /// Size of the `{offset/address, region/count}` head of a region or DMA access.
 const ACCESS_SIZE: usize = 16;
 
@@ -143,6 +144,15 @@ impl Wr {
 fn len_u32(n: usize) -> u32 {
     debug_assert!(n <= u32::MAX as usize);
     n as u32
+}
+
+/// The fixed part of a request: its first `n` bytes, or all of it if it is
+/// shorter (which its parse then refuses). A request may be longer than its
+/// fixed part: `argsz` is the size of the client's reply buffer, and some
+/// clients send that whole buffer (SPDK's NVMe driver: 4064 bytes of
+/// GET_REGION_INFO). What follows the fixed part has no meaning there.
+pub fn fixed_part(b: &[u8], n: usize) -> &[u8] {
+    b.get(..n).unwrap_or(b)
 }
 
 /// Checks that a payload which must be empty (DEVICE_RESET, most replies) is.

@@ -3,7 +3,8 @@
 
 use super::*;
 
-const REGION_INFO_SIZE: usize = 32;
+/// The fixed `vfio_region_info`.
+pub const REGION_INFO_SIZE: usize = 32;
 const SPARSE_CAP_SIZE: usize = 16;
 const SPARSE_AREA_SIZE: usize = 16;
 const WRITE_ONE_SIZE: usize = 24;
