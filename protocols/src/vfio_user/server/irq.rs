@@ -1,29 +1,44 @@
-//! Interrupts: GET_IRQ_INFO and SET_IRQS. INTx is one vector (a trigger and
-//! an unmask eventfd, or mask/unmask by value); MSI-X has the vectors the
-//! device's capability declares; MSI, ERR and REQ have none.
+//! Interrupts: GET_IRQ_INFO and SET_IRQS. INTx is one vector: a trigger
+//! eventfd, with or without an unmask (resample) eventfd, mask and unmask by
+//! value, and trigger by value. MSI-X has the vectors the device's
+//! capability declares, as eventfds the client gives (it keeps the table and
+//! masks vectors itself, as QEMU does) or triggered by value; MSI, ERR and
+//! REQ have none.
 
 use super::{ok, Reply, Session};
 use crate::function::PciFunction;
 use crate::vfio_user::wire::*;
 use crate::vfio_user::Received;
 use crate::{Error, Result};
-use vmm_sys_util::eventfd::EventFd;
+use std::sync::atomic::Ordering;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+/// SET_IRQS's fixed part; `count` bools follow it with DATA_BOOL, nothing
+/// otherwise.
+const IRQ_SET_HEAD: usize = 20;
+const ACTIONS: u32 = IRQ_SET_ACTION_MASK | IRQ_SET_ACTION_UNMASK | IRQ_SET_ACTION_TRIGGER;
 
 impl Session<'_> {
     pub(super) fn irq_info(&mut self, m: &Received) -> Result<Reply> {
         super::no_fds(m)?;
-        let q = IrqInfo::parse(&m.payload)?;
+        let q = IrqInfo::parse(fixed_part(&m.payload, INFO16_SIZE))?;
         let (flags, count) = match q.index {
+            // Mask and unmask by value, an unmask eventfd (no mask eventfd,
+            // as in kernel VFIO); the client unmasks after each assertion.
             PCI_INTX_IRQ_INDEX => (IRQ_INFO_EVENTFD | IRQ_INFO_MASKABLE | IRQ_INFO_AUTOMASKED, 1),
-            PCI_MSIX_IRQ_INDEX => (IRQ_INFO_EVENTFD | IRQ_INFO_NORESIZE, msix_vectors(&self.srv.function())),
+            // Not MASKABLE: the client masks vectors in its own copy of the
+            // table (QEMU does). Not NORESIZE: a vector's eventfd may come
+            // alone at any time, so QEMU adds vectors without first tearing
+            // down every one (which loses what is raised meanwhile).
+            PCI_MSIX_IRQ_INDEX => (IRQ_INFO_EVENTFD, msix_vectors(&self.srv.function())),
             PCI_MSI_IRQ_INDEX | PCI_ERR_IRQ_INDEX | PCI_REQ_IRQ_INDEX => (IRQ_INFO_EVENTFD | IRQ_INFO_NORESIZE, 0),
             i => return Err(Error::protocol(format!("no IRQ index {i}"))),
         };
-        ok(IrqInfo { argsz: 16, flags, index: q.index, count }.to_bytes())
+        ok(IrqInfo { argsz: INFO16_SIZE as u32, flags, index: q.index, count }.to_bytes())
     }
 
     pub(super) fn set_irqs(&mut self, m: &Received) -> Result<Reply> {
-        let q = IrqSet::parse(&m.payload)?;
+        let q = parse_set_irqs(&m.payload)?;
         let data_eventfd = q.flags & IRQ_SET_DATA_EVENTFD != 0;
         let nfds = m.fds.len();
         if (!data_eventfd && nfds > 0) || (data_eventfd && nfds != 0 && nfds != q.count as usize) {
@@ -31,27 +46,10 @@ impl Session<'_> {
         }
         match q.index {
             PCI_INTX_IRQ_INDEX => self.set_intx(&q, m)?,
-            PCI_MSIX_IRQ_INDEX if q.count > 0 && data_eventfd && q.flags & IRQ_SET_ACTION_TRIGGER != 0 => {
-                let msix = msix_vectors(&self.srv.function());
-                if q.start + q.count > msix {
-                    return Err(Error::protocol(format!("MSI-X vectors {}..{} of {msix}", q.start, q.start + q.count)));
-                }
-                // No fds de-assigns the range.
-                let fds: Vec<Option<EventFd>> = if nfds == 0 {
-                    (0..q.count).map(|_| None).collect()
-                } else {
-                    eventfds(m)?.into_iter().map(Some).collect()
-                };
-                self.srv.irq.set_msix(q.start as usize, fds);
-            }
-            PCI_MSIX_IRQ_INDEX | PCI_MSI_IRQ_INDEX | PCI_ERR_IRQ_INDEX | PCI_REQ_IRQ_INDEX => {
-                if q.count == 0 && q.flags & IRQ_SET_DATA_NONE != 0 {
-                    if q.index == PCI_MSIX_IRQ_INDEX {
-                        self.srv.irq.clear_msix();
-                    }
-                    return ok(Vec::new());
-                }
-                // This device offers no vectors on these indexes (GET_IRQ_INFO count 0).
+            PCI_MSIX_IRQ_INDEX => self.set_msix(&q, m)?,
+            // No vectors (GET_IRQ_INFO count 0): nothing to set, or disable.
+            PCI_MSI_IRQ_INDEX | PCI_ERR_IRQ_INDEX | PCI_REQ_IRQ_INDEX if q.count == 0 => {}
+            PCI_MSI_IRQ_INDEX | PCI_ERR_IRQ_INDEX | PCI_REQ_IRQ_INDEX => {
                 let (i, s, e) = (q.index, q.start, q.start + q.count);
                 return Err(Error::protocol(format!("IRQ index {i} has no vectors {s}..{e}")));
             }
@@ -61,36 +59,116 @@ impl Session<'_> {
     }
 
     fn set_intx(&mut self, q: &IrqSet, m: &Received) -> Result<()> {
-        let irq = &self.srv.irq;
-        if q.start + q.count > 1 {
-            return Err(Error::protocol(format!("INTx has 1 vector, not {}..{}", q.start, q.start + q.count)));
-        }
+        let irq = self.srv.irq.clone();
         if q.flags & IRQ_SET_DATA_NONE != 0 && q.count == 0 {
             self.intx = (None, None);
             irq.clear_intx();
             return Ok(());
         }
-        if q.flags & IRQ_SET_DATA_EVENTFD == 0 {
-            // Mask, unmask (re-asserts a line still high) or trigger, by value.
-            if q.flags & IRQ_SET_ACTION_MASK != 0 {
-                irq.mask_intx(true);
-            } else if q.flags & IRQ_SET_ACTION_UNMASK != 0 {
-                irq.mask_intx(false);
-            }
+        if q.start + q.count > 1 {
+            return Err(Error::protocol(format!("INTx has 1 vector, not {}..{}", q.start, q.start + q.count)));
+        }
+        if q.count == 0 {
             return Ok(());
         }
-        let fd = eventfds(m)?.pop();
-        if q.flags & IRQ_SET_ACTION_TRIGGER != 0 {
-            self.intx.0 = fd;
-        } else if q.flags & IRQ_SET_ACTION_UNMASK != 0 {
-            self.intx.1 = fd;
+        let action = q.flags & ACTIONS;
+        if q.flags & IRQ_SET_DATA_EVENTFD != 0 {
+            let fd = eventfds(m)?.pop(); // none de-assigns
+            match action {
+                IRQ_SET_ACTION_TRIGGER => self.intx.0 = fd,
+                IRQ_SET_ACTION_UNMASK => self.intx.1 = fd,
+                _ => return Err(Error::protocol("INTx: no eventfd for masking events")),
+            }
+            return self.connect_intx();
         }
-        match (&self.intx.0, &self.intx.1) {
-            (Some(t), Some(u)) => irq.connect_intx(dup(t)?, dup(u)?),
-            _ => irq.clear_intx(),
+        if q.flags & IRQ_SET_DATA_BOOL != 0 && q.data.first() == Some(&0) {
+            return Ok(());
+        }
+        match action {
+            IRQ_SET_ACTION_MASK => irq.mask_intx(true),
+            // INTx is automasked: the client unmasks after each assertion
+            // (after the guest's EOI), and a line still high asserts again.
+            IRQ_SET_ACTION_UNMASK => {
+                irq.mask_intx(true);
+                irq.mask_intx(false);
+            }
+            _ => {
+                if let Some(t) = &self.intx.0 {
+                    if t.write(1).is_ok() {
+                        irq.signalled.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
         }
         Ok(())
     }
+
+    /// Connects INTx to the eventfds the client gave. With a trigger alone
+    /// (a client without a resampling irqfd: it unmasks by value after the
+    /// guest's EOI), the lines get a resample eventfd nobody signals.
+    fn connect_intx(&mut self) -> Result<()> {
+        let irq = &self.srv.irq;
+        match (&self.intx.0, &self.intx.1) {
+            (Some(t), Some(u)) => irq.connect_intx(dup(t)?, dup(u)?),
+            (Some(t), None) => {
+                let idle = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("eventfd", e))?;
+                irq.connect_intx(dup(t)?, idle)
+            }
+            (None, _) => irq.clear_intx(),
+        }
+        Ok(())
+    }
+
+    /// MSI-X: eventfds for vectors (none de-assigns them), a trigger by
+    /// value, or count 0 with DATA_NONE to disable them all. Once the client
+    /// gave an eventfd the device signals every vector it raises there (the
+    /// table is the client's: `Interrupts::msix_host_owned`).
+    fn set_msix(&mut self, q: &IrqSet, m: &Received) -> Result<()> {
+        let irq = &self.srv.irq;
+        if q.flags & IRQ_SET_DATA_NONE != 0 && q.count == 0 {
+            irq.clear_msix();
+            return Ok(());
+        }
+        let n = msix_vectors(&self.srv.function());
+        if q.start + q.count > n {
+            return Err(Error::protocol(format!("MSI-X vectors {}..{} of {n}", q.start, q.start + q.count)));
+        }
+        if q.flags & ACTIONS != IRQ_SET_ACTION_TRIGGER {
+            return Err(Error::protocol("MSI-X: no mask or unmask (not MASKABLE; the client masks in its table)"));
+        }
+        if q.flags & IRQ_SET_DATA_EVENTFD != 0 {
+            let fds: Vec<Option<EventFd>> = if m.fds.is_empty() {
+                (0..q.count).map(|_| None).collect()
+            } else {
+                eventfds(m)?.into_iter().map(Some).collect()
+            };
+            irq.set_msix(q.start as usize, fds);
+            return Ok(());
+        }
+        for (i, v) in (q.start..q.start + q.count).enumerate() {
+            if q.flags & IRQ_SET_DATA_BOOL == 0 || q.data.get(i).is_some_and(|&b| b != 0) {
+                iopath_devices::Interrupts::signal_msix(&**irq, v as u16);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// SET_IRQS, from a request that may be longer than its fixed part and data
+/// (a client may send a kernel-style fd array after the head; `argsz` is
+/// not relied on): parsed as the head and the data its flags and count
+/// define.
+fn parse_set_irqs(b: &[u8]) -> Result<IrqSet> {
+    let word = |at: usize| b.get(at..at + 4).map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]));
+    let (Some(flags), Some(count)) = (word(4), word(16)) else {
+        return Ok(IrqSet::parse(b)?); // too short: the parse says so
+    };
+    let data = if flags & IRQ_SET_DATA_BOOL != 0 { count as usize } else { 0 };
+    let need = IRQ_SET_HEAD + data;
+    let mut req =
+        b.get(..need).ok_or_else(|| Error::protocol(format!("SET_IRQS of {} bytes: {need} needed", b.len())))?.to_vec();
+    req[..4].copy_from_slice(&(need as u32).to_le_bytes());
+    Ok(IrqSet::parse(&req)?)
 }
 
 /// The fds of a SET_IRQS as eventfds (copies; the message keeps its own).
