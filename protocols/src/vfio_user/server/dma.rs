@@ -1,15 +1,31 @@
-//! DMA_MAP and DMA_UNMAP: guest RAM as the client shares it. Every change
-//! rebuilds the device's memory from the maps that came with an fd.
+//! DMA_MAP and DMA_UNMAP: guest RAM as the client shares it. A map with an
+//! fd is mmapped once, when it comes; every change gives the device a new
+//! memory built from those maps, in address order (clients map in any
+//! order).
+//!
+//! A map without an fd (QEMU's guest RAM without `share=on`) is recorded
+//! and answered, so that the client attaches, but the device cannot reach
+//! it: its accesses there fail as accesses outside guest RAM do (an NVMe
+//! command gets a data transfer error). The spec's fallback, DMA_READ and
+//! DMA_WRITE messages from the server, is not implemented (the device
+//! models access guest memory as a `GuestMemoryMmap` from their own
+//! threads, which a session loop that owns the socket cannot serve).
+//!
+//! DMA_UNMAP is done before its reply: the device is attached to the memory
+//! without the map, which a model takes under its own lock, so no device
+//! thread uses the old mapping once the reply is sent (the spec: the server
+//! drops all references before it replies).
 
-use super::{no_fds, ok, DmaEntry, Reply, Session};
-use crate::function::{map_guest_memory, SharedRegion};
-use crate::vfio_user::wire::{DmaMap, DmaUnmap, DMA_UNMAP_FLAG_ALL};
+use super::{ok, DmaEntry, Reply, Session};
+use crate::function::{guest_memory, map_region, SharedRegion};
+use crate::vfio_user::wire::{fixed_part, DmaMap, DmaUnmap, DMA_MAP_SIZE, DMA_UNMAP_FLAG_ALL, DMA_UNMAP_SIZE};
 use crate::vfio_user::Received;
 use crate::{Error, Result};
+use std::sync::Arc;
 
 impl Session<'_> {
     pub(super) fn dma_map(&mut self, m: &Received) -> Result<Reply> {
-        let map = DmaMap::parse(&m.payload)?;
+        let map = DmaMap::parse(fixed_part(&m.payload, DMA_MAP_SIZE))?;
         if m.fds.len() > 1 {
             return Err(Error::protocol(format!("DMA_MAP with {} fds", m.fds.len())));
         }
@@ -18,8 +34,29 @@ impl Session<'_> {
         if self.dma.iter().any(|d| map.address < d.map.address + d.map.size && d.map.address < end) {
             return Ok(Reply::Error(libc::EEXIST));
         }
-        let file = m.fds.first().map(|f| f.try_clone()).transpose().map_err(|e| Error::io("dup of a DMA fd", e))?;
-        self.dma.push(DmaEntry { map, file });
+        if self.dma.len() >= self.caps.max_dma_maps as usize {
+            return Ok(Reply::Error(libc::ENOSPC));
+        }
+        let region = match m.fds.first() {
+            Some(f) => {
+                let file = f.try_clone().map_err(|e| Error::io("dup of a DMA fd", e))?;
+                let shared = SharedRegion { gpa: map.address, size: map.size, offset: map.offset, file };
+                Some(Arc::new(map_region(shared)?))
+            }
+            None => {
+                if !self.unreachable_logged {
+                    self.unreachable_logged = true;
+                    log::warn!(
+                        "vfio-user {}: DMA_MAP of {:#x}..{end:#x} without an fd: the device cannot reach that \
+                         memory (no DMA_READ/DMA_WRITE fallback; share guest RAM, e.g. QEMU's share=on)",
+                        self.peer,
+                        map.address
+                    );
+                }
+                None
+            }
+        };
+        self.dma.push(DmaEntry { map, region });
         if let Err(e) = self.remap() {
             self.dma.pop();
             return Err(e);
@@ -27,9 +64,10 @@ impl Session<'_> {
         ok(Vec::new())
     }
 
+    /// QEMU sends no fd with DMA_UNMAP; a client that does (the map's fd
+    /// again) has it closed with the message.
     pub(super) fn dma_unmap(&mut self, m: &Received) -> Result<Reply> {
-        no_fds(m)?;
-        let u = DmaUnmap::parse(&m.payload)?;
+        let u = DmaUnmap::parse(fixed_part(&m.payload, DMA_UNMAP_SIZE))?;
         if u.flags & DMA_UNMAP_FLAG_ALL != 0 {
             self.dma.clear();
         } else {
@@ -40,19 +78,13 @@ impl Session<'_> {
             }
         }
         self.remap()?;
-        ok(u.to_bytes())
+        ok(DmaUnmap::new(u.flags, u.address, u.size).to_bytes())
     }
 
-    /// Rebuilds the device's memory from the fd-backed DMA maps.
+    /// Gives the device a memory of the maps that came with an fd (none at
+    /// all is the empty memory). The model swaps it in under its lock.
     fn remap(&self) -> Result<()> {
-        let mut regions = Vec::new();
-        for d in &self.dma {
-            if let Some(file) = &d.file {
-                let file = file.try_clone().map_err(|e| Error::io("dup of a DMA fd", e))?;
-                regions.push(SharedRegion { gpa: d.map.address, size: d.map.size, offset: d.map.offset, file });
-            }
-        }
-        let mem = map_guest_memory(regions)?;
+        let mem = guest_memory(self.dma.iter().filter_map(|d| d.region.clone()).collect())?;
         self.srv.function().attach(self.srv.context(mem));
         Ok(())
     }

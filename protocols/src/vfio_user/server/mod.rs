@@ -6,13 +6,20 @@
 //! (EINVAL unless a handler says which errno) and the session goes on; only
 //! a broken stream (a message that cannot be read or skipped, a reply where a
 //! command belongs, a failed send) ends the session with an error.
+//!
+//! Deployed clients are served as they are: a request may be longer than
+//! its fixed part (`argsz` is the reply buffer), a reply never exceeds the
+//! request's `argsz` (it is cut, with `argsz` the size needed), VERSION is
+//! answered with a subset of the proposal, and the server takes more fds
+//! per message than it advertised (rust-vmm's client ignores the limit).
 
 mod dma;
 mod irq;
 mod region;
 
-use super::wire::{self, error_reply, Capabilities, Command, DeviceInfo, Version};
-use super::wire::{DEVICE_FLAGS_PCI, DEVICE_FLAGS_RESET, PCI_NUM_IRQS, PCI_NUM_REGIONS, VERSION_MAJOR, VERSION_MINOR};
+use super::wire::{self, error_reply, fixed_part, Capabilities, Command, DeviceInfo, Version};
+use super::wire::{DEFAULT_MAX_DATA_XFER_SIZE, INFO16_SIZE, VERSION_MAJOR, VERSION_MINOR};
+use super::wire::{DEVICE_FLAGS_PCI, DEVICE_FLAGS_RESET, PCI_NUM_IRQS, PCI_NUM_REGIONS};
 use super::{recv, send, Received, MAX_FDS};
 use crate::function::{no_memory, PciFunction};
 use crate::transport::Server;
@@ -36,6 +43,18 @@ pub enum IoFds {
     /// [`ioregionfd`]: crate::vfio_user::ioregionfd
     IoRegionFds { posted: bool },
 }
+
+/// What this server can do, the most a VERSION answer offers: fds and
+/// data per message, DMA maps, any page size from 4 KiB up (a map is any
+/// page-aligned range of an fd), REGION_WRITE_MULTI. No twin socket: the
+/// server sends no commands (DMA_READ/DMA_WRITE) to the client.
+const SERVER_CAPS: Capabilities = Capabilities {
+    max_msg_fds: MAX_FDS,
+    max_data_xfer_size: DEFAULT_MAX_DATA_XFER_SIZE,
+    max_dma_maps: 65535,
+    pgsizes: !0xfff,
+    write_multiple: true,
+};
 
 /// Ioeventfds the device asked for, kept to announce with GET_REGION_IO_FDS.
 #[derive(Default)]
@@ -93,7 +112,16 @@ impl VfioUserServer {
 
 impl Server for VfioUserServer {
     fn session(&mut self, sock: &UnixStream, peer: &str) -> Result<()> {
-        let mut s = Session { srv: self, peer, versioned: false, dma: Vec::new(), intx: (None, None) };
+        let mut s = Session {
+            srv: self,
+            peer,
+            versioned: false,
+            client: Capabilities::default(),
+            caps: Capabilities::default(),
+            dma: Vec::new(),
+            unreachable_logged: false,
+            intx: (None, None),
+        };
         let r = s.run(sock);
         // Disconnect: drop DMA and IRQ fds; the device keeps its state.
         self.function().attach(self.context(no_memory()));
@@ -102,10 +130,10 @@ impl Server for VfioUserServer {
     }
 }
 
-/// A DMA_MAP the client made, with its fd if it sent one.
+/// A DMA_MAP the client made, mapped here if it came with an fd.
 struct DmaEntry {
     map: wire::DmaMap,
-    file: Option<std::fs::File>,
+    region: Option<Arc<vm_memory::GuestRegionMmap>>,
 }
 
 /// Per-client state.
@@ -113,7 +141,14 @@ struct Session<'a> {
     srv: &'a VfioUserServer,
     peer: &'a str,
     versioned: bool,
+    /// What the client proposed in VERSION: the most it takes from the
+    /// server (fds per message).
+    client: Capabilities,
+    /// What the server answered: the session's limits (DMA maps).
+    caps: Capabilities,
     dma: Vec<DmaEntry>,
+    /// A DMA_MAP without an fd was logged (once per client).
+    unreachable_logged: bool,
     /// INTx trigger and unmask (resample) eventfds, as SET_IRQS gave them.
     intx: (Option<EventFd>, Option<EventFd>),
 }
@@ -188,15 +223,21 @@ impl Session<'_> {
         if v.major != VERSION_MAJOR {
             return Err(Error::protocol(format!("client speaks major version {}", v.major)));
         }
-        self.versioned = true;
-        let caps = Capabilities { max_msg_fds: MAX_FDS, ..Capabilities::default() };
+        // The answer is a subset of the proposal (absent keys: the spec's
+        // defaults), and always carries JSON: rust-vmm's client needs it.
+        let proposed = v.caps();
+        let caps = SERVER_CAPS.answer(&proposed).ok_or_else(|| {
+            Error::protocol(format!("client page sizes {:#x}: none of 4 KiB or more", proposed.pgsizes))
+        })?;
+        (self.versioned, self.client, self.caps) = (true, proposed, caps);
         let mine = Version { major: VERSION_MAJOR, minor: v.minor.min(VERSION_MINOR), capabilities: Some(caps) };
         ok(mine.to_bytes())
     }
 
     fn device_info(&mut self, m: &Received) -> Result<Reply> {
         no_fds(m)?;
-        DeviceInfo::parse(&m.payload)?;
+        // argsz is the client's reply buffer (rust-vmm's counts its header: 32).
+        DeviceInfo::parse(fixed_part(&m.payload, INFO16_SIZE))?;
         let flags = DEVICE_FLAGS_RESET | DEVICE_FLAGS_PCI;
         ok(DeviceInfo { argsz: 16, flags, num_regions: PCI_NUM_REGIONS, num_irqs: PCI_NUM_IRQS }.to_bytes())
     }

@@ -14,7 +14,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 impl Session<'_> {
     pub(super) fn region_info(&mut self, m: &Received) -> Result<Reply> {
         no_fds(m)?;
-        let q = RegionInfo::parse(&m.payload)?;
+        let q = RegionInfo::parse(fixed_part(&m.payload, REGION_INFO_SIZE))?;
         let g = self.srv.function();
         let size = region_size(&g, q.index).ok_or_else(|| Error::protocol(format!("no region {}", q.index)))?;
         let mut flags = if size > 0 { REGION_INFO_FLAG_READ | REGION_INFO_FLAG_WRITE } else { 0 };
@@ -39,7 +39,7 @@ impl Session<'_> {
     /// server's [`IoFds`].
     pub(super) fn region_io_fds(&mut self, m: &Received) -> Result<Reply> {
         no_fds(m)?;
-        let q = IoFdsRequest::parse(&m.payload)?;
+        let q = IoFdsRequest::parse(fixed_part(&m.payload, INFO16_SIZE))?;
         let spec = self.srv.function().config.bar_specs().find(|b| b.index as u32 == q.index);
         let spec = spec.ok_or_else(|| Error::protocol(format!("no BAR {}", q.index)))?;
         let (mut entries, mut fds) = (Vec::new(), Vec::new());
@@ -66,6 +66,14 @@ impl Session<'_> {
                 entries.push(entry);
                 fds.push(theirs);
             }
+        }
+        // No more fds than the client takes in one message: the sub-regions
+        // beyond them are left out (their accesses come as messages).
+        let max = self.client.max_msg_fds as usize;
+        if fds.len() > max {
+            log::info!("vfio-user {}: BAR{}: {} io fds, the client takes {max}", self.peer, q.index, fds.len());
+            entries.retain(|e| (e.fd_index() as usize) < max);
+            fds.truncate(max);
         }
         let r = IoFdsReply::new(q.index, entries).fit(q.argsz);
         if r.is_truncated() {
