@@ -16,6 +16,8 @@ use std::thread::JoinHandle;
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+mod deployed_clients;
+
 type ServerThread = JoinHandle<(Result<()>, Vec<Counter>)>;
 
 /// Serves `clients` connections in turn, one function (state kept across them).
