@@ -2,6 +2,12 @@
 //! (transport::irq::IrqLines), and MSI-X vectors as KVM irqfds on GSIs whose
 //! MSI routes follow the device's MSI-X table. The device writes an eventfd;
 //! KVM injects; the VMM's threads are not involved.
+//!
+//! Masking happens here, as in QEMU and kernel VFIO: a vector whose route is
+//! taken away (masked, function masked, MSI-X off) has its irqfd taken out
+//! of KVM, so what the device signals meanwhile stays in the eventfd's
+//! counter (a PBA read can look there); routed again, the vector goes back
+//! into KVM and a signal that waited is delivered once.
 
 use iopath_devices::irq::IrqLines;
 use iopath_devices::Interrupts;
@@ -62,6 +68,13 @@ fn irqchip(gsi: u32, chip: u32, pin: u32) -> kvm_irq_routing_entry {
     e
 }
 
+/// One MSI-X vector: its eventfd, and whether it is routed (its irqfd is
+/// in KVM and its GSI has the vector's message).
+struct Vector {
+    fd: EventFd,
+    routed: bool,
+}
+
 /// One device's interrupts: INTx lines plus MSI-X vectors on GSIs
 /// `base_gsi + vector`.
 pub struct VmIrq {
@@ -69,7 +82,7 @@ pub struct VmIrq {
     router: Arc<GsiRouter>,
     vm: Arc<VmFd>,
     base_gsi: u32,
-    vectors: Mutex<Vec<Option<(EventFd, bool)>>>,
+    vectors: Mutex<Vec<Option<Vector>>>,
 }
 
 /// GSIs for MSI-X start above the IOAPIC's 24 pins; each device gets 128.
@@ -95,7 +108,7 @@ impl Interrupts for VmIrq {
 
     fn signal_msix(&self, vector: u16) -> bool {
         match self.vectors.lock().unwrap().get(vector as usize) {
-            Some(Some((fd, true))) => fd.write(1).is_ok(),
+            Some(Some(Vector { fd, routed: true })) => fd.write(1).is_ok(),
             _ => false,
         }
     }
@@ -105,9 +118,12 @@ impl Interrupts for VmIrq {
     }
 
     fn msix_eventfd(&self, vector: u16) -> Option<EventFd> {
-        self.vectors.lock().unwrap().get(vector as usize)?.as_ref()?.0.try_clone().ok()
+        self.vectors.lock().unwrap().get(vector as usize)?.as_ref()?.fd.try_clone().ok()
     }
 
+    /// Routes vector `vector` to `msg`, or masks it (None): its irqfd leaves
+    /// KVM and its eventfd keeps what the device signals until it is routed
+    /// again, when a signal that waited is delivered once.
     fn msix_route(&self, vector: u16, msg: Option<(u64, u32)>) {
         if vector as u32 >= MSI_GSIS_PER_DEVICE {
             return;
@@ -117,22 +133,41 @@ impl Interrupts for VmIrq {
         if v.len() <= vector as usize {
             v.resize_with(vector as usize + 1, || None);
         }
-        if v[vector as usize].is_none() {
-            if msg.is_none() {
-                return; // never routed: nothing to take away
+        let slot = &mut v[vector as usize];
+        let Some(msg) = msg else {
+            // Masked: out of KVM first, so nothing the device signals from now on is consumed there.
+            if let Some(x) = slot.as_mut().filter(|x| x.routed) {
+                if let Err(e) = self.vm.unregister_irqfd(&x.fd, gsi) {
+                    log::error!("MSI-X vector {vector}: KVM_IRQFD deassign on GSI {gsi}: {e}");
+                }
+                x.routed = false;
+                if let Err(e) = self.router.set(gsi, None) {
+                    log::error!("MSI-X vector {vector}: {e}");
+                }
             }
-            let fd = match EventFd::new(EFD_NONBLOCK) {
-                Ok(f) => f,
+            return;
+        };
+        if slot.is_none() {
+            match EventFd::new(EFD_NONBLOCK) {
+                Ok(fd) => *slot = Some(Vector { fd, routed: false }),
                 Err(e) => return log::error!("MSI-X vector {vector}: eventfd: {e}"),
-            };
-            if let Err(e) = self.vm.register_irqfd(&fd, gsi) {
-                return log::error!("MSI-X vector {vector}: KVM_IRQFD on GSI {gsi}: {e}");
             }
-            v[vector as usize] = Some((fd, false));
         }
-        match self.router.set(gsi, msg) {
-            Ok(()) => v[vector as usize].as_mut().unwrap().1 = msg.is_some(),
-            Err(e) => log::error!("MSI-X vector {vector}: {e}"),
+        let x = slot.as_mut().unwrap();
+        if let Err(e) = self.router.set(gsi, Some(msg)) {
+            return log::error!("MSI-X vector {vector}: {e}");
+        }
+        if x.routed {
+            return;
+        }
+        // What the device signalled while the vector was masked (the fd is non-blocking).
+        let waited = x.fd.read().is_ok_and(|n| n > 0);
+        if let Err(e) = self.vm.register_irqfd(&x.fd, gsi) {
+            return log::error!("MSI-X vector {vector}: KVM_IRQFD on GSI {gsi}: {e}");
+        }
+        x.routed = true;
+        if waited {
+            let _ = x.fd.write(1);
         }
     }
 }
@@ -184,5 +219,46 @@ mod tests {
         vm.get_irqchip(&mut chip).unwrap();
         // SAFETY: chip_id IOAPIC selects the ioapic member.
         assert_ne!(unsafe { chip.chip.ioapic.irr } & (1 << 17), 0);
+    }
+
+    #[test]
+    fn a_masked_vector_is_held_in_its_eventfd_and_delivered_once_unmasked() {
+        assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing");
+        let kvm = kvm_ioctls::Kvm::new().unwrap();
+        let vm = Arc::new(kvm.create_vm().unwrap());
+        vm.create_irq_chip().unwrap();
+        let vcpu = vm.create_vcpu(0).unwrap();
+        let mut l = vcpu.get_lapic().unwrap();
+        l.regs[0xf0 + 1] |= 1;
+        vcpu.set_lapic(&l).unwrap();
+        let irq = VmIrq::new(vm.clone(), GsiRouter::new(vm.clone()), IrqLines::new(), 1);
+        let settle = || std::thread::sleep(std::time::Duration::from_millis(20));
+        irq.msix_route(2, Some((0xfee0_0000, 0x51)));
+        // What a device process holds (vfio-user SET_IRQS).
+        let device = irq.msix_eventfd(2).unwrap();
+        irq.msix_route(2, None);
+        device.write(1).unwrap();
+        settle();
+        assert!(!lapic_irr(&vcpu, 0x51), "a masked vector reached the guest");
+        // The signal waits in the eventfd, where a PBA read finds it (and puts it back).
+        assert_eq!(device.read().ok(), Some(1), "the masked vector's signal was lost");
+        device.write(1).unwrap();
+        // Unmasked (with a new message): delivered once, to the new message.
+        irq.msix_route(2, Some((0xfee0_0000, 0x52)));
+        settle();
+        assert!(lapic_irr(&vcpu, 0x52), "the pending vector was not delivered on unmask");
+        assert!(!lapic_irr(&vcpu, 0x51));
+        assert!(device.read().is_err(), "delivered, so nothing is left pending");
+        // Unmasked again, the device's signals go straight into KVM.
+        irq.msix_route(2, Some((0xfee0_0000, 0x53)));
+        device.write(1).unwrap();
+        settle();
+        assert!(lapic_irr(&vcpu, 0x53));
+        assert!(device.read().is_err(), "KVM's irqfd took the count");
+        // A vector masked with nothing pending delivers nothing when unmasked.
+        irq.msix_route(2, None);
+        irq.msix_route(2, Some((0xfee0_0000, 0x54)));
+        settle();
+        assert!(!lapic_irr(&vcpu, 0x54));
     }
 }
