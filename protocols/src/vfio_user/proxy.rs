@@ -55,6 +55,8 @@ pub struct VfioUserProxy {
     msix_given: Vec<bool>,
     /// BAR parts the server offered as memory (sparse mmap).
     areas: Vec<MappedArea>,
+    /// The server may be asked GET_REGION_IO_FDS (see `connect`).
+    ask_io_fds: bool,
     irq: Option<Arc<dyn Interrupts>>,
 }
 
@@ -95,6 +97,7 @@ impl VfioUserProxy {
             msix: None,
             msix_given: Vec::new(),
             areas: Vec::new(),
+            ask_io_fds: false,
             irq: None,
         };
         let caps = Capabilities { max_msg_fds: MAX_FDS, ..Capabilities::default() };
@@ -105,6 +108,17 @@ impl VfioUserProxy {
             return Err(Error::protocol(format!("server speaks version {}.{}", theirs.major, theirs.minor)));
         }
         p.max_xfer = theirs.caps().max_data_xfer_size;
+        // GET_REGION_IO_FDS is optional, and asking a server that does not
+        // know it can cost the session: the rust-vmm `vfio_user` crate's
+        // Server (0.1.7) answers an unknown or unsupported command (6, 14,
+        // 15, 16...) with an error before it reads the payload, then reads
+        // that payload as the next header and answers it too (a reply to
+        // "command 0"), so every later reply is out of step. That server
+        // answers VERSION with 0.0 whatever it is offered; libvfio-user
+        // (SPDK, QEMU's x-vfio-user-server) answers min(offered, 2) and
+        // iopath's own server likewise. So only a server that agreed to a
+        // minor version >= 1 is asked for io fds.
+        p.ask_io_fds = theirs.minor >= 1;
         let r = p.request(Command::DeviceGetInfo, &DeviceInfo::request().to_bytes(), &[])?;
         let info = DeviceInfo::parse(&r.payload).map_err(bad_reply("DEVICE_GET_INFO reply"))?;
         if info.flags & DEVICE_FLAGS_PCI == 0 || info.num_regions <= PCI_CONFIG_REGION_INDEX {
@@ -149,7 +163,8 @@ impl VfioUserProxy {
             }
             i += if kind == BarKind::Mem64 && ri.size > 0 { 2 } else { 1 };
         }
-        for b in p.bars.clone() {
+        let ask = p.ask_io_fds;
+        for b in p.bars.clone().into_iter().filter(|_| ask) {
             p.io_fds(b)?;
         }
         Ok(p)
