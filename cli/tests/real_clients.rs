@@ -208,3 +208,35 @@ fn qemu11_vfio_user_pci_drives_iopath_nvme_in_every_doorbell_mode() {
         assert!(counter(&report, "msix.interrupts") > 0, "{db}: irq=1 but no MSI-X signalled: {report}");
     }
 }
+
+/// `@fio job=... iops=...` records of a run, by job.
+fn fio_records(text: &str) -> std::collections::BTreeMap<String, std::collections::BTreeMap<String, String>> {
+    text.lines()
+        .filter(|l| l.starts_with("@fio "))
+        .map(iopath_bench::record::fields)
+        .filter_map(|f| Some((f.get("job")?.clone(), f)))
+        .collect()
+}
+
+/// The same Linux guest and fio jobs against QEMU's nvme and iopath's, one after the other in one
+/// test. Under TCG this is a functional comparison (both sides run on an emulated CPU), not a
+/// performance claim; the table is printed for the record.
+#[test]
+fn linux_fio_figures_iopath_nvme_vs_qemu_nvme_under_tcg() {
+    let fio = harness("guest-fio.sh");
+    let fio = fio.to_str().unwrap();
+    let common = ["--script", fio, "--append", "harness.fio_time=3", "--nvme-timeout", "10"];
+    let qemu = fio_records(&linux(&[&["--device", "qemu-nvme"][..], &common[..]].concat()));
+    let serve = Serve::start("nvme,doorbell=bar,backend=ram,size_mb=64");
+    let sock = serve.socket.to_str().unwrap().to_string();
+    let iopath = fio_records(&linux(&[&["--vfio-user", sock.as_str()][..], &common[..]].concat()));
+    eprintln!("Linux 6.12 fio under QEMU 11 TCG (functional comparison, emulated CPU):");
+    eprintln!("{:<20} {:>12} {:>12} {:>8}", "job", "qemu-nvme", "iopath-bar", "ratio");
+    for (job, q) in &qemu {
+        let i = iopath.get(job).unwrap_or_else(|| panic!("iopath ran no {job}: {iopath:?}"));
+        let iops = |r: &std::collections::BTreeMap<String, String>| r["iops"].parse::<f64>().unwrap();
+        assert!(iops(q) > 0.0 && iops(i) > 0.0, "{job}: {q:?} {i:?}");
+        eprintln!("{job:<20} {:>12.0} {:>12.0} {:>7.2}x", iops(q), iops(i), iops(i) / iops(q));
+    }
+    assert_eq!(qemu.len(), 4, "{qemu:?}");
+}

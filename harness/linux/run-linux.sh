@@ -115,7 +115,7 @@ IOPATH_HARNESS_BIND="$BINDS" timeout --kill-after=10 "$TIMEOUT" "$HARNESS_DIR/qe
 QPID=$!
 trap 'kill $QPID 2>/dev/null || true' EXIT INT TERM
 if [[ $QUIET == 0 ]]; then
-    tail -n +1 -F --pid=$QPID "$LOG" 2>/dev/null | sed -u 's/\r$//' | grep --line-buffered -E '^@(check|done|init|skip)' &
+    tail -n +1 -F --pid=$QPID "$LOG" 2>/dev/null | sed -u 's/\r$//' | grep --line-buffered -E '^@(check|done|init|skip|fio)' &
     TPID=$!
 fi
 # After @done, give the guest GRACE seconds to power off (a wedged controller can stall the
