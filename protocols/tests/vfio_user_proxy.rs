@@ -4,7 +4,7 @@
 //! libvfio-user does. No guest: the tests drive the proxy as the VMM's bus
 //! and PCI host would (`cli/tests/vfio_user_proxy.rs` boots one).
 
-use iopath_devices::{DeviceContext, DeviceModelMut, FailFn, IoEvents, NoIoEvents};
+use iopath_devices::{DeviceContext, DeviceModelMut, FailFn, IoEventSpec, IoEvents, NoIoEvents};
 use iopath_protocols::function::{map_guest_memory, SharedRegion};
 use iopath_protocols::vfio_user::VfioUserProxy;
 use std::fs::File;
@@ -56,7 +56,7 @@ fn context(
 fn intx_lines() -> Arc<iopath_devices::irq::IrqLines> {
     use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
     let l = iopath_devices::irq::IrqLines::new();
-    l.connect_intx(EventFd::new(EFD_NONBLOCK).unwrap(), EventFd::new(EFD_NONBLOCK).unwrap());
+    l.connect_intx(EventFd::new(EFD_NONBLOCK).unwrap(), Some(EventFd::new(EFD_NONBLOCK).unwrap()));
     l
 }
 
@@ -284,4 +284,185 @@ fn the_rust_vmm_server_attaches_and_its_bar_accesses_reach_the_backend() {
     assert!(fails.lock().unwrap().is_empty(), "{:?}", fails.lock().unwrap());
     drop(p);
     h.join().unwrap();
+}
+
+#[test]
+fn a_device_without_intx_attaches_and_a_refused_optional_step_is_not_fatal() {
+    // No INTx: GET_IRQ_INFO says count 0 and the server refuses SET_IRQS on index 0.
+    let (path, seen, h) = Device::new(false).serve();
+    let mut p = connect(&path);
+    let (ctx, fails) = context(intx_lines(), Arc::new(NoIoEvents));
+    p.attach(ctx);
+    assert!(fails.lock().unwrap().is_empty(), "the attach failed: {:?}", fails.lock().unwrap());
+    assert!(seen.lock().unwrap().irq_sets.iter().all(|s| s.0 != INTX), "SET_IRQS for an INTx the device does not have");
+    let mut b = [0u8; 4];
+    p.bar_read(0, 0, &mut b);
+    assert_eq!(b, [0; 4], "the device is up");
+    drop(p);
+    h.join().unwrap();
+    // INTx, but the server takes only the trigger fd (it refuses ACTION_UNMASK): logged, and on.
+    let mut d = Device::new(true);
+    d.refuse_unmask = true;
+    let (path, seen, h) = d.serve();
+    let mut p = connect(&path);
+    let (ctx, fails) = context(intx_lines(), Arc::new(NoIoEvents));
+    p.attach(ctx);
+    assert!(fails.lock().unwrap().is_empty(), "the attach failed: {:?}", fails.lock().unwrap());
+    assert!(seen.lock().unwrap().intx_trigger.is_some());
+    p.bar_read(0, 0, &mut b);
+    assert!(fails.lock().unwrap().is_empty());
+    drop(p);
+    h.join().unwrap();
+}
+
+// ---------------------------------------------------------------------------
+// A scripted server whose GET_REGION_IO_FDS reply is laid out as
+// libvfio-user's (include/vfio-user.h): 48-byte entries with
+// shadow_mem_fd_index at 28, shadow_offset at 32 and datamatch at 40, and a
+// shadow ioeventfd (type 2) among them; plus a type this client cannot know.
+
+mod scripted {
+    use iopath_protocols::socket;
+    use iopath_protocols::vfio_user::wire::*;
+    use std::os::fd::{AsRawFd, RawFd};
+    use std::os::unix::net::UnixStream;
+
+    /// One io fd entry at a 48-byte stride: (offset, size, fd_index, type, flags, datamatch).
+    fn entry48(offset: u64, size: u64, fd_index: u32, ty: u32, flags: u32, datamatch: u64) -> Vec<u8> {
+        let mut e = Vec::with_capacity(48);
+        e.extend_from_slice(&offset.to_le_bytes());
+        e.extend_from_slice(&size.to_le_bytes());
+        e.extend_from_slice(&fd_index.to_le_bytes());
+        e.extend_from_slice(&ty.to_le_bytes());
+        e.extend_from_slice(&flags.to_le_bytes());
+        e.extend_from_slice(&2u32.to_le_bytes()); // shadow_mem_fd_index
+        e.extend_from_slice(&0x5000u64.to_le_bytes()); // shadow_offset (where the spec text has datamatch)
+        e.extend_from_slice(&datamatch.to_le_bytes());
+        e
+    }
+
+    /// The reply for BAR0: a datamatch ioeventfd, a wildcard one, a shadow
+    /// ioeventfd and an unknown type 7, over fds [a, b, shadow memory].
+    pub fn io_fds_reply() -> Vec<u8> {
+        let entries = [
+            entry48(0x10, 4, 0, IO_FD_TYPE_IOEVENTFD, KVM_IOEVENTFD_FLAG_DATAMATCH, 0x1234),
+            entry48(0x20, 0, 1, IO_FD_TYPE_IOEVENTFD, 0, 0),
+            entry48(0x30, 4, 0, 2, KVM_IOEVENTFD_FLAG_DATAMATCH, 0x77),
+            entry48(0x40, 8, 1, 7, 0, 0),
+        ]
+        .concat();
+        let head = [16 + entries.len() as u32, 0, 0, 4].map(u32::to_le_bytes).concat();
+        [head, entries].concat()
+    }
+
+    pub fn config() -> [u8; 256] {
+        let mut c = [0u8; 256];
+        c[0..4].copy_from_slice(&0x0001_4e58u32.to_le_bytes()); // 4e58:0001, as SPDK's NVMe target
+        c[8..12].copy_from_slice(&0x0108_0200u32.to_le_bytes());
+        c
+    }
+
+    /// Serves one client until it leaves. Every SET_IRQS and DMA_MAP succeeds;
+    /// the device has no interrupts.
+    pub fn serve(sock: UnixStream, fds: [RawFd; 3]) {
+        loop {
+            let mut h = [0u8; HEADER_SIZE];
+            if socket::recv_exact(&sock, &mut h).is_err() {
+                return;
+            }
+            let hdr = Header::parse(&h);
+            let mut payload = vec![0u8; hdr.payload_len().unwrap()];
+            socket::recv_exact(&sock, &mut payload).unwrap();
+            let (body, out_fds): (Vec<u8>, Vec<RawFd>) = match hdr.command().unwrap() {
+                Command::Version => (Version { major: 0, minor: 2, capabilities: None }.to_bytes(), vec![]),
+                Command::DeviceGetInfo => {
+                    let i = DeviceInfo { argsz: 16, flags: DEVICE_FLAGS_PCI, num_regions: 9, num_irqs: 5 };
+                    (i.to_bytes(), vec![])
+                }
+                Command::DeviceGetIrqInfo => {
+                    let q = IrqInfo::parse(&payload).unwrap();
+                    (IrqInfo { argsz: 16, flags: IRQ_INFO_EVENTFD, index: q.index, count: 0 }.to_bytes(), vec![])
+                }
+                Command::DeviceGetRegionInfo => {
+                    let q = RegionInfo::parse(&payload).unwrap();
+                    let size = if q.index == 0 { 0x1000 } else { 0 };
+                    let flags = REGION_INFO_FLAG_READ | REGION_INFO_FLAG_WRITE;
+                    (RegionInfoReply::new(q.index, flags, size, 0, None).to_bytes(), vec![])
+                }
+                Command::DeviceGetRegionIoFds => {
+                    let q = IoFdsRequest::parse(&payload).unwrap();
+                    if q.index == 0 {
+                        (io_fds_reply(), fds.to_vec())
+                    } else {
+                        (IoFdsReply::new(q.index, vec![]).to_bytes(), vec![])
+                    }
+                }
+                Command::RegionRead => {
+                    let q = RegionAccess::parse(&payload).unwrap();
+                    let mut data = vec![0u8; q.count as usize];
+                    if q.region == PCI_CONFIG_REGION_INDEX {
+                        let o = q.offset as usize;
+                        data.copy_from_slice(&config()[o..o + q.count as usize]);
+                    }
+                    (RegionAccess::to_bytes_with_data(q.offset, q.region, &data), vec![])
+                }
+                Command::RegionWrite => {
+                    let (q, _) = RegionAccess::parse_with_data(&payload).unwrap();
+                    (q.to_bytes(), vec![])
+                }
+                Command::DmaMap | Command::DeviceSetIrqs | Command::DeviceReset => (vec![], vec![]),
+                _ => {
+                    socket::send(&sock, &[&error_reply(&hdr, libc::ENOSYS)], &[]).unwrap();
+                    continue;
+                }
+            };
+            socket::send(&sock, &[&reply(&hdr, &body)], &out_fds).unwrap();
+        }
+    }
+
+    pub fn eventfd() -> vmm_sys_util::eventfd::EventFd {
+        vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap()
+    }
+
+    pub fn raw(f: &impl AsRawFd) -> RawFd {
+        f.as_raw_fd()
+    }
+}
+
+/// Records the ioeventfds the proxy installs (what KVM_IOEVENTFD would get).
+#[derive(Default)]
+struct Recorder(Mutex<Vec<IoEventSpec>>);
+impl IoEvents for Recorder {
+    fn register(&self, s: IoEventSpec, _: &vmm_sys_util::eventfd::EventFd) -> iopath_devices::Result<()> {
+        self.0.lock().unwrap().push(s);
+        Ok(())
+    }
+    fn unregister(&self, _: IoEventSpec, _: &vmm_sys_util::eventfd::EventFd) -> iopath_devices::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn libvfio_user_io_fds_install_the_right_datamatch_and_unknown_types_are_skipped() {
+    let (a, b) = UnixStream::pair().unwrap();
+    let (e1, e2, shadow) = (scripted::eventfd(), scripted::eventfd(), memfd(4096));
+    let fds = [scripted::raw(&e1), scripted::raw(&e2), scripted::raw(&shadow)];
+    let h = std::thread::spawn(move || scripted::serve(b, fds));
+    let mut p = VfioUserProxy::connect(a, None).expect("the proxy refused libvfio-user's io fd layout");
+    assert_eq!((p.ids().vendor, p.ids().device), (0x4e58, 0x0001));
+    let rec = Arc::new(Recorder::default());
+    let (ctx, fails) = context(Arc::new(iopath_devices::NoInterrupts), rec.clone());
+    p.attach(ctx);
+    assert!(fails.lock().unwrap().is_empty(), "{:?}", fails.lock().unwrap());
+    assert_eq!(
+        *rec.0.lock().unwrap(),
+        [
+            IoEventSpec { bar: 0, offset: 0x10, len: 4, datamatch: Some(0x1234) },
+            IoEventSpec { bar: 0, offset: 0x20, len: 0, datamatch: None },
+        ],
+        "datamatch is at 40 in a 48-byte entry; the shadow ioeventfd and type 7 are skipped"
+    );
+    drop(p);
+    h.join().unwrap();
+    drop((e1, e2, shadow));
 }

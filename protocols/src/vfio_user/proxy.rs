@@ -127,8 +127,7 @@ impl VfioUserProxy {
         }
         let cfg = p.region_read(PCI_CONFIG_REGION_INDEX, 0, CONFIG_REGION_SIZE as u32)?;
         p.ids = pci_ids(&cfg);
-        let r = p.request(Command::DeviceGetIrqInfo, &IrqInfo::request(PCI_MSIX_IRQ_INDEX).to_bytes(), &[]);
-        let msix_count = r.ok().and_then(|r| IrqInfo::parse(&r.payload).ok()).map_or(0, |i| i.count);
+        let msix_count = p.irq_count(PCI_MSIX_IRQ_INDEX)?;
         p.msix = MsixTable::find(&cfg, msix_count);
         p.msix_given = vec![false; p.msix.as_ref().map_or(0, |m| m.vectors())];
         let mut i = 0u32;
@@ -201,19 +200,28 @@ impl VfioUserProxy {
             }
             break (reply, r.fds);
         };
-        let io = b.kind == BarKind::Io;
+        // io fds are optional: a sub-region this client cannot take is
+        // skipped with a log line, and its accesses go as messages.
+        let (io, name) = (b.kind == BarKind::Io, self.peer.name.clone());
+        let skip =
+            |e: &IoFdEntry, why: &str| log::info!("{name}: BAR{}: skipping io fd sub-region {e:?}: {why}", b.index);
         for e in reply.entries {
-            let (i, n) = (e.fd_index(), fds.len());
-            let fd =
-                fds.get(i as usize).ok_or_else(|| Error::protocol(format!("BAR{}: fd index {i} of {n}", b.index)))?;
-            let fd = fd.try_clone().map_err(|e| Error::io("dup of an io fd", e))?;
+            let fd = match fds.get(e.fd_index() as usize).map(|f| f.try_clone()) {
+                Some(Ok(fd)) => fd,
+                Some(Err(err)) => return Err(Error::io("dup of an io fd", err)),
+                None => {
+                    skip(&e, &format!("no fd {} among the {} sent", e.fd_index(), fds.len()));
+                    continue;
+                }
+            };
             match e {
                 IoFdEntry::IoEventFd { offset, size, flags, datamatch, .. } => {
                     if offset.checked_add(size.max(1)).is_none_or(|x| x > b.size)
                         || (flags & KVM_IOEVENTFD_FLAG_PIO != 0) != io
                         || !matches!(size, 0 | 1 | 2 | 4 | 8)
                     {
-                        return Err(Error::protocol(format!("BAR{}: bad ioeventfd sub-region {e:?}", b.index)));
+                        skip(&e, "outside the BAR, the wrong space or an access size KVM does not match");
+                        continue;
                     }
                     let dm = (flags & KVM_IOEVENTFD_FLAG_DATAMATCH != 0).then_some(datamatch);
                     let spec = IoEventSpec { bar: b.index, offset, len: size as u32, datamatch: dm };
@@ -221,12 +229,17 @@ impl VfioUserProxy {
                 }
                 IoFdEntry::IoRegionFd { offset, size, flags, user_data, .. } => {
                     if offset.checked_add(size).is_none_or(|x| x > b.size) || (flags & KVM_IOREGION_PIO != 0) != io {
-                        return Err(Error::protocol(format!("BAR{}: bad ioregionfd sub-region {e:?}", b.index)));
+                        skip(&e, "outside the BAR or the wrong space");
+                        continue;
                     }
                     let posted = flags & KVM_IOREGION_POSTED_WRITES != 0;
                     let s = UnixStream::from(std::os::fd::OwnedFd::from(fd));
                     self.regions.push((b.index, RegionClient::new(s, offset, size, user_data, posted)));
                 }
+                IoFdEntry::ShadowIoEventFd { .. } => {
+                    skip(&e, "a shadow ioeventfd (libvfio-user's; it needs a patched KVM, which this one is not)")
+                }
+                IoFdEntry::Other { ty, flags, .. } => skip(&e, &format!("type {ty} with flags {flags:#x} is unknown")),
             }
         }
         Ok(())
@@ -360,6 +373,37 @@ impl VfioUserProxy {
         self.regions.iter_mut().find(|(b, r)| *b == bar && r.covers(offset, len)).map(|(_, r)| r)
     }
 
+    /// The number of interrupts of IRQ index `index` (GET_IRQ_INFO); 0 if
+    /// the server refuses the question.
+    fn irq_count(&mut self, index: u32) -> Result<u32> {
+        match self.request(Command::DeviceGetIrqInfo, &IrqInfo::request(index).to_bytes(), &[]) {
+            Ok(r) => Ok(IrqInfo::parse(&r.payload).map_err(bad_reply(format!("GET_IRQ_INFO {index}")))?.count),
+            Err(e @ Error::Remote { .. }) => {
+                log::info!("{}: no interrupts of index {index}: {e}", self.peer.name);
+                Ok(0)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A request whose error reply is logged, not fatal (an optional step
+    /// of the attach); true if it succeeded.
+    fn optional(&mut self, what: &str, cmd: Command, payload: &[u8], fds: &[RawFd]) -> Result<bool> {
+        match self.request(cmd, payload, fds) {
+            Ok(_) => Ok(true),
+            Err(e @ Error::Remote { .. }) => {
+                log::warn!("{}: {what}: {e}; going on without it", self.peer.name);
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// What the attach does: guest RAM to the device process, the announced
+    /// ioeventfds into KVM, the INTx eventfds to a device that has INTx. An
+    /// error reply to any of these steps is logged and the attach goes on
+    /// (a server may have no use for DMA, or take no resample fd); a broken
+    /// channel ends it.
     fn setup(&mut self, ctx: &DeviceContext) -> Result<()> {
         for r in ctx.mem.iter() {
             let fo = r.file_offset().ok_or_else(|| Error::Config("guest RAM is not fd-backed".into()))?;
@@ -369,16 +413,25 @@ impl VfioUserProxy {
                 address: r.start_addr().0,
                 size: r.len(),
             };
-            self.request(Command::DmaMap, &map.to_bytes(), &[fo.file().as_raw_fd()])?;
+            let what = format!("DMA_MAP of guest RAM at {:#x}", map.address);
+            self.optional(&what, Command::DmaMap, &map.to_bytes(), &[fo.file().as_raw_fd()])?;
         }
         for (spec, fd) in &self.ioevents {
             ctx.ioevents.register(*spec, fd).map_err(|e| Error::from(e).context(format!("installing {spec:?}")))?;
         }
+        // INTx only if the device has it (GET_IRQ_INFO), as QEMU asks first.
         if let Some((t, r)) = ctx.irq.intx_eventfds() {
-            for (action, fd) in [(IRQ_SET_ACTION_TRIGGER, &t), (IRQ_SET_ACTION_UNMASK, &r)] {
-                let flags = IRQ_SET_DATA_EVENTFD | action;
-                let q = IrqSet { flags, index: PCI_INTX_IRQ_INDEX, start: 0, count: 1, data: vec![] };
-                self.request(Command::DeviceSetIrqs, &q.to_bytes(), &[fd.as_raw_fd()])?;
+            if self.irq_count(PCI_INTX_IRQ_INDEX)? >= 1 {
+                for (action, fd, what) in [
+                    (IRQ_SET_ACTION_TRIGGER, &t, "SET_IRQS INTx trigger"),
+                    (IRQ_SET_ACTION_UNMASK, &r, "SET_IRQS INTx resample (unmask)"),
+                ] {
+                    let flags = IRQ_SET_DATA_EVENTFD | action;
+                    let q = IrqSet { flags, index: PCI_INTX_IRQ_INDEX, start: 0, count: 1, data: vec![] };
+                    if !self.optional(what, Command::DeviceSetIrqs, &q.to_bytes(), &[fd.as_raw_fd()])? {
+                        break;
+                    }
+                }
             }
         }
         Ok(())
