@@ -341,8 +341,16 @@ impl DeviceModelMut for Doorbell {
         ]
     }
 
+    /// A new view of guest memory (a device process's client mapped or
+    /// unmapped some): the worker thread holds the old one, so it is stopped
+    /// and the mode restarted on the new memory, whose GPAs are checked again.
     fn attach(&mut self, ctx: DeviceContext) {
+        let mode = self.mode;
+        self.stop_worker();
         self.ctx = Some(ctx);
+        if mode != Mode::Exit {
+            self.set_mode(mode as u64);
+        }
     }
 
     fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) {
@@ -453,5 +461,29 @@ mod tests {
         d.quiesce();
         assert_eq!(rd64(&mut d, REG_POLLS), 100);
         assert_eq!(rd64(&mut d, REG_EXITS), 0);
+    }
+
+    #[test]
+    fn after_attach_the_poller_no_longer_touches_the_old_memory() {
+        let (mut d, old) = dev();
+        d.bar_write(BAR_MEM, REG_COMPLETION, &0x2000u64.to_le_bytes());
+        d.bar_write(BAR_MEM, REG_SHM, &0x3000u64.to_le_bytes());
+        d.bar_write(BAR_MEM, REG_MODE, &2u32.to_le_bytes());
+        assert_eq!(d.mode, Mode::Shm);
+        // The client takes the memory back and gives other memory.
+        let new = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap();
+        d.attach(DeviceContext::detached(new.clone()));
+        old.store(7u64, GuestAddress(0x3000), Ordering::Release).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert_eq!(old.load::<u64>(GuestAddress(0x2000), Ordering::Acquire).unwrap(), 0, "old memory written");
+        // The mode goes on over the new memory.
+        assert_eq!(d.mode, Mode::Shm);
+        new.store(1u64, GuestAddress(0x3000), Ordering::Release).unwrap();
+        let t0 = std::time::Instant::now();
+        while new.load::<u64>(GuestAddress(0x2000), Ordering::Acquire).unwrap() != 1 {
+            assert!(t0.elapsed().as_secs() < 10, "the poller does not serve the new memory");
+            std::hint::spin_loop();
+        }
+        d.quiesce();
     }
 }

@@ -21,7 +21,9 @@ use vmm_sys_util::eventfd::EventFd;
 
 struct Intx {
     trigger: EventFd,
-    resample: EventFd,
+    /// None: the host has no resampling irqfd and unmasks by value (a
+    /// vfio-user client that gave a trigger eventfd only).
+    resample: Option<EventFd>,
 }
 
 /// MSI-X as a client set it up.
@@ -51,21 +53,28 @@ impl IrqLines {
         Arc::new(IrqLines::default())
     }
 
-    /// Connects INTx. A thread waits on `resample` and re-asserts while the
-    /// device's level stays high; it ends when INTx is replaced or dropped.
-    pub fn connect_intx(self: &Arc<Self>, trigger: EventFd, resample: EventFd) {
+    /// Connects INTx. With a `resample` eventfd a thread waits on it and
+    /// re-asserts while the device's level stays high; it ends when INTx is
+    /// replaced or dropped. Without one there is no thread: the host unmasks
+    /// by value ([`mask_intx`](Self::mask_intx)), which re-asserts.
+    pub fn connect_intx(self: &Arc<Self>, trigger: EventFd, resample: Option<EventFd>) {
         let gen = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        let has_resample = resample.is_some();
         let intx = Arc::new(Intx { trigger, resample });
         *self.intx.lock().unwrap() = Some(intx.clone());
+        if !has_resample {
+            return;
+        }
         let weak = Arc::downgrade(self);
         let spawned = std::thread::Builder::new().name("intx-resample".into()).spawn(move || loop {
-            let ready = poll_in(&intx.resample, 200);
+            let Some(resample) = intx.resample.as_ref() else { return };
+            let ready = poll_in(resample, 200);
             let Some(lines) = weak.upgrade() else { return };
             if lines.generation.load(Ordering::Acquire) != gen {
                 return;
             }
             let high = lines.level.load(Ordering::Acquire) && !lines.masked.load(Ordering::Acquire);
-            if ready && intx.resample.read().is_ok() && high {
+            if ready && resample.read().is_ok() && high {
                 let _ = intx.trigger.write(1);
                 lines.signalled.fetch_add(1, Ordering::Relaxed);
             }
@@ -97,7 +106,7 @@ impl IrqLines {
     pub fn intx_fds(&self) -> Option<(EventFd, EventFd)> {
         let g = self.intx.lock().unwrap();
         let i = g.as_ref()?;
-        Some((i.trigger.try_clone().ok()?, i.resample.try_clone().ok()?))
+        Some((i.trigger.try_clone().ok()?, i.resample.as_ref()?.try_clone().ok()?))
     }
 
     /// Sets (Some) or clears (None) the eventfds of vectors `start..`. The
@@ -208,7 +217,7 @@ mod tests {
         let lines = IrqLines::new();
         let trig = EventFd::new(EFD_NONBLOCK).unwrap();
         let res = EventFd::new(EFD_NONBLOCK).unwrap();
-        lines.connect_intx(trig.try_clone().unwrap(), res.try_clone().unwrap());
+        lines.connect_intx(trig.try_clone().unwrap(), Some(res.try_clone().unwrap()));
         Interrupts::set_intx(&*lines, true);
         Interrupts::set_intx(&*lines, true); // still high: no second edge
         assert_eq!(trig.read().unwrap(), 1);
@@ -225,7 +234,7 @@ mod tests {
     fn a_masked_intx_asserts_when_unmasked_if_still_high() {
         let lines = IrqLines::new();
         let trig = EventFd::new(EFD_NONBLOCK).unwrap();
-        lines.connect_intx(trig.try_clone().unwrap(), EventFd::new(EFD_NONBLOCK).unwrap());
+        lines.connect_intx(trig.try_clone().unwrap(), None);
         lines.mask_intx(true);
         Interrupts::set_intx(&*lines, true);
         assert!(trig.read().is_err(), "masked: nothing asserted");

@@ -193,7 +193,9 @@ pub trait DeviceModel: Send + Sync {
     fn bars(&self) -> Vec<BarSpec>;
     /// Called before the first access, and again when the host's view of
     /// guest memory changes (a device process given a new memory map); a
-    /// model keeps what it set up the first time (eventfds, threads).
+    /// model keeps what it set up the first time (eventfds, threads). Once
+    /// `attach` returns, no thread of the model touches the previous memory:
+    /// a client that unmapped it may reuse it.
     fn attach(&self, ctx: DeviceContext);
     fn bar_read(&self, bar: u8, offset: u64, data: &mut [u8]);
     fn bar_write(&self, bar: u8, offset: u64, data: &[u8]);

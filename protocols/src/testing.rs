@@ -32,7 +32,7 @@ pub fn vmm_context() -> (DeviceContext, EventFd) {
     let mem = map_guest_memory(vec![SharedRegion { gpa: 0, size: 1 << 20, offset: 0, file: memfd }]).unwrap();
     let lines = IrqLines::new();
     let trigger = EventFd::new(EFD_NONBLOCK).unwrap();
-    lines.connect_intx(trigger.try_clone().unwrap(), EventFd::new(EFD_NONBLOCK).unwrap());
+    lines.connect_intx(trigger.try_clone().unwrap(), Some(EventFd::new(EFD_NONBLOCK).unwrap()));
     let mut ctx = DeviceContext::detached(mem);
     ctx.irq = lines;
     (ctx, trigger)

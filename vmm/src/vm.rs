@@ -167,7 +167,7 @@ fn intx_lines(vm: &VmFd, gsi: u32) -> Result<Arc<IrqLines>, VmmError> {
     vm.register_irqfd_with_resample(&trigger, &resample, gsi)
         .map_err(|source| VmmError::Kvm { what: "KVM_IRQFD with resample for INTx", source })?;
     let lines = IrqLines::new();
-    lines.connect_intx(trigger, resample);
+    lines.connect_intx(trigger, Some(resample));
     Ok(lines)
 }
 

@@ -218,11 +218,16 @@ impl DeviceModel for Nvme {
     fn attach(&self, ctx: DeviceContext) {
         let ready = {
             let mut c = self.core.lock().unwrap();
+            let gone = vm_memory::GuestMemoryBackend::num_regions(&ctx.mem) == 0;
             c.mem = ctx.mem;
             c.db.ioevents = Some(ctx.ioevents);
             c.intr.irq = ctx.irq;
-            // A new client: whether it keeps the MSI-X table shows in its writes.
-            c.intr.client_table = false;
+            // A client left (a device process gives its device no memory
+            // then): whether the next one keeps the MSI-X table shows in its
+            // writes. A map or unmap by the same client keeps what it showed.
+            if gone {
+                c.intr.client_table = false;
+            }
             c.regs.csts & 1 == 1
         };
         // A device process's next client finds the controller as the last

@@ -91,7 +91,7 @@ impl Session<'_> {
             Msg::SetIrqfd => {
                 let mut it = files.into_iter().map(iopath_devices::irq::eventfd_from);
                 if let (Some(t), Some(r)) = (it.next(), it.next()) {
-                    self.irq.connect_intx(t, r);
+                    self.irq.connect_intx(t, Some(r));
                 }
                 Ok(())
             }

@@ -11,7 +11,7 @@ use crate::vfio_user::wire::*;
 use crate::vfio_user::Received;
 use crate::{Error, Result};
 use std::sync::atomic::Ordering;
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::EventFd;
 
 /// SET_IRQS's fixed part; `count` bools follow it with DATA_BOOL, nothing
 /// otherwise.
@@ -105,15 +105,11 @@ impl Session<'_> {
 
     /// Connects INTx to the eventfds the client gave. With a trigger alone
     /// (a client without a resampling irqfd: it unmasks by value after the
-    /// guest's EOI), the lines get a resample eventfd nobody signals.
+    /// guest's EOI) there is no resample fd to wait on.
     fn connect_intx(&mut self) -> Result<()> {
         let irq = &self.srv.irq;
         match (&self.intx.0, &self.intx.1) {
-            (Some(t), Some(u)) => irq.connect_intx(dup(t)?, dup(u)?),
-            (Some(t), None) => {
-                let idle = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("eventfd", e))?;
-                irq.connect_intx(dup(t)?, idle)
-            }
+            (Some(t), u) => irq.connect_intx(dup(t)?, u.as_ref().map(dup).transpose()?),
             (None, _) => irq.clear_intx(),
         }
         Ok(())
