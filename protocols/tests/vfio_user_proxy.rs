@@ -4,7 +4,7 @@
 //! libvfio-user does. No guest: the tests drive the proxy as the VMM's bus
 //! and PCI host would (`cli/tests/vfio_user_proxy.rs` boots one).
 
-use iopath_devices::{DeviceContext, DeviceModelMut, FailFn, IoEventSpec, IoEvents, NoIoEvents};
+use iopath_devices::{DeviceContext, DeviceModelMut, FailFn, Interrupts, IoEventSpec, IoEvents, NoIoEvents};
 use iopath_protocols::function::{map_guest_memory, SharedRegion};
 use iopath_protocols::vfio_user::VfioUserProxy;
 use std::fs::File;
@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use vfio_user::{IrqInfo, Server, ServerBackend, ServerRegion};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 const CONFIG_REGION: u32 = 7;
 const INTX: u32 = 0;
@@ -52,12 +53,65 @@ fn context(
     (DeviceContext { mem, ioevents, irq, fail }, fails)
 }
 
-/// INTx lines as the VMM has them (trigger and resample eventfds).
-fn intx_lines() -> Arc<iopath_devices::irq::IrqLines> {
-    use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
-    let l = iopath_devices::irq::IrqLines::new();
-    l.connect_intx(EventFd::new(EFD_NONBLOCK).unwrap(), Some(EventFd::new(EFD_NONBLOCK).unwrap()));
-    l
+/// The VMM's interrupt host as a proxy sees it (what `vmm::irq::VmIrq`
+/// does with KVM): INTx eventfds, and per MSI-X vector an eventfd that is
+/// "in KVM" while routed. KVM's part is played by [`Host::delivered`]:
+/// a routed vector's signal is taken from its eventfd with the message it
+/// has then; a masked (unrouted) vector's signal stays in the eventfd.
+struct Host {
+    intx: (EventFd, EventFd),
+    vectors: Mutex<Vec<Option<HostVector>>>,
+}
+
+/// A vector's eventfd and, while routed, its message.
+type HostVector = (EventFd, Option<Msg>);
+
+/// An MSI message: address, data.
+type Msg = (u64, u32);
+
+impl Host {
+    fn new() -> Arc<Self> {
+        let fd = || EventFd::new(EFD_NONBLOCK).unwrap();
+        Arc::new(Host { intx: (fd(), fd()), vectors: Mutex::default() })
+    }
+
+    /// The messages KVM would have injected since the last call.
+    fn delivered(&self) -> Vec<(u16, Msg)> {
+        let v = self.vectors.lock().unwrap();
+        let routed = v.iter().enumerate().filter_map(|(i, x)| Some((i as u16, x.as_ref()?)));
+        routed.filter_map(|(i, (fd, msg))| Some((i, (*msg)?)).filter(|_| fd.read().is_ok_and(|n| n > 0))).collect()
+    }
+}
+
+impl Interrupts for Host {
+    fn set_intx(&self, _: bool) {}
+
+    fn signal_msix(&self, vector: u16) -> bool {
+        match self.vectors.lock().unwrap().get(vector as usize) {
+            Some(Some((fd, Some(_)))) => fd.write(1).is_ok(),
+            _ => false,
+        }
+    }
+
+    fn intx_eventfds(&self) -> Option<(EventFd, EventFd)> {
+        Some((self.intx.0.try_clone().ok()?, self.intx.1.try_clone().ok()?))
+    }
+
+    fn msix_eventfd(&self, vector: u16) -> Option<EventFd> {
+        self.vectors.lock().unwrap().get(vector as usize)?.as_ref()?.0.try_clone().ok()
+    }
+
+    fn msix_route(&self, vector: u16, msg: Option<Msg>) {
+        let mut v = self.vectors.lock().unwrap();
+        if v.len() <= vector as usize {
+            v.resize_with(vector as usize + 1, || None);
+        }
+        match (&mut v[vector as usize], msg) {
+            (Some((_, route)), m) => *route = m,
+            (slot @ None, Some(m)) => *slot = Some((EventFd::new(EFD_NONBLOCK).unwrap(), Some(m))),
+            (None, None) => {}
+        }
+    }
 }
 
 fn dword(b: &[u8]) -> u32 {
@@ -266,7 +320,7 @@ fn the_rust_vmm_server_attaches_and_its_bar_accesses_reach_the_backend() {
     assert_eq!((p.ids().vendor, p.ids().device, p.ids().class), (0x1234, 0xbeef, 0xff0000));
     let bars: Vec<_> = p.bars().iter().map(|b| (b.index, b.size)).collect();
     assert_eq!(bars, [(0, BAR0_SIZE)]);
-    let (ctx, fails) = context(intx_lines(), Arc::new(NoIoEvents));
+    let (ctx, fails) = context(Host::new(), Arc::new(NoIoEvents));
     p.attach(ctx);
     assert!(fails.lock().unwrap().is_empty(), "{:?}", fails.lock().unwrap());
     assert_eq!(seen.lock().unwrap().dma_maps, 1, "guest RAM went over as DMA_MAP");
@@ -291,7 +345,7 @@ fn a_device_without_intx_attaches_and_a_refused_optional_step_is_not_fatal() {
     // No INTx: GET_IRQ_INFO says count 0 and the server refuses SET_IRQS on index 0.
     let (path, seen, h) = Device::new(false).serve();
     let mut p = connect(&path);
-    let (ctx, fails) = context(intx_lines(), Arc::new(NoIoEvents));
+    let (ctx, fails) = context(Host::new(), Arc::new(NoIoEvents));
     p.attach(ctx);
     assert!(fails.lock().unwrap().is_empty(), "the attach failed: {:?}", fails.lock().unwrap());
     assert!(seen.lock().unwrap().irq_sets.iter().all(|s| s.0 != INTX), "SET_IRQS for an INTx the device does not have");
@@ -305,7 +359,7 @@ fn a_device_without_intx_attaches_and_a_refused_optional_step_is_not_fatal() {
     d.refuse_unmask = true;
     let (path, seen, h) = d.serve();
     let mut p = connect(&path);
-    let (ctx, fails) = context(intx_lines(), Arc::new(NoIoEvents));
+    let (ctx, fails) = context(Host::new(), Arc::new(NoIoEvents));
     p.attach(ctx);
     assert!(fails.lock().unwrap().is_empty(), "the attach failed: {:?}", fails.lock().unwrap());
     assert!(seen.lock().unwrap().intx_trigger.is_some());
@@ -421,7 +475,8 @@ mod scripted {
     }
 
     pub fn eventfd() -> vmm_sys_util::eventfd::EventFd {
-        vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap()
+        use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+        EventFd::new(EFD_NONBLOCK).unwrap()
     }
 
     pub fn raw(f: &impl AsRawFd) -> RawFd {
@@ -433,11 +488,11 @@ mod scripted {
 #[derive(Default)]
 struct Recorder(Mutex<Vec<IoEventSpec>>);
 impl IoEvents for Recorder {
-    fn register(&self, s: IoEventSpec, _: &vmm_sys_util::eventfd::EventFd) -> iopath_devices::Result<()> {
+    fn register(&self, s: IoEventSpec, _: &EventFd) -> iopath_devices::Result<()> {
         self.0.lock().unwrap().push(s);
         Ok(())
     }
-    fn unregister(&self, _: IoEventSpec, _: &vmm_sys_util::eventfd::EventFd) -> iopath_devices::Result<()> {
+    fn unregister(&self, _: IoEventSpec, _: &EventFd) -> iopath_devices::Result<()> {
         Ok(())
     }
 }
@@ -465,4 +520,90 @@ fn libvfio_user_io_fds_install_the_right_datamatch_and_unknown_types_are_skipped
     drop(p);
     h.join().unwrap();
     drop((e1, e2, shadow));
+}
+
+/// Signals MSI-X vector `v` from the device side (its SET_IRQS eventfd).
+fn device_signals(seen: &Mutex<Seen>, v: usize) {
+    use std::io::Write;
+    let s = seen.lock().unwrap();
+    let mut f = s.msix.get(v).and_then(Option::as_ref).expect("the device has no eventfd for the vector");
+    f.write_all(&1u64.to_ne_bytes()).unwrap();
+}
+
+fn read32(p: &mut VfioUserProxy, bar: u8, offset: u64) -> u32 {
+    let mut b = [0u8; 4];
+    p.bar_read(bar, offset, &mut b);
+    u32::from_le_bytes(b)
+}
+
+fn write32(p: &mut VfioUserProxy, offset: u64, v: u32) {
+    p.bar_write(0, offset, &v.to_le_bytes());
+}
+
+#[test]
+fn the_msix_table_and_pba_are_emulated_in_the_vmm_and_masking_holds_a_vector_pending() {
+    let (path, seen, h) = Device::new(false).serve();
+    let mut p = connect(&path);
+    let host = Host::new();
+    let (ctx, fails) = context(host.clone(), Arc::new(NoIoEvents));
+    p.attach(ctx);
+    // Vector 1: message and unmask, as a driver programs it. The server refuses table
+    // accesses; they must not reach it: the proxy keeps the table.
+    write32(&mut p, TABLE + 16, 0xfee0_0000);
+    write32(&mut p, TABLE + 20, 0);
+    write32(&mut p, TABLE + 24, 0x41);
+    write32(&mut p, TABLE + 28, 0);
+    assert!(fails.lock().unwrap().is_empty(), "a table write was fatal: {:?}", fails.lock().unwrap());
+    assert_eq!(read32(&mut p, 0, TABLE + 16), 0xfee0_0000, "the table reads back from the VMM");
+    assert_eq!(read32(&mut p, 0, TABLE + 12), 1, "vector 0 is still masked");
+    assert_eq!(read32(&mut p, 0, PBA), 0);
+    assert!(seen.lock().unwrap().irq_sets.is_empty(), "MSI-X is off: no eventfd yet");
+    // MSI-X Enable: vector 1's eventfd goes to the server. The server's configuration space
+    // ignores the write; the guest reads back what the VMM keeps.
+    p.config_write(MSIX_CAP + 3, &[0x80]);
+    let mut ctl = [0u8; 4];
+    assert!(p.config_read(MSIX_CAP, &mut ctl));
+    assert_eq!(dword(&ctl) >> 16, 0x8000 | (VECTORS - 1), "Message Control: enabled, 4 vectors");
+    assert_eq!(
+        seen.lock().unwrap().irq_sets,
+        [(MSIX, 0x24, 1, 1, 1)],
+        "SET_IRQS MSI-X, TRIGGER | DATA_EVENTFD, vector 1"
+    );
+    let msg = |data| (1u16, (0xfee0_0000u64, data));
+    device_signals(&seen, 1);
+    assert_eq!(host.delivered(), [msg(0x41)]);
+    // Masked: the signal does not reach the guest and shows in the PBA.
+    write32(&mut p, TABLE + 28, 1);
+    device_signals(&seen, 1);
+    assert_eq!(host.delivered(), []);
+    assert_eq!(read32(&mut p, 0, PBA), 1 << 1, "vector 1 pending");
+    assert_eq!(read32(&mut p, 0, PBA), 1 << 1, "reading the PBA does not clear it");
+    // A new message while masked, then unmask: delivered once, to the new message.
+    write32(&mut p, TABLE + 24, 0x42);
+    write32(&mut p, TABLE + 28, 0);
+    assert_eq!(host.delivered(), [msg(0x42)]);
+    assert_eq!(host.delivered(), []);
+    assert_eq!(read32(&mut p, 0, PBA), 0);
+    // Pending without a PBA read in between (the signal still in the eventfd).
+    write32(&mut p, TABLE + 28, 1);
+    device_signals(&seen, 1);
+    write32(&mut p, TABLE + 28, 0);
+    assert_eq!(host.delivered(), [msg(0x42)]);
+    // Function Mask, and MSI-X off, hold it the same way.
+    for (mask, unmask) in [(0xc0, 0x80), (0x00, 0x80)] {
+        p.config_write(MSIX_CAP + 3, &[mask]);
+        device_signals(&seen, 1);
+        assert_eq!(host.delivered(), [], "control {mask:#x}");
+        assert_eq!(read32(&mut p, 0, PBA), 1 << 1, "control {mask:#x}");
+        p.config_write(MSIX_CAP + 3, &[unmask]);
+        assert_eq!(host.delivered(), [msg(0x42)], "control {mask:#x}");
+        assert_eq!(read32(&mut p, 0, PBA), 0);
+    }
+    let s = seen.lock().unwrap();
+    assert_eq!(s.msix_accesses, 0, "a table or PBA access reached the server");
+    assert_eq!(s.irq_sets.len(), 1, "the eventfd went over once");
+    drop(s);
+    assert!(fails.lock().unwrap().is_empty(), "{:?}", fails.lock().unwrap());
+    drop(p);
+    h.join().unwrap();
 }

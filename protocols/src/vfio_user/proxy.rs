@@ -4,14 +4,26 @@
 //! `connect` negotiates the version and reads the device's identity,
 //! regions, MSI-X table location and io fds. At attach the proxy maps guest
 //! RAM into the device process (DMA_MAP with the memfd), installs the
-//! ioeventfds the server announced, and hands over the INTx eventfds. BAR
-//! accesses go on a region fd if one covers them, else as REGION_READ/WRITE.
-//! The proxy keeps a copy of the MSI-X table from the writes it forwards,
-//! routes each vector in the VMM and hands the vector's eventfd to the
-//! device process (SET_IRQS) the first time it is routed.
+//! ioeventfds the server announced, and hands over the INTx eventfds if the
+//! device has INTx. BAR accesses go on a region fd if one covers them, else
+//! as REGION_READ/WRITE.
 //!
-//! An error reply is the answer to one request; any other error ends the
-//! peer (the run stops, accesses read all-ones).
+//! MSI-X is the VMM's, as in QEMU and kernel VFIO: the proxy keeps the
+//! table and the PBA (a [`MsixTable`]) and answers every access to them; none
+//! reaches the device process, whose own table, if it has one, stays masked.
+//! Each vector the guest unmasks is routed in the VMM, and its eventfd is
+//! handed to the device process (SET_IRQS) the first time. A masked vector
+//! is taken out of KVM by the host, so what the device signals waits in the
+//! eventfd: the PBA shows it, and unmasking delivers it once.
+//!
+//! Deployed servers differ from the spec and from each other; what the
+//! proxy does about it: GET_REGION_IO_FDS only to servers at minor >= 1
+//! (see `connect`), both io fd entry layouts (`wire::io_fds`), optional
+//! steps of the attach whose error replies are logged.
+//!
+//! An error reply is the answer to one request (a BAR read gives all-ones,
+//! a write is dropped; both are counted); any other error ends the peer
+//! (the run stops, accesses read all-ones).
 
 use super::ioregionfd::{RegionClient, COMMANDS};
 use super::wire::*;
@@ -19,6 +31,7 @@ use super::{recv, send, Received, CONFIG_REGION_SIZE, MAX_FDS};
 use crate::peer::Peer;
 use crate::process::DeviceProcess;
 use crate::{Error, Result};
+use iopath_devices::irq::wait_readable;
 use iopath_devices::pci::MsixTable;
 use iopath_devices::{
     le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModelMut, Interrupts, IoEventSpec, MappedArea,
@@ -27,6 +40,7 @@ use iopath_devices::{
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -49,10 +63,17 @@ pub struct VfioUserProxy {
     /// ioregionfd commands of regions already closed.
     region_commands: u64,
     max_xfer: u32,
-    /// The device's MSI-X table as the guest programs it (the proxy turns it into routes).
+    /// The device's MSI-X table and PBA, kept here and never forwarded
+    /// (see [`msix_sync`](Self::msix_sync)).
     pub(super) msix: Option<MsixTable>,
-    /// Per MSI-X vector: its eventfd was handed to the device process.
-    msix_given: Vec<bool>,
+    /// The table as at reset.
+    msix_reset: Option<MsixTable>,
+    /// Per MSI-X vector: a copy of the eventfd handed to the device process.
+    msix_fds: Vec<Option<EventFd>>,
+    /// Per MSI-X vector: routed in the host (its irqfd in KVM).
+    msix_routed: Vec<bool>,
+    /// Error replies to BAR accesses (each read as all-ones, or a dropped write).
+    error_replies: u64,
     /// BAR parts the server offered as memory (sparse mmap).
     areas: Vec<MappedArea>,
     /// The server may be asked GET_REGION_IO_FDS (see `connect`).
@@ -71,6 +92,12 @@ fn pci_ids(cfg: &[u8]) -> PciIds {
         subsystem_vendor: u16_at(0x2c),
         subsystem: u16_at(0x2e),
     }
+}
+
+/// True if the eventfd held a signal, which is taken (its counter goes back
+/// to 0). Never blocks, whatever the fd's flags.
+fn take_signal(fd: &Option<EventFd>) -> bool {
+    fd.as_ref().is_some_and(|fd| wait_readable(fd, Duration::ZERO) && fd.read().is_ok_and(|n| n > 0))
 }
 
 /// A reply payload that does not parse.
@@ -95,7 +122,10 @@ impl VfioUserProxy {
             region_commands: 0,
             max_xfer: DEFAULT_MAX_DATA_XFER_SIZE,
             msix: None,
-            msix_given: Vec::new(),
+            msix_reset: None,
+            msix_fds: Vec::new(),
+            msix_routed: Vec::new(),
+            error_replies: 0,
             areas: Vec::new(),
             ask_io_fds: false,
             irq: None,
@@ -129,7 +159,9 @@ impl VfioUserProxy {
         p.ids = pci_ids(&cfg);
         let msix_count = p.irq_count(PCI_MSIX_IRQ_INDEX)?;
         p.msix = MsixTable::find(&cfg, msix_count);
-        p.msix_given = vec![false; p.msix.as_ref().map_or(0, |m| m.vectors())];
+        p.msix_reset = p.msix.clone();
+        let n = p.msix.as_ref().map_or(0, |m| m.vectors());
+        (p.msix_fds, p.msix_routed) = ((0..n).map(|_| None).collect(), vec![false; n]);
         let mut i = 0u32;
         while i < 6 {
             let q = RegionInfo::request(i, 32 + 16 + 16 * 16);
@@ -330,32 +362,80 @@ impl VfioUserProxy {
         self.request(Command::RegionWrite, &q, &[]).map(|_| ())
     }
 
-    /// Brings vector `v`'s route up to date and, the first time it is
-    /// routed, hands its eventfd to the device process.
+    /// Brings vector `v` up to date in the host, as QEMU and kernel VFIO
+    /// do with the table they emulate: unmasked (MSI-X on, function and
+    /// vector unmasked), it is routed to its message and, the first time,
+    /// its eventfd goes to the device process (SET_IRQS, MSI-X index,
+    /// TRIGGER | DATA_EVENTFD); masked, the host takes it out of KVM, so
+    /// what the device signals waits in the eventfd (the PBA shows it), and
+    /// unmasking delivers a vector that waited, once.
     fn msix_sync(&mut self, v: usize) {
-        let (Some(m), Some(irq)) = (&self.msix, self.irq.clone()) else { return };
-        // Masking is the device's to enforce (it sees the same write and holds
-        // the vector pending). Taking the route away here could drop a
-        // message the device sent just before it saw the mask.
-        let Some(route) = m.route(v) else { return };
-        irq.msix_route(v as u16, Some(route));
-        if self.msix_given.get(v) != Some(&false) {
+        let (Some(m), Some(irq)) = (&mut self.msix, self.irq.clone()) else { return };
+        let routed = self.msix_routed.get(v).copied().unwrap_or(false);
+        let Some(route) = m.route(v) else {
+            if routed {
+                irq.msix_route(v as u16, None);
+                self.msix_routed[v] = false;
+            }
             return;
+        };
+        // What the device signalled while the vector was out of KVM: in its
+        // eventfd, or taken from there into the PBA by a read.
+        let waited = !routed && (m.pending(v) || self.msix_fds.get(v).is_some_and(take_signal));
+        irq.msix_route(v as u16, Some(route));
+        self.msix_routed[v] = true;
+        if self.msix_fds[v].is_none() {
+            self.msix_give(&*irq, v);
         }
+        let m = self.msix.as_mut().unwrap();
+        if waited && !irq.signal_msix(v as u16) {
+            m.set_pending(v, true);
+        } else {
+            m.set_pending(v, false);
+        }
+    }
+
+    /// Hands vector `v`'s eventfd to the device process.
+    fn msix_give(&mut self, irq: &dyn Interrupts, v: usize) {
         let Some(fd) = irq.msix_eventfd(v as u16) else { return };
         let flags = IRQ_SET_DATA_EVENTFD | IRQ_SET_ACTION_TRIGGER;
         let q = IrqSet { flags, index: PCI_MSIX_IRQ_INDEX, start: v as u32, count: 1, data: vec![] };
         match self.request(Command::DeviceSetIrqs, &q.to_bytes(), &[fd.as_raw_fd()]) {
-            Ok(_) => self.msix_given[v] = true,
+            Ok(_) => self.msix_fds[v] = Some(fd),
             Err(e) => log::warn!("{}: MSI-X vector {v}: {e}", self.peer.name),
         }
     }
 
-    /// Observes a BAR write that lands in the MSI-X table (before it is forwarded).
-    fn msix_table_write(&mut self, bar: u8, offset: u64, data: &[u8]) {
-        if let Some(v) = self.msix.as_mut().and_then(|m| m.write(bar, offset, data)) {
+    /// Moves the signals of vectors that are out of KVM into the PBA.
+    fn msix_collect_pending(&mut self) {
+        let Some(m) = &mut self.msix else { return };
+        for (v, fd) in self.msix_fds.iter().enumerate() {
+            if !self.msix_routed[v] && take_signal(fd) {
+                m.set_pending(v, true);
+            }
+        }
+    }
+
+    /// A BAR read of the MSI-X table or PBA, answered here; false if neither claims it.
+    fn msix_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) -> bool {
+        if !self.msix.as_ref().is_some_and(|m| m.claims(bar, offset)) {
+            return false;
+        }
+        self.msix_collect_pending();
+        self.msix.as_ref().is_some_and(|m| m.read(bar, offset, data))
+    }
+
+    /// A BAR write of the MSI-X table (or PBA, read-only), taken here; false
+    /// if neither claims it.
+    fn msix_write(&mut self, bar: u8, offset: u64, data: &[u8]) -> bool {
+        let Some(m) = &mut self.msix else { return false };
+        if !m.claims(bar, offset) {
+            return false;
+        }
+        if let Some(v) = m.write(bar, offset, data) {
             self.msix_sync(v);
         }
+        true
     }
 
     /// Observes a configuration write to MSI-X Message Control.
@@ -366,6 +446,26 @@ impl VfioUserProxy {
         }
         for v in 0..m.vectors() {
             self.msix_sync(v);
+        }
+    }
+
+    /// Message Control's Enable and Function Mask as the VMM keeps them,
+    /// over what the device process answered for a configuration read.
+    fn msix_control_read(&self, offset: usize, data: &mut [u8]) {
+        let Some(m) = &self.msix else { return };
+        let Some(b) = (m.cap_offset() + 3).checked_sub(offset).and_then(|i| data.get_mut(i)) else { return };
+        *b = (*b & 0x3f) | (m.enabled() as u8) << 7 | (m.function_masked() as u8) << 6;
+    }
+
+    /// A BAR access that failed: an error reply is the answer to that access
+    /// (logged, counted; a read gives all-ones), anything else ends the peer.
+    fn access_failed(&mut self, e: Error) {
+        if !matches!(e, Error::Remote { .. }) {
+            return self.peer.die(&e);
+        }
+        self.error_replies += 1;
+        if self.error_replies.is_power_of_two() {
+            log::warn!("{}: {e} ({} error replies to BAR accesses so far)", self.peer.name, self.error_replies);
         }
     }
 
@@ -460,6 +560,9 @@ impl DeviceModelMut for VfioUserProxy {
     }
 
     fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) {
+        if self.msix_read(bar, offset, data) {
+            return;
+        }
         let n = data.len();
         let v = match self.region_of(bar, offset, n) {
             Some(r) => r.read(offset, n),
@@ -468,21 +571,22 @@ impl DeviceModelMut for VfioUserProxy {
         match v {
             Ok(v) => le_fill(data, v),
             Err(e) => {
-                self.peer.die(&e);
+                self.access_failed(e);
                 data.fill(0xff);
             }
         }
     }
 
     fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]) {
-        // Routes first: the device may fire a vector as soon as it sees it unmasked.
-        self.msix_table_write(bar, offset, data);
+        if self.msix_write(bar, offset, data) {
+            return;
+        }
         let r = match self.region_of(bar, offset, data.len()) {
             Some(r) => r.write(offset, data.len(), le_value(data)),
             None => self.region_write(bar as u32, offset, data),
         };
         if let Err(e) = r {
-            self.peer.die(&e);
+            self.access_failed(e);
         }
     }
 
@@ -501,6 +605,7 @@ impl DeviceModelMut for VfioUserProxy {
             Ok(d) => data.copy_from_slice(&d),
             Err(_) => data.fill(0xff),
         }
+        self.msix_control_read(offset, data);
         true
     }
 
@@ -511,6 +616,17 @@ impl DeviceModelMut for VfioUserProxy {
 
     fn reset(&mut self) {
         let _ = self.request(Command::DeviceReset, &[], &[]);
+        // MSI-X as at reset: every vector out of KVM, nothing pending, and
+        // the eventfds handed over again when routed.
+        if let Some(irq) = self.irq.clone() {
+            for v in (0..self.msix_routed.len()).filter(|&v| self.msix_routed[v]) {
+                irq.msix_route(v as u16, None);
+            }
+        }
+        self.msix_fds.iter().for_each(|fd| _ = take_signal(fd));
+        self.msix = self.msix_reset.clone();
+        self.msix_fds.iter_mut().for_each(|fd| *fd = None);
+        self.msix_routed.iter_mut().for_each(|r| *r = false);
     }
 
     fn quiesce(&mut self) {
@@ -523,6 +639,7 @@ impl DeviceModelMut for VfioUserProxy {
         let mut c = self.peer.remote.clone();
         c.push(Counter { name: REQUESTS.into(), value: self.requests });
         c.push(Counter { name: "vfio-user.dma-requests".into(), value: self.dma_requests });
+        c.push(Counter { name: "vfio-user.error-replies".into(), value: self.error_replies });
         let cmds: u64 = self.regions.iter().map(|(_, r)| r.commands).sum();
         c.push(Counter { name: COMMANDS.into(), value: self.region_commands + cmds });
         c
