@@ -607,3 +607,23 @@ fn the_msix_table_and_pba_are_emulated_in_the_vmm_and_masking_holds_a_vector_pen
     drop(p);
     h.join().unwrap();
 }
+
+#[test]
+fn bar_registers_are_answered_by_the_vmm_as_qemu_emulates_them() {
+    // The server's configuration space keeps no write, so sizing BAR0 there would read 0
+    // ("no BAR"): the BARs (and the expansion ROM BAR, not offered) come from the VMM's
+    // header, which sizes and places them as it maps them; the rest from the server.
+    let (path, seen, h) = Device::new(true).serve();
+    let mut p = connect(&path);
+    let mut b = [0u8; 4];
+    for bar in (0x10..0x28).step_by(4).chain([0x30]) {
+        assert!(!p.config_read(bar, &mut b), "BAR register {bar:#x} read from the server");
+    }
+    for reg in [0x00, 0x04, 0x08, 0x0c, 0x2c, 0x34, 0x3c, MSIX_CAP] {
+        assert!(p.config_read(reg, &mut b), "register {reg:#x} not read from the server");
+    }
+    p.config_write(0x10, &0xffff_ffffu32.to_le_bytes());
+    assert_eq!(seen.lock().unwrap().config_writes, 1, "writes still go to the server");
+    drop(p);
+    h.join().unwrap();
+}

@@ -601,6 +601,14 @@ impl DeviceModelMut for VfioUserProxy {
     }
 
     fn config_read(&mut self, offset: usize, data: &mut [u8]) -> bool {
+        // The BARs and the expansion ROM BAR are the VMM's, as QEMU emulates
+        // them: its header sizes and places them as it maps them, whatever
+        // the server's configuration space does with a sizing write (writes
+        // still go to the server). A configuration access stays within one
+        // dword, so it is all BAR or none.
+        if (0x10..0x28).contains(&offset) || (0x30..0x34).contains(&offset) {
+            return false;
+        }
         match self.region_read(PCI_CONFIG_REGION_INDEX, offset as u64, data.len() as u32) {
             Ok(d) => data.copy_from_slice(&d),
             Err(_) => data.fill(0xff),
