@@ -12,7 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use iopath_devices::nvme::backend::BackendKind;
 use iopath_devices::nvme::{DoorbellMode, NvmeConfig};
 use iopath_devices::DeviceConfig;
-use iopath_protocols::attach::{instantiate, DeviceSpec, Endpoint, Programs};
+use iopath_protocols::attach::{instantiate, Device, DeviceSpec, Endpoint, Programs};
 use iopath_protocols::Transport;
 use iopath_vmm::{run, VmConfig};
 use serde::Serialize;
@@ -205,7 +205,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                 let config =
                     NvmeConfig { doorbell: *db, backend: o.backend.clone(), lba_size: o.lba, ..Default::default() };
                 let spec = DeviceSpec {
-                    device: DeviceConfig::Nvme(config),
+                    device: Device::Model(DeviceConfig::Nvme(config)),
                     remote: o.transport.map(|t| (t, Endpoint::Spawn)),
                 };
                 let r = (|| -> anyhow::Result<NvmeRun> {

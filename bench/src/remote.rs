@@ -13,7 +13,7 @@ use crate::exits::{
 use crate::record::GuestOutput;
 use crate::stats::{ns, summarize};
 use indicatif::ProgressBar;
-use iopath_protocols::attach::{instantiate, DeviceSpec, Endpoint, Programs};
+use iopath_protocols::attach::{instantiate, Device, DeviceSpec, Endpoint, Programs};
 use iopath_protocols::{Transport, TRANSPORTS};
 use iopath_vmm::{run, VmConfig};
 use serde_json::{json, Value};
@@ -99,7 +99,10 @@ impl Round<'_> {
     fn spec(&self, t: Target) -> anyhow::Result<DeviceSpec> {
         let ep = if t == Target::QemuRemote { Endpoint::Qemu } else { Endpoint::Spawn };
         let transport = transport_of(t).ok_or_else(|| anyhow::anyhow!("{} is not out of process", t.name()))?;
-        Ok(DeviceSpec { device: iopath_devices::DeviceConfig::PciTestDev, remote: Some((transport, ep)) })
+        Ok(DeviceSpec {
+            device: Device::Model(iopath_devices::DeviceConfig::PciTestDev),
+            remote: Some((transport, ep)),
+        })
     }
 
     /// One guest run with pci-testdev behind `t`, then (for iopath's own

@@ -178,8 +178,13 @@ struct RunArgs {
     #[arg(long, default_value_t = 300)]
     timeout: u64,
     /// Devices (repeatable): NAME, NAME@TRANSPORT (a device process the VMM
-    /// starts), NAME@TRANSPORT:PATH (one serving on PATH), or
-    /// pci-testdev@mpqemu:qemu (QEMU's own model in -machine x-remote).
+    /// starts), NAME@TRANSPORT:PATH (one serving on PATH),
+    /// pci-testdev@mpqemu:qemu (QEMU's own model in -machine x-remote), or
+    /// vfio-user:PATH: whatever device the vfio-user server on PATH serves,
+    /// iopath's or not (libvfio-user's samples, SPDK's NVMe target, QEMU's
+    /// x-vfio-user-server...); its identity, BARs and capabilities come from
+    /// the server. NAME: pci-testdev, iopath-doorbell,
+    /// nvme[,doorbell=..][,backend=..][,size_mb=N][,lba=N].
     /// Default: pci-testdev and iopath-doorbell in the VMM.
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<iopath_protocols::attach::DeviceSpec>,

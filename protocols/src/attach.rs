@@ -1,4 +1,5 @@
-//! How the VMM gets a device: `--device NAME[@TRANSPORT[:WHERE]]`.
+//! How the VMM gets a device: `--device NAME[@TRANSPORT[:WHERE]]` or
+//! `--device TRANSPORT:PATH`.
 //!
 //! - `pci-testdev`: the model in the VMM (exits and KVM ioeventfds).
 //! - `pci-testdev@TRANSPORT` (a name in [`TRANSPORTS`](crate::TRANSPORTS)):
@@ -9,6 +10,11 @@
 //! - `pci-testdev@mpqemu:qemu`: QEMU's own model, in `qemu-system-x86_64
 //!   -machine x-remote` started by the VMM (interoperability), for a
 //!   transport QEMU speaks.
+//! - `vfio-user:PATH` (any transport name): whatever device the server on
+//!   the UNIX socket PATH serves, iopath's or not (libvfio-user's samples,
+//!   SPDK's NVMe target, QEMU's x-vfio-user-server, a rust-vmm
+//!   `vfio_user::Server`): the proxy takes its identity, BARs and
+//!   capabilities from the server.
 
 use crate::process::{DeviceProcess, CHILD_SOCKET_FD};
 use crate::transport::{transport, Transport};
@@ -28,22 +34,57 @@ pub enum Endpoint {
     Qemu,
 }
 
-/// A device and where it runs: `CONFIG[@TRANSPORT[:PATH|:qemu]]`, parsed and
-/// validated once (the device options included) before anything starts.
+/// What a spec attaches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Device {
+    /// One of iopath's models: in the VMM, or served by `iopath serve` or QEMU.
+    Model(DeviceConfig),
+    /// Whatever the server on the socket serves (`TRANSPORT:PATH`, with
+    /// `remote` a [`Endpoint::Socket`]): its identity, BARs and capabilities
+    /// come from the server.
+    Server,
+}
+
+/// A device and where it runs: `CONFIG[@TRANSPORT[:PATH|:qemu]]` or
+/// `TRANSPORT:PATH`, parsed and validated once (the device options
+/// included) before anything starts.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceSpec {
-    pub device: DeviceConfig,
+    pub device: Device,
     pub remote: Option<(&'static dyn Transport, Endpoint)>,
+}
+
+impl DeviceSpec {
+    /// Whatever device the server on the UNIX socket `path` serves over `transport`.
+    pub fn server(transport: &'static dyn Transport, path: impl Into<PathBuf>) -> Self {
+        DeviceSpec { device: Device::Server, remote: Some((transport, Endpoint::Socket(path.into()))) }
+    }
+
+    /// `TRANSPORT:PATH`, if `s` is that: no device name comes first (no
+    /// device name is a transport name), and the path is taken as it is.
+    fn parse_server(s: &str) -> Result<Option<Self>> {
+        let Some(t) = crate::TRANSPORTS.iter().find(|t| s.strip_prefix(t.name()).is_some_and(|r| r.starts_with(':')))
+        else {
+            return Ok(None);
+        };
+        match &s[t.name().len() + 1..] {
+            "" => Err(Error::Config(format!("{s:?}: the socket path of the {} server is missing", t.name()))),
+            path => Ok(Some(DeviceSpec::server(*t, path))),
+        }
+    }
 }
 
 impl FromStr for DeviceSpec {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
+        if let Some(spec) = Self::parse_server(s)? {
+            return Ok(spec);
+        }
         let (device, rest) = match iopath_devices::spec::find_unescaped_at(s) {
             Some(i) => (&s[..i], Some(&s[i + 1..])),
             None => (s, None),
         };
-        let device: DeviceConfig = device.parse()?;
+        let device = Device::Model(device.parse()?);
         let remote = match rest {
             None => None,
             Some(r) => {
@@ -67,7 +108,14 @@ impl FromStr for DeviceSpec {
 
 impl std::fmt::Display for DeviceSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.device)?;
+        let model = match (&self.device, &self.remote) {
+            (Device::Model(m), _) => m,
+            (Device::Server, Some((t, Endpoint::Socket(p)))) => return write!(f, "{}:{}", t.name(), p.display()),
+            // Not a spec FromStr makes (instantiate refuses it).
+            (Device::Server, Some((t, _))) => return write!(f, "{}:?", t.name()),
+            (Device::Server, None) => return f.write_str("server:?"),
+        };
+        write!(f, "{model}")?;
         match &self.remote {
             None => Ok(()),
             Some((t, Endpoint::Spawn)) => write!(f, "@{}", t.name()),
@@ -111,15 +159,25 @@ fn socketpair() -> Result<(UnixStream, UnixStream)> {
 /// Starts (or connects to) what the spec names and returns the model the
 /// VMM hosts: the device itself, or its transport's proxy for it.
 pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> {
-    let Some((transport, ep)) = &spec.remote else {
-        return Ok(spec.device.build()?);
+    let (model, transport, ep) = match (&spec.device, &spec.remote) {
+        (Device::Model(m), None) => return Ok(m.build()?),
+        (Device::Model(m), Some((t, ep))) => (m, *t, ep),
+        (Device::Server, Some((t, Endpoint::Socket(path)))) => {
+            let label = spec.to_string();
+            let sock = UnixStream::connect(path)
+                .map_err(|e| Error::io(format!("{label}: cannot connect to {}", path.display()), e))?;
+            return t.connect(sock, None, &label).map_err(|e| e.context(label));
+        }
+        (Device::Server, _) => {
+            return Err(Error::Config(format!("{spec}: a server's device needs the server's socket (TRANSPORT:PATH)")))
+        }
     };
-    let label = format!("{}@{}", spec.device, transport.name());
+    let label = format!("{model}@{}", transport.name());
     let (sock, child) = match ep {
         Endpoint::Spawn => {
             let (mine, theirs) = socketpair()?;
             let args: Vec<String> = [
-                spec.device.to_string(),
+                model.to_string(),
                 "--transport".into(),
                 transport.name().into(),
                 "--fd".into(),
@@ -141,11 +199,11 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> 
                 Error::Config(format!("QEMU is needed for @{}:qemu but was not found", transport.name()))
             })?;
             let (mine, theirs) = socketpair()?;
-            let child = DeviceProcess::spawn_command(qemu_remote(qemu, qemu_device(&spec.device)?), theirs.into())?;
+            let child = DeviceProcess::spawn_command(qemu_remote(qemu, qemu_device(model)?), theirs.into())?;
             (mine, Some(child))
         }
     };
-    transport.connect(sock, child, spec.device.name()).map_err(|e| e.context(label))
+    transport.connect(sock, child, model.name()).map_err(|e| e.context(label))
 }
 
 /// `qemu-system-x86_64 -machine x-remote` hosting QEMU's `device` on fd 3.
@@ -177,10 +235,34 @@ mod tests {
         assert!("pci-testdev@vfio-user:qemu".parse::<DeviceSpec>().is_err());
         let e = "nvme,doorbell=shmm@vfio-user".parse::<DeviceSpec>().unwrap_err().to_string();
         assert!(e.contains("doorbell"), "a bad option is named before anything starts: {e}");
-        for s in
-            ["nvme,doorbell=bar,backend=file:/a,,b@@c,size_mb=64,lba=512@vfio-user:/tmp/s", "pci-testdev@mpqemu:qemu"]
-        {
+        for s in [
+            "nvme,doorbell=bar,backend=file:/a,,b@@c,size_mb=64,lba=512@vfio-user:/tmp/s",
+            "pci-testdev@mpqemu:qemu",
+            "vfio-user:/run/spdk/cntrl",
+            "vfio-user:/tmp/a,b@c.sock",
+        ] {
             assert_eq!(s.parse::<DeviceSpec>().unwrap().to_string(), s);
         }
+    }
+
+    #[test]
+    fn an_external_server_is_whatever_device_it_serves() {
+        let s: DeviceSpec = "vfio-user:/run/vfio-user.sock".parse().unwrap();
+        let vfio_user = transport("vfio-user").unwrap();
+        assert_eq!(s.device, Device::Server);
+        assert_eq!(s.remote, Some((vfio_user, Endpoint::Socket("/run/vfio-user.sock".into()))));
+        // The path is taken as it is: `,` and `@` are not escapes there.
+        let s: DeviceSpec = "vfio-user:/tmp/a,b@c".parse().unwrap();
+        assert_eq!(s.remote, Some((vfio_user, Endpoint::Socket("/tmp/a,b@c".into()))));
+        for bad in ["vfio-user:", "vfio-user", "carrier-pigeon:/tmp/x"] {
+            assert!(bad.parse::<DeviceSpec>().is_err(), "{bad}");
+        }
+        let e = instantiate(
+            &DeviceSpec { device: Device::Server, remote: None },
+            &Programs { iopath: "/nonexistent".into(), qemu: None, serve_args: Vec::new() },
+        );
+        assert!(matches!(e, Err(Error::Config(_))), "a server spec needs a socket");
+        let e = instantiate(&s, &Programs { iopath: "/nonexistent".into(), qemu: None, serve_args: Vec::new() });
+        assert!(e.is_err_and(|e| e.to_string().contains("/tmp/a,b@c")), "nobody listens there");
     }
 }
