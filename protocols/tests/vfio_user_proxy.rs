@@ -156,6 +156,8 @@ struct Device {
     intx: bool,
     /// Refuse SET_IRQS ACTION_UNMASK (the INTx resample fd) as some servers do.
     refuse_unmask: bool,
+    /// The `argsz` of the region infos (the rust-vmm Server sends them as given).
+    region_argsz: u32,
     seen: Arc<Mutex<Seen>>,
 }
 
@@ -172,14 +174,14 @@ impl Device {
         c[MSIX_CAP + 2..MSIX_CAP + 4].copy_from_slice(&(VECTORS as u16 - 1).to_le_bytes());
         c[MSIX_CAP + 4..MSIX_CAP + 8].copy_from_slice(&(TABLE as u32).to_le_bytes()); // BIR 0
         c[MSIX_CAP + 8..MSIX_CAP + 12].copy_from_slice(&(PBA as u32).to_le_bytes());
-        Device { config: c, regs: vec![0; 0x1000], intx, refuse_unmask: false, seen: Arc::default() }
+        Device { config: c, regs: vec![0; 0x1000], intx, refuse_unmask: false, region_argsz: 32, seen: Arc::default() }
     }
 
-    fn regions() -> Vec<ServerRegion> {
+    fn regions(&self) -> Vec<ServerRegion> {
         (0..9u32)
             .map(|i| {
                 let mut r = ServerRegion { region_info: Default::default(), sparse_areas: Vec::new(), mmap_fd: None };
-                r.region_info.argsz = 32;
+                r.region_info.argsz = self.region_argsz;
                 r.region_info.index = i;
                 let size = match i {
                     0 => BAR0_SIZE,
@@ -205,7 +207,7 @@ impl Device {
     /// Serves one client on a new socket; returns its path and the server thread.
     fn serve(self) -> (PathBuf, Arc<Mutex<Seen>>, JoinHandle<()>) {
         let path = socket_path();
-        let server = Server::new(&path, true, self.irqs(), Self::regions()).unwrap();
+        let server = Server::new(&path, true, self.irqs(), self.regions()).unwrap();
         let seen = self.seen.clone();
         let mut dev = self;
         let h = std::thread::spawn(move || server.run(&mut dev).unwrap());
@@ -624,6 +626,23 @@ fn bar_registers_are_answered_by_the_vmm_as_qemu_emulates_them() {
     }
     p.config_write(0x10, &0xffff_ffffu32.to_le_bytes());
     assert_eq!(seen.lock().unwrap().config_writes, 1, "writes still go to the server");
+    drop(p);
+    h.join().unwrap();
+}
+
+#[test]
+fn a_region_info_whose_argsz_the_rust_vmm_server_left_0_is_read_as_its_32_bytes() {
+    // The rust-vmm Server sends a region's info as its backend filled it, and fills argsz
+    // only when it adds capabilities: a backend that leaves it 0 gets argsz 0 on the wire
+    // (the spec: the size of the whole reply).
+    let mut d = Device::new(true);
+    d.region_argsz = 0;
+    let (path, seen, h) = d.serve();
+    let mut p = VfioUserProxy::connect(UnixStream::connect(&path).unwrap(), None).expect("REGION_INFO with argsz 0");
+    assert_eq!(p.bars().iter().map(|b| (b.index, b.size)).collect::<Vec<_>>(), [(0, BAR0_SIZE)]);
+    let mut b = [0u8; 4];
+    p.bar_read(0, 0x10, &mut b);
+    assert_eq!(seen.lock().unwrap().bar_reads, 1);
     drop(p);
     h.join().unwrap();
 }

@@ -100,6 +100,18 @@ fn take_signal(fd: &Option<EventFd>) -> bool {
     fd.as_ref().is_some_and(|fd| wait_readable(fd, Duration::ZERO) && fd.read().is_ok_and(|n| n > 0))
 }
 
+/// A GET_REGION_INFO reply whose `argsz` is smaller than the 32 bytes it
+/// is, read as 32: the rust-vmm `vfio_user` Server (0.1.7) sends a region's
+/// info as its backend filled it and sets `argsz` only when it adds
+/// capabilities, so a backend that left it 0 sends 0 (the spec: the size of
+/// the whole reply).
+fn region_info_argsz(mut payload: Vec<u8>) -> Vec<u8> {
+    if let Some(a) = payload.first_chunk_mut::<4>().filter(|a| u32::from_le_bytes(**a) < 32) {
+        *a = 32u32.to_le_bytes();
+    }
+    payload
+}
+
 /// A reply payload that does not parse.
 fn bad_reply(what: impl std::fmt::Display) -> impl FnOnce(WireError) -> Error {
     move |e| Error::protocol(format!("{what}: {e}"))
@@ -166,7 +178,8 @@ impl VfioUserProxy {
         while i < 6 {
             let q = RegionInfo::request(i, 32 + 16 + 16 * 16);
             let r = p.request(Command::DeviceGetRegionInfo, &q.to_bytes(), &[])?;
-            let reply = RegionInfoReply::parse(&r.payload).map_err(bad_reply(format!("REGION_INFO {i}")))?;
+            let reply = RegionInfoReply::parse(&region_info_argsz(r.payload.clone()))
+                .map_err(bad_reply(format!("REGION_INFO {i}")))?;
             let ri = reply.info;
             // A sparse mmap: parts of the BAR that are memory of the device process.
             if let (Some(areas), Some(fd)) = (&reply.sparse_mmap, r.fds.first()) {
