@@ -4,13 +4,14 @@
 //! and fires when unmasked), and Interrupt Coalescing (Set Features 0x08).
 //!
 //! Whose table: a host that keeps the MSI-X table itself (QEMU's
-//! vfio-user-pci, like kernel VFIO, emulates table and PBA and forwards no
-//! table write; [`Interrupts::msix_host_owned`](crate::Interrupts::msix_host_owned))
-//! gets every raised vector on its eventfd, and the controller's own table,
-//! which stays masked, is not consulted. A client that does write the table
-//! (iopath's own vfio-user proxy, which forwards the guest's writes and
+//! vfio-user-pci and iopath's own vfio-user proxy, like kernel VFIO, emulate
+//! table and PBA and forward no table write;
+//! [`Interrupts::msix_host_owned`](crate::Interrupts::msix_host_owned)) gets
+//! every raised vector on its eventfd, and the controller's own table, which
+//! stays masked, is not consulted. A client that does write the table (and
 //! relies on the controller to mask) keeps the controller's table in charge
-//! until the next attach (a new client) or reset.
+//! until it leaves or the controller is reset. In the VMM the controller's
+//! table is the only one.
 
 use super::controller::Core;
 use super::{DoorbellMode, MSIX_CAP, MSIX_PBA, MSIX_TABLE, MSIX_VECTORS};

@@ -312,8 +312,9 @@ fn msix_vectors_are_routed_in_the_vmm_and_their_eventfds_handed_over_once() {
     let given: Vec<u16> = host.given.lock().unwrap().iter().map(|(v, _)| *v).collect();
     assert_eq!(given, [1]);
     assert_eq!(host.given.lock().unwrap()[0].1.read().unwrap(), 1);
-    // Masking keeps the route (the device holds the vector pending); a new
-    // message re-routes it, and the eventfd is not handed over again.
+    // Masking is the VMM's (the route goes away, signals wait in the
+    // eventfd); a new message re-routes it on unmask, and the eventfd is
+    // not handed over again.
     p.bar_write(bar, table + 28, &1u32.to_le_bytes());
     p.bar_write(bar, table + 24, &0x46u32.to_le_bytes());
     p.bar_write(bar, table + 28, &0u32.to_le_bytes());
