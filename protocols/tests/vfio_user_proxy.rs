@@ -49,7 +49,7 @@ fn context(
     let fails = Arc::new(Mutex::new(Vec::new()));
     let f = fails.clone();
     let fail: FailFn = Arc::new(move |m: String| f.lock().unwrap().push(m));
-    (DeviceContext { mem, ioevents, irq, fail }, fails)
+    (DeviceContext { mem: mem.into(), ioevents, irq, fail }, fails)
 }
 
 /// INTx lines as the VMM has them (trigger and resample eventfds).
