@@ -1,6 +1,8 @@
 //! The device side of vfio-user: the session loop and one handler per
 //! command, grouped by concern (`dma.rs`, `region.rs`, `irq.rs`; version,
-//! device info and reset here).
+//! device info and reset here). `link.rs` is the socket as the session
+//! shares it: a reader thread, replies to the server's own DMA requests
+//! routed to their waiters, commands to the handler here, in order.
 //!
 //! Input is hostile. A request this side cannot serve gets an error reply
 //! (EINVAL unless a handler says which errno) and the session goes on; only
@@ -15,20 +17,26 @@
 
 mod dma;
 mod irq;
+mod link;
 mod region;
+
+pub use link::{DmaStats, DMA_TIMEOUT};
 
 use super::wire::{self, error_reply, fixed_part, Capabilities, Command, DeviceInfo, Version};
 use super::wire::{DEFAULT_MAX_DATA_XFER_SIZE, INFO16_SIZE, VERSION_MAJOR, VERSION_MINOR};
 use super::wire::{DEVICE_FLAGS_PCI, DEVICE_FLAGS_RESET, PCI_NUM_IRQS, PCI_NUM_REGIONS};
-use super::{recv, send, Received, MAX_FDS};
+use super::{Received, MAX_FDS};
 use crate::function::{no_memory, PciFunction};
 use crate::transport::Server;
 use crate::{Error, Result};
 use iopath_devices::irq::IrqLines;
-use iopath_devices::{DeviceContext, GuestMemoryMmap, IoEventSpec, IoEvents, NoIoEvents};
+use iopath_devices::{DeviceContext, GuestMem, IoEventSpec, IoEvents, NoIoEvents};
+use link::Link;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 use vmm_sys_util::eventfd::EventFd;
 
 /// What GET_REGION_IO_FDS offers for a BAR.
@@ -47,7 +55,8 @@ pub enum IoFds {
 /// What this server can do, the most a VERSION answer offers: fds and
 /// data per message, DMA maps, any page size from 4 KiB up (a map is any
 /// page-aligned range of an fd), REGION_WRITE_MULTI. No twin socket: the
-/// server sends no commands (DMA_READ/DMA_WRITE) to the client.
+/// server's DMA_READ/DMA_WRITE (maps without an fd) go on the one socket,
+/// which every client that has the fallback serves (QEMU's does).
 const SERVER_CAPS: Capabilities = Capabilities {
     max_msg_fds: MAX_FDS,
     max_data_xfer_size: DEFAULT_MAX_DATA_XFER_SIZE,
@@ -83,6 +92,9 @@ pub struct VfioUserServer {
     io_fds: IoFds,
     announced: Arc<Announced>,
     ioevents: Arc<dyn IoEvents>,
+    /// How long a DMA_READ/DMA_WRITE waits for the client.
+    dma_timeout: Duration,
+    dma_stats: Arc<DmaStats>,
 }
 
 impl VfioUserServer {
@@ -93,16 +105,25 @@ impl VfioUserServer {
         let announced = Arc::new(Announced::default());
         let ioevents: Arc<dyn IoEvents> =
             if io_fds == IoFds::IoEventFds { announced.clone() } else { Arc::new(NoIoEvents) };
-        let s = VfioUserServer { f, irq, io_fds, announced, ioevents };
-        s.function().attach(s.context(no_memory()));
+        let dma_stats = Arc::new(DmaStats::default());
+        let stats = dma_stats.clone();
+        iopath_devices::lock(&f).add_counters(Box::new(move || stats.counters()));
+        let s = VfioUserServer { f, irq, io_fds, announced, ioevents, dma_timeout: DMA_TIMEOUT, dma_stats };
+        s.function().attach(s.context(no_memory().into()));
         s
+    }
+
+    /// How long a DMA_READ/DMA_WRITE to the client waits for its reply
+    /// ([`DMA_TIMEOUT`] unless set).
+    pub fn set_dma_timeout(&mut self, d: Duration) {
+        self.dma_timeout = d;
     }
 
     fn function(&self) -> MutexGuard<'_, PciFunction> {
         iopath_devices::lock(&self.f)
     }
 
-    fn context(&self, mem: GuestMemoryMmap) -> DeviceContext {
+    fn context(&self, mem: GuestMem) -> DeviceContext {
         let mut c = DeviceContext::detached(mem);
         c.ioevents = self.ioevents.clone();
         c.irq = self.irq.clone();
@@ -111,21 +132,40 @@ impl VfioUserServer {
 }
 
 impl Server for VfioUserServer {
+    /// Serves one client: a reader thread takes every message off the
+    /// socket (see `link.rs`), this thread handles the commands in order.
     fn session(&mut self, sock: &UnixStream, peer: &str) -> Result<()> {
-        let mut s = Session {
-            srv: self,
-            peer,
-            versioned: false,
-            client: Capabilities::default(),
-            caps: Capabilities::default(),
-            dma: Vec::new(),
-            unreachable_logged: false,
-            intx: (None, None),
-        };
-        let r = s.run(sock);
+        let wsock = sock.try_clone().map_err(|e| Error::io("dup of the session socket", e))?;
+        let link = Arc::new(Link::new(wsock, peer, self.dma_timeout, self.dma_stats.clone()));
+        let (tx, rx) = channel();
+        let r = std::thread::scope(|scope| {
+            let l = link.clone();
+            let reader = std::thread::Builder::new()
+                .name("vfio-user-rx".into())
+                .spawn_scoped(scope, move || l.read_loop(sock, tx))
+                .map_err(|e| Error::io("vfio-user reader thread", e))?;
+            let mut s = Session {
+                srv: self,
+                peer,
+                link: link.clone(),
+                versioned: false,
+                client: Capabilities::default(),
+                caps: Capabilities::default(),
+                dma: Vec::new(),
+                remote_logged: false,
+                intx: (None, None),
+            };
+            let r = s.run(&rx);
+            // Over (the client left, or the channel is closed on an error):
+            // waiting DMA fails now, and the reader stops.
+            link.close();
+            let _ = sock.shutdown(std::net::Shutdown::Both);
+            let _ = reader.join();
+            drop(s);
+            r
+        });
         // Disconnect: drop DMA and IRQ fds; the device keeps its state.
-        self.function().attach(self.context(no_memory()));
-        drop(s);
+        self.function().attach(self.context(no_memory().into()));
         r
     }
 }
@@ -140,6 +180,8 @@ struct DmaEntry {
 struct Session<'a> {
     srv: &'a VfioUserServer,
     peer: &'a str,
+    /// The socket's write side and the server's DMA requests.
+    link: Arc<Link>,
     versioned: bool,
     /// What the client proposed in VERSION: the most it takes from the
     /// server (fds per message).
@@ -148,7 +190,7 @@ struct Session<'a> {
     caps: Capabilities,
     dma: Vec<DmaEntry>,
     /// A DMA_MAP without an fd was logged (once per client).
-    unreachable_logged: bool,
+    remote_logged: bool,
     /// INTx trigger and unmask (resample) eventfds, as SET_IRQS gave them.
     intx: (Option<EventFd>, Option<EventFd>),
 }
@@ -164,12 +206,11 @@ fn ok(payload: Vec<u8>) -> Result<Reply> {
 }
 
 impl Session<'_> {
-    fn run(&mut self, sock: &UnixStream) -> Result<()> {
-        loop {
-            let Some(m) = recv(sock)? else { return Ok(()) };
-            if m.hdr.is_reply() {
-                return Err(Error::protocol(format!("message {} is a reply; the client sends commands", m.hdr.msg_id)));
-            }
+    /// Handles the commands the reader thread passes on, in order, until
+    /// the client leaves or the stream breaks.
+    fn run(&mut self, commands: &Receiver<Result<Received>>) -> Result<()> {
+        while let Ok(m) = commands.recv() {
+            let m = m?;
             let reply = self.handle(&m).unwrap_or_else(|e| {
                 log::warn!("vfio-user {}: command {} (message {}): {e}", self.peer, m.hdr.cmd, m.hdr.msg_id);
                 Reply::Error(libc::EINVAL)
@@ -180,11 +221,12 @@ impl Session<'_> {
             match reply {
                 Reply::Data(p, fds) => {
                     let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
-                    send(sock, &wire::reply(&m.hdr, &p), &raw)?
+                    self.link.send(&wire::reply(&m.hdr, &p), &raw)?
                 }
-                Reply::Error(errno) => send(sock, &error_reply(&m.hdr, errno), &[])?,
+                Reply::Error(errno) => self.link.send(&error_reply(&m.hdr, errno), &[])?,
             }
         }
+        Ok(())
     }
 
     /// One command: its handler, after VERSION.
@@ -230,6 +272,7 @@ impl Session<'_> {
             Error::protocol(format!("client page sizes {:#x}: none of 4 KiB or more", proposed.pgsizes))
         })?;
         (self.versioned, self.client, self.caps) = (true, proposed, caps);
+        self.link.set_max_xfer(caps.max_data_xfer_size);
         let mine = Version { major: VERSION_MAJOR, minor: v.minor.min(VERSION_MINOR), capabilities: Some(caps) };
         ok(mine.to_bytes())
     }
