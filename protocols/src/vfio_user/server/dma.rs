@@ -45,6 +45,8 @@ impl Session<'_> {
                 Some(Arc::new(map_region(shared)?))
             }
             None => {
+                // From now on the device may wait for replies from any thread.
+                self.start_reader()?;
                 if !self.remote_logged {
                     self.remote_logged = true;
                     log::info!(

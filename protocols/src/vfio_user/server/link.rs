@@ -2,7 +2,9 @@
 //! server's own requests (DMA_READ / DMA_WRITE, the fallback for guest RAM
 //! offered without an fd) on the one socket.
 //!
-//! One reader thread per session reads every message. A reply goes, by its
+//! Once a client has mapped memory without an fd (before that the server
+//! sends no request, and the session's one thread reads the socket itself),
+//! one reader thread per session reads every message. A reply goes, by its
 //! message id, to the thread that waits for it (a device thread, or the
 //! handler itself: doorbell=mmio serves a queue inside the doorbell's
 //! REGION_WRITE); a command goes to the handler, in order. The write side is

@@ -25,7 +25,7 @@ pub use link::{DmaStats, DMA_TIMEOUT};
 use super::wire::{self, error_reply, fixed_part, Capabilities, Command, DeviceInfo, Version};
 use super::wire::{DEFAULT_MAX_DATA_XFER_SIZE, INFO16_SIZE, VERSION_MAJOR, VERSION_MINOR};
 use super::wire::{DEVICE_FLAGS_PCI, DEVICE_FLAGS_RESET, PCI_NUM_IRQS, PCI_NUM_REGIONS};
-use super::{Received, MAX_FDS};
+use super::{recv, Received, MAX_FDS};
 use crate::function::{no_memory, PciFunction};
 use crate::transport::Server;
 use crate::{Error, Result};
@@ -132,38 +132,38 @@ impl VfioUserServer {
 }
 
 impl Server for VfioUserServer {
-    /// Serves one client: a reader thread takes every message off the
-    /// socket (see `link.rs`), this thread handles the commands in order.
+    /// Serves one client. This thread reads the socket and handles each
+    /// command, until the client maps memory without an fd: from then on a
+    /// reader thread takes every message off the socket (see `link.rs`) and
+    /// this thread handles the commands it passes on, in order, so that the
+    /// replies to the server's DMA requests are read whoever waits for them.
+    /// A session whose memory all came with fds keeps the one thread and
+    /// its latency.
     fn session(&mut self, sock: &UnixStream, peer: &str) -> Result<()> {
         let wsock = sock.try_clone().map_err(|e| Error::io("dup of the session socket", e))?;
         let link = Arc::new(Link::new(wsock, peer, self.dma_timeout, self.dma_stats.clone()));
-        let (tx, rx) = channel();
-        let r = std::thread::scope(|scope| {
-            let l = link.clone();
-            let reader = std::thread::Builder::new()
-                .name("vfio-user-rx".into())
-                .spawn_scoped(scope, move || l.read_loop(sock, tx))
-                .map_err(|e| Error::io("vfio-user reader thread", e))?;
-            let mut s = Session {
-                srv: self,
-                peer,
-                link: link.clone(),
-                versioned: false,
-                client: Capabilities::default(),
-                caps: Capabilities::default(),
-                dma: Vec::new(),
-                remote_logged: false,
-                intx: (None, None),
-            };
-            let r = s.run(&rx);
-            // Over (the client left, or the channel is closed on an error):
-            // waiting DMA fails now, and the reader stops.
-            link.close();
+        let mut s = Session {
+            srv: self,
+            peer,
+            sock,
+            link: link.clone(),
+            reader: None,
+            versioned: false,
+            client: Capabilities::default(),
+            caps: Capabilities::default(),
+            dma: Vec::new(),
+            remote_logged: false,
+            intx: (None, None),
+        };
+        let r = s.run();
+        // Over (the client left, or the channel is closed on an error):
+        // waiting DMA fails now, and the reader stops.
+        link.close();
+        if let Some((_, reader)) = s.reader.take() {
             let _ = sock.shutdown(std::net::Shutdown::Both);
             let _ = reader.join();
-            drop(s);
-            r
-        });
+        }
+        drop(s);
         // Disconnect: drop DMA and IRQ fds; the device keeps its state.
         self.function().attach(self.context(no_memory().into()));
         r
@@ -180,8 +180,12 @@ struct DmaEntry {
 struct Session<'a> {
     srv: &'a VfioUserServer,
     peer: &'a str,
+    sock: &'a UnixStream,
     /// The socket's write side and the server's DMA requests.
     link: Arc<Link>,
+    /// The reader thread and the commands it passes on, once the client has
+    /// mapped memory without an fd.
+    reader: Option<(Receiver<Result<Received>>, std::thread::JoinHandle<()>)>,
     versioned: bool,
     /// What the client proposed in VERSION: the most it takes from the
     /// server (fds per message).
@@ -206,11 +210,10 @@ fn ok(payload: Vec<u8>) -> Result<Reply> {
 }
 
 impl Session<'_> {
-    /// Handles the commands the reader thread passes on, in order, until
-    /// the client leaves or the stream breaks.
-    fn run(&mut self, commands: &Receiver<Result<Received>>) -> Result<()> {
-        while let Ok(m) = commands.recv() {
-            let m = m?;
+    /// Handles the client's commands in order until it leaves or the
+    /// stream breaks.
+    fn run(&mut self) -> Result<()> {
+        while let Some(m) = self.next()? {
             let reply = self.handle(&m).unwrap_or_else(|e| {
                 log::warn!("vfio-user {}: command {} (message {}): {e}", self.peer, m.hdr.cmd, m.hdr.msg_id);
                 Reply::Error(libc::EINVAL)
@@ -226,6 +229,38 @@ impl Session<'_> {
                 Reply::Error(errno) => self.link.send(&error_reply(&m.hdr, errno), &[])?,
             }
         }
+        Ok(())
+    }
+
+    /// The next command: off the socket, or from the reader thread once one
+    /// runs. None: the client left.
+    fn next(&mut self) -> Result<Option<Received>> {
+        if let Some((commands, _)) = &self.reader {
+            return commands.recv().map_or(Ok(None), |m| m.map(Some));
+        }
+        let Some(m) = recv(self.sock)? else { return Ok(None) };
+        if m.hdr.is_reply() {
+            // No DMA request was sent: no reader thread runs yet.
+            return Err(Error::protocol(format!("message {} is a reply; the client sends commands", m.hdr.msg_id)));
+        }
+        Ok(Some(m))
+    }
+
+    /// Starts the reader thread (once), before the device may send a DMA
+    /// request. This thread is between two messages: the reader takes the
+    /// next one.
+    fn start_reader(&mut self) -> Result<()> {
+        if self.reader.is_some() {
+            return Ok(());
+        }
+        let sock = self.sock.try_clone().map_err(|e| Error::io("dup of the session socket", e))?;
+        let (tx, rx) = channel();
+        let link = self.link.clone();
+        let h = std::thread::Builder::new()
+            .name("vfio-user-rx".into())
+            .spawn(move || link.read_loop(&sock, tx))
+            .map_err(|e| Error::io("vfio-user reader thread", e))?;
+        self.reader = Some((rx, h));
         Ok(())
     }
 

@@ -400,3 +400,23 @@ fn a_client_that_leaves_fails_the_waiting_dma_at_once() {
     assert!(t0.elapsed() < Duration::from_secs(5), "the session waited {:?} for a client that left", t0.elapsed());
     assert_eq!(counter(&c, "dma.timeouts"), 0, "{c:?}");
 }
+
+#[test]
+fn a_reply_to_nothing_the_server_sent_closes_the_channel_with_and_without_a_reader_thread() {
+    for fdless in [false, true] {
+        let (sock, h) = serve("nvme,doorbell=mmio,backend=null", Duration::from_secs(5));
+        let mut c = Client::new(sock);
+        let caps = json!({"capabilities": {"max_msg_fds": 16}}).to_string();
+        c.ok(Command::Version, &[&[0, 0, 2, 0][..], caps.as_bytes(), &[0]].concat(), &[]);
+        if fdless {
+            // From here a reader thread takes the messages.
+            let map = DmaMap { flags: 3, offset: 0, address: BASE, size: LEN as u64 };
+            c.ok(Command::DmaMap, &map.to_bytes(), &[]);
+        }
+        let hdr = Header { msg_id: 77, cmd: Command::DmaRead as u16, msg_size: 0, flags: 0, error_no: 0 };
+        send(&c.sock.lock().unwrap(), &reply(&hdr, &[]), &[]).unwrap();
+        let (r, _) = h.join().unwrap();
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("message 77") && e.contains("reply"), "fdless={fdless}: {e}");
+    }
+}
