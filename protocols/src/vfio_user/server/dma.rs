@@ -49,9 +49,11 @@ impl Session<'_> {
                 self.start_reader()?;
                 if !self.remote_logged {
                     self.remote_logged = true;
-                    log::info!(
+                    // A warning: every device access to that memory is a
+                    // message, far slower than shared memory.
+                    log::warn!(
                         "vfio-user {}: DMA_MAP of {:#x}..{end:#x} without an fd: the device reaches it with \
-                         DMA_READ/DMA_WRITE messages (slower than shared memory, e.g. QEMU's share=on)",
+                         DMA_READ/DMA_WRITE messages (slow; share guest RAM for speed, e.g. QEMU's share=on)",
                         self.peer,
                         map.address
                     );

@@ -1,8 +1,9 @@
 //! The device side of vfio-user: the session loop and one handler per
 //! command, grouped by concern (`dma.rs`, `region.rs`, `irq.rs`; version,
 //! device info and reset here). `link.rs` is the socket as the session
-//! shares it: a reader thread, replies to the server's own DMA requests
-//! routed to their waiters, commands to the handler here, in order.
+//! shares it once the client has mapped memory without an fd: a reader
+//! thread, replies to the server's own DMA requests routed to their
+//! waiters, commands to the handler here, in order.
 //!
 //! Input is hostile. A request this side cannot serve gets an error reply
 //! (EINVAL unless a handler says which errno) and the session goes on; only
