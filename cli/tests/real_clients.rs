@@ -114,11 +114,18 @@ fn linux(device_args: &[&str]) -> String {
     text
 }
 
-fn linux_against_iopath(device: &str) {
+/// Linux against `iopath serve DEVICE` with guest RAM shared as a memfd (`share=on`); returns the
+/// device's report.
+fn linux_against_iopath(device: &str) -> String {
+    linux_against_iopath_with(device, &[])
+}
+
+/// The same with more `run-linux.sh` options (`--no-share`).
+fn linux_against_iopath_with(device: &str, more: &[&str]) -> String {
     let mut serve = Serve::start(device);
     let sock = serve.socket.to_str().unwrap().to_string();
     // A short driver timeout: a controller that misses interrupts fails the run in minutes, not hours.
-    let text = linux(&["--vfio-user", &sock, "--nvme-timeout", "10"]);
+    let text = linux(&[&["--vfio-user", sock.as_str(), "--nvme-timeout", "10"][..], more].concat());
     for want in [
         "probe",
         "irq-msix",
@@ -144,6 +151,7 @@ fn linux_against_iopath(device: &str) {
     let stderr = serve.stderr.lock().unwrap().join("\n");
     assert!(report.contains("msix.interrupts"), "{device}: no counters from iopath serve: {report}\n{stderr}");
     assert!(!report.contains("\"msix.interrupts\":0"), "{device}: the Linux driver got no MSI-X: {report}");
+    report
 }
 
 #[test]
@@ -153,7 +161,19 @@ fn linux_nvme_driver_against_qemu_nvme_control() {
 
 #[test]
 fn linux_nvme_driver_against_iopath_nvme_bar_ram() {
-    linux_against_iopath("nvme,doorbell=bar,backend=ram,size_mb=64");
+    let report = linux_against_iopath("nvme,doorbell=bar,backend=ram,size_mb=64");
+    assert_eq!(counter(&report, "dma.reads"), 0, "shared guest RAM needs no DMA_READ: {report}");
+}
+
+/// QEMU with plain `-m` (no `share=on`): guest RAM comes without an fd, and iopath's device process
+/// reaches it with DMA_READ/DMA_WRITE messages through QEMU's vfio-user client.
+#[test]
+fn linux_nvme_driver_against_iopath_nvme_bar_ram_without_shared_guest_ram() {
+    let dev = "nvme,doorbell=bar,backend=ram,size_mb=64";
+    let report = linux_against_iopath_with(dev, &["--no-share"]);
+    assert!(counter(&report, "dma.reads") > 0 && counter(&report, "dma.writes") > 0, "no DMA fallback: {report}");
+    assert_eq!(counter(&report, "dma.timeouts"), 0, "{report}");
+    assert_eq!(counter(&report, "dma.errors"), 0, "{report}");
 }
 
 #[test]
@@ -161,7 +181,7 @@ fn linux_nvme_driver_against_iopath_nvme_shm_file() {
     let dir = std::env::temp_dir().join(format!("iopath-rc-file-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let img = dir.join("ns.img");
-    linux_against_iopath(&format!("nvme,doorbell=shm,backend=file:{},size_mb=64", img.display()));
+    let _ = linux_against_iopath(&format!("nvme,doorbell=shm,backend=file:{},size_mb=64", img.display()));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -147,10 +147,13 @@ impl Doorbell {
 
     fn gpa_ok(&self, gpa: u64) -> bool {
         let Some(ctx) = &self.ctx else { return false };
+        // Mapped memory only: the device polls and stores with atomics, which
+        // memory a host reaches by message (vfio-user without an fd) cannot take.
+        let mem = ctx.mem.mapped();
         gpa != 0
             && gpa.is_multiple_of(8)
-            && gpa.checked_add(7).is_some_and(|end| ctx.mem.address_in_range(GuestAddress(end)))
-            && ctx.mem.address_in_range(GuestAddress(gpa))
+            && gpa.checked_add(7).is_some_and(|end| mem.address_in_range(GuestAddress(end)))
+            && mem.address_in_range(GuestAddress(gpa))
     }
 
     fn set_mode(&mut self, v: u64) {
@@ -209,7 +212,7 @@ impl Doorbell {
         }
         let fds = [m.try_clone().map_err(|e| Error::io("dup", e))?, p.try_clone().map_err(|e| Error::io("dup", e))?];
         let shared = self.shared.clone();
-        let mem = ctx.mem.clone();
+        let mem = ctx.mem.mapped().clone();
         let stop2 = stop.clone();
         let handle = std::thread::Builder::new()
             .name("doorbell-ioeventfd".into())
@@ -246,7 +249,7 @@ impl Doorbell {
         }
         let wake = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("eventfd", e))?;
         let shared = self.shared.clone();
-        let mem = ctx.mem.clone();
+        let mem = ctx.mem.mapped().clone();
         let stop2 = stop.clone();
         let handle = std::thread::Builder::new()
             .name("doorbell-poll".into())
@@ -279,7 +282,7 @@ impl Doorbell {
         self.shared.exits.fetch_add(1, Ordering::Relaxed);
         let seq = self.shared.seq.fetch_add(1, Ordering::Relaxed) + 1;
         if let Some(ctx) = &self.ctx {
-            self.shared.complete(&ctx.mem, seq);
+            self.shared.complete(ctx.mem.mapped(), seq);
         }
     }
 

@@ -1,7 +1,8 @@
 //! Device models, written once.
 //!
-//! A device model sees its BARs as offsets, guest memory as a
-//! [`GuestMemoryMmap`], and asks for KVM ioeventfds through the [`IoEvents`]
+//! A device model sees its BARs as offsets, guest memory as a [`GuestMem`]
+//! (mapped memory, and ranges its host reaches by message, [`mem`]), and
+//! asks for KVM ioeventfds through the [`IoEvents`]
 //! trait. It never learns which transport carries its accesses (a VMM exit,
 //! an ioeventfd, or a message from another process): that is what makes
 //! the transports comparable. This crate must not touch KVM or the VMM.
@@ -9,12 +10,14 @@
 pub mod doorbell;
 pub mod error;
 pub mod irq;
+pub mod mem;
 pub mod nvme;
 pub mod pci;
 pub mod spec;
 pub mod testdev;
 
 pub use error::{Error, Result};
+pub use mem::{DmaPort, GuestMem};
 pub use spec::{DeviceConfig, DEVICE_NAMES};
 use std::fmt;
 pub use vm_memory::GuestMemoryMmap;
@@ -147,7 +150,9 @@ pub type FailFn = std::sync::Arc<dyn Fn(String) + Send + Sync>;
 /// What a device gets from whoever hosts it.
 #[derive(Clone)]
 pub struct DeviceContext {
-    pub mem: GuestMemoryMmap,
+    /// Guest memory: mapped, or (a vfio-user client's RAM without an fd)
+    /// partly reached through the host's [`DmaPort`].
+    pub mem: GuestMem,
     pub ioevents: std::sync::Arc<dyn IoEvents>,
     pub irq: std::sync::Arc<dyn Interrupts>,
     pub fail: FailFn,
@@ -155,9 +160,9 @@ pub struct DeviceContext {
 
 impl DeviceContext {
     /// A context with the given memory and nothing else connected.
-    pub fn detached(mem: GuestMemoryMmap) -> Self {
+    pub fn detached(mem: impl Into<GuestMem>) -> Self {
         DeviceContext {
-            mem,
+            mem: mem.into(),
             ioevents: std::sync::Arc::new(NoIoEvents),
             irq: std::sync::Arc::new(NoInterrupts),
             fail: std::sync::Arc::new(|m| log::error!("{m}")),

@@ -19,13 +19,18 @@ pub struct PciFunction {
     pub device: SharedDevice,
     /// Accesses that hit no BAR or a bad size (logged, answered with all-ones).
     pub stray_accesses: u64,
+    /// Counters of the server that hosts the function (vfio-user's DMA requests).
+    host_counters: Vec<CounterFn>,
 }
+
+/// Counters a host adds to the function's report.
+pub type CounterFn = Box<dyn Fn() -> Vec<Counter> + Send>;
 
 impl PciFunction {
     pub fn new(device: SharedDevice) -> Result<Self> {
         let mut config = ConfigSpace::new(device.ids(), &device.bars())?;
         config.add_capabilities(&device.capabilities())?;
-        Ok(PciFunction { config, device, stray_accesses: 0 })
+        Ok(PciFunction { config, device, stray_accesses: 0, host_counters: Vec::new() })
     }
 
     pub fn attach(&mut self, ctx: DeviceContext) {
@@ -93,11 +98,17 @@ impl PciFunction {
         }
     }
 
+    /// Adds the counters of whoever hosts the function to its report.
+    pub fn add_counters(&mut self, f: CounterFn) {
+        self.host_counters.push(f);
+    }
+
     /// Quiesces the model and returns its counters, plus the host's own.
     pub fn counters(&mut self) -> Vec<Counter> {
         self.device.quiesce();
         let mut c = self.device.counters();
         c.push(Counter { name: "stray-accesses".into(), value: self.stray_accesses });
+        c.extend(self.host_counters.iter().flat_map(|f| f()));
         c
     }
 }

@@ -198,7 +198,7 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
         let ioevents = Arc::new(KvmIoEvents::new(m.vm.clone()));
         let gsi = INTX_GSI_BASE + (i as u32 % 8);
         let irq = Arc::new(crate::irq::VmIrq::new(m.vm.clone(), router.clone(), intx_lines(&m.vm, gsi)?, i as u32));
-        d.attach(DeviceContext { mem: m.ram.mem.clone(), ioevents: ioevents.clone(), irq, fail: fail.clone() });
+        d.attach(DeviceContext { mem: m.ram.mem.clone().into(), ioevents: ioevents.clone(), irq, fail: fail.clone() });
         let mut h = host.lock().unwrap();
         let slot = h.add(d.clone(), Some(ioevents))?;
         h.set_intx_line(slot as usize, gsi as u8);

@@ -5,7 +5,6 @@ use super::controller::Core;
 use super::queue::{prp_segments, queue_in_ram, status, Cq, Sq, Sqe, CQE_SIZE, PAGE, SQE_SIZE};
 use super::{DoorbellMode, MAX_IO_QUEUES, MDTS, MQES, MSIX_VECTORS, VENDOR};
 use std::sync::atomic::Ordering;
-use vm_memory::{Bytes, GuestAddress};
 
 /// Asynchronous Event Requests outstanding at most.
 const AERL: usize = 4;
@@ -194,8 +193,8 @@ impl Core {
             let size = if cq { self.queues.cqs[qid].map(|q| q.size) } else { self.queues.sqs[qid].map(|q| q.size) };
             // shm: behind (never ring); ioeventfd SQ: 0 (ring on the first submission).
             let ev = if self.mode() == DoorbellMode::Ioeventfd && !cq { 0 } else { size.unwrap_or(1) as u32 - 1 };
-            let _ = self.mem.store(0u32, GuestAddress(db + off), Ordering::Release);
-            let _ = self.mem.store(ev, GuestAddress(ei + off), Ordering::Release);
+            let _ = self.mem.store_u32(0, db + off, Ordering::Release);
+            let _ = self.mem.store_u32(ev, ei + off, Ordering::Release);
         }
     }
 
@@ -230,7 +229,7 @@ impl Core {
                 let mut done = 0usize;
                 let mut st = status::SUCCESS;
                 for &(a, n) in &segs {
-                    if self.mem.write_slice(&data[done..done + n as usize], GuestAddress(a)).is_err() {
+                    if self.mem.write_slice(&data[done..done + n as usize], a).is_err() {
                         st = status::DATA_TRANSFER_ERROR;
                         break;
                     }
@@ -505,11 +504,22 @@ impl Core {
 
     /// Doorbell Buffer Config (shm, ioeventfd): the shadow doorbell and
     /// EventIdx pages; existing queues' values are copied into them.
+    ///
+    /// Both pages must be mapped memory: the device polls the shadow
+    /// doorbells, which in memory reached by message (a vfio-user client's
+    /// RAM without an fd) would be a DMA_READ per look, forever. There the
+    /// command fails with Invalid Field, and a driver goes on with MMIO
+    /// doorbells (Linux logs "unable to set dbbuf"): the controller then
+    /// serves doorbell writes as in `mmio`.
     fn dbbuf_config(&mut self, c: &Sqe) -> u16 {
         if !self.shadow_mode() {
             return status::INVALID_OPCODE;
         }
         if !queue_in_ram(&self.mem, c.prp1, PAGE) || !queue_in_ram(&self.mem, c.prp2, PAGE) {
+            return status::INVALID_FIELD;
+        }
+        if !self.mem.range_mapped(c.prp1, PAGE) || !self.mem.range_mapped(c.prp2, PAGE) {
+            log::warn!("nvme: Doorbell Buffer Config refused: the shadow doorbells are not in mapped guest memory");
             return status::INVALID_FIELD;
         }
         self.db.shadow = Some((c.prp1, c.prp2));
@@ -518,10 +528,10 @@ impl Core {
                 self.register_doorbells(qid);
             }
             if let Some(sq) = self.queues.sqs[qid] {
-                let _ = self.mem.store(sq.tail as u32, GuestAddress(c.prp1 + qid as u64 * 8), Ordering::Release);
+                let _ = self.mem.store_u32(sq.tail as u32, c.prp1 + qid as u64 * 8, Ordering::Release);
             }
             if let Some(cq) = self.queues.cqs[qid] {
-                let _ = self.mem.store(cq.head as u32, GuestAddress(c.prp1 + qid as u64 * 8 + 4), Ordering::Release);
+                let _ = self.mem.store_u32(cq.head as u32, c.prp1 + qid as u64 * 8 + 4, Ordering::Release);
             }
         }
         status::SUCCESS

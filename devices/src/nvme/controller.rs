@@ -14,12 +14,13 @@ use super::io::Namespace;
 use super::queue::{self, post_cqe, read_sqe, status, Cq, Sq};
 use super::regs::Regs;
 use super::{DoorbellMode, NvmeConfig, MAX_IO_QUEUES};
-use crate::{Counter, GuestMemoryMmap};
+use crate::{Counter, GuestMem, GuestMemoryMmap};
 use std::collections::VecDeque;
 
 pub(super) struct Core {
-    /// Guest RAM as the host gave it (queues, PRPs, shadow doorbells).
-    pub mem: GuestMemoryMmap,
+    /// Guest RAM as the host gave it (queues, PRPs, shadow doorbells):
+    /// mapped, or partly reached by message (`crate::mem`).
+    pub mem: GuestMem,
     pub regs: Regs,
     pub queues: Queues,
     pub events: Events,
@@ -100,7 +101,7 @@ impl Core {
     pub fn new(cfg: &NvmeConfig, backend: Backend, bar_page: Option<GuestMemoryMmap>) -> Core {
         let n = MAX_IO_QUEUES as usize + 1;
         Core {
-            mem: GuestMemoryMmap::default(),
+            mem: GuestMem::default(),
             regs: Regs::default(),
             queues: Queues {
                 sqs: vec![None; n],

@@ -7,7 +7,7 @@
 //! started and stopped here.
 
 use super::controller::Core;
-use super::queue::{self, Sq};
+use super::queue;
 use super::{DoorbellMode, Nvme, BAR0_SIZE, DOORBELLS};
 use crate::{Error, GuestMemoryMmap, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -216,15 +216,15 @@ impl Core {
         let mut busy = false;
         for qid in 1..self.queues.sqs.len() {
             let Some(sq) = self.queues.sqs[qid] else { continue };
-            let Ok(tail) = self.mem.load::<u32>(GuestAddress(db + qid as u64 * 8), Ordering::Acquire) else { continue };
+            let Ok(tail) = self.mem.load_u32(db + qid as u64 * 8, Ordering::Acquire) else { continue };
             let cqid = sq.cqid as usize;
-            if let Ok(head) = self.mem.load::<u32>(GuestAddress(db + cqid as u64 * 8 + 4), Ordering::Acquire) {
+            if let Ok(head) = self.mem.load_u32(db + cqid as u64 * 8 + 4, Ordering::Acquire) {
                 if let Some(cq) = self.queues.cqs[cqid].as_mut() {
                     if head < cq.size as u32 && head != cq.head as u32 {
                         // EventIdx one behind the head seen before this one (see below).
                         let ev = queue::prev(cq.head as u32, cq.size as u32);
                         cq.head = head as u16;
-                        let _ = self.mem.store(ev, GuestAddress(ei + cqid as u64 * 8 + 4), Ordering::Release);
+                        let _ = self.mem.store_u32(ev, ei + cqid as u64 * 8 + 4, Ordering::Release);
                     }
                 }
             }
@@ -232,7 +232,8 @@ impl Core {
                 continue;
             }
             if tail >= sq.size as u32 {
-                self.refuse_tail(&self.mem.clone(), db + qid as u64 * 8, &sq);
+                let _ = self.mem.store_u32(sq.tail as u32, db + qid as u64 * 8, Ordering::Release);
+                self.refuse_tail();
                 continue;
             }
             // EventIdx goes one behind the tail seen *before* this one. The
@@ -243,19 +244,18 @@ impl Core {
             // tail instead races: the driver may read it right after the
             // controller took its write, and ring for nothing.
             let ev = queue::prev(sq.tail as u32, sq.size as u32);
-            let _ = self.mem.store(ev, GuestAddress(ei + qid as u64 * 8), Ordering::Release);
+            let _ = self.mem.store_u32(ev, ei + qid as u64 * 8, Ordering::Release);
             self.queues.sqs[qid].as_mut().unwrap().tail = tail as u16;
             busy |= self.process_sq(qid);
         }
         busy
     }
 
-    /// A tail beyond the queue read from a shared doorbell word (`addr` in
-    /// `mem`): counted, raised as an Invalid Doorbell Write Value event, and
-    /// the word put back to the last good tail so the event is raised once.
-    fn refuse_tail(&mut self, mem: &GuestMemoryMmap, addr: u64, sq: &Sq) {
+    /// A tail beyond the queue read from a shared doorbell word: counted and
+    /// raised as an Invalid Doorbell Write Value event. The caller has put
+    /// the word back to the last good tail, so the event is raised once.
+    fn refuse_tail(&mut self) {
         self.st.bad_doorbells += 1;
-        let _ = mem.store(sq.tail as u32, GuestAddress(addr), Ordering::Release);
         self.event(0, 1, 1);
     }
 
@@ -296,7 +296,8 @@ impl Core {
                 continue;
             }
             if tail >= sq.size as u32 {
-                self.refuse_tail(&page, DOORBELLS + qid as u64 * 8, &sq);
+                let _ = page.store(sq.tail as u32, GuestAddress(DOORBELLS + qid as u64 * 8), Ordering::Release);
+                self.refuse_tail();
                 continue;
             }
             self.queues.sqs[qid].as_mut().unwrap().tail = tail as u16;
@@ -312,36 +313,36 @@ impl Core {
         for qid in 1..self.queues.sqs.len() {
             while let Some(sq) = self.queues.sqs[qid] {
                 let cqid = sq.cqid as usize;
-                if let Ok(head) = self.mem.load::<u32>(GuestAddress(db + cqid as u64 * 8 + 4), Ordering::Acquire) {
+                if let Ok(head) = self.mem.load_u32(db + cqid as u64 * 8 + 4, Ordering::Acquire) {
                     if let Some(cq) = self.queues.cqs[cqid].as_mut() {
                         if head < cq.size as u32 {
                             cq.head = head as u16;
                             let ev = queue::prev(head, cq.size as u32);
-                            let _ = self.mem.store(ev, GuestAddress(ei + cqid as u64 * 8 + 4), Ordering::Release);
+                            let _ = self.mem.store_u32(ev, ei + cqid as u64 * 8 + 4, Ordering::Release);
                         }
                     }
                 }
-                let Ok(tail) = self.mem.load::<u32>(GuestAddress(db + qid as u64 * 8), Ordering::Acquire) else {
+                let Ok(tail) = self.mem.load_u32(db + qid as u64 * 8, Ordering::Acquire) else {
                     break;
                 };
                 if tail >= sq.size as u32 {
-                    self.refuse_tail(&self.mem.clone(), db + qid as u64 * 8, &sq);
+                    let _ = self.mem.store_u32(sq.tail as u32, db + qid as u64 * 8, Ordering::Release);
+                    self.refuse_tail();
                     break;
                 }
                 self.queues.sqs[qid].as_mut().unwrap().tail = tail as u16;
                 self.process_sq(qid);
-                let _ = self.mem.store(tail, GuestAddress(ei + qid as u64 * 8), Ordering::SeqCst);
+                let _ = self.mem.store_u32(tail, ei + qid as u64 * 8, Ordering::SeqCst);
                 // Commands held back by a full CQ: ask for the CQ head doorbell
                 // (EventIdx = the head), then look at the head again.
                 let held = self.queues.sqs[qid].is_some_and(|s| s.head != s.tail);
                 let cq_head = self.queues.cqs[cqid].map(|c| c.head as u32);
                 if let (true, Some(h)) = (held, cq_head) {
-                    let _ = self.mem.store(h, GuestAddress(ei + cqid as u64 * 8 + 4), Ordering::SeqCst);
+                    let _ = self.mem.store_u32(h, ei + cqid as u64 * 8 + 4, Ordering::SeqCst);
                 }
                 std::sync::atomic::fence(Ordering::SeqCst);
-                let head_moved = held
-                    && self.mem.load::<u32>(GuestAddress(db + cqid as u64 * 8 + 4), Ordering::Acquire).ok() != cq_head;
-                match self.mem.load::<u32>(GuestAddress(db + qid as u64 * 8), Ordering::Acquire) {
+                let head_moved = held && self.mem.load_u32(db + cqid as u64 * 8 + 4, Ordering::Acquire).ok() != cq_head;
+                match self.mem.load_u32(db + qid as u64 * 8, Ordering::Acquire) {
                     Ok(t) if t != tail => continue, // a submission raced with EventIdx
                     _ if head_moved => continue,    // the host freed CQ entries meanwhile
                     _ => break,

@@ -7,7 +7,6 @@ use super::backend::Backend;
 use super::controller::Core;
 use super::queue::{prp_segments, status, Sqe, PAGE};
 use super::MDTS;
-use vm_memory::{Bytes, GuestAddress};
 
 /// The namespace: its storage and geometry.
 pub(super) struct Namespace {
@@ -81,7 +80,9 @@ impl Core {
         st
     }
 
-    /// Moves data between the backend and the guest pages.
+    /// Moves data between the backend and the guest pages: a run of pages
+    /// that follow each other in guest memory is one access (one message
+    /// each way where the host reaches that memory by message).
     fn transfer(&mut self, segs: &[(u64, u64)], mut off: u64, write: bool) -> u16 {
         if matches!(self.ns.backend, Backend::Null) {
             return status::SUCCESS;
@@ -89,7 +90,7 @@ impl Core {
         if matches!(self.ns.backend, Backend::File(_)) {
             return self.transfer_whole(segs, off, write);
         }
-        for &(a, n) in segs {
+        for (a, n) in runs(segs) {
             let n = n as usize;
             if self.scratch.buf.len() < n {
                 self.scratch.buf.resize(n, 0);
@@ -97,14 +98,9 @@ impl Core {
             let buf = &mut self.scratch.buf[..n];
             let (mem, backend) = (&self.mem, &mut self.ns.backend);
             let r = if write {
-                mem.read_slice(buf, GuestAddress(a))
-                    .map_err(|_| ())
-                    .and_then(|()| backend.write(off, buf).map_err(|_| ()))
+                mem.read_slice(buf, a).map_err(|_| ()).and_then(|()| backend.write(off, buf).map_err(|_| ()))
             } else {
-                backend
-                    .read(off, buf)
-                    .map_err(|_| ())
-                    .and_then(|()| mem.write_slice(buf, GuestAddress(a)).map_err(|_| ()))
+                backend.read(off, buf).map_err(|_| ()).and_then(|()| mem.write_slice(buf, a).map_err(|_| ()))
             };
             if r.is_err() {
                 return status::DATA_TRANSFER_ERROR;
@@ -123,18 +119,18 @@ impl Core {
         let mut pos = 0usize;
         let mut ok = true;
         if write {
-            for &(a, n) in segs {
-                ok &= mem.read_slice(&mut buf[pos..pos + n as usize], GuestAddress(a)).is_ok();
+            for (a, n) in runs(segs) {
+                ok &= mem.read_slice(&mut buf[pos..pos + n as usize], a).is_ok();
                 pos += n as usize;
             }
             ok = ok && backend.write(off, buf).is_ok();
         } else {
             ok = backend.read(off, buf).is_ok();
-            for &(a, n) in segs {
+            for (a, n) in runs(segs) {
                 if !ok {
                     break;
                 }
-                ok = mem.write_slice(&buf[pos..pos + n as usize], GuestAddress(a)).is_ok();
+                ok = mem.write_slice(&buf[pos..pos + n as usize], a).is_ok();
                 pos += n as usize;
             }
         }
@@ -159,7 +155,7 @@ impl Core {
         };
         if st == status::SUCCESS {
             for &(a, n) in &segs {
-                if self.mem.read_slice(&mut ranges[done..done + n as usize], GuestAddress(a)).is_err() {
+                if self.mem.read_slice(&mut ranges[done..done + n as usize], a).is_err() {
                     st = status::DATA_TRANSFER_ERROR;
                 }
                 done += n as usize;
@@ -181,5 +177,34 @@ impl Core {
             }
         }
         status::SUCCESS
+    }
+}
+
+/// The segments with each run of adjacent ones (one ending where the next
+/// begins) merged.
+fn runs(segs: &[(u64, u64)]) -> impl Iterator<Item = (u64, u64)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        let &(a, mut n) = segs.get(i)?;
+        i += 1;
+        while let Some(&(b, m)) = segs.get(i) {
+            if a.checked_add(n) != Some(b) {
+                break;
+            }
+            n += m;
+            i += 1;
+        }
+        Some((a, n))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn adjacent_segments_merge_into_runs() {
+        let segs = [(0x1800, 0x800), (0x2000, 0x1000), (0x5000, 0x1000), (0x6000, 0x200), (0x9000, 0x10)];
+        let r: Vec<_> = super::runs(&segs).collect();
+        assert_eq!(r, [(0x1800, 0x1800), (0x5000, 0x1200), (0x9000, 0x10)]);
+        assert_eq!(super::runs(&[]).count(), 0);
     }
 }

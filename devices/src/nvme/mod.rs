@@ -27,6 +27,10 @@
 //!   doorbell: no exit per I/O. A register write that does come only makes
 //!   the controller look at the shadow (its value may be stale: a posted
 //!   vfio-user write can arrive after newer shadow values were served).
+//!   The shadow pages must be mapped memory: where the host reaches guest
+//!   RAM by message (a vfio-user client's RAM without an fd, `crate::mem`),
+//!   polling them would be a message per look, so Doorbell Buffer Config
+//!   fails with Invalid Field there and doorbells are served as in `mmio`.
 //! - `bar`: the doorbell page of BAR0 is memory the controller shares (a
 //!   memfd): the host maps it into the guest at BAR0+0x1000, so a driver's
 //!   plain MMIO doorbell stores land in it without an exit, and the polling
@@ -40,6 +44,11 @@
 //!   publishing EventIdx so a submission that raced with it is not missed.
 //!   Until the driver configures the buffer, doorbell writes exit as in
 //!   `mmio` (their value is needed).
+//!
+//! Guest memory is a [`GuestMem`](crate::GuestMem): queues, PRP lists and
+//! data may also lie in memory the host reaches by message (vfio-user
+//! DMA_READ/DMA_WRITE); the device thread then waits for those messages
+//! with the core lock held, as it would for a page fault.
 //!
 //! Every value from the guest is checked: queue ids and sizes, doorbell
 //! values (an invalid one raises an asynchronous event), PRPs (must lie in
@@ -218,7 +227,7 @@ impl DeviceModel for Nvme {
     fn attach(&self, ctx: DeviceContext) {
         let ready = {
             let mut c = self.core.lock().unwrap();
-            let gone = vm_memory::GuestMemoryBackend::num_regions(&ctx.mem) == 0;
+            let gone = ctx.mem.is_empty();
             c.mem = ctx.mem;
             c.db.ioevents = Some(ctx.ioevents);
             c.intr.irq = ctx.irq;

@@ -4,8 +4,7 @@
 //! keeps head/tail/phase. Every guest address is checked against guest RAM
 //! before use: a bad one becomes an NVMe status, never an access outside RAM.
 
-use std::sync::atomic::Ordering;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use crate::GuestMem;
 
 pub const SQE_SIZE: u64 = 64;
 pub const CQE_SIZE: u64 = 16;
@@ -113,20 +112,19 @@ impl Sqe {
 }
 
 /// Queue memory must be page aligned and wholly in guest RAM.
-pub fn queue_in_ram(mem: &GuestMemoryMmap, gpa: u64, bytes: u64) -> bool {
-    use vm_memory::GuestMemoryBackend;
-    gpa.is_multiple_of(PAGE) && gpa != 0 && mem.get_slice(GuestAddress(gpa), bytes as usize).is_ok()
+pub fn queue_in_ram(mem: &GuestMem, gpa: u64, bytes: u64) -> bool {
+    gpa.is_multiple_of(PAGE) && gpa != 0 && mem.range_ok(gpa, bytes)
 }
 
-pub fn read_sqe(mem: &GuestMemoryMmap, sq: &Sq, idx: u16) -> Option<Sqe> {
+pub fn read_sqe(mem: &GuestMem, sq: &Sq, idx: u16) -> Option<Sqe> {
     let mut b = [0u8; 64];
-    mem.read_slice(&mut b, GuestAddress(sq.gpa + idx as u64 * SQE_SIZE)).ok()?;
+    mem.read_slice(&mut b, sq.gpa + idx as u64 * SQE_SIZE).ok()?;
     Some(Sqe::parse(&b))
 }
 
 /// Posts a completion; the dword with the phase tag is stored last, with
 /// release ordering, so a guest that sees the new phase sees the entry.
-pub fn post_cqe(mem: &GuestMemoryMmap, cq: &mut Cq, dw0: u32, sqhd: u16, sqid: u16, cid: u16, st: u16) -> bool {
+pub fn post_cqe(mem: &GuestMem, cq: &mut Cq, dw0: u32, sqhd: u16, sqid: u16, cid: u16, st: u16) -> bool {
     let addr = cq.gpa + cq.tail as u64 * CQE_SIZE;
     let mut b = [0u8; 12];
     b[..4].copy_from_slice(&dw0.to_le_bytes());
@@ -136,9 +134,7 @@ pub fn post_cqe(mem: &GuestMemoryMmap, cq: &mut Cq, dw0: u32, sqhd: u16, sqid: u
     let phase = !cq.phase as u32;
     let dw3 = cid as u32 | phase << 16 | (st as u32) << 17;
     // One lookup for the entry; the phase dword goes last, with release ordering.
-    use vm_memory::GuestMemoryBackend;
-    let Ok(e) = mem.get_slice(GuestAddress(addr), CQE_SIZE as usize) else { return false };
-    if e.write_slice(&b, 0).is_err() || e.store(dw3, 12, Ordering::Release).is_err() {
+    if mem.write_then_release_u32(&b, addr, dw3).is_err() {
         return false;
     }
     cq.tail += 1;
@@ -152,13 +148,7 @@ pub fn post_cqe(mem: &GuestMemoryMmap, cq: &mut Cq, dw0: u32, sqhd: u16, sqid: u
 /// The guest pages of a transfer of `len` bytes described by PRP1/PRP2,
 /// as (guest address, length) segments; PRP lists are followed and every
 /// list entry is checked. Errors are NVMe status codes.
-pub fn prp_segments(
-    mem: &GuestMemoryMmap,
-    prp1: u64,
-    prp2: u64,
-    len: u64,
-    out: &mut Vec<(u64, u64)>,
-) -> Result<(), u16> {
+pub fn prp_segments(mem: &GuestMem, prp1: u64, prp2: u64, len: u64, out: &mut Vec<(u64, u64)>) -> Result<(), u16> {
     out.clear();
     if len == 0 {
         return Ok(());
@@ -185,10 +175,15 @@ pub fn prp_segments(
         return Err(status::INVALID_PRP_OFFSET);
     }
     let mut guard = 0;
+    let mut entries = [0u64; (PAGE / 8) as usize];
     while left > 0 {
         let entries_here = (PAGE - (list & (PAGE - 1))) / 8;
-        for i in 0..entries_here {
-            let e: u64 = mem.read_obj(GuestAddress(list + i * 8)).map_err(|_| status::DATA_TRANSFER_ERROR)?;
+        // The entries this list page holds for the transfer, in one read (one
+        // message where the list is in memory reached by message).
+        let wanted = entries_here.min(left.div_ceil(PAGE)) as usize;
+        read_entries(mem, list, &mut entries[..wanted])?;
+        for i in 0..wanted as u64 {
+            let e = entries[i as usize];
             if i == entries_here - 1 && left > PAGE {
                 if e & 7 != 0 {
                     return Err(status::INVALID_PRP_OFFSET);
@@ -214,10 +209,20 @@ pub fn prp_segments(
     check(mem, out)
 }
 
-fn check(mem: &GuestMemoryMmap, segs: &[(u64, u64)]) -> Result<(), u16> {
-    use vm_memory::GuestMemoryBackend;
+/// Reads PRP list entries at `at` (little endian in guest memory).
+fn read_entries(mem: &GuestMem, at: u64, out: &mut [u64]) -> Result<(), u16> {
+    let mut raw = [0u8; PAGE as usize];
+    let raw = &mut raw[..out.len() * 8];
+    mem.read_slice(raw, at).map_err(|_| status::DATA_TRANSFER_ERROR)?;
+    for (e, b) in out.iter_mut().zip(raw.chunks_exact(8)) {
+        *e = u64::from_le_bytes(b.try_into().unwrap());
+    }
+    Ok(())
+}
+
+fn check(mem: &GuestMem, segs: &[(u64, u64)]) -> Result<(), u16> {
     for &(a, n) in segs {
-        if a == 0 || mem.get_slice(GuestAddress(a), n as usize).is_err() {
+        if a == 0 || !mem.range_ok(a, n) {
             return Err(status::DATA_TRANSFER_ERROR);
         }
     }
@@ -227,9 +232,10 @@ fn check(mem: &GuestMemoryMmap, segs: &[(u64, u64)]) -> Result<(), u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-    fn mem() -> GuestMemoryMmap {
-        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap()
+    fn mem() -> GuestMem {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap().into()
     }
 
     #[test]
@@ -242,7 +248,7 @@ mod tests {
         assert_eq!(v, [(0x1800, 2048), (0x5000, 2048)]);
         // 16 KiB from a page-aligned PRP1: PRP2 is a list of 3 pages.
         for (i, p) in [0x7000u64, 0x9000, 0xb000].iter().enumerate() {
-            m.write_obj(*p, GuestAddress(0x20000 + 8 * i as u64)).unwrap();
+            m.mapped().write_obj(*p, GuestAddress(0x20000 + 8 * i as u64)).unwrap();
         }
         prp_segments(&m, 0x3000, 0x20000, 16384, &mut v).unwrap();
         assert_eq!(v, [(0x3000, 4096), (0x7000, 4096), (0x9000, 4096), (0xb000, 4096)]);
@@ -258,11 +264,11 @@ mod tests {
         assert_eq!(prp_segments(&m, 0xff000, 0x100000, 8192, &mut v), Err(status::DATA_TRANSFER_ERROR));
         assert_eq!(prp_segments(&m, 0x3000, u64::MAX - 7, 16384, &mut v), Err(status::DATA_TRANSFER_ERROR));
         // A list entry with an offset.
-        m.write_obj(0x7001u64, GuestAddress(0x20000)).unwrap();
+        m.mapped().write_obj(0x7001u64, GuestAddress(0x20000)).unwrap();
         assert_eq!(prp_segments(&m, 0x3000, 0x20000, 12288, &mut v), Err(status::INVALID_PRP_OFFSET));
         // A list that points at itself forever ends with a status.
         for i in 0..512u64 {
-            m.write_obj(0x20000u64, GuestAddress(0x20000 + 8 * i)).unwrap();
+            m.mapped().write_obj(0x20000u64, GuestAddress(0x20000 + 8 * i)).unwrap();
         }
         assert!(prp_segments(&m, 0x3000, 0x20000, 1 << 30, &mut v).is_err());
     }
@@ -272,14 +278,14 @@ mod tests {
         let m = mem();
         let mut cq = Cq { gpa: 0x8000, size: 2, ..Default::default() };
         assert!(post_cqe(&m, &mut cq, 7, 1, 1, 0x42, 0));
-        let dw3: u32 = m.read_obj(GuestAddress(0x8000 + 12)).unwrap();
+        let dw3: u32 = m.mapped().read_obj(GuestAddress(0x8000 + 12)).unwrap();
         assert_eq!(dw3, 0x42 | 1 << 16);
         assert!(post_cqe(&m, &mut cq, 0, 2, 1, 0x43, status::LBA_OUT_OF_RANGE));
         assert_eq!((cq.tail, cq.phase), (0, true));
         assert!(post_cqe(&m, &mut cq, 0, 3, 1, 0x44, 0));
-        let dw3: u32 = m.read_obj(GuestAddress(0x8000 + 12)).unwrap();
+        let dw3: u32 = m.mapped().read_obj(GuestAddress(0x8000 + 12)).unwrap();
         assert_eq!(dw3 >> 16 & 1, 0, "second lap carries phase 0");
-        let dw3b: u32 = m.read_obj(GuestAddress(0x8000 + 16 + 12)).unwrap();
+        let dw3b: u32 = m.mapped().read_obj(GuestAddress(0x8000 + 16 + 12)).unwrap();
         assert_eq!(dw3b >> 17, status::LBA_OUT_OF_RANGE as u32);
     }
 }

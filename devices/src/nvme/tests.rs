@@ -35,8 +35,13 @@ impl Drv {
     }
     fn with_admin(cfg: NvmeConfig, aq: u32) -> Drv {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        Drv::with_device_mem(cfg, aq, mem.clone(), mem.into())
+    }
+    /// The driver sees `mem`; the device `dev_mem` (the same bytes, some or
+    /// all of them through a [`MirrorPort`]).
+    fn with_device_mem(cfg: NvmeConfig, aq: u32, mem: GuestMemoryMmap, dev_mem: crate::GuestMem) -> Drv {
         let n = Nvme::new(cfg).unwrap();
-        n.attach(DeviceContext::detached(mem.clone()));
+        n.attach(DeviceContext::detached(dev_mem));
         let mut d = Drv { n, mem, atail: 0, ahead: 0, aphase: 1, iotail: 0, iohead: 0, iophase: 1, cid: 0 };
         d.w32(REG_AQA, (aq - 1) << 16 | (aq - 1));
         d.n.bar_write(0, REG_ASQ, &ASQ.to_le_bytes());
@@ -112,7 +117,15 @@ impl Drv {
         self.mem.write_slice(&e, GuestAddress(IOSQ + self.iotail as u64 * 64)).unwrap();
         self.iotail = (self.iotail + 1) % size;
         self.w32(DOORBELLS + 8, self.iotail as u32);
-        let (_, st) = self.reap(IOCQ, size, false).expect("io completion");
+        // At once, or (bar mode) when the poller has served it.
+        let t0 = std::time::Instant::now();
+        let (_, st) = loop {
+            if let Some(r) = self.reap(IOCQ, size, false) {
+                break r;
+            }
+            assert!(t0.elapsed() < std::time::Duration::from_secs(5), "io completion");
+            std::thread::yield_now();
+        };
         self.w32(DOORBELLS + 12, self.iohead as u32);
         st
     }
@@ -863,4 +876,134 @@ fn a_late_register_doorbell_does_not_rewind_a_shadowed_queue() {
         assert_eq!(d.reap_io_wait(8), (d.cid, 0), "{mode}");
         d.n.quiesce();
     }
+}
+
+/// Guest memory the device reaches through a port, as a vfio-user server
+/// reaches a client's RAM without an fd: here the port copies to and from
+/// the driver's own memory, and counts.
+struct MirrorPort {
+    mem: GuestMemoryMmap,
+    reads: std::sync::atomic::AtomicU64,
+    writes: std::sync::atomic::AtomicU64,
+    fail: std::sync::atomic::AtomicBool,
+}
+
+impl crate::DmaPort for MirrorPort {
+    fn read(&self, gpa: u64, buf: &mut [u8]) -> crate::mem::Result<()> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        if self.fail.load(Ordering::Relaxed) {
+            return Err(crate::mem::MemError::Remote { gpa, len: buf.len(), reason: "gone".into() });
+        }
+        self.mem.read_slice(buf, GuestAddress(gpa)).map_err(|_| crate::mem::MemError::Unmapped { gpa, len: buf.len() })
+    }
+    fn write(&self, gpa: u64, data: &[u8]) -> crate::mem::Result<()> {
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        if self.fail.load(Ordering::Relaxed) {
+            return Err(crate::mem::MemError::Remote { gpa, len: data.len(), reason: "gone".into() });
+        }
+        self.mem
+            .write_slice(data, GuestAddress(gpa))
+            .map_err(|_| crate::mem::MemError::Unmapped { gpa, len: data.len() })
+    }
+}
+
+/// A driver whose guest RAM (1 MiB) the device reaches through a port from
+/// `remote_from` up; below it the device maps it.
+fn remote_drv(cfg: NvmeConfig, remote_from: u64) -> (Drv, Arc<MirrorPort>) {
+    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+    let port = Arc::new(MirrorPort {
+        mem: mem.clone(),
+        reads: Default::default(),
+        writes: Default::default(),
+        fail: Default::default(),
+    });
+    // The device's mapped part: the same bytes as the driver's, below `remote_from`.
+    let host = vm_memory::GuestMemoryBackend::get_host_address(&mem, GuestAddress(0)).unwrap();
+    let mapped = if remote_from == 0 {
+        GuestMemoryMmap::from_regions(Vec::new()).unwrap_or_default()
+    } else {
+        // SAFETY: `host` maps 1 MiB that `mem` keeps alive for the test (the
+        // driver holds it); the region covers only its first `remote_from` bytes.
+        let r = unsafe {
+            vm_memory::MmapRegion::build_raw(
+                host,
+                remote_from as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+            )
+        }
+        .unwrap();
+        GuestMemoryMmap::from_regions(vec![vm_memory::GuestRegionMmap::new(r, GuestAddress(0)).unwrap()]).unwrap()
+    };
+    let dev = crate::GuestMem::with_remote(mapped, &[(remote_from, (1 << 20) - remote_from)], port.clone()).unwrap();
+    (Drv::with_device_mem(cfg, 32, mem, dev), port)
+}
+
+/// Writes 16 KiB (PRP1 and a PRP list) from DATA and reads it back into
+/// DATA + 0x8000 (queues at 0x10000-0x13fff, the list at 0x30000).
+fn remote_round_trip(d: &mut Drv) {
+    let pat: Vec<u8> = (0..16384u32).map(|i| (i * 13 + 5) as u8).collect();
+    d.mem.write_slice(&pat, GuestAddress(DATA)).unwrap();
+    for (i, p) in [DATA + 0x1000, DATA + 0x2000, DATA + 0x3000].iter().enumerate() {
+        d.mem.write_obj(*p, GuestAddress(0x30000 + 8 * i as u64)).unwrap();
+    }
+    assert_eq!(d.io(0x01, 8, 31, DATA, 0x30000, 16), 0, "write through the port");
+    for (i, p) in [DATA + 0x9000, DATA + 0xa000, DATA + 0xb000].iter().enumerate() {
+        d.mem.write_obj(*p, GuestAddress(0x30000 + 8 * i as u64)).unwrap();
+    }
+    assert_eq!(d.io(0x02, 8, 31, DATA + 0x8000, 0x30000, 16), 0, "read through the port");
+    let mut back = vec![0u8; 16384];
+    d.mem.read_slice(&mut back, GuestAddress(DATA + 0x8000)).unwrap();
+    assert_eq!(back, pat);
+}
+
+#[test]
+fn guest_ram_reached_only_through_a_port_serves_admin_and_io_in_mmio_mode() {
+    let (mut d, port) = remote_drv(mmio(BackendKind::Ram), 0);
+    assert_eq!(d.admin(0x06, 0, DATA, 0, [1, 0, 0, 0]).1, 0, "Identify into memory reached by message");
+    assert_eq!(d.mem.read_obj::<u16>(GuestAddress(DATA)).unwrap(), VENDOR);
+    d.io_queues(16);
+    let before = port.reads.load(Ordering::Relaxed);
+    remote_round_trip(&mut d);
+    // Each 16 KiB I/O: the SQE, the PRP list (one read), the data (one run of
+    // four pages), the CQE (entry, then the phase dword).
+    let reads = port.reads.load(Ordering::Relaxed) - before;
+    assert!(reads <= 6, "{reads} DMA reads for two I/Os");
+    assert_eq!(counter(&d.n, "errors"), 0);
+}
+
+#[test]
+fn guest_ram_reached_through_a_port_serves_the_bar_mode_poller_and_a_mixed_map() {
+    let cfg = NvmeConfig { backend: BackendKind::Ram, size: 1 << 20, lba_size: 512, doorbell: DoorbellMode::Bar };
+    // Queues mapped, data and PRP lists (0x20000 up) reached by message.
+    let (mut d, port) = remote_drv(cfg, 0x20000);
+    assert_eq!(d.admin(0x06, 0, DATA, 0, [1, 0, 0, 0]).1, 0);
+    assert_eq!(d.mem.read_obj::<u16>(GuestAddress(DATA)).unwrap(), VENDOR);
+    d.io_queues(16);
+    let io_reads = port.reads.load(Ordering::Relaxed);
+    remote_round_trip(&mut d);
+    assert!(port.reads.load(Ordering::Relaxed) > io_reads && port.writes.load(Ordering::Relaxed) > 0);
+    // A port that fails makes the command fail, and the controller goes on.
+    port.fail.store(true, Ordering::Relaxed);
+    assert_eq!(d.admin(0x06, 0, DATA, 0, [1, 0, 0, 0]).1, status::DATA_TRANSFER_ERROR);
+    port.fail.store(false, Ordering::Relaxed);
+    assert_eq!(d.admin(0x06, 0, DATA, 0, [1, 0, 0, 0]).1, 0);
+    d.n.quiesce();
+}
+
+#[test]
+fn shadow_doorbells_in_memory_reached_by_message_are_refused_and_mmio_doorbells_serve() {
+    let cfg = NvmeConfig { backend: BackendKind::Ram, size: 1 << 20, lba_size: 512, doorbell: DoorbellMode::Shm };
+    let (mut d, port) = remote_drv(cfg, 0x20000);
+    // DBBUF (0x30000) is reached by message: polling it would be a message per look.
+    assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, status::INVALID_FIELD);
+    d.io_queues(16);
+    let before = port.reads.load(Ordering::Relaxed);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(port.reads.load(Ordering::Relaxed), before, "the poller sends nothing while idle");
+    remote_round_trip(&mut d);
+    assert!(counter(&d.n, "doorbell.writes") > 0, "served from MMIO doorbell writes");
+    // Shadow pages in mapped memory are taken.
+    assert_eq!(d.admin(0x7c, 0, 0x14000, 0x15000, [0; 4]).1, 0);
+    d.n.quiesce();
 }

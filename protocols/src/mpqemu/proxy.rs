@@ -131,7 +131,7 @@ impl MpqemuProxy {
     fn share_memory(&mut self, ctx: &DeviceContext) -> Result<()> {
         let mut regions = Vec::new();
         let mut fds = Vec::new();
-        for r in ctx.mem.iter() {
+        for r in ctx.mem.mapped().iter() {
             let Some(fo) = r.file_offset() else {
                 return Err(Error::Config("guest RAM is not fd-backed; mpqemu needs a memfd".into()));
             };

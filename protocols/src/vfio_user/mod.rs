@@ -4,9 +4,11 @@
 //!
 //! The server is a PCI device with 9 regions (BAR0..5, ROM, config, VGA) and
 //! 5 IRQ indexes. Guest RAM comes as DMA_MAP with the memfd and is mapped in
-//! the device process (a map without an fd is recorded, not mapped; the
-//! proxy answers DMA_READ/DMA_WRITE from guest RAM, which this server never
-//! sends). BAR accesses arrive as REGION_READ/WRITE, as KVM ioeventfds the
+//! the device process; a map without an fd (QEMU's RAM without `share=on`)
+//! is reached with DMA_READ/DMA_WRITE messages to the client, on the same
+//! socket, from whichever thread the device accesses it (`server/link.rs`).
+//! The proxy answers DMA_READ/DMA_WRITE from guest RAM while it waits for a
+//! reply (it always shares RAM with an fd). BAR accesses arrive as REGION_READ/WRITE, as KVM ioeventfds the
 //! client installed from GET_REGION_IO_FDS (type IOEVENTFD), or, with
 //! ioregionfd, on region fds the server announced (type IOREGIONFD). INTx
 //! and MSI-X eventfds come with SET_IRQS; the client makes them KVM irqfds.

@@ -518,7 +518,7 @@ impl VfioUserProxy {
     /// (a server may have no use for DMA, or take no resample fd); a broken
     /// channel ends it.
     fn setup(&mut self, ctx: &DeviceContext) -> Result<()> {
-        for r in ctx.mem.iter() {
+        for r in ctx.mem.mapped().iter() {
             let fo = r.file_offset().ok_or_else(|| Error::Config("guest RAM is not fd-backed".into()))?;
             let map = DmaMap {
                 flags: DMA_MAP_FLAG_READ | DMA_MAP_FLAG_WRITE,
@@ -564,7 +564,7 @@ impl DeviceModelMut for VfioUserProxy {
 
     fn attach(&mut self, ctx: DeviceContext) {
         self.peer.fail = Some(ctx.fail.clone());
-        self.mem = Some(ctx.mem.clone());
+        self.mem = Some(ctx.mem.mapped().clone());
         self.irq = Some(ctx.irq.clone());
         match self.setup(&ctx) {
             Ok(()) => self.peer.watch(),

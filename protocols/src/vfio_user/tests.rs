@@ -17,6 +17,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 mod deployed_clients;
+mod dma_fallback;
 
 type ServerThread = JoinHandle<(Result<()>, Vec<Counter>)>;
 

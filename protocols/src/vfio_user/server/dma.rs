@@ -3,24 +3,25 @@
 //! memory built from those maps, in address order (clients map in any
 //! order).
 //!
-//! A map without an fd (QEMU's guest RAM without `share=on`) is recorded
-//! and answered, so that the client attaches, but the device cannot reach
-//! it: its accesses there fail as accesses outside guest RAM do (an NVMe
-//! command gets a data transfer error). The spec's fallback, DMA_READ and
-//! DMA_WRITE messages from the server, is not implemented (the device
-//! models access guest memory as a `GuestMemoryMmap` from their own
-//! threads, which a session loop that owns the socket cannot serve).
+//! A map without an fd (QEMU's guest RAM without `share=on`) is memory the
+//! device reaches through the session's link (`link.rs`): DMA_READ and
+//! DMA_WRITE messages to the client, the spec's fallback. The device gets
+//! one [`GuestMem`](iopath_devices::GuestMem) of both kinds, routed per
+//! range, so a client may mix them.
 //!
 //! DMA_UNMAP is done before its reply: the device is attached to the memory
 //! without the map, which a model takes under its own lock, so no device
 //! thread uses the old mapping once the reply is sent (the spec: the server
-//! drops all references before it replies).
+//! drops all references before it replies). A device thread that is waiting
+//! for a DMA reply holds that lock, so the unmap waits for it; the reader
+//! thread still delivers the reply meanwhile.
 
 use super::{ok, DmaEntry, Reply, Session};
 use crate::function::{guest_memory, map_region, SharedRegion};
 use crate::vfio_user::wire::{fixed_part, DmaMap, DmaUnmap, DMA_MAP_SIZE, DMA_UNMAP_FLAG_ALL, DMA_UNMAP_SIZE};
 use crate::vfio_user::Received;
 use crate::{Error, Result};
+use iopath_devices::{DmaPort, GuestMem};
 use std::sync::Arc;
 
 impl Session<'_> {
@@ -44,11 +45,15 @@ impl Session<'_> {
                 Some(Arc::new(map_region(shared)?))
             }
             None => {
-                if !self.unreachable_logged {
-                    self.unreachable_logged = true;
+                // From now on the device may wait for replies from any thread.
+                self.start_reader()?;
+                if !self.remote_logged {
+                    self.remote_logged = true;
+                    // A warning: every device access to that memory is a
+                    // message, far slower than shared memory.
                     log::warn!(
-                        "vfio-user {}: DMA_MAP of {:#x}..{end:#x} without an fd: the device cannot reach that \
-                         memory (no DMA_READ/DMA_WRITE fallback; share guest RAM, e.g. QEMU's share=on)",
+                        "vfio-user {}: DMA_MAP of {:#x}..{end:#x} without an fd: the device reaches it with \
+                         DMA_READ/DMA_WRITE messages (slow; share guest RAM for speed, e.g. QEMU's share=on)",
                         self.peer,
                         map.address
                     );
@@ -81,10 +86,16 @@ impl Session<'_> {
         ok(DmaUnmap::new(u.flags, u.address, u.size).to_bytes())
     }
 
-    /// Gives the device a memory of the maps that came with an fd (none at
-    /// all is the empty memory). The model swaps it in under its lock.
+    /// Gives the device a memory of the maps: those with an fd mapped, the
+    /// others reached through the link (none at all is the empty memory).
+    /// The model swaps it in under its lock.
     fn remap(&self) -> Result<()> {
-        let mem = guest_memory(self.dma.iter().filter_map(|d| d.region.clone()).collect())?;
+        let mapped = guest_memory(self.dma.iter().filter_map(|d| d.region.clone()).collect())?;
+        let remote: Vec<(u64, u64)> =
+            self.dma.iter().filter(|d| d.region.is_none()).map(|d| (d.map.address, d.map.size)).collect();
+        let port: Arc<dyn DmaPort> = self.link.clone();
+        let mem =
+            GuestMem::with_remote(mapped, &remote, port).map_err(|e| Error::protocol(format!("DMA maps: {e}")))?;
         self.srv.function().attach(self.srv.context(mem));
         Ok(())
     }

@@ -1,6 +1,9 @@
 //! The device side of vfio-user: the session loop and one handler per
 //! command, grouped by concern (`dma.rs`, `region.rs`, `irq.rs`; version,
-//! device info and reset here).
+//! device info and reset here). `link.rs` is the socket as the session
+//! shares it once the client has mapped memory without an fd: a reader
+//! thread, replies to the server's own DMA requests routed to their
+//! waiters, commands to the handler here, in order.
 //!
 //! Input is hostile. A request this side cannot serve gets an error reply
 //! (EINVAL unless a handler says which errno) and the session goes on; only
@@ -15,20 +18,26 @@
 
 mod dma;
 mod irq;
+mod link;
 mod region;
+
+pub use link::{DmaStats, DMA_TIMEOUT};
 
 use super::wire::{self, error_reply, fixed_part, Capabilities, Command, DeviceInfo, Version};
 use super::wire::{DEFAULT_MAX_DATA_XFER_SIZE, INFO16_SIZE, VERSION_MAJOR, VERSION_MINOR};
 use super::wire::{DEVICE_FLAGS_PCI, DEVICE_FLAGS_RESET, PCI_NUM_IRQS, PCI_NUM_REGIONS};
-use super::{recv, send, Received, MAX_FDS};
+use super::{recv, Received, MAX_FDS};
 use crate::function::{no_memory, PciFunction};
 use crate::transport::Server;
 use crate::{Error, Result};
 use iopath_devices::irq::IrqLines;
-use iopath_devices::{DeviceContext, GuestMemoryMmap, IoEventSpec, IoEvents, NoIoEvents};
+use iopath_devices::{DeviceContext, GuestMem, IoEventSpec, IoEvents, NoIoEvents};
+use link::Link;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 use vmm_sys_util::eventfd::EventFd;
 
 /// What GET_REGION_IO_FDS offers for a BAR.
@@ -47,7 +56,8 @@ pub enum IoFds {
 /// What this server can do, the most a VERSION answer offers: fds and
 /// data per message, DMA maps, any page size from 4 KiB up (a map is any
 /// page-aligned range of an fd), REGION_WRITE_MULTI. No twin socket: the
-/// server sends no commands (DMA_READ/DMA_WRITE) to the client.
+/// server's DMA_READ/DMA_WRITE (maps without an fd) go on the one socket,
+/// which every client that has the fallback serves (QEMU's does).
 const SERVER_CAPS: Capabilities = Capabilities {
     max_msg_fds: MAX_FDS,
     max_data_xfer_size: DEFAULT_MAX_DATA_XFER_SIZE,
@@ -83,6 +93,9 @@ pub struct VfioUserServer {
     io_fds: IoFds,
     announced: Arc<Announced>,
     ioevents: Arc<dyn IoEvents>,
+    /// How long a DMA_READ/DMA_WRITE waits for the client.
+    dma_timeout: Duration,
+    dma_stats: Arc<DmaStats>,
 }
 
 impl VfioUserServer {
@@ -93,16 +106,25 @@ impl VfioUserServer {
         let announced = Arc::new(Announced::default());
         let ioevents: Arc<dyn IoEvents> =
             if io_fds == IoFds::IoEventFds { announced.clone() } else { Arc::new(NoIoEvents) };
-        let s = VfioUserServer { f, irq, io_fds, announced, ioevents };
-        s.function().attach(s.context(no_memory()));
+        let dma_stats = Arc::new(DmaStats::default());
+        let stats = dma_stats.clone();
+        iopath_devices::lock(&f).add_counters(Box::new(move || stats.counters()));
+        let s = VfioUserServer { f, irq, io_fds, announced, ioevents, dma_timeout: DMA_TIMEOUT, dma_stats };
+        s.function().attach(s.context(no_memory().into()));
         s
+    }
+
+    /// How long a DMA_READ/DMA_WRITE to the client waits for its reply
+    /// ([`DMA_TIMEOUT`] unless set).
+    pub fn set_dma_timeout(&mut self, d: Duration) {
+        self.dma_timeout = d;
     }
 
     fn function(&self) -> MutexGuard<'_, PciFunction> {
         iopath_devices::lock(&self.f)
     }
 
-    fn context(&self, mem: GuestMemoryMmap) -> DeviceContext {
+    fn context(&self, mem: GuestMem) -> DeviceContext {
         let mut c = DeviceContext::detached(mem);
         c.ioevents = self.ioevents.clone();
         c.irq = self.irq.clone();
@@ -111,21 +133,40 @@ impl VfioUserServer {
 }
 
 impl Server for VfioUserServer {
+    /// Serves one client. This thread reads the socket and handles each
+    /// command, until the client maps memory without an fd: from then on a
+    /// reader thread takes every message off the socket (see `link.rs`) and
+    /// this thread handles the commands it passes on, in order, so that the
+    /// replies to the server's DMA requests are read whoever waits for them.
+    /// A session whose memory all came with fds keeps the one thread and
+    /// its latency.
     fn session(&mut self, sock: &UnixStream, peer: &str) -> Result<()> {
+        let wsock = sock.try_clone().map_err(|e| Error::io("dup of the session socket", e))?;
+        let link = Arc::new(Link::new(wsock, peer, self.dma_timeout, self.dma_stats.clone()));
         let mut s = Session {
             srv: self,
             peer,
+            sock,
+            link: link.clone(),
+            reader: None,
             versioned: false,
             client: Capabilities::default(),
             caps: Capabilities::default(),
             dma: Vec::new(),
-            unreachable_logged: false,
+            remote_logged: false,
             intx: (None, None),
         };
-        let r = s.run(sock);
-        // Disconnect: drop DMA and IRQ fds; the device keeps its state.
-        self.function().attach(self.context(no_memory()));
+        let r = s.run();
+        // Over (the client left, or the channel is closed on an error):
+        // waiting DMA fails now, and the reader stops.
+        link.close();
+        if let Some((_, reader)) = s.reader.take() {
+            let _ = sock.shutdown(std::net::Shutdown::Both);
+            let _ = reader.join();
+        }
         drop(s);
+        // Disconnect: drop DMA and IRQ fds; the device keeps its state.
+        self.function().attach(self.context(no_memory().into()));
         r
     }
 }
@@ -140,6 +181,12 @@ struct DmaEntry {
 struct Session<'a> {
     srv: &'a VfioUserServer,
     peer: &'a str,
+    sock: &'a UnixStream,
+    /// The socket's write side and the server's DMA requests.
+    link: Arc<Link>,
+    /// The reader thread and the commands it passes on, once the client has
+    /// mapped memory without an fd.
+    reader: Option<(Receiver<Result<Received>>, std::thread::JoinHandle<()>)>,
     versioned: bool,
     /// What the client proposed in VERSION: the most it takes from the
     /// server (fds per message).
@@ -148,7 +195,7 @@ struct Session<'a> {
     caps: Capabilities,
     dma: Vec<DmaEntry>,
     /// A DMA_MAP without an fd was logged (once per client).
-    unreachable_logged: bool,
+    remote_logged: bool,
     /// INTx trigger and unmask (resample) eventfds, as SET_IRQS gave them.
     intx: (Option<EventFd>, Option<EventFd>),
 }
@@ -164,12 +211,10 @@ fn ok(payload: Vec<u8>) -> Result<Reply> {
 }
 
 impl Session<'_> {
-    fn run(&mut self, sock: &UnixStream) -> Result<()> {
-        loop {
-            let Some(m) = recv(sock)? else { return Ok(()) };
-            if m.hdr.is_reply() {
-                return Err(Error::protocol(format!("message {} is a reply; the client sends commands", m.hdr.msg_id)));
-            }
+    /// Handles the client's commands in order until it leaves or the
+    /// stream breaks.
+    fn run(&mut self) -> Result<()> {
+        while let Some(m) = self.next()? {
             let reply = self.handle(&m).unwrap_or_else(|e| {
                 log::warn!("vfio-user {}: command {} (message {}): {e}", self.peer, m.hdr.cmd, m.hdr.msg_id);
                 Reply::Error(libc::EINVAL)
@@ -180,11 +225,44 @@ impl Session<'_> {
             match reply {
                 Reply::Data(p, fds) => {
                     let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
-                    send(sock, &wire::reply(&m.hdr, &p), &raw)?
+                    self.link.send(&wire::reply(&m.hdr, &p), &raw)?
                 }
-                Reply::Error(errno) => send(sock, &error_reply(&m.hdr, errno), &[])?,
+                Reply::Error(errno) => self.link.send(&error_reply(&m.hdr, errno), &[])?,
             }
         }
+        Ok(())
+    }
+
+    /// The next command: off the socket, or from the reader thread once one
+    /// runs. None: the client left.
+    fn next(&mut self) -> Result<Option<Received>> {
+        if let Some((commands, _)) = &self.reader {
+            return commands.recv().map_or(Ok(None), |m| m.map(Some));
+        }
+        let Some(m) = recv(self.sock)? else { return Ok(None) };
+        if m.hdr.is_reply() {
+            // No DMA request was sent: no reader thread runs yet.
+            return Err(Error::protocol(format!("message {} is a reply; the client sends commands", m.hdr.msg_id)));
+        }
+        Ok(Some(m))
+    }
+
+    /// Starts the reader thread (once), before the device may send a DMA
+    /// request. This thread is between two messages: the reader takes the
+    /// next one.
+    fn start_reader(&mut self) -> Result<()> {
+        if self.reader.is_some() {
+            return Ok(());
+        }
+        let sock = self.sock.try_clone().map_err(|e| Error::io("dup of the session socket", e))?;
+        let (tx, rx) = channel();
+        let link = self.link.clone();
+        let h = std::thread::Builder::new()
+            .name("vfio-user-rx".into())
+            .spawn(move || link.read_loop(&sock, tx))
+            .map_err(|e| Error::io("vfio-user reader thread", e))?;
+        self.reader = Some((rx, h));
+        Ok(())
     }
 
     /// One command: its handler, after VERSION.
@@ -230,6 +308,7 @@ impl Session<'_> {
             Error::protocol(format!("client page sizes {:#x}: none of 4 KiB or more", proposed.pgsizes))
         })?;
         (self.versioned, self.client, self.caps) = (true, proposed, caps);
+        self.link.set_max_xfer(caps.max_data_xfer_size);
         let mine = Version { major: VERSION_MAJOR, minor: v.minor.min(VERSION_MINOR), capabilities: Some(caps) };
         ok(mine.to_bytes())
     }

@@ -31,13 +31,25 @@ struct Reply {
 struct Client {
     sock: UnixStream,
     id: u16,
+    /// Server requests (DMA_READ/DMA_WRITE) answered with an error.
+    refused_dma: u32,
 }
 
 impl Client {
+    /// Sends a request and waits for its reply. A DMA_READ or DMA_WRITE the
+    /// server sends meanwhile is refused (EFAULT): this client offers no
+    /// memory that way (`dma_fallback.rs` has one that does).
     fn call(&mut self, cmd: Command, payload: &[u8], fds: &[RawFd]) -> Reply {
         self.id = self.id.wrapping_add(1);
         send(&self.sock, &message(self.id, cmd, FLAGS_TYPE_COMMAND, payload), fds).unwrap();
-        let r = recv(&self.sock).unwrap().expect("the server closed the channel");
+        let r = loop {
+            let r = recv(&self.sock).unwrap().expect("the server closed the channel");
+            if r.hdr.is_reply() {
+                break r;
+            }
+            self.refused_dma += 1;
+            send(&self.sock, &error_reply(&r.hdr, libc::EFAULT), &[]).unwrap();
+        };
         assert!(r.hdr.is_reply() && r.hdr.msg_id == self.id && r.hdr.cmd == cmd as u16, "{:?}", r.hdr);
         Reply { hdr: r.hdr, payload: r.payload, fds: r.fds }
     }
@@ -81,7 +93,7 @@ fn serve(device: &str) -> (Client, Arc<IrqLines>, JoinHandle<Result<()>>) {
     let (a, b) = UnixStream::pair().unwrap();
     let lines = irq.clone();
     let h = std::thread::spawn(move || VfioUserServer::new(f, lines, IoFds::IoEventFds).session(&b, "test"));
-    (Client { sock: a, id: 0 }, irq, h)
+    (Client { sock: a, id: 0, refused_dma: 0 }, irq, h)
 }
 
 fn ram(len: u64) -> File {
@@ -350,7 +362,7 @@ fn dma_maps_come_in_any_order_and_overlaps_are_refused() {
 }
 
 #[test]
-fn dma_map_without_an_fd_is_accepted_and_the_device_cannot_reach_that_memory() {
+fn dma_map_without_an_fd_is_accepted_and_a_client_that_refuses_dma_gets_transfer_errors() {
     let (c, _, h) = serve("nvme,doorbell=mmio,backend=null");
     let mut d = NvmeDriver::new(c);
     d.c.version();
@@ -359,7 +371,9 @@ fn dma_map_without_an_fd_is_accepted_and_the_device_cannot_reach_that_memory() {
     assert!(!r.hdr.is_error(), "DMA_MAP without an fd: errno {}", r.hdr.error_no);
     d.map(BASE, ram(0x10000));
     d.enable();
+    // The server asks with DMA_WRITE; this client refuses.
     assert_eq!(d.identify(0x20_0000), DATA_TRANSFER_ERROR, "no access is faked");
+    assert!(d.c.refused_dma > 0, "the server asked the client");
     assert_eq!(d.identify(IDENT), 0);
     d.c.ok(Command::DmaUnmap, &DmaUnmap::new(0, 0x20_0000, 0x10_0000).to_bytes(), &[]);
     drop(d);

@@ -1,0 +1,432 @@
+//! Guest memory as a device model reaches it: [`GuestMem`].
+//!
+//! Most of the time guest RAM is mapped into this process (the VMM's own
+//! memfd, or the fds a vfio-user or mpqemu client passed): a
+//! [`GuestMemoryMmap`], accessed in place, with atomics where the device
+//! needs ordering. A vfio-user client may also offer RAM without an fd (QEMU
+//! with guest RAM that is not `share=on`); the device then reaches those
+//! ranges through a [`DmaPort`] its host provides (vfio-user DMA_READ and
+//! DMA_WRITE messages to the client). One memory may mix both: every access
+//! is routed per address range, and an access that spans a mapped region and
+//! a remote range is split between them.
+//!
+//! Cost: with no remote range (every host but a vfio-user server given RAM
+//! without an fd) an access is one `match` in front of the `vm_memory` call
+//! it was before; nothing is allocated and nothing is dispatched
+//! dynamically.
+//!
+//! Ordering and atomicity: mapped memory is accessed as `vm_memory` does,
+//! with `load_u32`/`store_u32` atomic and ordered as asked. Remote memory is
+//! a message per access: a 4-byte load or store is one DMA_READ or
+//! DMA_WRITE, atomic only as far as the client applies one message at once
+//! (QEMU copies the 4 bytes with the big lock held), and ordered by message
+//! order (a client serves them one after another). `Ordering` has no other
+//! meaning there.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use vm_memory::{
+    ByteValued, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap,
+    MemoryRegionAddress,
+};
+
+/// Why a guest memory access failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MemError {
+    /// Some of the range is not guest memory (or wraps the address space).
+    #[error("{len} bytes at {gpa:#x}: not guest memory")]
+    Unmapped { gpa: u64, len: usize },
+    /// An atomic access that is not naturally aligned.
+    #[error("{len}-byte access at {gpa:#x}: not aligned")]
+    Misaligned { gpa: u64, len: usize },
+    /// The host could not reach remote memory (the client refused, did not
+    /// answer in time, or went away).
+    #[error("{len} bytes at {gpa:#x}: {reason}")]
+    Remote { gpa: u64, len: usize, reason: String },
+}
+
+pub type Result<T, E = MemError> = std::result::Result<T, E>;
+
+/// Guest memory the host reaches on the device's behalf: a read or write
+/// of `len` bytes at `gpa` wholly inside one of the ranges the host gave
+/// with the port (the caller splits accesses at range ends). Called from any
+/// device thread, with device locks held; it may block (a message and its
+/// reply), and must give up in bounded time.
+pub trait DmaPort: Send + Sync {
+    fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<()>;
+    fn write(&self, gpa: u64, data: &[u8]) -> Result<()>;
+}
+
+/// Ranges of guest memory reached through a [`DmaPort`].
+struct Remote {
+    /// Sorted, disjoint `[start, end)` ranges.
+    ranges: Vec<(u64, u64)>,
+    port: Arc<dyn DmaPort>,
+}
+
+impl Remote {
+    /// The range holding `gpa`: its end.
+    fn end_of(&self, gpa: u64) -> Option<u64> {
+        let i = self.ranges.partition_point(|&(s, _)| s <= gpa);
+        let (_, e) = *self.ranges.get(i.checked_sub(1)?)?;
+        (gpa < e).then_some(e)
+    }
+}
+
+/// One piece of an access: mapped (the region and the offset in it) or remote.
+enum Piece<'a> {
+    Mapped(&'a GuestRegionMmap, MemoryRegionAddress),
+    Remote(&'a dyn DmaPort),
+}
+
+/// Guest memory as a device sees it: mapped regions, and, when the host
+/// has some, ranges it reaches through a [`DmaPort`]. Cheap to clone.
+#[derive(Clone, Default)]
+pub struct GuestMem {
+    mapped: GuestMemoryMmap,
+    remote: Option<Arc<Remote>>,
+}
+
+impl From<GuestMemoryMmap> for GuestMem {
+    fn from(mapped: GuestMemoryMmap) -> Self {
+        GuestMem { mapped, remote: None }
+    }
+}
+
+impl std::fmt::Debug for GuestMem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mapped: Vec<(u64, u64)> = self.mapped.iter().map(|r| (r.start_addr().0, r.len())).collect();
+        let remote = self.remote.as_ref().map(|r| r.ranges.clone()).unwrap_or_default();
+        f.debug_struct("GuestMem").field("mapped", &mapped).field("remote", &remote).finish()
+    }
+}
+
+/// The end (exclusive) of a mapped region, saturated at the top of the address space.
+fn region_end(r: &GuestRegionMmap) -> u64 {
+    r.last_addr().0.saturating_add(1)
+}
+
+impl GuestMem {
+    /// `mapped` plus the `(gpa, size)` ranges `port` reaches. The ranges may
+    /// come in any order; they must not be empty, wrap, overlap each other
+    /// or a mapped region. No range is the same as `mapped` alone.
+    pub fn with_remote(mapped: GuestMemoryMmap, ranges: &[(u64, u64)], port: Arc<dyn DmaPort>) -> Result<Self> {
+        let mut r: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+        for &(gpa, size) in ranges {
+            let end = gpa.checked_add(size).filter(|_| size > 0);
+            r.push((gpa, end.ok_or(MemError::Unmapped { gpa, len: size as usize })?));
+        }
+        r.sort_unstable();
+        for (i, &(s, e)) in r.iter().enumerate() {
+            let overlaps_next = r.get(i + 1).is_some_and(|&(n, _)| n < e);
+            let overlaps_mapped = overlaps_mapped(&mapped, s, e);
+            if overlaps_next || overlaps_mapped {
+                return Err(MemError::Remote { gpa: s, len: (e - s) as usize, reason: "overlaps other memory".into() });
+            }
+        }
+        let remote = (!r.is_empty()).then(|| Arc::new(Remote { ranges: r, port }));
+        Ok(GuestMem { mapped, remote })
+    }
+
+    /// The mapped part (what a host can pass on as fds).
+    pub fn mapped(&self) -> &GuestMemoryMmap {
+        &self.mapped
+    }
+
+    /// The `[start, end)` ranges reached through the port (none: all mapped).
+    pub fn remote_ranges(&self) -> &[(u64, u64)] {
+        self.remote.as_ref().map_or(&[], |r| &r.ranges)
+    }
+
+    /// No memory at all (a host whose client left).
+    pub fn is_empty(&self) -> bool {
+        self.mapped.num_regions() == 0 && self.remote.is_none()
+    }
+
+    /// True if `gpa` is guest memory, mapped or remote.
+    pub fn address_in_range(&self, gpa: u64) -> bool {
+        self.mapped.address_in_range(GuestAddress(gpa)) || self.remote.as_ref().is_some_and(|r| r.end_of(gpa).is_some())
+    }
+
+    /// True if `[gpa, gpa + len)` is wholly guest memory (mapped, remote, or
+    /// both); an empty range is, a wrapping one is not.
+    pub fn range_ok(&self, gpa: u64, len: u64) -> bool {
+        let Some(end) = gpa.checked_add(len) else { return false };
+        if len == 0 {
+            return true;
+        }
+        if let Some(r) = self.mapped.find_region(GuestAddress(gpa)) {
+            if end <= region_end(r) {
+                return true; // the usual case: one mapped region
+            }
+        }
+        self.walk(gpa, len as usize, |_, _, _, _| Ok(())).is_ok()
+    }
+
+    /// True if `[gpa, gpa + len)` is wholly mapped memory, which the device
+    /// may poll without a message per look (shadow doorbells).
+    pub fn range_mapped(&self, gpa: u64, len: u64) -> bool {
+        let Some(end) = gpa.checked_add(len) else { return false };
+        let mut a = gpa;
+        while a < end {
+            let Some(r) = self.mapped.find_region(GuestAddress(a)) else { return false };
+            a = region_end(r).min(end);
+        }
+        true
+    }
+
+    /// Calls `f(piece, gpa, offset in the access, length)` for each piece of
+    /// `[gpa, gpa + len)`, in address order; fails before the first call if
+    /// any of it is not guest memory.
+    fn walk(&self, gpa: u64, len: usize, mut f: impl FnMut(Piece<'_>, u64, usize, usize) -> Result<()>) -> Result<()> {
+        let unmapped = || MemError::Unmapped { gpa, len };
+        let end = gpa.checked_add(len as u64).ok_or_else(unmapped)?;
+        let remote = self.remote.as_deref();
+        let piece_at = |a: u64| -> Option<(Piece<'_>, u64)> {
+            if let Some(r) = self.mapped.find_region(GuestAddress(a)) {
+                let off = MemoryRegionAddress(a - r.start_addr().0);
+                return Some((Piece::Mapped(r, off), region_end(r)));
+            }
+            let e = remote?.end_of(a)?;
+            Some((Piece::Remote(&*remote?.port), e))
+        };
+        // Check the whole range first: a failed access does nothing.
+        let mut a = gpa;
+        while a < end {
+            let (_, e) = piece_at(a).ok_or_else(unmapped)?;
+            a = e.min(end);
+        }
+        let mut a = gpa;
+        while a < end {
+            let (p, e) = piece_at(a).ok_or_else(unmapped)?;
+            let n = (e.min(end) - a) as usize;
+            f(p, a, (a - gpa) as usize, n)?;
+            a += n as u64;
+        }
+        Ok(())
+    }
+
+    /// Reads `buf.len()` bytes at `gpa`.
+    pub fn read_slice(&self, buf: &mut [u8], gpa: u64) -> Result<()> {
+        match &self.remote {
+            None => {
+                self.mapped.read_slice(buf, GuestAddress(gpa)).map_err(|_| MemError::Unmapped { gpa, len: buf.len() })
+            }
+            Some(_) => {
+                let len = buf.len();
+                self.walk(gpa, len, |p, a, off, n| match p {
+                    Piece::Mapped(r, ra) => {
+                        r.read_slice(&mut buf[off..off + n], ra).map_err(|_| MemError::Unmapped { gpa: a, len: n })
+                    }
+                    Piece::Remote(port) => port.read(a, &mut buf[off..off + n]),
+                })
+            }
+        }
+    }
+
+    /// Writes `data` at `gpa`.
+    pub fn write_slice(&self, data: &[u8], gpa: u64) -> Result<()> {
+        match &self.remote {
+            None => self
+                .mapped
+                .write_slice(data, GuestAddress(gpa))
+                .map_err(|_| MemError::Unmapped { gpa, len: data.len() }),
+            Some(_) => self.walk(gpa, data.len(), |p, a, off, n| match p {
+                Piece::Mapped(r, ra) => {
+                    r.write_slice(&data[off..off + n], ra).map_err(|_| MemError::Unmapped { gpa: a, len: n })
+                }
+                Piece::Remote(port) => port.write(a, &data[off..off + n]),
+            }),
+        }
+    }
+
+    /// Reads a plain value (little endian on this host) at `gpa`.
+    pub fn read_obj<T: ByteValued + Default>(&self, gpa: u64) -> Result<T> {
+        let mut v = T::default();
+        self.read_slice(v.as_mut_slice(), gpa)?;
+        Ok(v)
+    }
+
+    /// An aligned 32-bit load with `order` (mapped), or a 4-byte DMA read.
+    pub fn load_u32(&self, gpa: u64, order: Ordering) -> Result<u32> {
+        if !gpa.is_multiple_of(4) {
+            return Err(MemError::Misaligned { gpa, len: 4 });
+        }
+        match self.mapped.load::<u32>(GuestAddress(gpa), order) {
+            Ok(v) => Ok(v),
+            Err(_) if self.remote.is_some() => self.read_obj::<u32>(gpa),
+            Err(_) => Err(MemError::Unmapped { gpa, len: 4 }),
+        }
+    }
+
+    /// An aligned 32-bit store with `order` (mapped), or a 4-byte DMA write.
+    pub fn store_u32(&self, v: u32, gpa: u64, order: Ordering) -> Result<()> {
+        if !gpa.is_multiple_of(4) {
+            return Err(MemError::Misaligned { gpa, len: 4 });
+        }
+        match self.mapped.store(v, GuestAddress(gpa), order) {
+            Ok(()) => Ok(()),
+            Err(_) if self.remote.is_some() => self.write_slice(&v.to_le_bytes(), gpa),
+            Err(_) => Err(MemError::Unmapped { gpa, len: 4 }),
+        }
+    }
+
+    /// Writes `head` at `gpa`, then stores `last` right after it with
+    /// release ordering, so that whoever sees `last` sees `head` (a
+    /// completion entry whose last dword carries the phase tag). Mapped:
+    /// one region lookup. Remote: two DMA writes, in that order.
+    pub fn write_then_release_u32(&self, head: &[u8], gpa: u64, last: u32) -> Result<()> {
+        let len = head.len() + 4;
+        let unmapped = || MemError::Unmapped { gpa, len };
+        let tail = gpa.checked_add(head.len() as u64).ok_or_else(unmapped)?;
+        if let Ok(e) = self.mapped.get_slice(GuestAddress(gpa), len) {
+            if !tail.is_multiple_of(4) {
+                return Err(MemError::Misaligned { gpa: tail, len: 4 });
+            }
+            e.write_slice(head, 0).map_err(|_| unmapped())?;
+            return e.store(last, head.len(), Ordering::Release).map_err(|_| unmapped());
+        }
+        if !self.range_ok(gpa, len as u64) {
+            return Err(unmapped());
+        }
+        self.write_slice(head, gpa)?;
+        self.store_u32(last, tail, Ordering::Release)
+    }
+}
+
+/// True if `[s, e)` overlaps a region of `m`.
+fn overlaps_mapped(m: &GuestMemoryMmap, s: u64, e: u64) -> bool {
+    m.iter().any(|r| r.start_addr().0 < e && s < region_end(r))
+}
+
+/// A [`DmaPort`] over a plain buffer at `base`, for tests: counts its calls,
+/// and fails every access once `fail` is set.
+#[doc(hidden)]
+pub mod testing {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicU64};
+    use std::sync::Mutex;
+
+    pub struct BufferPort {
+        pub base: u64,
+        pub bytes: Mutex<Vec<u8>>,
+        pub reads: AtomicU64,
+        pub writes: AtomicU64,
+        pub fail: AtomicBool,
+    }
+
+    impl BufferPort {
+        pub fn new(base: u64, len: usize) -> Arc<Self> {
+            Arc::new(BufferPort {
+                base,
+                bytes: Mutex::new(vec![0; len]),
+                reads: AtomicU64::new(0),
+                writes: AtomicU64::new(0),
+                fail: AtomicBool::new(false),
+            })
+        }
+
+        fn at(&self, gpa: u64, len: usize) -> Result<std::ops::Range<usize>> {
+            let bad = || MemError::Remote { gpa, len, reason: "outside the test buffer".into() };
+            if self.fail.load(Ordering::Relaxed) {
+                return Err(MemError::Remote { gpa, len, reason: "the port fails".into() });
+            }
+            let off = gpa.checked_sub(self.base).ok_or_else(bad)? as usize;
+            let end = off.checked_add(len).filter(|&e| e <= crate::lock(&self.bytes).len()).ok_or_else(bad)?;
+            Ok(off..end)
+        }
+    }
+
+    impl DmaPort for BufferPort {
+        fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<()> {
+            self.reads.fetch_add(1, Ordering::Relaxed);
+            let r = self.at(gpa, buf.len())?;
+            buf.copy_from_slice(&crate::lock(&self.bytes)[r]);
+            Ok(())
+        }
+        fn write(&self, gpa: u64, data: &[u8]) -> Result<()> {
+            self.writes.fetch_add(1, Ordering::Relaxed);
+            let r = self.at(gpa, data.len())?;
+            crate::lock(&self.bytes)[r].copy_from_slice(data);
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::BufferPort;
+    use super::*;
+
+    /// Mapped 0x0..0x4000 and 0x8000..0x9000; remote 0x4000..0x6000 and 0x10000..0x11000.
+    fn mixed() -> (GuestMem, Arc<BufferPort>) {
+        let m = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x4000), (GuestAddress(0x8000), 0x1000)]).unwrap();
+        let port = BufferPort::new(0x4000, 0xd000);
+        let g = GuestMem::with_remote(m, &[(0x10000, 0x1000), (0x4000, 0x2000)], port.clone()).unwrap();
+        (g, port)
+    }
+
+    #[test]
+    fn accesses_are_routed_per_range_and_split_where_ranges_meet() {
+        let (g, port) = mixed();
+        assert!(g.address_in_range(0x3fff) && g.address_in_range(0x4000) && g.address_in_range(0x10fff));
+        assert!(!g.address_in_range(0x6000) && !g.address_in_range(0x11000));
+        // Mapped then remote, in one access.
+        let data: Vec<u8> = (0..32u8).collect();
+        g.write_slice(&data, 0x3ff0).unwrap();
+        assert_eq!(port.writes.load(Ordering::Relaxed), 1, "only the remote half is a message");
+        assert_eq!(&port.bytes.lock().unwrap()[..16], &data[16..]);
+        let mut back = [0u8; 32];
+        g.read_slice(&mut back, 0x3ff0).unwrap();
+        assert_eq!(&back[..], &data[..]);
+        assert_eq!(g.read_obj::<u64>(0x3ff8).unwrap(), u64::from_le_bytes(data[8..16].try_into().unwrap()));
+        // Atomics: mapped in place, remote as 4-byte messages.
+        g.store_u32(0xdead_beef, 0x10004, Ordering::Release).unwrap();
+        assert_eq!(g.load_u32(0x10004, Ordering::Acquire).unwrap(), 0xdead_beef);
+        g.store_u32(7, 0x8000, Ordering::Release).unwrap();
+        assert_eq!(g.mapped().load::<u32>(GuestAddress(0x8000), Ordering::Acquire).unwrap(), 7);
+        assert!(matches!(g.load_u32(0x10002, Ordering::Acquire), Err(MemError::Misaligned { .. })));
+        // Ranges: wholly inside, across a hole, wrapping.
+        assert!(g.range_ok(0x3000, 0x2000) && g.range_ok(0x10000, 0x1000) && g.range_ok(0x1000, 0));
+        assert!(!g.range_ok(0x5000, 0x2000) && !g.range_ok(u64::MAX - 1, 4));
+        assert!(g.range_mapped(0x8000, 0x1000) && !g.range_mapped(0x3000, 0x2000));
+        assert_eq!(g.remote_ranges(), &[(0x4000, 0x6000), (0x10000, 0x11000)]);
+    }
+
+    #[test]
+    fn a_failed_access_touches_nothing() {
+        let (g, port) = mixed();
+        let before = port.writes.load(Ordering::Relaxed);
+        assert!(matches!(g.write_slice(&[1; 16], 0x5ff8), Err(MemError::Unmapped { gpa: 0x5ff8, len: 16 })));
+        assert_eq!(port.writes.load(Ordering::Relaxed), before, "a range with a hole is refused before any message");
+        port.fail.store(true, Ordering::Relaxed);
+        assert!(matches!(g.read_obj::<u32>(0x4000), Err(MemError::Remote { .. })));
+        assert!(g.read_obj::<u32>(0x100).is_ok(), "mapped memory does not need the port");
+    }
+
+    #[test]
+    fn completions_store_the_last_dword_after_the_rest() {
+        let (g, port) = mixed();
+        g.write_then_release_u32(&[0xab; 12], 0x10010, 0x1234_5678).unwrap();
+        assert_eq!(port.writes.load(Ordering::Relaxed), 2, "entry, then the phase dword");
+        let mut e = [0u8; 16];
+        g.read_slice(&mut e, 0x10010).unwrap();
+        assert_eq!(&e[..12], &[0xab; 12]);
+        assert_eq!(u32::from_le_bytes(e[12..].try_into().unwrap()), 0x1234_5678);
+        g.write_then_release_u32(&[1; 12], 0x100, 9).unwrap();
+        assert_eq!(g.mapped().read_obj::<u32>(GuestAddress(0x10c)).unwrap(), 9);
+        assert!(g.write_then_release_u32(&[1; 12], 0x5ff8, 9).is_err());
+    }
+
+    #[test]
+    fn overlapping_ranges_are_refused_and_none_is_all_mapped() {
+        let m = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x4000)]).unwrap();
+        let port = BufferPort::new(0, 0x10000);
+        assert!(GuestMem::with_remote(m.clone(), &[(0x3000, 0x2000)], port.clone()).is_err(), "over mapped");
+        assert!(GuestMem::with_remote(m.clone(), &[(0x5000, 0x2000), (0x6000, 0x1000)], port.clone()).is_err());
+        assert!(GuestMem::with_remote(m.clone(), &[(0x5000, 0)], port.clone()).is_err(), "empty");
+        let g = GuestMem::with_remote(m, &[], port).unwrap();
+        assert!(g.remote_ranges().is_empty() && !g.is_empty());
+        assert!(GuestMem::default().is_empty());
+    }
+}
