@@ -36,6 +36,11 @@ for t in "${targets[@]}"; do
   [ -f "fuzz/fuzz_targets/$t.rs" ] || { echo "fuzz: no target $t (fuzz/fuzz_targets/$t.rs)" >&2; exit 2; }
 done
 
+# libfuzzer-sys compiles libFuzzer (C++) with the host's compiler.
+if ! command -v c++ >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++
+fi
+
 # Stable rustc takes -Zsanitizer, -Cpasses=sancov-module... only with RUSTC_BOOTSTRAP.
 export RUSTC_BOOTSTRAP=1
 triple=$(rustc -vV | sed -n 's/^host: //p')

@@ -301,6 +301,22 @@ fn nvme(o: &mut Out) {
         &nv::encode(nv::SETUP_BRING_UP, &image, &[Op::Doorbell { idx: 0, v: 1 }, Op::Doorbell { idx: 1, v: 1 }]),
     );
 
+    // Part of RAM reached by message (a vfio-user client without a memory fd): the same I/O,
+    // a write straddling remote and mapped pages, the third pair with its CQ remote, and a
+    // client that stops answering.
+    let mut remote = rw.clone();
+    let (cq3, sq3) = (nv::iocq(3), nv::iosq(3));
+    remote.extend(admin(0x05, 0, cq3, 0, [3 | qsize, 1 | 2, 0, 0, 0, 0]));
+    remote.extend(admin(0x01, 0, sq3, 0, [3 | qsize, 1 | 3 << 16, 0, 0, 0, 0]));
+    remote.extend(io(0x01, 0x27000, 0x28000, [0, 0, 15, 0, 0, 0]));
+    let cid3 = next();
+    remote.push(Op::Submit { q: 3, sqe: sqe(0x02, cid3, 1, 0x27800, 0x28000, [0, 0, 7, 0, 0, 0]) });
+    remote.push(Op::Reap { q: 3 });
+    remote.push(Op::PortFail { on: true });
+    remote.extend(io(0x02, DATA, 0, [0, 0, 0, 0, 0, 0]));
+    remote.push(Op::PortFail { on: false });
+    o.put("io-remote", &nv::encode(up | nv::SETUP_REMOTE, &[], &remote));
+
     // Admin odds and ends: features, log pages (with offsets), AERs, abort, bad doorbells that
     // raise an event, queue deletion.
     let mut adm = session.clone();

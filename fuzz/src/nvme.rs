@@ -11,6 +11,11 @@
 //! it would keep: `Submit` writes a raw 64-byte SQE at its tail and rings the doorbell, `Reap`
 //! consumes completions and writes the CQ head doorbell. Nothing else in the controller is
 //! assumed: every register, doorbell and memory byte can also be written directly.
+//!
+//! With `SETUP_REMOTE` guest RAM is what a vfio-user client without a memory fd gives: the
+//! controller's `GuestMem` has `REMOTE` (the data pages, and the CQ of the third I/O queue
+//! pair) reached through a `DmaPort` (in-process and deterministic here) and the rest mapped, so
+//! queues, PRP lists and transfers can lie in, or straddle, memory reached by message.
 
 use crate::Cursor;
 
@@ -25,6 +30,8 @@ pub const ADMIN_ENTRIES: u16 = 32;
 pub const IO_ENTRIES: u16 = 16;
 /// First page of the data area (PRPs of seeds point here).
 pub const DATA: u64 = 0x20000;
+/// `SETUP_REMOTE`: the range reached through the DMA port; the rest of RAM stays mapped.
+pub const REMOTE: (u64, u64) = (0x17000, 0x28000);
 /// Namespace size (bytes).
 pub const NS_SIZE: u64 = 64 << 10;
 /// Most operations run per input.
@@ -52,6 +59,8 @@ pub const SETUP_IRQ_ACCEPT: u8 = 1 << 3;
 pub const SETUP_HOST_TABLE: u8 = 1 << 4;
 /// MSI-X Enable set in configuration space before the operations.
 pub const SETUP_MSIX_ON: u8 = 1 << 5;
+/// Part of RAM (`REMOTE`) reached through a DMA port instead of mapped.
+pub const SETUP_REMOTE: u8 = 1 << 6;
 
 /// CC the bring-up writes: EN, IOSQES 6, IOCQES 4.
 pub const CC_ENABLE: u32 = 0x0046_0001;
@@ -84,9 +93,12 @@ pub enum Op {
     /// DeviceModel::attach again: with the same RAM, or (`gone`) with none, as a device process
     /// does when its client leaves.
     Attach { gone: bool },
+    /// `SETUP_REMOTE`: from now on the DMA port fails every access (the client went away or
+    /// refused), or works again.
+    PortFail { on: bool },
 }
 
-pub const OPS: u8 = 12;
+pub const OPS: u8 = 13;
 
 /// The setup flags, the memory image and the operations of an input.
 pub fn decode(data: &[u8]) -> (u8, &[u8], Vec<Op>) {
@@ -126,7 +138,8 @@ fn decode_op(c: &mut Cursor) -> Option<Op> {
         }
         9 => Op::Enable { aqa: c.u32()?, cc: c.u32()? },
         10 => Op::Reset,
-        _ => Op::Attach { gone: c.u8()? & 1 != 0 },
+        11 => Op::Attach { gone: c.u8()? & 1 != 0 },
+        _ => Op::PortFail { on: c.u8()? & 1 != 0 },
     })
 }
 
@@ -185,6 +198,7 @@ pub fn encode(setup: u8, image: &[u8], ops: &[Op]) -> Vec<u8> {
             }
             Op::Reset => v.push(10),
             Op::Attach { gone } => v.extend_from_slice(&[11, *gone as u8]),
+            Op::PortFail { on } => v.extend_from_slice(&[12, *on as u8]),
         }
     }
     v
