@@ -188,17 +188,23 @@ mod tests {
         w & (1 << (vector % 32)) != 0
     }
 
-    #[test]
-    fn an_msix_vector_reaches_the_lapic_through_an_irqfd_and_stops_when_unrouted() {
+    /// A VM with an in-kernel irqchip and vCPU 0 whose LAPIC accepts fixed interrupts.
+    fn vm_with_lapic() -> (Arc<VmFd>, kvm_ioctls::VcpuFd) {
         assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing");
         let kvm = kvm_ioctls::Kvm::new().unwrap();
         let vm = Arc::new(kvm.create_vm().unwrap());
         vm.create_irq_chip().unwrap();
         let vcpu = vm.create_vcpu(0).unwrap();
-        // Software-enable the LAPIC (SVR bit 8) so it accepts fixed interrupts.
+        // Software-enable the LAPIC (SVR bit 8).
         let mut l = vcpu.get_lapic().unwrap();
         l.regs[0xf0 + 1] |= 1;
         vcpu.set_lapic(&l).unwrap();
+        (vm, vcpu)
+    }
+
+    #[test]
+    fn an_msix_vector_reaches_the_lapic_through_an_irqfd_and_stops_when_unrouted() {
+        let (vm, vcpu) = vm_with_lapic();
         let router = GsiRouter::new(vm.clone());
         let irq = VmIrq::new(vm.clone(), router.clone(), IrqLines::new(), 0);
         assert!(!irq.signal_msix(3), "an unrouted vector does not fire");
@@ -223,14 +229,7 @@ mod tests {
 
     #[test]
     fn a_masked_vector_is_held_in_its_eventfd_and_delivered_once_unmasked() {
-        assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing");
-        let kvm = kvm_ioctls::Kvm::new().unwrap();
-        let vm = Arc::new(kvm.create_vm().unwrap());
-        vm.create_irq_chip().unwrap();
-        let vcpu = vm.create_vcpu(0).unwrap();
-        let mut l = vcpu.get_lapic().unwrap();
-        l.regs[0xf0 + 1] |= 1;
-        vcpu.set_lapic(&l).unwrap();
+        let (vm, vcpu) = vm_with_lapic();
         let irq = VmIrq::new(vm.clone(), GsiRouter::new(vm.clone()), IrqLines::new(), 1);
         let settle = || std::thread::sleep(std::time::Duration::from_millis(20));
         irq.msix_route(2, Some((0xfee0_0000, 0x51)));
