@@ -6,6 +6,23 @@
 //! regions, ioregionfd) or as absolute addresses decoded through the BARs the
 //! client programmed (mpqemu), and guest memory is built from the fds the
 //! client passes.
+//!
+//! # Shared memory that may shrink (SIGBUS policy)
+//!
+//! A mapping of a file that is truncated under it faults with SIGBUS on the
+//! next access, which would kill the process. So:
+//! - every memfd iopath creates is sealed against shrinking (F_SEAL_SHRINK,
+//!   and F_SEAL_GROW where its size is final; created with
+//!   MFD_ALLOW_SEALING): guest RAM (`vmm/src/memory.rs`) and NVMe's BAR0
+//!   (`devices/src/nvme/doorbells.rs`), whose doorbell page clients map;
+//! - a device process maps a client's fd only if it cannot shrink under us:
+//!   its seals (F_GET_SEALS) include F_SEAL_SHRINK ([`cannot_shrink`]). No
+//!   other kind of fd is trusted (a regular file or a memfd without the seal
+//!   can be truncated by whoever else holds it). Otherwise vfio-user treats
+//!   the map as one without an fd (reached with DMA_READ/DMA_WRITE through
+//!   the session link), logging once per client why; mpqemu, which has no
+//!   such fallback, refuses the SYNC_SYSMEM and closes the channel with a log
+//!   line naming the client, as for any bad message.
 
 use crate::{Error, Result};
 use iopath_devices::pci::ConfigSpace;
@@ -120,6 +137,16 @@ pub struct SharedRegion {
     pub size: u64,
     pub offset: u64,
     pub file: File,
+}
+
+/// True if `file` cannot shrink under a mapping of it: its seals include
+/// F_SEAL_SHRINK (a memfd sealed so). Files that cannot be sealed report no
+/// seals, so this is false for them.
+pub fn cannot_shrink(file: &File) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: F_GET_SEALS on an fd we own; no memory is passed.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    seals >= 0 && seals & libc::F_SEAL_SHRINK != 0
 }
 
 /// Maps the regions a client passed as one guest memory, in any order

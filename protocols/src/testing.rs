@@ -25,10 +25,25 @@ pub fn memfd(name: &str) -> File {
     unsafe { File::from_raw_fd(fd) }
 }
 
+/// A memfd of `len` bytes sealed against shrinking, as iopath's guest RAM
+/// is and as device processes require before they map a client's fd.
+pub fn sealed_memfd(name: &str, len: u64) -> File {
+    use std::os::fd::AsRawFd;
+    let name = std::ffi::CString::new(name).unwrap();
+    // SAFETY: memfd_create with a valid name; the fd is checked and then owned by the File.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_ALLOW_SEALING) };
+    assert!(fd >= 0);
+    // SAFETY: a fresh fd nothing else owns.
+    let f = unsafe { File::from_raw_fd(fd) };
+    f.set_len(len).unwrap();
+    // SAFETY: F_ADD_SEALS on an fd we own.
+    assert!(unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } == 0);
+    f
+}
+
 /// A memfd-backed guest memory and an INTx pair, as the VMM gives a proxy.
 pub fn vmm_context() -> (DeviceContext, EventFd) {
-    let memfd = memfd("ram");
-    memfd.set_len(1 << 20).unwrap();
+    let memfd = sealed_memfd("ram", 1 << 20);
     let mem = map_guest_memory(vec![SharedRegion { gpa: 0, size: 1 << 20, offset: 0, file: memfd }]).unwrap();
     let lines = IrqLines::new();
     let trigger = EventFd::new(EFD_NONBLOCK).unwrap();

@@ -32,11 +32,14 @@ fn socket_path() -> PathBuf {
 /// An empty memfd of `len` bytes.
 fn memfd(len: u64) -> File {
     // SAFETY: memfd_create with a NUL-terminated name; the fd is checked, then owned by the File.
-    let fd = unsafe { libc::memfd_create(c"proxy-test".as_ptr(), 0) };
+    let fd = unsafe { libc::memfd_create(c"proxy-test".as_ptr(), libc::MFD_ALLOW_SEALING) };
     assert!(fd >= 0);
     // SAFETY: a fresh fd nothing else owns.
     let f = unsafe { File::from_raw_fd(fd) };
     f.set_len(len).unwrap();
+    // Sealed against shrinking, as device processes require before they map it.
+    // SAFETY: F_ADD_SEALS on an fd we own.
+    assert!(unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } == 0);
     f
 }
 

@@ -377,18 +377,25 @@ impl Core {
     }
 }
 
-/// BAR0 as a memfd, mapped here at "address" 0, for the bar doorbell mode.
+/// BAR0 as a memfd, mapped here at "address" 0, for the bar doorbell mode;
+/// sealed against shrinking and growing.
 pub(super) fn bar_memory() -> Result<(GuestMemoryMmap, std::fs::File)> {
     use std::os::fd::FromRawFd;
     let name = std::ffi::CString::new("iopath-nvme-bar0").unwrap();
     // SAFETY: memfd_create with a valid name; the fd is owned by the File.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(Error::io("nvme: memfd_create", std::io::Error::last_os_error()));
     }
     // SAFETY: a fresh descriptor nobody else owns.
     let f = unsafe { std::fs::File::from_raw_fd(fd) };
     f.set_len(BAR0_SIZE).map_err(|e| Error::io("nvme: doorbell page size", e))?;
+    // Its size is final; a client that maps it (and the device processes'
+    // own check) must not see it shrink: a truncated mapping is SIGBUS.
+    // SAFETY: F_ADD_SEALS on an fd we own; no memory is passed.
+    if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) } < 0 {
+        return Err(Error::io("nvme: sealing BAR0", std::io::Error::last_os_error()));
+    }
     let fo = vm_memory::FileOffset::new(f.try_clone().map_err(|e| Error::io("nvme: doorbell page fd", e))?, 0);
     let region = vm_memory::MmapRegion::from_file(fo, BAR0_SIZE as usize)
         .map_err(|e| Error::Host(format!("nvme: mmap of the doorbell page: {e}")))?;
@@ -396,4 +403,15 @@ pub(super) fn bar_memory() -> Result<(GuestMemoryMmap, std::fs::File)> {
         .ok_or_else(|| Error::Host("nvme: doorbell page region".into()))?;
     let m = GuestMemoryMmap::from_regions(vec![r]).map_err(|e| Error::Host(format!("nvme: doorbell page: {e}")))?;
     Ok((m, f))
+}
+
+#[cfg(test)]
+mod bar_memory_tests {
+    #[test]
+    fn bar0_memfd_refuses_to_shrink_or_grow() {
+        let (_mem, f) = super::bar_memory().unwrap();
+        assert_eq!(f.set_len(0).unwrap_err().raw_os_error(), Some(libc::EPERM), "shrink");
+        assert_eq!(f.set_len(super::BAR0_SIZE * 2).unwrap_err().raw_os_error(), Some(libc::EPERM), "grow");
+        assert_eq!(f.metadata().unwrap().len(), super::BAR0_SIZE);
+    }
 }

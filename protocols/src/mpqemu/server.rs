@@ -6,7 +6,7 @@
 //! message that breaks the protocol ends the session with an error naming it.
 
 use super::wire::{recv, send, Msg};
-use crate::function::{map_guest_memory, no_memory, PciFunction, SharedRegion};
+use crate::function::{cannot_shrink, map_guest_memory, no_memory, PciFunction, SharedRegion};
 use crate::transport::Server;
 use crate::{Error, Result};
 use iopath_devices::irq::IrqLines;
@@ -104,7 +104,19 @@ impl Session<'_> {
     }
 
     /// Guest RAM as the client shares it: the device is attached again with it.
+    /// Each fd must be sealed against shrinking (`function`'s SIGBUS policy;
+    /// mpqemu has no way to reach memory but mapping it): otherwise the
+    /// channel closes.
     fn sync_sysmem(&mut self, regions: &[super::wire::SysmemRegion], files: Vec<File>) -> Result<()> {
+        if let Some((r, _)) = regions.iter().zip(&files).find(|(_, f)| !cannot_shrink(f)) {
+            let e = format!(
+                "SYNC_SYSMEM: the fd of guest RAM at {:#x} is not sealed against shrinking (F_SEAL_SHRINK); \
+                 refused (a truncation would kill this process with SIGBUS)",
+                r.gpa
+            );
+            log::error!("mpqemu {}: {e}", self.peer);
+            return Err(Error::protocol(e));
+        }
         let shared = regions
             .iter()
             .zip(files)

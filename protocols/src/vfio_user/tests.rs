@@ -4,7 +4,7 @@
 use super::wire::*;
 use super::{recv, send, IoFds, Received, VfioUserProxy, VfioUserServer};
 use crate::function::PciFunction;
-use crate::testing::{device_intx_reaches, memfd, testdev, vmm_context};
+use crate::testing::{device_intx_reaches, sealed_memfd, testdev, vmm_context};
 use crate::transport::Server;
 use crate::{Error, Result};
 use iopath_devices::irq::IrqLines;
@@ -165,8 +165,7 @@ fn hostile_requests_get_error_replies_and_the_session_goes_on() {
     short.truncate(18);
     assert!(c.call(Command::RegionWrite as u16, &short, &[]).is_error(), "data shorter than count");
     // A memfd shorter than the mapping it claims is refused, not mapped.
-    let memfd = memfd("short");
-    memfd.set_len(4096).unwrap();
+    let memfd = sealed_memfd("short", 4096);
     let map = DmaMap { flags: 3, offset: 0, address: 0, size: 1 << 20 };
     assert!(c.call(Command::DmaMap as u16, &map.to_bytes(), &[memfd.as_raw_fd()]).is_error());
     let ok_map = DmaMap { flags: 3, offset: 0, address: 0x10000, size: 4096 };

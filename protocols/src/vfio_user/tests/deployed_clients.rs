@@ -7,7 +7,7 @@
 use super::super::wire::*;
 use super::super::{recv, send, IoFds, VfioUserServer};
 use crate::function::PciFunction;
-use crate::testing::memfd;
+use crate::testing::sealed_memfd;
 use crate::transport::Server;
 use crate::Result;
 use iopath_devices::irq::IrqLines;
@@ -97,9 +97,7 @@ fn serve(device: &str) -> (Client, Arc<IrqLines>, JoinHandle<Result<()>>) {
 }
 
 fn ram(len: u64) -> File {
-    let f = memfd("ram");
-    f.set_len(len).unwrap();
-    f
+    sealed_memfd("ram", len)
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {

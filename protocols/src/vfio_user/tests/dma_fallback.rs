@@ -13,7 +13,7 @@
 use super::super::wire::*;
 use super::super::{recv, send, IoFds, Received, VfioUserServer};
 use crate::function::PciFunction;
-use crate::testing::memfd;
+use crate::testing::sealed_memfd;
 use crate::transport::Server;
 use crate::Result;
 use iopath_devices::irq::IrqLines;
@@ -195,8 +195,7 @@ impl Driver {
 
     /// Queues in an fd-backed map at FD_BASE instead (data stays without an fd).
     fn queues_in_an_fd_map(&mut self) {
-        let f = memfd("queues");
-        f.set_len(0x4000).unwrap();
+        let f = sealed_memfd("queues", 0x4000);
         let map = DmaMap { flags: 3, offset: 0, address: FD_BASE, size: 0x4000 };
         self.c.ok(Command::DmaMap, &map.to_bytes(), &[f.as_raw_fd()]);
         self.queues = [FD_BASE, FD_BASE + 0x1000, FD_BASE + 0x2000, FD_BASE + 0x3000];

@@ -1,0 +1,178 @@
+//! A client that shrinks memory it shared must not kill the device process
+//! with SIGBUS (the policy is in `function`'s module doc). The servers run
+//! in this test process: a SIGBUS would kill the test binary.
+//! - vfio-user: a DMA_MAP whose memfd is not sealed against shrinking is not
+//!   mmapped; the client truncates it and an NVMe Identify writes there: the
+//!   access goes through DMA_WRITE (which this client never answers) and the
+//!   command completes with an error. A sealed memfd is mapped as before,
+//!   and cannot be shrunk.
+//! - mpqemu: SYNC_SYSMEM with an unsealed fd closes the channel; a sealed
+//!   one is taken.
+
+use iopath_devices::irq::IrqLines;
+use iopath_devices::testdev::PciTestDev;
+use iopath_protocols::function::{cannot_shrink, PciFunction};
+use iopath_protocols::mpqemu::wire::{recv, send, Msg, SysmemRegion};
+use iopath_protocols::mpqemu::MpqemuServer;
+use iopath_protocols::serve::{run, Listen, ServeOptions};
+use iopath_protocols::Server;
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+use vfio_user::Client;
+
+/// A memfd of `len` bytes, sealed against shrinking if `sealed`.
+fn memfd(len: u64, sealed: bool) -> File {
+    // SAFETY: memfd_create with a NUL-terminated name; the fd is checked, then owned by the File.
+    let fd = unsafe { libc::memfd_create(c"sigbus-test".as_ptr(), libc::MFD_ALLOW_SEALING) };
+    assert!(fd >= 0);
+    // SAFETY: a fresh fd nothing else owns.
+    let f = unsafe { File::from_raw_fd(fd) };
+    f.set_len(len).unwrap();
+    if sealed {
+        // SAFETY: F_ADD_SEALS on an fd we own.
+        assert_eq!(unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) }, 0);
+    }
+    f
+}
+
+/// Runs `f` on its own thread under a deadline.
+fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(v) => v,
+        Err(mpsc::RecvTimeoutError::Timeout) => panic!("{what}: timed out"),
+        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("{what}: the client thread panicked"),
+    }
+}
+
+fn serve(device: &str, name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("iopath-sigbus-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("vfio-user.sock");
+    let o = ServeOptions {
+        device: device.parse().unwrap(),
+        transport: iopath_protocols::transport("vfio-user").unwrap(),
+        listen: Listen::Socket(path.clone()),
+        once: true,
+    };
+    std::thread::spawn(move || {
+        let _ = run(&o);
+    });
+    path
+}
+
+fn connect(path: &Path) -> Client {
+    let t0 = Instant::now();
+    loop {
+        if path.exists() {
+            if let Ok(c) = Client::new(path) {
+                return c;
+            }
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "the server never listened");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Queues in a sealed memfd at `QGPA`; Identify's data buffer in `data` at `DGPA`.
+const QGPA: u64 = 0x10_0000;
+const DGPA: u64 = 0x40_0000;
+const ACQ: u64 = 0x1000;
+
+/// Maps `data` (sealed or not), shrinks it if it can, then runs Identify
+/// into it with the doorbell page shared (the device's poller does the DMA).
+/// Returns the completion status and whether the shrink worked.
+fn identify_into(data_sealed: bool, name: &'static str) -> (u16, bool, File) {
+    let path = serve("nvme,doorbell=bar,size_mb=1", name);
+    within(name, move || {
+        let mut c = connect(&path);
+        let ram = memfd(1 << 16, true);
+        let data = memfd(0x1000, data_sealed);
+        c.dma_map(0, QGPA, 1 << 16, ram.as_raw_fd()).unwrap();
+        c.dma_map(0, DGPA, 0x1000, data.as_raw_fd()).unwrap();
+        let shrunk = match data.set_len(0) {
+            Ok(()) => true,
+            Err(e) => {
+                assert_eq!(e.raw_os_error(), Some(libc::EPERM));
+                false
+            }
+        };
+        assert_eq!(cannot_shrink(&data), data_sealed);
+        c.region_write(0, 0x24, &(15u32 << 16 | 15).to_le_bytes()).unwrap();
+        c.region_write(0, 0x28, &QGPA.to_le_bytes()).unwrap();
+        c.region_write(0, 0x30, &(QGPA + ACQ).to_le_bytes()).unwrap();
+        c.region_write(0, 0x14, &0x0046_0001u32.to_le_bytes()).unwrap();
+        let mut sqe = [0u8; 64];
+        sqe[0] = 0x06;
+        sqe[2..4].copy_from_slice(&0x42u16.to_le_bytes());
+        sqe[24..32].copy_from_slice(&DGPA.to_le_bytes());
+        sqe[40] = 1; // CNS 1: controller
+        ram.write_all_at(&sqe, 0).unwrap();
+        c.region_write(0, 0x1000, &1u32.to_le_bytes()).unwrap();
+        let mut cqe = [0u8; 16];
+        let t0 = Instant::now();
+        loop {
+            ram.read_exact_at(&mut cqe, ACQ).unwrap();
+            if cqe[14] & 1 == 1 {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "no completion");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(u16::from_le_bytes([cqe[12], cqe[13]]), 0x42, "command id");
+        // The client may now have an unanswered DMA request in its socket:
+        // it leaves without another call.
+        (u16::from_le_bytes([cqe[14], cqe[15]]) >> 1, shrunk, data)
+    })
+}
+
+#[test]
+fn vfio_user_an_unsealed_dma_map_truncated_by_the_client_gives_an_nvme_error_not_sigbus() {
+    let (status, shrunk, _) = identify_into(false, "unsealed");
+    assert!(shrunk, "an unsealed memfd can shrink");
+    assert_ne!(status, 0, "Identify into memory the device could not reach fails");
+}
+
+#[test]
+fn vfio_user_a_sealed_dma_map_is_mapped_and_cannot_shrink() {
+    let (status, shrunk, data) = identify_into(true, "sealed");
+    assert!(!shrunk, "ftruncate of a sealed memfd fails with EPERM");
+    assert_eq!(status, 0);
+    let mut vid = [0u8; 2];
+    data.read_exact_at(&mut vid, 0).unwrap();
+    assert_eq!(u16::from_le_bytes(vid), 0x1234, "Identify data written through the mapping");
+}
+
+#[test]
+fn mpqemu_sync_sysmem_with_an_unsealed_fd_closes_the_channel_and_a_sealed_one_is_taken() {
+    let session = |sealed: bool| {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let f = Arc::new(Mutex::new(PciFunction::new(Arc::new(Mutex::new(PciTestDev::new()))).unwrap()));
+        let h = std::thread::spawn(move || MpqemuServer::new(f, IrqLines::new()).session(&b, "hostile"));
+        let ram = memfd(1 << 20, sealed);
+        let regions = vec![SysmemRegion { gpa: 0, size: 1 << 20, offset: 0 }];
+        send(&a, &Msg::SyncSysmem(regions), &[ram.as_raw_fd()], "SYNC_SYSMEM").unwrap();
+        if !sealed {
+            ram.set_len(0).unwrap();
+        }
+        let _ = send(&a, &Msg::CfgRead { addr: 0, len: 4 }, &[], "CFGREAD");
+        let reply = recv(&a).ok().flatten().map(|(m, _)| m);
+        drop(a);
+        (reply, h.join().unwrap())
+    };
+    let (reply, r) = session(false);
+    assert!(reply.is_none(), "no reply after an unsealed SYNC_SYSMEM: {reply:?}");
+    let e = r.unwrap_err().to_string();
+    assert!(e.contains("not sealed"), "{e}");
+    let (reply, r) = session(true);
+    assert!(matches!(reply, Some(Msg::Ret(0x0005_1b36))), "{reply:?}");
+    r.unwrap();
+}
