@@ -8,7 +8,7 @@
 
 use std::fs::File;
 use std::io::{self, IoSlice, Read, Write};
-use std::os::fd::{FromRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -63,30 +63,76 @@ pub fn send(sock: &UnixStream, parts: &[&[u8]], fds: &[RawFd]) -> io::Result<()>
     Ok(())
 }
 
+/// Bytes of control buffer for exactly [`MAX_FDS`] descriptors, in 8-byte
+/// words so it is aligned for `cmsghdr`. The kernel installs no more fds
+/// than fit (it closes the rest and sets MSG_CTRUNC), so a bigger buffer
+/// (CMSG_SPACE rounding up) must not be handed to it.
+const CMSG_WORDS: usize = (std::mem::size_of::<libc::cmsghdr>() + MAX_FDS * std::mem::size_of::<RawFd>()).div_ceil(8);
+
+/// One recvmsg into `iov` with SCM_RIGHTS fds: bytes read, the fds (owned
+/// at once, so every path closes them), and whether the kernel had to drop
+/// control data (MSG_CTRUNC).
+fn recv_with_fds(sock: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Vec<File>, bool)> {
+    let mut cbuf = [0u64; CMSG_WORDS];
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: an all-zero msghdr is valid (no name, no iovec, no control).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    // Room for MAX_FDS fds and no more (see CMSG_WORDS).
+    msg.msg_controllen = (std::mem::size_of::<libc::cmsghdr>() + MAX_FDS * std::mem::size_of::<RawFd>()) as _;
+    let n = loop {
+        // SAFETY: msg points at `iov` (into `buf`, borrowed mutably) and at
+        // `cbuf`, both alive for the call, with their lengths.
+        let r = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if r >= 0 {
+            break r as usize;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    };
+    let mut files = Vec::new();
+    // SAFETY: the CMSG_* walk stays within msg_control/msg_controllen as
+    // the kernel filled them in; each SCM_RIGHTS payload is an array of
+    // fds that recvmsg installed for us and nothing else owns.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let len = (*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                let data = libc::CMSG_DATA(c).cast::<RawFd>();
+                for i in 0..len / std::mem::size_of::<RawFd>() {
+                    files.push(File::from_raw_fd(data.add(i).read_unaligned()));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    Ok((n, files, msg.msg_flags & libc::MSG_CTRUNC != 0))
+}
+
 /// Reads exactly `buf.len()` bytes; fds that arrive with them are returned.
 /// End of stream before the first byte is `UnexpectedEof` with no data read.
+/// More than [`MAX_FDS`] fds (the kernel truncated the control data) is
+/// `InvalidData`; every fd received is closed on an error.
 pub fn recv_exact(sock: &UnixStream, buf: &mut [u8]) -> io::Result<Vec<File>> {
     if buf.is_empty() {
         return Ok(Vec::new()); // a zero-length recvmsg would wait for data
     }
-    spin_until_readable(std::os::fd::AsRawFd::as_raw_fd(sock));
-    let mut fds = [-1 as RawFd; MAX_FDS + 1];
-    let mut iov = [libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() }];
-    // SAFETY: the iovec points into `buf`, which is borrowed mutably for the call.
-    let (n, nfds) = loop {
-        match unsafe { sock.recv_with_fds(&mut iov, &mut fds) } {
-            Ok(r) => break r,
-            Err(e) if e.errno() == libc::EINTR => continue,
-            Err(e) => return Err(io::Error::from_raw_os_error(e.errno())),
-        }
-    };
-    // SAFETY: recvmsg gave us these `nfds` descriptors; nothing else owns them.
-    let files: Vec<File> = fds[..nfds].iter().map(|&fd| unsafe { File::from_raw_fd(fd) }).collect();
-    if n == 0 && !buf.is_empty() {
+    spin_until_readable(sock.as_raw_fd());
+    let (n, files, truncated) = recv_with_fds(sock, buf)?;
+    if n == 0 {
         return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the socket"));
     }
-    if nfds > MAX_FDS {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{nfds} fds with one message")));
+    if truncated || files.len() > MAX_FDS {
+        let what = if truncated { "control data truncated".to_string() } else { format!("{}", files.len()) };
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("more than {MAX_FDS} fds with one message ({what})"),
+        ));
     }
     (&*sock).read_exact(&mut buf[n..])?;
     Ok(files)
@@ -95,7 +141,6 @@ pub fn recv_exact(sock: &UnixStream, buf: &mut [u8]) -> io::Result<Vec<File>> {
 /// True once the peer has closed its end (POLLHUP/POLLRDHUP), without
 /// consuming any data. `timeout_ms` as for poll(2).
 pub fn peer_closed(sock: &UnixStream, timeout_ms: i32) -> bool {
-    use std::os::fd::AsRawFd;
     let mut p = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
     // SAFETY: one valid pollfd on the stack.
     let r = unsafe { libc::poll(&mut p, 1, timeout_ms) };
@@ -105,7 +150,6 @@ pub fn peer_closed(sock: &UnixStream, timeout_ms: i32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::fd::AsRawFd;
 
     #[test]
     fn header_body_and_fds_arrive_together() {
