@@ -49,3 +49,118 @@ fn scm_rights_over_the_limit_is_refused_and_leaks_no_fd() {
         assert_eq!(after, before, "{n} fds: {} fd(s) leaked", after as isize - before as isize);
     }
 }
+
+mod hostile_server {
+    use iopath_protocols::socket;
+    use iopath_protocols::vfio_user::wire::*;
+    use std::os::unix::net::UnixStream;
+
+    /// A vfio-user server that advertises a 4 GiB max_data_xfer_size and,
+    /// on every REGION_READ, first asks the client to DMA_READ `dma_count`
+    /// bytes. Returns the replies' (error flag, errno, payload length).
+    pub fn serve(sock: UnixStream, dma_count: u64) -> Vec<(bool, u32, usize)> {
+        let mut seen = Vec::new();
+        let mut next_id = 0x4000u16;
+        loop {
+            let mut h = [0u8; HEADER_SIZE];
+            if socket::recv_exact(&sock, &mut h).is_err() {
+                return seen;
+            }
+            let hdr = Header::parse(&h);
+            let mut payload = vec![0u8; hdr.payload_len().unwrap()];
+            socket::recv_exact(&sock, &mut payload).unwrap();
+            let body = match hdr.command().unwrap() {
+                Command::Version => {
+                    let caps = Capabilities { max_data_xfer_size: u32::MAX, max_msg_fds: 16, ..Default::default() };
+                    Version { major: 0, minor: 2, capabilities: Some(caps) }.to_bytes()
+                }
+                Command::DeviceGetInfo => {
+                    DeviceInfo { argsz: 16, flags: DEVICE_FLAGS_PCI, num_regions: 9, num_irqs: 5 }.to_bytes()
+                }
+                Command::DeviceGetIrqInfo => {
+                    let q = IrqInfo::parse(&payload).unwrap();
+                    IrqInfo { argsz: 16, flags: IRQ_INFO_EVENTFD, index: q.index, count: 0 }.to_bytes()
+                }
+                Command::DeviceGetRegionInfo => {
+                    let q = RegionInfo::parse(&payload).unwrap();
+                    let size = if q.index == 0 { 0x1000 } else { 0 };
+                    let flags = REGION_INFO_FLAG_READ | REGION_INFO_FLAG_WRITE;
+                    RegionInfoReply::new(q.index, flags, size, 0, None).to_bytes()
+                }
+                Command::RegionRead => {
+                    let q = RegionAccess::parse(&payload).unwrap();
+                    if q.region == 0 {
+                        next_id = next_id.wrapping_add(1);
+                        let a = DmaAccess { address: 0, count: dma_count }.to_bytes();
+                        socket::send(&sock, &[&message(next_id, Command::DmaRead, FLAGS_TYPE_COMMAND, &a)], &[])
+                            .unwrap();
+                        let mut rh = [0u8; HEADER_SIZE];
+                        socket::recv_exact(&sock, &mut rh).unwrap();
+                        let r = Header::parse(&rh);
+                        let mut rp = vec![0u8; r.payload_len().unwrap()];
+                        socket::recv_exact(&sock, &mut rp).unwrap();
+                        assert_eq!(r.msg_id, next_id);
+                        seen.push((r.is_error(), r.error_no, rp.len()));
+                    }
+                    RegionAccess::to_bytes_with_data(q.offset, q.region, &vec![0u8; q.count as usize])
+                }
+                Command::RegionWrite => RegionAccess::parse_with_data(&payload).unwrap().0.to_bytes(),
+                Command::DmaMap | Command::DeviceSetIrqs | Command::DeviceReset => vec![],
+                _ => {
+                    socket::send(&sock, &[&error_reply(&hdr, libc::ENOSYS)], &[]).unwrap();
+                    continue;
+                }
+            };
+            socket::send(&sock, &[&reply(&hdr, &body)], &[]).unwrap();
+        }
+    }
+}
+
+/// Peak resident set of this process, in KiB.
+fn vm_hwm_kib() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    let l = s.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    l.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// Proxy DMA bound: a server that advertises 4 GiB transfers and asks the
+/// VMM for a 1 GiB DMA_READ gets an error reply (the proxy's own 1 MiB
+/// limit), not a 1 GiB buffer; a read within the limit is still answered.
+#[test]
+fn proxy_refuses_a_dma_read_beyond_its_own_transfer_limit() {
+    use iopath_devices::{DeviceContext, DeviceModelMut, FailFn};
+    use iopath_protocols::function::{map_guest_memory, SharedRegion};
+    use iopath_protocols::vfio_user::VfioUserProxy;
+    use std::sync::Arc;
+
+    for (count, want_error) in [(1u64 << 30, true), (4096, false)] {
+        let (a, b) = UnixStream::pair().unwrap();
+        let h = std::thread::spawn(move || hostile_server::serve(b, count));
+        let mut p = VfioUserProxy::connect(a, None).unwrap();
+        let ram = memfd();
+        ram.set_len(1 << 20).unwrap();
+        let mem = map_guest_memory(vec![SharedRegion { gpa: 0, size: 1 << 20, offset: 0, file: ram }]).unwrap();
+        let fail: FailFn = Arc::new(|m: String| panic!("the proxy failed: {m}"));
+        let irq = Arc::new(iopath_devices::NoInterrupts);
+        p.attach(DeviceContext { mem: mem.into(), ioevents: Arc::new(iopath_devices::NoIoEvents), irq, fail });
+        let hwm = vm_hwm_kib();
+        let mut d = [0u8; 4];
+        p.bar_read(0, 0, &mut d);
+        let grew = vm_hwm_kib().saturating_sub(hwm);
+        drop(p);
+        let seen = h.join().unwrap();
+        assert_eq!(seen.len(), 1, "one DMA_READ asked");
+        let (err, errno, len) = seen[0];
+        if want_error {
+            assert!(err, "a {count}-byte DMA_READ was answered with {len} bytes");
+            assert!(
+                errno == libc::E2BIG as u32 || errno == libc::EINVAL as u32,
+                "errno {errno}: expected E2BIG/EINVAL (a bound check, not a failed read of a huge buffer)"
+            );
+        } else {
+            assert!(!err, "a {count}-byte DMA_READ within the limit was refused (errno {errno})");
+            assert_eq!(len, 16 + count as usize);
+        }
+        assert!(grew < 64 << 10, "peak RSS grew by {grew} KiB");
+    }
+}

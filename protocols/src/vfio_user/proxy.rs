@@ -149,7 +149,9 @@ impl VfioUserProxy {
         if theirs.major != VERSION_MAJOR || theirs.minor > VERSION_MINOR {
             return Err(Error::protocol(format!("server speaks version {}.{}", theirs.major, theirs.minor)));
         }
-        p.max_xfer = theirs.caps().max_data_xfer_size;
+        // The server's DMA_READ/DMA_WRITE are bounded by what this side
+        // proposed, not by the peer's own (up to 4 GiB) advertisement.
+        p.max_xfer = theirs.caps().max_data_xfer_size.min(caps.max_data_xfer_size);
         // GET_REGION_IO_FDS is optional, and asking a server that does not
         // know it can cost the session: the rust-vmm `vfio_user` crate's
         // Server (0.1.7) answers an unknown or unsupported command (6, 14,
@@ -333,14 +335,16 @@ impl VfioUserProxy {
         }
     }
 
-    /// Answers a server's DMA_READ/DMA_WRITE from guest RAM, bounds-checked.
+    /// Answers a server's DMA_READ/DMA_WRITE from guest RAM, bounds-checked;
+    /// more than the proxy's own transfer limit is E2BIG (no buffer made).
     pub(super) fn serve_dma(&mut self, m: &Received) -> Vec<u8> {
         self.dma_requests += 1;
         let Some(mem) = &self.mem else { return error_reply(&m.hdr, libc::EFAULT) };
         let max = self.max_xfer as u64;
         match m.hdr.command() {
             Some(Command::DmaRead) => match DmaAccess::parse(&m.payload) {
-                Ok(a) if a.count <= max => {
+                Ok(a) if a.count > max => error_reply(&m.hdr, libc::E2BIG),
+                Ok(a) => {
                     let mut buf = vec![0u8; a.count as usize];
                     match mem.read_slice(&mut buf, GuestAddress(a.address)) {
                         Ok(()) => reply(&m.hdr, &DmaAccess::to_bytes_with_data(a.address, &buf)),
@@ -350,7 +354,8 @@ impl VfioUserProxy {
                 _ => error_reply(&m.hdr, libc::EINVAL),
             },
             Some(Command::DmaWrite) => match DmaAccess::parse_with_data(&m.payload) {
-                Ok((a, data)) if a.count <= max => match mem.write_slice(data, GuestAddress(a.address)) {
+                Ok((a, _)) if a.count > max => error_reply(&m.hdr, libc::E2BIG),
+                Ok((a, data)) => match mem.write_slice(data, GuestAddress(a.address)) {
                     Ok(()) => reply(&m.hdr, &DmaAccess { address: a.address, count: a.count }.to_bytes()),
                     Err(_) => error_reply(&m.hdr, libc::EFAULT),
                 },
