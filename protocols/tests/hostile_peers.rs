@@ -17,7 +17,7 @@ fn open_fds() -> usize {
 
 fn memfd() -> File {
     // SAFETY: a NUL-terminated name; the new fd is owned at once.
-    let fd = unsafe { libc::memfd_create(c"hostile".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(c"hostile".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
     // SAFETY: a fresh fd nothing else owns.
     unsafe { File::from_raw_fd(fd) }
@@ -163,4 +163,110 @@ fn proxy_refuses_a_dma_read_beyond_its_own_transfer_limit() {
         }
         assert!(grew < 64 << 10, "peak RSS grew by {grew} KiB");
     }
+}
+
+/// One request/reply on a raw vfio-user socket: (error flag, errno, payload).
+fn vfio_request(
+    sock: &UnixStream,
+    id: u16,
+    cmd: iopath_protocols::vfio_user::wire::Command,
+    payload: &[u8],
+    fds: &[RawFd],
+) -> (bool, u32, Vec<u8>) {
+    use iopath_protocols::vfio_user::wire::*;
+    socket::send(sock, &[&message(id, cmd, FLAGS_TYPE_COMMAND, payload)], fds).unwrap();
+    let mut h = [0u8; HEADER_SIZE];
+    socket::recv_exact(sock, &mut h).unwrap();
+    let r = Header::parse(&h);
+    let mut p = vec![0u8; r.payload_len().unwrap()];
+    socket::recv_exact(sock, &mut p).unwrap();
+    assert_eq!(r.msg_id, id);
+    (r.is_error(), r.error_no, p)
+}
+
+const D10_CHILD: &str = "IOPATH_HOSTILE_DMA_MAPS_CHILD";
+
+/// D10, run in a child process whose RLIMIT_NOFILE is 256: a client maps
+/// sealed memfds until the server refuses; the refusal is ENOSPC at or
+/// before the advertised max_dma_maps, never EMFILE or a dead session, and
+/// every accepted map is still usable (the device sees the new memory).
+#[test]
+fn dma_maps_are_refused_with_enospc_within_the_advertised_count() {
+    if std::env::var_os(D10_CHILD).is_some() {
+        return dma_maps_child();
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "dma_maps_are_refused_with_enospc_within_the_advertised_count", "--nocapture"])
+        .env(D10_CHILD, "1")
+        .output()
+        .unwrap();
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "child failed:\n{log}");
+    assert!(log.contains("1 passed"), "{log}");
+}
+
+fn dma_maps_child() {
+    use iopath_protocols::serve::{run, Listen, ServeOptions};
+    use iopath_protocols::vfio_user::wire::*;
+
+    let lim = libc::rlimit { rlim_cur: 256, rlim_max: 256 };
+    // SAFETY: a valid rlimit; this child process is only this test.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+    let dir = std::env::temp_dir().join(format!("iopath-hostile-d10-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("vfio-user.sock");
+    let o = ServeOptions {
+        device: "pci-testdev".parse().unwrap(),
+        transport: iopath_protocols::transport("vfio-user").unwrap(),
+        listen: Listen::Socket(path.clone()),
+        once: true,
+    };
+    let server = std::thread::spawn(move || run(&o));
+    let t0 = std::time::Instant::now();
+    let sock = loop {
+        if let Ok(s) = UnixStream::connect(&path) {
+            break s;
+        }
+        assert!(t0.elapsed().as_secs() < 10, "the server never listened");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    let caps = Capabilities { max_msg_fds: 16, max_dma_maps: 65535, ..Default::default() };
+    let v = Version { major: VERSION_MAJOR, minor: VERSION_MINOR, capabilities: Some(caps) };
+    let (err, _, p) = vfio_request(&sock, 1, Command::Version, &v.to_bytes(), &[]);
+    assert!(!err);
+    let advertised = Version::parse(&p).unwrap().caps().max_dma_maps as usize;
+    let mut accepted = 0usize;
+    let mut id = 1u16;
+    loop {
+        assert!(accepted <= advertised, "{accepted} maps accepted, more than the {advertised} advertised");
+        let f = memfd();
+        f.set_len(4096).unwrap();
+        // SAFETY: F_ADD_SEALS on an fd we own.
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        assert_eq!(unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, seals) }, 0);
+        let flags = DMA_MAP_FLAG_READ | DMA_MAP_FLAG_WRITE;
+        let m = DmaMap { flags, offset: 0, address: (accepted as u64) << 12, size: 4096 };
+        id = id.wrapping_add(1);
+        let (err, errno, _) = vfio_request(&sock, id, Command::DmaMap, &m.to_bytes(), &[f.as_raw_fd()]);
+        drop(f); // the client keeps no fd: the server's budget is what counts
+        if err {
+            assert_eq!(errno, libc::ENOSPC as u32, "map {accepted} refused with errno {errno}, not ENOSPC");
+            break;
+        }
+        accepted += 1;
+        assert!(accepted < 100_000);
+    }
+    assert!(accepted > 0 && accepted <= advertised, "{accepted} accepted, {advertised} advertised");
+    // The session is alive and the maps are there: unmapping each works.
+    for i in 0..accepted {
+        id = id.wrapping_add(1);
+        let u = DmaUnmap::new(0, (i as u64) << 12, 4096);
+        let (err, errno, _) = vfio_request(&sock, id, Command::DmaUnmap, &u.to_bytes(), &[]);
+        assert!(!err, "unmap {i}: errno {errno}");
+    }
+    drop(sock);
+    server.join().unwrap().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    eprintln!("{accepted} maps accepted of {advertised} advertised");
 }

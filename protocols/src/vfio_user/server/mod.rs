@@ -66,6 +66,25 @@ const SERVER_CAPS: Capabilities = Capabilities {
     write_multiple: true,
 };
 
+/// Fds kept free for everything but DMA maps (sockets, eventfds, the
+/// device's own files, logs).
+const FD_RESERVE: u64 = 128;
+
+/// How many DMA maps this process can hold, one fd each: the soft
+/// RLIMIT_NOFILE less [`FD_RESERVE`] and the fds open now, at most
+/// SERVER_CAPS' count and at least 1. Advertised in VERSION and enforced
+/// (ENOSPC), so a client meets a refusal before EMFILE.
+fn dma_map_budget() -> u32 {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit fills the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return SERVER_CAPS.max_dma_maps;
+    }
+    let open = std::fs::read_dir("/proc/self/fd").map(|d| d.count() as u64).unwrap_or(0);
+    let free = lim.rlim_cur.saturating_sub(open).saturating_sub(FD_RESERVE);
+    free.clamp(1, SERVER_CAPS.max_dma_maps as u64) as u32
+}
+
 /// Ioeventfds the device asked for, kept to announce with GET_REGION_IO_FDS.
 #[derive(Default)]
 struct Announced(Mutex<Vec<(IoEventSpec, EventFd)>>);
@@ -304,9 +323,11 @@ impl Session<'_> {
         // The answer is a subset of the proposal (absent keys: the spec's
         // defaults), and always carries JSON: rust-vmm's client needs it.
         let proposed = v.caps();
-        let caps = SERVER_CAPS.answer(&proposed).ok_or_else(|| {
+        let mut caps = SERVER_CAPS.answer(&proposed).ok_or_else(|| {
             Error::protocol(format!("client page sizes {:#x}: none of 4 KiB or more", proposed.pgsizes))
         })?;
+        // Each map with an fd holds that fd: promise only what fits.
+        caps.max_dma_maps = caps.max_dma_maps.min(dma_map_budget());
         (self.versioned, self.client, self.caps) = (true, proposed, caps);
         self.link.set_max_xfer(caps.max_data_xfer_size);
         let mine = Version { major: VERSION_MAJOR, minor: v.minor.min(VERSION_MINOR), capabilities: Some(caps) };
