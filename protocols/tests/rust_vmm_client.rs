@@ -17,12 +17,10 @@
 //!   and every scenario runs under a deadline.
 //! - `resettable()` is the inverse of DEVICE_FLAGS_RESET.
 
-use iopath_protocols::serve::{run, Listen, ServeOptions};
-use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd};
+mod common;
+use common::{connect, memfd, serve, within};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use vfio_user::Client;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -34,65 +32,6 @@ const REGION_MMAP: u32 = 4;
 const IRQ_EVENTFD: u32 = 1;
 const SET_DATA_EVENTFD: u32 = 1 << 2;
 const SET_ACTION_TRIGGER: u32 = 1 << 5;
-
-/// Runs `f` on its own thread; a client stuck on a reply it misread fails
-/// the test instead of hanging it.
-fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(v) => v,
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("{what}: the rust-vmm client hung (an error reply?)"),
-        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("{what}: the client thread panicked"),
-    }
-}
-
-/// `iopath serve DEVICE --transport vfio-user --socket PATH`, one client.
-fn serve(device: &str, name: &str) -> (PathBuf, std::thread::JoinHandle<()>) {
-    let dir = std::env::temp_dir().join(format!("iopath-rust-vmm-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("vfio-user.sock");
-    let o = ServeOptions {
-        device: device.parse().unwrap(),
-        transport: iopath_protocols::transport("vfio-user").unwrap(),
-        listen: Listen::Socket(path.clone()),
-        once: true,
-    };
-    (path, std::thread::spawn(move || run(&o).unwrap()))
-}
-
-/// Connects once the server listens (VERSION and every region's info are
-/// part of `Client::new`).
-fn connect(path: &Path) -> Client {
-    let t0 = Instant::now();
-    loop {
-        if path.exists() {
-            match Client::new(path) {
-                Ok(c) => return c,
-                Err(vfio_user::Error::Connect(_)) => {}
-                Err(e) => panic!("connecting: {e}"),
-            }
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "the server never listened on {}", path.display());
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-fn memfd(len: u64) -> File {
-    // SAFETY: memfd_create with a valid NUL-terminated name; the fd is checked and then owned.
-    let fd = unsafe { libc::memfd_create(c"guest-ram".as_ptr(), libc::MFD_ALLOW_SEALING) };
-    assert!(fd >= 0);
-    // SAFETY: a fresh fd nothing else owns.
-    let f = unsafe { File::from_raw_fd(fd) };
-    f.set_len(len).unwrap();
-    // Sealed against shrinking, as device processes require before they map it.
-    // SAFETY: F_ADD_SEALS on an fd we own.
-    assert!(unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } == 0);
-    f
-}
 
 fn read32(c: &mut Client, region: u32, offset: u64) -> u32 {
     let mut b = [0u8; 4];
@@ -139,7 +78,7 @@ fn rust_vmm_client_drives_pci_testdev() {
         c.region_read(1, 1, &mut b).unwrap();
         assert_eq!(b, [1], "width");
         // Guest RAM: map a memfd and take it back (the only map, then two).
-        let ram = memfd(2 << 20);
+        let ram = memfd(2 << 20, true);
         c.dma_map(0, 0x10_0000, 1 << 20, ram.as_raw_fd()).unwrap();
         c.dma_unmap(0x10_0000, 1 << 20).unwrap();
         c.dma_map(1 << 20, 0x20_0000, 1 << 20, ram.as_raw_fd()).unwrap();
@@ -189,7 +128,7 @@ fn nvme(doorbell: &'static str) {
         }
         // Guest RAM, and MSI-X vectors 0 and 1 as eventfds (QEMU-style: the
         // client keeps the table and never writes the controller's).
-        let ram = memfd(1 << 20);
+        let ram = memfd(1 << 20, true);
         c.dma_map(0, GPA, 1 << 20, ram.as_raw_fd()).unwrap();
         let vectors: Vec<EventFd> = (0..2).map(|_| EventFd::new(EFD_NONBLOCK).unwrap()).collect();
         let raw: Vec<i32> = vectors.iter().map(|v| v.as_raw_fd()).collect();

@@ -9,78 +9,19 @@
 //! - mpqemu: SYNC_SYSMEM with an unsealed fd closes the channel; a sealed
 //!   one is taken.
 
+mod common;
+use common::{connect, memfd, serve, within};
 use iopath_devices::irq::IrqLines;
 use iopath_devices::testdev::PciTestDev;
 use iopath_protocols::function::{cannot_shrink, PciFunction};
 use iopath_protocols::mpqemu::wire::{recv, send, Msg, SysmemRegion};
 use iopath_protocols::mpqemu::MpqemuServer;
-use iopath_protocols::serve::{run, Listen, ServeOptions};
 use iopath_protocols::Server;
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use vfio_user::Client;
-
-/// A memfd of `len` bytes, sealed against shrinking if `sealed`.
-fn memfd(len: u64, sealed: bool) -> File {
-    // SAFETY: memfd_create with a NUL-terminated name; the fd is checked, then owned by the File.
-    let fd = unsafe { libc::memfd_create(c"sigbus-test".as_ptr(), libc::MFD_ALLOW_SEALING) };
-    assert!(fd >= 0);
-    // SAFETY: a fresh fd nothing else owns.
-    let f = unsafe { File::from_raw_fd(fd) };
-    f.set_len(len).unwrap();
-    if sealed {
-        // SAFETY: F_ADD_SEALS on an fd we own.
-        assert_eq!(unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) }, 0);
-    }
-    f
-}
-
-/// Runs `f` on its own thread under a deadline.
-fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(v) => v,
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("{what}: timed out"),
-        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("{what}: the client thread panicked"),
-    }
-}
-
-fn serve(device: &str, name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("iopath-sigbus-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("vfio-user.sock");
-    let o = ServeOptions {
-        device: device.parse().unwrap(),
-        transport: iopath_protocols::transport("vfio-user").unwrap(),
-        listen: Listen::Socket(path.clone()),
-        once: true,
-    };
-    std::thread::spawn(move || {
-        let _ = run(&o);
-    });
-    path
-}
-
-fn connect(path: &Path) -> Client {
-    let t0 = Instant::now();
-    loop {
-        if path.exists() {
-            if let Ok(c) = Client::new(path) {
-                return c;
-            }
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "the server never listened");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
 
 /// Queues in a sealed memfd at `QGPA`; Identify's data buffer in `data` at `DGPA`.
 const QGPA: u64 = 0x10_0000;
@@ -91,7 +32,7 @@ const ACQ: u64 = 0x1000;
 /// into it with the doorbell page shared (the device's poller does the DMA).
 /// Returns the completion status and whether the shrink worked.
 fn identify_into(data_sealed: bool, name: &'static str) -> (u16, bool, File) {
-    let path = serve("nvme,doorbell=bar,size_mb=1", name);
+    let (path, _server) = serve("nvme,doorbell=bar,size_mb=1", name);
     within(name, move || {
         let mut c = connect(&path);
         let ram = memfd(1 << 16, true);

@@ -4,11 +4,12 @@
 //! libvfio-user does. No guest: the tests drive the proxy as the VMM's bus
 //! and PCI host would (`cli/tests/vfio_user_proxy.rs` boots one).
 
+mod common;
+use common::memfd;
 use iopath_devices::{DeviceContext, DeviceModelMut, FailFn, Interrupts, IoEventSpec, IoEvents, NoIoEvents};
 use iopath_protocols::function::{map_guest_memory, SharedRegion};
 use iopath_protocols::vfio_user::VfioUserProxy;
 use std::fs::File;
-use std::os::fd::FromRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -29,27 +30,14 @@ fn socket_path() -> PathBuf {
     std::env::temp_dir().join(format!("iopath-proxy-test-{}-{n}.sock", std::process::id()))
 }
 
-/// An empty memfd of `len` bytes.
-fn memfd(len: u64) -> File {
-    // SAFETY: memfd_create with a NUL-terminated name; the fd is checked, then owned by the File.
-    let fd = unsafe { libc::memfd_create(c"proxy-test".as_ptr(), libc::MFD_ALLOW_SEALING) };
-    assert!(fd >= 0);
-    // SAFETY: a fresh fd nothing else owns.
-    let f = unsafe { File::from_raw_fd(fd) };
-    f.set_len(len).unwrap();
-    // Sealed against shrinking, as device processes require before they map it.
-    // SAFETY: F_ADD_SEALS on an fd we own.
-    assert!(unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } == 0);
-    f
-}
-
 /// What the VMM gives the proxy: 1 MiB of memfd RAM, `irq`, `ioevents`, and
 /// a fail hook that records why the run would stop.
 fn context(
     irq: Arc<dyn iopath_devices::Interrupts>,
     ioevents: Arc<dyn IoEvents>,
 ) -> (DeviceContext, Arc<Mutex<Vec<String>>>) {
-    let mem = map_guest_memory(vec![SharedRegion { gpa: 0, size: 1 << 20, offset: 0, file: memfd(1 << 20) }]).unwrap();
+    let mem =
+        map_guest_memory(vec![SharedRegion { gpa: 0, size: 1 << 20, offset: 0, file: memfd(1 << 20, true) }]).unwrap();
     let fails = Arc::new(Mutex::new(Vec::new()));
     let f = fails.clone();
     let fail: FailFn = Arc::new(move |m: String| f.lock().unwrap().push(m));
@@ -505,7 +493,7 @@ impl IoEvents for Recorder {
 #[test]
 fn libvfio_user_io_fds_install_the_right_datamatch_and_unknown_types_are_skipped() {
     let (a, b) = UnixStream::pair().unwrap();
-    let (e1, e2, shadow) = (scripted::eventfd(), scripted::eventfd(), memfd(4096));
+    let (e1, e2, shadow) = (scripted::eventfd(), scripted::eventfd(), memfd(4096, true));
     let fds = [scripted::raw(&e1), scripted::raw(&e2), scripted::raw(&shadow)];
     let h = std::thread::spawn(move || scripted::serve(b, fds));
     let mut p = VfioUserProxy::connect(a, None).expect("the proxy refused libvfio-user's io fd layout");

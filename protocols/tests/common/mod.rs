@@ -1,0 +1,74 @@
+//! Helpers shared by the integration tests that drive iopath's servers as
+//! independent or hostile peers would. Each test binary uses a part of it.
+#![allow(dead_code)]
+
+use iopath_protocols::serve::{run, Listen, ServeOptions};
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+use vfio_user::Client;
+
+/// A memfd of `len` bytes, sealed against shrinking if `sealed` (device
+/// processes map only sealed fds).
+pub fn memfd(len: u64, sealed: bool) -> File {
+    // SAFETY: memfd_create with a NUL-terminated name; the fd is checked, then owned by the File.
+    let fd = unsafe { libc::memfd_create(c"iopath-test".as_ptr(), libc::MFD_ALLOW_SEALING) };
+    assert!(fd >= 0);
+    // SAFETY: a fresh fd nothing else owns.
+    let f = unsafe { File::from_raw_fd(fd) };
+    f.set_len(len).unwrap();
+    if sealed {
+        // SAFETY: F_ADD_SEALS on an fd we own.
+        assert_eq!(unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) }, 0);
+    }
+    f
+}
+
+/// Runs `f` on its own thread under a deadline: a client stuck on a reply
+/// it misread fails the test instead of hanging it.
+pub fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(v) => v,
+        Err(mpsc::RecvTimeoutError::Timeout) => panic!("{what}: the client hung (an error reply?)"),
+        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("{what}: the client thread panicked"),
+    }
+}
+
+/// `iopath serve DEVICE --transport vfio-user --socket PATH`, one client,
+/// in a thread of this process.
+pub fn serve(device: &str, name: &str) -> (PathBuf, std::thread::JoinHandle<()>) {
+    let dir = std::env::temp_dir().join(format!("iopath-peer-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("vfio-user.sock");
+    let o = ServeOptions {
+        device: device.parse().unwrap(),
+        transport: iopath_protocols::transport("vfio-user").unwrap(),
+        listen: Listen::Socket(path.clone()),
+        once: true,
+    };
+    (path, std::thread::spawn(move || run(&o).unwrap()))
+}
+
+/// Connects the rust-vmm client once the server listens (VERSION and every
+/// region's info are part of `Client::new`).
+pub fn connect(path: &Path) -> Client {
+    let t0 = Instant::now();
+    loop {
+        if path.exists() {
+            match Client::new(path) {
+                Ok(c) => return c,
+                Err(vfio_user::Error::Connect(_)) => {}
+                Err(e) => panic!("connecting: {e}"),
+            }
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "the server never listened on {}", path.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
