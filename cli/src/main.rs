@@ -6,6 +6,8 @@
 //!   iopath image --out PATH                          write the guest image (for QEMU)
 //!   iopath serve DEVICE --transport T --socket PATH  a device process (mpqemu, vfio-user, ioregionfd)
 
+mod logging;
+
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use iopath_bench::exits::{exit_devices, run_exits, ExitsOptions};
@@ -330,7 +332,7 @@ fn run_guest(a: RunArgs) -> anyhow::Result<i32> {
 }
 
 fn main() {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    logging::init();
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Bench(a) => bench(a),
