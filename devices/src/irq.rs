@@ -14,16 +14,45 @@
 //! its eventfd arrives is held here and signalled when it does.
 
 use crate::Interrupts;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
+use std::thread::JoinHandle;
 use std::time::Duration;
-use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 struct Intx {
     trigger: EventFd,
     /// None: the host has no resampling irqfd and unmasks by value (a
     /// vfio-user client that gave a trigger eventfd only).
     resample: Option<EventFd>,
+}
+
+/// The one thread that waits on the current resample eventfd. `wake` makes
+/// it look again at what INTx is connected to; `stop` (then `wake`) ends it.
+struct Resampler {
+    wake: EventFd,
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
+impl Resampler {
+    /// Ends the thread and waits for it (unless this is that thread: the
+    /// last reference to the lines may be dropped there).
+    fn end(self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+        if self.thread.thread().id() != std::thread::current().id() {
+            let _ = self.thread.join();
+        }
+    }
+}
+
+/// INTx as connected, and the resample thread serving it.
+#[derive(Default)]
+struct IntxState {
+    line: Option<Arc<Intx>>,
+    resampler: Option<Resampler>,
 }
 
 /// MSI-X as a client set it up.
@@ -38,14 +67,13 @@ struct Msix {
 
 #[derive(Default)]
 pub struct IrqLines {
-    intx: Mutex<Option<Arc<Intx>>>,
+    intx: Mutex<IntxState>,
     level: AtomicBool,
     /// INTx masked by the client (vfio-user SET_IRQS ACTION_MASK).
     masked: AtomicBool,
     msix: Mutex<Msix>,
     /// Interrupts signalled (INTx assertions and MSI-X messages).
     pub signalled: AtomicU64,
-    generation: AtomicU64,
 }
 
 impl IrqLines {
@@ -53,59 +81,76 @@ impl IrqLines {
         Arc::new(IrqLines::default())
     }
 
-    /// Connects INTx. With a `resample` eventfd a thread waits on it and
-    /// re-asserts while the device's level stays high; it ends when INTx is
-    /// replaced or dropped. Without one there is no thread: the host unmasks
-    /// by value ([`mask_intx`](Self::mask_intx)), which re-asserts.
+    /// Connects INTx. With a `resample` eventfd one thread per `IrqLines`
+    /// waits on it and re-asserts while the device's level stays high:
+    /// started on first need, switched to the new fd by later calls (a
+    /// client repeating SET_IRQS or SET_IRQFD starts no thread), ended by
+    /// [`clear_intx`](Self::clear_intx), a connection without resample, or
+    /// the drop of the lines. Without one the host unmasks by value
+    /// ([`mask_intx`](Self::mask_intx)), which re-asserts.
     pub fn connect_intx(self: &Arc<Self>, trigger: EventFd, resample: Option<EventFd>) {
-        let gen = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
         let has_resample = resample.is_some();
-        let intx = Arc::new(Intx { trigger, resample });
-        *self.intx.lock().unwrap() = Some(intx.clone());
+        let mut g = self.intx.lock().unwrap();
+        g.line = Some(Arc::new(Intx { trigger, resample }));
         if !has_resample {
+            let r = g.resampler.take();
+            drop(g);
+            if let Some(r) = r {
+                r.end();
+            }
             return;
         }
-        let weak = Arc::downgrade(self);
-        let spawned = std::thread::Builder::new().name("intx-resample".into()).spawn(move || loop {
-            let Some(resample) = intx.resample.as_ref() else { return };
-            let ready = poll_in(resample, 200);
-            let Some(lines) = weak.upgrade() else { return };
-            if lines.generation.load(Ordering::Acquire) != gen {
-                return;
-            }
-            let high = lines.level.load(Ordering::Acquire) && !lines.masked.load(Ordering::Acquire);
-            if ready && resample.read().is_ok() && high {
-                let _ = intx.trigger.write(1);
-                lines.signalled.fetch_add(1, Ordering::Relaxed);
-            }
-        });
-        if let Err(e) = spawned {
-            log::error!("cannot start the INTx resample thread: {e}");
+        if let Some(r) = g.resampler.as_ref().filter(|r| !r.thread.is_finished()) {
+            // The thread waits on the new fd from its next look.
+            let _ = r.wake.write(1);
+            return;
         }
+        if let Some(dead) = g.resampler.take() {
+            dead.end(); // over already (it panicked): joined at once
+        }
+        match self.start_resampler() {
+            Ok(r) => g.resampler = Some(r),
+            Err(e) => log::error!("cannot start the INTx resample thread: {e}"),
+        }
+    }
+
+    fn start_resampler(self: &Arc<Self>) -> std::io::Result<Resampler> {
+        let wake = EventFd::new(EFD_NONBLOCK)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (w, s, lines) = (wake.try_clone()?, stop.clone(), Arc::downgrade(self));
+        let thread =
+            std::thread::Builder::new().name("intx-resample".into()).spawn(move || resample_loop(lines, w, s))?;
+        Ok(Resampler { wake, stop, thread })
     }
 
     /// Masks or unmasks INTx; unmasking re-asserts a line that is still high.
     pub fn mask_intx(&self, mask: bool) {
         let was = self.masked.swap(mask, Ordering::AcqRel);
         if was && !mask && self.level.load(Ordering::Acquire) {
-            if let Some(i) = self.intx.lock().unwrap().as_ref() {
+            if let Some(i) = self.intx.lock().unwrap().line.as_ref() {
                 let _ = i.trigger.write(1);
                 self.signalled.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
 
-    /// Disconnects INTx (its resample thread ends).
+    /// Disconnects INTx; its resample thread ends before this returns.
     pub fn clear_intx(&self) {
-        self.generation.fetch_add(1, Ordering::AcqRel);
         self.masked.store(false, Ordering::Release);
-        *self.intx.lock().unwrap() = None;
+        let r = {
+            let mut g = self.intx.lock().unwrap();
+            g.line = None;
+            g.resampler.take()
+        };
+        if let Some(r) = r {
+            r.end();
+        }
     }
 
     /// Copies of the INTx (trigger, resample) fds, to hand to another process.
     pub fn intx_fds(&self) -> Option<(EventFd, EventFd)> {
         let g = self.intx.lock().unwrap();
-        let i = g.as_ref()?;
+        let i = g.line.as_ref()?;
         Some((i.trigger.try_clone().ok()?, i.resample.as_ref()?.try_clone().ok()?))
     }
 
@@ -139,8 +184,63 @@ impl IrqLines {
     }
 }
 
+impl Drop for IrqLines {
+    fn drop(&mut self) {
+        let r = self.intx.get_mut().unwrap_or_else(|e| e.into_inner()).resampler.take();
+        if let Some(r) = r {
+            r.end();
+        }
+    }
+}
+
+/// The resample thread: waits on `wake` and the current resample eventfd,
+/// and asserts again when the guest's EOI comes while the level is high
+/// and INTx unmasked. A resample fd that hangs up or fails (not an eventfd:
+/// a peer's pipe) is no longer waited on, with a log line, until INTx is
+/// connected again.
+fn resample_loop(lines: Weak<IrqLines>, wake: EventFd, stop: Arc<AtomicBool>) {
+    let mut broken: Option<Arc<Intx>> = None;
+    while !stop.load(Ordering::Acquire) {
+        let Some(l) = lines.upgrade() else { return };
+        let current = l.intx.lock().unwrap().line.clone();
+        drop(l);
+        let Some(intx) = current else { return };
+        if broken.as_ref().is_some_and(|b| !Arc::ptr_eq(b, &intx)) {
+            broken = None; // connected again
+        }
+        let resample = intx.resample.as_ref().filter(|_| !broken.as_ref().is_some_and(|b| Arc::ptr_eq(b, &intx)));
+        let mut p = [
+            libc::pollfd { fd: wake.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: resample.map_or(-1, |r| r.as_raw_fd()), events: libc::POLLIN, revents: 0 },
+        ];
+        // SAFETY: two valid pollfds on the stack (a negative fd is skipped);
+        // both fds stay open while `wake` and `intx` are held.
+        if unsafe { libc::poll(p.as_mut_ptr(), 2, -1) } < 0 {
+            continue; // EINTR
+        }
+        if p[0].revents != 0 {
+            let _ = wake.read();
+            continue; // look again at what INTx is connected to
+        }
+        let Some(resample) = resample.filter(|_| p[1].revents != 0) else { continue };
+        let failed = match resample.read() {
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+            Ok(_) => false,
+        };
+        if failed || p[1].revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+            log::warn!("the INTx resample fd hung up or is not an eventfd; no longer waited on");
+            broken = Some(intx);
+            continue;
+        }
+        let Some(lines) = lines.upgrade() else { return };
+        if lines.level.load(Ordering::Acquire) && !lines.masked.load(Ordering::Acquire) {
+            let _ = intx.trigger.write(1);
+            lines.signalled.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
 fn poll_in(fd: &EventFd, timeout_ms: i32) -> bool {
-    use std::os::fd::AsRawFd;
     let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
     // SAFETY: one valid pollfd on the stack.
     unsafe { libc::poll(&mut p, 1, timeout_ms) > 0 }
@@ -150,7 +250,7 @@ impl Interrupts for IrqLines {
     fn set_intx(&self, level: bool) {
         let was = self.level.swap(level, Ordering::AcqRel);
         if level && !was && !self.masked.load(Ordering::Acquire) {
-            if let Some(i) = self.intx.lock().unwrap().as_ref() {
+            if let Some(i) = self.intx.lock().unwrap().line.as_ref() {
                 let _ = i.trigger.write(1);
                 self.signalled.fetch_add(1, Ordering::Relaxed);
             }
@@ -189,7 +289,6 @@ impl Interrupts for IrqLines {
 pub fn eventfd_from(f: std::fs::File) -> EventFd {
     // Non-blocking: a peer that hands over something that is not an eventfd
     // (a full pipe) must not block the device thread that signals it.
-    use std::os::fd::AsRawFd;
     // SAFETY: fcntl on an fd we own.
     unsafe {
         let fl = libc::fcntl(f.as_raw_fd(), libc::F_GETFL);
@@ -210,7 +309,7 @@ pub fn wait_readable(fd: &EventFd, timeout: Duration) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vmm_sys_util::eventfd::EFD_NONBLOCK;
+    use std::os::fd::FromRawFd;
 
     #[test]
     fn intx_asserts_on_the_rising_edge_and_again_after_resample_while_high() {
@@ -228,6 +327,41 @@ mod tests {
         res.write(1).unwrap();
         assert!(!wait_readable(&trig, Duration::from_millis(300)), "low level: no re-assert");
         lines.clear_intx();
+    }
+
+    #[test]
+    fn reconnecting_intx_moves_the_one_resample_thread_to_the_new_fds() {
+        let lines = IrqLines::new();
+        let trig = EventFd::new(EFD_NONBLOCK).unwrap();
+        let old: Vec<EventFd> = (0..50).map(|_| EventFd::new(EFD_NONBLOCK).unwrap()).collect();
+        for r in &old {
+            lines.connect_intx(trig.try_clone().unwrap(), Some(r.try_clone().unwrap()));
+        }
+        let res = EventFd::new(EFD_NONBLOCK).unwrap();
+        lines.connect_intx(trig.try_clone().unwrap(), Some(res.try_clone().unwrap()));
+        Interrupts::set_intx(&*lines, true);
+        assert_eq!(trig.read().unwrap(), 1);
+        old[0].write(1).unwrap(); // a replaced resample fd does nothing
+        assert!(!wait_readable(&trig, Duration::from_millis(300)));
+        res.write(1).unwrap();
+        assert!(wait_readable(&trig, Duration::from_secs(2)), "the current resample fd re-asserts");
+        assert_eq!(trig.read().unwrap(), 1);
+        // A pipe given as the resample fd that hangs up is dropped, not spun on.
+        let mut p = [0i32; 2];
+        // SAFETY: pipe2 fills two fds, owned just below.
+        assert_eq!(unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_NONBLOCK) }, 0);
+        // SAFETY: fresh fds nothing else owns.
+        let (r, w) = unsafe { (std::fs::File::from_raw_fd(p[0]), std::fs::File::from_raw_fd(p[1])) };
+        lines.connect_intx(trig.try_clone().unwrap(), Some(eventfd_from(r)));
+        drop(w);
+        std::thread::sleep(Duration::from_millis(50)); // the thread sees the hang-up
+        lines.connect_intx(trig.try_clone().unwrap(), Some(res.try_clone().unwrap()));
+        res.write(1).unwrap();
+        assert!(wait_readable(&trig, Duration::from_secs(2)), "a hung-up fd did not stop the thread");
+        assert_eq!(trig.read().unwrap(), 1);
+        lines.clear_intx();
+        res.write(1).unwrap();
+        assert!(!wait_readable(&trig, Duration::from_millis(300)), "cleared: no re-assert");
     }
 
     #[test]

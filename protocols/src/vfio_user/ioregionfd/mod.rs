@@ -14,7 +14,8 @@
 //! vfio-user messages on the same session. So the transports "ioregionfd"
 //! and "ioregionfd-posted" are the vfio-user proxy and server with a
 //! different [`IoFds`] offer; this module owns only what ioregionfd adds:
-//! the codec ([`wire`]), the region server thread ([`spawn_server`]) and the
+//! the codec ([`wire`]), the region server thread ([`spawn_server`]; a
+//! session's regions and their threads end with the session) and the
 //! region client ([`RegionClient`]).
 //!
 //! Upstream KVM has no KVM_SET_IOREGION (0x49 is KVM_SET_USER_MEMORY_REGION2
@@ -28,8 +29,8 @@ mod server;
 pub mod wire;
 
 pub use client::RegionClient;
-pub(crate) use server::offer;
 pub use server::spawn_server;
+pub(crate) use server::Region;
 
 use super::{IoFds, VfioUserProxy, VfioUserServer};
 use crate::function::PciFunction;

@@ -23,6 +23,7 @@ mod region;
 
 pub use link::{DmaStats, DMA_TIMEOUT};
 
+use super::ioregionfd::Region;
 use super::wire::{self, error_reply, fixed_part, Capabilities, Command, DeviceInfo, Version};
 use super::wire::{DEFAULT_MAX_DATA_XFER_SIZE, INFO16_SIZE, VERSION_MAJOR, VERSION_MINOR};
 use super::wire::{DEVICE_FLAGS_PCI, DEVICE_FLAGS_RESET, PCI_NUM_IRQS, PCI_NUM_REGIONS};
@@ -33,6 +34,7 @@ use crate::{Error, Result};
 use iopath_devices::irq::IrqLines;
 use iopath_devices::{DeviceContext, GuestMem, IoEventSpec, IoEvents, NoIoEvents};
 use link::Link;
+use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::mpsc::{channel, Receiver};
@@ -174,6 +176,7 @@ impl Server for VfioUserServer {
             dma: Vec::new(),
             remote_logged: false,
             intx: (None, None),
+            regions: BTreeMap::new(),
         };
         let r = s.run();
         // Over (the client left, or the channel is closed on an error):
@@ -183,6 +186,8 @@ impl Server for VfioUserServer {
             let _ = sock.shutdown(std::net::Shutdown::Both);
             let _ = reader.join();
         }
+        // The session's ioregionfd regions are shut down and their threads
+        // joined: a client's old region fd no longer reaches the device.
         drop(s);
         // Disconnect: drop DMA and IRQ fds; the device keeps its state.
         self.function().attach(self.context(no_memory().into()));
@@ -217,6 +222,9 @@ struct Session<'a> {
     remote_logged: bool,
     /// INTx trigger and unmask (resample) eventfds, as SET_IRQS gave them.
     intx: (Option<EventFd>, Option<EventFd>),
+    /// The ioregionfd region of each BAR the client asked for (one thread
+    /// each); dropped, they are shut down and their threads joined.
+    regions: BTreeMap<u8, Region>,
 }
 
 /// A handler's answer: a payload with the fds it hands out, or an errno.

@@ -35,8 +35,10 @@ impl Session<'_> {
         Ok(Reply::Data(reply.to_bytes(), vec![OwnedFd::from(first.fd)]))
     }
 
-    /// The BAR's announced ioeventfds, or a new ioregionfd region, by the
-    /// server's [`IoFds`].
+    /// The BAR's announced ioeventfds, or its ioregionfd region, by the
+    /// server's [`IoFds`]. A BAR has one region per session, made on the
+    /// first request: a repeated request hands out another copy of its fd
+    /// (a new region only if the client broke the old one's rules).
     pub(super) fn region_io_fds(&mut self, m: &Received) -> Result<Reply> {
         no_fds(m)?;
         let q = IoFdsRequest::parse(fixed_part(&m.payload, INFO16_SIZE))?;
@@ -62,7 +64,14 @@ impl Session<'_> {
                 }
             }
             IoFds::IoRegionFds { posted } => {
-                let (entry, theirs) = ioregionfd::offer(self.srv.f.clone(), spec, posted)?;
+                let region = match self.regions.remove(&spec.index) {
+                    Some(r) if r.served() => r,
+                    old => {
+                        drop(old); // its thread is over: joined
+                        ioregionfd::Region::new(self.srv.f.clone(), spec, posted)?
+                    }
+                };
+                let (entry, theirs) = self.regions.entry(spec.index).or_insert(region).offer()?;
                 entries.push(entry);
                 fds.push(theirs);
             }
