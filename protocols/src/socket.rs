@@ -14,10 +14,14 @@
 //! whatever the timeout, for a server between two requests of a client that
 //! may legitimately be idle. Once the first byte has come, the rest must come
 //! within the read timeout in all, however the peer splits it (a peer that
-//! trickles a byte at a time gains nothing). The hot path costs no syscall
-//! more than before: the whole message is usually there, and the deadline is
-//! only computed (one getsockopt) when the rest is not. An idle server wakes
-//! once per read timeout, finds nothing and waits again.
+//! trickles a byte at a time gains nothing).
+//!
+//! Why this way: the hot path costs no syscall more than a plain blocking
+//! read (a poll(-1) before each message would cost one per message): the
+//! first recvmsg blocks as it did, the rest is one non-blocking recv that
+//! usually takes it all, and the deadline is only computed (one getsockopt)
+//! when the rest is not there yet. The price is that an idle server wakes
+//! once per read timeout (seconds), finds nothing and waits again.
 
 use std::fs::File;
 use std::io::{self, IoSlice, Write};
