@@ -30,6 +30,7 @@
 //! once, one at a time, each within `refusal`: the transport says so
 //! ([`Transport::refuse`]: vfio-user answers its first message with EBUSY),
 //! the connection is closed and logged. It never waits in the backlog.
+//! Neither a dropped nor a refused connection prints a counters line.
 
 use crate::function::PciFunction;
 use crate::process::disconnect_report;
@@ -92,6 +93,7 @@ pub struct ServeOptions {
     /// Keep the device state from one client to the next instead of
     /// resetting the function (a client that reconnects).
     pub keep_state: bool,
+    /// Bounds on a client's stalls (`iopath serve` takes the defaults).
     pub timeouts: Timeouts,
 }
 
