@@ -53,16 +53,25 @@ struct ServeArgs {
     #[arg(long, default_value = "vfio-user",
           value_parser = clap::builder::PossibleValuesParser::new(iopath_protocols::TRANSPORTS.iter().map(|t| t.name())))]
     transport: String,
-    /// Listen on this UNIX socket path (one client at a time; the device
-    /// state survives a client).
+    /// Listen on this UNIX socket path (one client at a time; one that comes
+    /// while another is served is refused: vfio-user answers EBUSY). Between
+    /// clients the device is reset, unless --keep-state.
     #[arg(long, value_name = "PATH", conflicts_with = "fd", required_unless_present = "fd")]
     socket: Option<PathBuf>,
     /// Serve the connected socket inherited as this fd, then exit.
     #[arg(long, value_name = "N")]
     fd: Option<i32>,
-    /// With --socket: exit after the first client.
+    /// With --socket: exit after the first client served (a connection that
+    /// sends nothing within 10 s, or is refused as busy, does not count).
     #[arg(long)]
     once: bool,
+    /// Keep the device state (registers, queues, PCI header) from one client
+    /// to the next instead of resetting the device when a client leaves: for
+    /// a client that reconnects and goes on where it was (the vfio-user
+    /// spec's live reconnect). Off by default: a new client finds a reset
+    /// device, not the queues and DMA of the last one.
+    #[arg(long)]
+    keep_state: bool,
     /// Poll the socket this long for the next request before sleeping.
     #[arg(long, default_value_t = 0, value_name = "US")]
     spin_us: u64,
@@ -197,7 +206,7 @@ struct RunArgs {
 }
 
 fn serve(a: ServeArgs) -> anyhow::Result<i32> {
-    use iopath_protocols::serve::{Listen, ServeOptions};
+    use iopath_protocols::serve::{Listen, ServeOptions, Timeouts};
     let transport = iopath_protocols::transport(&a.transport)?;
     let listen = match (a.fd, a.socket) {
         (Some(fd), _) => Listen::Fd(fd),
@@ -205,7 +214,14 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
         (None, None) => anyhow::bail!("give --socket PATH or --fd N"),
     };
     iopath_protocols::socket::set_spin(Duration::from_micros(a.spin_us));
-    let o = ServeOptions { device: a.device, transport, listen, once: a.once };
+    let o = ServeOptions {
+        device: a.device,
+        transport,
+        listen,
+        once: a.once,
+        keep_state: a.keep_state,
+        timeouts: Timeouts::default(),
+    };
     iopath_protocols::serve::run(&o)?;
     Ok(0)
 }

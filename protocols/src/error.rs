@@ -23,8 +23,9 @@ pub enum Error {
     /// The peer answered a request with an error reply.
     #[error("error reply to {command}: errno {errno}")]
     Remote { command: String, errno: u32 },
-    /// The peer did not answer in time.
-    #[error("{what}: no answer in time")]
+    /// The peer did not answer in time, or stalled inside a message, or did
+    /// not take what was sent to it in time.
+    #[error("{what}: timed out")]
     Timeout { what: String },
     /// The peer went away (closed its socket, ended), or was given up on
     /// after an earlier error.
@@ -50,12 +51,14 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     /// An I/O error: a read or write that timed out (the socket timeouts a
-    /// proxy sets) is [`Error::Timeout`], a peer that hung up is
-    /// [`Error::PeerGone`], anything else [`Error::Io`].
+    /// proxy or `iopath serve` sets: WouldBlock; a stall inside a message:
+    /// TimedOut, whose text says how far it got) is [`Error::Timeout`], a
+    /// peer that hung up is [`Error::PeerGone`], anything else [`Error::Io`].
     pub fn io(context: impl Into<String>, source: io::Error) -> Self {
         let context = context.into();
         match source.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Error::Timeout { what: context },
+            io::ErrorKind::WouldBlock => Error::Timeout { what: context },
+            io::ErrorKind::TimedOut => Error::Timeout { what: format!("{context}: {source}") },
             io::ErrorKind::UnexpectedEof | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset => {
                 Error::PeerGone(format!("{context}: {source}"))
             }

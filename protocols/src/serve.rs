@@ -1,22 +1,51 @@
 //! The device process: `iopath serve DEVICE --transport T (--socket PATH | --fd N)`.
 //!
 //! One device model, one client at a time, whatever the transport: the
-//! transport's [`Server`](crate::Server) serves each client. After each client leaves, the
-//! process prints the device's counters as one JSON line on stdout and (on a
-//! listening socket) waits for the next client with the device state kept,
-//! as the vfio-user spec asks. A protocol error closes that client's channel
-//! with a log line naming the client and the message; the process goes on.
+//! transport's [`Server`](crate::Server) serves each client. After each
+//! client leaves, the process prints the device's counters as one JSON line
+//! on stdout, then resets the function (`power_on`): the next client finds
+//! a device as after a power-on, not the queues, shadow doorbells and DMA
+//! targets the last one left. With `keep_state` (`--keep-state`) the state
+//! is kept instead, for a client that reconnects to go on where it was (the
+//! vfio-user spec's live reconnect). A protocol error closes that client's
+//! channel with a log line naming the client and the message; the process
+//! goes on.
+//!
+//! # Stalled clients
+//! A client may be idle between messages for as long as it likes (a VMM
+//! whose guest leaves the device alone); what is bounded is a stall inside
+//! the protocol ([`Timeouts`]):
+//! - a new client's first message must begin within `handshake`, or the
+//!   connection is dropped with a log line (it does not count as a client);
+//! - once a message has begun, the rest must come within `message` (the
+//!   session socket's SO_RCVTIMEO; see [`socket`](crate::socket) for how the
+//!   wait between messages escapes it at no cost per message);
+//! - the client must take what is sent to it within `send` (SO_SNDTIMEO):
+//!   a client that never reads its replies cannot block the process.
+//!
+//! The last two end the session with [`Error::Timeout`]. On a listening
+//! socket the thread `serve-acceptor` (`accept_loop` here) takes every
+//! connection: it hands the next client to the serving thread when that one
+//! is free, and refuses a client that comes while another is served at
+//! once, one at a time, each within `refusal`: the transport says so
+//! ([`Transport::refuse`]: vfio-user answers its first message with EBUSY),
+//! the connection is closed and logged. It never waits in the backlog.
+//! Neither a dropped nor a refused connection prints a counters line.
 
 use crate::function::PciFunction;
 use crate::process::disconnect_report;
-use crate::transport::Transport;
+use crate::transport::{Server, Transport};
 use crate::{Error, Result};
 use iopath_devices::irq::IrqLines;
+use iopath_devices::pci::{ConfigSpace, CONFIG_SIZE, PCI_COMMAND};
 use std::io::Write;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 pub enum Listen {
     /// An inherited, connected socket: serve it, then exit.
@@ -25,30 +54,60 @@ pub enum Listen {
     Socket(PathBuf),
 }
 
+/// How long a new client may take to send its first message.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the rest of a message may take once it has begun.
+pub const MESSAGE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a client may leave a reply (any send) untaken.
+pub const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a refused client's first message (and the refusal) may take.
+pub const REFUSAL_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Bounds on a client's stalls (see the module doc); none on its idle time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    pub handshake: Duration,
+    pub message: Duration,
+    pub send: Duration,
+    pub refusal: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            handshake: HANDSHAKE_TIMEOUT,
+            message: MESSAGE_TIMEOUT,
+            send: SEND_TIMEOUT,
+            refusal: REFUSAL_TIMEOUT,
+        }
+    }
+}
+
 pub struct ServeOptions {
     pub device: iopath_devices::DeviceConfig,
     pub transport: &'static dyn Transport,
     pub listen: Listen,
-    /// Exit after the first client (with a listening socket).
+    /// Exit after the first client served (with a listening socket; a
+    /// connection dropped at the handshake or refused does not count).
     pub once: bool,
+    /// Keep the device state from one client to the next instead of
+    /// resetting the function (a client that reconnects).
+    pub keep_state: bool,
+    /// Bounds on a client's stalls (`iopath serve` takes the defaults).
+    pub timeouts: Timeouts,
 }
 
-/// Serves until the inherited socket closes, or forever on a listening socket.
+/// Serves until the inherited socket closes, or forever on a listening
+/// socket (until the first client with `once`).
 pub fn run(o: &ServeOptions) -> Result<()> {
+    let t = &o.timeouts;
+    if [t.handshake, t.message, t.send, t.refusal].iter().any(|d| d.is_zero()) {
+        return Err(Error::Config(format!("every timeout must be more than 0: {t:?}")));
+    }
     let f = Arc::new(Mutex::new(PciFunction::new(o.device.build()?)?));
     let irq = IrqLines::new();
-    let mut server = o.transport.server(f.clone(), irq.clone())?;
-    let mut session = |sock: &UnixStream, peer: &str| {
-        if let Err(e) = server.session(sock, peer) {
-            log::error!("{} over {}: {peer}: {e}; closing its channel", o.device, o.transport.name());
-        }
-        irq.clear_intx();
-        irq.clear_msix();
-        let line = disconnect_report(o.transport.name(), o.device.name(), &iopath_devices::lock(&f).counters());
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "{line}");
-        let _ = out.flush();
-    };
+    let server = o.transport.server(f.clone(), irq.clone())?;
+    let mut host = Host { o, f, irq, server };
     match &o.listen {
         Listen::Fd(fd) => {
             if *fd < 0 {
@@ -56,25 +115,180 @@ pub fn run(o: &ServeOptions) -> Result<()> {
             }
             // SAFETY: the fd was handed to this process to own (see DeviceProcess::spawn).
             let sock = unsafe { UnixStream::from_raw_fd(*fd) };
-            session(&sock, &format!("fd {fd}"));
+            host.client(sock, &format!("fd {fd}"), || {});
+            Ok(())
         }
         Listen::Socket(path) => {
             if path.exists() && UnixStream::connect(path).is_err() {
                 let _ = std::fs::remove_file(path);
             }
-            let l =
-                UnixListener::bind(path).map_err(|e| Error::io(format!("cannot listen on {}", path.display()), e))?;
+            let l = Arc::new(
+                UnixListener::bind(path).map_err(|e| Error::io(format!("cannot listen on {}", path.display()), e))?,
+            );
             eprintln!("iopath serve: {} over {} on {}", o.device, o.transport.name(), path.display());
-            for (n, conn) in l.incoming().enumerate() {
-                match conn {
-                    Ok(sock) => session(&sock, &format!("client {} on {}", n + 1, path.display())),
-                    Err(e) => log::warn!("accept on {}: {e}", path.display()),
+            let (tx, rx) = sync_channel(1);
+            let (busy, stop) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+            let acceptor = {
+                let (l, busy, stop, where_) = (l.clone(), busy.clone(), stop.clone(), path.display().to_string());
+                let (transport, refusal) = (o.transport, t.refusal);
+                std::thread::Builder::new()
+                    .name("serve-acceptor".into())
+                    .spawn(move || accept_loop(&l, &tx, &busy, &stop, transport, refusal, &where_))
+                    .map_err(|e| Error::io("the acceptor thread", e))?
+            };
+            let r = loop {
+                let Ok((sock, n)) = rx.recv() else {
+                    break Err(Error::PeerGone(format!("the acceptor on {} stopped", path.display())));
+                };
+                let peer = format!("client {n} on {}", path.display());
+                if host.client(sock, &peer, || busy.store(false, Ordering::Release)) && o.once {
+                    break Ok(());
                 }
-                if o.once {
-                    break;
-                }
-            }
+            };
+            // Stop the acceptor: shutdown wakes its accept (EINVAL on Linux).
+            stop.store(true, Ordering::Release);
+            // SAFETY: shutdown on the listener's fd, which `l` keeps open.
+            unsafe { libc::shutdown(l.as_raw_fd(), libc::SHUT_RDWR) };
+            drop(rx);
+            let _ = acceptor.join();
+            r
         }
     }
+}
+
+/// What serves one client after another.
+struct Host<'a> {
+    o: &'a ServeOptions,
+    f: Arc<Mutex<PciFunction>>,
+    irq: Arc<IrqLines>,
+    server: Box<dyn Server>,
+}
+
+impl Host<'_> {
+    /// Serves one connection, then reports and (unless `keep_state`) resets
+    /// the function; `free` runs as soon as the session is over, before that.
+    /// False if the connection was dropped before its first message.
+    fn client(&mut self, sock: UnixStream, peer: &str, free: impl FnOnce()) -> bool {
+        let (o, t) = (self.o, &self.o.timeouts);
+        let what = format!("{} over {}: {peer}", o.device, o.transport.name());
+        let ready = sock.set_read_timeout(Some(t.message)).and_then(|_| sock.set_write_timeout(Some(t.send)));
+        if let Err(e) = ready {
+            log::error!("{what}: setting its socket timeouts: {e}; dropped");
+            free();
+            return false;
+        }
+        if !readable_within(&sock, t.handshake) {
+            log::warn!("{what}: no message within {:?}; dropped", t.handshake);
+            free();
+            return false;
+        }
+        if let Err(e) = self.server.session(&sock, peer) {
+            log::error!("{what}: {e}; closing its channel");
+        }
+        drop(sock);
+        free();
+        self.irq.clear_intx();
+        self.irq.clear_msix();
+        let mut f = iopath_devices::lock(&self.f);
+        let line = disconnect_report(o.transport.name(), o.device.name(), &f.counters());
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+        if !o.keep_state {
+            if let Err(e) = power_on(&mut f) {
+                log::error!("{what}: resetting the device after it: {e}");
+            }
+        }
+        true
+    }
+}
+
+/// The function as after a power-on, for the next client: the model reset
+/// as DEVICE_RESET does (queues, shadow doorbells and device threads gone;
+/// the counters stay, they are the process's), and a fresh PCI header: BARs
+/// unassigned, command register 0 (no memory, I/O or bus master enable),
+/// MSI-X off. The header is reset too because a client that does not
+/// reprogram it (QEMU's vfio-user-pci does, iopath's proxies do) must not
+/// reach the device through the last client's BAR addresses (mpqemu decodes
+/// them) or find MSI-X enabled; the model is told of the fresh header as a
+/// configuration write, so that its own copy (MSI-X Enable, Function Mask)
+/// agrees.
+fn power_on(f: &mut PciFunction) -> Result<()> {
+    f.device.reset();
+    let mut c = ConfigSpace::new(f.device.ids(), &f.device.bars())?;
+    c.add_capabilities(&f.device.capabilities())?;
+    for off in (PCI_COMMAND..CONFIG_SIZE).step_by(4) {
+        let mut b = [0u8; 4];
+        c.read(off, &mut b);
+        f.device.config_write(off, &b);
+    }
+    f.config = c;
     Ok(())
+}
+
+/// True once `sock` has input (or its peer closed) within `d`.
+fn readable_within(sock: &UnixStream, d: Duration) -> bool {
+    let end = Instant::now() + d;
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        let ms = left.as_millis().min(i32::MAX as u128) as i32;
+        let mut p = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd on the stack.
+        match unsafe { libc::poll(&mut p, 1, ms) } {
+            0 => return false,
+            r if r > 0 => return true,
+            _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {}
+            _ => return false,
+        }
+    }
+}
+
+/// The acceptor thread (`serve-acceptor`): every connection on `l`, handed
+/// to the serving thread if it is free (`busy` false; it clears `busy` when
+/// its session is over), else refused here, one at a time, each within
+/// `refusal`. Ends when `stop` is set (the listener is shut down) or the
+/// serving thread is gone.
+fn accept_loop(
+    l: &UnixListener,
+    tx: &SyncSender<(UnixStream, u64)>,
+    busy: &AtomicBool,
+    stop: &AtomicBool,
+    transport: &'static dyn Transport,
+    refusal: Duration,
+    where_: &str,
+) {
+    let mut n = 0u64;
+    loop {
+        let conn = l.accept();
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        let sock = match conn {
+            Ok((s, _)) => s,
+            Err(e) => {
+                // EMFILE and the like: try again, without spinning.
+                log::warn!("accept on {where_}: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        n += 1;
+        if busy.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            // The serving thread took the last one before it cleared `busy`:
+            // the channel is empty, this does not block.
+            if tx.send((sock, n)).is_err() {
+                return;
+            }
+            continue;
+        }
+        let r = sock
+            .set_read_timeout(Some(refusal))
+            .and_then(|_| sock.set_write_timeout(Some(refusal)))
+            .map_err(|e| Error::io("setting its socket timeouts", e))
+            .and_then(|_| transport.refuse(&sock));
+        match r {
+            Ok(()) => log::warn!("client {n} on {where_}: another client is being served; refused"),
+            Err(e) => log::warn!("client {n} on {where_}: another client is being served; refused ({e})"),
+        }
+    }
 }

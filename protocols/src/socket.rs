@@ -5,9 +5,26 @@
 //! A message is read whole: the fixed-size header first (fds travel with its
 //! first byte), then the body. Received fds are owned [`File`]s at once, so
 //! an error path closes them.
+//!
+//! # Stalls
+//! A read waits for the first byte of what it reads as the socket's blocking
+//! read does: for ever, or the socket's read timeout (SO_RCVTIMEO, which a
+//! proxy sets to bound its wait for a reply, and `iopath serve` to bound a
+//! client's stall inside a message); [`recv_exact_idle`] waits for ever
+//! whatever the timeout, for a server between two requests of a client that
+//! may legitimately be idle. Once the first byte has come, the rest must come
+//! within the read timeout in all, however the peer splits it (a peer that
+//! trickles a byte at a time gains nothing).
+//!
+//! Why this way: the hot path costs no syscall more than a plain blocking
+//! read (a poll(-1) before each message would cost one per message): the
+//! first recvmsg blocks as it did, the rest is one non-blocking recv that
+//! usually takes it all, and the deadline is only computed (one getsockopt)
+//! when the rest is not there yet. The price is that an idle server wakes
+//! once per read timeout (seconds), finds nothing and waits again.
 
 use std::fs::File;
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, Write};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -115,15 +132,35 @@ fn recv_with_fds(sock: &UnixStream, buf: &mut [u8]) -> io::Result<(usize, Vec<Fi
 }
 
 /// Reads exactly `buf.len()` bytes; fds that arrive with them are returned.
-/// End of stream before the first byte is `UnexpectedEof` with no data read.
-/// More than [`MAX_FDS`] fds (the kernel truncated the control data) is
-/// `InvalidData`; every fd received is closed on an error.
+/// The first byte is waited for as the socket's blocking read does (a read
+/// timeout that expires is `WouldBlock`); the rest must come within the read
+/// timeout (`TimedOut`, see the module doc). End of stream before the first
+/// byte is `UnexpectedEof` with no data read. More than [`MAX_FDS`] fds (the
+/// kernel truncated the control data) is `InvalidData`; every fd received is
+/// closed on an error.
 pub fn recv_exact(sock: &UnixStream, buf: &mut [u8]) -> io::Result<Vec<File>> {
+    recv_exact_with(sock, buf, false)
+}
+
+/// [`recv_exact`] for a server waiting for a client's next message: the
+/// first byte is waited for as long as it takes (the socket's read timeout,
+/// if any, bounds only the rest).
+pub fn recv_exact_idle(sock: &UnixStream, buf: &mut [u8]) -> io::Result<Vec<File>> {
+    recv_exact_with(sock, buf, true)
+}
+
+fn recv_exact_with(sock: &UnixStream, buf: &mut [u8], idle: bool) -> io::Result<Vec<File>> {
     if buf.is_empty() {
         return Ok(Vec::new()); // a zero-length recvmsg would wait for data
     }
     spin_until_readable(sock.as_raw_fd());
-    let (n, files, truncated) = recv_with_fds(sock, buf)?;
+    let (n, files, truncated) = loop {
+        match recv_with_fds(sock, buf) {
+            // The read timeout expired with nothing read: an idle peer.
+            Err(e) if idle && e.kind() == io::ErrorKind::WouldBlock => continue,
+            r => break r?,
+        }
+    };
     if n == 0 {
         return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the socket"));
     }
@@ -134,8 +171,64 @@ pub fn recv_exact(sock: &UnixStream, buf: &mut [u8]) -> io::Result<Vec<File>> {
             format!("more than {MAX_FDS} fds with one message ({what})"),
         ));
     }
-    (&*sock).read_exact(&mut buf[n..])?;
+    recv_rest(sock, &mut buf[n..])?;
     Ok(files)
+}
+
+/// Reads the rest of a message the peer has begun: non-blocking reads while
+/// data is there (usually one, which takes it all); when it is not, waits
+/// for more until the deadline the socket's read timeout sets from then
+/// (none: for ever).
+fn recv_rest(sock: &UnixStream, buf: &mut [u8]) -> io::Result<()> {
+    let fd = sock.as_raw_fd();
+    let mut got = 0;
+    let mut deadline: Option<Option<Instant>> = None;
+    while got < buf.len() {
+        let rest = &mut buf[got..];
+        // SAFETY: `rest` is a valid writable buffer of its length for the call.
+        let r = unsafe { libc::recv(fd, rest.as_mut_ptr().cast(), rest.len(), libc::MSG_DONTWAIT) };
+        if r > 0 {
+            got += r as usize;
+            continue;
+        }
+        if r == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the socket inside a message"));
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => {}
+            _ => return Err(e),
+        }
+        let timeout = match deadline {
+            Some(d) => d,
+            None => *deadline.insert(sock.read_timeout()?.map(|t| Instant::now() + t)),
+        };
+        let ms = match timeout {
+            None => -1,
+            Some(d) => match d.checked_duration_since(Instant::now()) {
+                Some(left) if !left.is_zero() => left.as_millis().clamp(1, i32::MAX as u128) as i32,
+                _ => return Err(stalled(sock, got, buf.len())),
+            },
+        };
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd on the stack.
+        if unsafe { libc::poll(&mut p, 1, ms) } < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn stalled(sock: &UnixStream, got: usize, want: usize) -> io::Error {
+    let t = sock.read_timeout().ok().flatten().unwrap_or_default();
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        format!("the peer stalled inside a message: {got} of its last {want} bytes came within {t:?}"),
+    )
 }
 
 /// True once the peer has closed its end (POLLHUP/POLLRDHUP), without
@@ -176,5 +269,42 @@ mod tests {
         send(&a, &[b"x"], &fds).unwrap();
         let mut h = [0u8; 1];
         assert_eq!(recv_exact(&b, &mut h).unwrap_err().kind(), io::ErrorKind::InvalidData);
+    }
+
+    #[test]
+    fn an_idle_read_outlasts_the_read_timeout_but_a_stall_inside_a_message_does_not() {
+        let (a, b) = UnixStream::pair().unwrap();
+        b.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let mut h = [0u8; 4];
+        assert_eq!(recv_exact(&b, &mut h).unwrap_err().kind(), io::ErrorKind::WouldBlock);
+        let peer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            send(&a, &[b"he"], &[]).unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+            let _ = send(&a, &[b"ll"], &[]);
+            a
+        });
+        let e = recv_exact_idle(&b, &mut h).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        drop(peer.join().unwrap());
+    }
+
+    #[test]
+    fn a_message_trickled_a_byte_at_a_time_is_bounded_in_all() {
+        let (a, b) = UnixStream::pair().unwrap();
+        b.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        let peer = std::thread::spawn(move || {
+            for _ in 0..40 {
+                if send(&a, &[b"x"], &[]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let mut m = [0u8; 40];
+        let e = recv_exact_idle(&b, &mut m).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        drop(b);
+        peer.join().unwrap();
     }
 }

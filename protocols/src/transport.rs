@@ -45,6 +45,14 @@ pub trait Transport: Sync {
     /// one per access that reached the device process), and its unit in a
     /// table ("msgs").
     fn crossings(&self) -> (&'static str, &'static str);
+
+    /// Device side: tells a client that came while another is served that
+    /// the device is busy, within the socket's timeouts (`serve` sets
+    /// them); the caller then closes it. By default nothing is said: the
+    /// close is the answer.
+    fn refuse(&self, _sock: &UnixStream) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// A device process's side of one client.

@@ -221,6 +221,8 @@ fn dma_maps_child() {
         transport: iopath_protocols::transport("vfio-user").unwrap(),
         listen: Listen::Socket(path.clone()),
         once: true,
+        keep_state: false,
+        timeouts: Default::default(),
     };
     let server = std::thread::spawn(move || run(&o));
     let t0 = std::time::Instant::now();

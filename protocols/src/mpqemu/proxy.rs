@@ -2,7 +2,7 @@
 //! another process as a [`DeviceModel`](iopath_devices::DeviceModel) the VMM
 //! hosts. Every access is synchronous: the vCPU waits for RET.
 
-use super::wire::{recv, send, Msg, SysmemRegion, MAX_FDS};
+use super::wire::{recv_reply, send, Msg, SysmemRegion, MAX_FDS};
 use crate::peer::Peer;
 use crate::process::DeviceProcess;
 use crate::{Error, Result};
@@ -108,7 +108,7 @@ impl MpqemuProxy {
     fn exchange(&self, msg: &Msg) -> Result<u64> {
         let sock = &self.peer.sock;
         send(sock, msg, &[], "sending to the device process")?;
-        match recv(sock)? {
+        match recv_reply(sock)? {
             Some((Msg::Ret(v), _)) => Ok(v),
             Some((m, _)) => Err(Error::protocol(format!("device process answered command {} instead of RET", m.cmd()))),
             None => Err(Error::PeerGone("the device process closed the mpqemu socket".into())),

@@ -198,10 +198,23 @@ pub fn send(sock: &UnixStream, msg: &Msg, fds: &[RawFd], what: &str) -> Result<(
     socket::send(sock, &[&msg.encode()], fds).map_err(|e| Error::io(what, e))
 }
 
-/// Receives one message. `Ok(None)` is a clean end of stream between messages.
+/// Receives a peer's next message as a server does: the peer may be idle
+/// between messages for as long as it likes; once a message has begun, the
+/// rest must come within the socket's read timeout (see [`socket`]).
+/// `Ok(None)` is a clean end of stream between messages.
 pub fn recv(sock: &UnixStream) -> Result<Option<(Msg, Vec<File>)>> {
+    recv_with(sock, true)
+}
+
+/// Receives the reply a proxy waits for, as the socket's read timeout bounds it.
+pub fn recv_reply(sock: &UnixStream) -> Result<Option<(Msg, Vec<File>)>> {
+    recv_with(sock, false)
+}
+
+fn recv_with(sock: &UnixStream, idle: bool) -> Result<Option<(Msg, Vec<File>)>> {
     let mut h = [0u8; HEADER_SIZE];
-    let files = match socket::recv_exact(sock, &mut h) {
+    let head = if idle { socket::recv_exact_idle(sock, &mut h) } else { socket::recv_exact(sock, &mut h) };
+    let files = match head {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
         Err(e) => return Err(Error::io("receiving a header", e)),

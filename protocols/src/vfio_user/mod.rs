@@ -12,8 +12,10 @@
 //! client installed from GET_REGION_IO_FDS (type IOEVENTFD), or, with
 //! ioregionfd, on region fds the server announced (type IOREGIONFD). INTx
 //! and MSI-X eventfds come with SET_IRQS; the client makes them KVM irqfds.
-//! A client that disconnects leaves the device state in place: DMA maps, IRQ
-//! fds and region fds are dropped, the device keeps its registers.
+//! A client that disconnects leaves the device state in place here: DMA maps,
+//! IRQ fds and region fds are dropped, the device keeps its registers (then
+//! `iopath serve` resets the device, unless `--keep-state`). A client that
+//! comes while another is served gets EBUSY to its first message.
 
 pub mod ioregionfd;
 mod proxy;
@@ -67,6 +69,10 @@ impl Transport for VfioUser {
     fn crossings(&self) -> (&'static str, &'static str) {
         (proxy::REQUESTS, "vfio-user msgs")
     }
+
+    fn refuse(&self, sock: &UnixStream) -> Result<()> {
+        refuse_busy(sock)
+    }
 }
 
 /// One message off the socket: header, payload and the fds that came with it.
@@ -76,10 +82,23 @@ struct Received {
     fds: Vec<File>,
 }
 
-/// Reads one whole message; `Ok(None)` is a clean end of stream.
+/// Reads a client's next message (a server's read): the client may be idle
+/// between messages for as long as it likes; once a message has begun, the
+/// rest must come within the socket's read timeout (see [`socket`]).
+/// `Ok(None)` is a clean end of stream.
 fn recv(sock: &UnixStream) -> Result<Option<Received>> {
+    recv_with(sock, true)
+}
+
+/// Reads the reply a proxy waits for, as the socket's read timeout bounds it.
+fn recv_reply(sock: &UnixStream) -> Result<Option<Received>> {
+    recv_with(sock, false)
+}
+
+fn recv_with(sock: &UnixStream, idle: bool) -> Result<Option<Received>> {
     let mut h = [0u8; HEADER_SIZE];
-    let fds = match socket::recv_exact(sock, &mut h) {
+    let head = if idle { socket::recv_exact_idle(sock, &mut h) } else { socket::recv_exact(sock, &mut h) };
+    let fds = match head {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
         Err(e) => return Err(Error::io("receiving a header", e)),
@@ -90,6 +109,24 @@ fn recv(sock: &UnixStream) -> Result<Option<Received>> {
     let mut payload = vec![0u8; len];
     socket::recv_exact(sock, &mut payload).map_err(|e| Error::io(format!("{}: payload of {len} bytes", what()), e))?;
     Ok(Some(Received { hdr, payload, fds }))
+}
+
+/// Answers a client that came while another is served: its first message
+/// gets EBUSY (a client that sends none within the socket's read timeout
+/// gets nothing), then the channel closes.
+pub(crate) fn refuse_busy(sock: &UnixStream) -> Result<()> {
+    let mut h = [0u8; HEADER_SIZE];
+    socket::recv_exact(sock, &mut h).map_err(|e| Error::io("a busy server reading a header", e))?;
+    let hdr = Header::parse(&h);
+    // Take a small payload too (VERSION's), so that closing leaves nothing
+    // unread: the client then reads the reply, not a reset connection.
+    if let Ok(len @ 0..=4096) = hdr.payload_len() {
+        let mut p = vec![0u8; len];
+        socket::recv_exact(sock, &mut p).map_err(|e| Error::io("a busy server reading a payload", e))?;
+    }
+    send(sock, &wire::error_reply(&hdr, libc::EBUSY), &[])?;
+    let _ = sock.shutdown(std::net::Shutdown::Write);
+    Ok(())
 }
 
 fn send(sock: &UnixStream, msg: &[u8], fds: &[RawFd]) -> Result<()> {

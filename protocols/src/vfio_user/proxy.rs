@@ -27,7 +27,7 @@
 
 use super::ioregionfd::{RegionClient, COMMANDS};
 use super::wire::*;
-use super::{recv, send, Received, CONFIG_REGION_SIZE, MAX_FDS};
+use super::{recv_reply, send, Received, CONFIG_REGION_SIZE, MAX_FDS};
 use crate::peer::Peer;
 use crate::process::DeviceProcess;
 use crate::{Error, Result};
@@ -312,7 +312,7 @@ impl VfioUserProxy {
         send(&self.peer.sock, &message(id, cmd, FLAGS_TYPE_COMMAND, payload), fds)?;
         let mut served = 0;
         loop {
-            let m = recv(&self.peer.sock)?
+            let m = recv_reply(&self.peer.sock)?
                 .ok_or_else(|| Error::PeerGone("the device process closed the vfio-user socket".into()))?;
             if !m.hdr.is_reply() {
                 served += 1;

@@ -52,6 +52,8 @@ pub fn serve(device: &str, name: &str) -> (PathBuf, std::thread::JoinHandle<()>)
         transport: iopath_protocols::transport("vfio-user").unwrap(),
         listen: Listen::Socket(path.clone()),
         once: true,
+        keep_state: false,
+        timeouts: Default::default(),
     };
     (path, std::thread::spawn(move || run(&o).unwrap()))
 }
