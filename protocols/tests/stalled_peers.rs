@@ -202,7 +202,14 @@ fn a_client_that_never_reads_its_replies_is_dropped() {
 /// once the first leaves, the next client is served.
 #[test]
 fn a_second_vfio_user_client_gets_ebusy_then_is_served_after_the_first() {
-    let (path, _server) = serve("pci-testdev", "vfio-user", "busy", false, false);
+    // ioregionfd's control channel is a vfio-user session: refused the same way.
+    for transport in ["vfio-user", "ioregionfd"] {
+        second_client_gets_ebusy(transport);
+    }
+}
+
+fn second_client_gets_ebusy(transport: &str) {
+    let (path, _server) = serve("pci-testdev", transport, &format!("busy-{transport}"), false, false);
     let a = dial(&path);
     assert_eq!(version(&a, 1), Ok(()));
     // A holds its session idle for longer than every bound.

@@ -240,7 +240,8 @@ impl DeviceModel for Nvme {
             c.regs.csts & 1 == 1
         };
         // A device process's next client finds the controller as the last
-        // one left it: enabled, so its queues are served again.
+        // one left it only with `iopath serve --keep-state` (otherwise the
+        // device is reset between clients): enabled, its queues served again.
         if ready {
             self.start_threads(&mut self.threads.lock().unwrap());
         }

@@ -71,6 +71,11 @@ impl Transport for IoRegionFd {
     fn crossings(&self) -> (&'static str, &'static str) {
         (COMMANDS, "ioregionfd cmds")
     }
+
+    /// As vfio-user: the control channel is a vfio-user session.
+    fn refuse(&self, sock: &UnixStream) -> Result<()> {
+        crate::vfio_user::refuse_busy(sock)
+    }
 }
 
 #[cfg(test)]
