@@ -66,17 +66,20 @@ impl IrqLines {
             return;
         }
         let weak = Arc::downgrade(self);
-        let spawned = std::thread::Builder::new().name("intx-resample".into()).spawn(move || loop {
-            let Some(resample) = intx.resample.as_ref() else { return };
-            let ready = poll_in(resample, 200);
-            let Some(lines) = weak.upgrade() else { return };
-            if lines.generation.load(Ordering::Acquire) != gen {
-                return;
-            }
-            let high = lines.level.load(Ordering::Acquire) && !lines.masked.load(Ordering::Acquire);
-            if ready && resample.read().is_ok() && high {
-                let _ = intx.trigger.write(1);
-                lines.signalled.fetch_add(1, Ordering::Relaxed);
+        let spawned = std::thread::Builder::new().name("intx-resample".into()).spawn(move || {
+            crate::sandbox::enter(crate::sandbox::Role::Irq);
+            loop {
+                let Some(resample) = intx.resample.as_ref() else { return };
+                let ready = poll_in(resample, 200);
+                let Some(lines) = weak.upgrade() else { return };
+                if lines.generation.load(Ordering::Acquire) != gen {
+                    return;
+                }
+                let high = lines.level.load(Ordering::Acquire) && !lines.masked.load(Ordering::Acquire);
+                if ready && resample.read().is_ok() && high {
+                    let _ = intx.trigger.write(1);
+                    lines.signalled.fetch_add(1, Ordering::Relaxed);
+                }
             }
         });
         if let Err(e) = spawned {
