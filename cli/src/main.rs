@@ -64,6 +64,10 @@ struct ServeArgs {
     /// Poll the socket this long for the next request before sleeping.
     #[arg(long, default_value_t = 0, value_name = "US")]
     spin_us: u64,
+    /// Do not confine the process with seccomp once it is set up (a
+    /// forbidden system call otherwise ends it with SIGSYS).
+    #[arg(long)]
+    no_seccomp: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -203,7 +207,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
         (None, None) => anyhow::bail!("give --socket PATH or --fd N"),
     };
     iopath_protocols::socket::set_spin(Duration::from_micros(a.spin_us));
-    let o = ServeOptions { device: a.device, transport, listen, once: a.once };
+    let o = ServeOptions { device: a.device, transport, listen, once: a.once, seccomp: !a.no_seccomp };
     iopath_protocols::serve::run(&o)?;
     Ok(0)
 }

@@ -31,6 +31,8 @@ pub struct ServeOptions {
     pub listen: Listen,
     /// Exit after the first client (with a listening socket).
     pub once: bool,
+    /// Confine the process with seccomp once it is set up ([`crate::seccomp`]).
+    pub seccomp: bool,
 }
 
 /// Serves until the inherited socket closes, or forever on a listening socket.
@@ -56,6 +58,9 @@ pub fn run(o: &ServeOptions) -> Result<()> {
             }
             // SAFETY: the fd was handed to this process to own (see DeviceProcess::spawn).
             let sock = unsafe { UnixStream::from_raw_fd(*fd) };
+            if o.seccomp {
+                crate::seccomp::install()?;
+            }
             session(&sock, &format!("fd {fd}"));
         }
         Listen::Socket(path) => {
@@ -65,6 +70,9 @@ pub fn run(o: &ServeOptions) -> Result<()> {
             let l =
                 UnixListener::bind(path).map_err(|e| Error::io(format!("cannot listen on {}", path.display()), e))?;
             eprintln!("iopath serve: {} over {} on {}", o.device, o.transport.name(), path.display());
+            if o.seccomp {
+                crate::seccomp::install()?;
+            }
             for (n, conn) in l.incoming().enumerate() {
                 match conn {
                     Ok(sock) => session(&sock, &format!("client {} on {}", n + 1, path.display())),

@@ -221,6 +221,7 @@ fn dma_maps_child() {
         transport: iopath_protocols::transport("vfio-user").unwrap(),
         listen: Listen::Socket(path.clone()),
         once: true,
+        seccomp: false, // in a thread of the test process
     };
     let server = std::thread::spawn(move || run(&o));
     let t0 = std::time::Instant::now();

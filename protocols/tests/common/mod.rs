@@ -52,6 +52,7 @@ pub fn serve(device: &str, name: &str) -> (PathBuf, std::thread::JoinHandle<()>)
         transport: iopath_protocols::transport("vfio-user").unwrap(),
         listen: Listen::Socket(path.clone()),
         once: true,
+        seccomp: false, // in a thread of the test process
     };
     (path, std::thread::spawn(move || run(&o).unwrap()))
 }

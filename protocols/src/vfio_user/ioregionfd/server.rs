@@ -37,6 +37,7 @@ pub fn spawn_server(
     size: u64,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new().name(format!("ioregionfd-bar{bar}")).spawn(move || {
+        iopath_devices::sandbox::enter(iopath_devices::sandbox::Role::Region);
         let mut fd = fd;
         let mut b = [0u8; MSG_SIZE];
         loop {
