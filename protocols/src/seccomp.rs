@@ -22,7 +22,11 @@
 //! to stderr and the process dies of SIGSYS (the handler resets itself on
 //! entry and re-sends the signal to its thread; a second forbidden call in
 //! the handler would be fatal the same way, as the kernel forces a blocked
-//! SIGSYS).
+//! SIGSYS). A call made while SIGSYS is blocked (glibc blocks every signal
+//! around `clone`) dies of SIGSYS without the line. Threads started before
+//! [`install`] keep the session's filter: their `enter` found no hook yet.
+//! A panic's backtrace (RUST_BACKTRACE) opens files, so a panicking thread
+//! ends the process with SIGSYS after the panic message.
 
 use crate::{Error, Result};
 use iopath_devices::sandbox::{self, Role};
