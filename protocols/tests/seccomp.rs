@@ -6,11 +6,19 @@
 use iopath_devices::sandbox::{enter, Role};
 use std::io::Read;
 use std::os::fd::FromRawFd;
-use std::sync::OnceLock;
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use vmm_sys_util::eventfd::EventFd;
 
 /// An eventfd the child makes as a session would, for its threads to use.
 static EVENT: OnceLock<EventFd> = OnceLock::new();
+
+/// One test at a time: a fork while another test thread holds a lock (its
+/// failing assertion's panic hook) would leave the child waiting on it forever.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// How a child ended, and what it wrote on stderr.
 #[derive(Debug)]
@@ -86,9 +94,11 @@ fn killed(role: Option<Role>, f: fn() -> i32, nr: i64) {
     }
 }
 
-fn lives(role: Option<Role>, f: fn() -> i32) {
+/// The child exited 0; returns its stderr.
+fn lives(role: Option<Role>, f: fn() -> i32) -> String {
     let (end, err) = child(role, f);
     assert!(matches!(end, End::Exit(0)), "{role:?}: {end:?}, stderr {err:?}");
+    err
 }
 
 fn socketpair() -> i32 {
@@ -105,6 +115,7 @@ fn eventfd_round_trip() -> i32 {
 
 #[test]
 fn the_session_may_not_open_network_sockets_exec_or_map_executable_memory() {
+    let _one = serial();
     // SAFETY (each): a raw system call with plain values; it is meant to be refused.
     killed(None, || unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) }, libc::SYS_socket);
     killed(None, || unsafe { libc::execv(c"/bin/true".as_ptr(), [std::ptr::null()].as_ptr()) }, libc::SYS_execve);
@@ -135,6 +146,7 @@ fn the_session_may_not_open_network_sockets_exec_or_map_executable_memory() {
 
 #[test]
 fn the_session_serves_with_the_filter_on() {
+    let _one = serial();
     lives(None, || {
         // What a session does: socket pairs, eventfds, a thread, directories read-only, anonymous memory.
         let fds = socketpair();
@@ -153,6 +165,7 @@ fn the_session_serves_with_the_filter_on() {
 
 #[test]
 fn each_role_keeps_to_its_own_calls() {
+    let _one = serial();
     // A device thread: eventfds and memory, no sockets, no threads, no eventfds of its own making.
     lives(Some(Role::Device), eventfd_round_trip);
     lives(Some(Role::Device), || (vec![7u8; 8 << 20][12345] != 7) as i32);
@@ -179,4 +192,19 @@ fn each_role_keeps_to_its_own_calls() {
         || unsafe { libc::accept4(0, std::ptr::null_mut(), std::ptr::null_mut(), 0) },
         libc::SYS_accept4,
     );
+}
+
+#[test]
+fn a_panicking_device_thread_ends_alone_as_without_the_filter() {
+    let _one = serial();
+    let err = lives(None, || {
+        // The default hook's backtrace (RUST_BACKTRACE=1) would call getcwd and open the binary: forbidden.
+        std::env::set_var("RUST_BACKTRACE", "1");
+        let t = std::thread::spawn(|| {
+            enter(Role::Device);
+            panic!("a device thread's bug");
+        });
+        t.join().is_ok() as i32
+    });
+    assert!(err.contains("a device thread's bug"), "{err:?}");
 }
