@@ -75,6 +75,10 @@ struct ServeArgs {
     /// Poll the socket this long for the next request before sleeping.
     #[arg(long, default_value_t = 0, value_name = "US")]
     spin_us: u64,
+    /// Do not confine the process with seccomp once it is set up (a
+    /// forbidden system call otherwise ends it with SIGSYS).
+    #[arg(long)]
+    no_seccomp: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -221,6 +225,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
         once: a.once,
         keep_state: a.keep_state,
         timeouts: Timeouts::default(),
+        seccomp: !a.no_seccomp,
     };
     iopath_protocols::serve::run(&o)?;
     Ok(0)

@@ -217,6 +217,7 @@ impl Doorbell {
         let handle = std::thread::Builder::new()
             .name("doorbell-ioeventfd".into())
             .spawn(move || {
+                crate::sandbox::enter(crate::sandbox::Role::Device);
                 let mut events = [EpollEvent::default(); 4];
                 while !stop2.load(Ordering::Relaxed) {
                     let n = match epoll.wait(-1, &mut events) {
@@ -254,6 +255,7 @@ impl Doorbell {
         let handle = std::thread::Builder::new()
             .name("doorbell-poll".into())
             .spawn(move || {
+                crate::sandbox::enter(crate::sandbox::Role::Device);
                 // Both slices were validated above; resolve them once, outside the loop.
                 let (Ok(db), Ok(cq)) = (mem.get_slice(GuestAddress(shm), 8), mem.get_slice(GuestAddress(comp), 8))
                 else {

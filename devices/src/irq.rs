@@ -199,6 +199,7 @@ impl Drop for IrqLines {
 /// a peer's pipe) is no longer waited on, with a log line, until INTx is
 /// connected again.
 fn resample_loop(lines: Weak<IrqLines>, wake: EventFd, stop: Arc<AtomicBool>) {
+    crate::sandbox::enter(crate::sandbox::Role::Irq);
     let mut broken: Option<Arc<Intx>> = None;
     while !stop.load(Ordering::Acquire) {
         let Some(l) = lines.upgrade() else { return };

@@ -13,6 +13,7 @@ pub mod irq;
 pub mod mem;
 pub mod nvme;
 pub mod pci;
+pub mod sandbox;
 pub mod spec;
 pub mod testdev;
 

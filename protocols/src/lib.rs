@@ -24,6 +24,7 @@ pub mod function;
 pub mod mpqemu;
 pub mod peer;
 pub mod process;
+pub mod seccomp;
 pub mod serve;
 pub mod socket;
 pub mod transport;

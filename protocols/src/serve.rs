@@ -95,6 +95,8 @@ pub struct ServeOptions {
     pub keep_state: bool,
     /// Bounds on a client's stalls (`iopath serve` takes the defaults).
     pub timeouts: Timeouts,
+    /// Confine the process with seccomp once it is set up ([`crate::seccomp`]).
+    pub seccomp: bool,
 }
 
 /// Serves until the inherited socket closes, or forever on a listening
@@ -115,6 +117,9 @@ pub fn run(o: &ServeOptions) -> Result<()> {
             }
             // SAFETY: the fd was handed to this process to own (see DeviceProcess::spawn).
             let sock = unsafe { UnixStream::from_raw_fd(*fd) };
+            if o.seccomp {
+                crate::seccomp::install()?;
+            }
             host.client(sock, &format!("fd {fd}"), || {});
             Ok(())
         }
@@ -126,6 +131,9 @@ pub fn run(o: &ServeOptions) -> Result<()> {
                 UnixListener::bind(path).map_err(|e| Error::io(format!("cannot listen on {}", path.display()), e))?,
             );
             eprintln!("iopath serve: {} over {} on {}", o.device, o.transport.name(), path.display());
+            if o.seccomp {
+                crate::seccomp::install()?;
+            }
             let (tx, rx) = sync_channel(1);
             let (busy, stop) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
             let acceptor = {

@@ -223,6 +223,7 @@ fn dma_maps_child() {
         once: true,
         keep_state: false,
         timeouts: Default::default(),
+        seccomp: false, // in a thread of the test process
     };
     let server = std::thread::spawn(move || run(&o));
     let t0 = std::time::Instant::now();

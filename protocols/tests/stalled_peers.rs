@@ -50,6 +50,7 @@ fn serve(device: &str, transport: &str, name: &str, once: bool, keep_state: bool
         once,
         keep_state,
         timeouts: T,
+        seccomp: false, // in a thread of the test process
     };
     (path, std::thread::spawn(move || run(&o).unwrap()))
 }

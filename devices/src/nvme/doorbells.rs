@@ -59,6 +59,7 @@ impl Nvme {
         let stop = Arc::new(AtomicBool::new(false));
         let (core, stop2) = (self.core.clone(), stop.clone());
         let h = std::thread::Builder::new().name("nvme-poller".into()).spawn(move || {
+            crate::sandbox::enter(crate::sandbox::Role::Device);
             let mut idle = 0u32;
             while !stop2.load(Ordering::Relaxed) {
                 let busy = {
@@ -108,6 +109,7 @@ impl Nvme {
         let stop = Arc::new(AtomicBool::new(false));
         let (core, stop2) = (self.core.clone(), stop.clone());
         let h = std::thread::Builder::new().name("nvme-ioeventfd".into()).spawn(move || {
+            crate::sandbox::enter(crate::sandbox::Role::Device);
             while !stop2.load(Ordering::Relaxed) {
                 let Ok(n) = kick.read() else { return };
                 if stop2.load(Ordering::Relaxed) {

@@ -54,6 +54,7 @@ pub fn serve(device: &str, name: &str) -> (PathBuf, std::thread::JoinHandle<()>)
         once: true,
         keep_state: false,
         timeouts: Default::default(),
+        seccomp: false, // in a thread of the test process
     };
     (path, std::thread::spawn(move || run(&o).unwrap()))
 }

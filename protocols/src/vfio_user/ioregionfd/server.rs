@@ -93,6 +93,7 @@ fn spawn(
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new().name(format!("ioregionfd-bar{bar}")).spawn(move || {
+        iopath_devices::sandbox::enter(iopath_devices::sandbox::Role::Region);
         let mut fd = fd;
         serve(&mut fd, &f, bar, start, size, &stop);
         // Closed for the client too, whoever else holds a copy of this end.

@@ -286,7 +286,10 @@ impl Session<'_> {
         let link = self.link.clone();
         let h = std::thread::Builder::new()
             .name("vfio-user-rx".into())
-            .spawn(move || link.read_loop(&sock, tx))
+            .spawn(move || {
+                iopath_devices::sandbox::enter(iopath_devices::sandbox::Role::Reader);
+                link.read_loop(&sock, tx)
+            })
             .map_err(|e| Error::io("vfio-user reader thread", e))?;
         self.reader = Some((rx, h));
         Ok(())

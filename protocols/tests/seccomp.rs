@@ -1,0 +1,210 @@
+//! `iopath serve`'s seccomp filters: a forked child installs them with the
+//! function serve uses (`seccomp::install`), then makes one system call
+//! from a thread of some role. Forbidden calls must end the child with
+//! SIGSYS and the handler's line on stderr; allowed ones must not.
+
+use iopath_devices::sandbox::{enter, Role};
+use std::io::Read;
+use std::os::fd::FromRawFd;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use vmm_sys_util::eventfd::EventFd;
+
+/// An eventfd the child makes as a session would, for its threads to use.
+static EVENT: OnceLock<EventFd> = OnceLock::new();
+
+/// One test at a time: a fork while another test thread holds a lock (its
+/// failing assertion's panic hook) would leave the child waiting on it forever.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// How a child ended, and what it wrote on stderr.
+#[derive(Debug)]
+enum End {
+    Exit(i32),
+    Signal(i32),
+}
+
+/// Forks; the child installs the filters, runs `f` (on a thread that
+/// entered `role`, or the main thread for `None`) and exits with its code.
+fn child(role: Option<Role>, f: fn() -> i32) -> (End, String) {
+    let mut p = [0i32; 2];
+    // SAFETY: pipe fills two fds.
+    assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+    // SAFETY: the child only installs the filters, runs `f` and exits;
+    // glibc keeps malloc usable in the child of a threaded parent.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // SAFETY: the pipe's write end becomes stderr; no core file for the deaths meant here.
+        unsafe {
+            libc::dup2(p[1], 2);
+            libc::close(p[0]);
+            libc::setrlimit(libc::RLIMIT_CORE, &libc::rlimit { rlim_cur: 0, rlim_max: 0 });
+        }
+        if let Err(e) = iopath_protocols::seccomp::install() {
+            eprintln!("install: {e}");
+            // SAFETY: ends the child without running the parent's exit handlers.
+            unsafe { libc::_exit(100) };
+        }
+        let _ = EVENT.set(EventFd::new(0).unwrap());
+        let code = match role {
+            None => f(),
+            Some(r) => std::thread::spawn(move || {
+                enter(r);
+                f()
+            })
+            .join()
+            .unwrap_or(101),
+        };
+        // SAFETY: as above.
+        unsafe { libc::_exit(code) };
+    }
+    // SAFETY: the parent's copy of the write end is ours to close; the read end becomes a File.
+    unsafe { libc::close(p[1]) };
+    let mut err = String::new();
+    unsafe { std::fs::File::from_raw_fd(p[0]) }.read_to_string(&mut err).unwrap();
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    let end = if libc::WIFSIGNALED(status) {
+        End::Signal(libc::WTERMSIG(status))
+    } else {
+        End::Exit(libc::WEXITSTATUS(status))
+    };
+    (end, err)
+}
+
+/// The child died of SIGSYS; returns its stderr.
+fn dies(role: Option<Role>, f: fn() -> i32) -> String {
+    let (end, err) = child(role, f);
+    assert!(matches!(end, End::Signal(libc::SIGSYS)), "{role:?}: {end:?}, stderr {err:?}");
+    err
+}
+
+/// The child died of SIGSYS after the handler named the call and the role.
+fn killed(role: Option<Role>, f: fn() -> i32, nr: i64) {
+    let err = dies(role, f);
+    let line = format!("iopath serve: seccomp: forbidden syscall {nr} in thread ");
+    assert!(err.contains(&line), "{role:?}: stderr {err:?}");
+    if let Some(r) = role {
+        assert!(err.contains(&format!("(role {})", r.name())), "{role:?}: stderr {err:?}");
+    }
+}
+
+/// The child exited 0; returns its stderr.
+fn lives(role: Option<Role>, f: fn() -> i32) -> String {
+    let (end, err) = child(role, f);
+    assert!(matches!(end, End::Exit(0)), "{role:?}: {end:?}, stderr {err:?}");
+    err
+}
+
+fn socketpair() -> i32 {
+    let mut fds = [0i32; 2];
+    // SAFETY: socketpair fills two fds.
+    unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, fds.as_mut_ptr()) }
+}
+
+fn eventfd_round_trip() -> i32 {
+    let e = EVENT.get().unwrap();
+    e.write(3).unwrap();
+    (e.read().unwrap() != 3) as i32
+}
+
+#[test]
+fn the_session_may_not_open_network_sockets_exec_or_map_executable_memory() {
+    let _one = serial();
+    // SAFETY (each): a raw system call with plain values; it is meant to be refused.
+    killed(None, || unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) }, libc::SYS_socket);
+    killed(None, || unsafe { libc::execv(c"/bin/true".as_ptr(), [std::ptr::null()].as_ptr()) }, libc::SYS_execve);
+    killed(
+        None,
+        || unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_EXEC,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            (p == libc::MAP_FAILED) as i32
+        },
+        libc::SYS_mmap,
+    );
+    killed(
+        None,
+        || unsafe { libc::socketpair(libc::AF_INET, libc::SOCK_STREAM, 0, [0; 2].as_mut_ptr()) },
+        libc::SYS_socketpair,
+    );
+    killed(None, || unsafe { libc::open(c"/etc/hostname".as_ptr(), libc::O_RDONLY) }, libc::SYS_openat);
+    // A new process (clone without CLONE_THREAD): fork is clone(SIGCHLD).
+    killed(None, || unsafe { libc::syscall(libc::SYS_clone, libc::SIGCHLD, 0, 0, 0, 0) as i32 }, libc::SYS_clone);
+}
+
+#[test]
+fn the_session_serves_with_the_filter_on() {
+    let _one = serial();
+    lives(None, || {
+        // What a session does: socket pairs, eventfds, a thread, directories read-only, anonymous memory.
+        let fds = socketpair();
+        let n = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+        let t = std::thread::spawn(eventfd_round_trip).join().unwrap_or(1);
+        let v = vec![1u8; 8 << 20];
+        (fds != 0 || n == 0 || t != 0 || v[4095] != 1) as i32
+    });
+    // clone3 answers ENOSYS (glibc then uses clone), it does not kill.
+    lives(None, || {
+        // SAFETY: clone3 with no arguments; refused before it reads them.
+        let r = unsafe { libc::syscall(libc::SYS_clone3, 0, 0) };
+        (r != -1 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOSYS)) as i32
+    });
+}
+
+#[test]
+fn each_role_keeps_to_its_own_calls() {
+    let _one = serial();
+    // A device thread: eventfds and memory, no sockets, no threads, no eventfds of its own making.
+    lives(Some(Role::Device), eventfd_round_trip);
+    lives(Some(Role::Device), || (vec![7u8; 8 << 20][12345] != 7) as i32);
+    killed(Some(Role::Device), || unsafe { libc::eventfd(0, 0) }, libc::SYS_eventfd2);
+    killed(Some(Role::Device), socketpair, libc::SYS_socketpair);
+    // clone3 comes first (only the roles that start threads get ENOSYS for it and
+    // go on to clone); glibc makes it with every signal blocked, so the kernel
+    // forces SIGSYS past the handler: the death is silent.
+    dies(Some(Role::Device), || std::thread::spawn(|| 0).join().unwrap_or(1));
+    // A reader receives; it does not map or start anything.
+    killed(Some(Role::Reader), || unsafe { libc::eventfd(0, 0) }, libc::SYS_eventfd2);
+    killed(Some(Role::Irq), || unsafe { libc::pread(0, [0u8; 1].as_mut_ptr().cast(), 1, 0) as i32 }, libc::SYS_pread64);
+    // A region thread may start a device thread (an NVMe enable), which narrows further.
+    lives(Some(Role::Region), || {
+        std::thread::spawn(|| {
+            enter(Role::Device);
+            eventfd_round_trip()
+        })
+        .join()
+        .unwrap_or(1)
+    });
+    killed(
+        Some(Role::Region),
+        || unsafe { libc::accept4(0, std::ptr::null_mut(), std::ptr::null_mut(), 0) },
+        libc::SYS_accept4,
+    );
+}
+
+#[test]
+fn a_panicking_device_thread_ends_alone_as_without_the_filter() {
+    let _one = serial();
+    let err = lives(None, || {
+        // The default hook's backtrace (RUST_BACKTRACE=1) would call getcwd and open the binary: forbidden.
+        std::env::set_var("RUST_BACKTRACE", "1");
+        let t = std::thread::spawn(|| {
+            enter(Role::Device);
+            panic!("a device thread's bug");
+        });
+        t.join().is_ok() as i32
+    });
+    assert!(err.contains("a device thread's bug"), "{err:?}");
+}
