@@ -1,12 +1,15 @@
 //! Block backends of the NVMe namespace: `null` (no data: dispatch cost
 //! only), `ram` (keeps data in an anonymous mapping), `file:PATH` (O_DIRECT
-//! reads and writes through io_uring, one whole transfer per command from an
-//! aligned buffer; where O_DIRECT or io_uring is refused, pread/pwrite).
+//! reads, writes and flushes through io_uring, many in flight, one whole
+//! transfer per command in a bounce buffer of its own; where O_DIRECT or
+//! io_uring is refused, synchronous pread/pwrite).
 //! Callers pass LBA ranges already checked against the namespace.
 
 use crate::{Error, Result};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+use vmm_sys_util::eventfd::EventFd;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum BackendKind {
@@ -49,14 +52,89 @@ pub enum Backend {
     File(Box<FileBackend>),
 }
 
+/// Operations a file namespace keeps in flight at most: its io_uring's
+/// size, and the slots (bounce buffers) commands take.
+pub const FILE_SLOTS: usize = 256;
+
+/// What an io_uring slot does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FileOp {
+    Read,
+    /// `dsync`: stable before it completes (the write cache is off).
+    Write {
+        dsync: bool,
+    },
+    /// fdatasync, started only when every operation submitted before it has
+    /// completed (IOSQE_IO_DRAIN).
+    Flush,
+}
+
+/// One operation's buffer and what it does.
+struct Slot {
+    buf: Bounce,
+    op: FileOp,
+    off: u64,
+    len: usize,
+}
+
+/// The asynchronous side of a file namespace: an io_uring on the O_DIRECT
+/// fd (registered as fixed file 0), whose completions signal `done`.
+/// Operations read into or write from bounce buffers of their own (the
+/// slots), never guest memory, so an operation still in flight when guest
+/// memory is unmapped or the controller reset cannot touch that memory.
+struct Uring {
+    /// Kept open for the ring, which knows it as fixed file 0.
+    _direct: File,
+    ring: io_uring::IoUring,
+    done: Arc<EventFd>,
+    slots: Vec<Slot>,
+    free: Vec<u16>,
+    /// Pushed (submitted or not) and not yet reaped.
+    in_flight: usize,
+}
+
+impl Uring {
+    fn new(file: File) -> std::io::Result<Uring> {
+        use std::os::fd::AsRawFd;
+        let ring = io_uring::IoUring::new(FILE_SLOTS as u32)?;
+        ring.submitter().register_files(&[file.as_raw_fd()])?;
+        let done = EventFd::new(libc::EFD_CLOEXEC)?;
+        ring.submitter().register_eventfd(done.as_raw_fd())?;
+        let slots = (0..FILE_SLOTS).map(|_| Slot { buf: Bounce::new(0), op: FileOp::Read, off: 0, len: 0 }).collect();
+        let free = (0..FILE_SLOTS as u16).rev().collect();
+        Ok(Uring { _direct: file, ring, done: Arc::new(done), slots, free, in_flight: 0 })
+    }
+}
+
+impl Drop for Uring {
+    /// The kernel may still copy into a slot's buffer: wait for every
+    /// operation before the buffers go (or leak them if waiting fails).
+    fn drop(&mut self) {
+        while self.in_flight > 0 {
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    log::warn!("nvme: io_uring wait at close: {e}; {} buffers leaked", self.in_flight);
+                    std::mem::forget(std::mem::take(&mut self.slots));
+                    return;
+                }
+            }
+            self.in_flight -= self.ring.completion().count().min(self.in_flight);
+        }
+    }
+}
+
 /// A file namespace: a buffered fd always, and when the filesystem and
-/// kernel allow, an O_DIRECT fd driven through io_uring.
+/// kernel allow, an O_DIRECT fd driven through io_uring with up to
+/// [`FILE_SLOTS`] operations in flight.
 pub struct FileBackend {
     file: File,
-    direct: Option<(File, io_uring::IoUring)>,
-    /// Operations that went through io_uring with O_DIRECT.
+    uring: Option<Uring>,
+    /// Operations that completed through io_uring with O_DIRECT.
     pub direct_ops: u64,
-    seq: u64,
+    /// The most operations that were in flight at once (after a submit).
+    pub max_in_flight: u64,
 }
 
 impl FileBackend {
@@ -68,64 +146,160 @@ impl FileBackend {
             f.set_len(bytes).map_err(io_err)?;
         }
         use std::os::unix::fs::OpenOptionsExt;
-        let direct = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(p).ok();
-        let direct = match (direct, io_uring::IoUring::new(4)) {
-            (Some(d), Ok(r)) => Some((d, r)),
-            (None, _) => {
-                log::info!("{}: no O_DIRECT here; using pread/pwrite", p.display());
+        let direct = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(p);
+        let uring = match direct {
+            Err(e) => {
+                log::info!("{}: no O_DIRECT here ({e}); using pread/pwrite", p.display());
                 None
             }
-            (_, Err(e)) => {
-                log::info!("io_uring unavailable ({e}); using pread/pwrite");
-                None
-            }
+            Ok(d) => match Uring::new(d) {
+                Ok(u) => Some(u),
+                Err(e) => {
+                    log::info!("io_uring unavailable ({e}); using pread/pwrite");
+                    None
+                }
+            },
         };
-        Ok(FileBackend { file: f, direct, direct_ops: 0, seq: 0 })
+        Ok(FileBackend { file: f, uring, direct_ops: 0, max_in_flight: 0 })
     }
 
-    /// One O_DIRECT read or write through io_uring; None if it cannot be
-    /// done that way (alignment, a refused opcode): the caller falls back.
-    fn uring(&mut self, write: bool, off: u64, ptr: *mut u8, len: usize) -> Option<std::io::Result<()>> {
-        use std::os::fd::AsRawFd;
-        let (f, ring) = self.direct.as_mut()?;
-        if !off.is_multiple_of(512) || !len.is_multiple_of(512) || !(ptr as usize).is_multiple_of(4096) {
-            return None;
+    /// True when commands go through io_uring (asynchronously).
+    pub fn is_async(&self) -> bool {
+        self.uring.is_some()
+    }
+
+    /// The eventfd io_uring signals on each completion.
+    pub fn completion_fd(&self) -> Option<Arc<EventFd>> {
+        self.uring.as_ref().map(|u| u.done.clone())
+    }
+
+    /// Operations pushed and not yet reaped.
+    pub fn in_flight(&self) -> usize {
+        self.uring.as_ref().map_or(0, |u| u.in_flight)
+    }
+
+    /// Takes a free slot (None: all [`FILE_SLOTS`] are taken, or no io_uring).
+    pub fn take_slot(&mut self) -> Option<u16> {
+        self.uring.as_mut()?.free.pop()
+    }
+
+    /// True if a slot is free (or commands are served synchronously).
+    pub fn has_room(&self) -> bool {
+        self.uring.as_ref().is_none_or(|u| !u.free.is_empty())
+    }
+
+    /// Gives a slot back; its operation must have been reaped (or never pushed).
+    pub fn release(&mut self, slot: u16) {
+        if let Some(u) = self.uring.as_mut() {
+            debug_assert!(!u.free.contains(&slot));
+            u.free.push(slot);
         }
-        let fd = io_uring::types::Fd(f.as_raw_fd());
-        self.seq = self.seq.wrapping_add(1);
-        let tag = self.seq;
-        let e = if write {
-            io_uring::opcode::Write::new(fd, ptr, len as u32).offset(off).build()
-        } else {
-            io_uring::opcode::Read::new(fd, ptr, len as u32).offset(off).build()
+    }
+
+    /// Slot `slot`'s buffer, `len` bytes, 4 KiB aligned (not while its
+    /// operation is in flight).
+    pub fn buffer(&mut self, slot: u16, len: usize) -> &mut [u8] {
+        self.uring.as_mut().expect("a slot is taken from the io_uring").slots[slot as usize].buf.get(len)
+    }
+
+    /// Queues slot `slot`'s operation on the ring (sent at the next
+    /// [`submit`](Self::submit)); `len` bytes of its buffer at byte `off`.
+    /// False if the ring refused it (the slot is still the caller's).
+    pub fn push(&mut self, slot: u16, op: FileOp, off: u64, len: usize) -> bool {
+        use io_uring::{opcode, squeue::Flags, types};
+        let Some(u) = self.uring.as_mut() else { return false };
+        let s = &mut u.slots[slot as usize];
+        let ptr = s.buf.get(len).as_mut_ptr();
+        (s.op, s.off, s.len) = (op, off, len);
+        let fd = types::Fixed(0);
+        let e = match op {
+            FileOp::Read => opcode::Read::new(fd, ptr, len as u32).offset(off).build(),
+            FileOp::Write { dsync } => opcode::Write::new(fd, ptr, len as u32)
+                .offset(off)
+                .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
+                .build(),
+            FileOp::Flush => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build().flags(Flags::IO_DRAIN),
         }
-        .user_data(tag);
-        // SAFETY: the buffer outlives the operation: this function does not
-        // return before the operation's own completion has been reaped.
-        if unsafe { ring.submission().push(&e) }.is_err() {
-            return None;
+        .user_data(slot as u64);
+        // SAFETY: the buffer is the slot's own and stays put (it is neither
+        // resized nor freed) until this operation's completion is reaped:
+        // the slot is not given back before that, and Drop waits for it.
+        if unsafe { u.ring.submission().push(&e) }.is_err() {
+            return false;
         }
-        let r = loop {
-            match ring.submit_and_wait(1) {
+        u.in_flight += 1;
+        true
+    }
+
+    /// Sends every pushed operation to the kernel, without waiting.
+    pub fn submit(&mut self) {
+        let Some(u) = self.uring.as_mut() else { return };
+        while !u.ring.submission().is_empty() {
+            match u.ring.submit() {
                 Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                // Not submitted at all: nothing is in flight, the caller may fall back.
-                Err(e) if !ring.submission().is_empty() => return Some(Err(e)),
-                Err(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                // Kept in the ring: the next submit (each pass, each reap) sends them.
+                Err(e) => {
+                    log::debug!("nvme: io_uring submit: {e}");
+                    break;
+                }
             }
-            if let Some(c) = ring.completion().find(|c| c.user_data() == tag) {
-                break c.result();
-            }
-        };
-        match r {
-            n if n as usize == len => {
-                self.direct_ops += 1;
-                Some(Ok(()))
-            }
-            n if n == -libc::EINVAL => None, // this filesystem's block size: use the buffered fd
-            n if n < 0 => Some(Err(std::io::Error::from_raw_os_error(-n))),
-            _ => Some(Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short O_DIRECT transfer"))),
         }
+        let sent = u.in_flight - u.ring.submission().len();
+        self.max_in_flight = self.max_in_flight.max(sent as u64);
+    }
+
+    /// Blocks until an operation completes; false if none is in flight or
+    /// waiting failed.
+    pub fn wait(&mut self) -> bool {
+        let Some(u) = self.uring.as_mut() else { return false };
+        if u.in_flight == 0 {
+            return false;
+        }
+        loop {
+            match u.ring.submit_and_wait(1) {
+                Ok(_) => return true,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    log::warn!("nvme: io_uring wait: {e}");
+                    return false;
+                }
+            }
+        }
+    }
+
+    /// The next completed operation, without waiting: its slot and result.
+    /// The slot stays taken (its buffer holds the data read) until
+    /// [`release`](Self::release). A read or write the filesystem refuses
+    /// O_DIRECT for (EINVAL: its block size) is done here with the buffered fd.
+    pub fn reap(&mut self) -> Option<(u16, std::io::Result<()>)> {
+        let u = self.uring.as_mut()?;
+        let c = u.ring.completion().next()?;
+        u.in_flight -= 1;
+        let slot = c.user_data() as u16;
+        let Some(s) = u.slots.get_mut(slot as usize) else {
+            return self.reap(); // not one of ours (cannot be: user_data is a slot)
+        };
+        let n = c.result();
+        let r = match s.op {
+            FileOp::Flush if n == 0 => Ok(()),
+            FileOp::Read | FileOp::Write { .. } if n >= 0 && n as usize == s.len => {
+                self.direct_ops += 1;
+                Ok(())
+            }
+            FileOp::Read if n == -libc::EINVAL => self.file.read_exact_at(s.buf.get(s.len), s.off),
+            FileOp::Write { dsync } if n == -libc::EINVAL => {
+                let r = self.file.write_all_at(s.buf.get(s.len), s.off);
+                if dsync {
+                    r.and_then(|()| self.file.sync_data())
+                } else {
+                    r
+                }
+            }
+            _ if n < 0 => Err(std::io::Error::from_raw_os_error(-n)),
+            _ => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short O_DIRECT transfer")),
+        };
+        Some((slot, r))
     }
 }
 
@@ -181,10 +355,7 @@ impl Backend {
                 buf.copy_from_slice(&v[o..o + buf.len()]);
                 Ok(())
             }
-            Backend::File(f) => match f.uring(false, off, buf.as_mut_ptr(), buf.len()) {
-                Some(r) => r,
-                None => f.file.read_exact_at(buf, off),
-            },
+            Backend::File(f) => f.file.read_exact_at(buf, off),
         }
     }
 
@@ -196,10 +367,7 @@ impl Backend {
                 v[o..o + buf.len()].copy_from_slice(buf);
                 Ok(())
             }
-            Backend::File(f) => match f.uring(true, off, buf.as_ptr() as *mut u8, buf.len()) {
-                Some(r) => r,
-                None => f.file.write_all_at(buf, off),
-            },
+            Backend::File(f) => f.file.write_all_at(buf, off),
         }
     }
 

@@ -53,6 +53,10 @@ impl Nvme {
             self.start_kicked(t);
             return;
         }
+        if self.cfg.doorbell == DoorbellMode::Mmio {
+            self.start_reaper(t);
+            return;
+        }
         if !matches!(self.cfg.doorbell, DoorbellMode::Shm | DoorbellMode::Bar) {
             return;
         }
@@ -65,6 +69,8 @@ impl Nvme {
                     let mut c = core.lock().unwrap();
                     c.st.polls += 1;
                     let busy = if c.db.bar_page.is_some() { c.poll_bar() } else { c.poll_shadow() };
+                    // File backend completions; busy (no idling) while operations are in flight.
+                    let busy = c.io_progress() | busy;
                     c.flush_coalesced();
                     busy
                 };
@@ -87,7 +93,31 @@ impl Nvme {
         }
     }
 
-    /// ioeventfd mode: a thread that sleeps on the doorbells' eventfd.
+    /// mmio mode with a file backend on io_uring: doorbell writes start
+    /// operations on the vCPU thread; this thread sleeps on the ring's
+    /// completion eventfd and posts what completed.
+    fn start_reaper(&self, t: &mut Threads) {
+        let Some(done) = self.core.lock().unwrap().io_completion_fd() else { return };
+        let stop = Arc::new(AtomicBool::new(false));
+        let (core, stop2) = (self.core.clone(), stop.clone());
+        let h = std::thread::Builder::new().name("nvme-uring".into()).spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                if done.read().is_err() || stop2.load(Ordering::Relaxed) {
+                    return;
+                }
+                let mut c = core.lock().unwrap();
+                c.io_progress();
+                c.flush_coalesced_untimed();
+            }
+        });
+        match h {
+            Ok(h) => t.worker = Some((stop, h)),
+            Err(e) => t.error = Some(format!("nvme: cannot start the io_uring thread: {e}")),
+        }
+    }
+
+    /// ioeventfd mode: a thread that sleeps on the doorbells' eventfd (and
+    /// on the file backend's completion eventfd).
     fn start_kicked(&self, t: &mut Threads) {
         let kick = match EventFd::new(0) {
             Ok(k) => Arc::new(k),
@@ -107,15 +137,23 @@ impl Nvme {
         }
         let stop = Arc::new(AtomicBool::new(false));
         let (core, stop2) = (self.core.clone(), stop.clone());
+        let done = self.core.lock().unwrap().io_completion_fd();
         let h = std::thread::Builder::new().name("nvme-ioeventfd".into()).spawn(move || {
             while !stop2.load(Ordering::Relaxed) {
-                let Ok(n) = kick.read() else { return };
+                let Ok((kicked, completed)) = wait_either(&kick, done.as_deref()) else { return };
                 if stop2.load(Ordering::Relaxed) {
                     return; // woken to stop (that write is not a doorbell)
                 }
+                let n = if kicked { kick.read().unwrap_or(0) } else { 0 };
+                if completed {
+                    let _ = done.as_deref().map(EventFd::read);
+                }
                 let mut c = core.lock().unwrap();
                 c.st.kicks += n;
-                c.serve_kicked();
+                if kicked {
+                    c.serve_kicked();
+                }
+                c.io_progress();
                 // No timer here: what the aggregation threshold holds goes out now.
                 c.flush_coalesced_untimed();
             }
@@ -131,13 +169,14 @@ impl Nvme {
     pub(super) fn stop_threads(&self, t: &mut Threads) {
         if let Some((stop, h)) = t.worker.take() {
             stop.store(true, Ordering::Relaxed);
-            let kick = {
+            let (kick, done) = {
                 let mut c = self.core.lock().unwrap();
                 c.unregister_all();
-                c.db.kick.take()
+                (c.db.kick.take(), c.io_completion_fd())
             };
-            if let Some(k) = kick {
-                let _ = k.write(1); // wake the ioeventfd thread to see `stop`
+            // Wake the thread that sleeps on either to see `stop`.
+            for fd in kick.iter().chain(done.iter()) {
+                let _ = fd.write(1);
             }
             let _ = h.join();
         }
@@ -373,6 +412,24 @@ impl Core {
         let (Some(kick), Some(io)) = (self.db.kick.clone(), self.db.ioevents.clone()) else { return };
         for off in self.db.registered.drain(..) {
             let _ = io.unregister(crate::IoEventSpec { bar: 0, offset: off, len: 4, datamatch: None }, &kick);
+        }
+    }
+}
+
+/// Sleeps until `a` or `b` is readable; which ones are.
+fn wait_either(a: &EventFd, b: Option<&EventFd>) -> std::io::Result<(bool, bool)> {
+    use std::os::fd::AsRawFd;
+    let fd = |e: &EventFd| libc::pollfd { fd: e.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let mut fds = [fd(a), b.map_or(libc::pollfd { fd: -1, events: 0, revents: 0 }, fd)];
+    loop {
+        // SAFETY: two valid pollfd entries (a negative fd is ignored by poll).
+        if unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) } >= 0 {
+            let ready = |p: &libc::pollfd| p.revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0;
+            return Ok((ready(&fds[0]), ready(&fds[1])));
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
         }
     }
 }

@@ -140,10 +140,12 @@ impl Core {
         true
     }
 
-    /// Controller disable (or reset): every queue, the shadow doorbells,
-    /// outstanding AERs and events, held interrupts and CSTS go; the
-    /// features Set Features keeps return to their defaults.
+    /// Controller disable (or reset): every queue, the commands out on the
+    /// file backend (aborted), the shadow doorbells, outstanding AERs and
+    /// events, held interrupts and CSTS go; the features Set Features keeps
+    /// return to their defaults.
     pub(super) fn reset_queues(&mut self) {
+        self.abort_io();
         if let Some(page) = &self.db.bar_page {
             let _ = page.write_slice(&[0u8; 4096], GuestAddress(DOORBELLS));
         }

@@ -1007,3 +1007,202 @@ fn shadow_doorbells_in_memory_reached_by_message_are_refused_and_mmio_doorbells_
     assert_eq!(d.admin(0x7c, 0, 0x14000, 0x15000, [0; 4]).1, 0);
     d.n.quiesce();
 }
+
+/// A file namespace of 1 MiB in a fresh file (removed when dropped).
+struct TempImage(std::path::PathBuf);
+
+impl TempImage {
+    fn new(tag: &str) -> TempImage {
+        let p = std::env::temp_dir().join(format!("iopath-nvme-{}-{tag}.img", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        TempImage(p)
+    }
+    fn cfg(&self, doorbell: DoorbellMode) -> NvmeConfig {
+        NvmeConfig { backend: BackendKind::File(self.0.clone()), size: 1 << 20, lba_size: 512, doorbell }
+    }
+}
+
+impl Drop for TempImage {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+const MODES: [DoorbellMode; 4] = [DoorbellMode::Mmio, DoorbellMode::Ioeventfd, DoorbellMode::Shm, DoorbellMode::Bar];
+
+impl Drv {
+    /// Creates I/O queue pair 1 with `size` entries at `sq` and `cq`.
+    fn io_queues_at(&mut self, sq: u64, cq: u64, size: u16) {
+        let (_, st) = self.admin(0x05, 0, cq, 0, [1 | ((size as u32 - 1) << 16), 1, 0, 0]);
+        assert_eq!(st, 0);
+        let (_, st) = self.admin(0x01, 0, sq, 0, [1 | ((size as u32 - 1) << 16), 1 | 1 << 16, 0, 0]);
+        assert_eq!(st, 0);
+    }
+    /// Writes I/O commands (opcode, slba, nlb - 1, prp1) at the SQ tail and
+    /// rings the doorbell once; returns their cids.
+    fn submit_batch(&mut self, cmds: &[(u8, u64, u32, u64)], sq: u64, size: u16) -> Vec<u16> {
+        let mut cids = Vec::new();
+        for &(op, slba, nlb0, prp1) in cmds {
+            let e = self.sqe(op, 1, prp1, 0, [slba as u32, (slba >> 32) as u32, nlb0, 0]);
+            cids.push(self.cid);
+            self.mem.write_slice(&e, GuestAddress(sq + self.iotail as u64 * 64)).unwrap();
+            self.iotail = (self.iotail + 1) % size;
+        }
+        self.w32(DOORBELLS + 8, self.iotail as u32);
+        cids
+    }
+    /// Waits (5 s at most) for `n` completions of the I/O CQ; (cid, status)
+    /// in CQ order. Frees the CQ entries as it goes.
+    fn reap_batch(&mut self, n: usize, cq: u64, size: u16) -> Vec<(u16, u16)> {
+        let mut out = Vec::new();
+        let t0 = std::time::Instant::now();
+        while out.len() < n {
+            let a = cq + self.iohead as u64 * 16;
+            if let Some((_, st)) = self.reap(cq, size, false) {
+                let dw3: u32 = self.mem.read_obj(GuestAddress(a + 12)).unwrap();
+                out.push((dw3 as u16, st));
+                self.w32(DOORBELLS + 12, self.iohead as u32);
+                continue;
+            }
+            assert!(t0.elapsed() < std::time::Duration::from_secs(5), "{} of {n} completions", out.len());
+            std::thread::yield_now();
+        }
+        out
+    }
+}
+
+fn sorted(mut v: Vec<u16>) -> Vec<u16> {
+    v.sort_unstable();
+    v
+}
+
+#[test]
+fn a_file_namespace_keeps_32_commands_in_flight_and_each_completes_with_its_data() {
+    const W: u64 = 0x40000;
+    const R: u64 = 0x60000;
+    for mode in MODES {
+        let img = TempImage::new("qd32");
+        let mut d = Drv::new(img.cfg(mode));
+        d.io_queues(64);
+        let mut writes = Vec::new();
+        for i in 0..32u64 {
+            d.mem.write_slice(&[(i as u8).wrapping_mul(7) ^ mode as u8; 4096], GuestAddress(W + i * 4096)).unwrap();
+            // 4 KiB each (8 LBAs), scattered over the namespace.
+            writes.push((0x01, (i * 37 % 32) * 8, 7, W + i * 4096));
+        }
+        let cids = d.submit_batch(&writes, IOSQ, 64);
+        let done = d.reap_batch(32, IOCQ, 64);
+        assert!(done.iter().all(|&(_, st)| st == 0), "{mode}: {done:?}");
+        assert_eq!(sorted(done.iter().map(|c| c.0).collect()), sorted(cids), "{mode}: every write completed once");
+        d.mem.write_slice(&[0xee; 32 * 4096], GuestAddress(R)).unwrap();
+        let reads: Vec<_> = writes.iter().enumerate().map(|(i, w)| (0x02, w.1, 7, R + i as u64 * 4096)).collect();
+        let cids = d.submit_batch(&reads, IOSQ, 64);
+        let done = d.reap_batch(32, IOCQ, 64);
+        assert!(done.iter().all(|&(_, st)| st == 0), "{mode}: {done:?}");
+        assert_eq!(sorted(done.iter().map(|c| c.0).collect()), sorted(cids), "{mode}: every read completed once");
+        let (mut w, mut r) = (vec![0u8; 32 * 4096], vec![0u8; 32 * 4096]);
+        d.mem.read_slice(&mut w, GuestAddress(W)).unwrap();
+        d.mem.read_slice(&mut r, GuestAddress(R)).unwrap();
+        assert!(w == r, "{mode}: the data read back is the data written");
+        assert_eq!((counter(&d.n, "io.writes"), counter(&d.n, "io.reads")), (32, 32), "{mode}");
+        // One doorbell for 32 commands: all 32 went to the file at once.
+        assert!(counter(&d.n, "backend.inflight-max") >= 32, "{mode}: {:?}", d.n.counters());
+    }
+}
+
+#[test]
+fn a_flush_completes_after_the_writes_fetched_before_it() {
+    for mode in [DoorbellMode::Mmio, DoorbellMode::Shm] {
+        let img = TempImage::new("flush");
+        let mut d = Drv::new(img.cfg(mode));
+        d.io_queues(64);
+        let mut cmds: Vec<_> = (0..32u64).map(|i| (0x01, i * 8, 7, 0x40000 + i * 4096)).collect();
+        cmds.push((0x00, 0, 0, 0));
+        let cids = d.submit_batch(&cmds, IOSQ, 64);
+        let done = d.reap_batch(33, IOCQ, 64);
+        assert!(done.iter().all(|&(_, st)| st == 0), "{mode}: {done:?}");
+        assert_eq!(done.last().unwrap().0, *cids.last().unwrap(), "{mode}: the Flush completes last: {done:?}");
+    }
+}
+
+#[test]
+fn a_reset_with_reads_in_flight_leaves_guest_memory_alone_after_it_returns() {
+    const R: u64 = 0x40000;
+    let img = TempImage::new("reset");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(64);
+    d.io(0x01, 0, 7, DATA, 0, 64); // block 0 holds what DATA held (zeros)
+    d.mem.write_slice(&[0x5a; 4096], GuestAddress(DATA)).unwrap();
+    assert_eq!(d.io(0x01, 0, 7, DATA, 0, 64), 0);
+    // No device thread reaps now: the reads below stay in flight (or
+    // completed and unreaped) until after the reset.
+    d.n.quiesce();
+    d.mem.write_slice(&[0xee; 32 * 4096], GuestAddress(R)).unwrap();
+    let reads: Vec<_> = (0..32u64).map(|i| (0x02, 0, 7, R + i * 4096)).collect();
+    d.submit_batch(&reads, IOSQ, 64);
+    std::thread::sleep(std::time::Duration::from_millis(50)); // let the file complete them
+    d.w32(REG_CC, 0);
+    assert_eq!(d.r32(0x1c) & 1, 0, "disabled");
+    // What the guest sees once the reset returned stays.
+    let (mut r_after, mut cq_after) = (vec![0u8; 32 * 4096], vec![0u8; 64 * 16]);
+    d.mem.read_slice(&mut r_after, GuestAddress(R)).unwrap();
+    d.mem.read_slice(&mut cq_after, GuestAddress(IOCQ)).unwrap();
+    assert!(r_after.iter().all(|&b| b == 0xee), "nothing reaped them before the reset: they were out");
+    // Enabled again: the device thread runs and reaps the aborted reads.
+    d.w32(REG_CC, 0x0046_0001);
+    (d.atail, d.ahead, d.aphase, d.iotail, d.iohead, d.iophase) = (0, 0, 1, 0, 0, 1);
+    d.mem.write_slice(&[0u8; 64 * 16], GuestAddress(ACQ)).unwrap();
+    let mut r = vec![0u8; 32 * 4096];
+    let mut cq = vec![0u8; 64 * 16];
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < std::time::Duration::from_millis(300) {
+        d.mem.read_slice(&mut r, GuestAddress(R)).unwrap();
+        d.mem.read_slice(&mut cq, GuestAddress(IOCQ)).unwrap();
+        assert!(r == r_after, "an aborted read wrote guest memory after the reset");
+        assert!(cq == cq_after, "an aborted command completed after the reset");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // The slots came back: the new queues serve a full batch.
+    d.mem.write_slice(&[0u8; 64 * 16], GuestAddress(IOCQ)).unwrap();
+    d.io_queues(64);
+    let reads: Vec<_> = (0..32u64).map(|i| (0x02, 0, 7, R + i * 4096)).collect();
+    d.submit_batch(&reads, IOSQ, 64);
+    assert!(d.reap_batch(32, IOCQ, 64).iter().all(|&(_, st)| st == 0));
+    d.mem.read_slice(&mut r, GuestAddress(R)).unwrap();
+    assert!(r.iter().all(|&b| b == 0x5a));
+}
+
+#[test]
+fn deleting_an_sq_posts_its_commands_completions_before_the_deletes() {
+    let img = TempImage::new("delete");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(64);
+    d.n.quiesce(); // only the Delete reaps
+    let reads: Vec<_> = (0..16u64).map(|i| (0x02, i * 8, 7, 0x40000 + i * 4096)).collect();
+    let cids = d.submit_batch(&reads, IOSQ, 64);
+    assert_eq!(d.admin(0x00, 0, 0, 0, [1, 0, 0, 0]).1, 0, "Delete I/O SQ");
+    let done: Vec<_> = (0..16).map_while(|_| d.reap(IOCQ, 64, false)).collect();
+    assert_eq!(done.len(), 16, "every command of the SQ completed before the Delete did");
+    assert_eq!(counter(&d.n, "io.reads"), 16);
+    assert_eq!(d.admin(0x04, 0, 0, 0, [1, 0, 0, 0]).1, 0, "Delete I/O CQ");
+    drop(cids);
+}
+
+#[test]
+fn a_thousand_commands_on_a_deep_queue_all_complete_within_the_in_flight_bound() {
+    const SQ: u64 = 0x80000; // 1024 x 64 B
+    const CQ: u64 = 0x90000; // 1024 x 16 B
+    for mode in [DoorbellMode::Mmio, DoorbellMode::Bar] {
+        let img = TempImage::new("deep");
+        let mut d = Drv::new(img.cfg(mode));
+        d.io_queues_at(SQ, CQ, 1024);
+        let cmds: Vec<_> = (0..1000u64).map(|i| (0x02 - (i % 2) as u8, (i % 256) * 8, 7, 0x40000)).collect();
+        let cids = d.submit_batch(&cmds, SQ, 1024);
+        let done = d.reap_batch(1000, CQ, 1024);
+        assert!(done.iter().all(|&(_, st)| st == 0), "{mode}");
+        assert_eq!(sorted(done.iter().map(|c| c.0).collect()), sorted(cids), "{mode}: each command completed once");
+        let max = counter(&d.n, "backend.inflight-max");
+        assert_eq!(max, super::backend::FILE_SLOTS as u64, "{mode}: the bound was reached and held");
+        assert!(counter(&d.n, "backend.slot-waits") > 0, "{mode}: fetching waited for slots");
+    }
+}
