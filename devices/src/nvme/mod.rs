@@ -50,6 +50,16 @@
 //! DMA_READ/DMA_WRITE); the device thread then waits for those messages
 //! with the core lock held, as it would for a page fault.
 //!
+//! A `file:PATH` namespace keeps the guest's queue depth: Read, Write and
+//! Flush go to an io_uring on an O_DIRECT fd (up to 256 in flight, each in
+//! a bounce buffer of its own, one submit per queue pass) and complete when
+//! the device thread reaps them: each poller pass (`shm`, `bar`), or when
+//! the ring's eventfd wakes the `ioeventfd` thread or, in `mmio` mode, the
+//! `nvme-uring` thread. A Flush waits for the operations before it
+//! (IOSQE_IO_DRAIN); Delete I/O SQ waits for its queue's commands; a reset
+//! aborts them (their data never reaches guest memory). Ordering, bounds
+//! and buffers: `io.rs`.
+//!
 //! Every value from the guest is checked: queue ids and sizes, doorbell
 //! values (an invalid one raises an asynchronous event), PRPs (must lie in
 //! guest RAM), LBA ranges, opcodes. The controller answers with the NVMe
