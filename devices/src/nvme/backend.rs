@@ -75,6 +75,20 @@ struct Slot {
     op: FileOp,
     off: u64,
     len: usize,
+    /// The buffer registered as fixed buffer number `slot` (start, length);
+    /// (0, 0) if none is.
+    registered: (usize, usize),
+}
+
+impl Slot {
+    /// The buffer, `len` bytes; a new allocation (it grows) is no longer the
+    /// registered one, even at the same address (the kernel pinned the old pages).
+    fn get(&mut self, len: usize) -> &mut [u8] {
+        if self.buf.whole().1 < len {
+            self.registered = (0, 0);
+        }
+        self.buf.get(len)
+    }
 }
 
 /// The asynchronous side of a file namespace: an io_uring on the O_DIRECT
@@ -82,6 +96,10 @@ struct Slot {
 /// Operations read into or write from bounce buffers of their own (the
 /// slots), never guest memory, so an operation still in flight when guest
 /// memory is unmapped or the controller reset cannot touch that memory.
+/// Each slot's buffer is registered as fixed buffer number `slot` when it
+/// is allocated (the kernel then pins it once, not on every operation);
+/// where registering is refused (RLIMIT_MEMLOCK), operations use plain
+/// buffers.
 struct Uring {
     /// Kept open for the ring, which knows it as fixed file 0.
     _direct: File,
@@ -91,6 +109,8 @@ struct Uring {
     free: Vec<u16>,
     /// Pushed (submitted or not) and not yet reaped.
     in_flight: usize,
+    /// The fixed buffer table exists and registering has not been refused.
+    fixed_bufs: bool,
 }
 
 impl Uring {
@@ -100,9 +120,40 @@ impl Uring {
         ring.submitter().register_files(&[file.as_raw_fd()])?;
         let done = EventFd::new(libc::EFD_CLOEXEC)?;
         ring.submitter().register_eventfd(done.as_raw_fd())?;
-        let slots = (0..FILE_SLOTS).map(|_| Slot { buf: Bounce::new(0), op: FileOp::Read, off: 0, len: 0 }).collect();
+        let fixed_bufs = ring.submitter().register_buffers_sparse(FILE_SLOTS as u32).is_ok();
+        let slots = (0..FILE_SLOTS)
+            .map(|_| Slot { buf: Bounce::new(0), op: FileOp::Read, off: 0, len: 0, registered: (0, 0) })
+            .collect();
         let free = (0..FILE_SLOTS as u16).rev().collect();
-        Ok(Uring { _direct: file, ring, done: Arc::new(done), slots, free, in_flight: 0 })
+        Ok(Uring { _direct: file, ring, done: Arc::new(done), slots, free, in_flight: 0, fixed_bufs })
+    }
+
+    /// Makes slot `slot`'s current buffer its fixed buffer if it is not
+    /// (the buffer was allocated or grown). False if it cannot be.
+    fn register(&mut self, slot: u16) -> bool {
+        let s = &mut self.slots[slot as usize];
+        let (start, cap) = s.buf.whole();
+        if s.registered == (start as usize, cap) {
+            return true;
+        }
+        if !self.fixed_bufs {
+            return false;
+        }
+        let iov = libc::iovec { iov_base: start.cast(), iov_len: cap };
+        // SAFETY: the buffer is this slot's and lives until it is replaced
+        // (then registered anew before use) or the ring is gone; the slot is
+        // not in flight (a buffer is only allocated then).
+        match unsafe { self.ring.submitter().register_buffers_update(slot as u32, &[iov], None) } {
+            Ok(()) => {
+                s.registered = (start as usize, cap);
+                true
+            }
+            Err(e) => {
+                log::info!("nvme: no fixed io_uring buffers ({e}); using plain ones");
+                self.fixed_bufs = false;
+                false
+            }
+        }
     }
 }
 
@@ -199,7 +250,7 @@ impl FileBackend {
     /// Slot `slot`'s buffer, `len` bytes, 4 KiB aligned (not while its
     /// operation is in flight).
     pub fn buffer(&mut self, slot: u16, len: usize) -> &mut [u8] {
-        self.uring.as_mut().expect("a slot is taken from the io_uring").slots[slot as usize].buf.get(len)
+        self.uring.as_mut().expect("a slot is taken from the io_uring").slots[slot as usize].get(len)
     }
 
     /// Queues slot `slot`'s operation on the ring (sent at the next
@@ -208,16 +259,19 @@ impl FileBackend {
     pub fn push(&mut self, slot: u16, op: FileOp, off: u64, len: usize) -> bool {
         use io_uring::{opcode, squeue::Flags, types};
         let Some(u) = self.uring.as_mut() else { return false };
+        let ptr = u.slots[slot as usize].get(len).as_mut_ptr();
+        let fixed = op != FileOp::Flush && u.register(slot);
         let s = &mut u.slots[slot as usize];
-        let ptr = s.buf.get(len).as_mut_ptr();
         (s.op, s.off, s.len) = (op, off, len);
         let fd = types::Fixed(0);
+        let (n, flags) = (len as u32, if op == (FileOp::Write { dsync: true }) { libc::RWF_DSYNC } else { 0 });
         let e = match op {
-            FileOp::Read => opcode::Read::new(fd, ptr, len as u32).offset(off).build(),
-            FileOp::Write { dsync } => opcode::Write::new(fd, ptr, len as u32)
-                .offset(off)
-                .rw_flags(if dsync { libc::RWF_DSYNC } else { 0 })
-                .build(),
+            FileOp::Read if fixed => opcode::ReadFixed::new(fd, ptr, n, slot).offset(off).build(),
+            FileOp::Read => opcode::Read::new(fd, ptr, n).offset(off).build(),
+            FileOp::Write { .. } if fixed => {
+                opcode::WriteFixed::new(fd, ptr, n, slot).offset(off).rw_flags(flags).build()
+            }
+            FileOp::Write { .. } => opcode::Write::new(fd, ptr, n).offset(off).rw_flags(flags).build(),
             FileOp::Flush => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build().flags(Flags::IO_DRAIN),
         }
         .user_data(slot as u64);
@@ -311,6 +365,11 @@ impl Bounce {
         let v = vec![0u8; len + 4096];
         let start = v.as_ptr().align_offset(4096);
         Bounce(v, start)
+    }
+    /// The whole aligned buffer: start and length.
+    fn whole(&mut self) -> (*mut u8, usize) {
+        let n = self.0.len() - self.1;
+        (self.0[self.1..].as_mut_ptr(), n)
     }
     pub fn get(&mut self, len: usize) -> &mut [u8] {
         if self.0.len() < self.1 + len {
@@ -434,5 +493,82 @@ mod tests {
         }
         let e = "file:".parse::<BackendKind>().unwrap_err();
         assert!(matches!(&e, Error::Option { option, .. } if option == "backend"), "{e}");
+    }
+
+    #[test]
+    fn operations_in_flight_on_a_file_complete_with_their_data_through_fixed_buffers() {
+        let path = std::env::temp_dir().join(format!("iopath-nvme-uring-{}.img", std::process::id()));
+        let mut f = FileBackend::open(&path, 1 << 20).unwrap();
+        if !f.is_async() {
+            eprintln!("no O_DIRECT io_uring here: nothing to check");
+            return;
+        }
+        // 16 writes of growing sizes in flight at once, then a flush after them, then reads.
+        let sizes = |i: usize| 512 * (i + 1);
+        let mut slots = Vec::new();
+        for i in 0..16 {
+            let s = f.take_slot().unwrap();
+            f.buffer(s, sizes(i)).fill(i as u8 + 1);
+            assert!(f.push(s, FileOp::Write { dsync: i == 3 }, (i as u64) << 16, sizes(i)));
+            slots.push(s);
+        }
+        let flush = f.take_slot().unwrap();
+        assert!(f.push(flush, FileOp::Flush, 0, 0));
+        f.submit();
+        assert_eq!(f.max_in_flight, 17);
+        let mut done = Vec::new();
+        while done.len() < 17 {
+            match f.reap() {
+                Some((s, r)) => {
+                    r.unwrap();
+                    done.push(s);
+                }
+                None => assert!(f.wait()),
+            }
+        }
+        assert_eq!(done.last(), Some(&flush), "the flush drained the writes before it");
+        for &s in &done {
+            f.release(s);
+        }
+        for (i, &s) in slots.iter().enumerate() {
+            f.buffer(s, sizes(i)).fill(0);
+            assert!(f.push(s, FileOp::Read, (i as u64) << 16, sizes(i)));
+        }
+        f.submit();
+        for _ in 0..16 {
+            let (s, r) = loop {
+                match f.reap() {
+                    Some(x) => break x,
+                    None => assert!(f.wait()),
+                }
+            };
+            r.unwrap();
+            let i = slots.iter().position(|&x| x == s).unwrap();
+            assert!(f.buffer(s, sizes(i)).iter().all(|&b| b == i as u8 + 1), "read {i}");
+        }
+        // Buffers that grow are registered anew: the data goes through the new ones.
+        let (w, r) = (slots[0], slots[1]);
+        f.buffer(w, 128 << 10).fill(0x77);
+        assert!(f.push(w, FileOp::Write { dsync: false }, 0x80000, 128 << 10));
+        f.submit();
+        let reap_one = |f: &mut FileBackend| loop {
+            match f.reap() {
+                Some(x) => break x,
+                None => assert!(f.wait()),
+            }
+        };
+        reap_one(&mut f).1.unwrap();
+        f.buffer(r, 128 << 10).fill(0);
+        assert!(f.push(r, FileOp::Read, 0x80000, 128 << 10));
+        f.submit();
+        reap_one(&mut f).1.unwrap();
+        assert!(f.buffer(r, 128 << 10).iter().all(|&b| b == 0x77), "read through a grown buffer");
+        assert_eq!(f.direct_ops, 34);
+        assert_eq!(f.in_flight(), 0);
+        let u = f.uring.as_ref().unwrap();
+        if u.fixed_bufs {
+            assert!(slots.iter().all(|&s| u.slots[s as usize].registered.1 >= sizes(0)), "fixed buffers");
+        }
+        let _ = std::fs::remove_file(path);
     }
 }
