@@ -236,7 +236,8 @@ impl Core {
             if qid == 0 {
                 self.deliver_events();
             }
-            // Completions may have been waiting for room.
+            // Completions may have been waiting for room (file backend ones too).
+            self.reap_io();
             for sqid in 0..self.queues.sqs.len() {
                 if self.queues.sqs[sqid].is_some_and(|s| s.cqid as usize == qid && s.head != s.tail) {
                     self.process_sq(sqid);

@@ -1206,3 +1206,28 @@ fn a_thousand_commands_on_a_deep_queue_all_complete_within_the_in_flight_bound()
         assert!(counter(&d.n, "backend.slot-waits") > 0, "{mode}: fetching waited for slots");
     }
 }
+
+#[test]
+fn a_cq_head_moved_back_holds_file_completions_instead_of_overwriting_entries() {
+    let img = TempImage::new("held");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(8);
+    d.n.quiesce(); // nothing reaps until the head has moved
+    let reads: Vec<_> = (0..4u64).map(|i| (0x02, i * 8, 7, 0x40000 + i * 4096)).collect();
+    d.submit_batch(&reads, IOSQ, 8);
+    // Head 4 with tail 0: the CQ now looks half full, room for 3 of the 4 owed.
+    d.w32(DOORBELLS + 12, 4);
+    let posted = |d: &Drv, i: u64| d.mem.read_obj::<u32>(GuestAddress(IOCQ + i * 16 + 12)).unwrap() >> 16 & 1 == 1;
+    d.n.attach(DeviceContext::detached(d.mem.clone())); // the device thread again
+    let t0 = std::time::Instant::now();
+    while !(0..3).all(|i| posted(&d, i)) {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5), "three completions");
+        std::thread::yield_now();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert!(!posted(&d, 3), "the fourth would fill the CQ: held");
+    assert_eq!(counter(&d.n, "io.reads"), 4, "all four were read");
+    // The host frees entries: the held completion goes out.
+    d.w32(DOORBELLS + 12, 0);
+    assert!(posted(&d, 3), "posted when the CQ head doorbell made room");
+}
