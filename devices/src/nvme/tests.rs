@@ -174,7 +174,13 @@ fn bring_up_identify_and_data_round_trip() {
 
 #[test]
 fn hostile_commands_get_nvme_statuses_and_the_controller_goes_on() {
-    let mut d = Drv::new(mmio(BackendKind::Ram));
+    let img = TempImage::new("hostile");
+    for backend in [BackendKind::Ram, BackendKind::File(img.0.clone())] {
+        hostile_commands(Drv::new(mmio(backend)));
+    }
+}
+
+fn hostile_commands(mut d: Drv) {
     assert_eq!(d.admin(0x55, 0, 0, 0, [0; 4]).1, status::INVALID_OPCODE);
     assert_eq!(d.admin(0x06, 7, DATA, 0, [0, 0, 0, 0]).1, status::INVALID_NAMESPACE);
     assert_eq!(d.admin(0x06, 0, 1 << 30, 0, [1, 0, 0, 0]).1, status::DATA_TRANSFER_ERROR, "PRP outside RAM");
@@ -1230,4 +1236,19 @@ fn a_cq_head_moved_back_holds_file_completions_instead_of_overwriting_entries() 
     // The host frees entries: the held completion goes out.
     d.w32(DOORBELLS + 12, 0);
     assert!(posted(&d, 3), "posted when the CQ head doorbell made room");
+}
+
+#[test]
+fn file_commands_are_fetched_only_while_their_cq_has_room_for_every_completion_owed() {
+    let img = TempImage::new("room");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    // An 8-entry SQ on a 4-entry CQ (room for 3 completions).
+    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 3 << 16, 1, 0, 0]).1, 0);
+    assert_eq!(d.admin(0x01, 0, IOSQ, 0, [1 | 7 << 16, 1 | 1 << 16, 0, 0]).1, 0);
+    let reads: Vec<_> = (0..6u64).map(|i| (0x02, i * 8, 7, 0x40000 + i * 4096)).collect();
+    d.submit_batch(&reads, IOSQ, 8);
+    assert_eq!(d.reap_batch(6, IOCQ, 4).len(), 6, "all complete as the host frees CQ entries");
+    assert_eq!(counter(&d.n, "backend.inflight-max"), 3, "never more out than the CQ can take");
+    assert!(counter(&d.n, "cq.full-waits") > 0);
+    assert_eq!(counter(&d.n, "io.reads"), 6);
 }
