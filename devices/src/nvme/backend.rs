@@ -290,6 +290,7 @@ impl FileBackend {
         let Some(u) = self.uring.as_mut() else { return };
         while !u.ring.submission().is_empty() {
             match u.ring.submit() {
+                Ok(0) => break, // nothing taken: try again next time rather than spin
                 Ok(_) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 // Kept in the ring: the next submit (each pass, each reap) sends them.
