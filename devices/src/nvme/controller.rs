@@ -173,7 +173,30 @@ impl Core {
     pub fn process_sq(&mut self, qid: usize) -> bool {
         let did = self.serve_sq(qid);
         self.io_submit();
+        // A Delete I/O SQ (admin) or a Write Zeroes may have freed slots.
+        self.serve_slot_waiters();
         did
+    }
+
+    /// Serves the I/O SQs that stopped for want of a file backend slot, if
+    /// slots are free again. Called wherever slots may have been freed (a
+    /// reap, a queue drained): a waiting SQ may sit on any CQ, and no
+    /// doorbell will come for it (its commands are already posted).
+    pub fn serve_slot_waiters(&mut self) {
+        // Each round fetches something or ends (the tails do not move here);
+        // bounded all the same.
+        for _ in 0..self.queues.sqs.len() {
+            if !self.ns.pending.slot_wait || !self.io_room() {
+                return;
+            }
+            self.ns.pending.slot_wait = false;
+            for qid in 1..self.queues.sqs.len() {
+                if self.queues.sqs[qid].is_some_and(|s| s.head != s.tail) {
+                    self.serve_sq(qid);
+                }
+            }
+            self.io_submit();
+        }
     }
 
     fn serve_sq(&mut self, qid: usize) -> bool {
@@ -192,6 +215,7 @@ impl Core {
             }
             if qid > 0 && !self.io_room() {
                 self.ns.pending.slot_waits += 1;
+                self.ns.pending.slot_wait = true;
                 return did;
             }
             let sqe = read_sqe(&self.mem, &sq, sq.head);
@@ -237,10 +261,11 @@ impl Core {
 
     /// The device thread's turn for the file backend: reaps and posts what
     /// completed, then serves the I/O queues that stopped for want of a slot
-    /// or of CQ room. True if anything was done or operations are in flight
-    /// (a poller stays busy then).
+    /// (whoever freed it) or of CQ room. True if anything was done or
+    /// operations are in flight (a poller stays busy then).
     pub fn io_progress(&mut self) -> bool {
         if !self.reap_io() {
+            self.serve_slot_waiters();
             return self.io_in_flight() > 0;
         }
         for qid in 1..self.queues.sqs.len() {

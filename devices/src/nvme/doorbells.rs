@@ -243,6 +243,8 @@ impl Core {
                     self.process_sq(sqid);
                 }
             }
+            // The reap freed slots an SQ on another CQ may be waiting for.
+            self.serve_slot_waiters();
         } else {
             self.queues.sqs[qid].as_mut().unwrap().tail = value as u16;
             self.process_sq(qid);

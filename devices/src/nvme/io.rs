@@ -60,6 +60,8 @@ pub(super) struct Pending {
     pub owed: Vec<u16>,
     /// Times fetching stopped because every slot was taken.
     pub slot_waits: u64,
+    /// An I/O SQ stopped for want of a slot and was not served since.
+    pub slot_wait: bool,
 }
 
 impl Pending {
@@ -69,6 +71,7 @@ impl Pending {
             held: VecDeque::new(),
             owed: vec![0; MAX_IO_QUEUES as usize + 1],
             slot_waits: 0,
+            slot_wait: false,
         }
     }
 }
@@ -273,6 +276,7 @@ impl Core {
         }
         self.ns.pending.held.clear();
         self.ns.pending.owed.iter_mut().for_each(|o| *o = 0);
+        self.ns.pending.slot_wait = false;
     }
 
     /// Executes an I/O command; returns its status.

@@ -1252,3 +1252,48 @@ fn file_commands_are_fetched_only_while_their_cq_has_room_for_every_completion_o
     assert!(counter(&d.n, "cq.full-waits") > 0);
     assert_eq!(counter(&d.n, "io.reads"), 6);
 }
+
+/// Waits up to 5 s for `cond`; its last value.
+fn within_5s(mut cond: impl FnMut() -> bool) -> bool {
+    let t0 = std::time::Instant::now();
+    while !cond() {
+        if t0.elapsed() > std::time::Duration::from_secs(5) {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    true
+}
+
+#[test]
+fn an_sq_waiting_for_a_file_slot_is_served_when_a_cq_doorbell_or_a_delete_frees_slots() {
+    const SQ1: u64 = 0x80000; // 1024 x 64 B
+    const CQ1: u64 = 0x90000; // 1024 x 16 B
+    const SQ2: u64 = 0xA0000;
+    const CQ2: u64 = 0xA8000;
+    // How the slots come back: the host's head doorbell on CQ1 (the vCPU
+    // reaps), or Delete I/O SQ 1 (its commands are drained).
+    for delete in [false, true] {
+        let img = TempImage::new("slot-wait");
+        let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+        d.io_queues_at(SQ1, CQ1, 1024);
+        assert_eq!(d.admin(0x05, 0, CQ2, 0, [2 | 63 << 16, 1, 0, 0]).1, 0);
+        assert_eq!(d.admin(0x01, 0, SQ2, 0, [2 | 63 << 16, 1 | 2 << 16, 0, 0]).1, 0);
+        d.n.quiesce(); // no device thread reaps: SQ1 keeps every slot
+        let cmds: Vec<_> = (0..256u64).map(|i| (0x02, i * 8, 7, 0x40000)).collect();
+        d.submit_batch(&cmds, SQ1, 1024);
+        let e = d.sqe(0x02, 1, 0x41000, 0, [0, 0, 7, 0]);
+        d.mem.write_slice(&e, GuestAddress(SQ2)).unwrap();
+        d.w32(DOORBELLS + 16, 1);
+        assert!(counter(&d.n, "backend.slot-waits") > 0, "SQ2's read waits for a slot");
+        std::thread::sleep(std::time::Duration::from_millis(100)); // the file completes SQ1's reads
+        if delete {
+            assert_eq!(d.admin(0x00, 0, 0, 0, [1, 0, 0, 0]).1, 0, "Delete I/O SQ 1");
+        } else {
+            d.w32(DOORBELLS + 12, 0); // the vCPU reaps all 256
+        }
+        d.n.attach(DeviceContext::detached(d.mem.clone())); // the reaper runs again
+        let posted = || d.mem.read_obj::<u32>(GuestAddress(CQ2 + 12)).unwrap() >> 16 & 1 == 1;
+        assert!(within_5s(posted), "delete {delete}: SQ2's read never completed although slots are free");
+    }
+}
