@@ -323,6 +323,37 @@ impl FileBackend {
         }
     }
 
+    /// Blocks until an operation completes or `timeout` passed (sends what
+    /// an earlier submit left in the ring first); false if none is in
+    /// flight, the time passed or waiting failed.
+    pub fn wait_for(&mut self, timeout: std::time::Duration) -> bool {
+        use std::os::fd::AsRawFd;
+        self.submit();
+        let Some(u) = self.uring.as_mut() else { return false };
+        if u.in_flight == 0 {
+            return false;
+        }
+        if !u.ring.completion().is_empty() {
+            return true;
+        }
+        // The ring's fd is readable while its completion queue holds an entry.
+        let mut p = libc::pollfd { fd: u.ring.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd.
+        match unsafe { libc::poll(&mut p, 1, ms) } {
+            n if n > 0 => true,
+            0 => false,
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    log::warn!("nvme: io_uring wait: {e}");
+                    return false;
+                }
+                true // the caller looks again (and checks its deadline)
+            }
+        }
+    }
+
     /// The next completed operation, without waiting: its slot and result.
     /// The slot stays taken (its buffer holds the data read) until
     /// [`release`](Self::release). A read or write the filesystem refuses

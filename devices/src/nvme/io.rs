@@ -21,8 +21,10 @@ use super::admin::IO_LBA_CHANGING;
 use super::backend::{Backend, FileOp, FILE_SLOTS};
 use super::controller::Core;
 use super::queue::{prp_segments, status, Sqe, PAGE};
+use super::regs::cap;
 use super::{MAX_IO_QUEUES, MDTS};
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 /// The namespace: its storage and geometry.
 pub(super) struct Namespace {
@@ -264,11 +266,14 @@ impl Core {
         }
     }
 
-    /// Controller reset or disable: every command out on the file backend
-    /// is aborted without a completion. Operations still in flight finish
-    /// into their own buffers and are freed when reaped; nothing reaches
-    /// guest memory after this returns.
-    pub(super) fn abort_io(&mut self) {
+    /// Controller reset or disable (the device thread is stopped): every
+    /// command out on the file backend is aborted without a completion, and
+    /// this waits until none is in flight. Nothing of them reaches guest
+    /// memory (they finish into their own buffers), and an aborted write
+    /// cannot land after the host moved on (and wrote those blocks anew).
+    /// The wait is bounded by half of CAP.TO, the time the host gives the
+    /// controller; false if operations are still in flight then.
+    pub(super) fn abort_io(&mut self) -> bool {
         for slot in 0..FILE_SLOTS as u16 {
             if self.ns.pending.ops[slot as usize].live {
                 self.retire_dropped(slot);
@@ -277,6 +282,24 @@ impl Core {
         self.ns.pending.held.clear();
         self.ns.pending.owed.iter_mut().for_each(|o| *o = 0);
         self.ns.pending.slot_wait = false;
+        let Backend::File(f) = &mut self.ns.backend else { return true };
+        let timeout = Duration::from_millis((cap() >> 24 & 0xff) * 500 / 2);
+        let deadline = Instant::now() + timeout;
+        loop {
+            // Every operation in flight is an aborted one: freed as it is reaped.
+            while let Some((slot, _)) = f.reap() {
+                f.release(slot);
+            }
+            if f.in_flight() == 0 {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || !f.wait_for(left) {
+                break;
+            }
+        }
+        log::error!("nvme: {} file operations still in flight {timeout:?} after a reset", f.in_flight());
+        false
     }
 
     /// Executes an I/O command; returns its status.

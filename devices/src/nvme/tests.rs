@@ -1149,12 +1149,13 @@ fn a_reset_with_reads_in_flight_leaves_guest_memory_alone_after_it_returns() {
     std::thread::sleep(std::time::Duration::from_millis(50)); // let the file complete them
     d.w32(REG_CC, 0);
     assert_eq!(d.r32(0x1c) & 1, 0, "disabled");
+    assert_eq!(d.n.core.lock().unwrap().io_in_flight(), 0, "the reset waited for the aborted reads");
     // What the guest sees once the reset returned stays.
     let (mut r_after, mut cq_after) = (vec![0u8; 32 * 4096], vec![0u8; 64 * 16]);
     d.mem.read_slice(&mut r_after, GuestAddress(R)).unwrap();
     d.mem.read_slice(&mut cq_after, GuestAddress(IOCQ)).unwrap();
     assert!(r_after.iter().all(|&b| b == 0xee), "nothing reaped them before the reset: they were out");
-    // Enabled again: the device thread runs and reaps the aborted reads.
+    // Enabled again: the device thread runs; nothing of the aborted reads is left to deliver.
     d.w32(REG_CC, 0x0046_0001);
     (d.atail, d.ahead, d.aphase, d.iotail, d.iohead, d.iophase) = (0, 0, 1, 0, 0, 1);
     d.mem.write_slice(&[0u8; 64 * 16], GuestAddress(ACQ)).unwrap();
@@ -1295,5 +1296,45 @@ fn an_sq_waiting_for_a_file_slot_is_served_when_a_cq_doorbell_or_a_delete_frees_
         d.n.attach(DeviceContext::detached(d.mem.clone())); // the reaper runs again
         let posted = || d.mem.read_obj::<u32>(GuestAddress(CQ2 + 12)).unwrap() >> 16 & 1 == 1;
         assert!(within_5s(posted), "delete {delete}: SQ2's read never completed although slots are free");
+    }
+}
+
+#[test]
+fn a_write_in_flight_at_reset_or_disable_is_in_the_file_before_either_returns() {
+    const W: u64 = 0x40000;
+    for reset in [false, true] {
+        let img = TempImage::new("reset-write");
+        let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+        d.io_queues(64);
+        d.n.quiesce(); // nothing reaps: the writes stay out until the reset
+                       // 8 writes of 128 KiB (256 LBAs) = the whole 1 MiB namespace.
+        let fill = |i: u64| (i as u8).wrapping_mul(29) ^ 0x5a ^ reset as u8;
+        for i in 0..4u64 {
+            d.mem.write_slice(&[fill(i); 32 << 10], GuestAddress(W + (i << 15))).unwrap();
+        }
+        for i in 0..8u64 {
+            // PRP1 and a list of 31 pages, all in the 32 KiB block of fill(i % 4).
+            let list = 0x60000 + i * 0x100;
+            let pages: Vec<u8> =
+                (1..32u64).flat_map(|p| (W + ((i % 4) << 15) + (p % 8) * 4096).to_le_bytes()).collect();
+            d.mem.write_slice(&pages, GuestAddress(list)).unwrap();
+            let e = d.sqe(0x01, 1, W + ((i % 4) << 15), list, [(i * 256) as u32, 0, 255, 0]);
+            d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+            d.iotail += 1;
+        }
+        d.w32(DOORBELLS + 8, d.iotail as u32);
+        assert_eq!(d.n.core.lock().unwrap().io_in_flight(), 8);
+        if reset {
+            d.n.reset();
+        } else {
+            d.w32(REG_CC, 0);
+            assert_eq!(d.r32(0x1c) & 1, 0, "disabled");
+        }
+        assert_eq!(d.n.core.lock().unwrap().io_in_flight(), 0, "reset {reset}: nothing is left in flight");
+        let file = std::fs::read(&img.0).unwrap();
+        for (i, chunk) in file.chunks(128 << 10).enumerate() {
+            let want = fill(i as u64 % 4);
+            assert!(chunk.iter().all(|&b| b == want), "reset {reset}: write {i} is in the file");
+        }
     }
 }
