@@ -264,6 +264,9 @@ impl Core {
     /// (whoever freed it) or of CQ room. True if anything was done or
     /// operations are in flight (a poller stays busy then).
     pub fn io_progress(&mut self) -> bool {
+        if self.mem.is_empty() {
+            return false; // no client: its completions wait for its memory
+        }
         if !self.reap_io() {
             self.serve_slot_waiters();
             return self.io_in_flight() > 0;

@@ -147,10 +147,13 @@ impl Core {
 
     /// Reaps what the file backend completed, without waiting, and posts
     /// the completions (or holds them while their CQ is full). True if
-    /// anything was reaped or posted.
+    /// anything was reaped or posted. Nothing while the controller has no
+    /// memory (a client left; the next may keep the state): the completions
+    /// wait in the ring (its completion queue has room for twice the
+    /// operations in flight) until memory is attached again.
     pub(super) fn reap_io(&mut self) -> bool {
         let Backend::File(f) = &mut self.ns.backend else { return false };
-        if !f.is_async() {
+        if !f.is_async() || self.mem.is_empty() {
             return false;
         }
         f.submit(); // what an earlier submit left in the ring
@@ -236,7 +239,7 @@ impl Core {
     /// (one the CQ has no room for, or one the wait failed for, is dropped).
     pub(super) fn drain_sq(&mut self, sqid: u16) {
         let mine = |p: &Pending| p.ops.iter().any(|o| o.live && o.sqid == sqid && o.status.is_none());
-        while mine(&self.ns.pending) {
+        while mine(&self.ns.pending) && !self.mem.is_empty() {
             self.reap_io();
             let Backend::File(f) = &mut self.ns.backend else { break };
             if mine(&self.ns.pending) && !f.wait() {

@@ -246,6 +246,9 @@ impl DeviceModel for Nvme {
             // writes. A map or unmap by the same client keeps what it showed.
             if gone {
                 c.intr.client_table = false;
+            } else if let Some(done) = c.io_completion_fd() {
+                // File completions that waited for memory: the device thread posts them.
+                let _ = done.write(1);
             }
             c.regs.csts & 1 == 1
         };

@@ -1338,3 +1338,34 @@ fn a_write_in_flight_at_reset_or_disable_is_in_the_file_before_either_returns() 
         }
     }
 }
+
+#[test]
+fn completions_reaped_while_the_client_is_gone_wait_for_its_memory() {
+    const R: u64 = 0x40000;
+    let img = TempImage::new("no-memory");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(64);
+    for i in 0..8u64 {
+        d.mem.write_slice(&[0x30 + i as u8; 4096], GuestAddress(DATA)).unwrap();
+        assert_eq!(d.io(0x01, i * 8, 7, DATA, 0, 64), 0);
+    }
+    d.n.quiesce();
+    d.mem.write_slice(&[0xee; 8 * 4096], GuestAddress(R)).unwrap();
+    let reads: Vec<_> = (0..8u64).map(|i| (0x02, i * 8, 7, R + i * 4096)).collect();
+    let cids = d.submit_batch(&reads, IOSQ, 64);
+    // The client leaves: the device gets no memory, its thread runs (and is woken by the completions).
+    d.n.attach(DeviceContext::detached(GuestMemoryMmap::default()));
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    d.n.quiesce();
+    // The next client (the same memory: --keep-state).
+    d.n.attach(DeviceContext::detached(d.mem.clone()));
+    let done = d.reap_batch(8, IOCQ, 64);
+    assert_eq!(sorted(done.iter().map(|c| c.0).collect()), sorted(cids));
+    assert!(done.iter().all(|&(_, st)| st == 0), "{done:?}");
+    assert_eq!(counter(&d.n, "errors"), 0);
+    for i in 0..8u64 {
+        let mut b = [0u8; 4096];
+        d.mem.read_slice(&mut b, GuestAddress(R + i * 4096)).unwrap();
+        assert!(b.iter().all(|&x| x == 0x30 + i as u8), "read {i} carries its data");
+    }
+}
