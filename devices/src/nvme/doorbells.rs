@@ -27,11 +27,13 @@ pub(super) struct Doorbells {
     pub registered: Vec<u64>,
     /// bar mode: BAR0 as shared memory (the doorbells at 0x1000).
     pub bar_page: Option<GuestMemoryMmap>,
+    /// Why a device thread stopped on its own (reported with the counters).
+    pub failed: Option<String>,
 }
 
 impl Doorbells {
     pub fn new(mode: DoorbellMode, bar_page: Option<GuestMemoryMmap>) -> Self {
-        Doorbells { mode, shadow: None, kick: None, ioevents: None, registered: Vec::new(), bar_page }
+        Doorbells { mode, shadow: None, kick: None, ioevents: None, registered: Vec::new(), bar_page, failed: None }
     }
 }
 
@@ -102,7 +104,11 @@ impl Nvme {
         let (core, stop2) = (self.core.clone(), stop.clone());
         let h = std::thread::Builder::new().name("nvme-uring".into()).spawn(move || {
             while !stop2.load(Ordering::Relaxed) {
-                if done.read().is_err() || stop2.load(Ordering::Relaxed) {
+                // poll, then read what it found: a signal (EINTR) is retried there.
+                if let Err(e) = wait_either(&done, None).and_then(|_| read_eventfd(&done)) {
+                    return core.lock().unwrap().thread_failed("io_uring", &e);
+                }
+                if stop2.load(Ordering::Relaxed) {
                     return;
                 }
                 let mut c = core.lock().unwrap();
@@ -140,13 +146,16 @@ impl Nvme {
         let done = self.core.lock().unwrap().io_completion_fd();
         let h = std::thread::Builder::new().name("nvme-ioeventfd".into()).spawn(move || {
             while !stop2.load(Ordering::Relaxed) {
-                let Ok((kicked, completed)) = wait_either(&kick, done.as_deref()) else { return };
+                let (kicked, completed) = match wait_either(&kick, done.as_deref()) {
+                    Ok(r) => r,
+                    Err(e) => return core.lock().unwrap().thread_failed("ioeventfd", &e),
+                };
                 if stop2.load(Ordering::Relaxed) {
                     return; // woken to stop (that write is not a doorbell)
                 }
-                let n = if kicked { kick.read().unwrap_or(0) } else { 0 };
-                if completed {
-                    let _ = done.as_deref().map(EventFd::read);
+                let n = if kicked { read_eventfd(&kick).unwrap_or(0) } else { 0 };
+                if let (true, Some(done)) = (completed, done.as_deref()) {
+                    let _ = read_eventfd(done);
                 }
                 let mut c = core.lock().unwrap();
                 c.st.kicks += n;
@@ -184,6 +193,14 @@ impl Nvme {
 }
 
 impl Core {
+    /// A device thread stops on an error it cannot go on after: logged, and
+    /// kept to be reported with the counters.
+    fn thread_failed(&mut self, thread: &str, e: &std::io::Error) {
+        let m = format!("nvme: the {thread} thread stopped: {e}");
+        log::error!("{m}");
+        self.db.failed = Some(m);
+    }
+
     /// An MMIO doorbell write. `offset` is from the start of the doorbells.
     pub(super) fn doorbell(&mut self, off: u64, value: u32) {
         self.st.doorbell_writes += 1;
@@ -415,6 +432,17 @@ impl Core {
         let (Some(kick), Some(io)) = (self.db.kick.clone(), self.db.ioevents.clone()) else { return };
         for off in self.db.registered.drain(..) {
             let _ = io.unregister(crate::IoEventSpec { bar: 0, offset: off, len: 4, datamatch: None }, &kick);
+        }
+    }
+}
+
+/// Reads an eventfd's count (blocks while it is 0), retrying when a signal
+/// interrupts it.
+fn read_eventfd(fd: &EventFd) -> std::io::Result<u64> {
+    loop {
+        match fd.read() {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            r => return r,
         }
     }
 }

@@ -346,7 +346,13 @@ impl DeviceModel for Nvme {
     }
 
     fn counters(&self) -> Vec<Counter> {
-        let v = self.core.lock().unwrap().counters();
+        let (v, failed) = {
+            let c = self.core.lock().unwrap();
+            (c.counters(), c.db.failed.clone())
+        };
+        if let Some(e) = failed {
+            log::warn!("{e}");
+        }
         if let Some(e) = &self.threads.lock().unwrap().error {
             log::warn!("{e}");
         }

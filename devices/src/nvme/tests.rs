@@ -1369,3 +1369,65 @@ fn completions_reaped_while_the_client_is_gone_wait_for_its_memory() {
         assert!(b.iter().all(|&x| x == 0x30 + i as u8), "read {i} carries its data");
     }
 }
+
+/// The threads of this process named `name`.
+fn threads_named(name: &str) -> Vec<i32> {
+    let tasks = std::fs::read_dir("/proc/self/task").unwrap();
+    let comm = |t: &std::path::Path| std::fs::read_to_string(t.join("comm")).unwrap_or_default();
+    tasks
+        .flatten()
+        .filter(|t| comm(&t.path()).trim() == name)
+        .filter_map(|t| t.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+extern "C" fn on_sigusr1(_: libc::c_int) {}
+
+#[test]
+fn the_mmio_completion_thread_goes_on_after_signals_and_records_the_error_it_stops_on() {
+    // A handler without SA_RESTART: a blocking read the signal interrupts fails with EINTR.
+    // SAFETY: a zeroed sigaction with a handler that does nothing (async-signal-safe).
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigusr1 as extern "C" fn(libc::c_int) as usize;
+        assert_eq!(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()), 0);
+    }
+    let img = TempImage::new("eintr");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(64);
+    assert_eq!(d.io(0x02, 0, 7, DATA, 0, 64), 0, "the completion thread posts");
+    // Signal every completion thread (other tests' too: theirs go on as well)
+    // a few times, so that some signal finds it asleep.
+    for _ in 0..10 {
+        for tid in threads_named("nvme-uring") {
+            // SAFETY: tgkill on a thread of this process, with a signal it handles.
+            unsafe { libc::syscall(libc::SYS_tgkill, std::process::id(), tid, libc::SIGUSR1) };
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(!threads_named("nvme-uring").is_empty());
+    for i in 0..4 {
+        let e = d.sqe(0x02, 1, DATA, 0, [i * 8, 0, 7, 0]);
+        d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+        d.iotail = (d.iotail + 1) % 64;
+        d.w32(DOORBELLS + 8, d.iotail as u32);
+        assert_eq!(d.reap_io_wait(64).1, 0, "read {i} after the signals");
+        d.w32(DOORBELLS + 12, d.iohead as u32);
+    }
+    // Its eventfd becomes unreadable (a write-only fd in its place): the
+    // thread stops, and says why.
+    use std::os::fd::AsRawFd;
+    let done = d.n.core.lock().unwrap().io_completion_fd().unwrap();
+    let null = std::fs::OpenOptions::new().write(true).open("/dev/null").unwrap();
+    // SAFETY: replaces the eventfd's descriptor with another open one; the EventFd closes it when dropped.
+    assert!(unsafe { libc::dup2(null.as_raw_fd(), done.as_raw_fd()) } >= 0);
+    // A completion wakes the thread (the ring signals the eventfd itself); it reads the fd.
+    let e = d.sqe(0x02, 1, DATA, 0, [0, 0, 7, 0]);
+    d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+    d.iotail = (d.iotail + 1) % 64;
+    d.w32(DOORBELLS + 8, d.iotail as u32);
+    let failed = || d.n.core.lock().unwrap().db.failed.clone();
+    assert!(within_5s(|| failed().is_some()), "the error is recorded");
+    let why = failed().unwrap();
+    assert!(why.contains("io_uring thread stopped"), "{why}");
+}
