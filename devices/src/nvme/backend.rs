@@ -186,6 +186,12 @@ pub struct FileBackend {
     pub direct_ops: u64,
     /// The most operations that were in flight at once (after a submit).
     pub max_in_flight: u64,
+    /// The last submit left operations in the ring (the kernel refused
+    /// them for now: EAGAIN, ENOMEM): the device thread retries them.
+    stalled: bool,
+    /// Tests: the next submits fail as if the kernel were short of memory.
+    #[cfg(test)]
+    pub fail_submits: u32,
 }
 
 impl FileBackend {
@@ -211,7 +217,15 @@ impl FileBackend {
                 }
             },
         };
-        Ok(FileBackend { file: f, uring, direct_ops: 0, max_in_flight: 0 })
+        Ok(FileBackend {
+            file: f,
+            uring,
+            direct_ops: 0,
+            max_in_flight: 0,
+            stalled: false,
+            #[cfg(test)]
+            fail_submits: 0,
+        })
     }
 
     /// True when commands go through io_uring (asynchronously).
@@ -285,10 +299,18 @@ impl FileBackend {
         true
     }
 
-    /// Sends every pushed operation to the kernel, without waiting.
+    /// Sends every pushed operation to the kernel, without waiting. What
+    /// the kernel does not take stays in the ring for the next submit; the
+    /// first time, the completion eventfd is signalled so that the device
+    /// thread wakes (no completion may come to wake it) and retries.
     pub fn submit(&mut self) {
         let Some(u) = self.uring.as_mut() else { return };
         while !u.ring.submission().is_empty() {
+            #[cfg(test)]
+            if self.fail_submits > 0 {
+                self.fail_submits -= 1;
+                break;
+            }
             match u.ring.submit() {
                 Ok(0) => break, // nothing taken: try again next time rather than spin
                 Ok(_) => {}
@@ -300,8 +322,17 @@ impl FileBackend {
                 }
             }
         }
-        let sent = u.in_flight - u.ring.submission().len();
-        self.max_in_flight = self.max_in_flight.max(sent as u64);
+        let unsent = u.ring.submission().len();
+        self.max_in_flight = self.max_in_flight.max((u.in_flight - unsent) as u64);
+        if unsent > 0 && !self.stalled {
+            let _ = u.done.write(1);
+        }
+        self.stalled = unsent > 0;
+    }
+
+    /// Operations wait in the ring for a submit the kernel refused.
+    pub fn stalled(&self) -> bool {
+        self.stalled
     }
 
     /// Blocks until an operation completes; false if none is in flight or

@@ -287,6 +287,15 @@ impl Core {
         }
     }
 
+    /// File backend operations wait in the ring for a submit the kernel
+    /// refused: the device thread retries after a while.
+    pub fn io_stalled(&self) -> bool {
+        match &self.ns.backend {
+            Backend::File(f) => f.stalled(),
+            _ => false,
+        }
+    }
+
     /// File backend operations in flight.
     pub fn io_in_flight(&self) -> usize {
         match &self.ns.backend {

@@ -102,18 +102,24 @@ impl Nvme {
         let Some(done) = self.core.lock().unwrap().io_completion_fd() else { return };
         let stop = Arc::new(AtomicBool::new(false));
         let (core, stop2) = (self.core.clone(), stop.clone());
+        let mut retry = Retry::default();
         let h = std::thread::Builder::new().name("nvme-uring".into()).spawn(move || {
             while !stop2.load(Ordering::Relaxed) {
                 // poll, then read what it found: a signal (EINTR) is retried there.
-                if let Err(e) = wait_either(&done, None).and_then(|_| read_eventfd(&done)) {
-                    return core.lock().unwrap().thread_failed("io_uring", &e);
-                }
+                let (ready, _) = match wait_either(&done, None, retry.after()) {
+                    Ok(r) => r,
+                    Err(e) => return core.lock().unwrap().thread_failed("io_uring", &e),
+                };
                 if stop2.load(Ordering::Relaxed) {
                     return;
+                }
+                if let Some(Err(e)) = ready.then(|| read_eventfd(&done)) {
+                    return core.lock().unwrap().thread_failed("io_uring", &e);
                 }
                 let mut c = core.lock().unwrap();
                 c.io_progress();
                 c.flush_coalesced_untimed();
+                retry.next(c.io_stalled());
             }
         });
         match h {
@@ -144,9 +150,10 @@ impl Nvme {
         let stop = Arc::new(AtomicBool::new(false));
         let (core, stop2) = (self.core.clone(), stop.clone());
         let done = self.core.lock().unwrap().io_completion_fd();
+        let mut retry = Retry::default();
         let h = std::thread::Builder::new().name("nvme-ioeventfd".into()).spawn(move || {
             while !stop2.load(Ordering::Relaxed) {
-                let (kicked, completed) = match wait_either(&kick, done.as_deref()) {
+                let (kicked, completed) = match wait_either(&kick, done.as_deref(), retry.after()) {
                     Ok(r) => r,
                     Err(e) => return core.lock().unwrap().thread_failed("ioeventfd", &e),
                 };
@@ -165,6 +172,7 @@ impl Nvme {
                 c.io_progress();
                 // No timer here: what the aggregation threshold holds goes out now.
                 c.flush_coalesced_untimed();
+                retry.next(c.io_stalled());
             }
         });
         match h {
@@ -447,14 +455,37 @@ fn read_eventfd(fd: &EventFd) -> std::io::Result<u64> {
     }
 }
 
-/// Sleeps until `a` or `b` is readable; which ones are.
-fn wait_either(a: &EventFd, b: Option<&EventFd>) -> std::io::Result<(bool, bool)> {
+/// When a device thread looks again at operations the kernel refused to
+/// take (no completion will wake it for them): 1 ms after the first
+/// refusal, doubling to 100 ms while they are refused.
+#[derive(Default)]
+struct Retry(Option<std::time::Duration>);
+
+impl Retry {
+    /// How long the thread may sleep (None: until woken).
+    fn after(&self) -> Option<std::time::Duration> {
+        self.0
+    }
+    /// After a pass: `stalled`, operations still wait in the ring.
+    fn next(&mut self, stalled: bool) {
+        let max = std::time::Duration::from_millis(100);
+        self.0 = stalled.then(|| self.0.map_or(std::time::Duration::from_millis(1), |d| (d * 2).min(max)));
+    }
+}
+
+/// Sleeps until `a` or `b` is readable, or `timeout` passed; which ones are.
+fn wait_either(
+    a: &EventFd,
+    b: Option<&EventFd>,
+    timeout: Option<std::time::Duration>,
+) -> std::io::Result<(bool, bool)> {
     use std::os::fd::AsRawFd;
     let fd = |e: &EventFd| libc::pollfd { fd: e.as_raw_fd(), events: libc::POLLIN, revents: 0 };
     let mut fds = [fd(a), b.map_or(libc::pollfd { fd: -1, events: 0, revents: 0 }, fd)];
+    let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);
     loop {
         // SAFETY: two valid pollfd entries (a negative fd is ignored by poll).
-        if unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) } >= 0 {
+        if unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) } >= 0 {
             let ready = |p: &libc::pollfd| p.revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0;
             return Ok((ready(&fds[0]), ready(&fds[1])));
         }

@@ -1431,3 +1431,37 @@ fn the_mmio_completion_thread_goes_on_after_signals_and_records_the_error_it_sto
     let why = failed().unwrap();
     assert!(why.contains("io_uring thread stopped"), "{why}");
 }
+
+#[test]
+fn commands_a_refused_submit_left_in_the_ring_are_retried_by_the_device_thread() {
+    for mode in [DoorbellMode::Mmio, DoorbellMode::Ioeventfd] {
+        let img = TempImage::new("refused");
+        let mut d = Drv::new(img.cfg(mode));
+        d.io_queues(64);
+        if mode == DoorbellMode::Ioeventfd {
+            assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0, "Doorbell Buffer Config");
+        }
+        // The kernel refuses the next 5 submits (EAGAIN, ENOMEM): the reads
+        // stay in the ring with nothing in the kernel to signal a completion.
+        match &mut d.n.core.lock().unwrap().ns.backend {
+            super::backend::Backend::File(f) => f.fail_submits = 5,
+            _ => unreachable!(),
+        }
+        let reads: Vec<_> = (0..4u64).map(|i| (0x02, i * 8, 7, 0x40000 + i * 4096)).collect();
+        let mut cids = Vec::new();
+        for &(op, slba, nlb0, prp1) in &reads {
+            let e = d.sqe(op, 1, prp1, 0, [slba as u32, 0, nlb0, 0]);
+            cids.push(d.cid);
+            d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+            d.iotail += 1;
+        }
+        d.ring1(mode, false, d.iotail as u32);
+        let mut done = Vec::new();
+        for _ in 0..4 {
+            done.push(d.reap_io_wait(64));
+            d.ring1(mode, true, d.iohead as u32);
+        }
+        assert!(done.iter().all(|&(_, st)| st == 0), "{mode}: {done:?}");
+        assert_eq!(sorted(done.iter().map(|c| c.0).collect()), sorted(cids), "{mode}");
+    }
+}
