@@ -330,6 +330,13 @@ impl FileBackend {
         self.stalled = unsent > 0;
     }
 
+    /// Tests: what the taken slots do.
+    #[cfg(test)]
+    pub fn taken_ops(&self) -> Vec<FileOp> {
+        let Some(u) = &self.uring else { return Vec::new() };
+        (0..FILE_SLOTS as u16).filter(|s| !u.free.contains(s)).map(|s| u.slots[s as usize].op).collect()
+    }
+
     /// Operations wait in the ring for a submit the kernel refused.
     pub fn stalled(&self) -> bool {
         self.stalled

@@ -26,6 +26,9 @@ use super::{MAX_IO_QUEUES, MDTS};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+/// Force Unit Access, in CDW12 of a Read or Write.
+const FUA: u32 = 1 << 30;
+
 /// The namespace: its storage and geometry.
 pub(super) struct Namespace {
     pub backend: Backend,
@@ -99,7 +102,9 @@ impl Core {
                 if bytes > PAGE << MDTS {
                     return Some(status::INVALID_FIELD);
                 }
-                let op = if c.opcode == 0x01 { FileOp::Write { dsync: !self.feat.write_cache } } else { FileOp::Read };
+                // Force Unit Access (CDW12 bit 30), or no volatile write cache: stable before it completes.
+                let dsync = !self.feat.write_cache || c.cdw12 & FUA != 0;
+                let op = if c.opcode == 0x01 { FileOp::Write { dsync } } else { FileOp::Read };
                 (op, slba << self.ns.lba_shift, bytes)
             }
         };
@@ -329,8 +334,10 @@ impl Core {
             0x09 => self.dsm(c),
             _ => status::INVALID_OPCODE,
         };
-        // Volatile write cache off (Set Features 06h): what changed is stable before it completes.
-        if st == status::SUCCESS && !self.feat.write_cache && IO_LBA_CHANGING.contains(&c.opcode) {
+        // Volatile write cache off (Set Features 06h), or a write with Force
+        // Unit Access: what changed is stable before it completes.
+        let fua = c.opcode == 0x01 && c.cdw12 & FUA != 0;
+        if st == status::SUCCESS && (!self.feat.write_cache && IO_LBA_CHANGING.contains(&c.opcode) || fua) {
             if let Err(e) = self.ns.backend.flush() {
                 log::warn!("nvme: flush with the write cache off: {e}");
                 return status::INTERNAL;

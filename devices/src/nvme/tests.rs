@@ -1465,3 +1465,22 @@ fn commands_a_refused_submit_left_in_the_ring_are_retried_by_the_device_thread()
         assert_eq!(sorted(done.iter().map(|c| c.0).collect()), sorted(cids), "{mode}");
     }
 }
+
+#[test]
+fn a_write_with_force_unit_access_is_a_dsync_write_on_a_file_namespace() {
+    let img = TempImage::new("fua");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(64);
+    d.n.quiesce(); // the writes stay taken: their operations can be looked at
+    for (fua, dsync) in [(0, false), (1 << 30, true)] {
+        let e = d.sqe(0x01, 1, DATA, 0, [8, 0, 7 | fua, 0]);
+        d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+        d.iotail += 1;
+        d.w32(DOORBELLS + 8, d.iotail as u32);
+        let ops = match &d.n.core.lock().unwrap().ns.backend {
+            super::backend::Backend::File(f) => f.taken_ops(),
+            _ => unreachable!(),
+        };
+        assert!(ops.contains(&super::backend::FileOp::Write { dsync }), "FUA {fua:#x}: {ops:?}");
+    }
+}
