@@ -310,6 +310,21 @@ impl Core {
         false
     }
 
+    /// Waits until no file backend operation is in flight (their
+    /// completions posted, or held for CQ room): before a write through the
+    /// buffered fd (Write Zeroes, deallocate), which must not race O_DIRECT
+    /// writes of the same blocks (the page cache they invalidate could be
+    /// written back over them). Gives up if waiting fails.
+    fn settle_io(&mut self) {
+        loop {
+            self.reap_io();
+            let Backend::File(f) = &mut self.ns.backend else { return };
+            if f.in_flight() == 0 || self.mem.is_empty() || !f.wait() {
+                return;
+            }
+        }
+    }
+
     /// Executes an I/O command; returns its status.
     pub(super) fn io(&mut self, c: &Sqe) -> u16 {
         if c.nsid != 1 {
@@ -326,6 +341,7 @@ impl Core {
                 if slba.checked_add(n).is_none_or(|e| e > self.ns.nlbas) {
                     return status::LBA_OUT_OF_RANGE;
                 }
+                self.settle_io();
                 match self.ns.backend.zero(slba << self.ns.lba_shift, n << self.ns.lba_shift) {
                     Ok(()) => status::SUCCESS,
                     Err(_) => status::INTERNAL,
@@ -460,6 +476,9 @@ impl Core {
             return st;
         }
         let deallocate = c.cdw11 & 4 != 0;
+        if deallocate {
+            self.settle_io();
+        }
         for r in ranges.chunks(16) {
             let n = u32::from_le_bytes(r[4..8].try_into().unwrap()) as u64;
             let slba = u64::from_le_bytes(r[8..16].try_into().unwrap());

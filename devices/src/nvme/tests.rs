@@ -1484,3 +1484,31 @@ fn a_write_with_force_unit_access_is_a_dsync_write_on_a_file_namespace() {
         assert!(ops.contains(&super::backend::FileOp::Write { dsync }), "FUA {fua:#x}: {ops:?}");
     }
 }
+
+#[test]
+fn write_zeroes_and_deallocate_wait_for_the_file_writes_in_flight_before_them() {
+    let img = TempImage::new("zeroes");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(64);
+    d.n.quiesce(); // only the commands below reap: the writes stay out until then
+                   // DSM range list: 8 LBAs at 512.
+    let mut range = [0u8; 16];
+    range[4..8].copy_from_slice(&8u32.to_le_bytes());
+    range[8..16].copy_from_slice(&512u64.to_le_bytes());
+    d.mem.write_slice(&range, GuestAddress(DATA)).unwrap();
+    // Write Zeroes of 8 LBAs at 256; Dataset Management, one range, deallocate.
+    for (op, prp1, cdw) in [(0x08, 0, [256, 0, 7, 0]), (0x09, DATA, [0, 4, 0, 0])] {
+        let writes: Vec<_> = (0..16u64).map(|i| (0x01, i * 8, 7, 0x40000 + i * 4096)).collect();
+        d.submit_batch(&writes, IOSQ, 64);
+        assert_eq!(d.n.core.lock().unwrap().io_in_flight(), 16);
+        let e = d.sqe(op, 1, prp1, 0, cdw);
+        d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+        d.iotail = (d.iotail + 1) % 64;
+        d.w32(DOORBELLS + 8, d.iotail as u32);
+        assert_eq!(d.n.core.lock().unwrap().io_in_flight(), 0, "opcode {op:#x}: the writes before it settled");
+        let done: Vec<_> = (0..17).map_while(|_| d.reap(IOCQ, 64, false)).collect();
+        assert_eq!(done.len(), 17, "opcode {op:#x}: every completion is posted");
+        assert!(done.iter().all(|&(_, st)| st == 0), "{done:?}");
+        d.w32(DOORBELLS + 12, d.iohead as u32);
+    }
+}
