@@ -57,8 +57,12 @@
 //! the ring's eventfd wakes the `ioeventfd` thread or, in `mmio` mode, the
 //! `nvme-uring` thread. A Flush waits for the operations before it
 //! (IOSQE_IO_DRAIN); Delete I/O SQ waits for its queue's commands; a reset
-//! aborts them (their data never reaches guest memory). Ordering, bounds
-//! and buffers: `io.rs`.
+//! aborts them and waits until none is in flight before CSTS.RDY reads 0
+//! (their data never reaches guest memory, and an aborted write cannot land
+//! later); Write Zeroes and deallocate wait for them too (they write through
+//! the buffered fd). While the controller has no memory (a client left),
+//! completions wait in the ring for the next one. Ordering, bounds and
+//! buffers: `io.rs`.
 //!
 //! Every value from the guest is checked: queue ids and sizes, doorbell
 //! values (an invalid one raises an asynchronous event), PRPs (must lie in
