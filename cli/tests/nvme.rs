@@ -89,6 +89,29 @@ fn shm_doorbells_take_no_exit_per_io_ioeventfd_ones_kick_and_mmio_ones_exit() {
 }
 
 #[test]
+fn a_file_namespace_sees_the_guests_queue_depth() {
+    kvm();
+    let file = std::env::temp_dir().join(format!("iopath-nvme-qd-{}.img", std::process::id()));
+    for (db, remote) in [("shm", ""), ("ioeventfd", ""), ("mmio", ""), ("shm", "@vfio-user")] {
+        let spec = format!("nvme,doorbell={db},backend=file:{},size_mb=8{remote}", file.display());
+        let (rec, _, _) = nvmeperf(&spec, "verify=1 bs=4096 iodepth=32 size_mb=4");
+        assert_eq!((num(&rec, "errors"), num(&rec, "mismatches")), (0, 0), "{spec}");
+        let (rec, c, _) = nvmeperf(&spec, "rw=randrw bs=4096 iodepth=32 time_ms=300");
+        assert_eq!(num(&rec, "errors"), 0, "{spec}");
+        assert_eq!(c["io.commands"], num(&rec, "ios"), "{spec}");
+        if c["backend.direct-ops"] == 0 {
+            eprintln!("{spec}: no O_DIRECT io_uring on {} here; queue depth not checked", file.display());
+            continue;
+        }
+        // More than one command at the file at once, and never more than the guest has out.
+        let depth = c["backend.inflight-max"];
+        eprintln!("{db}{remote}: {} guest I/Os, at most {depth} file operations in flight", num(&rec, "ios"));
+        assert!((2..=32).contains(&depth), "{spec}: {depth} in flight at most: {c:?}");
+    }
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
 fn every_rw_mode_and_several_queues_run_clean() {
     kvm();
     for rw in ["read", "write", "randread", "randwrite", "randrw"] {

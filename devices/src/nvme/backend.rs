@@ -1,12 +1,15 @@
 //! Block backends of the NVMe namespace: `null` (no data: dispatch cost
 //! only), `ram` (keeps data in an anonymous mapping), `file:PATH` (O_DIRECT
-//! reads and writes through io_uring, one whole transfer per command from an
-//! aligned buffer; where O_DIRECT or io_uring is refused, pread/pwrite).
+//! reads, writes and flushes through io_uring, many in flight, one whole
+//! transfer per command in a bounce buffer of its own; where O_DIRECT or
+//! io_uring is refused, synchronous pread/pwrite).
 //! Callers pass LBA ranges already checked against the namespace.
 
 use crate::{Error, Result};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+use vmm_sys_util::eventfd::EventFd;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum BackendKind {
@@ -49,14 +52,146 @@ pub enum Backend {
     File(Box<FileBackend>),
 }
 
+/// Operations a file namespace keeps in flight at most: its io_uring's
+/// size, and the slots (bounce buffers) commands take.
+pub const FILE_SLOTS: usize = 256;
+
+/// What an io_uring slot does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FileOp {
+    Read,
+    /// `dsync`: stable before it completes (the write cache is off).
+    Write {
+        dsync: bool,
+    },
+    /// fdatasync, started only when every operation submitted before it has
+    /// completed (IOSQE_IO_DRAIN).
+    Flush,
+}
+
+/// One operation's buffer and what it does.
+struct Slot {
+    buf: Bounce,
+    op: FileOp,
+    off: u64,
+    len: usize,
+    /// The buffer registered as fixed buffer number `slot` (start, length);
+    /// (0, 0) if none is.
+    registered: (usize, usize),
+}
+
+impl Slot {
+    /// The buffer, `len` bytes; a new allocation (it grows) is no longer the
+    /// registered one, even at the same address (the kernel pinned the old pages).
+    fn get(&mut self, len: usize) -> &mut [u8] {
+        if self.buf.whole().1 < len {
+            self.registered = (0, 0);
+        }
+        self.buf.get(len)
+    }
+}
+
+/// The asynchronous side of a file namespace: an io_uring on the O_DIRECT
+/// fd (registered as fixed file 0), whose completions signal `done`.
+/// Operations read into or write from bounce buffers of their own (the
+/// slots), never guest memory, so an operation still in flight when guest
+/// memory is unmapped or the controller reset cannot touch that memory.
+/// Each slot's buffer is registered as fixed buffer number `slot` when it
+/// is allocated (the kernel then pins it once, not on every operation);
+/// where registering is refused (RLIMIT_MEMLOCK), operations use plain
+/// buffers.
+struct Uring {
+    /// Kept open for the ring, which knows it as fixed file 0.
+    _direct: File,
+    ring: io_uring::IoUring,
+    done: Arc<EventFd>,
+    slots: Vec<Slot>,
+    free: Vec<u16>,
+    /// Pushed (submitted or not) and not yet reaped.
+    in_flight: usize,
+    /// The fixed buffer table exists and registering has not been refused.
+    fixed_bufs: bool,
+}
+
+impl Uring {
+    fn new(file: File) -> std::io::Result<Uring> {
+        use std::os::fd::AsRawFd;
+        let ring = io_uring::IoUring::new(FILE_SLOTS as u32)?;
+        ring.submitter().register_files(&[file.as_raw_fd()])?;
+        let done = EventFd::new(libc::EFD_CLOEXEC)?;
+        ring.submitter().register_eventfd(done.as_raw_fd())?;
+        let fixed_bufs = ring.submitter().register_buffers_sparse(FILE_SLOTS as u32).is_ok();
+        let slots = (0..FILE_SLOTS)
+            .map(|_| Slot { buf: Bounce::new(0), op: FileOp::Read, off: 0, len: 0, registered: (0, 0) })
+            .collect();
+        let free = (0..FILE_SLOTS as u16).rev().collect();
+        Ok(Uring { _direct: file, ring, done: Arc::new(done), slots, free, in_flight: 0, fixed_bufs })
+    }
+
+    /// Makes slot `slot`'s current buffer its fixed buffer if it is not
+    /// (the buffer was allocated or grown). False if it cannot be.
+    fn register(&mut self, slot: u16) -> bool {
+        let s = &mut self.slots[slot as usize];
+        let (start, cap) = s.buf.whole();
+        if s.registered == (start as usize, cap) {
+            return true;
+        }
+        if !self.fixed_bufs {
+            return false;
+        }
+        let iov = libc::iovec { iov_base: start.cast(), iov_len: cap };
+        // SAFETY: the buffer is this slot's and lives until it is replaced
+        // (then registered anew before use) or the ring is gone; the slot is
+        // not in flight (a buffer is only allocated then).
+        match unsafe { self.ring.submitter().register_buffers_update(slot as u32, &[iov], None) } {
+            Ok(()) => {
+                s.registered = (start as usize, cap);
+                true
+            }
+            Err(e) => {
+                log::info!("nvme: no fixed io_uring buffers ({e}); using plain ones");
+                self.fixed_bufs = false;
+                false
+            }
+        }
+    }
+}
+
+impl Drop for Uring {
+    /// The kernel may still copy into a slot's buffer: wait for every
+    /// operation before the buffers go (or leak them if waiting fails).
+    fn drop(&mut self) {
+        while self.in_flight > 0 {
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    log::warn!("nvme: io_uring wait at close: {e}; {} buffers leaked", self.in_flight);
+                    std::mem::forget(std::mem::take(&mut self.slots));
+                    return;
+                }
+            }
+            self.in_flight -= self.ring.completion().count().min(self.in_flight);
+        }
+    }
+}
+
 /// A file namespace: a buffered fd always, and when the filesystem and
-/// kernel allow, an O_DIRECT fd driven through io_uring.
+/// kernel allow, an O_DIRECT fd driven through io_uring with up to
+/// [`FILE_SLOTS`] operations in flight.
 pub struct FileBackend {
     file: File,
-    direct: Option<(File, io_uring::IoUring)>,
-    /// Operations that went through io_uring with O_DIRECT.
+    uring: Option<Uring>,
+    /// Operations that completed through io_uring with O_DIRECT.
     pub direct_ops: u64,
-    seq: u64,
+    /// The most operations that were in flight at once (after a submit).
+    pub max_in_flight: u64,
+    /// The last submit left operations in the ring (the kernel refused
+    /// them for now: EAGAIN, ENOMEM): the device thread retries them.
+    stalled: bool,
+    /// Tests: the next submits fail as if the kernel were short of memory.
+    #[cfg(test)]
+    pub fail_submits: u32,
 }
 
 impl FileBackend {
@@ -68,64 +203,227 @@ impl FileBackend {
             f.set_len(bytes).map_err(io_err)?;
         }
         use std::os::unix::fs::OpenOptionsExt;
-        let direct = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(p).ok();
-        let direct = match (direct, io_uring::IoUring::new(4)) {
-            (Some(d), Ok(r)) => Some((d, r)),
-            (None, _) => {
-                log::info!("{}: no O_DIRECT here; using pread/pwrite", p.display());
+        let direct = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(p);
+        let uring = match direct {
+            Err(e) => {
+                log::info!("{}: no O_DIRECT here ({e}); using pread/pwrite", p.display());
                 None
             }
-            (_, Err(e)) => {
-                log::info!("io_uring unavailable ({e}); using pread/pwrite");
-                None
-            }
+            Ok(d) => match Uring::new(d) {
+                Ok(u) => Some(u),
+                Err(e) => {
+                    log::info!("io_uring unavailable ({e}); using pread/pwrite");
+                    None
+                }
+            },
         };
-        Ok(FileBackend { file: f, direct, direct_ops: 0, seq: 0 })
+        Ok(FileBackend {
+            file: f,
+            uring,
+            direct_ops: 0,
+            max_in_flight: 0,
+            stalled: false,
+            #[cfg(test)]
+            fail_submits: 0,
+        })
     }
 
-    /// One O_DIRECT read or write through io_uring; None if it cannot be
-    /// done that way (alignment, a refused opcode): the caller falls back.
-    fn uring(&mut self, write: bool, off: u64, ptr: *mut u8, len: usize) -> Option<std::io::Result<()>> {
-        use std::os::fd::AsRawFd;
-        let (f, ring) = self.direct.as_mut()?;
-        if !off.is_multiple_of(512) || !len.is_multiple_of(512) || !(ptr as usize).is_multiple_of(4096) {
-            return None;
+    /// True when commands go through io_uring (asynchronously).
+    pub fn is_async(&self) -> bool {
+        self.uring.is_some()
+    }
+
+    /// The eventfd io_uring signals on each completion.
+    pub fn completion_fd(&self) -> Option<Arc<EventFd>> {
+        self.uring.as_ref().map(|u| u.done.clone())
+    }
+
+    /// Operations pushed and not yet reaped.
+    pub fn in_flight(&self) -> usize {
+        self.uring.as_ref().map_or(0, |u| u.in_flight)
+    }
+
+    /// Takes a free slot (None: all [`FILE_SLOTS`] are taken, or no io_uring).
+    pub fn take_slot(&mut self) -> Option<u16> {
+        self.uring.as_mut()?.free.pop()
+    }
+
+    /// True if a slot is free (or commands are served synchronously).
+    pub fn has_room(&self) -> bool {
+        self.uring.as_ref().is_none_or(|u| !u.free.is_empty())
+    }
+
+    /// Gives a slot back; its operation must have been reaped (or never pushed).
+    pub fn release(&mut self, slot: u16) {
+        if let Some(u) = self.uring.as_mut() {
+            debug_assert!(!u.free.contains(&slot));
+            u.free.push(slot);
         }
-        let fd = io_uring::types::Fd(f.as_raw_fd());
-        self.seq = self.seq.wrapping_add(1);
-        let tag = self.seq;
-        let e = if write {
-            io_uring::opcode::Write::new(fd, ptr, len as u32).offset(off).build()
-        } else {
-            io_uring::opcode::Read::new(fd, ptr, len as u32).offset(off).build()
+    }
+
+    /// Slot `slot`'s buffer, `len` bytes, 4 KiB aligned (not while its
+    /// operation is in flight).
+    pub fn buffer(&mut self, slot: u16, len: usize) -> &mut [u8] {
+        self.uring.as_mut().expect("a slot is taken from the io_uring").slots[slot as usize].get(len)
+    }
+
+    /// Queues slot `slot`'s operation on the ring (sent at the next
+    /// [`submit`](Self::submit)); `len` bytes of its buffer at byte `off`.
+    /// False if the ring refused it (the slot is still the caller's).
+    pub fn push(&mut self, slot: u16, op: FileOp, off: u64, len: usize) -> bool {
+        use io_uring::{opcode, squeue::Flags, types};
+        let Some(u) = self.uring.as_mut() else { return false };
+        let ptr = u.slots[slot as usize].get(len).as_mut_ptr();
+        let fixed = op != FileOp::Flush && u.register(slot);
+        let s = &mut u.slots[slot as usize];
+        (s.op, s.off, s.len) = (op, off, len);
+        let fd = types::Fixed(0);
+        let (n, flags) = (len as u32, if op == (FileOp::Write { dsync: true }) { libc::RWF_DSYNC } else { 0 });
+        let e = match op {
+            FileOp::Read if fixed => opcode::ReadFixed::new(fd, ptr, n, slot).offset(off).build(),
+            FileOp::Read => opcode::Read::new(fd, ptr, n).offset(off).build(),
+            FileOp::Write { .. } if fixed => {
+                opcode::WriteFixed::new(fd, ptr, n, slot).offset(off).rw_flags(flags).build()
+            }
+            FileOp::Write { .. } => opcode::Write::new(fd, ptr, n).offset(off).rw_flags(flags).build(),
+            FileOp::Flush => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build().flags(Flags::IO_DRAIN),
         }
-        .user_data(tag);
-        // SAFETY: the buffer outlives the operation: this function does not
-        // return before the operation's own completion has been reaped.
-        if unsafe { ring.submission().push(&e) }.is_err() {
-            return None;
+        .user_data(slot as u64);
+        // SAFETY: the buffer is the slot's own and stays put (it is neither
+        // resized nor freed) until this operation's completion is reaped:
+        // the slot is not given back before that, and Drop waits for it.
+        if unsafe { u.ring.submission().push(&e) }.is_err() {
+            return false;
         }
-        let r = loop {
-            match ring.submit_and_wait(1) {
+        u.in_flight += 1;
+        true
+    }
+
+    /// Sends every pushed operation to the kernel, without waiting. What
+    /// the kernel does not take stays in the ring for the next submit; the
+    /// first time, the completion eventfd is signalled so that the device
+    /// thread wakes (no completion may come to wake it) and retries.
+    pub fn submit(&mut self) {
+        let Some(u) = self.uring.as_mut() else { return };
+        while !u.ring.submission().is_empty() {
+            #[cfg(test)]
+            if self.fail_submits > 0 {
+                self.fail_submits -= 1;
+                break;
+            }
+            match u.ring.submit() {
+                Ok(0) => break, // nothing taken: try again next time rather than spin
                 Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                // Not submitted at all: nothing is in flight, the caller may fall back.
-                Err(e) if !ring.submission().is_empty() => return Some(Err(e)),
-                Err(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                // Kept in the ring: the next submit (each pass, each reap) sends them.
+                Err(e) => {
+                    log::debug!("nvme: io_uring submit: {e}");
+                    break;
+                }
             }
-            if let Some(c) = ring.completion().find(|c| c.user_data() == tag) {
-                break c.result();
-            }
-        };
-        match r {
-            n if n as usize == len => {
-                self.direct_ops += 1;
-                Some(Ok(()))
-            }
-            n if n == -libc::EINVAL => None, // this filesystem's block size: use the buffered fd
-            n if n < 0 => Some(Err(std::io::Error::from_raw_os_error(-n))),
-            _ => Some(Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short O_DIRECT transfer"))),
         }
+        let unsent = u.ring.submission().len();
+        self.max_in_flight = self.max_in_flight.max((u.in_flight - unsent) as u64);
+        if unsent > 0 && !self.stalled {
+            let _ = u.done.write(1);
+        }
+        self.stalled = unsent > 0;
+    }
+
+    /// Tests: what the taken slots do.
+    #[cfg(test)]
+    pub fn taken_ops(&self) -> Vec<FileOp> {
+        let Some(u) = &self.uring else { return Vec::new() };
+        (0..FILE_SLOTS as u16).filter(|s| !u.free.contains(s)).map(|s| u.slots[s as usize].op).collect()
+    }
+
+    /// Operations wait in the ring for a submit the kernel refused.
+    pub fn stalled(&self) -> bool {
+        self.stalled
+    }
+
+    /// Blocks until an operation completes; false if none is in flight or
+    /// waiting failed.
+    pub fn wait(&mut self) -> bool {
+        let Some(u) = self.uring.as_mut() else { return false };
+        if u.in_flight == 0 {
+            return false;
+        }
+        loop {
+            match u.ring.submit_and_wait(1) {
+                Ok(_) => return true,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    log::warn!("nvme: io_uring wait: {e}");
+                    return false;
+                }
+            }
+        }
+    }
+
+    /// Blocks until an operation completes or `timeout` passed (sends what
+    /// an earlier submit left in the ring first); false if none is in
+    /// flight, the time passed or waiting failed.
+    pub fn wait_for(&mut self, timeout: std::time::Duration) -> bool {
+        use std::os::fd::AsRawFd;
+        self.submit();
+        let Some(u) = self.uring.as_mut() else { return false };
+        if u.in_flight == 0 {
+            return false;
+        }
+        if !u.ring.completion().is_empty() {
+            return true;
+        }
+        // The ring's fd is readable while its completion queue holds an entry.
+        let mut p = libc::pollfd { fd: u.ring.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd.
+        match unsafe { libc::poll(&mut p, 1, ms) } {
+            n if n > 0 => true,
+            0 => false,
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    log::warn!("nvme: io_uring wait: {e}");
+                    return false;
+                }
+                true // the caller looks again (and checks its deadline)
+            }
+        }
+    }
+
+    /// The next completed operation, without waiting: its slot and result.
+    /// The slot stays taken (its buffer holds the data read) until
+    /// [`release`](Self::release). A read or write the filesystem refuses
+    /// O_DIRECT for (EINVAL: its block size) is done here with the buffered fd.
+    pub fn reap(&mut self) -> Option<(u16, std::io::Result<()>)> {
+        let u = self.uring.as_mut()?;
+        let c = u.ring.completion().next()?;
+        u.in_flight -= 1;
+        let slot = c.user_data() as u16;
+        let Some(s) = u.slots.get_mut(slot as usize) else {
+            return self.reap(); // not one of ours (cannot be: user_data is a slot)
+        };
+        let n = c.result();
+        let r = match s.op {
+            FileOp::Flush if n == 0 => Ok(()),
+            FileOp::Read | FileOp::Write { .. } if n >= 0 && n as usize == s.len => {
+                self.direct_ops += 1;
+                Ok(())
+            }
+            FileOp::Read if n == -libc::EINVAL => self.file.read_exact_at(s.buf.get(s.len), s.off),
+            FileOp::Write { dsync } if n == -libc::EINVAL => {
+                let r = self.file.write_all_at(s.buf.get(s.len), s.off);
+                if dsync {
+                    r.and_then(|()| self.file.sync_data())
+                } else {
+                    r
+                }
+            }
+            _ if n < 0 => Err(std::io::Error::from_raw_os_error(-n)),
+            _ => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short O_DIRECT transfer")),
+        };
+        Some((slot, r))
     }
 }
 
@@ -137,6 +435,11 @@ impl Bounce {
         let v = vec![0u8; len + 4096];
         let start = v.as_ptr().align_offset(4096);
         Bounce(v, start)
+    }
+    /// The whole aligned buffer: start and length.
+    fn whole(&mut self) -> (*mut u8, usize) {
+        let n = self.0.len() - self.1;
+        (self.0[self.1..].as_mut_ptr(), n)
     }
     pub fn get(&mut self, len: usize) -> &mut [u8] {
         if self.0.len() < self.1 + len {
@@ -181,10 +484,7 @@ impl Backend {
                 buf.copy_from_slice(&v[o..o + buf.len()]);
                 Ok(())
             }
-            Backend::File(f) => match f.uring(false, off, buf.as_mut_ptr(), buf.len()) {
-                Some(r) => r,
-                None => f.file.read_exact_at(buf, off),
-            },
+            Backend::File(f) => f.file.read_exact_at(buf, off),
         }
     }
 
@@ -196,10 +496,7 @@ impl Backend {
                 v[o..o + buf.len()].copy_from_slice(buf);
                 Ok(())
             }
-            Backend::File(f) => match f.uring(true, off, buf.as_ptr() as *mut u8, buf.len()) {
-                Some(r) => r,
-                None => f.file.write_all_at(buf, off),
-            },
+            Backend::File(f) => f.file.write_all_at(buf, off),
         }
     }
 
@@ -266,5 +563,82 @@ mod tests {
         }
         let e = "file:".parse::<BackendKind>().unwrap_err();
         assert!(matches!(&e, Error::Option { option, .. } if option == "backend"), "{e}");
+    }
+
+    #[test]
+    fn operations_in_flight_on_a_file_complete_with_their_data_through_fixed_buffers() {
+        let path = std::env::temp_dir().join(format!("iopath-nvme-uring-{}.img", std::process::id()));
+        let mut f = FileBackend::open(&path, 1 << 20).unwrap();
+        if !f.is_async() {
+            eprintln!("no O_DIRECT io_uring here: nothing to check");
+            return;
+        }
+        // 16 writes of growing sizes in flight at once, then a flush after them, then reads.
+        let sizes = |i: usize| 512 * (i + 1);
+        let mut slots = Vec::new();
+        for i in 0..16 {
+            let s = f.take_slot().unwrap();
+            f.buffer(s, sizes(i)).fill(i as u8 + 1);
+            assert!(f.push(s, FileOp::Write { dsync: i == 3 }, (i as u64) << 16, sizes(i)));
+            slots.push(s);
+        }
+        let flush = f.take_slot().unwrap();
+        assert!(f.push(flush, FileOp::Flush, 0, 0));
+        f.submit();
+        assert_eq!(f.max_in_flight, 17);
+        let mut done = Vec::new();
+        while done.len() < 17 {
+            match f.reap() {
+                Some((s, r)) => {
+                    r.unwrap();
+                    done.push(s);
+                }
+                None => assert!(f.wait()),
+            }
+        }
+        assert_eq!(done.last(), Some(&flush), "the flush drained the writes before it");
+        for &s in &done {
+            f.release(s);
+        }
+        for (i, &s) in slots.iter().enumerate() {
+            f.buffer(s, sizes(i)).fill(0);
+            assert!(f.push(s, FileOp::Read, (i as u64) << 16, sizes(i)));
+        }
+        f.submit();
+        for _ in 0..16 {
+            let (s, r) = loop {
+                match f.reap() {
+                    Some(x) => break x,
+                    None => assert!(f.wait()),
+                }
+            };
+            r.unwrap();
+            let i = slots.iter().position(|&x| x == s).unwrap();
+            assert!(f.buffer(s, sizes(i)).iter().all(|&b| b == i as u8 + 1), "read {i}");
+        }
+        // Buffers that grow are registered anew: the data goes through the new ones.
+        let (w, r) = (slots[0], slots[1]);
+        f.buffer(w, 128 << 10).fill(0x77);
+        assert!(f.push(w, FileOp::Write { dsync: false }, 0x80000, 128 << 10));
+        f.submit();
+        let reap_one = |f: &mut FileBackend| loop {
+            match f.reap() {
+                Some(x) => break x,
+                None => assert!(f.wait()),
+            }
+        };
+        reap_one(&mut f).1.unwrap();
+        f.buffer(r, 128 << 10).fill(0);
+        assert!(f.push(r, FileOp::Read, 0x80000, 128 << 10));
+        f.submit();
+        reap_one(&mut f).1.unwrap();
+        assert!(f.buffer(r, 128 << 10).iter().all(|&b| b == 0x77), "read through a grown buffer");
+        assert_eq!(f.direct_ops, 34);
+        assert_eq!(f.in_flight(), 0);
+        let u = f.uring.as_ref().unwrap();
+        if u.fixed_bufs {
+            assert!(slots.iter().all(|&s| u.slots[s as usize].registered.1 >= sizes(0)), "fixed buffers");
+        }
+        let _ = std::fs::remove_file(path);
     }
 }

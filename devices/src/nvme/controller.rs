@@ -10,7 +10,7 @@ use super::admin::Features;
 use super::backend::{Backend, Bounce};
 use super::doorbells::Doorbells;
 use super::interrupts::IrqState;
-use super::io::Namespace;
+use super::io::{Namespace, Pending};
 use super::queue::{self, post_cqe, read_sqe, status, Cq, Sq};
 use super::regs::Regs;
 use super::{DoorbellMode, NvmeConfig, MAX_IO_QUEUES};
@@ -111,7 +111,12 @@ impl Core {
                 created: false,
             },
             events: Events::default(),
-            ns: Namespace { backend, lba_shift: cfg.lba_size.trailing_zeros(), nlbas: cfg.size / cfg.lba_size as u64 },
+            ns: Namespace {
+                backend,
+                lba_shift: cfg.lba_size.trailing_zeros(),
+                nlbas: cfg.size / cfg.lba_size as u64,
+                pending: Pending::new(),
+            },
             scratch: Scratch { segs: Vec::with_capacity(64), buf: Vec::new(), bounce: Bounce::new(0) },
             db: Doorbells::new(cfg.doorbell, bar_page),
             intr: IrqState::new(),
@@ -162,8 +167,39 @@ impl Core {
         self.events.queued.retain(|&e| (e >> 16) as u8 != lid);
     }
 
-    /// Serves SQ `qid` up to its tail; stops early if its CQ is full.
+    /// Serves SQ `qid` up to its tail; stops early if its CQ has no room
+    /// for one more completion or (I/O queues) every file backend slot is
+    /// taken. Operations it started on the file backend go out in one submit.
     pub fn process_sq(&mut self, qid: usize) -> bool {
+        let did = self.serve_sq(qid);
+        self.io_submit();
+        // A Delete I/O SQ (admin) or a Write Zeroes may have freed slots.
+        self.serve_slot_waiters();
+        did
+    }
+
+    /// Serves the I/O SQs that stopped for want of a file backend slot, if
+    /// slots are free again. Called wherever slots may have been freed (a
+    /// reap, a queue drained): a waiting SQ may sit on any CQ, and no
+    /// doorbell will come for it (its commands are already posted).
+    pub fn serve_slot_waiters(&mut self) {
+        // Each round fetches something or ends (the tails do not move here);
+        // bounded all the same.
+        for _ in 0..self.queues.sqs.len() {
+            if !self.ns.pending.slot_wait || !self.io_room() {
+                return;
+            }
+            self.ns.pending.slot_wait = false;
+            for qid in 1..self.queues.sqs.len() {
+                if self.queues.sqs[qid].is_some_and(|s| s.head != s.tail) {
+                    self.serve_sq(qid);
+                }
+            }
+            self.io_submit();
+        }
+    }
+
+    fn serve_sq(&mut self, qid: usize) -> bool {
         let mut did = false;
         loop {
             let Some(sq) = self.queues.sqs[qid] else { return did };
@@ -171,8 +207,15 @@ impl Core {
                 return did;
             }
             let Some(cq) = self.queues.cqs[sq.cqid as usize] else { return did };
-            if cq.full() {
+            // Room for this command's completion besides those owed already.
+            let used = (cq.tail + cq.size - cq.head) % cq.size;
+            if cq.size - 1 - used <= self.ns.pending.owed[sq.cqid as usize] {
                 self.st.cq_full_waits += 1;
+                return did;
+            }
+            if qid > 0 && !self.io_room() {
+                self.ns.pending.slot_waits += 1;
+                self.ns.pending.slot_wait = true;
                 return did;
             }
             let sqe = read_sqe(&self.mem, &sq, sq.head);
@@ -182,6 +225,10 @@ impl Core {
                 None => (0, status::DATA_TRANSFER_ERROR),
                 Some(c) if qid == 0 => {
                     self.st.admin += 1;
+                    if c.opcode == 0x00 {
+                        // Delete I/O SQ: its commands complete first.
+                        self.drain_sq(c.cdw10 as u16);
+                    }
                     match self.admin(&c) {
                         Some(r) => r,
                         None => continue, // AER: completed later
@@ -189,7 +236,10 @@ impl Core {
                 }
                 Some(c) => {
                     self.st.io += 1;
-                    (0, self.io(&c))
+                    match self.io_start(qid, &c) {
+                        Some(st) => (0, st),
+                        None => continue, // on the file backend: completed when reaped
+                    }
                 }
             };
             let cid = sqe.map(|c| c.cid).unwrap_or(0);
@@ -198,6 +248,59 @@ impl Core {
                 // An event a log page read let go.
                 self.deliver_events();
             }
+        }
+    }
+
+    /// A file backend slot is free (or the backend completes at once).
+    fn io_room(&self) -> bool {
+        match &self.ns.backend {
+            Backend::File(f) => f.has_room(),
+            _ => true,
+        }
+    }
+
+    /// The device thread's turn for the file backend: reaps and posts what
+    /// completed, then serves the I/O queues that stopped for want of a slot
+    /// (whoever freed it) or of CQ room. True if anything was done or
+    /// operations are in flight (a poller stays busy then).
+    pub fn io_progress(&mut self) -> bool {
+        if self.mem.is_empty() {
+            return false; // no client: its completions wait for its memory
+        }
+        if !self.reap_io() {
+            self.serve_slot_waiters();
+            return self.io_in_flight() > 0;
+        }
+        for qid in 1..self.queues.sqs.len() {
+            if self.queues.sqs[qid].is_some_and(|s| s.head != s.tail) {
+                self.process_sq(qid);
+            }
+        }
+        true
+    }
+
+    /// The file backend's completion eventfd (io_uring signals it).
+    pub fn io_completion_fd(&self) -> Option<std::sync::Arc<vmm_sys_util::eventfd::EventFd>> {
+        match &self.ns.backend {
+            Backend::File(f) => f.completion_fd(),
+            _ => None,
+        }
+    }
+
+    /// File backend operations wait in the ring for a submit the kernel
+    /// refused: the device thread retries after a while.
+    pub fn io_stalled(&self) -> bool {
+        match &self.ns.backend {
+            Backend::File(f) => f.stalled(),
+            _ => false,
+        }
+    }
+
+    /// File backend operations in flight.
+    pub fn io_in_flight(&self) -> usize {
+        match &self.ns.backend {
+            Backend::File(f) => f.in_flight(),
+            _ => 0,
         }
     }
 
@@ -243,6 +346,9 @@ impl Core {
         v.push(Counter { name: format!("backend.{}", self.ns.backend.name()), value: 1 });
         if let Backend::File(f) = &self.ns.backend {
             v.push(Counter { name: "backend.direct-ops".into(), value: f.direct_ops });
+            // The queue depth that reached the file: the most operations in flight at once.
+            v.push(Counter { name: "backend.inflight-max".into(), value: f.max_in_flight });
+            v.push(Counter { name: "backend.slot-waits".into(), value: self.ns.pending.slot_waits });
         }
         v
     }

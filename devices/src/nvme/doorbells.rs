@@ -27,11 +27,13 @@ pub(super) struct Doorbells {
     pub registered: Vec<u64>,
     /// bar mode: BAR0 as shared memory (the doorbells at 0x1000).
     pub bar_page: Option<GuestMemoryMmap>,
+    /// Why a device thread stopped on its own (reported with the counters).
+    pub failed: Option<String>,
 }
 
 impl Doorbells {
     pub fn new(mode: DoorbellMode, bar_page: Option<GuestMemoryMmap>) -> Self {
-        Doorbells { mode, shadow: None, kick: None, ioevents: None, registered: Vec::new(), bar_page }
+        Doorbells { mode, shadow: None, kick: None, ioevents: None, registered: Vec::new(), bar_page, failed: None }
     }
 }
 
@@ -53,6 +55,10 @@ impl Nvme {
             self.start_kicked(t);
             return;
         }
+        if self.cfg.doorbell == DoorbellMode::Mmio {
+            self.start_reaper(t);
+            return;
+        }
         if !matches!(self.cfg.doorbell, DoorbellMode::Shm | DoorbellMode::Bar) {
             return;
         }
@@ -66,6 +72,8 @@ impl Nvme {
                     let mut c = core.lock().unwrap();
                     c.st.polls += 1;
                     let busy = if c.db.bar_page.is_some() { c.poll_bar() } else { c.poll_shadow() };
+                    // File backend completions; busy (no idling) while operations are in flight.
+                    let busy = c.io_progress() | busy;
                     c.flush_coalesced();
                     busy
                 };
@@ -88,7 +96,41 @@ impl Nvme {
         }
     }
 
-    /// ioeventfd mode: a thread that sleeps on the doorbells' eventfd.
+    /// mmio mode with a file backend on io_uring: doorbell writes start
+    /// operations on the vCPU thread; this thread sleeps on the ring's
+    /// completion eventfd and posts what completed.
+    fn start_reaper(&self, t: &mut Threads) {
+        let Some(done) = self.core.lock().unwrap().io_completion_fd() else { return };
+        let stop = Arc::new(AtomicBool::new(false));
+        let (core, stop2) = (self.core.clone(), stop.clone());
+        let mut retry = Retry::default();
+        let h = std::thread::Builder::new().name("nvme-uring".into()).spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                // poll, then read what it found: a signal (EINTR) is retried there.
+                let (ready, _) = match wait_either(&done, None, retry.after()) {
+                    Ok(r) => r,
+                    Err(e) => return core.lock().unwrap().thread_failed("io_uring", &e),
+                };
+                if stop2.load(Ordering::Relaxed) {
+                    return;
+                }
+                if let Some(Err(e)) = ready.then(|| read_eventfd(&done)) {
+                    return core.lock().unwrap().thread_failed("io_uring", &e);
+                }
+                let mut c = core.lock().unwrap();
+                c.io_progress();
+                c.flush_coalesced_untimed();
+                retry.next(c.io_stalled());
+            }
+        });
+        match h {
+            Ok(h) => t.worker = Some((stop, h)),
+            Err(e) => t.error = Some(format!("nvme: cannot start the io_uring thread: {e}")),
+        }
+    }
+
+    /// ioeventfd mode: a thread that sleeps on the doorbells' eventfd (and
+    /// on the file backend's completion eventfd).
     fn start_kicked(&self, t: &mut Threads) {
         let kick = match EventFd::new(0) {
             Ok(k) => Arc::new(k),
@@ -108,18 +150,31 @@ impl Nvme {
         }
         let stop = Arc::new(AtomicBool::new(false));
         let (core, stop2) = (self.core.clone(), stop.clone());
+        let done = self.core.lock().unwrap().io_completion_fd();
+        let mut retry = Retry::default();
         let h = std::thread::Builder::new().name("nvme-ioeventfd".into()).spawn(move || {
             crate::sandbox::enter(crate::sandbox::Role::Device);
             while !stop2.load(Ordering::Relaxed) {
-                let Ok(n) = kick.read() else { return };
+                let (kicked, completed) = match wait_either(&kick, done.as_deref(), retry.after()) {
+                    Ok(r) => r,
+                    Err(e) => return core.lock().unwrap().thread_failed("ioeventfd", &e),
+                };
                 if stop2.load(Ordering::Relaxed) {
                     return; // woken to stop (that write is not a doorbell)
                 }
+                let n = if kicked { read_eventfd(&kick).unwrap_or(0) } else { 0 };
+                if let (true, Some(done)) = (completed, done.as_deref()) {
+                    let _ = read_eventfd(done);
+                }
                 let mut c = core.lock().unwrap();
                 c.st.kicks += n;
-                c.serve_kicked();
+                if kicked {
+                    c.serve_kicked();
+                }
+                c.io_progress();
                 // No timer here: what the aggregation threshold holds goes out now.
                 c.flush_coalesced_untimed();
+                retry.next(c.io_stalled());
             }
         });
         match h {
@@ -133,13 +188,14 @@ impl Nvme {
     pub(super) fn stop_threads(&self, t: &mut Threads) {
         if let Some((stop, h)) = t.worker.take() {
             stop.store(true, Ordering::Relaxed);
-            let kick = {
+            let (kick, done) = {
                 let mut c = self.core.lock().unwrap();
                 c.unregister_all();
-                c.db.kick.take()
+                (c.db.kick.take(), c.io_completion_fd())
             };
-            if let Some(k) = kick {
-                let _ = k.write(1); // wake the ioeventfd thread to see `stop`
+            // Wake the thread that sleeps on either to see `stop`.
+            for fd in kick.iter().chain(done.iter()) {
+                let _ = fd.write(1);
             }
             let _ = h.join();
         }
@@ -147,6 +203,14 @@ impl Nvme {
 }
 
 impl Core {
+    /// A device thread stops on an error it cannot go on after: logged, and
+    /// kept to be reported with the counters.
+    fn thread_failed(&mut self, thread: &str, e: &std::io::Error) {
+        let m = format!("nvme: the {thread} thread stopped: {e}");
+        log::error!("{m}");
+        self.db.failed = Some(m);
+    }
+
     /// An MMIO doorbell write. `offset` is from the start of the doorbells.
     pub(super) fn doorbell(&mut self, off: u64, value: u32) {
         self.st.doorbell_writes += 1;
@@ -199,12 +263,15 @@ impl Core {
             if qid == 0 {
                 self.deliver_events();
             }
-            // Completions may have been waiting for room.
+            // Completions may have been waiting for room (file backend ones too).
+            self.reap_io();
             for sqid in 0..self.queues.sqs.len() {
                 if self.queues.sqs[sqid].is_some_and(|s| s.cqid as usize == qid && s.head != s.tail) {
                     self.process_sq(sqid);
                 }
             }
+            // The reap freed slots an SQ on another CQ may be waiting for.
+            self.serve_slot_waiters();
         } else {
             self.queues.sqs[qid].as_mut().unwrap().tail = value as u16;
             self.process_sq(qid);
@@ -375,6 +442,58 @@ impl Core {
         let (Some(kick), Some(io)) = (self.db.kick.clone(), self.db.ioevents.clone()) else { return };
         for off in self.db.registered.drain(..) {
             let _ = io.unregister(crate::IoEventSpec { bar: 0, offset: off, len: 4, datamatch: None }, &kick);
+        }
+    }
+}
+
+/// Reads an eventfd's count (blocks while it is 0), retrying when a signal
+/// interrupts it.
+fn read_eventfd(fd: &EventFd) -> std::io::Result<u64> {
+    loop {
+        match fd.read() {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            r => return r,
+        }
+    }
+}
+
+/// When a device thread looks again at operations the kernel refused to
+/// take (no completion will wake it for them): 1 ms after the first
+/// refusal, doubling to 100 ms while they are refused.
+#[derive(Default)]
+struct Retry(Option<std::time::Duration>);
+
+impl Retry {
+    /// How long the thread may sleep (None: until woken).
+    fn after(&self) -> Option<std::time::Duration> {
+        self.0
+    }
+    /// After a pass: `stalled`, operations still wait in the ring.
+    fn next(&mut self, stalled: bool) {
+        let max = std::time::Duration::from_millis(100);
+        self.0 = stalled.then(|| self.0.map_or(std::time::Duration::from_millis(1), |d| (d * 2).min(max)));
+    }
+}
+
+/// Sleeps until `a` or `b` is readable, or `timeout` passed; which ones are.
+fn wait_either(
+    a: &EventFd,
+    b: Option<&EventFd>,
+    timeout: Option<std::time::Duration>,
+) -> std::io::Result<(bool, bool)> {
+    use std::os::fd::AsRawFd;
+    let fd = |e: &EventFd| libc::pollfd { fd: e.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let mut fds = [fd(a), b.map_or(libc::pollfd { fd: -1, events: 0, revents: 0 }, fd)];
+    let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);
+    loop {
+        // SAFETY: two valid pollfd entries (a negative fd is ignored by poll).
+        if unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) } >= 0 {
+            let ready = |p: &libc::pollfd| p.revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0;
+            return Ok((ready(&fds[0]), ready(&fds[1])));
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
         }
     }
 }

@@ -1,12 +1,33 @@
 //! I/O commands on namespace 1 (Flush, Read, Write, Write Zeroes, Dataset
 //! Management) and the data movement between guest pages (PRPs) and the
 //! backend. The opcodes are listed once, for the effects log, in `admin.rs`.
+//!
+//! On a file namespace with io_uring, Read, Write and Flush are
+//! asynchronous: fetching one gathers a write's data into a slot's bounce
+//! buffer and pushes the operation (a queue pass pushes many, then submits
+//! once); its completion is posted when the device thread reaps it
+//! (`reap_io`). Ordering: NVMe leaves outstanding commands unordered, so a
+//! read of blocks a write in flight covers may see either data (the host's
+//! concern). A Flush is an fdatasync with IOSQE_IO_DRAIN: it starts only once
+//! every operation submitted before it completed, and its completion is
+//! reaped after theirs, so it completes after the writes fetched before it.
+//! Bounds: at most [`FILE_SLOTS`](super::backend::FILE_SLOTS) commands are
+//! out (the queues stop being fetched until one completes), and an SQ is
+//! fetched only while its CQ has room for every completion already owed to
+//! it, so a completion never waits for room (unless the host moves its CQ
+//! head back; it is then held until there is room, or dropped by a reset).
 
 use super::admin::IO_LBA_CHANGING;
-use super::backend::Backend;
+use super::backend::{Backend, FileOp, FILE_SLOTS};
 use super::controller::Core;
 use super::queue::{prp_segments, status, Sqe, PAGE};
-use super::MDTS;
+use super::regs::cap;
+use super::{MAX_IO_QUEUES, MDTS};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+/// Force Unit Access, in CDW12 of a Read or Write.
+const FUA: u32 = 1 << 30;
 
 /// The namespace: its storage and geometry.
 pub(super) struct Namespace {
@@ -15,9 +36,295 @@ pub(super) struct Namespace {
     pub lba_shift: u32,
     /// Size in LBAs.
     pub nlbas: u64,
+    /// Commands out on the file backend's io_uring.
+    pub pending: Pending,
+}
+
+/// The command a file backend slot serves (index = slot).
+#[derive(Default)]
+struct Op {
+    /// Its completion is owed to the host (false: free, or aborted by a reset).
+    live: bool,
+    sqid: u16,
+    cid: u16,
+    cqid: u16,
+    opcode: u8,
+    bytes: u64,
+    /// Guest pages of a read, written when it completes.
+    segs: Vec<(u64, u64)>,
+    /// Set when reaped: the status its completion carries.
+    status: Option<u16>,
+}
+
+/// Commands out on the file backend, and the completions owed to each CQ.
+pub(super) struct Pending {
+    ops: Vec<Op>,
+    /// Reaped, waiting for room in their CQ (in reap order).
+    held: VecDeque<u16>,
+    /// Per CQ: completions owed (commands fetched and not yet posted).
+    pub owed: Vec<u16>,
+    /// Times fetching stopped because every slot was taken.
+    pub slot_waits: u64,
+    /// An I/O SQ stopped for want of a slot and was not served since.
+    pub slot_wait: bool,
+}
+
+impl Pending {
+    pub fn new() -> Self {
+        Pending {
+            ops: (0..FILE_SLOTS).map(|_| Op::default()).collect(),
+            held: VecDeque::new(),
+            owed: vec![0; MAX_IO_QUEUES as usize + 1],
+            slot_waits: 0,
+            slot_wait: false,
+        }
+    }
 }
 
 impl Core {
+    /// Starts I/O command `c` of SQ `qid`: on the file backend's io_uring
+    /// (Read, Write, Flush; None: its completion comes when it is reaped)
+    /// or at once (Some(status)).
+    pub(super) fn io_start(&mut self, qid: usize, c: &Sqe) -> Option<u16> {
+        let Backend::File(f) = &mut self.ns.backend else { return Some(self.io(c)) };
+        if c.nsid != 1 || !matches!(c.opcode, 0x00..=0x02) || !f.is_async() {
+            return Some(self.io(c));
+        }
+        let (op, off, bytes) = match c.opcode {
+            0x00 => (FileOp::Flush, 0, 0),
+            _ => {
+                let slba = c.cdw10 as u64 | (c.cdw11 as u64) << 32;
+                let n = (c.cdw12 & 0xffff) as u64 + 1;
+                if slba.checked_add(n).is_none_or(|e| e > self.ns.nlbas) {
+                    return Some(status::LBA_OUT_OF_RANGE);
+                }
+                let bytes = n << self.ns.lba_shift;
+                if bytes > PAGE << MDTS {
+                    return Some(status::INVALID_FIELD);
+                }
+                // Force Unit Access (CDW12 bit 30), or no volatile write cache: stable before it completes.
+                let dsync = !self.feat.write_cache || c.cdw12 & FUA != 0;
+                let op = if c.opcode == 0x01 { FileOp::Write { dsync } } else { FileOp::Read };
+                (op, slba << self.ns.lba_shift, bytes)
+            }
+        };
+        // The caller fetched this command because a slot was free.
+        let Some(slot) = f.take_slot() else { return Some(status::INTERNAL) };
+        let mut segs = std::mem::take(&mut self.ns.pending.ops[slot as usize].segs);
+        let mut st = match prp_segments(&self.mem, c.prp1, c.prp2, bytes, &mut segs) {
+            Err(st) => st,
+            Ok(()) => status::SUCCESS,
+        };
+        let Backend::File(f) = &mut self.ns.backend else { unreachable!() };
+        if st == status::SUCCESS && op != FileOp::Read {
+            let buf = f.buffer(slot, bytes as usize);
+            let mut pos = 0;
+            for (a, n) in runs(&segs) {
+                if self.mem.read_slice(&mut buf[pos..pos + n as usize], a).is_err() {
+                    st = status::DATA_TRANSFER_ERROR;
+                    break;
+                }
+                pos += n as usize;
+            }
+        }
+        if st == status::SUCCESS && !f.push(slot, op, off, bytes as usize) {
+            st = status::INTERNAL;
+        }
+        let cqid = self.queues.sqs[qid].map_or(0, |s| s.cqid);
+        let o = &mut self.ns.pending.ops[slot as usize];
+        o.segs = segs;
+        if st != status::SUCCESS {
+            f.release(slot);
+            return Some(st);
+        }
+        (o.live, o.sqid, o.cid, o.cqid, o.opcode, o.bytes, o.status) =
+            (true, qid as u16, c.cid, cqid, c.opcode, bytes, None);
+        self.ns.pending.owed[cqid as usize] += 1;
+        None
+    }
+
+    /// Sends the operations pushed by a queue pass.
+    pub(super) fn io_submit(&mut self) {
+        if let Backend::File(f) = &mut self.ns.backend {
+            f.submit();
+        }
+    }
+
+    /// Reaps what the file backend completed, without waiting, and posts
+    /// the completions (or holds them while their CQ is full). True if
+    /// anything was reaped or posted. Nothing while the controller has no
+    /// memory (a client left; the next may keep the state): the completions
+    /// wait in the ring (its completion queue has room for twice the
+    /// operations in flight) until memory is attached again.
+    pub(super) fn reap_io(&mut self) -> bool {
+        let Backend::File(f) = &mut self.ns.backend else { return false };
+        if !f.is_async() || self.mem.is_empty() {
+            return false;
+        }
+        f.submit(); // what an earlier submit left in the ring
+        let mut did = false;
+        while let Some((slot, r)) = f.reap() {
+            did = true;
+            let o = &mut self.ns.pending.ops[slot as usize];
+            if !o.live {
+                f.release(slot); // aborted by a reset: nothing to deliver
+                continue;
+            }
+            let mut st = match (r, o.opcode) {
+                (Ok(()), _) => status::SUCCESS,
+                (Err(e), 0x00) => {
+                    log::warn!("nvme: flush: {e}");
+                    status::INTERNAL
+                }
+                (Err(e), _) => {
+                    log::debug!("nvme: file transfer: {e}");
+                    status::DATA_TRANSFER_ERROR
+                }
+            };
+            if st == status::SUCCESS && o.opcode == 0x02 {
+                // Scatter the data read to the guest pages, now.
+                let buf = f.buffer(slot, o.bytes as usize);
+                let mut pos = 0;
+                for (a, n) in runs(&o.segs) {
+                    if self.mem.write_slice(&buf[pos..pos + n as usize], a).is_err() {
+                        st = status::DATA_TRANSFER_ERROR;
+                        break;
+                    }
+                    pos += n as usize;
+                }
+            }
+            if st == status::SUCCESS && o.opcode != 0x00 {
+                if o.opcode == 0x01 {
+                    self.st.writes += 1;
+                    self.smart.write_units += o.bytes / 512;
+                } else {
+                    self.st.reads += 1;
+                    self.smart.read_units += o.bytes / 512;
+                }
+            }
+            o.status = Some(st);
+            self.ns.pending.held.push_back(slot);
+        }
+        did | self.post_reaped()
+    }
+
+    /// Posts the reaped completions whose CQ has room, in reap order.
+    fn post_reaped(&mut self) -> bool {
+        let mut did = false;
+        let mut i = 0;
+        while i < self.ns.pending.held.len() {
+            let slot = self.ns.pending.held[i];
+            let o = &self.ns.pending.ops[slot as usize];
+            let (sqid, cid, cqid, st) = (o.sqid as usize, o.cid, o.cqid as usize, o.status.unwrap_or(0));
+            if self.queues.cqs[cqid].is_some_and(|q| q.full()) {
+                i += 1;
+                continue;
+            }
+            self.ns.pending.held.remove(i);
+            self.retire(slot);
+            self.complete(sqid, cid, 0, st);
+            did = true;
+        }
+        did
+    }
+
+    /// Frees a live slot whose completion is posted or dropped.
+    fn retire(&mut self, slot: u16) {
+        let o = &mut self.ns.pending.ops[slot as usize];
+        o.live = false;
+        let owed = &mut self.ns.pending.owed[o.cqid as usize];
+        *owed = owed.saturating_sub(1);
+        if let Backend::File(f) = &mut self.ns.backend {
+            f.release(slot);
+        }
+    }
+
+    /// Delete I/O SQ `sqid`: waits for its commands on the file backend and
+    /// posts their completions, so none is left to a queue that is gone
+    /// (one the CQ has no room for, or one the wait failed for, is dropped).
+    pub(super) fn drain_sq(&mut self, sqid: u16) {
+        let mine = |p: &Pending| p.ops.iter().any(|o| o.live && o.sqid == sqid && o.status.is_none());
+        while mine(&self.ns.pending) && !self.mem.is_empty() {
+            self.reap_io();
+            let Backend::File(f) = &mut self.ns.backend else { break };
+            if mine(&self.ns.pending) && !f.wait() {
+                break;
+            }
+        }
+        self.reap_io();
+        for slot in 0..FILE_SLOTS as u16 {
+            let o = &self.ns.pending.ops[slot as usize];
+            if o.live && o.sqid == sqid {
+                self.ns.pending.held.retain(|&s| s != slot);
+                self.retire_dropped(slot);
+            }
+        }
+    }
+
+    /// A live command whose completion will never be posted: reaped, its
+    /// slot is free now; still in flight, it is freed when reaped.
+    fn retire_dropped(&mut self, slot: u16) {
+        if self.ns.pending.ops[slot as usize].status.is_some() {
+            self.retire(slot);
+        } else {
+            let o = &mut self.ns.pending.ops[slot as usize];
+            o.live = false;
+            let owed = &mut self.ns.pending.owed[o.cqid as usize];
+            *owed = owed.saturating_sub(1);
+        }
+    }
+
+    /// Controller reset or disable (the device thread is stopped): every
+    /// command out on the file backend is aborted without a completion, and
+    /// this waits until none is in flight. Nothing of them reaches guest
+    /// memory (they finish into their own buffers), and an aborted write
+    /// cannot land after the host moved on (and wrote those blocks anew).
+    /// The wait is bounded by half of CAP.TO, the time the host gives the
+    /// controller; false if operations are still in flight then.
+    pub(super) fn abort_io(&mut self) -> bool {
+        for slot in 0..FILE_SLOTS as u16 {
+            if self.ns.pending.ops[slot as usize].live {
+                self.retire_dropped(slot);
+            }
+        }
+        self.ns.pending.held.clear();
+        self.ns.pending.owed.iter_mut().for_each(|o| *o = 0);
+        self.ns.pending.slot_wait = false;
+        let Backend::File(f) = &mut self.ns.backend else { return true };
+        let timeout = Duration::from_millis((cap() >> 24 & 0xff) * 500 / 2);
+        let deadline = Instant::now() + timeout;
+        loop {
+            // Every operation in flight is an aborted one: freed as it is reaped.
+            while let Some((slot, _)) = f.reap() {
+                f.release(slot);
+            }
+            if f.in_flight() == 0 {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || !f.wait_for(left) {
+                break;
+            }
+        }
+        log::error!("nvme: {} file operations still in flight {timeout:?} after a reset", f.in_flight());
+        false
+    }
+
+    /// Waits until no file backend operation is in flight (their
+    /// completions posted, or held for CQ room): before a write through the
+    /// buffered fd (Write Zeroes, deallocate), which must not race O_DIRECT
+    /// writes of the same blocks (the page cache they invalidate could be
+    /// written back over them). Gives up if waiting fails.
+    fn settle_io(&mut self) {
+        loop {
+            self.reap_io();
+            let Backend::File(f) = &mut self.ns.backend else { return };
+            if f.in_flight() == 0 || self.mem.is_empty() || !f.wait() {
+                return;
+            }
+        }
+    }
+
     /// Executes an I/O command; returns its status.
     pub(super) fn io(&mut self, c: &Sqe) -> u16 {
         if c.nsid != 1 {
@@ -34,6 +341,7 @@ impl Core {
                 if slba.checked_add(n).is_none_or(|e| e > self.ns.nlbas) {
                     return status::LBA_OUT_OF_RANGE;
                 }
+                self.settle_io();
                 match self.ns.backend.zero(slba << self.ns.lba_shift, n << self.ns.lba_shift) {
                     Ok(()) => status::SUCCESS,
                     Err(_) => status::INTERNAL,
@@ -42,8 +350,10 @@ impl Core {
             0x09 => self.dsm(c),
             _ => status::INVALID_OPCODE,
         };
-        // Volatile write cache off (Set Features 06h): what changed is stable before it completes.
-        if st == status::SUCCESS && !self.feat.write_cache && IO_LBA_CHANGING.contains(&c.opcode) {
+        // Volatile write cache off (Set Features 06h), or a write with Force
+        // Unit Access: what changed is stable before it completes.
+        let fua = c.opcode == 0x01 && c.cdw12 & FUA != 0;
+        if st == status::SUCCESS && (!self.feat.write_cache && IO_LBA_CHANGING.contains(&c.opcode) || fua) {
             if let Err(e) = self.ns.backend.flush() {
                 log::warn!("nvme: flush with the write cache off: {e}");
                 return status::INTERNAL;
@@ -166,6 +476,9 @@ impl Core {
             return st;
         }
         let deallocate = c.cdw11 & 4 != 0;
+        if deallocate {
+            self.settle_io();
+        }
         for r in ranges.chunks(16) {
             let n = u32::from_le_bytes(r[4..8].try_into().unwrap()) as u64;
             let slba = u64::from_le_bytes(r[8..16].try_into().unwrap());

@@ -50,6 +50,20 @@
 //! DMA_READ/DMA_WRITE); the device thread then waits for those messages
 //! with the core lock held, as it would for a page fault.
 //!
+//! A `file:PATH` namespace keeps the guest's queue depth: Read, Write and
+//! Flush go to an io_uring on an O_DIRECT fd (up to 256 in flight, each in
+//! a bounce buffer of its own, one submit per queue pass) and complete when
+//! the device thread reaps them: each poller pass (`shm`, `bar`), or when
+//! the ring's eventfd wakes the `ioeventfd` thread or, in `mmio` mode, the
+//! `nvme-uring` thread. A Flush waits for the operations before it
+//! (IOSQE_IO_DRAIN); Delete I/O SQ waits for its queue's commands; a reset
+//! aborts them and waits until none is in flight before CSTS.RDY reads 0
+//! (their data never reaches guest memory, and an aborted write cannot land
+//! later); Write Zeroes and deallocate wait for them too (they write through
+//! the buffered fd). While the controller has no memory (a client left),
+//! completions wait in the ring for the next one. Ordering, bounds and
+//! buffers: `io.rs`.
+//!
 //! Every value from the guest is checked: queue ids and sizes, doorbell
 //! values (an invalid one raises an asynchronous event), PRPs (must lie in
 //! guest RAM), LBA ranges, opcodes. The controller answers with the NVMe
@@ -236,6 +250,9 @@ impl DeviceModel for Nvme {
             // writes. A map or unmap by the same client keeps what it showed.
             if gone {
                 c.intr.client_table = false;
+            } else if let Some(done) = c.io_completion_fd() {
+                // File completions that waited for memory: the device thread posts them.
+                let _ = done.write(1);
             }
             c.regs.csts & 1 == 1
         };
@@ -334,7 +351,13 @@ impl DeviceModel for Nvme {
     }
 
     fn counters(&self) -> Vec<Counter> {
-        let v = self.core.lock().unwrap().counters();
+        let (v, failed) = {
+            let c = self.core.lock().unwrap();
+            (c.counters(), c.db.failed.clone())
+        };
+        if let Some(e) = failed {
+            log::warn!("{e}");
+        }
         if let Some(e) = &self.threads.lock().unwrap().error {
             log::warn!("{e}");
         }

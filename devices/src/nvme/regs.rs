@@ -140,10 +140,14 @@ impl Core {
         true
     }
 
-    /// Controller disable (or reset): every queue, the shadow doorbells,
+    /// Controller disable (or reset): every queue, the commands out on the
+    /// file backend (aborted, and waited for), the shadow doorbells,
     /// outstanding AERs and events, held interrupts and CSTS go; the
-    /// features Set Features keeps return to their defaults.
+    /// features Set Features keeps return to their defaults. Aborted file
+    /// operations that would not finish leave CSTS.CFS set (the host resets
+    /// again) rather than a controller that looks idle.
     pub(super) fn reset_queues(&mut self) {
+        let idle = self.abort_io();
         if let Some(page) = &self.db.bar_page {
             let _ = page.write_slice(&[0u8; 4096], GuestAddress(DOORBELLS));
         }
@@ -159,6 +163,6 @@ impl Core {
         self.intr.agg.iter_mut().for_each(|a| *a = (0, None));
         q.nsqa = MAX_IO_QUEUES;
         q.ncqa = MAX_IO_QUEUES;
-        self.regs.csts = 0;
+        self.regs.csts = if idle { 0 } else { 2 };
     }
 }

@@ -174,7 +174,13 @@ fn bring_up_identify_and_data_round_trip() {
 
 #[test]
 fn hostile_commands_get_nvme_statuses_and_the_controller_goes_on() {
-    let mut d = Drv::new(mmio(BackendKind::Ram));
+    let img = TempImage::new("hostile");
+    for backend in [BackendKind::Ram, BackendKind::File(img.0.clone())] {
+        hostile_commands(Drv::new(mmio(backend)));
+    }
+}
+
+fn hostile_commands(mut d: Drv) {
     assert_eq!(d.admin(0x55, 0, 0, 0, [0; 4]).1, status::INVALID_OPCODE);
     assert_eq!(d.admin(0x06, 7, DATA, 0, [0, 0, 0, 0]).1, status::INVALID_NAMESPACE);
     assert_eq!(d.admin(0x06, 0, 1 << 30, 0, [1, 0, 0, 0]).1, status::DATA_TRANSFER_ERROR, "PRP outside RAM");
@@ -1006,4 +1012,503 @@ fn shadow_doorbells_in_memory_reached_by_message_are_refused_and_mmio_doorbells_
     // Shadow pages in mapped memory are taken.
     assert_eq!(d.admin(0x7c, 0, 0x14000, 0x15000, [0; 4]).1, 0);
     d.n.quiesce();
+}
+
+/// A file namespace of 1 MiB in a fresh file (removed when dropped).
+struct TempImage(std::path::PathBuf);
+
+impl TempImage {
+    fn new(tag: &str) -> TempImage {
+        let p = std::env::temp_dir().join(format!("iopath-nvme-{}-{tag}.img", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        TempImage(p)
+    }
+    fn cfg(&self, doorbell: DoorbellMode) -> NvmeConfig {
+        NvmeConfig { backend: BackendKind::File(self.0.clone()), size: 1 << 20, lba_size: 512, doorbell }
+    }
+}
+
+impl Drop for TempImage {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+const MODES: [DoorbellMode; 4] = [DoorbellMode::Mmio, DoorbellMode::Ioeventfd, DoorbellMode::Shm, DoorbellMode::Bar];
+
+impl Drv {
+    /// Creates I/O queue pair 1 with `size` entries at `sq` and `cq`.
+    fn io_queues_at(&mut self, sq: u64, cq: u64, size: u16) {
+        let (_, st) = self.admin(0x05, 0, cq, 0, [1 | ((size as u32 - 1) << 16), 1, 0, 0]);
+        assert_eq!(st, 0);
+        let (_, st) = self.admin(0x01, 0, sq, 0, [1 | ((size as u32 - 1) << 16), 1 | 1 << 16, 0, 0]);
+        assert_eq!(st, 0);
+    }
+    /// Writes I/O commands (opcode, slba, nlb - 1, prp1) at the SQ tail and
+    /// rings the doorbell once; returns their cids.
+    fn submit_batch(&mut self, cmds: &[(u8, u64, u32, u64)], sq: u64, size: u16) -> Vec<u16> {
+        let mut cids = Vec::new();
+        for &(op, slba, nlb0, prp1) in cmds {
+            let e = self.sqe(op, 1, prp1, 0, [slba as u32, (slba >> 32) as u32, nlb0, 0]);
+            cids.push(self.cid);
+            self.mem.write_slice(&e, GuestAddress(sq + self.iotail as u64 * 64)).unwrap();
+            self.iotail = (self.iotail + 1) % size;
+        }
+        self.w32(DOORBELLS + 8, self.iotail as u32);
+        cids
+    }
+    /// Waits (5 s at most) for `n` completions of the I/O CQ; (cid, status)
+    /// in CQ order. Frees the CQ entries as it goes.
+    fn reap_batch(&mut self, n: usize, cq: u64, size: u16) -> Vec<(u16, u16)> {
+        let mut out = Vec::new();
+        let t0 = std::time::Instant::now();
+        while out.len() < n {
+            let a = cq + self.iohead as u64 * 16;
+            if let Some((_, st)) = self.reap(cq, size, false) {
+                let dw3: u32 = self.mem.read_obj(GuestAddress(a + 12)).unwrap();
+                out.push((dw3 as u16, st));
+                self.w32(DOORBELLS + 12, self.iohead as u32);
+                continue;
+            }
+            assert!(t0.elapsed() < std::time::Duration::from_secs(5), "{} of {n} completions", out.len());
+            std::thread::yield_now();
+        }
+        out
+    }
+}
+
+fn sorted(mut v: Vec<u16>) -> Vec<u16> {
+    v.sort_unstable();
+    v
+}
+
+#[test]
+fn a_file_namespace_keeps_32_commands_in_flight_and_each_completes_with_its_data() {
+    const W: u64 = 0x40000;
+    const R: u64 = 0x60000;
+    for mode in MODES {
+        let img = TempImage::new("qd32");
+        let mut d = Drv::new(img.cfg(mode));
+        d.io_queues(64);
+        let mut writes = Vec::new();
+        for i in 0..32u64 {
+            d.mem.write_slice(&[(i as u8).wrapping_mul(7) ^ mode as u8; 4096], GuestAddress(W + i * 4096)).unwrap();
+            // 4 KiB each (8 LBAs), scattered over the namespace.
+            writes.push((0x01, (i * 37 % 32) * 8, 7, W + i * 4096));
+        }
+        let cids = d.submit_batch(&writes, IOSQ, 64);
+        let done = d.reap_batch(32, IOCQ, 64);
+        assert!(done.iter().all(|&(_, st)| st == 0), "{mode}: {done:?}");
+        assert_eq!(sorted(done.iter().map(|c| c.0).collect()), sorted(cids), "{mode}: every write completed once");
+        d.mem.write_slice(&[0xee; 32 * 4096], GuestAddress(R)).unwrap();
+        let reads: Vec<_> = writes.iter().enumerate().map(|(i, w)| (0x02, w.1, 7, R + i as u64 * 4096)).collect();
+        let cids = d.submit_batch(&reads, IOSQ, 64);
+        let done = d.reap_batch(32, IOCQ, 64);
+        assert!(done.iter().all(|&(_, st)| st == 0), "{mode}: {done:?}");
+        assert_eq!(sorted(done.iter().map(|c| c.0).collect()), sorted(cids), "{mode}: every read completed once");
+        let (mut w, mut r) = (vec![0u8; 32 * 4096], vec![0u8; 32 * 4096]);
+        d.mem.read_slice(&mut w, GuestAddress(W)).unwrap();
+        d.mem.read_slice(&mut r, GuestAddress(R)).unwrap();
+        assert!(w == r, "{mode}: the data read back is the data written");
+        assert_eq!((counter(&d.n, "io.writes"), counter(&d.n, "io.reads")), (32, 32), "{mode}");
+        // One doorbell for 32 commands: all 32 went to the file at once.
+        assert!(counter(&d.n, "backend.inflight-max") >= 32, "{mode}: {:?}", d.n.counters());
+    }
+}
+
+#[test]
+fn a_flush_completes_after_the_writes_fetched_before_it() {
+    for mode in [DoorbellMode::Mmio, DoorbellMode::Shm] {
+        let img = TempImage::new("flush");
+        let mut d = Drv::new(img.cfg(mode));
+        d.io_queues(64);
+        let mut cmds: Vec<_> = (0..32u64).map(|i| (0x01, i * 8, 7, 0x40000 + i * 4096)).collect();
+        cmds.push((0x00, 0, 0, 0));
+        let cids = d.submit_batch(&cmds, IOSQ, 64);
+        let done = d.reap_batch(33, IOCQ, 64);
+        assert!(done.iter().all(|&(_, st)| st == 0), "{mode}: {done:?}");
+        assert_eq!(done.last().unwrap().0, *cids.last().unwrap(), "{mode}: the Flush completes last: {done:?}");
+    }
+}
+
+#[test]
+fn a_reset_with_reads_in_flight_leaves_guest_memory_alone_after_it_returns() {
+    const R: u64 = 0x40000;
+    let img = TempImage::new("reset");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(64);
+    d.io(0x01, 0, 7, DATA, 0, 64); // block 0 holds what DATA held (zeros)
+    d.mem.write_slice(&[0x5a; 4096], GuestAddress(DATA)).unwrap();
+    assert_eq!(d.io(0x01, 0, 7, DATA, 0, 64), 0);
+    // No device thread reaps now: the reads below stay in flight (or
+    // completed and unreaped) until after the reset.
+    d.n.quiesce();
+    d.mem.write_slice(&[0xee; 32 * 4096], GuestAddress(R)).unwrap();
+    let reads: Vec<_> = (0..32u64).map(|i| (0x02, 0, 7, R + i * 4096)).collect();
+    d.submit_batch(&reads, IOSQ, 64);
+    std::thread::sleep(std::time::Duration::from_millis(50)); // let the file complete them
+    d.w32(REG_CC, 0);
+    assert_eq!(d.r32(0x1c) & 1, 0, "disabled");
+    assert_eq!(d.n.core.lock().unwrap().io_in_flight(), 0, "the reset waited for the aborted reads");
+    // What the guest sees once the reset returned stays.
+    let (mut r_after, mut cq_after) = (vec![0u8; 32 * 4096], vec![0u8; 64 * 16]);
+    d.mem.read_slice(&mut r_after, GuestAddress(R)).unwrap();
+    d.mem.read_slice(&mut cq_after, GuestAddress(IOCQ)).unwrap();
+    assert!(r_after.iter().all(|&b| b == 0xee), "nothing reaped them before the reset: they were out");
+    // Enabled again: the device thread runs; nothing of the aborted reads is left to deliver.
+    d.w32(REG_CC, 0x0046_0001);
+    (d.atail, d.ahead, d.aphase, d.iotail, d.iohead, d.iophase) = (0, 0, 1, 0, 0, 1);
+    d.mem.write_slice(&[0u8; 64 * 16], GuestAddress(ACQ)).unwrap();
+    let mut r = vec![0u8; 32 * 4096];
+    let mut cq = vec![0u8; 64 * 16];
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < std::time::Duration::from_millis(300) {
+        d.mem.read_slice(&mut r, GuestAddress(R)).unwrap();
+        d.mem.read_slice(&mut cq, GuestAddress(IOCQ)).unwrap();
+        assert!(r == r_after, "an aborted read wrote guest memory after the reset");
+        assert!(cq == cq_after, "an aborted command completed after the reset");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // The slots came back: the new queues serve a full batch.
+    d.mem.write_slice(&[0u8; 64 * 16], GuestAddress(IOCQ)).unwrap();
+    d.io_queues(64);
+    let reads: Vec<_> = (0..32u64).map(|i| (0x02, 0, 7, R + i * 4096)).collect();
+    d.submit_batch(&reads, IOSQ, 64);
+    assert!(d.reap_batch(32, IOCQ, 64).iter().all(|&(_, st)| st == 0));
+    d.mem.read_slice(&mut r, GuestAddress(R)).unwrap();
+    assert!(r.iter().all(|&b| b == 0x5a));
+}
+
+#[test]
+fn deleting_an_sq_posts_its_commands_completions_before_the_deletes() {
+    let img = TempImage::new("delete");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(64);
+    d.n.quiesce(); // only the Delete reaps
+    let reads: Vec<_> = (0..16u64).map(|i| (0x02, i * 8, 7, 0x40000 + i * 4096)).collect();
+    let cids = d.submit_batch(&reads, IOSQ, 64);
+    assert_eq!(d.admin(0x00, 0, 0, 0, [1, 0, 0, 0]).1, 0, "Delete I/O SQ");
+    let done: Vec<_> = (0..16).map_while(|_| d.reap(IOCQ, 64, false)).collect();
+    assert_eq!(done.len(), 16, "every command of the SQ completed before the Delete did");
+    assert_eq!(counter(&d.n, "io.reads"), 16);
+    assert_eq!(d.admin(0x04, 0, 0, 0, [1, 0, 0, 0]).1, 0, "Delete I/O CQ");
+    drop(cids);
+}
+
+#[test]
+fn a_thousand_commands_on_a_deep_queue_all_complete_within_the_in_flight_bound() {
+    const SQ: u64 = 0x80000; // 1024 x 64 B
+    const CQ: u64 = 0x90000; // 1024 x 16 B
+    for mode in [DoorbellMode::Mmio, DoorbellMode::Bar] {
+        let img = TempImage::new("deep");
+        let mut d = Drv::new(img.cfg(mode));
+        d.io_queues_at(SQ, CQ, 1024);
+        let cmds: Vec<_> = (0..1000u64).map(|i| (0x02 - (i % 2) as u8, (i % 256) * 8, 7, 0x40000)).collect();
+        let cids = d.submit_batch(&cmds, SQ, 1024);
+        let done = d.reap_batch(1000, CQ, 1024);
+        assert!(done.iter().all(|&(_, st)| st == 0), "{mode}");
+        assert_eq!(sorted(done.iter().map(|c| c.0).collect()), sorted(cids), "{mode}: each command completed once");
+        let max = counter(&d.n, "backend.inflight-max");
+        assert_eq!(max, super::backend::FILE_SLOTS as u64, "{mode}: the bound was reached and held");
+        assert!(counter(&d.n, "backend.slot-waits") > 0, "{mode}: fetching waited for slots");
+    }
+}
+
+#[test]
+fn a_cq_head_moved_back_holds_file_completions_instead_of_overwriting_entries() {
+    let img = TempImage::new("held");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(8);
+    d.n.quiesce(); // nothing reaps until the head has moved
+    let reads: Vec<_> = (0..4u64).map(|i| (0x02, i * 8, 7, 0x40000 + i * 4096)).collect();
+    d.submit_batch(&reads, IOSQ, 8);
+    // Head 4 with tail 0: the CQ now looks half full, room for 3 of the 4 owed.
+    d.w32(DOORBELLS + 12, 4);
+    let posted = |d: &Drv, i: u64| d.mem.read_obj::<u32>(GuestAddress(IOCQ + i * 16 + 12)).unwrap() >> 16 & 1 == 1;
+    d.n.attach(DeviceContext::detached(d.mem.clone())); // the device thread again
+    let t0 = std::time::Instant::now();
+    while !(0..3).all(|i| posted(&d, i)) {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5), "three completions");
+        std::thread::yield_now();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert!(!posted(&d, 3), "the fourth would fill the CQ: held");
+    assert_eq!(counter(&d.n, "io.reads"), 4, "all four were read");
+    // The host frees entries: the held completion goes out.
+    d.w32(DOORBELLS + 12, 0);
+    assert!(posted(&d, 3), "posted when the CQ head doorbell made room");
+}
+
+#[test]
+fn file_commands_are_fetched_only_while_their_cq_has_room_for_every_completion_owed() {
+    let img = TempImage::new("room");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    // An 8-entry SQ on a 4-entry CQ (room for 3 completions).
+    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 3 << 16, 1, 0, 0]).1, 0);
+    assert_eq!(d.admin(0x01, 0, IOSQ, 0, [1 | 7 << 16, 1 | 1 << 16, 0, 0]).1, 0);
+    let reads: Vec<_> = (0..6u64).map(|i| (0x02, i * 8, 7, 0x40000 + i * 4096)).collect();
+    d.submit_batch(&reads, IOSQ, 8);
+    assert_eq!(d.reap_batch(6, IOCQ, 4).len(), 6, "all complete as the host frees CQ entries");
+    assert_eq!(counter(&d.n, "backend.inflight-max"), 3, "never more out than the CQ can take");
+    assert!(counter(&d.n, "cq.full-waits") > 0);
+    assert_eq!(counter(&d.n, "io.reads"), 6);
+}
+
+/// Waits up to 5 s for `cond`; its last value.
+fn within_5s(mut cond: impl FnMut() -> bool) -> bool {
+    let t0 = std::time::Instant::now();
+    while !cond() {
+        if t0.elapsed() > std::time::Duration::from_secs(5) {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    true
+}
+
+#[test]
+fn an_sq_waiting_for_a_file_slot_is_served_when_a_cq_doorbell_or_a_delete_frees_slots() {
+    const SQ1: u64 = 0x80000; // 1024 x 64 B
+    const CQ1: u64 = 0x90000; // 1024 x 16 B
+    const SQ2: u64 = 0xA0000;
+    const CQ2: u64 = 0xA8000;
+    // How the slots come back: the host's head doorbell on CQ1 (the vCPU
+    // reaps), or Delete I/O SQ 1 (its commands are drained).
+    for delete in [false, true] {
+        let img = TempImage::new("slot-wait");
+        let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+        d.io_queues_at(SQ1, CQ1, 1024);
+        assert_eq!(d.admin(0x05, 0, CQ2, 0, [2 | 63 << 16, 1, 0, 0]).1, 0);
+        assert_eq!(d.admin(0x01, 0, SQ2, 0, [2 | 63 << 16, 1 | 2 << 16, 0, 0]).1, 0);
+        d.n.quiesce(); // no device thread reaps: SQ1 keeps every slot
+        let cmds: Vec<_> = (0..256u64).map(|i| (0x02, i * 8, 7, 0x40000)).collect();
+        d.submit_batch(&cmds, SQ1, 1024);
+        let e = d.sqe(0x02, 1, 0x41000, 0, [0, 0, 7, 0]);
+        d.mem.write_slice(&e, GuestAddress(SQ2)).unwrap();
+        d.w32(DOORBELLS + 16, 1);
+        assert!(counter(&d.n, "backend.slot-waits") > 0, "SQ2's read waits for a slot");
+        std::thread::sleep(std::time::Duration::from_millis(100)); // the file completes SQ1's reads
+        if delete {
+            assert_eq!(d.admin(0x00, 0, 0, 0, [1, 0, 0, 0]).1, 0, "Delete I/O SQ 1");
+        } else {
+            d.w32(DOORBELLS + 12, 0); // the vCPU reaps all 256
+        }
+        d.n.attach(DeviceContext::detached(d.mem.clone())); // the reaper runs again
+        let posted = || d.mem.read_obj::<u32>(GuestAddress(CQ2 + 12)).unwrap() >> 16 & 1 == 1;
+        assert!(within_5s(posted), "delete {delete}: SQ2's read never completed although slots are free");
+    }
+}
+
+#[test]
+fn a_write_in_flight_at_reset_or_disable_is_in_the_file_before_either_returns() {
+    const W: u64 = 0x40000;
+    for reset in [false, true] {
+        let img = TempImage::new("reset-write");
+        let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+        d.io_queues(64);
+        d.n.quiesce(); // nothing reaps: the writes stay out until the reset
+                       // 8 writes of 128 KiB (256 LBAs) = the whole 1 MiB namespace.
+        let fill = |i: u64| (i as u8).wrapping_mul(29) ^ 0x5a ^ reset as u8;
+        for i in 0..4u64 {
+            d.mem.write_slice(&[fill(i); 32 << 10], GuestAddress(W + (i << 15))).unwrap();
+        }
+        for i in 0..8u64 {
+            // PRP1 and a list of 31 pages, all in the 32 KiB block of fill(i % 4).
+            let list = 0x60000 + i * 0x100;
+            let pages: Vec<u8> =
+                (1..32u64).flat_map(|p| (W + ((i % 4) << 15) + (p % 8) * 4096).to_le_bytes()).collect();
+            d.mem.write_slice(&pages, GuestAddress(list)).unwrap();
+            let e = d.sqe(0x01, 1, W + ((i % 4) << 15), list, [(i * 256) as u32, 0, 255, 0]);
+            d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+            d.iotail += 1;
+        }
+        d.w32(DOORBELLS + 8, d.iotail as u32);
+        assert_eq!(d.n.core.lock().unwrap().io_in_flight(), 8);
+        if reset {
+            d.n.reset();
+        } else {
+            d.w32(REG_CC, 0);
+            assert_eq!(d.r32(0x1c) & 1, 0, "disabled");
+        }
+        assert_eq!(d.n.core.lock().unwrap().io_in_flight(), 0, "reset {reset}: nothing is left in flight");
+        let file = std::fs::read(&img.0).unwrap();
+        for (i, chunk) in file.chunks(128 << 10).enumerate() {
+            let want = fill(i as u64 % 4);
+            assert!(chunk.iter().all(|&b| b == want), "reset {reset}: write {i} is in the file");
+        }
+    }
+}
+
+#[test]
+fn completions_reaped_while_the_client_is_gone_wait_for_its_memory() {
+    const R: u64 = 0x40000;
+    let img = TempImage::new("no-memory");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(64);
+    for i in 0..8u64 {
+        d.mem.write_slice(&[0x30 + i as u8; 4096], GuestAddress(DATA)).unwrap();
+        assert_eq!(d.io(0x01, i * 8, 7, DATA, 0, 64), 0);
+    }
+    d.n.quiesce();
+    d.mem.write_slice(&[0xee; 8 * 4096], GuestAddress(R)).unwrap();
+    let reads: Vec<_> = (0..8u64).map(|i| (0x02, i * 8, 7, R + i * 4096)).collect();
+    let cids = d.submit_batch(&reads, IOSQ, 64);
+    // The client leaves: the device gets no memory, its thread runs (and is woken by the completions).
+    d.n.attach(DeviceContext::detached(GuestMemoryMmap::default()));
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    d.n.quiesce();
+    // The next client (the same memory: --keep-state).
+    d.n.attach(DeviceContext::detached(d.mem.clone()));
+    let done = d.reap_batch(8, IOCQ, 64);
+    assert_eq!(sorted(done.iter().map(|c| c.0).collect()), sorted(cids));
+    assert!(done.iter().all(|&(_, st)| st == 0), "{done:?}");
+    assert_eq!(counter(&d.n, "errors"), 0);
+    for i in 0..8u64 {
+        let mut b = [0u8; 4096];
+        d.mem.read_slice(&mut b, GuestAddress(R + i * 4096)).unwrap();
+        assert!(b.iter().all(|&x| x == 0x30 + i as u8), "read {i} carries its data");
+    }
+}
+
+/// The threads of this process named `name`.
+fn threads_named(name: &str) -> Vec<i32> {
+    let tasks = std::fs::read_dir("/proc/self/task").unwrap();
+    let comm = |t: &std::path::Path| std::fs::read_to_string(t.join("comm")).unwrap_or_default();
+    tasks
+        .flatten()
+        .filter(|t| comm(&t.path()).trim() == name)
+        .filter_map(|t| t.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+extern "C" fn on_sigusr1(_: libc::c_int) {}
+
+#[test]
+fn the_mmio_completion_thread_goes_on_after_signals_and_records_the_error_it_stops_on() {
+    // A handler without SA_RESTART: a blocking read the signal interrupts fails with EINTR.
+    // SAFETY: a zeroed sigaction with a handler that does nothing (async-signal-safe).
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigusr1 as extern "C" fn(libc::c_int) as usize;
+        assert_eq!(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()), 0);
+    }
+    let img = TempImage::new("eintr");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(64);
+    assert_eq!(d.io(0x02, 0, 7, DATA, 0, 64), 0, "the completion thread posts");
+    // Signal every completion thread (other tests' too: theirs go on as well)
+    // a few times, so that some signal finds it asleep.
+    for _ in 0..10 {
+        for tid in threads_named("nvme-uring") {
+            // SAFETY: tgkill on a thread of this process, with a signal it handles.
+            unsafe { libc::syscall(libc::SYS_tgkill, std::process::id(), tid, libc::SIGUSR1) };
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(!threads_named("nvme-uring").is_empty());
+    for i in 0..4 {
+        let e = d.sqe(0x02, 1, DATA, 0, [i * 8, 0, 7, 0]);
+        d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+        d.iotail = (d.iotail + 1) % 64;
+        d.w32(DOORBELLS + 8, d.iotail as u32);
+        assert_eq!(d.reap_io_wait(64).1, 0, "read {i} after the signals");
+        d.w32(DOORBELLS + 12, d.iohead as u32);
+    }
+    // Its eventfd becomes unreadable (a write-only fd in its place): the
+    // thread stops, and says why.
+    use std::os::fd::AsRawFd;
+    let done = d.n.core.lock().unwrap().io_completion_fd().unwrap();
+    let null = std::fs::OpenOptions::new().write(true).open("/dev/null").unwrap();
+    // SAFETY: replaces the eventfd's descriptor with another open one; the EventFd closes it when dropped.
+    assert!(unsafe { libc::dup2(null.as_raw_fd(), done.as_raw_fd()) } >= 0);
+    // A completion wakes the thread (the ring signals the eventfd itself); it reads the fd.
+    let e = d.sqe(0x02, 1, DATA, 0, [0, 0, 7, 0]);
+    d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+    d.iotail = (d.iotail + 1) % 64;
+    d.w32(DOORBELLS + 8, d.iotail as u32);
+    let failed = || d.n.core.lock().unwrap().db.failed.clone();
+    assert!(within_5s(|| failed().is_some()), "the error is recorded");
+    let why = failed().unwrap();
+    assert!(why.contains("io_uring thread stopped"), "{why}");
+}
+
+#[test]
+fn commands_a_refused_submit_left_in_the_ring_are_retried_by_the_device_thread() {
+    for mode in [DoorbellMode::Mmio, DoorbellMode::Ioeventfd] {
+        let img = TempImage::new("refused");
+        let mut d = Drv::new(img.cfg(mode));
+        d.io_queues(64);
+        if mode == DoorbellMode::Ioeventfd {
+            assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0, "Doorbell Buffer Config");
+        }
+        // The kernel refuses the next 5 submits (EAGAIN, ENOMEM): the reads
+        // stay in the ring with nothing in the kernel to signal a completion.
+        match &mut d.n.core.lock().unwrap().ns.backend {
+            super::backend::Backend::File(f) => f.fail_submits = 5,
+            _ => unreachable!(),
+        }
+        let reads: Vec<_> = (0..4u64).map(|i| (0x02, i * 8, 7, 0x40000 + i * 4096)).collect();
+        let mut cids = Vec::new();
+        for &(op, slba, nlb0, prp1) in &reads {
+            let e = d.sqe(op, 1, prp1, 0, [slba as u32, 0, nlb0, 0]);
+            cids.push(d.cid);
+            d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+            d.iotail += 1;
+        }
+        d.ring1(mode, false, d.iotail as u32);
+        let mut done = Vec::new();
+        for _ in 0..4 {
+            done.push(d.reap_io_wait(64));
+            d.ring1(mode, true, d.iohead as u32);
+        }
+        assert!(done.iter().all(|&(_, st)| st == 0), "{mode}: {done:?}");
+        assert_eq!(sorted(done.iter().map(|c| c.0).collect()), sorted(cids), "{mode}");
+    }
+}
+
+#[test]
+fn a_write_with_force_unit_access_is_a_dsync_write_on_a_file_namespace() {
+    let img = TempImage::new("fua");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(64);
+    d.n.quiesce(); // the writes stay taken: their operations can be looked at
+    for (fua, dsync) in [(0, false), (1 << 30, true)] {
+        let e = d.sqe(0x01, 1, DATA, 0, [8, 0, 7 | fua, 0]);
+        d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+        d.iotail += 1;
+        d.w32(DOORBELLS + 8, d.iotail as u32);
+        let ops = match &d.n.core.lock().unwrap().ns.backend {
+            super::backend::Backend::File(f) => f.taken_ops(),
+            _ => unreachable!(),
+        };
+        assert!(ops.contains(&super::backend::FileOp::Write { dsync }), "FUA {fua:#x}: {ops:?}");
+    }
+}
+
+#[test]
+fn write_zeroes_and_deallocate_wait_for_the_file_writes_in_flight_before_them() {
+    let img = TempImage::new("zeroes");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(64);
+    d.n.quiesce(); // only the commands below reap: the writes stay out until then
+                   // DSM range list: 8 LBAs at 512.
+    let mut range = [0u8; 16];
+    range[4..8].copy_from_slice(&8u32.to_le_bytes());
+    range[8..16].copy_from_slice(&512u64.to_le_bytes());
+    d.mem.write_slice(&range, GuestAddress(DATA)).unwrap();
+    // Write Zeroes of 8 LBAs at 256; Dataset Management, one range, deallocate.
+    for (op, prp1, cdw) in [(0x08, 0, [256, 0, 7, 0]), (0x09, DATA, [0, 4, 0, 0])] {
+        let writes: Vec<_> = (0..16u64).map(|i| (0x01, i * 8, 7, 0x40000 + i * 4096)).collect();
+        d.submit_batch(&writes, IOSQ, 64);
+        assert_eq!(d.n.core.lock().unwrap().io_in_flight(), 16);
+        let e = d.sqe(op, 1, prp1, 0, cdw);
+        d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+        d.iotail = (d.iotail + 1) % 64;
+        d.w32(DOORBELLS + 8, d.iotail as u32);
+        assert_eq!(d.n.core.lock().unwrap().io_in_flight(), 0, "opcode {op:#x}: the writes before it settled");
+        let done: Vec<_> = (0..17).map_while(|_| d.reap(IOCQ, 64, false)).collect();
+        assert_eq!(done.len(), 17, "opcode {op:#x}: every completion is posted");
+        assert!(done.iter().all(|&(_, st)| st == 0), "{done:?}");
+        d.w32(DOORBELLS + 12, d.iohead as u32);
+    }
 }
