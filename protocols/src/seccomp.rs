@@ -142,7 +142,12 @@ fn device(r: &mut Rules, pid: u32) {
             SYS_fsync,
         ],
     );
+    // The file backend registers a slot's bounce buffer again when it grows.
+    when(r, SYS_io_uring_register, one_of(1, &[IORING_REGISTER_BUFFERS_UPDATE]));
 }
+
+/// io_uring_register(2)'s opcode for updating registered buffers in place.
+const IORING_REGISTER_BUFFERS_UPDATE: u64 = 16;
 
 /// Starting threads (a BAR access may start device threads): the clone
 /// itself, what glibc and std do in the new thread before it narrows, and

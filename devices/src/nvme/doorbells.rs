@@ -105,6 +105,7 @@ impl Nvme {
         let (core, stop2) = (self.core.clone(), stop.clone());
         let mut retry = Retry::default();
         let h = std::thread::Builder::new().name("nvme-uring".into()).spawn(move || {
+            crate::sandbox::enter(crate::sandbox::Role::Device);
             while !stop2.load(Ordering::Relaxed) {
                 // poll, then read what it found: a signal (EINTR) is retried there.
                 let (ready, _) = match wait_either(&done, None, retry.after()) {
