@@ -8,7 +8,8 @@ use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
 
-/// Tests in this file that count the process's fds run one at a time.
+/// Tests in this file run one at a time: one counts the process's fds, and
+/// the others open and close fds (sockets, memfds, a child's pipes) meanwhile.
 static FD_COUNTING: Mutex<()> = Mutex::new(());
 
 fn open_fds() -> usize {
@@ -128,6 +129,7 @@ fn vm_hwm_kib() -> u64 {
 /// limit), not a 1 GiB buffer; a read within the limit is still answered.
 #[test]
 fn proxy_refuses_a_dma_read_beyond_its_own_transfer_limit() {
+    let _g = FD_COUNTING.lock().unwrap_or_else(|e| e.into_inner());
     use iopath_devices::{DeviceContext, DeviceModelMut, FailFn};
     use iopath_protocols::function::{map_guest_memory, SharedRegion};
     use iopath_protocols::vfio_user::VfioUserProxy;
@@ -192,6 +194,7 @@ const D10_CHILD: &str = "IOPATH_HOSTILE_DMA_MAPS_CHILD";
 /// every accepted map is still usable (the device sees the new memory).
 #[test]
 fn dma_maps_are_refused_with_enospc_within_the_advertised_count() {
+    let _g = FD_COUNTING.lock().unwrap_or_else(|e| e.into_inner());
     if std::env::var_os(D10_CHILD).is_some() {
         return dma_maps_child();
     }
