@@ -168,7 +168,9 @@ fn region(r: &mut Rules, pid: u32) {
     use libc::*;
     device(r, pid);
     spawn(r);
-    any(r, &[SYS_eventfd2, SYS_epoll_create1, SYS_epoll_ctl]);
+    // shutdown: a region thread ends its channel both ways when it stops,
+    // so that a client holding a copy of the fd reads EOF.
+    any(r, &[SYS_eventfd2, SYS_epoll_create1, SYS_epoll_ctl, SYS_shutdown]);
     when(r, SYS_fcntl, one_of(1, &[F_SETFL as u64, F_SETFD as u64]));
 }
 
