@@ -257,6 +257,23 @@ pub fn install() -> Result<()> {
         return Err(Error::Config("seccomp: the filters are installed already".into()));
     }
     on_sigsys()?;
+    // glibc reads /proc/sys/vm/overcommit_memory (an open by path) the first
+    // time it shrinks a thread's heap, which may be in any thread after this.
+    // A trim threshold above any heap's size (64 MiB) means no heap is ever
+    // shrunk: a thread's freed memory stays with its arena for reuse, up to
+    // the process's peak (whole heaps still go back to the system).
+    // Likewise glibc works out its arena limit from the CPU count (reading
+    // /sys) when it makes its ninth arena: set it now, to glibc's own
+    // default (8 per CPU).
+    let arenas = std::thread::available_parallelism().map_or(8, |n| n.get().saturating_mul(8)).min(1024) as i32;
+    for (param, value, name) in
+        [(libc::M_TRIM_THRESHOLD, i32::MAX, "M_TRIM_THRESHOLD"), (libc::M_ARENA_MAX, arenas, "M_ARENA_MAX")]
+    {
+        // SAFETY: mallopt only sets a malloc parameter.
+        if unsafe { libc::mallopt(param, value) } != 1 {
+            return Err(Error::Config(format!("seccomp: mallopt({name}) refused")));
+        }
+    }
     // The default panic hook's backtrace (RUST_BACKTRACE) opens files: a
     // thread that panics says why and ends alone, as it would unconfined.
     std::panic::set_hook(Box::new(|info| {

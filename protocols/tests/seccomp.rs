@@ -208,3 +208,57 @@ fn a_panicking_device_thread_ends_alone_as_without_the_filter() {
     });
     assert!(err.contains("a device thread's bug"), "{err:?}");
 }
+
+const SHRINK_CHILD: &str = "IOPATH_SECCOMP_HEAP_SHRINK_CHILD";
+
+/// Device threads that free much of what they allocated, and many that
+/// allocate at once, live. glibc
+/// shrinks a thread's heap then, and the first time it does it reads
+/// /proc/sys/vm/overcommit_memory (an open by path, which no role may make):
+/// `install` keeps glibc from trimming heaps, so that read never comes. Run
+/// in a fresh process (re-executed): a forked child would inherit the value
+/// if this process had read it already. Likewise the arena limit, which glibc
+/// works out from the CPU count when it makes its ninth arena.
+#[test]
+fn a_device_thread_that_frees_much_of_its_heap_lives() {
+    let _one = serial();
+    if std::env::var_os(SHRINK_CHILD).is_some() {
+        iopath_protocols::seccomp::install().unwrap();
+        let freed = std::thread::spawn(|| {
+            enter(Role::Device);
+            for _ in 0..4 {
+                // Below the mmap threshold: these come from the thread's heap.
+                let blocks: Vec<Vec<u8>> = (0..256).map(|i| vec![i as u8; 96 << 10]).collect();
+                drop(blocks);
+            }
+            0
+        })
+        .join();
+        assert_eq!(freed.ok(), Some(0));
+        // Many device threads at once, each with its own arena: glibc asks
+        // for the CPU count (sched_getaffinity) when its ninth arena is made,
+        // in whichever thread that is.
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(24));
+        let threads: Vec<_> = (0..24)
+            .map(|_| {
+                let b = barrier.clone();
+                std::thread::spawn(move || {
+                    enter(Role::Device);
+                    b.wait();
+                    let v = vec![1u8; 4096];
+                    b.wait();
+                    v[100] as i32 - 1
+                })
+            })
+            .collect();
+        assert!(threads.into_iter().all(|t| t.join().ok() == Some(0)));
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "a_device_thread_that_frees_much_of_its_heap_lives", "--nocapture", "--test-threads=1"])
+        .env(SHRINK_CHILD, "1")
+        .output()
+        .unwrap();
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && log.contains("1 passed"), "{:?}:\n{log}", out.status);
+}
