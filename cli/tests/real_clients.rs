@@ -103,6 +103,11 @@ fn checks(text: &str) -> Vec<&str> {
 
 /// Boots Linux under QEMU 11 (TCG) with `device` and runs the guest checks.
 fn linux(device_args: &[&str]) -> String {
+    linux_with(device_args, &String::new)
+}
+
+/// The same; a failure also shows `device_log()` (the device process's stderr).
+fn linux_with(device_args: &[&str], device_log: &dyn Fn() -> String) -> String {
     let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let mut args = vec!["--timeout", "420"];
     args.extend_from_slice(device_args);
@@ -110,7 +115,13 @@ fn linux(device_args: &[&str]) -> String {
     let c = checks(&text);
     eprintln!("{}", c.join("\n"));
     assert!(c.iter().any(|l| l.starts_with("@done ")), "no @done (rc {rc}):\n{text}");
-    assert_eq!(rc, 0, "Linux guest checks failed:\n{}\n--- full output ---\n{text}", c.join("\n"));
+    assert_eq!(
+        rc,
+        0,
+        "Linux guest checks failed:\n{}\n--- device process stderr ---\n{}\n--- full output ---\n{text}",
+        c.join("\n"),
+        device_log()
+    );
     text
 }
 
@@ -125,7 +136,9 @@ fn linux_against_iopath_with(device: &str, more: &[&str]) -> String {
     let mut serve = Serve::start(device);
     let sock = serve.socket.to_str().unwrap().to_string();
     // A short driver timeout: a controller that misses interrupts fails the run in minutes, not hours.
-    let text = linux(&[&["--vfio-user", sock.as_str(), "--nvme-timeout", "10"][..], more].concat());
+    let args = [&["--vfio-user", sock.as_str(), "--nvme-timeout", "10"][..], more].concat();
+    let log = serve.stderr.clone();
+    let text = linux_with(&args, &|| log.lock().unwrap().join("\n"));
     for want in [
         "probe",
         "irq-msix",
