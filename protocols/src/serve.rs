@@ -26,8 +26,10 @@
 //! The last two end the session with [`Error::Timeout`]. On a listening
 //! socket the thread `serve-acceptor` (`accept_loop` here) takes every
 //! connection: it hands the next client to the serving thread when that one
-//! is free, and refuses a client that comes while another is served at
-//! once, one at a time, each within `refusal`: the transport says so
+//! is free (or frees within `refusal`: a VMM that reconnects at once is
+//! often faster than the server's read of its end of stream), and refuses a
+//! client that comes while another is served, one at a time, each within
+//! `refusal`: the transport says so
 //! ([`Transport::refuse`]: vfio-user answers its first message with EBUSY),
 //! the connection is closed and logged. It never waits in the backlog.
 //! Neither a dropped nor a refused connection prints a counters line.
@@ -251,10 +253,27 @@ fn readable_within(sock: &UnixStream, d: Duration) -> bool {
     }
 }
 
+/// True once `busy` went from false to true here, trying for up to `grace`:
+/// a client that reconnects as soon as it left (iopath's proxy, QEMU) is
+/// often faster than the serving thread's read of its end of stream, and
+/// is served, not refused.
+fn take_within(busy: &AtomicBool, grace: Duration) -> bool {
+    let end = Instant::now() + grace;
+    loop {
+        if busy.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// The acceptor thread (`serve-acceptor`): every connection on `l`, handed
 /// to the serving thread if it is free (`busy` false; it clears `busy` when
-/// its session is over), else refused here, one at a time, each within
-/// `refusal`. Ends when `stop` is set (the listener is shut down) or the
+/// its session is over) or becomes free within `refusal`, else refused
+/// here, one at a time, each within `refusal`. Ends when `stop` is set (the listener is shut down) or the
 /// serving thread is gone.
 fn accept_loop(
     l: &UnixListener,
@@ -281,7 +300,7 @@ fn accept_loop(
             }
         };
         n += 1;
-        if busy.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+        if take_within(busy, refusal) {
             // The serving thread took the last one before it cleared `busy`:
             // the channel is empty, this does not block.
             if tx.send((sock, n)).is_err() {
