@@ -174,6 +174,9 @@ struct NvmeArgs {
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256)]
     mem: u64,
+    /// Run N busy threads (at most 64) during every measured run, QEMU's included.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    contend: u32,
 }
 
 #[derive(Args)]
@@ -260,6 +263,7 @@ fn bench_nvme(a: BenchArgs) -> anyhow::Result<i32> {
         vs_qemu: a.vs == Some(Peer::Qemu),
         mem_mb: n.mem,
         timeout_s: a.timeout,
+        contend: n.contend,
         ..NvmeOptions::default()
     };
     if n.rw.is_some() || n.bs.is_some() || n.iodepth.is_some() || n.queues.is_some() || n.verify {
