@@ -36,7 +36,8 @@ impl Contention {
             ));
         }
         let mut c = Contention { stop: Arc::new(AtomicBool::new(false)), threads: Vec::new() };
-        let deadline = Instant::now() + limit;
+        // A limit past what an Instant can hold means none.
+        let deadline = Instant::now().checked_add(limit);
         for i in 0..n {
             let stop = c.stop.clone();
             // On an error, `c` is dropped here and stops the ones already started.
@@ -66,7 +67,7 @@ impl Drop for Contention {
 }
 
 /// A contender's body: xorshift over a 4 KiB buffer until told to stop.
-fn spin(seed: u32, stop: &AtomicBool, deadline: Instant) {
+fn spin(seed: u32, stop: &AtomicBool, deadline: Option<Instant>) {
     let mut buf = [0u64; 512];
     let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ seed as u64;
     loop {
@@ -78,7 +79,7 @@ fn spin(seed: u32, stop: &AtomicBool, deadline: Instant) {
             buf[i] = buf[i].wrapping_add(x);
         }
         std::hint::black_box(&mut buf);
-        if stop.load(Ordering::Relaxed) || Instant::now() >= deadline {
+        if stop.load(Ordering::Relaxed) || deadline.is_some_and(|d| Instant::now() >= d) {
             return;
         }
     }
@@ -132,6 +133,9 @@ mod tests {
         assert!(c.is_empty());
         assert_eq!(contenders(), 0);
         assert!(Contention::start(MAX_CONTENDERS + 1, Duration::from_secs(1)).is_err());
+        assert_eq!(contenders_settle(0), 0);
+        // A limit no Instant can hold is no limit, not a panic.
+        drop(Contention::start(1, Duration::MAX).unwrap());
         assert_eq!(contenders_settle(0), 0);
     }
 

@@ -140,7 +140,7 @@ const IDLE_WINDOW: Duration = Duration::from_millis(200);
 
 /// Contenders for one run: they stop by themselves well after its timeout.
 fn contenders(o: &NvmeOptions) -> anyhow::Result<crate::contend::Contention> {
-    crate::contend::Contention::start(o.contend, Duration::from_secs(o.timeout_s + 60))
+    crate::contend::Contention::start(o.contend, Duration::from_secs(o.timeout_s.saturating_add(60)))
         .map_err(|e| anyhow::anyhow!("cannot start {} contenders: {e}", o.contend))
 }
 
