@@ -269,4 +269,16 @@ fn bench_nvme_contend_records_its_level_device_cpu_and_leaves_no_contender() {
         std::thread::sleep(Duration::from_millis(10));
     }
     assert!(left().threads.is_empty(), "contenders survived the bench: {:?}", left());
+
+    // bench exits takes the option too and records it.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["bench", "exits", "--quick", "--only", "cpuid", "--no-floor", "--transports", "none"])
+        .args(["--contend", "1", "--json", "-"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["options"]["contend"], 1, "{}", v["options"]);
+    assert!(stderr.contains("contend: 1"), "{stderr}");
 }
