@@ -40,6 +40,8 @@ pub struct ExitsOptions {
     pub transports: Vec<String>,
     /// Socket polling budget of the VMM and its device processes, in us.
     pub spin_us: u64,
+    /// Busy threads run for the whole bench, every target's runs included (`--contend N`).
+    pub contend: u32,
     /// The iopath binary that serves device processes (default: this one).
     #[serde(skip)]
     pub iopath_exe: Option<std::path::PathBuf>,
@@ -59,6 +61,7 @@ impl Default for ExitsOptions {
             transports: iopath_protocols::TRANSPORTS.iter().map(|t| t.name().to_string()).collect(),
             iopath_exe: None,
             spin_us: 0,
+            contend: 0,
         }
     }
 }
@@ -318,6 +321,11 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
         serve_args: vec!["--spin-us".into(), o.spin_us.to_string()],
     };
     iopath_protocols::socket::set_spin(Duration::from_micros(o.spin_us));
+    // One set of contenders for all rounds (joined when this returns); they
+    // stop by themselves once every run could have timed out.
+    let limit = timeout.saturating_mul(o.rounds.saturating_mul(per_round as u32).saturating_add(1));
+    let _contention = crate::contend::Contention::start(o.contend, limit)
+        .map_err(|e| anyhow::anyhow!("cannot start {} contenders: {e}", o.contend))?;
     for round in 0..o.rounds {
         // iopath's VMM with pci-testdev and iopath-doorbell.
         let mut cfg = VmConfig::new(iopath_guest::IMAGE, &guest_cmdline(o, "exits", tsc_khz, ""));
@@ -502,8 +510,8 @@ impl ExitsResult {
         let _ = writeln!(s, "{}", self.host);
         let _ = writeln!(
             s,
-            "exit-cost table: {} rounds x {} batches of ~{} us each, median [min..max] cycles per access; ns at the TSC rate",
-            self.options.rounds, self.options.batches, self.options.batch_us
+            "exit-cost table: {} rounds x {} batches of ~{} us each, median [min..max] cycles per access; ns at the TSC rate; contend: {}",
+            self.options.rounds, self.options.batches, self.options.batch_us, self.options.contend
         );
         let have_floor = self.runs.iter().any(|r| r.target == Target::Floor);
         let have_qemu = self.runs.iter().any(|r| r.target == Target::Qemu);

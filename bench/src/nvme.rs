@@ -6,6 +6,7 @@
 //! write the guest made is one the controller saw) and the VMM's exit
 //! counters give exits per I/O.
 
+use crate::cpu::{Window, NVME_DEVICE_THREADS};
 use crate::host::{host_info, HostInfo};
 use crate::stats::summarize;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -73,6 +74,8 @@ pub struct NvmeOptions {
     pub mem_mb: u64,
     pub timeout_s: u64,
     pub progress: bool,
+    /// Busy threads run during every measured run, QEMU's included (`--contend N`).
+    pub contend: u32,
     #[serde(skip)]
     pub iopath_exe: Option<std::path::PathBuf>,
 }
@@ -94,6 +97,7 @@ impl Default for NvmeOptions {
             mem_mb: 256,
             timeout_s: 120,
             progress: true,
+            contend: 0,
             iopath_exe: None,
         }
     }
@@ -122,6 +126,22 @@ pub struct NvmeRun {
     pub exits_per_io: Option<f64>,
     pub routing: String,
     pub routing_ok: bool,
+    /// Device threads (nvme-poller, nvme-ioeventfd, nvme-uring) seen in the
+    /// measured window; none in mmio mode without io_uring, and for QEMU.
+    pub device_threads: usize,
+    /// Their CPU time from the `@nvme-ctrl` line to the `@nvme` record, per I/O.
+    pub cpu_ns_per_io: Option<f64>,
+    /// Their CPU share (100 = one core) in a pause with no I/O after the record.
+    pub idle_cpu_pct: Option<f64>,
+}
+
+/// The pause after a run's record in which device threads' idle CPU is measured.
+const IDLE_WINDOW: Duration = Duration::from_millis(200);
+
+/// Contenders for one run: they stop by themselves well after its timeout.
+fn contenders(o: &NvmeOptions) -> anyhow::Result<crate::contend::Contention> {
+    crate::contend::Contention::start(o.contend, Duration::from_secs(o.timeout_s.saturating_add(60)))
+        .map_err(|e| anyhow::anyhow!("cannot start {} contenders: {e}", o.contend))
 }
 
 pub struct NvmeResult {
@@ -170,6 +190,9 @@ fn to_run(target: &str, job: usize, round: u32, j: &Job, lines: &[String], tsc_k
         exits_per_io: None,
         routing: String::new(),
         routing_ok: true,
+        device_threads: 0,
+        cpu_ns_per_io: None,
+        idle_cpu_pct: None,
     })
 }
 
@@ -209,12 +232,21 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     remote: o.transport.map(|t| (t, Endpoint::Spawn)),
                 };
                 let r = (|| -> anyhow::Result<NvmeRun> {
+                    let _contention = contenders(o)?;
+                    let window = Window::new(NVME_DEVICE_THREADS, "@nvme-ctrl ", "@nvme ", IDLE_WINDOW);
+                    let w = window.clone();
                     let mut cfg = VmConfig::new(iopath_guest::IMAGE, &cmdline(j, o, tsc_khz));
                     cfg.devices = vec![instantiate(&spec, &progs)?];
                     cfg.mem_size = o.mem_mb << 20;
                     cfg.timeout = timeout;
+                    cfg.on_line = Some(Box::new(move |l| w.on_line(l)));
                     let rep = run(cfg)?;
                     let mut r = to_run(&target, ji, round, j, &rep.lines, tsc_khz)?;
+                    if let Some(w) = window.result().filter(|w| w.threads > 0) {
+                        r.device_threads = w.threads;
+                        r.cpu_ns_per_io = Some(w.busy_ns as f64 / r.ios.max(1) as f64);
+                        r.idle_cpu_pct = Some(w.idle_pct);
+                    }
                     let dev = rep.devices.first().ok_or_else(|| anyhow::anyhow!("no device report"))?;
                     let c = |n: &str| dev.counters.iter().find(|c| c.name == n).map(|c| c.value);
                     let exits = rep.exits.mmio_write + rep.exits.mmio_read + rep.exits.io_out + rep.exits.io_in;
@@ -252,7 +284,8 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                 pb.set_message(format!("round {}/{} {} qemu", round + 1, o.rounds, j.label()));
                 let drive = "driver=null-co,size=64M,if=none,id=nvm0";
                 let args = crate::qemu::nvme_args(&image, &cmdline(j, o, tsc_khz), o.mem_mb, drive, o.lba);
-                match crate::qemu::run_args(q, args, None, timeout, |_| {}) {
+                let qr = contenders(o).and_then(|_c| crate::qemu::run_args(q, args, None, timeout, |_| {}));
+                match qr {
                     Ok(qr) => match to_run("qemu", ji, round, j, &qr.lines, tsc_khz) {
                         Ok(mut r) => {
                             r.routing = "QEMU nvme on null-co".into();
@@ -322,11 +355,12 @@ impl NvmeResult {
         let o = &self.options;
         let _ = writeln!(
             s,
-            "nvme: backend {}, LBA {} B, {} s per run, {} round(s); median over rounds; 1 guest vCPU, 1 controller poller",
+            "nvme: backend {}, LBA {} B, {} s per run, {} round(s); median over rounds; 1 guest vCPU, 1 controller poller; contend: {}",
             o.backend,
             o.lba,
             o.time_ms as f64 / 1000.0,
-            o.rounds
+            o.rounds,
+            o.contend
         );
         let hdr = format!(
             "{:<24} {:<18} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}  {}",
@@ -354,6 +388,7 @@ impl NvmeResult {
                 rs[0].routing
             );
         }
+        self.cpu_table(&mut s);
         for (ji, j) in o.jobs.iter().enumerate() {
             let iops = |t: &str| {
                 let rs: Vec<&NvmeRun> = self.runs.iter().filter(|r| r.job == ji && r.target == t).collect();
@@ -370,6 +405,36 @@ impl NvmeResult {
             }
         }
         s
+    }
+
+    /// Device threads' CPU per group: per I/O in the window, and idle.
+    fn cpu_table(&self, s: &mut String) {
+        let groups: Vec<_> =
+            self.groups().into_iter().filter(|(_, rs)| rs.iter().any(|r| r.device_threads > 0)).collect();
+        if groups.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            s,
+            "\ndevice threads' CPU ({}), median over rounds; contend: {}",
+            crate::cpu::NVME_DEVICE_THREADS.join(", "),
+            self.options.contend
+        );
+        let _ = writeln!(s, "{:<24} {:<18} {:>7} {:>11} {:>9}", "job", "target", "threads", "CPU/IO", "idle CPU");
+        for ((ji, target), rs) in groups {
+            let med = |f: fn(&NvmeRun) -> Option<f64>| {
+                summarize(&rs.iter().filter_map(|r| f(r)).collect::<Vec<_>>()).map(|x| x.median)
+            };
+            let _ = writeln!(
+                s,
+                "{:<24} {:<18} {:>7} {:>11} {:>9}",
+                self.options.jobs[ji].label(),
+                target,
+                rs.iter().map(|r| r.device_threads).max().unwrap_or(0),
+                med(|r| r.cpu_ns_per_io).map_or("-".into(), fmt_ns),
+                med(|r| r.idle_cpu_pct).map_or("-".into(), |p| format!("{p:.1} %")),
+            );
+        }
     }
 
     pub fn json(&self) -> Value {

@@ -134,6 +134,9 @@ struct BenchArgs {
     /// (client and the device processes it starts); 0 sleeps at once, as QEMU.
     #[arg(long, default_value_t = 0, value_name = "US")]
     spin_us: u64,
+    /// Run N busy threads (at most 64) during the measured runs, QEMU's included.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    contend: u32,
     #[command(flatten)]
     nvme: NvmeArgs,
 }
@@ -260,6 +263,7 @@ fn bench_nvme(a: BenchArgs) -> anyhow::Result<i32> {
         vs_qemu: a.vs == Some(Peer::Qemu),
         mem_mb: n.mem,
         timeout_s: a.timeout,
+        contend: a.contend,
         ..NvmeOptions::default()
     };
     if n.rw.is_some() || n.bs.is_some() || n.iodepth.is_some() || n.queues.is_some() || n.verify {
@@ -312,6 +316,7 @@ fn bench(a: BenchArgs) -> anyhow::Result<i32> {
         transports: a.transports.split(',').filter(|t| !t.is_empty() && *t != "none").map(String::from).collect(),
         iopath_exe: None,
         spin_us: a.spin_us,
+        contend: a.contend,
     };
     if a.quick {
         o.rounds = 1;

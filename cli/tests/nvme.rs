@@ -214,3 +214,71 @@ fn bench_nvme_reports_a_checked_table_and_json() {
     }
     assert!(stderr.contains("iopath-shm") && stderr.contains("exits/IO"));
 }
+
+#[test]
+fn bench_nvme_contend_records_its_level_device_cpu_and_leaves_no_contender() {
+    kvm();
+    let bench = |extra: &[&str]| {
+        let base = ["bench", "nvme", "--quick", "--json", "-", "--contend", "1", "--rw", "randread", "--bs", "4096"];
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+            .args(base.iter().chain(extra))
+            .args(["--iodepth", "1", "--backend", "ram"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{extra:?}: {stderr}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(v["errors"].as_array().unwrap().is_empty(), "{}", v["errors"]);
+        assert_eq!(v["options"]["contend"], 1, "{}", v["options"]);
+        assert!(stderr.contains("contend: 1"), "{stderr}");
+        v["runs"].as_array().unwrap().clone()
+    };
+    // In the VMM: shm and bar have a poller, ioeventfd its thread; mmio with
+    // the RAM backend has none (the vCPU thread does the work).
+    let runs = bench(&["--doorbell", "shm,bar,ioeventfd,mmio"]);
+    assert_eq!(runs.len(), 4);
+    for r in &runs {
+        if r["target"] == "iopath-mmio" {
+            assert!(r["device_threads"] == 0 && r["cpu_ns_per_io"].is_null(), "{r}");
+        } else {
+            assert_eq!(r["device_threads"], 1, "{r}");
+            assert!(r["cpu_ns_per_io"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(r["idle_cpu_pct"].as_f64().unwrap() >= 0.0, "{r}");
+        }
+    }
+    // In a device process: its poller is found among the child's threads.
+    let runs = bench(&["--doorbell", "shm", "--transport", "vfio-user"]);
+    assert_eq!(runs.len(), 1);
+    assert!(runs[0]["cpu_ns_per_io"].as_f64().unwrap() > 0.0, "{}", runs[0]);
+    assert!(runs[0]["idle_cpu_pct"].as_f64().unwrap() >= 0.0, "{}", runs[0]);
+
+    // In this process: the contenders are gone once the bench returns.
+    let o = iopath_bench::nvme::NvmeOptions {
+        jobs: vec![iopath_bench::nvme::Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify: false }],
+        doorbells: vec![iopath_devices::nvme::DoorbellMode::Shm],
+        time_ms: 100,
+        contend: 2,
+        progress: false,
+        ..Default::default()
+    };
+    let r = iopath_bench::nvme::run_nvme(&o).unwrap();
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    let left = || iopath_bench::cpu::Snapshot::take(&[std::process::id()], &[iopath_bench::contend::THREAD_NAME]);
+    let t0 = std::time::Instant::now();
+    while !left().threads.is_empty() && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(left().threads.is_empty(), "contenders survived the bench: {:?}", left());
+
+    // bench exits takes the option too and records it.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["bench", "exits", "--quick", "--only", "cpuid", "--no-floor", "--transports", "none"])
+        .args(["--contend", "1", "--json", "-"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["options"]["contend"], 1, "{}", v["options"]);
+    assert!(stderr.contains("contend: 1"), "{stderr}");
+}
