@@ -3,6 +3,7 @@
 //! devices' counters, verify routing, and report medians and ratios.
 
 pub mod exits;
+pub mod floor;
 pub mod host;
 pub mod nvme;
 pub mod qemu;
