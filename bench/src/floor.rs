@@ -96,6 +96,8 @@ struct Ring {
     cq_head: Line,
     stop: AtomicBool,
     entries: u32,
+    /// How long the submitter waits for a completion before it gives up.
+    stall: Duration,
 }
 
 const OPC_READ: u64 = 0x02;
@@ -110,6 +112,7 @@ impl Ring {
             cq_head: Line::default(),
             stop: AtomicBool::new(false),
             entries,
+            stall: STALL,
         }
     }
 }
@@ -365,7 +368,7 @@ fn submitter(ring: &Ring, qd: u32, limit: Limit) -> SubmitterStats {
                 // A poller that stopped answering: give up after generous
                 // seconds, counting what it never completed as errors.
                 let since = *stalled_since.get_or_insert_with(Instant::now);
-                if seq > done && since.elapsed() > STALL {
+                if seq > done && since.elapsed() > ring.stall {
                     errors += seq - done;
                     break;
                 }
@@ -679,6 +682,14 @@ mod tests {
             h.join().unwrap()
         });
         assert_eq!((s.completed, s.errors), (1, 1));
+    }
+
+    #[test]
+    fn a_poller_that_never_answers_ends_the_run_with_errors() {
+        let mut ring = Ring::new(32);
+        ring.stall = Duration::from_millis(50);
+        let s = submitter(&ring, 4, Limit::Ops(100));
+        assert_eq!((s.submitted, s.completed, s.errors), (4, 0, 4));
     }
 
     #[test]
