@@ -76,6 +76,8 @@ pub struct NvmeOptions {
     pub progress: bool,
     /// Busy threads run during every measured run, QEMU's included (`--contend N`).
     pub contend: u32,
+    /// Length of each ring-floor run (`crate::floor`), per queue depth and round.
+    pub floor_ms: u64,
     #[serde(skip)]
     pub iopath_exe: Option<std::path::PathBuf>,
 }
@@ -98,6 +100,7 @@ impl Default for NvmeOptions {
             timeout_s: 120,
             progress: true,
             contend: 0,
+            floor_ms: 300,
             iopath_exe: None,
         }
     }
@@ -133,6 +136,8 @@ pub struct NvmeRun {
     pub cpu_ns_per_io: Option<f64>,
     /// Their CPU share (100 = one core) in a pause with no I/O after the record.
     pub idle_cpu_pct: Option<f64>,
+    /// IOPS over the ring floor's ops/s at the job's queue depth in the same round.
+    pub floor_ratio: Option<f64>,
 }
 
 /// The pause after a run's record in which device threads' idle CPU is measured.
@@ -149,7 +154,14 @@ pub struct NvmeResult {
     pub options: NvmeOptions,
     pub tsc_khz: u64,
     pub runs: Vec<NvmeRun>,
+    /// The ring floor, measured at the start of every round.
+    pub floor: Vec<crate::floor::FloorRun>,
     pub errors: Vec<String>,
+}
+
+/// The ring floor's queue depth for a job: all its outstanding I/Os.
+fn floor_qd(j: &Job) -> u32 {
+    j.iodepth.saturating_mul(j.queues).clamp(1, crate::floor::MAX_QD)
 }
 
 fn cmdline(j: &Job, o: &NvmeOptions, tsc_khz: u64) -> String {
@@ -193,6 +205,7 @@ fn to_run(target: &str, job: usize, round: u32, j: &Job, lines: &[String], tsc_k
         device_threads: 0,
         cpu_ns_per_io: None,
         idle_cpu_pct: None,
+        floor_ratio: None,
     })
 }
 
@@ -217,7 +230,16 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     let mut runs = Vec::new();
     let mut errors = Vec::new();
     let timeout = Duration::from_secs(o.timeout_s);
+    let mut floor = Vec::new();
     for round in 0..o.rounds {
+        // The ring floor first, in this round, at the jobs' queue depths.
+        pb.set_message(format!("round {}/{} ring floor", round + 1, o.rounds));
+        let mut depths: Vec<u32> = o.jobs.iter().map(floor_qd).collect();
+        depths.sort_unstable();
+        depths.dedup();
+        let (f, e) = crate::floor::measure_round(&depths, round, o.floor_ms, None);
+        floor.extend(f);
+        errors.extend(e);
         for (ji, j) in o.jobs.iter().enumerate() {
             for db in &o.doorbells {
                 let target = match o.transport.map(|t| t.name()) {
@@ -303,6 +325,10 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
         }
     }
     pb.finish_and_clear();
+    for r in runs.iter_mut() {
+        let f = crate::floor::ops_s_of(&floor, r.round, floor_qd(&o.jobs[r.job]));
+        r.floor_ratio = f.map(|f| r.iops / f);
+    }
     for r in &runs {
         if !r.routing_ok {
             errors.push(format!("{} job {}: routing wrong: {}", r.target, r.job, r.routing));
@@ -311,7 +337,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
             errors.push(format!("{} job {}: {} I/O errors, {:?} mismatches", r.target, r.job, r.errors, r.mismatches));
         }
     }
-    Ok(NvmeResult { host, options: o.clone(), tsc_khz, runs, errors })
+    Ok(NvmeResult { host, options: o.clone(), tsc_khz, runs, floor, errors })
 }
 
 fn fmt_rate(v: f64) -> String {
@@ -362,9 +388,12 @@ impl NvmeResult {
             o.rounds,
             o.contend
         );
+        let _ = writeln!(s, "ring floor, measured first in each round ({}):", crate::floor::placement(None));
+        s.push_str(&crate::floor::floor_rows(&self.floor));
+        let _ = writeln!(s);
         let hdr = format!(
-            "{:<24} {:<18} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}  {}",
-            "job", "target", "IOPS", "MB/s", "lat avg", "p50", "p99", "p99.9", "exits/IO", "check"
+            "{:<24} {:<18} {:>9} {:>11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}  {}",
+            "job", "target", "IOPS", "/floor", "MB/s", "lat avg", "p50", "p99", "p99.9", "exits/IO", "check"
         );
         let _ = writeln!(s, "{hdr}");
         let _ = writeln!(s, "{}", "-".repeat(hdr.len() + 30));
@@ -373,12 +402,16 @@ impl NvmeResult {
             let epi = rs.iter().filter_map(|r| r.exits_per_io).collect::<Vec<_>>();
             let epi = summarize(&epi).map(|x| format!("{:.6}", x.median)).unwrap_or_else(|| "-".into());
             let ok = if rs.iter().all(|r| r.routing_ok) { "ok" } else { "WRONG" };
+            // The median over rounds of each round's IOPS / that round's floor.
+            let fr = rs.iter().filter_map(|r| r.floor_ratio).collect::<Vec<_>>();
+            let fr = summarize(&fr).map(|x| format!("{:.2}x floor", x.median)).unwrap_or_else(|| "-".into());
             let _ = writeln!(
                 s,
-                "{:<24} {:<18} {:>9} {:>9.0} {:>9} {:>9} {:>9} {:>9} {:>11}  {ok} {}",
+                "{:<24} {:<18} {:>9} {:>11} {:>9.0} {:>9} {:>9} {:>9} {:>9} {:>11}  {ok} {}",
                 j.label(),
                 target,
                 fmt_rate(Self::median(&rs, |r| r.iops)),
+                fr,
                 Self::median(&rs, |r| r.mb_s),
                 fmt_ns(Self::median(&rs, |r| r.lat_avg_ns)),
                 fmt_ns(Self::median(&rs, |r| r.p50_ns)),
@@ -444,6 +477,7 @@ impl NvmeResult {
             "options": self.options,
             "tsc_khz": self.tsc_khz,
             "runs": self.runs,
+            "floor": {"placement": crate::floor::placement(None), "runs": self.floor},
             "errors": self.errors,
         })
     }

@@ -87,6 +87,8 @@ enum Which {
     Exits,
     /// The guest's polled NVMe driver against iopath's NVMe controller (and QEMU's with --vs qemu).
     Nvme,
+    /// The polled SQ/CQ ring between two host threads at QD 1/16/64: the floor under `bench nvme`.
+    Floor,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
@@ -126,6 +128,9 @@ struct BenchArgs {
     /// A short run: 1 round, 5 batches of 5 ms.
     #[arg(long)]
     quick: bool,
+    /// floor: milliseconds per queue depth and round.
+    #[arg(long, default_value_t = 1000, value_name = "T")]
+    time_ms: u64,
     /// Out-of-process transports to run pci-testdev over, comma-separated
     /// (mpqemu, vfio-user, ioregionfd, ioregionfd-posted), or "none".
     #[arg(long, default_value = "mpqemu,vfio-user,ioregionfd,ioregionfd-posted")]
@@ -300,9 +305,24 @@ fn emit(table: &str, json: &serde_json::Value, path: Option<&std::path::Path>) -
     Ok(())
 }
 
+fn bench_floor(a: BenchArgs) -> anyhow::Result<i32> {
+    use iopath_bench::floor::{run_floor, FloorOptions, DEPTHS};
+    let o = FloorOptions {
+        depths: a.nvme.iodepth.map_or(DEPTHS.to_vec(), |d| vec![d]),
+        rounds: if a.quick { 1 } else { a.rounds.max(1) },
+        time_ms: if a.quick { 100 } else { a.time_ms.max(1) },
+        ..FloorOptions::default()
+    };
+    let r = run_floor(&o)?;
+    emit(&r.table(), &r.json(), a.json.as_deref())?;
+    Ok(if r.errors.is_empty() { 0 } else { 1 })
+}
+
 fn bench(a: BenchArgs) -> anyhow::Result<i32> {
-    if matches!(a.which, Which::Nvme) {
-        return bench_nvme(a);
+    match a.which {
+        Which::Nvme => return bench_nvme(a),
+        Which::Floor => return bench_floor(a),
+        Which::Exits => {}
     }
     let mut o = ExitsOptions {
         rounds: a.rounds.max(1),

@@ -63,3 +63,60 @@ fn missing_qemu_is_explained() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("apt-get install -y qemu-system-x86"), "{stderr}");
 }
+
+/// Runs `iopath ARGS --json -` and returns its JSON, after checking it succeeded.
+fn bench_json(args: &[&str]) -> serde_json::Value {
+    let out = iopath().args(args).args(["--json", "-"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "iopath {args:?} failed: {stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    assert!(v["errors"].as_array().unwrap().is_empty(), "{}", v["errors"]);
+    v
+}
+
+fn positive(v: &serde_json::Value) -> bool {
+    v.as_f64().is_some_and(|x| x > 0.0)
+}
+
+#[test]
+fn bench_floor_json_has_every_depth_in_every_round() {
+    let v = bench_json(&["bench", "floor", "--rounds", "2", "--time-ms", "50"]);
+    assert_eq!(v["benchmark"], "floor");
+    assert!(v["placement"].as_str().unwrap().contains("unpinned"), "{}", v["placement"]);
+    let runs = v["runs"].as_array().unwrap();
+    let mut seen: Vec<(u64, u64)> =
+        runs.iter().map(|r| (r["round"].as_u64().unwrap(), r["qd"].as_u64().unwrap())).collect();
+    seen.sort_unstable();
+    assert_eq!(seen, [(0, 1), (0, 16), (0, 64), (1, 1), (1, 16), (1, 64)]);
+    for r in runs {
+        assert!(positive(&r["ops_s"]) && positive(&r["p50_ns"]) && r["ops"].as_u64().unwrap() > 0, "{r}");
+        assert_eq!(r["errors"], 0, "{r}");
+        assert!(r["max_outstanding"].as_u64().unwrap() <= r["qd"].as_u64().unwrap(), "{r}");
+    }
+    let summary = v["summary"].as_array().unwrap();
+    assert_eq!(summary.len(), 3);
+    for s in summary {
+        assert!(positive(&s["ops_s"]["median"]) && positive(&s["p50_ns"]["median"]), "{s}");
+        assert_eq!(s["ops_s"]["n"], 2, "{s}");
+    }
+}
+
+#[test]
+fn bench_nvme_runs_carry_their_rounds_floor_ratio() {
+    assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing");
+    let v = bench_json(&["bench", "nvme", "--quick"]);
+    let floor = v["floor"]["runs"].as_array().unwrap();
+    // The reference jobs' depths, 1 and 16, measured in the (one) round.
+    let mut depths: Vec<u64> = floor.iter().map(|r| r["qd"].as_u64().unwrap()).collect();
+    depths.sort_unstable();
+    assert_eq!(depths, [1, 16], "{}", v["floor"]);
+    for f in floor {
+        assert!(positive(&f["ops_s"]) && f["round"] == 0, "{f}");
+    }
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 8, "2 jobs x 4 doorbell modes");
+    for r in runs {
+        assert!(positive(&r["iops"]), "{r}");
+        assert!(positive(&r["floor_ratio"]), "every run has IOPS / the floor's ops/s: {r}");
+    }
+}
