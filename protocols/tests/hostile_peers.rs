@@ -1,6 +1,8 @@
 //! Hostile peers: what a malicious or broken client/server may send must be
 //! refused without leaking resources or crashing the other side.
 
+mod common;
+
 use iopath_protocols::socket::{self, MAX_FDS};
 use std::fs::File;
 use std::io::ErrorKind;
@@ -209,34 +211,13 @@ fn dma_maps_are_refused_with_enospc_within_the_advertised_count() {
 }
 
 fn dma_maps_child() {
-    use iopath_protocols::serve::{run, Listen, ServeOptions};
     use iopath_protocols::vfio_user::wire::*;
 
     let lim = libc::rlimit { rlim_cur: 256, rlim_max: 256 };
     // SAFETY: a valid rlimit; this child process is only this test.
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
-    let dir = std::env::temp_dir().join(format!("iopath-hostile-d10-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("vfio-user.sock");
-    let o = ServeOptions {
-        device: "pci-testdev".parse().unwrap(),
-        transport: iopath_protocols::transport("vfio-user").unwrap(),
-        listen: Listen::Socket(path.clone()),
-        once: true,
-        keep_state: false,
-        timeouts: Default::default(),
-        seccomp: false, // in a thread of the test process
-    };
-    let server = std::thread::spawn(move || run(&o));
-    let t0 = std::time::Instant::now();
-    let sock = loop {
-        if let Ok(s) = UnixStream::connect(&path) {
-            break s;
-        }
-        assert!(t0.elapsed().as_secs() < 10, "the server never listened");
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    };
+    let (path, server) = common::serve("pci-testdev", "hostile-d10");
+    let sock = common::dial(&path);
     let caps = Capabilities { max_msg_fds: 16, max_dma_maps: 65535, ..Default::default() };
     let v = Version { major: VERSION_MAJOR, minor: VERSION_MINOR, capabilities: Some(caps) };
     let (err, _, p) = vfio_request(&sock, 1, Command::Version, &v.to_bytes(), &[]);
@@ -272,8 +253,7 @@ fn dma_maps_child() {
         assert!(!err, "unmap {i}: errno {errno}");
     }
     drop(sock);
-    server.join().unwrap().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    server.join().unwrap();
     eprintln!("{accepted} maps accepted of {advertised} advertised");
 }
 
@@ -286,31 +266,10 @@ fn dma_maps_child() {
 /// in-process callers, is tested beside it in `devices/src/testdev.rs`.
 #[test]
 fn empty_region_accesses_are_refused_and_the_session_goes_on() {
-    use iopath_protocols::serve::{run, Listen, ServeOptions};
     use iopath_protocols::vfio_user::wire::*;
     let _g = FD_COUNTING.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = std::env::temp_dir().join(format!("iopath-hostile-empty-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("vfio-user.sock");
-    let o = ServeOptions {
-        device: "pci-testdev".parse().unwrap(),
-        transport: iopath_protocols::transport("vfio-user").unwrap(),
-        listen: Listen::Socket(path.clone()),
-        once: true,
-        keep_state: false,
-        timeouts: Default::default(),
-        seccomp: false, // in a thread of the test process
-    };
-    let server = std::thread::spawn(move || run(&o));
-    let t0 = std::time::Instant::now();
-    let sock = loop {
-        if let Ok(s) = UnixStream::connect(&path) {
-            break s;
-        }
-        assert!(t0.elapsed().as_secs() < 10, "the server never listened");
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    };
+    let (path, server) = common::serve("pci-testdev", "hostile-empty");
+    let sock = common::dial(&path);
     let v = Version { major: VERSION_MAJOR, minor: VERSION_MINOR, capabilities: None };
     assert!(!vfio_request(&sock, 1, Command::Version, &v.to_bytes(), &[]).0);
     let mut id = 1u16;
@@ -340,6 +299,5 @@ fn empty_region_accesses_are_refused_and_the_session_goes_on() {
     let count = u32::from_le_bytes(p[p.len() - 4..].try_into().unwrap());
     assert_eq!(count, 1, "the write after the empty ones reached the device");
     drop(sock);
-    server.join().unwrap().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    server.join().unwrap();
 }

@@ -5,6 +5,7 @@
 use iopath_protocols::serve::{run, Listen, ServeOptions};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -72,6 +73,18 @@ pub fn connect(path: &Path) -> Client {
             }
         }
         assert!(t0.elapsed() < Duration::from_secs(10), "the server never listened on {}", path.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A raw connection to the server on `path`, once it listens.
+pub fn dial(path: &Path) -> UnixStream {
+    let t0 = Instant::now();
+    loop {
+        match UnixStream::connect(path) {
+            Ok(s) => return s,
+            Err(e) => assert!(t0.elapsed() < Duration::from_secs(10), "{}: {e}", path.display()),
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
 }
