@@ -172,6 +172,32 @@ fn the_controller_serves_from_a_device_process_over_vfio_user_and_mpqemu() {
 }
 
 #[test]
+fn ioeventfd_doorbells_kick_from_a_device_process_over_vfio_user() {
+    kvm();
+    // The device process announces every I/O doorbell as an ioeventfd when the client attaches
+    // (before any queue exists): the client installs them in KVM, so doorbell writes kick the
+    // device thread and none reaches the device process as a REGION_WRITE.
+    let spec = "nvme,doorbell=ioeventfd,backend=null@vfio-user";
+    let (rec, c, r) = nvmeperf(spec, "rw=randread bs=4096 iodepth=1 time_ms=300");
+    let ios = num(&rec, "ios");
+    assert!(ios > 0 && num(&rec, "io_doorbell_writes") > 0, "{rec:?}");
+    assert_eq!(num(&rec, "dbbuf"), 1);
+    assert!(c["ioeventfd.kicks"] > 0, "no kick: {c:?}");
+    assert_eq!(c["ioeventfd.kicks"], num(&rec, "io_doorbell_writes"), "every I/O doorbell write is a kick: {c:?}");
+    assert_eq!(c["doorbell.writes"], 2 * c["admin.commands"], "only admin doorbells came as messages: {c:?}");
+    assert!(r.exits.mmio_write < 40, "{:?} for {ios} I/Os", r.exits);
+    assert_eq!(c["io.commands"], ios);
+    // Several queues, and data checked: the kicks serve every queue's shadow tail.
+    let (rec, c, _) = nvmeperf(
+        "nvme,doorbell=ioeventfd,backend=ram,size_mb=8@vfio-user",
+        "verify=1 bs=4096 iodepth=8 queues=3 size_mb=4",
+    );
+    assert_eq!((num(&rec, "errors"), num(&rec, "mismatches")), (0, 0));
+    assert!(c["ioeventfd.kicks"] > 0, "{c:?}");
+    assert_eq!(c["doorbell.writes"], 2 * c["admin.commands"], "{c:?}");
+}
+
+#[test]
 fn the_same_driver_runs_against_qemus_nvme() {
     kvm();
     let qemu = programs().qemu.expect("qemu-system-x86_64 is needed (apt-get install -y qemu-system-x86)");

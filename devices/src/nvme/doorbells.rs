@@ -5,10 +5,25 @@
 //! memory polled by a thread (`bar`), and ioeventfd kicks that wake a thread
 //! which reads the shadow doorbells (`ioeventfd`). The thread itself is
 //! started and stopped here.
+//!
+//! ioeventfd registration follows the host. A VMM installs them as the
+//! queues come and go (`register_doorbells`). A device process's host
+//! announces them once, when its client attaches (vfio-user's
+//! GET_REGION_IO_FDS; `IoEvents::static_only`), before any queue exists: the
+//! controller then registers at attach the doorbell of every I/O queue it
+//! offers (SQ tail and CQ head of queues 1..=MAX_IO_QUEUES, on one eventfd)
+//! and keeps them, and its eventfd, for its lifetime (`register_static`).
+//! The admin doorbells stay registers: their values are needed. A kick
+//! carries no value and no address, so a write to the doorbell of a queue
+//! that does not exist is a kick that finds no work, as a write of a tail the
+//! shadow does not show; and I/O doorbells the driver rings before Doorbell
+//! Buffer Config are lost (logged): out of process, ioeventfd mode needs a
+//! driver that configures the shadow doorbells before it creates I/O queues
+//! (Linux, nvmeperf).
 
 use super::controller::Core;
 use super::queue;
-use super::{DoorbellMode, Nvme, BAR0_SIZE, DOORBELLS};
+use super::{DoorbellMode, Nvme, BAR0_SIZE, DOORBELLS, MAX_IO_QUEUES};
 use crate::{Error, GuestMemoryMmap, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -133,22 +148,26 @@ impl Nvme {
     /// ioeventfd mode: a thread that sleeps on the doorbells' eventfd (and
     /// on the file backend's completion eventfd).
     fn start_kicked(&self, t: &mut Threads) {
-        let kick = match EventFd::new(0) {
-            Ok(k) => Arc::new(k),
-            Err(e) => {
-                t.error = Some(format!("nvme: eventfd: {e}"));
-                return;
-            }
-        };
-        {
+        let kick = {
             let mut c = self.core.lock().unwrap();
+            // A static host's eventfd was made and announced at attach: it stays.
+            let kick = match c.db.kick.clone().map_or_else(|| EventFd::new(0).map(Arc::new), Ok) {
+                Ok(k) => k,
+                Err(e) => {
+                    t.error = Some(format!("nvme: eventfd: {e}"));
+                    return;
+                }
+            };
             c.db.kick = Some(kick.clone());
             for qid in 1..c.queues.sqs.len() {
                 if c.queues.sqs[qid].is_some() {
                     c.register_doorbells(qid);
                 }
             }
-        }
+            // Kicks drained when the last thread stopped: look at the shadow once.
+            c.serve_kicked();
+            kick
+        };
         let stop = Arc::new(AtomicBool::new(false));
         let (core, stop2) = (self.core.clone(), stop.clone());
         let done = self.core.lock().unwrap().io_completion_fd();
@@ -169,7 +188,10 @@ impl Nvme {
                 }
                 let mut c = core.lock().unwrap();
                 c.st.kicks += n;
-                if kicked {
+                if kicked && n > 0 && c.db.shadow.is_none() {
+                    // Only a static host's doorbells are ioeventfds this early.
+                    log::warn!("nvme: an I/O doorbell rang before Doorbell Buffer Config: its value is lost");
+                } else if kicked {
                     c.serve_kicked();
                 }
                 c.io_progress();
@@ -184,21 +206,33 @@ impl Nvme {
         }
     }
 
-    /// Stops the device thread: unregisters the ioeventfds, wakes the thread
-    /// and joins it without holding the core lock.
+    /// Stops the device thread: unregisters the ioeventfds (a static host's
+    /// stay, with their eventfd), wakes the thread and joins it without
+    /// holding the core lock.
     pub(super) fn stop_threads(&self, t: &mut Threads) {
         if let Some((stop, h)) = t.worker.take() {
             stop.store(true, Ordering::Relaxed);
-            let (kick, done) = {
+            let (kick, done, kept) = {
                 let mut c = self.core.lock().unwrap();
-                c.unregister_all();
-                (c.db.kick.take(), c.io_completion_fd())
+                let kept = c.static_ioevents();
+                if !kept {
+                    c.unregister_all();
+                }
+                let kick = if kept { c.db.kick.clone() } else { c.db.kick.take() };
+                (kick, c.io_completion_fd(), kept)
             };
             // Wake the thread that sleeps on either to see `stop`.
             for fd in kick.iter().chain(done.iter()) {
                 let _ = fd.write(1);
             }
             let _ = h.join();
+            // That write is not a doorbell: a kept eventfd must not count it
+            // as a kick (the next thread looks at the shadow when it starts).
+            if let (true, Some(k)) = (kept, &kick) {
+                if let Ok((true, _)) = wait_either(k, None, Some(std::time::Duration::ZERO)) {
+                    let _ = read_eventfd(k);
+                }
+            }
         }
     }
 }
@@ -421,12 +455,44 @@ impl Core {
         }
     }
 
-    /// ioeventfd mode: the I/O queue doorbells of `qid` as ioeventfds.
+    /// ioeventfd mode: the I/O queue doorbells of `qid` as ioeventfds (a
+    /// static host's were all registered at attach).
     pub(super) fn register_doorbells(&mut self, qid: usize) {
-        let (Some(kick), Some(io)) = (self.db.kick.clone(), self.db.ioevents.clone()) else { return };
-        if self.mode() != DoorbellMode::Ioeventfd || self.db.shadow.is_none() || qid == 0 {
+        if self.mode() != DoorbellMode::Ioeventfd || self.db.shadow.is_none() || qid == 0 || self.static_ioevents() {
             return;
         }
+        self.register_queue(qid);
+    }
+
+    /// True if the host announces ioeventfds once (a device process):
+    /// ioeventfd mode then registers every I/O doorbell at attach.
+    pub(super) fn static_ioevents(&self) -> bool {
+        self.mode() == DoorbellMode::Ioeventfd && self.db.ioevents.as_ref().is_some_and(|io| io.static_only())
+    }
+
+    /// At attach, on a static host in ioeventfd mode: the eventfd of the
+    /// doorbells (made once, kept) and the SQ tail and CQ head doorbells of
+    /// every I/O queue the controller offers, whether the queue exists or
+    /// not: the host announces them only now. Registering again (the next
+    /// attach) adds nothing.
+    pub(super) fn register_static(&mut self) {
+        if !self.static_ioevents() {
+            return;
+        }
+        if self.db.kick.is_none() {
+            match EventFd::new(0) {
+                Ok(k) => self.db.kick = Some(Arc::new(k)),
+                Err(e) => return log::warn!("nvme: eventfd for the doorbells: {e}; they exit"),
+            }
+        }
+        for qid in 1..=MAX_IO_QUEUES as usize {
+            self.register_queue(qid);
+        }
+    }
+
+    /// Registers queue `qid`'s two doorbells (those not registered yet).
+    fn register_queue(&mut self, qid: usize) {
+        let (Some(kick), Some(io)) = (self.db.kick.clone(), self.db.ioevents.clone()) else { return };
         for off in [DOORBELLS + qid as u64 * 8, DOORBELLS + qid as u64 * 8 + 4] {
             if self.db.registered.contains(&off) {
                 continue;

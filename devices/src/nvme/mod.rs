@@ -43,7 +43,10 @@
 //!   the driver rings on its next submission, and re-reads the shadow after
 //!   publishing EventIdx so a submission that raced with it is not missed.
 //!   Until the driver configures the buffer, doorbell writes exit as in
-//!   `mmio` (their value is needed).
+//!   `mmio` (their value is needed). In a device process, whose host
+//!   announces ioeventfds once when its client attaches, every I/O doorbell
+//!   is an ioeventfd from attach on (see `doorbells.rs`): there a driver
+//!   must configure the buffer before it creates I/O queues.
 //!
 //! Guest memory is a [`GuestMem`](crate::GuestMem): queues, PRP lists and
 //! data may also lie in memory the host reaches by message (vfio-user
@@ -244,6 +247,8 @@ impl DeviceModel for Nvme {
             let gone = ctx.mem.is_empty();
             c.mem = ctx.mem;
             c.db.ioevents = Some(ctx.ioevents);
+            // A device process's host announces ioeventfds only now.
+            c.register_static();
             c.intr.irq = ctx.irq;
             // A client left (a device process gives its device no memory
             // then): whether the next one keeps the MSI-X table shows in its
