@@ -84,7 +84,13 @@ impl Default for NvmeOptions {
                 Job { rw: "randread".into(), bs: 512, iodepth: 16, queues: 1, verify: false },
                 Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify: false },
             ],
-            doorbells: vec![DoorbellMode::Shm, DoorbellMode::Bar, DoorbellMode::Ioeventfd, DoorbellMode::Mmio],
+            doorbells: vec![
+                DoorbellMode::Shm,
+                DoorbellMode::Bar,
+                DoorbellMode::Ioeventfd,
+                DoorbellMode::Adaptive,
+                DoorbellMode::Mmio,
+            ],
             backend: BackendKind::Ram,
             transport: None,
             lba: 512,
@@ -237,7 +243,9 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     // A transport without ioeventfds (ioeventfd) or shared BAR pages (bar) carries
                     // these doorbells as messages: checked, and labelled, as exits.
                     let exits_only = o.transport.and_then(|t| match db {
-                        DoorbellMode::Ioeventfd => (!t.announces_ioeventfds()).then_some("ioeventfds"),
+                        DoorbellMode::Ioeventfd | DoorbellMode::Adaptive => {
+                            (!t.announces_ioeventfds()).then_some("ioeventfds")
+                        }
                         DoorbellMode::Bar => (!t.shares_bar_pages()).then_some("shared BAR pages"),
                         _ => None,
                     });
