@@ -89,7 +89,13 @@ impl Default for NvmeOptions {
                 Job { rw: "randread".into(), bs: 512, iodepth: 16, queues: 1, verify: false },
                 Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify: false },
             ],
-            doorbells: vec![DoorbellMode::Shm, DoorbellMode::Bar, DoorbellMode::Ioeventfd, DoorbellMode::Mmio],
+            doorbells: vec![
+                DoorbellMode::Shm,
+                DoorbellMode::Bar,
+                DoorbellMode::Ioeventfd,
+                DoorbellMode::Adaptive,
+                DoorbellMode::Mmio,
+            ],
             backend: BackendKind::Ram,
             transport: None,
             lba: 512,
@@ -288,8 +294,22 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     );
                     // bar: the guest's doorbell stores land in the page mapped over BAR0, so
                     // none of them may reach the controller as an exit or a kick.
-                    let dbs_ok = *db == DoorbellMode::Bar || io_exits.map(|x| x + kicks) == Some(r.io_doorbell_writes);
-                    let want_exits = if *db == DoorbellMode::Mmio { r.io_doorbell_writes } else { 0 };
+                    // A transport without ioeventfds (ioeventfd) or shared BAR pages (bar) carries
+                    // these doorbells as messages: checked, and labelled, as exits.
+                    let exits_only = o.transport.and_then(|t| match db {
+                        DoorbellMode::Ioeventfd | DoorbellMode::Adaptive => {
+                            (!t.announces_ioeventfds()).then_some("ioeventfds")
+                        }
+                        DoorbellMode::Bar => (!t.shares_bar_pages()).then_some("shared BAR pages"),
+                        _ => None,
+                    });
+                    if let (Some(what), Some(t)) = (exits_only, o.transport) {
+                        r.routing = format!("exits ({} has no {what}): {}", t.name(), r.routing);
+                    }
+                    let bar_page = *db == DoorbellMode::Bar && exits_only.is_none();
+                    let dbs_ok = bar_page || io_exits.map(|x| x + kicks) == Some(r.io_doorbell_writes);
+                    let want_exits =
+                        if *db == DoorbellMode::Mmio || exits_only.is_some() { r.io_doorbell_writes } else { 0 };
                     r.routing_ok = cmds == Some(r.ios) && dbs_ok && io_exits == Some(want_exits);
                     if rep.status != 1 {
                         anyhow::bail!("guest exit status {}: {}", rep.status, r.routing);

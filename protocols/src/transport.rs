@@ -35,6 +35,13 @@ pub trait Transport: Sync {
         false
     }
 
+    /// True if BAR pages the device shares (`DeviceModel::mapped_areas`)
+    /// reach the client as memory it maps into the guest, so that guest
+    /// stores to them cross no transport (NVMe `bar` mode).
+    fn shares_bar_pages(&self) -> bool {
+        true
+    }
+
     /// True if QEMU's `-machine x-remote` serves this protocol
     /// (`DEVICE@TRANSPORT:qemu`).
     fn qemu_speaks(&self) -> bool {

@@ -192,7 +192,8 @@ impl Core {
             let off = qid as u64 * 8 + if cq { 4 } else { 0 };
             let size = if cq { self.queues.cqs[qid].map(|q| q.size) } else { self.queues.sqs[qid].map(|q| q.size) };
             // shm: behind (never ring); ioeventfd SQ: 0 (ring on the first submission).
-            let ev = if self.mode() == DoorbellMode::Ioeventfd && !cq { 0 } else { size.unwrap_or(1) as u32 - 1 };
+            let kicked = matches!(self.mode(), DoorbellMode::Ioeventfd | DoorbellMode::Adaptive);
+            let ev = if kicked && !cq { 0 } else { size.unwrap_or(1) as u32 - 1 };
             let _ = self.mem.store_u32(0, db + off, Ordering::Release);
             let _ = self.mem.store_u32(ev, ei + off, Ordering::Release);
         }
@@ -325,7 +326,7 @@ impl Core {
     }
 
     fn shadow_mode(&self) -> bool {
-        matches!(self.mode(), DoorbellMode::Shm | DoorbellMode::Ioeventfd)
+        matches!(self.mode(), DoorbellMode::Shm | DoorbellMode::Ioeventfd | DoorbellMode::Adaptive)
     }
 
     fn set_features(&mut self, c: &Sqe) -> Option<(u32, u16)> {

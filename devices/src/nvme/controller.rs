@@ -88,6 +88,9 @@ pub(super) struct Stats {
     pub polls: u64,
     pub kicks: u64,
     pub interrupts: u64,
+    /// adaptive: times the poller went to sleep, and was woken by a kick.
+    pub sleeps: u64,
+    pub wakeups: u64,
 }
 
 /// SMART / Health log data: 512-byte units transferred.
@@ -339,6 +342,8 @@ impl Core {
             ("shadow.polls", s.polls),
             ("ioeventfd.kicks", s.kicks),
             ("msix.interrupts", s.interrupts),
+            ("adaptive.sleeps", s.sleeps),
+            ("adaptive.wakeups", s.wakeups),
         ]
         .into_iter()
         .map(|(n, value)| Counter { name: n.into(), value })

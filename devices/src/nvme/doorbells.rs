@@ -5,10 +5,25 @@
 //! memory polled by a thread (`bar`), and ioeventfd kicks that wake a thread
 //! which reads the shadow doorbells (`ioeventfd`). The thread itself is
 //! started and stopped here.
+//!
+//! ioeventfd registration follows the host. A VMM installs them as the
+//! queues come and go (`register_doorbells`). A device process's host
+//! announces them once, when its client attaches (vfio-user's
+//! GET_REGION_IO_FDS; `IoEvents::static_only`), before any queue exists: the
+//! controller then registers at attach the doorbell of every I/O queue it
+//! offers (SQ tail and CQ head of queues 1..=MAX_IO_QUEUES, on one eventfd)
+//! and keeps them, and its eventfd, for its lifetime (`register_static`).
+//! The admin doorbells stay registers: their values are needed. A kick
+//! carries no value and no address, so a write to the doorbell of a queue
+//! that does not exist is a kick that finds no work, as a write of a tail the
+//! shadow does not show; and I/O doorbells the driver rings before Doorbell
+//! Buffer Config are lost (logged): out of process, ioeventfd mode needs a
+//! driver that configures the shadow doorbells before it creates I/O queues
+//! (Linux, nvmeperf).
 
 use super::controller::Core;
 use super::queue;
-use super::{DoorbellMode, Nvme, BAR0_SIZE, DOORBELLS};
+use super::{DoorbellMode, Nvme, BAR0_SIZE, DOORBELLS, MAX_IO_QUEUES};
 use crate::{Error, GuestMemoryMmap, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -29,11 +44,22 @@ pub(super) struct Doorbells {
     pub bar_page: Option<GuestMemoryMmap>,
     /// Why a device thread stopped on its own (reported with the counters).
     pub failed: Option<String>,
+    /// adaptive: the poller sleeps, EventIdx armed.
+    pub sleeping: bool,
 }
 
 impl Doorbells {
     pub fn new(mode: DoorbellMode, bar_page: Option<GuestMemoryMmap>) -> Self {
-        Doorbells { mode, shadow: None, kick: None, ioevents: None, registered: Vec::new(), bar_page, failed: None }
+        Doorbells {
+            mode,
+            shadow: None,
+            kick: None,
+            ioevents: None,
+            registered: Vec::new(),
+            bar_page,
+            failed: None,
+            sleeping: false,
+        }
     }
 }
 
@@ -53,6 +79,10 @@ impl Nvme {
         }
         if self.cfg.doorbell == DoorbellMode::Ioeventfd {
             self.start_kicked(t);
+            return;
+        }
+        if self.cfg.doorbell == DoorbellMode::Adaptive {
+            self.start_adaptive(t);
             return;
         }
         if self.cfg.doorbell == DoorbellMode::Mmio {
@@ -133,22 +163,9 @@ impl Nvme {
     /// ioeventfd mode: a thread that sleeps on the doorbells' eventfd (and
     /// on the file backend's completion eventfd).
     fn start_kicked(&self, t: &mut Threads) {
-        let kick = match EventFd::new(0) {
-            Ok(k) => Arc::new(k),
-            Err(e) => {
-                t.error = Some(format!("nvme: eventfd: {e}"));
-                return;
-            }
-        };
-        {
-            let mut c = self.core.lock().unwrap();
-            c.db.kick = Some(kick.clone());
-            for qid in 1..c.queues.sqs.len() {
-                if c.queues.sqs[qid].is_some() {
-                    c.register_doorbells(qid);
-                }
-            }
-        }
+        let Some(kick) = self.kick_fd(t) else { return };
+        // Kicks drained when the last thread stopped: look at the shadow once.
+        self.core.lock().unwrap().serve_kicked();
         let stop = Arc::new(AtomicBool::new(false));
         let (core, stop2) = (self.core.clone(), stop.clone());
         let done = self.core.lock().unwrap().io_completion_fd();
@@ -169,7 +186,10 @@ impl Nvme {
                 }
                 let mut c = core.lock().unwrap();
                 c.st.kicks += n;
-                if kicked {
+                if kicked && n > 0 && c.db.shadow.is_none() {
+                    // Only a static host's doorbells are ioeventfds this early.
+                    log::warn!("nvme: an I/O doorbell rang before Doorbell Buffer Config: its value is lost");
+                } else if kicked {
                     c.serve_kicked();
                 }
                 c.io_progress();
@@ -184,21 +204,117 @@ impl Nvme {
         }
     }
 
-    /// Stops the device thread: unregisters the ioeventfds, wakes the thread
-    /// and joins it without holding the core lock.
+    /// The doorbells' eventfd (non-blocking: `counters` may take its count
+    /// first), registered for the queues that exist. A static host's was made
+    /// and announced at attach: it stays.
+    fn kick_fd(&self, t: &mut Threads) -> Option<Arc<EventFd>> {
+        let mut c = self.core.lock().unwrap();
+        let kick = match c.db.kick.clone().map_or_else(|| EventFd::new(libc::EFD_NONBLOCK).map(Arc::new), Ok) {
+            Ok(k) => k,
+            Err(e) => {
+                t.error = Some(format!("nvme: eventfd: {e}"));
+                return None;
+            }
+        };
+        c.db.kick = Some(kick.clone());
+        for qid in 1..c.queues.sqs.len() {
+            if c.queues.sqs[qid].is_some() {
+                c.register_doorbells(qid);
+            }
+        }
+        Some(kick)
+    }
+
+    /// adaptive mode: polls the shadow doorbells while work comes; idle for
+    /// `ADAPTIVE_IDLE`, arms EventIdx and sleeps on the doorbells' eventfd
+    /// (and the file backend's completion eventfd).
+    fn start_adaptive(&self, t: &mut Threads) {
+        let Some(kick) = self.kick_fd(t) else { return };
+        let stop = Arc::new(AtomicBool::new(false));
+        let (core, stop2) = (self.core.clone(), stop.clone());
+        let done = self.core.lock().unwrap().io_completion_fd();
+        let mut retry = Retry::default();
+        let h = std::thread::Builder::new().name("nvme-adaptive".into()).spawn(move || {
+            crate::sandbox::enter(crate::sandbox::Role::Device);
+            let mut last_work = std::time::Instant::now();
+            while !stop2.load(Ordering::Relaxed) {
+                let busy = {
+                    let mut c = core.lock().unwrap();
+                    c.st.polls += 1;
+                    let busy = c.poll_shadow() | c.io_progress() | c.commands_held();
+                    c.flush_coalesced();
+                    busy
+                };
+                if busy || last_work.elapsed() < super::ADAPTIVE_IDLE {
+                    if busy {
+                        last_work = std::time::Instant::now();
+                    }
+                    std::hint::spin_loop();
+                    continue;
+                }
+                {
+                    let mut c = core.lock().unwrap();
+                    if !c.arm_wakeup() {
+                        last_work = std::time::Instant::now(); // a submission raced: poll it
+                        continue;
+                    }
+                    c.st.sleeps += 1;
+                    c.flush_coalesced_untimed();
+                }
+                let r = wait_either(&kick, done.as_deref(), retry.after());
+                let mut c = core.lock().unwrap();
+                c.db.sleeping = false;
+                let (kicked, completed) = match r {
+                    Ok(r) => r,
+                    Err(e) => return c.thread_failed("adaptive", &e),
+                };
+                if stop2.load(Ordering::Relaxed) {
+                    return; // woken to stop (that write is not a doorbell)
+                }
+                if kicked {
+                    c.drain_kicks();
+                    c.st.wakeups += 1;
+                }
+                if let (true, Some(done)) = (completed, done.as_deref()) {
+                    let _ = read_eventfd(done);
+                }
+                retry.next(c.io_stalled());
+                last_work = std::time::Instant::now();
+            }
+        });
+        match h {
+            Ok(h) => t.worker = Some((stop, h)),
+            Err(e) => t.error = Some(format!("nvme: cannot start the adaptive poller: {e}")),
+        }
+    }
+
+    /// Stops the device thread: unregisters the ioeventfds (a static host's
+    /// stay, with their eventfd), wakes the thread and joins it without
+    /// holding the core lock.
     pub(super) fn stop_threads(&self, t: &mut Threads) {
         if let Some((stop, h)) = t.worker.take() {
             stop.store(true, Ordering::Relaxed);
-            let (kick, done) = {
+            let (kick, done, kept) = {
                 let mut c = self.core.lock().unwrap();
-                c.unregister_all();
-                (c.db.kick.take(), c.io_completion_fd())
+                let kept = c.static_ioevents();
+                if !kept {
+                    c.unregister_all();
+                }
+                let kick = if kept { c.db.kick.clone() } else { c.db.kick.take() };
+                (kick, c.io_completion_fd(), kept)
             };
             // Wake the thread that sleeps on either to see `stop`.
             for fd in kick.iter().chain(done.iter()) {
                 let _ = fd.write(1);
             }
             let _ = h.join();
+            // That write is not a doorbell: a kept eventfd must not count it
+            // as a kick (the next thread looks at the shadow when it starts).
+            if let (true, Some(k)) = (kept, &kick) {
+                if let Ok((true, _)) = wait_either(k, None, Some(std::time::Duration::ZERO)) {
+                    let _ = read_eventfd(k);
+                }
+            }
         }
     }
 }
@@ -256,6 +372,12 @@ impl Core {
                 self.serve_kicked();
             } else {
                 self.poll_shadow();
+                if self.db.sleeping {
+                    // adaptive without an ioeventfd here: the poller sleeps
+                    // on nothing this write reaches, so the next submission
+                    // must exit too.
+                    self.arm_wakeup();
+                }
             }
             return;
         }
@@ -421,12 +543,90 @@ impl Core {
         }
     }
 
-    /// ioeventfd mode: the I/O queue doorbells of `qid` as ioeventfds.
+    /// adaptive: sets every I/O SQ's EventIdx to the tail served, so that
+    /// the driver's next submission writes the doorbell register, then reads
+    /// the shadow tails again. False if one moved meanwhile (the driver may
+    /// have read the old EventIdx: the poller must serve it, not sleep); true
+    /// if the poller may sleep. Commands held by a full CQ keep it polling
+    /// (`commands_held`).
+    pub(super) fn arm_wakeup(&mut self) -> bool {
+        let Some((db, ei)) = self.db.shadow else {
+            self.db.sleeping = true; // doorbells are registers until the buffer is set
+            return true;
+        };
+        let sqs: Vec<(usize, u16)> =
+            (1..self.queues.sqs.len()).filter_map(|q| self.queues.sqs[q].map(|s| (q, s.tail))).collect();
+        for &(qid, tail) in &sqs {
+            let _ = self.mem.store_u32(tail as u32, ei + qid as u64 * 8, Ordering::SeqCst);
+        }
+        // The driver stores its tail, fences, reads EventIdx; this side stores
+        // EventIdx, fences, reads the tail: one of the two sees the other.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        for &(qid, tail) in &sqs {
+            if self.mem.load_u32(db + qid as u64 * 8, Ordering::SeqCst).is_ok_and(|t| t != tail as u32) {
+                return false;
+            }
+        }
+        self.db.sleeping = true;
+        true
+    }
+
+    /// Commands read from an SQ but not completed for want of CQ room.
+    pub(super) fn commands_held(&self) -> bool {
+        self.queues.sqs.iter().flatten().any(|s| s.head != s.tail)
+    }
+
+    /// Adds what the doorbells' eventfd counted to the kicks (it is
+    /// non-blocking: nothing waits).
+    pub(super) fn drain_kicks(&mut self) {
+        if let Some(k) = &self.db.kick {
+            self.st.kicks += k.read().unwrap_or(0);
+        }
+    }
+
+    /// ioeventfd mode: the I/O queue doorbells of `qid` as ioeventfds (a
+    /// static host's were all registered at attach).
     pub(super) fn register_doorbells(&mut self, qid: usize) {
-        let (Some(kick), Some(io)) = (self.db.kick.clone(), self.db.ioevents.clone()) else { return };
-        if self.mode() != DoorbellMode::Ioeventfd || self.db.shadow.is_none() || qid == 0 {
+        if !matches!(self.mode(), DoorbellMode::Ioeventfd | DoorbellMode::Adaptive)
+            || self.db.shadow.is_none()
+            || qid == 0
+            || self.static_ioevents()
+        {
             return;
         }
+        self.register_queue(qid);
+    }
+
+    /// True if the host announces ioeventfds once (a device process):
+    /// ioeventfd mode then registers every I/O doorbell at attach.
+    pub(super) fn static_ioevents(&self) -> bool {
+        matches!(self.mode(), DoorbellMode::Ioeventfd | DoorbellMode::Adaptive)
+            && self.db.ioevents.as_ref().is_some_and(|io| io.static_only())
+    }
+
+    /// At attach, on a static host in ioeventfd mode: the eventfd of the
+    /// doorbells (made once, kept) and the SQ tail and CQ head doorbells of
+    /// every I/O queue the controller offers, whether the queue exists or
+    /// not: the host announces them only now. Registering again (the next
+    /// attach) adds nothing.
+    pub(super) fn register_static(&mut self) {
+        if !self.static_ioevents() {
+            return;
+        }
+        if self.db.kick.is_none() {
+            match EventFd::new(libc::EFD_NONBLOCK) {
+                Ok(k) => self.db.kick = Some(Arc::new(k)),
+                Err(e) => return log::warn!("nvme: eventfd for the doorbells: {e}; they exit"),
+            }
+        }
+        for qid in 1..=MAX_IO_QUEUES as usize {
+            self.register_queue(qid);
+        }
+    }
+
+    /// Registers queue `qid`'s two doorbells (those not registered yet).
+    fn register_queue(&mut self, qid: usize) {
+        let (Some(kick), Some(io)) = (self.db.kick.clone(), self.db.ioevents.clone()) else { return };
         for off in [DOORBELLS + qid as u64 * 8, DOORBELLS + qid as u64 * 8 + 4] {
             if self.db.registered.contains(&off) {
                 continue;

@@ -28,7 +28,7 @@ pub(super) struct IrqState {
     pub client_table: bool,
     /// Interrupt Coalescing: THR in bits 7:0 (0-based completions), TIME in
     /// bits 15:8 (100 us units). Applied to I/O CQs where a device thread
-    /// can keep time (shm, bar, ioeventfd).
+    /// can keep time (shm, bar, ioeventfd, adaptive).
     pub coalescing: u32,
     /// Per vector: completions not yet signalled, and since when.
     pub agg: Vec<(u32, Option<Instant>)>,

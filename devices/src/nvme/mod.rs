@@ -43,7 +43,18 @@
 //!   the driver rings on its next submission, and re-reads the shadow after
 //!   publishing EventIdx so a submission that raced with it is not missed.
 //!   Until the driver configures the buffer, doorbell writes exit as in
-//!   `mmio` (their value is needed).
+//!   `mmio` (their value is needed). In a device process, whose host
+//!   announces ioeventfds once when its client attaches, every I/O doorbell
+//!   is an ioeventfd from attach on (see `doorbells.rs`): there a driver
+//!   must configure the buffer before it creates I/O queues.
+//! - `adaptive`: `shm` while work comes; after [`ADAPTIVE_IDLE`] without
+//!   any, the poller sets every I/O SQ's EventIdx to the tail it served (the
+//!   driver's next submission also writes the doorbell register, an
+//!   ioeventfd as in `ioeventfd` mode), re-reads the shadow tails (a
+//!   submission that raced with EventIdx is served, not slept on) and sleeps
+//!   on the eventfd; a kick puts it back to polling, which moves EventIdx
+//!   behind again. Without ioeventfds (mpqemu) the register writes exit and
+//!   are served on the vCPU thread, EventIdx kept armed while it sleeps.
 //!
 //! Guest memory is a [`GuestMem`](crate::GuestMem): queues, PRP lists and
 //! data may also lie in memory the host reaches by message (vfio-user
@@ -128,7 +139,13 @@ pub enum DoorbellMode {
     Ioeventfd,
     Shm,
     Bar,
+    /// shm's poller while work comes; idle for [`ADAPTIVE_IDLE`], it arms
+    /// EventIdx and sleeps on the doorbells' ioeventfd.
+    Adaptive,
 }
+
+/// `adaptive` mode: how long the poller finds no work before it sleeps.
+pub const ADAPTIVE_IDLE: std::time::Duration = std::time::Duration::from_micros(200);
 
 impl std::str::FromStr for DoorbellMode {
     type Err = Error;
@@ -138,10 +155,11 @@ impl std::str::FromStr for DoorbellMode {
             "ioeventfd" => Ok(DoorbellMode::Ioeventfd),
             "shm" => Ok(DoorbellMode::Shm),
             "bar" => Ok(DoorbellMode::Bar),
+            "adaptive" => Ok(DoorbellMode::Adaptive),
             _ => Err(Error::Option {
                 device: "nvme",
                 option: "doorbell".into(),
-                reason: format!("unknown doorbell mode {s:?} (mmio, ioeventfd, shm, bar)"),
+                reason: format!("unknown doorbell mode {s:?} (mmio, ioeventfd, shm, bar, adaptive)"),
             }),
         }
     }
@@ -155,6 +173,7 @@ impl std::fmt::Display for DoorbellMode {
             DoorbellMode::Ioeventfd => "ioeventfd",
             DoorbellMode::Shm => "shm",
             DoorbellMode::Bar => "bar",
+            DoorbellMode::Adaptive => "adaptive",
         })
     }
 }
@@ -244,6 +263,8 @@ impl DeviceModel for Nvme {
             let gone = ctx.mem.is_empty();
             c.mem = ctx.mem;
             c.db.ioevents = Some(ctx.ioevents);
+            // A device process's host announces ioeventfds only now.
+            c.register_static();
             c.intr.irq = ctx.irq;
             // A client left (a device process gives its device no memory
             // then): whether the next one keeps the MSI-X table shows in its
@@ -352,7 +373,8 @@ impl DeviceModel for Nvme {
 
     fn counters(&self) -> Vec<Counter> {
         let (v, failed) = {
-            let c = self.core.lock().unwrap();
+            let mut c = self.core.lock().unwrap();
+            c.drain_kicks();
             (c.counters(), c.db.failed.clone())
         };
         if let Some(e) = failed {

@@ -40,8 +40,11 @@ impl Drv {
     /// The driver sees `mem`; the device `dev_mem` (the same bytes, some or
     /// all of them through a [`MirrorPort`]).
     fn with_device_mem(cfg: NvmeConfig, aq: u32, mem: GuestMemoryMmap, dev_mem: crate::GuestMem) -> Drv {
+        Drv::with_ctx(cfg, aq, mem, DeviceContext::detached(dev_mem))
+    }
+    fn with_ctx(cfg: NvmeConfig, aq: u32, mem: GuestMemoryMmap, ctx: DeviceContext) -> Drv {
         let n = Nvme::new(cfg).unwrap();
-        n.attach(DeviceContext::detached(dev_mem));
+        n.attach(ctx);
         let mut d = Drv { n, mem, atail: 0, ahead: 0, aphase: 1, iotail: 0, iohead: 0, iophase: 1, cid: 0 };
         d.w32(REG_AQA, (aq - 1) << 16 | (aq - 1));
         d.n.bar_write(0, REG_ASQ, &ASQ.to_le_bytes());
@@ -1511,4 +1514,122 @@ fn write_zeroes_and_deallocate_wait_for_the_file_writes_in_flight_before_them() 
         assert!(done.iter().all(|&(_, st)| st == 0), "{done:?}");
         d.w32(DOORBELLS + 12, d.iohead as u32);
     }
+}
+
+/// A host that announces ioeventfds once, as a vfio-user device process
+/// does: it keeps what the device registers (a copy of each fd).
+#[derive(Default)]
+struct Announcer(std::sync::Mutex<Vec<(crate::IoEventSpec, vmm_sys_util::eventfd::EventFd)>>);
+impl crate::IoEvents for Announcer {
+    fn register(&self, s: crate::IoEventSpec, fd: &vmm_sys_util::eventfd::EventFd) -> crate::Result<()> {
+        self.0.lock().unwrap().push((s, fd.try_clone().unwrap()));
+        Ok(())
+    }
+    fn unregister(&self, s: crate::IoEventSpec, _: &vmm_sys_util::eventfd::EventFd) -> crate::Result<()> {
+        self.0.lock().unwrap().retain(|(x, _)| *x != s);
+        Ok(())
+    }
+    fn static_only(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn ioeventfd_mode_on_a_static_host_registers_every_io_doorbell_at_attach_and_kicks_serve() {
+    let cfg =
+        NvmeConfig { backend: BackendKind::Null, size: 1 << 20, lba_size: 512, doorbell: DoorbellMode::Ioeventfd };
+    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+    let host = Arc::new(Announcer::default());
+    let mut ctx = DeviceContext::detached(mem.clone());
+    ctx.ioevents = host.clone();
+    let mut d = Drv::with_ctx(cfg, 32, mem, ctx);
+    // Before any queue exists: SQ tail and CQ head of every I/O queue, none of the admin queue.
+    let offsets = |h: &Announcer| h.0.lock().unwrap().iter().map(|(s, _)| s.offset).collect::<Vec<_>>();
+    let mut want: Vec<u64> =
+        (1..=MAX_IO_QUEUES as u64).flat_map(|q| [DOORBELLS + 8 * q, DOORBELLS + 8 * q + 4]).collect();
+    let mut got = offsets(&host);
+    want.sort();
+    got.sort();
+    assert_eq!(got, want);
+    assert!(host.0.lock().unwrap().iter().all(|(s, _)| s.bar == 0 && s.len == 4 && s.datamatch.is_none()));
+    assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
+    d.io_queues(8);
+    assert_eq!(host.0.lock().unwrap().len(), 2 * MAX_IO_QUEUES as usize, "queue creation registers nothing more");
+    // A kick of a queue that does not exist finds no work and harms nothing.
+    let kick = |h: &Announcer, off: u64| {
+        h.0.lock().unwrap().iter().find(|(s, _)| s.offset == off).unwrap().1.write(1).unwrap()
+    };
+    kick(&host, DOORBELLS + 8 * MAX_IO_QUEUES as u64);
+    // Submissions through the shadow tail, each announced by a kick of SQ 1's doorbell (KVM's part).
+    for round in 0..2 {
+        for _ in 0..5 {
+            let e = d.sqe(0x02, 1, DATA, 0, [0; 4]);
+            d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+            d.iotail = (d.iotail + 1) % 8;
+            d.mem.store(d.iotail as u32, GuestAddress(DBBUF + 8), Ordering::Release).unwrap();
+            kick(&host, DOORBELLS + 8);
+            assert_eq!(d.reap_io_wait(8).1, 0);
+            d.mem.store(d.iohead as u32, GuestAddress(DBBUF + 12), Ordering::Release).unwrap();
+        }
+        assert!(counter(&d.n, "ioeventfd.kicks") >= 5 * (round + 1), "round {round}");
+        assert_eq!(counter(&d.n, "doorbell.invalid"), 0);
+        // Disabled and enabled again: the announced doorbells and their eventfd stay.
+        d.w32(REG_CC, 0);
+        assert_eq!(host.0.lock().unwrap().len(), 2 * MAX_IO_QUEUES as usize);
+        let kicks = counter(&d.n, "ioeventfd.kicks");
+        d.w32(REG_CC, 0x0046_0001);
+        assert_eq!(counter(&d.n, "ioeventfd.kicks"), kicks, "the wake-up of the stopped thread is no kick");
+        (d.atail, d.ahead, d.aphase, d.cid) = (0, 0, 1, 0);
+        d.mem.write_slice(&[0u8; 32 * 16], GuestAddress(ACQ)).unwrap();
+        d.mem.write_slice(&[0u8; 8 * 16], GuestAddress(IOCQ)).unwrap();
+        (d.iotail, d.iohead, d.iophase) = (0, 0, 1);
+        d.mem.write_slice(&[0u8; 4096], GuestAddress(DBBUF)).unwrap();
+        assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
+        d.io_queues(8);
+    }
+    d.n.quiesce();
+}
+
+#[test]
+fn adaptive_mode_sleeps_when_idle_and_no_submission_racing_the_sleep_is_lost() {
+    let cfg = NvmeConfig { backend: BackendKind::Null, size: 1 << 20, lba_size: 512, doorbell: DoorbellMode::Adaptive };
+    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+    let host = Arc::new(Announcer::default());
+    let mut ctx = DeviceContext::detached(mem.clone());
+    ctx.ioevents = host.clone();
+    let mut d = Drv::with_ctx(cfg, 32, mem, ctx);
+    assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
+    d.io_queues(8);
+    let sq_kick =
+        host.0.lock().unwrap().iter().find(|(s, _)| s.offset == DOORBELLS + 8).unwrap().1.try_clone().unwrap();
+    let (mut old, mut rings) = (0u32, 0u64);
+    // Submissions one at a time, the driver following the EventIdx rule (KVM's part: the
+    // ioeventfd). Pauses of varied length put submissions before, during and after the
+    // poller's switch to sleep; a lost wake-up leaves a command unserved (5 s timeout).
+    for i in 0..2000u32 {
+        if i % 3 == 0 {
+            std::thread::sleep(std::time::Duration::from_micros((i as u64 * 37) % 700));
+        }
+        let e = d.sqe(0x02, 1, DATA, 0, [0; 4]);
+        d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+        d.iotail = (d.iotail + 1) % 8;
+        let new = d.iotail as u32;
+        d.mem.store(new, GuestAddress(DBBUF + 8), Ordering::SeqCst).unwrap();
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let ev: u32 = d.mem.load(GuestAddress(EVIDX + 8), Ordering::SeqCst).unwrap();
+        if (new + 16 - ev - 1) % 8 < (new + 8 - old) % 8 {
+            sq_kick.write(1).unwrap();
+            rings += 1;
+        }
+        old = new;
+        assert_eq!(d.reap_io_wait(8).1, 0, "command {i}");
+        d.mem.store(d.iohead as u32, GuestAddress(DBBUF + 12), Ordering::SeqCst).unwrap();
+    }
+    let (sleeps, wakeups) = (counter(&d.n, "adaptive.sleeps"), counter(&d.n, "adaptive.wakeups"));
+    assert!(sleeps > 0 && wakeups > 0 && rings > 0, "sleeps {sleeps} wakeups {wakeups} rings {rings}");
+    assert!(counter(&d.n, "shadow.polls") > 0);
+    assert_eq!(counter(&d.n, "ioeventfd.kicks"), rings, "every ring is a kick, counted");
+    assert_eq!(counter(&d.n, "io.commands"), 2000);
+    assert_eq!(counter(&d.n, "doorbell.invalid"), 0);
+    d.n.quiesce();
 }

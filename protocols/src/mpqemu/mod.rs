@@ -49,6 +49,11 @@ impl Transport for Mpqemu {
         true
     }
 
+    /// mpqemu has no message that shares BAR memory: every access is BAR_WRITE/BAR_READ.
+    fn shares_bar_pages(&self) -> bool {
+        false
+    }
+
     fn crossings(&self) -> (&'static str, &'static str) {
         (proxy::REQUESTS, "mpqemu msgs")
     }

@@ -87,18 +87,28 @@ fn dma_map_budget() -> u32 {
     free.clamp(1, SERVER_CAPS.max_dma_maps as u64) as u32
 }
 
-/// Ioeventfds the device asked for, kept to announce with GET_REGION_IO_FDS.
+/// Ioeventfds the device asked for, kept to announce with GET_REGION_IO_FDS:
+/// each with the device's fd number it came as and our copy. Registrations
+/// of one eventfd (the same fd number while registered: a device unregisters
+/// before it closes an fd) share one copy, which GET_REGION_IO_FDS sends
+/// once for all their entries: a device may ring many doorbells on one
+/// eventfd (NVMe registers 128) and a client takes few fds per message.
 #[derive(Default)]
-struct Announced(Mutex<Vec<(IoEventSpec, EventFd)>>);
+struct Announced(Mutex<Vec<(IoEventSpec, RawFd, Arc<EventFd>)>>);
 
 impl IoEvents for Announced {
     fn register(&self, spec: IoEventSpec, fd: &EventFd) -> iopath_devices::Result<()> {
-        let fd = fd.try_clone().map_err(|e| iopath_devices::Error::io("dup of an ioeventfd", e))?;
-        iopath_devices::lock(&self.0).push((spec, fd));
+        let mut a = iopath_devices::lock(&self.0);
+        let key = fd.as_raw_fd();
+        let copy = match a.iter().find(|(_, k, _)| *k == key) {
+            Some((_, _, copy)) => copy.clone(),
+            None => Arc::new(fd.try_clone().map_err(|e| iopath_devices::Error::io("dup of an ioeventfd", e))?),
+        };
+        a.push((spec, key, copy));
         Ok(())
     }
     fn unregister(&self, spec: IoEventSpec, _: &EventFd) -> iopath_devices::Result<()> {
-        iopath_devices::lock(&self.0).retain(|(s, _)| *s != spec);
+        iopath_devices::lock(&self.0).retain(|(s, _, _)| *s != spec);
         Ok(())
     }
     fn static_only(&self) -> bool {

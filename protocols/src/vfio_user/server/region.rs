@@ -49,18 +49,28 @@ impl Session<'_> {
             IoFds::IoEventFds => {
                 let pio = if spec.kind == BarKind::Io { KVM_IOEVENTFD_FLAG_PIO } else { 0 };
                 let announced = iopath_devices::lock(&self.srv.announced.0);
-                for (e, fd) in announced.iter().filter(|(e, _)| e.bar == spec.index) {
+                // One fd per eventfd, however many entries ring it.
+                let mut sent = Vec::new();
+                for (e, _, fd) in announced.iter().filter(|(e, _, _)| e.bar == spec.index) {
+                    let raw = fd.as_raw_fd();
+                    let fd_index = match sent.iter().position(|r| *r == raw) {
+                        Some(i) => i,
+                        None => {
+                            // SAFETY: the eventfd is open while `announced` is locked; the copy is ours.
+                            let fd = unsafe { BorrowedFd::borrow_raw(raw) };
+                            fds.push(fd.try_clone_to_owned().map_err(|e| Error::io("dup of an ioeventfd", e))?);
+                            sent.push(raw);
+                            sent.len() - 1
+                        }
+                    };
                     let dm = if e.datamatch.is_some() { KVM_IOEVENTFD_FLAG_DATAMATCH } else { 0 };
                     entries.push(IoFdEntry::IoEventFd {
                         offset: e.offset,
                         size: e.len as u64,
-                        fd_index: fds.len() as u32,
+                        fd_index: fd_index as u32,
                         flags: dm | pio,
                         datamatch: e.datamatch.unwrap_or(0),
                     });
-                    // SAFETY: the eventfd is open while `announced` is locked; the copy is ours.
-                    let fd = unsafe { BorrowedFd::borrow_raw(fd.as_raw_fd()) };
-                    fds.push(fd.try_clone_to_owned().map_err(|e| Error::io("dup of an ioeventfd", e))?);
                 }
             }
             IoFds::IoRegionFds { posted } => {

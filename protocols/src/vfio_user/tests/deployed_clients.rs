@@ -544,3 +544,28 @@ fn msix_eventfds_from_set_irqs_carry_the_vectors_the_device_raises() {
     drop(d);
     h.join().unwrap().unwrap();
 }
+
+#[test]
+fn nvme_ioeventfd_doorbells_are_announced_before_any_queue_on_one_fd() {
+    // A client that takes one fd per message (rust-vmm's) still gets every I/O
+    // doorbell: the controller rings all 128 on one eventfd, sent once.
+    let (mut c, _, h) = serve("nvme,doorbell=ioeventfd,backend=null");
+    let one = json!({"capabilities": {"max_msg_fds": 1}});
+    let (_, caps) = version_reply(&mut c, 2, Some(one));
+    assert!(num(&caps, "max_msg_fds") <= 1, "{caps:?}");
+    let r = c.ok(Command::DeviceGetRegionIoFds, &IoFdsRequest { argsz: 1 << 16, index: 0 }.to_bytes(), &[]);
+    let io = IoFdsReply::parse(&r.payload).unwrap();
+    assert_eq!(r.fds.len(), 1, "{io:?}");
+    let mut offsets = Vec::new();
+    for e in &io.entries {
+        match *e {
+            IoFdEntry::IoEventFd { offset, size: 4, fd_index: 0, flags: 0, .. } => offsets.push(offset),
+            _ => panic!("{e:?}"),
+        }
+    }
+    offsets.sort();
+    let want: Vec<u64> = (1..=64u64).flat_map(|q| [0x1000 + 8 * q, 0x1004 + 8 * q]).collect();
+    assert_eq!(offsets, want, "SQ tail and CQ head of every I/O queue, no admin doorbell");
+    drop(c);
+    h.join().unwrap().unwrap();
+}
