@@ -45,7 +45,7 @@ enum Cmd {
 #[derive(Args)]
 struct ServeArgs {
     /// The device model and its options: pci-testdev, iopath-doorbell,
-    /// nvme[,doorbell=shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096]
+    /// nvme[,doorbell=shm|bar|ioeventfd|adaptive|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096]
     /// (a `,` or `@` inside a value is written twice).
     device: iopath_devices::DeviceConfig,
     /// The transport (ioregionfd: vfio-user control and a region fd for each
@@ -150,8 +150,8 @@ struct BenchArgs {
 /// reference jobs run: randread 512 B at iodepth 16 and 4 KiB at iodepth 1.
 #[derive(Args)]
 struct NvmeArgs {
-    /// Doorbell modes of iopath's controller, comma-separated (shm, bar, ioeventfd, mmio).
-    #[arg(long, default_value = "shm,bar,ioeventfd,mmio")]
+    /// Doorbell modes of iopath's controller, comma-separated (shm, bar, ioeventfd, adaptive, mmio).
+    #[arg(long, default_value = "shm,bar,ioeventfd,adaptive,mmio")]
     doorbell: String,
     /// null, ram, or file:PATH.
     #[arg(long, default_value = "ram")]
