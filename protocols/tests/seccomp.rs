@@ -1,24 +1,15 @@
-//! `iopath serve`'s seccomp filters: a forked child installs them with the
-//! function serve uses (`seccomp::install`), then makes one system call
-//! from a thread of some role. Forbidden calls must end the child with
+//! `iopath serve`'s seccomp filters: a child process (this binary run
+//! again) installs them with the function serve uses (`seccomp::install`),
+//! then makes one system call from a thread of some role. Forbidden calls must end the child with
 //! SIGSYS and the handler's line on stderr; allowed ones must not.
 
 use iopath_devices::sandbox::{enter, Role};
-use std::io::Read;
-use std::os::fd::FromRawFd;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::os::unix::process::ExitStatusExt;
+use std::sync::OnceLock;
 use vmm_sys_util::eventfd::EventFd;
 
 /// An eventfd the child makes as a session would, for its threads to use.
 static EVENT: OnceLock<EventFd> = OnceLock::new();
-
-/// One test at a time: a fork while another test thread holds a lock (its
-/// failing assertion's panic hook) would leave the child waiting on it forever.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// How a child ended, and what it wrote on stderr.
 #[derive(Debug)]
@@ -27,54 +18,71 @@ enum End {
     Signal(i32),
 }
 
-/// Forks; the child installs the filters, runs `f` (on a thread that
+/// Where the child finds its case: "ROLE:OFFSET", the role's index in
+/// `Role::ALL` (or "-" for the main thread) and the case function's offset
+/// from [`anchor`] in this same binary.
+const CASE: &str = "IOPATH_SECCOMP_CASE";
+
+/// A function whose address the case functions are found from.
+fn anchor() -> i32 {
+    0
+}
+
+/// Runs `f` in a fresh process, this test binary run again for
+/// [`seccomp_case`]: it installs the filters, runs `f` (on a thread that
 /// entered `role`, or the main thread for `None`) and exits with its code.
+/// Not a fork: a child forked from this multi-threaded process may inherit
+/// a lock another test thread held (std's thread registry) and hang on its
+/// first thread.
 fn child(role: Option<Role>, f: fn() -> i32) -> (End, String) {
-    let mut p = [0i32; 2];
-    // SAFETY: pipe fills two fds.
-    assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
-    // SAFETY: the child only installs the filters, runs `f` and exits;
-    // glibc keeps malloc usable in the child of a threaded parent.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0);
-    if pid == 0 {
-        // SAFETY: the pipe's write end becomes stderr; no core file for the deaths meant here.
-        unsafe {
-            libc::dup2(p[1], 2);
-            libc::close(p[0]);
-            libc::setrlimit(libc::RLIMIT_CORE, &libc::rlimit { rlim_cur: 0, rlim_max: 0 });
-        }
-        if let Err(e) = iopath_protocols::seccomp::install() {
-            eprintln!("install: {e}");
-            // SAFETY: ends the child without running the parent's exit handlers.
-            unsafe { libc::_exit(100) };
-        }
-        let _ = EVENT.set(EventFd::new(0).unwrap());
-        let code = match role {
-            None => f(),
-            Some(r) => std::thread::spawn(move || {
-                enter(r);
-                f()
-            })
-            .join()
-            .unwrap_or(101),
-        };
-        // SAFETY: as above.
-        unsafe { libc::_exit(code) };
-    }
-    // SAFETY: the parent's copy of the write end is ours to close; the read end becomes a File.
-    unsafe { libc::close(p[1]) };
-    let mut err = String::new();
-    unsafe { std::fs::File::from_raw_fd(p[0]) }.read_to_string(&mut err).unwrap();
-    let mut status = 0;
-    // SAFETY: waits for our own child.
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-    let end = if libc::WIFSIGNALED(status) {
-        End::Signal(libc::WTERMSIG(status))
-    } else {
-        End::Exit(libc::WEXITSTATUS(status))
+    let offset = (f as usize).wrapping_sub(anchor as fn() -> i32 as usize);
+    let role = role.map_or("-".to_string(), |r| Role::ALL.iter().position(|&x| x == r).unwrap().to_string());
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "seccomp_case", "--nocapture", "--test-threads=1"])
+        .env(CASE, format!("{role}:{offset}"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    let end = match (out.status.code(), out.status.signal()) {
+        (Some(c), _) => End::Exit(c),
+        (None, Some(s)) => End::Signal(s),
+        (None, None) => unreachable!("a process ends with a code or a signal"),
     };
     (end, err)
+}
+
+/// The child's side of [`child`]; does nothing in a normal test run.
+#[test]
+fn seccomp_case() {
+    let Ok(case) = std::env::var(CASE) else { return };
+    let (role, offset) = case.split_once(':').unwrap();
+    let role = role.parse::<usize>().ok().map(|i| Role::ALL[i]);
+    // SAFETY: `offset` is a case function's distance from `anchor` in this
+    // same binary, as the parent computed it: the address of that function.
+    let f = unsafe {
+        std::mem::transmute::<usize, fn() -> i32>(
+            (anchor as fn() -> i32 as usize).wrapping_add(offset.parse().unwrap()),
+        )
+    };
+    // SAFETY: no core file for the deaths meant here.
+    unsafe { libc::setrlimit(libc::RLIMIT_CORE, &libc::rlimit { rlim_cur: 0, rlim_max: 0 }) };
+    if let Err(e) = iopath_protocols::seccomp::install() {
+        eprintln!("install: {e}");
+        // SAFETY: ends the child without the harness's report.
+        unsafe { libc::_exit(100) };
+    }
+    let _ = EVENT.set(EventFd::new(0).unwrap());
+    let code = match role {
+        None => f(),
+        Some(r) => std::thread::spawn(move || {
+            enter(r);
+            f()
+        })
+        .join()
+        .unwrap_or(101),
+    };
+    // SAFETY: as above.
+    unsafe { libc::_exit(code) };
 }
 
 /// The child died of SIGSYS; returns its stderr.
@@ -115,7 +123,6 @@ fn eventfd_round_trip() -> i32 {
 
 #[test]
 fn the_session_may_not_open_network_sockets_exec_or_map_executable_memory() {
-    let _one = serial();
     // SAFETY (each): a raw system call with plain values; it is meant to be refused.
     killed(None, || unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) }, libc::SYS_socket);
     killed(None, || unsafe { libc::execv(c"/bin/true".as_ptr(), [std::ptr::null()].as_ptr()) }, libc::SYS_execve);
@@ -146,7 +153,6 @@ fn the_session_may_not_open_network_sockets_exec_or_map_executable_memory() {
 
 #[test]
 fn the_session_serves_with_the_filter_on() {
-    let _one = serial();
     lives(None, || {
         // What a session does: socket pairs, eventfds, a thread, directories read-only, anonymous memory.
         let fds = socketpair();
@@ -165,7 +171,6 @@ fn the_session_serves_with_the_filter_on() {
 
 #[test]
 fn each_role_keeps_to_its_own_calls() {
-    let _one = serial();
     // A device thread: eventfds and memory, no sockets, no threads, no eventfds of its own making.
     lives(Some(Role::Device), eventfd_round_trip);
     lives(Some(Role::Device), || (vec![7u8; 8 << 20][12345] != 7) as i32);
@@ -196,7 +201,6 @@ fn each_role_keeps_to_its_own_calls() {
 
 #[test]
 fn a_panicking_device_thread_ends_alone_as_without_the_filter() {
-    let _one = serial();
     let err = lives(None, || {
         // The default hook's backtrace (RUST_BACKTRACE=1) would call getcwd and open the binary: forbidden.
         std::env::set_var("RUST_BACKTRACE", "1");
@@ -221,7 +225,6 @@ const SHRINK_CHILD: &str = "IOPATH_SECCOMP_HEAP_SHRINK_CHILD";
 /// works out from the CPU count when it makes its ninth arena.
 #[test]
 fn a_device_thread_that_frees_much_of_its_heap_lives() {
-    let _one = serial();
     if std::env::var_os(SHRINK_CHILD).is_some() {
         iopath_protocols::seccomp::install().unwrap();
         let freed = std::thread::spawn(|| {
