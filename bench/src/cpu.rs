@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The NVMe controller's device threads (devices/src/nvme/doorbells.rs).
-pub const NVME_DEVICE_THREADS: &[&str] = &["nvme-poller", "nvme-ioeventfd", "nvme-uring"];
+pub const NVME_DEVICE_THREADS: &[&str] = &["nvme-poller", "nvme-adaptive", "nvme-ioeventfd", "nvme-uring"];
 
 /// One thread's CPU time at a snapshot.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -135,7 +135,7 @@ pub struct NvmeRun {
     pub exits_per_io: Option<f64>,
     pub routing: String,
     pub routing_ok: bool,
-    /// Device threads (nvme-poller, nvme-ioeventfd, nvme-uring) seen in the
+    /// Device threads (nvme-poller, nvme-adaptive, nvme-ioeventfd, nvme-uring) seen in the
     /// measured window; none in mmio mode without io_uring, and for QEMU.
     pub device_threads: usize,
     /// Their CPU time from the `@nvme-ctrl` line to the `@nvme` record, per I/O.
