@@ -18,10 +18,10 @@
 //! - `resettable()` is the inverse of DEVICE_FLAGS_RESET.
 
 mod common;
-use common::{connect, memfd, serve, within};
+use common::{connect, memfd, nvme_enable, nvme_identify, serve, within};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use vfio_user::Client;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -134,30 +134,10 @@ fn nvme(doorbell: &'static str) {
         let raw: Vec<i32> = vectors.iter().map(|v| v.as_raw_fd()).collect();
         c.set_irqs(2, SET_DATA_EVENTFD | SET_ACTION_TRIGGER, 0, 2, &raw).unwrap();
         // Admin queues of 16 entries, then CC.EN (IOSQES 6, IOCQES 4).
-        c.region_write(0, 0x24, &(15u32 << 16 | 15).to_le_bytes()).unwrap();
-        c.region_write(0, 0x28, &(GPA + ASQ).to_le_bytes()).unwrap();
-        c.region_write(0, 0x30, &(GPA + ACQ).to_le_bytes()).unwrap();
-        c.region_write(0, 0x14, &0x0046_0001u32.to_le_bytes()).unwrap();
+        nvme_enable(&mut c, GPA + ASQ, GPA + ACQ);
         assert_eq!(read32(&mut c, 0, 0x1c) & 3, 1, "CSTS.RDY");
         // Identify controller: the SQE in guest RAM, then SQ 0's doorbell.
-        let mut sqe = [0u8; 64];
-        sqe[0] = 0x06;
-        sqe[2..4].copy_from_slice(&0x42u16.to_le_bytes());
-        sqe[24..32].copy_from_slice(&(GPA + IDENT).to_le_bytes());
-        sqe[40] = 1; // CNS 1: controller
-        ram.write_all_at(&sqe, ASQ).unwrap();
-        c.region_write(0, 0x1000, &1u32.to_le_bytes()).unwrap();
-        let mut cqe = [0u8; 16];
-        let t0 = Instant::now();
-        loop {
-            ram.read_exact_at(&mut cqe, ACQ).unwrap();
-            if cqe[14] & 1 == 1 {
-                break; // phase tag 1: posted
-            }
-            assert!(t0.elapsed() < Duration::from_secs(10), "no completion");
-            std::thread::yield_now();
-        }
-        assert_eq!(u16::from_le_bytes([cqe[12], cqe[13]]), 0x42, "command id");
+        let cqe = nvme_identify(&mut c, &ram, ASQ, ACQ, GPA + IDENT, Duration::from_secs(10));
         assert_eq!(u16::from_le_bytes([cqe[14], cqe[15]]) >> 1, 0, "status");
         assert_eq!(u16::from_le_bytes([cqe[8], cqe[9]]), 1, "SQ head");
         let mut id = [0u8; 64];

@@ -10,7 +10,7 @@
 //!   one is taken.
 
 mod common;
-use common::{connect, memfd, serve, within};
+use common::{connect, memfd, nvme_enable, nvme_identify, serve, within};
 use iopath_devices::irq::IrqLines;
 use iopath_devices::testdev::PciTestDev;
 use iopath_protocols::function::{cannot_shrink, PciFunction};
@@ -21,7 +21,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Queues in a sealed memfd at `QGPA`; Identify's data buffer in `data` at `DGPA`.
 const QGPA: u64 = 0x10_0000;
@@ -47,28 +47,8 @@ fn identify_into(data_sealed: bool, name: &'static str) -> (u16, bool, File) {
             }
         };
         assert_eq!(cannot_shrink(&data), data_sealed);
-        c.region_write(0, 0x24, &(15u32 << 16 | 15).to_le_bytes()).unwrap();
-        c.region_write(0, 0x28, &QGPA.to_le_bytes()).unwrap();
-        c.region_write(0, 0x30, &(QGPA + ACQ).to_le_bytes()).unwrap();
-        c.region_write(0, 0x14, &0x0046_0001u32.to_le_bytes()).unwrap();
-        let mut sqe = [0u8; 64];
-        sqe[0] = 0x06;
-        sqe[2..4].copy_from_slice(&0x42u16.to_le_bytes());
-        sqe[24..32].copy_from_slice(&DGPA.to_le_bytes());
-        sqe[40] = 1; // CNS 1: controller
-        ram.write_all_at(&sqe, 0).unwrap();
-        c.region_write(0, 0x1000, &1u32.to_le_bytes()).unwrap();
-        let mut cqe = [0u8; 16];
-        let t0 = Instant::now();
-        loop {
-            ram.read_exact_at(&mut cqe, ACQ).unwrap();
-            if cqe[14] & 1 == 1 {
-                break;
-            }
-            assert!(t0.elapsed() < Duration::from_secs(30), "no completion");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert_eq!(u16::from_le_bytes([cqe[12], cqe[13]]), 0x42, "command id");
+        nvme_enable(&mut c, QGPA, QGPA + ACQ);
+        let cqe = nvme_identify(&mut c, &ram, 0, ACQ, DGPA, Duration::from_secs(30));
         // The client may now have an unanswered DMA request in its socket:
         // it leaves without another call.
         (u16::from_le_bytes([cqe[14], cqe[15]]) >> 1, shrunk, data)

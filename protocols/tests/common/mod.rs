@@ -5,6 +5,7 @@
 use iopath_protocols::serve::{run, Listen, ServeOptions};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -87,4 +88,39 @@ pub fn dial(path: &Path) -> UnixStream {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Enables iopath's NVMe controller through `c` with 16-entry admin queues
+/// at guest addresses `asq` and `acq` (IOSQES 6, IOCQES 4).
+pub fn nvme_enable(c: &mut Client, asq: u64, acq: u64) {
+    c.region_write(0, 0x24, &(15u32 << 16 | 15).to_le_bytes()).unwrap();
+    c.region_write(0, 0x28, &asq.to_le_bytes()).unwrap();
+    c.region_write(0, 0x30, &acq.to_le_bytes()).unwrap();
+    c.region_write(0, 0x14, &0x0046_0001u32.to_le_bytes()).unwrap();
+}
+
+/// Identify Controller (command id 0x42) into guest address `data`: the SQE
+/// at offset `sq` of `ram` (the admin SQ's first slot), SQ 0's doorbell
+/// rung through `c`, then the CQE polled at offset `cq` of `ram` until its
+/// phase tag is 1, for up to `bound`. Returns the CQE.
+pub fn nvme_identify(c: &mut Client, ram: &File, sq: u64, cq: u64, data: u64, bound: Duration) -> [u8; 16] {
+    let mut sqe = [0u8; 64];
+    sqe[0] = 0x06;
+    sqe[2..4].copy_from_slice(&0x42u16.to_le_bytes());
+    sqe[24..32].copy_from_slice(&data.to_le_bytes());
+    sqe[40] = 1; // CNS 1: controller
+    ram.write_all_at(&sqe, sq).unwrap();
+    c.region_write(0, 0x1000, &1u32.to_le_bytes()).unwrap();
+    let mut cqe = [0u8; 16];
+    let t0 = Instant::now();
+    loop {
+        ram.read_exact_at(&mut cqe, cq).unwrap();
+        if cqe[14] & 1 == 1 {
+            break; // phase tag 1: posted
+        }
+        assert!(t0.elapsed() < bound, "no completion in {bound:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(u16::from_le_bytes([cqe[12], cqe[13]]), 0x42, "command id");
+    cqe
 }
