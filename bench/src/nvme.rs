@@ -304,7 +304,9 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                         _ => None,
                     });
                     if let (Some(what), Some(t)) = (exits_only, o.transport) {
-                        r.routing = format!("exits ({} has no {what}): {}", t.name(), r.routing);
+                        // adaptive: only the doorbells that wake the poller exit; the rest are polled.
+                        let which = if *db == DoorbellMode::Adaptive { "wake-up doorbells exit" } else { "exits" };
+                        r.routing = format!("{which} ({} has no {what}): {}", t.name(), r.routing);
                     }
                     let bar_page = *db == DoorbellMode::Bar && exits_only.is_none();
                     let dbs_ok = bar_page || io_exits.map(|x| x + kicks) == Some(r.io_doorbell_writes);

@@ -194,6 +194,15 @@ fn linux_nvme_driver_against_iopath_nvme_shm_ram() {
     let _ = linux_against_iopath("nvme,doorbell=shm,backend=ram,size_mb=64");
 }
 
+/// The default doorbell mode (adaptive): Linux configures the shadow doorbells, the poller
+/// sleeps when the driver is idle, and QEMU's client brings the doorbell write that wakes it.
+#[test]
+fn linux_nvme_driver_against_iopath_nvme_in_its_default_mode() {
+    let report = linux_against_iopath("nvme,backend=ram,size_mb=64");
+    assert!(counter(&report, "adaptive.sleeps") > 0, "{report}");
+    assert!(counter(&report, "adaptive.wakeups") > 0, "{report}");
+}
+
 /// A file backend (O_DIRECT through io_uring where the filesystem allows) in `mode`.
 fn linux_against_iopath_file(mode: &str) {
     let dir = std::env::temp_dir().join(format!("iopath-rc-file-{}-{mode}", std::process::id()));
@@ -244,7 +253,7 @@ fn qemu11_vfio_user_pci_drives_iopath_pci_testdev() {
 
 #[test]
 fn qemu11_vfio_user_pci_drives_iopath_nvme_in_every_doorbell_mode() {
-    for db in ["bar", "shm", "ioeventfd", "mmio"] {
+    for db in ["bar", "shm", "ioeventfd", "mmio", "adaptive"] {
         let dev = format!("nvme,doorbell={db},backend=ram,size_mb=16");
         let (text, report) = image_under_qemu11(&dev, "workload=nvme verify=1 bs=4096 iodepth=8 size_mb=8 irq=1");
         let rec = iopath_bench::record::find_record(&text.lines().collect::<Vec<_>>(), "nvme")

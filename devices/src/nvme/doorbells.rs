@@ -46,6 +46,9 @@ pub(super) struct Doorbells {
     pub failed: Option<String>,
     /// adaptive: the poller sleeps, EventIdx armed.
     pub sleeping: bool,
+    /// adaptive: wake-ups this side wrote to `kick` for a doorbell that came
+    /// as a message, not yet drained (they are no ioeventfd kicks).
+    pub own_wakes: u64,
 }
 
 impl Doorbells {
@@ -59,6 +62,7 @@ impl Doorbells {
             bar_page,
             failed: None,
             sleeping: false,
+            own_wakes: 0,
         }
     }
 }
@@ -308,6 +312,7 @@ impl Nvme {
                 let _ = fd.write(1);
             }
             let _ = h.join();
+            self.core.lock().unwrap().db.own_wakes = 0;
             // That write is not a doorbell: a kept eventfd must not count it
             // as a kick (the next thread looks at the shadow when it starts).
             if let (true, Some(k)) = (kept, &kick) {
@@ -373,10 +378,12 @@ impl Core {
             } else {
                 self.poll_shadow();
                 if self.db.sleeping {
-                    // adaptive without an ioeventfd here: the poller sleeps
-                    // on nothing this write reaches, so the next submission
-                    // must exit too.
-                    self.arm_wakeup();
+                    // adaptive, and this doorbell was no ioeventfd (mpqemu,
+                    // ioregionfd, or one the host could not install): wake
+                    // the poller through its eventfd. poll_shadow just put
+                    // EventIdx behind the tail, so the next submissions are
+                    // polled again instead of each exiting.
+                    self.wake_poller();
                 }
             }
             return;
@@ -571,16 +578,33 @@ impl Core {
         true
     }
 
+    /// adaptive: wakes the sleeping poller with a write to the doorbells'
+    /// eventfd, as a KVM ioeventfd would (not counted as a kick: the
+    /// doorbell write was counted as one).
+    /// Without that eventfd (it could not be made) EventIdx stays armed and
+    /// the next submission exits too.
+    fn wake_poller(&mut self) {
+        match &self.db.kick {
+            Some(k) if k.write(1).is_ok() => self.db.own_wakes += 1,
+            _ => {
+                self.arm_wakeup();
+            }
+        }
+    }
+
     /// Commands read from an SQ but not completed for want of CQ room.
     pub(super) fn commands_held(&self) -> bool {
         self.queues.sqs.iter().flatten().any(|s| s.head != s.tail)
     }
 
-    /// Adds what the doorbells' eventfd counted to the kicks (it is
-    /// non-blocking: nothing waits).
+    /// Adds what the doorbells' eventfd counted to the kicks, less the
+    /// wake-ups this side wrote (it is non-blocking: nothing waits).
     pub(super) fn drain_kicks(&mut self) {
         if let Some(k) = &self.db.kick {
-            self.st.kicks += k.read().unwrap_or(0);
+            let n = k.read().unwrap_or(0);
+            let own = n.min(self.db.own_wakes);
+            self.db.own_wakes -= own;
+            self.st.kicks += n - own;
         }
     }
 
