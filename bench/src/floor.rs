@@ -24,8 +24,7 @@ pub const DEPTHS: [u32; 3] = [1, 16, 64];
 /// full ring from an empty one.
 pub const MAX_QD: u32 = 4095;
 /// Where the threads run when not pinned, and why.
-pub const UNPINNED: &str =
-    "unpinned: iopath pins neither its vCPU thread (vcpu0) nor the NVMe poller (nvme-poller), so neither does the floor";
+pub const UNPINNED: &str = "unpinned (--pin off, or one CPU): the scheduler places the vCPU, device and floor threads";
 
 /// Ring size for `qd`: what the guest's nvmeperf creates (4 x iodepth, 32 to 4096).
 pub fn ring_entries(qd: u32) -> u32 {
@@ -138,20 +137,7 @@ fn ticks() -> u64 {
 
 /// Pins the calling thread to `cpu`.
 fn pin(cpu: usize) -> Result<(), String> {
-    if cpu >= libc::CPU_SETSIZE as usize {
-        return Err(format!("CPU {cpu} is beyond CPU_SETSIZE"));
-    }
-    // SAFETY: cpu_set_t is plain data; CPU_SET is given an index below
-    // CPU_SETSIZE; sched_setaffinity(0) reads the set for this thread only.
-    let rc = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
-    };
-    if rc != 0 {
-        return Err(format!("pinning to CPU {cpu}: {}", std::io::Error::last_os_error()));
-    }
-    Ok(())
+    crate::pin::set_affinity(0, cpu).map_err(|e| format!("pinning to CPU {cpu}: {e}"))
 }
 
 fn cpu_now() -> i32 {

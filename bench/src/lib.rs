@@ -8,6 +8,7 @@ pub mod exits;
 pub mod floor;
 pub mod host;
 pub mod nvme;
+pub mod pin;
 pub mod qemu;
 pub mod record;
 pub mod remote;

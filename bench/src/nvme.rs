@@ -76,6 +76,9 @@ pub struct NvmeOptions {
     pub progress: bool,
     /// Busy threads run during every measured run, QEMU's included (`--contend N`).
     pub contend: u32,
+    /// Where the vCPU, the device threads and the floor's threads run
+    /// (`--pin`); None leaves them to the scheduler.
+    pub pin: Option<crate::pin::Placement>,
     /// Length of each ring-floor run (`crate::floor`), per queue depth and round.
     pub floor_ms: u64,
     #[serde(skip)]
@@ -106,6 +109,7 @@ impl Default for NvmeOptions {
             timeout_s: 120,
             progress: true,
             contend: 0,
+            pin: None,
             floor_ms: 300,
             iopath_exe: None,
         }
@@ -150,6 +154,16 @@ pub struct NvmeRun {
 const IDLE_WINDOW: Duration = Duration::from_millis(200);
 
 /// Contenders for one run: they stop by themselves well after its timeout.
+/// Places the run's threads while it is held (nothing when unpinned).
+fn pinner(o: &NvmeOptions) -> Option<crate::pin::Pinner> {
+    o.pin.map(|p| crate::pin::Pinner::start(p, NVME_DEVICE_THREADS))
+}
+
+/// The placement, for tables and JSON.
+fn placement(o: &NvmeOptions) -> String {
+    o.pin.map_or_else(|| crate::floor::UNPINNED.to_string(), |p| p.to_string())
+}
+
 fn contenders(o: &NvmeOptions) -> anyhow::Result<crate::contend::Contention> {
     crate::contend::Contention::start(o.contend, Duration::from_secs(o.timeout_s.saturating_add(60)))
         .map_err(|e| anyhow::anyhow!("cannot start {} contenders: {e}", o.contend))
@@ -243,7 +257,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
         let mut depths: Vec<u32> = o.jobs.iter().map(floor_qd).collect();
         depths.sort_unstable();
         depths.dedup();
-        let (f, e) = crate::floor::measure_round(&depths, round, o.floor_ms, None);
+        let (f, e) = crate::floor::measure_round(&depths, round, o.floor_ms, o.pin.map(|p| p.pair()));
         floor.extend(f);
         errors.extend(e);
         for (ji, j) in o.jobs.iter().enumerate() {
@@ -261,6 +275,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                 };
                 let r = (|| -> anyhow::Result<NvmeRun> {
                     let _contention = contenders(o)?;
+                    let _pinned = pinner(o);
                     let window = Window::new(NVME_DEVICE_THREADS, "@nvme-ctrl ", "@nvme ", IDLE_WINDOW);
                     let w = window.clone();
                     let mut cfg = VmConfig::new(iopath_guest::IMAGE, &cmdline(j, o, tsc_khz));
@@ -328,7 +343,10 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                 pb.set_message(format!("round {}/{} {} qemu", round + 1, o.rounds, j.label()));
                 let drive = "driver=null-co,size=64M,if=none,id=nvm0";
                 let args = crate::qemu::nvme_args(&image, &cmdline(j, o, tsc_khz), o.mem_mb, drive, o.lba);
-                let qr = contenders(o).and_then(|_c| crate::qemu::run_args(q, args, None, timeout, |_| {}));
+                let qr = contenders(o).and_then(|_c| {
+                    let _pinned = pinner(o);
+                    crate::qemu::run_args(q, args, None, timeout, |_| {})
+                });
                 match qr {
                     Ok(qr) => match to_run("qemu", ji, round, j, &qr.lines, tsc_khz) {
                         Ok(mut r) => {
@@ -403,14 +421,19 @@ impl NvmeResult {
         let o = &self.options;
         let _ = writeln!(
             s,
-            "nvme: backend {}, LBA {} B, {} s per run, {} round(s); median over rounds; 1 guest vCPU, 1 controller poller; contend: {}",
+            "nvme: backend {}, LBA {} B, {} s per run, {} round(s); median over rounds; 1 guest vCPU, 1 controller poller; contend: {}; {}",
             o.backend,
             o.lba,
             o.time_ms as f64 / 1000.0,
             o.rounds,
-            o.contend
+            o.contend,
+            placement(o)
         );
-        let _ = writeln!(s, "ring floor, measured first in each round ({}):", crate::floor::placement(None));
+        let _ = writeln!(
+            s,
+            "ring floor, measured first in each round ({}):",
+            crate::floor::placement(self.options.pin.map(|p| p.pair()))
+        );
         s.push_str(&crate::floor::floor_rows(&self.floor));
         let _ = writeln!(s);
         let hdr = format!(
@@ -499,7 +522,7 @@ impl NvmeResult {
             "options": self.options,
             "tsc_khz": self.tsc_khz,
             "runs": self.runs,
-            "floor": {"placement": crate::floor::placement(None), "runs": self.floor},
+            "floor": {"placement": crate::floor::placement(self.options.pin.map(|p| p.pair())), "runs": self.floor},
             "errors": self.errors,
         })
     }

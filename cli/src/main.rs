@@ -142,6 +142,11 @@ struct BenchArgs {
     /// Run N busy threads (at most 64) during the measured runs, QEMU's included.
     #[arg(long, default_value_t = 0, value_name = "N")]
     contend: u32,
+    /// nvme, floor: thread placement. auto: the guest vCPU (the floor's
+    /// submitter) on the first allowed CPU, the device threads (the floor's
+    /// poller) on the others; off: the scheduler's; or VCPU,DEVICE.
+    #[arg(long, default_value = "auto", value_name = "auto|off|VCPU,DEVICE")]
+    pin: iopath_bench::pin::PinChoice,
     #[command(flatten)]
     nvme: NvmeArgs,
 }
@@ -269,6 +274,7 @@ fn bench_nvme(a: BenchArgs) -> anyhow::Result<i32> {
         mem_mb: n.mem,
         timeout_s: a.timeout,
         contend: a.contend,
+        pin: a.pin.placement(),
         ..NvmeOptions::default()
     };
     if n.rw.is_some() || n.bs.is_some() || n.iodepth.is_some() || n.queues.is_some() || n.verify {
@@ -311,6 +317,7 @@ fn bench_floor(a: BenchArgs) -> anyhow::Result<i32> {
         depths: a.nvme.iodepth.map_or(DEPTHS.to_vec(), |d| vec![d]),
         rounds: if a.quick { 1 } else { a.rounds.max(1) },
         time_ms: if a.quick { 100 } else { a.time_ms.max(1) },
+        cpus: a.pin.placement().map(|p| p.pair()),
         ..FloorOptions::default()
     };
     let r = run_floor(&o)?;

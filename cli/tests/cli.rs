@@ -82,7 +82,16 @@ fn positive(v: &serde_json::Value) -> bool {
 fn bench_floor_json_has_every_depth_in_every_round() {
     let v = bench_json(&["bench", "floor", "--rounds", "2", "--time-ms", "50"]);
     assert_eq!(v["benchmark"], "floor");
-    assert!(v["placement"].as_str().unwrap().contains("unpinned"), "{}", v["placement"]);
+    // Pinned by default where there are two CPUs (`--pin auto`): submitter and poller apart.
+    let pinned = std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2;
+    let want = if pinned { "pinned: submitter on CPU" } else { "unpinned" };
+    assert!(v["placement"].as_str().unwrap().starts_with(want), "{}", v["placement"]);
+    let cpus: Vec<&serde_json::Value> = v["runs"].as_array().unwrap().iter().map(|r| &r["cpus"]).collect();
+    if pinned {
+        assert!(cpus.iter().all(|c| c[0] != c[1]), "pinned apart: {cpus:?}");
+    }
+    let off = bench_json(&["bench", "floor", "--rounds", "1", "--time-ms", "20", "--pin", "off"]);
+    assert!(off["placement"].as_str().unwrap().starts_with("unpinned"), "{}", off["placement"]);
     let runs = v["runs"].as_array().unwrap();
     let mut seen: Vec<(u64, u64)> =
         runs.iter().map(|r| (r["round"].as_u64().unwrap(), r["qd"].as_u64().unwrap())).collect();
