@@ -5,6 +5,7 @@
 pub mod contend;
 pub mod cpu;
 pub mod exits;
+pub mod fio;
 pub mod floor;
 pub mod host;
 pub mod nvme;

@@ -1,7 +1,9 @@
 //! `iopath bench nvme`: the guest's polled NVMe driver (nvmeperf) against
 //! iopath's NVMe controller in each doorbell mode, and against QEMU's
-//! `-device nvme` on `null-co` in the same run (`--vs qemu`), interleaved
-//! round by round. Each iopath run is checked against the controller's own
+//! `-device nvme` on `null-co` (or on the same file, for a `file:` backend)
+//! in the same run (`--vs qemu`), interleaved round by round. A `file:`
+//! backend also gets fio on the host on that file in each round
+//! (`crate::fio`). Each iopath run is checked against the controller's own
 //! counters (every guest I/O is a controller command; every MMIO doorbell
 //! write the guest made is one the controller saw) and the VMM's exit
 //! counters give exits per I/O.
@@ -148,6 +150,8 @@ pub struct NvmeRun {
     pub idle_cpu_pct: Option<f64>,
     /// IOPS over the ring floor's ops/s at the job's queue depth in the same round.
     pub floor_ratio: Option<f64>,
+    /// File backend: IOPS over fio's on the host, same file and job, same round.
+    pub fio_ratio: Option<f64>,
 }
 
 /// The pause after a run's record in which device threads' idle CPU is measured.
@@ -177,6 +181,26 @@ pub struct NvmeResult {
     /// The ring floor, measured at the start of every round.
     pub floor: Vec<crate::floor::FloorRun>,
     pub errors: Vec<String>,
+    /// Rows not run, with the reason (fio missing, a verify job).
+    pub skipped: Vec<String>,
+}
+
+/// The target name of the host's own fio row.
+pub const FIO_TARGET: &str = "fio (host)";
+
+/// The namespace size for a file backend: the file's, in whole MiB (a device
+/// process gets it as size_mb), so that the guest, fio and QEMU all range
+/// over the same bytes; the default where the file is missing or < 1 MiB.
+fn namespace_size(backend: &BackendKind) -> u64 {
+    let len = match backend {
+        BackendKind::File(p) => std::fs::metadata(p).map_or(0, |m| m.len()) >> 20 << 20,
+        _ => 0,
+    };
+    if len > 0 {
+        len.min(1 << 40)
+    } else {
+        NvmeConfig::default().size
+    }
 }
 
 /// The ring floor's queue depth for a job: all its outstanding I/Os.
@@ -226,6 +250,7 @@ fn to_run(target: &str, job: usize, round: u32, j: &Job, lines: &[String], tsc_k
         cpu_ns_per_io: None,
         idle_cpu_pct: None,
         floor_ratio: None,
+        fio_ratio: None,
     })
 }
 
@@ -251,6 +276,15 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     let mut errors = Vec::new();
     let timeout = Duration::from_secs(o.timeout_s);
     let mut floor = Vec::new();
+    let mut skipped = Vec::new();
+    let ns_size = namespace_size(&o.backend);
+    let fio = match &o.backend {
+        BackendKind::File(_) => crate::fio::find().ok_or_else(crate::fio::missing_reason).map(Some),
+        _ => Ok(None),
+    };
+    if let Err(e) = &fio {
+        skipped.push(format!("{FIO_TARGET}: {e}"));
+    }
     for round in 0..o.rounds {
         // The ring floor first, in this round, at the jobs' queue depths.
         pb.set_message(format!("round {}/{} ring floor", round + 1, o.rounds));
@@ -267,8 +301,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     None => format!("iopath-{db}"),
                 };
                 pb.set_message(format!("round {}/{} {} {target}", round + 1, o.rounds, j.label()));
-                let config =
-                    NvmeConfig { doorbell: *db, backend: o.backend.clone(), lba_size: o.lba, ..Default::default() };
+                let config = NvmeConfig { doorbell: *db, backend: o.backend.clone(), lba_size: o.lba, size: ns_size };
                 let spec = DeviceSpec {
                     device: Device::Model(DeviceConfig::Nvme(config)),
                     remote: o.transport.map(|t| (t, Endpoint::Spawn)),
@@ -339,18 +372,29 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                 }
                 pb.inc(1);
             }
+            if let (Ok(Some(fio)), BackendKind::File(path)) = (&fio, &o.backend) {
+                if j.verify {
+                    if round == 0 {
+                        skipped.push(format!("{FIO_TARGET} {}: a verify job is not a speed run", j.label()));
+                    }
+                } else {
+                    pb.set_message(format!("round {}/{} {} fio", round + 1, o.rounds, j.label()));
+                    match contenders(o).and_then(|_c| fio_run(fio, path, j, o, ns_size, ji, round)) {
+                        Ok(r) => runs.push(r),
+                        Err(e) => errors.push(format!("{FIO_TARGET} {} round {round}: {e}", j.label())),
+                    }
+                }
+            }
             if let Some(q) = &qemu {
                 pb.set_message(format!("round {}/{} {} qemu", round + 1, o.rounds, j.label()));
-                let drive = "driver=null-co,size=64M,if=none,id=nvm0";
-                let args = crate::qemu::nvme_args(&image, &cmdline(j, o, tsc_khz), o.mem_mb, drive, o.lba);
                 let qr = contenders(o).and_then(|_c| {
                     let _pinned = pinner(o);
-                    crate::qemu::run_args(q, args, None, timeout, |_| {})
+                    crate::qemu::run_nvme(q, &image, &cmdline(j, o, tsc_khz), o.mem_mb, &o.backend, o.lba, timeout)
                 });
                 match qr {
-                    Ok(qr) => match to_run("qemu", ji, round, j, &qr.lines, tsc_khz) {
+                    Ok((qr, drive)) => match to_run("qemu", ji, round, j, &qr.lines, tsc_khz) {
                         Ok(mut r) => {
-                            r.routing = "QEMU nvme on null-co".into();
+                            r.routing = format!("QEMU nvme on {drive}");
                             r.routing_ok = qr.status == Some(1);
                             runs.push(r)
                         }
@@ -365,9 +409,16 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
         }
     }
     pb.finish_and_clear();
-    for r in runs.iter_mut() {
+    for r in runs.iter_mut().filter(|r| r.target != FIO_TARGET) {
         let f = crate::floor::ops_s_of(&floor, r.round, floor_qd(&o.jobs[r.job]));
         r.floor_ratio = f.map(|f| r.iops / f);
+    }
+    // Each file-backed row (iopath's, QEMU's) over the host's fio of its job and round.
+    let fio_iops: Vec<(usize, u32, f64)> =
+        runs.iter().filter(|r| r.target == FIO_TARGET).map(|r| (r.job, r.round, r.iops)).collect();
+    for r in runs.iter_mut().filter(|r| r.target != FIO_TARGET) {
+        let f = fio_iops.iter().find(|f| (f.0, f.1) == (r.job, r.round)).map(|f| f.2);
+        r.fio_ratio = f.filter(|&f| f > 0.0).map(|f| r.iops / f);
     }
     for r in &runs {
         if !r.routing_ok {
@@ -377,7 +428,56 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
             errors.push(format!("{} job {}: {} I/O errors, {:?} mismatches", r.target, r.job, r.errors, r.mismatches));
         }
     }
-    Ok(NvmeResult { host, options: o.clone(), tsc_khz, runs, floor, errors })
+    Ok(NvmeResult { host, options: o.clone(), tsc_khz, runs, floor, errors, skipped })
+}
+
+/// fio on the host on the namespace's file: job `j`'s rw, bs and run time;
+/// one fio job per queue pair, each at the job's iodepth (see `crate::fio`).
+fn fio_run(
+    fio: &std::path::Path,
+    path: &std::path::Path,
+    j: &Job,
+    o: &NvmeOptions,
+    size: u64,
+    job: usize,
+    round: u32,
+) -> anyhow::Result<NvmeRun> {
+    let fj = crate::fio::FioJob {
+        path: path.into(),
+        rw: j.rw.clone(),
+        bs: j.bs,
+        iodepth: j.iodepth,
+        numjobs: j.queues.max(1),
+        runtime_ms: o.time_ms,
+        size,
+    };
+    let f = crate::fio::run(fio, &fj, Duration::from_secs(o.timeout_s))?;
+    Ok(NvmeRun {
+        target: FIO_TARGET.into(),
+        job,
+        round,
+        ios: f.ios,
+        iops: f.iops,
+        mb_s: f.mb_s,
+        lat_avg_ns: f.lat_avg_ns,
+        p50_ns: f.p50_ns,
+        p90_ns: f.p90_ns,
+        p99_ns: f.p99_ns,
+        p999_ns: f.p999_ns,
+        errors: f.errors,
+        mismatches: None,
+        io_doorbell_writes: 0,
+        vm_exits: None,
+        exits_per_io: None,
+        routing: format!("fio on the host: io_uring, O_DIRECT, numjobs={} x iodepth={}", fj.numjobs, fj.iodepth),
+        routing_ok: true,
+        // fio's own threads, for the CPU table beside the controller's.
+        device_threads: if f.cpu_ns_per_io.is_some() { fj.numjobs as usize } else { 0 },
+        cpu_ns_per_io: f.cpu_ns_per_io,
+        idle_cpu_pct: None,
+        floor_ratio: None,
+        fio_ratio: None,
+    })
 }
 
 fn fmt_rate(v: f64) -> String {
@@ -437,8 +537,19 @@ impl NvmeResult {
         s.push_str(&crate::floor::floor_rows(&self.floor));
         let _ = writeln!(s);
         let hdr = format!(
-            "{:<24} {:<18} {:>9} {:>11} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}  {}",
-            "job", "target", "IOPS", "/floor", "MB/s", "lat avg", "p50", "p99", "p99.9", "exits/IO", "check"
+            "{:<24} {:<18} {:>9} {:>11} {:>17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}  {}",
+            "job",
+            "target",
+            "IOPS",
+            "/floor",
+            "/fio [min..max]",
+            "MB/s",
+            "lat avg",
+            "p50",
+            "p99",
+            "p99.9",
+            "exits/IO",
+            "check"
         );
         let _ = writeln!(s, "{hdr}");
         let _ = writeln!(s, "{}", "-".repeat(hdr.len() + 30));
@@ -450,13 +561,19 @@ impl NvmeResult {
             // The median over rounds of each round's IOPS / that round's floor.
             let fr = rs.iter().filter_map(|r| r.floor_ratio).collect::<Vec<_>>();
             let fr = summarize(&fr).map(|x| format!("{:.2}x floor", x.median)).unwrap_or_else(|| "-".into());
+            // The same over the host's fio on the same file (file backend).
+            let ff = rs.iter().filter_map(|r| r.fio_ratio).collect::<Vec<_>>();
+            let ff = summarize(&ff)
+                .map(|x| format!("{:.2} [{:.2}..{:.2}]", x.median, x.min, x.max))
+                .unwrap_or_else(|| "-".into());
             let _ = writeln!(
                 s,
-                "{:<24} {:<18} {:>9} {:>11} {:>9.0} {:>9} {:>9} {:>9} {:>9} {:>11}  {ok} {}",
+                "{:<24} {:<18} {:>9} {:>11} {:>17} {:>9.0} {:>9} {:>9} {:>9} {:>9} {:>11}  {ok} {}",
                 j.label(),
                 target,
                 fmt_rate(Self::median(&rs, |r| r.iops)),
                 fr,
+                ff,
                 Self::median(&rs, |r| r.mb_s),
                 fmt_ns(Self::median(&rs, |r| r.lat_avg_ns)),
                 fmt_ns(Self::median(&rs, |r| r.p50_ns)),
@@ -474,6 +591,15 @@ impl NvmeResult {
             };
             if let (Some(a), Some(q)) = (iops("iopath-shm"), iops("qemu")) {
                 let _ = writeln!(s, "{}: iopath-shm / qemu IOPS = {:.2}x", j.label(), a / q);
+            }
+            if let (Some(a), Some(f)) = (iops("iopath-shm"), iops(FIO_TARGET)) {
+                let _ = writeln!(s, "{}: iopath-shm / {FIO_TARGET} IOPS = {:.2}x", j.label(), a / f);
+            }
+        }
+        if !self.skipped.is_empty() {
+            let _ = writeln!(s, "\nskipped:");
+            for e in &self.skipped {
+                let _ = writeln!(s, "  {e}");
             }
         }
         if !self.errors.is_empty() {
@@ -494,7 +620,7 @@ impl NvmeResult {
         }
         let _ = writeln!(
             s,
-            "\ndevice threads' CPU ({}), median over rounds; contend: {}",
+            "\ndevice threads' CPU ({}; fio's own for {FIO_TARGET}), median over rounds; contend: {}",
             crate::cpu::NVME_DEVICE_THREADS.join(", "),
             self.options.contend
         );
@@ -524,6 +650,7 @@ impl NvmeResult {
             "runs": self.runs,
             "floor": {"placement": crate::floor::placement(self.options.pin.map(|p| p.pair())), "runs": self.floor},
             "errors": self.errors,
+            "skipped": self.skipped,
         })
     }
 }

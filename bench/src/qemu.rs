@@ -1,5 +1,6 @@
 //! Runs the same guest image under QEMU (+KVM) with QEMU's own devices.
 
+use iopath_devices::nvme::backend::BackendKind;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -84,6 +85,54 @@ pub fn nvme_args(image: &Path, cmdline: &str, mem_mb: u64, drive: &str, lba: u32
     args_with(image, cmdline, mem_mb, &["-drive".into(), drive.to_string()], &[&dev])
 }
 
+/// The `-drive` value (id `nvm0`) for QEMU's nvme on iopath's `backend`:
+/// a file is opened as iopath's file backend opens it, raw with O_DIRECT
+/// (`cache=none`) through `aio` (io_uring, or native where QEMU has no
+/// io_uring); any other backend is `null-co` (no data, as `null`).
+pub fn nvme_drive(backend: &BackendKind, aio: &str) -> String {
+    match backend {
+        // QEMU's option syntax: a comma inside a value is written twice.
+        BackendKind::File(p) => {
+            format!(
+                "file={},format=raw,if=none,id=nvm0,aio={aio},cache=none",
+                p.display().to_string().replace(',', ",,")
+            )
+        }
+        _ => "driver=null-co,size=64M,if=none,id=nvm0".into(),
+    }
+}
+
+/// QEMU refused `aio=io_uring` (built without it, or the kernel's refused).
+fn lacks_io_uring(r: &QemuRun) -> bool {
+    !r.lines.iter().any(|l| l.starts_with('@')) && r.stderr.contains("io_uring")
+}
+
+/// Runs nvmeperf (`cmdline`) on QEMU's nvme on `backend` (see
+/// [`nvme_drive`]); a file through io_uring, or aio=native if this QEMU
+/// cannot. Returns the run and what QEMU's drive was, for its row.
+pub fn run_nvme(
+    qemu: &Path,
+    image: &Path,
+    cmdline: &str,
+    mem_mb: u64,
+    backend: &BackendKind,
+    lba: u32,
+    timeout: Duration,
+) -> anyhow::Result<(QemuRun, String)> {
+    let attempt = |aio: &str| {
+        let drive = nvme_drive(backend, aio);
+        run_args(qemu, nvme_args(image, cmdline, mem_mb, &drive, lba), None, timeout, |_| {})
+    };
+    let BackendKind::File(p) = backend else { return Ok((attempt("")?, "null-co".into())) };
+    let r = attempt("io_uring")?;
+    if !lacks_io_uring(&r) {
+        return Ok((r, format!("file:{} (raw, aio=io_uring, cache=none)", p.display())));
+    }
+    let why = r.stderr.lines().find(|l| l.contains("io_uring")).unwrap_or("").trim().to_string();
+    let r = attempt("native")?;
+    Ok((r, format!("file:{} (raw, aio=native, cache=none: no io_uring in this QEMU: {why})", p.display())))
+}
+
 /// The arguments that give QEMU's guest RAM as a shared memfd, which
 /// `x-pci-proxy-dev` hands to the device process (SYNC_SYSMEM).
 pub fn memfd_ram_args() -> Vec<String> {
@@ -151,4 +200,41 @@ pub fn run_args(
     }
     let stderr = err_reader.join().unwrap_or_default();
     Ok(QemuRun { status, lines, stderr })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_backend_gives_qemu_the_same_file_raw_o_direct_through_io_uring() {
+        let f = BackendKind::File("/var/tmp/a,b.img".into());
+        assert_eq!(
+            nvme_drive(&f, "io_uring"),
+            "file=/var/tmp/a,,b.img,format=raw,if=none,id=nvm0,aio=io_uring,cache=none"
+        );
+        assert!(nvme_drive(&f, "native").contains(",aio=native,cache=none"));
+        for b in [BackendKind::Null, BackendKind::Ram] {
+            assert_eq!(nvme_drive(&b, "io_uring"), "driver=null-co,size=64M,if=none,id=nvm0");
+        }
+        let a = nvme_args(Path::new("/img"), "workload=nvme", 256, &nvme_drive(&f, "io_uring"), 512);
+        let i = a.iter().position(|x| x == "-drive").expect("a -drive");
+        assert!(a[i + 1].starts_with("file=/var/tmp/a,,b.img,format=raw"));
+        assert!(a.iter().any(|x| x == "nvme,drive=nvm0,serial=iopath0,logical_block_size=512"));
+    }
+
+    #[test]
+    fn only_a_refused_io_uring_falls_back_to_native() {
+        let run = |lines: &[&str], stderr: &str| QemuRun {
+            status: Some(1),
+            lines: lines.iter().map(|s| s.to_string()).collect(),
+            stderr: stderr.into(),
+        };
+        assert!(lacks_io_uring(&run(
+            &[],
+            "qemu-system-x86_64: -drive ...: aio=io_uring was specified, but is not supported in this build."
+        )));
+        assert!(!lacks_io_uring(&run(&[], "qemu: could not open disk image: No such file")));
+        assert!(!lacks_io_uring(&run(&["@nvme ios=1"], "warning: io_uring something")));
+    }
 }

@@ -348,3 +348,44 @@ fn bench_nvme_contend_records_its_level_device_cpu_and_leaves_no_contender() {
     assert_eq!(v["options"]["contend"], 1, "{}", v["options"]);
     assert!(stderr.contains("contend: 1"), "{stderr}");
 }
+
+#[test]
+fn bench_nvme_on_a_file_runs_host_fio_beside_it_or_says_why_not() {
+    kvm();
+    let img = std::env::temp_dir().join(format!("iopath-fio-row-{}.img", std::process::id()));
+    std::fs::write(&img, vec![0u8; 8 << 20]).unwrap();
+    let bench = |fio: Option<&str>| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"));
+        c.args(["bench", "nvme", "--rounds", "1", "--time", "0.3", "--doorbell", "shm", "--rw", "randread"]);
+        c.args(["--bs", "4096", "--iodepth", "4", "--json", "-", "--backend", &format!("file:{}", img.display())]);
+        if let Some(f) = fio {
+            c.env("IOPATH_FIO", f);
+        }
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (v, String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    // No fio: the row is skipped with the reason; the bench runs and passes.
+    let (v, table) = bench(Some("/nonexistent/fio"));
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert!(runs[0]["fio_ratio"].is_null());
+    let skipped = v["skipped"].as_array().unwrap();
+    assert!(skipped.iter().any(|s| s.as_str().unwrap().contains("fio (host): fio not found")), "{skipped:?}");
+    assert!(table.contains("skipped:") && table.contains("fio not found"), "{table}");
+    // With fio (CI installs it): its row on the same file, and the iopath row's ratio to it.
+    if iopath_bench::fio::find().is_some() {
+        let (v, table) = bench(None);
+        let runs = v["runs"].as_array().unwrap();
+        let fio = runs.iter().find(|r| r["target"] == "fio (host)").expect("a fio row");
+        assert!(fio["iops"].as_f64().unwrap() > 0.0 && fio["p99_ns"].as_f64().unwrap() > 0.0, "{fio}");
+        let shm = runs.iter().find(|r| r["target"] == "iopath-shm").unwrap();
+        let ratio = shm["fio_ratio"].as_f64().expect("fio_ratio");
+        assert!((ratio - shm["iops"].as_f64().unwrap() / fio["iops"].as_f64().unwrap()).abs() < 1e-9);
+        assert!(table.contains("fio (host)") && table.contains("/fio"), "{table}");
+    } else {
+        eprintln!("fio is not installed: only the skipped row was checked");
+    }
+    let _ = std::fs::remove_file(img);
+}

@@ -1,0 +1,288 @@
+//! fio on the host, on the file a file-backed NVMe run uses: the same job
+//! (rw, block size, queue depth, run time, byte range) through io_uring with
+//! O_DIRECT, so that a row says what the host itself gets from that file.
+//! `bench nvme` runs it in each round beside iopath's runs and gives each of
+//! them its `fio_ratio`.
+//!
+//! Several queues: nvmeperf keeps `iodepth` commands outstanding on each of
+//! `queues` queue pairs, so fio runs `numjobs = queues` jobs (each its own
+//! io_uring, as each queue pair is its own ring) of `iodepth` each, reported
+//! as one group. One job at the total depth would be one ring, which is not
+//! what the guest drives.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const BINARY: &str = "fio";
+
+/// The job fio runs: nvmeperf's, on the host.
+#[derive(Clone, Debug)]
+pub struct FioJob {
+    pub path: PathBuf,
+    /// fio's and nvmeperf's names: read, write, randread, randwrite, randrw.
+    pub rw: String,
+    pub bs: u64,
+    /// Per job (per queue pair).
+    pub iodepth: u32,
+    /// Jobs: one per queue pair of the iopath run.
+    pub numjobs: u32,
+    pub runtime_ms: u64,
+    /// The bytes of the file the offsets fall in (the namespace size).
+    pub size: u64,
+}
+
+/// One fio run's figures (all jobs together).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FioResult {
+    pub ios: u64,
+    pub iops: f64,
+    /// Decimal MB/s, as nvmeperf's rows.
+    pub mb_s: f64,
+    /// Total latency (submission to completion), as nvmeperf measures it.
+    pub lat_avg_ns: f64,
+    pub p50_ns: f64,
+    pub p90_ns: f64,
+    pub p99_ns: f64,
+    pub p999_ns: f64,
+    /// Jobs that ended with an error.
+    pub errors: u64,
+    /// fio's CPU time (user and system, its jobs' threads) per I/O, from
+    /// `usr_cpu`/`sys_cpu` (percent of each job's run time); None if absent.
+    pub cpu_ns_per_io: Option<f64>,
+}
+
+/// fio from $IOPATH_FIO, else from PATH; None if there is none.
+pub fn find() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("IOPATH_FIO") {
+        return Some(PathBuf::from(p)).filter(|p| p.is_file());
+    }
+    find_on(&std::env::var("PATH").unwrap_or_default())
+}
+
+/// fio in one of the directories of `path_var` (a PATH value).
+pub fn find_on(path_var: &str) -> Option<PathBuf> {
+    path_var.split(':').filter(|d| !d.is_empty()).map(|d| Path::new(d).join(BINARY)).find(|p| p.is_file())
+}
+
+/// The reason given when fio is not there.
+pub fn missing_reason() -> String {
+    format!("{BINARY} not found (PATH, or $IOPATH_FIO): install it (Debian/Ubuntu: `apt-get install -y fio`)")
+}
+
+/// fio's command line for `j`, JSON on stdout.
+pub fn args(j: &FioJob) -> Vec<String> {
+    vec![
+        "--name=iopath-peer".into(),
+        format!("--filename={}", j.path.display()),
+        "--ioengine=io_uring".into(),
+        "--direct=1".into(),
+        format!("--rw={}", j.rw),
+        format!("--bs={}", j.bs),
+        format!("--iodepth={}", j.iodepth),
+        format!("--numjobs={}", j.numjobs),
+        "--group_reporting=1".into(),
+        format!("--size={}", j.size),
+        // nvmeperf draws each offset afresh (no map of blocks already done).
+        "--norandommap=1".into(),
+        "--time_based=1".into(),
+        format!("--runtime={}ms", j.runtime_ms.max(1)),
+        // Percentiles of the total latency, which is what nvmeperf measures.
+        "--lat_percentiles=1".into(),
+        "--output-format=json".into(),
+    ]
+}
+
+/// Runs fio (`fio`, found by [`find`]) for `j`, killed after `timeout`.
+pub fn run(fio: &Path, j: &FioJob, timeout: Duration) -> anyhow::Result<FioResult> {
+    let mut child = Command::new(fio)
+        .args(args(j))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("cannot start {}: {e}", fio.display()))?;
+    // Read both pipes beside the wait, so that a large output cannot block fio.
+    let mut out = child.stdout.take().expect("piped");
+    let mut err = child.stderr.take().expect("piped");
+    let out_t = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let err_t = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        if t0.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            anyhow::bail!("fio did not finish within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (out, err) = (out_t.join().unwrap_or_default(), err_t.join().unwrap_or_default());
+    if !status.success() {
+        anyhow::bail!("fio failed ({status}): {}", err.trim());
+    }
+    parse(&out)
+}
+
+/// Reads fio's `--output-format=json` (anything fio prints before the JSON
+/// object, such as warnings, is skipped): the group's read and write
+/// figures added, latencies from the direction with more I/Os.
+pub fn parse(out: &str) -> anyhow::Result<FioResult> {
+    use serde_json::Value;
+    let start = out.find('{').ok_or_else(|| anyhow::anyhow!("no JSON in fio's output: {:?}", trunc(out)))?;
+    let v: Value = serde_json::from_str(&out[start..]).map_err(|e| anyhow::anyhow!("fio's JSON: {e}"))?;
+    let jobs =
+        v["jobs"].as_array().filter(|j| !j.is_empty()).ok_or_else(|| anyhow::anyhow!("fio's JSON has no jobs"))?;
+    let num = |x: &Value| x.as_f64().ok_or_else(|| anyhow::anyhow!("fio's JSON: not a number: {x}"));
+    let mut r = FioResult {
+        ios: 0,
+        iops: 0.0,
+        mb_s: 0.0,
+        lat_avg_ns: 0.0,
+        p50_ns: 0.0,
+        p90_ns: 0.0,
+        p99_ns: 0.0,
+        p999_ns: 0.0,
+        errors: 0,
+        cpu_ns_per_io: None,
+    };
+    let mut most = 0;
+    let mut cpu_ns = Some(0.0);
+    for job in jobs {
+        r.errors += (job["error"].as_u64().unwrap_or(1) != 0) as u64;
+        let pct = job["usr_cpu"].as_f64().zip(job["sys_cpu"].as_f64()).map(|(u, s)| u + s);
+        cpu_ns = cpu_ns.zip(pct.zip(job["job_runtime"].as_f64())).map(|(n, (p, ms))| n + p / 100.0 * ms * 1e6);
+        for dir in ["read", "write"] {
+            let d = &job[dir];
+            let ios = d["total_ios"].as_u64().unwrap_or(0);
+            if ios == 0 {
+                continue;
+            }
+            r.ios += ios;
+            r.iops += num(&d["iops"])?;
+            r.mb_s += num(&d["bw_bytes"])? / 1e6;
+            if ios > most {
+                most = ios;
+                let lat = &d["lat_ns"];
+                let p = |k: &str| num(&lat["percentile"][k]);
+                (r.lat_avg_ns, r.p50_ns, r.p90_ns, r.p99_ns, r.p999_ns) =
+                    (num(&lat["mean"])?, p("50.000000")?, p("90.000000")?, p("99.000000")?, p("99.900000")?);
+            }
+        }
+    }
+    if r.ios == 0 {
+        anyhow::bail!("fio did no I/O");
+    }
+    r.cpu_ns_per_io = cpu_ns.map(|n| n / r.ios as f64);
+    Ok(r)
+}
+
+fn trunc(s: &str) -> &str {
+    &s[..s.char_indices().nth(200).map_or(s.len(), |(i, _)| i)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// fio 3.33's JSON of a 4 KiB randread at QD 32 on this host (trimmed to
+    /// the fields read, one warning line before it as fio sometimes prints).
+    const SAMPLE: &str = include_str!("testdata/fio-randread.json");
+
+    #[test]
+    fn fio_json_gives_the_groups_figures() {
+        let r = parse(SAMPLE).unwrap();
+        assert_eq!(r.ios, 191129);
+        assert!((r.iops - 63688.437188).abs() < 1e-6, "{r:?}");
+        assert!((r.mb_s - 260.867838).abs() < 1e-6, "{r:?}");
+        assert_eq!((r.p50_ns, r.p99_ns, r.p999_ns), (432128.0, 3489792.0, 7307264.0));
+        assert_eq!(r.errors, 0);
+        // (3.266667 + 35.3) % of 3000 ms over the I/Os.
+        let cpu = r.cpu_ns_per_io.unwrap();
+        assert!((cpu - 0.38566667 * 3e9 / 191129.0).abs() < 1.0, "{cpu}");
+        // Two jobs: reads and writes add up; latency from the busier direction.
+        let two = r#"{"jobs":[
+            {"error":0,"read":{"total_ios":10,"iops":5.0,"bw_bytes":2000000,
+              "lat_ns":{"mean":7.0,"percentile":{"50.000000":1,"90.000000":2,"99.000000":3,"99.900000":4}}},
+             "write":{"total_ios":30,"iops":15.0,"bw_bytes":6000000,
+              "lat_ns":{"mean":9.0,"percentile":{"50.000000":5,"90.000000":6,"99.000000":7,"99.900000":8}}}},
+            {"error":5,"read":{"total_ios":0},"write":{"total_ios":0}}]}"#;
+        let r = parse(two).unwrap();
+        assert_eq!((r.ios, r.iops, r.mb_s, r.p99_ns, r.lat_avg_ns, r.errors), (40, 20.0, 8.0, 7.0, 9.0, 1));
+        assert_eq!(r.cpu_ns_per_io, None, "no CPU figures in that output");
+    }
+
+    #[test]
+    fn bad_fio_output_is_an_error() {
+        for bad in
+            ["", "fio: engine io_uring not loadable", "{\"jobs\":[]}", "{\"jobs\":[{\"read\":{\"total_ios\":0}}]}"]
+        {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+        let no_pct = r#"{"jobs":[{"error":0,"read":{"total_ios":1,"iops":1.0,"bw_bytes":1,"lat_ns":{"mean":1.0}}}]}"#;
+        assert!(parse(no_pct).is_err());
+    }
+
+    #[test]
+    fn the_command_line_is_the_guests_job_through_io_uring_o_direct() {
+        let j = FioJob {
+            path: "/var/tmp/x.img".into(),
+            rw: "randwrite".into(),
+            bs: 65536,
+            iodepth: 32,
+            numjobs: 4,
+            runtime_ms: 2500,
+            size: 1 << 30,
+        };
+        let a = args(&j);
+        for want in [
+            "--filename=/var/tmp/x.img",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--rw=randwrite",
+            "--bs=65536",
+            "--iodepth=32",
+            "--numjobs=4",
+            "--group_reporting=1",
+            "--size=1073741824",
+            "--runtime=2500ms",
+            "--output-format=json",
+        ] {
+            assert!(a.iter().any(|x| x == want), "{want} missing from {a:?}");
+        }
+    }
+
+    #[test]
+    fn missing_fio_is_reported_not_a_panic() {
+        assert_eq!(find_on(""), None);
+        assert_eq!(find_on("/nonexistent-iopath-dir:/also/not/there"), None);
+        let dir = std::env::temp_dir().join(format!("iopath-fio-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(BINARY), "").unwrap();
+        assert_eq!(find_on(&format!("/nonexistent:{}", dir.display())), Some(dir.join(BINARY)));
+        let _ = std::fs::remove_dir_all(&dir);
+        let j = FioJob {
+            path: "/nonexistent".into(),
+            rw: "randread".into(),
+            bs: 4096,
+            iodepth: 1,
+            numjobs: 1,
+            runtime_ms: 10,
+            size: 4096,
+        };
+        let e = run(Path::new("/nonexistent/fio"), &j, Duration::from_secs(5)).unwrap_err();
+        assert!(e.to_string().contains("cannot start"), "{e}");
+        assert!(missing_reason().contains("fio not found"));
+    }
+}
