@@ -45,7 +45,7 @@ enum Cmd {
 #[derive(Args)]
 struct ServeArgs {
     /// The device model and its options: pci-testdev, iopath-doorbell,
-    /// nvme[,doorbell=shm|bar|ioeventfd|adaptive|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096]
+    /// nvme[,doorbell=shm|bar|ioeventfd|adaptive|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096][,pollers=N]
     /// (a `,` or `@` inside a value is written twice).
     device: iopath_devices::DeviceConfig,
     /// The transport (ioregionfd: vfio-user control and a region fd for each
@@ -182,6 +182,9 @@ struct NvmeArgs {
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256)]
     mem: u64,
+    /// Controller poller counts, comma-separated (1..=16; more than 1 only in shm and bar modes).
+    #[arg(long, default_value = "1")]
+    pollers: String,
 }
 
 #[derive(Args)]
@@ -269,6 +272,14 @@ fn bench_nvme(a: BenchArgs) -> anyhow::Result<i32> {
         mem_mb: n.mem,
         timeout_s: a.timeout,
         contend: a.contend,
+        pollers: n
+            .pollers
+            .split(',')
+            .map(|p| match p.trim().parse::<u8>() {
+                Ok(v @ 1..=16) => Ok(v),
+                _ => Err(anyhow::anyhow!("--pollers: {p:?} is not a poller count (1..=16)")),
+            })
+            .collect::<anyhow::Result<_>>()?,
         ..NvmeOptions::default()
     };
     if n.rw.is_some() || n.bs.is_some() || n.iodepth.is_some() || n.queues.is_some() || n.verify {

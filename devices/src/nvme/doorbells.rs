@@ -67,6 +67,8 @@ impl Doorbells {
 #[derive(Default)]
 pub(super) struct Threads {
     worker: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+    /// Several pollers: those of queue groups 1..N (`shards.rs`).
+    pollers: Vec<std::thread::JoinHandle<()>>,
     /// Why a thread could not be started (reported with the counters).
     pub error: Option<String>,
 }
@@ -93,36 +95,18 @@ impl Nvme {
             return;
         }
         let stop = Arc::new(AtomicBool::new(false));
-        let (core, stop2) = (self.core.clone(), stop.clone());
-        let h = std::thread::Builder::new().name("nvme-poller".into()).spawn(move || {
-            crate::sandbox::enter(crate::sandbox::Role::Device);
-            let mut idle = 0u32;
-            while !stop2.load(Ordering::Relaxed) {
-                let busy = {
-                    let mut c = core.lock().unwrap();
-                    c.st.polls += 1;
-                    let busy = if c.db.bar_page.is_some() { c.poll_bar() } else { c.poll_shadow() };
-                    // File backend completions; busy (no idling) while operations are in flight.
-                    let busy = c.io_progress() | busy;
-                    c.flush_coalesced();
-                    busy
-                };
-                if busy {
-                    idle = 0;
-                } else {
-                    idle = idle.saturating_add(1);
-                    if idle > 4096 {
-                        // Nothing for a while: let the other threads run.
-                        std::thread::yield_now();
-                    } else {
-                        std::hint::spin_loop();
-                    }
-                }
-            }
-        });
+        // One poller per queue group: group 0 (this core) first, then the others.
+        let shards = self.core.lock().unwrap().shards.clone();
+        let h = spawn_poller(self.core.clone(), stop.clone());
         match h {
-            Ok(h) => t.worker = Some((stop, h)),
+            Ok(h) => t.worker = Some((stop.clone(), h)),
             Err(e) => t.error = Some(format!("nvme: cannot start the poller: {e}")),
+        }
+        for s in shards {
+            match spawn_poller(s, stop.clone()) {
+                Ok(h) => t.pollers.push(h),
+                Err(e) => t.error = Some(format!("nvme: cannot start a poller: {e}")),
+            }
         }
     }
 
@@ -294,6 +278,10 @@ impl Nvme {
     pub(super) fn stop_threads(&self, t: &mut Threads) {
         if let Some((stop, h)) = t.worker.take() {
             stop.store(true, Ordering::Relaxed);
+            // The other groups' pollers share the flag: none holds the core lock while joined.
+            for p in t.pollers.drain(..) {
+                let _ = p.join();
+            }
             let (kick, done, kept) = {
                 let mut c = self.core.lock().unwrap();
                 let kept = c.static_ioevents();
@@ -342,6 +330,17 @@ impl Core {
         }
         let qid = (off / 8) as usize;
         let is_cq = off % 8 == 4;
+        if qid > 0 && qid <= MAX_IO_QUEUES as usize && !self.shards.is_empty() {
+            // Another queue group's queue: its core serves the write (a
+            // queue that exists nowhere is refused here, below).
+            let g = if is_cq { Some(self.cq_group(qid)) } else { self.sq_group(qid) };
+            if let Some(g @ 1..) = g {
+                self.st.doorbell_writes -= 1; // counted by that group
+                self.with_group(g, |c| c.doorbell(off, value));
+                self.take_raised();
+                return;
+            }
+        }
         let q = &self.queues;
         let size = if is_cq {
             q.cqs.get(qid).copied().flatten().map(|q| q.size)
@@ -645,6 +644,41 @@ impl Core {
             let _ = io.unregister(crate::IoEventSpec { bar: 0, offset: off, len: 4, datamatch: None }, &kick);
         }
     }
+}
+
+/// A poller (`shm`, `bar`) of one queue group's core, until `stop`. Group 0's
+/// also delivers the asynchronous events the other groups raised.
+fn spawn_poller(
+    core: Arc<std::sync::Mutex<Core>>,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new().name("nvme-poller".into()).spawn(move || {
+        crate::sandbox::enter(crate::sandbox::Role::Device);
+        let mut idle = 0u32;
+        while !stop.load(Ordering::Relaxed) {
+            let busy = {
+                let mut c = core.lock().unwrap();
+                c.st.polls += 1;
+                let busy = if c.db.bar_page.is_some() { c.poll_bar() } else { c.poll_shadow() };
+                // File backend completions; busy (no idling) while operations are in flight.
+                let busy = c.io_progress() | busy;
+                c.flush_coalesced();
+                c.take_raised();
+                busy
+            };
+            if busy {
+                idle = 0;
+            } else {
+                idle = idle.saturating_add(1);
+                if idle > 4096 {
+                    // Nothing for a while: let the other threads run.
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+    })
 }
 
 /// Reads an eventfd's count (blocks while it is 0), retrying when a signal
