@@ -63,7 +63,7 @@ pub struct NvmeOptions {
     #[serde(serialize_with = "as_strings")]
     pub doorbells: Vec<DoorbellMode>,
     /// Poller counts of the controller to run (`pollers=`); more than one only
-    /// in the modes that serve it (shm, bar): other combinations are skipped.
+    /// in the modes that serve it (shm, bar, adaptive): other combinations are skipped.
     pub pollers: Vec<u8>,
     #[serde(serialize_with = "as_string")]
     pub backend: BackendKind,
@@ -243,7 +243,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
         .doorbells
         .iter()
         .flat_map(|&db| o.pollers.iter().map(move |&p| (db, p)))
-        .filter(|&(db, p)| p == 1 || matches!(db, DoorbellMode::Shm | DoorbellMode::Bar))
+        .filter(|&(db, p)| p == 1 || matches!(db, DoorbellMode::Shm | DoorbellMode::Bar | DoorbellMode::Adaptive))
         .collect();
     let per_round = o.jobs.len() as u64 * (combos.len() as u64 + qemu.is_some() as u64);
     let pb = if o.progress { ProgressBar::new(per_round * o.rounds as u64) } else { ProgressBar::hidden() };

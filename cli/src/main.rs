@@ -182,7 +182,7 @@ struct NvmeArgs {
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256)]
     mem: u64,
-    /// Controller poller counts, comma-separated (1..=16; more than 1 only in shm and bar modes).
+    /// Controller poller counts, comma-separated (1..=16; more than 1 only in shm, bar and adaptive modes).
     #[arg(long, default_value = "1")]
     pollers: String,
 }

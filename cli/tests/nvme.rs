@@ -338,11 +338,12 @@ fn two_pollers_share_four_queues_and_both_serve_io() {
     assert!(c["poller0.ios"] > 0 && c["poller1.ios"] > 0, "both pollers served I/O: {c:?}");
     assert_eq!(c["poller0.ios"] + c["poller1.ios"], c["io.commands"]);
     assert!(r.exits.mmio_write < num(&rec, "ios") / 10, "shadow doorbells: no exit per I/O");
-    // Data through both groups: a ram namespace, written and read back, shm and bar, in the VMM
+    // Data through both groups: a ram namespace, written and read back, shm, bar and adaptive, in the VMM
     // and from a device process (the option crosses to `iopath serve`).
     for spec in [
         "nvme,doorbell=shm,backend=ram,size_mb=8,pollers=2",
         "nvme,doorbell=bar,backend=ram,size_mb=8,pollers=2",
+        "nvme,doorbell=adaptive,backend=ram,size_mb=8,pollers=2",
         "nvme,doorbell=shm,backend=ram,size_mb=8,pollers=2@vfio-user",
     ] {
         let (rec, c, _) = nvmeperf(spec, "verify=1 bs=4096 iodepth=8 queues=4 size_mb=4");

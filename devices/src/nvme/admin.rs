@@ -190,8 +190,9 @@ impl Core {
             c.queues.sqs[qid] = Some(sq);
             c.zero_bar_doorbell(qid, false);
             c.sync_shadow(qid, false);
+            // On that group's eventfd (adaptive: it wakes that group's poller).
+            c.register_doorbells(qid);
         });
-        self.register_doorbells(qid);
         status::SUCCESS
     }
 
@@ -547,15 +548,15 @@ impl Core {
             return status::INVALID_FIELD;
         }
         self.db.shadow = Some((c.prp1, c.prp2));
-        for qid in 1..self.queues.sqs.len() {
-            if self.queues.sqs[qid].is_some() || self.queues.cqs[qid].is_some() {
-                self.register_doorbells(qid);
-            }
-        }
         // Every queue group's queues (`sync_shards` gives the groups the buffer).
         for g in 0..self.groups.max(1) {
             self.with_group(g, |k| {
                 k.db.shadow = Some((c.prp1, c.prp2));
+                for qid in 1..k.queues.sqs.len() {
+                    if k.queues.sqs[qid].is_some() || k.queues.cqs[qid].is_some() {
+                        k.register_doorbells(qid);
+                    }
+                }
                 for qid in 1..k.queues.sqs.len() {
                     if let Some(sq) = k.queues.sqs[qid] {
                         let _ = k.mem.store_u32(sq.tail as u32, c.prp1 + qid as u64 * 8, Ordering::Release);

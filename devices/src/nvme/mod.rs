@@ -83,7 +83,7 @@
 //! Locking: [`Nvme`] implements [`DeviceModel`] itself. All controller state
 //! is one `Core` behind one mutex, which the vCPU thread (register and
 //! doorbell accesses) and the device thread share, so a BAR access takes
-//! exactly that lock. With `pollers=N` (N > 1; `shm` and `bar`), the I/O
+//! exactly that lock. With `pollers=N` (N > 1; `shm`, `bar`, `adaptive`), the I/O
 //! queues are spread over N queue groups by CQ id, each a `Core` behind its
 //! own mutex served by its own poller; that core is group 0's, and the
 //! admin path takes another group's lock only after it (`shards.rs`). Starting and stopping the device thread (CC.EN,
@@ -207,7 +207,7 @@ impl Default for NvmeConfig {
 impl NvmeConfig {
     /// Checks the namespace geometry (LBA size 512 or 4096, size a non-zero
     /// multiple of it) and the pollers (1 ..= [`MAX_POLLERS`]; more than one
-    /// only in `shm` and `bar` mode, on a `null` or `ram` namespace).
+    /// only in `shm`, `bar` and `adaptive` mode, on a `null` or `ram` namespace).
     pub fn validate(&self) -> Result<()> {
         let bad = |option: &str, reason: String| Err(Error::Option { device: "nvme", option: option.into(), reason });
         if self.lba_size != 512 && self.lba_size != 4096 {
@@ -219,8 +219,12 @@ impl NvmeConfig {
         if self.pollers == 0 || self.pollers > MAX_POLLERS {
             return bad("pollers", format!("{} pollers (1 ..= {MAX_POLLERS})", self.pollers));
         }
-        if self.pollers > 1 && !matches!(self.doorbell, DoorbellMode::Shm | DoorbellMode::Bar) {
-            return bad("pollers", format!("several pollers need doorbell=shm or bar, not {}", self.doorbell));
+        if self.pollers > 1 && !matches!(self.doorbell, DoorbellMode::Shm | DoorbellMode::Bar | DoorbellMode::Adaptive)
+        {
+            return bad(
+                "pollers",
+                format!("several pollers need doorbell=shm, bar or adaptive, not {}", self.doorbell),
+            );
         }
         if self.pollers > 1 && matches!(self.backend, BackendKind::File(_)) {
             return bad(

@@ -1,6 +1,12 @@
 //! Queue groups ("shards"): one controller served by several pollers
 //! (`pollers=N`, `shm` and `bar` modes).
 //!
+//! Modes: `shm` and `bar` (a poller per group) and `adaptive` (each
+//! group's poller arms its own queues' EventIdx and sleeps on an eventfd of
+//! its own, on which its queues' doorbells are ioeventfds; in a device
+//! process, whose host takes one eventfd for every doorbell at attach, the
+//! groups poll without sleeping).
+//!
 //! Group k holds the I/O queues whose CQ id is k mod N (an SQ goes with its
 //! CQ, so a CQ shared by several SQs stays in one group). Each group is a
 //! [`Core`] behind its own mutex with the state its I/O path touches: its
@@ -21,7 +27,8 @@
 //! - asynchronous events a group raises (a bad doorbell value): a small
 //!   mutex ([`Raised`]) group 0 drains, a rare path.
 //!
-//! Lock order: group 0's core, then one other group's core, then `Raised`.
+//! Lock order: group 0's core, then one other group's core, then `Raised`
+//! (its event list, then its wake eventfd; each a leaf).
 //! Never a group's core before group 0's, never two other groups at once.
 //! The admin path (on group 0) takes the group it changes; a poller takes
 //! only its own group.
@@ -54,9 +61,16 @@ impl Vectors {
 pub(super) struct Raised {
     any: AtomicBool,
     events: Mutex<Vec<(u32, u32, u32)>>,
+    /// adaptive: group 0's doorbell eventfd, written to wake it for an event.
+    wake: Mutex<Option<std::sync::Arc<vmm_sys_util::eventfd::EventFd>>>,
 }
 
 impl Raised {
+    /// Group 0's adaptive poller sleeps on `kick` (None: it stopped).
+    pub fn set_wake(&self, kick: Option<std::sync::Arc<vmm_sys_util::eventfd::EventFd>>) {
+        *self.wake.lock().unwrap_or_else(|p| p.into_inner()) = kick;
+    }
+
     /// Drops what waits (a controller reset).
     pub fn take_all(&self) {
         self.events.lock().unwrap_or_else(|p| p.into_inner()).clear();
@@ -111,6 +125,7 @@ impl Core {
             s.mem = self.mem.clone();
             s.regs.csts = self.regs.csts;
             s.db.shadow = self.db.shadow;
+            s.db.ioevents = self.db.ioevents.clone();
             s.intr.irq = self.intr.irq.clone();
             if s.intr.coalescing != self.intr.coalescing {
                 s.intr.coalescing = self.intr.coalescing;
@@ -172,6 +187,10 @@ impl Core {
         }
         q.push((kind, info, log_page));
         self.raised.any.store(true, Ordering::Release);
+        drop(q);
+        if let Some(k) = &*self.raised.wake.lock().unwrap_or_else(|p| p.into_inner()) {
+            let _ = k.write(1); // group 0 may sleep (adaptive)
+        }
     }
 
     /// Group 0: delivers the events the groups raised (a flag read when none).
