@@ -701,7 +701,7 @@ fn spawn_poller(
         crate::sandbox::enter(crate::sandbox::Role::Device);
         let mut idle = 0u32;
         while !stop.load(Ordering::Relaxed) {
-            let busy = {
+            let (busy, unused) = {
                 let mut c = core.lock().unwrap();
                 c.st.polls += 1;
                 let busy = if c.db.bar_page.is_some() { c.poll_bar() } else { c.poll_shadow() };
@@ -709,13 +709,17 @@ fn spawn_poller(
                 let busy = c.io_progress() | busy;
                 c.flush_coalesced();
                 c.take_raised();
-                busy
+                (busy, c.group_unused())
             };
             if busy {
                 idle = 0;
             } else {
                 idle = idle.saturating_add(1);
-                if idle > 4096 {
+                if idle > 4096 && unused {
+                    // A queue group with no queue to poll: leave the core to the others;
+                    // a queue created meanwhile waits at most this long.
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                } else if idle > 4096 {
                     // Nothing for a while: let the other threads run.
                     std::thread::yield_now();
                 } else {

@@ -106,6 +106,14 @@ impl Core {
         f(&mut s)
     }
 
+    /// One of several queue groups with nothing to poll: no I/O SQ (nor,
+    /// group 0 in `bar` mode, the admin queue, which its poller serves).
+    pub fn group_unused(&self) -> bool {
+        self.groups > 1
+            && (self.group > 0 || self.db.bar_page.is_none())
+            && self.queues.sqs.iter().skip(1).all(|s| s.is_none())
+    }
+
     /// The group an I/O CQ belongs to.
     pub fn cq_group(&self, cqid: usize) -> usize {
         cqid % self.groups.max(1)
