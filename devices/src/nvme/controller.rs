@@ -4,7 +4,8 @@
 //!
 //! `Core` is shared by the vCPU thread (register and doorbell accesses) and
 //! the device thread (polling, ioeventfd) behind one mutex; its methods are
-//! spread over the files of the concern they serve.
+//! spread over the files of the concern they serve. With several pollers,
+//! each queue group is a `Core` of its own (`shards.rs`).
 
 use super::admin::Features;
 use super::backend::{Backend, Bounce};

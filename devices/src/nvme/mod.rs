@@ -83,13 +83,13 @@
 //! Locking: [`Nvme`] implements [`DeviceModel`] itself. All controller state
 //! is one `Core` behind one mutex, which the vCPU thread (register and
 //! doorbell accesses) and the device thread share, so a BAR access takes
-//! exactly that lock. With `pollers=N` (N > 1; `shm`, `bar`, `adaptive`), the I/O
-//! queues are spread over N queue groups by CQ id, each a `Core` behind its
-//! own mutex served by its own poller; that core is group 0's, and the
-//! admin path takes another group's lock only after it (`shards.rs`). Starting and stopping the device thread (CC.EN,
-//! reset, quiesce) is serialised by a second lock that no BAR access other
-//! than a CC write takes; the core lock is never held while a thread is
-//! joined.
+//! exactly that lock. With `pollers=N` (N > 1; `shm`, `bar`, `adaptive`),
+//! the I/O queues are spread over N queue groups by CQ id, each a `Core`
+//! behind its own mutex served by its own poller; that core is group 0's,
+//! and the admin path takes another group's lock only after it
+//! (`shards.rs`). Starting and stopping the device threads (CC.EN, reset,
+//! quiesce) is serialised by a second lock that no BAR access other than a
+//! CC write takes; no core lock is held while a thread is joined.
 //!
 //! Files: `regs.rs` controller registers, enable, disable, shutdown;
 //! `controller.rs` the `Core` and its state by concern, queue processing,
