@@ -351,3 +351,35 @@ fn two_pollers_share_four_queues_and_both_serve_io() {
         assert!(c["poller0.ios"] > 0 && c["poller1.ios"] > 0, "{spec}: both pollers served I/O: {c:?}");
     }
 }
+
+#[test]
+fn bench_nvme_runs_each_poller_count_and_records_it() {
+    kvm();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["bench", "nvme", "--quick", "--json", "-", "--backend", "null", "--doorbell", "shm,mmio"])
+        .args(["--pollers", "1,2", "--rw", "randread", "--bs", "512", "--iodepth", "4", "--queues", "2"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["errors"].as_array().unwrap().is_empty(), "{}", v["errors"]);
+    assert_eq!(v["options"]["pollers"], serde_json::json!([1, 2]));
+    let runs = v["runs"].as_array().unwrap();
+    let targets: Vec<(&str, u64)> =
+        runs.iter().map(|r| (r["target"].as_str().unwrap(), r["pollers"].as_u64().unwrap())).collect();
+    // mmio serves no second poller: that combination is skipped, not failed.
+    assert_eq!(targets, [("iopath-shm", 1), ("iopath-shm-p2", 2), ("iopath-mmio", 1)]);
+    let p2 = &runs[1];
+    let per: Vec<u64> = p2["poller_ios"].as_array().unwrap().iter().map(|n| n.as_u64().unwrap()).collect();
+    assert!(per.len() == 2 && per.iter().all(|&n| n > 0), "both pollers served the 2 queues: {p2}");
+    assert!(p2["routing_ok"] == true && p2["device_threads"] == 2, "{p2}");
+    assert!(stderr.contains("iopath-shm-p2") && stderr.contains("pollers"), "{stderr}");
+    // A bad count is refused before anything runs.
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["bench", "nvme", "--quick", "--pollers", "0"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--pollers"));
+}
