@@ -40,7 +40,7 @@ pub(super) struct Namespace {
     pub pending: Pending,
     /// Several pollers on a `ram` namespace: its memory, shared by the queue
     /// groups (`backend` is then `Null`).
-    pub ram: Option<crate::GuestMemoryMmap>,
+    pub ram: Option<std::sync::Arc<super::shards::SharedRam>>,
 }
 
 /// The command a file backend slot serves (index = slot).

@@ -262,7 +262,7 @@ impl Nvme {
         let core = if cfg.pollers > 1 {
             // Queue groups (`shards.rs`); a RAM namespace becomes memory they share.
             let ram = match cfg.backend {
-                BackendKind::Ram => Some(Core::shared_ram(cfg.size)?),
+                BackendKind::Ram => Some(Arc::new(shards::SharedRam::new(cfg.size)?)),
                 _ => None,
             };
             let mut c0 = Core::new(&cfg, Backend::Null, bar_page);

@@ -18,8 +18,9 @@
 //! What the groups share, without a lock a poller takes per I/O:
 //! - guest memory: each core holds a clone of the handle (set at attach);
 //! - the namespace: `null` has no data; `ram` is one anonymous mapping
-//!   (`Namespace::ram`) every core reaches with copies (the host orders
-//!   accesses to the same blocks, as with any NVMe device);
+//!   ([`SharedRam`]) every core reaches with plain copies (the host orders
+//!   accesses to the same blocks, as with any NVMe device: two commands in
+//!   flight on the same blocks leave them unspecified, never out of bounds);
 //! - MSI-X: group 0 keeps the table; each vector has an atomic state here
 //!   ([`Vectors`]): "deliverable" (host's table, or unmasked in ours), which
 //!   group 0 keeps up to date, and "pending", which a group sets when it
@@ -36,10 +37,8 @@
 use super::controller::{Core, Smart, Stats};
 use super::queue::status;
 use super::MSIX_VECTORS;
-use crate::GuestMemoryMmap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Mutex;
-use vm_memory::{Bytes, GuestAddress};
 
 /// Vector state bits.
 const DELIVERABLE: u8 = 1;
@@ -88,12 +87,6 @@ impl Core {
         c.vectors = c0.vectors.clone();
         c.raised = c0.raised.clone();
         c
-    }
-
-    /// The namespace's shared RAM for several pollers (None: `null`).
-    pub fn shared_ram(size: u64) -> crate::Result<GuestMemoryMmap> {
-        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), size as usize)])
-            .map_err(|e| crate::Error::Host(format!("nvme: namespace memory: {e}")))
     }
 
     /// Runs `f` on the core of group `g` (this one for 0; group 0 only).
@@ -242,9 +235,9 @@ impl Core {
             }
             let buf = &mut self.scratch.buf[..n];
             let ok = if write {
-                self.mem.read_slice(buf, a).is_ok() && ram.write_slice(buf, GuestAddress(off)).is_ok()
+                self.mem.read_slice(buf, a).is_ok() && ram.write(off, buf)
             } else {
-                ram.read_slice(buf, GuestAddress(off)).is_ok() && self.mem.write_slice(buf, a).is_ok()
+                ram.read(off, buf) && self.mem.write_slice(buf, a).is_ok()
             };
             if !ok {
                 return status::DATA_TRANSFER_ERROR;
@@ -257,13 +250,96 @@ impl Core {
     /// Zeroes `len` bytes at `off` of the namespace (shared RAM or backend).
     pub fn zero_blocks(&mut self, off: u64, len: u64) -> std::io::Result<()> {
         let Some(ram) = &self.ns.ram else { return self.ns.backend.zero(off, len) };
-        let z = vec![0u8; (64 << 10).min(len as usize)];
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(z.len() as u64) as usize;
-            ram.write_slice(&z[..n], GuestAddress(off + done)).map_err(std::io::Error::other)?;
-            done += n as u64;
+        if ram.zero(off, len) {
+            Ok(())
+        } else {
+            Err(std::io::Error::other("outside the namespace"))
         }
-        Ok(())
+    }
+}
+
+/// A `ram` namespace shared by the queue groups: an anonymous private
+/// mapping (pages appear on first touch), read and written with plain
+/// copies, every range checked against its length.
+pub(super) struct SharedRam {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping lives as long as the value and is only reached
+// through `read`, `write` and `zero`, which copy within its bounds; what
+// concurrent commands on the same blocks leave there is the host's concern
+// (bytes, never memory outside the mapping).
+unsafe impl Send for SharedRam {}
+unsafe impl Sync for SharedRam {}
+
+impl SharedRam {
+    pub fn new(len: u64) -> crate::Result<SharedRam> {
+        let len = usize::try_from(len).map_err(|_| crate::Error::Host("nvme: namespace too large".into()))?;
+        // SAFETY: a fresh anonymous mapping; no memory of ours is passed.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(crate::Error::io("nvme: namespace memory", std::io::Error::last_os_error()));
+        }
+        Ok(SharedRam { ptr: ptr.cast(), len })
+    }
+
+    /// The byte offset of `n` bytes at `off`, if they lie in the mapping.
+    fn at(&self, off: u64, n: usize) -> Option<usize> {
+        let off = usize::try_from(off).ok()?;
+        (off.checked_add(n)? <= self.len).then_some(off)
+    }
+
+    pub fn read(&self, off: u64, buf: &mut [u8]) -> bool {
+        let Some(o) = self.at(off, buf.len()) else { return false };
+        // SAFETY: o..o+len lies in the mapping (checked); `buf` is ours.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(o), buf.as_mut_ptr(), buf.len()) };
+        true
+    }
+
+    pub fn write(&self, off: u64, buf: &[u8]) -> bool {
+        let Some(o) = self.at(off, buf.len()) else { return false };
+        // SAFETY: as in `read`.
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), self.ptr.add(o), buf.len()) };
+        true
+    }
+
+    pub fn zero(&self, off: u64, len: u64) -> bool {
+        let Ok(n) = usize::try_from(len) else { return false };
+        let Some(o) = self.at(off, n) else { return false };
+        // SAFETY: as in `read`.
+        unsafe { std::ptr::write_bytes(self.ptr.add(o), 0, n) };
+        true
+    }
+}
+
+impl Drop for SharedRam {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, no longer reachable.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod shared_ram_tests {
+    #[test]
+    fn copies_stay_inside_the_namespace() {
+        let r = super::SharedRam::new(8192).unwrap();
+        assert!(r.write(4096, &[7u8; 512]));
+        let mut b = [0u8; 512];
+        assert!(r.read(4096, &mut b) && b == [7u8; 512]);
+        assert!(r.zero(4096, 256) && r.read(4096, &mut b) && b[..256] == [0u8; 256] && b[256..] == [7u8; 256]);
+        assert!(!r.write(8192 - 511, &[1u8; 512]), "past the end");
+        assert!(!r.read(u64::MAX, &mut b), "offset overflow");
+        assert!(!r.zero(1, u64::MAX), "length overflow");
     }
 }
