@@ -402,3 +402,37 @@ fn adaptive_pollers_each_sleep_on_their_own_queues_doorbells_and_wake_for_them()
     assert!(host.0.lock().unwrap().is_empty(), "every doorbell unregistered");
     drop(d);
 }
+
+#[test]
+fn register_doorbells_reach_the_queues_group_and_hostile_ones_are_refused() {
+    // shm before Doorbell Buffer Config: I/O doorbells are registers, served on the writer's thread.
+    let mut d = Drv::new(cfg(2, DoorbellMode::Shm));
+    assert_eq!(d.create_pair(1), (0, 0)); // group 1
+    assert_eq!(d.create_pair(2), (0, 0)); // group 0
+    let mut pairs = [Pair::new(&d.mem, 1), Pair::new(&d.mem, 2)];
+    for p in pairs.iter_mut() {
+        bar_write_read(&mut d, p, p.q, p.q as u8);
+    }
+    assert!(d.counter("poller0.ios") == 2 && d.counter("poller1.ios") == 2, "each group served its queue");
+    // Queues that exist nowhere (SQ 3, CQ 3 of group 1, CQ 4 of group 0), a doorbell past the
+    // queues the controller offers, and a tail past queue 1's end (group 1).
+    let bad = [
+        DOORBELLS + 3 * 8,
+        DOORBELLS + 3 * 8 + 4,
+        DOORBELLS + 4 * 8 + 4,
+        DOORBELLS + (MAX_IO_QUEUES as u64 + 1) * 8,
+        DOORBELLS + 0xff8,
+    ];
+    for off in bad {
+        d.w32(off, 1);
+    }
+    d.w32(DOORBELLS + 8, QSIZE as u32 + 3);
+    assert_eq!(d.counter("doorbell.invalid"), bad.len() as u64 + 1);
+    // 4 admin commands and 4 I/Os, two doorbells each, and the bad ones: each counted once.
+    assert_eq!(d.counter("doorbell.writes"), 4 * 2 + 4 * 2 + bad.len() as u64 + 1);
+    // Both queues still serve.
+    for p in pairs.iter_mut() {
+        bar_write_read(&mut d, p, 10 + p.q, 9);
+    }
+    d.n.quiesce();
+}
