@@ -64,6 +64,9 @@ pub struct NvmeOptions {
     /// Doorbell modes of iopath's controller to run.
     #[serde(serialize_with = "as_strings")]
     pub doorbells: Vec<DoorbellMode>,
+    /// Poller counts of the controller to run (`pollers=`); more than one only
+    /// in the modes that serve it (shm, bar, adaptive): other combinations are skipped.
+    pub pollers: Vec<u8>,
     #[serde(serialize_with = "as_string")]
     pub backend: BackendKind,
     /// The controller in a device process over this transport (None: in the VMM).
@@ -101,6 +104,7 @@ impl Default for NvmeOptions {
                 DoorbellMode::Adaptive,
                 DoorbellMode::Mmio,
             ],
+            pollers: vec![1],
             backend: BackendKind::Ram,
             transport: None,
             lba: 512,
@@ -122,6 +126,10 @@ impl Default for NvmeOptions {
 #[derive(Clone, Debug, Serialize)]
 pub struct NvmeRun {
     pub target: String,
+    /// The controller's poller threads (1 for QEMU).
+    pub pollers: u8,
+    /// I/O commands each poller served (`poller{k}.ios`), with several.
+    pub poller_ios: Vec<u64>,
     pub job: usize,
     pub round: u32,
     pub ios: u64,
@@ -229,6 +237,8 @@ fn to_run(target: &str, job: usize, round: u32, j: &Job, lines: &[String], tsc_k
     let ns = |c: u64| c as f64 * 1e6 / tsc_khz as f64;
     Ok(NvmeRun {
         target: target.into(),
+        pollers: 1,
+        poller_ios: Vec::new(),
         job,
         round,
         ios,
@@ -267,7 +277,14 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
         qemu: qemu.clone(),
         serve_args: Vec::new(),
     };
-    let per_round = o.jobs.len() as u64 * (o.doorbells.len() as u64 + qemu.is_some() as u64);
+    // (mode, pollers) pairs the controller serves.
+    let combos: Vec<(DoorbellMode, u8)> = o
+        .doorbells
+        .iter()
+        .flat_map(|&db| o.pollers.iter().map(move |&p| (db, p)))
+        .filter(|&(db, p)| p == 1 || matches!(db, DoorbellMode::Shm | DoorbellMode::Bar | DoorbellMode::Adaptive))
+        .collect();
+    let per_round = o.jobs.len() as u64 * (combos.len() as u64 + qemu.is_some() as u64);
     let pb = if o.progress { ProgressBar::new(per_round * o.rounds as u64) } else { ProgressBar::hidden() };
     pb.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "),
@@ -295,13 +312,21 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
         floor.extend(f);
         errors.extend(e);
         for (ji, j) in o.jobs.iter().enumerate() {
-            for db in &o.doorbells {
+            for (db, pollers) in &combos {
+                // One poller keeps the plain name; more show in it.
+                let name = if *pollers == 1 { format!("iopath-{db}") } else { format!("iopath-{db}-p{pollers}") };
                 let target = match o.transport.map(|t| t.name()) {
-                    Some(t) => format!("iopath-{db}@{t}"),
-                    None => format!("iopath-{db}"),
+                    Some(t) => format!("{name}@{t}"),
+                    None => name,
                 };
                 pb.set_message(format!("round {}/{} {} {target}", round + 1, o.rounds, j.label()));
-                let config = NvmeConfig { doorbell: *db, backend: o.backend.clone(), lba_size: o.lba, size: ns_size };
+                let config = NvmeConfig {
+                    doorbell: *db,
+                    backend: o.backend.clone(),
+                    lba_size: o.lba,
+                    size: ns_size,
+                    pollers: *pollers,
+                };
                 let spec = DeviceSpec {
                     device: Device::Model(DeviceConfig::Nvme(config)),
                     remote: o.transport.map(|t| (t, Endpoint::Spawn)),
@@ -318,6 +343,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     cfg.on_line = Some(Box::new(move |l| w.on_line(l)));
                     let rep = run(cfg)?;
                     let mut r = to_run(&target, ji, round, j, &rep.lines, tsc_khz)?;
+                    r.pollers = *pollers;
                     if let Some(w) = window.result().filter(|w| w.threads > 0) {
                         r.device_threads = w.threads;
                         r.cpu_ns_per_io = Some(w.busy_ns as f64 / r.ios.max(1) as f64);
@@ -327,6 +353,9 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     let c = |n: &str| dev.counters.iter().find(|c| c.name == n).map(|c| c.value);
                     let exits = rep.exits.mmio_write + rep.exits.mmio_read + rep.exits.io_out + rep.exits.io_in;
                     r.vm_exits = Some(exits);
+                    if *pollers > 1 {
+                        r.poller_ios = (0..*pollers).filter_map(|k| c(&format!("poller{k}.ios"))).collect();
+                    }
                     r.exits_per_io = Some(exits as f64 / r.ios.max(1) as f64);
                     let (cmds, dbw, admin) = (c("io.commands"), c("doorbell.writes"), c("admin.commands"));
                     // The guest's I/O doorbell writes either exited (the
@@ -454,6 +483,8 @@ fn fio_run(
     let f = crate::fio::run(fio, &fj, Duration::from_secs(o.timeout_s))?;
     Ok(NvmeRun {
         target: FIO_TARGET.into(),
+        pollers: 1,
+        poller_ios: Vec::new(),
         job,
         round,
         ios: f.ios,
@@ -521,11 +552,12 @@ impl NvmeResult {
         let o = &self.options;
         let _ = writeln!(
             s,
-            "nvme: backend {}, LBA {} B, {} s per run, {} round(s); median over rounds; 1 guest vCPU, 1 controller poller; contend: {}; {}",
+            "nvme: backend {}, LBA {} B, {} s per run, {} round(s); median over rounds; 1 guest vCPU; controller pollers {:?}; contend: {}; {}",
             o.backend,
             o.lba,
             o.time_ms as f64 / 1000.0,
             o.rounds,
+            o.pollers,
             o.contend,
             placement(o)
         );
@@ -537,9 +569,10 @@ impl NvmeResult {
         s.push_str(&crate::floor::floor_rows(&self.floor));
         let _ = writeln!(s);
         let hdr = format!(
-            "{:<24} {:<18} {:>9} {:>11} {:>17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}  {}",
+            "{:<24} {:<18} {:>7} {:>9} {:>11} {:>17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}  {}",
             "job",
             "target",
+            "pollers",
             "IOPS",
             "/floor",
             "/fio [min..max]",
@@ -568,9 +601,10 @@ impl NvmeResult {
                 .unwrap_or_else(|| "-".into());
             let _ = writeln!(
                 s,
-                "{:<24} {:<18} {:>9} {:>11} {:>17} {:>9.0} {:>9} {:>9} {:>9} {:>9} {:>11}  {ok} {}",
+                "{:<24} {:<18} {:>7} {:>9} {:>11} {:>17} {:>9.0} {:>9} {:>9} {:>9} {:>9} {:>11}  {ok} {}",
                 j.label(),
                 target,
+                rs[0].pollers,
                 fmt_rate(Self::median(&rs, |r| r.iops)),
                 fr,
                 ff,

@@ -29,7 +29,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run a benchmark (default: exits) and print a table (and JSON with --json).
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// Boot the guest image in iopath's VMM and show its console.
     Run(RunArgs),
     /// Write the guest image (an ELF32 multiboot kernel) to a file.
@@ -45,7 +45,7 @@ enum Cmd {
 #[derive(Args)]
 struct ServeArgs {
     /// The device model and its options: pci-testdev, iopath-doorbell,
-    /// nvme[,doorbell=adaptive|shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096]
+    /// nvme[,doorbell=adaptive|shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096][,pollers=N]
     /// (a `,` or `@` inside a value is written twice).
     device: iopath_devices::DeviceConfig,
     /// The transport (ioregionfd: vfio-user control and a region fd for each
@@ -187,6 +187,9 @@ struct NvmeArgs {
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256)]
     mem: u64,
+    /// Controller poller counts, comma-separated (1..=16; more than 1 only in shm, bar and adaptive modes).
+    #[arg(long, default_value = "1")]
+    pollers: String,
 }
 
 #[derive(Args)]
@@ -275,6 +278,14 @@ fn bench_nvme(a: BenchArgs) -> anyhow::Result<i32> {
         timeout_s: a.timeout,
         contend: a.contend,
         pin: a.pin.placement(),
+        pollers: n
+            .pollers
+            .split(',')
+            .map(|p| match p.trim().parse::<u8>() {
+                Ok(v @ 1..=16) => Ok(v),
+                _ => Err(anyhow::anyhow!("--pollers: {p:?} is not a poller count (1..=16)")),
+            })
+            .collect::<anyhow::Result<_>>()?,
         ..NvmeOptions::default()
     };
     if n.rw.is_some() || n.bs.is_some() || n.iodepth.is_some() || n.queues.is_some() || n.verify {
@@ -388,7 +399,7 @@ fn main() {
     logging::init();
     let cli = Cli::parse();
     let r = match cli.cmd {
-        Cmd::Bench(a) => bench(a),
+        Cmd::Bench(a) => bench(*a),
         Cmd::Run(a) => run_guest(a),
         Cmd::Serve(a) => serve(a),
         Cmd::Image { out } => {

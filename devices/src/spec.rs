@@ -133,7 +133,15 @@ impl FromStr for DeviceConfig {
                                 n => return Err(option("nvme", k, format!("{n} (512 or 4096)"))),
                             }
                         }
-                        _ => return Err(option("nvme", k, "unknown option (doorbell, backend, size_mb, lba)")),
+                        "pollers" => {
+                            c.pollers = match num()? {
+                                n if (1..=nvme::MAX_POLLERS as u64).contains(&n) => n as u8,
+                                n => return Err(option("nvme", k, format!("{n} (1 ..= {})", nvme::MAX_POLLERS))),
+                            }
+                        }
+                        _ => {
+                            return Err(option("nvme", k, "unknown option (doorbell, backend, size_mb, lba, pollers)"))
+                        }
                     }
                 }
                 c.validate()?;
@@ -151,6 +159,9 @@ impl fmt::Display for DeviceConfig {
             // Paths may hold the separators: escaped, unlike BackendKind's own Display.
             let backend = escape(&c.backend.to_string());
             write!(f, ",doorbell={},backend={backend},size_mb={},lba={}", c.doorbell, c.size >> 20, c.lba_size)?;
+            if c.pollers != 1 {
+                write!(f, ",pollers={}", c.pollers)?;
+            }
         }
         Ok(())
     }
@@ -167,6 +178,7 @@ mod tests {
             "iopath-doorbell",
             "nvme,doorbell=bar,backend=null,size_mb=64,lba=4096",
             "nvme,doorbell=shm,backend=file:/tmp/a,,b@@c.img,size_mb=8,lba=512",
+            "nvme,doorbell=shm,backend=ram,size_mb=8,lba=512,pollers=2",
         ] {
             let c: DeviceConfig = s.parse().unwrap();
             assert_eq!(c.to_string(), s);
@@ -184,6 +196,9 @@ mod tests {
         assert!(e("nvme,lba=4097").contains("lba"));
         assert!(e("nvme,lba=4294967808").contains("lba"), "no silent truncation");
         assert!(e("nvme,size_mb=0").contains("size_mb"));
+        for bad in ["pollers=0", "pollers=17", "pollers=x", "doorbell=mmio,pollers=2", "backend=file:/x,pollers=2"] {
+            assert!(e(&format!("nvme,doorbell=shm,{bad}")).contains("pollers"), "{bad}: {}", e(&format!("nvme,{bad}")));
+        }
         assert!(e("nvme,colour=blue").contains("colour"));
         assert!(e("nvme,doorbell").contains("KEY=VALUE"));
         assert!(e("pci-testdev,x=1").contains("no options"));

@@ -28,6 +28,7 @@ const TEMPERATURE: u16 = 313;
 /// The features Set Features keeps (Number of Queues and Interrupt
 /// Coalescing live with the queues and the interrupts). Back to these
 /// defaults on a controller reset.
+#[derive(Clone)]
 pub(super) struct Features {
     /// Arbitration (FID 01h) as set.
     pub arbitration: u32,
@@ -134,7 +135,9 @@ impl Core {
     fn create_cq(&mut self, c: &Sqe) -> u16 {
         let qid = c.cdw10 as u16 as usize;
         let size = (c.cdw10 >> 16) + 1;
-        if qid == 0 || qid > self.queues.ncqa as usize || self.queues.cqs[qid].is_some() {
+        // The queue's group (`shards.rs`; the only one with one poller) holds it.
+        let g = self.cq_group(qid);
+        if qid == 0 || qid > self.queues.ncqa as usize || self.with_group(g, |c| c.queues.cqs[qid].is_some()) {
             return status::INVALID_QID;
         }
         if size < 2 || size > MQES as u32 {
@@ -150,10 +153,13 @@ impl Core {
         if !queue_in_ram(&self.mem, c.prp1, size as u64 * CQE_SIZE) {
             return status::INVALID_FIELD;
         }
-        self.queues.cqs[qid] = Some(Cq { gpa: c.prp1, size: size as u16, ien, iv, ..Default::default() });
+        let prp1 = c.prp1;
         self.queues.created = true;
-        self.zero_bar_doorbell(qid, true);
-        self.sync_shadow(qid, true);
+        self.with_group(g, |c| {
+            c.queues.cqs[qid] = Some(Cq { gpa: prp1, size: size as u16, ien, iv, ..Default::default() });
+            c.zero_bar_doorbell(qid, true);
+            c.sync_shadow(qid, true);
+        });
         status::SUCCESS
     }
 
@@ -161,13 +167,15 @@ impl Core {
         let qid = c.cdw10 as u16 as usize;
         let size = (c.cdw10 >> 16) + 1;
         let cqid = (c.cdw11 >> 16) as usize;
-        if qid == 0 || qid > self.queues.nsqa as usize || self.queues.sqs[qid].is_some() {
+        if qid == 0 || qid > self.queues.nsqa as usize || self.sq_group(qid).is_some() {
             return status::INVALID_QID;
         }
         if size < 2 || size > MQES as u32 {
             return status::MAX_QSIZE_EXCEEDED;
         }
-        if cqid == 0 || cqid >= self.queues.cqs.len() || self.queues.cqs[cqid].is_none() {
+        // The SQ goes to its CQ's group (`shards.rs`).
+        let g = self.cq_group(cqid);
+        if cqid == 0 || cqid >= self.queues.cqs.len() || self.with_group(g, |c| c.queues.cqs[cqid].is_none()) {
             return status::CQ_INVALID;
         }
         if c.cdw11 & 1 == 0 {
@@ -176,18 +184,22 @@ impl Core {
         if !queue_in_ram(&self.mem, c.prp1, size as u64 * SQE_SIZE) {
             return status::INVALID_FIELD;
         }
-        self.queues.sqs[qid] = Some(Sq { gpa: c.prp1, size: size as u16, head: 0, tail: 0, cqid: cqid as u16 });
+        let sq = Sq { gpa: c.prp1, size: size as u16, head: 0, tail: 0, cqid: cqid as u16 };
         self.queues.created = true;
-        self.zero_bar_doorbell(qid, false);
-        self.sync_shadow(qid, false);
-        self.register_doorbells(qid);
+        self.with_group(g, |c| {
+            c.queues.sqs[qid] = Some(sq);
+            c.zero_bar_doorbell(qid, false);
+            c.sync_shadow(qid, false);
+            // On that group's eventfd (adaptive: it wakes that group's poller).
+            c.register_doorbells(qid);
+        });
         status::SUCCESS
     }
 
     /// Starts a new queue's shadow doorbell at 0 and its EventIdx where the
     /// mode wants the driver's first doorbell write: nowhere (shm) or on the
     /// first submission (ioeventfd).
-    fn sync_shadow(&mut self, qid: usize, cq: bool) {
+    pub(super) fn sync_shadow(&mut self, qid: usize, cq: bool) {
         if let Some((db, ei)) = self.db.shadow {
             let off = qid as u64 * 8 + if cq { 4 } else { 0 };
             let size = if cq { self.queues.cqs[qid].map(|q| q.size) } else { self.queues.sqs[qid].map(|q| q.size) };
@@ -201,25 +213,35 @@ impl Core {
 
     fn delete_sq(&mut self, qid: u16) -> u16 {
         let q = qid as usize;
-        if q == 0 || q >= self.queues.sqs.len() || self.queues.sqs[q].is_none() {
+        if q == 0 || q >= self.queues.sqs.len() {
             return status::INVALID_QID;
         }
-        self.queues.sqs[q] = None;
-        self.zero_bar_doorbell(q, false);
+        let Some(g) = self.sq_group(q) else { return status::INVALID_QID };
+        self.with_group(g, |c| {
+            c.queues.sqs[q] = None;
+            c.zero_bar_doorbell(q, false);
+        });
         status::SUCCESS
     }
 
     fn delete_cq(&mut self, qid: u16) -> u16 {
         let q = qid as usize;
-        if q == 0 || q >= self.queues.cqs.len() || self.queues.cqs[q].is_none() {
+        if q == 0 || q >= self.queues.cqs.len() {
             return status::INVALID_QID;
         }
-        if self.queues.sqs.iter().flatten().any(|s| s.cqid == qid) {
-            return status::INVALID_QUEUE_DELETION;
-        }
-        self.queues.cqs[q] = None;
-        self.zero_bar_doorbell(q, true);
-        status::SUCCESS
+        // Its SQs are in its group, as it is.
+        let g = self.cq_group(q);
+        self.with_group(g, |c| {
+            if c.queues.cqs[q].is_none() {
+                return status::INVALID_QID;
+            }
+            if c.queues.sqs.iter().flatten().any(|s| s.cqid == qid) {
+                return status::INVALID_QUEUE_DELETION;
+            }
+            c.queues.cqs[q] = None;
+            c.zero_bar_doorbell(q, true);
+            status::SUCCESS
+        })
     }
 
     /// Copies `data` to the command's PRPs.
@@ -457,10 +479,12 @@ impl Core {
                 s[1..3].copy_from_slice(&TEMPERATURE.to_le_bytes()); // composite temperature, K
                 s[3] = 100; // available spare
                 s[4] = 10; // threshold
-                s[32..40].copy_from_slice(&self.smart.read_units.div_ceil(1000).to_le_bytes());
-                s[48..56].copy_from_slice(&self.smart.write_units.div_ceil(1000).to_le_bytes());
-                s[64..72].copy_from_slice(&self.st.reads.to_le_bytes());
-                s[80..88].copy_from_slice(&self.st.writes.to_le_bytes());
+                           // Every queue group's (one with a single poller).
+                let (st, smart, _, _) = self.totals();
+                s[32..40].copy_from_slice(&smart.read_units.div_ceil(1000).to_le_bytes());
+                s[48..56].copy_from_slice(&smart.write_units.div_ceil(1000).to_le_bytes());
+                s[64..72].copy_from_slice(&st.reads.to_le_bytes());
+                s[80..88].copy_from_slice(&st.writes.to_le_bytes());
                 s
             }
             0x03 => {
@@ -524,16 +548,24 @@ impl Core {
             return status::INVALID_FIELD;
         }
         self.db.shadow = Some((c.prp1, c.prp2));
-        for qid in 1..self.queues.sqs.len() {
-            if self.queues.sqs[qid].is_some() || self.queues.cqs[qid].is_some() {
-                self.register_doorbells(qid);
-            }
-            if let Some(sq) = self.queues.sqs[qid] {
-                let _ = self.mem.store_u32(sq.tail as u32, c.prp1 + qid as u64 * 8, Ordering::Release);
-            }
-            if let Some(cq) = self.queues.cqs[qid] {
-                let _ = self.mem.store_u32(cq.head as u32, c.prp1 + qid as u64 * 8 + 4, Ordering::Release);
-            }
+        // Every queue group's queues (`sync_shards` gives the groups the buffer).
+        for g in 0..self.groups.max(1) {
+            self.with_group(g, |k| {
+                k.db.shadow = Some((c.prp1, c.prp2));
+                for qid in 1..k.queues.sqs.len() {
+                    if k.queues.sqs[qid].is_some() || k.queues.cqs[qid].is_some() {
+                        k.register_doorbells(qid);
+                    }
+                }
+                for qid in 1..k.queues.sqs.len() {
+                    if let Some(sq) = k.queues.sqs[qid] {
+                        let _ = k.mem.store_u32(sq.tail as u32, c.prp1 + qid as u64 * 8, Ordering::Release);
+                    }
+                    if let Some(cq) = k.queues.cqs[qid] {
+                        let _ = k.mem.store_u32(cq.head as u32, c.prp1 + qid as u64 * 8 + 4, Ordering::Release);
+                    }
+                }
+            });
         }
         status::SUCCESS
     }

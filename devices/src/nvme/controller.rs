@@ -4,7 +4,8 @@
 //!
 //! `Core` is shared by the vCPU thread (register and doorbell accesses) and
 //! the device thread (polling, ioeventfd) behind one mutex; its methods are
-//! spread over the files of the concern they serve.
+//! spread over the files of the concern they serve. With several pollers,
+//! each queue group is a `Core` of its own (`shards.rs`).
 
 use super::admin::Features;
 use super::backend::{Backend, Bounce};
@@ -31,6 +32,14 @@ pub(super) struct Core {
     pub st: Stats,
     pub smart: Smart,
     pub feat: Features,
+    /// Queue groups (`shards.rs`): this core's group and how many there are.
+    pub group: usize,
+    pub groups: usize,
+    /// Group 0 only: the cores of groups 1..N (index k - 1).
+    pub shards: Vec<std::sync::Arc<std::sync::Mutex<Core>>>,
+    /// Shared by the groups: MSI-X vector states, events they raised.
+    pub vectors: std::sync::Arc<super::shards::Vectors>,
+    pub raised: std::sync::Arc<super::shards::Raised>,
 }
 
 /// The submission and completion queues (index = queue id; 0 is admin).
@@ -75,7 +84,7 @@ pub(super) struct Scratch {
 }
 
 /// Counters (names in [`Core::counters`]).
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub(super) struct Stats {
     pub admin: u64,
     pub io: u64,
@@ -93,8 +102,32 @@ pub(super) struct Stats {
     pub wakeups: u64,
 }
 
+impl Stats {
+    /// Adds another group's counters.
+    pub fn add(&mut self, o: &Stats) {
+        let pairs = [
+            (&mut self.admin, o.admin),
+            (&mut self.io, o.io),
+            (&mut self.reads, o.reads),
+            (&mut self.writes, o.writes),
+            (&mut self.errors, o.errors),
+            (&mut self.doorbell_writes, o.doorbell_writes),
+            (&mut self.bad_doorbells, o.bad_doorbells),
+            (&mut self.cq_full_waits, o.cq_full_waits),
+            (&mut self.polls, o.polls),
+            (&mut self.kicks, o.kicks),
+            (&mut self.interrupts, o.interrupts),
+            (&mut self.sleeps, o.sleeps),
+            (&mut self.wakeups, o.wakeups),
+        ];
+        for (a, b) in pairs {
+            *a += b;
+        }
+    }
+}
+
 /// SMART / Health log data: 512-byte units transferred.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub(super) struct Smart {
     pub read_units: u64,
     pub write_units: u64,
@@ -119,6 +152,7 @@ impl Core {
                 lba_shift: cfg.lba_size.trailing_zeros(),
                 nlbas: cfg.size / cfg.lba_size as u64,
                 pending: Pending::new(),
+                ram: None,
             },
             scratch: Scratch { segs: Vec::with_capacity(64), buf: Vec::new(), bounce: Bounce::new(0) },
             db: Doorbells::new(cfg.doorbell, bar_page),
@@ -126,6 +160,11 @@ impl Core {
             st: Stats::default(),
             smart: Smart::default(),
             feat: Features::new(),
+            group: 0,
+            groups: 1,
+            shards: Vec::new(),
+            vectors: std::sync::Arc::new(super::shards::Vectors::new()),
+            raised: std::sync::Arc::default(),
         }
     }
 
@@ -136,6 +175,9 @@ impl Core {
     /// Queues an asynchronous event (type, info, log page) unless one of the
     /// same type and info waits already, and delivers it if it can.
     pub fn event(&mut self, kind: u32, info: u32, log_page: u32) {
+        if self.group != 0 {
+            return self.shard_event(kind, info, log_page); // group 0 delivers it
+        }
         let dw0 = kind & 7 | (info & 0xff) << 8 | (log_page & 0xff) << 16;
         if self.events.queued.iter().any(|e| e & 0xff07 == dw0 & 0xff07) {
             self.events.dropped += 1;
@@ -250,6 +292,10 @@ impl Core {
             if qid == 0 {
                 // An event a log page read let go.
                 self.deliver_events();
+                // What the command changed that the other queue groups copy.
+                if !self.shards.is_empty() {
+                    self.sync_shards();
+                }
             }
         }
     }
@@ -327,8 +373,10 @@ impl Core {
     }
 
     /// The device's counters, by the names routing checks and tests use.
-    pub fn counters(&self) -> Vec<Counter> {
-        let s = &self.st;
+    pub fn counters(&mut self) -> Vec<Counter> {
+        self.take_raised();
+        let (s, _, dropped, per) = self.totals();
+        let s = &s;
         let mut v: Vec<Counter> = [
             ("admin.commands", s.admin),
             ("io.commands", s.io),
@@ -337,7 +385,7 @@ impl Core {
             ("errors", s.errors),
             ("doorbell.writes", s.doorbell_writes),
             ("doorbell.invalid", s.bad_doorbells),
-            ("events.dropped", self.events.dropped),
+            ("events.dropped", dropped),
             ("cq.full-waits", s.cq_full_waits),
             ("shadow.polls", s.polls),
             ("ioeventfd.kicks", s.kicks),
@@ -348,7 +396,12 @@ impl Core {
         .into_iter()
         .map(|(n, value)| Counter { name: n.into(), value })
         .collect();
-        v.push(Counter { name: format!("backend.{}", self.ns.backend.name()), value: 1 });
+        if per.len() > 1 {
+            // I/O commands each poller served (group k's poller: `poller{k}.ios`).
+            v.extend(per.iter().enumerate().map(|(k, &n)| Counter { name: format!("poller{k}.ios"), value: n }));
+        }
+        let backend = if self.ns.ram.is_some() { "ram" } else { self.ns.backend.name() };
+        v.push(Counter { name: format!("backend.{backend}"), value: 1 });
         if let Backend::File(f) = &self.ns.backend {
             v.push(Counter { name: "backend.direct-ops".into(), value: f.direct_ops });
             // The queue depth that reached the file: the most operations in flight at once.

@@ -71,6 +71,8 @@ impl Doorbells {
 #[derive(Default)]
 pub(super) struct Threads {
     worker: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+    /// Several pollers: those of queue groups 1..N (`shards.rs`).
+    pollers: Vec<std::thread::JoinHandle<()>>,
     /// Why a thread could not be started (reported with the counters).
     pub error: Option<String>,
 }
@@ -96,37 +98,23 @@ impl Nvme {
         if !matches!(self.cfg.doorbell, DoorbellMode::Shm | DoorbellMode::Bar) {
             return;
         }
+        let shards = self.core.lock().unwrap().shards.clone();
+        self.start_polling(t, &shards);
+    }
+
+    /// shm, bar: one poller per queue group, group 0 (this core) first.
+    fn start_polling(&self, t: &mut Threads, shards: &[Arc<std::sync::Mutex<Core>>]) {
         let stop = Arc::new(AtomicBool::new(false));
-        let (core, stop2) = (self.core.clone(), stop.clone());
-        let h = std::thread::Builder::new().name("nvme-poller".into()).spawn(move || {
-            crate::sandbox::enter(crate::sandbox::Role::Device);
-            let mut idle = 0u32;
-            while !stop2.load(Ordering::Relaxed) {
-                let busy = {
-                    let mut c = core.lock().unwrap();
-                    c.st.polls += 1;
-                    let busy = if c.db.bar_page.is_some() { c.poll_bar() } else { c.poll_shadow() };
-                    // File backend completions; busy (no idling) while operations are in flight.
-                    let busy = c.io_progress() | busy;
-                    c.flush_coalesced();
-                    busy
-                };
-                if busy {
-                    idle = 0;
-                } else {
-                    idle = idle.saturating_add(1);
-                    if idle > 4096 {
-                        // Nothing for a while: let the other threads run.
-                        std::thread::yield_now();
-                    } else {
-                        std::hint::spin_loop();
-                    }
-                }
-            }
-        });
+        let h = spawn_poller(self.core.clone(), stop.clone());
         match h {
-            Ok(h) => t.worker = Some((stop, h)),
+            Ok(h) => t.worker = Some((stop.clone(), h)),
             Err(e) => t.error = Some(format!("nvme: cannot start the poller: {e}")),
+        }
+        for s in shards {
+            match spawn_poller(s.clone(), stop.clone()) {
+                Ok(h) => t.pollers.push(h),
+                Err(e) => t.error = Some(format!("nvme: cannot start a poller: {e}")),
+            }
         }
     }
 
@@ -167,7 +155,7 @@ impl Nvme {
     /// ioeventfd mode: a thread that sleeps on the doorbells' eventfd (and
     /// on the file backend's completion eventfd).
     fn start_kicked(&self, t: &mut Threads) {
-        let Some(kick) = self.kick_fd(t) else { return };
+        let Some(kick) = kick_fd(&self.core, t) else { return };
         // Kicks drained when the last thread stopped: look at the shadow once.
         self.core.lock().unwrap().serve_kicked();
         let stop = Arc::new(AtomicBool::new(false));
@@ -208,114 +196,159 @@ impl Nvme {
         }
     }
 
-    /// The doorbells' eventfd (non-blocking: `counters` may take its count
-    /// first), registered for the queues that exist. A static host's was made
-    /// and announced at attach: it stays.
-    fn kick_fd(&self, t: &mut Threads) -> Option<Arc<EventFd>> {
-        let mut c = self.core.lock().unwrap();
-        let kick = match c.db.kick.clone().map_or_else(|| EventFd::new(libc::EFD_NONBLOCK).map(Arc::new), Ok) {
-            Ok(k) => k,
-            Err(e) => {
-                t.error = Some(format!("nvme: eventfd: {e}"));
-                return None;
-            }
+    /// adaptive mode: a poller per queue group, each sleeping on an eventfd
+    /// of its own when idle (see `spawn_adaptive`).
+    fn start_adaptive(&self, t: &mut Threads) {
+        let (shards, statics) = {
+            let c = self.core.lock().unwrap();
+            (c.shards.clone(), c.static_ioevents())
         };
-        c.db.kick = Some(kick.clone());
-        for qid in 1..c.queues.sqs.len() {
-            if c.queues.sqs[qid].is_some() {
-                c.register_doorbells(qid);
+        if !shards.is_empty() && statics {
+            // A device process's host took one eventfd for every doorbell at
+            // attach: it cannot wake the group a doorbell belongs to.
+            log::warn!("nvme: adaptive doorbells with several pollers in a device process: the pollers do not sleep");
+            return self.start_polling(t, &shards);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let Some(kick) = kick_fd(&self.core, t) else { return };
+        // Another group's event wakes group 0 to deliver it.
+        self.core.lock().unwrap().raised.set_wake(Some(kick.clone()));
+        let done = self.core.lock().unwrap().io_completion_fd();
+        match spawn_adaptive(self.core.clone(), kick, done, stop.clone()) {
+            Ok(h) => t.worker = Some((stop.clone(), h)),
+            Err(e) => return t.error = Some(format!("nvme: cannot start the adaptive poller: {e}")),
+        }
+        for s in shards {
+            let Some(kick) = kick_fd(&s, t) else { continue };
+            match spawn_adaptive(s, kick, None, stop.clone()) {
+                Ok(h) => t.pollers.push(h),
+                Err(e) => t.error = Some(format!("nvme: cannot start an adaptive poller: {e}")),
             }
         }
-        Some(kick)
     }
+}
 
-    /// adaptive mode: polls the shadow doorbells while work comes; idle for
-    /// `ADAPTIVE_IDLE`, arms EventIdx and sleeps on the doorbells' eventfd
-    /// (and the file backend's completion eventfd).
-    fn start_adaptive(&self, t: &mut Threads) {
-        let Some(kick) = self.kick_fd(t) else { return };
-        let stop = Arc::new(AtomicBool::new(false));
-        let (core, stop2) = (self.core.clone(), stop.clone());
-        let done = self.core.lock().unwrap().io_completion_fd();
-        let mut retry = Retry::default();
-        let h = std::thread::Builder::new().name("nvme-adaptive".into()).spawn(move || {
-            crate::sandbox::enter(crate::sandbox::Role::Device);
-            let mut last_work = std::time::Instant::now();
-            while !stop2.load(Ordering::Relaxed) {
-                let busy = {
-                    let mut c = core.lock().unwrap();
-                    c.st.polls += 1;
-                    let busy = c.poll_shadow() | c.io_progress() | c.commands_held();
-                    c.flush_coalesced();
-                    busy
-                };
-                if busy || last_work.elapsed() < super::ADAPTIVE_IDLE {
-                    if busy {
-                        last_work = std::time::Instant::now();
-                    }
-                    std::hint::spin_loop();
+/// The doorbells' eventfd of a queue group's core (non-blocking: `counters`
+/// may take its count first), registered for the queues it holds. A static
+/// host's was made and announced at attach: it stays.
+fn kick_fd(core: &std::sync::Mutex<Core>, t: &mut Threads) -> Option<Arc<EventFd>> {
+    let mut c = core.lock().unwrap();
+    let kick = match c.db.kick.clone().map_or_else(|| EventFd::new(libc::EFD_NONBLOCK).map(Arc::new), Ok) {
+        Ok(k) => k,
+        Err(e) => {
+            t.error = Some(format!("nvme: eventfd: {e}"));
+            return None;
+        }
+    };
+    c.db.kick = Some(kick.clone());
+    for qid in 1..c.queues.sqs.len() {
+        if c.queues.sqs[qid].is_some() {
+            c.register_doorbells(qid);
+        }
+    }
+    Some(kick)
+}
+
+/// adaptive mode: one queue group's poller. It polls the shadow doorbells
+/// while work comes; idle for `ADAPTIVE_IDLE`, it arms EventIdx and sleeps
+/// on its doorbells' eventfd (and the file backend's completion eventfd).
+fn spawn_adaptive(
+    core: Arc<std::sync::Mutex<Core>>,
+    kick: Arc<EventFd>,
+    done: Option<Arc<EventFd>>,
+    stop2: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let mut retry = Retry::default();
+    std::thread::Builder::new().name("nvme-adaptive".into()).spawn(move || {
+        crate::sandbox::enter(crate::sandbox::Role::Device);
+        let mut last_work = std::time::Instant::now();
+        while !stop2.load(Ordering::Relaxed) {
+            let busy = {
+                let mut c = core.lock().unwrap();
+                c.st.polls += 1;
+                let busy = c.poll_shadow() | c.io_progress() | c.commands_held();
+                c.flush_coalesced();
+                c.take_raised();
+                busy
+            };
+            if busy || last_work.elapsed() < super::ADAPTIVE_IDLE {
+                if busy {
+                    last_work = std::time::Instant::now();
+                }
+                std::hint::spin_loop();
+                continue;
+            }
+            {
+                let mut c = core.lock().unwrap();
+                if !c.arm_wakeup() {
+                    last_work = std::time::Instant::now(); // a submission raced: poll it
                     continue;
                 }
-                {
-                    let mut c = core.lock().unwrap();
-                    if !c.arm_wakeup() {
-                        last_work = std::time::Instant::now(); // a submission raced: poll it
-                        continue;
-                    }
-                    c.st.sleeps += 1;
-                    c.flush_coalesced_untimed();
-                }
-                let r = wait_either(&kick, done.as_deref(), retry.after());
-                let mut c = core.lock().unwrap();
-                c.db.sleeping = false;
-                let (kicked, completed) = match r {
-                    Ok(r) => r,
-                    Err(e) => return c.thread_failed("adaptive", &e),
-                };
-                if stop2.load(Ordering::Relaxed) {
-                    return; // woken to stop (that write is not a doorbell)
-                }
-                if kicked {
-                    c.drain_kicks();
-                    c.st.wakeups += 1;
-                }
-                if let (true, Some(done)) = (completed, done.as_deref()) {
-                    let _ = read_eventfd(done);
-                }
-                retry.next(c.io_stalled());
-                last_work = std::time::Instant::now();
+                c.st.sleeps += 1;
+                c.flush_coalesced_untimed();
             }
-        });
-        match h {
-            Ok(h) => t.worker = Some((stop, h)),
-            Err(e) => t.error = Some(format!("nvme: cannot start the adaptive poller: {e}")),
+            let r = wait_either(&kick, done.as_deref(), retry.after());
+            let mut c = core.lock().unwrap();
+            c.db.sleeping = false;
+            let (kicked, completed) = match r {
+                Ok(r) => r,
+                Err(e) => return c.thread_failed("adaptive", &e),
+            };
+            if stop2.load(Ordering::Relaxed) {
+                return; // woken to stop (that write is not a doorbell)
+            }
+            if kicked {
+                c.drain_kicks();
+                c.st.wakeups += 1;
+            }
+            if let (true, Some(done)) = (completed, done.as_deref()) {
+                let _ = read_eventfd(done);
+            }
+            retry.next(c.io_stalled());
+            last_work = std::time::Instant::now();
         }
-    }
+    })
+}
 
+impl Nvme {
     /// Stops the device thread: unregisters the ioeventfds (a static host's
     /// stay, with their eventfd), wakes the thread and joins it without
     /// holding the core lock.
     pub(super) fn stop_threads(&self, t: &mut Threads) {
         if let Some((stop, h)) = t.worker.take() {
             stop.store(true, Ordering::Relaxed);
-            let (kick, done, kept) = {
-                let mut c = self.core.lock().unwrap();
+            // Every queue group's eventfds (the other groups' pollers share
+            // the flag); no core lock is held while a thread is joined.
+            let shards = self.core.lock().unwrap().shards.clone();
+            let mut wake = Vec::new();
+            let mut kept_kick = None;
+            for (g, core) in std::iter::once(&self.core).chain(shards.iter()).enumerate() {
+                let mut c = core.lock().unwrap();
                 let kept = c.static_ioevents();
                 if !kept {
                     c.unregister_all();
                 }
                 let kick = if kept { c.db.kick.clone() } else { c.db.kick.take() };
-                (kick, c.io_completion_fd(), kept)
-            };
-            // Wake the thread that sleeps on either to see `stop`.
-            for fd in kick.iter().chain(done.iter()) {
+                if g == 0 {
+                    c.raised.set_wake(None);
+                    if kept {
+                        kept_kick = kick.clone();
+                    }
+                }
+                wake.extend(kick.into_iter().chain(c.io_completion_fd()));
+            }
+            // Wake the threads that sleep on either to see `stop`.
+            for fd in &wake {
                 let _ = fd.write(1);
+            }
+            for p in t.pollers.drain(..) {
+                let _ = p.join();
             }
             let _ = h.join();
             self.core.lock().unwrap().db.own_wakes = 0;
             // That write is not a doorbell: a kept eventfd must not count it
             // as a kick (the next thread looks at the shadow when it starts).
-            if let (true, Some(k)) = (kept, &kick) {
+            if let Some(k) = &kept_kick {
                 if let Ok((true, _)) = wait_either(k, None, Some(std::time::Duration::ZERO)) {
                     let _ = read_eventfd(k);
                 }
@@ -347,6 +380,17 @@ impl Core {
         }
         let qid = (off / 8) as usize;
         let is_cq = off % 8 == 4;
+        if qid > 0 && qid <= MAX_IO_QUEUES as usize && !self.shards.is_empty() {
+            // Another queue group's queue: its core serves the write (a
+            // queue that exists nowhere is refused here, below).
+            let g = if is_cq { Some(self.cq_group(qid)) } else { self.sq_group(qid) };
+            if let Some(g @ 1..) = g {
+                self.st.doorbell_writes -= 1; // counted by that group
+                self.with_group(g, |c| c.doorbell(off, value));
+                self.take_raised();
+                return;
+            }
+        }
         let q = &self.queues;
         let size = if is_cq {
             q.cqs.get(qid).copied().flatten().map(|q| q.size)
@@ -669,6 +713,45 @@ impl Core {
             let _ = io.unregister(crate::IoEventSpec { bar: 0, offset: off, len: 4, datamatch: None }, &kick);
         }
     }
+}
+
+/// A poller (`shm`, `bar`) of one queue group's core, until `stop`. Group 0's
+/// also delivers the asynchronous events the other groups raised.
+fn spawn_poller(
+    core: Arc<std::sync::Mutex<Core>>,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new().name("nvme-poller".into()).spawn(move || {
+        crate::sandbox::enter(crate::sandbox::Role::Device);
+        let mut idle = 0u32;
+        while !stop.load(Ordering::Relaxed) {
+            let (busy, unused) = {
+                let mut c = core.lock().unwrap();
+                c.st.polls += 1;
+                let busy = if c.db.bar_page.is_some() { c.poll_bar() } else { c.poll_shadow() };
+                // File backend completions; busy (no idling) while operations are in flight.
+                let busy = c.io_progress() | busy;
+                c.flush_coalesced();
+                c.take_raised();
+                (busy, c.group_unused())
+            };
+            if busy {
+                idle = 0;
+            } else {
+                idle = idle.saturating_add(1);
+                if idle > 4096 && unused {
+                    // A queue group with no queue to poll: leave the core to the others;
+                    // a queue created meanwhile waits at most this long.
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                } else if idle > 4096 {
+                    // Nothing for a while: let the other threads run.
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+    })
 }
 
 /// Reads an eventfd's count (blocks while it is 0), retrying when a signal

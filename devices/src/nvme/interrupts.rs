@@ -101,7 +101,7 @@ impl Core {
     }
 
     /// True when the host keeps the MSI-X table (see the module documentation).
-    fn host_owns_table(&self) -> bool {
+    pub(super) fn host_owns_table(&self) -> bool {
         !self.intr.client_table && self.intr.irq.msix_host_owned()
     }
 
@@ -111,6 +111,9 @@ impl Core {
         let v = v as usize;
         if v >= MSIX_VECTORS {
             return;
+        }
+        if self.group != 0 {
+            return self.shard_interrupt(v); // group 0 keeps the table
         }
         if self.host_owns_table() {
             if self.intr.irq.signal_msix(v as u16) {

@@ -38,6 +38,9 @@ pub(super) struct Namespace {
     pub nlbas: u64,
     /// Commands out on the file backend's io_uring.
     pub pending: Pending,
+    /// Several pollers on a `ram` namespace: its memory, shared by the queue
+    /// groups (`backend` is then `Null`).
+    pub ram: Option<std::sync::Arc<super::shards::SharedRam>>,
 }
 
 /// The command a file backend slot serves (index = slot).
@@ -342,7 +345,7 @@ impl Core {
                     return status::LBA_OUT_OF_RANGE;
                 }
                 self.settle_io();
-                match self.ns.backend.zero(slba << self.ns.lba_shift, n << self.ns.lba_shift) {
+                match self.zero_blocks(slba << self.ns.lba_shift, n << self.ns.lba_shift) {
                     Ok(()) => status::SUCCESS,
                     Err(_) => status::INTERNAL,
                 }
@@ -394,6 +397,9 @@ impl Core {
     /// that follow each other in guest memory is one access (one message
     /// each way where the host reaches that memory by message).
     fn transfer(&mut self, segs: &[(u64, u64)], mut off: u64, write: bool) -> u16 {
+        if self.ns.ram.is_some() {
+            return self.transfer_shared(segs, off, write);
+        }
         if matches!(self.ns.backend, Backend::Null) {
             return status::SUCCESS;
         }
@@ -485,7 +491,7 @@ impl Core {
             if slba.checked_add(n).is_none_or(|e| e > self.ns.nlbas) {
                 return status::LBA_OUT_OF_RANGE;
             }
-            if deallocate && self.ns.backend.zero(slba << self.ns.lba_shift, n << self.ns.lba_shift).is_err() {
+            if deallocate && self.zero_blocks(slba << self.ns.lba_shift, n << self.ns.lba_shift).is_err() {
                 return status::INTERNAL;
             }
         }
@@ -495,7 +501,7 @@ impl Core {
 
 /// The segments with each run of adjacent ones (one ending where the next
 /// begins) merged.
-fn runs(segs: &[(u64, u64)]) -> impl Iterator<Item = (u64, u64)> + '_ {
+pub(super) fn runs(segs: &[(u64, u64)]) -> impl Iterator<Item = (u64, u64)> + '_ {
     let mut i = 0;
     std::iter::from_fn(move || {
         let &(a, mut n) = segs.get(i)?;

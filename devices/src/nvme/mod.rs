@@ -87,10 +87,13 @@
 //! Locking: [`Nvme`] implements [`DeviceModel`] itself. All controller state
 //! is one `Core` behind one mutex, which the vCPU thread (register and
 //! doorbell accesses) and the device thread share, so a BAR access takes
-//! exactly that lock. Starting and stopping the device thread (CC.EN,
-//! reset, quiesce) is serialised by a second lock that no BAR access other
-//! than a CC write takes; the core lock is never held while a thread is
-//! joined.
+//! exactly that lock. With `pollers=N` (N > 1; `shm`, `bar`, `adaptive`),
+//! the I/O queues are spread over N queue groups by CQ id, each a `Core`
+//! behind its own mutex served by its own poller; that core is group 0's,
+//! and the admin path takes another group's lock only after it
+//! (`shards.rs`). Starting and stopping the device threads (CC.EN, reset,
+//! quiesce) is serialised by a second lock that no BAR access other than a
+//! CC write takes; no core lock is held while a thread is joined.
 //!
 //! Files: `regs.rs` controller registers, enable, disable, shutdown;
 //! `controller.rs` the `Core` and its state by concern, queue processing,
@@ -99,7 +102,7 @@
 //! and the device thread; `interrupts.rs` MSI-X (the shared
 //! [`MsixTable`](crate::pci::MsixTable)) and interrupt coalescing;
 //! `queue.rs` queue entries and PRPs in guest memory; `backend.rs` the
-//! namespace's storage.
+//! namespace's storage; `shards.rs` queue groups for several pollers.
 
 mod admin;
 pub mod backend;
@@ -109,6 +112,7 @@ mod interrupts;
 mod io;
 pub mod queue;
 mod regs;
+mod shards;
 
 use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, Error, PciIds, Result};
 use backend::{Backend, BackendKind};
@@ -190,17 +194,30 @@ pub struct NvmeConfig {
     /// 512 or 4096.
     pub lba_size: u32,
     pub doorbell: DoorbellMode,
+    /// Poller threads ([`MAX_POLLERS`] at most); with more than one, the I/O
+    /// queues are spread over them by CQ id (`shards.rs`).
+    pub pollers: u8,
 }
+
+/// Poller threads a controller may have (`pollers=`).
+pub const MAX_POLLERS: u8 = 16;
 
 impl Default for NvmeConfig {
     fn default() -> Self {
-        NvmeConfig { backend: BackendKind::Ram, size: 64 << 20, lba_size: 512, doorbell: DoorbellMode::Adaptive }
+        NvmeConfig {
+            backend: BackendKind::Ram,
+            size: 64 << 20,
+            lba_size: 512,
+            doorbell: DoorbellMode::Adaptive,
+            pollers: 1,
+        }
     }
 }
 
 impl NvmeConfig {
-    /// Checks the namespace geometry: LBA size 512 or 4096, size a non-zero
-    /// multiple of it.
+    /// Checks the namespace geometry (LBA size 512 or 4096, size a non-zero
+    /// multiple of it) and the pollers (1 ..= [`MAX_POLLERS`]; more than one
+    /// only in `shm`, `bar` and `adaptive` mode, on a `null` or `ram` namespace).
     pub fn validate(&self) -> Result<()> {
         let bad = |option: &str, reason: String| Err(Error::Option { device: "nvme", option: option.into(), reason });
         if self.lba_size != 512 && self.lba_size != 4096 {
@@ -208,6 +225,22 @@ impl NvmeConfig {
         }
         if self.size < self.lba_size as u64 || !self.size.is_multiple_of(self.lba_size as u64) {
             return bad("size_mb", format!("namespace size {} is not a multiple of the LBA size", self.size));
+        }
+        if self.pollers == 0 || self.pollers > MAX_POLLERS {
+            return bad("pollers", format!("{} pollers (1 ..= {MAX_POLLERS})", self.pollers));
+        }
+        if self.pollers > 1 && !matches!(self.doorbell, DoorbellMode::Shm | DoorbellMode::Bar | DoorbellMode::Adaptive)
+        {
+            return bad(
+                "pollers",
+                format!("several pollers need doorbell=shm, bar or adaptive, not {}", self.doorbell),
+            );
+        }
+        if self.pollers > 1 && matches!(self.backend, BackendKind::File(_)) {
+            return bad(
+                "pollers",
+                "several pollers need backend=null or ram (a file namespace has one io_uring)".into(),
+            );
         }
         Ok(())
     }
@@ -228,7 +261,7 @@ pub struct Nvme {
 impl Nvme {
     pub fn new(cfg: NvmeConfig) -> Result<Self> {
         cfg.validate()?;
-        let backend = Backend::open(&cfg.backend, cfg.size)?;
+        let backend = if cfg.pollers > 1 { Backend::Null } else { Backend::open(&cfg.backend, cfg.size)? };
         let (bar_page, bar_fd) = match cfg.doorbell {
             DoorbellMode::Bar => {
                 let (page, fd) = doorbells::bar_memory()?;
@@ -236,7 +269,20 @@ impl Nvme {
             }
             _ => (None, None),
         };
-        let core = Core::new(&cfg, backend, bar_page);
+        let core = if cfg.pollers > 1 {
+            // Queue groups (`shards.rs`); a RAM namespace becomes memory they share.
+            let ram = match cfg.backend {
+                BackendKind::Ram => Some(Arc::new(shards::SharedRam::new(cfg.size)?)),
+                _ => None,
+            };
+            let mut c0 = Core::new(&cfg, Backend::Null, bar_page);
+            c0.ns.ram = ram;
+            c0.groups = cfg.pollers as usize;
+            c0.shards = (1..c0.groups).map(|g| Arc::new(Mutex::new(Core::new_shard(&c0, &cfg, g)))).collect();
+            c0
+        } else {
+            Core::new(&cfg, backend, bar_page)
+        };
         Ok(Nvme { cfg, core: Arc::new(Mutex::new(core)), threads: Mutex::new(Threads::default()), bar_fd })
     }
 }
@@ -279,6 +325,7 @@ impl DeviceModel for Nvme {
                 // File completions that waited for memory: the device thread posts them.
                 let _ = done.write(1);
             }
+            c.sync_shards();
             c.regs.csts & 1 == 1
         };
         // A device process's next client finds the controller as the last
@@ -310,6 +357,7 @@ impl DeviceModel for Nvme {
             for v in 0..MSIX_VECTORS {
                 c.msix_update(v);
             }
+            c.sync_vectors();
         }
     }
 
@@ -318,7 +366,10 @@ impl DeviceModel for Nvme {
             le_fill(data, if bar != 0 { u64::MAX } else { 0 });
             return;
         }
-        let c = self.core.lock().unwrap();
+        let mut c = self.core.lock().unwrap();
+        if c.intr.msix.claims(bar, offset) {
+            c.sync_vectors(); // the other queue groups' pending bits, for the PBA
+        }
         if c.intr.msix.read(bar, offset, data) {
             return;
         }
@@ -347,6 +398,7 @@ impl DeviceModel for Nvme {
             if let Some(vector) = c.intr.msix.write(bar, offset, data) {
                 c.intr.client_table = true;
                 c.msix_update(vector);
+                c.sync_vectors();
             }
             return;
         }
@@ -369,6 +421,7 @@ impl DeviceModel for Nvme {
         c.regs.aqa = 0;
         c.regs.asq = 0;
         c.regs.acq = 0;
+        c.sync_shards();
     }
 
     fn quiesce(&self) {

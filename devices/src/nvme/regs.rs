@@ -94,14 +94,16 @@ impl Nvme {
             if v >> 14 & 3 != 0 {
                 c.regs.csts = (c.regs.csts & !0xc) | 0x8; // shutdown complete
             }
-            if was == 0 && en == 1 {
+            let started = if was == 0 && en == 1 {
                 c.enable()
             } else {
                 if en == 0 {
                     c.regs.csts &= !1;
                 }
                 false
-            }
+            };
+            c.sync_shards();
+            started
         };
         if started {
             self.start_threads(&mut threads);
@@ -164,5 +166,15 @@ impl Core {
         q.nsqa = MAX_IO_QUEUES;
         q.ncqa = MAX_IO_QUEUES;
         self.regs.csts = if idle { 0 } else { 2 };
+        // The other queue groups' queues, aggregation and events (their pollers are stopped).
+        for s in self.shards.clone() {
+            let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
+            s.queues.sqs.iter_mut().for_each(|q| *q = None);
+            s.queues.cqs.iter_mut().for_each(|q| *q = None);
+            s.db.shadow = None;
+            s.intr.agg.iter_mut().for_each(|a| *a = (0, None));
+        }
+        self.raised.take_all();
+        self.sync_shards();
     }
 }
