@@ -238,6 +238,24 @@ fn adaptive_doorbells_wake_the_poller_where_the_doorbell_comes_as_a_message() {
 }
 
 #[test]
+fn adaptive_doorbells_sleep_while_file_reads_are_in_flight_and_wake_on_their_completion() {
+    kvm();
+    // A file with data (reads of unwritten extents never reach the disk), on the disk, not tmpfs.
+    let img = std::path::PathBuf::from(format!("/var/tmp/iopath-adaptive-file-{}.img", std::process::id()));
+    let data: Vec<u8> = (0..(8u32 << 20)).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    std::fs::write(&img, data).unwrap();
+    let spec = format!("nvme,doorbell=adaptive,backend=file:{},size_mb=8", img.display());
+    let (rec, c, _) = nvmeperf(&spec, "rw=randread bs=4096 iodepth=1 time_ms=300");
+    let _ = std::fs::remove_file(&img);
+    let ios = num(&rec, "ios");
+    assert_eq!((num(&rec, "errors"), c["io.commands"]), (0, ios), "{c:?}");
+    // Each read waits for the disk: the poller sleeps through it and its completion wakes it.
+    // Spinning through in-flight operations instead, it slept only when the guest was idle.
+    assert!(c["adaptive.sleeps"] >= (ios / 2).min(100), "{ios} reads, {c:?}");
+    assert!(c["adaptive.wakeups"] <= c["adaptive.sleeps"], "{c:?}");
+}
+
+#[test]
 fn the_same_driver_runs_against_qemus_nvme() {
     kvm();
     let qemu = programs().qemu.expect("qemu-system-x86_64 is needed (apt-get install -y qemu-system-x86)");

@@ -313,19 +313,27 @@ impl Core {
     /// (whoever freed it) or of CQ room. True if anything was done or
     /// operations are in flight (a poller stays busy then).
     pub fn io_progress(&mut self) -> bool {
+        let (done, in_flight) = self.io_step();
+        done || in_flight
+    }
+
+    /// As [`io_progress`](Self::io_progress), apart: (anything completed,
+    /// operations still in flight). The adaptive poller sleeps on the
+    /// completion eventfd while only the latter holds.
+    pub fn io_step(&mut self) -> (bool, bool) {
         if self.mem.is_empty() {
-            return false; // no client: its completions wait for its memory
+            return (false, false); // no client: its completions wait for its memory
         }
         if !self.reap_io() {
             self.serve_slot_waiters();
-            return self.io_in_flight() > 0;
+            return (false, self.io_in_flight() > 0);
         }
         for qid in 1..self.queues.sqs.len() {
             if self.queues.sqs[qid].is_some_and(|s| s.head != s.tail) {
                 self.process_sq(qid);
             }
         }
-        true
+        (true, self.io_in_flight() > 0)
     }
 
     /// The file backend's completion eventfd (io_uring signals it).

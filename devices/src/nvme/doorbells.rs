@@ -263,15 +263,18 @@ fn spawn_adaptive(
         crate::sandbox::enter(crate::sandbox::Role::Device);
         let mut last_work = std::time::Instant::now();
         while !stop2.load(Ordering::Relaxed) {
-            let busy = {
+            let (busy, idle) = {
                 let mut c = core.lock().unwrap();
                 c.st.polls += 1;
-                let busy = c.poll_shadow() | c.io_progress() | c.commands_held();
+                let (done, in_flight) = c.io_step();
+                let busy = c.poll_shadow() | done | c.commands_held();
                 c.flush_coalesced();
                 c.take_raised();
-                busy
+                // Waiting only for the file's operations: the completion
+                // eventfd wakes this thread, so it leaves the core sooner.
+                (busy, if in_flight { super::ADAPTIVE_IDLE_IO } else { super::ADAPTIVE_IDLE })
             };
-            if busy || last_work.elapsed() < super::ADAPTIVE_IDLE {
+            if busy || last_work.elapsed() < idle {
                 if busy {
                     last_work = std::time::Instant::now();
                 }
@@ -304,6 +307,9 @@ fn spawn_adaptive(
             if let (true, Some(done)) = (completed, done.as_deref()) {
                 let _ = read_eventfd(done);
             }
+            // Polling again: EventIdx goes back behind the tails, or the next
+            // submission (the one a completion is likely to bring) would ring.
+            c.disarm_wakeup();
             retry.next(c.io_stalled());
             last_work = std::time::Instant::now();
         }
@@ -345,7 +351,13 @@ impl Nvme {
                 let _ = p.join();
             }
             let _ = h.join();
-            self.core.lock().unwrap().db.own_wakes = 0;
+            {
+                // Wake-ups written for stopped pollers are no longer waited for.
+                let mut c = self.core.lock().unwrap();
+                for g in 0..c.groups.max(1) {
+                    c.with_group(g, |c| c.db.own_wakes = 0);
+                }
+            }
             // That write is not a doorbell: a kept eventfd must not count it
             // as a kick (the next thread looks at the shadow when it starts).
             if let Some(k) = &kept_kick {
@@ -632,6 +644,18 @@ impl Core {
             Some(k) if k.write(1).is_ok() => self.db.own_wakes += 1,
             _ => {
                 self.arm_wakeup();
+            }
+        }
+    }
+
+    /// adaptive, awake again: every I/O SQ's EventIdx one behind the tail
+    /// served (as `poll_shadow` keeps it), so that the driver does not ring.
+    pub(super) fn disarm_wakeup(&mut self) {
+        let Some((_, ei)) = self.db.shadow else { return };
+        for qid in 1..self.queues.sqs.len() {
+            if let Some(sq) = self.queues.sqs[qid] {
+                let ev = queue::prev(sq.tail as u32, sq.size as u32);
+                let _ = self.mem.store_u32(ev, ei + qid as u64 * 8, Ordering::Release);
             }
         }
     }

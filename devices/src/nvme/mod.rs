@@ -48,7 +48,8 @@
 //!   is an ioeventfd from attach on (see `doorbells.rs`): there a driver
 //!   must configure the buffer before it creates I/O queues.
 //! - `adaptive`: `shm` while work comes; after [`ADAPTIVE_IDLE`] without
-//!   any, the poller sets every I/O SQ's EventIdx to the tail it served (the
+//!   any ([`ADAPTIVE_IDLE_IO`] when only file operations are in flight:
+//!   their completion eventfd wakes it too), the poller sets every I/O SQ's EventIdx to the tail it served (the
 //!   driver's next submission also writes the doorbell register, an
 //!   ioeventfd as in `ioeventfd` mode), re-reads the shadow tails (a
 //!   submission that raced with EventIdx is served, not slept on) and sleeps
@@ -154,6 +155,12 @@ pub enum DoorbellMode {
 
 /// `adaptive` mode: how long the poller finds no work before it sleeps.
 pub const ADAPTIVE_IDLE: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// `adaptive` mode with file operations in flight and no other work: how
+/// long the poller looks before it sleeps until a completion (the ring's
+/// eventfd) or a doorbell wakes it. A disk's completion takes tens of
+/// microseconds or more; spinning through it takes a core from the vCPU.
+pub const ADAPTIVE_IDLE_IO: std::time::Duration = std::time::Duration::from_micros(20);
 
 impl std::str::FromStr for DoorbellMode {
     type Err = Error;
