@@ -9,7 +9,7 @@
 //! process, QEMU) while the run goes, by a [`Pinner`] that looks every few
 //! milliseconds, since they come and go with the guest's driver.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -136,8 +136,10 @@ pub struct Pinner {
 impl Pinner {
     /// Looks for the vCPU thread and the threads named `device` in this
     /// process and its children, every 5 ms during the first half second,
-    /// every 100 ms after, and pins each new one. Threads that end are
-    /// forgotten; a thread that cannot be pinned is skipped (counted no).
+    /// every 100 ms after, and pins each new one, and each one whose name
+    /// changed: a thread the vCPU thread starts (a poller, at the
+    /// controller's enable) runs under the vCPU's name, and on its CPU, until
+    /// it names itself. A thread that cannot be pinned is skipped (counted no).
     pub fn start(p: Placement, device: &'static [&'static str]) -> Pinner {
         let (stop, pinned) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
         let (stop2, pinned2) = (stop.clone(), pinned.clone());
@@ -145,15 +147,16 @@ impl Pinner {
         let thread = std::thread::Builder::new()
             .name("bench-pinner".into())
             .spawn(move || {
-                let mut seen = BTreeSet::new();
+                let mut seen = BTreeMap::new();
                 let mut n_device = 0;
                 let t0 = std::time::Instant::now();
                 while !stop2.load(Ordering::Relaxed) {
                     let found = crate::cpu::Snapshot::take(&crate::cpu::self_and_children(), &names(device));
-                    let mut fresh: Vec<_> = found.threads.iter().filter(|t| !seen.contains(&(t.pid, t.tid))).collect();
+                    let mut fresh: Vec<_> =
+                        found.threads.iter().filter(|t| seen.get(&(t.pid, t.tid)) != Some(&t.name)).collect();
                     fresh.sort_by(|a, b| (&a.name, a.tid).cmp(&(&b.name, b.tid)));
                     for t in fresh {
-                        seen.insert((t.pid, t.tid));
+                        seen.insert((t.pid, t.tid), t.name.clone());
                         let cpu = if VCPU_THREADS.contains(&t.name.as_str()) {
                             p.vcpu
                         } else {
@@ -212,6 +215,37 @@ mod tests {
         let cpus: Vec<usize> = (0..4).map(|i| p.device_cpu(i, &[0, 1, 2, 3])).collect();
         assert_eq!(cpus, [1, 2, 3, 1]);
         assert_eq!(p.device_cpu(5, &[0, 1]), 1, "two CPUs: every device thread on the second");
+    }
+
+    #[test]
+    fn a_thread_that_starts_under_the_vcpus_name_is_moved_when_it_names_itself() {
+        let Some(p) = Placement::auto() else { return assert_eq!(allowed_cpus().len(), 1) };
+        let pinner = Arc::new(Pinner::start(p, &["pin-test-late"]));
+        let pn = pinner.clone();
+        let wait_for = move |n: usize| {
+            let t0 = std::time::Instant::now();
+            while pn.pinned() < n && t0.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            pn.pinned()
+        };
+        // As a poller the vCPU thread starts: named like it at first.
+        let h = std::thread::Builder::new()
+            .name("vcpu0".into())
+            .spawn(move || {
+                let first = wait_for(1);
+                let name = std::ffi::CString::new("pin-test-late").unwrap();
+                // SAFETY: PR_SET_NAME with a NUL-terminated name of 16 bytes or less.
+                unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr()) };
+                let second = wait_for(2);
+                std::thread::sleep(Duration::from_millis(5));
+                // SAFETY: sched_getcpu has no arguments.
+                (first, second, unsafe { libc::sched_getcpu() } as usize)
+            })
+            .unwrap();
+        let (first, second, cpu) = h.join().unwrap();
+        assert_eq!((first, second), (1, 2), "pinned as the vCPU, then again under its own name");
+        assert_eq!(cpu, p.device, "it runs on the device CPU, not the vCPU's");
     }
 
     #[test]
