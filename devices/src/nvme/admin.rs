@@ -156,7 +156,9 @@ impl Core {
         let prp1 = c.prp1;
         self.queues.created = true;
         self.with_group(g, |c| {
-            c.queues.cqs[qid] = Some(Cq { gpa: prp1, size: size as u16, ien, iv, ..Default::default() });
+            let mut cq = Cq { gpa: prp1, size: size as u16, ien, iv, ..Default::default() };
+            cq.resolve(&c.mem);
+            c.queues.cqs[qid] = Some(cq);
             c.zero_bar_doorbell(qid, true);
             c.sync_shadow(qid, true);
         });
@@ -184,7 +186,8 @@ impl Core {
         if !queue_in_ram(&self.mem, c.prp1, size as u64 * SQE_SIZE) {
             return status::INVALID_FIELD;
         }
-        let sq = Sq { gpa: c.prp1, size: size as u16, head: 0, tail: 0, cqid: cqid as u16 };
+        let mut sq = Sq { gpa: c.prp1, size: size as u16, cqid: cqid as u16, ..Default::default() };
+        sq.resolve(&self.mem);
         self.queues.created = true;
         self.with_group(g, |c| {
             c.queues.sqs[qid] = Some(sq);

@@ -42,6 +42,14 @@ pub(super) struct Core {
     pub raised: std::sync::Arc<super::shards::Raised>,
 }
 
+impl Queues {
+    /// Resolves every queue's ring in `mem` (the memory came or changed).
+    pub fn resolve(&mut self, mem: &GuestMem) {
+        self.sqs.iter_mut().flatten().for_each(|q| q.resolve(mem));
+        self.cqs.iter_mut().flatten().for_each(|q| q.resolve(mem));
+    }
+}
+
 /// The submission and completion queues (index = queue id; 0 is admin).
 pub(super) struct Queues {
     pub sqs: Vec<Option<Sq>>,

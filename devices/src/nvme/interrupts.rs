@@ -32,6 +32,9 @@ pub(super) struct IrqState {
     pub coalescing: u32,
     /// Per vector: completions not yet signalled, and since when.
     pub agg: Vec<(u32, Option<Instant>)>,
+    /// Vectors in `agg` that hold completions: the pollers look at the
+    /// timers on every pass, so with none held they do not walk the 65.
+    pub held: usize,
 }
 
 impl IrqState {
@@ -42,7 +45,14 @@ impl IrqState {
             client_table: false,
             coalescing: 0,
             agg: vec![(0, None); MSIX_VECTORS],
+            held: 0,
         }
+    }
+
+    /// Drops what every vector holds (a controller reset).
+    pub fn clear_held(&mut self) {
+        self.agg.iter_mut().for_each(|a| *a = (0, None));
+        self.held = 0;
     }
 }
 
@@ -62,20 +72,28 @@ impl Core {
         }
         let a = &mut self.intr.agg[v as usize];
         a.0 += 1;
-        a.1.get_or_insert_with(Instant::now);
+        if a.1.is_none() {
+            a.1 = Some(Instant::now());
+            self.intr.held += 1;
+        }
         if a.0 >= thr {
             *a = (0, None);
+            self.intr.held -= 1;
             self.interrupt(v);
         }
     }
 
     /// Signals the vectors whose aggregation time has run out (device threads call this).
     pub(super) fn flush_coalesced(&mut self) {
+        if self.intr.held == 0 {
+            return; // the usual case, on every poller pass
+        }
         // Decided from the counters: turning coalescing off releases what it held.
         let time = Duration::from_micros(100 * ((self.intr.coalescing >> 8) & 0xff) as u64);
         for v in 0..MSIX_VECTORS {
             if self.intr.agg[v].1.is_some_and(|t| t.elapsed() >= time) {
                 self.intr.agg[v] = (0, None);
+                self.intr.held -= 1;
                 self.interrupt(v as u16);
             }
         }
@@ -95,6 +113,7 @@ impl Core {
         for v in 0..MSIX_VECTORS {
             if self.intr.agg[v].0 > 0 {
                 self.intr.agg[v] = (0, None);
+                self.intr.held -= 1;
                 self.interrupt(v as u16);
             }
         }

@@ -319,6 +319,8 @@ impl DeviceModel for Nvme {
             let mut c = self.core.lock().unwrap();
             let gone = ctx.mem.is_empty();
             c.mem = ctx.mem;
+            let c = &mut *c;
+            c.queues.resolve(&c.mem);
             c.db.ioevents = Some(ctx.ioevents);
             // A device process's host announces ioeventfds only now.
             c.register_static();

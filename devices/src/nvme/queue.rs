@@ -4,6 +4,7 @@
 //! keeps head/tail/phase. Every guest address is checked against guest RAM
 //! before use: a bad one becomes an NVMe status, never an access outside RAM.
 
+use crate::mem::Resolved;
 use crate::GuestMem;
 
 pub const SQE_SIZE: u64 = 64;
@@ -40,6 +41,8 @@ pub struct Sq {
     pub head: u16,
     pub tail: u16,
     pub cqid: u16,
+    /// The ring's host address, resolved when the queue or the memory came.
+    pub ring: Resolved,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -51,11 +54,26 @@ pub struct Cq {
     pub phase: bool,
     pub ien: bool,
     pub iv: u16,
+    /// The ring's host address, resolved when the queue or the memory came.
+    pub ring: Resolved,
 }
 
 impl Cq {
     pub fn full(&self) -> bool {
         next(self.tail, self.size) == self.head
+    }
+
+    /// Resolves the ring in `mem` (none if it is not wholly mapped: every
+    /// access then takes the general path).
+    pub fn resolve(&mut self, mem: &GuestMem) {
+        self.ring = mem.resolve(self.gpa, self.size as usize * CQE_SIZE as usize, 16).unwrap_or_default();
+    }
+}
+
+impl Sq {
+    /// As [`Cq::resolve`].
+    pub fn resolve(&mut self, mem: &GuestMem) {
+        self.ring = mem.resolve(self.gpa, self.size as usize * SQE_SIZE as usize, 64).unwrap_or_default();
     }
 }
 
@@ -116,26 +134,33 @@ pub fn queue_in_ram(mem: &GuestMem, gpa: u64, bytes: u64) -> bool {
     gpa.is_multiple_of(PAGE) && gpa != 0 && mem.range_ok(gpa, bytes)
 }
 
+/// Reads entry `idx` (a cache line: 64 bytes, aligned), from the resolved
+/// ring where it has one.
 pub fn read_sqe(mem: &GuestMem, sq: &Sq, idx: u16) -> Option<Sqe> {
     let mut b = [0u8; 64];
-    mem.read_slice(&mut b, sq.gpa + idx as u64 * SQE_SIZE).ok()?;
+    if !mem.read_resolved_64(&sq.ring, idx as usize * SQE_SIZE as usize, &mut b) {
+        mem.read_slice(&mut b, sq.gpa + idx as u64 * SQE_SIZE).ok()?;
+    }
     Some(Sqe::parse(&b))
 }
 
 /// Posts a completion; the dword with the phase tag is stored last, with
 /// release ordering, so a guest that sees the new phase sees the entry.
 pub fn post_cqe(mem: &GuestMem, cq: &mut Cq, dw0: u32, sqhd: u16, sqid: u16, cid: u16, st: u16) -> bool {
-    let addr = cq.gpa + cq.tail as u64 * CQE_SIZE;
-    let mut b = [0u8; 12];
-    b[..4].copy_from_slice(&dw0.to_le_bytes());
-    b[8..10].copy_from_slice(&sqhd.to_le_bytes());
-    b[10..12].copy_from_slice(&sqid.to_le_bytes());
     // Phase is the value the entry must carry this lap: the inverse of what is there.
     let phase = !cq.phase as u32;
     let dw3 = cid as u32 | phase << 16 | (st as u32) << 17;
-    // One lookup for the entry; the phase dword goes last, with release ordering.
-    if mem.write_then_release_u32(&b, addr, dw3).is_err() {
-        return false;
+    let words = [dw0, 0, sqhd as u32 | (sqid as u32) << 16];
+    // The resolved ring, or one lookup for the entry; the phase dword goes
+    // last, with release ordering.
+    if !mem.write_resolved_then_release(&cq.ring, cq.tail as usize * CQE_SIZE as usize, words, dw3) {
+        let mut b = [0u8; 12];
+        for (d, w) in b.chunks_exact_mut(4).zip(words) {
+            d.copy_from_slice(&w.to_le_bytes());
+        }
+        if mem.write_then_release_u32(&b, cq.gpa + cq.tail as u64 * CQE_SIZE, dw3).is_err() {
+            return false;
+        }
     }
     cq.tail += 1;
     if cq.tail == cq.size {

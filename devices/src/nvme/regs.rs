@@ -135,9 +135,10 @@ impl Core {
             self.regs.csts |= 2; // controller fatal status
             return false;
         }
-        self.queues.sqs[0] = Some(Sq { gpa: r.asq, size: asqs as u16, head: 0, tail: 0, cqid: 0 });
+        self.queues.sqs[0] = Some(Sq { gpa: r.asq, size: asqs as u16, ..Default::default() });
         // The admin CQ always interrupts, on vector 0.
         self.queues.cqs[0] = Some(Cq { gpa: r.acq, size: acqs as u16, ien: true, iv: 0, ..Default::default() });
+        self.queues.resolve(&self.mem);
         self.regs.csts = 1;
         true
     }
@@ -162,7 +163,7 @@ impl Core {
         self.events.outstanding = [None; 8];
         self.feat = super::admin::Features::new();
         q.created = false;
-        self.intr.agg.iter_mut().for_each(|a| *a = (0, None));
+        self.intr.clear_held();
         q.nsqa = MAX_IO_QUEUES;
         q.ncqa = MAX_IO_QUEUES;
         self.regs.csts = if idle { 0 } else { 2 };
@@ -172,7 +173,7 @@ impl Core {
             s.queues.sqs.iter_mut().for_each(|q| *q = None);
             s.queues.cqs.iter_mut().for_each(|q| *q = None);
             s.db.shadow = None;
-            s.intr.agg.iter_mut().for_each(|a| *a = (0, None));
+            s.intr.clear_held();
         }
         self.raised.take_all();
         self.sync_shards();

@@ -124,6 +124,8 @@ impl Core {
         for s in self.shards.clone() {
             let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
             s.mem = self.mem.clone();
+            let s = &mut *s;
+            s.queues.resolve(&s.mem);
             s.regs.csts = self.regs.csts;
             s.db.shadow = self.db.shadow;
             s.db.ioevents = self.db.ioevents.clone();
