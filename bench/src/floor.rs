@@ -490,6 +490,8 @@ pub struct FloorResult {
     pub host: HostInfo,
     pub options: FloorOptions,
     pub runs: Vec<FloorRun>,
+    /// The wake-up floor of each round (`wake.rs`).
+    pub wake: Vec<crate::wake::WakeRun>,
     pub errors: Vec<String>,
 }
 
@@ -500,9 +502,14 @@ pub fn run_floor(o: &FloorOptions) -> anyhow::Result<FloorResult> {
     }
     let total = o.depths.len() as u64 * o.rounds as u64;
     let pb = if o.progress { indicatif::ProgressBar::new(total) } else { indicatif::ProgressBar::hidden() };
-    let (mut runs, mut errors) = (Vec::new(), Vec::new());
+    let (mut runs, mut errors, mut wake) = (Vec::new(), Vec::new(), Vec::new());
     let (k0, t0) = (ticks(), Instant::now());
     for round in 0..o.rounds {
+        pb.set_message(format!("round {}/{} wake-up", round + 1, o.rounds));
+        match crate::wake::run_wake(crate::wake::WAKES, crate::wake::IDLE, o.cpus, round) {
+            Ok(w) => wake.push(w),
+            Err(e) => errors.push(format!("wake round {round}: {e}")),
+        }
         for &qd in &o.depths {
             pb.set_message(format!("round {}/{} qd{qd}", round + 1, o.rounds));
             let (r, e) = measure_round(&[qd], round, o.time_ms, o.cpus);
@@ -514,7 +521,7 @@ pub fn run_floor(o: &FloorOptions) -> anyhow::Result<FloorResult> {
     pb.finish_and_clear();
     // No VM here: the TSC rate is what the clock saw it count.
     let tsc_khz = (ticks().wrapping_sub(k0) as f64 / t0.elapsed().as_secs_f64().max(1e-9) / 1e3) as u64;
-    Ok(FloorResult { host: host_info(tsc_khz), options: o.clone(), runs, errors })
+    Ok(FloorResult { host: host_info(tsc_khz), options: o.clone(), runs, wake, errors })
 }
 
 /// Per-depth medians with min and max over rounds: (qd, ops/s, p50 ns).
@@ -593,6 +600,7 @@ impl FloorResult {
         );
         let _ = writeln!(s, "placement: {}", placement(o.cpus));
         s.push_str(&floor_rows(&self.runs));
+        s.push_str(&crate::wake::rows(&self.wake));
         if !self.errors.is_empty() {
             let _ = writeln!(s, "\nerrors:");
             for e in &self.errors {
@@ -614,6 +622,7 @@ impl FloorResult {
             "placement": placement(self.options.cpus),
             "summary": summary,
             "runs": self.runs,
+            "wake": self.wake,
             "errors": self.errors,
         })
     }

@@ -14,3 +14,4 @@ pub mod qemu;
 pub mod record;
 pub mod remote;
 pub mod stats;
+pub mod wake;

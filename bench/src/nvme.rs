@@ -30,6 +30,10 @@ pub struct Job {
     pub iodepth: u32,
     pub queues: u32,
     pub verify: bool,
+    /// fio's thinktime: the guest waits this long after a completion before
+    /// the slot's next command (0: none). At iodepth 1 each command then
+    /// meets an idle controller: its latency is the wake-up's.
+    pub thinktime_us: u64,
 }
 
 impl Job {
@@ -37,6 +41,8 @@ impl Job {
         let bs = if self.bs.is_multiple_of(1024) { format!("{}k", self.bs / 1024) } else { format!("{}", self.bs) };
         if self.verify {
             format!("verify {bs} qd{} x{}", self.iodepth, self.queues)
+        } else if self.thinktime_us > 0 {
+            format!("{} {bs} qd{} x{} think {}us", self.rw, self.iodepth, self.queues, self.thinktime_us)
         } else {
             format!("{} {bs} qd{} x{}", self.rw, self.iodepth, self.queues)
         }
@@ -94,8 +100,8 @@ impl Default for NvmeOptions {
     fn default() -> Self {
         NvmeOptions {
             jobs: vec![
-                Job { rw: "randread".into(), bs: 512, iodepth: 16, queues: 1, verify: false },
-                Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify: false },
+                Job { rw: "randread".into(), bs: 512, iodepth: 16, queues: 1, verify: false, thinktime_us: 0 },
+                Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify: false, thinktime_us: 0 },
             ],
             doorbells: vec![
                 DoorbellMode::Shm,
@@ -160,6 +166,9 @@ pub struct NvmeRun {
     pub floor_ratio: Option<f64>,
     /// File backend: IOPS over fio's on the host, same file and job, same round.
     pub fio_ratio: Option<f64>,
+    /// A job with a think time: p50 latency over the same round's wake-up
+    /// floor p50 (each I/O then meets an idle controller).
+    pub wake_ratio: Option<f64>,
 }
 
 /// The pause after a run's record in which device threads' idle CPU is measured.
@@ -188,6 +197,8 @@ pub struct NvmeResult {
     pub runs: Vec<NvmeRun>,
     /// The ring floor, measured at the start of every round.
     pub floor: Vec<crate::floor::FloorRun>,
+    /// The wake-up floor of every round, with a think-time job.
+    pub wake: Vec<crate::wake::WakeRun>,
     pub errors: Vec<String>,
     /// Rows not run, with the reason (fio missing, a verify job).
     pub skipped: Vec<String>,
@@ -218,8 +229,8 @@ fn floor_qd(j: &Job) -> u32 {
 
 fn cmdline(j: &Job, o: &NvmeOptions, tsc_khz: u64) -> String {
     format!(
-        "workload=nvme rw={} bs={} iodepth={} queues={} time_ms={} verify={} tsc_khz={tsc_khz}",
-        j.rw, j.bs, j.iodepth, j.queues, o.time_ms, j.verify as u8
+        "workload=nvme rw={} bs={} iodepth={} queues={} time_ms={} verify={} thinktime_us={} tsc_khz={tsc_khz}",
+        j.rw, j.bs, j.iodepth, j.queues, o.time_ms, j.verify as u8, j.thinktime_us
     )
 }
 
@@ -261,6 +272,7 @@ fn to_run(target: &str, job: usize, round: u32, j: &Job, lines: &[String], tsc_k
         idle_cpu_pct: None,
         floor_ratio: None,
         fio_ratio: None,
+        wake_ratio: None,
     })
 }
 
@@ -292,7 +304,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     let mut runs = Vec::new();
     let mut errors = Vec::new();
     let timeout = Duration::from_secs(o.timeout_s);
-    let mut floor = Vec::new();
+    let (mut floor, mut wake) = (Vec::new(), Vec::new());
     let mut skipped = Vec::new();
     let ns_size = namespace_size(&o.backend);
     let fio = match &o.backend {
@@ -311,6 +323,13 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
         let (f, e) = crate::floor::measure_round(&depths, round, o.floor_ms, o.pin.map(|p| p.pair()));
         floor.extend(f);
         errors.extend(e);
+        if o.jobs.iter().any(|j| j.thinktime_us > 0) {
+            pb.set_message(format!("round {}/{} wake-up floor", round + 1, o.rounds));
+            match crate::wake::run_wake(crate::wake::WAKES, crate::wake::IDLE, o.pin.map(|p| p.pair()), round) {
+                Ok(w) => wake.push(w),
+                Err(e) => errors.push(format!("wake round {round}: {e}")),
+            }
+        }
         for (ji, j) in o.jobs.iter().enumerate() {
             for (db, pollers) in &combos {
                 // One poller keeps the plain name; more show in it.
@@ -441,6 +460,10 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     for r in runs.iter_mut().filter(|r| r.target != FIO_TARGET) {
         let f = crate::floor::ops_s_of(&floor, r.round, floor_qd(&o.jobs[r.job]));
         r.floor_ratio = f.map(|f| r.iops / f);
+        if o.jobs[r.job].thinktime_us > 0 {
+            let w = wake.iter().find(|w| w.round == r.round).map(|w| w.p50_ns);
+            r.wake_ratio = w.filter(|&w| w > 0.0).map(|w| r.p50_ns / w);
+        }
     }
     // Each file-backed row (iopath's, QEMU's) over the host's fio of its job and round.
     let fio_iops: Vec<(usize, u32, f64)> =
@@ -457,7 +480,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
             errors.push(format!("{} job {}: {} I/O errors, {:?} mismatches", r.target, r.job, r.errors, r.mismatches));
         }
     }
-    Ok(NvmeResult { host, options: o.clone(), tsc_khz, runs, floor, errors, skipped })
+    Ok(NvmeResult { host, options: o.clone(), tsc_khz, runs, floor, wake, errors, skipped })
 }
 
 /// fio on the host on the namespace's file: job `j`'s rw, bs and run time;
@@ -508,6 +531,7 @@ fn fio_run(
         idle_cpu_pct: None,
         floor_ratio: None,
         fio_ratio: None,
+        wake_ratio: None,
     })
 }
 
@@ -567,6 +591,7 @@ impl NvmeResult {
             crate::floor::placement(self.options.pin.map(|p| p.pair()))
         );
         s.push_str(&crate::floor::floor_rows(&self.floor));
+        s.push_str(&crate::wake::rows(&self.wake));
         let _ = writeln!(s);
         let hdr = format!(
             "{:<24} {:<18} {:>7} {:>9} {:>11} {:>17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}  {}",
@@ -594,6 +619,9 @@ impl NvmeResult {
             // The median over rounds of each round's IOPS / that round's floor.
             let fr = rs.iter().filter_map(|r| r.floor_ratio).collect::<Vec<_>>();
             let fr = summarize(&fr).map(|x| format!("{:.2}x floor", x.median)).unwrap_or_else(|| "-".into());
+            // With a think time the I/Os meet an idle controller: their p50 over the wake-up floor's.
+            let wr = summarize(&rs.iter().filter_map(|r| r.wake_ratio).collect::<Vec<_>>());
+            let fr = if j.thinktime_us > 0 { wr.map_or("-".into(), |x| format!("{:.2}x wake", x.median)) } else { fr };
             // The same over the host's fio on the same file (file backend).
             let ff = rs.iter().filter_map(|r| r.fio_ratio).collect::<Vec<_>>();
             let ff = summarize(&ff)
@@ -682,7 +710,7 @@ impl NvmeResult {
             "options": self.options,
             "tsc_khz": self.tsc_khz,
             "runs": self.runs,
-            "floor": {"placement": crate::floor::placement(self.options.pin.map(|p| p.pair())), "runs": self.floor},
+            "floor": {"placement": crate::floor::placement(self.options.pin.map(|p| p.pair())), "runs": self.floor, "wake": self.wake},
             "errors": self.errors,
             "skipped": self.skipped,
         })

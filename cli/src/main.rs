@@ -175,6 +175,11 @@ struct NvmeArgs {
     /// I/O queue pairs (numjobs).
     #[arg(long)]
     queues: Option<u32>,
+    /// fio's thinktime: microseconds the guest waits after a completion
+    /// before the slot's next command (at iodepth 1: each I/O wakes an idle
+    /// controller; at most 1000000).
+    #[arg(long, value_name = "US", value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    thinktime: Option<u64>,
     /// Seconds per run.
     #[arg(long, default_value_t = 2.0)]
     time: f64,
@@ -288,13 +293,15 @@ fn bench_nvme(a: BenchArgs) -> anyhow::Result<i32> {
             .collect::<anyhow::Result<_>>()?,
         ..NvmeOptions::default()
     };
-    if n.rw.is_some() || n.bs.is_some() || n.iodepth.is_some() || n.queues.is_some() || n.verify {
+    let custom = n.rw.is_some() || n.bs.is_some() || n.iodepth.is_some() || n.queues.is_some();
+    if custom || n.verify || n.thinktime.is_some() {
         o.jobs = vec![Job {
             rw: n.rw.unwrap_or_else(|| "randread".into()),
             bs: n.bs.unwrap_or(4096),
             iodepth: n.iodepth.unwrap_or(16),
             queues: n.queues.unwrap_or(1),
             verify: n.verify,
+            thinktime_us: n.thinktime.unwrap_or(0),
         }];
     }
     if a.quick {

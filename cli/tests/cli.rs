@@ -90,6 +90,10 @@ fn bench_floor_json_has_every_depth_in_every_round() {
     if pinned {
         assert!(cpus.iter().all(|c| c[0] != c[1]), "pinned apart: {cpus:?}");
     }
+    // The wake-up floor of each round: a sleeping thread woken through an eventfd.
+    let wake = v["wake"].as_array().unwrap();
+    assert_eq!(wake.len(), 2, "{wake:?}");
+    assert!(wake.iter().all(|w| positive(&w["p50_ns"]) && w["p50_ns"].as_f64() <= w["p99_ns"].as_f64()), "{wake:?}");
     let off = bench_json(&["bench", "floor", "--rounds", "1", "--time-ms", "20", "--pin", "off"]);
     assert!(off["placement"].as_str().unwrap().starts_with("unpinned"), "{}", off["placement"]);
     let runs = v["runs"].as_array().unwrap();

@@ -256,6 +256,21 @@ fn adaptive_doorbells_sleep_while_file_reads_are_in_flight_and_wake_on_their_com
 }
 
 #[test]
+fn a_think_time_spaces_the_io_and_each_wakes_the_adaptive_poller() {
+    kvm();
+    let (rec, c, _) =
+        nvmeperf("nvme,doorbell=adaptive,backend=null", "rw=randread bs=4096 iodepth=1 thinktime_us=2000 time_ms=200");
+    let ios = num(&rec, "ios");
+    assert_eq!(num(&rec, "thinktime_us"), 2000);
+    // 2 ms between a completion and the next command: at most 100 in 200 ms (and the last in flight).
+    assert!(ios > 0 && ios <= 101, "{ios} I/Os");
+    // Each pause is longer than ADAPTIVE_IDLE: the poller sleeps in it and the next command's
+    // doorbell (the EventIdx rule asks for it) wakes it.
+    assert!(c["adaptive.wakeups"] + 2 >= ios, "{ios} I/Os, {c:?}");
+    assert_eq!(num(&rec, "io_doorbell_writes"), c["ioeventfd.kicks"], "{c:?}");
+}
+
+#[test]
 fn the_same_driver_runs_against_qemus_nvme() {
     kvm();
     let qemu = programs().qemu.expect("qemu-system-x86_64 is needed (apt-get install -y qemu-system-x86)");
@@ -338,7 +353,14 @@ fn bench_nvme_contend_records_its_level_device_cpu_and_leaves_no_contender() {
 
     // In this process: the contenders are gone once the bench returns.
     let o = iopath_bench::nvme::NvmeOptions {
-        jobs: vec![iopath_bench::nvme::Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify: false }],
+        jobs: vec![iopath_bench::nvme::Job {
+            rw: "randread".into(),
+            bs: 4096,
+            iodepth: 1,
+            queues: 1,
+            verify: false,
+            thinktime_us: 0,
+        }],
         doorbells: vec![iopath_devices::nvme::DoorbellMode::Shm],
         time_ms: 100,
         contend: 2,

@@ -12,6 +12,9 @@
  *
  * Command line: rw=read|write|randread|randwrite|randrw bs=N iodepth=N
  *   queues=N time_ms=N rwmixread=N size_mb=N seed=N dbbuf=0|1 verify=0|1
+ *   thinktime_us=N (fio's thinktime: wait N us after a completion before
+ *   the slot's next command; at iodepth 1 every command then finds an idle
+ *   controller, and its latency is the wake-up's)
  *   qsize=N irq=0|1 (irq=1: MSI-X on, each I/O CQ signals its own vector;
  *   the guest runs with IF=0, so the messages stay pending in the LAPIC
  *   while completions are still reaped by polling)
@@ -258,8 +261,9 @@ static void pattern(u64 buf, u64 lba, u64 seed)
         p[i] = (lba + i * 8 / lba_bytes) * 0x9e3779b97f4a7c15ull ^ (i * 8 % lba_bytes) ^ seed;
 }
 
-static int job(const char *rw, u64 time_ms, u32 nq, u32 depth, u32 mixread, int verify)
+static int job(const char *rw, u64 time_ms, u32 nq, u32 depth, u32 mixread, int verify, u64 think_us)
 {
+    u64 think = think_us * tsc_khz / 1000;
     int rnd_rw = rw[0] == 'r' && rw[1] == 'a';
     int is_write = !strncmp(rw, "write", 5) || !strncmp(rw, "randwrite", 9);
     int mixed = !strncmp(rw, "randrw", 6);
@@ -356,6 +360,8 @@ static int job(const char *rw, u64 time_ms, u32 nq, u32 depth, u32 mixread, int 
                         inflight++;
                     }
                 } else if (!stopping) {
+                    for (u64 t = rdtsc(); think && rdtsc() - t < think;)
+                        cpu_relax();
                     int w = mixed ? (rnd() % 100) >= mixread : is_write;
                     u64 blk = rnd_rw ? rnd() % blocks : (seq[q]++ % blocks);
                     issue(&ioq[q], cid, s, w ? 1 : 2, blk * (bs / lba_bytes));
@@ -391,6 +397,8 @@ static int job(const char *rw, u64 time_ms, u32 nq, u32 depth, u32 mixread, int 
            "p50=%lu p90=%lu p99=%lu p999=%lu errors=%lu io_doorbell_writes=%lu",
            verify ? "verify" : rw, bs, depth, nq, use_dbbuf, use_irq, ios, cycles, lat_sum, lat_min, lat_max,
            percentile(ios, 5000), percentile(ios, 9000), percentile(ios, 9900), percentile(ios, 9990), nerrors, rings);
+    if (think_us)
+        printf(" thinktime_us=%lu", think_us);
     if (verify)
         printf(" verified_blocks=%lu mismatches=%lu", read_back, mismatches);
     printf("\n");
@@ -597,7 +605,8 @@ int workload_nvme(u64 mem_bytes)
         return EXIT_FAIL;
     }
     int verify = (int)cmdline_u64("verify", 0);
-    int rc = job(rw, cmdline_u64("time_ms", 1000), nq, depth, (u32)cmdline_u64("rwmixread", 50), verify);
+    int rc = job(rw, cmdline_u64("time_ms", 1000), nq, depth, (u32)cmdline_u64("rwmixread", 50), verify,
+                 cmdline_u64("thinktime_us", 0));
     /* Stop cleanly: shut down, wait for shutdown complete. */
     mmio_write32(bar0 + 0x14, 0x00464001);
     return rc ? EXIT_FAIL : EXIT_OK;
