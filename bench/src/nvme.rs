@@ -57,11 +57,8 @@ fn as_strings<T: std::fmt::Display, S: serde::Serializer>(v: &[T], s: S) -> Resu
     s.collect_seq(v.iter().map(|x| x.to_string()))
 }
 
-fn transport_name<S: serde::Serializer>(t: &Option<&'static dyn Transport>, s: S) -> Result<S::Ok, S::Error> {
-    match t {
-        Some(t) => s.serialize_str(t.name()),
-        None => s.serialize_none(),
-    }
+fn transport_names<S: serde::Serializer>(t: &[Option<&'static dyn Transport>], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(t.iter().map(|t| t.map_or("vmm", |t| t.name())))
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -75,9 +72,10 @@ pub struct NvmeOptions {
     pub pollers: Vec<u8>,
     #[serde(serialize_with = "as_string")]
     pub backend: BackendKind,
-    /// The controller in a device process over this transport (None: in the VMM).
-    #[serde(serialize_with = "transport_name")]
-    pub transport: Option<&'static dyn Transport>,
+    /// Where the controller runs, each in every round, interleaved: None in
+    /// the VMM, or a device process over that transport.
+    #[serde(serialize_with = "transport_names")]
+    pub transports: Vec<Option<&'static dyn Transport>>,
     pub lba: u32,
     pub time_ms: u64,
     pub rounds: u32,
@@ -112,7 +110,7 @@ impl Default for NvmeOptions {
             ],
             pollers: vec![1],
             backend: BackendKind::Ram,
-            transport: None,
+            transports: vec![None],
             lba: 512,
             time_ms: 2000,
             rounds: 1,
@@ -169,6 +167,9 @@ pub struct NvmeRun {
     /// A job with a think time: p50 latency over the same round's wake-up
     /// floor p50 (each I/O then meets an idle controller).
     pub wake_ratio: Option<f64>,
+    /// Out of process (`...@transport`): IOPS over the same mode's in the
+    /// VMM, same job and round (with `--transport vmm,...`).
+    pub vmm_ratio: Option<f64>,
 }
 
 /// The pause after a run's record in which device threads' idle CPU is measured.
@@ -273,6 +274,7 @@ fn to_run(target: &str, job: usize, round: u32, j: &Job, lines: &[String], tsc_k
         floor_ratio: None,
         fio_ratio: None,
         wake_ratio: None,
+        vmm_ratio: None,
     })
 }
 
@@ -289,12 +291,12 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
         qemu: qemu.clone(),
         serve_args: Vec::new(),
     };
-    // (mode, pollers) pairs the controller serves.
-    let combos: Vec<(DoorbellMode, u8)> = o
-        .doorbells
+    // (where, mode, pollers) the controller serves.
+    let combos: Vec<(Option<&'static dyn Transport>, DoorbellMode, u8)> = o
+        .transports
         .iter()
-        .flat_map(|&db| o.pollers.iter().map(move |&p| (db, p)))
-        .filter(|&(db, p)| p == 1 || matches!(db, DoorbellMode::Shm | DoorbellMode::Bar | DoorbellMode::Adaptive))
+        .flat_map(|&t| o.doorbells.iter().flat_map(move |&db| o.pollers.iter().map(move |&p| (t, db, p))))
+        .filter(|&(_, db, p)| p == 1 || matches!(db, DoorbellMode::Shm | DoorbellMode::Bar | DoorbellMode::Adaptive))
         .collect();
     let per_round = o.jobs.len() as u64 * (combos.len() as u64 + qemu.is_some() as u64);
     let pb = if o.progress { ProgressBar::new(per_round * o.rounds as u64) } else { ProgressBar::hidden() };
@@ -331,10 +333,10 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
             }
         }
         for (ji, j) in o.jobs.iter().enumerate() {
-            for (db, pollers) in &combos {
+            for &(tr, ref db, ref pollers) in &combos {
                 // One poller keeps the plain name; more show in it.
                 let name = if *pollers == 1 { format!("iopath-{db}") } else { format!("iopath-{db}-p{pollers}") };
-                let target = match o.transport.map(|t| t.name()) {
+                let target = match tr.map(|t| t.name()) {
                     Some(t) => format!("{name}@{t}"),
                     None => name,
                 };
@@ -348,7 +350,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                 };
                 let spec = DeviceSpec {
                     device: Device::Model(DeviceConfig::Nvme(config)),
-                    remote: o.transport.map(|t| (t, Endpoint::Spawn)),
+                    remote: tr.map(|t| (t, Endpoint::Spawn)),
                 };
                 let r = (|| -> anyhow::Result<NvmeRun> {
                     let _contention = contenders(o)?;
@@ -392,14 +394,14 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     // none of them may reach the controller as an exit or a kick.
                     // A transport without ioeventfds (ioeventfd) or shared BAR pages (bar) carries
                     // these doorbells as messages: checked, and labelled, as exits.
-                    let exits_only = o.transport.and_then(|t| match db {
+                    let exits_only = tr.and_then(|t| match db {
                         DoorbellMode::Ioeventfd | DoorbellMode::Adaptive => {
                             (!t.announces_ioeventfds()).then_some("ioeventfds")
                         }
                         DoorbellMode::Bar => (!t.shares_bar_pages()).then_some("shared BAR pages"),
                         _ => None,
                     });
-                    if let (Some(what), Some(t)) = (exits_only, o.transport) {
+                    if let (Some(what), Some(t)) = (exits_only, tr) {
                         // adaptive: only the doorbells that wake the poller exit; the rest are polled.
                         let which = if *db == DoorbellMode::Adaptive { "wake-up doorbells exit" } else { "exits" };
                         r.routing = format!("{which} ({} has no {what}): {}", t.name(), r.routing);
@@ -472,6 +474,17 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
         let f = fio_iops.iter().find(|f| (f.0, f.1) == (r.job, r.round)).map(|f| f.2);
         r.fio_ratio = f.filter(|&f| f > 0.0).map(|f| r.iops / f);
     }
+    // Each out-of-process row over its in-VMM twin of the same job and round.
+    let in_vmm: Vec<(usize, u32, String, f64)> = runs
+        .iter()
+        .filter(|r| r.target.starts_with("iopath-") && !r.target.contains('@'))
+        .map(|r| (r.job, r.round, r.target.clone(), r.iops))
+        .collect();
+    for r in runs.iter_mut() {
+        let Some((base, _)) = r.target.split_once('@') else { continue };
+        let v = in_vmm.iter().find(|v| (v.0, v.1, v.2.as_str()) == (r.job, r.round, base)).map(|v| v.3);
+        r.vmm_ratio = v.filter(|&v| v > 0.0).map(|v| r.iops / v);
+    }
     for r in &runs {
         if !r.routing_ok {
             errors.push(format!("{} job {}: routing wrong: {}", r.target, r.job, r.routing));
@@ -532,6 +545,7 @@ fn fio_run(
         floor_ratio: None,
         fio_ratio: None,
         wake_ratio: None,
+        vmm_ratio: None,
     })
 }
 
@@ -594,7 +608,7 @@ impl NvmeResult {
         s.push_str(&crate::wake::rows(&self.wake));
         let _ = writeln!(s);
         let hdr = format!(
-            "{:<24} {:<18} {:>7} {:>9} {:>11} {:>17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}  {}",
+            "{:<24} {:<22} {:>7} {:>9} {:>11} {:>17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}  {}",
             "job",
             "target",
             "pollers",
@@ -629,7 +643,7 @@ impl NvmeResult {
                 .unwrap_or_else(|| "-".into());
             let _ = writeln!(
                 s,
-                "{:<24} {:<18} {:>7} {:>9} {:>11} {:>17} {:>9.0} {:>9} {:>9} {:>9} {:>9} {:>11}  {ok} {}",
+                "{:<24} {:<22} {:>7} {:>9} {:>11} {:>17} {:>9.0} {:>9} {:>9} {:>9} {:>9} {:>11}  {ok} {}",
                 j.label(),
                 target,
                 rs[0].pollers,
@@ -645,6 +659,7 @@ impl NvmeResult {
                 rs[0].routing
             );
         }
+        self.vmm_table(&mut s);
         self.cpu_table(&mut s);
         for (ji, j) in o.jobs.iter().enumerate() {
             let iops = |t: &str| {
@@ -673,6 +688,23 @@ impl NvmeResult {
         s
     }
 
+    /// Out-of-process rows over their in-VMM twins, round by round.
+    fn vmm_table(&self, s: &mut String) {
+        let groups: Vec<_> =
+            self.groups().into_iter().filter(|(_, rs)| rs.iter().any(|r| r.vmm_ratio.is_some())).collect();
+        if groups.is_empty() {
+            return;
+        }
+        let _ = writeln!(s, "\nout of process over in the VMM (IOPS, same mode, job and round): median [min .. max]");
+        for ((ji, target), rs) in groups {
+            let v = summarize(&rs.iter().filter_map(|r| r.vmm_ratio).collect::<Vec<_>>());
+            if let Some(v) = v {
+                let label = self.options.jobs[ji].label();
+                let _ = writeln!(s, "{label:<24} {target:<24} {:.2}x [{:.2} .. {:.2}]", v.median, v.min, v.max);
+            }
+        }
+    }
+
     /// Device threads' CPU per group: per I/O in the window, and idle.
     fn cpu_table(&self, s: &mut String) {
         let groups: Vec<_> =
@@ -686,14 +718,14 @@ impl NvmeResult {
             crate::cpu::NVME_DEVICE_THREADS.join(", "),
             self.options.contend
         );
-        let _ = writeln!(s, "{:<24} {:<18} {:>7} {:>11} {:>9}", "job", "target", "threads", "CPU/IO", "idle CPU");
+        let _ = writeln!(s, "{:<24} {:<22} {:>7} {:>11} {:>9}", "job", "target", "threads", "CPU/IO", "idle CPU");
         for ((ji, target), rs) in groups {
             let med = |f: fn(&NvmeRun) -> Option<f64>| {
                 summarize(&rs.iter().filter_map(|r| f(r)).collect::<Vec<_>>()).map(|x| x.median)
             };
             let _ = writeln!(
                 s,
-                "{:<24} {:<18} {:>7} {:>11} {:>9}",
+                "{:<24} {:<22} {:>7} {:>11} {:>9}",
                 self.options.jobs[ji].label(),
                 target,
                 rs.iter().map(|r| r.device_threads).max().unwrap_or(0),

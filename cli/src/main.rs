@@ -161,9 +161,11 @@ struct NvmeArgs {
     /// null, ram, or file:PATH.
     #[arg(long, default_value = "ram")]
     backend: String,
-    /// Serve the controller from a device process over this transport (vfio-user, mpqemu, ioregionfd).
-    #[arg(long)]
-    transport: Option<String>,
+    /// Where the controller runs, comma-separated, each in every round:
+    /// vmm (in iopath's VMM), or a device process over vfio-user, mpqemu,
+    /// ioregionfd (e.g. vmm,vfio-user compares the two in one run).
+    #[arg(long, default_value = "vmm")]
+    transport: String,
     /// read, write, randread, randwrite, randrw.
     #[arg(long)]
     rw: Option<String>,
@@ -274,7 +276,14 @@ fn bench_nvme(a: BenchArgs) -> anyhow::Result<i32> {
     let mut o = NvmeOptions {
         doorbells: n.doorbell.split(',').filter(|s| !s.is_empty()).map(|d| d.parse()).collect::<Result<_, _>>()?,
         backend: n.backend.parse()?,
-        transport: n.transport.as_deref().map(iopath_protocols::transport).transpose()?,
+        transports: n
+            .transport
+            .split(',')
+            .map(|t| match t.trim() {
+                "vmm" => Ok(None),
+                t => iopath_protocols::transport(t).map(Some),
+            })
+            .collect::<Result<_, _>>()?,
         lba: n.lba,
         time_ms: (n.time * 1000.0).max(10.0) as u64,
         rounds: a.rounds.max(1),

@@ -271,6 +271,32 @@ fn a_think_time_spaces_the_io_and_each_wakes_the_adaptive_poller() {
 }
 
 #[test]
+fn bench_nvme_runs_the_vmm_and_a_device_process_in_one_run_and_relates_them() {
+    kvm();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["bench", "nvme", "--quick", "--json", "-", "--backend", "null", "--doorbell", "shm"])
+        .args(["--rw", "randread", "--bs", "4096", "--iodepth", "4", "--transport", "vmm,vfio-user"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["options"]["transports"], serde_json::json!(["vmm", "vfio-user"]));
+    let runs = v["runs"].as_array().unwrap();
+    let vmm = runs.iter().find(|r| r["target"] == "iopath-shm").expect("the in-VMM row");
+    let remote = runs.iter().find(|r| r["target"] == "iopath-shm@vfio-user").expect("the device-process row");
+    let want = remote["iops"].as_f64().unwrap() / vmm["iops"].as_f64().unwrap();
+    assert!((remote["vmm_ratio"].as_f64().unwrap() - want).abs() < 1e-9, "{remote}");
+    assert!(vmm["vmm_ratio"].is_null());
+    assert!(stderr.contains("out of process over in the VMM"), "{stderr}");
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["bench", "nvme", "--quick", "--transport", "vmm,carrier-pigeon"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("carrier-pigeon"));
+}
+
+#[test]
 fn the_same_driver_runs_against_qemus_nvme() {
     kvm();
     let qemu = programs().qemu.expect("qemu-system-x86_64 is needed (apt-get install -y qemu-system-x86)");
