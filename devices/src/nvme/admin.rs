@@ -223,6 +223,7 @@ impl Core {
         self.with_group(g, |c| {
             c.queues.sqs[q] = None;
             c.zero_bar_doorbell(q, false);
+            c.unregister_doorbell(q, false);
         });
         status::SUCCESS
     }
@@ -243,6 +244,7 @@ impl Core {
             }
             c.queues.cqs[q] = None;
             c.zero_bar_doorbell(q, true);
+            c.unregister_doorbell(q, true);
             status::SUCCESS
         })
     }

@@ -677,7 +677,9 @@ impl Core {
     }
 
     /// ioeventfd mode: the I/O queue doorbells of `qid` as ioeventfds (a
-    /// static host's were all registered at attach).
+    /// static host's were all registered at attach): SQ `qid`'s tail and CQ
+    /// `qid`'s head, each by the queue group that holds that queue, so that
+    /// its kick wakes the poller that serves it.
     pub(super) fn register_doorbells(&mut self, qid: usize) {
         if !matches!(self.mode(), DoorbellMode::Ioeventfd | DoorbellMode::Adaptive)
             || self.db.shadow.is_none()
@@ -686,7 +688,26 @@ impl Core {
         {
             return;
         }
-        self.register_queue(qid);
+        let (sq, cq) = (
+            self.queues.sqs.get(qid).is_some_and(|q| q.is_some()),
+            self.queues.cqs.get(qid).is_some_and(|q| q.is_some()),
+        );
+        self.register_queue(qid, sq, cq);
+    }
+
+    /// A deleted queue's doorbell is no ioeventfd of this group any more: a
+    /// queue of the same id created later may be in another group, whose
+    /// registration the host would refuse while this one stands.
+    pub(super) fn unregister_doorbell(&mut self, qid: usize, cq: bool) {
+        if self.static_ioevents() {
+            return; // a static host's stay for the controller's lifetime
+        }
+        let off = DOORBELLS + qid as u64 * 8 + if cq { 4 } else { 0 };
+        let (Some(kick), Some(io)) = (self.db.kick.clone(), self.db.ioevents.clone()) else { return };
+        if let Some(i) = self.db.registered.iter().position(|&o| o == off) {
+            self.db.registered.swap_remove(i);
+            let _ = io.unregister(crate::IoEventSpec { bar: 0, offset: off, len: 4, datamatch: None }, &kick);
+        }
     }
 
     /// True if the host announces ioeventfds once (a device process):
@@ -712,14 +733,16 @@ impl Core {
             }
         }
         for qid in 1..=MAX_IO_QUEUES as usize {
-            self.register_queue(qid);
+            self.register_queue(qid, true, true);
         }
     }
 
-    /// Registers queue `qid`'s two doorbells (those not registered yet).
-    fn register_queue(&mut self, qid: usize) {
+    /// Registers queue `qid`'s SQ tail and CQ head doorbells, as asked
+    /// (those not registered yet).
+    fn register_queue(&mut self, qid: usize, sq: bool, cq: bool) {
         let (Some(kick), Some(io)) = (self.db.kick.clone(), self.db.ioevents.clone()) else { return };
-        for off in [DOORBELLS + qid as u64 * 8, DOORBELLS + qid as u64 * 8 + 4] {
+        let offs = [(sq, DOORBELLS + qid as u64 * 8), (cq, DOORBELLS + qid as u64 * 8 + 4)];
+        for off in offs.into_iter().filter(|o| o.0).map(|o| o.1) {
             if self.db.registered.contains(&off) {
                 continue;
             }

@@ -345,12 +345,17 @@ fn several_pollers_are_refused_where_they_are_not_served() {
 }
 
 /// A VMM's ioeventfds: registered as queues come (not all at attach); keeps a
-/// copy of each fd to play KVM's part.
+/// copy of each fd to play KVM's part, and refuses a second registration at
+/// an address, as KVM does (EEXIST).
 #[derive(Default)]
 struct Kvm(std::sync::Mutex<Vec<(crate::IoEventSpec, vmm_sys_util::eventfd::EventFd)>>);
 impl crate::IoEvents for Kvm {
     fn register(&self, s: crate::IoEventSpec, fd: &vmm_sys_util::eventfd::EventFd) -> crate::Result<()> {
-        self.0.lock().unwrap().push((s, fd.try_clone().unwrap()));
+        let mut h = self.0.lock().unwrap();
+        if h.iter().any(|(x, _)| x.offset == s.offset) {
+            return Err(crate::Error::Host(format!("ioeventfd at {:#x}: already registered", s.offset)));
+        }
+        h.push((s, fd.try_clone().unwrap()));
         Ok(())
     }
     fn unregister(&self, s: crate::IoEventSpec, _: &vmm_sys_util::eventfd::EventFd) -> crate::Result<()> {
@@ -401,6 +406,42 @@ fn adaptive_pollers_each_sleep_on_their_own_queues_doorbells_and_wake_for_them()
     d.w32(REG_CC, 0);
     assert!(host.0.lock().unwrap().is_empty(), "every doorbell unregistered");
     drop(d);
+}
+
+#[test]
+fn a_queue_id_created_again_in_another_group_gets_its_doorbell_on_that_groups_eventfd() {
+    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+    let host = Arc::new(Kvm::default());
+    let mut ctx = DeviceContext::detached(mem.clone());
+    ctx.ioevents = host.clone();
+    let mut d = Drv::with_ctx(cfg(2, DoorbellMode::Adaptive), 32, mem, ctx);
+    assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
+    let size = (QSIZE as u32 - 1) << 16;
+    let create_sq = |d: &mut Drv, cqid: u32| d.admin(0x01, 0, sq_at(1), 0, [1 | size, 1 | cqid << 16, 0, 0]).1;
+    for q in [1u32, 2] {
+        assert_eq!(d.admin(0x05, 0, cq_at(q as u64), 0, [q | size, 1, 0, 0]).1, 0, "CQ {q}");
+    }
+    // SQ 1 on CQ 2: group 0. Deleted, then SQ 1 again on CQ 1: group 1, whose poller must be
+    // the one its doorbell wakes (KVM keeps one registration per address).
+    assert_eq!(create_sq(&mut d, 2), 0);
+    assert_eq!(d.admin(0x00, 0, 0, 0, [1, 0, 0, 0]).1, 0);
+    assert_eq!(create_sq(&mut d, 1), 0);
+    let kick = {
+        let h = host.0.lock().unwrap();
+        let sq1: Vec<_> = h.iter().filter(|(s, _)| s.offset == DOORBELLS + 8).collect();
+        assert_eq!(sq1.len(), 1, "one registration for SQ 1's doorbell");
+        sq1[0].1.try_clone().unwrap()
+    };
+    // The pair's CQ is CQ 1 (cq_at(1)), as Pair expects.
+    let mut p = Pair::new(&d.mem, 1);
+    p.kick = Some(kick);
+    for i in 0..20u64 {
+        std::thread::sleep(Duration::from_micros(400)); // past ADAPTIVE_IDLE: group 1 sleeps
+        p.write_read(i, i as u8);
+    }
+    assert!(p.rings > 0, "the EventIdx rule asked for the doorbell");
+    assert_eq!(d.counter("poller1.ios"), 40, "group 1 served SQ 1");
+    d.n.quiesce();
 }
 
 #[test]
