@@ -108,7 +108,9 @@ impl Nvme {
         let h = spawn_poller(self.core.clone(), stop.clone());
         match h {
             Ok(h) => t.worker = Some((stop.clone(), h)),
-            Err(e) => t.error = Some(format!("nvme: cannot start the poller: {e}")),
+            // The other groups' pollers are stopped through this one's entry:
+            // without it none starts (they could not be stopped).
+            Err(e) => return t.error = Some(format!("nvme: cannot start the poller: {e}")),
         }
         for s in shards {
             match spawn_poller(s.clone(), stop.clone()) {
@@ -219,7 +221,14 @@ impl Nvme {
             Err(e) => return t.error = Some(format!("nvme: cannot start the adaptive poller: {e}")),
         }
         for s in shards {
-            let Some(kick) = kick_fd(&s, t) else { continue };
+            let Some(kick) = kick_fd(&s, t) else {
+                // No eventfd to sleep on: this group polls without sleeping.
+                match spawn_poller(s, stop.clone()) {
+                    Ok(h) => t.pollers.push(h),
+                    Err(e) => t.error = Some(format!("nvme: cannot start a poller: {e}")),
+                }
+                continue;
+            };
             match spawn_adaptive(s, kick, None, stop.clone()) {
                 Ok(h) => t.pollers.push(h),
                 Err(e) => t.error = Some(format!("nvme: cannot start an adaptive poller: {e}")),
