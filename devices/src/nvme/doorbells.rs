@@ -363,6 +363,7 @@ impl Nvme {
             {
                 // Wake-ups written for stopped pollers are no longer waited for.
                 let mut c = self.core.lock().unwrap();
+                c.raised.take_wakes();
                 for g in 0..c.groups.max(1) {
                     c.with_group(g, |c| c.db.own_wakes = 0);
                 }
@@ -679,6 +680,9 @@ impl Core {
     pub(super) fn drain_kicks(&mut self) {
         if let Some(k) = &self.db.kick {
             let n = k.read().unwrap_or(0);
+            if self.group == 0 {
+                self.db.own_wakes += self.raised.take_wakes(); // other groups' events
+            }
             let own = n.min(self.db.own_wakes);
             self.db.own_wakes -= own;
             self.st.kicks += n - own;

@@ -62,9 +62,16 @@ pub(super) struct Raised {
     events: Mutex<Vec<(u32, u32, u32)>>,
     /// adaptive: group 0's doorbell eventfd, written to wake it for an event.
     wake: Mutex<Option<std::sync::Arc<vmm_sys_util::eventfd::EventFd>>>,
+    /// Those writes, not yet drained by group 0 (they are no kicks).
+    wakes: std::sync::atomic::AtomicU64,
 }
 
 impl Raised {
+    /// The wake-ups written since the last call.
+    pub fn take_wakes(&self) -> u64 {
+        self.wakes.swap(0, Ordering::Relaxed)
+    }
+
     /// Group 0's adaptive poller sleeps on `kick` (None: it stopped).
     pub fn set_wake(&self, kick: Option<std::sync::Arc<vmm_sys_util::eventfd::EventFd>>) {
         *self.wake.lock().unwrap_or_else(|p| p.into_inner()) = kick;
@@ -192,7 +199,10 @@ impl Core {
         self.raised.any.store(true, Ordering::Release);
         drop(q);
         if let Some(k) = &*self.raised.wake.lock().unwrap_or_else(|p| p.into_inner()) {
-            let _ = k.write(1); // group 0 may sleep (adaptive)
+            // Group 0 may sleep (adaptive); this write is no doorbell kick.
+            if k.write(1).is_ok() {
+                self.raised.wakes.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
