@@ -2,7 +2,7 @@
 //! Get Log Page, Abort, Asynchronous Event Request, Doorbell Buffer Config.
 
 use super::controller::Core;
-use super::queue::{prp_segments, queue_in_ram, status, Cq, Sq, Sqe, CQE_SIZE, PAGE, SQE_SIZE};
+use super::queue::{self, prp_segments, queue_in_ram, status, Cq, Sq, Sqe, CQE_SIZE, PAGE, SQE_SIZE};
 use super::{DoorbellMode, MAX_IO_QUEUES, MDTS, MQES, MSIX_VECTORS, VENDOR};
 use std::sync::atomic::Ordering;
 
@@ -562,12 +562,23 @@ impl Core {
                         k.register_doorbells(qid);
                     }
                 }
+                // Queues that exist already: the shadow starts at their tail and
+                // head, and EventIdx is set as for a new queue, from there (the
+                // page holds whatever the driver left): behind, or, where a
+                // doorbell kick is how work arrives, at the tail, so that the next
+                // submission rings and wakes a poller asleep since before.
+                let kicked = matches!(k.mode(), DoorbellMode::Ioeventfd | DoorbellMode::Adaptive);
                 for qid in 1..k.queues.sqs.len() {
+                    let at = |off: u64| qid as u64 * 8 + off;
                     if let Some(sq) = k.queues.sqs[qid] {
-                        let _ = k.mem.store_u32(sq.tail as u32, c.prp1 + qid as u64 * 8, Ordering::Release);
+                        let ev = if kicked { sq.tail as u32 } else { queue::prev(sq.tail as u32, sq.size as u32) };
+                        let _ = k.mem.store_u32(sq.tail as u32, c.prp1 + at(0), Ordering::Release);
+                        let _ = k.mem.store_u32(ev, c.prp2 + at(0), Ordering::Release);
                     }
                     if let Some(cq) = k.queues.cqs[qid] {
-                        let _ = k.mem.store_u32(cq.head as u32, c.prp1 + qid as u64 * 8 + 4, Ordering::Release);
+                        let ev = queue::prev(cq.head as u32, cq.size as u32);
+                        let _ = k.mem.store_u32(cq.head as u32, c.prp1 + at(4), Ordering::Release);
+                        let _ = k.mem.store_u32(ev, c.prp2 + at(4), Ordering::Release);
                     }
                 }
             });

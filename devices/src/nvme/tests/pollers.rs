@@ -445,6 +445,36 @@ fn a_queue_id_created_again_in_another_group_gets_its_doorbell_on_that_groups_ev
 }
 
 #[test]
+fn doorbell_buffer_config_after_io_sets_eventidx_so_a_sleeping_poller_is_rung() {
+    // A driver that runs I/O on register doorbells first, then configures the shadow buffer
+    // (in the VMM: doorbells become ioeventfds only then). The EventIdx page holds what the
+    // driver left (zeros); the adaptive poller sleeps since before. EventIdx must make the next
+    // submission ring, or the queue, its tail past 0, is never served.
+    for pollers in [1, 2] {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let host = Arc::new(Kvm::default());
+        let mut ctx = DeviceContext::detached(mem.clone());
+        ctx.ioevents = host.clone();
+        let mut d = Drv::with_ctx(cfg(pollers, DoorbellMode::Adaptive), 32, mem, ctx);
+        assert_eq!(d.create_pair(1), (0, 0));
+        let mut p = Pair::new(&d.mem, 1);
+        for i in 0..3 {
+            bar_write_read(&mut d, &mut p, i, i as u8); // tail 6, head 6
+        }
+        d.mem.write_slice(&[0u8; 4096], GuestAddress(EVIDX)).unwrap();
+        assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
+        let kick = host.0.lock().unwrap().iter().find(|(s, _)| s.offset == DOORBELLS + 8).map(|(_, f)| f.try_clone());
+        p.kick = Some(kick.expect("SQ 1's doorbell is an ioeventfd now").unwrap());
+        for i in 0..10u64 {
+            std::thread::sleep(Duration::from_micros(400)); // past ADAPTIVE_IDLE: the poller sleeps
+            p.write_read(10 + i, i as u8);
+        }
+        assert!(p.rings > 0, "{pollers} pollers");
+        d.n.quiesce();
+    }
+}
+
+#[test]
 fn register_doorbells_reach_the_queues_group_and_hostile_ones_are_refused() {
     // shm before Doorbell Buffer Config: I/O doorbells are registers, served on the writer's thread.
     let mut d = Drv::new(cfg(2, DoorbellMode::Shm));
