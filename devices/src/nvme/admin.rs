@@ -207,8 +207,7 @@ impl Core {
             let off = qid as u64 * 8 + if cq { 4 } else { 0 };
             let size = if cq { self.queues.cqs[qid].map(|q| q.size) } else { self.queues.sqs[qid].map(|q| q.size) };
             // shm: behind (never ring); ioeventfd SQ: 0 (ring on the first submission).
-            let kicked = matches!(self.mode(), DoorbellMode::Ioeventfd | DoorbellMode::Adaptive);
-            let ev = if kicked && !cq { 0 } else { size.unwrap_or(1) as u32 - 1 };
+            let ev = if self.mode().kicked() && !cq { 0 } else { size.unwrap_or(1) as u32 - 1 };
             let _ = self.mem.store_u32(0, db + off, Ordering::Release);
             let _ = self.mem.store_u32(ev, ei + off, Ordering::Release);
         }
@@ -353,7 +352,7 @@ impl Core {
     }
 
     fn shadow_mode(&self) -> bool {
-        matches!(self.mode(), DoorbellMode::Shm | DoorbellMode::Ioeventfd | DoorbellMode::Adaptive)
+        self.mode() == DoorbellMode::Shm || self.mode().kicked()
     }
 
     fn set_features(&mut self, c: &Sqe) -> Option<(u32, u16)> {
@@ -484,7 +483,8 @@ impl Core {
                 s[1..3].copy_from_slice(&TEMPERATURE.to_le_bytes()); // composite temperature, K
                 s[3] = 100; // available spare
                 s[4] = 10; // threshold
-                           // Every queue group's (one with a single poller).
+
+                // Every queue group's (one with a single poller).
                 let (st, smart, _, _) = self.totals();
                 s[32..40].copy_from_slice(&smart.read_units.div_ceil(1000).to_le_bytes());
                 s[48..56].copy_from_slice(&smart.write_units.div_ceil(1000).to_le_bytes());
@@ -567,7 +567,7 @@ impl Core {
                 // page holds whatever the driver left): behind, or, where a
                 // doorbell kick is how work arrives, at the tail, so that the next
                 // submission rings and wakes a poller asleep since before.
-                let kicked = matches!(k.mode(), DoorbellMode::Ioeventfd | DoorbellMode::Adaptive);
+                let kicked = k.mode().kicked();
                 for qid in 1..k.queues.sqs.len() {
                     let at = |off: u64| qid as u64 * 8 + off;
                     if let Some(sq) = k.queues.sqs[qid] {

@@ -227,7 +227,7 @@ impl Core {
         if let Some(sq) = self.queues.sqs.get(qid).copied().flatten() {
             // The entries to serve, up to 8 lines ahead, fetched together.
             let (mut i, mut n) = (sq.head, 0);
-            while i != sq.tail && n < 8 && i < sq.size {
+            while i != sq.tail && n < 8 {
                 self.mem.prefetch_resolved(&sq.ring, i as usize * queue::SQE_SIZE as usize);
                 i = queue::next(i, sq.size);
                 n += 1;

@@ -270,7 +270,9 @@ fn spawn_adaptive(
     let mut retry = Retry::default();
     std::thread::Builder::new().name("nvme-adaptive".into()).spawn(move || {
         crate::sandbox::enter(crate::sandbox::Role::Device);
-        let mut last_work = std::time::Instant::now();
+        // Since when the passes found no work (None: the last one found some);
+        // a busy pass reads no clock.
+        let mut idle_since: Option<std::time::Instant> = None;
         while !stop2.load(Ordering::Relaxed) {
             let (busy, idle) = {
                 let mut c = core.lock().unwrap();
@@ -283,17 +285,18 @@ fn spawn_adaptive(
                 // eventfd wakes this thread, so it leaves the core sooner.
                 (busy, if in_flight { super::ADAPTIVE_IDLE_IO } else { super::ADAPTIVE_IDLE })
             };
-            if busy || last_work.elapsed() < idle {
-                if busy {
-                    last_work = std::time::Instant::now();
-                }
+            if busy {
+                idle_since = None;
+                continue;
+            }
+            if idle_since.get_or_insert_with(std::time::Instant::now).elapsed() < idle {
                 std::hint::spin_loop();
                 continue;
             }
             {
                 let mut c = core.lock().unwrap();
                 if !c.arm_wakeup() {
-                    last_work = std::time::Instant::now(); // a submission raced: poll it
+                    idle_since = None; // a submission raced: poll it
                     continue;
                 }
                 c.st.sleeps += 1;
@@ -320,7 +323,7 @@ fn spawn_adaptive(
             // submission (the one a completion is likely to bring) would ring.
             c.disarm_wakeup();
             retry.next(c.io_stalled());
-            last_work = std::time::Instant::now();
+            idle_since = None;
         }
     })
 }
@@ -390,6 +393,18 @@ impl Core {
 
     /// An MMIO doorbell write. `offset` is from the start of the doorbells.
     pub(super) fn doorbell(&mut self, off: u64, value: u32) {
+        let qid = (off / 8) as usize;
+        let is_cq = off % 8 == 4;
+        if qid > 0 && qid <= MAX_IO_QUEUES as usize && !self.shards.is_empty() {
+            // Another queue group's queue: its core counts and serves the
+            // write (a queue that exists nowhere is refused here, below).
+            let g = if is_cq { Some(self.cq_group(qid)) } else { self.sq_group(qid) };
+            if let Some(g @ 1..) = g {
+                self.with_group(g, |c| c.doorbell(off, value));
+                self.take_raised();
+                return;
+            }
+        }
         self.st.doorbell_writes += 1;
         if let Some(page) = &self.db.bar_page {
             // The page was not mapped into the guest (or this write came as a
@@ -399,19 +414,6 @@ impl Core {
         }
         if self.regs.csts & 1 == 0 {
             return;
-        }
-        let qid = (off / 8) as usize;
-        let is_cq = off % 8 == 4;
-        if qid > 0 && qid <= MAX_IO_QUEUES as usize && !self.shards.is_empty() {
-            // Another queue group's queue: its core serves the write (a
-            // queue that exists nowhere is refused here, below).
-            let g = if is_cq { Some(self.cq_group(qid)) } else { self.sq_group(qid) };
-            if let Some(g @ 1..) = g {
-                self.st.doorbell_writes -= 1; // counted by that group
-                self.with_group(g, |c| c.doorbell(off, value));
-                self.take_raised();
-                return;
-            }
         }
         let q = &self.queues;
         let size = if is_cq {
@@ -694,11 +696,7 @@ impl Core {
     /// `qid`'s head, each by the queue group that holds that queue, so that
     /// its kick wakes the poller that serves it.
     pub(super) fn register_doorbells(&mut self, qid: usize) {
-        if !matches!(self.mode(), DoorbellMode::Ioeventfd | DoorbellMode::Adaptive)
-            || self.db.shadow.is_none()
-            || qid == 0
-            || self.static_ioevents()
-        {
+        if !self.mode().kicked() || self.db.shadow.is_none() || qid == 0 || self.static_ioevents() {
             return;
         }
         let (sq, cq) = (
@@ -726,8 +724,7 @@ impl Core {
     /// True if the host announces ioeventfds once (a device process):
     /// ioeventfd mode then registers every I/O doorbell at attach.
     pub(super) fn static_ioevents(&self) -> bool {
-        matches!(self.mode(), DoorbellMode::Ioeventfd | DoorbellMode::Adaptive)
-            && self.db.ioevents.as_ref().is_some_and(|io| io.static_only())
+        self.mode().kicked() && self.db.ioevents.as_ref().is_some_and(|io| io.static_only())
     }
 
     /// At attach, on a static host in ioeventfd mode: the eventfd of the
@@ -793,7 +790,8 @@ fn spawn_poller(
                 let busy = c.io_progress() | busy;
                 c.flush_coalesced();
                 c.take_raised();
-                (busy, c.group_unused())
+                // Looked at only once idle (it walks the group's queues).
+                (busy, !busy && idle >= 4096 && c.group_unused())
             };
             if busy {
                 idle = 0;

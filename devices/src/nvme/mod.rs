@@ -49,8 +49,9 @@
 //!   must configure the buffer before it creates I/O queues.
 //! - `adaptive`: `shm` while work comes; after [`ADAPTIVE_IDLE`] without
 //!   any ([`ADAPTIVE_IDLE_IO`] when only file operations are in flight:
-//!   their completion eventfd wakes it too), the poller sets every I/O SQ's EventIdx to the tail it served (the
-//!   driver's next submission also writes the doorbell register, an
+//!   their completion eventfd wakes it too), the poller sets every I/O
+//!   SQ's EventIdx to the tail it served (the driver's next submission
+//!   also writes the doorbell register, an
 //!   ioeventfd as in `ioeventfd` mode), re-reads the shadow tails (a
 //!   submission that raced with EventIdx is served, not slept on) and sleeps
 //!   on the eventfd; a kick puts it back to polling, which moves EventIdx
@@ -153,6 +154,19 @@ pub enum DoorbellMode {
     Adaptive,
 }
 
+impl DoorbellMode {
+    /// Modes whose I/O doorbell registers are KVM ioeventfds once the shadow
+    /// doorbells are set: a kick (EventIdx asks for it) brings the work.
+    pub fn kicked(self) -> bool {
+        matches!(self, DoorbellMode::Ioeventfd | DoorbellMode::Adaptive)
+    }
+
+    /// Modes served by polling threads, one per queue group (`pollers=N`).
+    pub fn polled(self) -> bool {
+        matches!(self, DoorbellMode::Shm | DoorbellMode::Bar | DoorbellMode::Adaptive)
+    }
+}
+
 /// `adaptive` mode: how long the poller finds no work before it sleeps.
 pub const ADAPTIVE_IDLE: std::time::Duration = std::time::Duration::from_micros(200);
 
@@ -236,8 +250,7 @@ impl NvmeConfig {
         if self.pollers == 0 || self.pollers > MAX_POLLERS {
             return bad("pollers", format!("{} pollers (1 ..= {MAX_POLLERS})", self.pollers));
         }
-        if self.pollers > 1 && !matches!(self.doorbell, DoorbellMode::Shm | DoorbellMode::Bar | DoorbellMode::Adaptive)
-        {
+        if self.pollers > 1 && !self.doorbell.polled() {
             return bad(
                 "pollers",
                 format!("several pollers need doorbell=shm, bar or adaptive, not {}", self.doorbell),
