@@ -175,7 +175,6 @@ pub struct NvmeRun {
 /// The pause after a run's record in which device threads' idle CPU is measured.
 const IDLE_WINDOW: Duration = Duration::from_millis(200);
 
-/// Contenders for one run: they stop by themselves well after its timeout.
 /// Places the run's threads while it is held (nothing when unpinned).
 fn pinner(o: &NvmeOptions) -> Option<crate::pin::Pinner> {
     o.pin.map(|p| crate::pin::Pinner::start(p, NVME_DEVICE_THREADS))
@@ -186,6 +185,7 @@ fn placement(o: &NvmeOptions) -> String {
     o.pin.map_or_else(|| crate::floor::UNPINNED.to_string(), |p| p.to_string())
 }
 
+/// Contenders for one run: they stop by themselves well after its timeout.
 fn contenders(o: &NvmeOptions) -> anyhow::Result<crate::contend::Contention> {
     crate::contend::Contention::start(o.contend, Duration::from_secs(o.timeout_s.saturating_add(60)))
         .map_err(|e| anyhow::anyhow!("cannot start {} contenders: {e}", o.contend))
@@ -296,7 +296,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
         .transports
         .iter()
         .flat_map(|&t| o.doorbells.iter().flat_map(move |&db| o.pollers.iter().map(move |&p| (t, db, p))))
-        .filter(|&(_, db, p)| p == 1 || matches!(db, DoorbellMode::Shm | DoorbellMode::Bar | DoorbellMode::Adaptive))
+        .filter(|&(_, db, p)| p == 1 || db.polled())
         .collect();
     let per_round = o.jobs.len() as u64 * (combos.len() as u64 + qemu.is_some() as u64);
     let pb = if o.progress { ProgressBar::new(per_round * o.rounds as u64) } else { ProgressBar::hidden() };
@@ -333,21 +333,16 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
             }
         }
         for (ji, j) in o.jobs.iter().enumerate() {
-            for &(tr, ref db, ref pollers) in &combos {
+            for &(tr, db, pollers) in &combos {
                 // One poller keeps the plain name; more show in it.
-                let name = if *pollers == 1 { format!("iopath-{db}") } else { format!("iopath-{db}-p{pollers}") };
+                let name = if pollers == 1 { format!("iopath-{db}") } else { format!("iopath-{db}-p{pollers}") };
                 let target = match tr.map(|t| t.name()) {
                     Some(t) => format!("{name}@{t}"),
                     None => name,
                 };
                 pb.set_message(format!("round {}/{} {} {target}", round + 1, o.rounds, j.label()));
-                let config = NvmeConfig {
-                    doorbell: *db,
-                    backend: o.backend.clone(),
-                    lba_size: o.lba,
-                    size: ns_size,
-                    pollers: *pollers,
-                };
+                let config =
+                    NvmeConfig { doorbell: db, backend: o.backend.clone(), lba_size: o.lba, size: ns_size, pollers };
                 let spec = DeviceSpec {
                     device: Device::Model(DeviceConfig::Nvme(config)),
                     remote: tr.map(|t| (t, Endpoint::Spawn)),
@@ -364,7 +359,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     cfg.on_line = Some(Box::new(move |l| w.on_line(l)));
                     let rep = run(cfg)?;
                     let mut r = to_run(&target, ji, round, j, &rep.lines, tsc_khz)?;
-                    r.pollers = *pollers;
+                    r.pollers = pollers;
                     if let Some(w) = window.result().filter(|w| w.threads > 0) {
                         r.device_threads = w.threads;
                         r.cpu_ns_per_io = Some(w.busy_ns as f64 / r.ios.max(1) as f64);
@@ -374,8 +369,8 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     let c = |n: &str| dev.counters.iter().find(|c| c.name == n).map(|c| c.value);
                     let exits = rep.exits.mmio_write + rep.exits.mmio_read + rep.exits.io_out + rep.exits.io_in;
                     r.vm_exits = Some(exits);
-                    if *pollers > 1 {
-                        r.poller_ios = (0..*pollers).filter_map(|k| c(&format!("poller{k}.ios"))).collect();
+                    if pollers > 1 {
+                        r.poller_ios = (0..pollers).filter_map(|k| c(&format!("poller{k}.ios"))).collect();
                     }
                     r.exits_per_io = Some(exits as f64 / r.ios.max(1) as f64);
                     let (cmds, dbw, admin) = (c("io.commands"), c("doorbell.writes"), c("admin.commands"));
@@ -403,13 +398,13 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     });
                     if let (Some(what), Some(t)) = (exits_only, tr) {
                         // adaptive: only the doorbells that wake the poller exit; the rest are polled.
-                        let which = if *db == DoorbellMode::Adaptive { "wake-up doorbells exit" } else { "exits" };
+                        let which = if db == DoorbellMode::Adaptive { "wake-up doorbells exit" } else { "exits" };
                         r.routing = format!("{which} ({} has no {what}): {}", t.name(), r.routing);
                     }
-                    let bar_page = *db == DoorbellMode::Bar && exits_only.is_none();
+                    let bar_page = db == DoorbellMode::Bar && exits_only.is_none();
                     let dbs_ok = bar_page || io_exits.map(|x| x + kicks) == Some(r.io_doorbell_writes);
                     let want_exits =
-                        if *db == DoorbellMode::Mmio || exits_only.is_some() { r.io_doorbell_writes } else { 0 };
+                        if db == DoorbellMode::Mmio || exits_only.is_some() { r.io_doorbell_writes } else { 0 };
                     r.routing_ok = cmds == Some(r.ios) && dbs_ok && io_exits == Some(want_exits);
                     if rep.status != 1 {
                         anyhow::bail!("guest exit status {}: {}", rep.status, r.routing);
