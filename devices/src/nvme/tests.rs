@@ -55,6 +55,13 @@ impl Drv {
         assert_eq!(d.r32(0x1c) & 1, 1, "ready");
         d
     }
+    /// 1 MiB of guest memory, a 32-entry admin queue, and `host` for ioeventfds.
+    fn with_ioevents(cfg: NvmeConfig, host: Arc<dyn crate::IoEvents>) -> Drv {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let mut ctx = DeviceContext::detached(mem.clone());
+        ctx.ioevents = host;
+        Drv::with_ctx(cfg, 32, mem, ctx)
+    }
     fn w32(&mut self, off: u64, v: u32) {
         self.n.bar_write(0, off, &v.to_le_bytes());
     }
@@ -1565,11 +1572,8 @@ fn ioeventfd_mode_on_a_static_host_registers_every_io_doorbell_at_attach_and_kic
         doorbell: DoorbellMode::Ioeventfd,
         pollers: 1,
     };
-    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
     let host = Arc::new(Announcer::default());
-    let mut ctx = DeviceContext::detached(mem.clone());
-    ctx.ioevents = host.clone();
-    let mut d = Drv::with_ctx(cfg, 32, mem, ctx);
+    let mut d = Drv::with_ioevents(cfg, host.clone());
     // Before any queue exists: SQ tail and CQ head of every I/O queue, none of the admin queue.
     let offsets = |h: &Announcer| h.0.lock().unwrap().iter().map(|(s, _)| s.offset).collect::<Vec<_>>();
     let mut want: Vec<u64> =
@@ -1626,11 +1630,8 @@ fn adaptive_mode_sleeps_when_idle_and_no_submission_racing_the_sleep_is_lost() {
         doorbell: DoorbellMode::Adaptive,
         pollers: 1,
     };
-    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
     let host = Arc::new(Announcer::default());
-    let mut ctx = DeviceContext::detached(mem.clone());
-    ctx.ioevents = host.clone();
-    let mut d = Drv::with_ctx(cfg, 32, mem, ctx);
+    let mut d = Drv::with_ioevents(cfg, host.clone());
     assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
     d.io_queues(8);
     let sq_kick =

@@ -366,11 +366,8 @@ impl crate::IoEvents for Kvm {
 
 #[test]
 fn adaptive_pollers_each_sleep_on_their_own_queues_doorbells_and_wake_for_them() {
-    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
     let host = Arc::new(Kvm::default());
-    let mut ctx = DeviceContext::detached(mem.clone());
-    ctx.ioevents = host.clone();
-    let mut d = Drv::with_ctx(cfg(2, DoorbellMode::Adaptive), 32, mem, ctx);
+    let mut d = Drv::with_ioevents(cfg(2, DoorbellMode::Adaptive), host.clone());
     assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
     for q in 1..=4 {
         assert_eq!(d.create_pair(q), (0, 0), "queue {q}");
@@ -410,11 +407,8 @@ fn adaptive_pollers_each_sleep_on_their_own_queues_doorbells_and_wake_for_them()
 
 #[test]
 fn a_queue_id_created_again_in_another_group_gets_its_doorbell_on_that_groups_eventfd() {
-    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
     let host = Arc::new(Kvm::default());
-    let mut ctx = DeviceContext::detached(mem.clone());
-    ctx.ioevents = host.clone();
-    let mut d = Drv::with_ctx(cfg(2, DoorbellMode::Adaptive), 32, mem, ctx);
+    let mut d = Drv::with_ioevents(cfg(2, DoorbellMode::Adaptive), host.clone());
     assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
     let size = (QSIZE as u32 - 1) << 16;
     let create_sq = |d: &mut Drv, cqid: u32| d.admin(0x01, 0, sq_at(1), 0, [1 | size, 1 | cqid << 16, 0, 0]).1;
@@ -451,11 +445,8 @@ fn doorbell_buffer_config_after_io_sets_eventidx_so_a_sleeping_poller_is_rung() 
     // driver left (zeros); the adaptive poller sleeps since before. EventIdx must make the next
     // submission ring, or the queue, its tail past 0, is never served.
     for pollers in [1, 2] {
-        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let host = Arc::new(Kvm::default());
-        let mut ctx = DeviceContext::detached(mem.clone());
-        ctx.ioevents = host.clone();
-        let mut d = Drv::with_ctx(cfg(pollers, DoorbellMode::Adaptive), 32, mem, ctx);
+        let mut d = Drv::with_ioevents(cfg(pollers, DoorbellMode::Adaptive), host.clone());
         assert_eq!(d.create_pair(1), (0, 0));
         let mut p = Pair::new(&d.mem, 1);
         for i in 0..3 {
