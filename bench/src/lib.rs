@@ -7,6 +7,7 @@ pub mod cpu;
 pub mod exits;
 pub mod fio;
 pub mod floor;
+pub mod guard;
 pub mod host;
 pub mod nvme;
 pub mod pin;
