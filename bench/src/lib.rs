@@ -14,5 +14,6 @@ pub mod pin;
 pub mod qemu;
 pub mod record;
 pub mod remote;
+pub mod report;
 pub mod stats;
 pub mod wake;
