@@ -2,15 +2,19 @@
 //! and measure each.
 //!
 //!   iopath bench [exits] [--vs qemu] [--json PATH]   the exit-cost table
+//!   iopath bench nvme|floor [OPTIONS]                the NVMe controller, the ring floor
+//!   iopath bench all --out DIR [--quick]             everything, with report.md, CSV, JSON, SVG plots
 //!   iopath run [--workload exits] [--append ARGS]    boot the guest, show its console
 //!   iopath image --out PATH                          write the guest image (for QEMU)
 //!   iopath serve DEVICE --transport T --socket PATH  a device process (mpqemu, vfio-user, ioregionfd)
 
+mod all;
+mod bench;
 mod logging;
 
 use anyhow::Context;
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use iopath_bench::exits::{exit_devices, run_exits, ExitsOptions};
+use clap::{Args, Parser, Subcommand};
+use iopath_bench::exits::{exit_devices, run_exits};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -28,8 +32,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Run a benchmark (default: exits) and print a table (and JSON with --json).
-    Bench(Box<BenchArgs>),
+    /// Run a benchmark (default: exits) and print a table (and JSON with --json);
+    /// `bench all --out DIR` runs them all and writes a report.
+    Bench(Box<bench::BenchCmd>),
     /// Boot the guest image in iopath's VMM and show its console.
     Run(RunArgs),
     /// Write the guest image (an ELF32 multiboot kernel) to a file.
@@ -79,124 +84,6 @@ struct ServeArgs {
     /// forbidden system call otherwise ends it with SIGSYS).
     #[arg(long)]
     no_seccomp: bool,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Which {
-    /// The exit-cost table: cpu, in-kernel, VMM exits, pci-testdev, doorbell round trips.
-    Exits,
-    /// The guest's polled NVMe driver against iopath's NVMe controller (and QEMU's with --vs qemu).
-    Nvme,
-    /// The polled SQ/CQ ring between two host threads at QD 1/16/64: the floor under `bench nvme`.
-    Floor,
-}
-
-#[derive(Clone, Copy, ValueEnum, PartialEq)]
-enum Peer {
-    /// QEMU + KVM with its own pci-testdev, same guest image, interleaved.
-    Qemu,
-}
-
-#[derive(Args)]
-struct BenchArgs {
-    #[arg(value_enum, default_value = "exits")]
-    which: Which,
-    /// Also run the same workload on this peer, in the same run, interleaved.
-    #[arg(long, value_enum)]
-    vs: Option<Peer>,
-    /// Write the results as JSON to PATH ("-" for standard output).
-    #[arg(long, value_name = "PATH")]
-    json: Option<PathBuf>,
-    /// Rounds; each round runs every target once (A/B interleaving).
-    #[arg(long, default_value_t = 3)]
-    rounds: u32,
-    /// Timed batches per row and round.
-    #[arg(long, default_value_t = 9)]
-    batches: u32,
-    /// Target length of one batch, in microseconds.
-    #[arg(long, default_value_t = 20_000)]
-    batch_us: u64,
-    /// Only rows whose names start with one of these (comma-separated).
-    #[arg(long)]
-    only: Option<String>,
-    /// Skip the bare KVM_RUN floor.
-    #[arg(long)]
-    no_floor: bool,
-    /// Seconds one guest run may take before it is stopped.
-    #[arg(long, default_value_t = 300)]
-    timeout: u64,
-    /// A short run: 1 round, 5 batches of 5 ms.
-    #[arg(long)]
-    quick: bool,
-    /// floor: milliseconds per queue depth and round.
-    #[arg(long, default_value_t = 1000, value_name = "T")]
-    time_ms: u64,
-    /// Out-of-process transports to run pci-testdev over, comma-separated
-    /// (mpqemu, vfio-user, ioregionfd, ioregionfd-posted), or "none".
-    #[arg(long, default_value = "mpqemu,vfio-user,ioregionfd,ioregionfd-posted")]
-    transports: String,
-    /// Poll a socket this long for a reply or request before sleeping
-    /// (client and the device processes it starts); 0 sleeps at once, as QEMU.
-    #[arg(long, default_value_t = 0, value_name = "US")]
-    spin_us: u64,
-    /// Run N busy threads (at most 64) during the measured runs, QEMU's included.
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    contend: u32,
-    /// nvme, floor: thread placement. auto: the guest vCPU (the floor's
-    /// submitter) on the first allowed CPU, the device threads (the floor's
-    /// poller) on the others; off: the scheduler's; or VCPU,DEVICE.
-    #[arg(long, default_value = "auto", value_name = "auto|off|VCPU,DEVICE")]
-    pin: iopath_bench::pin::PinChoice,
-    #[command(flatten)]
-    nvme: NvmeArgs,
-}
-
-/// `bench nvme` options. Without --rw/--bs/--iodepth/--queues the two
-/// reference jobs run: randread 512 B at iodepth 16 and 4 KiB at iodepth 1.
-#[derive(Args)]
-struct NvmeArgs {
-    /// Doorbell modes of iopath's controller, comma-separated (shm, bar, ioeventfd, adaptive, mmio).
-    #[arg(long, default_value = "shm,bar,ioeventfd,adaptive,mmio")]
-    doorbell: String,
-    /// null, ram, or file:PATH.
-    #[arg(long, default_value = "ram")]
-    backend: String,
-    /// Where the controller runs, comma-separated, each in every round:
-    /// vmm (in iopath's VMM), or a device process over vfio-user, mpqemu,
-    /// ioregionfd (e.g. vmm,vfio-user compares the two in one run).
-    #[arg(long, default_value = "vmm")]
-    transport: String,
-    /// read, write, randread, randwrite, randrw.
-    #[arg(long)]
-    rw: Option<String>,
-    /// Block size in bytes (512 .. 131072).
-    #[arg(long)]
-    bs: Option<u64>,
-    #[arg(long)]
-    iodepth: Option<u32>,
-    /// I/O queue pairs (numjobs).
-    #[arg(long)]
-    queues: Option<u32>,
-    /// fio's thinktime: microseconds the guest waits after a completion
-    /// before the slot's next command (at iodepth 1: each I/O wakes an idle
-    /// controller; at most 1000000).
-    #[arg(long, value_name = "US", value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
-    thinktime: Option<u64>,
-    /// Seconds per run.
-    #[arg(long, default_value_t = 2.0)]
-    time: f64,
-    /// LBA size: 512 or 4096.
-    #[arg(long, default_value_t = 512)]
-    lba: u32,
-    /// Write a pattern over the namespace and read it back (data check, not a speed run).
-    #[arg(long)]
-    verify: bool,
-    /// Guest RAM in MiB.
-    #[arg(long, default_value_t = 256)]
-    mem: u64,
-    /// Controller poller counts, comma-separated (1..=16; more than 1 only in shm, bar and adaptive modes).
-    #[arg(long, default_value = "1")]
-    pollers: String,
 }
 
 #[derive(Args)]
@@ -270,116 +157,60 @@ fn devices_of(
     specs.iter().map(|spec| instantiate(spec, &progs).map_err(anyhow::Error::msg)).collect()
 }
 
-fn bench_nvme(a: BenchArgs) -> anyhow::Result<i32> {
-    use iopath_bench::nvme::{run_nvme, Job, NvmeOptions};
-    let n = a.nvme;
-    let mut o = NvmeOptions {
-        doorbells: n.doorbell.split(',').filter(|s| !s.is_empty()).map(|d| d.parse()).collect::<Result<_, _>>()?,
-        backend: n.backend.parse()?,
-        transports: n
-            .transport
-            .split(',')
-            .map(|t| match t.trim() {
-                "vmm" => Ok(None),
-                t => iopath_protocols::transport(t).map(Some),
-            })
-            .collect::<Result<_, _>>()?,
-        lba: n.lba,
-        time_ms: (n.time * 1000.0).max(10.0) as u64,
-        rounds: a.rounds.max(1),
-        vs_qemu: a.vs == Some(Peer::Qemu),
-        mem_mb: n.mem,
-        timeout_s: a.timeout,
-        contend: a.contend,
-        pin: a.pin.placement(),
-        pollers: n
-            .pollers
-            .split(',')
-            .map(|p| match p.trim().parse::<u8>() {
-                Ok(v @ 1..=16) => Ok(v),
-                _ => Err(anyhow::anyhow!("--pollers: {p:?} is not a poller count (1..=16)")),
-            })
-            .collect::<anyhow::Result<_>>()?,
-        ..NvmeOptions::default()
-    };
-    let custom = n.rw.is_some() || n.bs.is_some() || n.iodepth.is_some() || n.queues.is_some();
-    if custom || n.verify || n.thinktime.is_some() {
-        o.jobs = vec![Job {
-            rw: n.rw.unwrap_or_else(|| "randread".into()),
-            bs: n.bs.unwrap_or(4096),
-            iodepth: n.iodepth.unwrap_or(16),
-            queues: n.queues.unwrap_or(1),
-            verify: n.verify,
-            thinktime_us: n.thinktime.unwrap_or(0),
-        }];
-    }
-    if a.quick {
-        o.rounds = 1;
-        o.time_ms = 500;
-    }
-    let r = run_nvme(&o)?;
-    emit(&r.table(), &r.json(), a.json.as_deref())?;
-    Ok(if r.errors.is_empty() { 0 } else { 1 })
-}
-
-/// The table on stdout (stderr when JSON goes to stdout) and the JSON.
-fn emit(table: &str, json: &serde_json::Value, path: Option<&std::path::Path>) -> anyhow::Result<()> {
+/// The table on stdout (stderr when JSON goes to stdout; nothing then with
+/// --quiet) and the JSON.
+fn emit(table: &str, json: &serde_json::Value, out: &bench::Output) -> anyhow::Result<()> {
+    let path = out.json.as_deref();
     if path == Some(std::path::Path::new("-")) {
-        eprint!("{table}");
+        if !out.quiet {
+            eprint!("{table}");
+        }
         println!("{}", serde_json::to_string_pretty(json)?);
     } else {
         print!("{table}");
         if let Some(p) = path {
             std::fs::write(p, serde_json::to_string_pretty(json)?)
                 .with_context(|| format!("writing {}", p.display()))?;
-            println!("JSON written to {}", p.display());
+            if !out.quiet {
+                println!("JSON written to {}", p.display());
+            }
         }
     }
     Ok(())
 }
 
-fn bench_floor(a: BenchArgs) -> anyhow::Result<i32> {
-    use iopath_bench::floor::{run_floor, FloorOptions, DEPTHS};
-    let o = FloorOptions {
-        depths: a.nvme.iodepth.map_or(DEPTHS.to_vec(), |d| vec![d]),
-        rounds: if a.quick { 1 } else { a.rounds.max(1) },
-        time_ms: if a.quick { 100 } else { a.time_ms.max(1) },
-        cpus: a.pin.placement().map(|p| p.pair()),
-        ..FloorOptions::default()
-    };
-    let r = run_floor(&o)?;
-    emit(&r.table(), &r.json(), a.json.as_deref())?;
-    Ok(if r.errors.is_empty() { 0 } else { 1 })
+/// Exit status of a bench: 1 if it found errors (a wrong route, a lost completion).
+fn status(errors: &[String]) -> i32 {
+    if errors.is_empty() {
+        0
+    } else {
+        1
+    }
 }
 
-fn bench(a: BenchArgs) -> anyhow::Result<i32> {
-    match a.which {
-        Which::Nvme => return bench_nvme(a),
-        Which::Floor => return bench_floor(a),
-        Which::Exits => {}
+fn bench(b: bench::BenchCmd) -> anyhow::Result<i32> {
+    use bench::Which;
+    match b.which {
+        None => bench_exits(&b.exits),
+        Some(Which::Exits(a)) => bench_exits(&a),
+        Some(Which::Nvme(a)) => {
+            let r = iopath_bench::nvme::run_nvme(&a.options()?)?;
+            emit(&r.table(), &r.json(), &a.out)?;
+            Ok(status(&r.errors))
+        }
+        Some(Which::Floor(a)) => {
+            let r = iopath_bench::floor::run_floor(&a.options())?;
+            emit(&r.table(), &r.json(), &a.out)?;
+            Ok(status(&r.errors))
+        }
+        Some(Which::All(a)) => all::run(&a),
     }
-    let mut o = ExitsOptions {
-        rounds: a.rounds.max(1),
-        batches: a.batches.clamp(1, 64),
-        batch_us: a.batch_us.max(10),
-        only: a.only,
-        vs_qemu: a.vs == Some(Peer::Qemu),
-        floor: !a.no_floor,
-        timeout_s: a.timeout,
-        progress: true,
-        transports: a.transports.split(',').filter(|t| !t.is_empty() && *t != "none").map(String::from).collect(),
-        iopath_exe: None,
-        spin_us: a.spin_us,
-        contend: a.contend,
-    };
-    if a.quick {
-        o.rounds = 1;
-        o.batches = 5;
-        o.batch_us = 5000;
-    }
-    let r = run_exits(&o)?;
-    emit(&r.table(), &r.json(), a.json.as_deref())?;
-    Ok(if r.errors.is_empty() { 0 } else { 1 })
+}
+
+fn bench_exits(a: &bench::ExitsArgs) -> anyhow::Result<i32> {
+    let r = run_exits(&a.options())?;
+    emit(&r.table(), &r.json(), &a.out)?;
+    Ok(status(&r.errors))
 }
 
 fn run_guest(a: RunArgs) -> anyhow::Result<i32> {

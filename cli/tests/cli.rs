@@ -133,3 +133,72 @@ fn bench_nvme_runs_carry_their_rounds_floor_ratio() {
         assert!(positive(&r["floor_ratio"]), "every run has IOPS / the floor's ops/s: {r}");
     }
 }
+
+#[test]
+fn each_bench_subcommand_lists_only_its_own_options() {
+    let help = |b: &str| {
+        let out = iopath().args(["bench", b, "--help"]).output().unwrap();
+        assert!(out.status.success(), "bench {b} --help: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let nvme = help("nvme");
+    for absent in ["--transports", "--batches", "--only", "--batch-us", "--no-floor"] {
+        assert!(!nvme.contains(absent), "bench nvme --help lists {absent}:\n{nvme}");
+    }
+    for present in ["--bs", "--iodepth", "--numjobs", "--runtime", "--thinktime", "--quiet"] {
+        assert!(nvme.contains(present), "bench nvme --help lacks {present}:\n{nvme}");
+    }
+    let floor = help("floor");
+    for absent in ["--vs", "--doorbell", "--transports", "--bs"] {
+        assert!(!floor.contains(absent), "bench floor --help lists {absent}:\n{floor}");
+    }
+    let exits = help("exits");
+    for absent in ["--bs", "--doorbell", "--time-ms", "--pollers"] {
+        assert!(!exits.contains(absent), "bench exits --help lists {absent}:\n{exits}");
+    }
+}
+
+#[test]
+fn quick_with_an_explicit_runtime_is_refused_not_overridden() {
+    // Before: --quick silently replaced --time 3 by 0.5 s.
+    for args in [
+        &["nvme", "--quick", "--time", "3"][..],
+        &["nvme", "--quick", "--rounds", "2"],
+        &["exits", "--quick", "--rounds", "2"],
+    ] {
+        let out = iopath().arg("bench").args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("cannot be used with"), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn fio_sizes_and_names_reach_the_job() {
+    // --bs 4k --numjobs 2 (fio's names and suffixes) run as bs=4096 queues=2.
+    let v = bench_json(&[
+        "bench",
+        "nvme",
+        "--quick",
+        "--quiet",
+        "--backend",
+        "null",
+        "--doorbell",
+        "shm",
+        "--rw",
+        "randread",
+        "--bs",
+        "4k",
+        "--iodepth",
+        "2",
+        "--numjobs",
+        "2",
+    ]);
+    let job = &v["options"]["jobs"][0];
+    assert_eq!(
+        (job["bs"].as_u64(), job["queues"].as_u64(), job["iodepth"].as_u64()),
+        (Some(4096), Some(2), Some(2)),
+        "{job}"
+    );
+    assert!(positive(&v["runs"][0]["iops"]), "{}", v["runs"]);
+}

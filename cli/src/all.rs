@@ -1,0 +1,170 @@
+//! `iopath bench all --out DIR`: every benchmark in its default matrix, then
+//! the report (`iopath_bench::report`) in DIR.
+
+use crate::bench::AllArgs;
+use anyhow::Context;
+use iopath_bench::exits::{run_exits, ExitsOptions};
+use iopath_bench::floor::{run_floor, FloorOptions};
+use iopath_bench::nvme::{run_nvme, Job, NvmeOptions};
+use iopath_bench::report;
+use std::time::Instant;
+
+/// Queue depths of the NVMe sweep (IOPS and p99 against iodepth).
+const SWEEP: [u32; 4] = [1, 4, 16, 64];
+const SWEEP_QUICK: [u32; 3] = [1, 4, 16];
+
+fn job(bs: u64, iodepth: u32) -> Job {
+    Job { rw: "randread".into(), bs, iodepth, queues: 1, verify: false, thinktime_us: 0 }
+}
+
+/// The three benches' options for this matrix.
+pub fn matrix(a: &AllArgs, qemu: bool) -> (ExitsOptions, FloorOptions, NvmeOptions) {
+    let rounds = if a.quick { 1 } else { a.rounds.max(1) };
+    let progress = !a.quiet;
+    let pin = a.pin.placement();
+    let mut exits = ExitsOptions { rounds, vs_qemu: qemu, progress, ..ExitsOptions::default() };
+    let mut floor = FloorOptions { rounds, cpus: pin.map(|p| p.pair()), progress, ..FloorOptions::default() };
+    // In the VMM and over each transport that carries NVMe, every doorbell mode.
+    let transports: Vec<Option<&'static dyn iopath_protocols::Transport>> = std::iter::once(None)
+        .chain(
+            ["vfio-user", "mpqemu", "ioregionfd"].iter().filter_map(|t| iopath_protocols::transport(t).ok().map(Some)),
+        )
+        .collect();
+    let sweep: &[u32] = if a.quick { &SWEEP_QUICK } else { &SWEEP };
+    let mut jobs: Vec<Job> = sweep.iter().map(|&qd| job(512, qd)).collect();
+    // The latency reference job (4 KiB at iodepth 1).
+    jobs.push(job(4096, 1));
+    let mut nvme = NvmeOptions { jobs, transports, rounds, vs_qemu: qemu, progress, pin, ..NvmeOptions::default() };
+    if a.quick {
+        (exits.batches, exits.batch_us) = (5, 5000);
+        floor.time_ms = 100;
+        nvme.time_ms = 300;
+        nvme.floor_ms = 100;
+    }
+    if a.smoke {
+        // The whole pipeline on little: a few exit rows over one transport,
+        // two NVMe modes in the VMM and over vfio-user at two depths.
+        exits.only =
+            Some("mmio-no-eventfd:pci-mem,mmio-wildcard-eventfd:pci-mem,outl_to_kernel,doorbell-rtt:shm".into());
+        exits.transports = vec!["vfio-user".into()];
+        floor.depths = vec![1, 16];
+        floor.time_ms = 50;
+        nvme.jobs = vec![job(512, 1), job(512, 16)];
+        nvme.doorbells = vec![iopath_devices::nvme::DoorbellMode::Shm, iopath_devices::nvme::DoorbellMode::Mmio];
+        nvme.transports.truncate(2);
+        nvme.time_ms = 200;
+        nvme.floor_ms = 50;
+    }
+    (exits, floor, nvme)
+}
+
+/// `git describe`-like: the commit of the source tree this binary was built from, if it is still a git tree.
+fn version() -> String {
+    let v = env!("CARGO_PKG_VERSION");
+    let dir = env!("CARGO_MANIFEST_DIR");
+    match std::process::Command::new("git").args(["-C", dir, "rev-parse", "--short=12", "HEAD"]).output() {
+        Ok(o) if o.status.success() => {
+            let dirty = std::process::Command::new("git")
+                .args(["-C", dir, "status", "--porcelain", "--untracked-files=no"])
+                .output()
+                .map(|o| !o.stdout.is_empty())
+                .unwrap_or(false);
+            format!("{v} (git {}{})", String::from_utf8_lossy(&o.stdout).trim(), if dirty { ", modified" } else { "" })
+        }
+        _ => format!("{v} (git commit unknown)"),
+    }
+}
+
+fn qemu_version() -> (bool, String) {
+    match iopath_bench::qemu::find() {
+        Ok(q) => {
+            let v = std::process::Command::new(&q)
+                .arg("--version")
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").trim().to_string())
+                .unwrap_or_default();
+            (true, format!("{v} ({})", q.display()))
+        }
+        Err(e) => (false, format!("not run: {e}")),
+    }
+}
+
+/// The KVM modules /proc/modules lists.
+fn kvm_modules() -> String {
+    let m = std::fs::read_to_string("/proc/modules").unwrap_or_default();
+    let names: Vec<&str> =
+        m.lines().filter_map(|l| l.split_whitespace().next()).filter(|n| n.starts_with("kvm")).collect();
+    names.join(", ")
+}
+
+pub fn run(a: &AllArgs) -> anyhow::Result<i32> {
+    let start = Instant::now();
+    let (found, qemu) = qemu_version();
+    let (exits, floor, nvme) = matrix(a, found && !a.no_qemu);
+    let mut input = report::Input {
+        meta: report::Meta {
+            version: version(),
+            qemu: if a.no_qemu { "left out (--no-qemu)".into() } else { qemu },
+            kvm_modules: kvm_modules(),
+            command: std::env::args().collect::<Vec<_>>().join(" "),
+            wall_s: 0.0,
+        },
+        ..report::Input::default()
+    };
+    let say = |step: &str| {
+        if !a.quiet {
+            eprintln!("bench all [{:>4.0} s] {step}", start.elapsed().as_secs_f64());
+        }
+    };
+    let mut failed = false;
+    // Each bench runs even if one before it failed; its error goes into the report.
+    say("1/3 exits");
+    match run_exits(&exits) {
+        Ok(r) => {
+            failed |= !r.errors.is_empty();
+            input.tables.push(("exits".into(), r.table()));
+            input.docs.push(r.json());
+        }
+        Err(e) => {
+            failed = true;
+            input.docs.push(serde_json::json!({"benchmark": "exits", "errors": [format!("{e:#}")]}));
+        }
+    }
+    say("2/3 floor");
+    match run_floor(&floor) {
+        Ok(r) => {
+            failed |= !r.errors.is_empty();
+            input.tables.push(("floor".into(), r.table()));
+            input.docs.push(r.json());
+        }
+        Err(e) => {
+            failed = true;
+            input.docs.push(serde_json::json!({"benchmark": "floor", "errors": [format!("{e:#}")]}));
+        }
+    }
+    say("3/3 nvme");
+    match run_nvme(&nvme) {
+        Ok(r) => {
+            failed |= !r.errors.is_empty();
+            input.tables.push(("nvme".into(), r.table()));
+            input.docs.push(r.json());
+        }
+        Err(e) => {
+            failed = true;
+            input.docs.push(serde_json::json!({"benchmark": "nvme", "errors": [format!("{e:#}")]}));
+        }
+    }
+    input.meta.wall_s = start.elapsed().as_secs_f64();
+    let r = report::render(&input);
+    let files = report::write(&a.out, &r).with_context(|| format!("writing the report to {}", a.out.display()))?;
+    if !a.quiet {
+        for (_, t) in &input.tables {
+            print!("{t}");
+        }
+        println!("\nreport: {}", a.out.join("report.md").display());
+        for f in &files {
+            println!("  {}", f.display());
+        }
+    }
+    Ok(if failed { 1 } else { 0 })
+}

@@ -1,0 +1,476 @@
+//! `iopath bench [exits|nvme|floor|all]`: each benchmark's own options (fio's
+//! names where fio has one), turned into the bench crate's option structs.
+
+use clap::{Args, Subcommand, ValueEnum};
+use iopath_bench::exits::ExitsOptions;
+use iopath_bench::floor::{FloorOptions, DEPTHS};
+use iopath_bench::nvme::{Job, NvmeOptions};
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Debug)]
+pub enum Peer {
+    /// QEMU + KVM with its own devices, same guest image, interleaved.
+    Qemu,
+}
+
+/// `iopath bench`: with no subcommand, the exit-cost table (`bench exits`).
+#[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct BenchCmd {
+    #[command(subcommand)]
+    pub which: Option<Which>,
+    #[command(flatten)]
+    pub exits: ExitsArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Which {
+    /// The exit-cost table: cpu, in-kernel, VMM exits, pci-testdev, doorbell round trips, transports.
+    Exits(ExitsArgs),
+    /// The guest's polled NVMe driver against iopath's NVMe controller (and QEMU's with --vs qemu).
+    Nvme(NvmeArgs),
+    /// The polled SQ/CQ ring between two host threads at QD 1/16/64: the floor under `bench nvme`.
+    Floor(FloorArgs),
+    /// Every benchmark in its default matrix; writes report.md, results.json, results.csv and SVG plots to --out.
+    All(AllArgs),
+}
+
+/// Options every benchmark has.
+#[derive(Args, Debug)]
+pub struct Output {
+    /// Write the results as JSON to PATH ("-" for standard output).
+    #[arg(long, value_name = "PATH")]
+    pub json: Option<PathBuf>,
+    /// No progress lines: the table only (nothing but the JSON with --json -).
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ExitsArgs {
+    /// Also run the same workload on this peer, in the same run, interleaved.
+    #[arg(long, value_enum)]
+    pub vs: Option<Peer>,
+    /// Rounds; each round runs every target once (A/B interleaving).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// Timed batches per row and round (1..=64).
+    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub batches: u32,
+    /// Target length of one batch, in microseconds.
+    #[arg(long, default_value_t = 20_000)]
+    pub batch_us: u64,
+    /// Only rows whose names start with one of these (comma-separated).
+    #[arg(long)]
+    pub only: Option<String>,
+    /// Skip the bare KVM_RUN floor.
+    #[arg(long)]
+    pub no_floor: bool,
+    /// Seconds one guest run may take before it is stopped.
+    #[arg(long, default_value_t = 300)]
+    pub timeout: u64,
+    /// A short run: 1 round, 5 batches of 5 ms.
+    #[arg(long, conflicts_with_all = ["rounds", "batches", "batch_us"])]
+    pub quick: bool,
+    /// Out-of-process transports to run pci-testdev over, comma-separated
+    /// (mpqemu, vfio-user, ioregionfd, ioregionfd-posted), or "none".
+    #[arg(long, default_value = "mpqemu,vfio-user,ioregionfd,ioregionfd-posted")]
+    pub transports: String,
+    /// Poll a socket this long for a reply or request before sleeping
+    /// (client and the device processes it starts); 0 sleeps at once, as QEMU.
+    #[arg(long, default_value_t = 0, value_name = "US")]
+    pub spin_us: u64,
+    /// Run N busy threads (at most 64) during the measured runs, QEMU's included.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub contend: u32,
+    #[command(flatten)]
+    pub out: Output,
+}
+
+impl ExitsArgs {
+    pub fn options(&self) -> ExitsOptions {
+        let (rounds, batches, batch_us) =
+            if self.quick { (1, 5, 5000) } else { (self.rounds.max(1), self.batches, self.batch_us.max(10)) };
+        ExitsOptions {
+            rounds,
+            batches,
+            batch_us,
+            only: self.only.clone(),
+            vs_qemu: self.vs == Some(Peer::Qemu),
+            floor: !self.no_floor,
+            timeout_s: self.timeout,
+            progress: !self.out.quiet,
+            transports: self
+                .transports
+                .split(',')
+                .map(str::trim)
+                .filter(|t| !t.is_empty() && *t != "none")
+                .map(String::from)
+                .collect(),
+            spin_us: self.spin_us,
+            contend: self.contend,
+            ..ExitsOptions::default()
+        }
+    }
+}
+
+/// `bench nvme` options, named as fio names them. Without --rw/--bs/--iodepth/--numjobs
+/// the two reference jobs run: randread 512 B at iodepth 16 and 4 KiB at iodepth 1.
+/// (No --rwmixread: the bench's job has no such field yet, though nvmeperf takes
+/// `rwmixread=`; no --ramp_time: nvmeperf has no warm-up to map it to.)
+#[derive(Args, Debug)]
+pub struct NvmeArgs {
+    /// Also run the jobs under QEMU's nvme on null-co (or the same file), interleaved.
+    #[arg(long, value_enum)]
+    pub vs: Option<Peer>,
+    /// Doorbell modes of iopath's controller, comma-separated (shm, bar, ioeventfd, adaptive, mmio).
+    #[arg(long, default_value = "shm,bar,ioeventfd,adaptive,mmio")]
+    pub doorbell: String,
+    /// null, ram, or file:PATH.
+    #[arg(long, default_value = "ram")]
+    pub backend: String,
+    /// Where the controller runs, comma-separated, each in every round:
+    /// vmm (in iopath's VMM), or a device process over vfio-user, mpqemu,
+    /// ioregionfd (e.g. vmm,vfio-user compares the two in one run).
+    #[arg(long, default_value = "vmm")]
+    pub transport: String,
+    /// read, write, randread, randwrite, randrw.
+    #[arg(long, value_parser = ["read", "write", "randread", "randwrite", "randrw"])]
+    pub rw: Option<String>,
+    /// Block size: bytes, or with a suffix as fio takes it (512, 4k, 64k, 128k; 512 .. 128k, a multiple of 512).
+    #[arg(long, value_parser = parse_bs)]
+    pub bs: Option<u64>,
+    /// Commands in flight per queue (1..=1024).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub iodepth: Option<u32>,
+    /// I/O queue pairs, each with its own submitter slot set (1..=16).
+    #[arg(long, alias = "queues", value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub numjobs: Option<u32>,
+    /// fio's thinktime: microseconds the guest waits after a completion
+    /// before the slot's next command (at iodepth 1: each I/O wakes an idle
+    /// controller; at most 1000000).
+    #[arg(long, value_name = "US", value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub thinktime: Option<u64>,
+    /// Length of each run: seconds, or with a suffix (500ms, 2s, 1m).
+    #[arg(long, alias = "time", value_parser = parse_runtime, default_value = "2")]
+    pub runtime: f64,
+    /// Rounds; each round runs every target once (A/B interleaving).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// A short run: 1 round of 0.5 s runs.
+    #[arg(long, conflicts_with_all = ["rounds", "runtime"])]
+    pub quick: bool,
+    /// LBA size: 512 or 4096.
+    #[arg(long, default_value_t = 512,
+          value_parser = clap::builder::TypedValueParser::map(clap::builder::PossibleValuesParser::new(["512", "4096"]), |s| s.parse::<u32>().unwrap_or(512)))]
+    pub lba: u32,
+    /// Write a pattern over the namespace and read it back (data check, not a speed run).
+    #[arg(long)]
+    pub verify: bool,
+    /// Guest RAM in MiB.
+    #[arg(long, default_value_t = 256)]
+    pub mem: u64,
+    /// Controller poller counts, comma-separated (1..=16; more than 1 only in shm, bar and adaptive modes).
+    #[arg(long, default_value = "1")]
+    pub pollers: String,
+    /// Seconds one guest run may take before it is stopped.
+    #[arg(long, default_value_t = 300)]
+    pub timeout: u64,
+    /// Run N busy threads (at most 64) during every run, QEMU's included.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub contend: u32,
+    /// Thread placement. auto: the guest vCPU on the first allowed CPU, the
+    /// device threads on the others; off: the scheduler's; or VCPU,DEVICE.
+    #[arg(long, default_value = "auto", value_name = "auto|off|VCPU,DEVICE")]
+    pub pin: iopath_bench::pin::PinChoice,
+    #[command(flatten)]
+    pub out: Output,
+}
+
+impl NvmeArgs {
+    pub fn options(&self) -> anyhow::Result<NvmeOptions> {
+        let mut o = NvmeOptions {
+            doorbells: self
+                .doorbell
+                .split(',')
+                .filter(|s| !s.is_empty())
+                .map(|d| d.parse())
+                .collect::<Result<_, _>>()?,
+            backend: self.backend.parse()?,
+            transports: parse_transports(&self.transport)?,
+            lba: self.lba,
+            time_ms: if self.quick { 500 } else { (self.runtime * 1000.0).max(10.0) as u64 },
+            rounds: if self.quick { 1 } else { self.rounds.max(1) },
+            vs_qemu: self.vs == Some(Peer::Qemu),
+            mem_mb: self.mem,
+            timeout_s: self.timeout,
+            contend: self.contend,
+            pin: self.pin.placement(),
+            progress: !self.out.quiet,
+            pollers: parse_pollers(&self.pollers)?,
+            ..NvmeOptions::default()
+        };
+        let custom = self.rw.is_some() || self.bs.is_some() || self.iodepth.is_some() || self.numjobs.is_some();
+        if custom || self.verify || self.thinktime.is_some() {
+            o.jobs = vec![Job {
+                rw: self.rw.clone().unwrap_or_else(|| "randread".into()),
+                bs: self.bs.unwrap_or(4096),
+                iodepth: self.iodepth.unwrap_or(16),
+                queues: self.numjobs.unwrap_or(1),
+                verify: self.verify,
+                thinktime_us: self.thinktime.unwrap_or(0),
+            }];
+        }
+        Ok(o)
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct FloorArgs {
+    /// Rounds.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// Milliseconds per queue depth and round.
+    #[arg(long, default_value_t = 1000, value_name = "T")]
+    pub time_ms: u64,
+    /// One queue depth instead of 1, 16 and 64.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub iodepth: Option<u32>,
+    /// A short run: 1 round of 100 ms per queue depth.
+    #[arg(long, conflicts_with_all = ["rounds", "time_ms"])]
+    pub quick: bool,
+    /// Thread placement: auto (submitter on the first allowed CPU, poller on
+    /// the next), off (the scheduler's), or VCPU,DEVICE.
+    #[arg(long, default_value = "auto", value_name = "auto|off|VCPU,DEVICE")]
+    pub pin: iopath_bench::pin::PinChoice,
+    #[command(flatten)]
+    pub out: Output,
+}
+
+impl FloorArgs {
+    // `..default()` sets whatever fields FloorOptions gains later.
+    #[allow(clippy::needless_update)]
+    pub fn options(&self) -> FloorOptions {
+        FloorOptions {
+            depths: self.iodepth.map_or(DEPTHS.to_vec(), |d| vec![d]),
+            rounds: if self.quick { 1 } else { self.rounds.max(1) },
+            time_ms: if self.quick { 100 } else { self.time_ms.max(1) },
+            cpus: self.pin.placement().map(|p| p.pair()),
+            progress: !self.out.quiet,
+            ..FloorOptions::default()
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct AllArgs {
+    /// Directory for report.md, results.json, results.csv and the SVG plots (created if missing).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// A short matrix: 1 round, short runs, two iodepths.
+    #[arg(long, conflicts_with_all = ["rounds"])]
+    pub quick: bool,
+    /// Rounds of every benchmark.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// Leave QEMU out even where it is installed.
+    #[arg(long)]
+    pub no_qemu: bool,
+    /// Only exits, on the in-VMM and one out-of-process transport, and one NVMe
+    /// job per mode: a smoke run of the whole pipeline (tests use it).
+    #[arg(long, requires = "quick")]
+    pub smoke: bool,
+    /// No progress bar, no tables: only the files.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// Thread placement for nvme and floor (see `bench nvme --pin`).
+    #[arg(long, default_value = "auto", value_name = "auto|off|VCPU,DEVICE")]
+    pub pin: iopath_bench::pin::PinChoice,
+}
+
+fn parse_transports(s: &str) -> anyhow::Result<Vec<Option<&'static dyn iopath_protocols::Transport>>> {
+    s.split(',')
+        .map(|t| match t.trim() {
+            "vmm" => Ok(None),
+            t => iopath_protocols::transport(t).map(Some).map_err(anyhow::Error::from),
+        })
+        .collect()
+}
+
+fn parse_pollers(s: &str) -> anyhow::Result<Vec<u8>> {
+    s.split(',')
+        .map(|p| match p.trim().parse::<u8>() {
+            Ok(v @ 1..=16) => Ok(v),
+            _ => Err(anyhow::anyhow!("--pollers: {p:?} is not a poller count (1..=16)")),
+        })
+        .collect()
+}
+
+/// A size as fio writes one: a number of bytes with an optional binary
+/// suffix (k, kb, kib = 1024; m, mb, mib = 1024^2), any case.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, suffix) = t.split_at(digits);
+    let n: u64 = n.parse().map_err(|_| format!("{s:?} is not a size (e.g. 512, 4k, 64k)"))?;
+    let unit: u64 = match suffix {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        _ => return Err(format!("{s:?}: unknown size suffix {suffix:?} (k, m)")),
+    };
+    n.checked_mul(unit).ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// `--bs`: a size nvmeperf can issue: 512 .. 128 KiB (the controller's MDTS), a multiple of 512.
+fn parse_bs(s: &str) -> Result<u64, String> {
+    let v = parse_size(s)?;
+    if !(512..=131_072).contains(&v) || !v.is_multiple_of(512) {
+        return Err(format!("{s:?} = {v} bytes: the block size must be 512 .. 131072 (128k), a multiple of 512"));
+    }
+    Ok(v)
+}
+
+/// `--runtime`: seconds, or a number with ms, s or m (fio's time suffixes); 0.01 .. 3600 s.
+pub fn parse_runtime(s: &str) -> Result<f64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (t.as_str(), 1.0)
+    };
+    let v: f64 = num.trim().parse().map_err(|_| format!("{s:?} is not a run time (e.g. 2, 500ms, 10s)"))?;
+    let secs = v * scale;
+    if !(0.01..=3600.0).contains(&secs) {
+        return Err(format!("{s:?}: the run time must be 10ms .. 3600s"));
+    }
+    Ok(secs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser, Debug)]
+    struct T {
+        #[command(subcommand)]
+        cmd: Top,
+    }
+
+    #[derive(clap::Subcommand, Debug)]
+    enum Top {
+        Bench(BenchCmd),
+    }
+
+    fn parse(args: &[&str]) -> Result<BenchCmd, clap::Error> {
+        let mut v = vec!["iopath", "bench"];
+        v.extend_from_slice(args);
+        T::try_parse_from(v).map(|t| match t.cmd {
+            Top::Bench(b) => b,
+        })
+    }
+
+    fn nvme(args: &[&str]) -> NvmeArgs {
+        let mut v = vec!["nvme"];
+        v.extend_from_slice(args);
+        match parse(&v).unwrap().which {
+            Some(Which::Nvme(n)) => n,
+            w => panic!("not nvme: {w:?}"),
+        }
+    }
+
+    #[test]
+    fn sizes_take_fio_suffixes() {
+        assert_eq!(parse_size("512"), Ok(512));
+        assert_eq!(parse_size("4k"), Ok(4096));
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("64KiB"), Ok(65536));
+        assert_eq!(parse_size("1m"), Ok(1 << 20));
+        assert!(parse_size("4x").is_err());
+        assert!(parse_size("k").is_err());
+        assert!(parse_size("99999999999999999999k").is_err());
+        assert_eq!(nvme(&["--bs", "64k"]).bs, Some(65536));
+        assert_eq!(nvme(&["--bs", "512"]).bs, Some(512));
+        // 1m is a size, but past the controller's 128 KiB transfer limit.
+        assert!(parse(&["nvme", "--bs", "1m"]).is_err());
+        assert!(parse(&["nvme", "--bs", "1000"]).is_err());
+    }
+
+    #[test]
+    fn runtime_takes_seconds_and_suffixes_and_time_is_its_alias() {
+        assert_eq!(parse_runtime("2"), Ok(2.0));
+        assert_eq!(parse_runtime("500ms"), Ok(0.5));
+        assert_eq!(parse_runtime("1m"), Ok(60.0));
+        assert!(parse_runtime("0").is_err());
+        assert!(parse_runtime("fast").is_err());
+        assert_eq!(nvme(&["--time", "0.3"]).options().unwrap().time_ms, 300);
+        assert_eq!(nvme(&["--runtime", "750ms"]).options().unwrap().time_ms, 750);
+    }
+
+    #[test]
+    fn numjobs_is_the_queue_count_and_queues_its_alias() {
+        let o = nvme(&["--numjobs", "4"]).options().unwrap();
+        assert_eq!(o.jobs.len(), 1);
+        assert_eq!(o.jobs[0].queues, 4);
+        assert_eq!(nvme(&["--queues", "2"]).numjobs, Some(2));
+        assert!(parse(&["nvme", "--numjobs", "17"]).is_err());
+    }
+
+    #[test]
+    fn quick_conflicts_with_an_explicit_runtime_or_rounds() {
+        for extra in [&["--runtime", "3"][..], &["--time", "3"], &["--rounds", "2"]] {
+            let mut a = vec!["nvme", "--quick"];
+            a.extend_from_slice(extra);
+            let e = parse(&a).unwrap_err();
+            assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{a:?}");
+        }
+        let e = parse(&["exits", "--quick", "--batches", "3"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict);
+        let e = parse(&["floor", "--quick", "--time-ms", "5"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict);
+        let o = nvme(&["--quick"]).options().unwrap();
+        assert_eq!((o.rounds, o.time_ms), (1, 500));
+    }
+
+    #[test]
+    fn each_bench_takes_only_its_own_options() {
+        // nvme has no exit-row options, exits no block size, floor neither.
+        assert!(parse(&["nvme", "--transports", "vfio-user"]).is_err());
+        assert!(parse(&["nvme", "--only", "cpuid"]).is_err());
+        assert!(parse(&["nvme", "--batches", "3"]).is_err());
+        assert!(parse(&["exits", "--bs", "4k"]).is_err());
+        assert!(parse(&["floor", "--doorbell", "shm"]).is_err());
+        assert!(parse(&["floor", "--vs", "qemu"]).is_err());
+    }
+
+    #[test]
+    fn bare_bench_is_exits_with_its_options() {
+        let b = parse(&["--quick", "--vs", "qemu"]).unwrap();
+        assert!(b.which.is_none());
+        let o = b.exits.options();
+        assert!(o.vs_qemu);
+        assert_eq!((o.rounds, o.batches, o.batch_us), (1, 5, 5000));
+        let o = parse(&["exits", "--transports", "none", "--quiet"]).unwrap();
+        match o.which {
+            Some(Which::Exits(e)) => {
+                let o = e.options();
+                assert!(o.transports.is_empty());
+                assert!(!o.progress);
+            }
+            w => panic!("{w:?}"),
+        }
+    }
+
+    #[test]
+    fn all_needs_a_directory_and_smoke_needs_quick() {
+        assert!(parse(&["all"]).is_err());
+        assert!(parse(&["all", "--out", "/tmp/x", "--smoke"]).is_err());
+        assert!(parse(&["all", "--out", "/tmp/x", "--quick", "--rounds", "2"]).is_err());
+        assert!(matches!(parse(&["all", "--out", "/tmp/x", "--quick", "--smoke"]).unwrap().which, Some(Which::All(_))));
+    }
+}

@@ -1,0 +1,58 @@
+//! `iopath bench all`: the whole pipeline on the real /dev/kvm, on the smoke
+//! matrix (a few exit rows over one transport, two NVMe modes at two depths).
+
+use std::process::Command;
+
+#[test]
+fn bench_all_writes_a_report_with_tables_csv_json_and_plots() {
+    assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing");
+    let dir = std::env::temp_dir().join(format!("iopath-bench-all-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["bench", "all", "--quick", "--smoke", "--no-qemu", "--quiet", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap_or_default();
+    assert!(out.status.success(), "bench all failed: {stderr}\n{md}");
+    assert!(out.stdout.is_empty(), "--quiet printed: {}", String::from_utf8_lossy(&out.stdout));
+
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("results.json")).unwrap()).unwrap();
+    assert!(json["schema_version"].is_u64());
+    let benches: Vec<&str> =
+        json["benchmarks"].as_array().unwrap().iter().map(|d| d["benchmark"].as_str().unwrap()).collect();
+    assert_eq!(benches, ["exits", "floor", "nvme"]);
+
+    let csv = std::fs::read_to_string(dir.join("results.csv")).unwrap();
+    assert!(csv.starts_with("bench,row,metric,median,min,max,unit\n"));
+    for want in [
+        "exits,mmio-no-eventfd:pci-mem @ iopath,ns_per_access,",
+        "exits,mmio-no-eventfd:pci-mem @ vfio-user,ns_per_access,",
+        "floor,ring qd16,ops_s,",
+        "nvme,iopath-shm@vfio-user randread 512 qd16 x1,iops,",
+    ] {
+        assert!(csv.lines().any(|l| l.starts_with(want)), "{want} missing from:\n{csv}");
+    }
+
+    for want in [
+        "## Host",
+        "kvm_",
+        "## Cost per path",
+        "## Published figures beside ours",
+        "**Other hardware",
+        "## Exits",
+        "## NVMe",
+        "## Ring floor",
+    ] {
+        assert!(md.contains(want), "{want} missing from report.md:\n{md}");
+    }
+    for svg in
+        ["cost-per-path.svg", "iops-vs-iodepth-vmm.svg", "p99-vs-iodepth-vmm.svg", "iops-vs-iodepth-vfio-user.svg"]
+    {
+        let text = std::fs::read_to_string(dir.join(svg)).unwrap_or_else(|e| panic!("{svg}: {e}"));
+        roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{svg} is not XML: {e}"));
+        assert!(md.contains(&format!("]({svg})")), "report.md does not show {svg}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
