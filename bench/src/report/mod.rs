@@ -34,6 +34,30 @@ pub struct Input {
     pub tables: Vec<(String, String)>,
 }
 
+impl Input {
+    /// The input back from a results.json `render` wrote: `iopath report` re-renders it.
+    pub fn from_results(v: &Value) -> Input {
+        let m = &v["meta"];
+        let text = |k: &str| m[k].as_str().unwrap_or_default().to_string();
+        Input {
+            meta: Meta {
+                version: text("version"),
+                qemu: text("qemu"),
+                kvm_modules: text("kvm_modules"),
+                command: text("command"),
+                wall_s: f(&m["wall_s"]).unwrap_or(0.0),
+            },
+            docs: v["benchmarks"].as_array().cloned().unwrap_or_default(),
+            tables: v["tables"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|t| Some((t[0].as_str()?.to_string(), t[1].as_str()?.to_string())))
+                .collect(),
+        }
+    }
+}
+
 /// The rendered report: file name -> contents.
 pub struct Report {
     pub markdown: String,
@@ -237,6 +261,21 @@ fn csv_field(s: &str) -> String {
     }
 }
 
+/// A figure for the CSV: enough digits for any unit here (0.1 of a ns or an
+/// IOPS, 6 decimals below 1), trailing zeros dropped.
+fn num(v: f64) -> String {
+    let s = match v.abs() {
+        a if a >= 1000.0 => format!("{v:.1}"),
+        a if a >= 1.0 => format!("{v:.3}"),
+        _ => format!("{v:.6}"),
+    };
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
+}
+
 pub fn csv(figs: &[Figure]) -> String {
     let mut s = String::from("bench,row,metric,median,min,max,unit\n");
     for x in figs {
@@ -245,9 +284,9 @@ pub fn csv(figs: &[Figure]) -> String {
             csv_field(&x.bench),
             csv_field(&x.row),
             csv_field(&x.metric),
-            x.s.median,
-            x.s.min,
-            x.s.max,
+            num(x.s.median),
+            num(x.s.min),
+            num(x.s.max),
             csv_field(&x.unit)
         ));
     }
@@ -334,11 +373,12 @@ pub fn by_iodepth(input: &Input, key: &str) -> Vec<(String, String, Vec<plot::Se
     plots
 }
 
-/// Latency CDFs per job from the runs' `hist` arrays: (job label, series).
-pub fn cdfs(input: &Input) -> Vec<(String, Vec<plot::Series>)> {
+/// Latency CDFs from the runs' `hist` arrays, one per job and transport
+/// ("vmm" holds QEMU too), as the iodepth plots: (job label, transport, series).
+pub fn cdfs(input: &Input) -> Vec<(String, String, Vec<plot::Series>)> {
     let Some(d) = docs(input, "nvme").next() else { return vec![] };
     let jobs = d["options"]["jobs"].as_array().cloned().unwrap_or_default();
-    let mut out: Vec<(usize, String, Vec<plot::Series>)> = Vec::new();
+    let mut out: Vec<(usize, String, String, Vec<plot::Series>)> = Vec::new();
     for g in nvme_groups(d) {
         let h = g.hist();
         let total: u64 = h.iter().map(|x| x.1).sum();
@@ -355,13 +395,15 @@ pub fn cdfs(input: &Input) -> Vec<(String, Vec<plot::Series>)> {
             })
             .collect();
         let s = plot::Series { name: g.target.clone(), points };
-        match out.iter_mut().find(|x| x.0 == g.job) {
-            Some(x) => x.2.push(s),
-            None => out.push((g.job, jobs.get(g.job).map(job_label).unwrap_or_default(), vec![s])),
+        let tr = transport_of(&g.target).to_string();
+        match out.iter_mut().find(|x| x.0 == g.job && x.2 == tr) {
+            Some(x) => x.3.push(s),
+            None => out.push((g.job, jobs.get(g.job).map(job_label).unwrap_or_default(), tr, vec![s])),
         }
     }
+    // By job; within a job, transports in the order the runs came.
     out.sort_by_key(|x| x.0);
-    out.into_iter().map(|(_, l, s)| (l, s)).collect()
+    out.into_iter().map(|(_, l, t, s)| (l, t, s)).collect()
 }
 
 /// A file name from a label: letters, digits and '-'.
@@ -388,27 +430,40 @@ pub fn plots(input: &Input, errors: &mut Vec<String>) -> Vec<(String, String)> {
     }
     for (key, file, title, desc, log_y) in [
         ("iops", "iops-vs-iodepth", "NVMe IOPS against iodepth", "IOPS", false),
-        ("p99_ns", "p99-vs-iodepth", "NVMe p99 latency against iodepth", "p99 latency (ns, log)", true),
+        ("p99_ns", "p99-vs-iodepth", "NVMe p99 latency against iodepth", "p99 latency (log)", true),
     ] {
         for (tr, fam, series) in by_iodepth(input, key) {
             let place = if tr == "vmm" { "in the VMM".to_string() } else { format!("over {tr}") };
             let title = format!("{title}, {place} ({fam})");
-            let a =
-                plot::Axes { title: &title, x_desc: "iodepth (log)", y_desc: desc, log_x: true, log_y, y_zero: true };
+            let a = plot::Axes {
+                title: &title,
+                x_desc: "iodepth (log)",
+                y_desc: desc,
+                log_x: true,
+                log_y,
+                y_zero: true,
+                x_ns: false,
+                y_ns: log_y,
+                legend: plot::Legend::UpperLeft,
+            };
             keep(format!("{file}-{}.svg", slug(&tr)), plot::lines(&a, &series));
         }
     }
-    for (label, series) in cdfs(input) {
-        let title = format!("NVMe latency CDF: {label}");
+    for (label, tr, series) in cdfs(input) {
+        let place = if tr == "vmm" { "in the VMM".to_string() } else { format!("over {tr}") };
+        let title = format!("NVMe latency CDF, {place}: {label}");
         let a = plot::Axes {
             title: &title,
-            x_desc: "latency (ns, log)",
+            x_desc: "latency (log)",
             y_desc: "fraction of I/Os",
             log_x: true,
             log_y: false,
             y_zero: true,
+            x_ns: true,
+            y_ns: false,
+            legend: plot::Legend::LowerRight,
         };
-        keep(format!("cdf-{}.svg", slug(&label)), plot::lines(&a, &series));
+        keep(format!("cdf-{}-{}.svg", slug(&label), slug(&tr)), plot::lines(&a, &series));
     }
     out
 }
@@ -426,6 +481,7 @@ pub fn render(input: &Input) -> Report {
             "command": input.meta.command, "wall_s": input.meta.wall_s,
         },
         "benchmarks": input.docs,
+        "tables": input.tables,
         "report_errors": errors,
     });
     Report { markdown, csv: csv(&figs), json, svgs }

@@ -144,6 +144,18 @@ pub struct Axes<'a> {
     pub log_y: bool,
     /// Y from 0 (linear) instead of from the data's minimum.
     pub y_zero: bool,
+    /// The axes hold nanoseconds: ticks read ns, us or ms.
+    pub x_ns: bool,
+    pub y_ns: bool,
+    /// Where the legend goes: where the lines leave room.
+    pub legend: Legend,
+}
+
+/// A legend's corner.
+#[derive(Clone, Copy, Debug)]
+pub enum Legend {
+    UpperLeft,
+    LowerRight,
 }
 
 /// Lines with points and a legend naming each series.
@@ -207,8 +219,8 @@ where
         .configure_mesh()
         .x_desc(a.x_desc)
         .y_desc(a.y_desc)
-        .x_label_formatter(&|v| short(*v))
-        .y_label_formatter(&|v| short(*v))
+        .x_label_formatter(&|v| if a.x_ns { axis_value(*v, "ns") } else { short(*v) })
+        .y_label_formatter(&|v| if a.y_ns { axis_value(*v, "ns") } else { short(*v) })
         .draw()
         .map_err(err)?;
     for (i, s) in series.iter().enumerate() {
@@ -225,7 +237,10 @@ where
         .configure_series_labels()
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(match a.legend {
+            Legend::UpperLeft => SeriesLabelPosition::UpperLeft,
+            Legend::LowerRight => SeriesLabelPosition::LowerRight,
+        })
         .draw()
         .map_err(err)?;
     Ok(())

@@ -84,9 +84,12 @@ fn plots_are_svg_with_their_series() {
             "iops-vs-iodepth-vfio-user.svg",
             "p99-vs-iodepth-vmm.svg",
             "p99-vs-iodepth-vfio-user.svg",
-            "cdf-randread-512-qd1-x1.svg",
-            "cdf-randread-512-qd4-x1.svg",
-            "cdf-randread-512-qd16-x1.svg"
+            "cdf-randread-512-qd1-x1-vmm.svg",
+            "cdf-randread-512-qd1-x1-vfio-user.svg",
+            "cdf-randread-512-qd4-x1-vmm.svg",
+            "cdf-randread-512-qd4-x1-vfio-user.svg",
+            "cdf-randread-512-qd16-x1-vmm.svg",
+            "cdf-randread-512-qd16-x1-vfio-user.svg"
         ]
     );
     let svg = |n: &str| &r.svgs.iter().find(|(m, _)| m == n).unwrap().1;
@@ -109,7 +112,8 @@ fn plots_are_svg_with_their_series() {
         assert!(!svg(n).contains("@vfio-user"), "{n}");
     }
     svg_holds(svg("iops-vs-iodepth-vfio-user.svg"), &["iopath-shm@vfio-user", "over vfio-user"]);
-    svg_holds(svg("cdf-randread-512-qd16-x1.svg"), &["iopath-shm", "iopath-ioeventfd", "iopath-shm@vfio-user", "qemu"]);
+    svg_holds(svg("cdf-randread-512-qd16-x1-vmm.svg"), &["iopath-shm", "iopath-ioeventfd", "qemu", "in the VMM"]);
+    svg_holds(svg("cdf-randread-512-qd16-x1-vfio-user.svg"), &["iopath-shm@vfio-user", "over vfio-user"]);
 }
 
 #[test]
@@ -207,4 +211,15 @@ fn cpl_rows_are_told_apart_and_marks_are_listed() {
     ] {
         assert!(r.markdown.contains(want), "{want:?} missing from:\n{}", r.markdown);
     }
+}
+
+#[test]
+fn results_json_renders_the_same_report_again() {
+    let first = render(&input());
+    let again = render(&Input::from_results(&first.json));
+    assert_eq!(again.markdown, first.markdown);
+    assert_eq!(again.csv, first.csv);
+    assert_eq!(again.svgs, first.svgs);
+    // Not a results.json at all: an empty report, no panic.
+    assert!(render(&Input::from_results(&json!([1, 2]))).svgs.is_empty());
 }
