@@ -168,3 +168,16 @@ pub fn run(a: &AllArgs) -> anyhow::Result<i32> {
     }
     Ok(if failed { 1 } else { 0 })
 }
+
+/// `iopath report --from FILE --out DIR`: the report again from a results.json.
+pub fn rerender(from: &std::path::Path, out: &std::path::Path) -> anyhow::Result<i32> {
+    let text = std::fs::read(from).with_context(|| format!("reading {}", from.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&text).with_context(|| format!("{} is not JSON", from.display()))?;
+    anyhow::ensure!(v["benchmarks"].is_array(), "{} is not a results.json of `iopath bench all`", from.display());
+    let r = report::render(&report::Input::from_results(&v));
+    for f in report::write(out, &r).with_context(|| format!("writing the report to {}", out.display()))? {
+        println!("{}", f.display());
+    }
+    Ok(0)
+}

@@ -4,6 +4,7 @@
 //!   iopath bench [exits] [--vs qemu] [--json PATH]   the exit-cost table
 //!   iopath bench nvme|floor [OPTIONS]                the NVMe controller, the ring floor
 //!   iopath bench all --out DIR [--quick]             everything, with report.md, CSV, JSON, SVG plots
+//!   iopath report --from results.json --out DIR      the report again from its results.json
 //!   iopath run [--workload exits] [--append ARGS]    boot the guest, show its console
 //!   iopath image --out PATH                          write the guest image (for QEMU)
 //!   iopath serve DEVICE --transport T --socket PATH  a device process (mpqemu, vfio-user, ioregionfd)
@@ -40,6 +41,16 @@ enum Cmd {
     /// Write the guest image (an ELF32 multiboot kernel) to a file.
     Image {
         #[arg(long, short)]
+        out: PathBuf,
+    },
+    /// Render report.md, results.csv and the plots again from a results.json
+    /// that `bench all` wrote (e.g. into another directory).
+    Report {
+        /// The results.json to read.
+        #[arg(long, value_name = "FILE")]
+        from: PathBuf,
+        /// Directory for the report (created if missing).
+        #[arg(long, value_name = "DIR")]
         out: PathBuf,
     },
     /// Serve a device model from this process to a VMM (iopath's, or QEMU's
@@ -249,6 +260,7 @@ fn main() {
         Cmd::Bench(a) => bench(*a),
         Cmd::Run(a) => run_guest(a),
         Cmd::Serve(a) => serve(a),
+        Cmd::Report { from, out } => all::rerender(&from, &out),
         Cmd::Image { out } => {
             iopath_guest::write_image(&out).map(|_| 0).with_context(|| format!("writing {}", out.display()))
         }

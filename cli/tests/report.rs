@@ -54,5 +54,17 @@ fn bench_all_writes_a_report_with_tables_csv_json_and_plots() {
         roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{svg} is not XML: {e}"));
         assert!(md.contains(&format!("]({svg})")), "report.md does not show {svg}");
     }
+    // `iopath report` renders the same report again from results.json.
+    let again = dir.join("again");
+    let out = Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["report", "--from"])
+        .arg(dir.join("results.json"))
+        .arg("--out")
+        .arg(&again)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "iopath report: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read_to_string(again.join("report.md")).unwrap(), md);
+    assert_eq!(std::fs::read_to_string(again.join("results.csv")).unwrap(), csv);
     let _ = std::fs::remove_dir_all(&dir);
 }
