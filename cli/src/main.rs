@@ -371,6 +371,7 @@ fn bench(a: BenchArgs) -> anyhow::Result<i32> {
         iopath_exe: None,
         spin_us: a.spin_us,
         contend: a.contend,
+        ..Default::default()
     };
     if a.quick {
         o.rounds = 1;
