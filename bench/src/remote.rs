@@ -296,9 +296,17 @@ fn targets_report(r: &ExitsResult) -> Vec<(String, String)> {
         let Some(exit) = median_ns(r, row, Target::Iopath) else { continue };
         for t in Target::all().into_iter().filter(|t| matches!(t, Target::Remote(_)) && *t != POSTED) {
             if let (Some(x), Some(rt)) = (median_ns(r, row, t), rtt_median(r, t)) {
+                let below = r.options.guard.below_floor(x, exit + rt, "exit + socket round trip");
                 v.push((
                     format!("{} {row} vs exit + round trip", t.name()),
-                    format!("{} / ({} + {}) = {:.2}", fmt_ns(x), fmt_ns(exit), fmt_ns(rt), x / (exit + rt)),
+                    format!(
+                        "{} / ({} + {}) = {:.2}{}",
+                        fmt_ns(x),
+                        fmt_ns(exit),
+                        fmt_ns(rt),
+                        x / (exit + rt),
+                        if below.is_some() { " (marked: below its floor)" } else { "" }
+                    ),
                 ));
             }
         }

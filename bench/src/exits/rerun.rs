@@ -107,8 +107,12 @@ mod tests {
 
     /// A run of `t` whose row costs `per_access` cycles in each of 3 batches.
     fn run_of(t: Target, round: u32, attempt: u32, per_access: u64) -> TargetRun {
+        named_run(ROW, t, round, attempt, per_access)
+    }
+
+    fn named_run(name: &str, t: Target, round: u32, attempt: u32, per_access: u64) -> TargetRun {
         let c = per_access * 100;
-        let line = format!("@row name={ROW} group=vmm cpl=3 iters=100 accesses=400 warm=100 cycles={c},{c},{c}");
+        let line = format!("@row name={name} group=g cpl=3 iters=100 accesses=400 warm=100 cycles={c},{c},{c}");
         TargetRun {
             target: t,
             round,
@@ -223,6 +227,32 @@ mod tests {
         guard_rows(&mut r, &mut |_, _, _, _, _| anyhow::bail!("no KVM"));
         assert!(r.errors.iter().any(|e| e.contains("re-run: no KVM")), "{:?}", r.errors);
         assert_eq!(marks_of(&r, Target::Iopath).len(), 1);
+    }
+
+    #[test]
+    fn an_out_of_process_write_below_exit_plus_round_trip_is_marked() {
+        const W: &str = "mmio-no-eventfd:pci-mem";
+        let vfio = Target::Remote("vfio-user");
+        let posted = Target::Remote("ioregionfd-posted");
+        // At 2 GHz: exit 500 ns, the write over vfio-user 600 ns, its round trip 400 ns.
+        let mut r = result(vec![
+            named_run(W, Target::Iopath, 0, 0, 1000),
+            named_run(W, vfio, 0, 0, 1200),
+            named_run(W, posted, 0, 0, 1200),
+        ]);
+        r.rtt_ns.insert("vfio-user".into(), vec![400.0]);
+        r.rtt_ns.insert("ioregionfd-posted".into(), vec![400.0]);
+        let m = marks_of(&r, vfio);
+        assert!(
+            matches!(&m[..], [Mark::BelowFloor { ratio, floor }] if (ratio - 600.0 / 900.0).abs() < 1e-9 && floor == "exit + socket round trip"),
+            "{m:?}"
+        );
+        assert!(marks_of(&r, posted).is_empty(), "a posted write need not wait");
+        assert!(r.table().contains("marked: vfio-user mmio-no-eventfd:pci-mem: !0.67x of exit + socket round trip"));
+        assert!(r.table().contains("(marked: below its floor)"));
+        // With a 200 ns round trip the write is above its floor.
+        r.rtt_ns.insert("vfio-user".into(), vec![100.0]);
+        assert!(marks_of(&r, vfio).is_empty());
     }
 
     #[test]
