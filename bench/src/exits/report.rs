@@ -143,7 +143,7 @@ impl ExitsResult {
         let _ = writeln!(s, "{}", self.host);
         let _ = writeln!(
             s,
-            "exit-cost table: {} rounds x {} batches of >= {} us each (acc/batch: accesses per batch, median), median [min..max] cycles per access; ns at the TSC rate; contend: {}",
+            "exit-cost table: {} rounds x {} batches of ~{} us each (acc/batch: accesses per batch, median), median [min..max] cycles per access; ns at the TSC rate; contend: {}",
             self.options.rounds, self.options.batches, self.options.batch_us, self.options.contend
         );
         let rows = self.rows();
