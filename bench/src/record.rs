@@ -1,23 +1,51 @@
 //! The guest's result records, one parser for all of them: a line
-//! `@KIND k=v k=v...` (`@row name=... iters=N accesses=N cycles=a,b,c`,
+//! `@KIND k=v k=v...` (`@row name=... cpl=N iters=N accesses=N warm=N cycles=a,b,c`,
 //! `@nvme ios=N cycles=N ...`, `@guest`, `@pci`). Bench and the tests read
 //! guest output only through this file.
 
+use serde::Serialize;
 use std::collections::BTreeMap;
 
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Row {
     pub name: String,
     pub group: String,
+    /// Accesses per timed batch.
     pub iters: u64,
+    /// Every access of the row, warm-up and calibration included (what
+    /// the device and VMM counters see).
     pub accesses: u64,
     /// Cycles of each timed batch of `iters` accesses.
     pub cycles: Vec<u64>,
-    /// Other fields (count=, exits=, status=, reason=...).
+    /// Other fields (cpl=, warm=, count=, exits=, status=, reason=...).
     pub extra: BTreeMap<String, String>,
 }
 
+/// One timed batch as the guest recorded it: `iters` loop iterations of
+/// one access each, in `cycles` TSC cycles.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Batch {
+    pub cycles: u64,
+    pub iters: u64,
+    pub accesses: u64,
+}
+
 impl Row {
+    /// The timed batches (every row's loop makes one access per iteration).
+    pub fn batches(&self) -> Vec<Batch> {
+        self.cycles.iter().map(|&cycles| Batch { cycles, iters: self.iters, accesses: self.iters }).collect()
+    }
+
+    /// Accesses inside the timed batches.
+    pub fn timed_accesses(&self) -> u64 {
+        self.iters.saturating_mul(self.cycles.len() as u64)
+    }
+
+    /// The privilege level the row's loop ran at, when the guest said (3 before it did).
+    pub fn cpl(&self) -> Option<u8> {
+        self.extra.get("cpl").and_then(|v| v.parse().ok())
+    }
+
     /// Cycles per access of each batch.
     pub fn per_access(&self) -> Vec<f64> {
         if self.iters == 0 {
@@ -78,6 +106,15 @@ pub fn parse_row(line: &str) -> Option<Row> {
                 f.insert("status".into(), "error".into());
                 f.insert("reason".into(), "malformed-record".into());
             }
+        }
+    }
+    // warm= (untimed accesses) + the timed batches must be every access.
+    if let Some(w) = f.get("warm") {
+        let timed = row.iters.checked_mul(row.cycles.len() as u64);
+        let whole = w.parse::<u64>().ok().zip(timed).and_then(|(w, t)| w.checked_add(t));
+        if whole != Some(row.accesses) && !f.contains_key("status") {
+            f.insert("status".into(), "error".into());
+            f.insert("reason".into(), "inconsistent-counts".into());
         }
     }
     row.extra = f;
@@ -143,6 +180,20 @@ mod tests {
         let r = parse_row("@row name=vmcall group=cpu status=unsupported vector=6").unwrap();
         assert_eq!(r.status(), Some("unsupported"));
         assert!(r.per_access().is_empty());
+    }
+
+    #[test]
+    fn batches_and_counts_come_from_the_record() {
+        let r = parse_row("@row name=x group=g cpl=0 iters=100 accesses=350 warm=50 cycles=7,8,9").unwrap();
+        assert_eq!(r.status(), None);
+        assert_eq!(r.cpl(), Some(0));
+        assert_eq!(r.timed_accesses(), 300);
+        assert_eq!(r.batches()[1], Batch { cycles: 8, iters: 100, accesses: 100 });
+        // Counts that do not add up are an error row, as is an overflow.
+        let r = parse_row("@row name=x group=g iters=100 accesses=351 warm=50 cycles=7,8,9").unwrap();
+        assert_eq!((r.status(), r.extra["reason"].as_str()), (Some("error"), "inconsistent-counts"));
+        let r = parse_row("@row name=x iters=18446744073709551615 accesses=1 warm=1 cycles=1,1").unwrap();
+        assert_eq!(r.status(), Some("error"));
     }
 
     #[test]

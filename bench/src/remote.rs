@@ -8,8 +8,10 @@
 //! that an out-of-process access can be set against exit + round trip.
 
 use crate::exits::{
-    fmt_ns, fmt_opt, guest_cmdline, progress_callback, ExitsOptions, ExitsResult, Routing, Target, TargetRun,
+    fmt_ns, fmt_opt, guest_cmdline, marks, progress_callback, ExitsOptions, ExitsResult, Routing, RowStats, Target,
+    TargetRun,
 };
+use crate::guard::{marks_label, Mark};
 use crate::record::GuestOutput;
 use crate::stats::{ns, summarize};
 use indicatif::ProgressBar;
@@ -17,7 +19,6 @@ use iopath_protocols::attach::{instantiate, Device, DeviceSpec, Endpoint, Progra
 use iopath_protocols::{Transport, TRANSPORTS};
 use iopath_vmm::{run, VmConfig};
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
@@ -105,34 +106,11 @@ impl Round<'_> {
         })
     }
 
-    /// One guest run with pci-testdev behind `t`, then (for iopath's own
-    /// device processes) the host-side round trip of the same transport.
-    pub fn run(
-        &mut self,
-        t: Target,
-        runs: &mut Vec<TargetRun>,
-        errors: &mut Vec<String>,
-        rtt: &mut BTreeMap<String, Vec<f64>>,
-    ) {
-        let label = format!("round {}/{} {}", self.round + 1, self.o.rounds, t.name());
-        self.pb.set_message(label.clone());
-        match self.guest_run(t, &label) {
-            Ok(r) => runs.push(r),
-            Err(e) => errors.push(format!("{} round {}: {e}", t.name(), self.round)),
-        }
-        if t != Target::QemuRemote {
-            self.pb.set_message(format!("{label}: socket round trip"));
-            match self.round_trip(t) {
-                Ok(v) => rtt.entry(t.name().to_string()).or_default().extend(v),
-                Err(e) => errors.push(format!("{} round {}: round trip: {e}", t.name(), self.round)),
-            }
-        }
-    }
-
-    fn guest_run(&self, t: Target, label: &str) -> anyhow::Result<TargetRun> {
-        let only = selected_rows(self.o, t).join(",");
+    /// One guest run with pci-testdev behind `t`: the target's rows, or
+    /// only the row `only` (a re-run of a marked row).
+    pub(crate) fn guest_run(&self, t: Target, label: &str, only: Option<&str>) -> anyhow::Result<TargetRun> {
         let mut o = self.o.clone();
-        o.only = Some(only);
+        o.only = Some(only.map_or_else(|| selected_rows(self.o, t).join(","), str::to_string));
         let mut cfg = VmConfig::new(iopath_guest::IMAGE, &guest_cmdline(&o, "exits", self.tsc_khz, ""));
         cfg.devices = vec![instantiate(&self.spec(t)?, self.progs)?];
         cfg.timeout = Duration::from_secs(self.o.timeout_s);
@@ -166,6 +144,8 @@ impl Round<'_> {
         Ok(TargetRun {
             target: t,
             round: self.round,
+            cpl: 3,
+            attempt: 0,
             out,
             routing,
             exits: Some(r.exits),
@@ -175,7 +155,7 @@ impl Round<'_> {
 
     /// Host-side request/reply round trips through the device process: a
     /// 4-byte read of pci-testdev's `data` register, no VM involved.
-    fn round_trip(&self, t: Target) -> anyhow::Result<Vec<f64>> {
+    pub(crate) fn round_trip(&self, t: Target) -> anyhow::Result<Vec<f64>> {
         let dev = instantiate(&self.spec(t)?, self.progs)?;
         dev.config_write(0x10, &0xfe00_0000u32.to_le_bytes());
         dev.config_write(0x04, &2u16.to_le_bytes());
@@ -204,10 +184,29 @@ fn transport_word(t: Target) -> &'static str {
     transport_of(t).map_or("msgs", |x| x.crossings().1)
 }
 
+/// The median of a cpl 3 row (out-of-process targets run at cpl 3 only).
 fn median_ns(r: &ExitsResult, row: &str, t: Target) -> Option<f64> {
     let rs = r.rows();
-    let x = rs.iter().find(|x| x.name == row)?;
+    let x = rs.iter().find(|x| x.name == row && x.cpl == 3)?;
+    row_ns(r, x, t)
+}
+
+fn row_ns(r: &ExitsResult, x: &RowStats, t: Target) -> Option<f64> {
     Some(ns(x.targets.get(&t)?.cycles?.median, r.tsc_khz))
+}
+
+/// The rows whose out-of-process write must cost at least the in-VMM exit
+/// plus the transport's socket round trip (a posted write need not wait).
+const EXIT_PLUS_RTT_ROWS: [&str; 2] = ["mmio-no-eventfd:pci-mem", "portio-no-eventfd:pci-io"];
+
+/// Marks an out-of-process write cheaper than exit + socket round trip.
+pub(crate) fn floor_mark(r: &ExitsResult, row: &RowStats, t: Target) -> Option<Mark> {
+    let Target::Remote(name) = t else { return None };
+    if row.cpl != 3 || name == "ioregionfd-posted" || !EXIT_PLUS_RTT_ROWS.contains(&row.name.as_str()) {
+        return None;
+    }
+    let (x, exit, rt) = (row_ns(r, row, t)?, row_ns(r, row, Target::Iopath)?, rtt_median(r, t)?);
+    r.options.guard.below_floor(x, exit + rt, "exit + socket round trip")
 }
 
 fn rtt_median(r: &ExitsResult, t: Target) -> Option<f64> {
@@ -235,8 +234,9 @@ pub fn table(r: &ExitsResult) -> String {
     }
     let _ = writeln!(s, "{hdr}");
     let _ = writeln!(s, "{}", "-".repeat(hdr.len()));
+    let mut marked = Vec::new();
     for row in r.rows() {
-        if !present.iter().any(|t| row.targets.contains_key(t)) {
+        if row.cpl != 3 || !present.iter().any(|t| row.targets.contains_key(t)) {
             continue;
         }
         let base = median_ns(r, &row.name, Target::Iopath);
@@ -248,7 +248,15 @@ pub fn table(r: &ExitsResult) -> String {
                 _ => "-".into(),
             };
             let routing: Vec<&Routing> = row.targets.get(t).map(|x| x.routing.iter().collect()).unwrap_or_default();
-            let mark = if routing.iter().any(|v| !v.ok) { "!" } else { "" };
+            let m = marks(r, &row, *t);
+            let mark = match (routing.iter().any(|v| !v.ok), m.is_empty()) {
+                (true, _) => "!",
+                (false, false) => "*",
+                _ => "",
+            };
+            if !m.is_empty() {
+                marked.push(format!("{} {}: {}", t.name(), row.name, marks_label(&m)));
+            }
             let _ = write!(line, " {:>20}", format!("{cell}{mark}"));
         }
         let _ = writeln!(s, "{line}");
@@ -258,7 +266,10 @@ pub fn table(r: &ExitsResult) -> String {
         let _ = write!(line, " {:>20}", rtt_median(r, *t).map(fmt_ns).unwrap_or_else(|| "-".into()));
     }
     let _ = writeln!(s, "{line}");
-    let _ = writeln!(s, "(! = routing check failed; see errors)");
+    let _ = writeln!(s, "(! = routing check failed; see errors. * = marked, below)");
+    for m in marked {
+        let _ = writeln!(s, "marked: {m}");
+    }
     if present.iter().any(|t| t.name().starts_with("ioregionfd")) {
         let k = kvm_ioctls::Kvm::new().map_err(|e| e.to_string());
         let why = k.and_then(|k| {
@@ -285,9 +296,17 @@ fn targets_report(r: &ExitsResult) -> Vec<(String, String)> {
         let Some(exit) = median_ns(r, row, Target::Iopath) else { continue };
         for t in Target::all().into_iter().filter(|t| matches!(t, Target::Remote(_)) && *t != POSTED) {
             if let (Some(x), Some(rt)) = (median_ns(r, row, t), rtt_median(r, t)) {
+                let below = r.options.guard.below_floor(x, exit + rt, "exit + socket round trip");
                 v.push((
                     format!("{} {row} vs exit + round trip", t.name()),
-                    format!("{} / ({} + {}) = {:.2}", fmt_ns(x), fmt_ns(exit), fmt_ns(rt), x / (exit + rt)),
+                    format!(
+                        "{} / ({} + {}) = {:.2}{}",
+                        fmt_ns(x),
+                        fmt_ns(exit),
+                        fmt_ns(rt),
+                        x / (exit + rt),
+                        if below.is_some() { " (marked: below its floor)" } else { "" }
+                    ),
                 ));
             }
         }

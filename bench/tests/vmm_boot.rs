@@ -1,7 +1,7 @@
 //! End-to-end: the real guest image in iopath's VMM on the real /dev/kvm. These tests fail
 //! (they do not skip) when /dev/kvm is missing, so CI cannot pass without KVM.
 
-use iopath_bench::record::fields;
+use iopath_bench::record::{fields, GuestOutput};
 use iopath_devices::doorbell::Doorbell;
 use iopath_devices::testdev::PciTestDev;
 use iopath_vmm::{run, VmConfig};
@@ -86,6 +86,56 @@ fn exits_workload_routes_every_row_as_labelled() {
         assert_eq!(get("kicks"), if kicks { a } else { 0 }, "{row} kicks");
         assert_eq!(get("polls"), if polls { a } else { 0 }, "{row} polls");
     }
+}
+
+/// A row whose first access takes a whole batch's time (a device thread
+/// starting cold) must still get batches of the target length: the guest's
+/// `calibration-cold-start` row spins 20 ms on its first access, then each
+/// access is a RAM store (20 ms hold millions). Before the fix the batch
+/// stayed at the 8 accesses of the first pass. Likewise a path that is
+/// slow while the batch is sized and fast from the timed batches on (a
+/// device thread that was descheduled, then runs): `calibration-slow-then-fast`.
+#[test]
+fn a_cold_row_still_gets_batches_of_the_target_length() {
+    require_kvm();
+    for test_row in ["calibration-cold-start", "calibration-slow-then-fast"] {
+        let cmdline = format!("workload=exits batches=3 batch_us=20000 only={test_row},doorbell-rtt:shm,outl_to_vmm");
+        let r = run(config(&cmdline, true)).expect("guest run");
+        assert_eq!(r.status, 1, "output:\n{}", r.lines.join("\n"));
+        let out = GuestOutput::parse(&r.lines);
+        let cold = out.row(test_row).unwrap_or_else(|| panic!("row {test_row} missing"));
+        assert!(cold.iters >= 10_000, "{} accesses per batch: {cold:?}", cold.iters);
+        let target = 20_000 * r.tsc_khz as u64 / 1000;
+        for name in [test_row, "doorbell-rtt:shm", "outl_to_vmm"] {
+            let row = out.row(name).unwrap_or_else(|| panic!("row {name} missing"));
+            assert!(row.status().is_none(), "{row:?}");
+            assert_eq!(row.cycles.len(), 3);
+            // Far above 8 accesses, or (a host so loaded that each round trip
+            // waits for a time slice) batches that still last the target time.
+            let mut c = row.cycles.clone();
+            c.sort();
+            assert!(row.iters >= 64 || c[1] >= target / 4, "{name}: {} accesses per batch: {row:?}", row.iters);
+            // Every access counted: the untimed ones and the timed batches.
+            assert_eq!(row.get_u64("warm").unwrap() + row.timed_accesses(), row.accesses, "{row:?}");
+        }
+    }
+}
+
+/// The same access loops run at CPL0 when the command line asks, and
+/// their accesses still take the path the row names.
+#[test]
+fn exit_rows_run_at_cpl0_when_asked() {
+    require_kvm();
+    let r =
+        run(config("workload=exits batches=2 batch_us=2000 cpl=0 only=outl_to_vmm,cpuid", true)).expect("guest run");
+    assert_eq!(r.status, 1, "output:\n{}", r.lines.join("\n"));
+    let out = GuestOutput::parse(&r.lines);
+    for name in ["outl_to_vmm", "cpuid"] {
+        let row = out.row(name).unwrap_or_else(|| panic!("row {name} missing"));
+        assert_eq!(row.cpl(), Some(0), "{row:?}");
+        assert!(row.status().is_none() && row.iters > 0, "{row:?}");
+    }
+    assert_eq!(r.exits.unclaimed_pio_write, out.row("outl_to_vmm").unwrap().accesses);
 }
 
 #[test]

@@ -22,7 +22,8 @@ pub fn matrix(a: &AllArgs, qemu: bool) -> (ExitsOptions, FloorOptions, NvmeOptio
     let rounds = if a.quick { 1 } else { a.rounds.max(1) };
     let progress = !a.quiet;
     let pin = a.pin.placement();
-    let mut exits = ExitsOptions { rounds, vs_qemu: qemu, progress, ..ExitsOptions::default() };
+    // The exit rows at ring 3 and ring 0: the r0/r3 ratio is the nested host's own cost.
+    let mut exits = ExitsOptions { rounds, vs_qemu: qemu, progress, cpls: vec![0, 3], ..ExitsOptions::default() };
     let mut floor = FloorOptions { rounds, cpus: pin.map(|p| p.pair()), progress, ..FloorOptions::default() };
     // In the VMM and over each transport that carries NVMe, every doorbell mode.
     let transports: Vec<Option<&'static dyn iopath_protocols::Transport>> = std::iter::once(None)

@@ -83,6 +83,18 @@ pub struct ExitsArgs {
     /// Run N busy threads (at most 64) during the measured runs, QEMU's included.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub contend: u32,
+    /// Guest privilege levels to run the access loops at, comma-separated:
+    /// 3 (ring 3, the default), 0 (ring 0), or 0,3 (both, with the r0/r3 ratio).
+    /// The QEMU and device-process targets run at 3.
+    #[arg(long, default_value = "3", value_delimiter = ',', value_parser = clap::value_parser!(u8).range(0..=3))]
+    pub cpl: Vec<u8>,
+    /// A row marked by the guard (below its floor, or rounds spread over
+    /// --max-spread) is run again up to this many times before the mark stays.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=5))]
+    pub reruns: u32,
+    /// The guard marks rows whose rounds' max/min is above this.
+    #[arg(long, default_value_t = 2.0)]
+    pub max_spread: f64,
     #[command(flatten)]
     pub out: Output,
 }
@@ -109,6 +121,12 @@ impl ExitsArgs {
                 .collect(),
             spin_us: self.spin_us,
             contend: self.contend,
+            cpls: self.cpl.clone(),
+            guard: iopath_bench::guard::GuardConfig {
+                reruns: self.reruns,
+                max_spread: self.max_spread,
+                ..Default::default()
+            },
             ..ExitsOptions::default()
         }
     }
@@ -382,6 +400,24 @@ mod tests {
             Some(Which::Nvme(n)) => n,
             w => panic!("not nvme: {w:?}"),
         }
+    }
+
+    #[test]
+    fn exits_takes_cpl_lists_and_the_guards_budget() {
+        let e = |args: &[&str]| {
+            let mut v = vec!["exits"];
+            v.extend_from_slice(args);
+            match parse(&v).unwrap().which {
+                Some(Which::Exits(e)) => e.options(),
+                w => panic!("not exits: {w:?}"),
+            }
+        };
+        assert_eq!(e(&[]).cpls, vec![3]);
+        assert_eq!(e(&["--cpl", "0,3"]).cpls, vec![0, 3]);
+        let o = e(&["--reruns", "0", "--max-spread", "1.5"]);
+        assert_eq!((o.guard.reruns, o.guard.max_spread, o.guard.min_floor_ratio), (0, 1.5, 0.95));
+        assert!(parse(&["exits", "--cpl", "7"]).is_err());
+        assert!(parse(&["exits", "--reruns", "9"]).is_err());
     }
 
     #[test]

@@ -36,6 +36,19 @@ fn bench_exits_json_has_verified_rows_and_floor_ratios() {
     }
     let outl = rows.iter().find(|r| r["name"] == "outl_to_vmm").unwrap();
     assert!(outl["ratio_iopath_over_floor"].as_f64().unwrap() > 0.0);
+    // The raw inputs: every figure can be recomputed from the batches.
+    assert_eq!(v["schema_version"], iopath_bench::guard::JSON_SCHEMA_VERSION);
+    for r in rows {
+        assert_eq!(r["cpl"], 3, "{r}");
+        assert!(r["marks"].is_array(), "{r}");
+        assert!(r["accesses_per_batch"].as_f64().unwrap() >= 1.0, "{r}");
+        let batches = r["targets"]["iopath"]["batches"].as_array().unwrap();
+        assert_eq!(batches.len(), 3, "{r}");
+        for b in batches {
+            assert!(b["cycles"].as_u64().unwrap() > 0 && b["iters"].as_u64().unwrap() > 0, "{b}");
+            assert_eq!(b["accesses"], b["iters"], "{b}");
+        }
+    }
 }
 
 #[test]

@@ -23,6 +23,7 @@
 #define SEL_UCODE64 0x28
 #define SEL_TSS     0x30
 
+#define RING0_MAGIC 0x52304741     /* "AG0R": see ring0_gate */
 #define TSS_LIMIT   (104 + 8192 + 1 - 1)
 
         /* DS, ES, SS, FS, GS <- the kernel data selector (same encoding in both modes). */
@@ -131,6 +132,26 @@ user_entry:
 3:      jmp 3b
 
 /*
+ * ring0_call from ring 3 (a ud2 with RAX = RING0_MAGIC, RDI = function,
+ * RSI = argument): call RDI(RSI) at CPL0 on the TSS.RSP0 stack and return
+ * to the instruction after the ud2 with its RAX. A #UD is the gate because
+ * this host's KVM delivers ring-3 faults to the CPL0 handler but answers a
+ * ring-3 `int $0x80` through a DPL3 gate with #UD itself. The caller
+ * declares every register the C calling convention lets the callee clobber.
+ */
+ring0_gate:
+        addq $2, (%rsp)                /* saved RIP: past the ud2 */
+        pushq %rbp
+        movq %rsp, %rbp
+        andq $-16, %rsp
+        movq %rdi, %rax
+        movq %rsi, %rdi
+        call *%rax
+        movq %rbp, %rsp
+        popq %rbp
+        iretq
+
+/*
  * Exception stubs. A fault while probe_skip != 0 is a probe (for example
  * "does vmcall raise #UD here?"): record the vector, skip probe_skip bytes of
  * the faulting instruction and return. Any other fault goes to the C handler,
@@ -154,7 +175,13 @@ isr_\n:
         ISR_NOERR 3
         ISR_NOERR 4
         ISR_NOERR 5
-        ISR_NOERR 6
+isr_6:
+        /* ud2 with RAX = RING0_MAGIC is ring0_call (guest.h), not a fault. */
+        cmpq $RING0_MAGIC, %rax
+        je ring0_gate
+        pushq $0
+        pushq $6
+        jmp isr_common
         ISR_NOERR 7
         ISR_ERR   8
         ISR_NOERR 9

@@ -2,12 +2,19 @@
  * iopath guest: the exit-cost table.
  *
  * Each row times a tight loop of one kind of access with RDTSC, in the style
- * of kvm-unit-tests x86/vmexit: a calibration pass picks an iteration count
- * that takes about batch_us, then `batches` timed batches follow. The guest
- * prints one "@row" record per row (all batch totals, the access count, and
+ * of kvm-unit-tests x86/vmexit. Per row: untimed warm-up passes until the
+ * per-access cost settles (a device thread that starts cold makes the first
+ * accesses slow) or a bounded time passes; then the pass grows until one pass
+ * takes at least batch_us (bounded in passes, accesses and time, so a slow
+ * path cannot hang the guest); then `batches` timed batches of that many
+ * accesses, grown again (up to MAX_REDO times) if their median came out
+ * under half of batch_us. The guest prints one "@row" record per row (each timed batch's
+ * cycles, the accesses per batch, every access it made, warm-up included, and
  * the device's own counter where there is one); the host computes medians.
  *
  * Command line: batches=N batch_us=N only=prefix,prefix
+ *               cpl=0|3: the privilege level the access loops run at
+ *               (default 3; 0 runs them through ring0_call)
  *               floor rows: td_mmio=ADDR td_pio=PORT (see workload_floor)
  */
 #include "guest.h"
@@ -46,24 +53,45 @@
 
 typedef void (*body_fn)(const void *ctx, u64 n);
 
+/* Calibration bounds: accesses per pass, and passes while the batch grows. */
+#define MAX_ITERS (1ull << 30)
+#define MAX_GROW_PASSES 40
+/* Times the timed batches may be grown again when they came out short. */
+#define MAX_REDO 3
+/* batch_us is capped so that MAX_ITERS * target_cycles fits in a u64. */
+#define MAX_TARGET_CYCLES (1ull << 33)
+
 struct meas {
-    u64 iters;
-    u64 accesses;
+    u64 iters;    /* accesses per timed batch */
+    u64 accesses; /* every access of the row: warm-up, calibration and batches */
+    u64 warm;     /* the untimed ones among them */
     u32 nb;
     u64 cycles[MAX_BATCHES];
 };
 
 static u64 target_cycles;
+static u64 warm_cap_cycles;
 static u32 nbatches;
 static int failures;
+static int run_cpl = 3;
+static int db_timeout;
 
 static void params_init(void)
 {
     u64 us = cmdline_u64("batch_us", 20000);
     u64 khz = tsc_khz ? tsc_khz : 2000000;
+    if (us > 100000000)
+        us = 100000000;
     target_cycles = us * khz / 1000;
     if (target_cycles < 1000)
         target_cycles = 1000;
+    if (target_cycles > MAX_TARGET_CYCLES)
+        target_cycles = MAX_TARGET_CYCLES;
+    /* Warm-up: up to 4 batches' time, and at least 20 ms for a thread to start. */
+    warm_cap_cycles = 4 * target_cycles;
+    if (warm_cap_cycles < 20 * khz)
+        warm_cap_cycles = 20 * khz;
+    run_cpl = cmdline_u64("cpl", 3) == 0 ? 0 : 3;
     nbatches = (u32)cmdline_u64("batches", 9);
     if (nbatches < 1)
         nbatches = 1;
@@ -71,37 +99,34 @@ static void params_init(void)
         nbatches = MAX_BATCHES;
 }
 
+struct r0_pass {
+    body_fn fn;
+    const void *ctx;
+    u64 n;
+};
+
+/* At CPL0: the timed pass itself, so the gate's int/iretq stay outside it. */
+static u64 r0_timed(void *p)
+{
+    const struct r0_pass *c = p;
+    u64 t0 = rdtsc();
+    c->fn(c->ctx, c->n);
+    return rdtsc() - t0;
+}
+
 static u64 run_once(body_fn fn, const void *ctx, u64 n)
 {
+    if (run_cpl == 0) {
+        struct r0_pass c = {fn, ctx, n};
+        return ring0_call(r0_timed, &c);
+    }
     u64 t0 = rdtsc();
     fn(ctx, n);
     return rdtsc() - t0;
 }
 
-static void measure(struct meas *m, body_fn fn, const void *ctx)
-{
-    u64 n = 8, t;
-    m->accesses = 0;
-    for (;;) {
-        t = run_once(fn, ctx, n);
-        m->accesses += n;
-        if (t >= target_cycles / 8 || n >= (1ull << 30))
-            break;
-        n *= 2;
-    }
-    if (t && t < target_cycles)
-        n = n * target_cycles / t;
-    if (n < 1)
-        n = 1;
-    m->iters = n;
-    m->nb = nbatches;
-    for (u32 b = 0; b < nbatches; b++) {
-        m->cycles[b] = run_once(fn, ctx, n);
-        m->accesses += n;
-    }
-}
-
-static u64 median_per_iter(const struct meas *m)
+/* The median of a row's batch cycles (0 when it has none). */
+static u64 median_cycles(const struct meas *m)
 {
     u64 v[MAX_BATCHES];
     for (u32 i = 0; i < m->nb; i++) {
@@ -113,14 +138,91 @@ static u64 median_per_iter(const struct meas *m)
         }
         v[j] = x;
     }
-    return m->iters ? v[m->nb / 2] / m->iters : 0;
+    return m->nb ? v[m->nb / 2] : 0;
 }
+
+/* Per-access cost of a pass in 1/64 cycles (t < 2^40, so no overflow). */
+static u64 per_access64(u64 t, u64 n) { return n ? (t << 6) / n : 0; }
+
+static void measure(struct meas *m, body_fn fn, const void *ctx)
+{
+    u64 n = 8, t, prev = 0, best = ~0ull;
+    m->accesses = 0;
+    m->iters = 0;
+    m->nb = 0;
+    /* Warm-up: until two passes in a row agree within 1/8 on the cost per
+     * access, each long enough to mean something, or the warm-up cap. */
+    u64 start = rdtsc();
+    for (;;) {
+        t = run_once(fn, ctx, n);
+        m->accesses += n;
+        if (db_timeout)
+            goto out;
+        u64 per = per_access64(t, n);
+        if (per < best)
+            best = per;
+        int settled = prev && t >= target_cycles / 16 && per <= prev + prev / 8 && per + prev / 8 >= prev;
+        if (settled || rdtsc() - start > warm_cap_cycles)
+            break;
+        prev = per;
+        if (t < target_cycles / 8 && n < MAX_ITERS / 2)
+            n *= 2;
+    }
+    /* Grow the pass until one takes target_cycles (aiming 1/16 above it).
+     * A pass that took that long only because the vCPU was descheduled
+     * (its accesses at the best cost seen would take under half of it)
+     * does not count. n * best <= t << 6 < 2^40: no overflow. Then the
+     * timed batches. If the path got much faster since (a device thread
+     * that was descheduled now runs), their median falls under half the
+     * target: they become untimed and the pass grows again from them, up
+     * to MAX_REDO times. */
+    for (u32 redo = 0;; redo++) {
+        start = rdtsc();
+        for (u32 i = 0; n < MAX_ITERS && i < MAX_GROW_PASSES; i++) {
+            if (t >= target_cycles && ((n * best) >> 6) >= target_cycles / 2)
+                break;
+            if (rdtsc() - start > 16 * target_cycles)
+                break;
+            if (!t || t < target_cycles / 2 || t >= target_cycles)
+                n *= 2;
+            else
+                n += n * (target_cycles - t) / t + n / 16 + 1;
+            if (n > MAX_ITERS)
+                n = MAX_ITERS;
+            t = run_once(fn, ctx, n);
+            m->accesses += n;
+            if (db_timeout)
+                goto out;
+            u64 per = per_access64(t, n);
+            if (per < best)
+                best = per;
+        }
+        m->warm = m->accesses;
+        m->iters = n;
+        m->nb = nbatches;
+        for (u32 b = 0; b < nbatches; b++) {
+            m->cycles[b] = run_once(fn, ctx, n);
+            m->accesses += n;
+        }
+        t = median_cycles(m);
+        if (db_timeout || t >= target_cycles / 2 || redo >= MAX_REDO || n >= MAX_ITERS)
+            return;
+        u64 per = per_access64(t, n);
+        if (per < best)
+            best = per;
+    }
+out:
+    m->warm = m->accesses;
+}
+
+static u64 median_per_iter(const struct meas *m) { return m->iters ? median_cycles(m) / m->iters : 0; }
 
 /* "@row" record for the host, then a kvm-unit-tests style "name cycles" line. */
 static void report(const char *name, const char *group, const struct meas *m, const char *fmt_extra, u64 a,
                    u64 b, u64 c)
 {
-    printf("@row name=%s group=%s iters=%lu accesses=%lu cycles=", name, group, m->iters, m->accesses);
+    printf("@row name=%s group=%s cpl=%u iters=%lu accesses=%lu warm=%lu cycles=", name, group, run_cpl, m->iters,
+           m->accesses, m->warm);
     for (u32 i = 0; i < m->nb; i++)
         printf(i ? ",%lu" : "%lu", m->cycles[i]);
     if (fmt_extra) {
@@ -147,6 +249,43 @@ static void body_ram_store(const void *c, u64 n)
     (void)c;
     for (u64 i = 0; i < n; i++)
         store_sink = i;
+}
+
+/* A path that is cold once: its first access takes a whole batch's time
+ * (a device thread starting), then each costs a RAM store. Calibration
+ * must not let the first pass set the batch length. */
+static int cold_done;
+static void body_cold_start(const void *c, u64 n)
+{
+    (void)c;
+    if (!cold_done) {
+        cold_done = 1;
+        u64 t0 = rdtsc();
+        while (rdtsc() - t0 < target_cycles)
+            cpu_relax();
+    }
+    for (u64 i = 0; i < n; i++)
+        store_sink = i;
+}
+
+/* A path that is slow (1 ms per access) for the row's first 4 passes, the
+ * warm-up and growth that size its batch (8, 8, 16 and ~22 accesses at a
+ * 20 ms batch), then costs a RAM store: the timed batches must not keep
+ * the slow phase's length. */
+static u32 slow_passes;
+static void body_slow_then_fast(const void *c, u64 n)
+{
+    (void)c;
+    u64 ms = tsc_khz ? tsc_khz : 2000000;
+    int slow = slow_passes++ < 4;
+    for (u64 i = 0; i < n; i++) {
+        if (slow) {
+            u64 t0 = rdtsc();
+            while (rdtsc() - t0 < ms)
+                cpu_relax();
+        }
+        store_sink = i;
+    }
 }
 
 static void body_cpuid(const void *c, u64 n)
@@ -266,6 +405,7 @@ static u64 probe(void (*fn)(void), u64 len)
     return probe_fault;
 }
 
+
 static void rows_cpu(void)
 {
     u32 a, b, c, d;
@@ -274,10 +414,19 @@ static void rows_cpu(void)
     run_simple("empty-loop", "cpu", body_empty, NULL);
     run_simple("ram-store", "cpu", body_ram_store, NULL);
     run_simple("cpuid", "cpu", body_cpuid, NULL);
-    if (selected("vmcall")) {
+    /* Tests of the calibration, each run only when only= starts with its name. */
+    const char *only = cmdline_get("only");
+    if (only && !strncmp(only, "calibration-cold-start", 22))
+        run_simple("calibration-cold-start", "cpu", body_cold_start, NULL);
+    if (only && !strncmp(only, "calibration-slow-then-fast", 26))
+        run_simple("calibration-slow-then-fast", "cpu", body_slow_then_fast, NULL);
+    if (selected("vmcall") && run_cpl == 0) {
+        /* On this host a CPL0 hypercall of an unknown number never returns. */
+        printf("@note vmcall is not run at cpl=0\n");
+    } else if (selected("vmcall")) {
         u64 f = probe(hypercall, 3);
         if (f)
-            printf("@row name=vmcall group=cpu status=unsupported vector=%lu\n", f & 0xff);
+            printf("@row name=vmcall group=cpu cpl=%u status=unsupported vector=%lu\n", run_cpl, f & 0xff);
         else
             run_simple("vmcall", "cpu", body_vmcall, NULL);
     }
@@ -346,7 +495,7 @@ static void rows_testdev(void)
             if (!selected(name))
                 continue;
             if (off + width > b->size) {
-                printf("@row name=%s group=pci-testdev status=error reason=offset-outside-bar\n", name);
+                printf("@row name=%s group=pci-testdev cpl=%u status=error reason=offset-outside-bar\n", name, run_cpl);
                 failures++;
                 continue;
             }
@@ -374,7 +523,6 @@ static volatile u64 db_completion __attribute__((aligned(64)));
 static volatile u64 db_shm __attribute__((aligned(64)));
 static u64 db_pad __attribute__((aligned(64))) __attribute__((used));
 static u64 db_seq;
-static int db_timeout;
 
 struct doorbell {
     u64 bar0;
@@ -428,15 +576,12 @@ static void doorbell_row(const struct pci_dev *dev, const char *name, u32 mode, 
         p1 = mmio_read64(bar0 + DB_REG_POLLS);
     u32 err = mmio_read32(bar0 + DB_REG_ERROR);
     if (db_timeout || err) {
-        printf("@row name=%s group=doorbell status=error reason=%s device_error=%u completed=%lu\n", name,
-               db_timeout ? "timeout" : "device-error", err, db_seq);
+        printf("@row name=%s group=doorbell cpl=%u status=error reason=%s device_error=%u completed=%lu\n", name,
+               run_cpl, db_timeout ? "timeout" : "device-error", err, db_seq);
         failures++;
         return;
     }
-    printf("@row name=%s group=doorbell iters=%lu accesses=%lu cycles=", name, m.iters, m.accesses);
-    for (u32 i = 0; i < m.nb; i++)
-        printf(i ? ",%lu" : "%lu", m.cycles[i]);
-    printf(" exits=%lu kicks=%lu polls=%lu\n%s %lu\n", e1 - e0, k1 - k0, p1 - p0, name, median_per_iter(&m));
+    report(name, "doorbell", &m, "exits=%lu kicks=%lu polls=%lu", e1 - e0, k1 - k0, p1 - p0);
 }
 
 static void rows_doorbell(void)

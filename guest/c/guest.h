@@ -1,6 +1,7 @@
 /*
  * iopath guest: shared declarations. Everything here runs at CPL3 except
- * fault_handler(), which the boot stub calls at CPL0 on an unexpected fault.
+ * fault_handler(), which the boot stub calls at CPL0 on an unexpected fault,
+ * and what a workload runs through ring0_call() (the exit rows at cpl=0).
  */
 #ifndef IOPATH_GUEST_H
 #define IOPATH_GUEST_H
@@ -53,6 +54,22 @@ static inline void cpuid(u32 leaf, u32 sub, u32 *a, u32 *b, u32 *c, u32 *d)
 }
 
 static inline void cpu_relax(void) { asm volatile("pause" ::: "memory"); }
+
+/*
+ * Runs fn(arg) at CPL0 and returns its result: a ud2 with RAX = RING0_MAGIC,
+ * which the #UD stub in boot.S turns into the call. CPL0 code is emulated on
+ * some hosts (docs/ARCHITECTURE.md).
+ */
+#define RING0_MAGIC 0x52304741ull
+static inline u64 ring0_call(u64 (*fn)(void *), void *arg)
+{
+    u64 ret = RING0_MAGIC;
+    asm volatile("ud2"
+                 : "+a"(ret), "+D"(fn), "+S"(arg)
+                 :
+                 : "rcx", "rdx", "r8", "r9", "r10", "r11", "memory", "cc");
+    return ret;
+}
 
 /* lib.c */
 void *memset(void *d, int c, size_t n);
