@@ -126,7 +126,9 @@ pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar
         m.extend(by_group.iter().find(|(k, _)| (k.0, &k.1) == (r.job, &r.target)).and_then(|x| x.1.clone()));
         r.marks = m;
     }
-    out.runs.sort_by_key(|r| (r.round, r.job));
+    // Back in the order the rounds ran them.
+    let pos = |r: &NvmeRun| targets.iter().position(|t| t.name == r.target).unwrap_or(usize::MAX);
+    out.runs.sort_by_key(|r| (r.round, r.job, pos(r)));
     out
 }
 

@@ -296,9 +296,10 @@ pub struct NvmeResult {
     pub runs: Vec<NvmeRun>,
     /// Runs of earlier attempts of re-run targets, kept for the record.
     pub superseded: Vec<NvmeRun>,
-    /// The ring floor, measured at the start of every round (attempt 0),
-    /// and before each re-run round (its attempt).
+    /// The ring floor, measured at the start of every round.
     pub floor: Vec<crate::floor::FloorRun>,
+    /// The ring floor measured before each re-run round (its `attempt`).
+    pub refloor: Vec<crate::floor::FloorRun>,
     /// The wake-up floor of every round, with a think-time job.
     pub wake: Vec<crate::wake::WakeRun>,
     /// Targets the guard ran again: (job, target, attempts, marks that stayed).
@@ -391,7 +392,6 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     let g = guard::apply(&ctx, &targets, runs, &pb);
     pb.finish_and_clear();
     let mut runs = g.runs;
-    floor.extend(g.floor);
     errors.extend(g.errors);
     relate(&mut runs);
     for r in &runs {
@@ -409,6 +409,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
         runs,
         superseded: g.superseded,
         floor,
+        refloor: g.floor,
         wake,
         reruns: g.reruns,
         errors,

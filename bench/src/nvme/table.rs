@@ -94,8 +94,7 @@ impl NvmeResult {
             "ring floor, measured first in each round ({}):",
             crate::floor::placement(self.options.pin.map(|p| p.pair()))
         );
-        let firsts: Vec<crate::floor::FloorRun> = self.floor.iter().filter(|f| f.attempt == 0).cloned().collect();
-        s.push_str(&crate::floor::floor_rows(&firsts));
+        s.push_str(&crate::floor::floor_rows(&self.floor));
         s.push_str(&crate::wake::rows(&self.wake));
         let _ = writeln!(s);
         let hdr = format!(
@@ -296,7 +295,7 @@ impl NvmeResult {
             "runs": self.runs,
             "summary": self.summary_json(),
             "superseded_runs": self.superseded,
-            "floor": {"placement": crate::floor::placement(self.options.pin.map(|p| p.pair())), "runs": self.floor, "wake": self.wake},
+            "floor": {"placement": crate::floor::placement(self.options.pin.map(|p| p.pair())), "runs": self.floor, "wake": self.wake, "reruns": self.refloor},
             "errors": self.errors,
             "skipped": self.skipped,
         })
