@@ -55,7 +55,27 @@ pub fn edges(b: u32) -> (f64, f64) {
     (lo as f64, hi as f64)
 }
 
+/// The bucket of a latency of `c` cycles (nvmeperf's `hist_add`).
+pub fn bucket_of(c: u64) -> u32 {
+    let m = 63 - (c | 1).leading_zeros();
+    let s = if m >= 4 { (c >> (m - 4)) as u32 & 15 } else { c as u32 & 15 };
+    m * 16 + s
+}
+
 impl LatHist {
+    /// The histogram, in nvmeperf's buckets, of latencies given as (ns,
+    /// count) points (fio's bins, each about 1.5 % wide: finer than these),
+    /// at `tsc_khz`: a row measured on the host reads as the guest's do.
+    pub fn from_ns_points(points: &[(u64, u64)], tsc_khz: u64) -> LatHist {
+        let mut h = LatHist::default();
+        for &(ns, c) in points.iter().filter(|p| p.1 > 0) {
+            let cycles = (ns as u128 * tsc_khz as u128 / 1_000_000).min(u64::MAX as u128) as u64;
+            let e = h.counts.entry(bucket_of(cycles)).or_insert(0);
+            *e = e.saturating_add(c);
+        }
+        h
+    }
+
     /// Parses the `@nvme-hist` lines of one run, which must end with an
     /// `@nvme-hist-end buckets=N lines=L` line that matches them and hold
     /// `ios` I/Os in all. None when the run printed no histogram at all.
@@ -164,12 +184,7 @@ mod tests {
         LatHist { counts: pairs.iter().copied().collect() }
     }
 
-    /// nvmeperf's hist_add bucket, written again from its C.
-    fn bucket(c: u64) -> u32 {
-        let m = 63 - (c | 1).leading_zeros();
-        let s = if m >= 4 { (c >> (m - 4)) as u32 & 15 } else { c as u32 & 15 };
-        m * 16 + s
-    }
+    use super::bucket_of as bucket;
 
     #[test]
     fn the_layout_is_the_guests() {
@@ -225,6 +240,16 @@ mod tests {
         assert!(matches!(bad(&[&max, "@nvme-hist-end buckets=2 lines=1"], 5), HistError::Total { .. }));
         let many: Vec<String> = (0..=MAX_LINES).map(|i| format!("@nvme-hist {}:1", 100 + i)).collect();
         assert_eq!(LatHist::parse(&many, 65), Err(HistError::TooLong));
+    }
+
+    #[test]
+    fn ns_points_land_in_the_guests_buckets() {
+        // At 1 GHz a ns is a cycle: 100 and 103 ns share bucket 105, 2600 ns is in 180.
+        let h = LatHist::from_ns_points(&[(100, 2), (103, 1), (2600, 4), (7, 0)], 1_000_000);
+        assert_eq!(h, LatHist { counts: [(105, 3), (180, 4)].into_iter().collect() });
+        // At 2 GHz, 50 ns is 100 cycles.
+        assert_eq!(LatHist::from_ns_points(&[(50, 1)], 2_000_000).counts.keys().next(), Some(&105));
+        assert_eq!(LatHist::from_ns_points(&[(u64::MAX, 1)], u64::MAX).total(), 1, "no overflow");
     }
 
     #[test]

@@ -164,7 +164,8 @@ pub struct NvmeRun {
     pub p99_ns: f64,
     pub p999_ns: f64,
     /// The guest's latency histogram: `[upper_edge_ns, count]` pairs,
-    /// non-empty buckets only (empty for fio).
+    /// non-empty buckets only; for fio, its json+ bins in the same buckets
+    /// (empty if fio gave none).
     pub hist: Vec<(f64, u64)>,
     #[serde(skip)]
     pub lat: Option<LatHist>,

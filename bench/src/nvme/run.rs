@@ -287,6 +287,12 @@ impl<'a> Ctx<'a> {
         r.lat_avg_ns = f.lat_avg_ns;
         (r.p50_ns, r.p90_ns, r.p99_ns, r.p999_ns) = (f.p50_ns, f.p90_ns, f.p99_ns, f.p999_ns);
         r.errors = f.errors;
+        // fio's bins in the guest's buckets: its row's percentiles over rounds merge as the guest's do.
+        if !f.lat_bins.is_empty() {
+            let lat = LatHist::from_ns_points(&f.lat_bins, self.tsc_khz);
+            r.hist = lat.pairs_ns(self.tsc_khz);
+            r.lat = Some(lat);
+        }
         r.routing = format!("fio on the host: io_uring, O_DIRECT, numjobs={} x iodepth={}", fj.numjobs, fj.iodepth);
         // fio's own threads, for the CPU table beside the controller's.
         r.device_threads = if f.cpu_ns_per_io.is_some() { fj.numjobs as usize } else { 0 };

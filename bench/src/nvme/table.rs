@@ -27,8 +27,8 @@ fn fmt_ns(v: f64) -> String {
 ///
 /// From the rounds' merged histogram (every I/O of every round, each
 /// percentile interpolated linearly within its bucket), not a median of
-/// per-round percentiles. Rows without a histogram (fio's) take the median
-/// of their rounds' own percentiles.
+/// per-round percentiles. Rows without a histogram (a fio without json+
+/// bins) take the median of their rounds' own percentiles.
 pub fn percentiles(rs: &[&NvmeRun], tsc_khz: u64) -> [f64; 3] {
     let qs = [0.5, 0.99, 0.999];
     if rs.iter().all(|r| r.lat.is_some()) {
@@ -157,7 +157,11 @@ impl NvmeResult {
             s,
             "lat avg over every I/O of every round; p50/p99/p99.9 from the rounds' merged latency histogram \
              (nvmeperf's buckets, 1/16 of a power of two), interpolated linearly within the bucket{}",
-            if self.runs.iter().any(|r| r.target == FIO_TARGET) { "; fio's: its own, median over rounds" } else { "" }
+            if self.runs.iter().any(|r| r.target == FIO_TARGET) {
+                "; fio's from its json+ bins put in the same buckets (or, without them, its own, median over rounds)"
+            } else {
+                ""
+            }
         );
         let _ = writeln!(
             s,
