@@ -1,7 +1,7 @@
 //! Runs the same guest image under QEMU (+KVM) with QEMU's own devices.
 
 use iopath_devices::nvme::backend::BackendKind;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -230,6 +230,43 @@ pub fn memfd_ram_args() -> Vec<String> {
         .collect()
 }
 
+/// Most bytes of QEMU's console (the guest's output) kept; the rest is read
+/// and dropped, so that a guest that floods it cannot exhaust host memory.
+pub const MAX_OUTPUT: u64 = 64 << 20;
+/// Longest line kept whole; a longer one is cut into lines this long.
+pub const MAX_LINE: u64 = 64 << 10;
+/// Most bytes of QEMU's stderr kept.
+pub const MAX_STDERR: u64 = 1 << 20;
+
+/// Sends `r`'s lines (without "\n" or "\r\n") to `tx`, within `MAX_LINE`
+/// and `MAX_OUTPUT`, reading to the end.
+fn read_lines(r: impl Read, tx: std::sync::mpsc::Sender<String>) {
+    let mut r = BufReader::new(r);
+    let (mut kept, mut buf) = (0u64, Vec::new());
+    loop {
+        buf.clear();
+        match (&mut r).take(MAX_LINE).read_until(b'\n', &mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => kept = kept.saturating_add(n as u64),
+        }
+        if kept > MAX_OUTPUT {
+            continue;
+        }
+        let l = String::from_utf8_lossy(&buf);
+        if tx.send(l.trim_end_matches('\n').trim_end_matches('\r').to_string()).is_err() {
+            return;
+        }
+    }
+}
+
+/// `r` to its end, keeping the first `max` bytes.
+fn read_bounded(mut r: impl Read, max: u64) -> String {
+    let mut kept = Vec::new();
+    let _ = (&mut r).take(max).read_to_end(&mut kept);
+    let _ = std::io::copy(&mut r, &mut std::io::sink());
+    String::from_utf8_lossy(&kept).into_owned()
+}
+
 /// Runs QEMU with `args`; `fd3`, if given, becomes the child's fd 3.
 pub fn run_args(
     qemu: &Path,
@@ -253,15 +290,8 @@ pub fn run_args(
     let stdout = child.stdout.take().unwrap();
     let stderr = child.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel::<String>();
-    let reader = std::thread::spawn(move || {
-        for l in BufReader::new(stdout).lines() {
-            let Ok(l) = l else { break };
-            if tx.send(l.trim_end_matches('\r').to_string()).is_err() {
-                break;
-            }
-        }
-    });
-    let err_reader = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
+    let reader = std::thread::spawn(move || read_lines(stdout, tx));
+    let err_reader = std::thread::spawn(move || read_bounded(stderr, MAX_STDERR));
     let t0 = Instant::now();
     let mut lines = Vec::new();
     let status = loop {
@@ -319,6 +349,23 @@ mod tests {
         let i = a.iter().position(|x| x == "-drive").expect("a -drive");
         assert!(a[i + 1].starts_with("file=/var/tmp/a,,b.img,format=raw"));
         assert!(a.iter().any(|x| x == "nvme,drive=nvm0,serial=iopath0,logical_block_size=512"));
+    }
+
+    #[test]
+    fn a_flooded_console_is_kept_within_its_bounds() {
+        // A "QEMU" (sh) that writes 100 MiB without a newline, then a line, and 2 MiB to stderr.
+        let script = "head -c 104857600 /dev/zero | tr '\\0' x; echo; echo '@done rc=0'; head -c 2097152 /dev/zero >&2";
+        let args = vec!["-c".to_string(), script.to_string()];
+        let r = run_args(Path::new("/bin/sh"), args, None, Duration::from_secs(60), |_| {}).unwrap();
+        let kept: u64 = r.lines.iter().map(|l| l.len() as u64 + 1).sum();
+        assert!(kept <= MAX_OUTPUT + MAX_LINE, "{kept} bytes kept");
+        assert!(r.lines.iter().all(|l| l.len() as u64 <= MAX_LINE));
+        assert_eq!(r.stderr.len() as u64, MAX_STDERR);
+        assert_eq!(r.status, Some(0));
+        // Lines under the bounds come through whole.
+        let args = vec!["-c".to_string(), "printf 'a\\r\\nb\\nc'".to_string()];
+        let r = run_args(Path::new("/bin/sh"), args, None, Duration::from_secs(10), |_| {}).unwrap();
+        assert_eq!(r.lines, ["a", "b", "c"]);
     }
 
     #[test]
