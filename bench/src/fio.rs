@@ -51,7 +51,14 @@ pub struct FioResult {
     /// fio's CPU time (user and system, its jobs' threads) per I/O, from
     /// `usr_cpu`/`sys_cpu` (percent of each job's run time); None if absent.
     pub cpu_ns_per_io: Option<f64>,
+    /// fio's latency histogram of every I/O (all jobs, both directions):
+    /// (bin value in ns, count), from `--output-format=json+`'s `lat_ns.bins`;
+    /// empty when fio gave none or they do not add up to `ios`.
+    pub lat_bins: Vec<(u64, u64)>,
 }
+
+/// Most latency bins taken from fio's JSON (fio has about 1900 per direction and job).
+pub const MAX_BINS: usize = 1 << 16;
 
 /// fio from $IOPATH_FIO, else from PATH; None if there is none.
 pub fn find() -> Option<PathBuf> {
@@ -88,9 +95,10 @@ pub fn args(j: &FioJob) -> Vec<String> {
         "--norandommap=1".into(),
         "--time_based=1".into(),
         format!("--runtime={}ms", j.runtime_ms.max(1)),
-        // Percentiles of the total latency, which is what nvmeperf measures.
+        // Percentiles of the total latency, which is what nvmeperf measures;
+        // json+ adds their histogram (`bins`), which rounds merge.
         "--lat_percentiles=1".into(),
-        "--output-format=json".into(),
+        "--output-format=json+".into(),
     ]
 }
 
@@ -156,7 +164,9 @@ pub fn parse(out: &str) -> anyhow::Result<FioResult> {
         p999_ns: 0.0,
         errors: 0,
         cpu_ns_per_io: None,
+        lat_bins: Vec::new(),
     };
+    let mut bins: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
     let mut most = 0;
     let mut cpu_ns = Some(0.0);
     for job in jobs {
@@ -171,6 +181,14 @@ pub fn parse(out: &str) -> anyhow::Result<FioResult> {
             }
             r.ios += ios;
             r.iops += num(&d["iops"])?;
+            for (k, c) in d["lat_ns"]["bins"].as_object().into_iter().flatten() {
+                let (Ok(v), Some(c)) = (k.parse::<u64>(), c.as_u64()) else {
+                    anyhow::bail!("fio's JSON: a latency bin {k:?}: {c}");
+                };
+                anyhow::ensure!(bins.len() < MAX_BINS || bins.contains_key(&v), "fio's JSON: over {MAX_BINS} bins");
+                let e = bins.entry(v).or_insert(0);
+                *e = e.saturating_add(c);
+            }
             r.mb_s += num(&d["bw_bytes"])? / 1e6;
             if ios > most {
                 most = ios;
@@ -185,6 +203,9 @@ pub fn parse(out: &str) -> anyhow::Result<FioResult> {
         anyhow::bail!("fio did no I/O");
     }
     r.cpu_ns_per_io = cpu_ns.map(|n| n / r.ios as f64);
+    if bins.values().fold(0u64, |a, &c| a.saturating_add(c)) == r.ios {
+        r.lat_bins = bins.into_iter().collect();
+    }
     Ok(r)
 }
 
@@ -221,6 +242,24 @@ mod tests {
         let r = parse(two).unwrap();
         assert_eq!((r.ios, r.iops, r.mb_s, r.p99_ns, r.lat_avg_ns, r.errors), (40, 20.0, 8.0, 7.0, 9.0, 1));
         assert_eq!(r.cpu_ns_per_io, None, "no CPU figures in that output");
+        assert!(r.lat_bins.is_empty(), "no bins in that output");
+    }
+
+    #[test]
+    fn json_plus_bins_of_every_job_and_direction_add_up() {
+        let j = r#"{"jobs":[
+            {"error":0,"read":{"total_ios":3,"iops":5.0,"bw_bytes":2000000,
+              "lat_ns":{"mean":7.0,"percentile":{"50.000000":1,"90.000000":2,"99.000000":3,"99.900000":4},
+                        "bins":{"1000":2,"2000":1}}},
+             "write":{"total_ios":1,"iops":1.0,"bw_bytes":1,
+              "lat_ns":{"mean":9.0,"percentile":{"50.000000":5,"90.000000":6,"99.000000":7,"99.900000":8},
+                        "bins":{"1000":1}}}}]}"#;
+        assert_eq!(parse(j).unwrap().lat_bins, vec![(1000, 3), (2000, 1)]);
+        // Bins that do not add up to the I/Os are not a histogram of them.
+        assert!(parse(&j.replace(r#""2000":1"#, r#""2000":7"#)).unwrap().lat_bins.is_empty());
+        // A malformed bin is an error.
+        assert!(parse(&j.replace(r#""2000":1"#, r#""x":1"#)).is_err());
+        assert!(parse(&j.replace(r#""2000":1"#, r#""2000":-1"#)).is_err());
     }
 
     #[test]
@@ -257,7 +296,7 @@ mod tests {
             "--group_reporting=1",
             "--size=1073741824",
             "--runtime=2500ms",
-            "--output-format=json",
+            "--output-format=json+",
         ] {
             assert!(a.iter().any(|x| x == want), "{want} missing from {a:?}");
         }

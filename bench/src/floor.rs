@@ -55,6 +55,8 @@ impl Default for FloorOptions {
 #[derive(Clone, Debug, Serialize)]
 pub struct FloorRun {
     pub round: u32,
+    /// 0 in a round; k before the k-th re-run of a target `bench nvme`'s guard marked.
+    pub attempt: u32,
     pub qd: u32,
     pub ring_entries: u32,
     /// Commands completed.
@@ -437,6 +439,7 @@ fn run_on(ring: Arc<Ring>, qd: u32, limit: Limit, cpus: Option<(usize, usize)>) 
     let p50 = s.hist.quantile(0.5).map_or(f64::NAN, |t| t as f64 * s.ns_per_tick);
     Ok(FloorRun {
         round: 0,
+        attempt: 0,
         qd,
         ring_entries: ring.entries,
         ops: s.completed,
@@ -473,9 +476,19 @@ pub fn measure_round(
     (runs, errors)
 }
 
+/// The floor's run of `round` (its first attempt) at `qd`, from `runs`.
+fn run_of(runs: &[FloorRun], round: u32, qd: u32) -> Option<&FloorRun> {
+    runs.iter().find(|r| r.round == round && r.attempt == 0 && r.qd == qd.clamp(1, MAX_QD))
+}
+
 /// The floor's ops/s in `round` at `qd`, from `runs`.
 pub fn ops_s_of(runs: &[FloorRun], round: u32, qd: u32) -> Option<f64> {
-    runs.iter().find(|r| r.round == round && r.qd == qd.clamp(1, MAX_QD)).map(|r| r.ops_s)
+    run_of(runs, round, qd).map(|r| r.ops_s)
+}
+
+/// The floor's p50 in `round` at `qd`, from `runs`.
+pub fn p50_of(runs: &[FloorRun], round: u32, qd: u32) -> Option<f64> {
+    run_of(runs, round, qd).map(|r| r.p50_ns).filter(|p| p.is_finite())
 }
 
 /// How the floor's threads were placed, for tables and JSON.
@@ -616,6 +629,7 @@ impl FloorResult {
             .map(|(qd, ops, p50)| json!({"qd": qd, "ring_entries": ring_entries(qd), "ops_s": ops, "p50_ns": p50}))
             .collect();
         json!({
+            "schema_version": crate::guard::JSON_SCHEMA_VERSION,
             "benchmark": "floor",
             "host": self.host,
             "options": self.options,
@@ -685,6 +699,18 @@ mod tests {
         ring.stall = Duration::from_millis(50);
         let s = submitter(&ring, 4, Limit::Ops(100));
         assert_eq!((s.submitted, s.completed, s.errors), (4, 0, 4));
+    }
+
+    #[test]
+    fn the_json_carries_the_schema_version() {
+        let r = FloorResult {
+            host: host_info(1_000_000),
+            options: FloorOptions::default(),
+            runs: Vec::new(),
+            wake: Vec::new(),
+            errors: Vec::new(),
+        };
+        assert_eq!(r.json()["schema_version"], crate::guard::JSON_SCHEMA_VERSION);
     }
 
     #[test]

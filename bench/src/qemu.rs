@@ -1,7 +1,7 @@
 //! Runs the same guest image under QEMU (+KVM) with QEMU's own devices.
 
 use iopath_devices::nvme::backend::BackendKind;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -85,20 +85,110 @@ pub fn nvme_args(image: &Path, cmdline: &str, mem_mb: u64, drive: &str, lba: u32
     args_with(image, cmdline, mem_mb, &["-drive".into(), drive.to_string()], &[&dev])
 }
 
-/// The `-drive` value (id `nvm0`) for QEMU's nvme on iopath's `backend`:
-/// a file is opened as iopath's file backend opens it, raw with O_DIRECT
-/// (`cache=none`) through `aio` (io_uring, or native where QEMU has no
-/// io_uring); any other backend is `null-co` (no data, as `null`).
-pub fn nvme_drive(backend: &BackendKind, aio: &str) -> String {
-    match backend {
-        // QEMU's option syntax: a comma inside a value is written twice.
-        BackendKind::File(p) => {
-            format!(
-                "file={},format=raw,if=none,id=nvm0,aio={aio},cache=none",
-                p.display().to_string().replace(',', ",,")
-            )
+/// What QEMU's nvme stands on: the same kind of backend iopath's
+/// controller runs on, so that the two are compared on equal terms.
+#[derive(Debug)]
+pub enum QemuBacking {
+    /// `null-co` of the namespace's size: no data moved, as iopath's null.
+    Null { size: u64 },
+    /// A file in /dev/shm of the namespace's size (tmpfs: its pages are
+    /// RAM), as iopath's ram; made for the bench, removed after it.
+    Ram(RamImage),
+    /// iopath's own file, opened as iopath opens it: raw, O_DIRECT.
+    File(PathBuf),
+}
+
+/// A sparse file in a tmpfs, removed when dropped. Reads of a hole are
+/// zeros without a page behind them, as reads of iopath's untouched ram
+/// namespace are.
+#[derive(Debug)]
+pub struct RamImage {
+    pub path: PathBuf,
+    pub size: u64,
+}
+
+/// Where RAM images go.
+pub const SHM_DIR: &str = "/dev/shm";
+
+impl RamImage {
+    /// A new file of `size` bytes in `dir`, named after this process.
+    pub fn create(dir: &Path, size: u64) -> anyhow::Result<RamImage> {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = dir.join(format!("iopath-qemu-nvme-{}-{n}.img", std::process::id()));
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| anyhow::anyhow!("cannot create QEMU's RAM image {}: {e}", path.display()))?;
+        let img = RamImage { path, size };
+        f.set_len(size).map_err(|e| anyhow::anyhow!("cannot size {} to {size} bytes: {e}", img.path.display()))?;
+        Ok(img)
+    }
+}
+
+impl Drop for RamImage {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// QEMU's option syntax: a comma inside a value is written twice.
+fn escaped(p: &Path) -> String {
+    p.display().to_string().replace(',', ",,")
+}
+
+impl QemuBacking {
+    /// The backing for iopath's `backend` with a namespace of `size` bytes
+    /// (a ram one makes its file in `shm_dir`).
+    pub fn for_backend(backend: &BackendKind, size: u64, shm_dir: &Path) -> anyhow::Result<QemuBacking> {
+        Ok(match backend {
+            BackendKind::Null => QemuBacking::Null { size },
+            BackendKind::Ram => QemuBacking::Ram(RamImage::create(shm_dir, size)?),
+            BackendKind::File(p) => QemuBacking::File(p.clone()),
+        })
+    }
+
+    /// The `-drive` value (id `nvm0`) with `aio` (unused for null-co). A
+    /// file is raw with O_DIRECT (`cache=none`); a tmpfs file goes through
+    /// the page cache, which is its memory (`cache=writeback`).
+    pub fn drive(&self, aio: &str) -> String {
+        match self {
+            QemuBacking::Null { size } => format!("driver=null-co,size={size},if=none,id=nvm0"),
+            QemuBacking::Ram(img) => {
+                format!("file={},format=raw,if=none,id=nvm0,aio={aio},cache=writeback", escaped(&img.path))
+            }
+            QemuBacking::File(p) => format!("file={},format=raw,if=none,id=nvm0,aio={aio},cache=none", escaped(p)),
         }
-        _ => "driver=null-co,size=64M,if=none,id=nvm0".into(),
+    }
+
+    /// The `aio` to try first, and the one for a QEMU without io_uring.
+    fn aio(&self) -> Option<(&'static str, &'static str)> {
+        match self {
+            QemuBacking::Null { .. } => None,
+            QemuBacking::Ram(_) => Some(("io_uring", "threads")),
+            QemuBacking::File(_) => Some(("io_uring", "native")),
+        }
+    }
+
+    /// The kind, short, for ratio lines: "null-co", "ram(/dev/shm)", "file".
+    pub fn short(&self) -> String {
+        match self {
+            QemuBacking::Null { .. } => "null-co".into(),
+            QemuBacking::Ram(_) => format!("ram({SHM_DIR})"),
+            QemuBacking::File(_) => "file".into(),
+        }
+    }
+
+    /// What the drive was, for the run's row.
+    fn describe(&self, aio: &str) -> String {
+        match self {
+            QemuBacking::Null { size } => format!("null-co ({} MiB)", size >> 20),
+            QemuBacking::Ram(img) => {
+                format!("ram: {} ({} MiB, tmpfs, raw, aio={aio}, cache=writeback)", img.path.display(), img.size >> 20)
+            }
+            QemuBacking::File(p) => format!("file:{} (raw, aio={aio}, cache=none)", p.display()),
+        }
     }
 }
 
@@ -107,30 +197,28 @@ fn lacks_io_uring(r: &QemuRun) -> bool {
     !r.lines.iter().any(|l| l.starts_with('@')) && r.stderr.contains("io_uring")
 }
 
-/// Runs nvmeperf (`cmdline`) on QEMU's nvme on `backend` (see
-/// [`nvme_drive`]); a file through io_uring, or aio=native if this QEMU
-/// cannot. Returns the run and what QEMU's drive was, for its row.
+/// Runs nvmeperf (`cmdline`) on QEMU's nvme on `backing`; through io_uring,
+/// or the fallback `aio` if this QEMU cannot. Returns the run and what
+/// QEMU's drive was, for its row.
 pub fn run_nvme(
     qemu: &Path,
     image: &Path,
     cmdline: &str,
     mem_mb: u64,
-    backend: &BackendKind,
+    backing: &QemuBacking,
     lba: u32,
     timeout: Duration,
 ) -> anyhow::Result<(QemuRun, String)> {
-    let attempt = |aio: &str| {
-        let drive = nvme_drive(backend, aio);
-        run_args(qemu, nvme_args(image, cmdline, mem_mb, &drive, lba), None, timeout, |_| {})
-    };
-    let BackendKind::File(p) = backend else { return Ok((attempt("")?, "null-co".into())) };
-    let r = attempt("io_uring")?;
+    let attempt =
+        |aio: &str| run_args(qemu, nvme_args(image, cmdline, mem_mb, &backing.drive(aio), lba), None, timeout, |_| {});
+    let Some((first, fallback)) = backing.aio() else { return Ok((attempt("")?, backing.describe(""))) };
+    let r = attempt(first)?;
     if !lacks_io_uring(&r) {
-        return Ok((r, format!("file:{} (raw, aio=io_uring, cache=none)", p.display())));
+        return Ok((r, backing.describe(first)));
     }
     let why = r.stderr.lines().find(|l| l.contains("io_uring")).unwrap_or("").trim().to_string();
-    let r = attempt("native")?;
-    Ok((r, format!("file:{} (raw, aio=native, cache=none: no io_uring in this QEMU: {why})", p.display())))
+    let r = attempt(fallback)?;
+    Ok((r, format!("{} (no io_uring in this QEMU: {why})", backing.describe(fallback))))
 }
 
 /// The arguments that give QEMU's guest RAM as a shared memfd, which
@@ -140,6 +228,43 @@ pub fn memfd_ram_args() -> Vec<String> {
         .iter()
         .map(|s| s.to_string())
         .collect()
+}
+
+/// Most bytes of QEMU's console (the guest's output) kept; the rest is read
+/// and dropped, so that a guest that floods it cannot exhaust host memory.
+pub const MAX_OUTPUT: u64 = 64 << 20;
+/// Longest line kept whole; a longer one is cut into lines this long.
+pub const MAX_LINE: u64 = 64 << 10;
+/// Most bytes of QEMU's stderr kept.
+pub const MAX_STDERR: u64 = 1 << 20;
+
+/// Sends `r`'s lines (without "\n" or "\r\n") to `tx`, within `MAX_LINE`
+/// and `MAX_OUTPUT`, reading to the end.
+fn read_lines(r: impl Read, tx: std::sync::mpsc::Sender<String>) {
+    let mut r = BufReader::new(r);
+    let (mut kept, mut buf) = (0u64, Vec::new());
+    loop {
+        buf.clear();
+        match (&mut r).take(MAX_LINE).read_until(b'\n', &mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => kept = kept.saturating_add(n as u64),
+        }
+        if kept > MAX_OUTPUT {
+            continue;
+        }
+        let l = String::from_utf8_lossy(&buf);
+        if tx.send(l.trim_end_matches('\n').trim_end_matches('\r').to_string()).is_err() {
+            return;
+        }
+    }
+}
+
+/// `r` to its end, keeping the first `max` bytes.
+fn read_bounded(mut r: impl Read, max: u64) -> String {
+    let mut kept = Vec::new();
+    let _ = (&mut r).take(max).read_to_end(&mut kept);
+    let _ = std::io::copy(&mut r, &mut std::io::sink());
+    String::from_utf8_lossy(&kept).into_owned()
 }
 
 /// Runs QEMU with `args`; `fd3`, if given, becomes the child's fd 3.
@@ -165,15 +290,8 @@ pub fn run_args(
     let stdout = child.stdout.take().unwrap();
     let stderr = child.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel::<String>();
-    let reader = std::thread::spawn(move || {
-        for l in BufReader::new(stdout).lines() {
-            let Ok(l) = l else { break };
-            if tx.send(l.trim_end_matches('\r').to_string()).is_err() {
-                break;
-            }
-        }
-    });
-    let err_reader = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
+    let reader = std::thread::spawn(move || read_lines(stdout, tx));
+    let err_reader = std::thread::spawn(move || read_bounded(stderr, MAX_STDERR));
     let t0 = Instant::now();
     let mut lines = Vec::new();
     let status = loop {
@@ -207,20 +325,47 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_file_backend_gives_qemu_the_same_file_raw_o_direct_through_io_uring() {
-        let f = BackendKind::File("/var/tmp/a,b.img".into());
-        assert_eq!(
-            nvme_drive(&f, "io_uring"),
-            "file=/var/tmp/a,,b.img,format=raw,if=none,id=nvm0,aio=io_uring,cache=none"
-        );
-        assert!(nvme_drive(&f, "native").contains(",aio=native,cache=none"));
-        for b in [BackendKind::Null, BackendKind::Ram] {
-            assert_eq!(nvme_drive(&b, "io_uring"), "driver=null-co,size=64M,if=none,id=nvm0");
-        }
-        let a = nvme_args(Path::new("/img"), "workload=nvme", 256, &nvme_drive(&f, "io_uring"), 512);
+    fn qemu_stands_on_the_backend_kind_iopath_runs_on() {
+        let f =
+            QemuBacking::for_backend(&BackendKind::File("/var/tmp/a,b.img".into()), 1 << 20, Path::new("/x")).unwrap();
+        assert_eq!(f.drive("io_uring"), "file=/var/tmp/a,,b.img,format=raw,if=none,id=nvm0,aio=io_uring,cache=none");
+        assert!(f.drive("native").contains(",aio=native,cache=none"));
+        let n = QemuBacking::for_backend(&BackendKind::Null, 64 << 20, Path::new("/x")).unwrap();
+        assert_eq!(n.drive(""), "driver=null-co,size=67108864,if=none,id=nvm0");
+        assert_eq!((n.short(), f.short()), ("null-co".to_string(), "file".to_string()));
+        // ram: a sparse file of the namespace's size, gone with the backing.
+        let dir = std::env::temp_dir();
+        let r = QemuBacking::for_backend(&BackendKind::Ram, 8 << 20, &dir).unwrap();
+        let QemuBacking::Ram(img) = &r else { panic!("{r:?}") };
+        let path = img.path.clone();
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 8 << 20);
+        assert!(r.drive("io_uring").starts_with(&format!("file={},format=raw,", path.display())), "{}", r.drive("x"));
+        assert!(r.drive("io_uring").ends_with(",aio=io_uring,cache=writeback"));
+        assert_eq!(r.short(), "ram(/dev/shm)");
+        drop(r);
+        assert!(!path.exists(), "the RAM image outlived the bench");
+        assert!(RamImage::create(Path::new("/nonexistent/dir"), 1).is_err());
+        let a = nvme_args(Path::new("/img"), "workload=nvme", 256, &f.drive("io_uring"), 512);
         let i = a.iter().position(|x| x == "-drive").expect("a -drive");
         assert!(a[i + 1].starts_with("file=/var/tmp/a,,b.img,format=raw"));
         assert!(a.iter().any(|x| x == "nvme,drive=nvm0,serial=iopath0,logical_block_size=512"));
+    }
+
+    #[test]
+    fn a_flooded_console_is_kept_within_its_bounds() {
+        // A "QEMU" (sh) that writes 100 MiB without a newline, then a line, and 2 MiB to stderr.
+        let script = "head -c 104857600 /dev/zero | tr '\\0' x; echo; echo '@done rc=0'; head -c 2097152 /dev/zero >&2";
+        let args = vec!["-c".to_string(), script.to_string()];
+        let r = run_args(Path::new("/bin/sh"), args, None, Duration::from_secs(60), |_| {}).unwrap();
+        let kept: u64 = r.lines.iter().map(|l| l.len() as u64 + 1).sum();
+        assert!(kept <= MAX_OUTPUT + MAX_LINE, "{kept} bytes kept");
+        assert!(r.lines.iter().all(|l| l.len() as u64 <= MAX_LINE));
+        assert_eq!(r.stderr.len() as u64, MAX_STDERR);
+        assert_eq!(r.status, Some(0));
+        // Lines under the bounds come through whole.
+        let args = vec!["-c".to_string(), "printf 'a\\r\\nb\\nc'".to_string()];
+        let r = run_args(Path::new("/bin/sh"), args, None, Duration::from_secs(10), |_| {}).unwrap();
+        assert_eq!(r.lines, ["a", "b", "c"]);
     }
 
     #[test]

@@ -512,3 +512,71 @@ fn bench_nvme_runs_each_poller_count_and_records_it() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--pollers"));
 }
+
+/// `bench nvme --json -` with `args`: the JSON and the table.
+fn bench_nvme(args: &[&str]) -> (serde_json::Value, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["bench", "nvme", "--quick", "--json", "-", "--rw", "randread", "--bs", "4096", "--iodepth", "2"])
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    (serde_json::from_slice(&out.stdout).unwrap(), stderr)
+}
+
+#[test]
+fn bench_nvme_runs_keep_the_guests_histogram_and_count_only_the_windows_exits() {
+    kvm();
+    let (v, table) = bench_nvme(&["--backend", "null", "--doorbell", "shm,mmio"]);
+    assert_eq!(v["schema_version"], iopath_bench::guard::JSON_SCHEMA_VERSION);
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    for r in runs {
+        // The raw inputs: I/Os, cycles and the histogram, whose counts are the I/Os.
+        let ios = r["ios"].as_u64().unwrap();
+        assert!(ios > 0 && r["cycles"].as_u64().unwrap() > 0, "{r}");
+        let hist = r["hist"].as_array().unwrap();
+        let total: u64 = hist.iter().map(|p| p[1].as_u64().unwrap()).sum();
+        assert_eq!(total, ios, "{r}");
+        let edges: Vec<f64> = hist.iter().map(|p| p[0].as_f64().unwrap()).collect();
+        assert!(edges.windows(2).all(|w| w[0] < w[1]), "upper edges ascend: {edges:?}");
+        assert!(r["marks"].is_array(), "{r}");
+        // Exits: the window's and the setup's add up to the run's.
+        let (w, s, all) = (r["window_exits"].as_u64(), r["setup_exits"].as_u64(), r["vm_exits"].as_u64());
+        assert_eq!(w.unwrap() + s.unwrap(), all.unwrap(), "{r}");
+        assert!(s.unwrap() > 0, "setup (enumeration, admin, output) exits: {r}");
+    }
+    let shm = runs.iter().find(|r| r["target"] == "iopath-shm").unwrap();
+    // Shadow doorbells: no exit at all in the window, whatever setup took.
+    assert_eq!((shm["window_exits"].as_u64(), shm["exits_per_io"].as_f64()), (Some(0), Some(0.0)), "{shm}");
+    let mmio = runs.iter().find(|r| r["target"] == "iopath-mmio").unwrap();
+    assert_eq!(mmio["window_exits"], mmio["io_doorbell_writes"], "{mmio}");
+    assert!(table.contains("merged latency histogram") && table.contains("interpolated linearly"), "{table}");
+}
+
+#[test]
+fn bench_nvme_vs_qemu_puts_qemu_on_the_same_backend_kind_and_checks_its_guest() {
+    kvm();
+    for (backend, setup, drive) in [("null", "qemu null-co", "null-co"), ("ram", "qemu ram(/dev/shm)", "/dev/shm/")] {
+        let (v, table) = bench_nvme(&["--backend", backend, "--doorbell", "shm", "--vs", "qemu"]);
+        assert!(v["errors"].as_array().unwrap().is_empty(), "{}", v["errors"]);
+        let runs = v["runs"].as_array().unwrap();
+        let q = runs.iter().find(|r| r["target"] == "qemu").expect("a QEMU row");
+        let routing = q["routing"].as_str().unwrap();
+        assert_eq!(q["setup"], setup, "{q}");
+        assert!(routing.contains(drive), "{routing}");
+        // Checked by the guest's own counts, not QEMU's exit status alone.
+        assert!(routing.contains(&format!("guest: {} I/Os, 0 errors", q["ios"])), "{routing}");
+        assert_eq!(q["routing_ok"], true);
+        let sum: u64 = q["hist"].as_array().unwrap().iter().map(|p| p[1].as_u64().unwrap()).sum();
+        assert_eq!(sum, q["ios"].as_u64().unwrap());
+        let l = table.lines().find(|l| l.contains("iopath-shm / qemu IOPS = ")).unwrap_or_else(|| panic!("{table}"));
+        assert!(l.ends_with(&format!("(iopath {backend} / {setup})")), "{l}");
+        if backend == "ram" {
+            // The RAM image is the bench's, and gone with it.
+            let path = routing.split_whitespace().find(|w| w.starts_with("/dev/shm/")).unwrap();
+            assert!(!std::path::Path::new(path).exists(), "{path} outlived the bench");
+        }
+    }
+}

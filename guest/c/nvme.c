@@ -7,7 +7,11 @@
  * the controller offers it (shadow doorbells with the EventIdx rule: an MMIO
  * doorbell write only when the controller's EventIdx asks for one). Then it
  * runs a fio-like job, time based, and prints one "@nvme" record: I/Os,
- * cycles, and latency percentiles from a log-linear histogram of cycles.
+ * cycles, and latency percentiles from a log-linear histogram of cycles,
+ * then the histogram itself ("@nvme-hist b:count ..." lines, non-empty
+ * buckets only, HIST_PER_LINE a line, then "@nvme-hist-end") for the host
+ * to merge over rounds. "@nvme-window start|end" lines mark the timed
+ * window, so that the host counts only its exits.
  * Verify mode writes an LBA-tagged pattern and reads it back.
  *
  * Command line: rw=read|write|randread|randwrite|randrw bs=N iodepth=N
@@ -31,7 +35,8 @@
 #define HIST_BUCKETS (64 * HIST_SUB)
 
 static u64 bar0, mem_next, mem_end;
-static u32 hist[HIST_BUCKETS];
+#define HIST_PER_LINE 16
+static u64 hist[HIST_BUCKETS];
 static u64 lat_sum, lat_min, lat_max, nerrors;
 
 struct sq_cq {
@@ -218,6 +223,27 @@ static u64 percentile(u64 total, u64 per_mille_x10)
     return 0;
 }
 
+/* The histogram, non-empty buckets only: bucket index and count (the host
+ * knows the bucket layout of hist_add). At most 16 pairs a line, so a line
+ * stays under 400 bytes and the whole dump under 64 lines. */
+static void hist_dump(void)
+{
+    u32 n = 0, lines = 0;
+    for (u32 b = 0; b < HIST_BUCKETS; b++) {
+        if (!hist[b])
+            continue;
+        if (n % HIST_PER_LINE == 0) {
+            printf(n ? "\n@nvme-hist" : "@nvme-hist");
+            lines++;
+        }
+        printf(" %u:%lu", b, hist[b]);
+        n++;
+    }
+    if (n)
+        printf("\n");
+    printf("@nvme-hist-end buckets=%u lines=%u\n", n, lines);
+}
+
 struct slot {
     u64 buf, prp_list, t0, lba;
     u8 op;
@@ -277,6 +303,7 @@ static int job(const char *rw, u64 time_ms, u32 nq, u32 depth, u32 mixread, int 
         seq[q] = q * (blocks / nq);
     u64 ios = 0, mismatches = 0;
     rings = 0;
+    printf("@nvme-window start\n");
     u64 t_start = rdtsc(), t_end = t_start + time_ms * tsc_khz;
     int stopping = 0;
     u64 inflight = 0;
@@ -393,6 +420,7 @@ static int job(const char *rw, u64 time_ms, u32 nq, u32 depth, u32 mixread, int 
         }
     }
     u64 cycles = rdtsc() - t_start;
+    printf("@nvme-window end\n");
     printf("@nvme rw=%s bs=%lu iodepth=%u queues=%u dbbuf=%d irq=%d ios=%lu cycles=%lu lat_sum=%lu lat_min=%lu lat_max=%lu "
            "p50=%lu p90=%lu p99=%lu p999=%lu errors=%lu io_doorbell_writes=%lu",
            verify ? "verify" : rw, bs, depth, nq, use_dbbuf, use_irq, ios, cycles, lat_sum, lat_min, lat_max,
@@ -402,6 +430,7 @@ static int job(const char *rw, u64 time_ms, u32 nq, u32 depth, u32 mixread, int 
     if (verify)
         printf(" verified_blocks=%lu mismatches=%lu", read_back, mismatches);
     printf("\n");
+    hist_dump();
     return (nerrors || mismatches) ? -1 : 0;
 }
 

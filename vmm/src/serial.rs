@@ -28,15 +28,27 @@ pub struct LineSink {
     /// Bytes kept at most, so a guest cannot exhaust host memory.
     limit: usize,
     total: usize,
+    /// Told of every line, to ask the vCPU loop for its exit counts.
+    pub marks: Option<Arc<crate::vcpu::ExitMarks>>,
 }
 
 impl LineSink {
     pub fn new(on_line: Option<LineCallback>) -> Self {
-        LineSink { partial: Vec::new(), lines: Arc::new(Mutex::new(Vec::new())), on_line, limit: 64 << 20, total: 0 }
+        LineSink {
+            partial: Vec::new(),
+            lines: Arc::new(Mutex::new(Vec::new())),
+            on_line,
+            limit: 64 << 20,
+            total: 0,
+            marks: None,
+        }
     }
 
     fn push_line(&mut self) {
         let line = String::from_utf8_lossy(&self.partial).trim_end_matches('\r').to_string();
+        if let Some(m) = &self.marks {
+            m.on_line(&line, self.partial.len() as u64 + 1);
+        }
         self.partial.clear();
         if let Some(cb) = self.on_line.as_mut() {
             cb(&line);

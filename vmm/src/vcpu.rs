@@ -12,6 +12,7 @@ use crate::VmmError;
 use kvm_bindings::kvm_segment;
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 /// Counts of exits by kind, and of accesses no device claimed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -44,6 +45,60 @@ impl ExitStats {
             ("unclaimed_mmio_write", self.unclaimed_mmio_write),
             ("interrupted", self.interrupted),
         ]
+    }
+}
+
+/// Most marks a run records; later mark lines are ignored.
+pub const MAX_MARKS: usize = 64;
+
+/// The exit counts at a guest line that starts with one of `VmConfig::exit_marks`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExitMark {
+    pub line: String,
+    /// Bytes of the line with its newline: the PIO writes the line itself
+    /// took (inside `exits`), for a guest that writes each byte with one OUT.
+    pub bytes: u64,
+    /// Counts after the exit that ended the line.
+    pub exits: ExitStats,
+}
+
+/// Marks requested by the console (a line ended) and taken by the vCPU loop.
+#[derive(Debug, Default)]
+pub struct ExitMarks {
+    prefixes: Vec<String>,
+    pending: AtomicBool,
+    waiting: Mutex<Option<(String, u64)>>,
+    taken: Mutex<Vec<ExitMark>>,
+}
+
+impl ExitMarks {
+    pub fn new(prefixes: Vec<String>) -> Self {
+        ExitMarks { prefixes, ..Default::default() }
+    }
+
+    /// Called by the console for each line (`bytes` with its newline).
+    pub fn on_line(&self, line: &str, bytes: u64) {
+        if self.prefixes.iter().any(|p| line.starts_with(p.as_str())) && self.len() < MAX_MARKS {
+            *self.waiting.lock().unwrap() = Some((line.to_string(), bytes));
+            self.pending.store(true, Ordering::Release);
+        }
+    }
+
+    fn take(&self, exits: &ExitStats) {
+        if self.pending.swap(false, Ordering::Acquire) {
+            if let Some((line, bytes)) = self.waiting.lock().unwrap().take() {
+                self.taken.lock().unwrap().push(ExitMark { line, bytes, exits: *exits });
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.taken.lock().unwrap().len()
+    }
+
+    /// The marks taken, in order.
+    pub fn marks(&self) -> Vec<ExitMark> {
+        self.taken.lock().unwrap().clone()
     }
 }
 
@@ -98,13 +153,15 @@ fn rip(vcpu: &VcpuFd) -> u64 {
 }
 
 /// The exit loop: runs until the guest writes isa-debug-exit, `stop` is set
-/// (watchdog), or an exit the VMM cannot serve.
+/// (watchdog), or an exit the VMM cannot serve. `marks`, if given, gets the
+/// counts at the guest lines it asked for (checked after PIO writes only).
 pub fn run_loop(
     vcpu: &mut VcpuFd,
     pio: &Bus,
     mmio: &Bus,
     status: &ExitStatus,
     stop: &AtomicBool,
+    marks: Option<&ExitMarks>,
 ) -> Result<ExitStats, VmmError> {
     let mut s = ExitStats::default();
     loop {
@@ -113,6 +170,9 @@ pub fn run_loop(
                 s.io_out += 1;
                 if !pio.write(port as u64, data) {
                     s.unclaimed_pio_write += 1;
+                }
+                if let Some(m) = marks {
+                    m.take(&s);
                 }
                 if status.get().is_some() {
                     return Ok(s);
@@ -160,5 +220,36 @@ pub fn run_loop(
             Err(e) => format!("KVM_RUN: {e}"),
         };
         return Err(VmmError::Guest { reason: fatal, rip: rip(vcpu) });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn marks_take_the_counts_at_the_lines_asked_for_and_are_bounded() {
+        let m = ExitMarks::new(vec!["@win ".into()]);
+        let mut s = ExitStats { io_out: 10, ..Default::default() };
+        m.on_line("@other x", 9);
+        m.take(&s);
+        assert!(m.marks().is_empty(), "a line not asked for is no mark");
+        m.on_line("@win start", 11);
+        s.io_out = 11;
+        m.take(&s);
+        m.take(&ExitStats { io_out: 99, ..Default::default() });
+        assert_eq!(
+            m.marks(),
+            vec![ExitMark {
+                line: "@win start".into(),
+                bytes: 11,
+                exits: ExitStats { io_out: 11, ..Default::default() }
+            }]
+        );
+        for _ in 0..2 * MAX_MARKS {
+            m.on_line("@win again", 11);
+            m.take(&s);
+        }
+        assert_eq!(m.marks().len(), MAX_MARKS, "a guest cannot make the host keep more");
     }
 }

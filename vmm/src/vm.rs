@@ -30,6 +30,9 @@ pub struct VmConfig {
     pub place_bars: bool,
     pub timeout: Duration,
     pub on_line: Option<LineCallback>,
+    /// Guest lines (by prefix) at which the exit counts are recorded
+    /// (`RunReport::marks`), e.g. the edges of a timed window.
+    pub exit_marks: Vec<String>,
 }
 
 impl VmConfig {
@@ -42,6 +45,7 @@ impl VmConfig {
             place_bars: true,
             timeout: Duration::from_secs(600),
             on_line: None,
+            exit_marks: Vec::new(),
         }
     }
 }
@@ -58,6 +62,8 @@ pub struct RunReport {
     pub status: i32,
     pub lines: Vec<String>,
     pub exits: ExitStats,
+    /// The exit counts at the lines `VmConfig::exit_marks` asked for.
+    pub marks: Vec<crate::vcpu::ExitMark>,
     pub devices: Vec<DeviceReport>,
     pub pci_absent_accesses: u64,
     pub tsc_khz: u32,
@@ -178,7 +184,9 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     let pio = Arc::new(Bus::new());
     let mmio = Arc::new(Bus::new());
     let status = ExitStatus::new();
-    let sink = LineSink::new(cfg.on_line.take());
+    let mut sink = LineSink::new(cfg.on_line.take());
+    let marks = (!cfg.exit_marks.is_empty()).then(|| Arc::new(vcpu::ExitMarks::new(cfg.exit_marks.clone())));
+    sink.marks = marks.clone();
     let lines = sink.lines.clone();
     let uart = Arc::new(Mutex::new(Uart::new(sink)));
     pio.insert(crate::serial::PORT, crate::serial::LEN, uart.clone())?;
@@ -208,9 +216,9 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
         host.lock().unwrap().place_bars()?;
     }
     let Machine { vm, ram, mut vcpu, tsc_khz } = m;
-    let (pio2, mmio2, status2) = (pio.clone(), mmio.clone(), status.clone());
+    let (pio2, mmio2, status2, marks2) = (pio.clone(), mmio.clone(), status.clone(), marks.clone());
     let result = watched(cfg.timeout, Some(fatal.clone()), move |stop| {
-        let r = vcpu::run_loop(&mut vcpu, &pio2, &mmio2, &status2, stop);
+        let r = vcpu::run_loop(&mut vcpu, &pio2, &mmio2, &status2, stop, marks2.as_deref());
         (r, vcpu)
     })?;
     let (r, vcpu) = result;
@@ -252,6 +260,7 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
         status: status.get().unwrap_or(-1),
         lines,
         exits,
+        marks: marks.map(|m| m.marks()).unwrap_or_default(),
         devices: reports,
         pci_absent_accesses,
         tsc_khz,

@@ -1,0 +1,245 @@
+//! The guard on `bench nvme`'s figures (`crate::guard`): a run whose IOPS
+//! are above its round's ring floor at the job's queue depth (more than
+//! 1/`min_floor_ratio` of it), or whose p50 at QD1 is under
+//! `min_floor_ratio` of the floor's QD1 p50, cannot be true; a target whose
+//! rounds' IOPS spread more than `max_spread` cannot be trusted. Either
+//! marks the target, which then runs its rounds again, each after a fresh
+//! floor, up to `reruns` times, before the mark stays.
+
+use super::run::{Ctx, Target};
+use super::{floor_qd, Job, NvmeRun};
+use crate::floor::FloorRun;
+use crate::guard::{GuardConfig, Mark};
+use crate::stats::summarize;
+use indicatif::ProgressBar;
+
+/// A run's own marks against the floors it was measured with. A
+/// controller with several pollers serves several rings at once: one ring's
+/// ops/s is no floor for it, and it gets no IOPS mark.
+pub fn run_marks(g: &GuardConfig, r: &NvmeRun, j: &Job) -> Vec<Mark> {
+    let qd = floor_qd(j);
+    let mut m = Vec::new();
+    if let (Some(f), 1) = (r.floor_ops_s, r.pollers) {
+        m.extend(g.above_floor_rate(r.iops, f, &format!("ring floor qd{qd} ops/s")));
+    }
+    if let (Some(p), 1) = (r.floor_p50_ns, qd) {
+        m.extend(g.below_floor(r.p50_ns, p, "ring floor qd1 p50"));
+    }
+    m
+}
+
+/// The spread mark of a target's rounds (IOPS max/min), if any.
+fn spread(g: &GuardConfig, runs: &[NvmeRun]) -> Option<Mark> {
+    summarize(&runs.iter().map(|r| r.iops).collect::<Vec<_>>()).and_then(|s| g.spread(&s))
+}
+
+/// A target's marks: the worst of its runs' for each floor, and its spread.
+pub fn group_marks(g: &GuardConfig, runs: &[NvmeRun], j: &Job) -> Vec<Mark> {
+    let mut m: Vec<Mark> = Vec::new();
+    for mk in runs.iter().flat_map(|r| run_marks(g, r, j)) {
+        let Mark::BelowFloor { ratio, floor } = &mk else {
+            m.push(mk);
+            continue;
+        };
+        match m.iter_mut().find(|x| matches!(x, Mark::BelowFloor { floor: f, .. } if f == floor)) {
+            Some(Mark::BelowFloor { ratio: worst, .. }) => *worst = worst.min(*ratio),
+            _ => m.push(mk.clone()),
+        }
+    }
+    m.extend(spread(g, runs));
+    m
+}
+
+/// The runs that stand after the guard, and what it did.
+#[derive(Default)]
+pub struct Guarded {
+    pub runs: Vec<NvmeRun>,
+    pub superseded: Vec<NvmeRun>,
+    pub floor: Vec<FloorRun>,
+    pub errors: Vec<String>,
+    pub reruns: Vec<(usize, String, u32, Vec<Mark>)>,
+}
+
+/// Runs every marked target again (bounded by `GuardConfig::run`), then
+/// gives each run that stands its marks. fio's rows are not judged: the
+/// ring is no floor for the host's own I/O.
+pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar) -> Guarded {
+    let (o, g) = (ctx.o, &ctx.o.guard);
+    let mut out = Guarded::default();
+    let mut runs = runs;
+    for (ji, j) in o.jobs.iter().enumerate() {
+        for t in targets.iter().filter(|t| !t.is_fio()) {
+            let (mine, rest): (Vec<NvmeRun>, Vec<NvmeRun>) =
+                runs.into_iter().partition(|r| r.job == ji && r.target == t.name);
+            runs = rest;
+            if mine.is_empty() {
+                continue;
+            }
+            if group_marks(g, &mine, j).is_empty() {
+                out.runs.extend(mine);
+                continue;
+            }
+            let (mut tried, mut floors) = (Vec::<Vec<NvmeRun>>::new(), Vec::new());
+            let guarded = g.run(
+                |attempt| {
+                    let v = if attempt == 0 {
+                        mine.clone()
+                    } else {
+                        pb.inc_length(o.rounds as u64);
+                        let (v, f) = rerun(ctx, t, ji, attempt, pb)?;
+                        floors.extend(f);
+                        v
+                    };
+                    tried.push(v.clone());
+                    Ok::<_, String>(v)
+                },
+                |v| group_marks(g, v, j),
+            );
+            out.floor.extend(floors);
+            let (attempts, marks) = match &guarded {
+                Ok(x) => (x.attempts, x.marks.clone()),
+                Err(e) => {
+                    out.errors.push(format!("{} {}: re-run: {e}", t.name, j.label()));
+                    (tried.len() as u32, tried.last().map(|v| group_marks(g, v, j)).unwrap_or_default())
+                }
+            };
+            // The last attempt that ran stands; the earlier ones are kept apart.
+            let stands = tried.pop().unwrap_or_default();
+            out.superseded.extend(tried.into_iter().flatten());
+            out.runs.extend(stands);
+            out.reruns.push((ji, t.name.clone(), attempts, marks));
+        }
+    }
+    out.runs.extend(runs);
+    // Each run's marks: its own, and its target's spread.
+    let mut by_group: Vec<((usize, String), Option<Mark>)> = Vec::new();
+    for r in &out.runs {
+        let k = (r.job, r.target.clone());
+        if !by_group.iter().any(|(x, _)| *x == k) {
+            let mine: Vec<NvmeRun> = out.runs.iter().filter(|x| (x.job, &x.target) == (k.0, &k.1)).cloned().collect();
+            let s = if r.target == super::FIO_TARGET { None } else { spread(g, &mine) };
+            by_group.push((k, s));
+        }
+    }
+    for r in out.runs.iter_mut().filter(|r| r.target != super::FIO_TARGET) {
+        let mut m = run_marks(g, r, &o.jobs[r.job]);
+        m.extend(by_group.iter().find(|(k, _)| (k.0, &k.1) == (r.job, &r.target)).and_then(|x| x.1.clone()));
+        r.marks = m;
+    }
+    // Back in the order the rounds ran them.
+    let pos = |r: &NvmeRun| targets.iter().position(|t| t.name == r.target).unwrap_or(usize::MAX);
+    out.runs.sort_by_key(|r| (r.round, r.job, pos(r)));
+    out
+}
+
+/// Attempt `attempt` of target `t` for job `ji`: every round again, each
+/// after the ring floor at the job's depth (and the wake-up floor, with a
+/// think time), measured just before it.
+fn rerun(
+    ctx: &Ctx,
+    t: &Target,
+    ji: usize,
+    attempt: u32,
+    pb: &ProgressBar,
+) -> Result<(Vec<NvmeRun>, Vec<FloorRun>), String> {
+    let (o, j) = (ctx.o, &ctx.o.jobs[ji]);
+    let pin = o.pin.map(|p| p.pair());
+    let (mut runs, mut floors) = (Vec::new(), Vec::new());
+    for round in 0..o.rounds {
+        pb.set_message(format!("re-run {attempt} round {}/{} {} {}", round + 1, o.rounds, j.label(), t.name));
+        let (mut f, e) = crate::floor::measure_round(&[floor_qd(j)], round, o.floor_ms, pin);
+        if !e.is_empty() {
+            return Err(e.join("; "));
+        }
+        for x in f.iter_mut() {
+            x.attempt = attempt;
+        }
+        let wake = if j.thinktime_us > 0 {
+            let w = crate::wake::run_wake(crate::wake::WAKES, crate::wake::IDLE, pin, round);
+            Some(w.map_err(|e| format!("wake: {e}"))?.p50_ns)
+        } else {
+            None
+        };
+        let mut r = ctx.run_target(t, ji, round).map_err(|e| format!("round {round}: {e}"))?;
+        r.attempt = attempt;
+        r.floor_ops_s = f.first().map(|f| f.ops_s);
+        r.floor_p50_ns = f.first().map(|f| f.p50_ns);
+        r.wake_p50_ns = wake;
+        r.fill_floor_ratios(j);
+        runs.push(r);
+        floors.extend(f);
+        pb.inc(1);
+    }
+    Ok((runs, floors))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Marks with their ratios rounded to 1e-9, to compare exactly.
+    fn r9(m: Vec<Mark>) -> Vec<Mark> {
+        let r = |x: f64| (x * 1e9).round() / 1e9;
+        m.into_iter()
+            .map(|m| match m {
+                Mark::BelowFloor { ratio, floor } => Mark::BelowFloor { ratio: r(ratio), floor },
+                Mark::Spread { max_over_min } => Mark::Spread { max_over_min: r(max_over_min) },
+            })
+            .collect()
+    }
+
+    fn job(iodepth: u32) -> Job {
+        Job { rw: "randread".into(), bs: 4096, iodepth, queues: 1, verify: false, thinktime_us: 0 }
+    }
+
+    fn run(round: u32, iops: f64, p50_ns: f64, floor_ops_s: f64, floor_p50_ns: f64) -> NvmeRun {
+        let mut r = NvmeRun::new("iopath-shm", "iopath ram", 0, round, 1000, 1000);
+        (r.iops, r.p50_ns, r.floor_ops_s, r.floor_p50_ns) = (iops, p50_ns, Some(floor_ops_s), Some(floor_p50_ns));
+        r
+    }
+
+    #[test]
+    fn iops_above_the_rounds_floor_are_marked() {
+        let g = GuardConfig::default();
+        // 1.0 M IOPS against a 0.8 M floor: a cost of 0.8x the floor's.
+        let m = r9(run_marks(&g, &run(0, 1.0e6, 5000.0, 0.8e6, 1000.0), &job(16)));
+        assert_eq!(m, vec![Mark::BelowFloor { ratio: 0.8, floor: "ring floor qd16 ops/s".into() }]);
+        // Up to 1/0.95 of the floor is noise, not a mark.
+        assert!(run_marks(&g, &run(0, 1.05e6, 5000.0, 1.0e6, 1000.0), &job(16)).is_empty());
+        // Several pollers serve several rings: one ring is no floor for them.
+        let mut p2 = run(0, 1.0e6, 5000.0, 0.8e6, 1000.0);
+        p2.pollers = 2;
+        assert!(run_marks(&g, &p2, &job(16)).is_empty());
+        // No floor measured: nothing to judge.
+        let mut nf = run(0, 1.0e6, 5000.0, 0.8e6, 1000.0);
+        nf.floor_ops_s = None;
+        assert!(run_marks(&g, &nf, &job(16)).is_empty());
+    }
+
+    #[test]
+    fn a_qd1_p50_under_the_floors_is_marked_at_qd1_only() {
+        let g = GuardConfig::default();
+        let m = r9(run_marks(&g, &run(0, 1.0e5, 500.0, 1.0e6, 1000.0), &job(1)));
+        assert_eq!(m, vec![Mark::BelowFloor { ratio: 0.5, floor: "ring floor qd1 p50".into() }]);
+        assert!(run_marks(&g, &run(0, 1.0e5, 960.0, 1.0e6, 1000.0), &job(1)).is_empty());
+        // At QD16 the floor's p50 is not a bound on the run's.
+        assert!(run_marks(&g, &run(0, 1.0e5, 500.0, 1.0e6, 1000.0), &job(16)).is_empty());
+    }
+
+    #[test]
+    fn a_target_gets_its_worst_floor_mark_and_its_spread() {
+        let g = GuardConfig::default();
+        let runs =
+            [run(0, 1.0e6, 5000.0, 0.9e6, 1.0), run(1, 2.5e6, 5000.0, 2.0e6, 1.0), run(2, 0.5e6, 5000.0, 1.0e6, 1.0)];
+        let m = r9(group_marks(&g, &runs, &job(16)));
+        assert_eq!(
+            m,
+            vec![
+                Mark::BelowFloor { ratio: 0.8, floor: "ring floor qd16 ops/s".into() },
+                Mark::Spread { max_over_min: 5.0 }
+            ]
+        );
+        let calm = [run(0, 1.0e6, 1.0, 2.0e6, 1.0), run(1, 1.5e6, 1.0, 2.0e6, 1.0)];
+        assert!(group_marks(&g, &calm, &job(16)).is_empty());
+    }
+}

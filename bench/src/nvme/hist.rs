@@ -1,0 +1,298 @@
+//! The guest's latency histogram: parsed from its `@nvme-hist` lines,
+//! merged over rounds, and read for percentiles.
+//!
+//! The layout is nvmeperf's `hist_add` (guest/c/nvme.c): a latency of `c`
+//! cycles with its highest set bit `m` goes to bucket `16 m + s`, where `s`
+//! is `c`'s four bits below the top one (for `m >= 4`) or `c` itself (for
+//! `c < 16`). A bucket of `m >= 4` holds the cycles `(16 + s) << (m - 4)`
+//! up to `((17 + s) << (m - 4)) - 1`, a sixteenth of a power of two (up to
+//! 6 % of its value); the smaller ones hold one value each.
+
+use std::collections::BTreeMap;
+
+/// Buckets in the guest's histogram.
+pub const BUCKETS: u32 = 64 * 16;
+/// Most `@nvme-hist` lines one run may print (the guest prints 16 buckets a line).
+pub const MAX_LINES: usize = 64;
+
+/// A malformed histogram from the guest.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum HistError {
+    #[error("@nvme-hist: {0:?} is not BUCKET:COUNT")]
+    Pair(String),
+    #[error("@nvme-hist: bucket {0} is not one nvmeperf's layout has")]
+    Bucket(u32),
+    #[error("@nvme-hist: bucket {0} given twice")]
+    Twice(u32),
+    #[error("@nvme-hist: more than {MAX_LINES} lines")]
+    TooLong,
+    #[error("@nvme-hist: no @nvme-hist-end line, or it does not match ({0})")]
+    End(String),
+    #[error("@nvme-hist: the buckets hold {got} I/Os, the @nvme record {want}")]
+    Total { got: u64, want: u64 },
+}
+
+/// Latency counts by bucket index (non-empty buckets only).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LatHist {
+    pub counts: BTreeMap<u32, u64>,
+}
+
+/// Whether nvmeperf's `hist_add` can produce bucket `b`.
+fn valid(b: u32) -> bool {
+    let (m, s) = (b / 16, b % 16);
+    b < BUCKETS && (m >= 4 || (s >> m == 1) || (m == 0 && s == 0))
+}
+
+/// The lowest and highest cycle count of bucket `b` (a valid one).
+pub fn edges(b: u32) -> (f64, f64) {
+    let (m, s) = (b / 16, (b % 16) as u128);
+    if m < 4 {
+        return (s as f64, s as f64);
+    }
+    let lo = (16 + s) << (m - 4);
+    let hi = ((17 + s) << (m - 4)) - 1;
+    (lo as f64, hi as f64)
+}
+
+/// The bucket of a latency of `c` cycles (nvmeperf's `hist_add`).
+pub fn bucket_of(c: u64) -> u32 {
+    let m = 63 - (c | 1).leading_zeros();
+    let s = if m >= 4 { (c >> (m - 4)) as u32 & 15 } else { c as u32 & 15 };
+    m * 16 + s
+}
+
+impl LatHist {
+    /// The histogram, in nvmeperf's buckets, of latencies given as (ns,
+    /// count) points (fio's bins, each about 1.5 % wide: finer than these),
+    /// at `tsc_khz`: a row measured on the host reads as the guest's do.
+    pub fn from_ns_points(points: &[(u64, u64)], tsc_khz: u64) -> LatHist {
+        let mut h = LatHist::default();
+        for &(ns, c) in points.iter().filter(|p| p.1 > 0) {
+            let cycles = (ns as u128 * tsc_khz as u128 / 1_000_000).min(u64::MAX as u128) as u64;
+            let e = h.counts.entry(bucket_of(cycles)).or_insert(0);
+            *e = e.saturating_add(c);
+        }
+        h
+    }
+
+    /// Parses the `@nvme-hist` lines of one run, which must end with an
+    /// `@nvme-hist-end buckets=N lines=L` line that matches them and hold
+    /// `ios` I/Os in all. None when the run printed no histogram at all.
+    pub fn parse<S: AsRef<str>>(lines: &[S], ios: u64) -> Result<Option<LatHist>, HistError> {
+        let mut h = LatHist::default();
+        let (mut n_lines, mut end) = (0usize, None);
+        for l in lines.iter().map(|l| l.as_ref()) {
+            if let Some(rest) = l.strip_prefix("@nvme-hist-end") {
+                end = Some(rest.trim().to_string());
+                break;
+            }
+            let Some(rest) = l.strip_prefix("@nvme-hist ") else { continue };
+            n_lines += 1;
+            if n_lines > MAX_LINES {
+                return Err(HistError::TooLong);
+            }
+            for w in rest.split_whitespace() {
+                let (b, c) = w
+                    .split_once(':')
+                    .and_then(|(b, c)| Some((b.parse::<u32>().ok()?, c.parse::<u64>().ok()?)))
+                    .ok_or_else(|| HistError::Pair(w.chars().take(40).collect()))?;
+                if !valid(b) {
+                    return Err(HistError::Bucket(b));
+                }
+                if h.counts.insert(b, c).is_some() {
+                    return Err(HistError::Twice(b));
+                }
+            }
+        }
+        let Some(end) = end else {
+            return if n_lines == 0 { Ok(None) } else { Err(HistError::End("missing".into())) };
+        };
+        let want = format!("buckets={} lines={n_lines}", h.counts.len());
+        if end != want {
+            return Err(HistError::End(format!("{end:?}, expected {want:?}")));
+        }
+        h.counts.retain(|_, c| *c > 0);
+        let got = h.counts.values().try_fold(0u64, |a, &c| a.checked_add(c)).unwrap_or(u64::MAX);
+        if got != ios {
+            return Err(HistError::Total { got, want: ios });
+        }
+        Ok(Some(h))
+    }
+
+    /// Adds `other`'s counts (saturating: a count near 2^64 is a lie already
+    /// refused by `parse`'s total check, never a panic).
+    pub fn merge(&mut self, other: &LatHist) {
+        for (&b, &c) in &other.counts {
+            let e = self.counts.entry(b).or_insert(0);
+            *e = e.saturating_add(c);
+        }
+    }
+
+    /// The merged histogram of several.
+    pub fn merged<'a>(hs: impl IntoIterator<Item = &'a LatHist>) -> LatHist {
+        let mut m = LatHist::default();
+        for h in hs {
+            m.merge(h);
+        }
+        m
+    }
+
+    pub fn total(&self) -> u64 {
+        self.counts.values().fold(0u64, |a, &c| a.saturating_add(c))
+    }
+
+    /// The latency in cycles at quantile `q` (0 < q <= 1): the bucket where
+    /// the rank `q * total` falls, interpolated linearly between its lowest
+    /// and highest value by the rank's place among the bucket's counts (the
+    /// highest value when the rank is the bucket's last). None when empty.
+    pub fn quantile_cycles(&self, q: f64) -> Option<f64> {
+        let total = self.total();
+        if total == 0 || !(q > 0.0 && q <= 1.0) {
+            return None;
+        }
+        let rank = q * total as f64;
+        let mut before = 0u64;
+        for (&b, &c) in &self.counts {
+            let after = before.saturating_add(c);
+            if after as f64 >= rank {
+                let (lo, hi) = edges(b);
+                let f = ((rank - before as f64) / c as f64).clamp(0.0, 1.0);
+                return Some(lo + f * (hi - lo));
+            }
+            before = after;
+        }
+        self.counts.keys().next_back().map(|&b| edges(b).1)
+    }
+
+    /// `quantile_cycles` in nanoseconds at `tsc_khz` (NaN when empty).
+    pub fn quantile_ns(&self, q: f64, tsc_khz: u64) -> f64 {
+        self.quantile_cycles(q).map_or(f64::NAN, |c| crate::stats::ns(c, tsc_khz))
+    }
+
+    /// The `[upper_edge_ns, count]` pairs of the JSON's `hist`.
+    pub fn pairs_ns(&self, tsc_khz: u64) -> Vec<(f64, u64)> {
+        self.counts.iter().map(|(&b, &c)| (crate::stats::ns(edges(b).1, tsc_khz), c)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(pairs: &[(u32, u64)]) -> LatHist {
+        LatHist { counts: pairs.iter().copied().collect() }
+    }
+
+    use super::bucket_of as bucket;
+
+    #[test]
+    fn the_layout_is_the_guests() {
+        for c in [0u64, 1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 100, 1000, 4095, 123_456, 1 << 40, u64::MAX] {
+            let b = bucket(c);
+            assert!(valid(b), "{c}: bucket {b}");
+            let (lo, hi) = edges(b);
+            assert!(lo <= c as f64 && c as f64 <= hi, "{c} not in bucket {b} = [{lo}, {hi}]");
+        }
+        // Neighbouring buckets meet: each starts one cycle after the last ends.
+        let mut prev: Option<f64> = None;
+        for b in (0..BUCKETS).filter(|&b| valid(b)) {
+            let (lo, hi) = edges(b);
+            if let Some(p) = prev {
+                assert_eq!(lo, p + 1.0, "bucket {b}");
+            }
+            prev = Some(hi);
+        }
+        assert_eq!((bucket(100), edges(105)), (105, (100.0, 103.0)));
+        assert_eq!((bucket(5), edges(37)), (37, (5.0, 5.0)));
+        assert!(!valid(2) && !valid(17) && !valid(BUCKETS));
+    }
+
+    #[test]
+    fn parses_the_guests_lines() {
+        let lines = [
+            "@nvme ios=6 cycles=10",
+            "@nvme-hist 37:1 105:2",
+            "@nvme-hist 106:3",
+            "@nvme-hist-end buckets=3 lines=2",
+            "@done rc=0",
+        ];
+        assert_eq!(LatHist::parse(&lines, 6), Ok(Some(h(&[(37, 1), (105, 2), (106, 3)]))));
+        assert_eq!(LatHist::parse(&["@nvme ios=0"], 0), Ok(None));
+        assert_eq!(LatHist::parse(&["@nvme-hist-end buckets=0 lines=0"], 0), Ok(Some(h(&[]))));
+    }
+
+    #[test]
+    fn malformed_histograms_are_errors() {
+        let bad = |lines: &[&str], ios| LatHist::parse(lines, ios).unwrap_err();
+        assert_eq!(bad(&["@nvme-hist 100:x", "@nvme-hist-end buckets=1 lines=1"], 1), HistError::Pair("100:x".into()));
+        assert_eq!(bad(&["@nvme-hist 100", "@nvme-hist-end buckets=1 lines=1"], 1), HistError::Pair("100".into()));
+        assert_eq!(bad(&["@nvme-hist 2:1", "@nvme-hist-end buckets=1 lines=1"], 1), HistError::Bucket(2));
+        assert_eq!(bad(&["@nvme-hist 5000:1", "@nvme-hist-end buckets=1 lines=1"], 1), HistError::Bucket(5000));
+        assert_eq!(bad(&["@nvme-hist 100:1 100:1", "@nvme-hist-end buckets=1 lines=1"], 2), HistError::Twice(100));
+        assert!(matches!(bad(&["@nvme-hist 100:1"], 1), HistError::End(_)), "a cut-off dump");
+        assert!(matches!(bad(&["@nvme-hist 100:1", "@nvme-hist-end buckets=2 lines=1"], 1), HistError::End(_)));
+        assert_eq!(
+            bad(&["@nvme-hist 100:1 101:2", "@nvme-hist-end buckets=2 lines=1"], 4),
+            HistError::Total { got: 3, want: 4 }
+        );
+        let max = format!("@nvme-hist 100:{} 101:1", u64::MAX);
+        assert!(matches!(bad(&[&max, "@nvme-hist-end buckets=2 lines=1"], 5), HistError::Total { .. }));
+        let many: Vec<String> = (0..=MAX_LINES).map(|i| format!("@nvme-hist {}:1", 100 + i)).collect();
+        assert_eq!(LatHist::parse(&many, 65), Err(HistError::TooLong));
+    }
+
+    #[test]
+    fn ns_points_land_in_the_guests_buckets() {
+        // At 1 GHz a ns is a cycle: 100 and 103 ns share bucket 105, 2600 ns is in 180.
+        let h = LatHist::from_ns_points(&[(100, 2), (103, 1), (2600, 4), (7, 0)], 1_000_000);
+        assert_eq!(h, LatHist { counts: [(105, 3), (180, 4)].into_iter().collect() });
+        // At 2 GHz, 50 ns is 100 cycles.
+        assert_eq!(LatHist::from_ns_points(&[(50, 1)], 2_000_000).counts.keys().next(), Some(&105));
+        assert_eq!(LatHist::from_ns_points(&[(u64::MAX, 1)], u64::MAX).total(), 1, "no overflow");
+    }
+
+    #[test]
+    fn merging_adds_counts_bucket_by_bucket() {
+        let mut a = h(&[(105, 2), (106, 1)]);
+        a.merge(&h(&[(106, 4), (200, 1)]));
+        assert_eq!(a, h(&[(105, 2), (106, 5), (200, 1)]));
+        assert_eq!(LatHist::merged([&h(&[(37, 1)]), &h(&[(37, u64::MAX)])]).counts[&37], u64::MAX);
+    }
+
+    #[test]
+    fn percentiles_interpolate_within_the_bucket() {
+        // Bucket 105 holds 100..=103 cycles: 4 I/Os there, p50 is rank 2 of 4,
+        // halfway: 101.5; the last rank is the upper edge.
+        let one = h(&[(105, 4)]);
+        assert_eq!(one.quantile_cycles(0.5), Some(101.5));
+        assert_eq!(one.quantile_cycles(1.0), Some(103.0));
+        assert_eq!(one.quantile_cycles(0.25), Some(100.75));
+        // Two buckets: 105 (100..=103) x10 and 180 (m=11, s=4: 2560..=2687) x10.
+        let two = h(&[(105, 10), (180, 10)]);
+        assert_eq!(edges(180), (2560.0, 2687.0));
+        assert_eq!(two.quantile_cycles(0.5), Some(103.0));
+        assert_eq!(two.quantile_cycles(0.9), Some(2560.0 + 0.8 * 127.0));
+        assert_eq!(two.quantile_cycles(0.99), Some(2560.0 + 0.98 * 127.0));
+        // Single-value buckets are exact.
+        assert_eq!(h(&[(37, 3)]).quantile_cycles(0.5), Some(5.0));
+        assert_eq!(h(&[]).quantile_cycles(0.5), None);
+        assert_eq!(one.quantile_cycles(0.0), None);
+        // ns at 2 GHz, and the JSON pairs carry each bucket's upper edge.
+        assert_eq!(one.quantile_ns(1.0, 2_000_000), 51.5);
+        assert_eq!(two.pairs_ns(1_000_000), vec![(103.0, 10), (2687.0, 10)]);
+    }
+
+    #[test]
+    fn merged_percentiles_are_not_medians_of_percentiles() {
+        // Three rounds: two fast (all in bucket 105, 100..=103 cycles), one slow (all in 180).
+        // The median of per-round p99s is the fast rounds' 103; over the merged
+        // I/Os the p99 is in the slow bucket.
+        let rounds = [h(&[(105, 100)]), h(&[(105, 100)]), h(&[(180, 100)])];
+        let m = LatHist::merged(&rounds);
+        let p99 = m.quantile_cycles(0.99).unwrap();
+        assert!(p99 > 2560.0 && p99 < 2687.0, "{p99}");
+        // p50: rank 150 of the 200 I/Os in bucket 105 (100..=103): 100 + 0.75 * 3.
+        assert_eq!(m.quantile_cycles(0.5), Some(102.25));
+    }
+}

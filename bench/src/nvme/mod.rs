@@ -1,0 +1,442 @@
+//! `iopath bench nvme`: the guest's polled NVMe driver (nvmeperf) against
+//! iopath's NVMe controller in each doorbell mode, and against QEMU's
+//! `-device nvme` on the same kind of backend (`--vs qemu`: null-co for
+//! null, a file in /dev/shm for ram, the same file for `file:`; see
+//! `crate::qemu::QemuDrive`), interleaved round by round. A `file:` backend
+//! also gets fio on the host on that file in each round (`crate::fio`).
+//!
+//! Each iopath run is checked against the controller's own counters (every
+//! guest I/O is a controller command; every MMIO doorbell write the guest
+//! made is one the controller saw); every run, QEMU's too, against the
+//! guest's own (I/Os done, no I/O error, verify clean). Exits per I/O count
+//! the guest's timed window only (`@nvme-window` marks; setup apart).
+//! Latency percentiles over rounds come from the rounds' merged histograms
+//! (`hist`). Figures the ring floor says cannot be true, or rounds that
+//! disagree, are marked and their target run again (`guard`).
+
+use crate::host::HostInfo;
+use iopath_devices::nvme::backend::BackendKind;
+use iopath_devices::nvme::{DoorbellMode, NvmeConfig};
+use iopath_protocols::Transport;
+use serde::Serialize;
+use std::time::Duration;
+
+mod guard;
+pub mod hist;
+mod run;
+mod table;
+
+pub use hist::LatHist;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Job {
+    pub rw: String,
+    pub bs: u64,
+    pub iodepth: u32,
+    pub queues: u32,
+    pub verify: bool,
+    /// fio's thinktime: the guest waits this long after a completion before
+    /// the slot's next command (0: none). At iodepth 1 each command then
+    /// meets an idle controller: its latency is the wake-up's.
+    pub thinktime_us: u64,
+}
+
+impl Job {
+    pub fn label(&self) -> String {
+        let bs = if self.bs.is_multiple_of(1024) { format!("{}k", self.bs / 1024) } else { format!("{}", self.bs) };
+        if self.verify {
+            format!("verify {bs} qd{} x{}", self.iodepth, self.queues)
+        } else if self.thinktime_us > 0 {
+            format!("{} {bs} qd{} x{} think {}us", self.rw, self.iodepth, self.queues, self.thinktime_us)
+        } else {
+            format!("{} {bs} qd{} x{}", self.rw, self.iodepth, self.queues)
+        }
+    }
+}
+
+fn as_string<T: std::fmt::Display, S: serde::Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+fn as_strings<T: std::fmt::Display, S: serde::Serializer>(v: &[T], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(v.iter().map(|x| x.to_string()))
+}
+
+fn transport_names<S: serde::Serializer>(t: &[Option<&'static dyn Transport>], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(t.iter().map(|t| t.map_or("vmm", |t| t.name())))
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct NvmeOptions {
+    pub jobs: Vec<Job>,
+    /// Doorbell modes of iopath's controller to run.
+    #[serde(serialize_with = "as_strings")]
+    pub doorbells: Vec<DoorbellMode>,
+    /// Poller counts of the controller to run (`pollers=`); more than one only
+    /// in the modes that serve it (shm, bar, adaptive): other combinations are skipped.
+    pub pollers: Vec<u8>,
+    #[serde(serialize_with = "as_string")]
+    pub backend: BackendKind,
+    /// Where the controller runs, each in every round, interleaved: None in
+    /// the VMM, or a device process over that transport.
+    #[serde(serialize_with = "transport_names")]
+    pub transports: Vec<Option<&'static dyn Transport>>,
+    pub lba: u32,
+    pub time_ms: u64,
+    pub rounds: u32,
+    pub vs_qemu: bool,
+    pub mem_mb: u64,
+    pub timeout_s: u64,
+    pub progress: bool,
+    /// Busy threads run during every measured run, QEMU's included (`--contend N`).
+    pub contend: u32,
+    /// Where the vCPU, the device threads and the floor's threads run
+    /// (`--pin`); None leaves them to the scheduler.
+    pub pin: Option<crate::pin::Placement>,
+    /// Length of each ring-floor run (`crate::floor`), per queue depth and round.
+    pub floor_ms: u64,
+    #[serde(skip)]
+    pub iopath_exe: Option<std::path::PathBuf>,
+    /// The guard's thresholds and re-run budget (in the JSON as `guard`).
+    #[serde(skip)]
+    pub guard: crate::guard::GuardConfig,
+}
+
+impl Default for NvmeOptions {
+    fn default() -> Self {
+        NvmeOptions {
+            jobs: vec![
+                Job { rw: "randread".into(), bs: 512, iodepth: 16, queues: 1, verify: false, thinktime_us: 0 },
+                Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify: false, thinktime_us: 0 },
+            ],
+            doorbells: vec![
+                DoorbellMode::Shm,
+                DoorbellMode::Bar,
+                DoorbellMode::Ioeventfd,
+                DoorbellMode::Adaptive,
+                DoorbellMode::Mmio,
+            ],
+            pollers: vec![1],
+            backend: BackendKind::Ram,
+            transports: vec![None],
+            lba: 512,
+            time_ms: 2000,
+            rounds: 1,
+            vs_qemu: false,
+            mem_mb: 256,
+            timeout_s: 120,
+            progress: true,
+            contend: 0,
+            pin: None,
+            floor_ms: 300,
+            iopath_exe: None,
+            guard: crate::guard::GuardConfig::default(),
+        }
+    }
+}
+
+/// One guest run's `@nvme` record, with the host's view.
+#[derive(Clone, Debug, Serialize)]
+pub struct NvmeRun {
+    pub target: String,
+    /// What the run's device stood on, for ratio lines: "iopath ram",
+    /// "qemu ram(/dev/shm)", "fio io_uring O_DIRECT".
+    pub setup: String,
+    /// The controller's poller threads (1 for QEMU).
+    pub pollers: u8,
+    /// I/O commands each poller served (`poller{k}.ios`), with several.
+    pub poller_ios: Vec<u64>,
+    pub job: usize,
+    pub round: u32,
+    /// 0 for the run of the round; k for the k-th re-run of a marked target.
+    pub attempt: u32,
+    /// I/Os the guest completed in its timed window.
+    pub ios: u64,
+    /// The window's length in guest TSC cycles (nvmeperf's `cycles`).
+    pub cycles: u64,
+    pub iops: f64,
+    pub mb_s: f64,
+    pub lat_avg_ns: f64,
+    /// This run's percentiles: from its histogram, interpolated within the
+    /// bucket (`LatHist::quantile_cycles`); fio's own for fio.
+    pub p50_ns: f64,
+    pub p90_ns: f64,
+    pub p99_ns: f64,
+    pub p999_ns: f64,
+    /// The guest's latency histogram: `[upper_edge_ns, count]` pairs,
+    /// non-empty buckets only; for fio, its json+ bins in the same buckets
+    /// (empty if fio gave none).
+    pub hist: Vec<(f64, u64)>,
+    #[serde(skip)]
+    pub lat: Option<LatHist>,
+    pub errors: u64,
+    pub mismatches: Option<u64>,
+    pub verified_blocks: Option<u64>,
+    /// MMIO doorbell writes the guest made for I/O queues.
+    pub io_doorbell_writes: u64,
+    /// VMM exits of the whole run, where the VMM is iopath's.
+    pub vm_exits: Option<u64>,
+    /// Of these, the ones in the guest's timed window, and the others (setup, output).
+    pub window_exits: Option<u64>,
+    pub setup_exits: Option<u64>,
+    /// Window exits per I/O.
+    pub exits_per_io: Option<f64>,
+    pub routing: String,
+    pub routing_ok: bool,
+    /// Device threads (nvme-poller, nvme-adaptive, nvme-ioeventfd, nvme-uring) seen in the
+    /// measured window; none in mmio mode without io_uring, and for QEMU.
+    pub device_threads: usize,
+    /// Their CPU time in the guest's timed window, per I/O.
+    pub cpu_ns_per_io: Option<f64>,
+    /// Their CPU share (100 = one core) in a pause with no I/O after the window.
+    pub idle_cpu_pct: Option<f64>,
+    /// The ring floor this run is judged against: ops/s and p50 at the job's
+    /// queue depth, measured in the same round (or before this re-run).
+    pub floor_ops_s: Option<f64>,
+    pub floor_p50_ns: Option<f64>,
+    /// IOPS over `floor_ops_s`.
+    pub floor_ratio: Option<f64>,
+    /// File backend: IOPS over fio's on the host, same file and job, same round.
+    pub fio_ratio: Option<f64>,
+    /// The wake-up floor's p50 of the round, with a think-time job.
+    pub wake_p50_ns: Option<f64>,
+    /// A job with a think time: p50 latency over `wake_p50_ns` (each I/O
+    /// then meets an idle controller).
+    pub wake_ratio: Option<f64>,
+    /// Out of process (`...@transport`): IOPS over the same mode's in the
+    /// VMM, same job and round (with `--transport vmm,...`).
+    pub vmm_ratio: Option<f64>,
+    /// The guard's marks on this run (its own against the floor, and its
+    /// target's spread over rounds), as `guard::marks_json`.
+    #[serde(serialize_with = "marks_ser")]
+    pub marks: Vec<crate::guard::Mark>,
+}
+
+fn marks_ser<S: serde::Serializer>(m: &[crate::guard::Mark], s: S) -> Result<S::Ok, S::Error> {
+    crate::guard::marks_json(m).serialize(s)
+}
+
+impl NvmeRun {
+    /// A run with `ios` in `cycles` at `tsc_khz` and nothing else known yet.
+    fn new(target: &str, setup: &str, job: usize, round: u32, ios: u64, cycles: u64) -> NvmeRun {
+        NvmeRun {
+            target: target.into(),
+            setup: setup.into(),
+            pollers: 1,
+            poller_ios: Vec::new(),
+            job,
+            round,
+            attempt: 0,
+            ios,
+            cycles,
+            iops: f64::NAN,
+            mb_s: f64::NAN,
+            lat_avg_ns: f64::NAN,
+            p50_ns: f64::NAN,
+            p90_ns: f64::NAN,
+            p99_ns: f64::NAN,
+            p999_ns: f64::NAN,
+            hist: Vec::new(),
+            lat: None,
+            errors: 0,
+            mismatches: None,
+            verified_blocks: None,
+            io_doorbell_writes: 0,
+            vm_exits: None,
+            window_exits: None,
+            setup_exits: None,
+            exits_per_io: None,
+            routing: String::new(),
+            routing_ok: true,
+            device_threads: 0,
+            cpu_ns_per_io: None,
+            idle_cpu_pct: None,
+            floor_ops_s: None,
+            floor_p50_ns: None,
+            floor_ratio: None,
+            fio_ratio: None,
+            wake_p50_ns: None,
+            wake_ratio: None,
+            vmm_ratio: None,
+            marks: Vec::new(),
+        }
+    }
+
+    /// floor_ratio and wake_ratio from the floors this run is judged against.
+    fn fill_floor_ratios(&mut self, j: &Job) {
+        self.floor_ratio = self.floor_ops_s.filter(|&f| f > 0.0).map(|f| self.iops / f);
+        self.wake_ratio =
+            if j.thinktime_us > 0 { self.wake_p50_ns.filter(|&w| w > 0.0).map(|w| self.p50_ns / w) } else { None };
+    }
+}
+
+/// The pause after a run's window in which device threads' idle CPU is measured.
+const IDLE_WINDOW: Duration = Duration::from_millis(200);
+
+/// Places the run's threads while it is held (nothing when unpinned).
+fn pinner(o: &NvmeOptions) -> Option<crate::pin::Pinner> {
+    o.pin.map(|p| crate::pin::Pinner::start(p, crate::cpu::NVME_DEVICE_THREADS))
+}
+
+/// The placement, for tables and JSON.
+fn placement(o: &NvmeOptions) -> String {
+    o.pin.map_or_else(|| crate::floor::UNPINNED.to_string(), |p| p.to_string())
+}
+
+/// Contenders for one run: they stop by themselves well after its timeout.
+fn contenders(o: &NvmeOptions) -> anyhow::Result<crate::contend::Contention> {
+    crate::contend::Contention::start(o.contend, Duration::from_secs(o.timeout_s.saturating_add(60)))
+        .map_err(|e| anyhow::anyhow!("cannot start {} contenders: {e}", o.contend))
+}
+
+pub struct NvmeResult {
+    pub host: HostInfo,
+    pub options: NvmeOptions,
+    pub tsc_khz: u64,
+    /// The runs that stand: for a re-run target, its last attempt's.
+    pub runs: Vec<NvmeRun>,
+    /// Runs of earlier attempts of re-run targets, kept for the record.
+    pub superseded: Vec<NvmeRun>,
+    /// The ring floor, measured at the start of every round.
+    pub floor: Vec<crate::floor::FloorRun>,
+    /// The ring floor measured before each re-run round (its `attempt`).
+    pub refloor: Vec<crate::floor::FloorRun>,
+    /// The wake-up floor of every round, with a think-time job.
+    pub wake: Vec<crate::wake::WakeRun>,
+    /// Targets the guard ran again: (job, target, attempts, marks that stayed).
+    pub reruns: Vec<(usize, String, u32, Vec<crate::guard::Mark>)>,
+    pub errors: Vec<String>,
+    /// Rows not run, with the reason (fio missing, a verify job).
+    pub skipped: Vec<String>,
+}
+
+/// The target name of the host's own fio row.
+pub const FIO_TARGET: &str = "fio (host)";
+
+/// The namespace size for a file backend: the file's, in whole MiB (a device
+/// process gets it as size_mb), so that the guest, fio and QEMU all range
+/// over the same bytes; the default where the file is missing or < 1 MiB.
+fn namespace_size(backend: &BackendKind) -> u64 {
+    let len = match backend {
+        BackendKind::File(p) => std::fs::metadata(p).map_or(0, |m| m.len()) >> 20 << 20,
+        _ => 0,
+    };
+    if len > 0 {
+        len.min(1 << 40)
+    } else {
+        NvmeConfig::default().size
+    }
+}
+
+/// The ring floor's queue depth for a job: all its outstanding I/Os.
+fn floor_qd(j: &Job) -> u32 {
+    j.iodepth.saturating_mul(j.queues).clamp(1, crate::floor::MAX_QD)
+}
+
+fn cmdline(j: &Job, o: &NvmeOptions, tsc_khz: u64) -> String {
+    format!(
+        "workload=nvme rw={} bs={} iodepth={} queues={} time_ms={} verify={} thinktime_us={} tsc_khz={tsc_khz}",
+        j.rw, j.bs, j.iodepth, j.queues, o.time_ms, j.verify as u8, j.thinktime_us
+    )
+}
+
+pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
+    let ctx = run::Ctx::new(o)?;
+    let targets = ctx.targets();
+    let per_round: u64 = o.jobs.iter().map(|j| targets.iter().filter(|t| ctx.runs_job(t, j)).count() as u64).sum();
+    let pb = ctx.progress(per_round * o.rounds as u64);
+    let (mut runs, mut errors) = (Vec::new(), Vec::new());
+    let (mut floor, mut wake) = (Vec::new(), Vec::new());
+    let mut skipped = ctx.skipped.clone();
+    for round in 0..o.rounds {
+        // The ring floor first, in this round, at the jobs' queue depths.
+        pb.set_message(format!("round {}/{} ring floor", round + 1, o.rounds));
+        let mut depths: Vec<u32> = o.jobs.iter().map(floor_qd).collect();
+        depths.sort_unstable();
+        depths.dedup();
+        let (f, e) = crate::floor::measure_round(&depths, round, o.floor_ms, o.pin.map(|p| p.pair()));
+        floor.extend(f);
+        errors.extend(e);
+        if o.jobs.iter().any(|j| j.thinktime_us > 0) {
+            pb.set_message(format!("round {}/{} wake-up floor", round + 1, o.rounds));
+            match crate::wake::run_wake(crate::wake::WAKES, crate::wake::IDLE, o.pin.map(|p| p.pair()), round) {
+                Ok(w) => wake.push(w),
+                Err(e) => errors.push(format!("wake round {round}: {e}")),
+            }
+        }
+        for (ji, j) in o.jobs.iter().enumerate() {
+            for t in &targets {
+                if !ctx.runs_job(t, j) {
+                    if round == 0 && t.is_fio() {
+                        skipped.push(format!("{FIO_TARGET} {}: a verify job is not a speed run", j.label()));
+                    }
+                    continue;
+                }
+                pb.set_message(format!("round {}/{} {} {}", round + 1, o.rounds, j.label(), t.name));
+                match ctx.run_target(t, ji, round) {
+                    Ok(r) => runs.push(r),
+                    Err(e) => errors.push(format!("{} {} round {round}: {e}", t.name, j.label())),
+                }
+                pb.inc(1);
+            }
+        }
+    }
+    // Each run against its round's floors.
+    for r in runs.iter_mut().filter(|r| r.target != FIO_TARGET) {
+        let j = &o.jobs[r.job];
+        r.floor_ops_s = crate::floor::ops_s_of(&floor, r.round, floor_qd(j));
+        r.floor_p50_ns = crate::floor::p50_of(&floor, r.round, floor_qd(j));
+        r.wake_p50_ns = wake.iter().find(|w| w.round == r.round).map(|w| w.p50_ns);
+        r.fill_floor_ratios(j);
+    }
+    // The guard: a marked target runs again, its rounds and their floors.
+    let g = guard::apply(&ctx, &targets, runs, &pb);
+    pb.finish_and_clear();
+    let mut runs = g.runs;
+    errors.extend(g.errors);
+    relate(&mut runs);
+    for r in &runs {
+        if !r.routing_ok {
+            errors.push(format!("{} job {}: wrong: {}", r.target, r.job, r.routing));
+        }
+        if r.errors > 0 || r.mismatches.unwrap_or(0) > 0 {
+            errors.push(format!("{} job {}: {} I/O errors, {:?} mismatches", r.target, r.job, r.errors, r.mismatches));
+        }
+    }
+    Ok(NvmeResult {
+        host: ctx.host.clone(),
+        options: o.clone(),
+        tsc_khz: ctx.tsc_khz,
+        runs,
+        superseded: g.superseded,
+        floor,
+        refloor: g.floor,
+        wake,
+        reruns: g.reruns,
+        errors,
+        skipped,
+    })
+}
+
+/// Ratios between targets of the same job, round and attempt: each
+/// file-backed row over the host's fio, each out-of-process row over its
+/// in-VMM twin. A re-run row has no partner of its attempt: no ratio.
+fn relate(runs: &mut [NvmeRun]) {
+    let key = |r: &NvmeRun| (r.job, r.round, r.attempt);
+    let fio: Vec<_> = runs.iter().filter(|r| r.target == FIO_TARGET).map(|r| (key(r), r.iops)).collect();
+    let in_vmm: Vec<_> = runs
+        .iter()
+        .filter(|r| r.target.starts_with("iopath-") && !r.target.contains('@'))
+        .map(|r| (key(r), r.target.clone(), r.iops))
+        .collect();
+    for r in runs.iter_mut() {
+        if r.target != FIO_TARGET {
+            let f = fio.iter().find(|f| f.0 == key(r)).map(|f| f.1);
+            r.fio_ratio = f.filter(|&f| f > 0.0).map(|f| r.iops / f);
+        }
+        if let Some((base, _)) = r.target.split_once('@') {
+            let v = in_vmm.iter().find(|v| v.0 == key(r) && v.1 == base).map(|v| v.2);
+            r.vmm_ratio = v.filter(|&v| v > 0.0).map(|v| r.iops / v);
+        }
+    }
+}

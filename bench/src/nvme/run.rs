@@ -1,0 +1,461 @@
+//! One run of one target (iopath's controller in a mode, QEMU's nvme, the
+//! host's fio) for one job and round, and what the guest's output says.
+
+use super::{cmdline, contenders, pinner, Job, LatHist, NvmeOptions, NvmeRun, FIO_TARGET, IDLE_WINDOW};
+use crate::cpu::{Window, NVME_DEVICE_THREADS};
+use crate::host::{host_info, HostInfo};
+use crate::qemu::QemuBacking;
+use indicatif::{ProgressBar, ProgressStyle};
+use iopath_devices::nvme::backend::BackendKind;
+use iopath_devices::nvme::{DoorbellMode, NvmeConfig};
+use iopath_devices::DeviceConfig;
+use iopath_protocols::attach::{instantiate, Device, DeviceSpec, Endpoint, Programs};
+use iopath_protocols::Transport;
+use iopath_vmm::vcpu::ExitMark;
+use iopath_vmm::{run, VmConfig};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The guest's lines around its timed window.
+pub const WINDOW_START: &str = "@nvme-window start";
+pub const WINDOW_END: &str = "@nvme-window end";
+
+/// What runs.
+#[derive(Clone, Copy)]
+pub enum Kind {
+    /// iopath's controller: in the VMM (None) or a device process, a mode, pollers.
+    Iopath(Option<&'static dyn Transport>, DoorbellMode, u8),
+    Qemu,
+    Fio,
+}
+
+#[derive(Clone)]
+pub struct Target {
+    pub name: String,
+    pub kind: Kind,
+}
+
+impl Target {
+    pub fn is_fio(&self) -> bool {
+        matches!(self.kind, Kind::Fio)
+    }
+}
+
+/// Everything a run needs, found once.
+pub struct Ctx<'a> {
+    pub o: &'a NvmeOptions,
+    pub host: HostInfo,
+    pub tsc_khz: u64,
+    image: PathBuf,
+    progs: Programs,
+    qemu: Option<(PathBuf, QemuBacking)>,
+    fio: Option<PathBuf>,
+    ns_size: u64,
+    /// Rows not run, with the reason.
+    pub skipped: Vec<String>,
+}
+
+impl<'a> Ctx<'a> {
+    pub fn new(o: &'a NvmeOptions) -> anyhow::Result<Ctx<'a>> {
+        let tsc_khz = crate::exits::tsc_khz_of_host()?;
+        let ns_size = super::namespace_size(&o.backend);
+        let qemu = match o.vs_qemu {
+            true => {
+                let q = crate::qemu::find()?;
+                let backing =
+                    QemuBacking::for_backend(&o.backend, ns_size, std::path::Path::new(crate::qemu::SHM_DIR))?;
+                Some((q, backing))
+            }
+            false => None,
+        };
+        let mut skipped = Vec::new();
+        let fio = match &o.backend {
+            BackendKind::File(_) => match crate::fio::find() {
+                Some(f) => Some(f),
+                None => {
+                    skipped.push(format!("{FIO_TARGET}: {}", crate::fio::missing_reason()));
+                    None
+                }
+            },
+            _ => None,
+        };
+        let progs = Programs {
+            iopath: match &o.iopath_exe {
+                Some(p) => p.clone(),
+                None => std::env::current_exe()?,
+            },
+            qemu: qemu.as_ref().map(|q| q.0.clone()),
+            serve_args: Vec::new(),
+        };
+        Ok(Ctx {
+            o,
+            host: host_info(tsc_khz),
+            tsc_khz,
+            image: iopath_guest::image_file()?,
+            progs,
+            qemu,
+            fio,
+            ns_size,
+            skipped,
+        })
+    }
+
+    /// Every target, in the order each round runs them for a job.
+    pub fn targets(&self) -> Vec<Target> {
+        let o = self.o;
+        let mut t: Vec<Target> = o
+            .transports
+            .iter()
+            .flat_map(|&t| o.doorbells.iter().flat_map(move |&db| o.pollers.iter().map(move |&p| (t, db, p))))
+            .filter(|&(_, db, p)| p == 1 || db.polled())
+            .map(|(tr, db, pollers)| {
+                // One poller keeps the plain name; more show in it.
+                let name = if pollers == 1 { format!("iopath-{db}") } else { format!("iopath-{db}-p{pollers}") };
+                let name = match tr.map(|t| t.name()) {
+                    Some(t) => format!("{name}@{t}"),
+                    None => name,
+                };
+                Target { name, kind: Kind::Iopath(tr, db, pollers) }
+            })
+            .collect();
+        if self.fio.is_some() {
+            t.push(Target { name: FIO_TARGET.into(), kind: Kind::Fio });
+        }
+        if self.qemu.is_some() {
+            t.push(Target { name: "qemu".into(), kind: Kind::Qemu });
+        }
+        t
+    }
+
+    /// Whether `t` runs job `j` (fio runs no verify job).
+    pub fn runs_job(&self, t: &Target, j: &Job) -> bool {
+        !(t.is_fio() && j.verify)
+    }
+
+    pub fn progress(&self, len: u64) -> ProgressBar {
+        let pb = if self.o.progress { ProgressBar::new(len) } else { ProgressBar::hidden() };
+        pb.set_style(
+            ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
+                .unwrap()
+                .progress_chars("=> "),
+        );
+        pb
+    }
+
+    /// The setup of a target's device, for ratio lines.
+    pub fn setup(&self, t: &Target) -> String {
+        match (&t.kind, &self.qemu) {
+            (Kind::Iopath(..), _) => format!("iopath {}", self.o.backend),
+            (Kind::Qemu, Some((_, b))) => format!("qemu {}", b.short()),
+            (Kind::Qemu, None) => "qemu".into(),
+            (Kind::Fio, _) => "fio io_uring O_DIRECT".into(),
+        }
+    }
+
+    /// One run of `t` for job `ji` in `round`.
+    pub fn run_target(&self, t: &Target, ji: usize, round: u32) -> anyhow::Result<NvmeRun> {
+        let mut r = match t.kind {
+            Kind::Iopath(tr, db, pollers) => self.iopath(&t.name, tr, db, pollers, ji, round),
+            Kind::Qemu => self.qemu(ji, round),
+            Kind::Fio => self.fio(ji, round),
+        }?;
+        r.setup = self.setup(t);
+        Ok(r)
+    }
+
+    fn iopath(
+        &self,
+        target: &str,
+        tr: Option<&'static dyn Transport>,
+        db: DoorbellMode,
+        pollers: u8,
+        ji: usize,
+        round: u32,
+    ) -> anyhow::Result<NvmeRun> {
+        let (o, j) = (self.o, &self.o.jobs[ji]);
+        let config =
+            NvmeConfig { doorbell: db, backend: o.backend.clone(), lba_size: o.lba, size: self.ns_size, pollers };
+        let spec =
+            DeviceSpec { device: Device::Model(DeviceConfig::Nvme(config)), remote: tr.map(|t| (t, Endpoint::Spawn)) };
+        let _contention = contenders(o)?;
+        let _pinned = pinner(o);
+        let window = Window::new(NVME_DEVICE_THREADS, WINDOW_START, WINDOW_END, IDLE_WINDOW);
+        let w = window.clone();
+        let mut cfg = VmConfig::new(iopath_guest::IMAGE, &cmdline(j, o, self.tsc_khz));
+        cfg.devices = vec![instantiate(&spec, &self.progs)?];
+        cfg.mem_size = o.mem_mb << 20;
+        cfg.timeout = Duration::from_secs(o.timeout_s);
+        cfg.on_line = Some(Box::new(move |l| w.on_line(l)));
+        cfg.exit_marks = vec![WINDOW_START.into(), WINDOW_END.into()];
+        let rep = run(cfg)?;
+        let mut r = to_run(target, ji, round, j, &rep.lines, self.tsc_khz)?;
+        r.pollers = pollers;
+        if let Some(w) = window.result().filter(|w| w.threads > 0) {
+            r.device_threads = w.threads;
+            r.cpu_ns_per_io = Some(w.busy_ns as f64 / r.ios.max(1) as f64);
+            r.idle_cpu_pct = Some(w.idle_pct);
+        }
+        let dev = rep.devices.first().ok_or_else(|| anyhow::anyhow!("no device report"))?;
+        let c = |n: &str| dev.counters.iter().find(|c| c.name == n).map(|c| c.value);
+        let exits = rep.exits.mmio_write + rep.exits.mmio_read + rep.exits.io_out + rep.exits.io_in;
+        let in_window = window_exits(&rep.marks)
+            .ok_or_else(|| anyhow::anyhow!("the guest printed no {WINDOW_START} / {WINDOW_END} lines"))?;
+        r.vm_exits = Some(exits);
+        r.window_exits = Some(in_window);
+        r.setup_exits = Some(exits.saturating_sub(in_window));
+        r.exits_per_io = Some(in_window as f64 / r.ios.max(1) as f64);
+        if pollers > 1 {
+            r.poller_ios = (0..pollers).filter_map(|k| c(&format!("poller{k}.ios"))).collect();
+        }
+        let (cmds, dbw, admin) = (c("io.commands"), c("doorbell.writes"), c("admin.commands"));
+        // The guest's I/O doorbell writes either exited (the
+        // controller saw them as MMIO) or were KVM ioeventfd kicks.
+        let io_exits = dbw.zip(admin).map(|(d, a)| d.saturating_sub(2 * a));
+        let kicks = c("ioeventfd.kicks").unwrap_or(0);
+        r.routing = format!(
+            "controller io.commands={} of {} guest I/Os; guest doorbell writes {} = {} exits + {kicks} ioeventfd kicks",
+            cmds.map_or("?".into(), |v| v.to_string()),
+            r.ios,
+            r.io_doorbell_writes,
+            io_exits.map_or("?".into(), |v| v.to_string()),
+        );
+        // bar: the guest's doorbell stores land in the page mapped over BAR0, so
+        // none of them may reach the controller as an exit or a kick.
+        // A transport without ioeventfds (ioeventfd) or shared BAR pages (bar) carries
+        // these doorbells as messages: checked, and labelled, as exits.
+        let exits_only = tr.and_then(|t| match db {
+            DoorbellMode::Ioeventfd | DoorbellMode::Adaptive => (!t.announces_ioeventfds()).then_some("ioeventfds"),
+            DoorbellMode::Bar => (!t.shares_bar_pages()).then_some("shared BAR pages"),
+            _ => None,
+        });
+        if let (Some(what), Some(t)) = (exits_only, tr) {
+            // adaptive: only the doorbells that wake the poller exit; the rest are polled.
+            let which = if db == DoorbellMode::Adaptive { "wake-up doorbells exit" } else { "exits" };
+            r.routing = format!("{which} ({} has no {what}): {}", t.name(), r.routing);
+        }
+        let bar_page = db == DoorbellMode::Bar && exits_only.is_none();
+        let dbs_ok = bar_page || io_exits.map(|x| x + kicks) == Some(r.io_doorbell_writes);
+        let want_exits = if db == DoorbellMode::Mmio || exits_only.is_some() { r.io_doorbell_writes } else { 0 };
+        r.routing_ok = cmds == Some(r.ios) && dbs_ok && io_exits == Some(want_exits);
+        guest_checks(&mut r, j);
+        if rep.status != 1 {
+            anyhow::bail!("guest exit status {}: {}", rep.status, r.routing);
+        }
+        Ok(r)
+    }
+
+    fn qemu(&self, ji: usize, round: u32) -> anyhow::Result<NvmeRun> {
+        let (o, j) = (self.o, &self.o.jobs[ji]);
+        let (q, backing) = self.qemu.as_ref().ok_or_else(|| anyhow::anyhow!("no QEMU"))?;
+        let (qr, drive) = {
+            let _c = contenders(o)?;
+            let _pinned = pinner(o);
+            let timeout = Duration::from_secs(o.timeout_s);
+            crate::qemu::run_nvme(q, &self.image, &cmdline(j, o, self.tsc_khz), o.mem_mb, backing, o.lba, timeout)?
+        };
+        let mut r = to_run("qemu", ji, round, j, &qr.lines, self.tsc_khz)
+            .map_err(|e| anyhow::anyhow!("{e}; stderr: {}", qr.stderr.trim()))?;
+        r.routing = format!("QEMU nvme on {drive}");
+        // Not on its exit status alone: the guest's own counts too.
+        r.routing_ok = qr.status == Some(1);
+        if qr.status != Some(1) {
+            r.routing = format!("QEMU exit status {:?}: {}", qr.status, r.routing);
+        }
+        guest_checks(&mut r, j);
+        Ok(r)
+    }
+
+    /// fio on the host on the namespace's file: job `j`'s rw, bs and run time;
+    /// one fio job per queue pair, each at the job's iodepth (see `crate::fio`).
+    fn fio(&self, ji: usize, round: u32) -> anyhow::Result<NvmeRun> {
+        let (o, j) = (self.o, &self.o.jobs[ji]);
+        let (Some(fio), BackendKind::File(path)) = (&self.fio, &o.backend) else { anyhow::bail!("no fio") };
+        let fj = crate::fio::FioJob {
+            path: path.into(),
+            rw: j.rw.clone(),
+            bs: j.bs,
+            iodepth: j.iodepth,
+            numjobs: j.queues.max(1),
+            runtime_ms: o.time_ms,
+            size: self.ns_size,
+        };
+        let _c = contenders(o)?;
+        let f = crate::fio::run(fio, &fj, Duration::from_secs(o.timeout_s))?;
+        let mut r = NvmeRun::new(FIO_TARGET, "", ji, round, f.ios, 0);
+        r.iops = f.iops;
+        r.mb_s = f.mb_s;
+        r.lat_avg_ns = f.lat_avg_ns;
+        (r.p50_ns, r.p90_ns, r.p99_ns, r.p999_ns) = (f.p50_ns, f.p90_ns, f.p99_ns, f.p999_ns);
+        r.errors = f.errors;
+        // fio's bins in the guest's buckets: its row's percentiles over rounds merge as the guest's do.
+        if !f.lat_bins.is_empty() {
+            let lat = LatHist::from_ns_points(&f.lat_bins, self.tsc_khz);
+            r.hist = lat.pairs_ns(self.tsc_khz);
+            r.lat = Some(lat);
+        }
+        r.routing = format!("fio on the host: io_uring, O_DIRECT, numjobs={} x iodepth={}", fj.numjobs, fj.iodepth);
+        // fio's own threads, for the CPU table beside the controller's.
+        r.device_threads = if f.cpu_ns_per_io.is_some() { fj.numjobs as usize } else { 0 };
+        r.cpu_ns_per_io = f.cpu_ns_per_io;
+        Ok(r)
+    }
+}
+
+/// Exits in the guest's timed window: the counts at `WINDOW_END` less
+/// those at the first `WINDOW_START` before it, less the PIO writes of the
+/// end line itself (one per byte). None without both marks.
+pub fn window_exits(marks: &[ExitMark]) -> Option<u64> {
+    let s = marks.iter().position(|m| m.line == WINDOW_START)?;
+    let e = marks[s..].iter().find(|m| m.line == WINDOW_END)?;
+    let (a, b) = (&marks[s].exits, &e.exits);
+    let d = |x: u64, y: u64| y.saturating_sub(x);
+    let io_out = d(a.io_out, b.io_out).saturating_sub(e.bytes);
+    Some(d(a.mmio_write, b.mmio_write) + d(a.mmio_read, b.mmio_read) + d(a.io_in, b.io_in) + io_out)
+}
+
+/// The guest's own verdict on a run, iopath's or QEMU's: it did I/O, none
+/// failed, and a verify job read back every block clean. A failed check
+/// makes the run's check wrong and says why.
+pub fn guest_checks(r: &mut NvmeRun, j: &Job) {
+    let mut bad = Vec::new();
+    if r.ios == 0 {
+        bad.push("the guest did no I/O".to_string());
+    }
+    if r.errors > 0 {
+        bad.push(format!("{} I/O errors", r.errors));
+    }
+    if j.verify {
+        match (r.verified_blocks, r.mismatches) {
+            (Some(v), Some(0)) if v > 0 => {}
+            (v, m) => bad.push(format!("verify: {v:?} blocks read back, {m:?} mismatches")),
+        }
+    }
+    if bad.is_empty() {
+        r.routing = format!("{}; guest: {} I/Os, 0 errors", r.routing, r.ios);
+    } else {
+        r.routing_ok = false;
+        r.routing = format!("{}; guest: {}", r.routing, bad.join(", "));
+    }
+}
+
+/// A run from the guest's `@nvme` record and `@nvme-hist` lines.
+pub fn to_run(
+    target: &str,
+    job: usize,
+    round: u32,
+    j: &Job,
+    lines: &[String],
+    tsc_khz: u64,
+) -> anyhow::Result<NvmeRun> {
+    let f = crate::record::find_record(lines, "nvme").ok_or_else(|| {
+        let errs: Vec<&String> = lines.iter().filter(|l| l.contains("error") || l.starts_with("@fault")).collect();
+        anyhow::anyhow!("no @nvme record; {errs:?}")
+    })?;
+    let g = |k: &str| {
+        f.get(k).and_then(|v| v.parse::<u64>().ok()).ok_or_else(|| anyhow::anyhow!("@nvme record without {k}"))
+    };
+    let ios = g("ios")?;
+    let cycles = g("cycles")?;
+    anyhow::ensure!(cycles > 0, "@nvme record with cycles=0");
+    let lat = LatHist::parse(lines, ios)?.ok_or_else(|| anyhow::anyhow!("no @nvme-hist lines"))?;
+    let secs = cycles as f64 / (tsc_khz as f64 * 1000.0);
+    let ns = |c: u64| crate::stats::ns(c as f64, tsc_khz);
+    let mut r = NvmeRun::new(target, "", job, round, ios, cycles);
+    r.iops = ios as f64 / secs;
+    r.mb_s = ios as f64 * j.bs as f64 / secs / 1e6;
+    r.lat_avg_ns = ns(g("lat_sum")?) / ios.max(1) as f64;
+    r.p50_ns = lat.quantile_ns(0.5, tsc_khz);
+    r.p90_ns = lat.quantile_ns(0.9, tsc_khz);
+    r.p99_ns = lat.quantile_ns(0.99, tsc_khz);
+    r.p999_ns = lat.quantile_ns(0.999, tsc_khz);
+    r.hist = lat.pairs_ns(tsc_khz);
+    r.lat = Some(lat);
+    r.errors = g("errors")?;
+    r.mismatches = g("mismatches").ok();
+    r.verified_blocks = g("verified_blocks").ok();
+    r.io_doorbell_writes = g("io_doorbell_writes").unwrap_or(0);
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use iopath_vmm::vcpu::ExitStats;
+
+    fn mark(line: &str, bytes: u64, io_out: u64, mmio_write: u64) -> ExitMark {
+        ExitMark { line: line.into(), bytes, exits: ExitStats { io_out, mmio_write, ..Default::default() } }
+    }
+
+    #[test]
+    fn window_exits_leave_out_setup_and_the_end_line() {
+        // 500 exits of setup and the start line; 7 doorbell exits in the window;
+        // the end line's 17 bytes.
+        let m = [mark(WINDOW_START, 19, 400, 100), mark(WINDOW_END, 17, 417, 107)];
+        assert_eq!(window_exits(&m), Some(7));
+        assert_eq!(window_exits(&m[..1]), None);
+        assert_eq!(window_exits(&m[1..]), None, "an end without a start");
+        // Marks out of order (a hostile guest): no underflow, no panic.
+        let m = [mark(WINDOW_START, 19, 400, 100), mark(WINDOW_END, 99, 10, 0)];
+        assert_eq!(window_exits(&m), Some(0));
+    }
+
+    fn job(verify: bool) -> Job {
+        Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify, thinktime_us: 0 }
+    }
+
+    fn lines(s: &[&str]) -> Vec<String> {
+        s.iter().map(|l| l.to_string()).collect()
+    }
+
+    #[test]
+    fn a_run_keeps_ios_cycles_and_the_histogram() {
+        let l = lines(&[
+            "@nvme rw=randread ios=4 cycles=2000000 lat_sum=4000 p50=1 p90=1 p99=1 p999=1 errors=0",
+            "@nvme-hist 105:4",
+            "@nvme-hist-end buckets=1 lines=1",
+        ]);
+        // 1 GHz: 2 M cycles are 2 ms.
+        let r = to_run("qemu", 0, 0, &job(false), &l, 1_000_000).unwrap();
+        assert_eq!((r.ios, r.cycles, r.iops), (4, 2_000_000, 2000.0));
+        assert_eq!(r.hist, vec![(103.0, 4)]);
+        // The record's own p50 (1 cycle, a bucket's upper edge) is not used: the host's, interpolated.
+        assert_eq!(r.p50_ns, 101.5);
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["hist"], serde_json::json!([[103.0, 4]]));
+        assert_eq!((v["ios"].as_u64(), v["cycles"].as_u64()), (Some(4), Some(2_000_000)));
+        assert_eq!(v["marks"], serde_json::json!([]));
+    }
+
+    #[test]
+    fn a_record_without_a_good_histogram_is_an_error() {
+        let rec = "@nvme ios=4 cycles=2000 lat_sum=4000 errors=0";
+        for bad in [
+            lines(&[rec]),
+            lines(&[rec, "@nvme-hist 105:3", "@nvme-hist-end buckets=1 lines=1"]),
+            lines(&[rec, "@nvme-hist 105:4"]),
+            lines(&["@nvme ios=4 cycles=0 lat_sum=4 errors=0", "@nvme-hist 105:4", "@nvme-hist-end buckets=1 lines=1"]),
+            lines(&["@nvme ios=x cycles=1"]),
+        ] {
+            assert!(to_run("t", 0, 0, &job(false), &bad, 1_000_000).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_guests_counts_decide_a_run_not_its_exit_status_alone() {
+        let ok = |ios, errors, verified: Option<u64>, mismatches: Option<u64>, verify| {
+            let mut r = NvmeRun::new("qemu", "", 0, 0, ios, 1);
+            (r.errors, r.verified_blocks, r.mismatches) = (errors, verified, mismatches);
+            r.routing = "QEMU nvme on null-co".into();
+            guest_checks(&mut r, &job(verify));
+            (r.routing_ok, r.routing)
+        };
+        assert!(ok(10, 0, None, None, false).0);
+        assert!(!ok(0, 0, None, None, false).0, "no I/O");
+        let (good, why) = ok(10, 2, None, None, false);
+        assert!(!good && why.contains("2 I/O errors"), "{why}");
+        assert!(ok(10, 0, Some(8), Some(0), true).0);
+        assert!(!ok(10, 0, Some(8), Some(1), true).0, "a mismatch");
+        assert!(!ok(10, 0, None, None, true).0, "a verify job without its counts");
+        assert!(!ok(10, 0, Some(0), Some(0), true).0, "nothing read back");
+    }
+}

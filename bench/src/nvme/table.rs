@@ -1,0 +1,338 @@
+//! `bench nvme`'s table and JSON.
+
+use super::{placement, LatHist, NvmeResult, NvmeRun, FIO_TARGET};
+use crate::stats::summarize;
+use serde_json::{json, Value};
+use std::fmt::Write as _;
+
+fn fmt_rate(v: f64) -> String {
+    if v >= 1e6 {
+        format!("{:.2} M", v / 1e6)
+    } else {
+        format!("{:.1} k", v / 1e3)
+    }
+}
+
+fn fmt_ns(v: f64) -> String {
+    if !v.is_finite() {
+        "-".into()
+    } else if v >= 1000.0 {
+        format!("{:.2} us", v / 1000.0)
+    } else {
+        format!("{v:.0} ns")
+    }
+}
+
+/// A target's latency over its rounds: p50, p99, p99.9 in ns.
+///
+/// From the rounds' merged histogram (every I/O of every round, each
+/// percentile interpolated linearly within its bucket), not a median of
+/// per-round percentiles. Rows without a histogram (a fio without json+
+/// bins) take the median of their rounds' own percentiles.
+pub fn percentiles(rs: &[&NvmeRun], tsc_khz: u64) -> [f64; 3] {
+    let qs = [0.5, 0.99, 0.999];
+    if rs.iter().all(|r| r.lat.is_some()) {
+        let m = LatHist::merged(rs.iter().filter_map(|r| r.lat.as_ref()));
+        return qs.map(|q| m.quantile_ns(q, tsc_khz));
+    }
+    let med = |f: fn(&NvmeRun) -> f64| NvmeResult::median(rs, f);
+    [med(|r| r.p50_ns), med(|r| r.p99_ns), med(|r| r.p999_ns)]
+}
+
+/// The mean latency over all rounds' I/Os.
+fn lat_avg(rs: &[&NvmeRun]) -> f64 {
+    let ios: u64 = rs.iter().map(|r| r.ios).sum();
+    rs.iter().map(|r| r.lat_avg_ns * r.ios as f64).sum::<f64>() / ios.max(1) as f64
+}
+
+impl NvmeResult {
+    /// (job, target) -> runs, in first-seen order.
+    fn groups(&self) -> Vec<((usize, String), Vec<&NvmeRun>)> {
+        let mut g: Vec<((usize, String), Vec<&NvmeRun>)> = Vec::new();
+        for r in &self.runs {
+            let k = (r.job, r.target.clone());
+            match g.iter_mut().find(|(x, _)| *x == k) {
+                Some((_, v)) => v.push(r),
+                None => g.push((k, vec![r])),
+            }
+        }
+        g.sort_by_key(|a| a.0 .0);
+        g
+    }
+
+    fn median(rs: &[&NvmeRun], f: impl Fn(&NvmeRun) -> f64) -> f64 {
+        summarize(&rs.iter().map(|r| f(r)).collect::<Vec<_>>()).map(|s| s.median).unwrap_or(f64::NAN)
+    }
+
+    /// The marks of a target's rows: the worst per floor, and the spread.
+    fn marks_of(&self, ji: usize, target: &str, rs: &[&NvmeRun]) -> String {
+        if let Some((_, _, n, m)) = self.reruns.iter().find(|x| x.0 == ji && x.1 == target) {
+            let label = crate::guard::marks_label(m);
+            return if m.is_empty() { format!("clean after {n} runs") } else { format!("{label}, after {n} runs") };
+        }
+        let runs: Vec<NvmeRun> = rs.iter().map(|r| (*r).clone()).collect();
+        crate::guard::marks_label(&super::guard::group_marks(&self.options.guard, &runs, &self.options.jobs[ji]))
+    }
+
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "{}", self.host);
+        let o = &self.options;
+        let _ = writeln!(
+            s,
+            "nvme: backend {}, LBA {} B, {} s per run, {} round(s); IOPS median over rounds; 1 guest vCPU; controller pollers {:?}; contend: {}; {}",
+            o.backend,
+            o.lba,
+            o.time_ms as f64 / 1000.0,
+            o.rounds,
+            o.pollers,
+            o.contend,
+            placement(o)
+        );
+        let _ = writeln!(
+            s,
+            "ring floor, measured first in each round ({}):",
+            crate::floor::placement(self.options.pin.map(|p| p.pair()))
+        );
+        s.push_str(&crate::floor::floor_rows(&self.floor));
+        s.push_str(&crate::wake::rows(&self.wake));
+        let _ = writeln!(s);
+        let hdr = format!(
+            "{:<24} {:<22} {:>7} {:>9} {:>11} {:>17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}  {}",
+            "job",
+            "target",
+            "pollers",
+            "IOPS",
+            "/floor",
+            "/fio [min..max]",
+            "MB/s",
+            "lat avg",
+            "p50",
+            "p99",
+            "p99.9",
+            "exits/IO",
+            "check [marks]"
+        );
+        let _ = writeln!(s, "{hdr}");
+        let _ = writeln!(s, "{}", "-".repeat(hdr.len() + 30));
+        for ((ji, target), rs) in self.groups() {
+            let j = &o.jobs[ji];
+            let epi = rs.iter().filter_map(|r| r.exits_per_io).collect::<Vec<_>>();
+            let epi = summarize(&epi).map(|x| format!("{:.6}", x.median)).unwrap_or_else(|| "-".into());
+            let ok = if rs.iter().all(|r| r.routing_ok) { "ok" } else { "WRONG" };
+            // The median over rounds of each round's IOPS / that round's floor.
+            let fr = rs.iter().filter_map(|r| r.floor_ratio).collect::<Vec<_>>();
+            let fr = summarize(&fr).map(|x| format!("{:.2}x floor", x.median)).unwrap_or_else(|| "-".into());
+            // With a think time the I/Os meet an idle controller: their p50 over the wake-up floor's.
+            let wr = summarize(&rs.iter().filter_map(|r| r.wake_ratio).collect::<Vec<_>>());
+            let fr = if j.thinktime_us > 0 { wr.map_or("-".into(), |x| format!("{:.2}x wake", x.median)) } else { fr };
+            // The same over the host's fio on the same file (file backend).
+            let ff = rs.iter().filter_map(|r| r.fio_ratio).collect::<Vec<_>>();
+            let ff = summarize(&ff)
+                .map(|x| format!("{:.2} [{:.2}..{:.2}]", x.median, x.min, x.max))
+                .unwrap_or_else(|| "-".into());
+            let [p50, p99, p999] = percentiles(&rs, self.tsc_khz);
+            let marks = self.marks_of(ji, &target, &rs);
+            let marks = if marks.is_empty() { String::new() } else { format!(" [{marks}]") };
+            let _ = writeln!(
+                s,
+                "{:<24} {:<22} {:>7} {:>9} {:>11} {:>17} {:>9.0} {:>9} {:>9} {:>9} {:>9} {:>11}  {ok}{marks} {}",
+                j.label(),
+                target,
+                rs[0].pollers,
+                fmt_rate(Self::median(&rs, |r| r.iops)),
+                fr,
+                ff,
+                Self::median(&rs, |r| r.mb_s),
+                fmt_ns(lat_avg(&rs)),
+                fmt_ns(p50),
+                fmt_ns(p99),
+                fmt_ns(p999),
+                epi,
+                rs[0].routing
+            );
+        }
+        let setup = summarize(&self.runs.iter().filter_map(|r| r.setup_exits.map(|x| x as f64)).collect::<Vec<_>>());
+        let _ = writeln!(
+            s,
+            "lat avg over every I/O of every round; p50/p99/p99.9 from the rounds' merged latency histogram \
+             (nvmeperf's buckets, 1/16 of a power of two), interpolated linearly within the bucket{}",
+            if self.runs.iter().any(|r| r.target == FIO_TARGET) {
+                "; fio's from its json+ bins put in the same buckets (or, without them, its own, median over rounds)"
+            } else {
+                ""
+            }
+        );
+        let _ = writeln!(
+            s,
+            "exits/IO: VMM exits in the guest's timed window per I/O (setup and output apart: median {} exits a run)",
+            setup.map_or("-".into(), |x| format!("{:.0}", x.median))
+        );
+        let _ = writeln!(
+            s,
+            "marks: IOPS above the round's ring floor (cost < {:.2}x of it), QD1 p50 under {:.2}x the floor's, \
+             or rounds' IOPS max/min > {:.1}: the target runs again (up to {} times) before a mark stays",
+            o.guard.min_floor_ratio, o.guard.min_floor_ratio, o.guard.max_spread, o.guard.reruns
+        );
+        self.vmm_table(&mut s);
+        self.cpu_table(&mut s);
+        self.ratio_lines(&mut s);
+        if !self.skipped.is_empty() {
+            let _ = writeln!(s, "\nskipped:");
+            for e in &self.skipped {
+                let _ = writeln!(s, "  {e}");
+            }
+        }
+        if !self.errors.is_empty() {
+            let _ = writeln!(s, "\nerrors:");
+            for e in &self.errors {
+                let _ = writeln!(s, "  {e}");
+            }
+        }
+        s
+    }
+
+    /// iopath-shm over QEMU and over fio, naming what each side stood on.
+    fn ratio_lines(&self, s: &mut String) {
+        for (ji, j) in self.options.jobs.iter().enumerate() {
+            let side = |t: &str| {
+                let rs: Vec<&NvmeRun> = self.runs.iter().filter(|r| r.job == ji && r.target == t).collect();
+                (!rs.is_empty()).then(|| (Self::median(&rs, |r| r.iops), rs[0].setup.clone()))
+            };
+            let a = side("iopath-shm");
+            for peer in ["qemu", FIO_TARGET] {
+                if let (Some((a, sa)), Some((q, sq))) = (&a, side(peer)) {
+                    let _ = writeln!(s, "{}: iopath-shm / {peer} IOPS = {:.2}x ({sa} / {sq})", j.label(), a / q);
+                }
+            }
+        }
+    }
+
+    /// Out-of-process rows over their in-VMM twins, round by round.
+    fn vmm_table(&self, s: &mut String) {
+        let groups: Vec<_> =
+            self.groups().into_iter().filter(|(_, rs)| rs.iter().any(|r| r.vmm_ratio.is_some())).collect();
+        if groups.is_empty() {
+            return;
+        }
+        let _ = writeln!(s, "\nout of process over in the VMM (IOPS, same mode, job and round): median [min .. max]");
+        for ((ji, target), rs) in groups {
+            let v = summarize(&rs.iter().filter_map(|r| r.vmm_ratio).collect::<Vec<_>>());
+            if let Some(v) = v {
+                let label = self.options.jobs[ji].label();
+                let _ = writeln!(s, "{label:<24} {target:<24} {:.2}x [{:.2} .. {:.2}]", v.median, v.min, v.max);
+            }
+        }
+    }
+
+    /// Device threads' CPU per group: per I/O in the window, and idle.
+    fn cpu_table(&self, s: &mut String) {
+        let groups: Vec<_> =
+            self.groups().into_iter().filter(|(_, rs)| rs.iter().any(|r| r.device_threads > 0)).collect();
+        if groups.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            s,
+            "\ndevice threads' CPU ({}; fio's own for {FIO_TARGET}), median over rounds; contend: {}",
+            crate::cpu::NVME_DEVICE_THREADS.join(", "),
+            self.options.contend
+        );
+        let _ = writeln!(s, "{:<24} {:<22} {:>7} {:>11} {:>9}", "job", "target", "threads", "CPU/IO", "idle CPU");
+        for ((ji, target), rs) in groups {
+            let med = |f: fn(&NvmeRun) -> Option<f64>| {
+                summarize(&rs.iter().filter_map(|r| f(r)).collect::<Vec<_>>()).map(|x| x.median)
+            };
+            let _ = writeln!(
+                s,
+                "{:<24} {:<22} {:>7} {:>11} {:>9}",
+                self.options.jobs[ji].label(),
+                target,
+                rs.iter().map(|r| r.device_threads).max().unwrap_or(0),
+                med(|r| r.cpu_ns_per_io).map_or("-".into(), fmt_ns),
+                med(|r| r.idle_cpu_pct).map_or("-".into(), |p| format!("{p:.1} %")),
+            );
+        }
+    }
+
+    /// Per target: the merged-histogram percentiles the table shows, and the marks.
+    fn summary_json(&self) -> Vec<Value> {
+        self.groups()
+            .into_iter()
+            .map(|((ji, target), rs)| {
+                let [p50, p99, p999] = percentiles(&rs, self.tsc_khz);
+                let merged = LatHist::merged(rs.iter().filter_map(|r| r.lat.as_ref()));
+                let runs: Vec<NvmeRun> = rs.iter().map(|r| (*r).clone()).collect();
+                let marks = match self.reruns.iter().find(|x| x.0 == ji && x.1 == target) {
+                    Some((_, _, _, m)) => m.clone(),
+                    None => super::guard::group_marks(&self.options.guard, &runs, &self.options.jobs[ji]),
+                };
+                json!({
+                    "job": ji,
+                    "target": target,
+                    "setup": rs[0].setup,
+                    "rounds": rs.len(),
+                    "attempts": self.reruns.iter().find(|x| x.0 == ji && x.1 == target).map_or(1, |x| x.2),
+                    "iops": summarize(&rs.iter().map(|r| r.iops).collect::<Vec<_>>()),
+                    "ios": rs.iter().map(|r| r.ios).sum::<u64>(),
+                    "lat_avg_ns": lat_avg(&rs),
+                    "p50_ns": p50,
+                    "p99_ns": p99,
+                    "p999_ns": p999,
+                    "percentiles": if rs.iter().all(|r| r.lat.is_some()) { "merged histogram, interpolated" } else { "median of rounds" },
+                    "hist": merged.pairs_ns(self.tsc_khz),
+                    "marks": crate::guard::marks_json(&marks),
+                })
+            })
+            .collect()
+    }
+
+    pub fn json(&self) -> Value {
+        let g = &self.options.guard;
+        json!({
+            "schema_version": crate::guard::JSON_SCHEMA_VERSION,
+            "benchmark": "nvme",
+            "host": self.host,
+            "options": self.options,
+            "guard": {"min_floor_ratio": g.min_floor_ratio, "max_spread": g.max_spread, "reruns": g.reruns},
+            "tsc_khz": self.tsc_khz,
+            "runs": self.runs,
+            "summary": self.summary_json(),
+            "superseded_runs": self.superseded,
+            "floor": {"placement": crate::floor::placement(self.options.pin.map(|p| p.pair())), "runs": self.floor, "wake": self.wake, "reruns": self.refloor},
+            "errors": self.errors,
+            "skipped": self.skipped,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(round: u32, counts: &[(u32, u64)], p50_ns: f64) -> NvmeRun {
+        let lat = LatHist { counts: counts.iter().copied().collect() };
+        let mut r = NvmeRun::new("iopath-shm", "iopath ram", 0, round, lat.total(), 1);
+        r.p50_ns = p50_ns;
+        r.lat = Some(lat);
+        r
+    }
+
+    #[test]
+    fn the_tables_percentiles_come_from_the_merged_histogram() {
+        // Round p50s 100, 100 and 2600 ns: their median would be 100. The
+        // merged I/Os put p99 in the slow round's bucket and p50 in the fast one.
+        let rs = [run(0, &[(105, 100)], 100.0), run(1, &[(105, 100)], 100.0), run(2, &[(180, 100)], 2600.0)];
+        let refs: Vec<&NvmeRun> = rs.iter().collect();
+        let [p50, p99, _] = percentiles(&refs, 1_000_000);
+        assert_eq!(p50, 102.25);
+        assert!(p99 > 2560.0 && p99 <= 2687.0, "{p99}");
+        // Without histograms (fio's rows): the median of the rounds' own.
+        let mut fio = rs.clone();
+        for r in &mut fio {
+            r.lat = None;
+        }
+        let refs: Vec<&NvmeRun> = fio.iter().collect();
+        assert_eq!(percentiles(&refs, 1_000_000)[0], 100.0);
+    }
+}
