@@ -31,6 +31,8 @@ pub struct FioJob {
     pub runtime_ms: u64,
     /// The bytes of the file the offsets fall in (the namespace size).
     pub size: u64,
+    /// Reads in percent, for randrw.
+    pub rwmixread: u32,
 }
 
 /// One fio run's figures (all jobs together).
@@ -99,6 +101,7 @@ pub fn args(j: &FioJob) -> Vec<String> {
         // json+ adds their histogram (`bins`), which rounds merge.
         "--lat_percentiles=1".into(),
         "--output-format=json+".into(),
+        format!("--rwmixread={}", j.rwmixread.min(100)),
     ]
 }
 
@@ -283,6 +286,7 @@ mod tests {
             numjobs: 4,
             runtime_ms: 2500,
             size: 1 << 30,
+            rwmixread: 70,
         };
         let a = args(&j);
         for want in [
@@ -297,6 +301,7 @@ mod tests {
             "--size=1073741824",
             "--runtime=2500ms",
             "--output-format=json+",
+            "--rwmixread=70",
         ] {
             assert!(a.iter().any(|x| x == want), "{want} missing from {a:?}");
         }
@@ -319,6 +324,7 @@ mod tests {
             numjobs: 1,
             runtime_ms: 10,
             size: 4096,
+            rwmixread: 50,
         };
         let e = run(Path::new("/nonexistent/fio"), &j, Duration::from_secs(5)).unwrap_err();
         assert!(e.to_string().contains("cannot start"), "{e}");

@@ -88,15 +88,28 @@ pub struct ExitsArgs {
     /// The QEMU and device-process targets run at 3.
     #[arg(long, default_value = "3", value_delimiter = ',', value_parser = clap::value_parser!(u8).range(0..=3))]
     pub cpl: Vec<u8>,
-    /// A row marked by the guard (below its floor, or rounds spread over
-    /// --max-spread) is run again up to this many times before the mark stays.
+    #[command(flatten)]
+    pub guard: GuardArgs,
+    #[command(flatten)]
+    pub out: Output,
+}
+
+/// The guard on figures (bench exits and nvme).
+#[derive(Args, Debug)]
+pub struct GuardArgs {
+    /// A row marked by the guard (a figure below its floor, or rounds spread
+    /// over --max-spread) is run again up to this many times before the mark stays.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=5))]
     pub reruns: u32,
     /// The guard marks rows whose rounds' max/min is above this.
     #[arg(long, default_value_t = 2.0)]
     pub max_spread: f64,
-    #[command(flatten)]
-    pub out: Output,
+}
+
+impl GuardArgs {
+    pub fn config(&self) -> iopath_bench::guard::GuardConfig {
+        iopath_bench::guard::GuardConfig { reruns: self.reruns, max_spread: self.max_spread, ..Default::default() }
+    }
 }
 
 impl ExitsArgs {
@@ -122,11 +135,7 @@ impl ExitsArgs {
             spin_us: self.spin_us,
             contend: self.contend,
             cpls: self.cpl.clone(),
-            guard: iopath_bench::guard::GuardConfig {
-                reruns: self.reruns,
-                max_spread: self.max_spread,
-                ..Default::default()
-            },
+            guard: self.guard.config(),
             ..ExitsOptions::default()
         }
     }
@@ -134,11 +143,11 @@ impl ExitsArgs {
 
 /// `bench nvme` options, named as fio names them. Without --rw/--bs/--iodepth/--numjobs
 /// the two reference jobs run: randread 512 B at iodepth 16 and 4 KiB at iodepth 1.
-/// (No --rwmixread: the bench's job has no such field yet, though nvmeperf takes
-/// `rwmixread=`; no --ramp_time: nvmeperf has no warm-up to map it to.)
+/// (No --ramp_time: nvmeperf has no warm-up phase to map it to.)
 #[derive(Args, Debug)]
 pub struct NvmeArgs {
-    /// Also run the jobs under QEMU's nvme on null-co (or the same file), interleaved.
+    /// Also run the jobs under QEMU's nvme on the backend kind iopath runs on
+    /// (null: null-co; ram: a /dev/shm image; file: the same file), interleaved.
     #[arg(long, value_enum)]
     pub vs: Option<Peer>,
     /// Doorbell modes of iopath's controller, comma-separated (shm, bar, ioeventfd, adaptive, mmio).
@@ -164,6 +173,9 @@ pub struct NvmeArgs {
     /// I/O queue pairs, each with its own submitter slot set (1..=16).
     #[arg(long, alias = "queues", value_parser = clap::value_parser!(u32).range(1..=16))]
     pub numjobs: Option<u32>,
+    /// randrw: the percentage of reads (0..=100; default 50, as fio).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub rwmixread: Option<u32>,
     /// fio's thinktime: microseconds the guest waits after a completion
     /// before the slot's next command (at iodepth 1: each I/O wakes an idle
     /// controller; at most 1000000).
@@ -202,6 +214,8 @@ pub struct NvmeArgs {
     #[arg(long, default_value = "auto", value_name = "auto|off|VCPU,DEVICE")]
     pub pin: iopath_bench::pin::PinChoice,
     #[command(flatten)]
+    pub guard: GuardArgs,
+    #[command(flatten)]
     pub out: Output,
 }
 
@@ -226,9 +240,14 @@ impl NvmeArgs {
             pin: self.pin.placement(),
             progress: !self.out.quiet,
             pollers: parse_pollers(&self.pollers)?,
+            guard: self.guard.config(),
             ..NvmeOptions::default()
         };
-        let custom = self.rw.is_some() || self.bs.is_some() || self.iodepth.is_some() || self.numjobs.is_some();
+        let custom = self.rw.is_some()
+            || self.bs.is_some()
+            || self.iodepth.is_some()
+            || self.numjobs.is_some()
+            || self.rwmixread.is_some();
         if custom || self.verify || self.thinktime.is_some() {
             o.jobs = vec![Job {
                 rw: self.rw.clone().unwrap_or_else(|| "randread".into()),
@@ -237,6 +256,7 @@ impl NvmeArgs {
                 queues: self.numjobs.unwrap_or(1),
                 verify: self.verify,
                 thinktime_us: self.thinktime.unwrap_or(0),
+                rwmixread: self.rwmixread.unwrap_or(50),
             }];
         }
         Ok(o)
@@ -416,6 +436,11 @@ mod tests {
         assert_eq!(e(&["--cpl", "0,3"]).cpls, vec![0, 3]);
         let o = e(&["--reruns", "0", "--max-spread", "1.5"]);
         assert_eq!((o.guard.reruns, o.guard.max_spread, o.guard.min_floor_ratio), (0, 1.5, 0.95));
+        let j = &nvme(&["--rw", "randrw", "--rwmixread", "70"]).options().unwrap().jobs[0];
+        assert_eq!((j.rw.as_str(), j.rwmixread, j.label()), ("randrw", 70, "randrw 4k qd16 x1 70% reads".to_string()));
+        assert!(parse(&["nvme", "--rwmixread", "101"]).is_err());
+        let n = nvme(&["--reruns", "1"]).options().unwrap();
+        assert_eq!((n.guard.reruns, n.guard.max_spread), (1, 2.0));
         assert!(parse(&["exits", "--cpl", "7"]).is_err());
         assert!(parse(&["exits", "--reruns", "9"]).is_err());
     }

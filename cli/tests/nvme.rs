@@ -386,6 +386,7 @@ fn bench_nvme_contend_records_its_level_device_cpu_and_leaves_no_contender() {
             queues: 1,
             verify: false,
             thinktime_us: 0,
+            rwmixread: 50,
         }],
         doorbells: vec![iopath_devices::nvme::DoorbellMode::Shm],
         time_ms: 100,

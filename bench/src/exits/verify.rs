@@ -248,6 +248,7 @@ mod tests {
             pci_absent_accesses: 0,
             tsc_khz: 2_000_000,
             wall: std::time::Duration::ZERO,
+            marks: Vec::new(),
         }
     }
 

@@ -39,6 +39,8 @@ pub struct Job {
     /// the slot's next command (0: none). At iodepth 1 each command then
     /// meets an idle controller: its latency is the wake-up's.
     pub thinktime_us: u64,
+    /// fio's rwmixread: the percentage of reads in a randrw job (0..=100).
+    pub rwmixread: u32,
 }
 
 impl Job {
@@ -46,6 +48,8 @@ impl Job {
         let bs = if self.bs.is_multiple_of(1024) { format!("{}k", self.bs / 1024) } else { format!("{}", self.bs) };
         if self.verify {
             format!("verify {bs} qd{} x{}", self.iodepth, self.queues)
+        } else if self.rw == "randrw" {
+            format!("randrw {bs} qd{} x{} {}% reads", self.iodepth, self.queues, self.rwmixread)
         } else if self.thinktime_us > 0 {
             format!("{} {bs} qd{} x{} think {}us", self.rw, self.iodepth, self.queues, self.thinktime_us)
         } else {
@@ -106,8 +110,24 @@ impl Default for NvmeOptions {
     fn default() -> Self {
         NvmeOptions {
             jobs: vec![
-                Job { rw: "randread".into(), bs: 512, iodepth: 16, queues: 1, verify: false, thinktime_us: 0 },
-                Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify: false, thinktime_us: 0 },
+                Job {
+                    rw: "randread".into(),
+                    bs: 512,
+                    iodepth: 16,
+                    queues: 1,
+                    verify: false,
+                    thinktime_us: 0,
+                    rwmixread: 50,
+                },
+                Job {
+                    rw: "randread".into(),
+                    bs: 4096,
+                    iodepth: 1,
+                    queues: 1,
+                    verify: false,
+                    thinktime_us: 0,
+                    rwmixread: 50,
+                },
             ],
             doorbells: vec![
                 DoorbellMode::Shm,
@@ -335,8 +355,8 @@ fn floor_qd(j: &Job) -> u32 {
 
 fn cmdline(j: &Job, o: &NvmeOptions, tsc_khz: u64) -> String {
     format!(
-        "workload=nvme rw={} bs={} iodepth={} queues={} time_ms={} verify={} thinktime_us={} tsc_khz={tsc_khz}",
-        j.rw, j.bs, j.iodepth, j.queues, o.time_ms, j.verify as u8, j.thinktime_us
+        "workload=nvme rw={} bs={} iodepth={} queues={} time_ms={} verify={} thinktime_us={} rwmixread={} tsc_khz={tsc_khz}",
+        j.rw, j.bs, j.iodepth, j.queues, o.time_ms, j.verify as u8, j.thinktime_us, j.rwmixread.min(100)
     )
 }
 

@@ -278,6 +278,7 @@ impl<'a> Ctx<'a> {
             numjobs: j.queues.max(1),
             runtime_ms: o.time_ms,
             size: self.ns_size,
+            rwmixread: j.rwmixread,
         };
         let _c = contenders(o)?;
         let f = crate::fio::run(fio, &fj, Duration::from_secs(o.timeout_s))?;
@@ -400,7 +401,7 @@ mod tests {
     }
 
     fn job(verify: bool) -> Job {
-        Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify, thinktime_us: 0 }
+        Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify, thinktime_us: 0, rwmixread: 50 }
     }
 
     fn lines(s: &[&str]) -> Vec<String> {
