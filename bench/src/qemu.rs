@@ -235,6 +235,8 @@ pub fn memfd_ram_args() -> Vec<String> {
 pub const MAX_OUTPUT: u64 = 64 << 20;
 /// Longest line kept whole; a longer one is cut into lines this long.
 pub const MAX_LINE: u64 = 64 << 10;
+/// What a kept line costs beyond its bytes, counted against `MAX_OUTPUT`.
+const LINE_OVERHEAD: u64 = 64;
 /// Most bytes of QEMU's stderr kept.
 pub const MAX_STDERR: u64 = 1 << 20;
 
@@ -247,7 +249,9 @@ fn read_lines(r: impl Read, tx: std::sync::mpsc::Sender<String>) {
         buf.clear();
         match (&mut r).take(MAX_LINE).read_until(b'\n', &mut buf) {
             Ok(0) | Err(_) => return,
-            Ok(n) => kept = kept.saturating_add(n as u64),
+            // Each kept line also costs a String and a channel node: charge
+            // it, so a flood of empty lines stays within the bound too.
+            Ok(n) => kept = kept.saturating_add(n as u64 + LINE_OVERHEAD),
         }
         if kept > MAX_OUTPUT {
             continue;
@@ -295,9 +299,13 @@ pub fn run_args(
     let t0 = Instant::now();
     let mut lines = Vec::new();
     let status = loop {
+        // A guest that keeps printing must not keep the deadline from being looked at.
         while let Ok(l) = rx.recv_timeout(Duration::from_millis(20)) {
             on_line(&l);
             lines.push(l);
+            if t0.elapsed() > timeout {
+                break;
+            }
         }
         if let Some(s) = child.try_wait()? {
             break s.code();
@@ -366,6 +374,24 @@ mod tests {
         let args = vec!["-c".to_string(), "printf 'a\\r\\nb\\nc'".to_string()];
         let r = run_args(Path::new("/bin/sh"), args, None, Duration::from_secs(10), |_| {}).unwrap();
         assert_eq!(r.lines, ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn a_flood_of_empty_lines_is_bounded_by_count_too() {
+        // 8 M empty lines: 8 MiB of bytes, but each kept line costs its String.
+        let args = vec!["-c".to_string(), "yes '' | head -n 8388608".to_string()];
+        let r = run_args(Path::new("/bin/sh"), args, None, Duration::from_secs(120), |_| {}).unwrap();
+        assert!(r.lines.len() as u64 <= MAX_OUTPUT / (LINE_OVERHEAD + 1) + 1, "{} lines kept", r.lines.len());
+    }
+
+    #[test]
+    fn a_guest_that_keeps_printing_still_meets_the_deadline() {
+        // A line every 5 ms, forever: the 1 s deadline must end it (the bound here is liveness only).
+        let args = vec!["-c".to_string(), "while :; do echo x; sleep 0.005; done".to_string()];
+        let t0 = Instant::now();
+        let r = run_args(Path::new("/bin/sh"), args, None, Duration::from_secs(1), |_| {});
+        assert!(r.is_err(), "a run past its deadline is an error");
+        assert!(t0.elapsed() < Duration::from_secs(60), "stopped after {:?}", t0.elapsed());
     }
 
     #[test]

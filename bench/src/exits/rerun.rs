@@ -75,12 +75,19 @@ pub fn guard_rows(r: &mut ExitsResult, run: &mut RowRunner<'_>) {
                     return Ok(()); // the bench's own rounds
                 }
                 let targets = rerun_targets(t, &current(&cell.borrow()));
+                // Attempt ids grow over the whole result, so the figures of a
+                // row are always its newest attempt's, even when another
+                // target's re-runs (the floor's, say) ran attempts before.
+                let id = 1 + cell.borrow().runs.iter().map(|r| r.attempt).max().unwrap_or(0);
+                // An attempt counts whole or not at all: a failed round leaves
+                // the previous attempt's figures.
+                let mut new = Vec::new();
                 for round in 0..rounds {
                     for &x in &targets {
-                        let new = run(x, cpl, &name, round, attempt)?;
-                        cell.borrow_mut().runs.push(new);
+                        new.push(run(x, cpl, &name, round, id)?);
                     }
                 }
+                cell.borrow_mut().runs.extend(new);
                 Ok(())
             },
             |_| current(&cell.borrow()),
@@ -227,6 +234,45 @@ mod tests {
         guard_rows(&mut r, &mut |_, _, _, _, _| anyhow::bail!("no KVM"));
         assert!(r.errors.iter().any(|e| e.contains("re-run: no KVM")), "{:?}", r.errors);
         assert_eq!(marks_of(&r, Target::Iopath).len(), 1);
+    }
+
+    #[test]
+    fn a_rerun_that_fails_midway_leaves_the_last_whole_attempt() {
+        let mut r = result(rounds([500, 500], [1000, 1000]));
+        // Round 0 of the re-run succeeds (at 2000 cycles), round 1 fails.
+        guard_rows(&mut r, &mut |t, _, _, round, attempt| {
+            if round == 1 {
+                anyhow::bail!("guest stopped");
+            }
+            Ok(run_of(t, round, attempt, 2000))
+        });
+        assert!(r.errors.iter().any(|e| e.contains("guest stopped")), "{:?}", r.errors);
+        // The figures stay the bench's own rounds', not half an attempt's.
+        assert_eq!(r.rows()[0].targets[&Target::Iopath].cycles.unwrap().median, 500.0);
+        assert!(r.runs.iter().all(|x| x.attempt == 0));
+    }
+
+    #[test]
+    fn attempt_ids_grow_over_the_result_so_the_newest_attempt_is_the_one_shown() {
+        // The floor was re-run before (attempts 1 and 2 of an earlier target);
+        // iopath's re-run must not reuse id 1 and be hidden behind them.
+        let mut runs = rounds([500, 500], [1000, 1000]);
+        for a in 1..=2 {
+            runs.extend((0..2).map(|k| run_of(Target::Floor, k, a, 1000)));
+        }
+        let mut r = result(runs);
+        let mut ids = Vec::new();
+        guard_rows(&mut r, &mut |t, _, _, round, attempt| {
+            ids.push(attempt);
+            Ok(run_of(t, round, attempt, if t == Target::Iopath { 1100 } else { 1000 }))
+        });
+        assert!(ids.iter().all(|&a| a == 3), "{ids:?}");
+        assert_eq!(r.rows()[0].targets[&Target::Iopath].cycles.unwrap().median, 1100.0);
+        assert_eq!(
+            r.rows()[0].targets[&Target::Floor].per_round_median.len(),
+            2,
+            "one attempt's rounds, not two pooled"
+        );
     }
 
     #[test]

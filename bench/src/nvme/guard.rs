@@ -36,6 +36,10 @@ fn spread(g: &GuardConfig, runs: &[NvmeRun]) -> Option<Mark> {
 /// A target's marks: the worst of its runs' for each floor, and its spread.
 pub fn group_marks(g: &GuardConfig, runs: &[NvmeRun], j: &Job) -> Vec<Mark> {
     let mut m: Vec<Mark> = Vec::new();
+    // fio is the file's own floor, not judged (nor re-run) by the guard.
+    if runs.iter().any(|r| r.target == super::FIO_TARGET) {
+        return m;
+    }
     for mk in runs.iter().flat_map(|r| run_marks(g, r, j)) {
         let Mark::BelowFloor { ratio, floor } = &mk else {
             m.push(mk);

@@ -41,7 +41,8 @@ pub fn percentiles(rs: &[&NvmeRun], tsc_khz: u64) -> [f64; 3] {
 
 /// The mean latency over all rounds' I/Os.
 fn lat_avg(rs: &[&NvmeRun]) -> f64 {
-    let ios: u64 = rs.iter().map(|r| r.ios).sum();
+    // Counts come from the guest: added without overflow.
+    let ios = rs.iter().fold(0u64, |a, r| a.saturating_add(r.ios));
     rs.iter().map(|r| r.lat_avg_ns * r.ios as f64).sum::<f64>() / ios.max(1) as f64
 }
 
@@ -274,7 +275,7 @@ impl NvmeResult {
                     "rounds": rs.len(),
                     "attempts": self.reruns.iter().find(|x| x.0 == ji && x.1 == target).map_or(1, |x| x.2),
                     "iops": summarize(&rs.iter().map(|r| r.iops).collect::<Vec<_>>()),
-                    "ios": rs.iter().map(|r| r.ios).sum::<u64>(),
+                    "ios": rs.iter().fold(0u64, |a, r| a.saturating_add(r.ios)),
                     "lat_avg_ns": lat_avg(&rs),
                     "p50_ns": p50,
                     "p99_ns": p99,

@@ -174,11 +174,24 @@ pub(crate) struct NvmeGroup<'a> {
     pub job: usize,
     pub target: String,
     pub runs: Vec<&'a Value>,
+    /// The bench's own summary of this (job, target): its percentiles come
+    /// from the rounds' merged histogram.
+    pub summary: Option<&'a Value>,
 }
 
+/// Latency percentiles: taken from the merged histogram, not as medians of rounds.
+const PERCENTILES: [&str; 3] = ["p50_ns", "p99_ns", "p999_ns"];
+
 impl NvmeGroup<'_> {
+    /// Median, min and max of `key` over the rounds; for a latency percentile
+    /// the "median" is the bench summary's percentile of the merged histogram
+    /// (min and max stay the per-round range).
     pub fn stat(&self, key: &str) -> Option<Summary> {
-        summarize(&self.runs.iter().filter_map(|r| f(&r[key])).collect::<Vec<_>>())
+        let s = summarize(&self.runs.iter().filter_map(|r| f(&r[key])).collect::<Vec<_>>());
+        match (PERCENTILES.contains(&key), self.summary.and_then(|m| f(&m[key]))) {
+            (true, Some(merged)) => s.map(|s| Summary { median: merged, ..s }),
+            _ => s,
+        }
     }
 
     /// The latency histogram over all rounds: (upper edge ns, count), by edge.
@@ -188,7 +201,8 @@ impl NvmeGroup<'_> {
             for p in r["hist"].as_array().into_iter().flatten() {
                 if let (Some(e), Some(c)) = (p[0].as_f64(), p[1].as_u64()) {
                     if e.is_finite() && e >= 0.0 {
-                        *m.entry(e as u64).or_default() += c;
+                        let n = m.entry(e as u64).or_default();
+                        *n = n.saturating_add(c);
                     }
                 }
             }
@@ -203,7 +217,13 @@ pub(crate) fn nvme_groups(doc: &Value) -> Vec<NvmeGroup<'_>> {
         let (job, target) = (r["job"].as_u64().unwrap_or(0) as usize, r["target"].as_str().unwrap_or("?").to_string());
         match g.iter_mut().find(|x| x.job == job && x.target == target) {
             Some(x) => x.runs.push(r),
-            None => g.push(NvmeGroup { job, target, runs: vec![r] }),
+            None => {
+                let summary =
+                    doc["summary"].as_array().into_iter().flatten().find(|s| {
+                        s["job"].as_u64() == Some(job as u64) && s["target"].as_str() == Some(target.as_str())
+                    });
+                g.push(NvmeGroup { job, target, runs: vec![r], summary })
+            }
         }
     }
     g
@@ -381,7 +401,7 @@ pub fn cdfs(input: &Input) -> Vec<(String, String, Vec<plot::Series>)> {
     let mut out: Vec<(usize, String, String, Vec<plot::Series>)> = Vec::new();
     for g in nvme_groups(d) {
         let h = g.hist();
-        let total: u64 = h.iter().map(|x| x.1).sum();
+        let total = h.iter().fold(0u64, |a, x| a.saturating_add(x.1));
         if total == 0 {
             continue;
         }
@@ -390,7 +410,7 @@ pub fn cdfs(input: &Input) -> Vec<(String, String, Vec<plot::Series>)> {
             .iter()
             .filter(|x| x.0 > 0.0)
             .map(|&(e, c)| {
-                acc += c;
+                acc = acc.saturating_add(c);
                 (e, acc as f64 / total as f64)
             })
             .collect();
