@@ -33,6 +33,8 @@ pub struct FioJob {
     pub size: u64,
     /// Reads in percent, for randrw.
     pub rwmixread: u32,
+    /// iodepth_batch_submit when the guest's job sets one (0: fio's default).
+    pub batch_submit: u32,
 }
 
 /// One fio run's figures (all jobs together).
@@ -82,7 +84,7 @@ pub fn missing_reason() -> String {
 
 /// fio's command line for `j`, JSON on stdout.
 pub fn args(j: &FioJob) -> Vec<String> {
-    vec![
+    let mut a = vec![
         "--name=iopath-peer".into(),
         format!("--filename={}", j.path.display()),
         "--ioengine=io_uring".into(),
@@ -102,7 +104,11 @@ pub fn args(j: &FioJob) -> Vec<String> {
         "--lat_percentiles=1".into(),
         "--output-format=json+".into(),
         format!("--rwmixread={}", j.rwmixread.min(100)),
-    ]
+    ];
+    if j.batch_submit > 0 {
+        a.push(format!("--iodepth_batch_submit={}", j.batch_submit));
+    }
+    a
 }
 
 /// Runs fio (`fio`, found by [`find`]) for `j`, killed after `timeout`.
@@ -287,6 +293,7 @@ mod tests {
             runtime_ms: 2500,
             size: 1 << 30,
             rwmixread: 70,
+            batch_submit: 4,
         };
         let a = args(&j);
         for want in [
@@ -302,6 +309,7 @@ mod tests {
             "--runtime=2500ms",
             "--output-format=json+",
             "--rwmixread=70",
+            "--iodepth_batch_submit=4",
         ] {
             assert!(a.iter().any(|x| x == want), "{want} missing from {a:?}");
         }
@@ -325,6 +333,7 @@ mod tests {
             runtime_ms: 10,
             size: 4096,
             rwmixread: 50,
+            batch_submit: 0,
         };
         let e = run(Path::new("/nonexistent/fio"), &j, Duration::from_secs(5)).unwrap_err();
         assert!(e.to_string().contains("cannot start"), "{e}");

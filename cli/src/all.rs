@@ -14,7 +14,16 @@ const SWEEP: [u32; 4] = [1, 4, 16, 64];
 const SWEEP_QUICK: [u32; 3] = [1, 4, 16];
 
 fn job(bs: u64, iodepth: u32) -> Job {
-    Job { rw: "randread".into(), bs, iodepth, queues: 1, verify: false, thinktime_us: 0, rwmixread: 50 }
+    Job {
+        rw: "randread".into(),
+        bs,
+        iodepth,
+        queues: 1,
+        verify: false,
+        thinktime_us: 0,
+        rwmixread: 50,
+        batch_submit: 0,
+    }
 }
 
 /// The three benches' options for this matrix.

@@ -176,6 +176,12 @@ pub struct NvmeArgs {
     /// randrw: the percentage of reads (0..=100; default 50, as fio).
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=100))]
     pub rwmixread: Option<u32>,
+    /// fio's iodepth_batch_submit: the guest driver rings its CQ head and SQ
+    /// tail doorbells after every N commands it issues while reaping, so the
+    /// controller starts on them while it reaps on (0..=1024). Without it (or
+    /// 0) it rings once per reaping pass; fio's own default, 1, is a ring per command.
+    #[arg(long = "iodepth_batch_submit", value_parser = clap::value_parser!(u32).range(0..=1024))]
+    pub iodepth_batch_submit: Option<u32>,
     /// fio's thinktime: microseconds the guest waits after a completion
     /// before the slot's next command (at iodepth 1: each I/O wakes an idle
     /// controller; at most 1000000).
@@ -247,7 +253,8 @@ impl NvmeArgs {
             || self.bs.is_some()
             || self.iodepth.is_some()
             || self.numjobs.is_some()
-            || self.rwmixread.is_some();
+            || self.rwmixread.is_some()
+            || self.iodepth_batch_submit.is_some();
         if custom || self.verify || self.thinktime.is_some() {
             o.jobs = vec![Job {
                 rw: self.rw.clone().unwrap_or_else(|| "randread".into()),
@@ -257,6 +264,7 @@ impl NvmeArgs {
                 verify: self.verify,
                 thinktime_us: self.thinktime.unwrap_or(0),
                 rwmixread: self.rwmixread.unwrap_or(50),
+                batch_submit: self.iodepth_batch_submit.unwrap_or(0),
             }];
         }
         Ok(o)
@@ -439,6 +447,8 @@ mod tests {
         let j = &nvme(&["--rw", "randrw", "--rwmixread", "70"]).options().unwrap().jobs[0];
         assert_eq!((j.rw.as_str(), j.rwmixread, j.label()), ("randrw", 70, "randrw 4k qd16 x1 70% reads".to_string()));
         assert!(parse(&["nvme", "--rwmixread", "101"]).is_err());
+        let j = &nvme(&["--bs", "512", "--iodepth_batch_submit", "4"]).options().unwrap().jobs[0];
+        assert_eq!((j.batch_submit, j.label()), (4, "randread 512 qd16 x1 batch 4".to_string()));
         let n = nvme(&["--reruns", "1"]).options().unwrap();
         assert_eq!((n.guard.reruns, n.guard.max_spread), (1, 2.0));
         assert!(parse(&["exits", "--cpl", "7"]).is_err());

@@ -19,6 +19,10 @@
  *   thinktime_us=N (fio's thinktime: wait N us after a completion before
  *   the slot's next command; at iodepth 1 every command then finds an idle
  *   controller, and its latency is the wake-up's)
+ *   batch_submit=N (fio's iodepth_batch_submit: ring the CQ head and SQ tail
+ *   doorbells after every N commands issued while reaping, so the controller
+ *   starts on them while the driver still reaps; 0, the default: once per
+ *   reaping pass)
  *   qsize=N irq=0|1 (irq=1: MSI-X on, each I/O CQ signals its own vector;
  *   the guest runs with IF=0, so the messages stay pending in the LAPIC
  *   while completions are still reaped by polling)
@@ -52,6 +56,8 @@ static struct sq_cq adminq;
 static struct sq_cq ioq[MAX_Q];
 static volatile u32 *dbbuf, *evidx;
 static int use_dbbuf;
+/* batch_submit=: doorbells after this many commands issued in a reaping pass (0: once per pass). */
+static u64 batch_submit;
 static u64 rings; /* MMIO doorbell writes the EventIdx rule asked for */
 static int use_irq;
 
@@ -303,6 +309,8 @@ static int job(const char *rw, u64 time_ms, u32 nq, u32 depth, u32 mixread, int 
         seq[q] = q * (blocks / nq);
     u64 ios = 0, mismatches = 0;
     rings = 0;
+    batch_submit = cmdline_u64("batch_submit", 0);
+    u64 unrung = 0;
     printf("@nvme-window start\n");
     u64 t_start = rdtsc(), t_end = t_start + time_ms * tsc_khz;
     int stopping = 0;
@@ -393,6 +401,13 @@ static int job(const char *rw, u64 time_ms, u32 nq, u32 depth, u32 mixread, int 
                     u64 blk = rnd_rw ? rnd() % blocks : (seq[q]++ % blocks);
                     issue(&ioq[q], cid, s, w ? 1 : 2, blk * (bs / lba_bytes));
                     inflight++;
+                    /* The CQ head too: a driver that only rang its SQ would let
+                       the CQ fill while this pass goes on reaping. */
+                    if (batch_submit && ++unrung >= batch_submit) {
+                        ring(&ioq[q], 1);
+                        ring(&ioq[q], 0);
+                        unrung = 0;
+                    }
                 }
             }
             if (got) {

@@ -41,10 +41,22 @@ pub struct Job {
     pub thinktime_us: u64,
     /// fio's rwmixread: the percentage of reads in a randrw job (0..=100).
     pub rwmixread: u32,
+    /// fio's iodepth_batch_submit: the guest rings its doorbells after every
+    /// this many commands issued while reaping (0: once per reaping pass).
+    pub batch_submit: u32,
 }
 
 impl Job {
     pub fn label(&self) -> String {
+        let l = self.base_label();
+        if self.batch_submit > 0 {
+            format!("{l} batch {}", self.batch_submit)
+        } else {
+            l
+        }
+    }
+
+    fn base_label(&self) -> String {
         let bs = if self.bs.is_multiple_of(1024) { format!("{}k", self.bs / 1024) } else { format!("{}", self.bs) };
         if self.verify {
             format!("verify {bs} qd{} x{}", self.iodepth, self.queues)
@@ -118,6 +130,7 @@ impl Default for NvmeOptions {
                     verify: false,
                     thinktime_us: 0,
                     rwmixread: 50,
+                    batch_submit: 0,
                 },
                 Job {
                     rw: "randread".into(),
@@ -127,6 +140,7 @@ impl Default for NvmeOptions {
                     verify: false,
                     thinktime_us: 0,
                     rwmixread: 50,
+                    batch_submit: 0,
                 },
             ],
             doorbells: vec![
@@ -355,8 +369,8 @@ fn floor_qd(j: &Job) -> u32 {
 
 fn cmdline(j: &Job, o: &NvmeOptions, tsc_khz: u64) -> String {
     format!(
-        "workload=nvme rw={} bs={} iodepth={} queues={} time_ms={} verify={} thinktime_us={} rwmixread={} tsc_khz={tsc_khz}",
-        j.rw, j.bs, j.iodepth, j.queues, o.time_ms, j.verify as u8, j.thinktime_us, j.rwmixread.min(100)
+        "workload=nvme rw={} bs={} iodepth={} queues={} time_ms={} verify={} thinktime_us={} rwmixread={} batch_submit={} tsc_khz={tsc_khz}",
+        j.rw, j.bs, j.iodepth, j.queues, o.time_ms, j.verify as u8, j.thinktime_us, j.rwmixread.min(100), j.batch_submit
     )
 }
 

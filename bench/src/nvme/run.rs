@@ -279,6 +279,7 @@ impl<'a> Ctx<'a> {
             runtime_ms: o.time_ms,
             size: self.ns_size,
             rwmixread: j.rwmixread,
+            batch_submit: j.batch_submit,
         };
         let _c = contenders(o)?;
         let f = crate::fio::run(fio, &fj, Duration::from_secs(o.timeout_s))?;
@@ -401,7 +402,16 @@ mod tests {
     }
 
     fn job(verify: bool) -> Job {
-        Job { rw: "randread".into(), bs: 4096, iodepth: 1, queues: 1, verify, thinktime_us: 0, rwmixread: 50 }
+        Job {
+            rw: "randread".into(),
+            bs: 4096,
+            iodepth: 1,
+            queues: 1,
+            verify,
+            thinktime_us: 0,
+            rwmixread: 50,
+            batch_submit: 0,
+        }
     }
 
     fn lines(s: &[&str]) -> Vec<String> {
