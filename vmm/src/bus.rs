@@ -62,6 +62,13 @@ impl Bus {
         Ok(())
     }
 
+    /// Removes every range: the bus lets go of its devices (and whatever
+    /// they hold: the PCI host holds the buses, so this breaks that cycle).
+    pub fn clear(&self) {
+        let map = std::mem::take(&mut *self.map.write().unwrap());
+        drop(map); // outside the lock: a device's drop may look at the bus
+    }
+
     pub fn remove(&self, base: u64) -> bool {
         self.map.write().unwrap().remove(&base).is_some()
     }

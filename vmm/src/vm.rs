@@ -177,12 +177,27 @@ fn intx_lines(vm: &VmFd, gsi: u32) -> Result<Arc<IrqLines>, VmmError> {
     Ok(lines)
 }
 
+/// Empties the buses when dropped.
+struct ReleaseBuses([Arc<Bus>; 2]);
+
+impl Drop for ReleaseBuses {
+    fn drop(&mut self) {
+        for b in &self.0 {
+            b.clear();
+        }
+    }
+}
+
 /// Boots the guest image with the configured devices and runs it to the end.
 pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     let t0 = Instant::now();
     let m = boot(&cfg.image, &cfg.cmdline, cfg.mem_size)?;
     let pio = Arc::new(Bus::new());
     let mmio = Arc::new(Bus::new());
+    // The PCI host holds both buses and sits on the port bus: emptied when
+    // this run ends (every return path), the cycle goes and the devices, the
+    // KVM VM they hold, their threads and device processes go with it.
+    let _release = ReleaseBuses([pio.clone(), mmio.clone()]);
     let status = ExitStatus::new();
     let mut sink = LineSink::new(cfg.on_line.take());
     let marks = (!cfg.exit_marks.is_empty()).then(|| Arc::new(vcpu::ExitMarks::new(cfg.exit_marks.clone())));
