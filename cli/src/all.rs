@@ -13,19 +13,6 @@ use std::time::Instant;
 const SWEEP: [u32; 4] = [1, 4, 16, 64];
 const SWEEP_QUICK: [u32; 3] = [1, 4, 16];
 
-fn job(bs: u64, iodepth: u32) -> Job {
-    Job {
-        rw: "randread".into(),
-        bs,
-        iodepth,
-        queues: 1,
-        verify: false,
-        thinktime_us: 0,
-        rwmixread: 50,
-        batch_submit: 0,
-    }
-}
-
 /// The three benches' options for this matrix.
 pub fn matrix(a: &AllArgs, qemu: bool) -> (ExitsOptions, FloorOptions, NvmeOptions) {
     let rounds = if a.quick { 1 } else { a.rounds.max(1) };
@@ -41,9 +28,9 @@ pub fn matrix(a: &AllArgs, qemu: bool) -> (ExitsOptions, FloorOptions, NvmeOptio
         )
         .collect();
     let sweep: &[u32] = if a.quick { &SWEEP_QUICK } else { &SWEEP };
-    let mut jobs: Vec<Job> = sweep.iter().map(|&qd| job(512, qd)).collect();
+    let mut jobs: Vec<Job> = sweep.iter().map(|&qd| Job::randread(512, qd)).collect();
     // The latency reference job (4 KiB at iodepth 1).
-    jobs.push(job(4096, 1));
+    jobs.push(Job::randread(4096, 1));
     let mut nvme = NvmeOptions { jobs, transports, rounds, vs_qemu: qemu, progress, pin, ..NvmeOptions::default() };
     if a.quick {
         (exits.batches, exits.batch_us) = (5, 5000);
@@ -59,7 +46,7 @@ pub fn matrix(a: &AllArgs, qemu: bool) -> (ExitsOptions, FloorOptions, NvmeOptio
         exits.transports = vec!["vfio-user".into()];
         floor.depths = vec![1, 16];
         floor.time_ms = 50;
-        nvme.jobs = vec![job(512, 1), job(512, 16)];
+        nvme.jobs = vec![Job::randread(512, 1), Job::randread(512, 16)];
         nvme.doorbells = vec![iopath_devices::nvme::DoorbellMode::Shm, iopath_devices::nvme::DoorbellMode::Mmio];
         nvme.transports.truncate(2);
         nvme.time_ms = 200;

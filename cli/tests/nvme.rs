@@ -406,16 +406,7 @@ fn bench_nvme_contend_records_its_level_device_cpu_and_leaves_no_contender() {
 
     // In this process: the contenders are gone once the bench returns.
     let o = iopath_bench::nvme::NvmeOptions {
-        jobs: vec![iopath_bench::nvme::Job {
-            rw: "randread".into(),
-            bs: 4096,
-            iodepth: 1,
-            queues: 1,
-            verify: false,
-            thinktime_us: 0,
-            rwmixread: 50,
-            batch_submit: 0,
-        }],
+        jobs: vec![iopath_bench::nvme::Job::randread(4096, 1)],
         doorbells: vec![iopath_devices::nvme::DoorbellMode::Shm],
         time_ms: 100,
         contend: 2,

@@ -193,16 +193,7 @@ mod tests {
     }
 
     fn job(iodepth: u32) -> Job {
-        Job {
-            rw: "randread".into(),
-            bs: 4096,
-            iodepth,
-            queues: 1,
-            verify: false,
-            thinktime_us: 0,
-            rwmixread: 50,
-            batch_submit: 0,
-        }
+        Job::randread(4096, iodepth)
     }
 
     fn run(round: u32, iops: f64, p50_ns: f64, floor_ops_s: f64, floor_p50_ns: f64) -> NvmeRun {

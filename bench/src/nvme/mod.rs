@@ -47,6 +47,22 @@ pub struct Job {
 }
 
 impl Job {
+    /// A random-read job of `bs` bytes at `iodepth` on one queue (the other
+    /// fields at their defaults: no verify, no think time, fio's rwmixread 50,
+    /// one doorbell per reaping pass).
+    pub fn randread(bs: u64, iodepth: u32) -> Job {
+        Job {
+            rw: "randread".into(),
+            bs,
+            iodepth,
+            queues: 1,
+            verify: false,
+            thinktime_us: 0,
+            rwmixread: 50,
+            batch_submit: 0,
+        }
+    }
+
     pub fn label(&self) -> String {
         let l = self.base_label();
         if self.batch_submit > 0 {
@@ -121,28 +137,7 @@ pub struct NvmeOptions {
 impl Default for NvmeOptions {
     fn default() -> Self {
         NvmeOptions {
-            jobs: vec![
-                Job {
-                    rw: "randread".into(),
-                    bs: 512,
-                    iodepth: 16,
-                    queues: 1,
-                    verify: false,
-                    thinktime_us: 0,
-                    rwmixread: 50,
-                    batch_submit: 0,
-                },
-                Job {
-                    rw: "randread".into(),
-                    bs: 4096,
-                    iodepth: 1,
-                    queues: 1,
-                    verify: false,
-                    thinktime_us: 0,
-                    rwmixread: 50,
-                    batch_submit: 0,
-                },
-            ],
+            jobs: vec![Job::randread(512, 16), Job::randread(4096, 1)],
             doorbells: vec![
                 DoorbellMode::Shm,
                 DoorbellMode::Bar,

@@ -402,16 +402,7 @@ mod tests {
     }
 
     fn job(verify: bool) -> Job {
-        Job {
-            rw: "randread".into(),
-            bs: 4096,
-            iodepth: 1,
-            queues: 1,
-            verify,
-            thinktime_us: 0,
-            rwmixread: 50,
-            batch_submit: 0,
-        }
+        Job { verify, ..Job::randread(4096, 1) }
     }
 
     fn lines(s: &[&str]) -> Vec<String> {
