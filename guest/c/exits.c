@@ -509,10 +509,18 @@ static void rows_testdev(void)
         /* A read row: 4-byte reads of the `data` register (the device counts them). */
         const char *rname = b->io ? "portio-read:pci-io" : "mmio-read:pci-mem";
         if (selected(rname)) {
+            /* Test 0's `data` field, read before and after the timed reads:
+               the same value, and not all-ones (an unclaimed hole), shows the
+               reads reached the device's register on any host (QEMU counts
+               no reads, so this is its check). */
+            hdr_w8(b, TD_TEST, 0);
+            u32 want = hdr_r32(b, TD_DATA);
             struct access acc = {b->addr + TD_DATA, 0, 4};
             struct meas m;
             measure(&m, b->io ? body_in_port : body_mmio_read, &acc);
-            report(rname, "pci-testdev", &m, "addr=0x%lx", acc.addr, 0, 0);
+            u32 got = hdr_r32(b, TD_DATA);
+            report(rname, "pci-testdev", &m, "addr=0x%lx value=0x%lx value_ok=%lu", acc.addr, (u64)got,
+                   (u64)(got == want && want != 0xffffffffu));
         }
     }
 }
