@@ -16,6 +16,15 @@ pub const T_IN: u32 = 0;
 pub const T_OUT: u32 = 1;
 pub const T_FLUSH: u32 = 4;
 pub const T_GET_ID: u32 = 8;
+pub const T_DISCARD: u32 = 11;
+pub const T_WRITE_ZEROES: u32 = 13;
+/// Segments per DISCARD or WRITE_ZEROES request (max_discard_seg, max_write_zeroes_seg).
+pub const MAX_RANGE_SEGS: u32 = 1;
+/// Sectors per DISCARD or WRITE_ZEROES segment (max_discard_sectors,
+/// max_write_zeroes_sectors): bounds the time one request takes.
+pub const MAX_RANGE_SECTORS: u32 = 1 << 16;
+/// The segment flag of WRITE_ZEROES that allows deallocation.
+const SEG_F_UNMAP: u32 = 1;
 pub const S_OK: u8 = 0;
 pub const S_IOERR: u8 = 1;
 pub const S_UNSUPP: u8 = 2;
@@ -139,6 +148,7 @@ impl Blk {
                 None => (S_IOERR, 0),
             },
             T_FLUSH => (if self.backend.flush().is_ok() { S_OK } else { S_IOERR }, 0),
+            T_DISCARD | T_WRITE_ZEROES => (self.zero_ranges(mem, &r, data_out, kind), 0),
             T_GET_ID => {
                 let n = data_in.min(ID_LEN as u64) as usize;
                 if w.write(mem, 0, &self.id[..n]) {
@@ -153,6 +163,44 @@ impl Blk {
             return Done { written: 0, status: None, kind };
         }
         Done { written: (written + 1) as u32, status: Some(status), kind }
+    }
+
+    /// DISCARD and WRITE_ZEROES (5.2.6.2): segments of {sector, num_sectors,
+    /// flags} after the header. Both zero the range (a discarded ram range
+    /// reads as zeros; null keeps nothing anyway).
+    fn zero_ranges(&mut self, mem: &GuestMem, r: &Part<'_>, len: u64, kind: u32) -> u8 {
+        if len == 0 || !len.is_multiple_of(16) || len / 16 > MAX_RANGE_SEGS as u64 {
+            return S_IOERR;
+        }
+        let mut segs = Vec::new();
+        for k in 0..len / 16 {
+            let mut b = [0u8; 16];
+            if !r.read(mem, 16 + 16 * k, &mut b) {
+                return S_IOERR;
+            }
+            let sector = u64::from_le_bytes(b[0..8].try_into().unwrap());
+            let n = u32::from_le_bytes(b[8..12].try_into().unwrap());
+            let flags = u32::from_le_bytes(b[12..16].try_into().unwrap());
+            let known = if kind == T_WRITE_ZEROES { SEG_F_UNMAP } else { 0 };
+            if flags & !known != 0 {
+                return S_UNSUPP;
+            }
+            if n > MAX_RANGE_SECTORS {
+                return S_IOERR;
+            }
+            let Some(off) =
+                sector.checked_mul(SECTOR).filter(|o| o.checked_add(n as u64 * SECTOR).is_some_and(|e| e <= self.size))
+            else {
+                return S_IOERR;
+            };
+            segs.push((off, n as u64 * SECTOR));
+        }
+        for (off, bytes) in segs {
+            if self.backend.zero(off, bytes).is_err() {
+                return S_IOERR;
+            }
+        }
+        S_OK
     }
 
     /// The byte offset of a transfer of `len` bytes at `sector`, if it is a

@@ -66,7 +66,7 @@ fn flush_get_id_and_unknown_types() {
     let mut id = [0u8; 20];
     d.ram.read_slice(&mut id, GuestAddress(BUF)).unwrap();
     assert_eq!(&id[..11], b"iopath-vblk");
-    header(&d, 11, 0); // DISCARD: not offered, not served
+    header(&d, 12, 0); // a type nobody defined
     assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), wr(ST, 1)]).status, Some(S_UNSUPP));
     assert_eq!(status(&d), S_UNSUPP);
 }
@@ -109,4 +109,48 @@ fn null_backend_moves_no_data() {
     assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), rd(BUF, 4096), wr(ST, 1)]).status, Some(S_OK));
     header(&d, T_IN, (1 << 30) / SECTOR - 8);
     assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), wr(BUF, 4096), wr(ST, 1)]).status, Some(S_OK));
+}
+
+fn segment(d: &Driver, at: u64, sector: u64, n: u32, flags: u32) {
+    let mut s = [0u8; 16];
+    s[0..8].copy_from_slice(&sector.to_le_bytes());
+    s[8..12].copy_from_slice(&n.to_le_bytes());
+    s[12..16].copy_from_slice(&flags.to_le_bytes());
+    d.ram.write_slice(&s, GuestAddress(at)).unwrap();
+}
+
+#[test]
+fn write_zeroes_and_discard_zero_the_range_and_check_it() {
+    let d = Driver::new(8);
+    let mut b = ram_blk();
+    b.backend.write(0, &[0xee; 4096]).unwrap();
+    let seg = BUF + 0x3000;
+    for (kind, flags) in [(T_WRITE_ZEROES, 1), (T_DISCARD, 0)] {
+        b.backend.write(512, &[0xee; 1024]).unwrap();
+        header(&d, kind, 0);
+        segment(&d, seg, 1, 2, flags);
+        assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), rd(seg, 16), wr(ST, 1)]).status, Some(S_OK), "{kind}");
+        let mut back = [0u8; 4096];
+        b.backend.read(0, &mut back).unwrap();
+        assert!(back[..512].iter().all(|&x| x == 0xee) && back[512..1536].iter().all(|&x| x == 0), "{kind}");
+        assert!(back[1536..].iter().all(|&x| x == 0xee), "{kind}: only the range");
+    }
+    let sectors = (1u64 << 20) / SECTOR;
+    for (kind, sector, n, flags, want) in [
+        (T_DISCARD, 0, 1, 1, S_UNSUPP),                    // unmap is not a discard flag
+        (T_WRITE_ZEROES, 0, 1, 2, S_UNSUPP),               // unknown flag
+        (T_WRITE_ZEROES, sectors - 1, 2, 0, S_IOERR),      // past the end
+        (T_WRITE_ZEROES, u64::MAX / 2, 1, 0, S_IOERR),     // overflows
+        (T_DISCARD, 0, MAX_RANGE_SECTORS + 1, 0, S_IOERR), // more than advertised
+    ] {
+        header(&d, kind, 0);
+        segment(&d, seg, sector, n, flags);
+        assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), rd(seg, 16), wr(ST, 1)]).status, Some(want), "{kind} {sector} {n}");
+    }
+    // No segment, a partial one, two segments (max 1).
+    header(&d, T_DISCARD, 0);
+    for segs in [&[][..], &[rd(seg, 8)][..], &[rd(seg, 32)][..]] {
+        let chain: Vec<Desc> = [rd(HDR, 16)].iter().chain(segs).chain(&[wr(ST, 1)]).copied().collect();
+        assert_eq!(b.handle(&d.mem, &chain).status, Some(S_IOERR), "{segs:?}");
+    }
 }

@@ -12,8 +12,7 @@
 //! DEVICE_NEEDS_RESET until it resets it.
 //!
 //! Not yet: VIRTIO_PCI_CAP_PCI_CFG (the spec's alternative access window;
-//! Linux does not use it), DISCARD and WRITE_ZEROES, the file backend, the
-//! polled mode.
+//! Linux does not use it), the file backend, the polled mode, more queues.
 
 use super::blk::{self, Blk};
 use super::queue::{Queue, MAX_QUEUE_SIZE};
@@ -32,11 +31,14 @@ pub const DEVICE: u16 = 0x1042;
 pub const F_SEG_MAX: u64 = 1 << 2;
 pub const F_BLK_SIZE: u64 = 1 << 6;
 pub const F_FLUSH: u64 = 1 << 9;
+pub const F_DISCARD: u64 = 1 << 13;
+pub const F_WRITE_ZEROES: u64 = 1 << 14;
 pub const F_INDIRECT_DESC: u64 = 1 << 28;
 pub const F_EVENT_IDX: u64 = 1 << 29;
 pub const F_VERSION_1: u64 = 1 << 32;
 /// What the device offers.
-pub const FEATURES: u64 = F_SEG_MAX | F_BLK_SIZE | F_FLUSH | F_INDIRECT_DESC | F_EVENT_IDX | F_VERSION_1;
+pub const FEATURES: u64 =
+    F_SEG_MAX | F_BLK_SIZE | F_FLUSH | F_DISCARD | F_WRITE_ZEROES | F_INDIRECT_DESC | F_EVENT_IDX | F_VERSION_1;
 /// Device status bits (2.1).
 pub const S_ACKNOWLEDGE: u8 = 1;
 pub const S_DRIVER: u8 = 2;
@@ -225,9 +227,8 @@ impl VirtioBlk {
                     break; // the stop's own kick is not the guest's
                 }
                 if let Ok(n) = k.read() {
-                    let mut st = crate::lock(&state);
-                    st.st.kicks += n;
-                    st.serve();
+                    crate::lock(&state).st.kicks += n;
+                    while crate::lock(&state).serve() {}
                 }
             }
         });
@@ -287,6 +288,15 @@ impl State {
         r[0..8].copy_from_slice(&(self.blk.size / blk::SECTOR).to_le_bytes());
         r[12..16].copy_from_slice(&SEG_MAX.to_le_bytes());
         r[20..24].copy_from_slice(&(blk::SECTOR as u32).to_le_bytes());
+        // max_discard_sectors, max_discard_seg, discard_sector_alignment,
+        // max_write_zeroes_sectors, max_write_zeroes_seg, write_zeroes_may_unmap.
+        for (at, v) in [(36, blk::MAX_RANGE_SECTORS), (40, blk::MAX_RANGE_SEGS), (44, 1)]
+            .into_iter()
+            .chain([(48, blk::MAX_RANGE_SECTORS), (52, blk::MAX_RANGE_SEGS)])
+        {
+            r[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        r[56] = 1;
         r
     }
 
@@ -380,14 +390,19 @@ impl State {
         }
     }
 
-    /// Serves every available request, then re-arms notifications.
-    fn serve(&mut self) {
+    /// Serves available requests, at most a ring's worth, then re-arms
+    /// notifications. True if it stopped with more to do: the device thread
+    /// then lets go of the lock before the next pass, so a driver that keeps
+    /// the queue full cannot hold register accesses off.
+    fn serve(&mut self) -> bool {
         if self.status & S_DRIVER_OK == 0 || self.status & S_NEEDS_RESET != 0 || !self.queue.ready {
-            return;
+            return false;
         }
-        let Some(mem) = self.ctx.as_ref().map(|c| c.mem.clone()) else { return };
+        let Some(mem) = self.ctx.as_ref().map(|c| c.mem.clone()) else { return false };
         let mut irq = false;
-        loop {
+        let mut more = false;
+        for _ in 0..=self.queue.num {
+            more = true;
             match self.queue.pop(&mem) {
                 Ok(Some(c)) => {
                     let done = self.blk.handle(&mem, &c.descs);
@@ -397,20 +412,33 @@ impl State {
                     }
                     match self.queue.push_used(&mem, c.head, done.written) {
                         Ok(i) => irq |= i,
-                        Err(e) => return self.broken(&format!("used ring: {e}")),
+                        Err(e) => {
+                            self.broken(&format!("used ring: {e}"));
+                            return false;
+                        }
                     }
                 }
                 Ok(None) => match self.queue.set_notify(&mem, true) {
                     Ok(a) if a != self.queue.next_avail() => continue, // raced in
-                    Ok(_) => break,
-                    Err(e) => return self.broken(&format!("used ring: {e}")),
+                    Ok(_) => {
+                        more = false;
+                        break;
+                    }
+                    Err(e) => {
+                        self.broken(&format!("used ring: {e}"));
+                        return false;
+                    }
                 },
-                Err(e) => return self.broken(&format!("queue 0: {e}")),
+                Err(e) => {
+                    self.broken(&format!("queue 0: {e}"));
+                    return false;
+                }
             }
         }
         if irq {
             self.interrupt(self.queue_vector, 1);
         }
+        more
     }
 
     /// Raises `vector` (MSI-X enabled) or INTx with ISR bit `isr_bit`.
@@ -510,8 +538,9 @@ impl DeviceModel for VirtioBlk {
             o if o < COMMON_LEN => s.common_write(o, data),
             o if (NOTIFY..NOTIFY + NOTIFY_MULT as u64).contains(&o) => {
                 s.st.notifies += 1;
+                // The vCPU that wrote is waiting here: nothing else adds to the ring.
                 if le_value(data) == 0 {
-                    s.serve();
+                    while s.serve() {}
                 }
             }
             _ => {}

@@ -102,6 +102,8 @@ fn a_driver_negotiates_and_does_io() {
     assert_eq!(r.r(DEVCFG, 8), (1 << 20) / 512, "capacity in sectors");
     assert_eq!(r.r(DEVCFG + 20, 4), 512, "blk_size");
     assert_eq!(r.r(DEVCFG + 12, 4), SEG_MAX as u64);
+    assert_eq!((r.r(DEVCFG + 36, 4), r.r(DEVCFG + 40, 4)), (blk::MAX_RANGE_SECTORS as u64, 1), "discard limits");
+    assert_eq!((r.r(DEVCFG + 48, 4), r.r(DEVCFG + 52, 4)), (blk::MAX_RANGE_SECTORS as u64, 1), "write zeroes limits");
     let buf = DATA + 0x4000;
     r.d.ram.write_slice(&[0x5a; 4096], GuestAddress(buf)).unwrap();
     assert_eq!(r.request(0, T_OUT, 16, buf, 4096), S_OK);
@@ -239,4 +241,26 @@ fn ioeventfd_mode_serves_kicks_on_the_device_thread() {
     let c = r.dev.counters();
     assert_eq!(c.iter().find(|x| x.name == "kicks").unwrap().value, 1);
     assert_eq!(c.iter().find(|x| x.name == "notifies").unwrap().value, 0);
+}
+
+#[test]
+fn one_notify_serves_a_full_ring() {
+    let mut r = rig(cfg(BackendKind::Null));
+    assert!(r.init(F_VERSION_1 | F_EVENT_IDX));
+    // Eight requests, each through an indirect table of its own.
+    for h in 0..8u16 {
+        let table = DATA + 0x1000 + 0x100 * h as u64;
+        r.d.chain_at(table, 0, &[(DATA, 16, false), (DATA + 0x100 + h as u64, 1, true)]);
+        r.d.indirect(h, table, 2);
+        r.d.publish(h);
+    }
+    r.d.ram.write_slice(&[4u8, 0, 0, 0], GuestAddress(DATA)).unwrap(); // FLUSH
+    r.w(NOTIFY, 0, 2);
+    assert_eq!(r.d.used_idx(), 8);
+    assert_eq!(r.d.avail_event(), 8);
+    // A notify for another queue (there is none) serves nothing.
+    r.d.chain(0, &[(DATA, 16, false), (DATA + 0x100, 1, true)]);
+    r.d.publish(0);
+    r.w(NOTIFY, 1, 2);
+    assert_eq!(r.d.used_idx(), 8);
 }
