@@ -5,7 +5,7 @@ use std::process::Command;
 
 #[test]
 fn the_guest_finds_virtio_blk_with_its_bar_placed() {
-    for spec in ["virtio-blk,backend=ram", "virtio-blk,backend=null,notify=ioeventfd"] {
+    for spec in ["virtio-blk,backend=ram", "virtio-blk,backend=null,notify=ioeventfd", "virtio-blk,notify=poll"] {
         let out = Command::new(env!("CARGO_BIN_EXE_iopath"))
             .args(["run", "--device", spec, "--append", "batches=1 batch_us=200 only=cpuid"])
             .output()

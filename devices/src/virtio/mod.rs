@@ -4,6 +4,7 @@
 pub mod blk;
 pub mod pci;
 pub mod queue;
+mod worker;
 
 #[cfg(test)]
 mod fake;
@@ -13,7 +14,7 @@ use crate::{Error, Result};
 use pci::VirtioBlkConfig;
 
 /// Parses virtio-blk's `KEY=VALUE` options: `backend=null|ram`,
-/// `size_mb=N` (1 ..= 1048576), `notify=exit|ioeventfd`.
+/// `size_mb=N` (1 ..= 1048576), `notify=exit|ioeventfd|poll`.
 pub fn parse_blk(opts: &[(String, String)]) -> Result<VirtioBlkConfig> {
     let err = |k: &str, reason: String| Error::Option { device: "virtio-blk", option: k.into(), reason };
     let mut c = VirtioBlkConfig::default();

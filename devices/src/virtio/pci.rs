@@ -8,7 +8,7 @@
 //! area exits, and the queue is served on the vCPU thread in
 //! [`bar_write`](DeviceModel::bar_write)) or `ioeventfd` (the notify
 //! address is a KVM ioeventfd; the `virtio-blk` thread wakes and serves the
-//! queue). A driver that breaks the ring puts the device in
+//! queue) or `poll` (that thread polls the ring, see [`worker`](super::worker)). A driver that breaks the ring puts the device in
 //! DEVICE_NEEDS_RESET until it resets it.
 //!
 //! Not yet: VIRTIO_PCI_CAP_PCI_CFG (the spec's alternative access window;
@@ -74,6 +74,10 @@ pub enum NotifyMode {
     Exit,
     /// The notify address is a KVM ioeventfd; a device thread serves the queue.
     Ioeventfd,
+    /// A device thread polls the available ring with notifications
+    /// suppressed; idle for [`POLL_IDLE`](super::worker::POLL_IDLE), it
+    /// re-enables them and sleeps on the ioeventfd.
+    Poll,
 }
 
 impl std::str::FromStr for NotifyMode {
@@ -82,10 +86,11 @@ impl std::str::FromStr for NotifyMode {
         match s {
             "exit" => Ok(NotifyMode::Exit),
             "ioeventfd" => Ok(NotifyMode::Ioeventfd),
+            "poll" => Ok(NotifyMode::Poll),
             _ => Err(Error::Option {
                 device: "virtio-blk",
                 option: "notify".into(),
-                reason: format!("{s:?} (exit, ioeventfd)"),
+                reason: format!("{s:?} (exit, ioeventfd, poll)"),
             }),
         }
     }
@@ -96,11 +101,12 @@ impl std::fmt::Display for NotifyMode {
         f.write_str(match self {
             NotifyMode::Exit => "exit",
             NotifyMode::Ioeventfd => "ioeventfd",
+            NotifyMode::Poll => "poll",
         })
     }
 }
 
-/// Options of `--device virtio-blk[,backend=null|ram][,size_mb=N][,notify=exit|ioeventfd]`.
+/// Options of `--device virtio-blk[,backend=null|ram][,size_mb=N][,notify=exit|ioeventfd|poll]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VirtioBlkConfig {
     pub backend: BackendKind,
@@ -116,9 +122,11 @@ impl Default for VirtioBlkConfig {
 }
 
 #[derive(Default)]
-struct Stats {
-    notifies: u64,
-    kicks: u64,
+pub(super) struct Stats {
+    pub(super) notifies: u64,
+    pub(super) kicks: u64,
+    /// Times the poller went to sleep on the ioeventfd.
+    pub(super) sleeps: u64,
     requests: u64,
     errors: u64,
     interrupts: u64,
@@ -127,7 +135,7 @@ struct Stats {
 }
 
 /// Register and queue state, behind the device's one lock.
-struct State {
+pub(super) struct State {
     ctx: Option<DeviceContext>,
     blk: Blk,
     msix: MsixTable,
@@ -141,7 +149,9 @@ struct State {
     queue: Queue,
     queue_vector: u16,
     isr: u8,
-    st: Stats,
+    pub(super) st: Stats,
+    /// A poller serves the queue: serve() leaves notifications suppressed.
+    pub(super) polling: bool,
 }
 
 /// The virtio-blk PCI function.
@@ -185,6 +195,7 @@ impl VirtioBlk {
             queue_vector: NO_VECTOR,
             isr: 0,
             st: Stats::default(),
+            polling: false,
         };
         Ok(VirtioBlk { cfg, state: Arc::new(Mutex::new(state)), thread: Mutex::new(None) })
     }
@@ -217,19 +228,13 @@ impl VirtioBlk {
         }
         let stop = Arc::new(AtomicBool::new(false));
         let (k, s, state) = (kick.clone(), stop.clone(), self.state.clone());
+        let poll = self.cfg.notify == NotifyMode::Poll;
         let handle = std::thread::Builder::new().name("virtio-blk".into()).spawn(move || {
             crate::sandbox::enter(crate::sandbox::Role::Device);
-            let mut fds = [libc::pollfd { fd: std::os::fd::AsRawFd::as_raw_fd(&*k), events: libc::POLLIN, revents: 0 }];
-            while !s.load(Ordering::Acquire) {
-                // SAFETY: one valid pollfd; a bounded wait so a stop is seen.
-                unsafe { libc::poll(fds.as_mut_ptr(), 1, 1000) };
-                if s.load(Ordering::Acquire) {
-                    break; // the stop's own kick is not the guest's
-                }
-                if let Ok(n) = k.read() {
-                    crate::lock(&state).st.kicks += n;
-                    while crate::lock(&state).serve() {}
-                }
+            if poll {
+                super::worker::poll_loop(&state, &k, &s)
+            } else {
+                super::worker::kick_loop(&state, &k, &s)
             }
         });
         match handle {
@@ -394,7 +399,7 @@ impl State {
     /// notifications. True if it stopped with more to do: the device thread
     /// then lets go of the lock before the next pass, so a driver that keeps
     /// the queue full cannot hold register accesses off.
-    fn serve(&mut self) -> bool {
+    pub(super) fn serve(&mut self) -> bool {
         if self.status & S_DRIVER_OK == 0 || self.status & S_NEEDS_RESET != 0 || !self.queue.ready {
             return false;
         }
@@ -418,7 +423,7 @@ impl State {
                         }
                     }
                 }
-                Ok(None) => match self.queue.set_notify(&mem, true) {
+                Ok(None) => match self.queue.set_notify(&mem, !self.polling) {
                     Ok(a) if a != self.queue.next_avail() => continue, // raced in
                     Ok(_) => {
                         more = false;
@@ -439,6 +444,31 @@ impl State {
             self.interrupt(self.queue_vector, 1);
         }
         more
+    }
+
+    /// True if the queue is live and the driver has made chains available
+    /// the device has not taken.
+    pub(super) fn has_work(&self) -> bool {
+        let live = self.status & S_DRIVER_OK != 0 && self.status & S_NEEDS_RESET == 0 && self.queue.ready;
+        live && self.ctx.as_ref().is_some_and(|c| self.queue.has_work(&c.mem).unwrap_or(true))
+    }
+
+    /// Sets whether a poller serves the queue, and asks the driver for
+    /// notifications accordingly. True if work is already waiting (a
+    /// poller about to sleep then polls on).
+    pub(super) fn set_polling(&mut self, on: bool) -> bool {
+        self.polling = on;
+        let live = self.status & S_DRIVER_OK != 0 && self.status & S_NEEDS_RESET == 0 && self.queue.ready;
+        match self.ctx.as_ref().map(|c| c.mem.clone()) {
+            Some(mem) if live => match self.queue.set_notify(&mem, !on) {
+                Ok(a) => a != self.queue.next_avail(),
+                Err(e) => {
+                    self.broken(&format!("used ring: {e}"));
+                    false
+                }
+            },
+            _ => false,
+        }
     }
 
     /// Raises `vector` (MSI-X enabled) or INTx with ISR bit `isr_bit`.
@@ -497,7 +527,7 @@ impl DeviceModel for VirtioBlk {
     }
 
     fn attach(&self, ctx: DeviceContext) {
-        if self.cfg.notify == NotifyMode::Ioeventfd {
+        if self.cfg.notify != NotifyMode::Exit {
             self.start_thread(&ctx);
         }
         self.state().ctx = Some(ctx);
@@ -563,6 +593,7 @@ impl DeviceModel for VirtioBlk {
         [
             ("notifies", st.notifies),
             ("kicks", st.kicks),
+            ("sleeps", st.sleeps),
             ("requests", st.requests),
             ("errors", st.errors),
             ("interrupts", st.interrupts),

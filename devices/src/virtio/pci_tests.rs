@@ -264,3 +264,40 @@ fn one_notify_serves_a_full_ring() {
     r.w(NOTIFY, 1, 2);
     assert_eq!(r.d.used_idx(), 8);
 }
+
+/// Waits (bounded, for liveness only) until `f` holds.
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let t = std::time::Instant::now();
+    while !f() {
+        assert!(t.elapsed() < std::time::Duration::from_secs(10), "never: {what}");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn poll_mode_serves_then_sleeps_with_notifications_on() {
+    let d = Driver::new(8);
+    let dev = VirtioBlk::new(VirtioBlkConfig { notify: NotifyMode::Poll, ..cfg(BackendKind::Null) }).unwrap();
+    let io = Arc::new(FakeIoEvents::default());
+    let mut ctx = DeviceContext::detached(d.mem.clone());
+    ctx.ioevents = io.clone();
+    dev.attach(ctx);
+    let (_, kick) = io.0.lock().unwrap().pop().expect("notify registered as an ioeventfd");
+    let mut r = Rig { dev, d, irqs: Arc::new(Irqs::default()) };
+    assert!(r.init(F_VERSION_1 | F_EVENT_IDX));
+    r.d.ram.write_slice(&[4u8, 0, 0, 0], GuestAddress(DATA)).unwrap(); // FLUSH
+    let count = |r: &Rig, n: &str| r.dev.counters().iter().find(|x| x.name == n).unwrap().value;
+    for round in 1..=2u16 {
+        let h = 2 * (round - 1);
+        r.d.chain(h, &[(DATA, 16, false), (DATA + 0x80, 1, true)]);
+        r.d.publish(h);
+        kick.write(1).unwrap();
+        eventually("the request is served", || r.d.used_idx() == round);
+        // Idle, the poller turns notifications back on and sleeps.
+        eventually("the poller sleeps", || count(&r, "sleeps") == round as u64);
+        assert_eq!(r.d.avail_event(), round, "notify me for the next request");
+    }
+    r.dev.quiesce();
+    assert_eq!(count(&r, "notifies"), 0);
+    assert_eq!(count(&r, "kicks"), 2);
+}
