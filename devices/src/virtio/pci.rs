@@ -400,7 +400,7 @@ impl State {
     /// then lets go of the lock before the next pass, so a driver that keeps
     /// the queue full cannot hold register accesses off.
     pub(super) fn serve(&mut self) -> bool {
-        if self.status & S_DRIVER_OK == 0 || self.status & S_NEEDS_RESET != 0 || !self.queue.ready {
+        if !self.live() {
             return false;
         }
         let Some(mem) = self.ctx.as_ref().map(|c| c.mem.clone()) else { return false };
@@ -446,11 +446,17 @@ impl State {
         more
     }
 
+    /// The device serves its queue: features accepted, DRIVER_OK, the
+    /// queue enabled, and no protocol error since the last reset.
+    fn live(&self) -> bool {
+        let ok = S_FEATURES_OK | S_DRIVER_OK;
+        self.status & ok == ok && self.status & (S_NEEDS_RESET | S_FAILED) == 0 && self.queue.ready
+    }
+
     /// True if the queue is live and the driver has made chains available
     /// the device has not taken.
     pub(super) fn has_work(&self) -> bool {
-        let live = self.status & S_DRIVER_OK != 0 && self.status & S_NEEDS_RESET == 0 && self.queue.ready;
-        live && self.ctx.as_ref().is_some_and(|c| self.queue.has_work(&c.mem).unwrap_or(true))
+        self.live() && self.ctx.as_ref().is_some_and(|c| self.queue.has_work(&c.mem).unwrap_or(true))
     }
 
     /// Sets whether a poller serves the queue, and asks the driver for
@@ -458,7 +464,7 @@ impl State {
     /// poller about to sleep then polls on).
     pub(super) fn set_polling(&mut self, on: bool) -> bool {
         self.polling = on;
-        let live = self.status & S_DRIVER_OK != 0 && self.status & S_NEEDS_RESET == 0 && self.queue.ready;
+        let live = self.live();
         match self.ctx.as_ref().map(|c| c.mem.clone()) {
             Some(mem) if live => match self.queue.set_notify(&mem, !on) {
                 Ok(a) => a != self.queue.next_avail(),

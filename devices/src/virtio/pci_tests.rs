@@ -131,6 +131,19 @@ fn features_without_version_1_or_unoffered_are_refused() {
     let r = rig(cfg(BackendKind::Null));
     assert!(!r.init(F_EVENT_IDX), "legacy driver");
     assert!(!r.init(F_VERSION_1 | 1 << 40), "a feature never offered");
+    // DRIVER_OK without FEATURES_OK: the queue is not served.
+    r.w(0x16, 0, 2);
+    r.w(0x18, 8, 2);
+    r.w(0x20, DESC, 8);
+    r.w(0x28, AVAIL, 8);
+    r.w(0x30, USED, 8);
+    r.w(0x1c, 1, 2);
+    r.w(0x14, (S_ACKNOWLEDGE | S_DRIVER | S_DRIVER_OK) as u64, 1);
+    let mut r = r;
+    assert_eq!(r.request(0, T_IN, 0, DATA + 0x4000, 512), 0xaa, "not served");
+    assert_eq!(r.d.used_idx(), 0);
+    r.d.avail_idx = 0;
+    r.d.w16(AVAIL + 2, 0);
     assert!(r.init(F_VERSION_1));
 }
 
