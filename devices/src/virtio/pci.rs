@@ -11,8 +11,7 @@
 //! queue) or `poll` (that thread polls the ring, see [`worker`](super::worker)). A driver that breaks the ring puts the device in
 //! DEVICE_NEEDS_RESET until it resets it.
 //!
-//! Not yet: VIRTIO_PCI_CAP_PCI_CFG (the spec's alternative access window;
-//! Linux does not use it), the file backend, the polled mode, more queues.
+//! Not yet: the file backend, more queues.
 
 use super::blk::{self, Blk};
 use super::queue::{Queue, MAX_QUEUE_SIZE};
@@ -159,7 +158,18 @@ pub struct VirtioBlk {
     cfg: VirtioBlkConfig,
     state: Arc<Mutex<State>>,
     thread: Mutex<Option<Worker>>,
+    /// The guest-writable bytes of the VIRTIO_PCI_CAP_PCI_CFG capability
+    /// (bar, offset, length, data), as the guest wrote them.
+    pci_cfg: Mutex<[u8; PCI_CFG_BODY]>,
 }
+
+/// Where the VIRTIO_PCI_CAP_PCI_CFG capability sits, and its body length
+/// (cap_len, cfg_type, bar, id, padding, offset, length, pci_cfg_data).
+const PCI_CFG_CAP: usize = 0x98;
+const PCI_CFG_BODY: usize = 18;
+/// Body offsets of its fields.
+const PCI_CFG_BAR: usize = 2;
+const PCI_CFG_DATA: usize = 14;
 
 struct Worker {
     kick: Arc<EventFd>,
@@ -197,7 +207,8 @@ impl VirtioBlk {
             st: Stats::default(),
             polling: false,
         };
-        Ok(VirtioBlk { cfg, state: Arc::new(Mutex::new(state)), thread: Mutex::new(None) })
+        let pci_cfg = Mutex::new([0u8; PCI_CFG_BODY]);
+        Ok(VirtioBlk { cfg, state: Arc::new(Mutex::new(state)), thread: Mutex::new(None), pci_cfg })
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -242,6 +253,38 @@ impl VirtioBlk {
             Err(e) => {
                 let _ = ctx.ioevents.unregister(spec, &kick);
                 log::warn!("virtio-blk: thread: {e}; notifications will exit");
+            }
+        }
+    }
+}
+
+impl VirtioBlk {
+    /// The PCI_CFG window the guest set: (bar, offset, length 1, 2 or 4,
+    /// aligned), or None if it is not one the device serves.
+    fn pci_cfg_window(&self) -> Option<(u8, u64, usize)> {
+        let c = *crate::lock(&self.pci_cfg);
+        let off = u32::from_le_bytes(c[6..10].try_into().unwrap()) as u64;
+        let len = u32::from_le_bytes(c[10..14].try_into().unwrap()) as usize;
+        let ok = c[PCI_CFG_BAR] == 0 && matches!(len, 1 | 2 | 4) && off.is_multiple_of(len as u64);
+        ok.then_some((0, off, len))
+    }
+
+    /// Keeps the guest's writes to the PCI_CFG capability; a write of
+    /// pci_cfg_data writes the BAR through the window.
+    fn pci_cfg_write(&self, offset: usize, data: &[u8]) {
+        let body = PCI_CFG_CAP + 2;
+        {
+            let mut c = crate::lock(&self.pci_cfg);
+            for (i, &b) in data.iter().enumerate() {
+                let Some(k) = (offset + i).checked_sub(body).filter(|&k| k < PCI_CFG_BODY) else { continue };
+                if k == PCI_CFG_BAR || k >= 6 {
+                    c[k] = b;
+                }
+            }
+        }
+        if offset == body + PCI_CFG_DATA && data.len() == 4 {
+            if let Some((bar, off, len)) = self.pci_cfg_window() {
+                self.bar_write(bar, off, &data[..len]);
             }
         }
     }
@@ -611,7 +654,21 @@ impl DeviceModel for VirtioBlk {
         .collect()
     }
 
+    fn config_read(&self, offset: usize, data: &mut [u8]) -> bool {
+        // pci_cfg_data reads the BAR through the window (4.1.4.9).
+        let at = PCI_CFG_CAP + 2 + PCI_CFG_DATA;
+        if offset != at || data.len() != 4 {
+            return false;
+        }
+        data.fill(0);
+        if let Some((bar, off, len)) = self.pci_cfg_window() {
+            self.bar_read(bar, off, &mut data[..len]);
+        }
+        true
+    }
+
     fn config_write(&self, offset: usize, data: &[u8]) {
+        self.pci_cfg_write(offset, data);
         let mut s = self.state();
         if s.msix.config_write(offset, data) {
             for v in 0..MSIX_VECTORS as usize {
@@ -638,6 +695,16 @@ impl DeviceModel for VirtioBlk {
             vcap(0x60, 2, NOTIFY, NOTIFY_MULT as u64, Some(NOTIFY_MULT)),
             vcap(0x78, 3, ISR, 1, None),
             vcap(0x88, 4, DEVCFG, DEVCFG_LEN, None),
+            {
+                // VIRTIO_PCI_CAP_PCI_CFG: bar, offset, length and data are the guest's.
+                let mut c = vcap(PCI_CFG_CAP, 5, 0, 0, Some(0));
+                c.body[0] = 20;
+                let mut w = vec![0u8; PCI_CFG_BODY];
+                w[PCI_CFG_BAR] = 0xff;
+                w[6..].fill(0xff);
+                c.wmask = w;
+                c
+            },
         ]
     }
 }

@@ -314,3 +314,31 @@ fn poll_mode_serves_then_sleeps_with_notifications_on() {
     assert_eq!(count(&r, "notifies"), 0);
     assert_eq!(count(&r, "kicks"), 2);
 }
+
+#[test]
+fn the_pci_cfg_window_reaches_the_bar() {
+    let r = rig(cfg(BackendKind::Null));
+    let body = 0x98 + 2;
+    let cw = |off: usize, v: u32| r.dev.config_write(off, &v.to_le_bytes());
+    // Window: BAR 0, the device status byte (common config 0x14), 1 byte.
+    r.dev.config_write(body + 2, &[0]);
+    cw(body + 6, 0x14);
+    cw(body + 10, 1);
+    cw(body + 14, S_ACKNOWLEDGE as u32);
+    assert_eq!(r.status(), S_ACKNOWLEDGE);
+    let mut d = [0u8; 4];
+    assert!(r.dev.config_read(body + 14, &mut d));
+    assert_eq!(d, [S_ACKNOWLEDGE, 0, 0, 0]);
+    // A window of 3 bytes, a misaligned one, or another BAR does nothing.
+    for (bar, off, len) in [(0u8, 0x14u32, 3u32), (0, 0x13, 2), (2, 0x14, 1)] {
+        r.dev.config_write(body + 2, &[bar]);
+        cw(body + 6, off);
+        cw(body + 10, len);
+        cw(body + 14, 0);
+        assert_eq!(r.status(), S_ACKNOWLEDGE, "{bar} {off:#x} {len}");
+        assert!(r.dev.config_read(body + 14, &mut d));
+        assert_eq!(d, [0; 4]);
+    }
+    // Other configuration reads are the host header's.
+    assert!(!r.dev.config_read(body + 6, &mut d));
+}
