@@ -170,7 +170,7 @@ impl fmt::Display for DeviceConfig {
             }
         }
         if let DeviceConfig::VirtioBlk(c) = self {
-            write!(f, ",backend={},size_mb={},notify={}", c.backend, c.size >> 20, c.notify)?;
+            write!(f, ",backend={},size_mb={},notify={}", escape(&c.backend.to_string()), c.size >> 20, c.notify)?;
         }
         Ok(())
     }
@@ -190,6 +190,7 @@ mod tests {
             "nvme,doorbell=shm,backend=ram,size_mb=8,lba=512,pollers=2",
             "virtio-blk,backend=null,size_mb=64,notify=ioeventfd",
             "virtio-blk,backend=ram,size_mb=1,notify=poll",
+            "virtio-blk,backend=file:/tmp/v,,b@@c.img,size_mb=8,notify=exit",
             "virtio-blk,backend=ram,size_mb=8,notify=exit",
         ] {
             let c: DeviceConfig = s.parse().unwrap();
@@ -215,7 +216,7 @@ mod tests {
         assert!(e("nvme,doorbell").contains("KEY=VALUE"));
         assert!(e("pci-testdev,x=1").contains("no options"));
         assert!(e("nvme9").contains("unknown device"));
-        for bad in ["notify=spin", "backend=file:/x", "size_mb=0", "size_mb=9999999", "lba=512"] {
+        for bad in ["notify=spin", "backend=disk", "size_mb=0", "size_mb=9999999", "lba=512"] {
             assert!(e(&format!("virtio-blk,{bad}")).contains(bad.split('=').next().unwrap()), "{bad}");
         }
     }

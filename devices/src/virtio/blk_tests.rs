@@ -154,3 +154,22 @@ fn write_zeroes_and_discard_zero_the_range_and_check_it() {
         assert_eq!(b.handle(&d.mem, &chain).status, Some(S_IOERR), "{segs:?}");
     }
 }
+
+#[test]
+fn a_file_disk_keeps_data_synchronously() {
+    let path = std::env::temp_dir().join(format!("iopath-vblk-{}.img", std::process::id()));
+    let backend = crate::nvme::backend::Backend::open(&BackendKind::File(path.clone()), 1 << 20).unwrap();
+    let mut b = Blk::new(backend, 1 << 20, "f");
+    let d = Driver::new(8);
+    d.ram.write_slice(&[0x3c; 512], GuestAddress(BUF)).unwrap();
+    header(&d, T_OUT, 2);
+    assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), rd(BUF, 512), wr(ST, 1)]).status, Some(S_OK));
+    header(&d, T_FLUSH, 0);
+    assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), wr(ST, 1)]).status, Some(S_OK));
+    let on_disk = std::fs::read(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(&on_disk[1024..1536], &[0x3c; 512][..]);
+    header(&d, T_IN, 2);
+    assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), wr(BUF + 0x1000, 512), wr(ST, 1)]).status, Some(S_OK));
+    assert_eq!(d.ram.read_obj::<u8>(GuestAddress(BUF + 0x1000)).unwrap(), 0x3c);
+}

@@ -9,23 +9,17 @@ mod worker;
 #[cfg(test)]
 mod fake;
 
-use crate::nvme::backend::BackendKind;
 use crate::{Error, Result};
 use pci::VirtioBlkConfig;
 
-/// Parses virtio-blk's `KEY=VALUE` options: `backend=null|ram`,
+/// Parses virtio-blk's `KEY=VALUE` options: `backend=null|ram|file:PATH`,
 /// `size_mb=N` (1 ..= 1048576), `notify=exit|ioeventfd|poll`.
 pub fn parse_blk(opts: &[(String, String)]) -> Result<VirtioBlkConfig> {
     let err = |k: &str, reason: String| Error::Option { device: "virtio-blk", option: k.into(), reason };
     let mut c = VirtioBlkConfig::default();
     for (k, v) in opts {
         match k.as_str() {
-            "backend" => {
-                c.backend = match v.parse::<BackendKind>()? {
-                    BackendKind::File(_) => return Err(err(k, "file backends are not implemented yet".into())),
-                    b => b,
-                }
-            }
+            "backend" => c.backend = v.parse::<crate::nvme::backend::BackendKind>()?,
             "size_mb" => match v.parse::<u64>() {
                 Ok(mb) if (1..=1 << 20).contains(&mb) => c.size = mb << 20,
                 _ => return Err(err(k, format!("{v:?} MiB (1 ..= 1048576)"))),
