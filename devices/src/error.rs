@@ -11,7 +11,7 @@ pub enum Error {
     #[error("{device}: {option}: {reason}")]
     Option { device: &'static str, option: String, reason: String },
     /// A device name nobody implements.
-    #[error("unknown device {0:?} (one of pci-testdev, iopath-doorbell, nvme)")]
+    #[error("unknown device {0:?} (one of pci-testdev, iopath-doorbell, nvme, virtio-blk)")]
     UnknownDevice(String),
     /// A host resource the device needs (memfd, eventfd, thread, file).
     #[error("{what}: {source}")]

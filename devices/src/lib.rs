@@ -16,6 +16,7 @@ pub mod pci;
 pub mod sandbox;
 pub mod spec;
 pub mod testdev;
+pub mod virtio;
 
 pub use error::{Error, Result};
 pub use mem::{DmaPort, GuestMem};

@@ -9,13 +9,14 @@
 
 use crate::nvme::backend::BackendKind;
 use crate::nvme::{DoorbellMode, NvmeConfig};
+use crate::virtio::pci::{VirtioBlk, VirtioBlkConfig};
 use crate::{doorbell, nvme, testdev, Error, Result, SharedDevice};
 use std::fmt;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
 /// Device models by name, as `iopath serve` and `--device` name them.
-pub const DEVICE_NAMES: &[&str] = &["pci-testdev", "iopath-doorbell", "nvme"];
+pub const DEVICE_NAMES: &[&str] = &["pci-testdev", "iopath-doorbell", "nvme", "virtio-blk"];
 
 /// One device model with its options.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,6 +27,8 @@ pub enum DeviceConfig {
     Doorbell,
     /// The NVMe controller.
     Nvme(NvmeConfig),
+    /// virtio-blk on the modern PCI transport.
+    VirtioBlk(VirtioBlkConfig),
 }
 
 impl DeviceConfig {
@@ -34,6 +37,7 @@ impl DeviceConfig {
             DeviceConfig::PciTestDev => "pci-testdev",
             DeviceConfig::Doorbell => "iopath-doorbell",
             DeviceConfig::Nvme(_) => "nvme",
+            DeviceConfig::VirtioBlk(_) => "virtio-blk",
         }
     }
 
@@ -43,6 +47,7 @@ impl DeviceConfig {
             DeviceConfig::PciTestDev => Arc::new(Mutex::new(testdev::PciTestDev::new())),
             DeviceConfig::Doorbell => Arc::new(Mutex::new(doorbell::Doorbell::new())),
             DeviceConfig::Nvme(c) => Arc::new(nvme::Nvme::new(c.clone())?),
+            DeviceConfig::VirtioBlk(c) => Arc::new(VirtioBlk::new(c.clone())?),
         })
     }
 }
@@ -147,6 +152,7 @@ impl FromStr for DeviceConfig {
                 c.validate()?;
                 Ok(DeviceConfig::Nvme(c))
             }
+            "virtio-blk" => crate::virtio::parse_blk(&opts).map(DeviceConfig::VirtioBlk),
             _ => Err(Error::UnknownDevice(name.to_string())),
         }
     }
@@ -162,6 +168,9 @@ impl fmt::Display for DeviceConfig {
             if c.pollers != 1 {
                 write!(f, ",pollers={}", c.pollers)?;
             }
+        }
+        if let DeviceConfig::VirtioBlk(c) = self {
+            write!(f, ",backend={},size_mb={},notify={}", escape(&c.backend.to_string()), c.size >> 20, c.notify)?;
         }
         Ok(())
     }
@@ -179,6 +188,10 @@ mod tests {
             "nvme,doorbell=bar,backend=null,size_mb=64,lba=4096",
             "nvme,doorbell=shm,backend=file:/tmp/a,,b@@c.img,size_mb=8,lba=512",
             "nvme,doorbell=shm,backend=ram,size_mb=8,lba=512,pollers=2",
+            "virtio-blk,backend=null,size_mb=64,notify=ioeventfd",
+            "virtio-blk,backend=ram,size_mb=1,notify=poll",
+            "virtio-blk,backend=file:/tmp/v,,b@@c.img,size_mb=8,notify=exit",
+            "virtio-blk,backend=ram,size_mb=8,notify=exit",
         ] {
             let c: DeviceConfig = s.parse().unwrap();
             assert_eq!(c.to_string(), s);
@@ -203,6 +216,9 @@ mod tests {
         assert!(e("nvme,doorbell").contains("KEY=VALUE"));
         assert!(e("pci-testdev,x=1").contains("no options"));
         assert!(e("nvme9").contains("unknown device"));
+        for bad in ["notify=spin", "backend=disk", "size_mb=0", "size_mb=9999999", "lba=512"] {
+            assert!(e(&format!("virtio-blk,{bad}")).contains(bad.split('=').next().unwrap()), "{bad}");
+        }
     }
 
     #[test]

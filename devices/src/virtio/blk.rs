@@ -1,0 +1,227 @@
+//! virtio-blk requests (virtio 1.2, 5.2.6) on the NVMe device's null and
+//! ram backends ([`Backend`]).
+//!
+//! A request is a chain: a 16-byte header (type, reserved, sector) in
+//! readable buffers, data (readable for OUT, writable for IN and GET_ID),
+//! and a status byte, the last writable byte. Everything is checked: a
+//! request with no room for the status is dropped (used length 0), a bad
+//! header, length or range gets VIRTIO_BLK_S_IOERR, an unknown type
+//! VIRTIO_BLK_S_UNSUPP.
+
+use super::queue::Desc;
+use crate::mem::GuestMem;
+use crate::nvme::backend::Backend;
+
+pub const T_IN: u32 = 0;
+pub const T_OUT: u32 = 1;
+pub const T_FLUSH: u32 = 4;
+pub const T_GET_ID: u32 = 8;
+pub const T_DISCARD: u32 = 11;
+pub const T_WRITE_ZEROES: u32 = 13;
+/// Segments per DISCARD or WRITE_ZEROES request (max_discard_seg, max_write_zeroes_seg).
+pub const MAX_RANGE_SEGS: u32 = 1;
+/// Sectors per DISCARD or WRITE_ZEROES segment (max_discard_sectors,
+/// max_write_zeroes_sectors): bounds the time one request takes.
+pub const MAX_RANGE_SECTORS: u32 = 1 << 16;
+/// The segment flag of WRITE_ZEROES that allows deallocation.
+const SEG_F_UNMAP: u32 = 1;
+pub const S_OK: u8 = 0;
+pub const S_IOERR: u8 = 1;
+pub const S_UNSUPP: u8 = 2;
+/// Sector size of the protocol (capacity and `sector` count these).
+pub const SECTOR: u64 = 512;
+/// Largest data transfer of one request; more is S_IOERR. Bounds the
+/// bounce buffer a guest can make the device allocate.
+pub const MAX_TRANSFER: u64 = 1 << 20;
+/// Length of the GET_ID answer.
+pub const ID_LEN: usize = 20;
+
+/// What a request did, for the used ring and the counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Done {
+    /// Bytes written into the chain's writable buffers (the used length).
+    pub written: u32,
+    /// The status byte written, or None if the chain had no room for it.
+    pub status: Option<u8>,
+    pub kind: u32,
+}
+
+/// A view of a chain's readable or writable buffers as one byte range.
+struct Part<'a> {
+    descs: Vec<&'a Desc>,
+    len: u64,
+}
+
+impl<'a> Part<'a> {
+    fn new(descs: impl Iterator<Item = &'a Desc>) -> Self {
+        let descs: Vec<&Desc> = descs.collect();
+        let len = descs.iter().map(|d| d.len as u64).sum();
+        Part { descs, len }
+    }
+
+    /// Calls `f(gpa, offset in the range, n)` for each piece of `[off, off + len)`.
+    fn each(&self, off: u64, len: u64, mut f: impl FnMut(u64, usize, usize) -> bool) -> bool {
+        let (mut skip, mut left, mut done) = (off, len, 0usize);
+        for d in &self.descs {
+            if left == 0 {
+                break;
+            }
+            let dl = d.len as u64;
+            if skip >= dl {
+                skip -= dl;
+                continue;
+            }
+            let n = (dl - skip).min(left);
+            if !f(d.addr + skip, done, n as usize) {
+                return false;
+            }
+            (skip, left, done) = (0, left - n, done + n as usize);
+        }
+        left == 0
+    }
+
+    fn read(&self, mem: &GuestMem, off: u64, buf: &mut [u8]) -> bool {
+        self.each(off, buf.len() as u64, |gpa, o, n| mem.read_slice(&mut buf[o..o + n], gpa).is_ok())
+    }
+
+    fn write(&self, mem: &GuestMem, off: u64, data: &[u8]) -> bool {
+        self.each(off, data.len() as u64, |gpa, o, n| mem.write_slice(&data[o..o + n], gpa).is_ok())
+    }
+}
+
+/// The block device's request engine: its backend and capacity.
+pub struct Blk {
+    pub backend: Backend,
+    /// Capacity in bytes (a multiple of [`SECTOR`]).
+    pub size: u64,
+    /// The GET_ID answer (NUL-padded).
+    pub id: [u8; ID_LEN],
+    bounce: Vec<u8>,
+}
+
+impl Blk {
+    pub fn new(backend: Backend, size: u64, id: &str) -> Self {
+        let mut b = [0u8; ID_LEN];
+        let n = id.len().min(ID_LEN);
+        b[..n].copy_from_slice(&id.as_bytes()[..n]);
+        Blk { backend, size, id: b, bounce: Vec::new() }
+    }
+
+    /// Serves one request chain (already range-checked by the queue).
+    pub fn handle(&mut self, mem: &GuestMem, descs: &[Desc]) -> Done {
+        let r = Part::new(descs.iter().filter(|d| !d.write));
+        let w = Part::new(descs.iter().filter(|d| d.write));
+        let mut hdr = [0u8; 16];
+        let kind = if r.len >= 16 && r.read(mem, 0, &mut hdr) {
+            u32::from_le_bytes(hdr[0..4].try_into().unwrap())
+        } else {
+            u32::MAX
+        };
+        if w.len == 0 {
+            return Done { written: 0, status: None, kind };
+        }
+        let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap());
+        let data_in = w.len - 1; // writable bytes before the status
+        let data_out = r.len.saturating_sub(16);
+        let (status, written) = match kind {
+            u32::MAX => (S_IOERR, 0),
+            T_IN => match self.range(sector, data_in) {
+                Some(off) => {
+                    let buf = bounce(&mut self.bounce, data_in as usize);
+                    // A null disk transfers no data, as the NVMe null namespace.
+                    let null = matches!(self.backend, Backend::Null);
+                    let ok = self.backend.read(off, buf).is_ok() && (null || w.write(mem, 0, buf));
+                    if ok {
+                        (S_OK, data_in)
+                    } else {
+                        (S_IOERR, 0)
+                    }
+                }
+                None => (S_IOERR, 0),
+            },
+            T_OUT => match self.range(sector, data_out) {
+                Some(off) => {
+                    let buf = bounce(&mut self.bounce, data_out as usize);
+                    let ok = r.read(mem, 16, buf) && self.backend.write(off, buf).is_ok();
+                    (if ok { S_OK } else { S_IOERR }, 0)
+                }
+                None => (S_IOERR, 0),
+            },
+            T_FLUSH => (if self.backend.flush().is_ok() { S_OK } else { S_IOERR }, 0),
+            T_DISCARD | T_WRITE_ZEROES => (self.zero_ranges(mem, &r, data_out, kind), 0),
+            T_GET_ID => {
+                let n = data_in.min(ID_LEN as u64) as usize;
+                if w.write(mem, 0, &self.id[..n]) {
+                    (S_OK, n as u64)
+                } else {
+                    (S_IOERR, 0)
+                }
+            }
+            _ => (S_UNSUPP, 0),
+        };
+        if !w.write(mem, w.len - 1, &[status]) {
+            return Done { written: 0, status: None, kind };
+        }
+        Done { written: (written + 1) as u32, status: Some(status), kind }
+    }
+
+    /// DISCARD and WRITE_ZEROES (5.2.6.2): segments of {sector, num_sectors,
+    /// flags} after the header. Both zero the range (a discarded ram range
+    /// reads as zeros; null keeps nothing anyway).
+    fn zero_ranges(&mut self, mem: &GuestMem, r: &Part<'_>, len: u64, kind: u32) -> u8 {
+        if len == 0 || !len.is_multiple_of(16) || len / 16 > MAX_RANGE_SEGS as u64 {
+            return S_IOERR;
+        }
+        let mut segs = Vec::new();
+        for k in 0..len / 16 {
+            let mut b = [0u8; 16];
+            if !r.read(mem, 16 + 16 * k, &mut b) {
+                return S_IOERR;
+            }
+            let sector = u64::from_le_bytes(b[0..8].try_into().unwrap());
+            let n = u32::from_le_bytes(b[8..12].try_into().unwrap());
+            let flags = u32::from_le_bytes(b[12..16].try_into().unwrap());
+            let known = if kind == T_WRITE_ZEROES { SEG_F_UNMAP } else { 0 };
+            if flags & !known != 0 {
+                return S_UNSUPP;
+            }
+            if n > MAX_RANGE_SECTORS {
+                return S_IOERR;
+            }
+            let Some(off) =
+                sector.checked_mul(SECTOR).filter(|o| o.checked_add(n as u64 * SECTOR).is_some_and(|e| e <= self.size))
+            else {
+                return S_IOERR;
+            };
+            segs.push((off, n as u64 * SECTOR));
+        }
+        for (off, bytes) in segs {
+            if self.backend.zero(off, bytes).is_err() {
+                return S_IOERR;
+            }
+        }
+        S_OK
+    }
+
+    /// The byte offset of a transfer of `len` bytes at `sector`, if it is a
+    /// whole number of sectors, at most [`MAX_TRANSFER`], and inside the disk.
+    fn range(&self, sector: u64, len: u64) -> Option<u64> {
+        if !len.is_multiple_of(SECTOR) || len > MAX_TRANSFER {
+            return None;
+        }
+        let off = sector.checked_mul(SECTOR)?;
+        (off.checked_add(len)? <= self.size).then_some(off)
+    }
+}
+
+/// The first `len` bytes of the bounce buffer, grown to fit (len <= MAX_TRANSFER).
+fn bounce(b: &mut Vec<u8>, len: usize) -> &mut [u8] {
+    if b.len() < len {
+        b.resize(len, 0);
+    }
+    &mut b[..len]
+}
+
+#[cfg(test)]
+#[path = "blk_tests.rs"]
+mod tests;

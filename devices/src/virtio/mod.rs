@@ -1,0 +1,32 @@
+//! virtio 1.x devices: split virtqueues ([`queue`]), the block device
+//! ([`blk`]) and the modern PCI transport ([`pci`]).
+
+pub mod blk;
+pub mod pci;
+pub mod queue;
+mod worker;
+
+#[cfg(test)]
+mod fake;
+
+use crate::{Error, Result};
+use pci::VirtioBlkConfig;
+
+/// Parses virtio-blk's `KEY=VALUE` options: `backend=null|ram|file:PATH`,
+/// `size_mb=N` (1 ..= 1048576), `notify=exit|ioeventfd|poll`.
+pub fn parse_blk(opts: &[(String, String)]) -> Result<VirtioBlkConfig> {
+    let err = |k: &str, reason: String| Error::Option { device: "virtio-blk", option: k.into(), reason };
+    let mut c = VirtioBlkConfig::default();
+    for (k, v) in opts {
+        match k.as_str() {
+            "backend" => c.backend = v.parse::<crate::nvme::backend::BackendKind>()?,
+            "size_mb" => match v.parse::<u64>() {
+                Ok(mb) if (1..=1 << 20).contains(&mb) => c.size = mb << 20,
+                _ => return Err(err(k, format!("{v:?} MiB (1 ..= 1048576)"))),
+            },
+            "notify" => c.notify = v.parse()?,
+            _ => return Err(err(k, "unknown option (backend, size_mb, notify)".into())),
+        }
+    }
+    Ok(c)
+}
