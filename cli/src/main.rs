@@ -61,7 +61,8 @@ enum Cmd {
 #[derive(Args)]
 struct ServeArgs {
     /// The device model and its options: pci-testdev, iopath-doorbell,
-    /// nvme[,doorbell=adaptive|shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096][,pollers=N]
+    /// nvme[,doorbell=adaptive|shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096][,pollers=N],
+    /// virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll]
     /// (a `,` or `@` inside a value is written twice).
     device: iopath_devices::DeviceConfig,
     /// The transport (ioregionfd: vfio-user control and a region fd for each
@@ -120,7 +121,8 @@ struct RunArgs {
     /// iopath's or not (libvfio-user's samples, SPDK's NVMe target, QEMU's
     /// x-vfio-user-server...); its identity, BARs and capabilities come from
     /// the server. NAME: pci-testdev, iopath-doorbell,
-    /// nvme[,doorbell=..][,backend=..][,size_mb=N][,lba=N].
+    /// nvme[,doorbell=..][,backend=..][,size_mb=N][,lba=N],
+    /// virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll].
     /// Default: pci-testdev and iopath-doorbell in the VMM.
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<iopath_protocols::attach::DeviceSpec>,
