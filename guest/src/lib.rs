@@ -9,6 +9,8 @@
 //!
 //! Command-line words (multiboot cmdline, or QEMU `-append`):
 //! `workload=exits|floor tsc_khz=N batches=N batch_us=N only=a,b td_mmio=A td_pio=P`.
+//! `workload=nvme` and `workload=vblk` (a polled virtio-blk driver) take the job words
+//! listed at the top of `c/nvme.c` and `c/virtio.c`.
 
 use std::io;
 use std::path::{Path, PathBuf};
