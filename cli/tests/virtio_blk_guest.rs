@@ -27,9 +27,8 @@ fn num(r: &BTreeMap<String, String>, k: &str) -> u64 {
     r.get(k).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{k} missing in {r:?}"))
 }
 
-/// Boots the image under QEMU with `disk` as a modern virtio-blk-pci; returns the
-/// `@vblk` record and all lines, after checking the run ended with rc=0.
-fn vblk(qemu: &Path, disk: &Path, args: &str) -> (BTreeMap<String, String>, Vec<String>) {
+/// Boots the image under QEMU with `disk` as a modern virtio-blk-pci.
+fn boot(qemu: &Path, disk: &Path, args: &str) -> iopath_bench::qemu::QemuRun {
     let image = iopath_guest::image_file().unwrap();
     let drive = format!("file={},format=raw,if=none,id=d0,cache=none,aio=native", disk.display());
     let extra = ["-drive".to_string(), drive];
@@ -40,7 +39,12 @@ fn vblk(qemu: &Path, disk: &Path, args: &str) -> (BTreeMap<String, String>, Vec<
         &extra,
         &["virtio-blk-pci,drive=d0,disable-legacy=on"],
     );
-    let q = iopath_bench::qemu::run_args(qemu, a, None, Duration::from_secs(120), |_| {}).unwrap();
+    iopath_bench::qemu::run_args(qemu, a, None, Duration::from_secs(120), |_| {}).unwrap()
+}
+
+/// [`boot`]; returns the `@vblk` record and all lines, after checking the run ended with rc=0.
+fn vblk(qemu: &Path, disk: &Path, args: &str) -> (BTreeMap<String, String>, Vec<String>) {
+    let q = boot(qemu, disk, args);
     // isa-debug-exit turns the guest's code 0 into QEMU's status 1.
     assert_eq!(q.status, Some(1), "{args}: {}\n{:?}", q.stderr, q.lines);
     let rec = iopath_bench::record::find_record(&q.lines, "vblk")
@@ -101,4 +105,18 @@ fn vblk_without_event_idx_notifies_unless_the_device_says_no() {
     let (rec, _) = vblk(&qemu, &d.0, "rw=randwrite bs=4096 iodepth=4 time_ms=200 event_idx=0");
     assert_eq!(num(&rec, "event_idx"), 0);
     assert!(num(&rec, "ios") > 0 && num(&rec, "notifies") > 0, "{rec:?}");
+}
+
+#[test]
+fn vblk_refuses_a_queue_size_that_is_no_power_of_two_with_one_error() {
+    let qemu = qemu();
+    let d = disk("qsize");
+    let q = boot(&qemu, &d.0, "rw=randread qsize=12 time_ms=100");
+    // isa-debug-exit: the guest's code 1 is QEMU's status 3.
+    assert_eq!(q.status, Some(3), "{:?}", q.lines);
+    let errors: Vec<_> = q.lines.iter().filter(|l| l.starts_with("@vblk-error")).collect();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].contains("queue size is not a power of 2"), "{errors:?}");
+    assert!(q.lines.iter().any(|l| l == "@done rc=1"));
+    assert!(!q.lines.iter().any(|l| l.starts_with("@vblk ")), "no job runs");
 }

@@ -189,11 +189,12 @@ static int find_caps(const struct pci_dev *d)
 static void set_status(u8 st) { mmio_write8(common + CC_STATUS, st); }
 static u8 get_status(void) { return mmio_read8(common + CC_STATUS); }
 
-static int fail(const char *what)
+/* Reports what went wrong, sets FAILED; 0 is bring_up's error value. */
+static u64 fail(const char *what)
 {
     printf("@vblk-error %s (status 0x%x)\n", what, get_status());
     set_status(get_status() | ST_FAILED);
-    return -1;
+    return 0;
 }
 
 /* Reset, features, queue 0, DRIVER_OK. Returns the capacity in sectors, 0 on error. */
@@ -215,7 +216,7 @@ static u64 bring_up(u32 want_qs)
     mmio_write32(common + CC_DFSELECT, 1);
     offered |= (u64)mmio_read32(common + CC_DF) << 32;
     if (!(offered & F_VERSION_1))
-        return (u64)fail("the device does not offer VIRTIO_F_VERSION_1");
+        return fail("the device does not offer VIRTIO_F_VERSION_1");
     u64 want = F_VERSION_1 | (cmdline_u64("event_idx", 1) ? F_EVENT_IDX : 0);
     u64 feat = offered & want;
     mmio_write32(common + CC_GFSELECT, 0);
@@ -224,11 +225,11 @@ static u64 bring_up(u32 want_qs)
     mmio_write32(common + CC_GF, (u32)(feat >> 32));
     set_status(ST_ACK | ST_DRIVER | ST_FEATURES_OK);
     if (!(get_status() & ST_FEATURES_OK))
-        return (u64)fail("FEATURES_OK not accepted");
+        return fail("FEATURES_OK not accepted");
     event_idx = (feat & F_EVENT_IDX) != 0;
     mmio_write16(common + CC_MSIX, 0xffff);
     if (mmio_read16(common + CC_NUMQ) < 1)
-        return (u64)fail("no virtqueue");
+        return fail("no virtqueue");
     mmio_write16(common + CC_QSELECT, 0);
     u32 max = mmio_read16(common + CC_QSIZE);
     u32 n = want_qs ? want_qs : max;
@@ -237,13 +238,13 @@ static u64 bring_up(u32 want_qs)
     if (n > max)
         n = max;
     if (!n || (n & (n - 1)))
-        return (u64)fail("queue size is not a power of 2");
+        return fail("queue size is not a power of 2");
     qs = (u16)n;
     descs = load_alloc(16ull * qs);
     avail = load_alloc(6 + 2ull * qs);
     used = load_alloc(6 + 8ull * qs);
     if (!descs || !avail || !used)
-        return (u64)fail("out of guest memory for the virtqueue");
+        return fail("out of guest memory for the virtqueue");
     if (!event_idx)
         avail[0] = 1; /* VIRTQ_AVAIL_F_NO_INTERRUPT: we poll */
     mmio_write16(common + CC_QSIZE, qs);
@@ -253,18 +254,16 @@ static u64 bring_up(u32 want_qs)
     mmio_write64(common + CC_QDEVICE, (u64)used);
     u64 noff = (u64)mmio_read16(common + CC_QNOTIFYOFF) * notify_mult;
     if (noff + 2 > notify_len)
-        return (u64)fail("queue notify offset outside the notify capability");
+        return fail("queue notify offset outside the notify capability");
     notify_reg = notify_base + noff;
     mmio_write16(common + CC_QENABLE, 1);
     set_status(ST_ACK | ST_DRIVER | ST_FEATURES_OK | ST_DRIVER_OK);
     if (get_status() & 0x40)
-        return (u64)fail("the device needs a reset");
+        return fail("the device needs a reset");
     u64 cap = mmio_read32(devcfg) | (u64)mmio_read32(devcfg + 4) << 32;
     printf("@vblk-dev features=0x%lx offered=0x%lx event_idx=%d qsize=%u max_qsize=%u notify_mult=%u capacity=%lu\n",
            feat, offered, event_idx, qs, max, notify_mult, cap);
-    if (!cap)
-        fail("capacity 0");
-    return cap;
+    return cap ? cap : fail("capacity 0");
 }
 
 int workload_vblk(u64 mem_bytes)
