@@ -121,7 +121,8 @@ static int reap(u32 q, u32 *i, u32 *status)
 }
 
 /* The notify rule (virtio 1.x 2.7.10): with EVENT_IDX, notify if avail_event
-   lies in (kicked_idx, avail_idx]; else unless the device set NO_NOTIFY. */
+   lies in [kicked_idx, avail_idx), the entries made available since the last
+   kick; else unless the device set NO_NOTIFY. */
 static void kick(u32 q)
 {
     (void)q;
@@ -285,7 +286,7 @@ int workload_vblk(u64 mem_bytes)
     if (!nsect)
         return EXIT_FAIL;
     /* Three descriptors per slot, fixed. */
-    if (depth < 1 || 3 * depth > qs || bs < SECTOR || bs % SECTOR || bs > (128u << 10)) {
+    if (depth < 1 || 3ull * depth > qs || bs < SECTOR || bs % SECTOR || bs > (128u << 10)) {
         printf("@vblk-error bad job: iodepth=%u bs=%lu (queue of %u descriptors, 3 per request)\n", depth, bs, qs);
         set_status(get_status() | ST_FAILED);
         return EXIT_FAIL;
