@@ -6,7 +6,7 @@ use std::env;
 use std::path::PathBuf;
 use std::process::Command;
 
-const SOURCES: &[&str] = &["boot.S", "lib.c", "pci.c", "exits.c", "nvme.c", "main.c"];
+const SOURCES: &[&str] = &["boot.S", "lib.c", "pci.c", "exits.c", "nvme.c", "load.c", "virtio.c", "main.c"];
 const CFLAGS: &[&str] = &[
     "-m64",
     "-O2",
@@ -40,6 +40,7 @@ fn main() {
     let cc = env::var("IOPATH_GUEST_CC").unwrap_or_else(|_| "gcc".into());
     println!("cargo:rerun-if-env-changed=IOPATH_GUEST_CC");
     println!("cargo:rerun-if-changed=c/guest.h");
+    println!("cargo:rerun-if-changed=c/load.h");
     println!("cargo:rerun-if-changed=c/linker.ld");
     let mut objs = Vec::new();
     for s in SOURCES {

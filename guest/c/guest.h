@@ -123,5 +123,6 @@ void pci_cfg_write32(const struct pci_dev *d, u8 off, u32 v);
 int workload_exits(void);
 int workload_floor(void);
 int workload_nvme(u64 mem_bytes);
+int workload_vblk(u64 mem_bytes);
 
 #endif

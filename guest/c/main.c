@@ -49,6 +49,9 @@ int guest_main(u64 mbi_addr, u32 magic)
     } else if (!strncmp(workload, "nvme", 4) && (workload[4] == ' ' || !workload[4])) {
         pci_scan();
         rc = workload_nvme((u64)mem_kb * 1024);
+    } else if (!strncmp(workload, "vblk", 4) && (workload[4] == ' ' || !workload[4])) {
+        pci_scan();
+        rc = workload_vblk((u64)mem_kb * 1024);
     } else {
         printf("@error unknown workload\n");
         rc = EXIT_FAIL;

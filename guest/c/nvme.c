@@ -6,8 +6,9 @@
  * I/O queue pairs with interrupts off, and uses Doorbell Buffer Config when
  * the controller offers it (shadow doorbells with the EventIdx rule: an MMIO
  * doorbell write only when the controller's EventIdx asks for one). Then it
- * runs a fio-like job, time based, and prints one "@nvme" record: I/Os,
- * cycles, and latency percentiles from a log-linear histogram of cycles,
+ * runs a fio-like job (load.c, shared with vblk), time based, and prints
+ * one "@nvme" record: I/Os, cycles, and latency percentiles from a
+ * log-linear histogram of cycles,
  * then the histogram itself ("@nvme-hist b:count ..." lines, non-empty
  * buckets only, HIST_PER_LINE a line, then "@nvme-hist-end") for the host
  * to merge over rounds. "@nvme-window start|end" lines mark the timed
@@ -28,20 +29,15 @@
  *   while completions are still reaped by polling)
  * Memory: everything lives from 16 MiB up (identity mapped), bump allocated.
  */
-#include "guest.h"
+#include "load.h"
 
 #define NVME_CLASS 0x010802
 #define PAGE 4096ull
 #define MEM_BASE (16ull << 20)
 #define MAX_Q 16
 #define MAX_DEPTH 1024
-#define HIST_SUB 16
-#define HIST_BUCKETS (64 * HIST_SUB)
 
-static u64 bar0, mem_next, mem_end;
-#define HIST_PER_LINE 16
-static u64 hist[HIST_BUCKETS];
-static u64 lat_sum, lat_min, lat_max, nerrors;
+static u64 bar0;
 
 struct sq_cq {
     u16 qid, size;
@@ -56,20 +52,10 @@ static struct sq_cq adminq;
 static struct sq_cq ioq[MAX_Q];
 static volatile u32 *dbbuf, *evidx;
 static int use_dbbuf;
-/* batch_submit=: doorbells after this many commands issued in a reaping pass (0: once per pass). */
-static u64 batch_submit;
 static u64 rings; /* MMIO doorbell writes the EventIdx rule asked for */
 static int use_irq;
 
-static void *alloc(u64 n)
-{
-    u64 a = (mem_next + PAGE - 1) & ~(PAGE - 1);
-    if (a + n > mem_end)
-        return NULL;
-    mem_next = a + n;
-    memset((void *)a, 0, n);
-    return (void *)a;
-}
+#define alloc load_alloc
 
 static inline void mfence(void) { asm volatile("mfence" ::: "memory"); }
 
@@ -186,80 +172,11 @@ static int wait_rdy(u32 want)
     return 0;
 }
 
-static u64 rng_state;
-static u64 rnd(void)
-{
-    u64 x = rng_state;
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    return rng_state = x;
-}
-
-static void hist_add(u64 c)
-{
-    u32 msb = 63 - (u32)__builtin_clzll(c | 1);
-    u32 sub = msb >= 4 ? (u32)(c >> (msb - 4)) & (HIST_SUB - 1) : (u32)c & (HIST_SUB - 1);
-    u32 b = msb * HIST_SUB + sub;
-    hist[b < HIST_BUCKETS ? b : HIST_BUCKETS - 1]++;
-    lat_sum += c;
-    if (c < lat_min)
-        lat_min = c;
-    if (c > lat_max)
-        lat_max = c;
-}
-
-/* Upper edge of bucket b, in cycles. */
-static u64 hist_value(u32 b)
-{
-    u32 msb = b / HIST_SUB, sub = b % HIST_SUB;
-    if (msb < 4)
-        return sub;
-    return ((u64)(HIST_SUB + sub + 1) << (msb - 4)) - 1;
-}
-
-static u64 percentile(u64 total, u64 per_mille_x10)
-{
-    u64 want = (total * per_mille_x10 + 9999) / 10000, seen = 0;
-    for (u32 b = 0; b < HIST_BUCKETS; b++) {
-        seen += hist[b];
-        if (seen >= want && want)
-            return hist_value(b);
-    }
-    return 0;
-}
-
-/* The histogram, non-empty buckets only: bucket index and count (the host
- * knows the bucket layout of hist_add). At most 16 pairs a line, so a line
- * stays under 400 bytes and the whole dump under 64 lines. */
-static void hist_dump(void)
-{
-    u32 n = 0, lines = 0;
-    for (u32 b = 0; b < HIST_BUCKETS; b++) {
-        if (!hist[b])
-            continue;
-        if (n % HIST_PER_LINE == 0) {
-            printf(n ? "\n@nvme-hist" : "@nvme-hist");
-            lines++;
-        }
-        printf(" %u:%lu", b, hist[b]);
-        n++;
-    }
-    if (n)
-        printf("\n");
-    printf("@nvme-hist-end buckets=%u lines=%u\n", n, lines);
-}
-
-struct slot {
-    u64 buf, prp_list, t0, lba;
-    u8 op;
-};
-
-static struct slot *slots;
+static struct load_slot *slots;
 static u64 nsze, lba_bytes, bs, range_lbas;
 static u32 nlb0;
 
-static void fill_prps(struct cmd *c, struct slot *s)
+static void fill_prps(struct cmd *c, struct load_slot *s)
 {
     c->prp1 = s->buf;
     c->prp2 = 0;
@@ -269,184 +186,55 @@ static void fill_prps(struct cmd *c, struct slot *s)
         c->prp2 = s->buf + PAGE;
         return;
     }
-    u64 *l = (u64 *)s->prp_list;
+    u64 *l = (u64 *)s->aux;
     for (u64 i = 1; i < (bs + PAGE - 1) / PAGE; i++)
         l[i - 1] = s->buf + i * PAGE;
-    c->prp2 = s->prp_list;
+    c->prp2 = s->aux;
 }
 
-static void issue(struct sq_cq *q, u16 cid, struct slot *s, u8 op, u64 lba)
+/* The load generator's hooks: op is the NVMe opcode (1 write, 2 read). */
+static void issue(u32 q, u32 i, struct load_slot *s, u8 op, u64 lba)
 {
     struct cmd c = {op, 1, 0, 0, (u32)lba, (u32)(lba >> 32), nlb0};
-    s->op = op;
-    s->lba = lba;
     fill_prps(&c, s);
-    s->t0 = rdtsc();
-    submit(q, cid, &c);
+    submit(&ioq[q], (u16)i, &c);
 }
 
-/* The pattern of verify mode: every 8 bytes carry the LBA and the offset. */
-static void pattern(u64 buf, u64 lba, u64 seed)
+static int reap_io(u32 q, u32 *i, u32 *status)
 {
-    u64 *p = (u64 *)buf;
-    for (u64 i = 0; i < bs / 8; i++)
-        p[i] = (lba + i * 8 / lba_bytes) * 0x9e3779b97f4a7c15ull ^ (i * 8 % lba_bytes) ^ seed;
+    u16 cid, st;
+    u32 dw0;
+    if (!reap(&ioq[q], &cid, &st, &dw0))
+        return 0;
+    *i = cid;
+    *status = st;
+    return 1;
 }
+
+/* The CQ head too: a driver that only rang its SQ would let the CQ fill
+   while a pass goes on reaping. */
+static void kick(u32 q)
+{
+    ring(&ioq[q], 1);
+    ring(&ioq[q], 0);
+}
+
+static const struct load_ops nvme_ops = {"nvme", issue, reap_io, kick};
 
 static int job(const char *rw, u64 time_ms, u32 nq, u32 depth, u32 mixread, int verify, u64 think_us)
 {
-    u64 think = think_us * tsc_khz / 1000;
-    int rnd_rw = rw[0] == 'r' && rw[1] == 'a';
-    int is_write = !strncmp(rw, "write", 5) || !strncmp(rw, "randwrite", 9);
-    int mixed = !strncmp(rw, "randrw", 6);
-    u64 seq[MAX_Q];
-    u64 blocks = range_lbas / (bs / lba_bytes);
-    if (!blocks) {
-        printf("@nvme-error the range holds no block of %lu bytes\n", bs);
-        return -1;
-    }
-    for (u32 q = 0; q < nq; q++)
-        seq[q] = q * (blocks / nq);
-    u64 ios = 0, mismatches = 0;
+    struct load_job j = {rw, time_ms, think_us, bs, lba_bytes, range_lbas, cmdline_u64("batch_submit", 0),
+                         nq, depth, mixread, verify, slots};
+    struct load_result r;
     rings = 0;
-    batch_submit = cmdline_u64("batch_submit", 0);
-    u64 unrung = 0;
-    printf("@nvme-window start\n");
-    u64 t_start = rdtsc(), t_end = t_start + time_ms * tsc_khz;
-    int stopping = 0;
-    u64 inflight = 0;
-    u64 verify_written = 0;
-    /* Verify: write every block of the range once, then read them all back. */
-    for (u32 q = 0; q < nq; q++) {
-        for (u32 i = 0; i < depth; i++) {
-            struct slot *s = &slots[q * depth + i];
-            u64 blk, lba;
-            u8 op;
-            if (verify) {
-                blk = verify_written++;
-                if (blk >= blocks)
-                    break;
-                op = 1;
-            } else {
-                int w = mixed ? (rnd() % 100) >= mixread : is_write;
-                blk = rnd_rw ? rnd() % blocks : (seq[q]++ % blocks);
-                op = w ? 1 : 2;
-            }
-            lba = blk * (bs / lba_bytes);
-            if (op == 1 && verify)
-                pattern(s->buf, lba, rng_state);
-            issue(&ioq[q], (u16)i, s, op, lba);
-            inflight++;
-        }
-        ring(&ioq[q], 0);
-    }
-    u64 vseed = rng_state, read_back = 0;
-    int vphase = 0; /* 0 writing, 1 reading */
-    while (inflight) {
-        u64 now = rdtsc();
-        if (!verify && now >= t_end)
-            stopping = 1;
-        for (u32 q = 0; q < nq; q++) {
-            u16 cid, st;
-            u32 dw0;
-            int got = 0;
-            while (reap(&ioq[q], &cid, &st, &dw0)) {
-                got = 1;
-                inflight--;
-                if (cid >= depth) {
-                    printf("@nvme-error unknown cid=%u\n", cid);
-                    nerrors++;
-                    continue;
-                }
-                struct slot *s = &slots[q * depth + cid];
-                u64 t = rdtsc();
-                hist_add(t - s->t0);
-                ios++;
-                if (st) {
-                    if (nerrors++ < 10)
-                        printf("@nvme-error op=%u lba=%lu status=0x%x\n", s->op, s->lba, st);
-                }
-                if (verify && s->op == 2) {
-                    u64 *p = (u64 *)s->buf;
-                    int bad = 0;
-                    for (u64 i = 0; i < bs / 8 && !bad; i++) {
-                        u64 w = (s->lba + i * 8 / lba_bytes) * 0x9e3779b97f4a7c15ull ^ (i * 8 % lba_bytes) ^ vseed;
-                        if (p[i] != w) {
-                            bad = 1;
-                            if (mismatches < 10)
-                                printf("@nvme-mismatch lba=%lu offset=%lu got=0x%lx want=0x%lx\n",
-                                       s->lba + i * 8 / lba_bytes, i * 8 % lba_bytes, p[i], w);
-                        }
-                    }
-                    mismatches += (u64)bad;
-                }
-                /* Next command in this slot. */
-                if (verify) {
-                    u64 blk;
-                    if (vphase == 0 && verify_written < blocks) {
-                        blk = verify_written++;
-                        pattern(s->buf, blk * (bs / lba_bytes), vseed);
-                        issue(&ioq[q], cid, s, 1, blk * (bs / lba_bytes));
-                        inflight++;
-                    } else if (vphase == 1 && read_back < blocks) {
-                        blk = read_back++;
-                        memset((void *)s->buf, 0, bs);
-                        issue(&ioq[q], cid, s, 2, blk * (bs / lba_bytes));
-                        inflight++;
-                    }
-                } else if (!stopping) {
-                    for (u64 t = rdtsc(); think && rdtsc() - t < think;)
-                        cpu_relax();
-                    int w = mixed ? (rnd() % 100) >= mixread : is_write;
-                    u64 blk = rnd_rw ? rnd() % blocks : (seq[q]++ % blocks);
-                    issue(&ioq[q], cid, s, w ? 1 : 2, blk * (bs / lba_bytes));
-                    inflight++;
-                    /* The CQ head too: a driver that only rang its SQ would let
-                       the CQ fill while this pass goes on reaping. */
-                    if (batch_submit && ++unrung >= batch_submit) {
-                        ring(&ioq[q], 1);
-                        ring(&ioq[q], 0);
-                        unrung = 0;
-                    }
-                }
-            }
-            if (got) {
-                ring(&ioq[q], 1);
-                ring(&ioq[q], 0);
-            }
-        }
-        /* Verify: once every write is done, read everything back. */
-        if (verify && vphase == 0 && !inflight && verify_written >= blocks) {
-            vphase = 1;
-            for (u32 q = 0; q < nq; q++) {
-                for (u32 i = 0; i < depth && read_back < blocks; i++) {
-                    struct slot *s = &slots[q * depth + i];
-                    u64 blk = read_back++;
-                    memset((void *)s->buf, 0, bs);
-                    issue(&ioq[q], (u16)i, s, 2, blk * (bs / lba_bytes));
-                    inflight++;
-                }
-                ring(&ioq[q], 0);
-            }
-        }
-        if (!verify && now - t_start > (time_ms + 5000) * tsc_khz) {
-            printf("@nvme-error %lu I/Os never completed\n", inflight);
-            return -1;
-        }
-    }
-    u64 cycles = rdtsc() - t_start;
-    printf("@nvme-window end\n");
-    printf("@nvme rw=%s bs=%lu iodepth=%u queues=%u dbbuf=%d irq=%d ios=%lu cycles=%lu lat_sum=%lu lat_min=%lu lat_max=%lu "
-           "p50=%lu p90=%lu p99=%lu p999=%lu errors=%lu io_doorbell_writes=%lu",
-           verify ? "verify" : rw, bs, depth, nq, use_dbbuf, use_irq, ios, cycles, lat_sum, lat_min, lat_max,
-           percentile(ios, 5000), percentile(ios, 9000), percentile(ios, 9900), percentile(ios, 9990), nerrors, rings);
-    if (think_us)
-        printf(" thinktime_us=%lu", think_us);
-    if (verify)
-        printf(" verified_blocks=%lu mismatches=%lu", read_back, mismatches);
-    printf("\n");
-    hist_dump();
-    return (nerrors || mismatches) ? -1 : 0;
+    if (load_run(&nvme_ops, &j, &r))
+        return -1;
+    printf("@nvme rw=%s bs=%lu iodepth=%u queues=%u dbbuf=%d irq=%d", verify ? "verify" : rw, bs, depth, nq, use_dbbuf,
+           use_irq);
+    load_print_lat(&r);
+    printf(" errors=%lu io_doorbell_writes=%lu", load_errors, rings);
+    load_print_end("nvme", &j, &r);
+    return (load_errors || r.mismatches) ? -1 : 0;
 }
 
 /* Finds the MSI-X capability, points vectors 1..nq at the LAPIC and enables MSI-X. */
@@ -534,9 +322,9 @@ int workload_nvme(u64 mem_bytes)
     }
     pci_cfg_write32(d, 0x04, (pci_cfg_read32(d, 0x04) & 0xffff) | 0x6 | 0x400); /* memory, bus master, INTx off */
     bar0 = d->bar[0].addr;
-    mem_next = MEM_BASE;
-    mem_end = mem_bytes;
-    rng_state = cmdline_u64("seed", 1) * 0x9e3779b97f4a7c15ull | 1;
+    load_mem_next = MEM_BASE;
+    load_mem_end = mem_bytes;
+    load_seed(cmdline_u64("seed", 1));
     u64 cap = mmio_read64(bar0);
     u32 mqes = (u32)(cap & 0xffff) + 1;
     if ((cap >> 32) & 0xf) {
@@ -618,36 +406,26 @@ int workload_nvme(u64 mem_bytes)
         return EXIT_FAIL;
     if (create_queues(nq, qsize))
         return EXIT_FAIL;
-    slots = alloc(sizeof(struct slot) * nq * depth);
+    slots = alloc(sizeof(struct load_slot) * nq * depth);
     u64 per_slot = bs + (bs > 2 * PAGE ? PAGE : 0);
-    if (!slots || mem_next + per_slot * nq * depth > mem_end) {
+    if (!slots || load_mem_next + per_slot * nq * depth > load_mem_end) {
         printf("@nvme-error %u x %u slots of %lu bytes do not fit in guest memory (%lu MiB): give the VM more RAM\n",
-               nq, depth, per_slot, mem_end >> 20);
+               nq, depth, per_slot, load_mem_end >> 20);
         return EXIT_FAIL;
     }
     for (u32 i = 0; i < nq * depth; i++) {
         slots[i].buf = (u64)alloc(bs);
-        slots[i].prp_list = bs > 2 * PAGE ? (u64)alloc(PAGE) : 0;
+        slots[i].aux = bs > 2 * PAGE ? (u64)alloc(PAGE) : 0;
     }
     u64 size_mb = cmdline_u64("size_mb", 0);
     range_lbas = size_mb ? (size_mb << 20) / lba_bytes : nsze;
     if (range_lbas > nsze)
         range_lbas = nsze;
     nlb0 = (u32)(bs / lba_bytes - 1);
-    lat_min = ~0ull;
-    char rw[16] = "randread";
-    const char *rwv = cmdline_get("rw");
-    for (u32 i = 0; rwv && i < sizeof(rw) - 1; i++) {
-        rw[i] = (rwv[i] == ' ') ? 0 : rwv[i];
-        rw[i + 1] = 0;
-        if (!rwv[i] || rwv[i] == ' ')
-            break;
-    }
-    if (strncmp(rw, "read", 5) && strncmp(rw, "write", 6) && strncmp(rw, "randread", 9) && strncmp(rw, "randwrite", 10) &&
-        strncmp(rw, "randrw", 7)) {
-        printf("@nvme-error rw=%s: use read, write, randread, randwrite or randrw\n", rw);
+    load_reset();
+    char rw[16];
+    if (load_parse_rw("nvme", rw))
         return EXIT_FAIL;
-    }
     int verify = (int)cmdline_u64("verify", 0);
     int rc = job(rw, cmdline_u64("time_ms", 1000), nq, depth, (u32)cmdline_u64("rwmixread", 50), verify,
                  cmdline_u64("thinktime_us", 0));

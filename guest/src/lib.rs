@@ -9,6 +9,8 @@
 //!
 //! Command-line words (multiboot cmdline, or QEMU `-append`):
 //! `workload=exits|floor tsc_khz=N batches=N batch_us=N only=a,b td_mmio=A td_pio=P`.
+//! `workload=nvme` and `workload=vblk` (a polled virtio-blk driver) take the job words
+//! listed at the top of `c/nvme.c` and `c/virtio.c`.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -24,11 +26,19 @@ pub fn write_image(path: &Path) -> io::Result<()> {
 /// Writes the image into a per-user cache file and returns its path. The file
 /// is rewritten only when its contents differ, so concurrent runs share it.
 pub fn image_file() -> io::Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("iopath-{}", user_id()));
-    std::fs::create_dir_all(&dir)?;
+    image_file_in(&std::env::temp_dir().join(format!("iopath-{}", user_id())))
+}
+
+/// [`image_file`] in `dir`. Each writer renames a temporary file of its own
+/// (process id and a per-process counter), so threads of one process that
+/// find the cache stale at the same time do not rename each other's file.
+fn image_file_in(dir: &Path) -> io::Result<PathBuf> {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    std::fs::create_dir_all(dir)?;
     let path = dir.join(format!("guest-{:016x}.elf", fnv1a(IMAGE)));
     if std::fs::read(&path).map(|b| b != IMAGE).unwrap_or(true) {
-        let tmp = dir.join(format!("guest.{}.tmp", std::process::id()));
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = dir.join(format!("guest.{}.{n}.tmp", std::process::id()));
         std::fs::write(&tmp, IMAGE)?;
         std::fs::rename(&tmp, &path)?;
     }
@@ -55,5 +65,29 @@ mod tests {
             .chunks_exact(4)
             .any(|w| u32::from_le_bytes(w.try_into().unwrap()) == 0x1BADB002);
         assert!(found, "multiboot header missing from the first 8 KiB");
+    }
+
+    #[test]
+    fn threads_writing_a_stale_cache_at_once_all_get_the_image() {
+        let root = std::env::temp_dir().join(format!("iopath-image-race-{}", std::process::id()));
+        for round in 0..20 {
+            let dir = root.join(round.to_string());
+            let go = std::sync::Barrier::new(8);
+            std::thread::scope(|s| {
+                let all: Vec<_> = (0..8)
+                    .map(|_| {
+                        s.spawn(|| {
+                            go.wait();
+                            image_file_in(&dir)
+                        })
+                    })
+                    .collect();
+                for t in all {
+                    let p = t.join().unwrap().expect("every thread gets the cached image");
+                    assert_eq!(std::fs::read(p).unwrap(), IMAGE);
+                }
+            });
+        }
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -1,0 +1,318 @@
+/*
+ * iopath guest: the shared load generator (load.h). A log-linear latency
+ * histogram of cycles (HIST_SUB buckets per power of two), xorshift LBAs,
+ * and the verify pattern: every 8 bytes carry their LBA and offset.
+ */
+#include "load.h"
+
+#define HIST_SUB 16
+#define HIST_BUCKETS (64 * HIST_SUB)
+#define HIST_PER_LINE 16
+
+u64 load_mem_next, load_mem_end, load_errors;
+static u64 hist[HIST_BUCKETS];
+static u64 lat_sum, lat_min, lat_max;
+static u64 rng_state;
+
+void *load_alloc(u64 n)
+{
+    u64 a = (load_mem_next + LOAD_PAGE - 1) & ~(LOAD_PAGE - 1);
+    if (a + n > load_mem_end)
+        return NULL;
+    load_mem_next = a + n;
+    memset((void *)a, 0, n);
+    return (void *)a;
+}
+
+void load_seed(u64 seed) { rng_state = seed * 0x9e3779b97f4a7c15ull | 1; }
+
+void load_reset(void)
+{
+    memset(hist, 0, sizeof(hist));
+    lat_sum = lat_max = load_errors = 0;
+    lat_min = ~0ull;
+}
+
+static u64 rnd(void)
+{
+    u64 x = rng_state;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return rng_state = x;
+}
+
+static void hist_add(u64 c)
+{
+    u32 msb = 63 - (u32)__builtin_clzll(c | 1);
+    u32 sub = msb >= 4 ? (u32)(c >> (msb - 4)) & (HIST_SUB - 1) : (u32)c & (HIST_SUB - 1);
+    u32 b = msb * HIST_SUB + sub;
+    hist[b < HIST_BUCKETS ? b : HIST_BUCKETS - 1]++;
+    lat_sum += c;
+    if (c < lat_min)
+        lat_min = c;
+    if (c > lat_max)
+        lat_max = c;
+}
+
+/* Upper edge of bucket b, in cycles. */
+static u64 hist_value(u32 b)
+{
+    u32 msb = b / HIST_SUB, sub = b % HIST_SUB;
+    if (msb < 4)
+        return sub;
+    return ((u64)(HIST_SUB + sub + 1) << (msb - 4)) - 1;
+}
+
+static u64 percentile(u64 total, u64 per_mille_x10)
+{
+    u64 want = (total * per_mille_x10 + 9999) / 10000, seen = 0;
+    for (u32 b = 0; b < HIST_BUCKETS; b++) {
+        seen += hist[b];
+        if (seen >= want && want)
+            return hist_value(b);
+    }
+    return 0;
+}
+
+/* The histogram, non-empty buckets only: bucket index and count (the host
+ * knows the bucket layout of hist_add). At most 16 pairs a line, so a line
+ * stays under 400 bytes and the whole dump under 64 lines. */
+static void hist_dump(const char *prefix)
+{
+    u32 n = 0, lines = 0;
+    for (u32 b = 0; b < HIST_BUCKETS; b++) {
+        if (!hist[b])
+            continue;
+        if (n % HIST_PER_LINE == 0) {
+            printf(n ? "\n@%s-hist" : "@%s-hist", prefix);
+            lines++;
+        }
+        printf(" %u:%lu", b, hist[b]);
+        n++;
+    }
+    if (n)
+        printf("\n");
+    printf("@%s-hist-end buckets=%u lines=%u\n", prefix, n, lines);
+}
+
+static u64 pattern_word(const struct load_job *j, u64 lba, u64 i, u64 seed)
+{
+    return (lba + i * 8 / j->lba_bytes) * 0x9e3779b97f4a7c15ull ^ (i * 8 % j->lba_bytes) ^ seed;
+}
+
+static void pattern(const struct load_job *j, u64 buf, u64 lba, u64 seed)
+{
+    u64 *p = (u64 *)buf;
+    for (u64 i = 0; i < j->bs / 8; i++)
+        p[i] = pattern_word(j, lba, i, seed);
+}
+
+/* 1 if the buffer read back from s->lba is not the pattern. */
+static int mismatch(const char *prefix, const struct load_job *j, const struct load_slot *s, u64 seed, u64 seen)
+{
+    u64 *p = (u64 *)s->buf;
+    for (u64 i = 0; i < j->bs / 8; i++) {
+        u64 w = pattern_word(j, s->lba, i, seed);
+        if (p[i] != w) {
+            if (seen < 10)
+                printf("@%s-mismatch lba=%lu offset=%lu got=0x%lx want=0x%lx\n", prefix,
+                       s->lba + i * 8 / j->lba_bytes, i * 8 % j->lba_bytes, p[i], w);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+int load_parse_rw(const char *prefix, char rw[16])
+{
+    const char *rwv = cmdline_get("rw");
+    memcpy(rw, "randread", 9);
+    for (u32 i = 0; rwv && i < 15; i++) {
+        rw[i] = (rwv[i] == ' ') ? 0 : rwv[i];
+        rw[i + 1] = 0;
+        if (!rwv[i] || rwv[i] == ' ')
+            break;
+    }
+    if (strncmp(rw, "read", 5) && strncmp(rw, "write", 6) && strncmp(rw, "randread", 9) && strncmp(rw, "randwrite", 10) &&
+        strncmp(rw, "randrw", 7)) {
+        printf("@%s-error rw=%s: use read, write, randread, randwrite or randrw\n", prefix, rw);
+        return -1;
+    }
+    return 0;
+}
+
+int load_run(const struct load_ops *ops, const struct load_job *j, struct load_result *r)
+{
+    const char *rw = j->rw, *px = ops->prefix;
+    u32 nq = j->nq, depth = j->depth;
+    int verify = j->verify;
+    u64 bs = j->bs, lbs = bs / j->lba_bytes;
+    u64 think = j->think_us * tsc_khz / 1000;
+    int rnd_rw = rw[0] == 'r' && rw[1] == 'a';
+    int is_write = !strncmp(rw, "write", 5) || !strncmp(rw, "randwrite", 9);
+    int mixed = !strncmp(rw, "randrw", 6);
+    u64 seq[16];
+    u64 blocks = j->range_lbas / lbs;
+    memset(r, 0, sizeof(*r));
+    if (!blocks) {
+        printf("@%s-error the range holds no block of %lu bytes\n", px, bs);
+        return -1;
+    }
+    if (nq > 16) {
+        printf("@%s-error %u queues: at most 16\n", px, nq);
+        return -1;
+    }
+    for (u32 q = 0; q < nq; q++)
+        seq[q] = q * (blocks / nq);
+    u64 ios = 0, mismatches = 0, unrung = 0;
+    printf("@%s-window start\n", px);
+    u64 t_start = rdtsc(), t_end = t_start + j->time_ms * tsc_khz;
+    int stopping = 0;
+    u64 inflight = 0;
+    u64 verify_written = 0;
+    /* Verify: write every block of the range once, then read them all back. */
+    for (u32 q = 0; q < nq; q++) {
+        for (u32 i = 0; i < depth; i++) {
+            struct load_slot *s = &j->slots[q * depth + i];
+            u64 blk;
+            u8 op;
+            if (verify) {
+                blk = verify_written++;
+                if (blk >= blocks)
+                    break;
+                op = LOAD_OP_WRITE;
+            } else {
+                int w = mixed ? (rnd() % 100) >= j->mixread : is_write;
+                blk = rnd_rw ? rnd() % blocks : (seq[q]++ % blocks);
+                op = w ? LOAD_OP_WRITE : LOAD_OP_READ;
+            }
+            if (op == LOAD_OP_WRITE && verify)
+                pattern(j, s->buf, blk * lbs, rng_state);
+            s->op = op;
+            s->lba = blk * lbs;
+            s->t0 = rdtsc();
+            s->busy = 1;
+            ops->issue(q, i, s, op, blk * lbs);
+            inflight++;
+        }
+        ops->kick(q);
+    }
+    u64 vseed = rng_state, read_back = 0;
+    int vphase = 0; /* 0 writing, 1 reading */
+    while (inflight) {
+        u64 now = rdtsc();
+        if (!verify && now >= t_end)
+            stopping = 1;
+        for (u32 q = 0; q < nq; q++) {
+            u32 i, st;
+            int got = 0;
+            while (ops->reap(q, &i, &st)) {
+                got = 1;
+                /* An unknown slot, or one completed twice, is the device's
+                   error, not an I/O: inflight stays as it is. */
+                if (i >= depth) {
+                    printf("@%s-error unknown cid=%u\n", px, i);
+                    load_errors++;
+                    continue;
+                }
+                struct load_slot *s = &j->slots[q * depth + i];
+                if (!s->busy) {
+                    printf("@%s-error cid=%u completed twice\n", px, i);
+                    load_errors++;
+                    continue;
+                }
+                s->busy = 0;
+                inflight--;
+                hist_add(rdtsc() - s->t0);
+                ios++;
+                if (st && load_errors++ < 10)
+                    printf("@%s-error op=%u lba=%lu status=0x%x\n", px, s->op, s->lba, st);
+                if (verify && s->op == LOAD_OP_READ)
+                    mismatches += (u64)mismatch(px, j, s, vseed, mismatches);
+                /* Next command in this slot. */
+                u64 blk;
+                u8 op;
+                if (verify) {
+                    if (vphase == 0 && verify_written < blocks) {
+                        blk = verify_written++;
+                        op = LOAD_OP_WRITE;
+                        pattern(j, s->buf, blk * lbs, vseed);
+                    } else if (vphase == 1 && read_back < blocks) {
+                        blk = read_back++;
+                        op = LOAD_OP_READ;
+                        memset((void *)s->buf, 0, bs);
+                    } else {
+                        continue;
+                    }
+                } else if (!stopping) {
+                    for (u64 t = rdtsc(); think && rdtsc() - t < think;)
+                        cpu_relax();
+                    int w = mixed ? (rnd() % 100) >= j->mixread : is_write;
+                    blk = rnd_rw ? rnd() % blocks : (seq[q]++ % blocks);
+                    op = w ? LOAD_OP_WRITE : LOAD_OP_READ;
+                } else {
+                    continue;
+                }
+                s->op = op;
+                s->lba = blk * lbs;
+                s->t0 = rdtsc();
+                s->busy = 1;
+                ops->issue(q, i, s, op, blk * lbs);
+                inflight++;
+                /* Told after every batch_submit commands issued while reaping. */
+                if (!verify && j->batch_submit && ++unrung >= j->batch_submit) {
+                    ops->kick(q);
+                    unrung = 0;
+                }
+            }
+            if (got)
+                ops->kick(q);
+        }
+        /* Verify: once every write is done, read everything back. */
+        if (verify && vphase == 0 && !inflight && verify_written >= blocks) {
+            vphase = 1;
+            for (u32 q = 0; q < nq; q++) {
+                for (u32 i = 0; i < depth && read_back < blocks; i++) {
+                    struct load_slot *s = &j->slots[q * depth + i];
+                    u64 blk = read_back++;
+                    memset((void *)s->buf, 0, bs);
+                    s->op = LOAD_OP_READ;
+                    s->lba = blk * lbs;
+                    s->t0 = rdtsc();
+                    s->busy = 1;
+                    ops->issue(q, i, s, LOAD_OP_READ, blk * lbs);
+                    inflight++;
+                }
+                ops->kick(q);
+            }
+        }
+        if (!verify && now - t_start > (j->time_ms + 5000) * tsc_khz) {
+            printf("@%s-error %lu I/Os never completed\n", px, inflight);
+            return -1;
+        }
+    }
+    r->cycles = rdtsc() - t_start;
+    printf("@%s-window end\n", px);
+    r->ios = ios;
+    r->mismatches = mismatches;
+    r->verified = read_back;
+    return 0;
+}
+
+void load_print_lat(const struct load_result *r)
+{
+    printf(" ios=%lu cycles=%lu lat_sum=%lu lat_min=%lu lat_max=%lu p50=%lu p90=%lu p99=%lu p999=%lu", r->ios,
+           r->cycles, lat_sum, lat_min, lat_max, percentile(r->ios, 5000), percentile(r->ios, 9000),
+           percentile(r->ios, 9900), percentile(r->ios, 9990));
+}
+
+void load_print_end(const char *prefix, const struct load_job *j, const struct load_result *r)
+{
+    if (j->think_us)
+        printf(" thinktime_us=%lu", j->think_us);
+    if (j->verify)
+        printf(" verified_blocks=%lu mismatches=%lu", r->verified, r->mismatches);
+    printf("\n");
+    hist_dump(prefix);
+}

@@ -1,0 +1,64 @@
+/*
+ * iopath guest: the fio-like load generator the block drivers share
+ * (nvmeperf in nvme.c, vblk in virtio.c). A driver provides three hooks
+ * (issue a command for a slot, reap one completion, tell the device about
+ * new commands); load_job() runs the job, time based or verify, keeps the
+ * latency histogram, and the driver prints its record with load_print_*().
+ * Records carry the driver's prefix: "@PREFIX-window start|end",
+ * "@PREFIX-hist b:count ...", "@PREFIX-hist-end", "@PREFIX-error ...".
+ */
+#ifndef IOPATH_LOAD_H
+#define IOPATH_LOAD_H
+#include "guest.h"
+
+#define LOAD_PAGE 4096ull
+#define LOAD_OP_WRITE 1
+#define LOAD_OP_READ 2
+
+/* One command slot: its data buffer, a driver-owned page (PRP list, request
+ * header), and what is in flight in it. */
+struct load_slot {
+    u64 buf, aux, t0, lba;
+    u8 op, busy;
+};
+
+struct load_ops {
+    const char *prefix;
+    /* Queue command op (LOAD_OP_*) for slot i of queue q on lba; not yet told. */
+    void (*issue)(u32 q, u32 i, struct load_slot *s, u8 op, u64 lba);
+    /* One completion of queue q if there is one: its slot index and status (0 ok). */
+    int (*reap)(u32 q, u32 *i, u32 *status);
+    /* Tell the device about what was reaped and issued on queue q. */
+    void (*kick)(u32 q);
+};
+
+struct load_job {
+    const char *rw; /* read|write|randread|randwrite|randrw */
+    u64 time_ms, think_us, bs, lba_bytes, range_lbas, batch_submit;
+    u32 nq, depth, mixread;
+    int verify;
+    struct load_slot *slots; /* nq * depth */
+};
+
+struct load_result {
+    u64 ios, cycles, mismatches, verified;
+};
+
+/* Bump allocator over identity-mapped guest RAM (zeroed, page aligned). */
+extern u64 load_mem_next, load_mem_end;
+void *load_alloc(u64 n);
+
+void load_seed(u64 seed);
+/* Resets the latency statistics and error count. */
+void load_reset(void);
+extern u64 load_errors;
+/* rw= from the command line into rw[16]; 0, or -1 after an error record. */
+int load_parse_rw(const char *prefix, char rw[16]);
+/* Runs the job; 0, or -1 after an error record (the result is then partial). */
+int load_run(const struct load_ops *ops, const struct load_job *j, struct load_result *r);
+/* " ios=.. cycles=.. lat_sum=.. lat_min=.. lat_max=.. p50=.. p90=.. p99=.. p999=.." */
+void load_print_lat(const struct load_result *r);
+/* " thinktime_us=.." / " verified_blocks=.. mismatches=..", the newline, the histogram. */
+void load_print_end(const char *prefix, const struct load_job *j, const struct load_result *r);
+
+#endif
