@@ -23,7 +23,7 @@ fn the_guest_finds_virtio_blk_with_its_bar_placed() {
 /// record and the device's counters (printed by `iopath run` on stderr).
 fn vblk(spec: &str, args: &str) -> (std::collections::BTreeMap<String, u64>, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_iopath"))
-        .args(["run", "--workload", "vblk", "--device", spec, "--append", args, "--timeout", "120"])
+        .args(["run", "--workload", "vblk", "--device", spec, "--append", args, "--timeout", "60"])
         .output()
         .unwrap();
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
@@ -65,5 +65,38 @@ fn the_guests_virtio_blk_driver_runs_against_iopaths_device_in_every_notify_mode
             // handful (its wake-ups) for all the I/O.
             _ => assert!(r["notifies"] * 100 < r["ios"], "{r:?}"),
         }
+    }
+}
+
+#[test]
+fn a_device_process_serves_a_second_client_through_the_notify_eventfd_it_announced() {
+    // One `iopath serve` (vfio-user, notify=ioeventfd), two clients in turn:
+    // the second one's notifications must still reach the device thread.
+    let dir = std::env::temp_dir().join(format!("iopath-vblk-serve-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("vfio-user.sock");
+    let mut server = Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["serve", "virtio-blk,notify=ioeventfd,backend=ram", "--transport", "vfio-user", "--socket"])
+        .arg(&sock)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while !sock.exists() && t0.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let spec = format!("vfio-user:{}", sock.display());
+    let result = std::panic::catch_unwind(|| {
+        for client in 1..=2 {
+            // A lost notification leaves the guest waiting: its run times out (vblk's --timeout 120).
+            let (r, _) = vblk(&spec, "rw=randread bs=4096 iodepth=4 time_ms=100");
+            assert!(r["ios"] > 0 && r["errors"] == 0, "client {client}: {r:?}");
+        }
+    });
+    let _ = server.kill();
+    let _ = server.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
     }
 }

@@ -33,6 +33,13 @@ pub const SECTOR: u64 = 512;
 /// Largest data transfer of one request; more is S_IOERR. Bounds the
 /// bounce buffer a guest can make the device allocate.
 pub const MAX_TRANSFER: u64 = 1 << 20;
+
+/// Most data one IN or OUT request moves: served in pieces of
+/// [`MAX_TRANSFER`] through the bounce buffer. The device offers no
+/// VIRTIO_BLK_F_SIZE_MAX, and Linux builds requests of up to its
+/// max_sectors_kb (1280 KiB by default, more if raised), so a request larger
+/// than the bounce buffer must work; this bounds the time one request takes.
+pub const MAX_REQUEST: u64 = 32 << 20;
 /// Length of the GET_ID answer.
 pub const ID_LEN: usize = 20;
 
@@ -127,10 +134,15 @@ impl Blk {
             u32::MAX => (S_IOERR, 0),
             T_IN => match self.range(sector, data_in) {
                 Some(off) => {
-                    let buf = bounce(&mut self.bounce, data_in as usize);
                     // A null disk transfers no data, as the NVMe null namespace.
                     let null = matches!(self.backend, Backend::Null);
-                    let ok = self.backend.read(off, buf).is_ok() && (null || w.write(mem, 0, buf));
+                    let (mut done, mut ok) = (0u64, true);
+                    while ok && done < data_in {
+                        let n = (data_in - done).min(MAX_TRANSFER);
+                        let buf = bounce(&mut self.bounce, n as usize);
+                        ok = self.backend.read(off + done, buf).is_ok() && (null || w.write(mem, done, buf));
+                        done += n;
+                    }
                     if ok {
                         (S_OK, data_in)
                     } else {
@@ -141,8 +153,13 @@ impl Blk {
             },
             T_OUT => match self.range(sector, data_out) {
                 Some(off) => {
-                    let buf = bounce(&mut self.bounce, data_out as usize);
-                    let ok = r.read(mem, 16, buf) && self.backend.write(off, buf).is_ok();
+                    let (mut done, mut ok) = (0u64, true);
+                    while ok && done < data_out {
+                        let n = (data_out - done).min(MAX_TRANSFER);
+                        let buf = bounce(&mut self.bounce, n as usize);
+                        ok = r.read(mem, 16 + done, buf) && self.backend.write(off + done, buf).is_ok();
+                        done += n;
+                    }
                     (if ok { S_OK } else { S_IOERR }, 0)
                 }
                 None => (S_IOERR, 0),
@@ -204,9 +221,9 @@ impl Blk {
     }
 
     /// The byte offset of a transfer of `len` bytes at `sector`, if it is a
-    /// whole number of sectors, at most [`MAX_TRANSFER`], and inside the disk.
+    /// whole number of sectors, at most [`MAX_REQUEST`], and inside the disk.
     fn range(&self, sector: u64, len: u64) -> Option<u64> {
-        if !len.is_multiple_of(SECTOR) || len > MAX_TRANSFER {
+        if !len.is_multiple_of(SECTOR) || len > MAX_REQUEST {
             return None;
         }
         let off = sector.checked_mul(SECTOR)?;

@@ -77,11 +77,11 @@ fn bad_requests_get_ioerr_or_are_dropped() {
     let mut b = ram_blk();
     let sectors = (1u64 << 20) / SECTOR;
     for (kind, sector, len) in [
-        (T_IN, sectors, 512),                   // past the end
-        (T_IN, sectors - 1, 1024),              // runs past the end
-        (T_OUT, u64::MAX / 256, 512),           // sector * 512 overflows
-        (T_IN, 0, 100),                         // not whole sectors
-        (T_IN, 0, (MAX_TRANSFER + 512) as u32), // more than one transfer may hold
+        (T_IN, sectors, 512),                  // past the end
+        (T_IN, sectors - 1, 1024),             // runs past the end
+        (T_OUT, u64::MAX / 256, 512),          // sector * 512 overflows
+        (T_IN, 0, 100),                        // not whole sectors
+        (T_IN, 0, (MAX_REQUEST + 512) as u32), // more than one request may move
     ] {
         header(&d, kind, sector);
         let data = if kind == T_IN { wr(BUF, len) } else { rd(BUF, len) };
@@ -172,4 +172,33 @@ fn a_file_disk_keeps_data_synchronously() {
     header(&d, T_IN, 2);
     assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), wr(BUF + 0x1000, 512), wr(ST, 1)]).status, Some(S_OK));
     assert_eq!(d.ram.read_obj::<u8>(GuestAddress(BUF + 0x1000)).unwrap(), 0x3c);
+}
+
+#[test]
+fn a_request_larger_than_the_bounce_buffer_moves_in_pieces() {
+    // 3 MiB + 512 B out, then in, on a 4 MiB disk in 8 MiB of guest RAM.
+    let ram = vm_memory::GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 8 << 20)]).unwrap();
+    let mem: crate::mem::GuestMem = ram.clone().into();
+    let disk = 4u64 << 20;
+    let mut b = Blk::new(crate::nvme::backend::Backend::open(&BackendKind::Ram, disk).unwrap(), disk, "x");
+    let n = 3 * MAX_TRANSFER + 512;
+    let (src, dst) = (0x10_0000u64, 0x40_0000u64);
+    let data: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+    ram.write_slice(&data, GuestAddress(src)).unwrap();
+    header_at(&ram, T_OUT, 2);
+    let out = b.handle(&mem, &[rd(HDR, 16), rd(src, n as u32), wr(ST, 1)]);
+    assert_eq!(out.status, Some(S_OK));
+    header_at(&ram, T_IN, 2);
+    let inn = b.handle(&mem, &[rd(HDR, 16), wr(dst, (n / 2) as u32), wr(dst + n / 2, (n - n / 2) as u32), wr(ST, 1)]);
+    assert_eq!(inn, Done { written: n as u32 + 1, status: Some(S_OK), kind: T_IN });
+    let mut back = vec![0u8; n as usize];
+    ram.read_slice(&mut back, GuestAddress(dst)).unwrap();
+    assert!(back == data, "the data came back changed");
+}
+
+fn header_at(ram: &vm_memory::GuestMemoryMmap<()>, kind: u32, sector: u64) {
+    let mut h = [0u8; 16];
+    h[0..4].copy_from_slice(&kind.to_le_bytes());
+    h[8..16].copy_from_slice(&sector.to_le_bytes());
+    ram.write_slice(&h, GuestAddress(HDR)).unwrap();
 }

@@ -160,6 +160,11 @@ pub struct VirtioBlk {
     cfg: VirtioBlkConfig,
     state: Arc<Mutex<State>>,
     thread: Mutex<Option<Worker>>,
+    /// The notify eventfd, made and registered at the first attach and kept:
+    /// a device process's host announces it once (GET_REGION_IO_FDS) and
+    /// its next clients get that same fd, so a later session must be woken
+    /// through it, not through a new one nobody writes.
+    kick: Mutex<Option<Arc<EventFd>>>,
     /// The guest-writable bytes of the VIRTIO_PCI_CAP_PCI_CFG capability
     /// (bar, offset, length, data), as the guest wrote them.
     pci_cfg: Mutex<[u8; PCI_CFG_BODY]>,
@@ -203,7 +208,13 @@ impl VirtioBlk {
             polling: false,
         };
         let pci_cfg = Mutex::new([0u8; PCI_CFG_BODY]);
-        Ok(VirtioBlk { cfg, state: Arc::new(Mutex::new(state)), thread: Mutex::new(None), pci_cfg })
+        Ok(VirtioBlk {
+            cfg,
+            state: Arc::new(Mutex::new(state)),
+            thread: Mutex::new(None),
+            kick: Mutex::new(None),
+            pci_cfg,
+        })
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -224,14 +235,23 @@ impl VirtioBlk {
         if t.is_some() {
             return;
         }
-        let kick = match EventFd::new(libc::EFD_NONBLOCK) {
-            Ok(e) => Arc::new(e),
-            Err(e) => return log::warn!("virtio-blk: eventfd: {e}; notifications will exit"),
-        };
         let spec = IoEventSpec { bar: 0, offset: NOTIFY, len: 0, datamatch: None };
-        if let Err(e) = ctx.ioevents.register(spec, &kick) {
-            return log::warn!("virtio-blk: no ioeventfd ({e}); notifications will exit");
-        }
+        let mut kept = crate::lock(&self.kick);
+        let kick = match kept.clone() {
+            Some(k) => k, // registered at an earlier attach: still the one the host knows
+            None => {
+                let kick = match EventFd::new(libc::EFD_NONBLOCK) {
+                    Ok(e) => Arc::new(e),
+                    Err(e) => return log::warn!("virtio-blk: eventfd: {e}; notifications will exit"),
+                };
+                if let Err(e) = ctx.ioevents.register(spec, &kick) {
+                    return log::warn!("virtio-blk: no ioeventfd ({e}); notifications will exit");
+                }
+                *kept = Some(kick.clone());
+                kick
+            }
+        };
+        drop(kept);
         let stop = Arc::new(AtomicBool::new(false));
         let (k, s, state) = (kick.clone(), stop.clone(), self.state.clone());
         let poll = self.cfg.notify == NotifyMode::Poll;
@@ -247,6 +267,7 @@ impl VirtioBlk {
             Ok(handle) => *t = Some(Worker { kick, stop, handle }),
             Err(e) => {
                 let _ = ctx.ioevents.unregister(spec, &kick);
+                *crate::lock(&self.kick) = None;
                 log::warn!("virtio-blk: thread: {e}; notifications will exit");
             }
         }
