@@ -96,6 +96,16 @@ static void hist_dump(const char *prefix)
     printf("@%s-hist-end buckets=%u lines=%u\n", prefix, n, lines);
 }
 
+/* Fills in slot s for its next command and issues it. */
+static void start_io(const struct load_ops *ops, u32 q, u32 i, struct load_slot *s, u8 op, u64 lba)
+{
+    s->op = op;
+    s->lba = lba;
+    s->t0 = rdtsc();
+    s->busy = 1;
+    ops->issue(q, i, s, op, lba);
+}
+
 static u64 pattern_word(const struct load_job *j, u64 lba, u64 i, u64 seed)
 {
     return (lba + i * 8 / j->lba_bytes) * 0x9e3779b97f4a7c15ull ^ (i * 8 % j->lba_bytes) ^ seed;
@@ -189,11 +199,7 @@ int load_run(const struct load_ops *ops, const struct load_job *j, struct load_r
             }
             if (op == LOAD_OP_WRITE && verify)
                 pattern(j, s->buf, blk * lbs, rng_state);
-            s->op = op;
-            s->lba = blk * lbs;
-            s->t0 = rdtsc();
-            s->busy = 1;
-            ops->issue(q, i, s, op, blk * lbs);
+            start_io(ops, q, i, s, op, blk * lbs);
             inflight++;
         }
         ops->kick(q);
@@ -254,11 +260,7 @@ int load_run(const struct load_ops *ops, const struct load_job *j, struct load_r
                 } else {
                     continue;
                 }
-                s->op = op;
-                s->lba = blk * lbs;
-                s->t0 = rdtsc();
-                s->busy = 1;
-                ops->issue(q, i, s, op, blk * lbs);
+                start_io(ops, q, i, s, op, blk * lbs);
                 inflight++;
                 /* Told after every batch_submit commands issued while reaping. */
                 if (!verify && j->batch_submit && ++unrung >= j->batch_submit) {
@@ -277,11 +279,7 @@ int load_run(const struct load_ops *ops, const struct load_job *j, struct load_r
                     struct load_slot *s = &j->slots[q * depth + i];
                     u64 blk = read_back++;
                     memset((void *)s->buf, 0, bs);
-                    s->op = LOAD_OP_READ;
-                    s->lba = blk * lbs;
-                    s->t0 = rdtsc();
-                    s->busy = 1;
-                    ops->issue(q, i, s, LOAD_OP_READ, blk * lbs);
+                    start_io(ops, q, i, s, LOAD_OP_READ, blk * lbs);
                     inflight++;
                 }
                 ops->kick(q);
