@@ -29,6 +29,7 @@ pub mod serve;
 pub mod socket;
 pub mod transport;
 pub mod vfio_user;
+pub mod vhost_user;
 
 #[cfg(test)]
 mod testing;

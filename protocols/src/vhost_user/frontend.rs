@@ -1,0 +1,1 @@
+//! vhost-user frontend: the VMM side of a vhost-user-blk device.
