@@ -22,7 +22,7 @@ fn harness(script: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../harness/linux").join(script)
 }
 
-/// An `iopath serve DEVICE --transport vfio-user` on a fresh socket; killed on drop.
+/// An `iopath serve DEVICE --transport TRANSPORT` on a fresh socket; killed on drop.
 struct Serve {
     child: Child,
     socket: PathBuf,
@@ -31,11 +31,15 @@ struct Serve {
 
 impl Serve {
     fn start(device: &str) -> Serve {
+        Serve::start_on(device, "vfio-user")
+    }
+
+    fn start_on(device: &str, transport: &str) -> Serve {
         let dir = std::env::temp_dir().join(format!("iopath-rc-{}-{}", std::process::id(), unique()));
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("dev.sock");
         let mut child = Command::new(env!("CARGO_BIN_EXE_iopath"))
-            .args(["serve", device, "--transport", "vfio-user", "--socket"])
+            .args(["serve", device, "--transport", transport, "--socket"])
             .arg(&socket)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -165,6 +169,69 @@ fn linux_against_iopath_with(device: &str, more: &[&str]) -> String {
     assert!(report.contains("msix.interrupts"), "{device}: no counters from iopath serve: {report}\n{stderr}");
     assert!(!report.contains("\"msix.interrupts\":0"), "{device}: the Linux driver got no MSI-X: {report}");
     report
+}
+
+/// The virtio-blk checks (guest-vblk.sh) every virtio-blk run must pass.
+const VBLK_CHECKS: &[&str] = &[
+    "probe",
+    "features",
+    "irq-msix",
+    "fio-randwrite",
+    "fio-randread",
+    "irq-count-rise",
+    "ext4",
+    "rebind",
+    "io-after-rebind",
+    "no-errors",
+];
+
+fn vblk_checks_passed(what: &str, text: &str) {
+    for want in VBLK_CHECKS {
+        assert!(
+            checks(text).iter().any(|l| l.starts_with(&format!("@check {want} ok"))),
+            "{what}: check {want} did not pass:\n{}",
+            checks(text).join("\n")
+        );
+    }
+}
+
+/// Linux's virtio_blk driver against `iopath serve DEVICE --transport TRANSPORT` (vfio-user
+/// through QEMU 11's vfio-user-pci); returns the device's report, whose counters must show the
+/// driver's requests served with no error.
+fn linux_vblk_against_iopath(device: &str, transport: &str) -> String {
+    let mut serve = Serve::start_on(device, transport);
+    let sock = serve.socket.to_str().unwrap().to_string();
+    let args = [format!("--{transport}"), sock, "--check".into(), "vblk".into()];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let log = serve.stderr.clone();
+    let text = linux_with(&args, &|| log.lock().unwrap().join("\n"));
+    vblk_checks_passed(device, &text);
+    let report = serve.report();
+    let stderr = serve.stderr.lock().unwrap().join("\n");
+    assert!(
+        counter(&report, "requests") > 1000,
+        "{device}: the driver's requests did not reach iopath: {report}\n{stderr}"
+    );
+    assert!(counter(&report, "interrupts") > 0, "{device}: no interrupt reached the driver: {report}");
+    for bad in ["errors", "ring_errors"] {
+        assert_eq!(counter(&report, bad), 0, "{device}: {bad}: {report}\n{stderr}");
+    }
+    report
+}
+
+#[test]
+fn linux_virtio_blk_driver_against_qemu_virtio_blk_control() {
+    let text = linux(&["--device", "qemu-virtio-blk"]);
+    vblk_checks_passed("qemu virtio-blk-pci", &text);
+}
+
+#[test]
+fn linux_virtio_blk_driver_against_iopath_virtio_blk_over_vfio_user() {
+    for notify in ["ioeventfd", "poll"] {
+        let report =
+            linux_vblk_against_iopath(&format!("virtio-blk,backend=ram,size_mb=64,notify={notify}"), "vfio-user");
+        eprintln!("notify={notify}: {report}");
+    }
 }
 
 #[test]

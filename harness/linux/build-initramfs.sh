@@ -2,8 +2,9 @@
 # Build (or reuse) the guest kernel + initramfs from the cached trixie root (build-root.sh runs
 # first if needed). Prints the output directory on stdout; it holds:
 #   vmlinuz             the trixie kernel
-#   initramfs.cpio.gz   busybox-static, fio, nvme-cli, e2fsprogs, NVMe + ext4 modules, /init,
-#                       /check.sh (= guest-check.sh)
+#   initramfs.cpio.gz   busybox-static, fio, nvme-cli, e2fsprogs, NVMe + virtio-blk + ext4 modules,
+#                       /init, /lib.sh (= guest-lib.sh), /check.sh (= guest-check.sh),
+#                       /check-vblk.sh (= guest-vblk.sh)
 #   kver                the kernel version
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -69,8 +70,8 @@ log "copied ${#BINS[@]} binaries and $n libraries"
     [[ -e "$S/$a" || -L "$S/$a" ]] || ln -s /usr/bin/busybox "$S/$a"
 done
 
-# --- kernel modules: NVMe over PCI (MSI-X is built in) and ext4, with their dependencies ---
-MODS=(nvme ext4 crc32c-intel crc32c_generic libcrc32c crc16 jbd2 mbcache)
+# --- kernel modules: NVMe and virtio-blk over PCI (MSI-X is built in) and ext4, with their dependencies ---
+MODS=(nvme virtio_pci virtio_blk ext4 crc32c-intel crc32c_generic libcrc32c crc16 jbd2 mbcache)
 : >"$TMP/modlist"
 for m in "${MODS[@]}"; do
     in_root "$ROOT" modprobe -S "$KVER" --show-depends "$m" >"$TMP/dep.$m" 2>&1 \
@@ -139,7 +140,9 @@ echo o >/proc/sysrq-trigger
 sleep 5
 INIT
 chmod 755 "$S/init"
+install -m 644 "$HARNESS_DIR/guest-lib.sh" "$S/lib.sh"
 install -m 755 "$HARNESS_DIR/guest-check.sh" "$S/check.sh"
+install -m 755 "$HARNESS_DIR/guest-vblk.sh" "$S/check-vblk.sh"
 
 # --- pack ---
 HARNESS_BIND_MNT="$S" in_root "$ROOT" /bin/sh -c 'cd /mnt && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --owner 0:0 --quiet' \

@@ -3,7 +3,8 @@
 # Cache layout:
 #   $IOPATH_HARNESS_CACHE/<root-hash>/root/                      the debootstrapped trixie root
 #   $IOPATH_HARNESS_CACHE/<root-hash>/initramfs-<ir-hash>/{vmlinuz,initramfs.cpio.gz,kver}
-# <root-hash> covers common.sh + build-root.sh; <ir-hash> also covers build-initramfs.sh + guest-check.sh.
+# <root-hash> covers common.sh + build-root.sh; <ir-hash> also covers build-initramfs.sh and the
+# guest scripts baked in (guest-lib.sh, guest-check.sh, guest-vblk.sh).
 
 HARNESS_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 HARNESS_CACHE="${IOPATH_HARNESS_CACHE:-/var/cache/iopath-harness}"
@@ -24,7 +25,8 @@ root_dir()  { printf '%s/root\n' "$(root_base)"; }
 
 initramfs_hash() {
     hash_files "$HARNESS_DIR/common.sh" "$HARNESS_DIR/build-root.sh" \
-        "$HARNESS_DIR/build-initramfs.sh" "$HARNESS_DIR/guest-check.sh"
+        "$HARNESS_DIR/build-initramfs.sh" "$HARNESS_DIR/guest-lib.sh" "$HARNESS_DIR/guest-check.sh" \
+        "$HARNESS_DIR/guest-vblk.sh"
 }
 initramfs_dir() { printf '%s/initramfs-%s\n' "$(root_base)" "$(initramfs_hash)"; }
 

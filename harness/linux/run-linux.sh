@@ -1,6 +1,6 @@
 #!/bin/bash
-# Boot the trixie kernel + harness initramfs under the root's QEMU (TCG) with one NVMe device and
-# run guest-check.sh in the guest. Exit codes:
+# Boot the trixie kernel + harness initramfs under the root's QEMU (TCG) with one block device (NVMe
+# or virtio-blk) and run guest-check.sh (or, with --check vblk, guest-vblk.sh) in the guest. Exit codes:
 #   0  "@done ... failed=0"           2  wall-clock timeout (QEMU killed), no @done
 #   1  "@done ... failed=N" (N > 0)   3  QEMU/guest ended without @done
 #   4  usage or setup error (build, missing socket, ...)
@@ -10,10 +10,16 @@ die() { printf '[run-linux] ERROR: %s\n' "$*" >&2; exit 4; }
 
 usage() {
     cat >&2 <<USAGE
-usage: run-linux.sh (--device qemu-nvme | --vfio-user SOCKET) [options]
+usage: run-linux.sh (--device qemu-nvme|qemu-virtio-blk | --vfio-user SOCKET | --vhost-user SOCKET) [options]
   --device qemu-nvme     control: QEMU's own -device nvme on a 64 MiB raw image
+  --device qemu-virtio-blk  control: QEMU's own -device virtio-blk-pci on a 64 MiB raw image
+                         (implies --check vblk)
   --vfio-user SOCKET     -device vfio-user-pci on SOCKET (absolute path; under /tmp, or its
                          directory is bound into the QEMU root)
+  --vhost-user SOCKET    -device vhost-user-blk-pci on SOCKET (a vhost-user-blk backend; implies
+                         --check vblk; needs the shared memfd RAM, so not with --no-share)
+  --check nvme|vblk      the checks the guest runs: guest-check.sh (NVMe, the default) or
+                         guest-vblk.sh (virtio-blk)
   --no-share             plain -m, no memfd/share=on backend (vfio-user DMA_READ/WRITE fallback)
   --timeout SECS         wall clock for QEMU (default 300), then QEMU is killed (exit 2);
                          the guest gets harness.deadline=SECS-25 so it still prints @done
@@ -29,12 +35,20 @@ USAGE
     exit 4
 }
 
-MODE= SOCK= SHARE=1 TIMEOUT=300 NVME_TO= APPEND= SCRIPT= MEM=512 SMP=1 LOG= RUN= QUIET=0
+MODE= CHECK=nvme SOCK= SHARE=1 TIMEOUT=300 NVME_TO= APPEND= SCRIPT= MEM=512 SMP=1 LOG= RUN= QUIET=0
 EXTRA=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --device) [[ ${2:-} == qemu-nvme ]] || die "--device takes qemu-nvme"; MODE=qemu-nvme; shift 2 ;;
+        --device)
+            case ${2:-} in
+                qemu-nvme) ;;
+                qemu-virtio-blk) CHECK=vblk ;;
+                *) die "--device takes qemu-nvme or qemu-virtio-blk" ;;
+            esac
+            MODE=$2; shift 2 ;;
         --vfio-user) MODE=vfio-user; SOCK=${2:?}; shift 2 ;;
+        --vhost-user) MODE=vhost-user; CHECK=vblk; SOCK=${2:?}; shift 2 ;;
+        --check) [[ ${2:-} == nvme || ${2:-} == vblk ]] || die "--check takes nvme or vblk"; CHECK=$2; shift 2 ;;
         --no-share) SHARE=0; shift ;;
         --timeout) TIMEOUT=${2:?}; shift 2 ;;
         --nvme-timeout) NVME_TO=${2:?}; shift 2 ;;
@@ -80,6 +94,7 @@ CMDLINE="console=ttyS0 loglevel=4 panic=1"
 # the guest fails every step still pending 25 s before the wall clock, so @done is still printed
 (( TIMEOUT > 45 )) && CMDLINE+=" harness.deadline=$((TIMEOUT - 25))"
 [[ -n $NVME_TO ]] && CMDLINE+=" nvme_core.admin_timeout=$NVME_TO nvme_core.io_timeout=$NVME_TO"
+[[ $CHECK == vblk && -z $SCRIPT ]] && CMDLINE+=" harness.script=/check-vblk.sh"
 [[ -n $APPEND ]] && CMDLINE+=" $APPEND"
 
 Q=(-accel tcg -cpu max -smp "$SMP" -nodefaults -no-reboot -display none -nic none
@@ -95,11 +110,20 @@ case "$MODE" in
         truncate -s 64M "$RUN/disk.img"
         Q+=(-drive "file=$RUN/disk.img,if=none,id=d0,format=raw,cache=unsafe" -device nvme,drive=d0,serial=harness0)
         ;;
-    vfio-user)
+    qemu-virtio-blk)
+        truncate -s 64M "$RUN/disk.img"
+        Q+=(-drive "file=$RUN/disk.img,if=none,id=d0,format=raw,cache=unsafe" -device virtio-blk-pci,drive=d0)
+        ;;
+    vfio-user|vhost-user)
         [[ $SOCK == /* ]] || SOCK="$PWD/$SOCK"
-        [[ -S $SOCK ]] || die "no vfio-user socket at $SOCK (is the server running?)"
+        [[ -S $SOCK ]] || die "no $MODE socket at $SOCK (is the server running?)"
         [[ $SOCK == /tmp/* ]] || BIND+=("$(dirname "$SOCK")")
-        Q+=(-device "{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"$SOCK\"}}")
+        if [[ $MODE == vfio-user ]]; then
+            Q+=(-device "{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"$SOCK\"}}")
+        else
+            [[ $SHARE == 1 ]] || die "--vhost-user needs the shared memfd RAM (drop --no-share)"
+            Q+=(-chardev "socket,id=vu0,path=$SOCK" -device vhost-user-blk-pci,chardev=vu0)
+        fi
         ;;
 esac
 Q+=("${EXTRA[@]}")
