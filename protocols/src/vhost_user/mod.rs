@@ -6,3 +6,4 @@
 
 pub mod backend;
 pub mod frontend;
+mod frontend_ring;
