@@ -16,11 +16,13 @@
 //! - **Reset**: GET_VRING_BASE stops the ring; the fds of the session are dropped.
 //!
 //! REPLY_ACK is negotiated where the backend offers it, so every request
-//! is answered. Every reply is awaited at most [`BACKEND_TIMEOUT`]. A backend that does
+//! is answered. Every request is bounded by [`BACKEND_TIMEOUT`] (a watchdog
+//! shuts the socket down: `frontend_deadline.rs`). A backend that does
 //! not answer, answers nonsense or hangs up puts the device in
 //! DEVICE_NEEDS_RESET with a log line and stops the run (the context's
 //! fail hook), as a device process that dies does.
 
+use super::frontend_deadline::Deadline;
 use super::frontend_ring::Session;
 use crate::peer::Peer;
 use crate::process::DeviceProcess;
@@ -89,6 +91,7 @@ pub(super) struct Stats {
 /// A virtio-blk queue served by a vhost-user backend.
 pub struct VhostUserBlk {
     pub(super) fe: Frontend,
+    deadline: Deadline,
     pub(super) peer: Peer,
     /// What the backend offered (GET_FEATURES).
     pub(super) backend_features: u64,
@@ -131,12 +134,13 @@ pub(super) fn vhost_err(what: &str, e: vhost::Error) -> Error {
 impl VhostUserBlk {
     fn handshake(sock: UnixStream, child: Option<DeviceProcess>, name: &str) -> Result<Self> {
         let ours = sock.try_clone().map_err(|e| Error::io("vhost-user socket", e))?;
+        let watched = sock.try_clone().map_err(|e| Error::io("vhost-user socket", e))?;
+        let deadline =
+            Deadline::new(watched, BACKEND_TIMEOUT, name).map_err(|e| Error::io("vhost-user deadline thread", e))?;
         let peer = Peer::new(sock, name, child);
-        // One socket (two fds): the timeouts hold for the frontend's reads too.
-        let _ = ours.set_read_timeout(Some(BACKEND_TIMEOUT));
-        let _ = ours.set_write_timeout(Some(BACKEND_TIMEOUT));
         let mut e = VhostUserBlk {
             fe: Frontend::from_stream(ours, 1),
+            deadline,
             peer,
             backend_features: 0,
             protocol: false,
@@ -180,10 +184,14 @@ impl VhostUserBlk {
     pub(super) fn msg<T>(&mut self, what: &str, f: impl FnOnce(&mut Frontend) -> vhost::Result<T>) -> Result<T> {
         self.peer.alive()?;
         self.st.backend_msgs += 1;
-        f(&mut self.fe).map_err(|e| {
-            self.st.backend_errors += 1;
-            vhost_err(what, e)
-        })
+        let fe = &mut self.fe;
+        let r = match self.deadline.run(what, || f(fe)) {
+            (Ok(v), false) => return Ok(v),
+            (_, true) => Error::Timeout { what: format!("vhost-user {what} ({BACKEND_TIMEOUT:?})") },
+            (Err(e), false) => vhost_err(what, e),
+        };
+        self.st.backend_errors += 1;
+        Err(r)
     }
 
     /// The backend failed: the device needs a reset, and the run stops.
@@ -213,6 +221,7 @@ impl QueueEngine for VhostUserBlk {
     fn attach(dev: &Shared<Self>, ctx: &DeviceContext) {
         let mut s = iopath_devices::lock(dev);
         s.e.peer.fail = Some(ctx.fail.clone());
+        s.e.deadline.set_fail(ctx.fail.clone());
         s.e.peer.watch();
         if s.e.kick.is_some() {
             return;
@@ -278,4 +287,3 @@ impl QueueEngine for VhostUserBlk {
         v
     }
 }
-
