@@ -287,3 +287,7 @@ impl QueueEngine for VhostUserBlk {
         v
     }
 }
+
+#[cfg(test)]
+#[path = "frontend_tests.rs"]
+mod tests;
