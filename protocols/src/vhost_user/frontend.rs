@@ -106,6 +106,8 @@ pub struct VhostUserBlk {
     pub(super) me: Weak<Mutex<State<VhostUserBlk>>>,
     pub(super) st: Stats,
     name: String,
+    /// The session with the backend was ended (quiesce).
+    ended: bool,
 }
 
 /// Connects to the backend on `sock` (a device process the VMM started,
@@ -151,6 +153,7 @@ impl VhostUserBlk {
             me: Weak::new(),
             st: Stats::default(),
             name: name.to_string(),
+            ended: false,
         };
         e.msg("SET_OWNER", |fe| fe.set_owner())?;
         e.backend_features = e.msg("GET_FEATURES", |fe| fe.get_features())?;
@@ -242,7 +245,11 @@ impl QueueEngine for VhostUserBlk {
     fn quiesce(dev: &Shared<Self>) {
         let mut s = iopath_devices::lock(dev);
         s.e.session = None;
-        s.e.peer.end();
+        // Once: quiesce and then drop both come here, and a second end
+        // would wait for counters the device process already gave.
+        if !std::mem::replace(&mut s.e.ended, true) {
+            s.e.peer.end();
+        }
     }
 
     fn driver_ok(&mut self, t: &mut Transport) -> iopath_devices::Result<()> {
