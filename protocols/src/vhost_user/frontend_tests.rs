@@ -4,6 +4,7 @@
 use super::*;
 use crate::socket::recv_exact;
 use iopath_devices::{GuestMemoryMmap, Interrupts};
+use std::io::Write;
 use std::os::fd::FromRawFd;
 use std::os::unix::net::UnixStream;
 use vm_memory::{FileOffset, GuestAddress};
@@ -16,9 +17,11 @@ const CAPACITY: u64 = 4242;
 
 /// (request, first 8 bytes of the body, fds) of each message.
 type Log = Arc<Mutex<Vec<(u32, u64, usize)>>>;
+/// The call fds the backend was given (SET_VRING_CALL), to call through.
+type Calls = Arc<Mutex<Vec<std::fs::File>>>;
 
 /// Answers as a backend would; hangs up after answering `last` if given.
-fn fake_backend(s: UnixStream, log: Log, last: Option<u32>) {
+fn fake_backend(s: UnixStream, log: Log, last: Option<u32>, calls: Calls) {
     loop {
         let mut hdr = [0u8; 12];
         let Ok(fds) = recv_exact(&s, &mut hdr) else { return };
@@ -32,6 +35,9 @@ fn fake_backend(s: UnixStream, log: Log, last: Option<u32>) {
         let n = body.len().min(8);
         first[..n].copy_from_slice(&body[..n]);
         iopath_devices::lock(&log).push((req, u64::from_le_bytes(first), fds.len()));
+        if req == 13 {
+            iopath_devices::lock(&calls).extend(fds);
+        }
         let answer = |b: &[u8]| {
             let mut h = Vec::new();
             for v in [req, 0x5, b.len() as u32] {
@@ -109,7 +115,7 @@ fn nothing_reaches_the_backend_before_driver_ok_which_sets_up_ring_kick_and_irqf
     let (mine, theirs) = UnixStream::pair().unwrap();
     let log: Log = Arc::default();
     let l = log.clone();
-    std::thread::spawn(move || fake_backend(theirs, l, None));
+    std::thread::spawn(move || fake_backend(theirs, l, None, Calls::default()));
     let d = connect(mine, None, "vhost-user-blk").unwrap();
     let mut ctx = DeviceContext::detached(ram());
     ctx.ioevents = Arc::new(IoEvents);
@@ -166,7 +172,7 @@ fn a_backend_that_hangs_up_before_driver_ok_makes_the_device_need_reset_and_stop
     let (mine, theirs) = UnixStream::pair().unwrap();
     let log: Log = Arc::default();
     let l = log.clone();
-    std::thread::spawn(move || fake_backend(theirs, l, Some(24)));
+    std::thread::spawn(move || fake_backend(theirs, l, Some(24), Calls::default()));
     let d = connect(mine, None, "vhost-user-blk").unwrap();
     let failed: Arc<Mutex<Vec<String>>> = Arc::default();
     let f = failed.clone();
@@ -189,5 +195,54 @@ fn a_backend_that_hangs_up_before_driver_ok_makes_the_device_need_reset_and_stop
     // Nothing more is sent to a backend given up on; a reset is no error.
     w(&d, 0x14, 0, 1);
     assert_eq!(counter(&d, "backend_errors"), 1);
+    d.quiesce();
+}
+
+/// Records INTx.
+#[derive(Default)]
+struct Intx(std::sync::atomic::AtomicBool);
+impl Interrupts for Intx {
+    fn set_intx(&self, level: bool) {
+        self.0.store(level, std::sync::atomic::Ordering::SeqCst);
+    }
+    fn signal_msix(&self, _: u16) -> bool {
+        false
+    }
+}
+
+#[test]
+fn without_ioeventfd_or_msix_the_vmm_passes_kicks_on_and_relays_calls_as_intx() {
+    let (mine, theirs) = UnixStream::pair().unwrap();
+    let (log, calls): (Log, Calls) = Default::default();
+    let (l, c) = (log.clone(), calls.clone());
+    std::thread::spawn(move || fake_backend(theirs, l, None, c));
+    let d = connect(mine, None, "vhost-user-blk").unwrap();
+    let intx = Arc::new(Intx::default());
+    let mut ctx = DeviceContext::detached(ram()); // no ioeventfds
+    ctx.irq = intx.clone();
+    d.attach(ctx);
+    w(&d, 0x14, 3, 1);
+    w(&d, 0x08, 1, 4);
+    w(&d, 0x0c, 1, 4);
+    w(&d, 0x14, 3 | 8, 1);
+    w(&d, 0x20, 0x1000, 8);
+    w(&d, 0x28, 0x2000, 8);
+    w(&d, 0x30, 0x3000, 8);
+    w(&d, 0x1c, 1, 2);
+    w(&d, 0x14, 3 | 8 | 4, 1);
+    assert_eq!((counter(&d, "kick_ioeventfd"), counter(&d, "call_irqfd"), counter(&d, "activations")), (0, 0, 1));
+    // A notify write exits to the VMM, which kicks the backend's eventfd.
+    w(&d, 0x3000, 0, 2);
+    assert_eq!((counter(&d, "notifies"), counter(&d, "kicks_forwarded")), (1, 1));
+    // The backend calls: the relay raises INTx with ISR bit 0 (bounded wait, liveness only).
+    let call = iopath_devices::lock(&calls).pop().expect("a call fd");
+    (&call).write_all(&1u64.to_ne_bytes()).unwrap();
+    let t = std::time::Instant::now();
+    while !intx.0.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(t.elapsed() < Duration::from_secs(10), "no INTx");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(counter(&d, "calls_relayed"), 1);
+    assert_eq!(r(&d, 0x1000, 1), 1, "ISR: a queue interrupt");
     d.quiesce();
 }
