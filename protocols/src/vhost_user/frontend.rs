@@ -253,8 +253,12 @@ impl QueueEngine for VhostUserBlk {
     }
 
     fn driver_ok(&mut self, t: &mut Transport) -> iopath_devices::Result<()> {
+        if !t.queue.ready {
+            // The driver's mistake, not the backend's: NEEDS_RESET (the transport's), nothing sent.
+            return Err(iopath_devices::Error::Host("DRIVER_OK with queue 0 not enabled".into()));
+        }
         if let Err(e) = self.start(t) {
-            // Broken and the run stopped here; the transport's own NEEDS_RESET is already set.
+            // The backend failed: NEEDS_RESET, and the run stops.
             self.give_up(t, &e);
         }
         Ok(())

@@ -41,9 +41,6 @@ impl VhostUserBlk {
     /// DRIVER_OK: the driver's features, guest RAM, the ring, kick and call.
     pub(super) fn start(&mut self, t: &mut Transport) -> Result<()> {
         let ctx = t.ctx.clone().ok_or_else(|| Error::protocol("DRIVER_OK before the device was attached"))?;
-        if !t.queue.ready {
-            return Err(Error::protocol("DRIVER_OK with queue 0 not enabled"));
-        }
         let kick = self.kick.clone().ok_or_else(|| Error::protocol("no kick eventfd"))?;
         let mut features = t.driver_features;
         if self.protocol {

@@ -246,3 +246,26 @@ fn without_ioeventfd_or_msix_the_vmm_passes_kicks_on_and_relays_calls_as_intx() 
     assert_eq!(r(&d, 0x1000, 1), 1, "ISR: a queue interrupt");
     d.quiesce();
 }
+
+#[test]
+fn driver_ok_without_the_queue_enabled_needs_reset_but_sends_nothing_and_runs_on() {
+    let (mine, theirs) = UnixStream::pair().unwrap();
+    let log: Log = Arc::default();
+    let l = log.clone();
+    std::thread::spawn(move || fake_backend(theirs, l, None, Calls::default()));
+    let d = connect(mine, None, "vhost-user-blk").unwrap();
+    let failed: Arc<Mutex<Vec<String>>> = Arc::default();
+    let f = failed.clone();
+    let mut ctx = DeviceContext::detached(ram());
+    ctx.fail = Arc::new(move |m| iopath_devices::lock(&f).push(m));
+    d.attach(ctx);
+    w(&d, 0x14, 3, 1);
+    w(&d, 0x08, 1, 4);
+    w(&d, 0x0c, 1, 4);
+    w(&d, 0x14, 3 | 8, 1);
+    w(&d, 0x14, 3 | 8 | 4, 1);
+    assert_eq!(r(&d, 0x14, 1) & 64, 64, "DEVICE_NEEDS_RESET");
+    assert_eq!(iopath_devices::lock(&log).len(), 5, "only the connect handshake was sent");
+    assert!(iopath_devices::lock(&failed).is_empty(), "a driver's mistake does not stop the run");
+    d.quiesce();
+}
