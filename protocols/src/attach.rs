@@ -15,6 +15,14 @@
 //!   SPDK's NVMe target, QEMU's x-vfio-user-server, a rust-vmm
 //!   `vfio_user::Server`): the proxy takes its identity, BARs and
 //!   capabilities from the server.
+//! - `vhost-user-blk:PATH`: a virtio-blk function of the VMM's transport
+//!   whose queue the vhost-user-blk backend on the UNIX socket PATH serves
+//!   (iopath's, qemu-storage-daemon's, any): see
+//!   [`vhost_user::frontend`](crate::vhost_user::frontend).
+//! - `virtio-blk[,OPTS]@vhost-user`: the same, with iopath's backend
+//!   (`iopath serve virtio-blk,OPTS --transport vhost-user --fd 3`) started
+//!   by the VMM on a socketpair; `...@vhost-user:PATH` connects to one
+//!   already listening on PATH.
 
 use crate::process::{DeviceProcess, CHILD_SOCKET_FD};
 use crate::transport::{transport, Transport};
@@ -43,7 +51,25 @@ pub enum Device {
     /// `remote` a [`Endpoint::Socket`]): its identity, BARs and capabilities
     /// come from the server.
     Server,
+    /// virtio-blk whose queue a vhost-user backend serves (`remote` is None).
+    VhostUser(VhostUser),
 }
+
+/// Where a vhost-user-blk device's backend is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VhostUser {
+    /// Any backend listening on this UNIX socket (`vhost-user-blk:PATH`).
+    Socket(PathBuf),
+    /// iopath's backend serving this virtio-blk, started by the VMM
+    /// (`virtio-blk,OPTS@vhost-user`).
+    Spawn(DeviceConfig),
+}
+
+/// The `@TRANSPORT` name of vhost-user (not a [`Transport`]: no PCI function
+/// goes over it, only the queues).
+pub const VHOST_USER: &str = "vhost-user";
+/// The `NAME:PATH` prefix of a vhost-user-blk backend on a socket.
+pub const VHOST_USER_BLK: &str = "vhost-user-blk";
 
 /// A device and where it runs: `CONFIG[@TRANSPORT[:PATH|:qemu]]` or
 /// `TRANSPORT:PATH`, parsed and validated once (the device options
@@ -74,9 +100,41 @@ impl DeviceSpec {
     }
 }
 
+impl DeviceSpec {
+    /// `vhost-user-blk:PATH`, or `CONFIG@vhost-user[:PATH]` (CONFIG a
+    /// virtio-blk), if `s` is one of those.
+    fn parse_vhost_user(s: &str) -> Result<Option<Self>> {
+        let spec = |v| Ok(Some(DeviceSpec { device: Device::VhostUser(v), remote: None }));
+        if let Some(path) = s.strip_prefix(VHOST_USER_BLK).and_then(|r| r.strip_prefix(':')) {
+            if path.is_empty() {
+                return Err(Error::Config(format!("{s:?}: the vhost-user backend's socket path is missing")));
+            }
+            return spec(VhostUser::Socket(path.into()));
+        }
+        let Some(i) = iopath_devices::spec::find_unescaped_at(s) else { return Ok(None) };
+        let place = match s[i + 1..].strip_prefix(VHOST_USER) {
+            Some("") => None,
+            Some(r) if r.starts_with(':') => Some(&r[1..]),
+            _ => return Ok(None),
+        };
+        let model: DeviceConfig = s[..i].parse()?;
+        if !matches!(model, DeviceConfig::VirtioBlk(_)) {
+            return Err(Error::Config(format!("{s:?}: only virtio-blk has its queues served over vhost-user")));
+        }
+        match place {
+            None => spec(VhostUser::Spawn(model)),
+            Some("") => Err(Error::Config(format!("{s:?}: the vhost-user backend's socket path is missing"))),
+            Some(p) => spec(VhostUser::Socket(p.into())),
+        }
+    }
+}
+
 impl FromStr for DeviceSpec {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
+        if let Some(spec) = Self::parse_vhost_user(s)? {
+            return Ok(spec);
+        }
         if let Some(spec) = Self::parse_server(s)? {
             return Ok(spec);
         }
@@ -109,6 +167,8 @@ impl FromStr for DeviceSpec {
 impl std::fmt::Display for DeviceSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let model = match (&self.device, &self.remote) {
+            (Device::VhostUser(VhostUser::Socket(p)), _) => return write!(f, "{VHOST_USER_BLK}:{}", p.display()),
+            (Device::VhostUser(VhostUser::Spawn(m)), _) => return write!(f, "{m}@{VHOST_USER}"),
             (Device::Model(m), _) => m,
             (Device::Server, Some((t, Endpoint::Socket(p)))) => return write!(f, "{}:{}", t.name(), p.display()),
             // Not a spec FromStr makes (instantiate refuses it).
@@ -160,6 +220,7 @@ fn socketpair() -> Result<(UnixStream, UnixStream)> {
 /// VMM hosts: the device itself, or its transport's proxy for it.
 pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> {
     let (model, transport, ep) = match (&spec.device, &spec.remote) {
+        (Device::VhostUser(v), _) => return vhost_user(v, progs).map_err(|e| e.context(spec.to_string())),
         (Device::Model(m), None) => return Ok(m.build()?),
         (Device::Model(m), Some((t, ep))) => (m, *t, ep),
         (Device::Server, Some((t, Endpoint::Socket(path)))) => {
@@ -206,6 +267,41 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> 
     transport.connect(sock, child, model.name()).map_err(|e| e.context(label))
 }
 
+/// A virtio-blk function whose queue the vhost-user backend `v` serves.
+fn vhost_user(v: &VhostUser, progs: &Programs) -> Result<SharedDevice> {
+    use crate::vhost_user::frontend;
+    match v {
+        VhostUser::Socket(path) => {
+            let sock =
+                UnixStream::connect(path).map_err(|e| Error::io(format!("cannot connect to {}", path.display()), e))?;
+            frontend::connect(sock, None, VHOST_USER_BLK)
+        }
+        VhostUser::Spawn(model) => {
+            // A backend is always kicked through an eventfd: notify=exit (the
+            // default) means nothing there and is sent as ioeventfd.
+            let mut model = model.clone();
+            if let DeviceConfig::VirtioBlk(c) = &mut model {
+                if c.notify == iopath_devices::virtio::pci::NotifyMode::Exit {
+                    c.notify = iopath_devices::virtio::pci::NotifyMode::Ioeventfd;
+                }
+            }
+            let (mine, theirs) = socketpair()?;
+            let args: Vec<String> = [
+                model.to_string(),
+                "--transport".into(),
+                VHOST_USER.into(),
+                "--fd".into(),
+                CHILD_SOCKET_FD.to_string(),
+            ]
+            .into_iter()
+            .chain(progs.serve_args.iter().cloned())
+            .collect();
+            let child = DeviceProcess::spawn(&progs.iopath, &args, theirs.into())?;
+            frontend::connect(mine, Some(child), VHOST_USER_BLK)
+        }
+    }
+}
+
 /// `qemu-system-x86_64 -machine x-remote` hosting QEMU's `device` on fd 3.
 pub fn qemu_remote(qemu: &Path, device: &str) -> std::process::Command {
     let mut c = std::process::Command::new(qemu);
@@ -243,6 +339,40 @@ mod tests {
         ] {
             assert_eq!(s.parse::<DeviceSpec>().unwrap().to_string(), s);
         }
+    }
+
+    #[test]
+    fn vhost_user_specs_parse() {
+        let s: DeviceSpec = "vhost-user-blk:/tmp/vu.sock".parse().unwrap();
+        assert_eq!(s.device, Device::VhostUser(VhostUser::Socket("/tmp/vu.sock".into())));
+        assert_eq!(s.remote, None);
+        let s: DeviceSpec = "virtio-blk,backend=null,size_mb=8@vhost-user".parse().unwrap();
+        let Device::VhostUser(VhostUser::Spawn(m)) = &s.device else { panic!("{s:?}") };
+        assert_eq!(m.to_string(), "virtio-blk,backend=null,size_mb=8,notify=exit");
+        let s: DeviceSpec = "virtio-blk@vhost-user:/tmp/a,b@c".parse().unwrap();
+        assert_eq!(s.device, Device::VhostUser(VhostUser::Socket("/tmp/a,b@c".into())), "a path as it is");
+        for s in [
+            "vhost-user-blk:/tmp/vu.sock",
+            "vhost-user-blk:/tmp/a,b@c",
+            "virtio-blk,backend=ram,size_mb=64,notify=poll@vhost-user",
+        ] {
+            assert_eq!(s.parse::<DeviceSpec>().unwrap().to_string(), s);
+        }
+        for bad in [
+            "vhost-user-blk:",
+            "nvme@vhost-user",
+            "pci-testdev@vhost-user:/tmp/s",
+            "virtio-blk@vhost-user:",
+            "virtio-blk,notify=never@vhost-user",
+        ] {
+            assert!(bad.parse::<DeviceSpec>().is_err(), "{bad}");
+        }
+        // The spawn path needs the program; nobody listens on the socket path.
+        let progs = Programs { iopath: "/nonexistent".into(), qemu: None, serve_args: Vec::new() };
+        let e = instantiate(&"virtio-blk@vhost-user".parse().unwrap(), &progs).err().unwrap().to_string();
+        assert!(e.contains("virtio-blk") && e.contains("/nonexistent"), "{e}");
+        let e = instantiate(&"vhost-user-blk:/nonexistent/vu.sock".parse().unwrap(), &progs).err().unwrap().to_string();
+        assert!(e.contains("vhost-user-blk:/nonexistent/vu.sock"), "{e}");
     }
 
     #[test]

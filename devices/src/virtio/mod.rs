@@ -1,9 +1,12 @@
 //! virtio 1.x devices: split virtqueues ([`queue`]), the block device
-//! ([`blk`]) and the modern PCI transport ([`pci`]).
+//! ([`blk`]), the modern PCI transport ([`transport`], with a
+//! [`QueueEngine`](transport::QueueEngine) serving its queue) and
+//! virtio-blk served in the VMM ([`pci`]).
 
 pub mod blk;
 pub mod pci;
 pub mod queue;
+pub mod transport;
 mod worker;
 
 #[cfg(test)]

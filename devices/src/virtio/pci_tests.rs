@@ -1,7 +1,11 @@
 use super::*;
 use crate::virtio::blk::{S_OK, T_IN, T_OUT};
 use crate::virtio::fake::{Driver, AVAIL, DATA, DESC, USED};
+use crate::virtio::queue::MAX_QUEUE_SIZE;
+use crate::virtio::transport::MSIX_CAP;
+use crate::DeviceModel;
 use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
 use vm_memory::{Bytes, GuestAddress};
 
 /// Records INTx levels and MSI-X signals.

@@ -3,7 +3,8 @@
 //! notifications suppressed (`notify=poll`), so a driver that honours
 //! EVENT_IDX (or NO_NOTIFY) makes no exit while requests keep coming.
 
-use super::pci::State;
+use super::pci::BlkEngine;
+use super::transport::State;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -25,11 +26,11 @@ fn wait_kick(kick: &EventFd, stop: &AtomicBool) -> u64 {
 }
 
 /// `notify=ioeventfd`: serve the queue on each kick.
-pub(super) fn kick_loop(state: &Mutex<State>, kick: &EventFd, stop: &AtomicBool) {
+pub(super) fn kick_loop(state: &Mutex<State<BlkEngine>>, kick: &EventFd, stop: &AtomicBool) {
     while !stop.load(Ordering::Acquire) {
         let n = wait_kick(kick, stop);
         if n > 0 {
-            crate::lock(state).st.kicks += n;
+            crate::lock(state).e.st.kicks += n;
             while crate::lock(state).serve() {}
         }
     }
@@ -38,8 +39,8 @@ pub(super) fn kick_loop(state: &Mutex<State>, kick: &EventFd, stop: &AtomicBool)
 /// `notify=poll`: poll with notifications off; after [`POLL_IDLE`] without
 /// work, turn them on, look once more (a request that came in between is
 /// served at once), and sleep on the ioeventfd.
-pub(super) fn poll_loop(state: &Mutex<State>, kick: &EventFd, stop: &AtomicBool) {
-    crate::lock(state).polling = false; // notifications on until the first kick
+pub(super) fn poll_loop(state: &Mutex<State<BlkEngine>>, kick: &EventFd, stop: &AtomicBool) {
+    crate::lock(state).e.polling = false; // notifications on until the first kick
     let mut idle = Instant::now();
     let mut awake = false;
     while !stop.load(Ordering::Acquire) {
@@ -49,7 +50,7 @@ pub(super) fn poll_loop(state: &Mutex<State>, kick: &EventFd, stop: &AtomicBool)
                 continue;
             }
             let mut st = crate::lock(state);
-            st.st.kicks += n;
+            st.e.st.kicks += n;
             st.set_polling(true);
             (awake, idle) = (true, Instant::now());
         }
@@ -66,7 +67,7 @@ pub(super) fn poll_loop(state: &Mutex<State>, kick: &EventFd, stop: &AtomicBool)
         } else if idle.elapsed() >= POLL_IDLE {
             let mut st = crate::lock(state);
             if !st.set_polling(false) {
-                st.st.sleeps += 1;
+                st.e.st.sleeps += 1;
                 awake = false;
             } else {
                 st.set_polling(true);

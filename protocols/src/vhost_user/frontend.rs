@@ -1,1 +1,304 @@
-//! vhost-user frontend: the VMM side of a vhost-user-blk device.
+//! The VMM side of a vhost-user-blk device: iopath's modern virtio PCI
+//! transport (`iopath_devices::virtio::transport`) whose queue a vhost-user
+//! backend serves (iopath's `iopath serve virtio-blk --transport vhost-user`,
+//! qemu-storage-daemon's vhost-user-blk export, any other), driven through
+//! the rust-vmm `vhost` crate's [`Frontend`].
+//!
+//! - **Connect** ([`connect`]): SET_OWNER, GET_FEATURES, GET/SET_PROTOCOL_FEATURES
+//!   and GET_CONFIG, because the driver reads the device features and the
+//!   capacity before DRIVER_OK. No ring, memory or fd is sent yet.
+//! - **DRIVER_OK** ([`frontend_ring`](super::frontend_ring)): SET_FEATURES
+//!   (the driver's choice), SET_MEM_TABLE (the VMM's RAM memfd),
+//!   SET_VRING_NUM/BASE/ADDR, SET_VRING_KICK (the eventfd that is the KVM
+//!   ioeventfd on the notify address, registered at attach), SET_VRING_CALL
+//!   (the MSI-X vector's irqfd, or an eventfd the VMM relays) and
+//!   SET_VRING_ENABLE. A guest that never writes DRIVER_OK gets nothing sent.
+//! - **Reset**: GET_VRING_BASE stops the ring; the fds of the session are dropped.
+//!
+//! REPLY_ACK is negotiated where the backend offers it, so every request
+//! is answered. Every request is bounded by [`BACKEND_TIMEOUT`] (a watchdog
+//! shuts the socket down: `frontend_deadline.rs`). A backend that does
+//! not answer, answers nonsense or hangs up puts the device in
+//! DEVICE_NEEDS_RESET with a log line and stops the run (the context's
+//! fail hook), as a device process that dies does.
+
+use super::frontend_deadline::Deadline;
+use super::frontend_ring::Session;
+use crate::peer::Peer;
+use crate::process::DeviceProcess;
+use crate::{Error, Result};
+use iopath_devices::virtio::transport::{
+    DeviceConfigBytes, QueueEngine, Shared, State, Transport, VirtioPci, DEVCFG_LEN, F_EVENT_IDX, F_VERSION_1, NOTIFY,
+};
+use iopath_devices::{Counter, DeviceContext, IoEventSpec, SharedDevice};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+use vhost::vhost_user::message::{
+    VhostUserConfigFlags, VhostUserHeaderFlag, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
+};
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::VhostBackend;
+use vmm_sys_util::eventfd::EventFd;
+
+/// How long the frontend waits for any one reply of the backend.
+pub const BACKEND_TIMEOUT: Duration = Duration::from_secs(5);
+/// The virtio-blk PCI device id (0x1040 + type 2).
+const DEVICE_ID: u16 = 0x1042;
+/// The bytes of virtio_blk_config asked for with GET_CONFIG: up to
+/// write_zeroes_may_unmap and its padding (the part our device
+/// configuration area shows; any backend's config is at least this long).
+pub const CONFIG_LEN: u32 = 60;
+
+/// Feature bits the transport passes from the backend to the driver: the
+/// block device's own (SIZE_MAX, SEG_MAX, GEOMETRY, RO, BLK_SIZE, FLUSH,
+/// TOPOLOGY, CONFIG_WCE, DISCARD, WRITE_ZEROES) and the ring's that the
+/// backend's queue implements (INDIRECT_DESC, EVENT_IDX), plus VERSION_1,
+/// which the transport requires. Not passed: MQ (one queue here), PACKED,
+/// ACCESS_PLATFORM, NOTIFICATION_DATA, RING_RESET (the transport has none
+/// of these) and PROTOCOL_FEATURES (vhost-user's own, bit 30).
+pub const PASSED_FEATURES: u64 = (1 << 1)
+    | (1 << 2)
+    | (1 << 4)
+    | (1 << 5)
+    | (1 << 6)
+    | (1 << 9)
+    | (1 << 10)
+    | (1 << 11)
+    | (1 << 13)
+    | (1 << 14)
+    | (1 << 28)
+    | F_EVENT_IDX
+    | F_VERSION_1;
+
+/// The frontend's counters (see [`QueueEngine::counters`]).
+#[derive(Default)]
+pub(super) struct Stats {
+    /// Messages sent to the backend.
+    pub(super) backend_msgs: u64,
+    /// DRIVER_OKs that set the ring up in the backend.
+    pub(super) activations: u64,
+    /// Notify writes that exited and that the VMM passed to the kick eventfd.
+    pub(super) kicks_forwarded: u64,
+    /// Activations whose call fd was the MSI-X vector's irqfd (KVM injects).
+    pub(super) call_irqfd: u64,
+    /// Backend calls the VMM relayed (INTx, or a vector without an irqfd).
+    pub(super) calls_relayed: u64,
+    /// Requests the backend failed or did not answer.
+    pub(super) backend_errors: u64,
+}
+
+/// A virtio-blk queue served by a vhost-user backend.
+pub struct VhostUserBlk {
+    pub(super) fe: Frontend,
+    deadline: Deadline,
+    pub(super) peer: Peer,
+    /// What the backend offered (GET_FEATURES).
+    pub(super) backend_features: u64,
+    /// The protocol features acked (SET_PROTOCOL_FEATURES was sent).
+    pub(super) protocol: bool,
+    config: DeviceConfigBytes,
+    /// The notify eventfd, KVM's ioeventfd on the notify address when `kick_registered`.
+    pub(super) kick: Option<Arc<EventFd>>,
+    pub(super) kick_registered: bool,
+    /// The ring as set up at DRIVER_OK, until reset.
+    pub(super) session: Option<Session>,
+    pub(super) me: Weak<Mutex<State<VhostUserBlk>>>,
+    pub(super) st: Stats,
+    name: String,
+    /// The session with the backend was ended (quiesce).
+    ended: bool,
+}
+
+/// Connects to the backend on `sock` (a device process the VMM started,
+/// `child`, or one listening on a socket) and makes the PCI function.
+pub fn connect(sock: UnixStream, child: Option<DeviceProcess>, name: &str) -> Result<SharedDevice> {
+    let engine = VhostUserBlk::handshake(sock, child, name)?;
+    let dev = Arc::new(VirtioPci::with_engine(engine));
+    iopath_devices::lock(dev.shared()).e.me = Arc::downgrade(dev.shared());
+    Ok(dev)
+}
+
+/// A vhost crate error as ours (the socket timeout is a timeout).
+pub(super) fn vhost_err(what: &str, e: vhost::Error) -> Error {
+    use vhost::vhost_user::Error as U;
+    match e {
+        vhost::Error::VhostUserProtocol(U::SocketError(io) | U::SocketRetry(io) | U::SocketBroken(io)) => {
+            Error::io(format!("vhost-user {what}"), io)
+        }
+        vhost::Error::VhostUserProtocol(U::Disconnected | U::PartialMessage) => {
+            Error::PeerGone(format!("vhost-user {what}: the backend hung up"))
+        }
+        e => Error::protocol(format!("vhost-user {what}: {e}")),
+    }
+}
+
+impl VhostUserBlk {
+    fn handshake(sock: UnixStream, child: Option<DeviceProcess>, name: &str) -> Result<Self> {
+        let ours = sock.try_clone().map_err(|e| Error::io("vhost-user socket", e))?;
+        let watched = sock.try_clone().map_err(|e| Error::io("vhost-user socket", e))?;
+        let deadline =
+            Deadline::new(watched, BACKEND_TIMEOUT, name).map_err(|e| Error::io("vhost-user deadline thread", e))?;
+        let peer = Peer::new(sock, name, child);
+        let mut e = VhostUserBlk {
+            fe: Frontend::from_stream(ours, 1),
+            deadline,
+            peer,
+            backend_features: 0,
+            protocol: false,
+            config: [0; DEVCFG_LEN as usize],
+            kick: None,
+            kick_registered: false,
+            session: None,
+            me: Weak::new(),
+            st: Stats::default(),
+            name: name.to_string(),
+            ended: false,
+        };
+        e.msg("SET_OWNER", |fe| fe.set_owner())?;
+        e.backend_features = e.msg("GET_FEATURES", |fe| fe.get_features())?;
+        if e.backend_features & F_VERSION_1 == 0 {
+            return Err(Error::protocol("vhost-user backend does not offer VIRTIO_F_VERSION_1"));
+        }
+        if e.backend_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() == 0 {
+            return Err(Error::protocol("vhost-user backend has no protocol features (GET_CONFIG needs them)"));
+        }
+        let offered = e.msg("GET_PROTOCOL_FEATURES", |fe| fe.get_protocol_features())?;
+        if !offered.contains(VhostUserProtocolFeatures::CONFIG) {
+            return Err(Error::protocol("vhost-user backend does not offer GET_CONFIG (protocol feature CONFIG)"));
+        }
+        // REPLY_ACK, where offered, makes every request answered, so a
+        // backend that stops answering is seen at DRIVER_OK, not never.
+        let acked = offered & (VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::REPLY_ACK);
+        e.msg("SET_PROTOCOL_FEATURES", |fe| fe.set_protocol_features(acked))?;
+        e.protocol = true;
+        if acked.contains(VhostUserProtocolFeatures::REPLY_ACK) {
+            e.fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+        }
+        let blank = [0u8; CONFIG_LEN as usize];
+        let (_, cfg) = e.msg("GET_CONFIG", |fe| fe.get_config(0, CONFIG_LEN, VhostUserConfigFlags::empty(), &blank))?;
+        // The crate checked the reply's size against the request's.
+        let n = cfg.len().min(e.config.len());
+        e.config[..n].copy_from_slice(&cfg[..n]);
+        Ok(e)
+    }
+
+    /// Sends one request (counted) and maps the crate's error to ours.
+    pub(super) fn msg<T>(&mut self, what: &str, f: impl FnOnce(&mut Frontend) -> vhost::Result<T>) -> Result<T> {
+        self.peer.alive()?;
+        self.st.backend_msgs += 1;
+        let fe = &mut self.fe;
+        let r = match self.deadline.run(what, || f(fe)) {
+            (Ok(v), false) => return Ok(v),
+            (_, true) => Error::Timeout { what: format!("vhost-user {what} ({BACKEND_TIMEOUT:?})") },
+            (Err(e), false) => vhost_err(what, e),
+        };
+        self.st.backend_errors += 1;
+        Err(r)
+    }
+
+    /// The backend failed: the device needs a reset, and the run stops.
+    pub(super) fn give_up(&mut self, t: &mut Transport, e: &Error) {
+        t.broken(&format!("vhost-user backend: {e}"));
+        self.peer.die(e);
+    }
+}
+
+impl QueueEngine for VhostUserBlk {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn device_id(&self) -> u16 {
+        DEVICE_ID
+    }
+
+    fn features(&self) -> u64 {
+        self.backend_features & PASSED_FEATURES
+    }
+
+    fn device_config(&self) -> DeviceConfigBytes {
+        self.config
+    }
+
+    fn attach(dev: &Shared<Self>, ctx: &DeviceContext) {
+        let mut s = iopath_devices::lock(dev);
+        s.e.peer.fail = Some(ctx.fail.clone());
+        s.e.deadline.set_fail(ctx.fail.clone());
+        s.e.peer.watch();
+        if s.e.kick.is_some() {
+            return;
+        }
+        // The notify address becomes the KVM ioeventfd the backend is kicked through.
+        let kick = match EventFd::new(libc::EFD_NONBLOCK) {
+            Ok(k) => Arc::new(k),
+            Err(e) => return log::error!("{}: eventfd: {e}", s.e.name),
+        };
+        let spec = IoEventSpec { bar: 0, offset: NOTIFY, len: 0, datamatch: None };
+        match ctx.ioevents.register(spec, &kick) {
+            Ok(()) => s.e.kick_registered = true,
+            Err(e) => log::warn!("{}: no ioeventfd ({e}); the VMM passes notifications on", s.e.name),
+        }
+        s.e.kick = Some(kick);
+    }
+
+    fn quiesce(dev: &Shared<Self>) {
+        let mut s = iopath_devices::lock(dev);
+        s.e.session = None;
+        // Once: quiesce and then drop both come here, and a second end
+        // would wait for counters the device process already gave.
+        if !std::mem::replace(&mut s.e.ended, true) {
+            s.e.peer.end();
+        }
+    }
+
+    fn driver_ok(&mut self, t: &mut Transport) -> iopath_devices::Result<()> {
+        if !t.queue.ready {
+            // The driver's mistake, not the backend's: NEEDS_RESET (the transport's), nothing sent.
+            return Err(iopath_devices::Error::Host("DRIVER_OK with queue 0 not enabled".into()));
+        }
+        if let Err(e) = self.start(t) {
+            // The backend failed: NEEDS_RESET, and the run stops.
+            self.give_up(t, &e);
+        }
+        Ok(())
+    }
+
+    fn notify(&mut self, _t: &mut Transport, _value: u64) {
+        // Without an ioeventfd the notify write lands here: pass it on.
+        if let (Some(k), Some(_)) = (&self.kick, &self.session) {
+            if k.write(1).is_ok() {
+                self.st.kicks_forwarded += 1;
+            }
+        }
+    }
+
+    fn reset(&mut self, t: &mut Transport) {
+        if let Err(e) = self.stop() {
+            self.give_up(t, &e);
+        }
+    }
+
+    fn counters(&self) -> Vec<Counter> {
+        let st = &self.st;
+        let mut v: Vec<Counter> = [
+            ("backend_msgs", st.backend_msgs),
+            ("activations", st.activations),
+            ("kick_ioeventfd", self.kick_registered as u64),
+            ("kicks_forwarded", st.kicks_forwarded),
+            ("call_irqfd", st.call_irqfd),
+            ("calls_relayed", st.calls_relayed),
+            ("backend_errors", st.backend_errors),
+        ]
+        .into_iter()
+        .map(|(n, value)| Counter { name: n.into(), value })
+        .collect();
+        // A device process the VMM started reports its own counters at the end.
+        v.extend(self.peer.remote.iter().map(|c| Counter { name: format!("backend.{}", c.name), value: c.value }));
+        v
+    }
+}
+
+#[cfg(test)]
+#[path = "frontend_tests.rs"]
+mod tests;

@@ -6,3 +6,5 @@
 
 pub mod backend;
 pub mod frontend;
+mod frontend_deadline;
+mod frontend_ring;

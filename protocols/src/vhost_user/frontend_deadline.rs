@@ -1,0 +1,94 @@
+//! A bound on each vhost-user request. The `vhost` crate retries a read or
+//! write that times out (EAGAIN) for ever, so a socket timeout cannot bound
+//! a backend that does not answer; instead a watchdog thread shuts the
+//! socket down when a request outlives its deadline, which ends the
+//! crate's wait with an error.
+
+use iopath_devices::FailFn;
+use std::net::Shutdown;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Default)]
+struct Armed {
+    /// The request under way and when it must be done.
+    current: Option<(String, Instant)>,
+    stop: bool,
+}
+
+#[derive(Default)]
+struct Shared {
+    armed: Mutex<Armed>,
+    cv: Condvar,
+    fired: AtomicBool,
+    /// Told first when the deadline passes (the run stops with this message).
+    fail: Mutex<Option<FailFn>>,
+}
+
+/// The watchdog of one frontend's socket.
+pub struct Deadline {
+    shared: Arc<Shared>,
+    timeout: Duration,
+}
+
+impl Deadline {
+    /// Watches `sock` (a copy of the frontend's); each request gets `timeout`.
+    pub fn new(sock: UnixStream, timeout: Duration, name: &str) -> std::io::Result<Self> {
+        let shared = Arc::new(Shared::default());
+        let (s, name) = (shared.clone(), name.to_string());
+        std::thread::Builder::new().name("vhost-user-deadline".into()).spawn(move || watch(&s, &sock, &name))?;
+        Ok(Deadline { shared, timeout })
+    }
+
+    /// The run's fail hook, once the device is attached.
+    pub fn set_fail(&self, fail: FailFn) {
+        *iopath_devices::lock(&self.shared.fail) = Some(fail);
+    }
+
+    /// Runs `f` (one request) under the deadline; true in the second place
+    /// if the deadline passed (the socket is then shut down).
+    pub fn run<T>(&self, what: &str, f: impl FnOnce() -> T) -> (T, bool) {
+        if self.shared.fired.load(Ordering::Acquire) {
+            return (f(), true);
+        }
+        iopath_devices::lock(&self.shared.armed).current = Some((what.to_string(), Instant::now() + self.timeout));
+        self.shared.cv.notify_all();
+        let r = f();
+        iopath_devices::lock(&self.shared.armed).current = None;
+        (r, self.shared.fired.load(Ordering::Acquire))
+    }
+}
+
+impl Drop for Deadline {
+    fn drop(&mut self) {
+        iopath_devices::lock(&self.shared.armed).stop = true;
+        self.shared.cv.notify_all();
+    }
+}
+
+fn watch(s: &Shared, sock: &UnixStream, name: &str) {
+    let mut a = iopath_devices::lock(&s.armed);
+    loop {
+        if a.stop {
+            return;
+        }
+        let Some((what, at)) = a.current.clone() else {
+            a = s.cv.wait(a).unwrap_or_else(|e| e.into_inner());
+            continue;
+        };
+        let now = Instant::now();
+        if now < at {
+            a = s.cv.wait_timeout(a, at - now).unwrap_or_else(|e| e.into_inner()).0;
+            continue;
+        }
+        s.fired.store(true, Ordering::Release);
+        a.current = None;
+        if let Some(fail) = iopath_devices::lock(&s.fail).clone() {
+            fail(format!("{name}: the vhost-user backend did not answer {what}: timed out; device needs reset"));
+        }
+        let _ = sock.shutdown(Shutdown::Both);
+        return;
+    }
+}

@@ -1,0 +1,156 @@
+//! The vhost-user ring session of [`VhostUserBlk`]: set up at DRIVER_OK,
+//! stopped at reset, and the relay of backend calls that have no irqfd.
+
+use super::frontend::VhostUserBlk;
+use crate::{Error, Result};
+use iopath_devices::virtio::transport::{State, Transport};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use vhost::vhost_user::message::VhostUserVirtioFeatures;
+use vhost::vhost_user::VhostUserFrontend;
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vm_memory::{GuestAddress, GuestMemoryBackend};
+use vmm_sys_util::eventfd::EventFd;
+
+/// What a DRIVER_OK set up in the backend, until the next reset.
+pub struct Session {
+    /// The call eventfd given to the backend (the irqfd, or the relay's).
+    _call: EventFd,
+    /// The thread that turns the backend's calls into interrupts, if the
+    /// call fd is not an irqfd.
+    _relay: Option<Relay>,
+}
+
+/// A thread that waits on the call eventfd and raises the queue's interrupt.
+/// Dropped (often under the device lock, which the thread takes), it is
+/// told to stop and woken, not joined: it ends within one poll.
+pub struct Relay {
+    stop: Arc<AtomicBool>,
+    wake: Arc<EventFd>,
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+    }
+}
+
+impl VhostUserBlk {
+    /// DRIVER_OK: the driver's features, guest RAM, the ring, kick and call.
+    pub(super) fn start(&mut self, t: &mut Transport) -> Result<()> {
+        let ctx = t.ctx.clone().ok_or_else(|| Error::protocol("DRIVER_OK before the device was attached"))?;
+        let kick = self.kick.clone().ok_or_else(|| Error::protocol("no kick eventfd"))?;
+        let mut features = t.driver_features;
+        if self.protocol {
+            features |= VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        }
+        self.msg("SET_FEATURES", |fe| fe.set_features(features))?;
+
+        // Guest RAM: each mapped region's memfd. RAM reached only by
+        // messages (a device process's client without fds) cannot be shared.
+        let mem = ctx.mem.clone();
+        if !mem.remote_ranges().is_empty() {
+            return Err(Error::protocol("guest RAM without an fd cannot be shared with a vhost-user backend"));
+        }
+        let regions = mem
+            .mapped()
+            .iter()
+            .map(VhostUserMemoryRegionInfo::from_guest_region)
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| Error::protocol(format!("guest RAM region without an fd: {e}")))?;
+        self.msg("SET_MEM_TABLE", |fe| fe.set_mem_table(&regions))?;
+
+        // The ring, in this process's addresses (the backend maps them through the table).
+        let q = &t.queue;
+        let hva = |gpa: u64, what: &str| {
+            mem.mapped()
+                .get_host_address(GuestAddress(gpa))
+                .map(|p| p as u64)
+                .map_err(|e| Error::protocol(format!("queue 0 {what} {gpa:#x}: {e}")))
+        };
+        let ring = VringConfigData {
+            queue_max_size: q.num,
+            queue_size: q.num,
+            flags: 0,
+            desc_table_addr: hva(q.desc, "descriptor table")?,
+            used_ring_addr: hva(q.used, "used ring")?,
+            avail_ring_addr: hva(q.avail, "available ring")?,
+            log_addr: None,
+        };
+        let num = q.num;
+        self.msg("SET_VRING_NUM", |fe| fe.set_vring_num(0, num))?;
+        self.msg("SET_VRING_ADDR", |fe| fe.set_vring_addr(0, &ring))?;
+        self.msg("SET_VRING_BASE", |fe| fe.set_vring_base(0, 0))?;
+        self.msg("SET_VRING_KICK", |fe| fe.set_vring_kick(0, &kick))?;
+
+        // Call: the vector's irqfd if MSI-X routes one (KVM injects, no VMM
+        // thread); else an eventfd whose calls the VMM raises itself.
+        let irqfd = if t.msix_enabled() { ctx.irq.msix_eventfd(t.queue_vector) } else { None };
+        let (call, relay) = match irqfd {
+            Some(fd) => {
+                self.st.call_irqfd += 1;
+                (fd, None)
+            }
+            None => {
+                let fd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::io("call eventfd", e))?;
+                let relay = spawn_relay(&fd, self.me.clone())?;
+                (fd, Some(relay))
+            }
+        };
+        self.msg("SET_VRING_CALL", |fe| fe.set_vring_call(0, &call))?;
+        self.msg("SET_VRING_ENABLE", |fe| fe.set_vring_enable(0, true))?;
+        self.session = Some(Session { _call: call, _relay: relay });
+        self.st.activations += 1;
+        // Anything the driver made available before DRIVER_OK is looked at now.
+        let _ = kick.write(1);
+        Ok(())
+    }
+
+    /// Reset: GET_VRING_BASE stops the ring (and is the one request whose
+    /// reply shows the backend took all before it); the session's fds go.
+    pub(super) fn stop(&mut self) -> Result<()> {
+        let Some(session) = self.session.take() else { return Ok(()) };
+        let r = self.msg("GET_VRING_BASE", |fe| fe.get_vring_base(0)).map(drop);
+        drop(session);
+        r
+    }
+}
+
+/// Starts the relay thread for `call`.
+fn spawn_relay(call: &EventFd, dev: Weak<Mutex<State<VhostUserBlk>>>) -> Result<Relay> {
+    let fd = call.try_clone().map_err(|e| Error::io("call eventfd", e))?;
+    let wake = Arc::new(EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::io("eventfd", e))?);
+    let stop = Arc::new(AtomicBool::new(false));
+    let (w, s) = (wake.clone(), stop.clone());
+    std::thread::Builder::new()
+        .name("vhost-user-call".into())
+        .spawn(move || relay_loop(&fd, &w, &s, &dev))
+        .map_err(|e| Error::io("vhost-user call thread", e))?;
+    Ok(Relay { stop, wake })
+}
+
+fn relay_loop(call: &EventFd, wake: &EventFd, stop: &AtomicBool, dev: &Weak<Mutex<State<VhostUserBlk>>>) {
+    let mut fds = [
+        libc::pollfd { fd: call.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd: wake.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+    ];
+    while !stop.load(Ordering::Acquire) {
+        // SAFETY: two valid pollfds; bounded so a stop is seen.
+        unsafe { libc::poll(fds.as_mut_ptr(), 2, 1000) };
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        if call.read().is_ok() {
+            let Some(dev) = dev.upgrade() else { return };
+            let mut s = iopath_devices::lock(&dev);
+            if stop.load(Ordering::Acquire) {
+                return; // the session ended while this call waited for the lock
+            }
+            s.e.st.calls_relayed += 1;
+            let v = s.t.queue_vector;
+            s.t.interrupt(v, 1);
+        }
+    }
+}
