@@ -6,9 +6,10 @@
 //!   (`notifies` == the guest's), no ioeventfd kick, every I/O a request.
 //! - `virtio-ioeventfd`, `virtio-poll`, `virtio@vfio-user` (notify=ioeventfd):
 //!   every notify was a kick, none exited (`notifies` == 0).
-//! - `vhost-user`: the guest's notifies never reach the VMM as exits: the
-//!   frontend's `notifies` counter, where it has one, is 0, and its
-//!   `requests`, where it has one, is the guest's I/O count.
+//! - `vhost-user`: the guest's notifies never reach the VMM: the frontend's
+//!   notify register is a KVM ioeventfd (`kick_ioeventfd` = 1), none exited
+//!   (`notifies` 0) or was forwarded (`kicks_forwarded` 0), and the backend's
+//!   `requests` (`backend.requests`, where reported) are the guest's I/Os.
 //! - `qemu-*`: QEMU's exit status and the guest's own count (I/O done, 0 errors).
 
 use super::{BlkJob, BlkOptions, BlkRun, LISTEN_WAIT};
@@ -21,16 +22,17 @@ use iopath_devices::nvme::backend::BackendKind;
 use iopath_devices::nvme::DoorbellMode;
 use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig};
 use iopath_devices::DeviceConfig;
-use iopath_protocols::attach::{instantiate, Device, DeviceSpec, Endpoint, Programs};
+use iopath_protocols::attach::{instantiate, DeviceSpec, Programs};
 use iopath_vmm::{run, VmConfig};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Device threads `--pin` places beside the vCPU's: iopath's virtio-blk
-/// worker (in the VMM or a device process) and QEMU's main loop, which
-/// serves its virtio-blk's ioeventfds (no iothread is configured).
-pub const DEVICE_THREADS: &[&str] = &["virtio-blk", "qemu-system-x86"];
+/// worker (in the VMM or a device process), the vhost-user backend's queue
+/// thread, and QEMU's main loop, which serves its virtio-blk's ioeventfds
+/// (no iothread is configured).
+pub const DEVICE_THREADS: &[&str] = &["virtio-blk", "vhost-blk-q0", "qemu-system-x86"];
 
 /// vblk's lines around its timed window (`VmConfig::exit_marks`).
 pub const WINDOW_START: &str = "@vblk-window start";
@@ -165,11 +167,11 @@ impl<'a> Ctx<'a> {
         ji: usize,
         round: u32,
     ) -> anyhow::Result<BlkRun> {
-        let remote = match remote {
-            Some(name) => Some((iopath_protocols::transport(name)?, Endpoint::Spawn)),
-            None => None,
-        };
-        let spec = DeviceSpec { device: Device::Model(DeviceConfig::VirtioBlk(self.blk_config(notify))), remote };
+        // Through the spec parser, as `--device` takes it: `@vhost-user` is
+        // no Transport of the registry but a spec of its own.
+        let config = DeviceConfig::VirtioBlk(self.blk_config(notify));
+        let text = remote.map_or_else(|| config.to_string(), |r| format!("{config}@{r}"));
+        let spec: DeviceSpec = text.parse().map_err(|e| anyhow::anyhow!("--device {text}: {e}"))?;
         let mut cfg = VmConfig::new(iopath_guest::IMAGE, &self.cmdline(ji));
         cfg.devices = vec![instantiate(&spec, &self.progs).map_err(|e| anyhow::anyhow!("{spec}: {e}"))?];
         cfg.mem_size = self.o.mem_mb << 20;
@@ -194,8 +196,21 @@ impl<'a> Ctx<'a> {
             r.ios
         );
         r.routing_ok = if t == "vhost-user" {
-            // h2's frontend: whatever of these counters it has must agree.
-            notifies.is_none_or(|n| n == 0) && requests.is_none_or(|q| q == r.ios)
+            // The frontend's notify register is an ioeventfd the backend
+            // reads: no notify exits, none forwarded by the VMM, and the
+            // backend's requests (where it reports them) are the guest's I/O.
+            let (reg, fwd, backend) = (c("kick_ioeventfd"), c("kicks_forwarded"), c("backend.requests"));
+            r.routing = format!(
+                "{}; frontend kick_ioeventfd={} kicks_forwarded={} backend.requests={}",
+                r.routing,
+                show(reg),
+                show(fwd),
+                show(backend)
+            );
+            notifies.unwrap_or(0) == 0
+                && reg == Some(1)
+                && fwd.unwrap_or(0) == 0
+                && backend.or(requests).is_none_or(|q| q == r.ios)
         } else if notify == NotifyMode::Exit {
             requests == Some(r.ios) && notifies == Some(guest) && kicks.unwrap_or(0) == 0
         } else {
