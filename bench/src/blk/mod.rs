@@ -238,17 +238,18 @@ pub fn run_blk(o: &BlkOptions) -> anyhow::Result<BlkResult> {
     let ctx = run::Ctx::new(o, &jobs, &nvme)?;
     let pb = run::progress(o.progress, (jobs.len() * o.targets.len()) as u64 * o.rounds as u64);
     let (mut runs, mut failures) = (Vec::new(), Vec::new());
-    // Failures without a good run, per target: past max_failures it is left out.
-    let mut failed: Vec<(String, u32, bool)> = o.targets.iter().map(|t| (t.clone(), 0, false)).collect();
+    // Failures without a good run, per target, and the first one's error:
+    // past max_failures the target is left out.
+    let mut failed: Vec<(u32, bool, String)> = o.targets.iter().map(|_| (0, false, String::new())).collect();
     for round in 0..o.rounds {
         for (ji, j) in jobs.iter().enumerate() {
             for (ti, t) in o.targets.iter().enumerate() {
                 pb.set_message(format!("round {}/{} {} {t}", round + 1, o.rounds, j.name));
                 let fail =
                     |error: String| Failure { target: t.clone(), job_index: ji, job: j.name.clone(), round, error };
-                let (_, n, ok) = &mut failed[ti];
+                let (n, ok, first) = &mut failed[ti];
                 if !*ok && *n >= o.max_failures {
-                    failures.push(fail(format!("not run: it failed {n} times before without a good run")));
+                    failures.push(fail(format!("not run: it failed {n} times without a good run, first: {first}")));
                 } else {
                     match ctx.run(t, ji, round) {
                         Ok(r) => {
@@ -257,6 +258,9 @@ pub fn run_blk(o: &BlkOptions) -> anyhow::Result<BlkResult> {
                         }
                         Err(e) => {
                             *n += 1;
+                            if first.is_empty() {
+                                *first = format!("{e:#}");
+                            }
                             failures.push(fail(format!("{e:#}")));
                         }
                     }
