@@ -10,9 +10,9 @@
 //!   notify register is a KVM ioeventfd (`kick_ioeventfd` = 1), none exited
 //!   (`notifies` 0) or was forwarded (`kicks_forwarded` 0), and the backend's
 //!   `requests` (`backend.requests`, where reported) are the guest's I/Os.
-//! - `qemu-*`: QEMU's exit status and the guest's own count (I/O done, 0 errors).
+//! - `qemu-*` (`qemu.rs`): QEMU's exit status and the guest's own count (I/O done, 0 errors).
 
-use super::{BlkJob, BlkOptions, BlkRun, LISTEN_WAIT};
+use super::{BlkJob, BlkOptions, BlkRun};
 use crate::host::{host_info, HostInfo};
 use crate::nvme::{LatHist, NvmeOptions, NvmeRun, Runner};
 use crate::pin::Pinner;
@@ -25,8 +25,7 @@ use iopath_devices::DeviceConfig;
 use iopath_protocols::attach::{instantiate, DeviceSpec, Programs};
 use iopath_vmm::{run, VmConfig};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Device threads `--pin` places beside the vCPU's: iopath's virtio-blk
 /// worker (in the VMM or a device process), the vhost-user backend's queue
@@ -73,16 +72,16 @@ fn disk_size(o: &BlkOptions) -> u64 {
 }
 
 pub struct Ctx<'a> {
-    o: &'a BlkOptions,
-    jobs: &'a [BlkJob],
+    pub(super) o: &'a BlkOptions,
+    pub(super) jobs: &'a [BlkJob],
     pub host: HostInfo,
     pub tsc_khz: u64,
     nvme: Runner<'a>,
-    progs: Programs,
-    image: PathBuf,
+    pub(super) progs: Programs,
+    pub(super) image: PathBuf,
     size: u64,
     /// QEMU and the drive it stands on, found once (None: the reason).
-    qemu: Result<(PathBuf, QemuBacking), String>,
+    pub(super) qemu: Result<(PathBuf, QemuBacking), String>,
 }
 
 impl<'a> Ctx<'a> {
@@ -141,7 +140,7 @@ impl<'a> Ctx<'a> {
         Ok(from_nvme(t, &self.jobs[ji], n))
     }
 
-    fn cmdline(&self, ji: usize) -> String {
+    pub(super) fn cmdline(&self, ji: usize) -> String {
         let j = &self.jobs[ji].job;
         format!(
             "workload=vblk rw={} bs={} iodepth={} time_ms={} size_mb={} tsc_khz={}",
@@ -154,7 +153,7 @@ impl<'a> Ctx<'a> {
         )
     }
 
-    fn blk_config(&self, notify: NotifyMode) -> VirtioBlkConfig {
+    pub(super) fn blk_config(&self, notify: NotifyMode) -> VirtioBlkConfig {
         VirtioBlkConfig { backend: self.o.backend.clone(), size: self.size, notify }
     }
 
@@ -220,110 +219,6 @@ impl<'a> Ctx<'a> {
         anyhow::ensure!(rep.status == 1, "guest exit status {}: {}", rep.status, r.routing);
         Ok(r)
     }
-
-    fn qemu(&self) -> anyhow::Result<&(PathBuf, QemuBacking)> {
-        self.qemu.as_ref().map_err(|e| anyhow::anyhow!("no QEMU: {e}"))
-    }
-
-    /// QEMU's own virtio-blk-pci (modern only) on the same backend kind.
-    fn qemu_virtio(&self, t: &str, ji: usize, round: u32) -> anyhow::Result<BlkRun> {
-        let (q, backing) = self.qemu()?;
-        let dev = "virtio-blk-pci,drive=nvm0,disable-legacy=on";
-        let timeout = Duration::from_secs(self.o.timeout_s);
-        let fw = crate::qemu::fast_firmware_args();
-        let (qr, drive) =
-            crate::qemu::run_drive(q, &self.image, &self.cmdline(ji), self.o.mem_mb, backing, &fw, dev, timeout)?;
-        let mut r = to_run(t, &self.jobs[ji], ji, round, &qr.lines, self.tsc_khz)
-            .map_err(|e| anyhow::anyhow!("{e}; stderr: {}", qr.stderr.trim()))?;
-        r.routing = format!("QEMU virtio-blk-pci on {drive}; exit status {:?}", qr.status);
-        r.routing_ok = qr.status == Some(1);
-        guest_checks(&mut r);
-        Ok(r)
-    }
-
-    /// QEMU's vhost-user-blk-pci on iopath's backend (`iopath serve
-    /// virtio-blk,... --transport vhost-user --socket PATH`).
-    fn qemu_vhost_user(&self, t: &str, ji: usize, round: u32) -> anyhow::Result<BlkRun> {
-        let (q, _) = self.qemu()?;
-        let dir = TempDir::new()?;
-        let sock = dir.0.join("vhost-user.sock");
-        let config = DeviceConfig::VirtioBlk(self.blk_config(NotifyMode::Ioeventfd)).to_string();
-        let log = dir.0.join("serve.log");
-        let mut server = Server(
-            Command::new(&self.progs.iopath)
-                .args(["serve", &config, "--transport", "vhost-user", "--socket"])
-                .arg(&sock)
-                .stdin(Stdio::null())
-                .stdout(std::fs::File::create(&log)?)
-                .stderr(std::fs::File::create(&log)?)
-                .spawn()
-                .map_err(|e| anyhow::anyhow!("cannot start {}: {e}", self.progs.iopath.display()))?,
-        );
-        let t0 = Instant::now();
-        while !sock.exists() {
-            if let Some(st) = server.0.try_wait()? {
-                anyhow::bail!("iopath serve {config} --transport vhost-user exited ({st}): {}", tail(&log));
-            }
-            anyhow::ensure!(t0.elapsed() < LISTEN_WAIT, "iopath serve did not listen within {LISTEN_WAIT:?}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let mem = self.o.mem_mb;
-        let mut extra = crate::qemu::fast_firmware_args();
-        extra.extend([
-            "-object".to_string(),
-            format!("memory-backend-memfd,id=mem,size={mem}M,share=on"),
-            "-numa".into(),
-            "node,memdev=mem".into(),
-            "-chardev".into(),
-            format!("socket,id=c0,path={}", sock.display().to_string().replace(',', ",,")),
-        ]);
-        let dev = "vhost-user-blk-pci,chardev=c0,disable-legacy=on";
-        let args = crate::qemu::args_with(&self.image, &self.cmdline(ji), mem, &extra, &[dev]);
-        let qr = crate::qemu::run_args(q, args, None, Duration::from_secs(self.o.timeout_s), |_| {})?;
-        drop(server);
-        let mut r = to_run(t, &self.jobs[ji], ji, round, &qr.lines, self.tsc_khz)
-            .map_err(|e| anyhow::anyhow!("{e}; QEMU: {}; backend: {}", qr.stderr.trim(), tail(&log)))?;
-        r.routing = format!("QEMU vhost-user-blk-pci on iopath serve {config}; exit status {:?}", qr.status);
-        r.routing_ok = qr.status == Some(1);
-        guest_checks(&mut r);
-        Ok(r)
-    }
-}
-
-/// A device process killed and reaped when dropped (this one only, by its pid).
-struct Server(std::process::Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// A directory of this run's (socket, log), removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> anyhow::Result<TempDir> {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let p = std::env::temp_dir().join(format!("iopath-blk-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&p).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", p.display()))?;
-        Ok(TempDir(p))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// The last lines of a log (bounded), for an error message.
-fn tail(p: &Path) -> String {
-    let s = std::fs::read(p).unwrap_or_default();
-    let s = String::from_utf8_lossy(&s[s.len().saturating_sub(2000)..]).into_owned();
-    s.trim().replace('\n', " | ")
 }
 
 /// A `bench nvme` run as a blk run.
@@ -351,7 +246,7 @@ fn from_nvme(t: &str, j: &BlkJob, n: NvmeRun) -> BlkRun {
 }
 
 /// The guest's own verdict: it did I/O and none failed.
-fn guest_checks(r: &mut BlkRun) {
+pub(super) fn guest_checks(r: &mut BlkRun) {
     if r.ios > 0 && r.errors == 0 {
         r.routing = format!("{}; guest: {} I/Os, 0 errors", r.routing, r.ios);
     } else {
