@@ -330,7 +330,14 @@ impl BlkArgs {
             tput_qd: self.iodepth,
             time_ms: if self.quick { 300 } else { (self.runtime * 1000.0).max(10.0) as u64 },
             rounds: if self.quick { 1 } else { self.rounds.max(1) },
-            reference: self.reference.clone(),
+            reference: match iopath_bench::blk::parse_targets(&self.reference) {
+                Ok(t) if t.len() == 1 => t[0].clone(),
+                _ => anyhow::bail!(
+                    "--reference: {:?} is not one target of {}",
+                    self.reference,
+                    iopath_bench::blk::TARGETS.join(", ")
+                ),
+            },
             mem_mb: self.mem,
             timeout_s: self.timeout,
             progress: !self.out.quiet,
@@ -634,6 +641,9 @@ mod tests {
             (vec!["nvme-bar".into(), "virtio-poll".into()], 1, 300, 8)
         );
         assert!(blk(&["--targets", "nvme-foo"]).unwrap_err().to_string().contains("nvme-foo"));
+        assert_eq!(blk(&["--reference", "nvme-bar"]).unwrap().reference, "nvme-bar");
+        assert!(blk(&["--reference", "nvme-bar,virtio-poll"]).is_err());
+        assert!(blk(&["--reference", "qemu"]).is_err());
         assert!(parse(&["blk", "--quick", "--rounds", "2"]).is_err());
         assert!(parse(&["blk", "--iodepth", "65"]).is_err());
     }

@@ -135,7 +135,11 @@ impl BlkResult {
             o.tput_bs,
             o.tput_qd,
             o.lat_bs,
-            o.reference
+            if o.targets.contains(&o.reference) {
+                o.reference.clone()
+            } else {
+                format!("{} (not run: no ratios)", o.reference)
+            }
         );
         let cell = |m: Measure, r: &Record| -> String {
             let ratio = r.ratio.map_or(String::new(), |x| format!(" {x:.2}x"));
