@@ -1,8 +1,9 @@
-//! `iopath bench all --out DIR`: every benchmark in its default matrix, then
+//! `iopath bench all --out DIR`: every benchmark (exits, floor, nvme, blk) in its default matrix, then
 //! the report (`iopath_bench::report`) in DIR.
 
 use crate::bench::AllArgs;
 use anyhow::Context;
+use iopath_bench::blk::{run_blk, BlkOptions};
 use iopath_bench::exits::{run_exits, ExitsOptions};
 use iopath_bench::floor::{run_floor, FloorOptions};
 use iopath_bench::nvme::{run_nvme, Job, NvmeOptions};
@@ -13,8 +14,16 @@ use std::time::Instant;
 const SWEEP: [u32; 4] = [1, 4, 16, 64];
 const SWEEP_QUICK: [u32; 3] = [1, 4, 16];
 
-/// The three benches' options for this matrix.
-pub fn matrix(a: &AllArgs, qemu: bool) -> (ExitsOptions, FloorOptions, NvmeOptions) {
+/// The benches' options for this matrix.
+pub struct Matrix {
+    pub exits: ExitsOptions,
+    pub floor: FloorOptions,
+    pub nvme: NvmeOptions,
+    pub blk: BlkOptions,
+}
+
+/// The benches' options for this matrix.
+pub fn matrix(a: &AllArgs, qemu: bool) -> Matrix {
     let rounds = if a.quick { 1 } else { a.rounds.max(1) };
     let progress = !a.quiet;
     let pin = a.pin.placement();
@@ -32,7 +41,11 @@ pub fn matrix(a: &AllArgs, qemu: bool) -> (ExitsOptions, FloorOptions, NvmeOptio
     // The latency reference job (4 KiB at iodepth 1).
     jobs.push(Job::randread(4096, 1));
     let mut nvme = NvmeOptions { jobs, transports, rounds, vs_qemu: qemu, progress, pin, ..NvmeOptions::default() };
+    // Every path to a guest's disk on the null backend (QEMU's only with QEMU).
+    let mut blk = BlkOptions { rounds, progress, pin, time_ms: 1000, ..BlkOptions::default() };
+    blk.targets.retain(|t| qemu || !t.starts_with("qemu"));
     if a.quick {
+        blk.time_ms = 300;
         (exits.batches, exits.batch_us) = (5, 5000);
         floor.time_ms = 100;
         nvme.time_ms = 300;
@@ -51,8 +64,10 @@ pub fn matrix(a: &AllArgs, qemu: bool) -> (ExitsOptions, FloorOptions, NvmeOptio
         nvme.transports.truncate(2);
         nvme.time_ms = 200;
         nvme.floor_ms = 50;
+        blk.targets = vec!["virtio-exit".into(), "virtio-ioeventfd".into()];
+        blk.time_ms = 100;
     }
-    (exits, floor, nvme)
+    Matrix { exits, floor, nvme, blk }
 }
 
 /// `git describe`-like: the commit of the source tree this binary was built from, if it is still a git tree.
@@ -97,7 +112,7 @@ fn kvm_modules() -> String {
 pub fn run(a: &AllArgs) -> anyhow::Result<i32> {
     let start = Instant::now();
     let (found, qemu) = qemu_version();
-    let (exits, floor, nvme) = matrix(a, found && !a.no_qemu);
+    let Matrix { exits, floor, nvme, blk } = matrix(a, found && !a.no_qemu);
     let mut input = report::Input {
         meta: report::Meta {
             version: version(),
@@ -115,7 +130,7 @@ pub fn run(a: &AllArgs) -> anyhow::Result<i32> {
     };
     let mut failed = false;
     // Each bench runs even if one before it failed; its error goes into the report.
-    say("1/3 exits");
+    say("1/4 exits");
     match run_exits(&exits) {
         Ok(r) => {
             failed |= !r.errors.is_empty();
@@ -127,7 +142,7 @@ pub fn run(a: &AllArgs) -> anyhow::Result<i32> {
             input.docs.push(serde_json::json!({"benchmark": "exits", "errors": [format!("{e:#}")]}));
         }
     }
-    say("2/3 floor");
+    say("2/4 floor");
     match run_floor(&floor) {
         Ok(r) => {
             failed |= !r.errors.is_empty();
@@ -139,7 +154,7 @@ pub fn run(a: &AllArgs) -> anyhow::Result<i32> {
             input.docs.push(serde_json::json!({"benchmark": "floor", "errors": [format!("{e:#}")]}));
         }
     }
-    say("3/3 nvme");
+    say("3/4 nvme");
     match run_nvme(&nvme) {
         Ok(r) => {
             failed |= !r.errors.is_empty();
@@ -149,6 +164,18 @@ pub fn run(a: &AllArgs) -> anyhow::Result<i32> {
         Err(e) => {
             failed = true;
             input.docs.push(serde_json::json!({"benchmark": "nvme", "errors": [format!("{e:#}")]}));
+        }
+    }
+    say("4/4 blk");
+    match run_blk(&blk) {
+        Ok(r) => {
+            failed |= !r.errors.is_empty();
+            input.tables.push(("blk".into(), r.table()));
+            input.docs.push(r.json());
+        }
+        Err(e) => {
+            failed = true;
+            input.docs.push(serde_json::json!({"benchmark": "blk", "errors": [format!("{e:#}")]}));
         }
     }
     input.meta.wall_s = start.elapsed().as_secs_f64();

@@ -29,6 +29,9 @@ pub enum Which {
     Exits(ExitsArgs),
     /// The guest's polled NVMe driver against iopath's NVMe controller (and QEMU's with --vs qemu).
     Nvme(NvmeArgs),
+    /// One block workload on every path to a guest's disk: NVMe, virtio-blk (exit, ioeventfd,
+    /// poll), vfio-user, vhost-user, QEMU's virtio-blk-pci and vhost-user-blk-pci, same backend.
+    Blk(BlkArgs),
     /// The polled SQ/CQ ring between two host threads at QD 1/16/64: the floor under `bench nvme`.
     Floor(FloorArgs),
     /// Every benchmark in its default matrix; writes report.md, results.json, results.csv and SVG plots to --out.
@@ -271,6 +274,87 @@ impl NvmeArgs {
     }
 }
 
+/// `bench blk`: seq/rand read/write for throughput (128 KiB at --iodepth) and
+/// latency (4 KiB at QD1) on each target, interleaved round by round.
+#[derive(Args, Debug)]
+pub struct BlkArgs {
+    /// Targets, comma-separated (default: all): nvme-mmio, nvme-shm, nvme-bar, virtio-exit,
+    /// virtio-ioeventfd, virtio-poll, virtio@vfio-user, vhost-user, qemu-virtio-blk-pci,
+    /// qemu-vhost-user-blk-pci.
+    #[arg(long)]
+    pub targets: Option<String>,
+    /// The backend every target stands on: null, ram, or file:PATH (QEMU: null-co, a /dev/shm image, the file).
+    #[arg(long, default_value = "null")]
+    pub backend: String,
+    /// Disk size in MiB (null and ram backends).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    pub size_mb: u64,
+    /// Queue depth of the 128 KiB throughput jobs (1..=64).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub iodepth: u32,
+    /// Length of each run: seconds, or with a suffix (500ms, 2s, 1m).
+    #[arg(long, alias = "time", value_parser = parse_runtime, default_value = "2")]
+    pub runtime: f64,
+    /// Rounds; each round runs every target once per job (interleaved).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// A short run: 1 round of 0.3 s runs.
+    #[arg(long, conflicts_with_all = ["rounds", "runtime"])]
+    pub quick: bool,
+    /// The target the ratio column divides by.
+    #[arg(long, default_value = iopath_bench::blk::DEFAULT_REFERENCE)]
+    pub reference: String,
+    /// Guest RAM in MiB.
+    #[arg(long, default_value_t = 256)]
+    pub mem: u64,
+    /// Seconds one guest run may take before it is stopped.
+    #[arg(long, default_value_t = 120)]
+    pub timeout: u64,
+    /// Thread placement (see `bench nvme --pin`): auto, off, or VCPU,DEVICE.
+    #[arg(long, default_value = "auto", value_name = "auto|off|VCPU,DEVICE")]
+    pub pin: iopath_bench::pin::PinChoice,
+    #[command(flatten)]
+    pub out: Output,
+}
+
+impl BlkArgs {
+    pub fn options(&self) -> anyhow::Result<iopath_bench::blk::BlkOptions> {
+        let d = iopath_bench::blk::BlkOptions::default();
+        Ok(iopath_bench::blk::BlkOptions {
+            targets: match &self.targets {
+                Some(t) => iopath_bench::blk::parse_targets(t).map_err(|e| anyhow::anyhow!("--targets: {e}"))?,
+                None => d.targets.clone(),
+            },
+            backend: self.backend.parse()?,
+            size_mb: self.size_mb,
+            tput_qd: self.iodepth,
+            time_ms: if self.quick { 300 } else { (self.runtime * 1000.0).max(10.0) as u64 },
+            rounds: if self.quick { 1 } else { self.rounds.max(1) },
+            reference: match iopath_bench::blk::parse_targets(&self.reference) {
+                Ok(t) if t.len() == 1 => t[0].clone(),
+                _ => anyhow::bail!(
+                    "--reference: {:?} is not one target of {}",
+                    self.reference,
+                    iopath_bench::blk::TARGETS.join(", ")
+                ),
+            },
+            mem_mb: self.mem,
+            timeout_s: self.timeout,
+            progress: !self.out.quiet,
+            pin: self.pin.placement(),
+            ..d
+        })
+    }
+}
+
+/// `iopath bench blk`: runs it and hands its table and JSON to `emit`; the
+/// exit status (1 if a target failed or a routing check did not hold).
+pub fn blk(a: &BlkArgs, emit: impl FnOnce(&str, &serde_json::Value) -> anyhow::Result<()>) -> anyhow::Result<i32> {
+    let r = iopath_bench::blk::run_blk(&a.options()?)?;
+    emit(&r.table(), &r.json())?;
+    Ok(if r.errors.is_empty() { 0 } else { 1 })
+}
+
 #[derive(Args, Debug)]
 pub struct FloorArgs {
     /// Rounds.
@@ -322,8 +406,9 @@ pub struct AllArgs {
     /// Leave QEMU out even where it is installed.
     #[arg(long)]
     pub no_qemu: bool,
-    /// Only exits, on the in-VMM and one out-of-process transport, and one NVMe
-    /// job per mode: a smoke run of the whole pipeline (tests use it).
+    /// Only exits, on the in-VMM and one out-of-process transport, one NVMe
+    /// job per mode, and blk on two virtio-blk targets: a smoke run of the
+    /// whole pipeline (tests use it).
     #[arg(long, requires = "quick")]
     pub smoke: bool,
     /// No progress bar, no tables: only the files.
@@ -535,6 +620,32 @@ mod tests {
             }
             w => panic!("{w:?}"),
         }
+    }
+
+    #[test]
+    fn blk_takes_targets_a_backend_and_quick() {
+        let blk = |args: &[&str]| {
+            let mut v = vec!["blk"];
+            v.extend_from_slice(args);
+            match parse(&v).unwrap().which {
+                Some(Which::Blk(b)) => b.options(),
+                w => panic!("not blk: {w:?}"),
+            }
+        };
+        let o = blk(&[]).unwrap();
+        assert_eq!((o.targets.len(), o.rounds, o.time_ms, o.tput_qd), (iopath_bench::blk::TARGETS.len(), 3, 2000, 16));
+        assert_eq!(o.backend.to_string(), "null");
+        let o = blk(&["--quick", "--targets", "nvme-bar,virtio-poll", "--backend", "ram", "--iodepth", "8"]).unwrap();
+        assert_eq!(
+            (o.targets, o.rounds, o.time_ms, o.tput_qd),
+            (vec!["nvme-bar".into(), "virtio-poll".into()], 1, 300, 8)
+        );
+        assert!(blk(&["--targets", "nvme-foo"]).unwrap_err().to_string().contains("nvme-foo"));
+        assert_eq!(blk(&["--reference", "nvme-bar"]).unwrap().reference, "nvme-bar");
+        assert!(blk(&["--reference", "nvme-bar,virtio-poll"]).is_err());
+        assert!(blk(&["--reference", "qemu"]).is_err());
+        assert!(parse(&["blk", "--quick", "--rounds", "2"]).is_err());
+        assert!(parse(&["blk", "--iodepth", "65"]).is_err());
     }
 
     #[test]

@@ -216,6 +216,7 @@ fn bench(b: bench::BenchCmd) -> anyhow::Result<i32> {
             emit(&r.table(), &r.json(), &a.out)?;
             Ok(status(&r.errors))
         }
+        Some(Which::Blk(a)) => bench::blk(&a, |t, j| emit(t, j, &a.out)),
         Some(Which::All(a)) => all::run(&a),
     }
 }

@@ -22,7 +22,7 @@ fn bench_all_writes_a_report_with_tables_csv_json_and_plots() {
     assert!(json["schema_version"].is_u64());
     let benches: Vec<&str> =
         json["benchmarks"].as_array().unwrap().iter().map(|d| d["benchmark"].as_str().unwrap()).collect();
-    assert_eq!(benches, ["exits", "floor", "nvme"]);
+    assert_eq!(benches, ["exits", "floor", "nvme", "blk"]);
 
     let csv = std::fs::read_to_string(dir.join("results.csv")).unwrap();
     assert!(csv.starts_with("bench,row,metric,median,min,max,unit\n"));
@@ -33,6 +33,8 @@ fn bench_all_writes_a_report_with_tables_csv_json_and_plots() {
         "exits,mmio-no-eventfd:pci-mem cpl3 @ vfio-user,ns_per_access,",
         "floor,ring qd16,ops_s,",
         "nvme,iopath-shm@vfio-user randread 512 qd16 x1,iops,",
+        "blk,virtio-ioeventfd seq read 128k qd16,mb_s,",
+        "blk,virtio-exit rand write 4k qd1,p99_latency,",
     ] {
         assert!(csv.lines().any(|l| l.starts_with(want)), "{want} missing from:\n{csv}");
     }
@@ -46,12 +48,18 @@ fn bench_all_writes_a_report_with_tables_csv_json_and_plots() {
         "## Exits",
         "## NVMe",
         "## Ring floor",
+        "## Block paths",
+        "vfio (device assignment)",
     ] {
         assert!(md.contains(want), "{want} missing from report.md:\n{md}");
     }
-    for svg in
-        ["cost-per-path.svg", "iops-vs-iodepth-vmm.svg", "p99-vs-iodepth-vmm.svg", "iops-vs-iodepth-vfio-user.svg"]
-    {
+    for svg in [
+        "cost-per-path.svg",
+        "iops-vs-iodepth-vmm.svg",
+        "p99-vs-iodepth-vmm.svg",
+        "iops-vs-iodepth-vfio-user.svg",
+        "blk-throughput-seq-read-128k-qd16.svg",
+    ] {
         let text = std::fs::read_to_string(dir.join(svg)).unwrap_or_else(|e| panic!("{svg}: {e}"));
         roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{svg} is not XML: {e}"));
         assert!(md.contains(&format!("]({svg})")), "report.md does not show {svg}");

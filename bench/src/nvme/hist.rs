@@ -1,5 +1,6 @@
-//! The guest's latency histogram: parsed from its `@nvme-hist` lines,
-//! merged over rounds, and read for percentiles.
+//! The guest's latency histogram: parsed from its `@KIND-hist` lines
+//! (`@nvme-hist` from nvmeperf, `@vblk-hist` from the virtio-blk driver: the
+//! shared load generator prints both), merged over rounds, and read for percentiles.
 //!
 //! The layout is nvmeperf's `hist_add` (guest/c/nvme.c): a latency of `c`
 //! cycles with its highest set bit `m` goes to bucket `16 m + s`, where `s`
@@ -12,23 +13,23 @@ use std::collections::BTreeMap;
 
 /// Buckets in the guest's histogram.
 pub const BUCKETS: u32 = 64 * 16;
-/// Most `@nvme-hist` lines one run may print (the guest prints 16 buckets a line).
+/// Most `@KIND-hist` lines one run may print (the guest prints 16 buckets a line).
 pub const MAX_LINES: usize = 64;
 
 /// A malformed histogram from the guest.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum HistError {
-    #[error("@nvme-hist: {0:?} is not BUCKET:COUNT")]
+    #[error("latency histogram: {0:?} is not BUCKET:COUNT")]
     Pair(String),
-    #[error("@nvme-hist: bucket {0} is not one nvmeperf's layout has")]
+    #[error("latency histogram: bucket {0} is not one the guest's layout has")]
     Bucket(u32),
-    #[error("@nvme-hist: bucket {0} given twice")]
+    #[error("latency histogram: bucket {0} given twice")]
     Twice(u32),
-    #[error("@nvme-hist: more than {MAX_LINES} lines")]
+    #[error("latency histogram: more than {MAX_LINES} lines")]
     TooLong,
-    #[error("@nvme-hist: no @nvme-hist-end line, or it does not match ({0})")]
+    #[error("latency histogram: no -hist-end line, or it does not match ({0})")]
     End(String),
-    #[error("@nvme-hist: the buckets hold {got} I/Os, the @nvme record {want}")]
+    #[error("latency histogram: the buckets hold {got} I/Os, the record {want}")]
     Total { got: u64, want: u64 },
 }
 
@@ -76,18 +77,25 @@ impl LatHist {
         h
     }
 
-    /// Parses the `@nvme-hist` lines of one run, which must end with an
-    /// `@nvme-hist-end buckets=N lines=L` line that matches them and hold
-    /// `ios` I/Os in all. None when the run printed no histogram at all.
+    /// Parses nvmeperf's `@nvme-hist` lines of one run: `parse_kind(lines, "nvme", ios)`.
     pub fn parse<S: AsRef<str>>(lines: &[S], ios: u64) -> Result<Option<LatHist>, HistError> {
+        Self::parse_kind(lines, "nvme", ios)
+    }
+
+    /// Parses the `@KIND-hist` lines of one run (`kind` "nvme", "vblk"),
+    /// which must end with an `@KIND-hist-end buckets=N lines=L` line that
+    /// matches them and hold `ios` I/Os in all; other kinds' lines are not
+    /// looked at. None when the run printed no histogram of that kind at all.
+    pub fn parse_kind<S: AsRef<str>>(lines: &[S], kind: &str, ios: u64) -> Result<Option<LatHist>, HistError> {
+        let (line_prefix, end_prefix) = (format!("@{kind}-hist "), format!("@{kind}-hist-end"));
         let mut h = LatHist::default();
         let (mut n_lines, mut end) = (0usize, None);
         for l in lines.iter().map(|l| l.as_ref()) {
-            if let Some(rest) = l.strip_prefix("@nvme-hist-end") {
+            if let Some(rest) = l.strip_prefix(end_prefix.as_str()) {
                 end = Some(rest.trim().to_string());
                 break;
             }
-            let Some(rest) = l.strip_prefix("@nvme-hist ") else { continue };
+            let Some(rest) = l.strip_prefix(line_prefix.as_str()) else { continue };
             n_lines += 1;
             if n_lines > MAX_LINES {
                 return Err(HistError::TooLong);
@@ -220,6 +228,27 @@ mod tests {
         assert_eq!(LatHist::parse(&lines, 6), Ok(Some(h(&[(37, 1), (105, 2), (106, 3)]))));
         assert_eq!(LatHist::parse(&["@nvme ios=0"], 0), Ok(None));
         assert_eq!(LatHist::parse(&["@nvme-hist-end buckets=0 lines=0"], 0), Ok(Some(h(&[]))));
+    }
+
+    #[test]
+    fn each_kind_reads_only_its_own_lines() {
+        // A run's output may hold another driver's lines (nvmeperf's and vblk's share the format).
+        let lines = [
+            "@nvme-hist 105:9",
+            "@nvme-hist-end buckets=1 lines=1",
+            "@vblk ios=3 cycles=10",
+            "@vblk-hist 37:1 106:2",
+            "@vblk-hist-end buckets=2 lines=1",
+        ];
+        assert_eq!(LatHist::parse_kind(&lines, "vblk", 3), Ok(Some(h(&[(37, 1), (106, 2)]))));
+        assert_eq!(LatHist::parse_kind(&lines, "nvme", 9), Ok(Some(h(&[(105, 9)]))));
+        assert_eq!(LatHist::parse(&lines, 9), LatHist::parse_kind(&lines, "nvme", 9));
+        // vblk's total is checked against vblk's record, not nvme's.
+        assert_eq!(LatHist::parse_kind(&lines, "vblk", 9), Err(HistError::Total { got: 3, want: 9 }));
+        // An nvme end line does not end a vblk histogram.
+        let cut = ["@vblk-hist 37:1", "@nvme-hist-end buckets=1 lines=1"];
+        assert!(matches!(LatHist::parse_kind(&cut, "vblk", 1), Err(HistError::End(_))));
+        assert_eq!(LatHist::parse_kind(&["@nvme-hist 37:1"], "vblk", 0), Ok(None));
     }
 
     #[test]

@@ -114,6 +114,9 @@ pub struct NvmeOptions {
     #[serde(serialize_with = "transport_names")]
     pub transports: Vec<Option<&'static dyn Transport>>,
     pub lba: u32,
+    /// The namespace size in MiB on a null or ram backend (None: the
+    /// controller's default); a file backend's is the file's.
+    pub size_mb: Option<u64>,
     pub time_ms: u64,
     pub rounds: u32,
     pub vs_qemu: bool,
@@ -149,6 +152,7 @@ impl Default for NvmeOptions {
             backend: BackendKind::Ram,
             transports: vec![None],
             lba: 512,
+            size_mb: None,
             time_ms: 2000,
             rounds: 1,
             vs_qemu: false,
@@ -345,10 +349,10 @@ pub const FIO_TARGET: &str = "fio (host)";
 /// The namespace size for a file backend: the file's, in whole MiB (a device
 /// process gets it as size_mb), so that the guest, fio and QEMU all range
 /// over the same bytes; the default where the file is missing or < 1 MiB.
-fn namespace_size(backend: &BackendKind) -> u64 {
+fn namespace_size(backend: &BackendKind, size_mb: Option<u64>) -> u64 {
     let len = match backend {
         BackendKind::File(p) => std::fs::metadata(p).map_or(0, |m| m.len()) >> 20 << 20,
-        _ => 0,
+        _ => size_mb.unwrap_or(0).min(1 << 20) << 20,
     };
     if len > 0 {
         len.min(1 << 40)
@@ -368,6 +372,29 @@ fn cmdline(j: &Job, o: &NvmeOptions, tsc_khz: u64) -> String {
         j.rw, j.bs, j.iodepth, j.queues, o.time_ms, j.verify as u8, j.thinktime_us, j.rwmixread.min(100), j.batch_submit
     )
 }
+
+/// Single runs of iopath's controller in the VMM, for a bench that runs them
+/// beside other devices (`bench blk`): the same run, routing checks and
+/// window exit count as `bench nvme`'s own.
+pub struct Runner<'a>(run::Ctx<'a>);
+
+impl<'a> Runner<'a> {
+    pub fn new(o: &'a NvmeOptions) -> anyhow::Result<Runner<'a>> {
+        run::Ctx::new(o).map(Runner)
+    }
+
+    /// One run of job `ji` of the options with doorbell mode `db`, one poller.
+    pub fn run(&self, db: DoorbellMode, ji: usize, round: u32) -> anyhow::Result<NvmeRun> {
+        let t = run::Target { name: format!("iopath-{db}"), kind: run::Kind::Iopath(None, db, 1) };
+        self.0.run_target(&t, ji, round)
+    }
+
+    pub fn tsc_khz(&self) -> u64 {
+        self.0.tsc_khz
+    }
+}
+
+pub use run::window_exits_between;
 
 pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     let ctx = run::Ctx::new(o)?;

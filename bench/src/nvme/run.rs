@@ -58,7 +58,7 @@ pub struct Ctx<'a> {
 impl<'a> Ctx<'a> {
     pub fn new(o: &'a NvmeOptions) -> anyhow::Result<Ctx<'a>> {
         let tsc_khz = crate::exits::tsc_khz_of_host()?;
-        let ns_size = super::namespace_size(&o.backend);
+        let ns_size = super::namespace_size(&o.backend, o.size_mb);
         let qemu = match o.vs_qemu {
             true => {
                 let q = crate::qemu::find()?;
@@ -307,8 +307,13 @@ impl<'a> Ctx<'a> {
 /// those at the first `WINDOW_START` before it, less the PIO writes of the
 /// end line itself (one per byte). None without both marks.
 pub fn window_exits(marks: &[ExitMark]) -> Option<u64> {
-    let s = marks.iter().position(|m| m.line == WINDOW_START)?;
-    let e = marks[s..].iter().find(|m| m.line == WINDOW_END)?;
+    window_exits_between(marks, WINDOW_START, WINDOW_END)
+}
+
+/// `window_exits` between any guest's window lines (`@vblk-window start|end`).
+pub fn window_exits_between(marks: &[ExitMark], start: &str, end: &str) -> Option<u64> {
+    let s = marks.iter().position(|m| m.line == start)?;
+    let e = marks[s..].iter().find(|m| m.line == end)?;
     let (a, b) = (&marks[s].exits, &e.exits);
     let d = |x: u64, y: u64| y.saturating_sub(x);
     let io_out = d(a.io_out, b.io_out).saturating_sub(e.bytes);

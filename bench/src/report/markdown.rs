@@ -229,5 +229,9 @@ pub(super) fn render(input: &Input, figs: &[Figure], svgs: &[(String, String)], 
             let _ = writeln!(s, "The bench's own table:\n\n```\n{}```\n", t);
         }
     }
+    super::blk::markdown(input, &mut s);
+    for (_, t) in input.tables.iter().filter(|(b, _)| b == "blk") {
+        let _ = writeln!(s, "The bench's own table:\n\n```\n{}```\n", t);
+    }
     s
 }

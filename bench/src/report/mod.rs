@@ -2,6 +2,7 @@
 //! SVG plots, made from the benches' JSON documents alone (so it is tested
 //! without KVM, from synthetic documents).
 
+mod blk;
 mod markdown;
 pub mod plot;
 
@@ -269,6 +270,7 @@ pub fn figures(input: &Input) -> Vec<Figure> {
             push("floor", format!("ring qd{qd}"), "p50_latency", summary_of(&s["p50_ns"]), "ns");
         }
     }
+    blk::figures(input, &mut out);
     out
 }
 
@@ -485,6 +487,7 @@ pub fn plots(input: &Input, errors: &mut Vec<String>) -> Vec<(String, String)> {
         };
         keep(format!("cdf-{}-{}.svg", slug(&label), slug(&tr)), plot::lines(&a, &series));
     }
+    blk::plots(input, &mut keep);
     out
 }
 

@@ -1,0 +1,328 @@
+//! One run of one `bench blk` target for one job and round, and the checks
+//! of its routing against the device's counters:
+//! - `nvme-*`: as `bench nvme` checks them (every guest I/O a controller
+//!   command; MMIO doorbells exited, shm/bar ones did not).
+//! - `virtio-exit`: every notify the guest wrote exited to the device
+//!   (`notifies` == the guest's), no ioeventfd kick, every I/O a request.
+//! - `virtio-ioeventfd`, `virtio-poll`, `virtio@vfio-user` (notify=ioeventfd):
+//!   every notify was a kick, none exited (`notifies` == 0).
+//! - `vhost-user`: the guest's notifies never reach the VMM: the frontend's
+//!   notify register is a KVM ioeventfd (`kick_ioeventfd` = 1), none exited
+//!   (`notifies` 0) or was forwarded (`kicks_forwarded` 0), and the backend's
+//!   `requests` (`backend.requests`, where reported) are the guest's I/Os.
+//! - `qemu-*` (`qemu.rs`): QEMU's exit status and the guest's own count (I/O done, 0 errors).
+
+use super::{BlkJob, BlkOptions, BlkRun};
+use crate::host::{host_info, HostInfo};
+use crate::nvme::{LatHist, NvmeOptions, NvmeRun, Runner};
+use crate::pin::Pinner;
+use crate::qemu::QemuBacking;
+use indicatif::{ProgressBar, ProgressStyle};
+use iopath_devices::nvme::backend::BackendKind;
+use iopath_devices::nvme::DoorbellMode;
+use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig};
+use iopath_devices::DeviceConfig;
+use iopath_protocols::attach::{instantiate, DeviceSpec, Programs};
+use iopath_vmm::{run, VmConfig};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Device threads `--pin` places beside the vCPU's: iopath's virtio-blk
+/// worker (in the VMM or a device process), the vhost-user backend's queue
+/// thread, and QEMU's main loop, which serves its virtio-blk's ioeventfds
+/// (no iothread is configured).
+pub const DEVICE_THREADS: &[&str] = &["virtio-blk", "vhost-blk-q0", "qemu-system-x86"];
+
+/// vblk's lines around its timed window (`VmConfig::exit_marks`).
+pub const WINDOW_START: &str = "@vblk-window start";
+pub const WINDOW_END: &str = "@vblk-window end";
+
+/// The progress bar of a run of `len` steps (hidden without `show`).
+pub fn progress(show: bool, len: u64) -> ProgressBar {
+    let pb = if show { ProgressBar::new(len) } else { ProgressBar::hidden() };
+    pb.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "),
+    );
+    pb
+}
+
+/// The options `bench nvme`'s runner takes for the same jobs and backend.
+pub fn nvme_options(o: &BlkOptions, jobs: &[BlkJob]) -> NvmeOptions {
+    NvmeOptions {
+        jobs: jobs.iter().map(|j| j.job.clone()).collect(),
+        backend: o.backend.clone(),
+        size_mb: Some(o.size_mb),
+        time_ms: o.time_ms,
+        rounds: o.rounds,
+        mem_mb: o.mem_mb,
+        timeout_s: o.timeout_s,
+        progress: false,
+        pin: o.pin,
+        iopath_exe: o.iopath_exe.clone(),
+        ..NvmeOptions::default()
+    }
+}
+
+/// The disk size in bytes: a file backend's (whole MiB), else `size_mb`.
+fn disk_size(o: &BlkOptions) -> u64 {
+    match &o.backend {
+        BackendKind::File(p) => (std::fs::metadata(p).map_or(0, |m| m.len()) >> 20 << 20).max(1 << 20),
+        _ => o.size_mb.clamp(1, 1 << 20) << 20,
+    }
+}
+
+pub struct Ctx<'a> {
+    pub(super) o: &'a BlkOptions,
+    pub(super) jobs: &'a [BlkJob],
+    pub host: HostInfo,
+    pub tsc_khz: u64,
+    nvme: Runner<'a>,
+    pub(super) progs: Programs,
+    pub(super) image: PathBuf,
+    size: u64,
+    /// QEMU and the drive it stands on, found once (None: the reason).
+    pub(super) qemu: Result<(PathBuf, QemuBacking), String>,
+}
+
+impl<'a> Ctx<'a> {
+    pub fn new(o: &'a BlkOptions, jobs: &'a [BlkJob], nvme: &'a NvmeOptions) -> anyhow::Result<Ctx<'a>> {
+        let nvme = Runner::new(nvme)?;
+        let tsc_khz = nvme.tsc_khz();
+        let size = disk_size(o);
+        let wants_qemu = o.targets.iter().any(|t| t.starts_with("qemu"));
+        let qemu = match wants_qemu {
+            true => crate::qemu::find().map_err(|e| format!("{e:#}")).and_then(|q| {
+                QemuBacking::for_backend(&o.backend, size, Path::new(crate::qemu::SHM_DIR))
+                    .map(|b| (q, b))
+                    .map_err(|e| format!("{e:#}"))
+            }),
+            false => Err("not asked for".into()),
+        };
+        let iopath = match &o.iopath_exe {
+            Some(p) => p.clone(),
+            None => std::env::current_exe()?,
+        };
+        Ok(Ctx {
+            o,
+            jobs,
+            host: host_info(tsc_khz),
+            tsc_khz,
+            nvme,
+            progs: Programs { iopath, qemu: None, serve_args: Vec::new() },
+            image: iopath_guest::image_file()?,
+            size,
+            qemu,
+        })
+    }
+
+    /// One run of target `t` (a name from `TARGETS`) for job `ji` in `round`.
+    pub fn run(&self, t: &str, ji: usize, round: u32) -> anyhow::Result<BlkRun> {
+        // nvme's runner places its own threads.
+        let _pinned = self.o.pin.filter(|_| !t.starts_with("nvme")).map(|p| Pinner::start(p, DEVICE_THREADS));
+        let virtio = |notify, remote| self.virtio(t, notify, remote, ji, round);
+        match t {
+            "nvme-mmio" => self.nvme(t, DoorbellMode::Mmio, ji, round),
+            "nvme-shm" => self.nvme(t, DoorbellMode::Shm, ji, round),
+            "nvme-bar" => self.nvme(t, DoorbellMode::Bar, ji, round),
+            "virtio-exit" => virtio(NotifyMode::Exit, None),
+            "virtio-ioeventfd" => virtio(NotifyMode::Ioeventfd, None),
+            "virtio-poll" => virtio(NotifyMode::Poll, None),
+            "virtio@vfio-user" => virtio(NotifyMode::Ioeventfd, Some("vfio-user")),
+            "vhost-user" => virtio(NotifyMode::Ioeventfd, Some("vhost-user")),
+            "qemu-virtio-blk-pci" => self.qemu_virtio(t, ji, round),
+            "qemu-vhost-user-blk-pci" => self.qemu_vhost_user(t, ji, round),
+            _ => anyhow::bail!("unknown target {t:?}"),
+        }
+    }
+
+    fn nvme(&self, t: &str, db: DoorbellMode, ji: usize, round: u32) -> anyhow::Result<BlkRun> {
+        let n = self.nvme.run(db, ji, round)?;
+        Ok(from_nvme(t, &self.jobs[ji], n))
+    }
+
+    pub(super) fn cmdline(&self, ji: usize) -> String {
+        let j = &self.jobs[ji].job;
+        format!(
+            "workload=vblk rw={} bs={} iodepth={} time_ms={} size_mb={} tsc_khz={}",
+            j.rw,
+            j.bs,
+            j.iodepth,
+            self.o.time_ms,
+            self.size >> 20,
+            self.tsc_khz
+        )
+    }
+
+    pub(super) fn blk_config(&self, notify: NotifyMode) -> VirtioBlkConfig {
+        VirtioBlkConfig { backend: self.o.backend.clone(), size: self.size, notify }
+    }
+
+    /// iopath's virtio-blk in the VMM, or in a device process over `remote`.
+    fn virtio(
+        &self,
+        t: &str,
+        notify: NotifyMode,
+        remote: Option<&str>,
+        ji: usize,
+        round: u32,
+    ) -> anyhow::Result<BlkRun> {
+        // Through the spec parser, as `--device` takes it: `@vhost-user` is
+        // no Transport of the registry but a spec of its own.
+        let config = DeviceConfig::VirtioBlk(self.blk_config(notify));
+        let text = remote.map_or_else(|| config.to_string(), |r| format!("{config}@{r}"));
+        let spec: DeviceSpec = text.parse().map_err(|e| anyhow::anyhow!("--device {text}: {e}"))?;
+        let mut cfg = VmConfig::new(iopath_guest::IMAGE, &self.cmdline(ji));
+        cfg.devices = vec![instantiate(&spec, &self.progs).map_err(|e| anyhow::anyhow!("{spec}: {e}"))?];
+        cfg.mem_size = self.o.mem_mb << 20;
+        cfg.timeout = Duration::from_secs(self.o.timeout_s);
+        cfg.exit_marks = vec![WINDOW_START.into(), WINDOW_END.into()];
+        let rep = run(cfg)?;
+        let mut r = to_run(t, &self.jobs[ji], ji, round, &rep.lines, self.tsc_khz)?;
+        let in_window = crate::nvme::window_exits_between(&rep.marks, WINDOW_START, WINDOW_END)
+            .ok_or_else(|| anyhow::anyhow!("the guest printed no {WINDOW_START} / {WINDOW_END} lines"))?;
+        r.window_exits = Some(in_window);
+        r.exits_per_io = Some(in_window as f64 / r.ios.max(1) as f64);
+        let counters = &rep.devices.first().ok_or_else(|| anyhow::anyhow!("no device report"))?.counters;
+        let c = |n: &str| counters.iter().find(|c| c.name == n).map(|c| c.value);
+        let (requests, notifies, kicks) = (c("requests"), c("notifies"), c("kicks"));
+        let show = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
+        let guest = r.guest_notifies.unwrap_or(0);
+        r.routing = format!(
+            "device requests={} notifies(exits)={} kicks={} for {} guest I/Os, {guest} guest notifies",
+            show(requests),
+            show(notifies),
+            show(kicks),
+            r.ios
+        );
+        r.routing_ok = if t == "vhost-user" {
+            // The frontend's notify register is an ioeventfd the backend
+            // reads: no notify exits, none forwarded by the VMM, and the
+            // backend's requests (where it reports them) are the guest's I/O.
+            let (reg, fwd, backend) = (c("kick_ioeventfd"), c("kicks_forwarded"), c("backend.requests"));
+            r.routing = format!(
+                "{}; frontend kick_ioeventfd={} kicks_forwarded={} backend.requests={}",
+                r.routing,
+                show(reg),
+                show(fwd),
+                show(backend)
+            );
+            notifies.unwrap_or(0) == 0
+                && reg == Some(1)
+                && fwd.unwrap_or(0) == 0
+                && backend.or(requests).is_none_or(|q| q == r.ios)
+        } else if notify == NotifyMode::Exit {
+            requests == Some(r.ios) && notifies == Some(guest) && kicks.unwrap_or(0) == 0
+        } else {
+            requests == Some(r.ios) && kicks == Some(guest) && notifies == Some(0)
+        };
+        guest_checks(&mut r);
+        anyhow::ensure!(rep.status == 1, "guest exit status {}: {}", rep.status, r.routing);
+        Ok(r)
+    }
+}
+
+/// A `bench nvme` run as a blk run.
+fn from_nvme(t: &str, j: &BlkJob, n: NvmeRun) -> BlkRun {
+    BlkRun {
+        target: t.into(),
+        job_index: n.job,
+        job: j.name.clone(),
+        round: n.round,
+        ios: n.ios,
+        cycles: n.cycles,
+        iops: n.iops,
+        mb_s: n.mb_s,
+        p50_ns: n.p50_ns,
+        p99_ns: n.p99_ns,
+        hist: n.hist,
+        lat: n.lat,
+        window_exits: n.window_exits,
+        exits_per_io: n.exits_per_io,
+        guest_notifies: Some(n.io_doorbell_writes),
+        errors: n.errors,
+        routing: n.routing,
+        routing_ok: n.routing_ok,
+    }
+}
+
+/// The guest's own verdict: it did I/O and none failed.
+pub(super) fn guest_checks(r: &mut BlkRun) {
+    if r.ios > 0 && r.errors == 0 {
+        r.routing = format!("{}; guest: {} I/Os, 0 errors", r.routing, r.ios);
+    } else {
+        r.routing_ok = false;
+        r.routing = format!("{}; guest: {} I/Os, {} errors", r.routing, r.ios, r.errors);
+    }
+}
+
+/// A run from vblk's `@vblk` record and `@vblk-hist` lines.
+pub fn to_run(
+    target: &str,
+    j: &BlkJob,
+    ji: usize,
+    round: u32,
+    lines: &[String],
+    tsc_khz: u64,
+) -> anyhow::Result<BlkRun> {
+    let f = crate::record::find_record(lines, "vblk").ok_or_else(|| {
+        let errs: Vec<&String> =
+            lines.iter().filter(|l| l.contains("error") || l.starts_with("@fault")).take(5).collect();
+        anyhow::anyhow!("no @vblk record; {errs:?}")
+    })?;
+    let g = |k: &str| {
+        f.get(k).and_then(|v| v.parse::<u64>().ok()).ok_or_else(|| anyhow::anyhow!("@vblk record without {k}"))
+    };
+    let (ios, cycles) = (g("ios")?, g("cycles")?);
+    anyhow::ensure!(cycles > 0 && tsc_khz > 0, "@vblk record with cycles=0");
+    let lat = LatHist::parse_kind(lines, "vblk", ios)?.ok_or_else(|| anyhow::anyhow!("no @vblk-hist lines"))?;
+    let secs = cycles as f64 / (tsc_khz as f64 * 1000.0);
+    Ok(BlkRun {
+        target: target.into(),
+        job_index: ji,
+        job: j.name.clone(),
+        round,
+        ios,
+        cycles,
+        iops: ios as f64 / secs,
+        mb_s: ios as f64 * j.job.bs as f64 / secs / 1e6,
+        p50_ns: lat.quantile_ns(0.5, tsc_khz),
+        p99_ns: lat.quantile_ns(0.99, tsc_khz),
+        hist: lat.pairs_ns(tsc_khz),
+        lat: Some(lat),
+        window_exits: None,
+        exits_per_io: None,
+        guest_notifies: Some(g("notifies")?),
+        errors: g("errors")?,
+        routing: String::new(),
+        routing_ok: true,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_vblk_record_with_its_histogram_is_a_run() {
+        let o = BlkOptions::default();
+        let jobs = o.jobs();
+        let l: Vec<String> = [
+            "@vblk-dev features=0x1 event_idx=1",
+            "@vblk rw=read bs=131072 iodepth=16 event_idx=1 ios=4 cycles=2000000 lat_sum=1 errors=0 kicks=3 notifies=2",
+            "@vblk-hist 105:4",
+            "@vblk-hist-end buckets=1 lines=1",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        // 1 GHz: 4 I/Os of 128 KiB in 2 ms.
+        let r = to_run("virtio-exit", &jobs[0], 0, 0, &l, 1_000_000).unwrap();
+        assert_eq!((r.ios, r.iops, r.guest_notifies, r.p50_ns), (4, 2000.0, Some(2), 101.5));
+        assert!((r.mb_s - 262.144).abs() < 1e-9, "{}", r.mb_s);
+        // A histogram that does not hold the record's I/Os is refused.
+        let mut bad = l.clone();
+        bad[2] = "@vblk-hist 105:3".into();
+        assert!(to_run("t", &jobs[0], 0, 0, &bad, 1_000_000).is_err());
+        assert!(to_run("t", &jobs[0], 0, 0, &l[..1], 1_000_000).is_err(), "no record");
+    }
+}
