@@ -12,7 +12,9 @@ use common::{kvm, programs};
 use vblk_record::num;
 
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -25,21 +27,33 @@ impl Drop for Serve {
     }
 }
 
-/// Starts `iopath serve SPEC --transport vhost-user --socket SOCK --once`
-/// and waits (bounded) for its socket.
-fn serve(spec: &str, sock: &Path) -> Serve {
-    let _ = std::fs::remove_file(sock);
-    let child = Command::new(env!("CARGO_BIN_EXE_iopath"))
-        .args(["serve", spec, "--transport", "vhost-user", "--once", "--socket"])
-        .arg(sock)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+/// How the device process gets its frontend.
+enum Via {
+    /// `--socket PATH --once`; QEMU connects to PATH.
+    Socket(PathBuf),
+    /// `--fd 3`, one end of a socket pair; QEMU gets the other as its fd 3.
+    Fd(OwnedFd),
+}
+
+/// Starts `iopath serve SPEC --transport vhost-user` with `via` and waits
+/// (bounded) for its socket.
+fn serve(spec: &str, via: &Via) -> Serve {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_iopath"));
+    cmd.args(["serve", spec, "--transport", "vhost-user"]);
+    match via {
+        Via::Socket(sock) => {
+            let _ = std::fs::remove_file(sock);
+            cmd.args(["--once", "--socket"]).arg(sock);
+        }
+        Via::Fd(fd) => {
+            iopath_protocols::process::inherit_as_fd3(&mut cmd, fd);
+            cmd.args(["--fd", "3"]);
+        }
+    }
+    let child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let s = Serve(child);
     let t0 = Instant::now();
-    while !sock.exists() {
+    while matches!(via, Via::Socket(p) if !p.exists()) {
         assert!(t0.elapsed() < Duration::from_secs(20), "iopath serve made no socket");
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -61,19 +75,13 @@ fn finish(mut s: Serve) -> (String, String) {
 
 /// QEMU's arguments: guest RAM a shared memfd (vhost-user maps it), the
 /// backend's socket as a chardev, vhost-user-blk-pci (modern only) on it.
-fn qemu_args(sock: &Path, cmdline: &str) -> Vec<String> {
+fn qemu_args(chardev: &str, cmdline: &str) -> Vec<String> {
     let image = iopath_guest::image_file().unwrap();
-    let extra: Vec<String> = [
-        "-object",
-        "memory-backend-memfd,id=mem,size=256M,share=on",
-        "-numa",
-        "node,memdev=mem",
-        "-chardev",
-        &format!("socket,id=c0,path={}", sock.display()),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let extra: Vec<String> =
+        ["-object", "memory-backend-memfd,id=mem,size=256M,share=on", "-numa", "node,memdev=mem", "-chardev", chardev]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
     let dev = ["vhost-user-blk-pci,chardev=c0,num-queues=1,disable-legacy=on"];
     iopath_bench::qemu::args_with(&image, cmdline, 256, &extra, &dev)
 }
@@ -83,17 +91,26 @@ fn qemu() -> PathBuf {
     programs().qemu.expect("qemu-system-x86_64 is needed (apt-get install -y qemu-system-x86)")
 }
 
-/// One verify run of the guest through iopath's backend in `notify` mode.
-fn verify_through_backend(notify: &str) {
+/// One verify run of the guest through iopath's backend in `notify` mode,
+/// the backend on a listening socket or (`fd`) an inherited one.
+fn verify_through_backend(notify: &str, fd: bool) {
     let qemu = qemu();
-    let sock = std::env::temp_dir().join(format!("iopath-vublk-{notify}-{}.sock", std::process::id()));
     let spec = format!("virtio-blk,backend=ram,size_mb=64,notify={notify}");
-    let s = serve(&spec, &sock);
+    let sock = std::env::temp_dir().join(format!("iopath-vublk-{notify}-{fd}-{}.sock", std::process::id()));
+    let (via, fd3, chardev) = if fd {
+        let (a, b) = UnixStream::pair().unwrap();
+        (Via::Fd(b.into()), Some(OwnedFd::from(a)), "socket,id=c0,fd=3".to_string())
+    } else {
+        (Via::Socket(sock.clone()), None, format!("socket,id=c0,path={}", sock.display()))
+    };
+    let s = serve(&spec, &via);
+    drop(via); // the device process holds its end
     let cmdline = "workload=vblk verify=1 bs=4096 iodepth=8 size_mb=4";
-    let args = qemu_args(&sock, cmdline);
-    println!("iopath serve {spec} --transport vhost-user --once --socket {}", sock.display());
+    let args = qemu_args(&chardev, cmdline);
+    let how = if fd { "--fd 3".to_string() } else { format!("--once --socket {}", sock.display()) };
+    println!("iopath serve {spec} --transport vhost-user {how}");
     println!("{} {}", qemu.display(), args.join(" "));
-    let q = iopath_bench::qemu::run_args(&qemu, args, None, Duration::from_secs(120), |_| {}).unwrap();
+    let q = iopath_bench::qemu::run_args(&qemu, args, fd3, Duration::from_secs(120), |_| {}).unwrap();
     for l in q.lines.iter().filter(|l| l.starts_with("@vblk") && !l.starts_with("@vblk-hist")) {
         println!("{l}");
     }
@@ -128,10 +145,18 @@ fn verify_through_backend(notify: &str) {
 
 #[test]
 fn qemu_vhost_user_blk_pci_verifies_through_iopaths_backend_notify_ioeventfd() {
-    verify_through_backend("ioeventfd");
+    verify_through_backend("ioeventfd", false);
 }
 
 #[test]
 fn qemu_vhost_user_blk_pci_verifies_through_iopaths_backend_notify_poll() {
-    verify_through_backend("poll");
+    verify_through_backend("poll", false);
+}
+
+/// The VMM's spawn path: `iopath serve ... --fd 3` on one end of a socket
+/// pair (QEMU takes the other as `-chardev socket,fd=3`); the process
+/// serves that one frontend and exits.
+#[test]
+fn qemu_vhost_user_blk_pci_verifies_through_iopaths_backend_on_an_inherited_fd() {
+    verify_through_backend("ioeventfd", true);
 }
