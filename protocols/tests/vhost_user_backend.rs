@@ -385,3 +385,33 @@ fn a_frontend_that_leaves_in_the_middle_of_io_leaves_nothing_behind() {
         assert_eq!((fds(), mappings()), (fds0, maps0), "{notify}: fds or mappings left after the session");
     }
 }
+
+/// GET_CONFIG serves the bytes the PCI transport shows at its device
+/// configuration: one virtio-blk, whoever hosts it.
+#[test]
+fn get_config_is_the_pci_devices_configuration_space() {
+    use iopath_devices::virtio::pci::{VirtioBlk, DEVCFG, DEVCFG_LEN};
+    use iopath_devices::DeviceModel;
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = VirtioBlkConfig { backend: BackendKind::Null, size: 3 << 20, notify: NotifyMode::Ioeventfd };
+    let pci = VirtioBlk::new(cfg.clone()).unwrap();
+    let mut want = vec![0u8; DEVCFG_LEN as usize];
+    for (k, b) in want.iter_mut().enumerate() {
+        let mut x = [0u8; 1];
+        pci.bar_read(0, DEVCFG + k as u64, &mut x);
+        *b = x[0];
+    }
+    let (a, b) = UnixStream::pair().unwrap();
+    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+    let be2 = be.clone();
+    let session = std::thread::spawn(move || be2.session(&b));
+    let mut r = Rig { fe: Frontend::from_stream(a, 1), be, session };
+    r.negotiate();
+    let flags = vhost::vhost_user::message::VhostUserConfigFlags::WRITABLE;
+    let (_, got) = r.fe.get_config(0, DEVCFG_LEN as u32, flags, &want).unwrap();
+    assert_eq!(got, want);
+    // A window past the fields reads as zeros.
+    let (_, tail) = r.fe.get_config(0x100, 16, flags, &[0u8; 16]).unwrap();
+    assert_eq!(tail, [0u8; 16]);
+    r.end().1.unwrap();
+}
