@@ -2,7 +2,7 @@
 # Build (or reuse) the guest kernel + initramfs from the cached trixie root (build-root.sh runs
 # first if needed). Prints the output directory on stdout; it holds:
 #   vmlinuz             the trixie kernel
-#   initramfs.cpio.gz   busybox-static, fio, nvme-cli, e2fsprogs, NVMe + ext4 modules, /init,
+#   initramfs.cpio.gz   busybox-static, fio, nvme-cli, e2fsprogs, NVMe, virtio-blk + ext4 modules, /init,
 #                       /check.sh (= guest-check.sh)
 #   kver                the kernel version
 set -euo pipefail
@@ -69,8 +69,9 @@ log "copied ${#BINS[@]} binaries and $n libraries"
     [[ -e "$S/$a" || -L "$S/$a" ]] || ln -s /usr/bin/busybox "$S/$a"
 done
 
-# --- kernel modules: NVMe over PCI (MSI-X is built in) and ext4, with their dependencies ---
-MODS=(nvme ext4 crc32c-intel crc32c_generic libcrc32c crc16 jbd2 mbcache)
+# --- kernel modules: NVMe over PCI (MSI-X is built in), virtio-blk (virtio, virtio_ring and
+# virtio_pci are built in) and ext4, with their dependencies ---
+MODS=(nvme virtio_blk ext4 crc32c-intel crc32c_generic libcrc32c crc16 jbd2 mbcache)
 : >"$TMP/modlist"
 for m in "${MODS[@]}"; do
     in_root "$ROOT" modprobe -S "$KVER" --show-depends "$m" >"$TMP/dep.$m" 2>&1 \

@@ -10,10 +10,12 @@ die() { printf '[run-linux] ERROR: %s\n' "$*" >&2; exit 4; }
 
 usage() {
     cat >&2 <<USAGE
-usage: run-linux.sh (--device qemu-nvme | --vfio-user SOCKET) [options]
+usage: run-linux.sh (--device qemu-nvme | --vfio-user SOCKET | --vhost-user-blk SOCKET) [options]
   --device qemu-nvme     control: QEMU's own -device nvme on a 64 MiB raw image
   --vfio-user SOCKET     -device vfio-user-pci on SOCKET (absolute path; under /tmp, or its
                          directory is bound into the QEMU root)
+  --vhost-user-blk SOCKET  -device vhost-user-blk-pci on SOCKET (a vhost-user-blk backend; the
+                         guest disk is /dev/vda: give --script guest-vblk.sh)
   --no-share             plain -m, no memfd/share=on backend (vfio-user DMA_READ/WRITE fallback)
   --timeout SECS         wall clock for QEMU (default 300), then QEMU is killed (exit 2);
                          the guest gets harness.deadline=SECS-25 so it still prints @done
@@ -35,6 +37,7 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --device) [[ ${2:-} == qemu-nvme ]] || die "--device takes qemu-nvme"; MODE=qemu-nvme; shift 2 ;;
         --vfio-user) MODE=vfio-user; SOCK=${2:?}; shift 2 ;;
+        --vhost-user-blk) MODE=vhost-user-blk; SOCK=${2:?}; shift 2 ;;
         --no-share) SHARE=0; shift ;;
         --timeout) TIMEOUT=${2:?}; shift 2 ;;
         --nvme-timeout) NVME_TO=${2:?}; shift 2 ;;
@@ -100,6 +103,13 @@ case "$MODE" in
         [[ -S $SOCK ]] || die "no vfio-user socket at $SOCK (is the server running?)"
         [[ $SOCK == /tmp/* ]] || BIND+=("$(dirname "$SOCK")")
         Q+=(-device "{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"$SOCK\"}}")
+        ;;
+    vhost-user-blk)
+        [[ $SHARE == 1 ]] || die "vhost-user maps guest RAM: no --no-share"
+        [[ $SOCK == /* ]] || SOCK="$PWD/$SOCK"
+        [[ -S $SOCK ]] || die "no vhost-user socket at $SOCK (is the backend running?)"
+        [[ $SOCK == /tmp/* ]] || BIND+=("$(dirname "$SOCK")")
+        Q+=(-chardev "socket,id=vub0,path=$SOCK" -device vhost-user-blk-pci,chardev=vub0,num-queues=1)
         ;;
 esac
 Q+=("${EXTRA[@]}")
