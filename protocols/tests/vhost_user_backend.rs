@@ -415,3 +415,34 @@ fn get_config_is_the_pci_devices_configuration_space() {
     assert_eq!(tail, [0u8; 16]);
     r.end().1.unwrap();
 }
+
+/// QEMU stops a ring with SET_VRING_ENABLE 0 (which has the ring's thread
+/// look again) and GET_VRING_BASE at once (which stops the thread): the
+/// stop must not be lost to the look, or the reply never comes and QEMU
+/// hangs at shutdown. Many starts and stops, each answered in time.
+#[test]
+fn a_ring_stopped_right_after_it_was_disabled_answers() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = Guest::new(true);
+    let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+    let cfg = VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd };
+    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+    let (a, b) = UnixStream::pair().unwrap();
+    // A reply that does not come within 5 s fails the request instead of hanging the test.
+    a.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let be2 = be.clone();
+    let session = std::thread::spawn(move || be2.session(&b));
+    let mut r = Rig { fe: Frontend::from_stream(a, 1), be, session };
+    r.negotiate();
+    r.start(&g, &kick, &call);
+    // No ack awaited: GET_VRING_BASE follows SET_VRING_ENABLE as closely as the socket allows.
+    r.fe.set_hdr_flags(VhostUserHeaderFlag::empty());
+    for k in 0..3000 {
+        r.fe.set_vring_enable(0, false).unwrap();
+        assert_eq!(r.fe.get_vring_base(0).map_err(|e| format!("stop {k}: {e}")), Ok(0));
+        r.fe.set_vring_base(0, 0).unwrap();
+        r.fe.set_vring_kick(0, &kick).unwrap();
+        r.fe.set_vring_enable(0, true).unwrap();
+    }
+    r.end().1.unwrap();
+}
