@@ -181,10 +181,10 @@ static LINUX: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// A stock Linux guest (trixie kernel, QEMU 11 TCG; `harness/linux/run-linux.sh
 /// --vhost-user-blk`) runs `guest-vblk.sh` on the disk iopath's backend serves.
-fn linux_through_backend(notify: &str) {
+fn linux_through_backend(notify: &str, vcpus: u32) {
     let _one = LINUX.lock().unwrap_or_else(|p| p.into_inner());
     let harness = Path::new(env!("CARGO_MANIFEST_DIR")).join("../harness/linux");
-    let sock = std::env::temp_dir().join(format!("iopath-vublk-linux-{notify}-{}.sock", std::process::id()));
+    let sock = std::env::temp_dir().join(format!("iopath-vublk-linux-{notify}-{vcpus}-{}.sock", std::process::id()));
     let spec = format!("virtio-blk,backend=ram,size_mb=64,notify={notify}");
     let s = serve(&spec, &Via::Socket(sock.clone()));
     let out = Command::new("bash")
@@ -193,7 +193,8 @@ fn linux_through_backend(notify: &str) {
         .arg(&sock)
         .arg("--script")
         .arg(harness.join("guest-vblk.sh"))
-        .args(["--timeout", "300", "--quiet", "--append", "harness.vblk_sectors=131072"])
+        .args(["--timeout", "300", "--quiet", "--smp", &vcpus.to_string(), "--append"])
+        .arg(format!("harness.vblk_sectors=131072 harness.vblk_queues={vcpus}"))
         .output()
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
@@ -222,7 +223,8 @@ fn linux_through_backend(notify: &str) {
         "Linux guest checks failed:\n{text}\n{}\n--- iopath serve ---\n{serr}",
         checks.join("\n")
     );
-    for want in ["probe", "capacity", "queue-limits", "fio-randwrite", "fio-randread", "ext4", "no-io-error"] {
+    for want in ["probe", "capacity", "queues", "queue-limits", "fio-randwrite", "fio-randread", "ext4", "no-io-error"]
+    {
         assert!(checks.iter().any(|l| l.starts_with(&format!("@check {want} ok"))), "{want}: {checks:?}");
     }
     let line = sout.lines().find(|l| iopath_protocols::process::parse_report(l).is_some());
@@ -234,14 +236,24 @@ fn linux_through_backend(notify: &str) {
     assert!(get("requests") >= 8192, "{line}");
     assert!(get("interrupts") > 0, "{line}");
     assert_eq!((get("errors"), get("ring_errors"), get("refused")), (0, 0, 0), "{line}\n{serr}");
+    // Every request was served on one of the queues the guest has, none on another.
+    let per_queue: u64 = (0..vcpus).map(|q| get(&format!("q{q}.requests"))).sum();
+    assert_eq!(per_queue, get("requests"), "{line}");
 }
 
 #[test]
 fn linux_virtio_blk_driver_through_iopaths_backend_notify_ioeventfd() {
-    linux_through_backend("ioeventfd");
+    linux_through_backend("ioeventfd", 1);
+}
+
+/// Two vCPUs: QEMU asks for two queues (GET_QUEUE_NUM allows 4), the
+/// driver sets up two (VIRTIO_BLK_F_MQ, num_queues), each ring has its thread.
+#[test]
+fn linux_virtio_blk_driver_on_two_queues_through_iopaths_backend() {
+    linux_through_backend("ioeventfd", 2);
 }
 
 #[test]
 fn linux_virtio_blk_driver_through_iopaths_backend_notify_poll() {
-    linux_through_backend("poll");
+    linux_through_backend("poll", 1);
 }

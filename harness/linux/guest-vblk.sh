@@ -5,15 +5,18 @@
 # Kernel command line knobs (optional):
 #   harness.fio_mb=MB          fio region size (default 16)
 #   harness.vblk_sectors=N     the capacity the disk must show, in 512-byte sectors
+#   harness.vblk_queues=N      the request queues the driver must have set up
 PASS=0
 FAIL=0
 FIO_MB=16
 SECTORS=
+QUEUES=
 STEP=180
 for t in $(cat /proc/cmdline); do
     case "$t" in
         harness.fio_mb=*) FIO_MB=${t#*=} ;;
         harness.vblk_sectors=*) SECTORS=${t#*=} ;;
+        harness.vblk_queues=*) QUEUES=${t#*=} ;;
     esac
 done
 D=/dev/vda
@@ -41,6 +44,11 @@ check probe ok "$D size=$size sectors features=$feat"
 if [ -n "$SECTORS" ]; then
     if [ "$size" = "$SECTORS" ]; then check capacity ok "$size sectors"
     else check capacity fail "$size sectors, want $SECTORS"; fi
+fi
+if [ -n "$QUEUES" ]; then
+    n=$(ls -d /sys/block/vda/mq/[0-9]* 2>/dev/null | wc -l)
+    if [ "$n" = "$QUEUES" ]; then check queues ok "$n hardware queues"
+    else check queues fail "$n hardware queues, want $QUEUES"; fi
 fi
 q=/sys/block/vda/queue
 say_q="lbs=$(cat $q/logical_block_size) max_segments=$(cat $q/max_segments) discard_max=$(cat $q/discard_max_bytes) write_zeroes_max=$(cat $q/write_zeroes_max_bytes) wc=$(cat $q/write_cache)"

@@ -14,8 +14,8 @@ usage: run-linux.sh (--device qemu-nvme | --vfio-user SOCKET | --vhost-user-blk 
   --device qemu-nvme     control: QEMU's own -device nvme on a 64 MiB raw image
   --vfio-user SOCKET     -device vfio-user-pci on SOCKET (absolute path; under /tmp, or its
                          directory is bound into the QEMU root)
-  --vhost-user-blk SOCKET  -device vhost-user-blk-pci on SOCKET (a vhost-user-blk backend; the
-                         guest disk is /dev/vda: give --script guest-vblk.sh)
+  --vhost-user-blk SOCKET  -device vhost-user-blk-pci on SOCKET (a vhost-user-blk backend), one
+                         queue per vCPU; the guest disk is /dev/vda: give --script guest-vblk.sh
   --no-share             plain -m, no memfd/share=on backend (vfio-user DMA_READ/WRITE fallback)
   --timeout SECS         wall clock for QEMU (default 300), then QEMU is killed (exit 2);
                          the guest gets harness.deadline=SECS-25 so it still prints @done
@@ -109,7 +109,7 @@ case "$MODE" in
         [[ $SOCK == /* ]] || SOCK="$PWD/$SOCK"
         [[ -S $SOCK ]] || die "no vhost-user socket at $SOCK (is the backend running?)"
         [[ $SOCK == /tmp/* ]] || BIND+=("$(dirname "$SOCK")")
-        Q+=(-chardev "socket,id=vub0,path=$SOCK" -device vhost-user-blk-pci,chardev=vub0,num-queues=1)
+        Q+=(-chardev "socket,id=vub0,path=$SOCK" -device "vhost-user-blk-pci,chardev=vub0,num-queues=$SMP")
         ;;
 esac
 Q+=("${EXTRA[@]}")

@@ -8,7 +8,7 @@
 
 use iopath_devices::nvme::backend::BackendKind;
 use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig, F_VERSION_1};
-use iopath_protocols::vhost_user::backend::{BlkBackend, F_PROTOCOL_FEATURES, MAX_REGIONS};
+use iopath_protocols::vhost_user::backend::{BlkBackend, F_PROTOCOL_FEATURES, MAX_REGIONS, NUM_QUEUES};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
@@ -149,7 +149,10 @@ impl Rig {
         fe.set_features(F_VERSION_1 | F_PROTOCOL_FEATURES).unwrap();
         let pf = fe.get_protocol_features().unwrap();
         assert!(pf.contains(VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::REPLY_ACK), "{pf:?}");
-        fe.set_protocol_features(VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::REPLY_ACK).unwrap();
+        fe.set_protocol_features(
+            VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::REPLY_ACK | VhostUserProtocolFeatures::MQ,
+        )
+        .unwrap();
         fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
     }
 
@@ -240,6 +243,7 @@ fn write_then_read(notify: NotifyMode) {
     let (fds0, maps0) = (fds(), mappings());
     let mut r = rig(notify);
     r.negotiate();
+    assert_eq!(r.fe.get_queue_num().unwrap(), NUM_QUEUES as u64);
     let cfg = r.fe.get_config(0, 60, vhost::vhost_user::message::VhostUserConfigFlags::WRITABLE, &[0u8; 60]).unwrap();
     assert_eq!(u64::from_le_bytes(cfg.1[0..8].try_into().unwrap()), MEM as u64 / 512, "capacity in sectors");
     r.start(&g, &kick, &call);
@@ -357,11 +361,11 @@ fn a_queue_index_past_the_device_is_refused() {
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let be2 = be.clone();
     let session = std::thread::spawn(move || be2.session(&b));
-    // A frontend that believes in 4 queues.
-    let mut r = Rig { fe: Frontend::from_stream(a, 4), be, session };
+    // A frontend that believes in more queues than GET_QUEUE_NUM says.
+    let mut r = Rig { fe: Frontend::from_stream(a, 2 * NUM_QUEUES as u64), be, session };
     r.negotiate();
-    let res = r.fe.set_vring_num(3, QSIZE);
-    refused(r, res, "queue index 3");
+    let res = r.fe.set_vring_num(NUM_QUEUES, QSIZE);
+    refused(r, res, &format!("queue index {NUM_QUEUES}"));
 }
 
 #[test]
@@ -409,6 +413,9 @@ fn get_config_is_the_pci_devices_configuration_space() {
     r.negotiate();
     let flags = vhost::vhost_user::message::VhostUserConfigFlags::WRITABLE;
     let (_, got) = r.fe.get_config(0, DEVCFG_LEN as u32, flags, &want).unwrap();
+    // num_queues (offset 34) is vhost-user's own (MQ); the PCI function has one queue.
+    assert_eq!(u16::from_le_bytes([got[34], got[35]]) as usize, NUM_QUEUES);
+    want[34..36].copy_from_slice(&got[34..36]);
     assert_eq!(got, want);
     // A window past the fields reads as zeros.
     let (_, tail) = r.fe.get_config(0x100, 16, flags, &[0u8; 16]).unwrap();

@@ -15,12 +15,14 @@
 //! the fd before it is mapped, and the framework maps it itself.
 //!
 //! Offered: the device's virtio features (VERSION_1, EVENT_IDX,
-//! INDIRECT_DESC, FLUSH, DISCARD, WRITE_ZEROES, BLK_SIZE, SEG_MAX) and
+//! INDIRECT_DESC, FLUSH, DISCARD, WRITE_ZEROES, BLK_SIZE, SEG_MAX), MQ and
 //! PROTOCOL_FEATURES; protocol features CONFIG (GET_CONFIG: the
-//! configuration space, [`blk::config_space`](iopath_devices::virtio::blk::config_space))
-//! and REPLY_ACK (the crate's). One queue. Each started ring has a thread
-//! ([`worker`]) that serves it on kicks or polls it (`notify=poll`), and
-//! signals the call fd as the driver asks.
+//! configuration space, [`blk::config_space`](iopath_devices::virtio::blk::config_space)
+//! with num_queues), MQ (up to [`NUM_QUEUES`] queues: QEMU's
+//! vhost-user-blk-pci asks for one per vCPU by default) and REPLY_ACK (the
+//! crate's). Each started ring has a thread ([`worker`]) that serves it on
+//! kicks or polls it (`notify=poll`), and signals the call fd as the driver
+//! asks; the rings share the disk behind one lock.
 //!
 //! A session ends when the frontend leaves, or at the first request it
 //! refuses, with a log line (and, if the frontend asked, an error reply
@@ -59,14 +61,25 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use vhost::vhost_user::{BackendReqHandler, Error as VuError, VhostUserProtocolFeatures};
 
-/// Queues the device has.
-pub const NUM_QUEUES: usize = 1;
+/// Queues the device has (config num_queues, GET_QUEUE_NUM).
+pub const NUM_QUEUES: usize = 4;
+/// VIRTIO_BLK_F_MQ.
+pub const F_MQ: u64 = 1 << 12;
 /// VHOST_USER_F_PROTOCOL_FEATURES (a virtio feature bit vhost-user uses).
 pub const F_PROTOCOL_FEATURES: u64 = 1 << 30;
-/// Virtio features offered: the device's, and PROTOCOL_FEATURES.
-pub const FEATURES: u64 = iopath_devices::virtio::pci::FEATURES | F_PROTOCOL_FEATURES;
+/// Virtio features offered: the device's, MQ and PROTOCOL_FEATURES.
+pub const FEATURES: u64 = iopath_devices::virtio::pci::FEATURES | F_MQ | F_PROTOCOL_FEATURES;
 /// Protocol features offered (the crate adds REPLY_ACK).
-pub const PROTOCOL_FEATURES: VhostUserProtocolFeatures = VhostUserProtocolFeatures::CONFIG;
+pub const PROTOCOL_FEATURES: VhostUserProtocolFeatures =
+    VhostUserProtocolFeatures::CONFIG.union(VhostUserProtocolFeatures::MQ);
+
+/// The configuration space GET_CONFIG serves: the device's
+/// ([`blk::config_space`]) with num_queues (offset 34) set.
+pub fn config_space(size: u64) -> [u8; blk::CONFIG_LEN] {
+    let mut c = blk::config_space(size);
+    c[34..36].copy_from_slice(&(NUM_QUEUES as u16).to_le_bytes());
+    c
+}
 
 /// The device a vhost-user device process serves, kept across sessions.
 pub struct BlkBackend {

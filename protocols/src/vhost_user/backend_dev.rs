@@ -44,6 +44,8 @@ pub(super) struct Stats {
     /// Messages refused (an error reply, or the session closed).
     pub(super) refused: u64,
     pub(super) mem_tables: u64,
+    /// Requests served on each ring.
+    pub(super) ring_requests: [u64; super::NUM_QUEUES],
 }
 
 /// What the session thread and the queue threads share.
@@ -106,6 +108,7 @@ impl Dev {
                 Ok(Some(c)) => {
                     let done = blk.handle(&mem, &c.descs);
                     st.requests += 1;
+                    st.ring_requests[i] += 1;
                     if done.status != Some(blk::S_OK) {
                         st.errors += 1;
                     }
@@ -194,6 +197,7 @@ impl Dev {
         ]
         .into_iter()
         .map(|(n, value)| Counter { name: n.into(), value })
+        .chain(st.ring_requests.iter().enumerate().map(|(q, &value)| Counter { name: format!("q{q}.requests"), value }))
         .collect()
     }
 }

@@ -15,7 +15,6 @@ use super::dev::Dev;
 use super::mem::MemTable;
 use super::worker::Worker;
 use super::{FEATURES, F_PROTOCOL_FEATURES, NUM_QUEUES};
-use iopath_devices::virtio::blk;
 use iopath_devices::virtio::pci::{NotifyMode, F_EVENT_IDX};
 use iopath_devices::virtio::queue::MAX_QUEUE_SIZE;
 use std::fs::File;
@@ -297,7 +296,7 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn get_config(&mut self, offset: u32, size: u32, _flags: VhostUserConfigFlags) -> VuResult<Vec<u8>> {
         // The crate bounds offset + size by 4 KiB; past the fields, zeros.
-        let cfg = blk::config_space(self.dev().blk.size);
+        let cfg = super::config_space(self.dev().blk.size);
         let mut out = vec![0u8; size as usize];
         for (k, b) in out.iter_mut().enumerate() {
             *b = cfg.get(offset as usize + k).copied().unwrap_or(0);
