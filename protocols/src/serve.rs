@@ -11,6 +11,10 @@
 //! channel with a log line naming the client and the message; the process
 //! goes on.
 //!
+//! vhost-user, which serves virtio queues rather than a PCI function, has
+//! its own loop body (`vhost_user::backend::run`) on the same `clients`
+//! loop, `handshake` and stall bounds.
+//!
 //! # Stalled clients
 //! A client may be idle between messages for as long as it likes (a VMM
 //! whose guest leaves the device alone); what is bounded is a stall inside
