@@ -3,7 +3,7 @@
 //! process: `iopath serve virtio-blk[,opts] --transport vhost-user`.
 //!
 //! The `vhost` crate's `BackendReqHandler` reads and checks the messages
-//! (header, size, fds) and dispatches them to [`Session`](req::Session),
+//! (header, size, fds) and dispatches them to `Session` (`backend_req.rs`),
 //! this module's `VhostUserBackendReqHandlerMut`; the device behind it is
 //! the one every other host serves: requests by
 //! [`Blk`](iopath_devices::virtio::blk::Blk) on the NVMe backends' storage,
@@ -20,7 +20,7 @@
 //! configuration space, [`blk::config_space`](iopath_devices::virtio::blk::config_space)
 //! with num_queues), MQ (up to [`NUM_QUEUES`] queues: QEMU's
 //! vhost-user-blk-pci asks for one per vCPU by default) and REPLY_ACK (the
-//! crate's). Each started ring has a thread ([`worker`]) that serves it on
+//! crate's). Each started ring has a thread (`backend_worker.rs`) that serves it on
 //! kicks or polls it (`notify=poll`), and signals the call fd as the driver
 //! asks; the rings share the disk behind one lock.
 //!
