@@ -145,16 +145,18 @@ impl VhostUserBlk {
     /// SET_VRING_CALL. The backend kept the old fd until then, so one
     /// interrupt is raised (spurious at worst) for a call it made there.
     pub(super) fn interrupt_changed(&mut self, t: &mut Transport) -> Result<()> {
-        let (Some(old), Some(ctx)) = (&self.session, t.ctx.clone()) else { return Ok(()) };
+        let (Some(was), Some(ctx)) = (self.session.as_ref().map(|s| s.to), t.ctx.clone()) else { return Ok(()) };
         let routed = t.msix_enabled() && t.queue_vector != NO_VECTOR;
-        let same = match old.to {
+        let same = match was {
             CallTo::Irqfd(v) => routed && v == t.queue_vector,
             CallTo::Relay => !routed || ctx.irq.msix_eventfd(t.queue_vector).is_none(),
         };
         if same {
             return Ok(());
         }
-        let was = old.to;
+        // The old session goes either way: replaced, or the backend failed
+        // (and a reset then sends nothing to it).
+        self.session = None;
         let session = self.call(t, &ctx)?;
         log::debug!("{}: call fd {was:?} -> {:?}", self.name, session.to);
         self.session = Some(session);

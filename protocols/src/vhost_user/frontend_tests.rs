@@ -27,6 +27,8 @@ type Calls = Arc<Mutex<Vec<std::fs::File>>>;
 struct Opts {
     /// Hangs up after answering this request.
     last: Option<u32>,
+    /// Hangs up on the `n`th message (counting from 1), unanswered.
+    hang_up_at: Option<usize>,
     /// Answers nothing from this request on (the socket stays open).
     stall_from: Option<u32>,
     /// Waits this long before each answer of the connect handshake.
@@ -50,7 +52,14 @@ fn fake_backend(s: UnixStream, log: Log, o: Opts, calls: Calls) {
         let mut first = [0u8; 8];
         let n = body.len().min(8);
         first[..n].copy_from_slice(&body[..n]);
-        iopath_devices::lock(&log).push((req, u64::from_le_bytes(first), fds.len()));
+        let n = {
+            let mut l = iopath_devices::lock(&log);
+            l.push((req, u64::from_le_bytes(first), fds.len()));
+            l.len()
+        };
+        if o.hang_up_at == Some(n) {
+            return;
+        }
         if req == 13 {
             iopath_devices::lock(&calls).extend(fds);
         }
@@ -568,5 +577,23 @@ fn attaching_again_starts_no_second_socket_watcher() {
     let rig = Rig::new(Opts::default(), irq.clone(), None);
     rig.d.attach(rig.ctx(irq));
     assert_eq!(iopath_devices::lock(rig.dev.shared()).e.peer.watchers(), 1);
+    rig.d.quiesce();
+}
+
+#[test]
+fn a_backend_that_hangs_up_at_a_call_fd_change_needs_reset_and_a_reset_sends_it_nothing() {
+    // Connect (5) and DRIVER_OK (8), then the new SET_VRING_CALL is the 14th message.
+    let irq = Irq::new();
+    let rig = Rig::new(Opts { hang_up_at: Some(14), ..Opts::default() }, irq, None);
+    rig.driver_up(true, 1);
+    assert_eq!(r(&rig.d, 0x14, 1), 3 | 8 | 4);
+    rig.msix(false);
+    assert_eq!(rig.reqs(13), [13]);
+    assert_eq!(r(&rig.d, 0x14, 1) & 64, 64, "DEVICE_NEEDS_RESET");
+    let f = rig.failures();
+    assert!(f.iter().any(|m| m.contains("SET_VRING_CALL")), "the run stops: {f:?}");
+    let errors = counter(&rig.d, "ring_errors");
+    w(&rig.d, 0x14, 0, 1);
+    assert_eq!((rig.sent(), counter(&rig.d, "ring_errors")), (14, errors), "nothing sent, no new error");
     rig.d.quiesce();
 }
