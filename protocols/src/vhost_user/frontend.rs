@@ -9,17 +9,21 @@
 //!   capacity before DRIVER_OK. No ring, memory or fd is sent yet.
 //! - **DRIVER_OK** ([`frontend_ring`](super::frontend_ring)): SET_FEATURES
 //!   (the driver's choice), SET_MEM_TABLE (the VMM's RAM memfd),
-//!   SET_VRING_NUM/BASE/ADDR, SET_VRING_KICK (the eventfd that is the KVM
-//!   ioeventfd on the notify address, registered at attach), SET_VRING_CALL
-//!   (the MSI-X vector's irqfd, or an eventfd the VMM relays) and
+//!   SET_VRING_NUM/ADDR/BASE, SET_VRING_CALL (the MSI-X vector's irqfd, or
+//!   an eventfd the VMM relays), SET_VRING_KICK (the eventfd that is the KVM
+//!   ioeventfd on the notify address, registered at attach) and
 //!   SET_VRING_ENABLE. A guest that never writes DRIVER_OK gets nothing sent.
-//! - **Reset**: GET_VRING_BASE stops the ring; the fds of the session are dropped.
+//! - **Interrupt changes** after DRIVER_OK (the queue's vector, MSI-X
+//!   enable, a vector routed): a new SET_VRING_CALL if the calls must go
+//!   elsewhere ([`QueueEngine::interrupt_changed`]).
+//! - **Reset**: SET_VRING_ENABLE(0), then GET_VRING_BASE stops the ring;
+//!   the fds of the session are dropped.
 //!
 //! REPLY_ACK is negotiated where the backend offers it, so every request
-//! is answered. Each sequence of requests (connect, DRIVER_OK, reset) is
-//! bounded as a whole by [`BACKEND_TIMEOUT`] (a watchdog shuts the socket
-//! down: `frontend_deadline.rs`). A backend that does
-//! not answer, answers nonsense or hangs up puts the device in
+//! is answered. Each sequence of requests (connect, DRIVER_OK, reset, a
+//! call fd change) is bounded as a whole by [`BACKEND_TIMEOUT`] (a
+//! watchdog shuts the socket down: `frontend_deadline.rs`). A backend that
+//! does not answer, answers nonsense or hangs up puts the device in
 //! DEVICE_NEEDS_RESET with a log line and stops the run (the context's
 //! fail hook), as a device process that dies does.
 
