@@ -7,7 +7,7 @@
 //! - **Connect** ([`connect`]): SET_OWNER, GET_FEATURES, GET/SET_PROTOCOL_FEATURES
 //!   and GET_CONFIG, because the driver reads the device features and the
 //!   capacity before DRIVER_OK. No ring, memory or fd is sent yet.
-//! - **DRIVER_OK** ([`frontend_ring`](super::frontend_ring)): SET_FEATURES
+//! - **DRIVER_OK** (`frontend_ring.rs`): SET_FEATURES
 //!   (the driver's choice), SET_MEM_TABLE (the VMM's RAM memfd),
 //!   SET_VRING_NUM/ADDR/BASE, SET_VRING_CALL (the MSI-X vector's irqfd, or
 //!   an eventfd the VMM relays), SET_VRING_KICK (the eventfd that is the KVM
