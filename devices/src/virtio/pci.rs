@@ -201,20 +201,7 @@ impl QueueEngine for BlkEngine {
     }
 
     fn device_config(&self) -> DeviceConfigBytes {
-        let mut r = [0u8; DEVCFG_LEN as usize];
-        r[0..8].copy_from_slice(&(self.blk.size / blk::SECTOR).to_le_bytes());
-        r[12..16].copy_from_slice(&SEG_MAX.to_le_bytes());
-        r[20..24].copy_from_slice(&(blk::SECTOR as u32).to_le_bytes());
-        // max_discard_sectors, max_discard_seg, discard_sector_alignment,
-        // max_write_zeroes_sectors, max_write_zeroes_seg, write_zeroes_may_unmap.
-        for (at, v) in [(36, blk::MAX_RANGE_SECTORS), (40, blk::MAX_RANGE_SEGS), (44, 1)]
-            .into_iter()
-            .chain([(48, blk::MAX_RANGE_SECTORS), (52, blk::MAX_RANGE_SEGS)])
-        {
-            r[at..at + 4].copy_from_slice(&v.to_le_bytes());
-        }
-        r[56] = 1;
-        r
+        blk::config_space(self.blk.size)
     }
 
     fn attach(dev: &Shared<Self>, ctx: &DeviceContext) {
