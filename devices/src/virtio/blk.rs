@@ -151,6 +151,12 @@ impl Blk {
                 }
                 None => (S_IOERR, 0),
             },
+            // A null disk keeps no data: nothing is read from the guest (the queue
+            // has range-checked the buffers), as the NVMe null namespace.
+            T_OUT if matches!(self.backend, Backend::Null) => match self.range(sector, data_out) {
+                Some(_) => (S_OK, 0),
+                None => (S_IOERR, 0),
+            },
             T_OUT => match self.range(sector, data_out) {
                 Some(off) => {
                     let (mut done, mut ok) = (0u64, true);

@@ -107,6 +107,11 @@ fn null_backend_moves_no_data() {
     let mut b = Blk::new(crate::nvme::backend::Backend::Null, 1 << 30, "x");
     header(&d, T_OUT, 8);
     assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), rd(BUF, 4096), wr(ST, 1)]).status, Some(S_OK));
+    // The guest's data was not even copied in.
+    assert!(b.bounce.is_empty());
+    // The range is still checked.
+    header(&d, T_OUT, (1 << 30) / SECTOR - 7);
+    assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), rd(BUF, 4096), wr(ST, 1)]).status, Some(S_IOERR));
     header(&d, T_IN, (1 << 30) / SECTOR - 8);
     assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), wr(BUF, 4096), wr(ST, 1)]).status, Some(S_OK));
 }
