@@ -21,6 +21,7 @@ use iopath_devices::nvme::backend::BackendKind;
 use serde::Serialize;
 use std::time::Duration;
 
+pub mod check;
 mod qemu;
 mod run;
 mod table;

@@ -2,16 +2,12 @@
 //! of its routing against the device's counters:
 //! - `nvme-*`: as `bench nvme` checks them (every guest I/O a controller
 //!   command; MMIO doorbells exited, shm/bar ones did not).
-//! - `virtio-exit`: every notify the guest wrote exited to the device
-//!   (`notifies` == the guest's), no ioeventfd kick, every I/O a request.
-//! - `virtio-ioeventfd`, `virtio-poll`, `virtio@vfio-user` (notify=ioeventfd):
-//!   every notify was a kick, none exited (`notifies` == 0).
-//! - `vhost-user`: the guest's notifies never reach the VMM: the frontend's
-//!   notify register is a KVM ioeventfd (`kick_ioeventfd` = 1), none exited
-//!   (`notifies` 0) or was forwarded (`kicks_forwarded` 0), and the backend's
-//!   `requests` (`backend.requests`, where reported) are the guest's I/Os.
-//! - `qemu-*` (`qemu.rs`): QEMU's exit status and the guest's own count (I/O done, 0 errors).
+//! - virtio targets, `vhost-user` and the `qemu-*` ones (`qemu.rs`): the
+//!   rules of `check.rs`, one per path.
+//!
+//! Every run also needs the guest's own verdict (I/O done, 0 errors).
 
+use super::check::{self, Guest, VirtioPath};
 use super::{BlkJob, BlkOptions, BlkRun};
 use crate::host::{host_info, HostInfo};
 use crate::nvme::{LatHist, NvmeOptions, NvmeRun, Runner};
@@ -184,37 +180,14 @@ impl<'a> Ctx<'a> {
         r.exits_per_io = Some(in_window as f64 / r.ios.max(1) as f64);
         let counters = &rep.devices.first().ok_or_else(|| anyhow::anyhow!("no device report"))?.counters;
         let c = |n: &str| counters.iter().find(|c| c.name == n).map(|c| c.value);
-        let (requests, notifies, kicks) = (c("requests"), c("notifies"), c("kicks"));
-        let show = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
-        let guest = r.guest_notifies.unwrap_or(0);
-        r.routing = format!(
-            "device requests={} notifies(exits)={} kicks={} for {} guest I/Os, {guest} guest notifies",
-            show(requests),
-            show(notifies),
-            show(kicks),
-            r.ios
-        );
-        r.routing_ok = if t == "vhost-user" {
-            // The frontend's notify register is an ioeventfd the backend
-            // reads: no notify exits, none forwarded by the VMM, and the
-            // backend's requests (where it reports them) are the guest's I/O.
-            let (reg, fwd, backend) = (c("kick_ioeventfd"), c("kicks_forwarded"), c("backend.requests"));
-            r.routing = format!(
-                "{}; frontend kick_ioeventfd={} kicks_forwarded={} backend.requests={}",
-                r.routing,
-                show(reg),
-                show(fwd),
-                show(backend)
-            );
-            notifies.unwrap_or(0) == 0
-                && reg == Some(1)
-                && fwd.unwrap_or(0) == 0
-                && backend.or(requests).is_none_or(|q| q == r.ios)
-        } else if notify == NotifyMode::Exit {
-            requests == Some(r.ios) && notifies == Some(guest) && kicks.unwrap_or(0) == 0
-        } else {
-            requests == Some(r.ios) && kicks == Some(guest) && notifies == Some(0)
+        let path = match (t, notify) {
+            ("vhost-user", _) => VirtioPath::VhostUser,
+            (_, NotifyMode::Exit) => VirtioPath::Exit,
+            (_, NotifyMode::Ioeventfd) => VirtioPath::Ioeventfd,
+            (_, NotifyMode::Poll) => VirtioPath::Poll,
         };
+        let v = check::virtio(path, &c, Guest { ios: r.ios, notifies: r.guest_notifies.unwrap_or(0) });
+        (r.routing, r.routing_ok) = (v.text, v.ok);
         guest_checks(&mut r);
         anyhow::ensure!(rep.status == 1, "guest exit status {}: {}", rep.status, r.routing);
         Ok(r)
