@@ -53,6 +53,10 @@ pub fn args_with(image: &Path, cmdline: &str, mem_mb: u64, extra: &[String], dev
         "-no-reboot",
         "-device",
         "isa-debug-exit,iobase=0xf4,iosize=1",
+        // Threads named by role (`CPU 0/KVM`, `worker`, `call_rcu`); without
+        // it every thread has the main loop's name (see pin::QEMU_DEVICE_THREADS).
+        "-name",
+        "iopath,debug-threads=on",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -393,6 +397,9 @@ mod tests {
         let i = a.iter().position(|x| x == "-drive").expect("a -drive");
         assert!(a[i + 1].starts_with("file=/var/tmp/a,,b.img,format=raw"));
         assert!(a.iter().any(|x| x == "nvme,drive=nvm0,serial=iopath0,logical_block_size=512"));
+        // Threads named by role, so that --pin tells QEMU's vCPU from its main loop.
+        let i = a.iter().position(|x| x == "-name").expect("a -name");
+        assert_eq!(a[i + 1], "iopath,debug-threads=on");
     }
 
     #[test]

@@ -90,3 +90,74 @@ fn a_missing_target_is_reported_failed_not_faked() {
     }
     assert!(recs.iter().filter(|r| r["target"] == "virtio-ioeventfd").all(|r| r["routing_ok"] == true));
 }
+
+/// The threads of `pid`: (tid, comm, Cpus_allowed_list).
+fn threads(pid: u32) -> Vec<(u32, String, String)> {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    dir.flatten()
+        .filter_map(|e| {
+            let tid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let comm = std::fs::read_to_string(e.path().join("comm")).ok()?.trim_end().to_string();
+            let status = std::fs::read_to_string(e.path().join("status")).ok()?;
+            let cpus = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?.trim().to_string();
+            Some((tid, comm, cpus))
+        })
+        .collect()
+}
+
+/// The children of `parent` whose name is `comm`.
+fn children(parent: u32, comm: &str) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+            let (Some(a), Some(b)) = (s.find('('), s.rfind(')')) else { return false };
+            let ppid = s[b + 1..].split_whitespace().nth(1).and_then(|p| p.parse::<u32>().ok());
+            ppid == Some(parent) && &s[a + 1..b] == comm
+        })
+        .collect()
+}
+
+#[test]
+fn pinned_qemu_runs_its_vcpu_on_the_vcpu_cpu_and_its_main_loop_on_the_device_cpu() {
+    kvm();
+    assert!(programs().qemu.is_some(), "qemu-system-x86_64 is needed");
+    let cpus = iopath_bench::pin::allowed_cpus();
+    assert!(cpus.len() >= 2, "this test needs two CPUs: {cpus:?}");
+    let (vcpu, dev) = (cpus[0], cpus[1]);
+    let mut bench = Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["bench", "blk", "--quiet", "--rounds", "1", "--runtime", "1", "--json", "/dev/null"])
+        .args(["--targets", "qemu-virtio-blk-pci", "--pin", &format!("{vcpu},{dev}")])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Watch QEMU's threads while the bench runs: its vCPU thread must be
+    // named (`-name ...,debug-threads=on`) and placed on the vCPU's CPU, its
+    // main loop (the thread whose tid is the pid) on the device CPU.
+    let (vc, dc) = (vcpu.to_string(), dev.to_string());
+    let placed = |q: u32, ts: &[(u32, String, String)]| {
+        ts.iter().any(|(_, n, c)| n == "CPU 0/KVM" && *c == vc)
+            && ts.iter().any(|(t, n, c)| *t == q && n == "qemu-system-x86" && *c == dc)
+    };
+    let t0 = std::time::Instant::now();
+    let mut last = Vec::new();
+    let mut seen = None;
+    while seen.is_none() && bench.try_wait().unwrap().is_none() && t0.elapsed() < std::time::Duration::from_secs(300) {
+        for q in children(bench.id(), "qemu-system-x86") {
+            let ts = threads(q);
+            if placed(q, &ts) {
+                seen = Some(ts);
+            } else if !ts.is_empty() {
+                last = ts;
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // The bench ends by itself (its QEMU runs with it), bounded by its --timeout.
+    let st = bench.wait().unwrap();
+    let ts = seen.unwrap_or_else(|| panic!("QEMU's threads never placed (bench: {st}); last seen: {last:?}"));
+    // No other QEMU thread was put on the vCPU's CPU as a device thread.
+    assert!(ts.iter().filter(|(_, _, c)| *c == vc).all(|(_, n, _)| n == "CPU 0/KVM"), "{ts:?}");
+    assert!(st.success(), "bench blk on qemu-virtio-blk-pci: {st}");
+}

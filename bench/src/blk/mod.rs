@@ -26,6 +26,7 @@ mod qemu;
 mod run;
 mod table;
 
+pub use run::DEVICE_THREADS;
 pub use table::Record;
 
 /// Every target, in the order a round runs them. Names say the path:

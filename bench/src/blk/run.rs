@@ -25,9 +25,10 @@ use std::time::Duration;
 
 /// Device threads `--pin` places beside the vCPU's: iopath's virtio-blk
 /// worker (in the VMM or a device process), the vhost-user backend's queue
-/// thread, and QEMU's main loop, which serves its virtio-blk's ioeventfds
-/// (no iothread is configured).
-pub const DEVICE_THREADS: &[&str] = &["virtio-blk", "vhost-blk-q0", "qemu-system-x86"];
+/// thread, and QEMU's (`pin::QEMU_DEVICE_THREADS`: its main loop serves its
+/// virtio-blk's ioeventfds, no iothread is configured). QEMU's vCPU thread
+/// (`CPU 0/KVM`) goes where iopath's does.
+pub const DEVICE_THREADS: &[&str] = &["virtio-blk", "vhost-blk-q0", "qemu-system-x86", "worker"];
 
 /// vblk's lines around its timed window (`VmConfig::exit_marks`).
 pub const WINDOW_START: &str = "@vblk-window start";
