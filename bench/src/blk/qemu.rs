@@ -24,8 +24,17 @@ impl Ctx<'_> {
         let dev = "virtio-blk-pci,drive=nvm0,disable-legacy=on";
         let timeout = Duration::from_secs(self.o.timeout_s);
         let fw = crate::qemu::fast_firmware_args();
-        let (qr, drive) =
-            crate::qemu::run_drive(q, &self.image, &self.cmdline(ji), self.o.mem_mb, backing, &fw, dev, timeout)?;
+        let (qr, drive) = crate::qemu::run_drive(
+            q,
+            &self.image,
+            &self.cmdline(ji),
+            self.o.mem_mb,
+            backing,
+            &fw,
+            dev,
+            timeout,
+            &mut |_| {},
+        )?;
         let mut r = to_run(t, &self.jobs[ji], ji, round, &qr.lines, self.tsc_khz)
             .map_err(|e| anyhow::anyhow!("{e}; stderr: {}", qr.stderr.trim()))?;
         r.routing = format!("QEMU virtio-blk-pci on {drive}; exit status {:?}", qr.status);
