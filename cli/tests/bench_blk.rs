@@ -53,6 +53,16 @@ fn bench_blk_quick_gives_a_checked_record_per_target_and_job() {
     };
     assert!(epi("virtio-exit", "rand read 4k qd1") >= 1.0);
     assert_eq!(epi("virtio-ioeventfd", "rand read 4k qd1"), 0.0);
+    // QEMU's row is checked by a device count too: its block layer's operations (QMP).
+    let runs = v["runs"].as_array().unwrap();
+    let qemu: Vec<&serde_json::Value> = runs.iter().filter(|r| r["target"] == "qemu-virtio-blk-pci").collect();
+    assert_eq!(qemu.len(), jobs.len());
+    for r in qemu {
+        let ios = r["ios"].as_u64().unwrap();
+        let routing = r["routing"].as_str().unwrap();
+        assert!(routing.contains("QEMU blockstats rd_operations="), "{routing}");
+        assert!(routing.contains(&format!("for {ios} guest I/Os")), "{routing}");
+    }
     // The device-assignment line is there, without figures.
     let nr = v["not_run"].as_array().unwrap();
     assert!(nr.iter().any(|n| n["target"] == "vfio (device assignment)"), "{nr:?}");
