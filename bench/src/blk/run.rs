@@ -14,7 +14,6 @@ use crate::nvme::{LatHist, NvmeOptions, NvmeRun, Runner};
 use crate::pin::Pinner;
 use crate::qemu::QemuBacking;
 use indicatif::{ProgressBar, ProgressStyle};
-use iopath_devices::nvme::backend::BackendKind;
 use iopath_devices::nvme::DoorbellMode;
 use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig};
 use iopath_devices::DeviceConfig;
@@ -60,12 +59,10 @@ pub fn nvme_options(o: &BlkOptions, jobs: &[BlkJob]) -> NvmeOptions {
     }
 }
 
-/// The disk size in bytes: a file backend's (whole MiB), else `size_mb`.
-fn disk_size(o: &BlkOptions) -> u64 {
-    match &o.backend {
-        BackendKind::File(p) => (std::fs::metadata(p).map_or(0, |m| m.len()) >> 20 << 20).max(1 << 20),
-        _ => o.size_mb.clamp(1, 1 << 20) << 20,
-    }
+/// The disk size in bytes, by `bench nvme`'s rule (`nvme::namespace_size`):
+/// a file backend's (whole MiB, at most 1 TiB), else `size_mb`.
+pub(super) fn disk_size(o: &BlkOptions) -> u64 {
+    crate::nvme::namespace_size(&o.backend, Some(o.size_mb))
 }
 
 pub struct Ctx<'a> {
@@ -275,6 +272,33 @@ pub fn to_run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use iopath_devices::nvme::backend::BackendKind;
+
+    #[test]
+    fn a_file_disk_is_sized_as_bench_nvme_sizes_it() {
+        let dir = std::env::temp_dir();
+        let file = |name: &str, len: u64| {
+            let p = dir.join(format!("iopath-blk-size-{}-{name}", std::process::id()));
+            std::fs::File::create(&p).unwrap().set_len(len).unwrap();
+            p
+        };
+        let o = |p: &Path| BlkOptions { backend: BackendKind::File(p.into()), size_mb: 32, ..Default::default() };
+        // Below 1 MiB: size_mb, which the device makes the file (it was 1 MiB).
+        let tiny = file("tiny", 4096);
+        assert_eq!(disk_size(&o(&tiny)), 32 << 20);
+        // Past 1 TiB (sparse): the first TiB (it was the whole file).
+        let huge = file("huge", (2 << 40) + 4096);
+        assert_eq!(disk_size(&o(&huge)), 1 << 40);
+        // Whole MiB of a file that has them.
+        let odd = file("odd", (3 << 20) + 5);
+        assert_eq!(disk_size(&o(&odd)), 3 << 20);
+        for p in [&tiny, &huge, &odd] {
+            assert_eq!(disk_size(&o(p)), crate::nvme::namespace_size(&o(p).backend, Some(32)));
+            let _ = std::fs::remove_file(p);
+        }
+        let null = BlkOptions { size_mb: 8, ..Default::default() };
+        assert_eq!(disk_size(&null), 8 << 20);
+    }
 
     #[test]
     fn a_vblk_record_with_its_histogram_is_a_run() {
