@@ -7,7 +7,7 @@
 //!   iopath report --from results.json --out DIR      the report again from its results.json
 //!   iopath run [--workload exits] [--append ARGS]    boot the guest, show its console
 //!   iopath image --out PATH                          write the guest image (for QEMU)
-//!   iopath serve DEVICE --transport T --socket PATH  a device process (mpqemu, vfio-user, ioregionfd)
+//!   iopath serve DEVICE --transport T --socket PATH  a device process (mpqemu, vfio-user, ioregionfd, vhost-user)
 
 mod all;
 mod bench;
@@ -66,9 +66,12 @@ struct ServeArgs {
     /// (a `,` or `@` inside a value is written twice).
     device: iopath_devices::DeviceConfig,
     /// The transport (ioregionfd: vfio-user control and a region fd for each
-    /// BAR; ioregionfd-posted: the same with writes posted).
+    /// BAR; ioregionfd-posted: the same with writes posted; vhost-user:
+    /// virtio-blk's queues to a vhost-user frontend, notify=ioeventfd|poll,
+    /// the disk kept across frontends, --keep-state has nothing more to keep).
     #[arg(long, default_value = "vfio-user",
-          value_parser = clap::builder::PossibleValuesParser::new(iopath_protocols::TRANSPORTS.iter().map(|t| t.name())))]
+          value_parser = clap::builder::PossibleValuesParser::new(
+              iopath_protocols::TRANSPORTS.iter().map(|t| t.name()).chain([iopath_protocols::vhost_user::backend::TRANSPORT])))]
     transport: String,
     /// Listen on this UNIX socket path (one client at a time; one that comes
     /// while another is served is refused: vfio-user answers EBUSY). Between
@@ -134,12 +137,27 @@ struct RunArgs {
 
 fn serve(a: ServeArgs) -> anyhow::Result<i32> {
     use iopath_protocols::serve::{Listen, ServeOptions, Timeouts};
-    let transport = iopath_protocols::transport(&a.transport)?;
     let listen = match (a.fd, a.socket) {
         (Some(fd), _) => Listen::Fd(fd),
         (None, Some(p)) => Listen::Socket(p),
         (None, None) => anyhow::bail!("give --socket PATH or --fd N"),
     };
+    if a.transport == iopath_protocols::vhost_user::backend::TRANSPORT {
+        let iopath_devices::DeviceConfig::VirtioBlk(device) = a.device else {
+            anyhow::bail!("--transport vhost-user serves virtio-blk, not {}", a.device.name());
+        };
+        use iopath_protocols::vhost_user::backend::{run, VhostUserServeOptions};
+        let o = VhostUserServeOptions {
+            device,
+            listen,
+            once: a.once,
+            timeouts: Timeouts::default(),
+            seccomp: !a.no_seccomp,
+        };
+        run(&o)?;
+        return Ok(0);
+    }
+    let transport = iopath_protocols::transport(&a.transport)?;
     iopath_protocols::socket::set_spin(Duration::from_micros(a.spin_us));
     let o = ServeOptions {
         device: a.device,

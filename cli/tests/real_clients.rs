@@ -171,10 +171,16 @@ fn linux_against_iopath_with(device: &str, more: &[&str]) -> String {
     report
 }
 
+/// The guest's knobs for a 64 MiB virtio-blk disk with one queue.
+const VBLK_DISK: &str = "harness.vblk_sectors=131072 harness.vblk_queues=1";
+
 /// The virtio-blk checks (guest-vblk.sh) every virtio-blk run must pass.
 const VBLK_CHECKS: &[&str] = &[
     "probe",
     "features",
+    "capacity",
+    "queues",
+    "queue-limits",
     "irq-msix",
     "fio-randwrite",
     "fio-randread",
@@ -201,7 +207,7 @@ fn vblk_checks_passed(what: &str, text: &str) {
 fn linux_vblk_against_iopath(device: &str, transport: &str) -> String {
     let mut serve = Serve::start_on(device, transport);
     let sock = serve.socket.to_str().unwrap().to_string();
-    let args = [format!("--{transport}"), sock, "--check".into(), "vblk".into()];
+    let args = [format!("--{transport}"), sock, "--check".into(), "vblk".into(), "--append".into(), VBLK_DISK.into()];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let log = serve.stderr.clone();
     let text = linux_with(&args, &|| log.lock().unwrap().join("\n"));
@@ -221,7 +227,7 @@ fn linux_vblk_against_iopath(device: &str, transport: &str) -> String {
 
 #[test]
 fn linux_virtio_blk_driver_against_qemu_virtio_blk_control() {
-    let text = linux(&["--device", "qemu-virtio-blk"]);
+    let text = linux(&["--device", "qemu-virtio-blk", "--append", VBLK_DISK]);
     vblk_checks_passed("qemu virtio-blk-pci", &text);
 }
 

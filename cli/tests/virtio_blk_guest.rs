@@ -3,7 +3,10 @@
 //! checked apart from iopath's model. Needs /dev/kvm and qemu-system-x86_64.
 
 mod common;
+#[path = "common/vblk.rs"]
+mod vblk_record;
 use common::{kvm, programs};
+use vblk_record::num;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -21,10 +24,6 @@ fn disk(tag: &str) -> Disk {
     let p = std::env::temp_dir().join(format!("iopath-vblk-{tag}-{}.img", std::process::id()));
     std::fs::File::create(&p).unwrap().set_len(8 << 20).unwrap();
     Disk(p)
-}
-
-fn num(r: &BTreeMap<String, String>, k: &str) -> u64 {
-    r.get(k).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{k} missing in {r:?}"))
 }
 
 /// Boots the image under QEMU with `disk` as a modern virtio-blk-pci.
@@ -45,12 +44,7 @@ fn boot(qemu: &Path, disk: &Path, args: &str) -> iopath_bench::qemu::QemuRun {
 /// [`boot`]; returns the `@vblk` record and all lines, after checking the run ended with rc=0.
 fn vblk(qemu: &Path, disk: &Path, args: &str) -> (BTreeMap<String, String>, Vec<String>) {
     let q = boot(qemu, disk, args);
-    // isa-debug-exit turns the guest's code 0 into QEMU's status 1.
-    assert_eq!(q.status, Some(1), "{args}: {}\n{:?}", q.stderr, q.lines);
-    let rec = iopath_bench::record::find_record(&q.lines, "vblk")
-        .unwrap_or_else(|| panic!("no @vblk record in {:?}", q.lines));
-    assert_eq!(num(&rec, "errors"), 0, "{rec:?}");
-    (rec, q.lines)
+    (vblk_record::record(&q, args), q.lines)
 }
 
 fn qemu() -> PathBuf {

@@ -2,8 +2,19 @@
 # iopath harness: the virtio-blk checks, run INSIDE the Linux guest (busybox sh) as /check-vblk.sh
 # (kernel command line harness.script=/check-vblk.sh; run-linux.sh --check vblk). Same output as
 # /check.sh: "@check NAME ok|fail detail..." lines, then "@done passed=N failed=M", then power off.
-# Knobs: those of /lib.sh; harness.skip takes fio ext4 rebind.
+# Knobs: those of /lib.sh (harness.skip takes fio ext4 rebind), and
+#   harness.vblk_sectors=N     the capacity the disk must show, in 512-byte sectors
+#   harness.vblk_queues=N      the request queues the driver must have set up
 . /lib.sh
+
+SECTORS=
+QUEUES=
+for t in $(cat /proc/cmdline); do
+    case "$t" in
+        harness.vblk_sectors=*) SECTORS=${t#*=} ;;
+        harness.vblk_queues=*) QUEUES=${t#*=} ;;
+    esac
+done
 
 NS=
 BDF=
@@ -49,6 +60,23 @@ if wait_disk "$PROBE_WAIT"; then
     f="v1=$(feature 32) event_idx=$(feature 29) indirect=$(feature 28) flush=$(feature 9) discard=$(feature 13) write_zeroes=$(feature 14)"
     if [ "$(feature 32)" = 1 ] && [ "$(feature 9)" = 1 ]; then check features ok "$f"
     else check features fail "$f"; fi
+    b=/sys/block/${NS#/dev/}
+    if [ -n "$SECTORS" ]; then
+        if [ "$(cat $b/size)" = "$SECTORS" ]; then check capacity ok "$SECTORS sectors"
+        else check capacity fail "$(cat $b/size) sectors, want $SECTORS"; fi
+    fi
+    if [ -n "$QUEUES" ]; then
+        n=$(ls -d $b/mq/[0-9]* 2>/dev/null | wc -l)
+        if [ "$n" = "$QUEUES" ]; then check queues ok "$n hardware queues"
+        else check queues fail "$n hardware queues, want $QUEUES"; fi
+    fi
+    # DISCARD and WRITE_ZEROES are offered, and the cache is write back (FLUSH)
+    q=$b/queue
+    l="lbs=$(cat $q/logical_block_size) max_segments=$(cat $q/max_segments) discard_max=$(cat $q/discard_max_bytes) write_zeroes_max=$(cat $q/write_zeroes_max_bytes) wc=$(cat $q/write_cache)"
+    case "$l" in
+        *discard_max=0*|*write_zeroes_max=0*|*"wc=write through"*) check queue-limits fail "$l" ;;
+        *) check queue-limits ok "$l" ;;
+    esac
 else
     check probe fail "no virtio_blk disk after ${PROBE_WAIT}s"
     ls /sys/bus/pci/devices/*/class 2>/dev/null | while read -r f; do

@@ -225,8 +225,8 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> 
         (Device::Model(m), Some((t, ep))) => (m, *t, ep),
         (Device::Server, Some((t, Endpoint::Socket(path)))) => {
             let label = spec.to_string();
-            let sock = UnixStream::connect(path)
-                .map_err(|e| Error::io(format!("{label}: cannot connect to {}", path.display()), e))?;
+            let sock =
+                connect(path).map_err(|e| Error::io(format!("{label}: cannot connect to {}", path.display()), e))?;
             return t.connect(sock, None, &label).map_err(|e| e.context(label));
         }
         (Device::Server, _) => {
@@ -251,8 +251,8 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> 
             (mine, Some(child))
         }
         Endpoint::Socket(path) => {
-            let s = UnixStream::connect(path)
-                .map_err(|e| Error::io(format!("{label}: cannot connect to {}", path.display()), e))?;
+            let s =
+                connect(path).map_err(|e| Error::io(format!("{label}: cannot connect to {}", path.display()), e))?;
             (s, None)
         }
         Endpoint::Qemu => {
@@ -272,8 +272,7 @@ fn vhost_user(v: &VhostUser, progs: &Programs) -> Result<SharedDevice> {
     use crate::vhost_user::frontend;
     match v {
         VhostUser::Socket(path) => {
-            let sock =
-                UnixStream::connect(path).map_err(|e| Error::io(format!("cannot connect to {}", path.display()), e))?;
+            let sock = connect(path).map_err(|e| Error::io(format!("cannot connect to {}", path.display()), e))?;
             frontend::connect(sock, None, VHOST_USER_BLK)
         }
         VhostUser::Spawn(model) => {
@@ -300,6 +299,44 @@ fn vhost_user(v: &VhostUser, progs: &Programs) -> Result<SharedDevice> {
             frontend::connect(mine, Some(child), VHOST_USER_BLK)
         }
     }
+}
+
+/// How long connecting to a server's socket may take: a listener whose
+/// backlog is full (it never accepts) makes a blocking connect wait.
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Connects to the Unix socket at `path` within [`CONNECT_TIMEOUT`]
+/// (SO_SNDTIMEO bounds connect(2) on a Unix socket; past it, EAGAIN, which
+/// is `WouldBlock`, which [`Error::io`] makes a timeout). The socket's own
+/// timeouts are left unset, as `UnixStream::connect` leaves them.
+fn connect(path: &Path) -> std::io::Result<UnixStream> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: sockaddr_un is plain data; all-zero is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.len() >= addr.sun_path.len() {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "socket path too long"));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, &b) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = b as libc::c_char;
+    }
+    // SAFETY: socket(2) with constant arguments; the fd is owned at once.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd was just created and is owned here only.
+    let sock = UnixStream::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    sock.set_write_timeout(Some(CONNECT_TIMEOUT))?;
+    let len = (std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1) as libc::socklen_t;
+    // SAFETY: addr is a valid sockaddr_un, len within it.
+    if unsafe { libc::connect(sock.as_raw_fd(), (&raw const addr).cast(), len) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    sock.set_write_timeout(None)?;
+    Ok(sock)
 }
 
 /// `qemu-system-x86_64 -machine x-remote` hosting QEMU's `device` on fd 3.
@@ -394,5 +431,31 @@ mod tests {
         assert!(matches!(e, Err(Error::Config(_))), "a server spec needs a socket");
         let e = instantiate(&s, &Programs { iopath: "/nonexistent".into(), qemu: None, serve_args: Vec::new() });
         assert!(e.is_err_and(|e| e.to_string().contains("/tmp/a,b@c")), "nobody listens there");
+    }
+
+    #[test]
+    fn connecting_to_a_listener_that_never_accepts_is_bounded() {
+        // A listener with a backlog of 0 whose one slot is taken: a connect waits for room.
+        let dir = std::env::temp_dir().join(format!("iopath-attach-backlog-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("full.sock");
+        let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        // SAFETY: listen(2) again on a listening socket only changes its backlog.
+        assert_eq!(unsafe { libc::listen(std::os::fd::AsRawFd::as_raw_fd(&l), 0) }, 0);
+        let _first = UnixStream::connect(&path).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        for spec in [format!("vhost-user-blk:{}", path.display()), format!("vfio-user:{}", path.display())] {
+            let (tx, spec) = (tx.clone(), spec.parse::<DeviceSpec>().unwrap());
+            std::thread::spawn(move || {
+                let progs = Programs { iopath: "/nonexistent".into(), qemu: None, serve_args: Vec::new() };
+                let _ = tx.send(instantiate(&spec, &progs).map(drop).map_err(|e| e.to_string()));
+            });
+        }
+        for _ in 0..2 {
+            let r = rx.recv_timeout(std::time::Duration::from_secs(30)).expect("connect still waiting after 30 s");
+            assert!(r.as_ref().is_err_and(|e| e.contains("timed out")), "{r:?}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -8,7 +8,7 @@ use crate::{Error, Result};
 use iopath_devices::{Counter, FailFn};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How long a proxy waits for its device process to answer before the run stops.
@@ -21,6 +21,10 @@ pub struct Peer {
     /// The first error, after which the peer is given up on.
     pub dead: Option<String>,
     watching: Arc<AtomicBool>,
+    /// Watcher threads started: one per peer at most.
+    watchers: std::sync::atomic::AtomicUsize,
+    /// The fail hook the watcher calls (the latest `watch` was given).
+    watch_fail: Arc<Mutex<Option<FailFn>>>,
     child: Option<DeviceProcess>,
     /// The device process's counters, reported when the session ended.
     pub remote: Vec<Counter>,
@@ -37,6 +41,8 @@ impl Peer {
             fail: None,
             dead: None,
             watching: Arc::new(AtomicBool::new(false)),
+            watchers: Default::default(),
+            watch_fail: Arc::default(),
             child,
             remote: Vec::new(),
         }
@@ -61,18 +67,27 @@ impl Peer {
         }
     }
 
-    /// Watches the socket: a device process that dies stops the run.
+    /// Watches the socket: a device process that dies stops the run
+    /// (through `fail`). One watcher per peer: a second call (a device
+    /// attached again) only gives it the current fail hook.
     pub fn watch(&self) {
-        let (Ok(sock), Some(fail)) = (self.sock.try_clone(), self.fail.clone()) else {
+        if self.fail.is_none() {
             return;
-        };
-        let on = self.watching.clone();
+        }
+        *iopath_devices::lock(&self.watch_fail) = self.fail.clone();
+        if self.watchers.load(Ordering::Acquire) > 0 {
+            return;
+        }
+        let Ok(sock) = self.sock.try_clone() else { return };
+        let (on, fail) = (self.watching.clone(), self.watch_fail.clone());
         on.store(true, Ordering::Release);
         let name = self.name.clone();
+        self.watchers.fetch_add(1, Ordering::AcqRel);
         let _ = std::thread::Builder::new().name("peer-watch".into()).spawn(move || {
             while on.load(Ordering::Acquire) {
                 if crate::socket::peer_closed(&sock, 100) {
-                    if on.swap(false, Ordering::AcqRel) {
+                    let hook = iopath_devices::lock(&fail).clone();
+                    if let (true, Some(fail)) = (on.swap(false, Ordering::AcqRel), hook) {
                         fail(format!("{name}: the device process closed its socket (did it die?)"));
                     }
                     return;
@@ -81,16 +96,46 @@ impl Peer {
         });
     }
 
+    /// The watcher's flag: whoever shuts the socket down for a cause it
+    /// reported itself clears it first, so the watcher says nothing.
+    pub fn watching(&self) -> Arc<AtomicBool> {
+        self.watching.clone()
+    }
+
+    /// How many watcher threads were started.
+    pub fn watchers(&self) -> usize {
+        self.watchers.load(Ordering::Relaxed)
+    }
+
     /// Ends the session; a device process the VMM started reports its counters.
     pub fn end(&mut self) {
+        if let Some(mut child) = self.hang_up() {
+            let c = Self::counters_of(&mut child, &self.name);
+            self.ended(child, c);
+        }
+    }
+
+    /// Ends the session and hands out the device process, if any, so that
+    /// its counters can be waited for ([`Self::counters_of`]) without
+    /// holding whatever lock the peer is behind; give it back with [`Self::ended`].
+    pub fn hang_up(&mut self) -> Option<DeviceProcess> {
         self.watching.store(false, Ordering::Release);
         let _ = self.sock.shutdown(std::net::Shutdown::Both);
-        if let Some(child) = &mut self.child {
-            match child.counters(Duration::from_secs(5)) {
-                Ok(c) => self.remote = c,
-                Err(e) => log::warn!("{}: {e}", self.name),
-            }
-        }
+        self.child.take()
+    }
+
+    /// The counters `child` reports once its session ended (waits up to 5 s).
+    pub fn counters_of(child: &mut DeviceProcess, name: &str) -> Vec<Counter> {
+        child.counters(Duration::from_secs(5)).unwrap_or_else(|e| {
+            log::warn!("{name}: {e}");
+            Vec::new()
+        })
+    }
+
+    /// Takes back the device process [`Self::hang_up`] gave, and its counters.
+    pub fn ended(&mut self, child: DeviceProcess, counters: Vec<Counter>) {
+        self.child = Some(child);
+        self.remote = counters;
     }
 }
 

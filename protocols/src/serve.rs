@@ -11,6 +11,10 @@
 //! channel with a log line naming the client and the message; the process
 //! goes on.
 //!
+//! vhost-user, which serves virtio queues rather than a PCI function, has
+//! its own loop body (`vhost_user::backend::run`) on the same `clients`
+//! loop, `handshake` and stall bounds.
+//!
 //! # Stalled clients
 //! A client may be idle between messages for as long as it likes (a VMM
 //! whose guest leaves the device alone); what is bounded is a stall inside
@@ -104,25 +108,57 @@ pub struct ServeOptions {
 /// Serves until the inherited socket closes, or forever on a listening
 /// socket (until the first client with `once`).
 pub fn run(o: &ServeOptions) -> Result<()> {
-    let t = &o.timeouts;
-    if [t.handshake, t.message, t.send, t.refusal].iter().any(|d| d.is_zero()) {
-        return Err(Error::Config(format!("every timeout must be more than 0: {t:?}")));
-    }
+    check_timeouts(&o.timeouts)?;
     let f = Arc::new(Mutex::new(PciFunction::new(o.device.build()?)?));
     let irq = IrqLines::new();
     let server = o.transport.server(f.clone(), irq.clone())?;
     let mut host = Host { o, f, irq, server };
-    match &o.listen {
+    let transport = o.transport;
+    let banner = format!("{} over {}", o.device, transport.name());
+    let refuse = Box::new(move |s: &UnixStream| transport.refuse(s));
+    clients(&o.listen, &banner, o.once, o.seccomp, o.timeouts.refusal, refuse, |sock, peer, free| {
+        host.client(sock, peer, free)
+    })
+}
+
+/// Every timeout must be more than 0.
+pub(crate) fn check_timeouts(t: &Timeouts) -> Result<()> {
+    if [t.handshake, t.message, t.send, t.refusal].iter().any(|d| d.is_zero()) {
+        return Err(Error::Config(format!("every timeout must be more than 0: {t:?}")));
+    }
+    Ok(())
+}
+
+/// What a client is refused with when another one is served ([`Transport::refuse`]).
+pub(crate) type Refuse = Box<dyn Fn(&UnixStream) -> Result<()> + Send>;
+
+/// Serves the clients of `listen` one at a time with `client(sock, peer,
+/// free)`, which serves one, calls `free` as soon as its session is over,
+/// and returns false if it was dropped before its first message: the
+/// inherited socket, then returns; or each connection on the listening
+/// socket (the acceptor refuses the ones that come while another is served
+/// with `refuse`), until the first client with `once`. `banner` names what
+/// is served on stderr. Confines the process with seccomp once set up.
+pub(crate) fn clients(
+    listen: &Listen,
+    banner: &str,
+    once: bool,
+    seccomp: bool,
+    refusal: Duration,
+    refuse: Refuse,
+    mut client: impl FnMut(UnixStream, &str, &dyn Fn()) -> bool,
+) -> Result<()> {
+    match listen {
         Listen::Fd(fd) => {
             if *fd < 0 {
                 return Err(Error::Config(format!("bad fd {fd}")));
             }
             // SAFETY: the fd was handed to this process to own (see DeviceProcess::spawn).
             let sock = unsafe { UnixStream::from_raw_fd(*fd) };
-            if o.seccomp {
+            if seccomp {
                 crate::seccomp::install()?;
             }
-            host.client(sock, &format!("fd {fd}"), || {});
+            client(sock, &format!("fd {fd}"), &|| {});
             Ok(())
         }
         Listen::Socket(path) => {
@@ -132,18 +168,17 @@ pub fn run(o: &ServeOptions) -> Result<()> {
             let l = Arc::new(
                 UnixListener::bind(path).map_err(|e| Error::io(format!("cannot listen on {}", path.display()), e))?,
             );
-            eprintln!("iopath serve: {} over {} on {}", o.device, o.transport.name(), path.display());
-            if o.seccomp {
+            eprintln!("iopath serve: {banner} on {}", path.display());
+            if seccomp {
                 crate::seccomp::install()?;
             }
             let (tx, rx) = sync_channel(1);
             let (busy, stop) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
             let acceptor = {
                 let (l, busy, stop, where_) = (l.clone(), busy.clone(), stop.clone(), path.display().to_string());
-                let (transport, refusal) = (o.transport, t.refusal);
                 std::thread::Builder::new()
                     .name("serve-acceptor".into())
-                    .spawn(move || accept_loop(&l, &tx, &busy, &stop, transport, refusal, &where_))
+                    .spawn(move || accept_loop(&l, &tx, &busy, &stop, &*refuse, refusal, &where_))
                     .map_err(|e| Error::io("the acceptor thread", e))?
             };
             let r = loop {
@@ -151,7 +186,7 @@ pub fn run(o: &ServeOptions) -> Result<()> {
                     break Err(Error::PeerGone(format!("the acceptor on {} stopped", path.display())));
                 };
                 let peer = format!("client {n} on {}", path.display());
-                if host.client(sock, &peer, || busy.store(false, Ordering::Release)) && o.once {
+                if client(sock, &peer, &|| busy.store(false, Ordering::Release)) && once {
                     break Ok(());
                 }
             };
@@ -166,6 +201,21 @@ pub fn run(o: &ServeOptions) -> Result<()> {
     }
 }
 
+/// Sets a new client's socket timeouts and waits for its first message
+/// (within `t.handshake`); false (logged with `what`) if it is to be dropped.
+pub(crate) fn handshake(sock: &UnixStream, t: &Timeouts, what: &str) -> bool {
+    let ready = sock.set_read_timeout(Some(t.message)).and_then(|_| sock.set_write_timeout(Some(t.send)));
+    if let Err(e) = ready {
+        log::error!("{what}: setting its socket timeouts: {e}; dropped");
+        return false;
+    }
+    if !readable_within(sock, t.handshake) {
+        log::warn!("{what}: no message within {:?}; dropped", t.handshake);
+        return false;
+    }
+    true
+}
+
 /// What serves one client after another.
 struct Host<'a> {
     o: &'a ServeOptions,
@@ -178,17 +228,10 @@ impl Host<'_> {
     /// Serves one connection, then reports and (unless `keep_state`) resets
     /// the function; `free` runs as soon as the session is over, before that.
     /// False if the connection was dropped before its first message.
-    fn client(&mut self, sock: UnixStream, peer: &str, free: impl FnOnce()) -> bool {
-        let (o, t) = (self.o, &self.o.timeouts);
+    fn client(&mut self, sock: UnixStream, peer: &str, free: &dyn Fn()) -> bool {
+        let o = self.o;
         let what = format!("{} over {}: {peer}", o.device, o.transport.name());
-        let ready = sock.set_read_timeout(Some(t.message)).and_then(|_| sock.set_write_timeout(Some(t.send)));
-        if let Err(e) = ready {
-            log::error!("{what}: setting its socket timeouts: {e}; dropped");
-            free();
-            return false;
-        }
-        if !readable_within(&sock, t.handshake) {
-            log::warn!("{what}: no message within {:?}; dropped", t.handshake);
+        if !handshake(&sock, &o.timeouts, &what) {
             free();
             return false;
         }
@@ -273,14 +316,14 @@ fn take_within(busy: &AtomicBool, grace: Duration) -> bool {
 /// The acceptor thread (`serve-acceptor`): every connection on `l`, handed
 /// to the serving thread if it is free (`busy` false; it clears `busy` when
 /// its session is over) or becomes free within `refusal`, else refused
-/// here, one at a time, each within `refusal`. Ends when `stop` is set (the listener is shut down) or the
+/// here with `refuse`, one at a time, each within `refusal`. Ends when `stop` is set (the listener is shut down) or the
 /// serving thread is gone.
 fn accept_loop(
     l: &UnixListener,
     tx: &SyncSender<(UnixStream, u64)>,
     busy: &AtomicBool,
     stop: &AtomicBool,
-    transport: &'static dyn Transport,
+    refuse: &dyn Fn(&UnixStream) -> Result<()>,
     refusal: Duration,
     where_: &str,
 ) {
@@ -312,7 +355,7 @@ fn accept_loop(
             .set_read_timeout(Some(refusal))
             .and_then(|_| sock.set_write_timeout(Some(refusal)))
             .map_err(|e| Error::io("setting its socket timeouts", e))
-            .and_then(|_| transport.refuse(&sock));
+            .and_then(|_| refuse(&sock));
         match r {
             Ok(()) => log::warn!("client {n} on {where_}: another client is being served; refused"),
             Err(e) => log::warn!("client {n} on {where_}: another client is being served; refused ({e})"),

@@ -81,8 +81,10 @@ pub struct Queue {
     pub used: u64,
     /// VIRTIO_RING_F_EVENT_IDX was negotiated.
     pub event_idx: bool,
-    next_avail: u16,
-    next_used: u16,
+    /// The next available-ring index the device takes (vhost-user's vring base).
+    pub next_avail: u16,
+    /// The next used-ring index the device fills.
+    pub next_used: u16,
 }
 
 fn mem_err(addr: u64, len: u64) -> QueueError {

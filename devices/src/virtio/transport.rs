@@ -86,6 +86,12 @@ pub trait QueueEngine: Send + Sized + 'static {
     /// The driver reset the device (status 0) or the host did: stop serving
     /// the queue. The transport then forgets its registers.
     fn reset(&mut self, _t: &mut Transport) {}
+    /// How the queue's interrupt is delivered may have changed: the driver
+    /// wrote the queue's MSI-X vector, MSI-X enable or function mask, or a
+    /// table entry (a vector's route). `t` holds the new state. An engine
+    /// that handed a vector's eventfd to someone else (vhost-user's call
+    /// fd) hands over the right one again.
+    fn interrupt_changed(&mut self, _t: &mut Transport) {}
     /// The engine's own counters (the transport adds notifies, interrupts,
     /// ring_errors and resets).
     fn counters(&self) -> Vec<Counter>;
@@ -356,7 +362,13 @@ impl<E: QueueEngine> State<E> {
                     t.queue.num = n;
                 }
             }
-            (0x1a, 2) if t.queue_sel == 0 => t.queue_vector = Transport::vector_ok(v as u16),
+            (0x1a, 2) if t.queue_sel == 0 => {
+                let v = Transport::vector_ok(v as u16);
+                if v != t.queue_vector {
+                    t.queue_vector = v;
+                    self.e.interrupt_changed(&mut self.t);
+                }
+            }
             (0x1c, 2) if q_setup && v == 1 => t.enable_queue(),
             (0x20..=0x37, 4 | 8) if q_setup && off.is_multiple_of(data.len() as u64) => {
                 let field = match off & !7 {

@@ -57,6 +57,8 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
         if s.t.msix.claims(bar, offset) {
             if let Some(v) = s.t.msix.write(bar, offset, data) {
                 s.t.msix_update(v);
+                let State { t, e } = &mut *s;
+                e.interrupt_changed(t);
             }
             return;
         }
@@ -110,6 +112,8 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
             for v in 0..MSIX_VECTORS as usize {
                 s.t.msix_update(v);
             }
+            let State { t, e } = &mut *s;
+            e.interrupt_changed(t);
         }
     }
 

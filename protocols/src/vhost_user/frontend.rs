@@ -7,18 +7,23 @@
 //! - **Connect** ([`connect`]): SET_OWNER, GET_FEATURES, GET/SET_PROTOCOL_FEATURES
 //!   and GET_CONFIG, because the driver reads the device features and the
 //!   capacity before DRIVER_OK. No ring, memory or fd is sent yet.
-//! - **DRIVER_OK** ([`frontend_ring`](super::frontend_ring)): SET_FEATURES
+//! - **DRIVER_OK** (`frontend_ring.rs`): SET_FEATURES
 //!   (the driver's choice), SET_MEM_TABLE (the VMM's RAM memfd),
-//!   SET_VRING_NUM/BASE/ADDR, SET_VRING_KICK (the eventfd that is the KVM
-//!   ioeventfd on the notify address, registered at attach), SET_VRING_CALL
-//!   (the MSI-X vector's irqfd, or an eventfd the VMM relays) and
+//!   SET_VRING_NUM/ADDR/BASE, SET_VRING_CALL (the MSI-X vector's irqfd, or
+//!   an eventfd the VMM relays), SET_VRING_KICK (the eventfd that is the KVM
+//!   ioeventfd on the notify address, registered at attach) and
 //!   SET_VRING_ENABLE. A guest that never writes DRIVER_OK gets nothing sent.
-//! - **Reset**: GET_VRING_BASE stops the ring; the fds of the session are dropped.
+//! - **Interrupt changes** after DRIVER_OK (the queue's vector, MSI-X
+//!   enable, a vector routed): a new SET_VRING_CALL if the calls must go
+//!   elsewhere ([`QueueEngine::interrupt_changed`]).
+//! - **Reset**: SET_VRING_ENABLE(0), then GET_VRING_BASE stops the ring;
+//!   the fds of the session are dropped.
 //!
 //! REPLY_ACK is negotiated where the backend offers it, so every request
-//! is answered. Every request is bounded by [`BACKEND_TIMEOUT`] (a watchdog
-//! shuts the socket down: `frontend_deadline.rs`). A backend that does
-//! not answer, answers nonsense or hangs up puts the device in
+//! is answered. Each sequence of requests (connect, DRIVER_OK, reset, a
+//! call fd change) is bounded as a whole by [`BACKEND_TIMEOUT`] (a
+//! watchdog shuts the socket down: `frontend_deadline.rs`). A backend that
+//! does not answer, answers nonsense or hangs up puts the device in
 //! DEVICE_NEEDS_RESET with a log line and stops the run (the context's
 //! fail hook), as a device process that dies does.
 
@@ -33,7 +38,7 @@ use iopath_devices::virtio::transport::{
 use iopath_devices::{Counter, DeviceContext, IoEventSpec, SharedDevice};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use vhost::vhost_user::message::{
     VhostUserConfigFlags, VhostUserHeaderFlag, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
 };
@@ -41,7 +46,8 @@ use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::VhostBackend;
 use vmm_sys_util::eventfd::EventFd;
 
-/// How long the frontend waits for any one reply of the backend.
+/// How long the frontend waits for the backend to answer all requests of
+/// one sequence: the connect handshake, a DRIVER_OK, a reset, a new call fd.
 pub const BACKEND_TIMEOUT: Duration = Duration::from_secs(5);
 /// The virtio-blk PCI device id (0x1040 + type 2).
 const DEVICE_ID: u16 = 0x1042;
@@ -52,9 +58,11 @@ pub const CONFIG_LEN: u32 = 60;
 
 /// Feature bits the transport passes from the backend to the driver: the
 /// block device's own (SIZE_MAX, SEG_MAX, GEOMETRY, RO, BLK_SIZE, FLUSH,
-/// TOPOLOGY, CONFIG_WCE, DISCARD, WRITE_ZEROES) and the ring's that the
-/// backend's queue implements (INDIRECT_DESC, EVENT_IDX), plus VERSION_1,
-/// which the transport requires. Not passed: MQ (one queue here), PACKED,
+/// TOPOLOGY, DISCARD, WRITE_ZEROES) and the ring's that the backend's
+/// queue implements (INDIRECT_DESC, EVENT_IDX), plus VERSION_1, which the
+/// transport requires. Not passed: CONFIG_WCE (the driver would write
+/// `writeback`, and configuration writes are not forwarded as SET_CONFIG),
+/// MQ (one queue here), PACKED,
 /// ACCESS_PLATFORM, NOTIFICATION_DATA, RING_RESET (the transport has none
 /// of these) and PROTOCOL_FEATURES (vhost-user's own, bit 30).
 pub const PASSED_FEATURES: u64 = (1 << 1)
@@ -64,7 +72,6 @@ pub const PASSED_FEATURES: u64 = (1 << 1)
     | (1 << 6)
     | (1 << 9)
     | (1 << 10)
-    | (1 << 11)
     | (1 << 13)
     | (1 << 14)
     | (1 << 28)
@@ -80,10 +87,12 @@ pub(super) struct Stats {
     pub(super) activations: u64,
     /// Notify writes that exited and that the VMM passed to the kick eventfd.
     pub(super) kicks_forwarded: u64,
-    /// Activations whose call fd was the MSI-X vector's irqfd (KVM injects).
+    /// Call fds given that were the MSI-X vector's irqfd (KVM injects).
     pub(super) call_irqfd: u64,
     /// Backend calls the VMM relayed (INTx, or a vector without an irqfd).
     pub(super) calls_relayed: u64,
+    /// Call fds replaced after DRIVER_OK (the driver changed the queue's vector or MSI-X).
+    pub(super) call_changes: u64,
     /// Requests the backend failed or did not answer.
     pub(super) backend_errors: u64,
 }
@@ -105,9 +114,13 @@ pub struct VhostUserBlk {
     pub(super) session: Option<Session>,
     pub(super) me: Weak<Mutex<State<VhostUserBlk>>>,
     pub(super) st: Stats,
-    name: String,
+    pub(super) name: String,
     /// The session with the backend was ended (quiesce).
     ended: bool,
+    /// When the sequence of requests under way must be done.
+    until: Option<Instant>,
+    /// Relay threads running (they end within one poll of their session's end).
+    pub(super) relays: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// Connects to the backend on `sock` (a device process the VMM started,
@@ -137,9 +150,9 @@ impl VhostUserBlk {
     fn handshake(sock: UnixStream, child: Option<DeviceProcess>, name: &str) -> Result<Self> {
         let ours = sock.try_clone().map_err(|e| Error::io("vhost-user socket", e))?;
         let watched = sock.try_clone().map_err(|e| Error::io("vhost-user socket", e))?;
-        let deadline =
-            Deadline::new(watched, BACKEND_TIMEOUT, name).map_err(|e| Error::io("vhost-user deadline thread", e))?;
         let peer = Peer::new(sock, name, child);
+        let deadline =
+            Deadline::new(watched, name, peer.watching()).map_err(|e| Error::io("vhost-user deadline thread", e))?;
         let mut e = VhostUserBlk {
             fe: Frontend::from_stream(ours, 1),
             deadline,
@@ -154,7 +167,15 @@ impl VhostUserBlk {
             st: Stats::default(),
             name: name.to_string(),
             ended: false,
+            until: None,
+            relays: Arc::default(),
         };
+        e.within(Self::greet)?;
+        Ok(e)
+    }
+
+    /// The connect handshake: owner, features, protocol features, configuration.
+    fn greet(e: &mut Self) -> Result<()> {
         e.msg("SET_OWNER", |fe| fe.set_owner())?;
         e.backend_features = e.msg("GET_FEATURES", |fe| fe.get_features())?;
         if e.backend_features & F_VERSION_1 == 0 {
@@ -180,7 +201,20 @@ impl VhostUserBlk {
         // The crate checked the reply's size against the request's.
         let n = cfg.len().min(e.config.len());
         e.config[..n].copy_from_slice(&cfg[..n]);
-        Ok(e)
+        Ok(())
+    }
+
+    /// Runs `f`, a sequence of requests, under one deadline (the outermost's).
+    pub(super) fn within<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let outer = self.until.is_none();
+        if outer {
+            self.until = Some(Instant::now() + BACKEND_TIMEOUT);
+        }
+        let r = f(self);
+        if outer {
+            self.until = None;
+        }
+        r
     }
 
     /// Sends one request (counted) and maps the crate's error to ours.
@@ -188,9 +222,12 @@ impl VhostUserBlk {
         self.peer.alive()?;
         self.st.backend_msgs += 1;
         let fe = &mut self.fe;
-        let r = match self.deadline.run(what, || f(fe)) {
+        let at = self.until.unwrap_or_else(|| Instant::now() + BACKEND_TIMEOUT);
+        let r = match self.deadline.run(what, at, || f(fe)) {
             (Ok(v), false) => return Ok(v),
-            (_, true) => Error::Timeout { what: format!("vhost-user {what} ({BACKEND_TIMEOUT:?})") },
+            (_, true) => {
+                Error::Timeout { what: format!("vhost-user {what} (in a sequence bounded by {BACKEND_TIMEOUT:?})") }
+            }
             (Err(e), false) => vhost_err(what, e),
         };
         self.st.backend_errors += 1;
@@ -225,7 +262,7 @@ impl QueueEngine for VhostUserBlk {
         let mut s = iopath_devices::lock(dev);
         s.e.peer.fail = Some(ctx.fail.clone());
         s.e.deadline.set_fail(ctx.fail.clone());
-        s.e.peer.watch();
+        s.e.peer.watch(); // one watcher per peer: again, it only takes the new fail hook
         if s.e.kick.is_some() {
             return;
         }
@@ -243,13 +280,22 @@ impl QueueEngine for VhostUserBlk {
     }
 
     fn quiesce(dev: &Shared<Self>) {
-        let mut s = iopath_devices::lock(dev);
-        s.e.session = None;
-        // Once: quiesce and then drop both come here, and a second end
-        // would wait for counters the device process already gave.
-        if !std::mem::replace(&mut s.e.ended, true) {
-            s.e.peer.end();
-        }
+        let child = {
+            let mut s = iopath_devices::lock(dev);
+            s.e.session = None;
+            // Once: quiesce and then drop both come here, and a second end
+            // would wait for counters the device process already gave.
+            if std::mem::replace(&mut s.e.ended, true) {
+                return;
+            }
+            s.e.peer.hang_up()
+        };
+        // The device process's counters are waited for (up to 5 s) without
+        // the device lock, which a vCPU may want meanwhile.
+        let Some(mut child) = child else { return };
+        let name = iopath_devices::lock(dev).e.name.clone();
+        let counters = Peer::counters_of(&mut child, &name);
+        iopath_devices::lock(dev).e.peer.ended(child, counters);
     }
 
     fn driver_ok(&mut self, t: &mut Transport) -> iopath_devices::Result<()> {
@@ -257,7 +303,7 @@ impl QueueEngine for VhostUserBlk {
             // The driver's mistake, not the backend's: NEEDS_RESET (the transport's), nothing sent.
             return Err(iopath_devices::Error::Host("DRIVER_OK with queue 0 not enabled".into()));
         }
-        if let Err(e) = self.start(t) {
+        if let Err(e) = self.within(|s| s.start(t)) {
             // The backend failed: NEEDS_RESET, and the run stops.
             self.give_up(t, &e);
         }
@@ -274,7 +320,13 @@ impl QueueEngine for VhostUserBlk {
     }
 
     fn reset(&mut self, t: &mut Transport) {
-        if let Err(e) = self.stop() {
+        if let Err(e) = self.within(|s| s.stop()) {
+            self.give_up(t, &e);
+        }
+    }
+
+    fn interrupt_changed(&mut self, t: &mut Transport) {
+        if let Err(e) = self.within(|s| s.interrupt_changed(t)) {
             self.give_up(t, &e);
         }
     }
@@ -288,6 +340,7 @@ impl QueueEngine for VhostUserBlk {
             ("kicks_forwarded", st.kicks_forwarded),
             ("call_irqfd", st.call_irqfd),
             ("calls_relayed", st.calls_relayed),
+            ("call_changes", st.call_changes),
             ("backend_errors", st.backend_errors),
         ]
         .into_iter()

@@ -1,15 +1,16 @@
-//! A bound on each vhost-user request. The `vhost` crate retries a read or
+//! A bound on vhost-user requests. The `vhost` crate retries a read or
 //! write that times out (EAGAIN) for ever, so a socket timeout cannot bound
 //! a backend that does not answer; instead a watchdog thread shuts the
 //! socket down when a request outlives its deadline, which ends the
-//! crate's wait with an error.
+//! crate's wait with an error. The caller gives the deadline, one for a
+//! whole sequence of requests (connect, DRIVER_OK, reset).
 
 use iopath_devices::FailFn;
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 #[derive(Default)]
 struct Armed {
@@ -30,16 +31,20 @@ struct Shared {
 /// The watchdog of one frontend's socket.
 pub struct Deadline {
     shared: Arc<Shared>,
-    timeout: Duration,
 }
 
 impl Deadline {
-    /// Watches `sock` (a copy of the frontend's); each request gets `timeout`.
-    pub fn new(sock: UnixStream, timeout: Duration, name: &str) -> std::io::Result<Self> {
+    /// Watches `sock` (a copy of the frontend's). `watching` is the peer
+    /// watcher's flag (`Peer::watching`), cleared before the watchdog shuts
+    /// the socket down, so that the shutdown is not reported again as a
+    /// backend that closed its socket.
+    pub fn new(sock: UnixStream, name: &str, watching: Arc<AtomicBool>) -> std::io::Result<Self> {
         let shared = Arc::new(Shared::default());
         let (s, name) = (shared.clone(), name.to_string());
-        std::thread::Builder::new().name("vhost-user-deadline".into()).spawn(move || watch(&s, &sock, &name))?;
-        Ok(Deadline { shared, timeout })
+        std::thread::Builder::new()
+            .name("vhost-user-deadline".into())
+            .spawn(move || watch(&s, &sock, &name, &watching))?;
+        Ok(Deadline { shared })
     }
 
     /// The run's fail hook, once the device is attached.
@@ -47,13 +52,13 @@ impl Deadline {
         *iopath_devices::lock(&self.shared.fail) = Some(fail);
     }
 
-    /// Runs `f` (one request) under the deadline; true in the second place
-    /// if the deadline passed (the socket is then shut down).
-    pub fn run<T>(&self, what: &str, f: impl FnOnce() -> T) -> (T, bool) {
+    /// Runs `f` (one request) that must be done by `at`; true in the second
+    /// place if the deadline passed (the socket is then shut down).
+    pub fn run<T>(&self, what: &str, at: Instant, f: impl FnOnce() -> T) -> (T, bool) {
         if self.shared.fired.load(Ordering::Acquire) {
             return (f(), true);
         }
-        iopath_devices::lock(&self.shared.armed).current = Some((what.to_string(), Instant::now() + self.timeout));
+        iopath_devices::lock(&self.shared.armed).current = Some((what.to_string(), at));
         self.shared.cv.notify_all();
         let r = f();
         iopath_devices::lock(&self.shared.armed).current = None;
@@ -68,7 +73,7 @@ impl Drop for Deadline {
     }
 }
 
-fn watch(s: &Shared, sock: &UnixStream, name: &str) {
+fn watch(s: &Shared, sock: &UnixStream, name: &str, watching: &AtomicBool) {
     let mut a = iopath_devices::lock(&s.armed);
     loop {
         if a.stop {
@@ -88,6 +93,8 @@ fn watch(s: &Shared, sock: &UnixStream, name: &str) {
         if let Some(fail) = iopath_devices::lock(&s.fail).clone() {
             fail(format!("{name}: the vhost-user backend did not answer {what}: timed out; device needs reset"));
         }
+        // The cause is given: the peer watcher must not see the shutdown as another.
+        watching.store(false, Ordering::Release);
         let _ = sock.shutdown(Shutdown::Both);
         return;
     }

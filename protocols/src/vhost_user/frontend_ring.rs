@@ -3,9 +3,10 @@
 
 use super::frontend::VhostUserBlk;
 use crate::{Error, Result};
-use iopath_devices::virtio::transport::{State, Transport};
+use iopath_devices::virtio::transport::{State, Transport, NO_VECTOR};
+use iopath_devices::DeviceContext;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use vhost::vhost_user::message::VhostUserVirtioFeatures;
 use vhost::vhost_user::VhostUserFrontend;
@@ -15,11 +16,24 @@ use vmm_sys_util::eventfd::EventFd;
 
 /// What a DRIVER_OK set up in the backend, until the next reset.
 pub struct Session {
+    /// Where the backend's calls go now.
+    to: CallTo,
     /// The call eventfd given to the backend (the irqfd, or the relay's).
     _call: EventFd,
     /// The thread that turns the backend's calls into interrupts, if the
     /// call fd is not an irqfd.
     _relay: Option<Relay>,
+}
+
+/// Where the backend's calls go.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum CallTo {
+    /// The MSI-X vector's irqfd: KVM injects, no VMM thread. A vector the
+    /// driver masks keeps its irqfd: the eventfd holds the call until the
+    /// vector is routed again (`Interrupts::msix_route`).
+    Irqfd(u16),
+    /// An eventfd a relay thread turns into INTx or the queue's vector.
+    Relay,
 }
 
 /// A thread that waits on the call eventfd and raises the queue's interrupt.
@@ -83,51 +97,92 @@ impl VhostUserBlk {
         self.msg("SET_VRING_NUM", |fe| fe.set_vring_num(0, num))?;
         self.msg("SET_VRING_ADDR", |fe| fe.set_vring_addr(0, &ring))?;
         self.msg("SET_VRING_BASE", |fe| fe.set_vring_base(0, 0))?;
+        // The call fd before the kick: a backend never runs the ring without one.
+        let session = self.call(t, &ctx)?;
         self.msg("SET_VRING_KICK", |fe| fe.set_vring_kick(0, &kick))?;
-
-        // Call: the vector's irqfd if MSI-X routes one (KVM injects, no VMM
-        // thread); else an eventfd whose calls the VMM raises itself.
-        let irqfd = if t.msix_enabled() { ctx.irq.msix_eventfd(t.queue_vector) } else { None };
-        let (call, relay) = match irqfd {
-            Some(fd) => {
-                self.st.call_irqfd += 1;
-                (fd, None)
-            }
-            None => {
-                let fd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::io("call eventfd", e))?;
-                let relay = spawn_relay(&fd, self.me.clone())?;
-                (fd, Some(relay))
-            }
-        };
-        self.msg("SET_VRING_CALL", |fe| fe.set_vring_call(0, &call))?;
         self.msg("SET_VRING_ENABLE", |fe| fe.set_vring_enable(0, true))?;
-        self.session = Some(Session { _call: call, _relay: relay });
+        self.session = Some(session);
         self.st.activations += 1;
         // Anything the driver made available before DRIVER_OK is looked at now.
         let _ = kick.write(1);
         Ok(())
     }
 
-    /// Reset: GET_VRING_BASE stops the ring (and is the one request whose
-    /// reply shows the backend took all before it); the session's fds go.
+    /// Reset: SET_VRING_ENABLE(0), then GET_VRING_BASE stops the ring (and
+    /// is the one request whose reply shows the backend took all before
+    /// it), as QEMU's vhost_dev_stop does; the session's fds go.
     pub(super) fn stop(&mut self) -> Result<()> {
         let Some(session) = self.session.take() else { return Ok(()) };
-        let r = self.msg("GET_VRING_BASE", |fe| fe.get_vring_base(0)).map(drop);
+        let r = self
+            .msg("SET_VRING_ENABLE", |fe| fe.set_vring_enable(0, false))
+            .and_then(|()| self.msg("GET_VRING_BASE", |fe| fe.get_vring_base(0)).map(drop));
         drop(session);
         r
+    }
+
+    /// Gives the backend a call fd (SET_VRING_CALL): the queue vector's
+    /// irqfd if MSI-X is on and routes one, else an eventfd the VMM relays.
+    fn call(&mut self, t: &Transport, ctx: &DeviceContext) -> Result<Session> {
+        let irqfd =
+            (t.msix_enabled() && t.queue_vector != NO_VECTOR).then(|| ctx.irq.msix_eventfd(t.queue_vector)).flatten();
+        let (to, call, relay) = match irqfd {
+            Some(fd) => (CallTo::Irqfd(t.queue_vector), fd, None),
+            None => {
+                let fd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::io("call eventfd", e))?;
+                let relay = spawn_relay(&fd, self.me.clone(), self.relays.clone())?;
+                (CallTo::Relay, fd, Some(relay))
+            }
+        };
+        self.msg("SET_VRING_CALL", |fe| fe.set_vring_call(0, &call))?;
+        if to != CallTo::Relay {
+            self.st.call_irqfd += 1;
+        }
+        Ok(Session { to, _call: call, _relay: relay })
+    }
+
+    /// After DRIVER_OK the driver changed the queue's vector or MSI-X (or
+    /// routed a vector): if the calls should now go elsewhere, a new
+    /// SET_VRING_CALL. The backend kept the old fd until then, so one
+    /// interrupt is raised (spurious at worst) for a call it made there.
+    pub(super) fn interrupt_changed(&mut self, t: &mut Transport) -> Result<()> {
+        let (Some(was), Some(ctx)) = (self.session.as_ref().map(|s| s.to), t.ctx.clone()) else { return Ok(()) };
+        let routed = t.msix_enabled() && t.queue_vector != NO_VECTOR;
+        let same = match was {
+            CallTo::Irqfd(v) => routed && v == t.queue_vector,
+            CallTo::Relay => !routed || ctx.irq.msix_eventfd(t.queue_vector).is_none(),
+        };
+        if same {
+            return Ok(());
+        }
+        // The old session goes either way: replaced, or the backend failed
+        // (and a reset then sends nothing to it).
+        self.session = None;
+        let session = self.call(t, &ctx)?;
+        log::debug!("{}: call fd {was:?} -> {:?}", self.name, session.to);
+        self.session = Some(session);
+        self.st.call_changes += 1;
+        let v = t.queue_vector;
+        t.interrupt(v, 1);
+        Ok(())
     }
 }
 
 /// Starts the relay thread for `call`.
-fn spawn_relay(call: &EventFd, dev: Weak<Mutex<State<VhostUserBlk>>>) -> Result<Relay> {
+fn spawn_relay(call: &EventFd, dev: Weak<Mutex<State<VhostUserBlk>>>, live: Arc<AtomicUsize>) -> Result<Relay> {
     let fd = call.try_clone().map_err(|e| Error::io("call eventfd", e))?;
     let wake = Arc::new(EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::io("eventfd", e))?);
     let stop = Arc::new(AtomicBool::new(false));
     let (w, s) = (wake.clone(), stop.clone());
-    std::thread::Builder::new()
-        .name("vhost-user-call".into())
-        .spawn(move || relay_loop(&fd, &w, &s, &dev))
-        .map_err(|e| Error::io("vhost-user call thread", e))?;
+    live.fetch_add(1, Ordering::AcqRel);
+    let l = live.clone();
+    let spawned = std::thread::Builder::new().name("vhost-user-call".into()).spawn(move || {
+        relay_loop(&fd, &w, &s, &dev);
+        l.fetch_sub(1, Ordering::AcqRel);
+    });
+    if let Err(e) = spawned {
+        live.fetch_sub(1, Ordering::AcqRel);
+        return Err(Error::io("vhost-user call thread", e));
+    }
     Ok(Relay { stop, wake })
 }
 

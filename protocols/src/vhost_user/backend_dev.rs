@@ -1,0 +1,203 @@
+//! The device state the session thread and the queue threads share: the
+//! disk ([`Blk`]), the guest memory of the current session, each ring
+//! (a [`Queue`] over that memory and its call and error fds) and the
+//! counters. One lock; a queue thread holds it for one pass (at most a
+//! ring's worth of requests), as the in-VMM device's thread does.
+
+use iopath_devices::virtio::blk::{self, Blk};
+use iopath_devices::virtio::queue::{Queue, MAX_QUEUE_SIZE};
+use iopath_devices::{Counter, GuestMem};
+use std::fs::File;
+use std::os::fd::AsRawFd;
+
+/// One virtqueue as the frontend set it up.
+#[derive(Default)]
+pub(super) struct Ring {
+    pub(super) q: Queue,
+    /// Signalled when used buffers need an interrupt (SET_VRING_CALL).
+    pub(super) call: Option<File>,
+    /// Signalled when the driver broke the ring (SET_VRING_ERR).
+    pub(super) err: Option<File>,
+    /// SET_VRING_ENABLE (or on from the start without PROTOCOL_FEATURES).
+    pub(super) enabled: bool,
+    /// The driver broke the ring: nothing more is served until it restarts.
+    pub(super) broken: bool,
+    /// A poller serves the ring: notifications stay suppressed.
+    pub(super) polling: bool,
+}
+
+impl Ring {
+    pub(super) fn new() -> Self {
+        Ring { q: Queue::new(MAX_QUEUE_SIZE), ..Default::default() }
+    }
+}
+
+#[derive(Default)]
+pub(super) struct Stats {
+    pub(super) sessions: u64,
+    pub(super) kicks: u64,
+    pub(super) sleeps: u64,
+    pub(super) requests: u64,
+    pub(super) errors: u64,
+    pub(super) interrupts: u64,
+    pub(super) ring_errors: u64,
+    /// Messages refused (an error reply, or the session closed).
+    pub(super) refused: u64,
+    pub(super) mem_tables: u64,
+    /// Requests served on each ring.
+    pub(super) ring_requests: [u64; super::NUM_QUEUES],
+}
+
+/// What the session thread and the queue threads share.
+pub(super) struct Dev {
+    pub(super) blk: Blk,
+    /// Guest RAM of the current session (SET_MEM_TABLE); None between sessions.
+    pub(super) mem: Option<GuestMem>,
+    pub(super) rings: Vec<Ring>,
+    pub(super) st: Stats,
+}
+
+/// Writes 1 to an eventfd the frontend gave; false if that failed.
+pub(super) fn signal(f: &File) -> bool {
+    let one = 1u64.to_ne_bytes();
+    // SAFETY: an 8-byte write from a local buffer to an fd we own.
+    unsafe { libc::write(f.as_raw_fd(), one.as_ptr().cast(), 8) == 8 }
+}
+
+impl Dev {
+    pub(super) fn new(blk: Blk, queues: usize) -> Self {
+        Dev { blk, mem: None, rings: (0..queues).map(|_| Ring::new()).collect(), st: Stats::default() }
+    }
+
+    /// Ring `i` is served: memory mapped, the ring started and enabled, and
+    /// not broken since it started.
+    fn live(&self, i: usize) -> bool {
+        let r = &self.rings[i];
+        self.mem.is_some() && r.q.ready && r.enabled && !r.broken
+    }
+
+    /// The driver broke ring `i`: stop serving it and tell the frontend on
+    /// its error fd, if it gave one.
+    fn broken(&mut self, i: usize, why: &str) {
+        log::warn!("vhost-user-blk: queue {i}: {why}; queue stopped");
+        self.st.ring_errors += 1;
+        let r = &mut self.rings[i];
+        r.broken = true;
+        if let Some(e) = &r.err {
+            signal(e);
+        }
+    }
+
+    /// Serves ring `i`'s available requests, at most a ring's worth, then
+    /// re-arms notifications (unless polling) and signals the call fd if the
+    /// driver asked (EVENT_IDX or NO_INTERRUPT, by [`Queue::push_used`]).
+    /// True if it stopped with more to do: the caller lets go of the lock
+    /// before the next pass, so the session thread is not held off.
+    pub(super) fn serve(&mut self, i: usize) -> bool {
+        if !self.live(i) {
+            return false;
+        }
+        let Some(mem) = self.mem.clone() else { return false };
+        let Dev { blk, rings, st, .. } = self;
+        let r = &mut rings[i];
+        let (mut irq, mut more) = (false, false);
+        let mut fault = None;
+        for _ in 0..=r.q.num {
+            more = true;
+            match r.q.pop(&mem) {
+                Ok(Some(c)) => {
+                    let done = blk.handle(&mem, &c.descs);
+                    st.requests += 1;
+                    st.ring_requests[i] += 1;
+                    if done.status != Some(blk::S_OK) {
+                        st.errors += 1;
+                    }
+                    match r.q.push_used(&mem, c.head, done.written) {
+                        Ok(want) => irq |= want,
+                        Err(e) => {
+                            fault = Some(format!("used ring: {e}"));
+                            break;
+                        }
+                    }
+                }
+                Ok(None) => match r.q.set_notify(&mem, !r.polling) {
+                    Ok(a) if a != r.q.next_avail() => continue, // raced in
+                    Ok(_) => {
+                        more = false;
+                        break;
+                    }
+                    Err(e) => {
+                        fault = Some(format!("used ring: {e}"));
+                        break;
+                    }
+                },
+                Err(e) => {
+                    fault = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        if irq {
+            if let Some(c) = &r.call {
+                if signal(c) {
+                    st.interrupts += 1;
+                }
+            }
+        }
+        if let Some(why) = fault {
+            self.broken(i, &why);
+            return false;
+        }
+        more
+    }
+
+    /// True if ring `i` is live and has chains the device has not taken.
+    pub(super) fn has_work(&self, i: usize) -> bool {
+        self.live(i) && self.mem.as_ref().is_some_and(|m| self.rings[i].q.has_work(m).unwrap_or(true))
+    }
+
+    /// Sets whether a poller serves ring `i` and asks the driver for
+    /// notifications accordingly. True if work is already waiting.
+    pub(super) fn set_polling(&mut self, i: usize, on: bool) -> bool {
+        self.rings[i].polling = on;
+        if !self.live(i) {
+            return false;
+        }
+        let Some(mem) = self.mem.clone() else { return false };
+        let r = &mut self.rings[i];
+        match r.q.set_notify(&mem, !on) {
+            Ok(a) => a != r.q.next_avail(),
+            Err(e) => {
+                self.broken(i, &format!("used ring: {e}"));
+                false
+            }
+        }
+    }
+
+    /// Forgets everything a session set up: memory, rings and their fds.
+    pub(super) fn clear(&mut self) {
+        self.mem = None;
+        for r in &mut self.rings {
+            *r = Ring::new();
+        }
+    }
+
+    pub(super) fn counters(&self) -> Vec<Counter> {
+        let st = &self.st;
+        [
+            ("sessions", st.sessions),
+            ("kicks", st.kicks),
+            ("sleeps", st.sleeps),
+            ("requests", st.requests),
+            ("errors", st.errors),
+            ("interrupts", st.interrupts),
+            ("ring_errors", st.ring_errors),
+            ("refused", st.refused),
+            ("mem_tables", st.mem_tables),
+        ]
+        .into_iter()
+        .map(|(n, value)| Counter { name: n.into(), value })
+        .chain(st.ring_requests.iter().enumerate().map(|(q, &value)| Counter { name: format!("q{q}.requests"), value }))
+        .collect()
+    }
+}

@@ -1,0 +1,75 @@
+//! SET_MEM_TABLE: the frontend's guest RAM, mapped from the fds it sends,
+//! and the translation of its ring addresses (virtual addresses in the
+//! frontend, vhost-user spec "Memory region description") to guest
+//! physical ones, which [`Queue`](iopath_devices::virtio::queue::Queue)
+//! and the descriptors use.
+//!
+//! An fd is mapped only if it cannot shrink under us (F_SEAL_SHRINK,
+//! [`cannot_shrink`]): vhost-user has no way to reach memory but mapping
+//! it, so an fd that may be truncated (a memfd without the seal, a regular
+//! file) is refused, as mpqemu refuses it (see [`crate::function`]'s SIGBUS
+//! policy). Region count, sizes, offsets against the fd's length and
+//! overlaps are checked before anything is used.
+
+use crate::function::{cannot_shrink, guest_memory, map_region, SharedRegion};
+use iopath_devices::GuestMem;
+use std::fs::File;
+use std::sync::Arc;
+use vhost::vhost_user::message::VhostUserMemoryRegion;
+
+/// Most regions one SET_MEM_TABLE may carry (QEMU sends at most 8 without
+/// CONFIGURE_MEM_SLOTS, which the backend does not offer).
+pub const MAX_REGIONS: usize = 8;
+
+/// One region: guest physical range and where it sits in the frontend.
+#[derive(Clone, Copy, Debug)]
+struct Region {
+    gpa: u64,
+    size: u64,
+    uva: u64,
+}
+
+/// A session's guest RAM: the mapping and the address translation.
+pub(super) struct MemTable {
+    regions: Vec<Region>,
+    pub(super) mem: GuestMem,
+}
+
+impl MemTable {
+    /// Checks and maps `regions`, each from its fd in `files`; a clear
+    /// reason for the first thing refused.
+    pub(super) fn map(regions: &[VhostUserMemoryRegion], files: Vec<File>) -> Result<Self, String> {
+        if regions.is_empty() || regions.len() > MAX_REGIONS {
+            return Err(format!("{} memory regions (1 ..= {MAX_REGIONS})", regions.len()));
+        }
+        if files.len() != regions.len() {
+            return Err(format!("{} fds for {} memory regions", files.len(), regions.len()));
+        }
+        let mut table = Vec::with_capacity(regions.len());
+        let mut mapped = Vec::with_capacity(regions.len());
+        for (r, file) in regions.iter().zip(files) {
+            let (gpa, size, uva, offset) = (r.guest_phys_addr, r.memory_size, r.user_addr, r.mmap_offset);
+            if size == 0 || uva.checked_add(size).is_none() {
+                return Err(format!("memory region at {gpa:#x}: size {size:#x} at address {uva:#x}"));
+            }
+            if !cannot_shrink(&file) {
+                return Err(format!(
+                    "memory region at {gpa:#x}: its fd is not sealed against shrinking (F_SEAL_SHRINK); \
+                     refused, a client could truncate it and kill this process with SIGBUS"
+                ));
+            }
+            let m = map_region(SharedRegion { gpa, size, offset, file }).map_err(|e| e.to_string())?;
+            mapped.push(Arc::new(m));
+            table.push(Region { gpa, size, uva });
+        }
+        let mem = guest_memory(mapped).map_err(|e| e.to_string())?;
+        Ok(MemTable { regions: table, mem: GuestMem::from(mem) })
+    }
+
+    /// The guest physical address of `len` bytes at frontend address
+    /// `uva`, if they lie in one region.
+    pub(super) fn gpa(&self, uva: u64, len: u64) -> Option<u64> {
+        let end = uva.checked_add(len)?;
+        self.regions.iter().find(|r| uva >= r.uva && end <= r.uva + r.size).map(|r| r.gpa + (uva - r.uva))
+    }
+}

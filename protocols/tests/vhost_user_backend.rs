@@ -1,0 +1,455 @@
+//! iopath's vhost-user-blk backend driven by the `vhost` crate's frontend
+//! (an independent implementation of the protocol's other side): memory
+//! from a sealed memfd, one ring, a write and a read with their data
+//! checked; and hostile frontends: an unsealed memfd, a ring outside the
+//! memory, too many regions, a bad queue index, a frontend that leaves in
+//! the middle of I/O. After every session the process holds no more fds
+//! and no more mappings of the frontend's memory than before it.
+
+use iopath_devices::nvme::backend::BackendKind;
+use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig, F_VERSION_1};
+use iopath_protocols::vhost_user::backend::{BlkBackend, F_PROTOCOL_FEATURES, MAX_REGIONS, NUM_QUEUES};
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use vhost::vhost_user::message::{VhostUserHeaderFlag, VhostUserProtocolFeatures};
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vmm_sys_util::eventfd::EventFd;
+
+/// The tests count this process's fds and mappings: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const MEM: usize = 1 << 20;
+const QSIZE: u16 = 64;
+const DESC: u64 = 0;
+const AVAIL: u64 = 0x1000;
+const USED: u64 = 0x2000;
+const NAME: &str = "iopath-vu-test";
+
+/// Guest RAM as the frontend holds it: a memfd mapped here.
+struct Guest {
+    file: File,
+    ptr: *mut u8,
+}
+
+impl Guest {
+    fn new(sealed: bool) -> Guest {
+        let file = memfd(MEM, sealed);
+        // SAFETY: a fresh shared mapping of a file of MEM bytes.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                MEM,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        Guest { file, ptr: p.cast() }
+    }
+
+    fn write(&self, gpa: u64, data: &[u8]) {
+        assert!(gpa as usize + data.len() <= MEM);
+        // SAFETY: inside the mapping (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(gpa as usize), data.len()) }
+    }
+
+    fn read(&self, gpa: u64, out: &mut [u8]) {
+        assert!(gpa as usize + out.len() <= MEM);
+        // SAFETY: inside the mapping (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(gpa as usize), out.as_mut_ptr(), out.len()) }
+    }
+
+    fn u16_at(&self, gpa: u64) -> u16 {
+        let mut b = [0u8; 2];
+        self.read(gpa, &mut b);
+        u16::from_le_bytes(b)
+    }
+
+    /// The frontend's address of guest address `gpa`.
+    fn uva(&self, gpa: u64) -> u64 {
+        self.ptr as u64 + gpa
+    }
+
+    fn region(&self) -> VhostUserMemoryRegionInfo {
+        VhostUserMemoryRegionInfo {
+            guest_phys_addr: 0,
+            memory_size: MEM as u64,
+            userspace_addr: self.ptr as u64,
+            mmap_offset: 0,
+            mmap_handle: self.file.as_raw_fd(),
+        }
+    }
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in new.
+        unsafe { libc::munmap(self.ptr.cast(), MEM) };
+    }
+}
+
+/// A memfd of `size` bytes, sealed against shrinking and growing if `sealed`.
+fn memfd(size: usize, sealed: bool) -> File {
+    let name = std::ffi::CString::new(NAME).unwrap();
+    // SAFETY: a valid C string; the fd is owned by the File.
+    let f = unsafe {
+        let fd = libc::memfd_create(name.as_ptr(), libc::MFD_ALLOW_SEALING | libc::MFD_CLOEXEC);
+        assert!(fd >= 0);
+        File::from_raw_fd(fd)
+    };
+    f.set_len(size as u64).unwrap();
+    if sealed {
+        // SAFETY: fcntl on an fd we own.
+        let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) };
+        assert_eq!(r, 0);
+    }
+    f
+}
+
+fn fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Mappings of the test's memfds in this process.
+fn mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps").unwrap().lines().filter(|l| l.contains(NAME)).count()
+}
+
+/// A backend serving one frontend session on a socket pair, in a thread.
+struct Rig {
+    fe: Frontend,
+    be: Arc<BlkBackend>,
+    session: JoinHandle<iopath_protocols::Result<()>>,
+}
+
+fn rig(notify: NotifyMode) -> Rig {
+    let cfg = VirtioBlkConfig { backend: BackendKind::Ram, size: MEM as u64, notify };
+    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+    let (a, b) = UnixStream::pair().unwrap();
+    b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let be2 = be.clone();
+    let session = std::thread::spawn(move || be2.session(&b));
+    Rig { fe: Frontend::from_stream(a, 1), be, session }
+}
+
+impl Rig {
+    /// Features and protocol features as QEMU asks them; every request acked.
+    fn negotiate(&mut self) {
+        let fe = &mut self.fe;
+        fe.set_owner().unwrap();
+        let f = fe.get_features().unwrap();
+        assert_ne!(f & F_PROTOCOL_FEATURES, 0);
+        fe.set_features(F_VERSION_1 | F_PROTOCOL_FEATURES).unwrap();
+        let pf = fe.get_protocol_features().unwrap();
+        assert!(pf.contains(VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::REPLY_ACK), "{pf:?}");
+        fe.set_protocol_features(
+            VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::REPLY_ACK | VhostUserProtocolFeatures::MQ,
+        )
+        .unwrap();
+        fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+    }
+
+    fn ring_config(g: &Guest, desc: u64) -> VringConfigData {
+        VringConfigData {
+            queue_max_size: QSIZE,
+            queue_size: QSIZE,
+            flags: 0,
+            desc_table_addr: desc,
+            used_ring_addr: g.uva(USED),
+            avail_ring_addr: g.uva(AVAIL),
+            log_addr: None,
+        }
+    }
+
+    /// Memory, ring 0 and its fds; the ring enabled.
+    fn start(&mut self, g: &Guest, kick: &EventFd, call: &EventFd) {
+        let fe = &mut self.fe;
+        fe.set_mem_table(&[g.region()]).unwrap();
+        fe.set_vring_num(0, QSIZE).unwrap();
+        fe.set_vring_addr(0, &Self::ring_config(g, g.uva(DESC))).unwrap();
+        fe.set_vring_base(0, 0).unwrap();
+        fe.set_vring_call(0, call).unwrap();
+        fe.set_vring_kick(0, kick).unwrap();
+        fe.set_vring_enable(0, true).unwrap();
+    }
+
+    /// The session's result once the frontend is gone (bounded wait).
+    fn end(self) -> (Arc<BlkBackend>, iopath_protocols::Result<()>) {
+        drop(self.fe);
+        let t0 = Instant::now();
+        while !self.session.is_finished() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "the session did not end");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        (self.be, self.session.join().unwrap())
+    }
+}
+
+/// Request `k`: a chain of header, data (4 KiB at `data`) and status, made
+/// available as the next entry of the ring.
+fn submit(g: &Guest, k: u16, kind: u32, sector: u64, data: u64) {
+    let (hdr, status) = (0x8000 + 16 * k as u64, 0x9000 + k as u64);
+    let mut h = [0u8; 16];
+    h[0..4].copy_from_slice(&kind.to_le_bytes());
+    h[8..16].copy_from_slice(&sector.to_le_bytes());
+    g.write(hdr, &h);
+    g.write(status, &[0xff]);
+    let data_flags = if kind == 0 { 2 } else { 0 }; // IN: device-writable
+    let descs = [(hdr, 16u32, 1u16), (data, 4096, 1 | data_flags), (status, 1, 2)];
+    let head = (3 * k) % QSIZE;
+    for (j, (addr, len, flags)) in descs.iter().enumerate() {
+        let i = head + j as u16;
+        let mut d = [0u8; 16];
+        d[0..8].copy_from_slice(&addr.to_le_bytes());
+        d[8..12].copy_from_slice(&len.to_le_bytes());
+        d[12..14].copy_from_slice(&flags.to_le_bytes());
+        d[14..16].copy_from_slice(&(i + 1).to_le_bytes());
+        g.write(DESC + 16 * i as u64, &d);
+    }
+    let idx = g.u16_at(AVAIL + 2);
+    g.write(AVAIL + 4 + 2 * (idx % QSIZE) as u64, &head.to_le_bytes());
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    g.write(AVAIL + 2, &idx.wrapping_add(1).to_le_bytes());
+}
+
+/// Waits (bounded) until the used index reaches `n`, on the call eventfd.
+fn wait_used(g: &Guest, call: &EventFd, n: u16) {
+    let t0 = Instant::now();
+    while g.u16_at(USED + 2) != n {
+        assert!(t0.elapsed() < Duration::from_secs(10), "used index {} != {n}", g.u16_at(USED + 2));
+        let mut p = libc::pollfd { fd: call.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        if unsafe { libc::poll(&mut p, 1, 100) } > 0 {
+            let _ = call.read();
+        }
+    }
+}
+
+fn counter(be: &BlkBackend, name: &str) -> u64 {
+    be.counters().iter().find(|c| c.name == name).map(|c| c.value).unwrap()
+}
+
+fn write_then_read(notify: NotifyMode) {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = Guest::new(true);
+    let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+    let (fds0, maps0) = (fds(), mappings());
+    let mut r = rig(notify);
+    r.negotiate();
+    assert_eq!(r.fe.get_queue_num().unwrap(), NUM_QUEUES as u64);
+    let cfg = r.fe.get_config(0, 60, vhost::vhost_user::message::VhostUserConfigFlags::WRITABLE, &[0u8; 60]).unwrap();
+    assert_eq!(u64::from_le_bytes(cfg.1[0..8].try_into().unwrap()), MEM as u64 / 512, "capacity in sectors");
+    r.start(&g, &kick, &call);
+    assert_eq!(mappings(), maps0 + 1, "the backend mapped the memfd");
+    let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+    g.write(0x10000, &pattern);
+    submit(&g, 0, 1, 8, 0x10000); // OUT at sector 8
+    kick.write(1).unwrap();
+    wait_used(&g, &call, 1);
+    let mut st = [0u8; 1];
+    g.read(0x9000, &mut st);
+    assert_eq!(st[0], 0, "write status");
+    submit(&g, 1, 0, 8, 0x20000); // IN at sector 8
+    kick.write(1).unwrap();
+    wait_used(&g, &call, 2);
+    g.read(0x9001, &mut st);
+    assert_eq!(st[0], 0, "read status");
+    let mut back = vec![0u8; 4096];
+    g.read(0x20000, &mut back);
+    assert_eq!(back, pattern, "the data read back is the data written");
+    // Used length of the read: 4096 bytes of data and the status byte.
+    let mut e = [0u8; 8];
+    g.read(USED + 4 + 8, &mut e);
+    assert_eq!(u32::from_le_bytes(e[4..8].try_into().unwrap()), 4097);
+    assert_eq!(r.fe.get_vring_base(0).unwrap(), 2, "the vring base is the next available index");
+    let (be, res) = r.end();
+    res.unwrap();
+    assert_eq!(counter(&be, "requests"), 2);
+    // Each completion was signalled (no EVENT_IDX, no NO_INTERRUPT); a
+    // poller may have found both requests without reading a kick.
+    assert_eq!(counter(&be, "interrupts"), 2);
+    if notify == NotifyMode::Ioeventfd {
+        assert!(counter(&be, "kicks") >= 1);
+    }
+    assert_eq!(counter(&be, "errors"), 0);
+    assert_eq!((fds(), mappings()), (fds0, maps0), "everything the session was given is gone");
+}
+
+#[test]
+fn a_write_then_a_read_through_the_backend_on_kicks() {
+    write_then_read(NotifyMode::Ioeventfd);
+}
+
+#[test]
+fn a_write_then_a_read_through_the_backend_polling() {
+    write_then_read(NotifyMode::Poll);
+}
+
+/// The session's refusal of a request the frontend made: the frontend's
+/// error (an error reply), then the session's own error, with `why` in it.
+fn refused<T: std::fmt::Debug>(r: Rig, res: vhost::Result<T>, why: &str) {
+    assert!(res.is_err(), "accepted: {res:?}");
+    let (be, end) = r.end();
+    let e = end.unwrap_err().to_string();
+    assert!(e.contains(why), "{e}");
+    assert!(counter(&be, "refused") >= 1);
+}
+
+#[test]
+fn an_unsealed_memfd_is_refused_and_not_mapped() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = Guest::new(false);
+    let (fds0, maps0) = (fds(), mappings());
+    let mut r = rig(NotifyMode::Ioeventfd);
+    r.negotiate();
+    let res = r.fe.set_mem_table(&[g.region()]);
+    assert_eq!(mappings(), maps0, "not mapped");
+    refused(r, res, "F_SEAL_SHRINK");
+    assert_eq!((fds(), mappings()), (fds0, maps0));
+}
+
+#[test]
+fn a_ring_outside_the_memory_is_an_error_not_a_crash() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = Guest::new(true);
+    let (fds0, maps0) = (fds(), mappings());
+    let mut r = rig(NotifyMode::Ioeventfd);
+    r.negotiate();
+    r.fe.set_mem_table(&[g.region()]).unwrap();
+    r.fe.set_vring_num(0, QSIZE).unwrap();
+    // The descriptor table straddles the end of the one region.
+    let res = r.fe.set_vring_addr(0, &Rig::ring_config(&g, g.uva(MEM as u64 - 512)));
+    refused(r, res, "not inside the memory table");
+    assert_eq!((fds(), mappings()), (fds0, maps0));
+}
+
+#[test]
+fn more_regions_than_the_bound_are_refused() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let files: Vec<File> = (0..=MAX_REGIONS).map(|_| memfd(4096, true)).collect();
+    let regions: Vec<VhostUserMemoryRegionInfo> = files
+        .iter()
+        .enumerate()
+        .map(|(k, f)| VhostUserMemoryRegionInfo {
+            guest_phys_addr: 0x10_0000 * k as u64,
+            memory_size: 4096,
+            userspace_addr: 0x7000_0000_0000 + 0x10_0000 * k as u64,
+            mmap_offset: 0,
+            mmap_handle: f.as_raw_fd(),
+        })
+        .collect();
+    let (fds0, maps0) = (fds(), mappings());
+    let mut r = rig(NotifyMode::Ioeventfd);
+    r.negotiate();
+    let res = r.fe.set_mem_table(&regions);
+    refused(r, res, &format!("{} memory regions", MAX_REGIONS + 1));
+    assert_eq!((fds(), mappings()), (fds0, maps0));
+}
+
+#[test]
+fn a_queue_index_past_the_device_is_refused() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = UnixStream::pair().unwrap();
+    let cfg = VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd };
+    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+    let be2 = be.clone();
+    let session = std::thread::spawn(move || be2.session(&b));
+    // A frontend that believes in more queues than GET_QUEUE_NUM says.
+    let mut r = Rig { fe: Frontend::from_stream(a, 2 * NUM_QUEUES as u64), be, session };
+    r.negotiate();
+    let res = r.fe.set_vring_num(NUM_QUEUES, QSIZE);
+    refused(r, res, &format!("queue index {NUM_QUEUES}"));
+}
+
+#[test]
+fn a_frontend_that_leaves_in_the_middle_of_io_leaves_nothing_behind() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for notify in [NotifyMode::Ioeventfd, NotifyMode::Poll] {
+        let g = Guest::new(true);
+        let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+        let (fds0, maps0) = (fds(), mappings());
+        let mut r = rig(notify);
+        r.negotiate();
+        r.start(&g, &kick, &call);
+        // A ring's worth of requests in flight, and gone without a word.
+        for k in 0..QSIZE / 3 {
+            submit(&g, k, 1, k as u64 * 8, 0x10000 + 4096 * k as u64);
+        }
+        kick.write(1).unwrap();
+        let (be, res) = r.end();
+        res.unwrap();
+        assert_eq!(counter(&be, "ring_errors"), 0);
+        assert_eq!((fds(), mappings()), (fds0, maps0), "{notify}: fds or mappings left after the session");
+    }
+}
+
+/// GET_CONFIG serves the bytes the PCI transport shows at its device
+/// configuration: one virtio-blk, whoever hosts it.
+#[test]
+fn get_config_is_the_pci_devices_configuration_space() {
+    use iopath_devices::virtio::pci::{VirtioBlk, DEVCFG, DEVCFG_LEN};
+    use iopath_devices::DeviceModel;
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = VirtioBlkConfig { backend: BackendKind::Null, size: 3 << 20, notify: NotifyMode::Ioeventfd };
+    let pci = VirtioBlk::new(cfg.clone()).unwrap();
+    let mut want = vec![0u8; DEVCFG_LEN as usize];
+    for (k, b) in want.iter_mut().enumerate() {
+        let mut x = [0u8; 1];
+        pci.bar_read(0, DEVCFG + k as u64, &mut x);
+        *b = x[0];
+    }
+    let (a, b) = UnixStream::pair().unwrap();
+    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+    let be2 = be.clone();
+    let session = std::thread::spawn(move || be2.session(&b));
+    let mut r = Rig { fe: Frontend::from_stream(a, 1), be, session };
+    r.negotiate();
+    let flags = vhost::vhost_user::message::VhostUserConfigFlags::WRITABLE;
+    let (_, got) = r.fe.get_config(0, DEVCFG_LEN as u32, flags, &want).unwrap();
+    // num_queues (offset 34) is vhost-user's own (MQ); the PCI function has one queue.
+    assert_eq!(u16::from_le_bytes([got[34], got[35]]) as usize, NUM_QUEUES);
+    want[34..36].copy_from_slice(&got[34..36]);
+    assert_eq!(got, want);
+    // A window past the fields reads as zeros.
+    let (_, tail) = r.fe.get_config(0x100, 16, flags, &[0u8; 16]).unwrap();
+    assert_eq!(tail, [0u8; 16]);
+    r.end().1.unwrap();
+}
+
+/// QEMU stops a ring with SET_VRING_ENABLE 0 (which has the ring's thread
+/// look again) and GET_VRING_BASE at once (which stops the thread): the
+/// stop must not be lost to the look, or the reply never comes and QEMU
+/// hangs at shutdown. Many starts and stops, each answered in time.
+#[test]
+fn a_ring_stopped_right_after_it_was_disabled_answers() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = Guest::new(true);
+    let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+    let cfg = VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd };
+    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+    let (a, b) = UnixStream::pair().unwrap();
+    // A reply that does not come within 5 s fails the request instead of hanging the test.
+    a.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let be2 = be.clone();
+    let session = std::thread::spawn(move || be2.session(&b));
+    let mut r = Rig { fe: Frontend::from_stream(a, 1), be, session };
+    r.negotiate();
+    r.start(&g, &kick, &call);
+    // No ack awaited: GET_VRING_BASE follows SET_VRING_ENABLE as closely as the socket allows.
+    r.fe.set_hdr_flags(VhostUserHeaderFlag::empty());
+    for k in 0..3000 {
+        r.fe.set_vring_enable(0, false).unwrap();
+        assert_eq!(r.fe.get_vring_base(0).map_err(|e| format!("stop {k}: {e}")), Ok(0));
+        r.fe.set_vring_base(0, 0).unwrap();
+        r.fe.set_vring_kick(0, &kick).unwrap();
+        r.fe.set_vring_enable(0, true).unwrap();
+    }
+    r.end().1.unwrap();
+}
