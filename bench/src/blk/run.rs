@@ -73,7 +73,8 @@ pub struct Ctx<'a> {
     nvme: Runner<'a>,
     pub(super) progs: Programs,
     pub(super) image: PathBuf,
-    size: u64,
+    /// The disk's size in bytes.
+    pub(super) size: u64,
     /// QEMU and the drive it stands on, found once (None: the reason).
     pub(super) qemu: Result<(PathBuf, QemuBacking), String>,
 }
