@@ -72,10 +72,9 @@ fn bench_blk_quick_gives_a_checked_record_per_target_and_job() {
 #[test]
 fn a_missing_target_is_reported_failed_not_faked() {
     kvm();
-    // QEMU's vhost-user-blk-pci with a QEMU that is not there (and, until the
-    // vhost-user backend is merged, an `iopath serve` that refuses the
-    // transport): the run goes on, the target is reported failed with its
-    // error and no figures, and the bench's exit status says so.
+    // QEMU's vhost-user-blk-pci with a QEMU that is not there: the run goes
+    // on, the target is reported failed with its error and no figures in
+    // each of its 8 records, and the bench's exit status says so.
     let out = Command::new(env!("CARGO_BIN_EXE_iopath"))
         .args([
             "bench",
@@ -93,7 +92,9 @@ fn a_missing_target_is_reported_failed_not_faked() {
     assert_eq!(out.status.code(), Some(1), "a failed target makes the bench fail");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
     let recs = v["records"].as_array().unwrap();
-    for r in recs.iter().filter(|r| r["target"] == "qemu-vhost-user-blk-pci") {
+    let failed: Vec<&serde_json::Value> = recs.iter().filter(|r| r["target"] == "qemu-vhost-user-blk-pci").collect();
+    assert_eq!(failed.len(), 8, "a record per job: {recs:?}");
+    for r in failed {
         assert_eq!(r["routing_ok"], false, "{r}");
         assert!(r["iops"].is_null() && r["rounds"].as_array().unwrap().is_empty(), "{r}");
         assert!(r["error"].as_str().is_some_and(|e| !e.is_empty()), "{r}");
