@@ -1,13 +1,22 @@
 //! `iopath bench blk` end to end on the real /dev/kvm: the in-VMM virtio-blk
-//! targets, QEMU's virtio-blk-pci and NVMe with BAR doorbells, every job,
-//! every routing check held. Needs /dev/kvm and qemu-system-x86_64.
+//! targets, the VMM's vhost-user frontend, QEMU's virtio-blk-pci and
+//! vhost-user-blk-pci (on iopath's backend) and NVMe with BAR doorbells,
+//! every job, every routing check held. Needs /dev/kvm and qemu-system-x86_64.
 
 mod common;
 use common::{kvm, programs};
 
 use std::process::Command;
 
-const TARGETS: [&str; 5] = ["virtio-exit", "virtio-ioeventfd", "virtio-poll", "qemu-virtio-blk-pci", "nvme-bar"];
+const TARGETS: [&str; 7] = [
+    "virtio-exit",
+    "virtio-ioeventfd",
+    "virtio-poll",
+    "vhost-user",
+    "qemu-virtio-blk-pci",
+    "qemu-vhost-user-blk-pci",
+    "nvme-bar",
+];
 
 #[test]
 fn bench_blk_quick_gives_a_checked_record_per_target_and_job() {
@@ -53,15 +62,22 @@ fn bench_blk_quick_gives_a_checked_record_per_target_and_job() {
     };
     assert!(epi("virtio-exit", "rand read 4k qd1") >= 1.0);
     assert_eq!(epi("virtio-ioeventfd", "rand read 4k qd1"), 0.0);
-    // QEMU's row is checked by a device count too: its block layer's operations (QMP).
+    // QEMU's rows are checked by a device count too: its block layer's
+    // operations (QMP), iopath's backend's requests; so is the VMM's vhost-user.
     let runs = v["runs"].as_array().unwrap();
-    let qemu: Vec<&serde_json::Value> = runs.iter().filter(|r| r["target"] == "qemu-virtio-blk-pci").collect();
-    assert_eq!(qemu.len(), jobs.len());
-    for r in qemu {
-        let ios = r["ios"].as_u64().unwrap();
-        let routing = r["routing"].as_str().unwrap();
-        assert!(routing.contains("QEMU blockstats rd_operations="), "{routing}");
-        assert!(routing.contains(&format!("for {ios} guest I/Os")), "{routing}");
+    for (t, what) in [
+        ("qemu-virtio-blk-pci", "QEMU blockstats rd_operations="),
+        ("qemu-vhost-user-blk-pci", "backend requests="),
+        ("vhost-user", "backend requests="),
+    ] {
+        let rs: Vec<&serde_json::Value> = runs.iter().filter(|r| r["target"] == t).collect();
+        assert_eq!(rs.len(), jobs.len(), "{t}");
+        for r in rs {
+            let ios = r["ios"].as_u64().unwrap();
+            let routing = r["routing"].as_str().unwrap();
+            assert!(routing.contains(what), "{t}: {routing}");
+            assert!(routing.contains(&format!("for {ios} guest I/Os")), "{t}: {routing}");
+        }
     }
     // The device-assignment line is there, without figures.
     let nr = v["not_run"].as_array().unwrap();
