@@ -13,6 +13,7 @@ pub mod host;
 pub mod nvme;
 pub mod pin;
 pub mod qemu;
+pub mod qmp;
 pub mod record;
 pub mod remote;
 pub mod report;

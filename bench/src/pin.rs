@@ -126,6 +126,14 @@ pub fn set_affinity(tid: u32, cpu: usize) -> std::io::Result<()> {
 /// Thread names of the guest's vCPU: iopath's VMM and QEMU's.
 pub const VCPU_THREADS: &[&str] = &["vcpu0", "CPU 0/KVM"];
 
+/// QEMU's threads that serve its devices, by the names it gives them with
+/// `-name ...,debug-threads=on` (which `qemu::args_with` passes): the main
+/// loop (it keeps the process's name; without an iothread it serves the
+/// devices' ioeventfds and io_uring completions) and the thread pool's
+/// `worker`s (aio=threads). Without debug-threads every QEMU thread, the
+/// vCPU's too, has the main loop's name.
+pub const QEMU_DEVICE_THREADS: &[&str] = &["qemu-system-x86", "worker"];
+
 /// Places a run's threads while it lasts (stops when dropped).
 pub struct Pinner {
     stop: Arc<AtomicBool>,

@@ -53,6 +53,10 @@ pub fn args_with(image: &Path, cmdline: &str, mem_mb: u64, extra: &[String], dev
         "-no-reboot",
         "-device",
         "isa-debug-exit,iobase=0xf4,iosize=1",
+        // Threads named by role (`CPU 0/KVM`, `worker`, `call_rcu`); without
+        // it every thread has the main loop's name (see pin::QEMU_DEVICE_THREADS).
+        "-name",
+        "iopath,debug-threads=on",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -124,6 +128,21 @@ impl RamImage {
         let img = RamImage { path, size };
         f.set_len(size).map_err(|e| anyhow::anyhow!("cannot size {} to {size} bytes: {e}", img.path.display()))?;
         Ok(img)
+    }
+}
+
+impl RamImage {
+    /// Drops every page the last run wrote (the file is a hole again), so
+    /// that each run reads untouched memory, as a fresh ram namespace of
+    /// iopath's does, not the pages an earlier write job left in tmpfs.
+    pub fn clear(&self) -> anyhow::Result<()> {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.path)
+            .map_err(|e| anyhow::anyhow!("cannot open QEMU's RAM image {}: {e}", self.path.display()))?;
+        f.set_len(0)
+            .and_then(|_| f.set_len(self.size))
+            .map_err(|e| anyhow::anyhow!("cannot clear {}: {e}", self.path.display()))
     }
 }
 
@@ -210,12 +229,14 @@ pub fn run_nvme(
     timeout: Duration,
 ) -> anyhow::Result<(QemuRun, String)> {
     let dev = format!("nvme,drive=nvm0,serial=iopath0,logical_block_size={lba}");
-    run_drive(qemu, image, cmdline, mem_mb, backing, &[], &dev, timeout)
+    run_drive(qemu, image, cmdline, mem_mb, backing, &[], &dev, timeout, &mut |_| {})
 }
 
 /// Runs the guest (`cmdline`) with QEMU's `device` (which names `drive=nvm0`)
 /// on `backing`, with `extra` arguments: through io_uring, or the fallback
-/// `aio` if this QEMU cannot. Returns the run and what QEMU's drive was, for its row.
+/// `aio` if this QEMU cannot. A RAM image is cleared before each run. Each
+/// line of the guest's goes to `on_line` as it comes. Returns the run and
+/// what QEMU's drive was, for its row.
 #[allow(clippy::too_many_arguments)]
 pub fn run_drive(
     qemu: &Path,
@@ -226,12 +247,16 @@ pub fn run_drive(
     extra: &[String],
     device: &str,
     timeout: Duration,
+    on_line: &mut dyn FnMut(&str),
 ) -> anyhow::Result<(QemuRun, String)> {
-    let attempt = |aio: &str| {
+    let mut attempt = |aio: &str| {
+        if let QemuBacking::Ram(img) = backing {
+            img.clear()?;
+        }
         let mut x = extra.to_vec();
         x.extend(["-drive".into(), backing.drive(aio)]);
         let a = args_with(image, cmdline, mem_mb, &x, &[device]);
-        run_args(qemu, a, None, timeout, |_| {})
+        run_args(qemu, a, None, timeout, &mut *on_line)
     };
     let Some((first, fallback)) = backing.aio() else { return Ok((attempt("")?, backing.describe(""))) };
     let r = attempt(first)?;
@@ -393,6 +418,28 @@ mod tests {
         let i = a.iter().position(|x| x == "-drive").expect("a -drive");
         assert!(a[i + 1].starts_with("file=/var/tmp/a,,b.img,format=raw"));
         assert!(a.iter().any(|x| x == "nvme,drive=nvm0,serial=iopath0,logical_block_size=512"));
+        // Threads named by role, so that --pin tells QEMU's vCPU from its main loop.
+        let i = a.iter().position(|x| x == "-name").expect("a -name");
+        assert_eq!(a[i + 1], "iopath,debug-threads=on");
+    }
+
+    #[test]
+    fn each_run_on_a_ram_image_starts_from_untouched_memory() {
+        use std::io::Write;
+        let dir = std::env::temp_dir();
+        let r = QemuBacking::for_backend(&BackendKind::Ram, 1 << 20, &dir).unwrap();
+        let QemuBacking::Ram(img) = &r else { panic!("{r:?}") };
+        // What an earlier write job left: pages of data in the file.
+        let mut f = std::fs::OpenOptions::new().write(true).open(&img.path).unwrap();
+        f.write_all(&[0xa5; 65536]).unwrap();
+        drop(f);
+        let blocks = |p: &Path| std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(p).unwrap());
+        assert!(blocks(&img.path) > 0);
+        // A "QEMU" that does nothing: the run itself is not the point, the image before it is.
+        let t = Duration::from_secs(10);
+        run_drive(Path::new("/bin/true"), Path::new("/img"), "x", 64, &r, &[], "dev", t, &mut |_| {}).unwrap();
+        assert_eq!(blocks(&img.path), 0, "the next run would read the last run's pages");
+        assert_eq!(std::fs::metadata(&img.path).unwrap().len(), 1 << 20, "the image keeps its size");
     }
 
     #[test]

@@ -21,10 +21,12 @@ use iopath_devices::nvme::backend::BackendKind;
 use serde::Serialize;
 use std::time::Duration;
 
+pub mod check;
 mod qemu;
 mod run;
 mod table;
 
+pub use run::DEVICE_THREADS;
 pub use table::Record;
 
 /// Every target, in the order a round runs them. Names say the path:
@@ -189,6 +191,8 @@ pub struct Failure {
 pub struct BlkResult {
     pub host: HostInfo,
     pub options: BlkOptions,
+    /// The disk every target ran on, in bytes (a file backend's is the file's).
+    pub disk_bytes: u64,
     pub jobs: Vec<BlkJob>,
     pub tsc_khz: u64,
     pub runs: Vec<BlkRun>,
@@ -276,11 +280,12 @@ pub fn run_blk(o: &BlkOptions) -> anyhow::Result<BlkResult> {
     for r in runs.iter().filter(|r| !r.routing_ok) {
         errors.push(format!("{} {} round {}: wrong: {}", r.target, r.job, r.round, r.routing));
     }
-    let (host, tsc_khz) = (ctx.host.clone(), ctx.tsc_khz);
+    let (host, tsc_khz, disk_bytes) = (ctx.host.clone(), ctx.tsc_khz, ctx.size);
     drop(ctx);
     Ok(BlkResult {
         host,
         options: o.clone(),
+        disk_bytes,
         jobs,
         tsc_khz,
         runs,

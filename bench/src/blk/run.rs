@@ -2,23 +2,18 @@
 //! of its routing against the device's counters:
 //! - `nvme-*`: as `bench nvme` checks them (every guest I/O a controller
 //!   command; MMIO doorbells exited, shm/bar ones did not).
-//! - `virtio-exit`: every notify the guest wrote exited to the device
-//!   (`notifies` == the guest's), no ioeventfd kick, every I/O a request.
-//! - `virtio-ioeventfd`, `virtio-poll`, `virtio@vfio-user` (notify=ioeventfd):
-//!   every notify was a kick, none exited (`notifies` == 0).
-//! - `vhost-user`: the guest's notifies never reach the VMM: the frontend's
-//!   notify register is a KVM ioeventfd (`kick_ioeventfd` = 1), none exited
-//!   (`notifies` 0) or was forwarded (`kicks_forwarded` 0), and the backend's
-//!   `requests` (`backend.requests`, where reported) are the guest's I/Os.
-//! - `qemu-*` (`qemu.rs`): QEMU's exit status and the guest's own count (I/O done, 0 errors).
+//! - virtio targets, `vhost-user` and the `qemu-*` ones (`qemu.rs`): the
+//!   rules of `check.rs`, one per path.
+//!
+//! Every run also needs the guest's own verdict (I/O done, 0 errors).
 
+use super::check::{self, Guest, VirtioPath};
 use super::{BlkJob, BlkOptions, BlkRun};
 use crate::host::{host_info, HostInfo};
 use crate::nvme::{LatHist, NvmeOptions, NvmeRun, Runner};
 use crate::pin::Pinner;
 use crate::qemu::QemuBacking;
 use indicatif::{ProgressBar, ProgressStyle};
-use iopath_devices::nvme::backend::BackendKind;
 use iopath_devices::nvme::DoorbellMode;
 use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig};
 use iopath_devices::DeviceConfig;
@@ -29,9 +24,10 @@ use std::time::Duration;
 
 /// Device threads `--pin` places beside the vCPU's: iopath's virtio-blk
 /// worker (in the VMM or a device process), the vhost-user backend's queue
-/// thread, and QEMU's main loop, which serves its virtio-blk's ioeventfds
-/// (no iothread is configured).
-pub const DEVICE_THREADS: &[&str] = &["virtio-blk", "vhost-blk-q0", "qemu-system-x86"];
+/// thread, and QEMU's (`pin::QEMU_DEVICE_THREADS`: its main loop serves its
+/// virtio-blk's ioeventfds, no iothread is configured). QEMU's vCPU thread
+/// (`CPU 0/KVM`) goes where iopath's does.
+pub const DEVICE_THREADS: &[&str] = &["virtio-blk", "vhost-blk-q0", "qemu-system-x86", "worker"];
 
 /// vblk's lines around its timed window (`VmConfig::exit_marks`).
 pub const WINDOW_START: &str = "@vblk-window start";
@@ -63,12 +59,10 @@ pub fn nvme_options(o: &BlkOptions, jobs: &[BlkJob]) -> NvmeOptions {
     }
 }
 
-/// The disk size in bytes: a file backend's (whole MiB), else `size_mb`.
-fn disk_size(o: &BlkOptions) -> u64 {
-    match &o.backend {
-        BackendKind::File(p) => (std::fs::metadata(p).map_or(0, |m| m.len()) >> 20 << 20).max(1 << 20),
-        _ => o.size_mb.clamp(1, 1 << 20) << 20,
-    }
+/// The disk size in bytes, by `bench nvme`'s rule (`nvme::namespace_size`):
+/// a file backend's (whole MiB, at most 1 TiB), else `size_mb`.
+pub(super) fn disk_size(o: &BlkOptions) -> u64 {
+    crate::nvme::namespace_size(&o.backend, Some(o.size_mb))
 }
 
 pub struct Ctx<'a> {
@@ -79,7 +73,8 @@ pub struct Ctx<'a> {
     nvme: Runner<'a>,
     pub(super) progs: Programs,
     pub(super) image: PathBuf,
-    size: u64,
+    /// The disk's size in bytes.
+    pub(super) size: u64,
     /// QEMU and the drive it stands on, found once (None: the reason).
     pub(super) qemu: Result<(PathBuf, QemuBacking), String>,
 }
@@ -184,37 +179,14 @@ impl<'a> Ctx<'a> {
         r.exits_per_io = Some(in_window as f64 / r.ios.max(1) as f64);
         let counters = &rep.devices.first().ok_or_else(|| anyhow::anyhow!("no device report"))?.counters;
         let c = |n: &str| counters.iter().find(|c| c.name == n).map(|c| c.value);
-        let (requests, notifies, kicks) = (c("requests"), c("notifies"), c("kicks"));
-        let show = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
-        let guest = r.guest_notifies.unwrap_or(0);
-        r.routing = format!(
-            "device requests={} notifies(exits)={} kicks={} for {} guest I/Os, {guest} guest notifies",
-            show(requests),
-            show(notifies),
-            show(kicks),
-            r.ios
-        );
-        r.routing_ok = if t == "vhost-user" {
-            // The frontend's notify register is an ioeventfd the backend
-            // reads: no notify exits, none forwarded by the VMM, and the
-            // backend's requests (where it reports them) are the guest's I/O.
-            let (reg, fwd, backend) = (c("kick_ioeventfd"), c("kicks_forwarded"), c("backend.requests"));
-            r.routing = format!(
-                "{}; frontend kick_ioeventfd={} kicks_forwarded={} backend.requests={}",
-                r.routing,
-                show(reg),
-                show(fwd),
-                show(backend)
-            );
-            notifies.unwrap_or(0) == 0
-                && reg == Some(1)
-                && fwd.unwrap_or(0) == 0
-                && backend.or(requests).is_none_or(|q| q == r.ios)
-        } else if notify == NotifyMode::Exit {
-            requests == Some(r.ios) && notifies == Some(guest) && kicks.unwrap_or(0) == 0
-        } else {
-            requests == Some(r.ios) && kicks == Some(guest) && notifies == Some(0)
+        let path = match (t, notify) {
+            ("vhost-user", _) => VirtioPath::VhostUser,
+            (_, NotifyMode::Exit) => VirtioPath::Exit,
+            (_, NotifyMode::Ioeventfd) => VirtioPath::Ioeventfd,
+            (_, NotifyMode::Poll) => VirtioPath::Poll,
         };
+        let v = check::virtio(path, &c, Guest { ios: r.ios, notifies: r.guest_notifies.unwrap_or(0) });
+        (r.routing, r.routing_ok) = (v.text, v.ok);
         guest_checks(&mut r);
         anyhow::ensure!(rep.status == 1, "guest exit status {}: {}", rep.status, r.routing);
         Ok(r)
@@ -301,6 +273,33 @@ pub fn to_run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use iopath_devices::nvme::backend::BackendKind;
+
+    #[test]
+    fn a_file_disk_is_sized_as_bench_nvme_sizes_it() {
+        let dir = std::env::temp_dir();
+        let file = |name: &str, len: u64| {
+            let p = dir.join(format!("iopath-blk-size-{}-{name}", std::process::id()));
+            std::fs::File::create(&p).unwrap().set_len(len).unwrap();
+            p
+        };
+        let o = |p: &Path| BlkOptions { backend: BackendKind::File(p.into()), size_mb: 32, ..Default::default() };
+        // Below 1 MiB: size_mb, which the device makes the file (it was 1 MiB).
+        let tiny = file("tiny", 4096);
+        assert_eq!(disk_size(&o(&tiny)), 32 << 20);
+        // Past 1 TiB (sparse): the first TiB (it was the whole file).
+        let huge = file("huge", (2 << 40) + 4096);
+        assert_eq!(disk_size(&o(&huge)), 1 << 40);
+        // Whole MiB of a file that has them.
+        let odd = file("odd", (3 << 20) + 5);
+        assert_eq!(disk_size(&o(&odd)), 3 << 20);
+        for p in [&tiny, &huge, &odd] {
+            assert_eq!(disk_size(&o(p)), crate::nvme::namespace_size(&o(p).backend, Some(32)));
+            let _ = std::fs::remove_file(p);
+        }
+        let null = BlkOptions { size_mb: 8, ..Default::default() };
+        assert_eq!(disk_size(&null), 8 << 20);
+    }
 
     #[test]
     fn a_vblk_record_with_its_histogram_is_a_run() {

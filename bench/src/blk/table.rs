@@ -51,6 +51,14 @@ pub struct Record {
     pub error: Option<String>,
 }
 
+/// The figure a record is compared by: MB/s (throughput) or p50 (latency).
+fn key(r: &Record) -> Option<f64> {
+    match r.measure {
+        Measure::Throughput => r.mb_s,
+        Measure::Latency => r.p50_ns,
+    }
+}
+
 fn median(v: impl Iterator<Item = f64>) -> Option<Summary> {
     summarize(&v.collect::<Vec<_>>())
 }
@@ -103,14 +111,11 @@ impl BlkResult {
                 });
             }
         }
-        // Each against the reference's record of its job.
-        let key = |r: &Record| match r.measure {
-            Measure::Throughput => r.mb_s,
-            Measure::Latency => r.p50_ns,
-        };
+        // Each against the reference's record of its job; only records
+        // whose every run held its routing check are divided or divide.
         let refs: Vec<(usize, Option<f64>)> =
-            out.iter().filter(|r| r.target == o.reference).map(|r| (r.job_index, key(r))).collect();
-        for r in out.iter_mut() {
+            out.iter().filter(|r| r.target == o.reference && r.routing_ok).map(|r| (r.job_index, key(r))).collect();
+        for r in out.iter_mut().filter(|r| r.routing_ok) {
             let base = refs.iter().find(|x| x.0 == r.job_index).and_then(|x| x.1).filter(|&b| b > 0.0);
             r.ratio = key(r).zip(base).map(|(v, b)| v / b);
         }
@@ -126,9 +131,9 @@ impl BlkResult {
             s,
             "blk: backend {} ({} MiB), {} s per run, {} round(s), 1 guest vCPU, {}; throughput {} B at QD{}, \
              latency {} B at QD1; medians over rounds [min..max], percentiles over all rounds' I/Os; \
-             ratio = target / {} (MB/s; latency: p50)",
+             ratio = target / {} (MB/s; latency: p50), only between records whose checks held",
             o.backend,
-            o.size_mb,
+            self.disk_bytes >> 20,
             o.time_ms as f64 / 1000.0,
             o.rounds,
             o.pin.map_or_else(|| crate::floor::UNPINNED.to_string(), |p| p.to_string()),
@@ -176,7 +181,7 @@ impl BlkResult {
             for (t, why) in &self.not_run {
                 let _ = writeln!(s, "{t:<25} {why}");
             }
-            let _ = writeln!(s, "how far apart (max/min over targets that ran):");
+            let _ = writeln!(s, "how far apart (max/min over targets that ran and held their checks):");
             for &j in &jobs {
                 let _ = writeln!(s, "  {:<20} {}", self.jobs[j].name, spread(&recs, j, m));
             }
@@ -217,6 +222,7 @@ impl BlkResult {
             "schema_version": crate::guard::JSON_SCHEMA_VERSION,
             "host": self.host,
             "options": self.options,
+            "disk_mb": self.disk_bytes >> 20,
             "tsc_khz": self.tsc_khz,
             "jobs": self.jobs,
             "records": self.records(),
@@ -247,7 +253,7 @@ fn short(name: &str) -> String {
 fn spread(recs: &[crate::blk::Record], j: usize, m: Measure) -> String {
     let v: Vec<(f64, &str)> = recs
         .iter()
-        .filter(|r| r.job_index == j)
+        .filter(|r| r.job_index == j && r.routing_ok)
         .filter_map(|r| Some((if m == Measure::Throughput { r.mb_s? } else { r.p50_ns? }, r.target.as_str())))
         .filter(|x| x.0 > 0.0)
         .collect();
@@ -259,5 +265,107 @@ fn spread(recs: &[crate::blk::Record], j: usize, m: Measure) -> String {
             format!("{:.2}x: {} ({}) .. {} ({})", hi.0 / lo.0, f(lo.0), lo.1, f(hi.0), hi.1)
         }
         _ => "-".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::blk::{BlkOptions, BlkRun};
+    use crate::host::HostInfo;
+
+    fn run(target: &str, job_index: usize, mb_s: f64, ok: bool) -> BlkRun {
+        BlkRun {
+            target: target.into(),
+            job_index,
+            job: String::new(),
+            round: 0,
+            ios: 100,
+            cycles: 1,
+            iops: mb_s,
+            mb_s,
+            p50_ns: 1000.0,
+            p99_ns: 2000.0,
+            hist: Vec::new(),
+            lat: None,
+            window_exits: Some(0),
+            exits_per_io: Some(job_index as f64),
+            guest_notifies: Some(1),
+            errors: 0,
+            routing: if ok { "fine".into() } else { "wrong counters".into() },
+            routing_ok: ok,
+        }
+    }
+
+    /// One throughput job on three targets, the reference's routing as `ref_ok`.
+    fn result(ref_ok: bool) -> BlkResult {
+        let targets = ["virtio-ioeventfd", "virtio-exit", "virtio-poll"];
+        let options = BlkOptions {
+            targets: targets.iter().map(|t| t.to_string()).collect(),
+            size_mb: 64,
+            pin: None,
+            ..Default::default()
+        };
+        let jobs = options.jobs();
+        BlkResult {
+            host: HostInfo {
+                cpu: "test".into(),
+                cpus: 2,
+                kernel: "k".into(),
+                kvm_module: "kvm".into(),
+                nested: false,
+                tsc_khz: 1_000_000,
+            },
+            disk_bytes: 5 << 20,
+            options,
+            jobs,
+            tsc_khz: 1_000_000,
+            runs: vec![
+                run("virtio-ioeventfd", 0, 1000.0, ref_ok),
+                run("virtio-exit", 0, 100.0, true),
+                run("virtio-poll", 0, 400.0, !ref_ok),
+            ],
+            failures: Vec::new(),
+            not_run: Vec::new(),
+            errors: Vec::new(),
+        }
+    }
+
+    /// report.md from this one blk document.
+    fn blk_markdown(doc: &Value) -> String {
+        let input = crate::report::Input { docs: vec![doc.clone()], ..Default::default() };
+        crate::report::render(&input).markdown
+    }
+
+    fn ratio(recs: &[Record], t: &str) -> Option<f64> {
+        recs.iter().find(|r| r.job_index == 0 && r.target == t).unwrap().ratio
+    }
+
+    #[test]
+    fn ratios_and_spread_leave_out_records_whose_checks_failed() {
+        // The reference failed its check: nothing is divided by its figure.
+        let r = result(false);
+        let recs = r.records();
+        assert_eq!((ratio(&recs, "virtio-exit"), ratio(&recs, "virtio-poll")), (None, None));
+        assert_eq!(spread(&recs, 0, Measure::Throughput), "4.00x: 100 MB/s (virtio-exit) .. 400 MB/s (virtio-poll)");
+        // The reference held, virtio-poll did not: it gets no ratio and is not in the spread.
+        let r = result(true);
+        let recs = r.records();
+        assert_eq!((ratio(&recs, "virtio-exit"), ratio(&recs, "virtio-poll")), (Some(0.1), None));
+        assert!(spread(&recs, 0, Measure::Throughput).starts_with("10.00x: 100 MB/s (virtio-exit) .. 1000 MB/s"));
+        // The report's table says the same from the JSON document.
+        let md = blk_markdown(&r.json());
+        assert!(md.contains("| 10.00x (virtio-exit .. virtio-ioeventfd) |"), "{md}");
+    }
+
+    #[test]
+    fn the_header_gives_the_disk_size_the_targets_ran_on() {
+        let r = result(true);
+        assert!(r.table().contains("backend null (5 MiB)"), "{}", r.table());
+        assert_eq!(r.json()["disk_mb"], 5);
+        let md = blk_markdown(&r.json());
+        assert!(md.contains("backend `null` (5 MiB)"), "{md}");
+        // Exits per I/O for each job, in the columns' order (only job 0 ran).
+        assert!(md.contains("| 0.000 / - / - / - |"), "{md}");
     }
 }

@@ -346,18 +346,22 @@ pub struct NvmeResult {
 /// The target name of the host's own fio row.
 pub const FIO_TARGET: &str = "fio (host)";
 
-/// The namespace size for a file backend: the file's, in whole MiB (a device
-/// process gets it as size_mb), so that the guest, fio and QEMU all range
-/// over the same bytes; the default where the file is missing or < 1 MiB.
-fn namespace_size(backend: &BackendKind, size_mb: Option<u64>) -> u64 {
+/// The disk size in bytes, for `bench nvme` and `bench blk` alike: a file
+/// backend's is the file's, in whole MiB (a device process gets it as
+/// size_mb), so that the guest, fio and QEMU all range over the same bytes;
+/// where the file is missing or < 1 MiB, `size_mb` or the default (the
+/// device makes the file that long). Null and ram: `size_mb` or the default.
+/// At most 1 TiB.
+pub fn namespace_size(backend: &BackendKind, size_mb: Option<u64>) -> u64 {
+    let asked = size_mb.filter(|&m| m > 0).map_or(NvmeConfig::default().size, |m| m.min(1 << 20) << 20);
     let len = match backend {
         BackendKind::File(p) => std::fs::metadata(p).map_or(0, |m| m.len()) >> 20 << 20,
-        _ => size_mb.unwrap_or(0).min(1 << 20) << 20,
+        _ => asked,
     };
     if len > 0 {
         len.min(1 << 40)
     } else {
-        NvmeConfig::default().size
+        asked
     }
 }
 

@@ -249,7 +249,8 @@ impl<'a> Ctx<'a> {
         let (q, backing) = self.qemu.as_ref().ok_or_else(|| anyhow::anyhow!("no QEMU"))?;
         let (qr, drive) = {
             let _c = contenders(o)?;
-            let _pinned = pinner(o);
+            // QEMU's vCPU where iopath's goes, its main loop where the device threads go.
+            let _pinned = o.pin.map(|p| crate::pin::Pinner::start(p, crate::pin::QEMU_DEVICE_THREADS));
             let timeout = Duration::from_secs(o.timeout_s);
             crate::qemu::run_nvme(q, &self.image, &cmdline(j, o, self.tsc_khz), o.mem_mb, backing, o.lba, timeout)?
         };

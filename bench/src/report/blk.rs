@@ -91,10 +91,10 @@ fn cell(r: &Value, throughput: bool) -> String {
     }
 }
 
-/// max/min over the targets that ran job `ji`, naming both ends.
+/// max/min over the targets that ran job `ji` and held their checks, naming both ends.
 fn apart(d: &Value, ji: usize, key: &str) -> String {
     let v: Vec<(f64, &str)> = records(d)
-        .filter(|r| r["job_index"].as_u64() == Some(ji as u64))
+        .filter(|r| r["job_index"].as_u64() == Some(ji as u64) && r["routing_ok"] == true)
         .filter_map(|r| Some((f(&r[key]).filter(|x| *x > 0.0)?, r["target"].as_str()?)))
         .collect();
     let lo = v.iter().min_by(|a, b| a.0.total_cmp(&b.0));
@@ -114,9 +114,11 @@ pub(super) fn markdown(input: &Input, s: &mut String) {
         s,
         "`bench blk`: one guest job on every path, backend `{}` ({} MiB) for all; throughput at {} B QD{}, \
          latency at {} B QD1; {} s per run, {} round(s). Medians over rounds [min..max]; latency percentiles \
-         from all rounds' I/Os. In parentheses: the ratio to `{}` (MB/s; latency: p50).\n",
+         from all rounds' I/Os. In parentheses: the ratio to `{}` (MB/s; latency: p50), only between records \
+         whose checks held; exits/IO per job, in the columns' order.\n",
         o["backend"].as_str().unwrap_or("?"),
-        o["size_mb"],
+        // A file backend's real size (documents before disk_mb: the option).
+        if d["disk_mb"].is_u64() { &d["disk_mb"] } else { &o["size_mb"] },
         o["tput_bs"],
         o["tput_qd"],
         o["lat_bs"],
@@ -136,15 +138,18 @@ pub(super) fn markdown(input: &Input, s: &mut String) {
         for c in &cols {
             let _ = write!(s, " {} |", c.1);
         }
-        let _ = writeln!(s, " exits/IO |\n|---|{}---:|", "---:|".repeat(cols.len()));
+        let _ = writeln!(s, " exits/IO per job |\n|---|{}---:|", "---:|".repeat(cols.len()));
         for t in targets(d) {
             let _ = write!(s, "| {t} |");
             for c in &cols {
                 let _ = write!(s, " {} |", find(d, &t, c.0).map_or("-".into(), |r| cell(r, measure == "throughput")));
             }
-            // Exits per I/O of the first job of this measure.
-            let e = cols.first().and_then(|c| find(d, &t, c.0)).and_then(|r| f(&r["exits_per_io"]));
-            let _ = writeln!(s, " {} |", e.map_or("-".into(), |x| format!("{x:.3}")));
+            // Exits per I/O of each job of this measure, in the columns' order.
+            let e: Vec<String> = cols
+                .iter()
+                .map(|c| find(d, &t, c.0).and_then(|r| f(&r["exits_per_io"])).map_or("-".into(), |x| format!("{x:.3}")))
+                .collect();
+            let _ = writeln!(s, " {} |", e.join(" / "));
         }
         for n in d["not_run"].as_array().into_iter().flatten() {
             let _ = writeln!(
