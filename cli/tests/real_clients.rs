@@ -118,7 +118,11 @@ fn linux_with(device_args: &[&str], device_log: &dyn Fn() -> String) -> String {
     let (rc, text) = script("run-linux.sh", &args);
     let c = checks(&text);
     eprintln!("{}", c.join("\n"));
-    assert!(c.iter().any(|l| l.starts_with("@done ")), "no @done (rc {rc}):\n{text}");
+    assert!(
+        c.iter().any(|l| l.starts_with("@done ")),
+        "no @done (rc {rc}):\n{text}\n--- device process stderr ---\n{}",
+        device_log()
+    );
     assert_eq!(
         rc,
         0,
