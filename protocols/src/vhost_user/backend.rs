@@ -32,8 +32,11 @@
 //!
 //! Bounds on what a frontend can make the process spend: one message at
 //! a time, at most 4 KiB (the crate) and [`MAX_REGIONS`] memory regions
-//! with one fd each; one thread per ring ([`NUM_QUEUES`]); a message, once
-//! begun, whole within the session socket's receive timeout.
+//! with one fd each; one thread per ring ([`NUM_QUEUES`]); with a receive
+//! timeout on the session socket, a message's header, once begun, whole
+//! within it (peeked before the crate reads it), and each request done
+//! (read, served, answered) within it plus the send timeout, or a watchdog
+//! shuts the socket down: the crate retries timed-out reads and writes.
 
 #[path = "backend_dev.rs"]
 mod dev;
@@ -43,6 +46,8 @@ mod mem;
 mod req;
 #[path = "backend_serve.rs"]
 mod serve;
+#[path = "backend_watchdog.rs"]
+mod watchdog;
 #[path = "backend_worker.rs"]
 mod worker;
 
@@ -59,7 +64,11 @@ use iopath_devices::Counter;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use vhost::vhost_user::{BackendReqHandler, Error as VuError, VhostUserProtocolFeatures};
+
+/// A vhost-user message header: request, flags, size (u32 each).
+const HEADER: usize = 12;
 
 /// Queues the device has (config num_queues, GET_QUEUE_NUM).
 pub const NUM_QUEUES: usize = 4;
@@ -101,25 +110,68 @@ impl BlkBackend {
 
     /// Serves one frontend on `sock` until it leaves (`Ok`) or a request
     /// is refused or the channel breaks (`Err`, which says why); then
-    /// forgets everything it gave. Waits between messages without bound; a
-    /// begun message must arrive within `sock`'s receive timeout.
+    /// forgets everything it gave. Waits between messages without bound;
+    /// with a receive timeout on `sock` (`T`), a begun message's header
+    /// must be whole within `T`, and the request (its body read, served,
+    /// answered) done within `T` plus the send timeout, or the session ends.
     pub fn session(&self, sock: &UnixStream) -> Result<()> {
         let s = Arc::new(Mutex::new(req::Session::new(self.dev.clone(), self.notify)));
         let ch = sock.try_clone().map_err(|e| Error::io("the session socket", e))?;
+        let header = sock.read_timeout().ok().flatten();
+        let request = header.map(|t| t + sock.write_timeout().ok().flatten().unwrap_or(t));
+        // The crate retries a read or write that times out for ever: a
+        // watchdog shuts the socket down when a request outlives its bound.
+        let dog = match request {
+            Some(_) => {
+                let c = sock.try_clone().map_err(|e| Error::io("the session socket", e))?;
+                let d = watchdog::Watchdog::new(c).map_err(|e| Error::io("the session's watchdog thread", e))?;
+                Some(d)
+            }
+            None => None,
+        };
         let mut h = BackendReqHandler::from_stream(ch, s.clone());
         let r = loop {
             if let Err(e) = wait_readable(sock) {
                 break Err(Error::io("waiting for a message", e));
             }
-            match h.handle_request() {
-                Ok(()) => {}
+            if let Some(t) = header {
+                match header_within(sock, t) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        self.lock().st.socket_errors += 1;
+                        break Err(Error::protocol(format!("vhost-user: a message header not whole within {t:?}")));
+                    }
+                    Err(e) => break Err(Error::io("peeking at a message", e)),
+                }
+            }
+            iopath_devices::lock(&s).refusal = None;
+            let (res, late) = match (&dog, request) {
+                (Some(d), Some(t)) => d.run(t, || h.handle_request()),
+                _ => (h.handle_request(), false),
+            };
+            if late {
+                self.lock().st.socket_errors += 1;
+                let t = request.unwrap_or_default();
+                break Err(Error::protocol(format!(
+                    "vhost-user: a request not read, served and answered within {t:?}"
+                )));
+            }
+            match res {
+                // The crate answers some refusals with an error reply and
+                // goes on (SET_DEVICE_STATE_FD, CHECK_DEVICE_STATE): a
+                // refused request ends the session all the same.
+                Ok(()) => {
+                    if let Some(w) = iopath_devices::lock(&s).refusal.take() {
+                        break Err(Error::protocol(w));
+                    }
+                }
                 Err(VuError::Disconnected) => break Ok(()),
                 Err(e) => {
                     let why = iopath_devices::lock(&s).refusal.take();
                     let what = match why {
                         Some(w) => w,
                         None => {
-                            iopath_devices::lock(&self.dev).st.refused += 1;
+                            self.lock().st.socket_errors += 1;
                             format!("vhost-user: {e}")
                         }
                     };
@@ -128,13 +180,46 @@ impl BlkBackend {
             }
         };
         drop(h);
+        drop(dog);
         iopath_devices::lock(&s).end();
         r
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Dev> {
+        iopath_devices::lock(&self.dev)
     }
 
     /// The device's counters (requests, kicks, interrupts, errors...).
     pub fn counters(&self) -> Vec<Counter> {
         iopath_devices::lock(&self.dev).counters()
+    }
+}
+
+/// Waits until the 12-byte header of the message `sock` has input of is
+/// whole (true), or the peer left (true: the crate reads the end), for at
+/// most `t` (false).
+fn header_within(sock: &UnixStream, t: Duration) -> std::io::Result<bool> {
+    let end = Instant::now() + t;
+    let mut b = [0u8; HEADER];
+    loop {
+        // SAFETY: a peek into a local buffer of its length.
+        let n =
+            unsafe { libc::recv(sock.as_raw_fd(), b.as_mut_ptr().cast(), HEADER, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+        if n == 0 || n as usize >= HEADER {
+            return Ok(true);
+        }
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) {
+                return Err(e);
+            }
+        }
+        let now = Instant::now();
+        if now >= end {
+            return Ok(false);
+        }
+        // Part of a header is there (poll would return at once): look again soon.
+        std::thread::sleep((end - now).min(Duration::from_millis(2)));
     }
 }
 

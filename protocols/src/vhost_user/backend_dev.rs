@@ -43,6 +43,8 @@ pub(super) struct Stats {
     pub(super) ring_errors: u64,
     /// Messages refused (an error reply, or the session closed).
     pub(super) refused: u64,
+    /// Sessions ended by the channel: a broken message, a request late.
+    pub(super) socket_errors: u64,
     pub(super) mem_tables: u64,
     /// Requests served on each ring.
     pub(super) ring_requests: [u64; super::NUM_QUEUES],
@@ -193,6 +195,7 @@ impl Dev {
             ("interrupts", st.interrupts),
             ("ring_errors", st.ring_errors),
             ("refused", st.refused),
+            ("socket_errors", st.socket_errors),
             ("mem_tables", st.mem_tables),
         ]
         .into_iter()
