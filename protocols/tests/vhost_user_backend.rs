@@ -453,3 +453,56 @@ fn a_ring_stopped_right_after_it_was_disabled_answers() {
     }
     r.end().1.unwrap();
 }
+
+/// A pipe as a call, error or kick fd: once full (nobody reads it) a
+/// write to it would block the ring's thread, with the device's lock held,
+/// for good. Only eventfds are taken.
+#[test]
+fn a_pipe_as_a_call_error_or_kick_fd_is_refused() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = Guest::new(true);
+    for which in ["call", "error", "kick"] {
+        let mut p = [0i32; 2];
+        // SAFETY: a new pipe; each end owned below.
+        assert_eq!(unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+        // SAFETY: the read end is ours; the write end is owned by the EventFd.
+        let (_read, pipe) = unsafe { (File::from_raw_fd(p[0]), EventFd::from_raw_fd(p[1])) };
+        let mut r = rig(NotifyMode::Ioeventfd);
+        r.negotiate();
+        r.fe.set_mem_table(&[g.region()]).unwrap();
+        r.fe.set_vring_num(0, QSIZE).unwrap();
+        r.fe.set_vring_addr(0, &Rig::ring_config(&g, g.uva(DESC))).unwrap();
+        let res = match which {
+            "call" => r.fe.set_vring_call(0, &pipe),
+            "error" => r.fe.set_vring_err(0, &pipe),
+            _ => r.fe.set_vring_kick(0, &pipe),
+        };
+        refused(r, res, &format!("the {which} fd: not an eventfd"));
+    }
+}
+
+/// A kick eventfd's count is the frontend's to choose: two kicks that
+/// each carry nearly `u64::MAX` must not overflow the kicks counter (a
+/// panic in debug, the ring's thread gone) and the ring is served on.
+#[test]
+fn kicks_near_the_eventfd_maximum_do_not_overflow() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = Guest::new(true);
+    let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+    let mut r = rig(NotifyMode::Ioeventfd);
+    r.negotiate();
+    r.start(&g, &kick, &call);
+    for k in 0..3u16 {
+        submit(&g, k, 1, 8, 0x10000);
+        // The eventfd is full until the ring's thread reads the last kick.
+        let t0 = Instant::now();
+        while kick.write(u64::MAX - 1).is_err() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "kick {k}: the ring's thread reads no more kicks");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        wait_used(&g, &call, k + 1);
+    }
+    let (be, res) = r.end();
+    res.unwrap();
+    assert_eq!(counter(&be, "requests"), 3);
+}

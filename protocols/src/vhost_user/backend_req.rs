@@ -11,7 +11,7 @@
 //! session does: [`Session::end`] (also on drop) stops the ring threads,
 //! which hold the kick fds, and drops the memory and the call and error fds.
 
-use super::dev::Dev;
+use super::dev::{eventfd, Dev};
 use super::mem::MemTable;
 use super::worker::Worker;
 use super::{FEATURES, F_PROTOCOL_FEATURES, NUM_QUEUES};
@@ -235,6 +235,9 @@ impl VhostUserBackendReqHandlerMut for Session {
         let Some(kick) = fd else {
             return self.refuse(format!("queue {i}: no kick fd (polling without one is not offered)"));
         };
+        if let Err(why) = eventfd(&kick) {
+            return self.refuse(format!("queue {i}: the kick fd: {why}"));
+        }
         self.stop(i);
         self.place(i)?;
         {
@@ -259,12 +262,18 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
         let i = self.ring(index as u32)?;
-        self.dev().rings[i].call = fd;
+        if let Some(Err(why)) = fd.as_ref().map(eventfd) {
+            return self.refuse(format!("queue {i}: the call fd: {why}"));
+        }
+        self.dev().rings[i].call = fd.map(Arc::new);
         Ok(())
     }
 
     fn set_vring_err(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
         let i = self.ring(index as u32)?;
+        if let Some(Err(why)) = fd.as_ref().map(eventfd) {
+            return self.refuse(format!("queue {i}: the error fd: {why}"));
+        }
         self.dev().rings[i].err = fd;
         Ok(())
     }
