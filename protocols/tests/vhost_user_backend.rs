@@ -506,3 +506,97 @@ fn kicks_near_the_eventfd_maximum_do_not_overflow() {
     res.unwrap();
     assert_eq!(counter(&be, "requests"), 3);
 }
+
+/// A driver (a thread of the test) that keeps ring 0 (256 entries) full:
+/// each entry the device uses is made available again at once (the same
+/// 512 KiB write), so that a pass of the ring's thread finds work to its
+/// end and the next one too. GET_VRING_BASE (which stops the thread) must
+/// still be answered, on kicks and polling.
+#[test]
+fn a_ring_kept_full_still_stops_at_get_vring_base() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const N: u16 = 256;
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for notify in [NotifyMode::Ioeventfd, NotifyMode::Poll] {
+        let g = Guest::new(true);
+        let (kick, call) = (EventFd::new(libc::EFD_NONBLOCK).unwrap(), EventFd::new(0).unwrap());
+        let mut r = rig(notify);
+        r.negotiate();
+        r.fe.set_mem_table(&[g.region()]).unwrap();
+        r.fe.set_vring_num(0, N).unwrap();
+        let ring = VringConfigData { queue_max_size: N, queue_size: N, ..Rig::ring_config(&g, g.uva(DESC)) };
+        r.fe.set_vring_addr(0, &ring).unwrap();
+        r.fe.set_vring_base(0, 0).unwrap();
+        r.fe.set_vring_call(0, &call).unwrap();
+        r.fe.set_vring_kick(0, &kick).unwrap();
+        r.fe.set_vring_enable(0, true).unwrap();
+        // The one chain, at head 0: a write of 512 KiB at sector 0.
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&1u32.to_le_bytes());
+        g.write(0x8000, &h);
+        for (j, (addr, len, flags)) in
+            [(0x8000u64, 16u32, 1u16), (0x80000, 0x80000, 1), (0x9000, 1, 2)].iter().enumerate()
+        {
+            let mut d = [0u8; 16];
+            d[0..8].copy_from_slice(&addr.to_le_bytes());
+            d[8..12].copy_from_slice(&len.to_le_bytes());
+            d[12..14].copy_from_slice(&flags.to_le_bytes());
+            d[14..16].copy_from_slice(&(j as u16 + 1).to_le_bytes());
+            g.write(DESC + 16 * j as u64, &d);
+        }
+        let done = Arc::new(AtomicBool::new(false));
+        let (base, d2, k2) = (g.ptr as usize, done.clone(), kick.try_clone().unwrap());
+        let feeder = std::thread::spawn(move || {
+            let at = |gpa: u64| (base + gpa as usize) as *mut u16;
+            let mut spins = 0u64;
+            while !d2.load(Ordering::Relaxed) {
+                // SAFETY: inside the guest's mapping, which outlives this thread (joined below).
+                unsafe {
+                    let used = std::ptr::read_volatile(at(USED + 2));
+                    let mut avail = std::ptr::read_volatile(at(AVAIL + 2));
+                    while avail != used.wrapping_add(N) {
+                        std::ptr::write_volatile(at(AVAIL + 4 + 2 * (avail % N) as u64), 0);
+                        avail = avail.wrapping_add(1);
+                        std::sync::atomic::fence(Ordering::SeqCst);
+                        std::ptr::write_volatile(at(AVAIL + 2), avail);
+                    }
+                }
+                // Kicked only now and then: the refill is what keeps the ring full.
+                spins += 1;
+                if spins % 4096 == 1 {
+                    let _ = k2.write(1);
+                }
+            }
+        });
+        // The device is busy: the used index moves.
+        let t0 = Instant::now();
+        while g.u16_at(USED + 2) < 1000 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "{notify}: the ring is not served");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let Rig { fe, be, session } = r;
+        let before = counter(&be, "requests");
+        let asker = std::thread::spawn(move || {
+            let _ = tx.send(fe.get_vring_base(0).map_err(|e| e.to_string()));
+            fe
+        });
+        let got = rx.recv_timeout(Duration::from_secs(10));
+        let after = counter(&be, "requests");
+        done.store(true, Ordering::Relaxed);
+        feeder.join().unwrap();
+        assert!(matches!(got, Ok(Ok(_))), "{notify}: GET_VRING_BASE not answered: {got:?}");
+        let fe = asker.join().unwrap();
+        let (be, res) = Rig { fe, be, session }.end();
+        res.unwrap();
+        // The thread stops after the pass it is in (at most N + 1 requests);
+        // a pass or two more may begin before the stop is sent.
+        assert!(
+            after - before <= 4 * (N as u64 + 1),
+            "{notify}: {} requests served while it was stopped",
+            after - before
+        );
+        assert!(counter(&be, "requests") >= 1000);
+        assert_eq!(counter(&be, "ring_errors"), 0);
+    }
+}

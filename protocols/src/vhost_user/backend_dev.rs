@@ -103,7 +103,7 @@ impl Dev {
 
     /// Ring `i` is served: memory mapped, the ring started and enabled, and
     /// not broken since it started.
-    fn live(&self, i: usize) -> bool {
+    pub(super) fn live(&self, i: usize) -> bool {
         let r = &self.rings[i];
         self.mem.is_some() && r.q.ready && r.enabled && !r.broken
     }

@@ -149,7 +149,9 @@ fn kick_loop(dev: &Mutex<Dev>, fds: &mut Fds) {
             Woke::Kick => kicked(dev),
             Woke::Look => {}
         }
-        while pass(dev, i) {}
+        // A frontend that keeps the ring full keeps this going: the stop
+        // (GET_VRING_BASE, the session's end) is looked at between passes.
+        while !fds.stop.load(Ordering::Acquire) && pass(dev, i) {}
     }
 }
 
@@ -170,9 +172,18 @@ fn poll_loop(dev: &Mutex<Dev>, fds: &mut Fds) {
             iopath_devices::lock(dev).set_polling(i, true);
             (awake, idle) = (true, Instant::now());
         }
-        let worked = iopath_devices::lock(dev).has_work(i);
+        let (live, worked) = {
+            let d = iopath_devices::lock(dev);
+            (d.live(i), d.has_work(i))
+        };
+        if !live {
+            // Not served (disabled, stopped, broken): no spinning, sleep on kicks.
+            iopath_devices::lock(dev).set_polling(i, false);
+            awake = false;
+            continue;
+        }
         if worked {
-            while pass(dev, i) {}
+            while !fds.stop.load(Ordering::Acquire) && pass(dev, i) {}
         }
         if worked {
             idle = Instant::now();
