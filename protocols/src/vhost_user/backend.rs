@@ -70,8 +70,11 @@ use vhost::vhost_user::{BackendReqHandler, Error as VuError, VhostUserProtocolFe
 /// A vhost-user message header: request, flags, size (u32 each).
 const HEADER: usize = 12;
 
-/// Queues the device has (config num_queues, GET_QUEUE_NUM).
-pub const NUM_QUEUES: usize = 4;
+/// Queues the device has (config num_queues, GET_QUEUE_NUM): QEMU's
+/// vhost-user-blk-pci sets up one per vCPU (up to this many; `-smp 16`).
+/// A queue costs its state here; a thread only once the frontend starts it
+/// (SET_VRING_KICK): at most this many ring threads per session.
+pub const NUM_QUEUES: usize = 16;
 /// VIRTIO_BLK_F_MQ.
 pub const F_MQ: u64 = 1 << 12;
 /// VHOST_USER_F_PROTOCOL_FEATURES (a virtio feature bit vhost-user uses).
