@@ -630,3 +630,26 @@ fn the_sixteenth_queue_serves_requests() {
     res.unwrap();
     assert_eq!(counter(&be, "q15.requests"), 1);
 }
+
+/// SET_VRING_ADDR before SET_VRING_NUM (the order is the frontend's): a
+/// small ring near the end of the memory fits its own size, not the
+/// device's largest; it is checked once its size is known.
+#[test]
+fn ring_addresses_before_the_ring_size_are_checked_at_that_size() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = Guest::new(true);
+    let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+    let mut r = rig(NotifyMode::Ioeventfd);
+    r.negotiate();
+    r.fe.set_mem_table(&[g.region()]).unwrap();
+    // 8 descriptors (128 bytes) in the memory's last 512 bytes.
+    let ring = VringConfigData { queue_size: 8, ..Rig::ring_config(&g, g.uva(MEM as u64 - 512)) };
+    r.fe.set_vring_addr(0, &ring).unwrap();
+    r.fe.set_vring_num(0, 8).unwrap();
+    r.fe.set_vring_base(0, 0).unwrap();
+    r.fe.set_vring_call(0, &call).unwrap();
+    r.fe.set_vring_kick(0, &kick).unwrap();
+    r.fe.set_vring_enable(0, true).unwrap();
+    assert_eq!(r.fe.get_vring_base(0).unwrap(), 0);
+    r.end().1.unwrap();
+}
