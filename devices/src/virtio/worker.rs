@@ -30,8 +30,10 @@ pub(super) fn kick_loop(state: &Mutex<State<BlkEngine>>, kick: &EventFd, stop: &
     while !stop.load(Ordering::Acquire) {
         let n = wait_kick(kick, stop);
         if n > 0 {
-            let st = &mut crate::lock(state).e.st;
-            st.kicks = st.kicks.saturating_add(n);
+            {
+                let mut st = crate::lock(state);
+                st.e.st.kicks = st.e.st.kicks.saturating_add(n);
+            }
             // A driver that keeps the queue full keeps this going: the
             // stop is looked at between passes, the lock let go of.
             while !stop.load(Ordering::Acquire) && crate::lock(state).serve() {}
