@@ -433,13 +433,28 @@ fn a_frontend_that_leaves_in_the_middle_of_io_leaves_nothing_behind() {
         let mut r = rig(notify);
         r.negotiate();
         r.start(&g, &kick, &call);
-        // A ring's worth of requests in flight, and gone without a word.
-        for k in 0..QSIZE / 3 {
+        // A batch served, then another made available and not kicked: the
+        // device has them (its thread asleep on the kick fd, notifications
+        // on) when the frontend goes without a word.
+        let n = QSIZE / 3;
+        for k in 0..n {
             submit(&g, k, 1, k as u64 * 8, 0x10000 + 4096 * k as u64);
         }
         kick.write(1).unwrap();
+        wait_used(&g, &call, n);
+        let t0 = Instant::now();
+        while notify == NotifyMode::Poll && counter(&r.be, "sleeps") == 0 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "the poller never slept");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        for k in 0..n {
+            submit(&g, k, 1, k as u64 * 8, 0x10000 + 4096 * k as u64);
+        }
         let (be, res) = r.end();
         res.unwrap();
+        assert_eq!(g.u16_at(AVAIL + 2), 2 * n);
+        assert_eq!(g.u16_at(USED + 2), n, "{notify}: no request was in flight at the disconnect");
+        assert_eq!(counter(&be, "requests"), n as u64);
         assert_eq!(counter(&be, "ring_errors"), 0);
         assert_eq!((fds(), mappings()), (fds0, maps0), "{notify}: fds or mappings left after the session");
     }
