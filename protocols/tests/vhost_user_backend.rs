@@ -713,3 +713,31 @@ fn ring_addresses_before_the_ring_size_are_checked_at_that_size() {
     assert_eq!(r.fe.get_vring_base(0).unwrap(), 0);
     r.end().1.unwrap();
 }
+
+/// CHECK_DEVICE_STATE (not offered): the crate answers the refusal with an
+/// error in its reply and would read on; the session ends all the same,
+/// as at every refused request.
+#[test]
+fn a_refused_check_device_state_ends_the_session() {
+    use std::io::{Read, Write};
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd };
+    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+    let (mut a, b) = UnixStream::pair().unwrap();
+    b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let be2 = be.clone();
+    let session = std::thread::spawn(move || be2.session(&b));
+    let mut hdr = [0u8; 12];
+    hdr[0..4].copy_from_slice(&43u32.to_le_bytes()); // CHECK_DEVICE_STATE
+    hdr[4..8].copy_from_slice(&1u32.to_le_bytes()); // version 1
+    a.write_all(&hdr).unwrap();
+    a.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut reply = [0u8; 20];
+    a.read_exact(&mut reply).unwrap();
+    assert_eq!(u64::from_le_bytes(reply[12..20].try_into().unwrap()), 1, "an error in the reply");
+    let mut more = [0u8; 1];
+    assert_eq!(a.read(&mut more).map_err(|e| e.kind()), Ok(0), "the session went on after a refusal");
+    let e = session.join().unwrap().unwrap_err().to_string();
+    assert!(e.contains("CHECK_DEVICE_STATE"), "{e}");
+    assert_eq!(counter(&be, "refused"), 1);
+}
