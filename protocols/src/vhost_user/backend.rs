@@ -24,19 +24,23 @@
 //! kicks or polls it (`notify=poll`), and signals the call fd as the driver
 //! asks; the rings share the disk behind one lock.
 //!
-//! A session ends when the frontend leaves, or at the first request it
-//! refuses, with a log line (and, if the frontend asked, an error reply
-//! first); then nothing the frontend gave is kept: ring threads joined,
-//! memory unmapped, kick, call and error fds closed. The disk (a ram
-//! backend's data) and the counters stay for the next frontend.
+//! A session ends when the frontend leaves, at the first request it
+//! refuses (`refused`), or when the channel breaks or is too slow
+//! (`socket_errors`), with a log line (and, if the frontend asked, an
+//! error reply first); then nothing the frontend gave is kept: ring
+//! threads joined, memory unmapped, kick, call and error fds closed. The
+//! disk (a ram backend's data) and the counters stay for the next frontend.
 //!
-//! Bounds on what a frontend can make the process spend: one message at
-//! a time, at most 4 KiB (the crate) and [`MAX_REGIONS`] memory regions
-//! with one fd each; one thread per ring ([`NUM_QUEUES`]); with a receive
-//! timeout on the session socket, a message's header, once begun, whole
-//! within it (peeked before the crate reads it), and each request done
-//! (read, served, answered) within it plus the send timeout, or a watchdog
-//! shuts the socket down: the crate retries timed-out reads and writes.
+//! Bounds on what a frontend can make the process spend: one message at a
+//! time, at most 4 KiB (the crate) and [`MAX_REGIONS`] memory regions with
+//! one fd each; one thread per started ring ([`NUM_QUEUES`]), which looks
+//! at its stop between passes; kick, call and error fds eventfds only
+//! (made non-blocking: a signal that finds one full is dropped, never
+//! waited for); with a receive timeout on the session socket, a message's
+//! header, once begun, whole within it (peeked before the crate reads it),
+//! and each request done (read, served, answered) within it plus the send
+//! timeout, or a watchdog shuts the socket down: the crate retries
+//! timed-out reads and writes for ever.
 
 #[path = "backend_dev.rs"]
 mod dev;
