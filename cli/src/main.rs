@@ -147,6 +147,16 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
             anyhow::bail!("--transport vhost-user serves virtio-blk, not {}", a.device.name());
         };
         use iopath_protocols::vhost_user::backend::{run, VhostUserServeOptions};
+        if a.keep_state {
+            anyhow::bail!(
+                "--keep-state does not apply to --transport vhost-user: a vhost-user frontend sets the rings up again when it reconnects"
+            );
+        }
+        if a.spin_us != 0 {
+            // Not an error: the VMM's spawn path (`virtio-blk@vhost-user`)
+            // passes its own --spin-us to every device process it starts.
+            eprintln!("iopath serve: --spin-us has no effect with --transport vhost-user (the rings are served by their own threads)");
+        }
         let o = VhostUserServeOptions {
             device,
             listen,

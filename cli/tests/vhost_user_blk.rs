@@ -268,3 +268,17 @@ fn linux_virtio_blk_driver_on_two_queues_through_iopaths_backend() {
 fn linux_virtio_blk_driver_through_iopaths_backend_notify_poll() {
     linux_through_backend("poll", 1);
 }
+
+/// `--keep-state` means nothing to a vhost-user backend: refused with a
+/// clear error, not ignored.
+#[test]
+fn keep_state_is_refused_with_vhost_user() {
+    let out = Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["serve", "virtio-blk", "--transport", "vhost-user", "--socket", "/nonexistent/iopath-ks.sock"])
+        .arg("--keep-state")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--keep-state does not apply to --transport vhost-user"), "{err}");
+}

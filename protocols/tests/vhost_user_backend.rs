@@ -127,16 +127,65 @@ struct Rig {
     fe: Frontend,
     be: Arc<BlkBackend>,
     session: JoinHandle<iopath_protocols::Result<()>>,
+    guard: Guard,
+}
+
+/// How long a test's frontend may live: the `vhost` crate retries a read
+/// that times out for ever, so a socket timeout cannot fail a request the
+/// backend never answers; the guard shuts the socket down instead, and the
+/// request fails (the test with it) rather than hanging.
+const TEST_BOUND: Duration = Duration::from_secs(30);
+
+/// Shuts a frontend's socket down after [`TEST_BOUND`] unless dropped first
+/// (joined: its copy of the socket is gone when the drop returns).
+struct Guard {
+    tx: Option<std::sync::mpsc::Sender<()>>,
+    t: Option<JoinHandle<()>>,
+}
+
+impl Guard {
+    fn new(sock: &UnixStream) -> Guard {
+        let s = sock.try_clone().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            if rx.recv_timeout(TEST_BOUND) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+                eprintln!("the test's frontend outlived {TEST_BOUND:?}: its socket shut down");
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        });
+        Guard { tx: Some(tx), t: Some(t) }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        drop(self.tx.take());
+        if let Some(t) = self.t.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Rig {
+    /// The frontend on `a` (believing in `queues` queues), the backend's session thread.
+    fn new(a: UnixStream, queues: u64, be: Arc<BlkBackend>, session: JoinHandle<iopath_protocols::Result<()>>) -> Rig {
+        let guard = Guard::new(&a);
+        Rig { fe: Frontend::from_stream(a, queues), be, session, guard }
+    }
 }
 
 fn rig(notify: NotifyMode) -> Rig {
-    let cfg = VirtioBlkConfig { backend: BackendKind::Ram, size: MEM as u64, notify };
+    rig_on(BackendKind::Ram, notify)
+}
+
+fn rig_on(backend: BackendKind, notify: NotifyMode) -> Rig {
+    let cfg = VirtioBlkConfig { backend, size: MEM as u64, notify };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let (a, b) = UnixStream::pair().unwrap();
     b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let be2 = be.clone();
     let session = std::thread::spawn(move || be2.session(&b));
-    Rig { fe: Frontend::from_stream(a, 1), be, session }
+    Rig::new(a, 1, be, session)
 }
 
 impl Rig {
@@ -170,18 +219,24 @@ impl Rig {
 
     /// Memory, ring 0 and its fds; the ring enabled.
     fn start(&mut self, g: &Guest, kick: &EventFd, call: &EventFd) {
+        self.start_ring(g, kick, call, 0);
+    }
+
+    /// Memory, ring `q` and its fds; the ring enabled.
+    fn start_ring(&mut self, g: &Guest, kick: &EventFd, call: &EventFd, q: usize) {
         let fe = &mut self.fe;
         fe.set_mem_table(&[g.region()]).unwrap();
-        fe.set_vring_num(0, QSIZE).unwrap();
-        fe.set_vring_addr(0, &Self::ring_config(g, g.uva(DESC))).unwrap();
-        fe.set_vring_base(0, 0).unwrap();
-        fe.set_vring_call(0, call).unwrap();
-        fe.set_vring_kick(0, kick).unwrap();
-        fe.set_vring_enable(0, true).unwrap();
+        fe.set_vring_num(q, QSIZE).unwrap();
+        fe.set_vring_addr(q, &Self::ring_config(g, g.uva(DESC))).unwrap();
+        fe.set_vring_base(q, 0).unwrap();
+        fe.set_vring_call(q, call).unwrap();
+        fe.set_vring_kick(q, kick).unwrap();
+        fe.set_vring_enable(q, true).unwrap();
     }
 
     /// The session's result once the frontend is gone (bounded wait).
     fn end(self) -> (Arc<BlkBackend>, iopath_protocols::Result<()>) {
+        drop(self.guard); // its copy of the socket first: the backend must see the end
         drop(self.fe);
         let t0 = Instant::now();
         while !self.session.is_finished() {
@@ -362,7 +417,7 @@ fn a_queue_index_past_the_device_is_refused() {
     let be2 = be.clone();
     let session = std::thread::spawn(move || be2.session(&b));
     // A frontend that believes in more queues than GET_QUEUE_NUM says.
-    let mut r = Rig { fe: Frontend::from_stream(a, 2 * NUM_QUEUES as u64), be, session };
+    let mut r = Rig::new(a, 2 * NUM_QUEUES as u64, be, session);
     r.negotiate();
     let res = r.fe.set_vring_num(NUM_QUEUES, QSIZE);
     refused(r, res, &format!("queue index {NUM_QUEUES}"));
@@ -378,13 +433,27 @@ fn a_frontend_that_leaves_in_the_middle_of_io_leaves_nothing_behind() {
         let mut r = rig(notify);
         r.negotiate();
         r.start(&g, &kick, &call);
-        // A ring's worth of requests in flight, and gone without a word.
-        for k in 0..QSIZE / 3 {
+        // A batch served, then another made available and kicked on the
+        // disabled ring: the device holds them when the frontend goes
+        // without a word.
+        let n = QSIZE / 3;
+        for k in 0..n {
+            submit(&g, k, 1, k as u64 * 8, 0x10000 + 4096 * k as u64);
+        }
+        kick.write(1).unwrap();
+        wait_used(&g, &call, n);
+        // Disabled (acked: no pass of the ring's thread takes another), so
+        // that the second batch stays available, untaken, whatever the timing.
+        r.fe.set_vring_enable(0, false).unwrap();
+        for k in 0..n {
             submit(&g, k, 1, k as u64 * 8, 0x10000 + 4096 * k as u64);
         }
         kick.write(1).unwrap();
         let (be, res) = r.end();
         res.unwrap();
+        assert_eq!(g.u16_at(AVAIL + 2), 2 * n);
+        assert_eq!(g.u16_at(USED + 2), n, "{notify}: no request was in flight at the disconnect");
+        assert_eq!(counter(&be, "requests"), n as u64);
         assert_eq!(counter(&be, "ring_errors"), 0);
         assert_eq!((fds(), mappings()), (fds0, maps0), "{notify}: fds or mappings left after the session");
     }
@@ -409,7 +478,7 @@ fn get_config_is_the_pci_devices_configuration_space() {
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let be2 = be.clone();
     let session = std::thread::spawn(move || be2.session(&b));
-    let mut r = Rig { fe: Frontend::from_stream(a, 1), be, session };
+    let mut r = Rig::new(a, 1, be, session);
     r.negotiate();
     let flags = vhost::vhost_user::message::VhostUserConfigFlags::WRITABLE;
     let (_, got) = r.fe.get_config(0, DEVCFG_LEN as u32, flags, &want).unwrap();
@@ -435,11 +504,11 @@ fn a_ring_stopped_right_after_it_was_disabled_answers() {
     let cfg = VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let (a, b) = UnixStream::pair().unwrap();
-    // A reply that does not come within 5 s fails the request instead of hanging the test.
-    a.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    // A reply that never comes: the rig's guard shuts the socket down
+    // (the crate retries a timed-out read for ever: a socket timeout would not do).
     let be2 = be.clone();
     let session = std::thread::spawn(move || be2.session(&b));
-    let mut r = Rig { fe: Frontend::from_stream(a, 1), be, session };
+    let mut r = Rig::new(a, 1, be, session);
     r.negotiate();
     r.start(&g, &kick, &call);
     // No ack awaited: GET_VRING_BASE follows SET_VRING_ENABLE as closely as the socket allows.
@@ -452,4 +521,222 @@ fn a_ring_stopped_right_after_it_was_disabled_answers() {
         r.fe.set_vring_enable(0, true).unwrap();
     }
     r.end().1.unwrap();
+}
+
+/// A pipe as a call, error or kick fd: once full (nobody reads it) a
+/// write to it would block the ring's thread, with the device's lock held,
+/// for good. Only eventfds are taken.
+#[test]
+fn a_pipe_as_a_call_error_or_kick_fd_is_refused() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = Guest::new(true);
+    for which in ["call", "error", "kick"] {
+        let mut p = [0i32; 2];
+        // SAFETY: a new pipe; each end owned below.
+        assert_eq!(unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+        // SAFETY: the read end is ours; the write end is owned by the EventFd.
+        let (_read, pipe) = unsafe { (File::from_raw_fd(p[0]), EventFd::from_raw_fd(p[1])) };
+        let mut r = rig(NotifyMode::Ioeventfd);
+        r.negotiate();
+        r.fe.set_mem_table(&[g.region()]).unwrap();
+        r.fe.set_vring_num(0, QSIZE).unwrap();
+        r.fe.set_vring_addr(0, &Rig::ring_config(&g, g.uva(DESC))).unwrap();
+        let res = match which {
+            "call" => r.fe.set_vring_call(0, &pipe),
+            "error" => r.fe.set_vring_err(0, &pipe),
+            _ => r.fe.set_vring_kick(0, &pipe),
+        };
+        refused(r, res, &format!("the {which} fd: not an eventfd"));
+    }
+}
+
+/// A kick eventfd's count is the frontend's to choose: two kicks that
+/// each carry nearly `u64::MAX` must not overflow the kicks counter (a
+/// panic in debug, the ring's thread gone) and the ring is served on.
+#[test]
+fn kicks_near_the_eventfd_maximum_do_not_overflow() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = Guest::new(true);
+    let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+    let mut r = rig(NotifyMode::Ioeventfd);
+    r.negotiate();
+    r.start(&g, &kick, &call);
+    for k in 0..3u16 {
+        submit(&g, k, 1, 8, 0x10000);
+        // The eventfd is full until the ring's thread reads the last kick.
+        let t0 = Instant::now();
+        while kick.write(u64::MAX - 1).is_err() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "kick {k}: the ring's thread reads no more kicks");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        wait_used(&g, &call, k + 1);
+    }
+    let (be, res) = r.end();
+    res.unwrap();
+    assert_eq!(counter(&be, "requests"), 3);
+}
+
+/// A driver (a thread of the test) that keeps ring 0 (256 entries) full:
+/// each entry the device uses is made available again at once (the same
+/// 512 KiB write), so that a pass of the ring's thread finds work to its
+/// end and the next one too. GET_VRING_BASE (which stops the thread) must
+/// still be answered, on kicks and polling.
+#[test]
+fn a_ring_kept_full_still_stops_at_get_vring_base() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const N: u16 = 256;
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for notify in [NotifyMode::Ioeventfd, NotifyMode::Poll] {
+        let g = Guest::new(true);
+        let (kick, call) = (EventFd::new(libc::EFD_NONBLOCK).unwrap(), EventFd::new(0).unwrap());
+        // A file disk: each 512 KiB write a system call, a pass of the
+        // ring's thread long enough for the driver to keep up through it.
+        let disk = std::env::temp_dir().join(format!("iopath-vu-full-{}.img", std::process::id()));
+        let mut r = rig_on(BackendKind::File(disk.clone()), notify);
+        r.negotiate();
+        r.fe.set_mem_table(&[g.region()]).unwrap();
+        r.fe.set_vring_num(0, N).unwrap();
+        let ring = VringConfigData { queue_max_size: N, queue_size: N, ..Rig::ring_config(&g, g.uva(DESC)) };
+        r.fe.set_vring_addr(0, &ring).unwrap();
+        r.fe.set_vring_base(0, 0).unwrap();
+        r.fe.set_vring_call(0, &call).unwrap();
+        r.fe.set_vring_kick(0, &kick).unwrap();
+        r.fe.set_vring_enable(0, true).unwrap();
+        // The one chain, at head 0: a write of 512 KiB at sector 0.
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&1u32.to_le_bytes());
+        g.write(0x8000, &h);
+        for (j, (addr, len, flags)) in
+            [(0x8000u64, 16u32, 1u16), (0x80000, 0x80000, 1), (0x9000, 1, 2)].iter().enumerate()
+        {
+            let mut d = [0u8; 16];
+            d[0..8].copy_from_slice(&addr.to_le_bytes());
+            d[8..12].copy_from_slice(&len.to_le_bytes());
+            d[12..14].copy_from_slice(&flags.to_le_bytes());
+            d[14..16].copy_from_slice(&(j as u16 + 1).to_le_bytes());
+            g.write(DESC + 16 * j as u64, &d);
+        }
+        let done = Arc::new(AtomicBool::new(false));
+        let (base, d2, k2) = (g.ptr as usize, done.clone(), kick.try_clone().unwrap());
+        let feeder = std::thread::spawn(move || {
+            let at = |gpa: u64| (base + gpa as usize) as *mut u16;
+            let mut spins = 0u64;
+            while !d2.load(Ordering::Relaxed) {
+                // SAFETY: inside the guest's mapping, which outlives this thread (joined below).
+                unsafe {
+                    let used = std::ptr::read_volatile(at(USED + 2));
+                    let mut avail = std::ptr::read_volatile(at(AVAIL + 2));
+                    while avail != used.wrapping_add(N) {
+                        std::ptr::write_volatile(at(AVAIL + 4 + 2 * (avail % N) as u64), 0);
+                        avail = avail.wrapping_add(1);
+                        std::sync::atomic::fence(Ordering::SeqCst);
+                        std::ptr::write_volatile(at(AVAIL + 2), avail);
+                    }
+                }
+                // Kicked only now and then: the refill is what keeps the ring full.
+                spins += 1;
+                if spins % 4096 == 1 {
+                    let _ = k2.write(1);
+                }
+            }
+        });
+        // The device is busy: the used index moves.
+        let t0 = Instant::now();
+        while g.u16_at(USED + 2) < 1000 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "{notify}: the ring is not served");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let Rig { fe, be, session, guard } = r;
+        let asker = std::thread::spawn(move || {
+            let _ = tx.send(fe.get_vring_base(0).map_err(|e| e.to_string()));
+            fe
+        });
+        let got = rx.recv_timeout(Duration::from_secs(10));
+        done.store(true, Ordering::Relaxed);
+        feeder.join().unwrap();
+        assert!(matches!(got, Ok(Ok(_))), "{notify}: GET_VRING_BASE not answered: {got:?}");
+        let fe = asker.join().unwrap();
+        let (be, res) = Rig { fe, be, session, guard }.end();
+        res.unwrap();
+        let _ = std::fs::remove_file(&disk);
+        assert!(counter(&be, "requests") >= 1000);
+        assert_eq!(counter(&be, "ring_errors"), 0);
+    }
+}
+
+/// QEMU's vhost-user-blk-pci asks for one queue per vCPU: with `-smp 16`
+/// the sixteenth queue (index 15) is set up and serves requests.
+#[test]
+fn the_sixteenth_queue_serves_requests() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = Guest::new(true);
+    let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+    let (a, b) = UnixStream::pair().unwrap();
+    b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let cfg = VirtioBlkConfig { backend: BackendKind::Ram, size: MEM as u64, notify: NotifyMode::Ioeventfd };
+    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+    let be2 = be.clone();
+    let session = std::thread::spawn(move || be2.session(&b));
+    let mut r = Rig::new(a, 16, be, session);
+    r.negotiate();
+    assert!(r.fe.get_queue_num().unwrap() >= 16);
+    r.start_ring(&g, &kick, &call, 15);
+    submit(&g, 0, 1, 8, 0x10000);
+    kick.write(1).unwrap();
+    wait_used(&g, &call, 1);
+    let (be, res) = r.end();
+    res.unwrap();
+    assert_eq!(counter(&be, "q15.requests"), 1);
+}
+
+/// SET_VRING_ADDR before SET_VRING_NUM (the order is the frontend's): a
+/// small ring near the end of the memory fits its own size, not the
+/// device's largest; it is checked once its size is known.
+#[test]
+fn ring_addresses_before_the_ring_size_are_checked_at_that_size() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = Guest::new(true);
+    let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+    let mut r = rig(NotifyMode::Ioeventfd);
+    r.negotiate();
+    r.fe.set_mem_table(&[g.region()]).unwrap();
+    // 8 descriptors (128 bytes) in the memory's last 512 bytes.
+    let ring = VringConfigData { queue_size: 8, ..Rig::ring_config(&g, g.uva(MEM as u64 - 512)) };
+    r.fe.set_vring_addr(0, &ring).unwrap();
+    r.fe.set_vring_num(0, 8).unwrap();
+    r.fe.set_vring_base(0, 0).unwrap();
+    r.fe.set_vring_call(0, &call).unwrap();
+    r.fe.set_vring_kick(0, &kick).unwrap();
+    r.fe.set_vring_enable(0, true).unwrap();
+    assert_eq!(r.fe.get_vring_base(0).unwrap(), 0);
+    r.end().1.unwrap();
+}
+
+/// CHECK_DEVICE_STATE (not offered): the crate answers the refusal with an
+/// error in its reply and would read on; the session ends all the same,
+/// as at every refused request.
+#[test]
+fn a_refused_check_device_state_ends_the_session() {
+    use std::io::{Read, Write};
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd };
+    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+    let (mut a, b) = UnixStream::pair().unwrap();
+    b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let be2 = be.clone();
+    let session = std::thread::spawn(move || be2.session(&b));
+    let mut hdr = [0u8; 12];
+    hdr[0..4].copy_from_slice(&43u32.to_le_bytes()); // CHECK_DEVICE_STATE
+    hdr[4..8].copy_from_slice(&1u32.to_le_bytes()); // version 1
+    a.write_all(&hdr).unwrap();
+    a.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut reply = [0u8; 20];
+    a.read_exact(&mut reply).unwrap();
+    assert_eq!(u64::from_le_bytes(reply[12..20].try_into().unwrap()), 1, "an error in the reply");
+    let mut more = [0u8; 1];
+    assert_eq!(a.read(&mut more).map_err(|e| e.kind()), Ok(0), "the session went on after a refusal");
+    let e = session.join().unwrap().unwrap_err().to_string();
+    assert!(e.contains("CHECK_DEVICE_STATE"), "{e}");
+    assert_eq!(counter(&be, "refused"), 1);
 }

@@ -78,3 +78,90 @@ fn a_silent_connection_is_dropped_and_once_waits_for_a_frontend() {
     drop(a);
     ended(t).unwrap();
 }
+
+/// Serves with `message` as both the message and the send bound, without
+/// `--once` (the stalled frontend's session counts as a client's): the
+/// loop's thread is left running when the test ends.
+fn start_bounded(path: &PathBuf, message: Duration) {
+    let _ = std::fs::remove_file(path);
+    let o = VhostUserServeOptions {
+        device: VirtioBlkConfig { backend: BackendKind::Null, size: 1 << 20, notify: NotifyMode::Ioeventfd },
+        listen: Listen::Socket(path.clone()),
+        once: false,
+        timeouts: Timeouts { message, send: message, ..Timeouts::default() },
+        seccomp: false,
+    };
+    std::thread::spawn(move || run(&o));
+    let t0 = Instant::now();
+    while !path.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "no socket");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A frontend is served within 10 s of the stalled one's connecting: the
+/// stalled one is closed (EOF).
+fn next_frontend_served(path: &PathBuf, stalled: Option<UnixStream>) {
+    let t0 = Instant::now();
+    loop {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the stalled frontend still holds the one client slot");
+        // Refused (closed) while the stalled one is served: try again.
+        if let Ok(a) = Frontend::connect(path, 1) {
+            if a.get_features().ok() == Some(FEATURES) {
+                drop(a);
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if let Some(mut stalled) = stalled {
+        stalled.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut buf = [0u8; 16];
+        assert_eq!(stalled.read(&mut buf).unwrap_or(0), 0, "the stalled frontend was not closed");
+    }
+}
+
+/// One byte of a header, then silence: the crate would wait for the rest
+/// for ever; the session ends once the message bound has passed.
+#[test]
+fn a_frontend_that_stops_in_a_header_does_not_hold_the_slot() {
+    use std::io::Write;
+    let path = sock("header");
+    start_bounded(&path, Duration::from_millis(500));
+    let mut stalled = UnixStream::connect(&path).unwrap();
+    stalled.write_all(&[1]).unwrap();
+    next_frontend_served(&path, Some(stalled));
+}
+
+/// A frontend that sends requests and never reads the replies: the
+/// crate's reply write would wait for room for ever once the socket is
+/// full; the watchdog shuts the socket down once the request's bound has
+/// passed.
+#[test]
+fn a_frontend_that_reads_no_replies_does_not_hold_the_slot() {
+    use std::io::Write;
+    let path = sock("noreader");
+    start_bounded(&path, Duration::from_millis(500));
+    let mut stalled = UnixStream::connect(&path).unwrap();
+    stalled.set_nonblocking(true).unwrap();
+    let mut hdr = [0u8; 12];
+    hdr[0..4].copy_from_slice(&1u32.to_le_bytes()); // GET_FEATURES
+    hdr[4..8].copy_from_slice(&1u32.to_le_bytes()); // version 1
+                                                    // Requests until both directions are full (the backend blocked on a reply).
+    let t0 = Instant::now();
+    let mut idle = 0;
+    while idle < 20 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the socket never filled");
+        match stalled.write(&hdr) {
+            Ok(_) => idle = 0,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                idle += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(_) => break, // already shut down
+        }
+    }
+    // Its replies stay unread while the next frontend comes.
+    next_frontend_served(&path, None);
+    drop(stalled);
+}

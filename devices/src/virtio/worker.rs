@@ -30,8 +30,13 @@ pub(super) fn kick_loop(state: &Mutex<State<BlkEngine>>, kick: &EventFd, stop: &
     while !stop.load(Ordering::Acquire) {
         let n = wait_kick(kick, stop);
         if n > 0 {
-            crate::lock(state).e.st.kicks += n;
-            while crate::lock(state).serve() {}
+            {
+                let mut st = crate::lock(state);
+                st.e.st.kicks = st.e.st.kicks.saturating_add(n);
+            }
+            // A driver that keeps the queue full keeps this going: the
+            // stop is looked at between passes, the lock let go of.
+            while !stop.load(Ordering::Acquire) && crate::lock(state).serve() {}
         }
     }
 }
@@ -50,18 +55,16 @@ pub(super) fn poll_loop(state: &Mutex<State<BlkEngine>>, kick: &EventFd, stop: &
                 continue;
             }
             let mut st = crate::lock(state);
-            st.e.st.kicks += n;
+            st.e.st.kicks = st.e.st.kicks.saturating_add(n);
             st.set_polling(true);
             (awake, idle) = (true, Instant::now());
         }
-        let worked = {
-            let mut st = crate::lock(state);
-            let work = st.has_work();
-            if work {
-                while st.serve() {}
-            }
-            work
-        };
+        let worked = crate::lock(state).has_work();
+        if worked {
+            // One pass per lock hold: a full queue starves neither the
+            // BAR accesses nor the stop.
+            while !stop.load(Ordering::Acquire) && crate::lock(state).serve() {}
+        }
         if worked {
             idle = Instant::now();
         } else if idle.elapsed() >= POLL_IDLE {

@@ -24,16 +24,23 @@
 //! kicks or polls it (`notify=poll`), and signals the call fd as the driver
 //! asks; the rings share the disk behind one lock.
 //!
-//! A session ends when the frontend leaves, or at the first request it
-//! refuses, with a log line (and, if the frontend asked, an error reply
-//! first); then nothing the frontend gave is kept: ring threads joined,
-//! memory unmapped, kick, call and error fds closed. The disk (a ram
-//! backend's data) and the counters stay for the next frontend.
+//! A session ends when the frontend leaves, at the first request it
+//! refuses (`refused`), or when the channel breaks or is too slow
+//! (`socket_errors`), with a log line (and, if the frontend asked, an
+//! error reply first); then nothing the frontend gave is kept: ring
+//! threads joined, memory unmapped, kick, call and error fds closed. The
+//! disk (a ram backend's data) and the counters stay for the next frontend.
 //!
-//! Bounds on what a frontend can make the process spend: one message at
-//! a time, at most 4 KiB (the crate) and [`MAX_REGIONS`] memory regions
-//! with one fd each; one thread per ring ([`NUM_QUEUES`]); a message, once
-//! begun, whole within the session socket's receive timeout.
+//! Bounds on what a frontend can make the process spend: one message at a
+//! time, at most 4 KiB (the crate) and [`MAX_REGIONS`] memory regions with
+//! one fd each; one thread per started ring ([`NUM_QUEUES`]), which looks
+//! at its stop between passes; kick, call and error fds eventfds only
+//! (made non-blocking: a signal that finds one full is dropped, never
+//! waited for); with a receive timeout on the session socket, a message's
+//! header, once begun, whole within it (peeked before the crate reads it),
+//! and each request done (read, served, answered) within it plus the send
+//! timeout, or a watchdog shuts the socket down: the crate retries
+//! timed-out reads and writes for ever.
 
 #[path = "backend_dev.rs"]
 mod dev;
@@ -43,6 +50,8 @@ mod mem;
 mod req;
 #[path = "backend_serve.rs"]
 mod serve;
+#[path = "backend_watchdog.rs"]
+mod watchdog;
 #[path = "backend_worker.rs"]
 mod worker;
 
@@ -59,10 +68,17 @@ use iopath_devices::Counter;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use vhost::vhost_user::{BackendReqHandler, Error as VuError, VhostUserProtocolFeatures};
 
-/// Queues the device has (config num_queues, GET_QUEUE_NUM).
-pub const NUM_QUEUES: usize = 4;
+/// A vhost-user message header: request, flags, size (u32 each).
+const HEADER: usize = 12;
+
+/// Queues the device has (config num_queues, GET_QUEUE_NUM): QEMU's
+/// vhost-user-blk-pci sets up one per vCPU (up to this many; `-smp 16`).
+/// A queue costs its state here; a thread only once the frontend starts it
+/// (SET_VRING_KICK): at most this many ring threads per session.
+pub const NUM_QUEUES: usize = 16;
 /// VIRTIO_BLK_F_MQ.
 pub const F_MQ: u64 = 1 << 12;
 /// VHOST_USER_F_PROTOCOL_FEATURES (a virtio feature bit vhost-user uses).
@@ -101,25 +117,68 @@ impl BlkBackend {
 
     /// Serves one frontend on `sock` until it leaves (`Ok`) or a request
     /// is refused or the channel breaks (`Err`, which says why); then
-    /// forgets everything it gave. Waits between messages without bound; a
-    /// begun message must arrive within `sock`'s receive timeout.
+    /// forgets everything it gave. Waits between messages without bound;
+    /// with a receive timeout on `sock` (`T`), a begun message's header
+    /// must be whole within `T`, and the request (its body read, served,
+    /// answered) done within `T` plus the send timeout, or the session ends.
     pub fn session(&self, sock: &UnixStream) -> Result<()> {
         let s = Arc::new(Mutex::new(req::Session::new(self.dev.clone(), self.notify)));
         let ch = sock.try_clone().map_err(|e| Error::io("the session socket", e))?;
+        let header = sock.read_timeout().ok().flatten();
+        let request = header.map(|t| t + sock.write_timeout().ok().flatten().unwrap_or(t));
+        // The crate retries a read or write that times out for ever: a
+        // watchdog shuts the socket down when a request outlives its bound.
+        let dog = match request {
+            Some(_) => {
+                let c = sock.try_clone().map_err(|e| Error::io("the session socket", e))?;
+                let d = watchdog::Watchdog::new(c).map_err(|e| Error::io("the session's watchdog thread", e))?;
+                Some(d)
+            }
+            None => None,
+        };
         let mut h = BackendReqHandler::from_stream(ch, s.clone());
         let r = loop {
             if let Err(e) = wait_readable(sock) {
                 break Err(Error::io("waiting for a message", e));
             }
-            match h.handle_request() {
-                Ok(()) => {}
+            if let Some(t) = header {
+                match header_within(sock, t) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        self.lock().st.socket_errors += 1;
+                        break Err(Error::protocol(format!("vhost-user: a message header not whole within {t:?}")));
+                    }
+                    Err(e) => break Err(Error::io("peeking at a message", e)),
+                }
+            }
+            iopath_devices::lock(&s).refusal = None;
+            let (res, late) = match (&dog, request) {
+                (Some(d), Some(t)) => d.run(t, || h.handle_request()),
+                _ => (h.handle_request(), false),
+            };
+            if late {
+                self.lock().st.socket_errors += 1;
+                let t = request.unwrap_or_default();
+                break Err(Error::protocol(format!(
+                    "vhost-user: a request not read, served and answered within {t:?}"
+                )));
+            }
+            match res {
+                // The crate answers some refusals with an error reply and
+                // goes on (SET_DEVICE_STATE_FD, CHECK_DEVICE_STATE): a
+                // refused request ends the session all the same.
+                Ok(()) => {
+                    if let Some(w) = iopath_devices::lock(&s).refusal.take() {
+                        break Err(Error::protocol(w));
+                    }
+                }
                 Err(VuError::Disconnected) => break Ok(()),
                 Err(e) => {
                     let why = iopath_devices::lock(&s).refusal.take();
                     let what = match why {
                         Some(w) => w,
                         None => {
-                            iopath_devices::lock(&self.dev).st.refused += 1;
+                            self.lock().st.socket_errors += 1;
                             format!("vhost-user: {e}")
                         }
                     };
@@ -128,13 +187,46 @@ impl BlkBackend {
             }
         };
         drop(h);
+        drop(dog);
         iopath_devices::lock(&s).end();
         r
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Dev> {
+        iopath_devices::lock(&self.dev)
     }
 
     /// The device's counters (requests, kicks, interrupts, errors...).
     pub fn counters(&self) -> Vec<Counter> {
         iopath_devices::lock(&self.dev).counters()
+    }
+}
+
+/// Waits until the 12-byte header of the message `sock` has input of is
+/// whole (true), or the peer left (true: the crate reads the end), for at
+/// most `t` (false).
+fn header_within(sock: &UnixStream, t: Duration) -> std::io::Result<bool> {
+    let end = Instant::now() + t;
+    let mut b = [0u8; HEADER];
+    loop {
+        // SAFETY: a peek into a local buffer of its length.
+        let n =
+            unsafe { libc::recv(sock.as_raw_fd(), b.as_mut_ptr().cast(), HEADER, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+        if n == 0 || n as usize >= HEADER {
+            return Ok(true);
+        }
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) {
+                return Err(e);
+            }
+        }
+        let now = Instant::now();
+        if now >= end {
+            return Ok(false);
+        }
+        // Part of a header is there (poll would return at once): look again soon.
+        std::thread::sleep((end - now).min(Duration::from_millis(2)));
     }
 }
 

@@ -9,13 +9,15 @@ use iopath_devices::virtio::queue::{Queue, MAX_QUEUE_SIZE};
 use iopath_devices::{Counter, GuestMem};
 use std::fs::File;
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
 
 /// One virtqueue as the frontend set it up.
 #[derive(Default)]
 pub(super) struct Ring {
     pub(super) q: Queue,
-    /// Signalled when used buffers need an interrupt (SET_VRING_CALL).
-    pub(super) call: Option<File>,
+    /// Signalled when used buffers need an interrupt (SET_VRING_CALL), by
+    /// the ring's thread once it let go of the lock.
+    pub(super) call: Option<Arc<File>>,
     /// Signalled when the driver broke the ring (SET_VRING_ERR).
     pub(super) err: Option<File>,
     /// SET_VRING_ENABLE (or on from the start without PROTOCOL_FEATURES).
@@ -43,6 +45,8 @@ pub(super) struct Stats {
     pub(super) ring_errors: u64,
     /// Messages refused (an error reply, or the session closed).
     pub(super) refused: u64,
+    /// Sessions ended by the channel: a broken message, a request late.
+    pub(super) socket_errors: u64,
     pub(super) mem_tables: u64,
     /// Requests served on each ring.
     pub(super) ring_requests: [u64; super::NUM_QUEUES],
@@ -57,7 +61,35 @@ pub(super) struct Dev {
     pub(super) st: Stats,
 }
 
-/// Writes 1 to an eventfd the frontend gave; false if that failed.
+/// Checks that `f`, a kick, call or error fd the frontend gave, is an
+/// eventfd (an anonymous inode: no file type), and makes it non-blocking.
+/// A pipe, a socket or a file would block the ring's thread once full, or
+/// grow without bound; a signal that finds the eventfd full is dropped.
+pub(super) fn eventfd(f: &File) -> Result<(), String> {
+    let fd = f.as_raw_fd();
+    let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
+    // SAFETY: fstat of an fd we own into a local buffer.
+    if unsafe { libc::fstat(fd, st.as_mut_ptr()) } != 0 {
+        return Err(format!("fstat: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: fstat filled it.
+    let kind = unsafe { st.assume_init() }.st_mode & libc::S_IFMT;
+    if kind != 0 {
+        return Err(format!("not an eventfd (file type {kind:#o})"));
+    }
+    // SAFETY: fcntl on an fd we own.
+    let ok = unsafe {
+        let fl = libc::fcntl(fd, libc::F_GETFL);
+        fl >= 0 && libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) == 0
+    };
+    if !ok {
+        return Err(format!("O_NONBLOCK: {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Writes 1 to an eventfd the frontend gave (non-blocking, see
+/// [`eventfd`]); false if that failed.
 pub(super) fn signal(f: &File) -> bool {
     let one = 1u64.to_ne_bytes();
     // SAFETY: an 8-byte write from a local buffer to an fd we own.
@@ -71,7 +103,7 @@ impl Dev {
 
     /// Ring `i` is served: memory mapped, the ring started and enabled, and
     /// not broken since it started.
-    fn live(&self, i: usize) -> bool {
+    pub(super) fn live(&self, i: usize) -> bool {
         let r = &self.rings[i];
         self.mem.is_some() && r.q.ready && r.enabled && !r.broken
     }
@@ -92,12 +124,13 @@ impl Dev {
     /// re-arms notifications (unless polling) and signals the call fd if the
     /// driver asked (EVENT_IDX or NO_INTERRUPT, by [`Queue::push_used`]).
     /// True if it stopped with more to do: the caller lets go of the lock
-    /// before the next pass, so the session thread is not held off.
-    pub(super) fn serve(&mut self, i: usize) -> bool {
+    /// before the next pass, so the session thread is not held off; and the
+    /// call fd to signal, which the caller does after letting go of it.
+    pub(super) fn serve(&mut self, i: usize) -> (bool, Option<Arc<File>>) {
         if !self.live(i) {
-            return false;
+            return (false, None);
         }
-        let Some(mem) = self.mem.clone() else { return false };
+        let Some(mem) = self.mem.clone() else { return (false, None) };
         let Dev { blk, rings, st, .. } = self;
         let r = &mut rings[i];
         let (mut irq, mut more) = (false, false);
@@ -137,18 +170,15 @@ impl Dev {
                 }
             }
         }
-        if irq {
-            if let Some(c) = &r.call {
-                if signal(c) {
-                    st.interrupts += 1;
-                }
-            }
+        let call = if irq { r.call.clone() } else { None };
+        if call.is_some() {
+            st.interrupts += 1;
         }
         if let Some(why) = fault {
             self.broken(i, &why);
-            return false;
+            return (false, call);
         }
-        more
+        (more, call)
     }
 
     /// True if ring `i` is live and has chains the device has not taken.
@@ -193,6 +223,7 @@ impl Dev {
             ("interrupts", st.interrupts),
             ("ring_errors", st.ring_errors),
             ("refused", st.refused),
+            ("socket_errors", st.socket_errors),
             ("mem_tables", st.mem_tables),
         ]
         .into_iter()

@@ -11,7 +11,7 @@
 //! session does: [`Session::end`] (also on drop) stops the ring threads,
 //! which hold the kick fds, and drops the memory and the call and error fds.
 
-use super::dev::Dev;
+use super::dev::{eventfd, Dev};
 use super::mem::MemTable;
 use super::worker::Worker;
 use super::{FEATURES, F_PROTOCOL_FEATURES, NUM_QUEUES};
@@ -33,6 +33,8 @@ pub(super) struct Session {
     /// virtual addresses), translated when the ring starts.
     addrs: [Option<(u64, u64, u64)>; NUM_QUEUES],
     workers: [Option<Worker>; NUM_QUEUES],
+    /// SET_VRING_NUM came for the ring: its addresses can be checked.
+    sized: [bool; NUM_QUEUES],
     /// Why the last request was refused, for the session's log line.
     pub(super) refusal: Option<String>,
 }
@@ -47,6 +49,7 @@ impl Session {
             table: None,
             addrs: Default::default(),
             workers: Default::default(),
+            sized: [false; NUM_QUEUES],
             refusal: None,
         }
     }
@@ -119,6 +122,7 @@ impl Session {
         }
         self.table = None;
         self.addrs = Default::default();
+        self.sized = [false; NUM_QUEUES];
         self.features = 0;
         self.dev().clear();
     }
@@ -191,6 +195,7 @@ impl VhostUserBackendReqHandlerMut for Session {
             return self.refuse(format!("queue {i}: size {num} (a power of 2, 1 ..= {MAX_QUEUE_SIZE})"));
         }
         self.dev().rings[i].q.num = num as u16;
+        self.sized[i] = true;
         Ok(())
     }
 
@@ -206,8 +211,12 @@ impl VhostUserBackendReqHandlerMut for Session {
         let i = self.ring(index)?;
         self.stopped(i, "SET_VRING_ADDR")?;
         self.addrs[i] = Some((descriptor, available, used));
-        // Checked now, so the frontend hears of a bad address at once.
-        self.place(i)
+        // Checked now if the ring's size is known, so the frontend hears of
+        // a bad address at once; else (ADDR before NUM) when it starts.
+        if self.sized[i] {
+            self.place(i)?;
+        }
+        Ok(())
     }
 
     fn set_vring_base(&mut self, index: u32, base: u32) -> VuResult<()> {
@@ -235,6 +244,9 @@ impl VhostUserBackendReqHandlerMut for Session {
         let Some(kick) = fd else {
             return self.refuse(format!("queue {i}: no kick fd (polling without one is not offered)"));
         };
+        if let Err(why) = eventfd(&kick) {
+            return self.refuse(format!("queue {i}: the kick fd: {why}"));
+        }
         self.stop(i);
         self.place(i)?;
         {
@@ -259,12 +271,18 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
         let i = self.ring(index as u32)?;
-        self.dev().rings[i].call = fd;
+        if let Some(Err(why)) = fd.as_ref().map(eventfd) {
+            return self.refuse(format!("queue {i}: the call fd: {why}"));
+        }
+        self.dev().rings[i].call = fd.map(Arc::new);
         Ok(())
     }
 
     fn set_vring_err(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
         let i = self.ring(index as u32)?;
+        if let Some(Err(why)) = fd.as_ref().map(eventfd) {
+            return self.refuse(format!("queue {i}: the error fd: {why}"));
+        }
         self.dev().rings[i].err = fd;
         Ok(())
     }

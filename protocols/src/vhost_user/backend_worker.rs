@@ -10,7 +10,7 @@
 //! writes it to stop the thread (joined before the kick fd is dropped) and
 //! to have it look at the ring again when the ring was enabled.
 
-use super::dev::Dev;
+use super::dev::{signal, Dev};
 use std::fs::File;
 use std::io::Read;
 use std::os::fd::AsRawFd;
@@ -32,8 +32,8 @@ pub(super) struct Worker {
 
 /// What woke the thread.
 enum Woke {
-    /// The frontend kicked (this many times).
-    Kick(u64),
+    /// The frontend kicked (once or more).
+    Kick,
     /// The session thread asked for a look at the ring.
     Look,
     /// Stop, or the kick fd is gone.
@@ -80,7 +80,7 @@ impl Fds {
             if k & libc::POLLIN != 0 {
                 let mut b = [0u8; 8];
                 return match self.kick.read(&mut b) {
-                    Ok(8) => Woke::Kick(u64::from_ne_bytes(b)),
+                    Ok(8) => Woke::Kick,
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
                     // Not an eventfd (EOF, a short read): a kick fd that would spin us.
                     r => {
@@ -94,15 +94,9 @@ impl Fds {
 }
 
 impl Worker {
-    /// Starts ring `ring`'s thread on `kick` (made non-blocking here).
+    /// Starts ring `ring`'s thread on `kick` (an eventfd made non-blocking:
+    /// [`eventfd`](super::dev::eventfd)).
     pub(super) fn start(dev: Arc<Mutex<Dev>>, ring: usize, kick: File, poll: bool) -> std::io::Result<Worker> {
-        // SAFETY: fcntl on an fd we own.
-        unsafe {
-            let fl = libc::fcntl(kick.as_raw_fd(), libc::F_GETFL);
-            if fl >= 0 {
-                libc::fcntl(kick.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
-            }
-        }
         let wake = Arc::new(EventFd::new(libc::EFD_NONBLOCK)?);
         let stop = Arc::new(AtomicBool::new(false));
         let mut fds = Fds { kick, wake: wake.clone(), stop: stop.clone(), ring };
@@ -130,15 +124,34 @@ impl Worker {
     }
 }
 
+/// One pass over ring `i` ([`Dev::serve`]), the lock held for it only;
+/// the call fd signalled after. True if the ring has more to do.
+fn pass(dev: &Mutex<Dev>, i: usize) -> bool {
+    let (more, call) = iopath_devices::lock(dev).serve(i);
+    if let Some(c) = call {
+        signal(&c);
+    }
+    more
+}
+
+/// Counts a wake by kicks as one kick (an eventfd's count is the
+/// frontend's to choose: near `u64::MAX` it would overflow a sum).
+fn kicked(dev: &Mutex<Dev>) {
+    let st = &mut iopath_devices::lock(dev).st;
+    st.kicks = st.kicks.saturating_add(1);
+}
+
 fn kick_loop(dev: &Mutex<Dev>, fds: &mut Fds) {
     let i = fds.ring;
     loop {
         match fds.wait() {
             Woke::Stop => return,
-            Woke::Kick(n) => iopath_devices::lock(dev).st.kicks += n,
+            Woke::Kick => kicked(dev),
             Woke::Look => {}
         }
-        while iopath_devices::lock(dev).serve(i) {}
+        // A frontend that keeps the ring full keeps this going: the stop
+        // (GET_VRING_BASE, the session's end) is looked at between passes.
+        while !fds.stop.load(Ordering::Acquire) && pass(dev, i) {}
     }
 }
 
@@ -153,20 +166,25 @@ fn poll_loop(dev: &Mutex<Dev>, fds: &mut Fds) {
         if !awake {
             match fds.wait() {
                 Woke::Stop => return,
-                Woke::Kick(n) => iopath_devices::lock(dev).st.kicks += n,
+                Woke::Kick => kicked(dev),
                 Woke::Look => {}
             }
             iopath_devices::lock(dev).set_polling(i, true);
             (awake, idle) = (true, Instant::now());
         }
-        let worked = {
-            let mut d = iopath_devices::lock(dev);
-            let work = d.has_work(i);
-            if work {
-                while d.serve(i) {}
-            }
-            work
+        let (live, worked) = {
+            let d = iopath_devices::lock(dev);
+            (d.live(i), d.has_work(i))
         };
+        if !live {
+            // Not served (disabled, stopped, broken): no spinning, sleep on kicks.
+            iopath_devices::lock(dev).set_polling(i, false);
+            awake = false;
+            continue;
+        }
+        if worked {
+            while !fds.stop.load(Ordering::Acquire) && pass(dev, i) {}
+        }
         if worked {
             idle = Instant::now();
         } else if idle.elapsed() >= POLL_IDLE {
