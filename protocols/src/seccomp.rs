@@ -115,6 +115,9 @@ fn base(r: &mut Rules, pid: u32) {
         ],
     );
     let no_exec = || vec![rule(vec![cond(2, Op::MaskedEq(PROT_EXEC as u64), 0)])];
+    // A thread that reads a message the peer sends in pieces waits for the rest
+    // as long as the socket's read timeout says (socket::recv_rest asks for it).
+    when(r, SYS_getsockopt, vec![rule(vec![cond(1, Op::Eq, SOL_SOCKET as u64), cond(2, Op::Eq, SO_RCVTIMEO as u64)])]);
     when(r, SYS_mmap, no_exec());
     when(r, SYS_mprotect, no_exec());
     when(r, SYS_prctl, one_of(0, &[PR_GET_NAME as u64, PR_SET_NAME as u64]));
