@@ -236,18 +236,7 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> 
     let label = format!("{model}@{}", transport.name());
     let (sock, child) = match ep {
         Endpoint::Spawn => {
-            let (mine, theirs) = socketpair()?;
-            let args: Vec<String> = [
-                model.to_string(),
-                "--transport".into(),
-                transport.name().into(),
-                "--fd".into(),
-                CHILD_SOCKET_FD.to_string(),
-            ]
-            .into_iter()
-            .chain(progs.serve_args.iter().cloned())
-            .collect();
-            let child = DeviceProcess::spawn(&progs.iopath, &args, theirs.into())?;
+            let (mine, child) = spawn_serve(progs, model, transport.name())?;
             (mine, Some(child))
         }
         Endpoint::Socket(path) => {
@@ -267,6 +256,19 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> 
     transport.connect(sock, child, model.name()).map_err(|e| e.context(label))
 }
 
+/// `iopath serve MODEL --transport TRANSPORT --fd N` (and the programs'
+/// serve arguments) on a new socket pair: our end and the device process.
+fn spawn_serve(progs: &Programs, model: &DeviceConfig, transport: &str) -> Result<(UnixStream, DeviceProcess)> {
+    let (mine, theirs) = socketpair()?;
+    let args: Vec<String> =
+        [model.to_string(), "--transport".into(), transport.into(), "--fd".into(), CHILD_SOCKET_FD.to_string()]
+            .into_iter()
+            .chain(progs.serve_args.iter().cloned())
+            .collect();
+    let child = DeviceProcess::spawn(&progs.iopath, &args, theirs.into())?;
+    Ok((mine, child))
+}
+
 /// A virtio-blk function whose queue the vhost-user backend `v` serves.
 fn vhost_user(v: &VhostUser, progs: &Programs) -> Result<SharedDevice> {
     use crate::vhost_user::frontend;
@@ -284,18 +286,7 @@ fn vhost_user(v: &VhostUser, progs: &Programs) -> Result<SharedDevice> {
                     c.notify = iopath_devices::virtio::pci::NotifyMode::Ioeventfd;
                 }
             }
-            let (mine, theirs) = socketpair()?;
-            let args: Vec<String> = [
-                model.to_string(),
-                "--transport".into(),
-                VHOST_USER.into(),
-                "--fd".into(),
-                CHILD_SOCKET_FD.to_string(),
-            ]
-            .into_iter()
-            .chain(progs.serve_args.iter().cloned())
-            .collect();
-            let child = DeviceProcess::spawn(&progs.iopath, &args, theirs.into())?;
+            let (mine, child) = spawn_serve(progs, &model, VHOST_USER)?;
             frontend::connect(mine, Some(child), VHOST_USER_BLK)
         }
     }
