@@ -178,25 +178,8 @@ fn linux_against_iopath_with(device: &str, more: &[&str]) -> String {
 /// The guest's knobs for a 64 MiB virtio-blk disk with one queue.
 const VBLK_DISK: &str = "harness.vblk_sectors=131072 harness.vblk_queues=1";
 
-/// The virtio-blk checks (guest-vblk.sh) every virtio-blk run must pass.
-const VBLK_CHECKS: &[&str] = &[
-    "probe",
-    "features",
-    "capacity",
-    "queues",
-    "queue-limits",
-    "irq-msix",
-    "fio-randwrite",
-    "fio-randread",
-    "irq-count-rise",
-    "ext4",
-    "rebind",
-    "io-after-rebind",
-    "no-errors",
-];
-
 fn vblk_checks_passed(what: &str, text: &str) {
-    for want in VBLK_CHECKS {
+    for want in common::LINUX_VBLK_CHECKS {
         assert!(
             checks(text).iter().any(|l| l.starts_with(&format!("@check {want} ok"))),
             "{what}: check {want} did not pass:\n{}",

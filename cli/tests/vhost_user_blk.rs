@@ -221,21 +221,7 @@ fn linux_through_backend(notify: &str, vcpus: u32) {
         "Linux guest checks failed:\n{text}\n{}\n--- iopath serve ---\n{serr}",
         checks.join("\n")
     );
-    for want in [
-        "probe",
-        "features",
-        "capacity",
-        "queues",
-        "queue-limits",
-        "irq-msix",
-        "fio-randwrite",
-        "fio-randread",
-        "irq-count-rise",
-        "ext4",
-        "rebind",
-        "io-after-rebind",
-        "no-errors",
-    ] {
+    for want in common::LINUX_VBLK_CHECKS {
         assert!(checks.iter().any(|l| l.starts_with(&format!("@check {want} ok"))), "{want}: {checks:?}");
     }
     let line = sout.lines().find(|l| iopath_protocols::process::parse_report(l).is_some());

@@ -5,6 +5,24 @@
 use iopath_protocols::attach::Programs;
 use std::path::PathBuf;
 
+/// The checks `harness/linux/guest-vblk.sh` prints that every Linux
+/// virtio-blk run must pass.
+pub const LINUX_VBLK_CHECKS: &[&str] = &[
+    "probe",
+    "features",
+    "capacity",
+    "queues",
+    "queue-limits",
+    "irq-msix",
+    "fio-randwrite",
+    "fio-randread",
+    "irq-count-rise",
+    "ext4",
+    "rebind",
+    "io-after-rebind",
+    "no-errors",
+];
+
 pub fn kvm() {
     assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing: these tests need KVM");
 }
