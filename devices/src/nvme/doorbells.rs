@@ -488,10 +488,14 @@ impl Core {
             if let Ok(head) = self.mem.load_u32(db + cqid as u64 * 8 + 4, Ordering::Acquire) {
                 if let Some(cq) = self.queues.cqs[cqid].as_mut() {
                     if head < cq.size as u32 && head != cq.head as u32 {
-                        // EventIdx one behind the head seen before this one (see below).
-                        let ev = queue::prev(cq.head as u32, cq.size as u32);
+                        // EventIdx one behind the head seen before this one (see
+                        // below), once the one there lags.
+                        let at = ei + cqid as u64 * 8 + 4;
+                        if event_idx_lags(self.mem.load_u32(at, Ordering::Relaxed).ok(), head, cq.size as u32) {
+                            let ev = queue::prev(cq.head as u32, cq.size as u32);
+                            let _ = self.mem.store_u32(ev, at, Ordering::Release);
+                        }
                         cq.head = head as u16;
-                        let _ = self.mem.store_u32(ev, ei + cqid as u64 * 8 + 4, Ordering::Release);
                     }
                 }
             }
@@ -510,8 +514,14 @@ impl Core {
             // that follows the rule never rings. Setting it behind the new
             // tail instead races: the driver may read it right after the
             // controller took its write, and ring for nothing.
-            let ev = queue::prev(sq.tail as u32, sq.size as u32);
-            let _ = self.mem.store_u32(ev, ei + qid as u64 * 8, Ordering::Release);
+            // It is moved only once it lags half a queue behind the tail
+            // (`event_idx_lags`), not on each new tail: every store makes the
+            // driver fetch that line again after its fence, on its hot path.
+            let at = ei + qid as u64 * 8;
+            if event_idx_lags(self.mem.load_u32(at, Ordering::Relaxed).ok(), tail, sq.size as u32) {
+                let ev = queue::prev(sq.tail as u32, sq.size as u32);
+                let _ = self.mem.store_u32(ev, at, Ordering::Release);
+            }
             self.queues.sqs[qid].as_mut().unwrap().tail = tail as u16;
             busy |= self.process_sq(qid);
         }
@@ -772,6 +782,24 @@ impl Core {
     }
 }
 
+/// shm, adaptive awake: whether the EventIdx word `ev` (as read) is to be
+/// moved up behind `now`, the tail (or head) just read from the shadow.
+/// Left where it is, a driver crosses it only when one doorbell write
+/// moves its value over what is left of the queue past the lag, which a
+/// driver with fewer than half a queue outstanding never does; a crossing
+/// costs one doorbell register write, which is served as any. A word at
+/// `now` (the next submission would cross it) or outside the queue (the
+/// driver wrote it) is moved too.
+fn event_idx_lags(ev: Option<u32>, now: u32, size: u32) -> bool {
+    match ev {
+        Some(ev) if ev < size => {
+            let lag = (now + size - ev) % size;
+            lag == 0 || lag >= size / 2
+        }
+        _ => true,
+    }
+}
+
 /// A poller (`shm`, `bar`) of one queue group's core, until `stop`. Group 0's
 /// also delivers the asynchronous events the other groups raised.
 fn spawn_poller(
@@ -900,5 +928,22 @@ mod bar_memory_tests {
         assert_eq!(f.set_len(0).unwrap_err().raw_os_error(), Some(libc::EPERM), "shrink");
         assert_eq!(f.set_len(super::BAR0_SIZE * 2).unwrap_err().raw_os_error(), Some(libc::EPERM), "grow");
         assert_eq!(f.metadata().unwrap().len(), super::BAR0_SIZE);
+    }
+}
+
+#[cfg(test)]
+mod event_idx_tests {
+    use super::event_idx_lags;
+
+    #[test]
+    fn event_idx_moves_once_it_lags_half_a_queue_or_is_out_of_the_queue() {
+        assert!(!event_idx_lags(Some(3), 4, 64), "one behind");
+        assert!(!event_idx_lags(Some(3), 34, 64), "31 behind");
+        assert!(event_idx_lags(Some(3), 35, 64), "32 behind");
+        assert!(!event_idx_lags(Some(60), 10, 64), "14 behind, across the wrap");
+        assert!(event_idx_lags(Some(40), 8, 64), "32 behind, across the wrap");
+        assert!(event_idx_lags(Some(4), 4, 64), "at the tail: the next submission would cross it");
+        assert!(event_idx_lags(Some(64), 4, 64), "outside the queue");
+        assert!(event_idx_lags(None, 4, 64), "unreadable");
     }
 }

@@ -259,7 +259,7 @@ fn a_full_cq_holds_submissions_until_the_host_frees_entries() {
 }
 
 #[test]
-fn shm_doorbells_are_polled_with_eventidx_kept_behind() {
+fn shm_doorbells_are_polled_with_eventidx_kept_behind_and_moved_only_when_it_lags() {
     let cfg = NvmeConfig {
         backend: BackendKind::Ram,
         size: 1 << 20,
@@ -271,11 +271,17 @@ fn shm_doorbells_are_polled_with_eventidx_kept_behind() {
     assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
     d.io_queues(8);
     let before = d.n.counters().iter().find(|x| x.name == "doorbell.writes").unwrap().value;
+    // The EventIdx rule (as in the guest's nvme.c and Linux): ring if `nw` passed `ev` since `old`.
+    let need_event = |ev: u32, nw: u32, old: u32| (nw + 16 - ev - 1) % 8 < (nw + 8 - old) % 8;
+    let (mut moves, mut last_ev) = (0, u32::MAX);
     for i in 0..20u64 {
         let e = d.sqe(0x02, 1, DATA, 0, [i as u32, 0, 0, 0]);
         d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+        let old = d.iotail as u32;
         d.iotail = (d.iotail + 1) % 8;
         d.mem.store(d.iotail as u32, GuestAddress(DBBUF + 8), Ordering::Release).unwrap();
+        let ev: u32 = d.mem.load(GuestAddress(EVIDX + 8), Ordering::Acquire).unwrap();
+        assert!(!need_event(ev, d.iotail as u32, old), "submission {i}: EventIdx {ev} asks for a ring");
         let t0 = std::time::Instant::now();
         let r = loop {
             if let Some(r) = d.reap(IOCQ, 8, false) {
@@ -286,8 +292,14 @@ fn shm_doorbells_are_polled_with_eventidx_kept_behind() {
         assert_eq!(r.1, 0);
         d.mem.store(d.iohead as u32, GuestAddress(DBBUF + 12), Ordering::Release).unwrap();
         let ev: u32 = d.mem.load(GuestAddress(EVIDX + 8), Ordering::Acquire).unwrap();
-        assert_eq!(ev, (d.iotail as u32 + 6) % 8, "EventIdx one behind the tail seen before");
+        // Behind the tail (never in the next submission's way), by at most half the queue.
+        let lag = (d.iotail as u32 + 8 - ev) % 8;
+        assert!((1..=5).contains(&lag), "submission {i}: EventIdx {ev} for tail {}", d.iotail);
+        moves += (ev != last_ev) as u32;
+        last_ev = ev;
     }
+    // Moved once every few submissions (each move is a line the driver fetches again), not each time.
+    assert!((5..=11).contains(&moves), "EventIdx moved {moves} times in 20 submissions");
     let after = d.n.counters().iter().find(|x| x.name == "doorbell.writes").unwrap().value;
     assert_eq!(after, before, "no MMIO doorbell write for I/O");
     d.n.quiesce();
