@@ -67,6 +67,29 @@ static int need_event(u32 ev, u32 nw, u32 old, u32 qs)
     return (nw + 2 * qs - ev - 1) % qs < (nw + qs - old) % qs;
 }
 
+/* Shadow doorbells: stores the new value in the shadow; 1 if there was one. */
+static int shadow(struct sq_cq *q, int cq)
+{
+    u16 nw = cq ? q->cq_head : q->sq_tail;
+    if (nw == (cq ? q->cq_old : q->sq_old))
+        return 0;
+    dbbuf[2u * q->qid + (u32)cq] = nw;
+    return 1;
+}
+
+/* After the fence that follows the shadow store: the register write the
+   EventIdx rule asks for, if any. */
+static void check_event(struct sq_cq *q, int cq)
+{
+    u16 nw = cq ? q->cq_head : q->sq_tail;
+    u16 *old = cq ? &q->cq_old : &q->sq_old;
+    if (need_event(evidx[2u * q->qid + (u32)cq], nw, *old, q->size)) {
+        rings++;
+        mmio_write32(db_addr(q->qid, cq), nw);
+    }
+    *old = nw;
+}
+
 static void ring(struct sq_cq *q, int cq)
 {
     u16 nw = cq ? q->cq_head : q->sq_tail;
@@ -74,18 +97,35 @@ static void ring(struct sq_cq *q, int cq)
     if (nw == *old)
         return;
     if (use_dbbuf && q->qid) {
-        u32 i = 2u * q->qid + (u32)cq;
-        dbbuf[i] = nw;
+        shadow(q, cq);
         mfence();
-        if (need_event(evidx[i], nw, *old, q->size)) {
-            rings++;
-            mmio_write32(db_addr(q->qid, cq), nw);
-        }
-    } else {
-        rings++;
-        mmio_write32(db_addr(q->qid, cq), nw);
+        check_event(q, cq);
+        return;
     }
+    rings++;
+    mmio_write32(db_addr(q->qid, cq), nw);
     *old = nw;
+}
+
+/* The CQ head and the SQ tail together. With shadow doorbells both words
+   share a line, and one fence orders both stores before both EventIdx
+   reads: a fence waits for the line to come back from the controller, which
+   is polling it, so a fence per doorbell would wait twice. */
+static void ring_both(struct sq_cq *q)
+{
+    if (!use_dbbuf || !q->qid) {
+        ring(q, 1);
+        ring(q, 0);
+        return;
+    }
+    int cq = shadow(q, 1), sq = shadow(q, 0);
+    if (!cq && !sq)
+        return;
+    mfence();
+    if (cq)
+        check_event(q, 1);
+    if (sq)
+        check_event(q, 0);
 }
 
 struct cmd {
@@ -215,8 +255,7 @@ static int reap_io(u32 q, u32 *i, u32 *status)
    while a pass goes on reaping. */
 static void kick(u32 q)
 {
-    ring(&ioq[q], 1);
-    ring(&ioq[q], 0);
+    ring_both(&ioq[q]);
 }
 
 static const struct load_ops nvme_ops = {"nvme", issue, reap_io, kick};
