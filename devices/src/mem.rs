@@ -274,18 +274,18 @@ impl GuestMem {
     }
 
     /// Reads the 64 bytes at `off` in `r` (a submission queue entry; `r` is
-    /// 64-byte aligned) with eight 8-byte loads. False if `r` is not this
-    /// memory's or `off` is outside it: the caller takes the general path.
-    pub fn read_resolved_64(&self, r: &Resolved, off: usize, out: &mut [u8; 64]) -> bool {
+    /// 64-byte aligned) as eight little-endian 8-byte words, with eight
+    /// 8-byte loads. False if `r` is not this memory's or `off` is outside
+    /// it: the caller takes the general path.
+    pub fn read_resolved_64(&self, r: &Resolved, off: usize, out: &mut [u64; 8]) -> bool {
         let Some(a) = self.resolved_at(r, off, 64).filter(|a| a.is_multiple_of(8)) else { return false };
         let p = a as *const u64;
-        for (i, chunk) in out.chunks_exact_mut(8).enumerate() {
+        for (i, w) in out.iter_mut().enumerate() {
             // SAFETY: `a..a + 64` is inside a mapped region of this memory
             // (resolve and resolved_at checked it, and the mapping lives as
             // long as `self`), 8-byte aligned; the guest may write it at any
             // time, so each word is read once, volatile, as vm-memory does.
-            let w = unsafe { std::ptr::read_volatile(p.add(i)) };
-            chunk.copy_from_slice(&w.to_ne_bytes());
+            *w = u64::from_le(unsafe { std::ptr::read_volatile(p.add(i)) });
         }
         true
     }
@@ -498,9 +498,10 @@ mod tests {
         assert_eq!(back, [1, 2, 3, 0x8001_0042]);
         let cmd: Vec<u8> = (0..64).collect();
         g.write_slice(&cmd, 0x1040).unwrap();
-        let mut out = [0u8; 64];
+        let words: Vec<u64> = cmd.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+        let mut out = [0u64; 8];
         assert!(g.read_resolved_64(&r, 0x40, &mut out));
-        assert_eq!(&out[..], &cmd[..]);
+        assert_eq!(&out[..], &words[..]);
         // Outside the range, misaligned, or another memory (even over the same
         // mapping: a memory that replaced it): refused, the caller goes the long way.
         assert!(!g.read_resolved_64(&r, 0x3c8, &mut out), "past its end");
@@ -516,7 +517,7 @@ mod tests {
             g.prefetch_resolved(&r, off);
             other.prefetch_resolved(&r, off);
         }
-        assert!(g.read_resolved_64(&r, 0x40, &mut out) && out[..] == cmd[..]);
+        assert!(g.read_resolved_64(&r, 0x40, &mut out) && out[..] == words[..]);
     }
 
     #[test]

@@ -270,7 +270,8 @@ impl Core {
             }
             let Some(cq) = self.queues.cqs[sq.cqid as usize] else { return did };
             // Room for this command's completion besides those owed already.
-            let used = (cq.tail + cq.size - cq.head) % cq.size;
+            // (No division: this is per command.)
+            let used = if cq.tail >= cq.head { cq.tail - cq.head } else { cq.tail + cq.size - cq.head };
             if cq.size - 1 - used <= self.ns.pending.owed[sq.cqid as usize] {
                 self.st.cq_full_waits += 1;
                 return did;
