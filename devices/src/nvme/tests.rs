@@ -1679,3 +1679,23 @@ fn adaptive_mode_sleeps_when_idle_and_no_submission_racing_the_sleep_is_lost() {
     assert_eq!(counter(&d.n, "doorbell.invalid"), 0);
     d.n.quiesce();
 }
+
+#[test]
+fn a_batch_completes_in_order_across_cq_lines_errors_and_a_wrap_off_a_line_boundary() {
+    // A 6-entry queue: lines of 4 entries, and a wrap that is no line boundary.
+    let mut d = Drv::new(mmio(BackendKind::Ram));
+    d.io_queues_at(IOSQ, IOCQ, 6);
+    for round in 0..4 {
+        // Five reads in one doorbell write; the third is out of range.
+        let cmds: Vec<(u8, u64, u32, u64)> =
+            (0..5u64).map(|i| (0x02, if i == 2 { 1 << 40 } else { i }, 0, DATA)).collect();
+        let cids = d.submit_batch(&cmds, IOSQ, 6);
+        let got = d.reap_batch(5, IOCQ, 6);
+        assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), cids, "round {round}: command order");
+        for (i, &(cid, st)) in got.iter().enumerate() {
+            let want = if i == 2 { status::LBA_OUT_OF_RANGE } else { status::SUCCESS };
+            assert_eq!(st, want, "round {round}, cid {cid}");
+        }
+    }
+    assert_eq!(counter(&d.n, "io.commands"), 20);
+}
