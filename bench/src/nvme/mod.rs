@@ -224,7 +224,9 @@ pub struct NvmeRun {
     /// Their CPU share (100 = one core) in a pause with no I/O after the window.
     pub idle_cpu_pct: Option<f64>,
     /// The ring floor this run is judged against: ops/s and p50 at the job's
-    /// queue depth, measured in the same round (or before this re-run).
+    /// queue depth, measured just before this run (this host moves between
+    /// faster and slower placements within a round; a floor measured beside
+    /// the run is in the same one far more often than the round's first).
     pub floor_ops_s: Option<f64>,
     pub floor_p50_ns: Option<f64>,
     /// IOPS over `floor_ops_s`.
@@ -239,6 +241,9 @@ pub struct NvmeRun {
     /// Out of process (`...@transport`): IOPS over the same mode's in the
     /// VMM, same job and round (with `--transport vmm,...`).
     pub vmm_ratio: Option<f64>,
+    /// The same over each run's own floor: `floor_ratio` over the in-VMM
+    /// run's, so that a placement change between the two runs cancels out.
+    pub vmm_floor_ratio: Option<f64>,
     /// The guard's marks on this run (its own against the floor, and its
     /// target's spread over rounds), as `guard::marks_json`.
     #[serde(serialize_with = "marks_ser")]
@@ -291,6 +296,7 @@ impl NvmeRun {
             wake_p50_ns: None,
             wake_ratio: None,
             vmm_ratio: None,
+            vmm_floor_ratio: None,
             marks: Vec::new(),
         }
     }
@@ -432,20 +438,38 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     }
                     continue;
                 }
+                // The floor at the job's depth just before the run (not fio's: it is judged against none).
+                let beside = if t.is_fio() {
+                    None
+                } else {
+                    pb.set_message(format!("round {}/{} ring floor before {}", round + 1, o.rounds, t.name));
+                    let (f, e) =
+                        crate::floor::measure_round(&[floor_qd(j)], round, o.floor_ms, o.pin.map(|p| p.pair()));
+                    errors.extend(e);
+                    f.into_iter().next()
+                };
                 pb.set_message(format!("round {}/{} {} {}", round + 1, o.rounds, j.label(), t.name));
                 match ctx.run_target(t, ji, round) {
-                    Ok(r) => runs.push(r),
+                    Ok(mut r) => {
+                        if let Some(f) = beside {
+                            r.floor_ops_s = Some(f.ops_s);
+                            r.floor_p50_ns = Some(f.p50_ns).filter(|p| p.is_finite());
+                        }
+                        runs.push(r)
+                    }
                     Err(e) => errors.push(format!("{} {} round {round}: {e}", t.name, j.label())),
                 }
                 pb.inc(1);
             }
         }
     }
-    // Each run against its round's floors.
+    // Each run against the floor measured beside it (else its round's).
     for r in runs.iter_mut().filter(|r| r.target != FIO_TARGET) {
         let j = &o.jobs[r.job];
-        r.floor_ops_s = crate::floor::ops_s_of(&floor, r.round, floor_qd(j));
-        r.floor_p50_ns = crate::floor::p50_of(&floor, r.round, floor_qd(j));
+        if r.floor_ops_s.is_none() {
+            r.floor_ops_s = crate::floor::ops_s_of(&floor, r.round, floor_qd(j));
+            r.floor_p50_ns = crate::floor::p50_of(&floor, r.round, floor_qd(j));
+        }
         r.wake_p50_ns = wake.iter().find(|w| w.round == r.round).map(|w| w.p50_ns);
         r.fill_floor_ratios(j);
     }
@@ -481,13 +505,15 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
 /// Ratios between targets of the same job, round and attempt: each
 /// file-backed row over the host's fio, each out-of-process row over its
 /// in-VMM twin. A re-run row has no partner of its attempt: no ratio.
+/// `vmm_floor_ratio` compares each run over its own floor, so it pairs
+/// the rounds of the same number whatever their attempts.
 fn relate(runs: &mut [NvmeRun]) {
     let key = |r: &NvmeRun| (r.job, r.round, r.attempt);
     let fio: Vec<_> = runs.iter().filter(|r| r.target == FIO_TARGET).map(|r| (key(r), r.iops)).collect();
     let in_vmm: Vec<_> = runs
         .iter()
         .filter(|r| r.target.starts_with("iopath-") && !r.target.contains('@'))
-        .map(|r| (key(r), r.target.clone(), r.iops))
+        .map(|r| (key(r), r.target.clone(), r.iops, r.floor_ratio))
         .collect();
     for r in runs.iter_mut() {
         if r.target != FIO_TARGET {
@@ -495,8 +521,45 @@ fn relate(runs: &mut [NvmeRun]) {
             r.fio_ratio = f.filter(|&f| f > 0.0).map(|f| r.iops / f);
         }
         if let Some((base, _)) = r.target.split_once('@') {
-            let v = in_vmm.iter().find(|v| v.0 == key(r) && v.1 == base).map(|v| v.2);
-            r.vmm_ratio = v.filter(|&v| v > 0.0).map(|v| r.iops / v);
+            let v = in_vmm.iter().find(|v| v.0 == key(r) && v.1 == base);
+            r.vmm_ratio = v.map(|v| v.2).filter(|&v| v > 0.0).map(|v| r.iops / v);
+            let same_round = in_vmm.iter().find(|v| (v.0 .0, v.0 .1) == (r.job, r.round) && v.1 == base);
+            let own = same_round.and_then(|v| v.3).filter(|&f| f > 0.0);
+            r.vmm_floor_ratio = own.zip(r.floor_ratio).map(|(v, f)| f / v);
         }
+    }
+}
+
+#[cfg(test)]
+mod relate_tests {
+    use super::*;
+
+    fn run(target: &str, round: u32, iops: f64, floor_ratio: Option<f64>) -> NvmeRun {
+        let mut r = NvmeRun::new(target, "", 0, round, 1000, 1000);
+        (r.iops, r.floor_ratio) = (iops, floor_ratio);
+        r
+    }
+
+    #[test]
+    fn out_of_process_runs_are_related_to_their_in_vmm_twin_by_iops_and_by_their_own_floors() {
+        // Round 0: both in one placement. Round 1: the device process ran in a slower one,
+        // which its own floor saw too.
+        let mut runs = vec![
+            run("iopath-bar", 0, 4.0e6, Some(0.5)),
+            run("iopath-bar@vfio-user", 0, 3.8e6, Some(0.475)),
+            run("iopath-bar", 1, 4.0e6, Some(0.5)),
+            run("iopath-bar@vfio-user", 1, 1.0e6, Some(0.5)),
+            run("iopath-shm@vfio-user", 1, 1.0e6, None),
+        ];
+        relate(&mut runs);
+        let near = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-9);
+        assert!(near(runs[1].vmm_ratio, 0.95) && near(runs[1].vmm_floor_ratio, 0.95));
+        assert!(near(runs[3].vmm_ratio, 0.25) && near(runs[3].vmm_floor_ratio, 1.0));
+        assert_eq!((runs[0].vmm_ratio, runs[0].vmm_floor_ratio), (None, None), "in the VMM: no twin");
+        assert_eq!((runs[4].vmm_ratio, runs[4].vmm_floor_ratio), (None, None), "no in-VMM shm run");
+        // The in-VMM twin was run again (attempt 1): no IOPS ratio across attempts, the floor one stays.
+        runs[2].attempt = 1;
+        relate(&mut runs);
+        assert!(runs[3].vmm_ratio.is_none() && near(runs[3].vmm_floor_ratio, 1.0));
     }
 }

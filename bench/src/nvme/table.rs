@@ -92,7 +92,7 @@ impl NvmeResult {
         );
         let _ = writeln!(
             s,
-            "ring floor, measured first in each round ({}):",
+            "ring floor, measured first in each round ({}; each run's /floor is against one more at its depth, run just before it):",
             crate::floor::placement(self.options.pin.map(|p| p.pair()))
         );
         s.push_str(&crate::floor::floor_rows(&self.floor));
@@ -211,18 +211,26 @@ impl NvmeResult {
 
     /// Out-of-process rows over their in-VMM twins, round by round.
     fn vmm_table(&self, s: &mut String) {
-        let groups: Vec<_> =
-            self.groups().into_iter().filter(|(_, rs)| rs.iter().any(|r| r.vmm_ratio.is_some())).collect();
+        let groups: Vec<_> = self
+            .groups()
+            .into_iter()
+            .filter(|(_, rs)| rs.iter().any(|r| r.vmm_ratio.is_some() || r.vmm_floor_ratio.is_some()))
+            .collect();
         if groups.is_empty() {
             return;
         }
-        let _ = writeln!(s, "\nout of process over in the VMM (IOPS, same mode, job and round): median [min .. max]");
+        let _ = writeln!(
+            s,
+            "\nout of process over in the VMM (same mode, job and round): median [min .. max] of IOPS (same attempt), and of /floor (each run over the floor run just before it)"
+        );
+        let show = |x: Option<crate::stats::Summary>| {
+            x.map_or("-".to_string(), |x| format!("{:.2}x [{:.2} .. {:.2}]", x.median, x.min, x.max))
+        };
         for ((ji, target), rs) in groups {
             let v = summarize(&rs.iter().filter_map(|r| r.vmm_ratio).collect::<Vec<_>>());
-            if let Some(v) = v {
-                let label = self.options.jobs[ji].label();
-                let _ = writeln!(s, "{label:<24} {target:<24} {:.2}x [{:.2} .. {:.2}]", v.median, v.min, v.max);
-            }
+            let f = summarize(&rs.iter().filter_map(|r| r.vmm_floor_ratio).collect::<Vec<_>>());
+            let label = self.options.jobs[ji].label();
+            let _ = writeln!(s, "{label:<24} {target:<26} IOPS {:<22} /floor {}", show(v), show(f));
         }
     }
 
