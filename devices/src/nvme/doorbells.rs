@@ -77,6 +77,13 @@ pub(super) struct Threads {
     pub error: Option<String>,
 }
 
+impl Threads {
+    /// A device thread runs (and may be asleep on the doorbells' eventfd).
+    pub(super) fn running(&self) -> bool {
+        self.worker.is_some()
+    }
+}
+
 impl Nvme {
     /// Starts the device thread the doorbell mode needs (none for mmio).
     pub(super) fn start_threads(&self, t: &mut Threads) {
@@ -688,7 +695,9 @@ impl Core {
     }
 
     /// Adds what the doorbells' eventfd counted to the kicks, less the
-    /// wake-ups this side wrote (it is non-blocking: nothing waits).
+    /// wake-ups this side wrote. Only from the thread that waits on that
+    /// eventfd, or while no device thread runs: a read from anywhere else
+    /// can take the wake-up a sleeping poller waits for.
     pub(super) fn drain_kicks(&mut self) {
         if let Some(k) = &self.db.kick {
             let n = k.read().unwrap_or(0);

@@ -451,9 +451,14 @@ impl DeviceModel for Nvme {
     }
 
     fn counters(&self) -> Vec<Counter> {
+        // While a device thread runs, the kicks it has not drained yet are
+        // not counted: reading its eventfd here could take its wake-up.
+        let running = self.threads.lock().unwrap().running();
         let (v, failed) = {
             let mut c = self.core.lock().unwrap();
-            c.drain_kicks();
+            if !running {
+                c.drain_kicks();
+            }
             (c.counters(), c.db.failed.clone())
         };
         if let Some(e) = failed {

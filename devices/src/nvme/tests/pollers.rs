@@ -498,3 +498,46 @@ fn register_doorbells_reach_the_queues_group_and_hostile_ones_are_refused() {
     }
     d.n.quiesce();
 }
+
+#[test]
+fn reading_the_counters_while_an_adaptive_poller_sleeps_takes_no_wake_up_from_it() {
+    // A host that reads the counters while I/O runs (a status query) must not consume the
+    // doorbells' eventfd under a sleeping poller: the kick it takes is the one that poller
+    // waits for, and the command it announced would not be served (the 10 s bound in `io`).
+    let host = Arc::new(Kvm::default());
+    let mut d = Drv::with_ioevents(cfg(1, DoorbellMode::Adaptive), host.clone());
+    assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
+    assert_eq!(d.create_pair(1), (0, 0));
+    let kick = host.0.lock().unwrap().iter().find(|(s, _)| s.offset == DOORBELLS + 8).map(|(_, f)| f.try_clone());
+    let mut p = Pair::new(&d.mem, 1);
+    p.kick = Some(kick.expect("SQ 1's doorbell is an ioeventfd").unwrap());
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    let reads = std::thread::scope(|s| {
+        let n = &d.n;
+        let reader = s.spawn(|| {
+            let mut reads = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let _ = n.counters();
+                reads += 1;
+            }
+            reads
+        });
+        let _stop = StopOnDrop(&stop);
+        for i in 0..40u64 {
+            std::thread::sleep(Duration::from_micros(400)); // past ADAPTIVE_IDLE: the poller sleeps
+            p.write_read(i, i as u8);
+        }
+        drop(_stop);
+        reader.join().unwrap()
+    });
+    assert!(p.rings > 0 && reads > 0, "rings {} counter reads {reads}", p.rings);
+    // Stopped, the controller counts every kick the guest made.
+    d.n.quiesce();
+    assert_eq!(d.counter("ioeventfd.kicks"), p.rings);
+}
