@@ -179,13 +179,18 @@ fn rig(notify: NotifyMode) -> Rig {
 }
 
 fn rig_on(backend: BackendKind, notify: NotifyMode) -> Rig {
+    rig_with_queues(backend, notify, 1)
+}
+
+/// A rig whose frontend believes in `queues` queues.
+fn rig_with_queues(backend: BackendKind, notify: NotifyMode, queues: u64) -> Rig {
     let cfg = VirtioBlkConfig { backend, size: MEM as u64, notify };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let (a, b) = UnixStream::pair().unwrap();
     b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let be2 = be.clone();
     let session = std::thread::spawn(move || be2.session(&b));
-    Rig::new(a, 1, be, session)
+    Rig::new(a, queues, be, session)
 }
 
 impl Rig {
@@ -672,13 +677,7 @@ fn the_sixteenth_queue_serves_requests() {
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let g = Guest::new(true);
     let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
-    let (a, b) = UnixStream::pair().unwrap();
-    b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let cfg = VirtioBlkConfig { backend: BackendKind::Ram, size: MEM as u64, notify: NotifyMode::Ioeventfd };
-    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
-    let be2 = be.clone();
-    let session = std::thread::spawn(move || be2.session(&b));
-    let mut r = Rig::new(a, 16, be, session);
+    let mut r = rig_with_queues(BackendKind::Ram, NotifyMode::Ioeventfd, 16);
     r.negotiate();
     assert!(r.fe.get_queue_num().unwrap() >= 16);
     r.start_ring(&g, &kick, &call, 15);
