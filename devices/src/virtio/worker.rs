@@ -64,8 +64,6 @@ pub(super) fn poll_loop(state: &Mutex<State<BlkEngine>>, kick: &EventFd, stop: &
             // One pass per lock hold: a full queue starves neither the
             // BAR accesses nor the stop.
             while !stop.load(Ordering::Acquire) && crate::lock(state).serve() {}
-        }
-        if worked {
             idle = Instant::now();
         } else if idle.elapsed() >= POLL_IDLE {
             let mut st = crate::lock(state);

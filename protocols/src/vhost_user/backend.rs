@@ -198,7 +198,7 @@ impl BlkBackend {
 
     /// The device's counters (requests, kicks, interrupts, errors...).
     pub fn counters(&self) -> Vec<Counter> {
-        iopath_devices::lock(&self.dev).counters()
+        self.lock().counters()
     }
 }
 

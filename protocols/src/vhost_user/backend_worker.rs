@@ -184,8 +184,6 @@ fn poll_loop(dev: &Mutex<Dev>, fds: &mut Fds) {
         }
         if worked {
             while !fds.stop.load(Ordering::Acquire) && pass(dev, i) {}
-        }
-        if worked {
             idle = Instant::now();
         } else if idle.elapsed() >= POLL_IDLE {
             let mut d = iopath_devices::lock(dev);
