@@ -40,8 +40,14 @@ struct load_job {
     struct load_slot *slots; /* nq * depth */
 };
 
+/* The deepest queue a job may keep (nvme's and virtio's limits are lower). */
+#define LOAD_MAX_DEPTH 1024
+
 struct load_result {
     u64 ios, cycles, mismatches, verified;
+    /* Cycles of reaping passes that found no completion: the driver waiting
+       for the device (near cycles: the device is the bottleneck). */
+    u64 wait_cycles;
 };
 
 /* Bump allocator over identity-mapped guest RAM (zeroed, page aligned). */
@@ -56,7 +62,7 @@ extern u64 load_errors;
 int load_parse_rw(const char *prefix, char rw[16]);
 /* Runs the job; 0, or -1 after an error record (the result is then partial). */
 int load_run(const struct load_ops *ops, const struct load_job *j, struct load_result *r);
-/* " ios=.. cycles=.. lat_sum=.. lat_min=.. lat_max=.. p50=.. p90=.. p99=.. p999=.." */
+/* " ios=.. cycles=.. wait_cycles=.. lat_sum=.. lat_min=.. lat_max=.. p50=.. p90=.. p99=.. p999=.." */
 void load_print_lat(const struct load_result *r);
 /* " thinktime_us=.." / " verified_blocks=.. mismatches=..", the newline, the histogram. */
 void load_print_end(const char *prefix, const struct load_job *j, const struct load_result *r);

@@ -223,6 +223,10 @@ pub struct NvmeRun {
     pub cpu_ns_per_io: Option<f64>,
     /// Their CPU share (100 = one core) in a pause with no I/O after the window.
     pub idle_cpu_pct: Option<f64>,
+    /// The guest driver's share of its timed window spent in passes that
+    /// found no completion (its `wait_cycles` over `cycles`): near 0 the
+    /// guest's own work per I/O is the bottleneck, higher the device is.
+    pub guest_wait_pct: Option<f64>,
     /// The ring floor this run is judged against: ops/s and p50 at the job's
     /// queue depth, measured just before this run (this host moves between
     /// faster and slower placements within a round; a floor measured beside
@@ -289,6 +293,7 @@ impl NvmeRun {
             device_threads: 0,
             cpu_ns_per_io: None,
             idle_cpu_pct: None,
+            guest_wait_pct: None,
             floor_ops_s: None,
             floor_p50_ns: None,
             floor_ratio: None,

@@ -382,6 +382,7 @@ pub fn to_run(
     r.mismatches = g("mismatches").ok();
     r.verified_blocks = g("verified_blocks").ok();
     r.io_doorbell_writes = g("io_doorbell_writes").unwrap_or(0);
+    r.guest_wait_pct = g("wait_cycles").ok().map(|w| 100.0 * w as f64 / cycles as f64);
     Ok(r)
 }
 
@@ -418,13 +419,14 @@ mod tests {
     #[test]
     fn a_run_keeps_ios_cycles_and_the_histogram() {
         let l = lines(&[
-            "@nvme rw=randread ios=4 cycles=2000000 lat_sum=4000 p50=1 p90=1 p99=1 p999=1 errors=0",
+            "@nvme rw=randread ios=4 cycles=2000000 wait_cycles=500000 lat_sum=4000 p50=1 p90=1 p99=1 p999=1 errors=0",
             "@nvme-hist 105:4",
             "@nvme-hist-end buckets=1 lines=1",
         ]);
         // 1 GHz: 2 M cycles are 2 ms.
         let r = to_run("qemu", 0, 0, &job(false), &l, 1_000_000).unwrap();
         assert_eq!((r.ios, r.cycles, r.iops), (4, 2_000_000, 2000.0));
+        assert_eq!(r.guest_wait_pct, Some(25.0), "a quarter of the window found nothing to reap");
         assert_eq!(r.hist, vec![(103.0, 4)]);
         // The record's own p50 (1 cycle, a bucket's upper edge) is not used: the host's, interpolated.
         assert_eq!(r.p50_ns, 101.5);
