@@ -224,7 +224,7 @@ impl Core {
     /// for one more completion or (I/O queues) every file backend slot is
     /// taken. Operations it started on the file backend go out in one submit.
     pub fn process_sq(&mut self, qid: usize) -> bool {
-        if let Some(sq) = self.queues.sqs.get(qid).copied().flatten() {
+        if let Some(sq) = self.queues.sqs.get(qid).and_then(|s| s.as_ref()) {
             // The entries to serve, up to 8 lines ahead, fetched together.
             let (mut i, mut n) = (sq.head, 0);
             while i != sq.tail && n < 8 {
@@ -264,15 +264,20 @@ impl Core {
     fn serve_sq(&mut self, qid: usize) -> bool {
         let mut did = false;
         loop {
-            let Some(sq) = self.queues.sqs[qid] else { return did };
-            if sq.head == sq.tail {
+            // Fields read in place, not the queues copied: a copy loads the
+            // whole struct in wide loads right after the narrow store of the
+            // head (or, in post_cqe, the CQ tail), which cannot be forwarded
+            // from the store buffer and stalled every command.
+            let Some(sq) = self.queues.sqs[qid].as_ref() else { return did };
+            let (head, cqid) = (sq.head, sq.cqid as usize);
+            if head == sq.tail {
                 return did;
             }
-            let Some(cq) = self.queues.cqs[sq.cqid as usize] else { return did };
+            let Some(cq) = self.queues.cqs[cqid].as_ref() else { return did };
             // Room for this command's completion besides those owed already.
             // (No division: this is per command.)
             let used = if cq.tail >= cq.head { cq.tail - cq.head } else { cq.tail + cq.size - cq.head };
-            if cq.size - 1 - used <= self.ns.pending.owed[sq.cqid as usize] {
+            if cq.size - 1 - used <= self.ns.pending.owed[cqid] {
                 self.st.cq_full_waits += 1;
                 return did;
             }
@@ -281,8 +286,9 @@ impl Core {
                 self.ns.pending.slot_wait = true;
                 return did;
             }
-            let sqe = read_sqe(&self.mem, &sq, sq.head);
-            self.queues.sqs[qid].as_mut().unwrap().head = queue::next(sq.head, sq.size);
+            let sq = self.queues.sqs[qid].as_mut().unwrap();
+            let sqe = read_sqe(&self.mem, sq, head);
+            sq.head = queue::next(head, sq.size);
             did = true;
             let (dw0, st) = match sqe {
                 None => (0, status::DATA_TRANSFER_ERROR),
@@ -384,10 +390,9 @@ impl Core {
         if st != status::SUCCESS {
             self.st.errors += 1;
         }
-        let Some(sq) = self.queues.sqs[sqid] else { return };
-        let cqid = sq.cqid as usize;
+        let Some((sqhd, cqid)) = self.queues.sqs[sqid].as_ref().map(|s| (s.head, s.cqid as usize)) else { return };
         if let Some(cq) = self.queues.cqs[cqid].as_mut() {
-            if !post_cqe(&self.mem, cq, dw0, sq.head, sqid as u16, cid, st) {
+            if !post_cqe(&self.mem, cq, dw0, sqhd, sqid as u16, cid, st) {
                 log::warn!("nvme: CQ {cqid} is outside guest RAM; completion of cid {cid} dropped");
                 return;
             }

@@ -489,9 +489,13 @@ impl Core {
         let Some((db, ei)) = self.db.shadow else { return false };
         let mut busy = false;
         for qid in 1..self.queues.sqs.len() {
-            let Some(sq) = self.queues.sqs[qid] else { continue };
+            // Fields, not a copy of the queue (see serve_sq).
+            let Some((sq_head, sq_tail, sq_size, cqid)) =
+                self.queues.sqs[qid].as_ref().map(|s| (s.head, s.tail, s.size, s.cqid as usize))
+            else {
+                continue;
+            };
             let Ok(tail) = self.mem.load_u32(db + qid as u64 * 8, Ordering::Acquire) else { continue };
-            let cqid = sq.cqid as usize;
             if let Ok(head) = self.mem.load_u32(db + cqid as u64 * 8 + 4, Ordering::Acquire) {
                 if let Some(cq) = self.queues.cqs[cqid].as_mut() {
                     if head < cq.size as u32 && head != cq.head as u32 {
@@ -506,11 +510,11 @@ impl Core {
                     }
                 }
             }
-            if tail == sq.tail as u32 && sq.head == sq.tail {
+            if tail == sq_tail as u32 && sq_head == sq_tail {
                 continue;
             }
-            if tail >= sq.size as u32 {
-                let _ = self.mem.store_u32(sq.tail as u32, db + qid as u64 * 8, Ordering::Release);
+            if tail >= sq_size as u32 {
+                let _ = self.mem.store_u32(sq_tail as u32, db + qid as u64 * 8, Ordering::Release);
                 self.refuse_tail();
                 continue;
             }
@@ -525,8 +529,8 @@ impl Core {
             // (`event_idx_lags`), not on each new tail: every store makes the
             // driver fetch that line again after its fence, on its hot path.
             let at = ei + qid as u64 * 8;
-            if event_idx_lags(self.mem.load_u32(at, Ordering::Relaxed).ok(), tail, sq.size as u32) {
-                let ev = queue::prev(sq.tail as u32, sq.size as u32);
+            if event_idx_lags(self.mem.load_u32(at, Ordering::Relaxed).ok(), tail, sq_size as u32) {
+                let ev = queue::prev(sq_tail as u32, sq_size as u32);
                 let _ = self.mem.store_u32(ev, at, Ordering::Release);
             }
             self.queues.sqs[qid].as_mut().unwrap().tail = tail as u16;
@@ -559,12 +563,24 @@ impl Core {
     /// bar mode: the doorbells are the words of the shared page; serve what
     /// they show, admin queue included.
     pub(super) fn poll_bar(&mut self) -> bool {
-        let Some(page) = self.db.bar_page.clone() else { return false };
+        if self.db.bar_page.is_none() {
+            return false;
+        }
         let mut busy = false;
         for qid in 0..self.queues.sqs.len() {
-            let Some(sq) = self.queues.sqs[qid] else { continue };
-            let cqid = sq.cqid as usize;
-            let head = page.load::<u32>(GuestAddress(DOORBELLS + cqid as u64 * 8 + 4), Ordering::Acquire);
+            // Fields, not a copy of the queue (see serve_sq).
+            let Some((sq_head, sq_tail, sq_size, cqid)) =
+                self.queues.sqs[qid].as_ref().map(|s| (s.head, s.tail, s.size, s.cqid as usize))
+            else {
+                continue;
+            };
+            // The page borrowed for the two loads only (no clone of its
+            // mapping, an atomic count, on every pass).
+            let (head, tail) = {
+                let page = self.db.bar_page.as_ref().unwrap();
+                let word = |off: u64| page.load::<u32>(GuestAddress(DOORBELLS + off), Ordering::Acquire);
+                (word(cqid as u64 * 8 + 4), word(qid as u64 * 8))
+            };
             if let (Ok(head), Some(cq)) = (head, self.queues.cqs[cqid].as_mut()) {
                 if head < cq.size as u32 && head != cq.head as u32 {
                     cq.head = head as u16;
@@ -573,14 +589,13 @@ impl Core {
                     }
                 }
             }
-            let Ok(tail) = page.load::<u32>(GuestAddress(DOORBELLS + qid as u64 * 8), Ordering::Acquire) else {
-                continue;
-            };
-            if tail == sq.tail as u32 && sq.head == sq.tail {
+            let Ok(tail) = tail else { continue };
+            if tail == sq_tail as u32 && sq_head == sq_tail {
                 continue;
             }
-            if tail >= sq.size as u32 {
-                let _ = page.store(sq.tail as u32, GuestAddress(DOORBELLS + qid as u64 * 8), Ordering::Release);
+            if tail >= sq_size as u32 {
+                let page = self.db.bar_page.as_ref().unwrap();
+                let _ = page.store(sq_tail as u32, GuestAddress(DOORBELLS + qid as u64 * 8), Ordering::Release);
                 self.refuse_tail();
                 continue;
             }

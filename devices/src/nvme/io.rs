@@ -133,7 +133,7 @@ impl Core {
         if st == status::SUCCESS && !f.push(slot, op, off, bytes as usize) {
             st = status::INTERNAL;
         }
-        let cqid = self.queues.sqs[qid].map_or(0, |s| s.cqid);
+        let cqid = self.queues.sqs[qid].as_ref().map_or(0, |s| s.cqid);
         let o = &mut self.ns.pending.ops[slot as usize];
         o.segs = segs;
         if st != status::SUCCESS {
