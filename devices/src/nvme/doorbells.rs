@@ -42,6 +42,9 @@ pub(super) struct Doorbells {
     pub registered: Vec<u64>,
     /// bar mode: BAR0 as shared memory (the doorbells at 0x1000).
     pub bar_page: Option<GuestMemoryMmap>,
+    /// Its host address (0: none), resolved once: the poller loads the
+    /// doorbell words in place, without vm-memory's lookup in every pass.
+    bar_host: usize,
     /// Why a device thread stopped on its own (reported with the counters).
     pub failed: Option<String>,
     /// adaptive: the poller sleeps, EventIdx armed.
@@ -53,7 +56,15 @@ pub(super) struct Doorbells {
 
 impl Doorbells {
     pub fn new(mode: DoorbellMode, bar_page: Option<GuestMemoryMmap>) -> Self {
+        use vm_memory::{GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
+        // The region at 0 of BAR0_SIZE bytes or more (`bar_memory`), or none.
+        let bar_host = bar_page
+            .as_ref()
+            .and_then(|p| p.iter().find(|r| r.start_addr().0 == 0 && r.len() >= BAR0_SIZE))
+            .and_then(|r| r.get_host_address(MemoryRegionAddress(0)).ok())
+            .map_or(0, |a| a as usize);
         Doorbells {
+            bar_host,
             mode,
             shadow: None,
             kick: None,
@@ -64,6 +75,22 @@ impl Doorbells {
             sleeping: false,
             own_wakes: 0,
         }
+    }
+}
+
+impl Doorbells {
+    /// bar mode: the doorbell word at byte `off` of BAR0, loaded in place
+    /// (None: no page, or `off` is not a word inside it).
+    fn bar_load(&self, off: u64) -> Option<u32> {
+        if self.bar_host == 0 || !off.is_multiple_of(4) || off + 4 > BAR0_SIZE {
+            return None;
+        }
+        // SAFETY: bar_host maps BAR0_SIZE bytes for as long as bar_page,
+        // which this struct owns and never replaces, lives; the word is
+        // inside and 4-byte aligned (the mapping is page aligned). The
+        // guest writes it concurrently, hence atomic.
+        let w = unsafe { &*((self.bar_host + off as usize) as *const std::sync::atomic::AtomicU32) };
+        Some(u32::from_le(w.load(Ordering::Acquire)))
     }
 }
 
@@ -588,14 +615,9 @@ impl Core {
             else {
                 continue;
             };
-            // The page borrowed for the two loads only (no clone of its
-            // mapping, an atomic count, on every pass).
-            let (head, tail) = {
-                let page = self.db.bar_page.as_ref().unwrap();
-                let word = |off: u64| page.load::<u32>(GuestAddress(DOORBELLS + off), Ordering::Acquire);
-                (word(cqid as u64 * 8 + 4), word(qid as u64 * 8))
-            };
-            if let (Ok(head), Some(cq)) = (head, self.queues.cqs[cqid].as_mut()) {
+            let head = self.db.bar_load(DOORBELLS + cqid as u64 * 8 + 4);
+            let tail = self.db.bar_load(DOORBELLS + qid as u64 * 8);
+            if let (Some(head), Some(cq)) = (head, self.queues.cqs[cqid].as_mut()) {
                 if head < cq.size as u32 && head != cq.head as u32 {
                     cq.head = head as u16;
                     if cqid == 0 {
@@ -603,7 +625,7 @@ impl Core {
                     }
                 }
             }
-            let Ok(tail) = tail else { continue };
+            let Some(tail) = tail else { continue };
             if tail == sq_tail as u32 && sq_head == sq_tail {
                 continue;
             }
