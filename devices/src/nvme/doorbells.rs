@@ -337,7 +337,7 @@ fn spawn_adaptive(
                 }
                 Some(t) => t,
             };
-            if idle_passes % IDLE_CLOCK_PASSES != 0 || since.elapsed() < idle {
+            if !idle_passes.is_multiple_of(IDLE_CLOCK_PASSES) || since.elapsed() < idle {
                 std::hint::spin_loop();
                 continue;
             }
