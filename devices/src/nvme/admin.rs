@@ -190,7 +190,7 @@ impl Core {
         sq.resolve(&self.mem);
         self.queues.created = true;
         self.with_group(g, |c| {
-            c.queues.sqs[qid] = Some(sq);
+            c.queues.set_sq(qid, Some(sq));
             c.zero_bar_doorbell(qid, false);
             c.sync_shadow(qid, false);
             // On that group's eventfd (adaptive: it wakes that group's poller).
@@ -220,7 +220,7 @@ impl Core {
         }
         let Some(g) = self.sq_group(q) else { return status::INVALID_QID };
         self.with_group(g, |c| {
-            c.queues.sqs[q] = None;
+            c.queues.set_sq(q, None);
             c.zero_bar_doorbell(q, false);
             c.unregister_doorbell(q, false);
         });

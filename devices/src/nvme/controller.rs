@@ -42,7 +42,51 @@ pub(super) struct Core {
     pub raised: std::sync::Arc<super::shards::Raised>,
 }
 
+/// Queue ids, ascending, from a mask copied when the walk began (the
+/// walker may create or delete queues meanwhile, and looks each one up).
+pub(super) struct SqIds(u128);
+
+impl Iterator for SqIds {
+    type Item = usize;
+    fn next(&mut self) -> Option<usize> {
+        if self.0 == 0 {
+            return None;
+        }
+        let q = self.0.trailing_zeros() as usize;
+        self.0 &= self.0 - 1;
+        Some(q)
+    }
+}
+
 impl Queues {
+    /// Puts (or removes, with None) SQ `qid`.
+    pub fn set_sq(&mut self, qid: usize, sq: Option<Sq>) {
+        let bit = 1u128 << qid;
+        self.sq_mask = if sq.is_some() { self.sq_mask | bit } else { self.sq_mask & !bit };
+        self.sqs[qid] = sq;
+    }
+
+    /// Removes every SQ.
+    pub fn clear_sqs(&mut self) {
+        self.sqs.iter_mut().for_each(|q| *q = None);
+        self.sq_mask = 0;
+    }
+
+    /// The ids of the SQs that exist, admin queue included.
+    pub fn sq_ids(&self) -> SqIds {
+        debug_assert_eq!(
+            self.sq_mask,
+            self.sqs.iter().enumerate().filter(|(_, s)| s.is_some()).fold(0u128, |m, (q, _)| m | 1 << q),
+            "an SQ was written without set_sq"
+        );
+        SqIds(self.sq_mask)
+    }
+
+    /// The ids of the I/O SQs that exist.
+    pub fn io_sq_ids(&self) -> SqIds {
+        SqIds(self.sq_ids().0 & !1)
+    }
+
     /// Resolves every queue's ring in `mem` (the memory came or changed).
     pub fn resolve(&mut self, mem: &GuestMem) {
         self.sqs.iter_mut().flatten().for_each(|q| q.resolve(mem));
@@ -52,7 +96,11 @@ impl Queues {
 
 /// The submission and completion queues (index = queue id; 0 is admin).
 pub(super) struct Queues {
+    /// Written only through `set_sq` and `clear_sqs`, which keep `sq_mask`.
     pub sqs: Vec<Option<Sq>>,
+    /// Bit q is set while `sqs[q]` holds a queue: the pollers walk the
+    /// queues that exist, not all MAX_IO_QUEUES + 1 slots in every pass.
+    sq_mask: u128,
     pub cqs: Vec<Option<Cq>>,
     /// I/O queues allocated by Set Features (Number of Queues).
     pub nsqa: u16,
@@ -149,6 +197,7 @@ impl Core {
             regs: Regs::default(),
             queues: Queues {
                 sqs: vec![None; n],
+                sq_mask: 0,
                 cqs: vec![None; n],
                 nsqa: MAX_IO_QUEUES,
                 ncqa: MAX_IO_QUEUES,
@@ -252,7 +301,7 @@ impl Core {
                 return;
             }
             self.ns.pending.slot_wait = false;
-            for qid in 1..self.queues.sqs.len() {
+            for qid in self.queues.io_sq_ids() {
                 if self.queues.sqs[qid].is_some_and(|s| s.head != s.tail) {
                     self.serve_sq(qid);
                 }
@@ -352,7 +401,7 @@ impl Core {
             self.serve_slot_waiters();
             return (false, self.io_in_flight() > 0);
         }
-        for qid in 1..self.queues.sqs.len() {
+        for qid in self.queues.io_sq_ids() {
             if self.queues.sqs[qid].is_some_and(|s| s.head != s.tail) {
                 self.process_sq(qid);
             }

@@ -529,7 +529,7 @@ impl Core {
     pub(super) fn poll_shadow(&mut self) -> bool {
         let Some((db, ei)) = self.db.shadow else { return false };
         let mut busy = false;
-        for qid in 1..self.queues.sqs.len() {
+        for qid in self.queues.io_sq_ids() {
             // Fields, not a copy of the queue (see serve_sq).
             let Some((sq_head, sq_tail, sq_size, cqid)) =
                 self.queues.sqs[qid].as_ref().map(|s| (s.head, s.tail, s.size, s.cqid as usize))
@@ -608,7 +608,7 @@ impl Core {
             return false;
         }
         let mut busy = false;
-        for qid in 0..self.queues.sqs.len() {
+        for qid in self.queues.sq_ids() {
             // Fields, not a copy of the queue (see serve_sq).
             let Some((sq_head, sq_tail, sq_size, cqid)) =
                 self.queues.sqs[qid].as_ref().map(|s| (s.head, s.tail, s.size, s.cqid as usize))
@@ -645,7 +645,7 @@ impl Core {
     /// EventIdx = the tail served (ring me next time), then look again.
     pub(super) fn serve_kicked(&mut self) {
         let Some((db, ei)) = self.db.shadow else { return };
-        for qid in 1..self.queues.sqs.len() {
+        for qid in self.queues.io_sq_ids() {
             while let Some(sq) = self.queues.sqs[qid] {
                 let cqid = sq.cqid as usize;
                 if let Ok(head) = self.mem.load_u32(db + cqid as u64 * 8 + 4, Ordering::Acquire) {
@@ -698,7 +698,7 @@ impl Core {
             return true;
         };
         let sqs: Vec<(usize, u16)> =
-            (1..self.queues.sqs.len()).filter_map(|q| self.queues.sqs[q].map(|s| (q, s.tail))).collect();
+            self.queues.io_sq_ids().filter_map(|q| self.queues.sqs[q].map(|s| (q, s.tail))).collect();
         for &(qid, tail) in &sqs {
             let _ = self.mem.store_u32(tail as u32, ei + qid as u64 * 8, Ordering::SeqCst);
         }
@@ -732,7 +732,7 @@ impl Core {
     /// served (as `poll_shadow` keeps it), so that the driver does not ring.
     pub(super) fn disarm_wakeup(&mut self) {
         let Some((_, ei)) = self.db.shadow else { return };
-        for qid in 1..self.queues.sqs.len() {
+        for qid in self.queues.io_sq_ids() {
             if let Some(sq) = self.queues.sqs[qid] {
                 let ev = queue::prev(sq.tail as u32, sq.size as u32);
                 let _ = self.mem.store_u32(ev, ei + qid as u64 * 8, Ordering::Release);
@@ -742,7 +742,7 @@ impl Core {
 
     /// Commands read from an SQ but not completed for want of CQ room.
     pub(super) fn commands_held(&self) -> bool {
-        self.queues.sqs.iter().flatten().any(|s| s.head != s.tail)
+        self.queues.sq_ids().filter_map(|q| self.queues.sqs[q].as_ref()).any(|s| s.head != s.tail)
     }
 
     /// Adds what the doorbells' eventfd counted to the kicks, less the

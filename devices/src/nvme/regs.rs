@@ -135,7 +135,7 @@ impl Core {
             self.regs.csts |= 2; // controller fatal status
             return false;
         }
-        self.queues.sqs[0] = Some(Sq { gpa: r.asq, size: asqs as u16, ..Default::default() });
+        self.queues.set_sq(0, Some(Sq { gpa: r.asq, size: asqs as u16, ..Default::default() }));
         // The admin CQ always interrupts, on vector 0.
         self.queues.cqs[0] = Some(Cq { gpa: r.acq, size: acqs as u16, ien: true, iv: 0, ..Default::default() });
         self.queues.resolve(&self.mem);
@@ -155,7 +155,7 @@ impl Core {
             let _ = page.write_slice(&[0u8; 4096], GuestAddress(DOORBELLS));
         }
         let q = &mut self.queues;
-        q.sqs.iter_mut().for_each(|q| *q = None);
+        q.clear_sqs();
         q.cqs.iter_mut().for_each(|q| *q = None);
         self.db.shadow = None;
         self.events.aers.clear();
@@ -170,7 +170,7 @@ impl Core {
         // The other queue groups' queues, aggregation and events (their pollers are stopped).
         for s in self.shards.clone() {
             let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
-            s.queues.sqs.iter_mut().for_each(|q| *q = None);
+            s.queues.clear_sqs();
             s.queues.cqs.iter_mut().for_each(|q| *q = None);
             s.db.shadow = None;
             s.intr.clear_held();
