@@ -270,16 +270,17 @@ int load_run(const struct load_ops *ops, const struct load_job *j, struct load_r
                     ops->kick(q);
                 continue;
             }
-            u64 t = now = rdtsc();
+            const u64 t_seen = now = rdtsc();
+            u64 t = t_seen; /* when the next command is issued */
             if (idle_since) {
-                wait += t - idle_since;
+                wait += t_seen - idle_since;
                 idle_since = 0;
             }
             any = 1;
             for (u32 k = 0; k < n; k++) {
                 i = reaped[k];
                 struct load_slot *s = &j->slots[q * depth + i];
-                lat[k] = t - s->t0;
+                lat[k] = t_seen - s->t0;
                 /* Next command in this slot. */
                 u64 blk;
                 u8 op;
