@@ -1704,3 +1704,29 @@ fn a_batch_completes_in_order_across_cq_lines_errors_and_a_wrap_off_a_line_bound
     }
     assert_eq!(counter(&d.n, "io.commands"), 20);
 }
+
+#[test]
+fn the_pollers_walk_exactly_the_sqs_that_exist_in_ascending_order() {
+    let cfg = NvmeConfig {
+        backend: BackendKind::Null,
+        size: 1 << 20,
+        lba_size: 512,
+        doorbell: DoorbellMode::Shm,
+        pollers: 1,
+    };
+    let mut c = controller::Core::new(&cfg, backend::Backend::Null, None);
+    let q = &mut c.queues;
+    assert_eq!(q.sq_ids().count(), 0);
+    let sq = queue::Sq { size: 2, ..Default::default() };
+    for id in [64, 0, 3, 1, 3] {
+        q.set_sq(id, Some(sq));
+    }
+    assert_eq!(q.sq_ids().collect::<Vec<_>>(), [0, 1, 3, 64], "the highest queue id included");
+    assert_eq!(q.io_sq_ids().collect::<Vec<_>>(), [1, 3, 64], "the admin SQ is not an I/O SQ");
+    q.set_sq(3, None);
+    q.set_sq(5, None); // not there: nothing changes
+    assert_eq!(q.io_sq_ids().collect::<Vec<_>>(), [1, 64]);
+    q.clear_sqs();
+    assert_eq!(q.sq_ids().count(), 0);
+    assert!(q.sqs.iter().all(|s| s.is_none()));
+}
