@@ -326,25 +326,23 @@ fn spawn_adaptive(
                 (busy, if in_flight { super::ADAPTIVE_IDLE_IO } else { super::ADAPTIVE_IDLE })
             };
             if busy {
-                idle_since = None;
+                (idle_since, idle_passes) = (None, 0);
                 continue;
             }
+            // The clock is first read at the IDLE_CLOCK_PASSES-th idle pass
+            // (a few us in), not at the first: at QD1 the next submission
+            // usually comes within a few passes.
             idle_passes = idle_passes.wrapping_add(1);
-            let since = match idle_since {
-                None => {
-                    idle_passes = 0;
-                    *idle_since.insert(std::time::Instant::now())
-                }
-                Some(t) => t,
-            };
-            if !idle_passes.is_multiple_of(IDLE_CLOCK_PASSES) || since.elapsed() < idle {
+            if !idle_passes.is_multiple_of(IDLE_CLOCK_PASSES)
+                || idle_since.get_or_insert_with(std::time::Instant::now).elapsed() < idle
+            {
                 std::hint::spin_loop();
                 continue;
             }
             {
                 let mut c = core.lock().unwrap();
                 if !c.arm_wakeup() {
-                    idle_since = None; // a submission raced: poll it
+                    (idle_since, idle_passes) = (None, 0); // a submission raced: poll it
                     continue;
                 }
                 c.st.sleeps += 1;
@@ -371,7 +369,7 @@ fn spawn_adaptive(
             // submission (the one a completion is likely to bring) would ring.
             c.disarm_wakeup();
             retry.next(c.io_stalled());
-            idle_since = None;
+            (idle_since, idle_passes) = (None, 0);
         }
     })
 }
