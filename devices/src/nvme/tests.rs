@@ -1707,13 +1707,7 @@ fn a_batch_completes_in_order_across_cq_lines_errors_and_a_wrap_off_a_line_bound
 
 #[test]
 fn the_pollers_walk_exactly_the_sqs_that_exist_in_ascending_order() {
-    let cfg = NvmeConfig {
-        backend: BackendKind::Null,
-        size: 1 << 20,
-        lba_size: 512,
-        doorbell: DoorbellMode::Shm,
-        pollers: 1,
-    };
+    let cfg = NvmeConfig { doorbell: DoorbellMode::Shm, ..mmio(BackendKind::Null) };
     let mut c = controller::Core::new(&cfg, backend::Backend::Null, None);
     let q = &mut c.queues;
     assert_eq!(q.sq_ids().count(), 0);
