@@ -314,7 +314,7 @@ fn spawn_adaptive(
         let mut idle_since: Option<std::time::Instant> = None;
         let mut idle_passes = 0u32;
         while !stop2.load(Ordering::Relaxed) {
-            let (busy, idle) = {
+            let (busy, in_flight) = {
                 let mut c = core.lock().unwrap();
                 c.st.polls += 1;
                 let (done, in_flight) = c.io_step();
@@ -323,17 +323,21 @@ fn spawn_adaptive(
                 c.take_raised();
                 // Waiting only for the file's operations: the completion
                 // eventfd wakes this thread, so it leaves the core sooner.
-                (busy, if in_flight { super::ADAPTIVE_IDLE_IO } else { super::ADAPTIVE_IDLE })
+                (busy, in_flight)
             };
             if busy {
                 (idle_since, idle_passes) = (None, 0);
                 continue;
             }
-            // The clock is first read at the IDLE_CLOCK_PASSES-th idle pass
-            // (a few us in), not at the first: at QD1 the next submission
-            // usually comes within a few passes.
+            // With no file operation in flight the clock is first read at the
+            // IDLE_CLOCK_PASSES-th idle pass (a few us in), not at the first:
+            // at QD1 the next submission usually comes within a few passes.
+            // Waiting for the file, every idle pass looks (its interval is
+            // short, and the disk, not the next submission, is awaited).
+            let (idle, every) =
+                if in_flight { (super::ADAPTIVE_IDLE_IO, 1) } else { (super::ADAPTIVE_IDLE, IDLE_CLOCK_PASSES) };
             idle_passes = idle_passes.wrapping_add(1);
-            if !idle_passes.is_multiple_of(IDLE_CLOCK_PASSES)
+            if !idle_passes.is_multiple_of(every)
                 || idle_since.get_or_insert_with(std::time::Instant::now).elapsed() < idle
             {
                 std::hint::spin_loop();
