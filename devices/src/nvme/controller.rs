@@ -82,6 +82,13 @@ impl Queues {
         SqIds(self.sq_mask)
     }
 
+    /// SQ `qid`'s head, tail, size and CQ id, read in place: a copy of the
+    /// queue right after a narrow store to it (the head, each command)
+    /// cannot be forwarded from the store buffer and stalls.
+    pub fn sq_fields(&self, qid: usize) -> Option<(u16, u16, u16, usize)> {
+        self.sqs[qid].as_ref().map(|s| (s.head, s.tail, s.size, s.cqid as usize))
+    }
+
     /// The ids of the I/O SQs that exist.
     pub fn io_sq_ids(&self) -> SqIds {
         SqIds(self.sq_ids().0 & !1)

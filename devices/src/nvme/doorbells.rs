@@ -76,9 +76,7 @@ impl Doorbells {
             own_wakes: 0,
         }
     }
-}
 
-impl Doorbells {
     /// bar mode: the doorbell word at byte `off` of BAR0, loaded in place
     /// (None: no page, or `off` is not a word inside it).
     fn bar_load(&self, off: u64) -> Option<u32> {
@@ -321,8 +319,6 @@ fn spawn_adaptive(
                 let busy = c.poll_shadow() | done | c.commands_held();
                 c.flush_coalesced();
                 c.take_raised();
-                // Waiting only for the file's operations: the completion
-                // eventfd wakes this thread, so it leaves the core sooner.
                 (busy, in_flight)
             };
             if busy {
@@ -332,8 +328,9 @@ fn spawn_adaptive(
             // With no file operation in flight the clock is first read at the
             // IDLE_CLOCK_PASSES-th idle pass (a few us in), not at the first:
             // at QD1 the next submission usually comes within a few passes.
-            // Waiting for the file, every idle pass looks (its interval is
-            // short, and the disk, not the next submission, is awaited).
+            // Waiting only for the file's operations, every idle pass looks,
+            // and the interval is short: the completion eventfd wakes this
+            // thread, so it leaves the core sooner.
             let (idle, every) =
                 if in_flight { (super::ADAPTIVE_IDLE_IO, 1) } else { (super::ADAPTIVE_IDLE, IDLE_CLOCK_PASSES) };
             idle_passes = idle_passes.wrapping_add(1);
@@ -532,12 +529,7 @@ impl Core {
         let Some((db, ei)) = self.db.shadow else { return false };
         let mut busy = false;
         for qid in self.queues.io_sq_ids() {
-            // Fields, not a copy of the queue (see serve_sq).
-            let Some((sq_head, sq_tail, sq_size, cqid)) =
-                self.queues.sqs[qid].as_ref().map(|s| (s.head, s.tail, s.size, s.cqid as usize))
-            else {
-                continue;
-            };
+            let Some((sq_head, sq_tail, sq_size, cqid)) = self.queues.sq_fields(qid) else { continue };
             let Ok(tail) = self.mem.load_u32(db + qid as u64 * 8, Ordering::Acquire) else { continue };
             if let Ok(head) = self.mem.load_u32(db + cqid as u64 * 8 + 4, Ordering::Acquire) {
                 if let Some(cq) = self.queues.cqs[cqid].as_mut() {
@@ -611,12 +603,7 @@ impl Core {
         }
         let mut busy = false;
         for qid in self.queues.sq_ids() {
-            // Fields, not a copy of the queue (see serve_sq).
-            let Some((sq_head, sq_tail, sq_size, cqid)) =
-                self.queues.sqs[qid].as_ref().map(|s| (s.head, s.tail, s.size, s.cqid as usize))
-            else {
-                continue;
-            };
+            let Some((sq_head, sq_tail, sq_size, cqid)) = self.queues.sq_fields(qid) else { continue };
             let head = self.db.bar_load(DOORBELLS + cqid as u64 * 8 + 4);
             let tail = self.db.bar_load(DOORBELLS + qid as u64 * 8);
             if let (Some(head), Some(cq)) = (head, self.queues.cqs[cqid].as_mut()) {
