@@ -29,6 +29,12 @@ impl Contention {
     /// Starts `n` contenders (none for 0), each of which stops by itself
     /// after `limit`. More than [`MAX_CONTENDERS`] is an error.
     pub fn start(n: u32, limit: Duration) -> std::io::Result<Contention> {
+        Contention::start_on(n, None, limit)
+    }
+
+    /// As [`start`](Self::start), each contender pinned to `cpu` when one is
+    /// given (a CPU it cannot be pinned to leaves it where the scheduler puts it).
+    pub fn start_on(n: u32, cpu: Option<usize>, limit: Duration) -> std::io::Result<Contention> {
         if n > MAX_CONTENDERS {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
@@ -41,7 +47,14 @@ impl Contention {
         for i in 0..n {
             let stop = c.stop.clone();
             // On an error, `c` is dropped here and stops the ones already started.
-            let h = std::thread::Builder::new().name(THREAD_NAME.into()).spawn(move || spin(i, &stop, deadline))?;
+            let h = std::thread::Builder::new().name(THREAD_NAME.into()).spawn(move || {
+                if let Some(c) = cpu {
+                    if let Err(e) = crate::pin::set_affinity(0, c) {
+                        log::warn!("contender: cannot pin to CPU {c}: {e}");
+                    }
+                }
+                spin(i, &stop, deadline)
+            })?;
             c.threads.push(h);
         }
         Ok(c)
@@ -137,6 +150,32 @@ mod tests {
         // A limit no Instant can hold is no limit, not a panic.
         drop(Contention::start(1, Duration::MAX).unwrap());
         assert_eq!(contenders_settle(0), 0);
+    }
+
+    #[test]
+    fn a_pinned_contender_runs_on_its_cpu() {
+        let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let cpu = *crate::pin::allowed_cpus().last().expect("a CPU");
+        let c = Contention::start_on(1, Some(cpu), Duration::from_secs(60)).unwrap();
+        assert_eq!(contenders_settle(1), 1);
+        let t0 = std::time::Instant::now();
+        let on = loop {
+            let s = crate::cpu::Snapshot::take(&[std::process::id()], &[THREAD_NAME]);
+            let on = s.threads.first().map(|t| t.tid).and_then(last_cpu);
+            if on == Some(cpu) || t0.elapsed() > Duration::from_secs(5) {
+                break on;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(on, Some(cpu), "the contender runs where it was pinned");
+        drop(c);
+        assert_eq!(contenders_settle(0), 0);
+    }
+
+    /// The CPU thread `tid` of this process last ran on (field 39 of its stat).
+    fn last_cpu(tid: u32) -> Option<usize> {
+        let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?;
+        s.rsplit_once(')')?.1.split_whitespace().nth(36)?.parse().ok()
     }
 
     #[test]

@@ -35,6 +35,9 @@ pub struct FioJob {
     pub rwmixread: u32,
     /// iodepth_batch_submit when the guest's job sets one (0: fio's default).
     pub batch_submit: u32,
+    /// The CPU fio's jobs run on (`cpus_allowed`), where iopath's device
+    /// threads would; None leaves them to the scheduler.
+    pub cpu: Option<usize>,
 }
 
 /// One fio run's figures (all jobs together).
@@ -107,6 +110,9 @@ pub fn args(j: &FioJob) -> Vec<String> {
     ];
     if j.batch_submit > 0 {
         a.push(format!("--iodepth_batch_submit={}", j.batch_submit));
+    }
+    if let Some(c) = j.cpu {
+        a.push(format!("--cpus_allowed={c}"));
     }
     a
 }
@@ -294,6 +300,7 @@ mod tests {
             size: 1 << 30,
             rwmixread: 70,
             batch_submit: 4,
+            cpu: Some(1),
         };
         let a = args(&j);
         for want in [
@@ -310,9 +317,12 @@ mod tests {
             "--output-format=json+",
             "--rwmixread=70",
             "--iodepth_batch_submit=4",
+            "--cpus_allowed=1",
         ] {
             assert!(a.iter().any(|x| x == want), "{want} missing from {a:?}");
         }
+        let unpinned = args(&FioJob { cpu: None, ..j });
+        assert!(!unpinned.iter().any(|x| x.starts_with("--cpus_allowed")), "{unpinned:?}");
     }
 
     #[test]
@@ -334,6 +344,7 @@ mod tests {
             size: 4096,
             rwmixread: 50,
             batch_submit: 0,
+            cpu: None,
         };
         let e = run(Path::new("/nonexistent/fio"), &j, Duration::from_secs(5)).unwrap_err();
         assert!(e.to_string().contains("cannot start"), "{e}");

@@ -470,6 +470,15 @@ fn bench_nvme_on_a_file_runs_host_fio_beside_it_or_says_why_not() {
         let ratio = shm["fio_ratio"].as_f64().expect("fio_ratio");
         assert!((ratio - shm["iops"].as_f64().unwrap() / fio["iops"].as_f64().unwrap()).abs() < 1e-9);
         assert!(table.contains("fio (host)") && table.contains("/fio"), "{table}");
+        // The same fio beside a busy thread on the vCPU's CPU, and the ratio to it.
+        let busy = runs.iter().find(|r| r["target"] == "fio (host, busy CPU)").expect("a busy-CPU fio row");
+        assert!(busy["iops"].as_f64().unwrap() > 0.0, "{busy}");
+        let routing = busy["routing"].as_str().unwrap();
+        assert!(routing.contains("one busy thread on CPU") && routing.contains("fio on CPU"), "{routing}");
+        let ratio = shm["fio_busy_ratio"].as_f64().expect("fio_busy_ratio");
+        assert!((ratio - shm["iops"].as_f64().unwrap() / busy["iops"].as_f64().unwrap()).abs() < 1e-9);
+        assert!(busy["fio_ratio"].is_null() && busy["floor_ratio"].is_null(), "{busy}");
+        assert!(table.contains("/fio busy CPU"), "{table}");
     } else {
         eprintln!("fio is not installed: only the skipped row was checked");
     }

@@ -37,7 +37,7 @@ fn spread(g: &GuardConfig, runs: &[NvmeRun]) -> Option<Mark> {
 pub fn group_marks(g: &GuardConfig, runs: &[NvmeRun], j: &Job) -> Vec<Mark> {
     let mut m: Vec<Mark> = Vec::new();
     // fio is the file's own floor, not judged (nor re-run) by the guard.
-    if runs.iter().any(|r| r.target == super::FIO_TARGET) {
+    if runs.iter().any(|r| super::is_fio_target(&r.target)) {
         return m;
     }
     for mk in runs.iter().flat_map(|r| run_marks(g, r, j)) {
@@ -121,11 +121,11 @@ pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar
         let k = (r.job, r.target.clone());
         if !by_group.iter().any(|(x, _)| *x == k) {
             let mine: Vec<NvmeRun> = out.runs.iter().filter(|x| (x.job, &x.target) == (k.0, &k.1)).cloned().collect();
-            let s = if r.target == super::FIO_TARGET { None } else { spread(g, &mine) };
+            let s = if super::is_fio_target(&r.target) { None } else { spread(g, &mine) };
             by_group.push((k, s));
         }
     }
-    for r in out.runs.iter_mut().filter(|r| r.target != super::FIO_TARGET) {
+    for r in out.runs.iter_mut().filter(|r| !super::is_fio_target(&r.target)) {
         let mut m = run_marks(g, r, &o.jobs[r.job]);
         m.extend(by_group.iter().find(|(k, _)| (k.0, &k.1) == (r.job, &r.target)).and_then(|x| x.1.clone()));
         r.marks = m;

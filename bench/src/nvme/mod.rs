@@ -237,6 +237,8 @@ pub struct NvmeRun {
     pub floor_ratio: Option<f64>,
     /// File backend: IOPS over fio's on the host, same file and job, same round.
     pub fio_ratio: Option<f64>,
+    /// The same over the host's fio beside a busy CPU ([`FIO_BUSY_TARGET`]).
+    pub fio_busy_ratio: Option<f64>,
     /// The wake-up floor's p50 of the round, with a think-time job.
     pub wake_p50_ns: Option<f64>,
     /// A job with a think time: p50 latency over `wake_p50_ns` (each I/O
@@ -298,6 +300,7 @@ impl NvmeRun {
             floor_p50_ns: None,
             floor_ratio: None,
             fio_ratio: None,
+            fio_busy_ratio: None,
             wake_p50_ns: None,
             wake_ratio: None,
             vmm_ratio: None,
@@ -356,6 +359,17 @@ pub struct NvmeResult {
 
 /// The target name of the host's own fio row.
 pub const FIO_TARGET: &str = "fio (host)";
+/// The same fio with one busy thread where the guest's vCPU runs (and fio
+/// where the device threads run): what the host's own I/O stack gets beside
+/// a polling vCPU. On a host whose disk is served by CPUs its vCPUs share
+/// (a VM's virtual disk), a busy CPU slows the disk itself.
+pub const FIO_BUSY_TARGET: &str = "fio (host, busy CPU)";
+
+/// Whether `target` is one of the host's fio rows: the file's own floors,
+/// judged against no ring floor and not re-run by the guard.
+pub fn is_fio_target(target: &str) -> bool {
+    target == FIO_TARGET || target == FIO_BUSY_TARGET
+}
 
 /// The disk size in bytes, for `bench nvme` and `bench blk` alike: a file
 /// backend's is the file's, in whole MiB (a device process gets it as
@@ -439,7 +453,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
             for t in &targets {
                 if !ctx.runs_job(t, j) {
                     if round == 0 && t.is_fio() {
-                        skipped.push(format!("{FIO_TARGET} {}: a verify job is not a speed run", j.label()));
+                        skipped.push(format!("{} {}: a verify job is not a speed run", t.name, j.label()));
                     }
                     continue;
                 }
@@ -469,7 +483,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
         }
     }
     // Each run against the floor measured beside it (else its round's).
-    for r in runs.iter_mut().filter(|r| r.target != FIO_TARGET) {
+    for r in runs.iter_mut().filter(|r| !is_fio_target(&r.target)) {
         let j = &o.jobs[r.job];
         if r.floor_ops_s.is_none() {
             r.floor_ops_s = crate::floor::ops_s_of(&floor, r.round, floor_qd(j));
@@ -508,22 +522,26 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
 }
 
 /// Ratios between targets of the same job, round and attempt: each
-/// file-backed row over the host's fio, each out-of-process row over its
+/// file-backed row over the host's fio rows (alone and beside a busy CPU),
+/// each out-of-process row over its
 /// in-VMM twin. A re-run row has no partner of its attempt: no ratio.
 /// `vmm_floor_ratio` compares each run over its own floor, so it pairs
 /// the rounds of the same number whatever their attempts.
 fn relate(runs: &mut [NvmeRun]) {
     let key = |r: &NvmeRun| (r.job, r.round, r.attempt);
-    let fio: Vec<_> = runs.iter().filter(|r| r.target == FIO_TARGET).map(|r| (key(r), r.iops)).collect();
+    let of = |t: &str| runs.iter().filter(|r| r.target == t).map(|r| (key(r), r.iops)).collect::<Vec<_>>();
+    let (fio, fio_busy) = (of(FIO_TARGET), of(FIO_BUSY_TARGET));
     let in_vmm: Vec<_> = runs
         .iter()
         .filter(|r| r.target.starts_with("iopath-") && !r.target.contains('@'))
         .map(|r| (key(r), r.target.clone(), r.iops, r.floor_ratio))
         .collect();
     for r in runs.iter_mut() {
-        if r.target != FIO_TARGET {
-            let f = fio.iter().find(|f| f.0 == key(r)).map(|f| f.1);
-            r.fio_ratio = f.filter(|&f| f > 0.0).map(|f| r.iops / f);
+        if !is_fio_target(&r.target) {
+            let over = |f: &[((usize, u32, u32), f64)]| {
+                f.iter().find(|f| f.0 == key(r)).map(|f| f.1).filter(|&f| f > 0.0).map(|f| r.iops / f)
+            };
+            (r.fio_ratio, r.fio_busy_ratio) = (over(&fio), over(&fio_busy));
         }
         if let Some((base, _)) = r.target.split_once('@') {
             let v = in_vmm.iter().find(|v| v.0 == key(r) && v.1 == base);
@@ -566,5 +584,25 @@ mod relate_tests {
         runs[2].attempt = 1;
         relate(&mut runs);
         assert!(runs[3].vmm_ratio.is_none() && near(runs[3].vmm_floor_ratio, 1.0));
+    }
+
+    #[test]
+    fn file_rows_are_related_to_both_fio_rows_of_their_round_and_the_fio_rows_to_none() {
+        let mut runs = vec![
+            run("iopath-shm", 0, 60e3, None),
+            run(FIO_TARGET, 0, 100e3, None),
+            run(FIO_BUSY_TARGET, 0, 50e3, None),
+            run("iopath-shm", 1, 70e3, None),
+            run(FIO_TARGET, 1, 0.0, None),
+        ];
+        relate(&mut runs);
+        let near = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-9);
+        assert!(near(runs[0].fio_ratio, 0.6) && near(runs[0].fio_busy_ratio, 1.2));
+        assert_eq!((runs[3].fio_ratio, runs[3].fio_busy_ratio), (None, None), "fio did nothing, and no busy row");
+        for r in &runs[1..3] {
+            assert_eq!((r.fio_ratio, r.fio_busy_ratio), (None, None), "{} is no file row", r.target);
+            assert!(is_fio_target(&r.target));
+        }
+        assert!(!is_fio_target("iopath-shm") && !is_fio_target("qemu"));
     }
 }

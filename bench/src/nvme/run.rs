@@ -1,7 +1,9 @@
 //! One run of one target (iopath's controller in a mode, QEMU's nvme, the
 //! host's fio) for one job and round, and what the guest's output says.
 
-use super::{cmdline, contenders, pinner, Job, LatHist, NvmeOptions, NvmeRun, FIO_TARGET, IDLE_WINDOW};
+use super::{
+    cmdline, contenders, pinner, Job, LatHist, NvmeOptions, NvmeRun, FIO_BUSY_TARGET, FIO_TARGET, IDLE_WINDOW,
+};
 use crate::cpu::{Window, NVME_DEVICE_THREADS};
 use crate::host::{host_info, HostInfo};
 use crate::qemu::QemuBacking;
@@ -26,7 +28,11 @@ pub enum Kind {
     /// iopath's controller: in the VMM (None) or a device process, a mode, pollers.
     Iopath(Option<&'static dyn Transport>, DoorbellMode, u8),
     Qemu,
-    Fio,
+    /// The host's fio on the file; `busy`: beside one busy thread on the
+    /// vCPU's CPU, fio on the device threads' ([`FIO_BUSY_TARGET`]).
+    Fio {
+        busy: bool,
+    },
 }
 
 #[derive(Clone)]
@@ -37,7 +43,7 @@ pub struct Target {
 
 impl Target {
     pub fn is_fio(&self) -> bool {
-        matches!(self.kind, Kind::Fio)
+        matches!(self.kind, Kind::Fio { .. })
     }
 }
 
@@ -119,7 +125,8 @@ impl<'a> Ctx<'a> {
             })
             .collect();
         if self.fio.is_some() {
-            t.push(Target { name: FIO_TARGET.into(), kind: Kind::Fio });
+            t.push(Target { name: FIO_TARGET.into(), kind: Kind::Fio { busy: false } });
+            t.push(Target { name: FIO_BUSY_TARGET.into(), kind: Kind::Fio { busy: true } });
         }
         if self.qemu.is_some() {
             t.push(Target { name: "qemu".into(), kind: Kind::Qemu });
@@ -148,7 +155,8 @@ impl<'a> Ctx<'a> {
             (Kind::Iopath(..), _) => format!("iopath {}", self.o.backend),
             (Kind::Qemu, Some((_, b))) => format!("qemu {}", b.short()),
             (Kind::Qemu, None) => "qemu".into(),
-            (Kind::Fio, _) => "fio io_uring O_DIRECT".into(),
+            (Kind::Fio { busy: false }, _) => "fio io_uring O_DIRECT".into(),
+            (Kind::Fio { busy: true }, _) => "fio io_uring O_DIRECT beside a busy CPU".into(),
         }
     }
 
@@ -157,7 +165,7 @@ impl<'a> Ctx<'a> {
         let mut r = match t.kind {
             Kind::Iopath(tr, db, pollers) => self.iopath(&t.name, tr, db, pollers, ji, round),
             Kind::Qemu => self.qemu(ji, round),
-            Kind::Fio => self.fio(ji, round),
+            Kind::Fio { busy } => self.fio(ji, round, busy),
         }?;
         r.setup = self.setup(t);
         Ok(r)
@@ -268,7 +276,9 @@ impl<'a> Ctx<'a> {
 
     /// fio on the host on the namespace's file: job `j`'s rw, bs and run time;
     /// one fio job per queue pair, each at the job's iodepth (see `crate::fio`).
-    fn fio(&self, ji: usize, round: u32) -> anyhow::Result<NvmeRun> {
+    /// `busy`: one more busy thread runs where the guest's vCPU would (as a
+    /// polling vCPU does), and fio where the device threads would.
+    fn fio(&self, ji: usize, round: u32, busy: bool) -> anyhow::Result<NvmeRun> {
         let (o, j) = (self.o, &self.o.jobs[ji]);
         let (Some(fio), BackendKind::File(path)) = (&self.fio, &o.backend) else { anyhow::bail!("no fio") };
         let fj = crate::fio::FioJob {
@@ -281,10 +291,20 @@ impl<'a> Ctx<'a> {
             size: self.ns_size,
             rwmixread: j.rwmixread,
             batch_submit: j.batch_submit,
+            cpu: o.pin.filter(|_| busy).map(|p| p.device),
         };
         let _c = contenders(o)?;
+        let limit = Duration::from_secs(o.timeout_s.saturating_add(60));
+        let vcpu = o.pin.map(|p| p.vcpu);
+        let _vcpu = match busy {
+            true => Some(
+                crate::contend::Contention::start_on(1, vcpu, limit)
+                    .map_err(|e| anyhow::anyhow!("cannot start the busy thread: {e}"))?,
+            ),
+            false => None,
+        };
         let f = crate::fio::run(fio, &fj, Duration::from_secs(o.timeout_s))?;
-        let mut r = NvmeRun::new(FIO_TARGET, "", ji, round, f.ios, 0);
+        let mut r = NvmeRun::new(if busy { FIO_BUSY_TARGET } else { FIO_TARGET }, "", ji, round, f.ios, 0);
         r.iops = f.iops;
         r.mb_s = f.mb_s;
         r.lat_avg_ns = f.lat_avg_ns;
@@ -297,6 +317,10 @@ impl<'a> Ctx<'a> {
             r.lat = Some(lat);
         }
         r.routing = format!("fio on the host: io_uring, O_DIRECT, numjobs={} x iodepth={}", fj.numjobs, fj.iodepth);
+        if busy {
+            let on = |c: Option<usize>| c.map_or("unpinned".to_string(), |c| format!("on CPU {c}"));
+            r.routing = format!("{}; one busy thread {} (the vCPU's), fio {}", r.routing, on(vcpu), on(fj.cpu));
+        }
         // fio's own threads, for the CPU table beside the controller's.
         r.device_threads = if f.cpu_ns_per_io.is_some() { fj.numjobs as usize } else { 0 };
         r.cpu_ns_per_io = f.cpu_ns_per_io;

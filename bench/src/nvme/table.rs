@@ -1,6 +1,6 @@
 //! `bench nvme`'s table and JSON.
 
-use super::{placement, LatHist, NvmeResult, NvmeRun, FIO_TARGET};
+use super::{is_fio_target, placement, LatHist, NvmeResult, NvmeRun, FIO_BUSY_TARGET, FIO_TARGET};
 use crate::stats::summarize;
 use serde_json::{json, Value};
 use std::fmt::Write as _;
@@ -158,7 +158,7 @@ impl NvmeResult {
             s,
             "lat avg over every I/O of every round; p50/p99/p99.9 from the rounds' merged latency histogram \
              (nvmeperf's buckets, 1/16 of a power of two), interpolated linearly within the bucket{}",
-            if self.runs.iter().any(|r| r.target == FIO_TARGET) {
+            if self.runs.iter().any(|r| is_fio_target(&r.target)) {
                 "; fio's from its json+ bins put in the same buckets (or, without them, its own, median over rounds)"
             } else {
                 ""
@@ -176,6 +176,7 @@ impl NvmeResult {
             o.guard.min_floor_ratio, o.guard.min_floor_ratio, o.guard.max_spread, o.guard.reruns
         );
         self.vmm_table(&mut s);
+        self.fio_table(&mut s);
         self.cpu_table(&mut s);
         self.ratio_lines(&mut s);
         if !self.skipped.is_empty() {
@@ -201,7 +202,7 @@ impl NvmeResult {
                 (!rs.is_empty()).then(|| (Self::median(&rs, |r| r.iops), rs[0].setup.clone()))
             };
             let a = side("iopath-shm");
-            for peer in ["qemu", FIO_TARGET] {
+            for peer in ["qemu", FIO_TARGET, FIO_BUSY_TARGET] {
                 if let (Some((a, sa)), Some((q, sq))) = (&a, side(peer)) {
                     let _ = writeln!(s, "{}: iopath-shm / {peer} IOPS = {:.2}x ({sa} / {sq})", j.label(), a / q);
                 }
@@ -234,6 +235,32 @@ impl NvmeResult {
         }
     }
 
+    /// File rows over the host's two fio rows, round by round: alone, and
+    /// beside a busy CPU where a polling guest's vCPU would be busy.
+    fn fio_table(&self, s: &mut String) {
+        let groups: Vec<_> =
+            self.groups().into_iter().filter(|(_, rs)| rs.iter().any(|r| r.fio_busy_ratio.is_some())).collect();
+        if groups.is_empty() {
+            return;
+        }
+        let busy = self.runs.iter().find(|r| r.target == FIO_BUSY_TARGET).map_or("", |r| r.routing.as_str());
+        let _ = writeln!(
+            s,
+            "
+over the host's fio (same job and round): median [min .. max] of IOPS over {FIO_TARGET}, and over \
+             {FIO_BUSY_TARGET}: {busy}"
+        );
+        let show = |x: Option<crate::stats::Summary>| {
+            x.map_or("-".to_string(), |x| format!("{:.2}x [{:.2} .. {:.2}]", x.median, x.min, x.max))
+        };
+        for ((ji, target), rs) in groups {
+            let f = summarize(&rs.iter().filter_map(|r| r.fio_ratio).collect::<Vec<_>>());
+            let b = summarize(&rs.iter().filter_map(|r| r.fio_busy_ratio).collect::<Vec<_>>());
+            let label = self.options.jobs[ji].label();
+            let _ = writeln!(s, "{label:<24} {target:<26} /fio {:<22} /fio busy CPU {}", show(f), show(b));
+        }
+    }
+
     /// Device threads' CPU per group: per I/O in the window, and idle.
     fn cpu_table(&self, s: &mut String) {
         let groups: Vec<_> =
@@ -243,7 +270,7 @@ impl NvmeResult {
         }
         let _ = writeln!(
             s,
-            "\ndevice threads' CPU ({}; fio's own for {FIO_TARGET}), median over rounds; contend: {}",
+            "\ndevice threads' CPU ({}; fio's own for the fio rows), median over rounds; contend: {}",
             crate::cpu::NVME_DEVICE_THREADS.join(", "),
             self.options.contend
         );
