@@ -78,6 +78,15 @@ pub trait IoEvents: Send + Sync {
     fn static_only(&self) -> bool {
         false
     }
+    /// Takes the BAR area the device shares at (`bar`, `offset`)
+    /// ([`DeviceModel::mapped_areas`]) out of the guest (`trap`), so that the
+    /// guest's accesses to it exit to the model's `bar_read`/`bar_write`, or
+    /// puts it back. A polling device asks for this before it sleeps: the next
+    /// store wakes it. False if this host cannot: it maps no such area, or
+    /// another process does (a vfio-user client mapped the sparse area).
+    fn trap_area(&self, _bar: u8, _offset: u64, _trap: bool) -> bool {
+        false
+    }
 }
 
 /// An [`IoEvents`] for hosts without ioeventfd: every request fails, so the

@@ -8,12 +8,13 @@
 //! can only express a wildcard as length 0 (any length), which KVM routes
 //! through its faster FAST_MMIO bus and would not be the same measurement.
 
+use crate::bar_area::BarAreas;
 use iopath_devices::pci::BarPlacement;
 use iopath_devices::{BarKind, Error as DevError, IoEventSpec, IoEvents};
 use kvm_bindings::kvm_ioeventfd;
 use kvm_ioctls::VmFd;
 use std::os::unix::io::AsRawFd;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::ioctl::ioctl_with_ref;
 use vmm_sys_util::ioctl_iow_nr;
@@ -83,10 +84,13 @@ struct Registration {
     at: Option<(u64, bool)>,
 }
 
-/// The [`IoEvents`] of one PCI device hosted in the VMM.
+/// The [`IoEvents`] of one PCI device hosted in the VMM: its ioeventfds,
+/// and the traps on the BAR areas it shares as memory.
 pub struct KvmIoEvents {
     vm: Arc<VmFd>,
     state: Mutex<State>,
+    /// The device's shared BAR areas, once the PCI host has mapped them.
+    areas: OnceLock<Arc<BarAreas>>,
 }
 
 struct State {
@@ -96,7 +100,14 @@ struct State {
 
 impl KvmIoEvents {
     pub fn new(vm: Arc<VmFd>) -> Self {
-        KvmIoEvents { vm, state: Mutex::new(State { bars: [None; 6], regs: Vec::new() }) }
+        KvmIoEvents { vm, state: Mutex::new(State { bars: [None; 6], regs: Vec::new() }), areas: OnceLock::new() }
+    }
+
+    /// The device's shared BAR areas (the PCI host gives them once).
+    pub fn set_areas(&self, areas: Arc<BarAreas>) {
+        if self.areas.set(areas).is_err() {
+            log::warn!("a device's BAR areas were given twice; the first stay");
+        }
     }
 
     fn target(bars: &[Option<BarPlacement>; 6], spec: &IoEventSpec) -> Result<Option<(u64, bool)>, IoEventFdError> {
@@ -164,6 +175,12 @@ impl IoEvents for KvmIoEvents {
                 .map_err(|e| DevError::Host(e.to_string()))?;
         }
         Ok(())
+    }
+
+    /// A shared BAR area taken out of the guest (its memslot removed, so its
+    /// accesses exit to the device's `bar_write`) or put back.
+    fn trap_area(&self, bar: u8, offset: u64, trap: bool) -> bool {
+        self.areas.get().is_some_and(|a| a.set_trap(bar, offset, trap))
     }
 }
 

@@ -10,6 +10,7 @@
 //!   loop with no buses, the floor that the VMM's exit path is compared with.
 
 pub mod bar;
+pub mod bar_area;
 pub mod bare;
 pub mod bus;
 pub mod debug_exit;

@@ -9,6 +9,7 @@
 //! from 0xC000) and enables decoding; otherwise the guest assigns them.
 
 use crate::bar::BarPort;
+use crate::bar_area::{BarAreas, RamArea};
 use crate::bus::{Bus, BusDeviceMut};
 use crate::ioeventfd::KvmIoEvents;
 use iopath_devices::pci::{BarPlacement, ConfigSpace, PCI_COMMAND_IO, PCI_COMMAND_MEMORY};
@@ -35,17 +36,9 @@ struct Slot {
     device: Option<SharedDevice>,
     ioevents: Option<Arc<KvmIoEvents>>,
     mapped: [Option<BarPlacement>; 6],
-    /// Parts of BARs that are shared memory, mapped into the guest as KVM memslots.
-    ram: Vec<RamArea>,
-}
-
-/// A BAR part the device shares as memory (see `DeviceModel::mapped_areas`).
-struct RamArea {
-    bar: u8,
-    offset: u64,
-    map: vm_memory::MmapRegion,
-    kvm_slot: u32,
-    placed: bool,
+    /// Parts of BARs that are shared memory, mapped into the guest as KVM
+    /// memslots (shared with the device's `KvmIoEvents`, which traps them).
+    areas: Option<Arc<BarAreas>>,
 }
 
 pub struct PciHost {
@@ -60,51 +53,6 @@ pub struct PciHost {
     pub absent_accesses: u64,
 }
 
-impl Drop for PciHost {
-    /// Takes the BAR areas out of the guest before their mappings go away.
-    fn drop(&mut self) {
-        if let Some(vm) = self.vm.clone() {
-            for slot in &mut self.slots {
-                for a in slot.ram.iter_mut() {
-                    map_area(&vm, a, None);
-                }
-            }
-        }
-    }
-}
-
-/// Puts a shared BAR area at guest address `at` (a KVM memslot), or takes it away.
-fn map_area(vm: &kvm_ioctls::VmFd, a: &mut RamArea, at: Option<u64>) {
-    use kvm_bindings::kvm_userspace_memory_region as Region;
-    if a.placed {
-        let gone = Region { slot: a.kvm_slot, flags: 0, guest_phys_addr: 0, memory_size: 0, userspace_addr: 0 };
-        // SAFETY: deleting a slot this host created.
-        match unsafe { vm.set_user_memory_region(gone) } {
-            Ok(()) => a.placed = false,
-            Err(e) => {
-                // The guest still sees the old mapping: keep it (and the slot) as they are.
-                log::warn!("removing KVM memslot {}: {e}; the area stays where it was", a.kvm_slot);
-                return;
-            }
-        }
-    }
-    if let Some(gpa) = at {
-        let r = Region {
-            slot: a.kvm_slot,
-            flags: 0,
-            guest_phys_addr: gpa,
-            memory_size: a.map.size() as u64,
-            userspace_addr: a.map.as_ptr() as u64,
-        };
-        // SAFETY: the mapping lives in the RamArea as long as the slot does: the
-        // host removes a slot before moving it, and PciHost's Drop removes them all.
-        match unsafe { vm.set_user_memory_region(r) } {
-            Ok(()) => a.placed = true,
-            Err(e) => log::warn!("KVM memslot for a BAR area at {gpa:#x}: {e}; its accesses exit"),
-        }
-    }
-}
-
 fn host_bridge() -> ConfigSpace {
     let ids =
         PciIds { vendor: 0x1b36, device: 0x0008, class: 0x060000, revision: 0, subsystem_vendor: 0, subsystem: 0 };
@@ -113,7 +61,7 @@ fn host_bridge() -> ConfigSpace {
 
 impl PciHost {
     pub fn new(pio: Arc<Bus>, mmio: Arc<Bus>) -> Self {
-        let bridge = Slot { config: host_bridge(), device: None, ioevents: None, mapped: [None; 6], ram: Vec::new() };
+        let bridge = Slot { config: host_bridge(), device: None, ioevents: None, mapped: [None; 6], areas: None };
         PciHost { address: 0, slots: vec![bridge], pio, mmio, vm: None, next_kvm_slot: 1, absent_accesses: 0 }
     }
 
@@ -149,19 +97,20 @@ impl PciHost {
             let fo = vm_memory::FileOffset::new(a.fd, a.fd_offset);
             match vm_memory::MmapRegion::from_file(fo, a.size as usize) {
                 Ok(map) => {
-                    ram.push(RamArea {
-                        bar: a.bar,
-                        offset: a.offset,
-                        map,
-                        kvm_slot: self.next_kvm_slot,
-                        placed: false,
-                    });
+                    ram.push(RamArea::new(a.bar, a.offset, map, self.next_kvm_slot));
                     self.next_kvm_slot += 1;
                 }
                 Err(e) => log::warn!("BAR{} area: mmap: {e}; its accesses exit", a.bar),
             }
         }
-        self.slots.push(Slot { config, device: Some(device), ioevents, mapped: [None; 6], ram });
+        let areas = match (&self.vm, ram.is_empty()) {
+            (Some(vm), false) => Some(Arc::new(BarAreas::new(vm.clone(), ram))),
+            _ => None,
+        };
+        if let (Some(io), Some(a)) = (&ioevents, &areas) {
+            io.set_areas(a.clone());
+        }
+        self.slots.push(Slot { config, device: Some(device), ioevents, mapped: [None; 6], areas });
         Ok((self.slots.len() - 1) as u8)
     }
 
@@ -246,10 +195,8 @@ impl PciHost {
             if let Some(io) = &slot.ioevents {
                 io.bar_moved(b.index, placed);
             }
-            if let Some(vm) = &self.vm {
-                for a in slot.ram.iter_mut().filter(|a| a.bar == b.index) {
-                    map_area(vm, a, placed.map(|p| p.addr + a.offset));
-                }
+            if let Some(a) = &slot.areas {
+                a.bar_moved(b.index, placed);
             }
         }
     }
