@@ -146,6 +146,7 @@ impl Default for NvmeOptions {
                 DoorbellMode::Bar,
                 DoorbellMode::Ioeventfd,
                 DoorbellMode::Adaptive,
+                DoorbellMode::BarAdaptive,
                 DoorbellMode::Mmio,
             ],
             pollers: vec![1],

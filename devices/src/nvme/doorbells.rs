@@ -3,8 +3,9 @@
 //! queue and not-yet-shadowed queues of `shm` and `ioeventfd`), shadow
 //! doorbells polled by a thread (`shm`), BAR0's doorbell page as shared
 //! memory polled by a thread (`bar`), and ioeventfd kicks that wake a thread
-//! which reads the shadow doorbells (`ioeventfd`). The thread itself is
-//! started and stopped here.
+//! which reads the shadow doorbells (`ioeventfd`). The threads are started
+//! and stopped here; the adaptive pollers, which also sleep, are in
+//! `adaptive.rs`.
 //!
 //! ioeventfd registration follows the host. A VMM installs them as the
 //! queues come and go (`register_doorbells`). A device process's host
@@ -47,8 +48,12 @@ pub(super) struct Doorbells {
     bar_host: usize,
     /// Why a device thread stopped on its own (reported with the counters).
     pub failed: Option<String>,
-    /// adaptive: the poller sleeps, EventIdx armed.
+    /// adaptive: the poller sleeps, EventIdx armed (bar-adaptive: the
+    /// doorbell page trapped, or looked at in timed steps).
     pub sleeping: bool,
+    /// bar-adaptive: the host took the doorbell page out of the guest, so
+    /// its stores exit (`IoEvents::trap_area`).
+    pub trapped: bool,
     /// adaptive: wake-ups this side wrote to `kick` for a doorbell that came
     /// as a message, not yet drained (they are no ioeventfd kicks).
     pub own_wakes: u64,
@@ -73,6 +78,7 @@ impl Doorbells {
             bar_page,
             failed: None,
             sleeping: false,
+            trapped: false,
             own_wakes: 0,
         }
     }
@@ -95,9 +101,9 @@ impl Doorbells {
 /// The device thread (poller or ioeventfd server), if one runs.
 #[derive(Default)]
 pub(super) struct Threads {
-    worker: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+    pub(super) worker: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
     /// Several pollers: those of queue groups 1..N (`shards.rs`).
-    pollers: Vec<std::thread::JoinHandle<()>>,
+    pub(super) pollers: Vec<std::thread::JoinHandle<()>>,
     /// Why a thread could not be started (reported with the counters).
     pub error: Option<String>,
 }
@@ -119,7 +125,7 @@ impl Nvme {
             self.start_kicked(t);
             return;
         }
-        if self.cfg.doorbell == DoorbellMode::Adaptive {
+        if self.cfg.doorbell.adaptive() {
             self.start_adaptive(t);
             return;
         }
@@ -135,7 +141,7 @@ impl Nvme {
     }
 
     /// shm, bar: one poller per queue group, group 0 (this core) first.
-    fn start_polling(&self, t: &mut Threads, shards: &[Arc<std::sync::Mutex<Core>>]) {
+    pub(super) fn start_polling(&self, t: &mut Threads, shards: &[Arc<std::sync::Mutex<Core>>]) {
         let stop = Arc::new(AtomicBool::new(false));
         let h = spawn_poller(self.core.clone(), stop.clone());
         match h {
@@ -229,50 +235,12 @@ impl Nvme {
             Err(e) => t.error = Some(format!("nvme: cannot start the ioeventfd thread: {e}")),
         }
     }
-
-    /// adaptive mode: a poller per queue group, each sleeping on an eventfd
-    /// of its own when idle (see `spawn_adaptive`).
-    fn start_adaptive(&self, t: &mut Threads) {
-        let (shards, statics) = {
-            let c = self.core.lock().unwrap();
-            (c.shards.clone(), c.static_ioevents())
-        };
-        if !shards.is_empty() && statics {
-            // A device process's host took one eventfd for every doorbell at
-            // attach: it cannot wake the group a doorbell belongs to.
-            log::warn!("nvme: adaptive doorbells with several pollers in a device process: the pollers do not sleep");
-            return self.start_polling(t, &shards);
-        }
-        let stop = Arc::new(AtomicBool::new(false));
-        let Some(kick) = kick_fd(&self.core, t) else { return };
-        // Another group's event wakes group 0 to deliver it.
-        self.core.lock().unwrap().raised.set_wake(Some(kick.clone()));
-        let done = self.core.lock().unwrap().io_completion_fd();
-        match spawn_adaptive(self.core.clone(), kick, done, stop.clone()) {
-            Ok(h) => t.worker = Some((stop.clone(), h)),
-            Err(e) => return t.error = Some(format!("nvme: cannot start the adaptive poller: {e}")),
-        }
-        for s in shards {
-            let Some(kick) = kick_fd(&s, t) else {
-                // No eventfd to sleep on: this group polls without sleeping.
-                match spawn_poller(s, stop.clone()) {
-                    Ok(h) => t.pollers.push(h),
-                    Err(e) => t.error = Some(format!("nvme: cannot start a poller: {e}")),
-                }
-                continue;
-            };
-            match spawn_adaptive(s, kick, None, stop.clone()) {
-                Ok(h) => t.pollers.push(h),
-                Err(e) => t.error = Some(format!("nvme: cannot start an adaptive poller: {e}")),
-            }
-        }
-    }
 }
 
 /// The doorbells' eventfd of a queue group's core (non-blocking: `counters`
 /// may take its count first), registered for the queues it holds. A static
 /// host's was made and announced at attach: it stays.
-fn kick_fd(core: &std::sync::Mutex<Core>, t: &mut Threads) -> Option<Arc<EventFd>> {
+pub(super) fn kick_fd(core: &std::sync::Mutex<Core>, t: &mut Threads) -> Option<Arc<EventFd>> {
     let mut c = core.lock().unwrap();
     let kick = match c.db.kick.clone().map_or_else(|| EventFd::new(libc::EFD_NONBLOCK).map(Arc::new), Ok) {
         Ok(k) => k,
@@ -288,91 +256,6 @@ fn kick_fd(core: &std::sync::Mutex<Core>, t: &mut Threads) -> Option<Arc<EventFd
         }
     }
     Some(kick)
-}
-
-/// Idle passes of an adaptive poller between two looks at the clock.
-const IDLE_CLOCK_PASSES: u32 = 64;
-
-/// adaptive mode: one queue group's poller. It polls the shadow doorbells
-/// while work comes; idle for `ADAPTIVE_IDLE`, it arms EventIdx and sleeps
-/// on its doorbells' eventfd (and the file backend's completion eventfd).
-fn spawn_adaptive(
-    core: Arc<std::sync::Mutex<Core>>,
-    kick: Arc<EventFd>,
-    done: Option<Arc<EventFd>>,
-    stop2: Arc<AtomicBool>,
-) -> std::io::Result<std::thread::JoinHandle<()>> {
-    let mut retry = Retry::default();
-    std::thread::Builder::new().name("nvme-adaptive".into()).spawn(move || {
-        crate::sandbox::enter(crate::sandbox::Role::Device);
-        // Since when the passes found no work (None: the last one found some);
-        // a busy pass reads no clock, and an idle one only every
-        // IDLE_CLOCK_PASSES: a clock read (tens of ns) in every pass would
-        // delay seeing the next submission by up to its own length.
-        let mut idle_since: Option<std::time::Instant> = None;
-        let mut idle_passes = 0u32;
-        while !stop2.load(Ordering::Relaxed) {
-            let (busy, in_flight) = {
-                let mut c = core.lock().unwrap();
-                c.st.polls += 1;
-                let (done, in_flight) = c.io_step();
-                let busy = c.poll_shadow() | done | c.commands_held();
-                c.flush_coalesced();
-                c.take_raised();
-                (busy, in_flight)
-            };
-            if busy {
-                (idle_since, idle_passes) = (None, 0);
-                continue;
-            }
-            // With no file operation in flight the clock is first read at the
-            // IDLE_CLOCK_PASSES-th idle pass (a few us in), not at the first:
-            // at QD1 the next submission usually comes within a few passes.
-            // Waiting only for the file's operations, every idle pass looks,
-            // and the interval is short: the completion eventfd wakes this
-            // thread, so it leaves the core sooner.
-            let (idle, every) =
-                if in_flight { (super::ADAPTIVE_IDLE_IO, 1) } else { (super::ADAPTIVE_IDLE, IDLE_CLOCK_PASSES) };
-            idle_passes = idle_passes.wrapping_add(1);
-            if !idle_passes.is_multiple_of(every)
-                || idle_since.get_or_insert_with(std::time::Instant::now).elapsed() < idle
-            {
-                std::hint::spin_loop();
-                continue;
-            }
-            {
-                let mut c = core.lock().unwrap();
-                if !c.arm_wakeup() {
-                    (idle_since, idle_passes) = (None, 0); // a submission raced: poll it
-                    continue;
-                }
-                c.st.sleeps += 1;
-                c.flush_coalesced_untimed();
-            }
-            let r = wait_either(&kick, done.as_deref(), retry.after());
-            let mut c = core.lock().unwrap();
-            c.db.sleeping = false;
-            let (kicked, completed) = match r {
-                Ok(r) => r,
-                Err(e) => return c.thread_failed("adaptive", &e),
-            };
-            if stop2.load(Ordering::Relaxed) {
-                return; // woken to stop (that write is not a doorbell)
-            }
-            if kicked {
-                c.drain_kicks();
-                c.st.wakeups += 1;
-            }
-            if let (true, Some(done)) = (completed, done.as_deref()) {
-                let _ = read_eventfd(done);
-            }
-            // Polling again: EventIdx goes back behind the tails, or the next
-            // submission (the one a completion is likely to bring) would ring.
-            c.disarm_wakeup();
-            retry.next(c.io_stalled());
-            (idle_since, idle_passes) = (None, 0);
-        }
-    })
 }
 
 impl Nvme {
@@ -432,7 +315,7 @@ impl Nvme {
 impl Core {
     /// A device thread stops on an error it cannot go on after: logged, and
     /// kept to be reported with the counters.
-    fn thread_failed(&mut self, thread: &str, e: &std::io::Error) {
+    pub(super) fn thread_failed(&mut self, thread: &str, e: &std::io::Error) {
         let m = format!("nvme: the {thread} thread stopped: {e}");
         log::error!("{m}");
         self.db.failed = Some(m);
@@ -454,9 +337,13 @@ impl Core {
         }
         self.st.doorbell_writes += 1;
         if let Some(page) = &self.db.bar_page {
-            // The page was not mapped into the guest (or this write came as a
-            // message): put the value where the poller reads doorbells.
+            // The page was not mapped into the guest, or is trapped
+            // (bar-adaptive), or this write came as a message: put the value
+            // where the poller reads doorbells, and wake it if it sleeps.
             let _ = page.store(value, GuestAddress(DOORBELLS + off), Ordering::Release);
+            if self.db.sleeping {
+                self.wake_poller();
+            }
             return;
         }
         if self.regs.csts & 1 == 0 {
@@ -675,60 +562,6 @@ impl Core {
         }
     }
 
-    /// adaptive: sets every I/O SQ's EventIdx to the tail served, so that
-    /// the driver's next submission writes the doorbell register, then reads
-    /// the shadow tails again. False if one moved meanwhile (the driver may
-    /// have read the old EventIdx: the poller must serve it, not sleep); true
-    /// if the poller may sleep. Commands held by a full CQ keep it polling
-    /// (`commands_held`).
-    pub(super) fn arm_wakeup(&mut self) -> bool {
-        let Some((db, ei)) = self.db.shadow else {
-            self.db.sleeping = true; // doorbells are registers until the buffer is set
-            return true;
-        };
-        let sqs: Vec<(usize, u16)> =
-            self.queues.io_sq_ids().filter_map(|q| self.queues.sqs[q].map(|s| (q, s.tail))).collect();
-        for &(qid, tail) in &sqs {
-            let _ = self.mem.store_u32(tail as u32, ei + qid as u64 * 8, Ordering::SeqCst);
-        }
-        // The driver stores its tail, fences, reads EventIdx; this side stores
-        // EventIdx, fences, reads the tail: one of the two sees the other.
-        std::sync::atomic::fence(Ordering::SeqCst);
-        for &(qid, tail) in &sqs {
-            if self.mem.load_u32(db + qid as u64 * 8, Ordering::SeqCst).is_ok_and(|t| t != tail as u32) {
-                return false;
-            }
-        }
-        self.db.sleeping = true;
-        true
-    }
-
-    /// adaptive: wakes the sleeping poller with a write to the doorbells'
-    /// eventfd, as a KVM ioeventfd would (not counted as a kick: the
-    /// doorbell write was counted as one).
-    /// Without that eventfd (it could not be made) EventIdx stays armed and
-    /// the next submission exits too.
-    fn wake_poller(&mut self) {
-        match &self.db.kick {
-            Some(k) if k.write(1).is_ok() => self.db.own_wakes += 1,
-            _ => {
-                self.arm_wakeup();
-            }
-        }
-    }
-
-    /// adaptive, awake again: every I/O SQ's EventIdx one behind the tail
-    /// served (as `poll_shadow` keeps it), so that the driver does not ring.
-    pub(super) fn disarm_wakeup(&mut self) {
-        let Some((_, ei)) = self.db.shadow else { return };
-        for qid in self.queues.io_sq_ids() {
-            if let Some(sq) = self.queues.sqs[qid] {
-                let ev = queue::prev(sq.tail as u32, sq.size as u32);
-                let _ = self.mem.store_u32(ev, ei + qid as u64 * 8, Ordering::Release);
-            }
-        }
-    }
-
     /// Commands read from an SQ but not completed for want of CQ room.
     pub(super) fn commands_held(&self) -> bool {
         self.queues.sq_ids().filter_map(|q| self.queues.sqs[q].as_ref()).any(|s| s.head != s.tail)
@@ -851,7 +684,7 @@ fn event_idx_lags(ev: Option<u32>, now: u32, size: u32) -> bool {
 
 /// A poller (`shm`, `bar`) of one queue group's core, until `stop`. Group 0's
 /// also delivers the asynchronous events the other groups raised.
-fn spawn_poller(
+pub(super) fn spawn_poller(
     core: Arc<std::sync::Mutex<Core>>,
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
@@ -891,7 +724,7 @@ fn spawn_poller(
 
 /// Reads an eventfd's count (blocks while it is 0), retrying when a signal
 /// interrupts it.
-fn read_eventfd(fd: &EventFd) -> std::io::Result<u64> {
+pub(super) fn read_eventfd(fd: &EventFd) -> std::io::Result<u64> {
     loop {
         match fd.read() {
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -904,22 +737,22 @@ fn read_eventfd(fd: &EventFd) -> std::io::Result<u64> {
 /// take (no completion will wake it for them): 1 ms after the first
 /// refusal, doubling to 100 ms while they are refused.
 #[derive(Default)]
-struct Retry(Option<std::time::Duration>);
+pub(super) struct Retry(Option<std::time::Duration>);
 
 impl Retry {
     /// How long the thread may sleep (None: until woken).
-    fn after(&self) -> Option<std::time::Duration> {
+    pub(super) fn after(&self) -> Option<std::time::Duration> {
         self.0
     }
     /// After a pass: `stalled`, operations still wait in the ring.
-    fn next(&mut self, stalled: bool) {
+    pub(super) fn next(&mut self, stalled: bool) {
         let max = std::time::Duration::from_millis(100);
         self.0 = stalled.then(|| self.0.map_or(std::time::Duration::from_millis(1), |d| (d * 2).min(max)));
     }
 }
 
 /// Sleeps until `a` or `b` is readable, or `timeout` passed; which ones are.
-fn wait_either(
+pub(super) fn wait_either(
     a: &EventFd,
     b: Option<&EventFd>,
     timeout: Option<std::time::Duration>,

@@ -61,6 +61,17 @@
 //!   it are polled again rather than each exiting. This is the default mode:
 //!   a polled driver gets `shm`'s latency, an idle controller costs no core.
 //!   A driver without Doorbell Buffer Config (SPDK) gets `mmio`.
+//! - `bar-adaptive`: `bar` while work comes; after [`ADAPTIVE_IDLE`]
+//!   without any, the poller asks its host to trap the doorbell page
+//!   (`IoEvents::trap_area`: the VMM takes the page's memslot out, so the
+//!   driver's next doorbell store exits to `bar_write`, which stores the
+//!   value in the page and wakes the poller), re-reads the page (a store
+//!   that landed before the trap is served, not slept on) and sleeps; awake,
+//!   it maps the page back and polls. A host that cannot trap the page (a
+//!   device process: its client mapped the vfio-user sparse area) gets a
+//!   poller that sleeps in timed steps ([`BAR_IDLE_STEP`] doubling up to
+//!   [`BAR_IDLE_MAX`]) and looks at the page between them; doorbells that
+//!   arrive as messages still wake it at once. See `adaptive.rs`.
 //!
 //! Guest memory is a [`GuestMem`](crate::GuestMem): queues, PRP lists and
 //! data may also lie in memory the host reaches by message (vfio-user
@@ -106,6 +117,7 @@
 //! `queue.rs` queue entries and PRPs in guest memory; `backend.rs` the
 //! namespace's storage; `shards.rs` queue groups for several pollers.
 
+mod adaptive;
 mod admin;
 pub mod backend;
 mod controller;
@@ -152,6 +164,9 @@ pub enum DoorbellMode {
     /// shm's poller while work comes; idle for [`ADAPTIVE_IDLE`], it arms
     /// EventIdx and sleeps on the doorbells' ioeventfd.
     Adaptive,
+    /// bar's poller while work comes; idle for [`ADAPTIVE_IDLE`], it has the
+    /// doorbell page trapped and sleeps until a doorbell store exits.
+    BarAdaptive,
 }
 
 impl DoorbellMode {
@@ -163,7 +178,17 @@ impl DoorbellMode {
 
     /// Modes served by polling threads, one per queue group (`pollers=N`).
     pub fn polled(self) -> bool {
-        matches!(self, DoorbellMode::Shm | DoorbellMode::Bar | DoorbellMode::Adaptive)
+        matches!(self, DoorbellMode::Shm | DoorbellMode::Bar | DoorbellMode::Adaptive | DoorbellMode::BarAdaptive)
+    }
+
+    /// Modes whose doorbells are BAR0's page shared as memory.
+    pub fn bar_page(self) -> bool {
+        matches!(self, DoorbellMode::Bar | DoorbellMode::BarAdaptive)
+    }
+
+    /// Modes whose poller sleeps when idle.
+    pub fn adaptive(self) -> bool {
+        matches!(self, DoorbellMode::Adaptive | DoorbellMode::BarAdaptive)
     }
 }
 
@@ -176,6 +201,15 @@ pub const ADAPTIVE_IDLE: std::time::Duration = std::time::Duration::from_micros(
 /// microseconds or more; spinning through it takes a core from the vCPU.
 pub const ADAPTIVE_IDLE_IO: std::time::Duration = std::time::Duration::from_micros(20);
 
+/// `bar-adaptive` on a host that cannot trap the doorbell page: the first
+/// timed sleep between two looks at the page; each next one is twice as long.
+pub const BAR_IDLE_STEP: std::time::Duration = std::time::Duration::from_micros(100);
+
+/// ... up to this. A timed wake-up costs 12-18 us of CPU on this project's
+/// (nested) machines: 2 ms keeps an idle poller under 1% of a core, and is
+/// the longest a first submission after a long idle waits to be seen.
+pub const BAR_IDLE_MAX: std::time::Duration = std::time::Duration::from_millis(2);
+
 impl std::str::FromStr for DoorbellMode {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -185,10 +219,11 @@ impl std::str::FromStr for DoorbellMode {
             "shm" => Ok(DoorbellMode::Shm),
             "bar" => Ok(DoorbellMode::Bar),
             "adaptive" => Ok(DoorbellMode::Adaptive),
+            "bar-adaptive" => Ok(DoorbellMode::BarAdaptive),
             _ => Err(Error::Option {
                 device: "nvme",
                 option: "doorbell".into(),
-                reason: format!("unknown doorbell mode {s:?} (mmio, ioeventfd, shm, bar, adaptive)"),
+                reason: format!("unknown doorbell mode {s:?} (mmio, ioeventfd, shm, bar, adaptive, bar-adaptive)"),
             }),
         }
     }
@@ -203,6 +238,7 @@ impl std::fmt::Display for DoorbellMode {
             DoorbellMode::Shm => "shm",
             DoorbellMode::Bar => "bar",
             DoorbellMode::Adaptive => "adaptive",
+            DoorbellMode::BarAdaptive => "bar-adaptive",
         })
     }
 }
@@ -256,6 +292,11 @@ impl NvmeConfig {
                 format!("several pollers need doorbell=shm, bar or adaptive, not {}", self.doorbell),
             );
         }
+        if self.pollers > 1 && self.doorbell == DoorbellMode::BarAdaptive {
+            // One page holds every queue's doorbells: one group's trap would
+            // make the others' stores exit while they are busy.
+            return bad("pollers", "doorbell=bar-adaptive takes one poller (the doorbell page is one)".into());
+        }
         if self.pollers > 1 && matches!(self.backend, BackendKind::File(_)) {
             return bad(
                 "pollers",
@@ -282,12 +323,12 @@ impl Nvme {
     pub fn new(cfg: NvmeConfig) -> Result<Self> {
         cfg.validate()?;
         let backend = if cfg.pollers > 1 { Backend::Null } else { Backend::open(&cfg.backend, cfg.size)? };
-        let (bar_page, bar_fd) = match cfg.doorbell {
-            DoorbellMode::Bar => {
+        let (bar_page, bar_fd) = match cfg.doorbell.bar_page() {
+            true => {
                 let (page, fd) = doorbells::bar_memory()?;
                 (Some(page), Some(fd))
             }
-            _ => (None, None),
+            false => (None, None),
         };
         let core = if cfg.pollers > 1 {
             // Queue groups (`shards.rs`); a RAM namespace becomes memory they share.

@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use vm_memory::{Bytes, GuestAddress};
 
+mod bar_adaptive;
 mod pollers;
 
 const ASQ: u64 = 0x10000;

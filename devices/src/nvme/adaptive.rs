@@ -1,0 +1,326 @@
+//! The adaptive pollers (`adaptive`, `bar-adaptive`): poll while work
+//! comes, and after an idle interval ask to be woken and sleep.
+//!
+//! How the next submission wakes a sleeping poller depends on where the
+//! doorbells are:
+//! - shadow doorbells (`adaptive`): every I/O SQ's EventIdx is set to the
+//!   tail served, so the driver's next submission also writes the doorbell
+//!   register, a KVM ioeventfd (out of process, the one the server
+//!   announced; over mpqemu and ioregionfd a message, which wakes the poller
+//!   through the same eventfd).
+//! - BAR0's doorbell page (`bar-adaptive`): the host traps the page
+//!   (`IoEvents::trap_area`; the VMM takes its memslot out), so the next
+//!   doorbell store exits to `bar_write`, which stores the value in the page
+//!   and wakes the poller. A host that cannot (a device process, whose
+//!   client mapped the page) leaves the page in memory: the poller then
+//!   sleeps in timed steps and looks at the page between them.
+//!
+//! Either way the poller arms first, then looks at the doorbells once more
+//! under the core lock, so a submission that raced with the arming is
+//! served rather than slept on; one that comes after it finds the poller
+//! marked asleep and wakes it.
+
+use super::controller::Core;
+use super::doorbells::{kick_fd, read_eventfd, wait_either, Retry, Threads};
+use super::{queue, Nvme, BAR_IDLE_MAX, BAR_IDLE_STEP, DOORBELLS};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use vmm_sys_util::eventfd::EventFd;
+
+impl Nvme {
+    /// A poller per queue group, each sleeping on an eventfd of its own when
+    /// idle (see `spawn_adaptive`).
+    pub(super) fn start_adaptive(&self, t: &mut Threads) {
+        let (shards, statics) = {
+            let c = self.core.lock().unwrap();
+            (c.shards.clone(), c.static_ioevents())
+        };
+        if !shards.is_empty() && statics {
+            // A device process's host took one eventfd for every doorbell at
+            // attach: it cannot wake the group a doorbell belongs to.
+            log::warn!("nvme: adaptive doorbells with several pollers in a device process: the pollers do not sleep");
+            return self.start_polling(t, &shards);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let Some(kick) = kick_fd(&self.core, t) else { return };
+        // Another group's event wakes group 0 to deliver it.
+        self.core.lock().unwrap().raised.set_wake(Some(kick.clone()));
+        let done = self.core.lock().unwrap().io_completion_fd();
+        match spawn_adaptive(self.core.clone(), kick, done, stop.clone()) {
+            Ok(h) => t.worker = Some((stop.clone(), h)),
+            Err(e) => return t.error = Some(format!("nvme: cannot start the adaptive poller: {e}")),
+        }
+        for s in shards {
+            let Some(kick) = kick_fd(&s, t) else {
+                // No eventfd to sleep on: this group polls without sleeping.
+                match super::doorbells::spawn_poller(s, stop.clone()) {
+                    Ok(h) => t.pollers.push(h),
+                    Err(e) => t.error = Some(format!("nvme: cannot start a poller: {e}")),
+                }
+                continue;
+            };
+            match spawn_adaptive(s, kick, None, stop.clone()) {
+                Ok(h) => t.pollers.push(h),
+                Err(e) => t.error = Some(format!("nvme: cannot start an adaptive poller: {e}")),
+            }
+        }
+    }
+}
+
+/// Idle passes of an adaptive poller between two looks at the clock.
+const IDLE_CLOCK_PASSES: u32 = 64;
+
+/// The timed sleeps of a poller whose doorbell page could not be trapped:
+/// [`BAR_IDLE_STEP`], doubling up to [`BAR_IDLE_MAX`].
+#[derive(Default)]
+struct Steps(Option<Duration>);
+
+impl Steps {
+    fn start(&mut self, timed: bool) {
+        self.0 = timed.then_some(BAR_IDLE_STEP);
+    }
+    fn after(&self) -> Option<Duration> {
+        self.0
+    }
+    fn next(&mut self) {
+        self.0 = self.0.map(|d| (d * 2).min(BAR_IDLE_MAX));
+    }
+}
+
+/// The shorter of two optional timeouts.
+fn sooner(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// One queue group's adaptive poller. It polls the doorbells (shadow, or the
+/// BAR page) while work comes; idle for `ADAPTIVE_IDLE`, it arms its wake-up
+/// and sleeps on its doorbells' eventfd (and the file backend's completion
+/// eventfd).
+fn spawn_adaptive(
+    core: Arc<std::sync::Mutex<Core>>,
+    kick: Arc<EventFd>,
+    done: Option<Arc<EventFd>>,
+    stop2: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let mut retry = Retry::default();
+    let mut steps = Steps::default();
+    std::thread::Builder::new().name("nvme-adaptive".into()).spawn(move || {
+        crate::sandbox::enter(crate::sandbox::Role::Device);
+        // Since when the passes found no work (None: the last one found some);
+        // a busy pass reads no clock, and an idle one only every
+        // IDLE_CLOCK_PASSES: a clock read (tens of ns) in every pass would
+        // delay seeing the next submission by up to its own length.
+        let mut idle_since: Option<std::time::Instant> = None;
+        let mut idle_passes = 0u32;
+        while !stop2.load(Ordering::Relaxed) {
+            let (busy, in_flight) = {
+                let mut c = core.lock().unwrap();
+                c.st.polls += 1;
+                let (done, in_flight) = c.io_step();
+                let busy = c.poll_doorbells() | done | c.commands_held();
+                c.flush_coalesced();
+                c.take_raised();
+                (busy, in_flight)
+            };
+            if busy {
+                (idle_since, idle_passes) = (None, 0);
+                continue;
+            }
+            // With no file operation in flight the clock is first read at the
+            // IDLE_CLOCK_PASSES-th idle pass (a few us in), not at the first:
+            // at QD1 the next submission usually comes within a few passes.
+            // Waiting only for the file's operations, every idle pass looks,
+            // and the interval is short: the completion eventfd wakes this
+            // thread, so it leaves the core sooner.
+            let (idle, every) =
+                if in_flight { (super::ADAPTIVE_IDLE_IO, 1) } else { (super::ADAPTIVE_IDLE, IDLE_CLOCK_PASSES) };
+            idle_passes = idle_passes.wrapping_add(1);
+            if !idle_passes.is_multiple_of(every)
+                || idle_since.get_or_insert_with(std::time::Instant::now).elapsed() < idle
+            {
+                std::hint::spin_loop();
+                continue;
+            }
+            {
+                let mut c = core.lock().unwrap();
+                if !c.arm_wakeup() {
+                    (idle_since, idle_passes) = (None, 0); // a submission raced: poll it
+                    continue;
+                }
+                c.st.sleeps += 1;
+                c.flush_coalesced_untimed();
+                // A doorbell page left in memory is looked at in timed steps.
+                steps.start(c.db.bar_page.is_some() && !c.db.trapped);
+            }
+            loop {
+                let r = wait_either(&kick, done.as_deref(), sooner(retry.after(), steps.after()));
+                let mut c = core.lock().unwrap();
+                let (kicked, completed) = match r {
+                    Ok(r) => r,
+                    Err(e) => {
+                        c.db.sleeping = false;
+                        c.untrap_bar();
+                        return c.thread_failed("adaptive", &e);
+                    }
+                };
+                if stop2.load(Ordering::Relaxed) {
+                    // Woken to stop (that write is not a doorbell); the page goes back to the guest.
+                    c.db.sleeping = false;
+                    c.untrap_bar();
+                    return;
+                }
+                if !kicked && !completed && retry.after().is_none() && steps.after().is_some() {
+                    // A timed look at the page, still asleep: nothing there, a longer sleep.
+                    c.st.polls += 1;
+                    if !c.poll_bar() && !c.commands_held() {
+                        steps.next();
+                        continue;
+                    }
+                }
+                c.db.sleeping = false;
+                if kicked {
+                    c.drain_kicks();
+                    c.st.wakeups += 1;
+                }
+                if let (true, Some(done)) = (completed, done.as_deref()) {
+                    let _ = read_eventfd(done);
+                }
+                // Polling again: EventIdx goes back behind the tails (the page
+                // back into the guest), or the next submission would ring.
+                c.disarm_wakeup();
+                retry.next(c.io_stalled());
+                break;
+            }
+            (idle_since, idle_passes) = (None, 0);
+        }
+    })
+}
+
+impl Core {
+    /// The doorbells the pollers read: BAR0's page, or the shadow doorbells.
+    pub(super) fn poll_doorbells(&mut self) -> bool {
+        if self.db.bar_page.is_some() {
+            self.poll_bar()
+        } else {
+            self.poll_shadow()
+        }
+    }
+
+    /// Arms the wake-up and looks at the doorbells once more. False if a
+    /// submission came meanwhile (the poller must serve it, not sleep); true
+    /// if the poller may sleep. Commands held by a full CQ keep it polling
+    /// (`commands_held`).
+    ///
+    /// Shadow doorbells: every I/O SQ's EventIdx is set to the tail served,
+    /// so that the driver's next submission writes the doorbell register.
+    /// BAR0's page: the host is asked to trap it (`db.trapped` says whether
+    /// it did).
+    pub(super) fn arm_wakeup(&mut self) -> bool {
+        if self.db.bar_page.is_some() {
+            self.db.trapped = self.db.ioevents.as_ref().is_some_and(|io| io.trap_area(0, DOORBELLS, true));
+            // Asleep from here on: a store that exits now wakes the poller
+            // (it waits for this lock); one that landed before the trap is
+            // in the page, and is served now.
+            self.db.sleeping = true;
+            if self.poll_bar() || self.commands_held() {
+                self.db.sleeping = false;
+                self.untrap_bar();
+                return false;
+            }
+            return true;
+        }
+        let Some((db, ei)) = self.db.shadow else {
+            self.db.sleeping = true; // doorbells are registers until the buffer is set
+            return true;
+        };
+        let sqs: Vec<(usize, u16)> =
+            self.queues.io_sq_ids().filter_map(|q| self.queues.sqs[q].map(|s| (q, s.tail))).collect();
+        for &(qid, tail) in &sqs {
+            let _ = self.mem.store_u32(tail as u32, ei + qid as u64 * 8, Ordering::SeqCst);
+        }
+        // The driver stores its tail, fences, reads EventIdx; this side stores
+        // EventIdx, fences, reads the tail: one of the two sees the other.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        for &(qid, tail) in &sqs {
+            if self.mem.load_u32(db + qid as u64 * 8, Ordering::SeqCst).is_ok_and(|t| t != tail as u32) {
+                return false;
+            }
+        }
+        self.db.sleeping = true;
+        true
+    }
+
+    /// Wakes the sleeping poller with a write to the doorbells' eventfd, as
+    /// a KVM ioeventfd would (not counted as a kick: the doorbell write was
+    /// counted as one). Without that eventfd (it could not be made) a
+    /// shadow EventIdx stays armed and the next submission exits too.
+    pub(super) fn wake_poller(&mut self) {
+        match &self.db.kick {
+            Some(k) if k.write(1).is_ok() => self.db.own_wakes += 1,
+            _ if self.db.shadow.is_some() => {
+                self.arm_wakeup();
+            }
+            _ => log::warn!("nvme: no eventfd to wake the poller with; it looks again at its next timed step"),
+        }
+    }
+
+    /// Awake again: every I/O SQ's EventIdx one behind the tail served (as
+    /// `poll_shadow` keeps it), so that the driver does not ring; or the
+    /// doorbell page back in the guest.
+    pub(super) fn disarm_wakeup(&mut self) {
+        if self.db.bar_page.is_some() {
+            return self.untrap_bar();
+        }
+        let Some((_, ei)) = self.db.shadow else { return };
+        for qid in self.queues.io_sq_ids() {
+            if let Some(sq) = self.queues.sqs[qid] {
+                let ev = queue::prev(sq.tail as u32, sq.size as u32);
+                let _ = self.mem.store_u32(ev, ei + qid as u64 * 8, Ordering::Release);
+            }
+        }
+    }
+
+    /// The doorbell page back in the guest if it was trapped. Where the
+    /// host cannot map it back, its stores go on exiting to `bar_write`,
+    /// which serves them: slower, not wrong.
+    pub(super) fn untrap_bar(&mut self) {
+        if !std::mem::take(&mut self.db.trapped) {
+            return;
+        }
+        if !self.db.ioevents.as_ref().is_some_and(|io| io.trap_area(0, DOORBELLS, false)) {
+            log::warn!("nvme: the host did not map the doorbell page back; doorbell stores exit");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timed_steps_double_up_to_the_cap_and_only_when_asked_for() {
+        let mut s = Steps::default();
+        s.start(false);
+        assert_eq!(s.after(), None, "a trapped page: no timed step");
+        s.start(true);
+        assert_eq!(s.after(), Some(BAR_IDLE_STEP));
+        let mut last = BAR_IDLE_STEP;
+        for _ in 0..20 {
+            s.next();
+            let d = s.after().unwrap();
+            assert!(d >= last && d <= BAR_IDLE_MAX, "{d:?} after {last:?}");
+            last = d;
+        }
+        assert_eq!(last, BAR_IDLE_MAX);
+        assert_eq!(
+            sooner(Some(Duration::from_millis(1)), Some(Duration::from_micros(5))),
+            Some(Duration::from_micros(5))
+        );
+        assert_eq!(sooner(None, Some(Duration::from_micros(5))), Some(Duration::from_micros(5)));
+        assert_eq!(sooner(None, None), None);
+    }
+}
