@@ -8,12 +8,17 @@
 //!   register, a KVM ioeventfd (out of process, the one the server
 //!   announced; over mpqemu and ioregionfd a message, which wakes the poller
 //!   through the same eventfd).
-//! - BAR0's doorbell page (`bar-adaptive`): the host traps the page
-//!   (`IoEvents::trap_area`; the VMM takes its memslot out), so the next
-//!   doorbell store exits to `bar_write`, which stores the value in the page
-//!   and wakes the poller. A host that cannot (a device process, whose
-//!   client mapped the page) leaves the page in memory: the poller then
-//!   sleeps in timed steps and looks at the page between them.
+//! - BAR0's doorbell page (`bar-adaptive`): the poller first sleeps in
+//!   timed steps and looks at the page between them (stores that come as
+//!   messages wake it at once). Idle for [`BAR_TRAP_AFTER`] in those steps,
+//!   it has the host trap the page (`IoEvents::trap_area`; the VMM takes
+//!   its memslot out), so the next doorbell store exits to `bar_write`,
+//!   which stores the value in the page and wakes the poller, and sleeps
+//!   until then. Two memslot changes cost the guest and the poller hundreds
+//!   of microseconds on this project's nested machines: paid only once an
+//!   idle is long, they take the last timed wake-ups away. A host that
+//!   cannot trap (a device process, whose client mapped the page) keeps the
+//!   steps.
 //!
 //! Either way the poller arms first, then looks at the doorbells once more
 //! under the core lock, so a submission that raced with the arming is
@@ -22,7 +27,7 @@
 
 use super::controller::Core;
 use super::doorbells::{kick_fd, read_eventfd, wait_either, Retry, Threads};
-use super::{queue, Nvme, BAR_IDLE_MAX, BAR_IDLE_STEP, DOORBELLS};
+use super::{queue, Nvme, BAR_IDLE_MAX, BAR_IDLE_STEP, BAR_TRAP_AFTER, DOORBELLS};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -71,20 +76,32 @@ impl Nvme {
 /// Idle passes of an adaptive poller between two looks at the clock.
 const IDLE_CLOCK_PASSES: u32 = 64;
 
-/// The timed sleeps of a poller whose doorbell page could not be trapped:
-/// [`BAR_IDLE_STEP`], doubling up to [`BAR_IDLE_MAX`].
+/// The timed sleeps of a poller whose doorbell page is in memory:
+/// [`BAR_IDLE_STEP`], doubling up to [`BAR_IDLE_MAX`]; and how long they
+/// have added up to since the poller went to sleep.
 #[derive(Default)]
-struct Steps(Option<Duration>);
+struct Steps {
+    next: Option<Duration>,
+    slept: Duration,
+}
 
 impl Steps {
     fn start(&mut self, timed: bool) {
-        self.0 = timed.then_some(BAR_IDLE_STEP);
+        *self = Steps { next: timed.then_some(BAR_IDLE_STEP), slept: Duration::ZERO };
     }
     fn after(&self) -> Option<Duration> {
-        self.0
+        self.next
     }
+    /// A step passed with nothing to do.
     fn next(&mut self) {
-        self.0 = self.0.map(|d| (d * 2).min(BAR_IDLE_MAX));
+        if let Some(d) = self.next {
+            self.slept += d;
+            self.next = Some((d * 2).min(BAR_IDLE_MAX));
+        }
+    }
+    /// No more steps (the page is trapped: a store wakes the poller).
+    fn stop(&mut self) {
+        self.next = None;
     }
 }
 
@@ -153,8 +170,8 @@ fn spawn_adaptive(
                 }
                 c.st.sleeps += 1;
                 c.flush_coalesced_untimed();
-                // A doorbell page left in memory is looked at in timed steps.
-                steps.start(c.db.bar_page.is_some() && !c.db.trapped);
+                // The doorbell page is looked at in timed steps (until trapped).
+                steps.start(c.db.bar_page.is_some());
             }
             loop {
                 let r = wait_either(&kick, done.as_deref(), sooner(retry.after(), steps.after()));
@@ -174,11 +191,22 @@ fn spawn_adaptive(
                     return;
                 }
                 if !kicked && !completed && retry.after().is_none() && steps.after().is_some() {
-                    // A timed look at the page, still asleep: nothing there, a longer sleep.
+                    // A timed look at the page, still asleep: nothing there, a
+                    // longer sleep; idle long enough, the page trapped instead.
                     c.st.polls += 1;
                     if !c.poll_bar() && !c.commands_held() {
                         steps.next();
-                        continue;
+                        if steps.slept < BAR_TRAP_AFTER {
+                            continue;
+                        }
+                        match c.trap_bar() {
+                            Some(true) => steps.stop(),
+                            Some(false) => {} // the host cannot: steps go on
+                            None => {}        // a store came as the trap took effect
+                        }
+                        if c.db.sleeping {
+                            continue;
+                        }
                     }
                 }
                 c.db.sleeping = false;
@@ -217,20 +245,11 @@ impl Core {
     ///
     /// Shadow doorbells: every I/O SQ's EventIdx is set to the tail served,
     /// so that the driver's next submission writes the doorbell register.
-    /// BAR0's page: the host is asked to trap it (`db.trapped` says whether
-    /// it did).
+    /// BAR0's page: nothing yet; a store that exits or comes as a message
+    /// wakes the poller, one in memory is seen at its next timed look.
     pub(super) fn arm_wakeup(&mut self) -> bool {
         if self.db.bar_page.is_some() {
-            self.db.trapped = self.db.ioevents.as_ref().is_some_and(|io| io.trap_area(0, DOORBELLS, true));
-            // Asleep from here on: a store that exits now wakes the poller
-            // (it waits for this lock); one that landed before the trap is
-            // in the page, and is served now.
             self.db.sleeping = true;
-            if self.poll_bar() || self.commands_held() {
-                self.db.sleeping = false;
-                self.untrap_bar();
-                return false;
-            }
             return true;
         }
         let Some((db, ei)) = self.db.shadow else {
@@ -284,6 +303,26 @@ impl Core {
         }
     }
 
+    /// bar-adaptive, asleep: has the host trap the doorbell page, then looks
+    /// at the page once more. Some(true): trapped, the next store wakes the
+    /// poller; Some(false): this host cannot trap it; None: a store landed
+    /// as the trap took effect and was served (the page is back, the
+    /// poller awake).
+    pub(super) fn trap_bar(&mut self) -> Option<bool> {
+        self.db.trapped = self.db.ioevents.as_ref().is_some_and(|io| io.trap_area(0, DOORBELLS, true));
+        if !self.db.trapped {
+            return Some(false);
+        }
+        // A store that exits from now on waits for this lock and then wakes
+        // the poller; one that landed before the trap is in the page.
+        if self.poll_bar() || self.commands_held() {
+            self.db.sleeping = false;
+            self.untrap_bar();
+            return None;
+        }
+        Some(true)
+    }
+
     /// The doorbell page back in the guest if it was trapped. Where the
     /// host cannot map it back, its stores go on exiting to `bar_write`,
     /// which serves them: slower, not wrong.
@@ -305,7 +344,7 @@ mod tests {
     fn timed_steps_double_up_to_the_cap_and_only_when_asked_for() {
         let mut s = Steps::default();
         s.start(false);
-        assert_eq!(s.after(), None, "a trapped page: no timed step");
+        assert_eq!(s.after(), None, "shadow doorbells: no timed step");
         s.start(true);
         assert_eq!(s.after(), Some(BAR_IDLE_STEP));
         let mut last = BAR_IDLE_STEP;
@@ -316,6 +355,9 @@ mod tests {
             last = d;
         }
         assert_eq!(last, BAR_IDLE_MAX);
+        assert!(s.slept >= BAR_TRAP_AFTER, "20 steps add up to {:?}", s.slept);
+        s.stop();
+        assert_eq!(s.after(), None, "trapped: no more steps");
         assert_eq!(
             sooner(Some(Duration::from_millis(1)), Some(Duration::from_micros(5))),
             Some(Duration::from_micros(5))

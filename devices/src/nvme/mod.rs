@@ -62,16 +62,17 @@
 //!   a polled driver gets `shm`'s latency, an idle controller costs no core.
 //!   A driver without Doorbell Buffer Config (SPDK) gets `mmio`.
 //! - `bar-adaptive`: `bar` while work comes; after [`ADAPTIVE_IDLE`]
-//!   without any, the poller asks its host to trap the doorbell page
+//!   without any, the poller sleeps in timed steps ([`BAR_IDLE_STEP`]
+//!   doubling up to [`BAR_IDLE_MAX`]) and looks at the page between them;
+//!   doorbells that arrive as exits or messages wake it at once. Idle for
+//!   [`BAR_TRAP_AFTER`], it asks its host to trap the page
 //!   (`IoEvents::trap_area`: the VMM takes the page's memslot out, so the
 //!   driver's next doorbell store exits to `bar_write`, which stores the
 //!   value in the page and wakes the poller), re-reads the page (a store
-//!   that landed before the trap is served, not slept on) and sleeps; awake,
-//!   it maps the page back and polls. A host that cannot trap the page (a
-//!   device process: its client mapped the vfio-user sparse area) gets a
-//!   poller that sleeps in timed steps ([`BAR_IDLE_STEP`] doubling up to
-//!   [`BAR_IDLE_MAX`]) and looks at the page between them; doorbells that
-//!   arrive as messages still wake it at once. See `adaptive.rs`.
+//!   that landed before the trap is served, not slept on) and sleeps until
+//!   woken; awake, it maps the page back and polls. A host that cannot trap
+//!   the page (a device process: its client mapped the vfio-user sparse
+//!   area) keeps the steps. See `adaptive.rs`.
 //!
 //! Guest memory is a [`GuestMem`](crate::GuestMem): queues, PRP lists and
 //! data may also lie in memory the host reaches by message (vfio-user
@@ -204,6 +205,14 @@ pub const ADAPTIVE_IDLE_IO: std::time::Duration = std::time::Duration::from_micr
 /// `bar-adaptive` on a host that cannot trap the doorbell page: the first
 /// timed sleep between two looks at the page; each next one is twice as long.
 pub const BAR_IDLE_STEP: std::time::Duration = std::time::Duration::from_micros(100);
+
+/// `bar-adaptive`: idle this long in timed steps, the poller has the host
+/// trap the doorbell page and sleeps until a store exits. Trapping and
+/// mapping the page back (two KVM memslot changes) cost hundreds of
+/// microseconds of the poller's and the guest's time on this project's
+/// nested machines (a think-time job that trapped on every idle paid 366 us
+/// of CPU per I/O and waited 243 us p50 for each): only a long idle pays it.
+pub const BAR_TRAP_AFTER: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// ... up to this. A timed wake-up costs 12-18 us of CPU on this project's
 /// (nested) machines: with 2 ms an idle poller took 0.9-1.5% of a core in
