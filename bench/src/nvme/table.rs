@@ -23,6 +23,11 @@ fn fmt_ns(v: f64) -> String {
     }
 }
 
+/// A ratio's median over rounds with its range: "1.02x [0.85 .. 1.29]".
+fn show_ratio(x: Option<crate::stats::Summary>) -> String {
+    x.map_or("-".to_string(), |x| format!("{:.2}x [{:.2} .. {:.2}]", x.median, x.min, x.max))
+}
+
 /// A target's latency over its rounds: p50, p99, p99.9 in ns.
 ///
 /// From the rounds' merged histogram (every I/O of every round, each
@@ -224,14 +229,11 @@ impl NvmeResult {
             s,
             "\nout of process over in the VMM (same mode, job and round): median [min .. max] of IOPS (same attempt), and of /floor (each run over the floor run just before it)"
         );
-        let show = |x: Option<crate::stats::Summary>| {
-            x.map_or("-".to_string(), |x| format!("{:.2}x [{:.2} .. {:.2}]", x.median, x.min, x.max))
-        };
         for ((ji, target), rs) in groups {
             let v = summarize(&rs.iter().filter_map(|r| r.vmm_ratio).collect::<Vec<_>>());
             let f = summarize(&rs.iter().filter_map(|r| r.vmm_floor_ratio).collect::<Vec<_>>());
             let label = self.options.jobs[ji].label();
-            let _ = writeln!(s, "{label:<24} {target:<26} IOPS {:<22} /floor {}", show(v), show(f));
+            let _ = writeln!(s, "{label:<24} {target:<26} IOPS {:<22} /floor {}", show_ratio(v), show_ratio(f));
         }
     }
 
@@ -246,18 +248,14 @@ impl NvmeResult {
         let busy = self.runs.iter().find(|r| r.target == FIO_BUSY_TARGET).map_or("", |r| r.routing.as_str());
         let _ = writeln!(
             s,
-            "
-over the host's fio (same job and round): median [min .. max] of IOPS over {FIO_TARGET}, and over \
+            "\nover the host's fio (same job and round): median [min .. max] of IOPS over {FIO_TARGET}, and over \
              {FIO_BUSY_TARGET}: {busy}"
         );
-        let show = |x: Option<crate::stats::Summary>| {
-            x.map_or("-".to_string(), |x| format!("{:.2}x [{:.2} .. {:.2}]", x.median, x.min, x.max))
-        };
         for ((ji, target), rs) in groups {
             let f = summarize(&rs.iter().filter_map(|r| r.fio_ratio).collect::<Vec<_>>());
             let b = summarize(&rs.iter().filter_map(|r| r.fio_busy_ratio).collect::<Vec<_>>());
             let label = self.options.jobs[ji].label();
-            let _ = writeln!(s, "{label:<24} {target:<26} /fio {:<22} /fio busy CPU {}", show(f), show(b));
+            let _ = writeln!(s, "{label:<24} {target:<26} /fio {:<22} /fio busy CPU {}", show_ratio(f), show_ratio(b));
         }
     }
 

@@ -199,10 +199,10 @@ fn spawn_adaptive(
                         if steps.slept < BAR_TRAP_AFTER {
                             continue;
                         }
-                        match c.trap_bar() {
-                            Some(true) => steps.stop(),
-                            Some(false) => {} // the host cannot: steps go on
-                            None => {}        // a store came as the trap took effect
+                        // Some(false): the host cannot, the steps go on; None: a
+                        // store came as the trap took effect, served: awake.
+                        if c.trap_bar() == Some(true) {
+                            steps.stop();
                         }
                         if c.db.sleeping {
                             continue;
