@@ -333,8 +333,14 @@ fn placement(o: &NvmeOptions) -> String {
 
 /// Contenders for one run: they stop by themselves well after its timeout.
 fn contenders(o: &NvmeOptions) -> anyhow::Result<crate::contend::Contention> {
-    crate::contend::Contention::start(o.contend, Duration::from_secs(o.timeout_s.saturating_add(60)))
-        .map_err(|e| anyhow::anyhow!("cannot start {} contenders: {e}", o.contend))
+    busy_threads(o, o.contend, None)
+}
+
+/// `n` busy threads (pinned to `cpu` if given) for one run, stopping by
+/// themselves well after its timeout.
+fn busy_threads(o: &NvmeOptions, n: u32, cpu: Option<usize>) -> anyhow::Result<crate::contend::Contention> {
+    crate::contend::Contention::start_on(n, cpu, Duration::from_secs(o.timeout_s.saturating_add(60)))
+        .map_err(|e| anyhow::anyhow!("cannot start {n} busy threads: {e}"))
 }
 
 pub struct NvmeResult {

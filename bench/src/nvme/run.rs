@@ -2,7 +2,8 @@
 //! host's fio) for one job and round, and what the guest's output says.
 
 use super::{
-    cmdline, contenders, pinner, Job, LatHist, NvmeOptions, NvmeRun, FIO_BUSY_TARGET, FIO_TARGET, IDLE_WINDOW,
+    busy_threads, cmdline, contenders, pinner, Job, LatHist, NvmeOptions, NvmeRun, FIO_BUSY_TARGET, FIO_TARGET,
+    IDLE_WINDOW,
 };
 use crate::cpu::{Window, NVME_DEVICE_THREADS};
 use crate::host::{host_info, HostInfo};
@@ -310,15 +311,8 @@ impl<'a> Ctx<'a> {
             cpu: o.pin.filter(|_| busy).map(|p| p.device),
         };
         let _c = contenders(o)?;
-        let limit = Duration::from_secs(o.timeout_s.saturating_add(60));
         let vcpu = o.pin.map(|p| p.vcpu);
-        let _vcpu = match busy {
-            true => Some(
-                crate::contend::Contention::start_on(1, vcpu, limit)
-                    .map_err(|e| anyhow::anyhow!("cannot start the busy thread: {e}"))?,
-            ),
-            false => None,
-        };
+        let _vcpu = busy.then(|| busy_threads(o, 1, vcpu)).transpose()?;
         let f = crate::fio::run(fio, &fj, Duration::from_secs(o.timeout_s))?;
         let mut r = NvmeRun::new(if busy { FIO_BUSY_TARGET } else { FIO_TARGET }, "", ji, round, f.ios, 0);
         r.iops = f.iops;
