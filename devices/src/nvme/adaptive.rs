@@ -245,15 +245,13 @@ impl Core {
     ///
     /// Shadow doorbells: every I/O SQ's EventIdx is set to the tail served,
     /// so that the driver's next submission writes the doorbell register.
-    /// BAR0's page: nothing yet; a store that exits or comes as a message
-    /// wakes the poller, one in memory is seen at its next timed look.
+    /// Without them (before Doorbell Buffer Config; always in bar-adaptive,
+    /// which does not offer it) nothing is armed: a doorbell that exits or
+    /// comes as a message wakes the poller, and bar-adaptive's timed looks
+    /// see a store in the page.
     pub(super) fn arm_wakeup(&mut self) -> bool {
-        if self.db.bar_page.is_some() {
-            self.db.sleeping = true;
-            return true;
-        }
         let Some((db, ei)) = self.db.shadow else {
-            self.db.sleeping = true; // doorbells are registers until the buffer is set
+            self.db.sleeping = true;
             return true;
         };
         let sqs: Vec<(usize, u16)> =
@@ -291,9 +289,7 @@ impl Core {
     /// `poll_shadow` keeps it), so that the driver does not ring; or the
     /// doorbell page back in the guest.
     pub(super) fn disarm_wakeup(&mut self) {
-        if self.db.bar_page.is_some() {
-            return self.untrap_bar();
-        }
+        self.untrap_bar();
         let Some((_, ei)) = self.db.shadow else { return };
         for qid in self.queues.io_sq_ids() {
             if let Some(sq) = self.queues.sqs[qid] {

@@ -165,8 +165,9 @@ pub enum DoorbellMode {
     /// shm's poller while work comes; idle for [`ADAPTIVE_IDLE`], it arms
     /// EventIdx and sleeps on the doorbells' ioeventfd.
     Adaptive,
-    /// bar's poller while work comes; idle for [`ADAPTIVE_IDLE`], it has the
-    /// doorbell page trapped and sleeps until a doorbell store exits.
+    /// bar's poller while work comes; idle for [`ADAPTIVE_IDLE`], it sleeps
+    /// in timed steps, and idle for [`BAR_TRAP_AFTER`] with the doorbell
+    /// page trapped until a doorbell store exits.
     BarAdaptive,
 }
 
@@ -202,8 +203,8 @@ pub const ADAPTIVE_IDLE: std::time::Duration = std::time::Duration::from_micros(
 /// microseconds or more; spinning through it takes a core from the vCPU.
 pub const ADAPTIVE_IDLE_IO: std::time::Duration = std::time::Duration::from_micros(20);
 
-/// `bar-adaptive` on a host that cannot trap the doorbell page: the first
-/// timed sleep between two looks at the page; each next one is twice as long.
+/// `bar-adaptive`, idle: the first timed sleep between two looks at the
+/// doorbell page; each next one is twice as long.
 pub const BAR_IDLE_STEP: std::time::Duration = std::time::Duration::from_micros(100);
 
 /// `bar-adaptive`: idle this long in timed steps, the poller has the host

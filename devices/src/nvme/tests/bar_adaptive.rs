@@ -153,14 +153,28 @@ fn ring(d: &mut Drv, host: &TrapHost, page: &Page, off: u64, v: u32) -> bool {
     true
 }
 
+/// A read put in I/O queue 1's SQ (`size` entries), not rung: the new tail.
+fn put_read(d: &mut Drv, size: u16) -> u32 {
+    let e = d.sqe(0x02, 1, DATA, 0, [0; 4]);
+    d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+    d.iotail = (d.iotail + 1) % size;
+    d.iotail as u32
+}
+
+/// A bar-adaptive controller on `host`, its doorbell page as the guest
+/// maps it, and I/O queue pair 1 of `size` entries.
+fn rig(host: &Arc<TrapHost>, size: u16) -> (Drv, Page) {
+    let mut d = Drv::with_ioevents(cfg(), host.clone());
+    let page = Page::of(&d.n);
+    d.io_queues(size);
+    (d, page)
+}
+
 /// One read on I/O queue 1 (`size` entries), its SQ tail rung through
 /// `ring`; whether that store exited. The CQ head is rung after it unless
 /// `keep_head` (a CQ head store can wake the poller too).
 fn one_io_on(d: &mut Drv, host: &TrapHost, page: &Page, size: u16, keep_head: bool) -> bool {
-    let e = d.sqe(0x02, 1, DATA, 0, [0; 4]);
-    d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
-    d.iotail = (d.iotail + 1) % size;
-    let tail = d.iotail as u32;
+    let tail = put_read(d, size);
     let exited = ring(d, host, page, 8, tail);
     assert_eq!(d.reap_io_wait(size).1, 0);
     if !keep_head {
@@ -185,9 +199,7 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
 #[test]
 fn an_idle_poller_sleeps_with_the_page_trapped_and_the_next_store_wakes_it() {
     let host = TrapHost::new(true);
-    let mut d = Drv::with_ioevents(cfg(), host.clone());
-    let page = Page::of(&d.n);
-    d.io_queues(32);
+    let (mut d, page) = rig(&host, 32);
     // Nothing but the SQ tail store may wake the poller in these rounds: the
     // CQ (32 entries) takes the 20 completions without a head store.
     for i in 0..20 {
@@ -209,15 +221,10 @@ fn an_idle_poller_sleeps_with_the_page_trapped_and_the_next_store_wakes_it() {
 #[test]
 fn a_store_that_lands_while_the_trap_takes_effect_is_served_not_slept_on() {
     let host = TrapHost::with_gate(true, Some(Gate::default()));
-    let mut d = Drv::with_ioevents(cfg(), host.clone());
-    let page = Page::of(&d.n);
-    d.io_queues(8);
+    let (mut d, page) = rig(&host, 8);
     for _ in 0..10 {
         // The poller is in the trap, the page still mapped: the store lands in memory.
-        let e = d.sqe(0x02, 1, DATA, 0, [0; 4]);
-        d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
-        d.iotail = (d.iotail + 1) % 8;
-        let tail = d.iotail as u32;
+        let tail = put_read(&mut d, 8);
         let h = host.clone();
         host.while_trap_is_held(&mut d, |d| assert!(!ring(d, &h, &page, 8, tail), "the page is still mapped"));
         // No exit will come for it: the poller's look after the trap serves it.
@@ -232,9 +239,7 @@ fn a_store_that_lands_while_the_trap_takes_effect_is_served_not_slept_on() {
 #[test]
 fn submissions_at_any_moment_around_the_idle_interval_all_complete() {
     let host = TrapHost::new(true);
-    let mut d = Drv::with_ioevents(cfg(), host.clone());
-    let page = Page::of(&d.n);
-    d.io_queues(8);
+    let (mut d, page) = rig(&host, 8);
     // Pauses either side of the idle interval: whichever way each store goes
     // (memory, or an exit), none is lost. How many go each way depends on the
     // machine's speed, and is not asserted.
@@ -254,9 +259,7 @@ fn submissions_at_any_moment_around_the_idle_interval_all_complete() {
 #[test]
 fn a_host_that_cannot_trap_the_page_gets_a_poller_that_looks_at_it_in_timed_steps() {
     let host = TrapHost::new(false);
-    let mut d = Drv::with_ioevents(cfg(), host.clone());
-    let page = Page::of(&d.n);
-    d.io_queues(8);
+    let (mut d, page) = rig(&host, 8);
     let admin_exits = counter(&d.n, "doorbell.writes");
     for _ in 0..5 {
         // Long enough for the poller to sleep, and for its steps to reach their longest.
@@ -271,11 +274,9 @@ fn a_host_that_cannot_trap_the_page_gets_a_poller_that_looks_at_it_in_timed_step
     assert!(counter(&d.n, "adaptive.sleeps") >= 5, "it slept before each");
     // A doorbell that comes as a message (a client that did not map the page) wakes it at once.
     std::thread::sleep(BAR_IDLE_MAX * 3);
-    let e = d.sqe(0x02, 1, DATA, 0, [0; 4]);
-    d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
-    d.iotail = (d.iotail + 1) % 8;
+    let tail = put_read(&mut d, 8);
     let wakeups = counter(&d.n, "adaptive.wakeups");
-    d.w32(DOORBELLS + 8, d.iotail as u32);
+    d.w32(DOORBELLS + 8, tail);
     assert_eq!(d.reap_io_wait(8).1, 0);
     assert!(counter(&d.n, "adaptive.wakeups") > wakeups, "woken by the message, not a step");
     d.n.quiesce();
