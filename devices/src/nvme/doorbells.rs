@@ -269,7 +269,7 @@ impl Nvme {
             // the flag); no core lock is held while a thread is joined.
             let shards = self.core.lock().unwrap().shards.clone();
             let mut wake = Vec::new();
-            let mut kept_kick = None;
+            let mut kicks = Vec::new();
             for (g, core) in std::iter::once(&self.core).chain(shards.iter()).enumerate() {
                 let mut c = core.lock().unwrap();
                 let kept = c.static_ioevents();
@@ -279,10 +279,8 @@ impl Nvme {
                 let kick = if kept { c.db.kick.clone() } else { c.db.kick.take() };
                 if g == 0 {
                     c.raised.set_wake(None);
-                    if kept {
-                        kept_kick = kick.clone();
-                    }
                 }
+                kicks.extend(kick.iter().map(|k| (g, k.clone())));
                 wake.extend(kick.into_iter().chain(c.io_completion_fd()));
             }
             // Wake the threads that sleep on either to see `stop`.
@@ -293,20 +291,24 @@ impl Nvme {
                 let _ = p.join();
             }
             let _ = h.join();
-            {
-                // Wake-ups written for stopped pollers are no longer waited for.
-                let mut c = self.core.lock().unwrap();
-                c.raised.take_wakes();
-                for g in 0..c.groups.max(1) {
-                    c.with_group(g, |c| c.db.own_wakes = 0);
-                }
-            }
-            // That write is not a doorbell: a kept eventfd must not count it
-            // as a kick (the next thread looks at the shadow when it starts).
-            if let Some(k) = &kept_kick {
-                if let Ok((true, _)) = wait_either(k, None, Some(std::time::Duration::ZERO)) {
-                    let _ = read_eventfd(k);
-                }
+            // What the stopped pollers left in their doorbell eventfds: the
+            // stop's own write, wake-ups this side wrote, and kicks of the
+            // guest not drained yet (one rung while its poller, awake, was
+            // already serving that submission). Those kicks are counted; the
+            // rest is not a doorbell. A kept eventfd is then empty for the
+            // next thread, which looks at the shadow when it starts.
+            let mut c = self.core.lock().unwrap();
+            let other_wakes = c.raised.take_wakes();
+            for (g, k) in kicks {
+                let n = match wait_either(&k, None, Some(std::time::Duration::ZERO)) {
+                    Ok((true, _)) => read_eventfd(&k).unwrap_or(0),
+                    _ => 0,
+                };
+                c.with_group(g, |c| {
+                    let own = 1 + c.db.own_wakes + if g == 0 { other_wakes } else { 0 };
+                    c.st.kicks += n.saturating_sub(own);
+                    c.db.own_wakes = 0;
+                });
             }
         }
     }
