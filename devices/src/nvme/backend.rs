@@ -56,6 +56,9 @@ pub enum Backend {
 /// size, and the slots (bounce buffers) commands take.
 pub const FILE_SLOTS: usize = 256;
 
+/// A slot's buffer: the largest transfer a command may ask for (MDTS).
+const SLOT_BYTES: usize = (super::queue::PAGE as usize) << super::MDTS;
+
 /// Pushed operations are submitted at the latest once they add up to this.
 const SUBMIT_BYTES: usize = 256 << 10;
 
@@ -72,25 +75,88 @@ pub enum FileOp {
     Flush,
 }
 
-/// One operation's buffer and what it does.
+/// What one slot's operation does (its buffer is in the [`Arena`]).
+#[derive(Clone, Copy)]
 struct Slot {
-    buf: Bounce,
     op: FileOp,
     off: u64,
     len: usize,
-    /// The buffer registered as fixed buffer number `slot` (start, length);
-    /// (0, 0) if none is.
-    registered: (usize, usize),
+    /// Its buffer is registered as fixed buffer number `slot`.
+    registered: bool,
 }
 
-impl Slot {
-    /// The buffer, `len` bytes; a new allocation (it grows) is no longer the
-    /// registered one, even at the same address (the kernel pinned the old pages).
-    fn get(&mut self, len: usize) -> &mut [u8] {
-        if self.buf.whole().1 < len {
-            self.registered = (0, 0);
+/// The slots' buffers, [`SLOT_BYTES`] each, in one anonymous mapping that is
+/// 2 MiB aligned and advised for transparent huge pages. A transfer inside
+/// a huge page is physically contiguous, so the block layer sends it to the
+/// disk as one segment, not one per 4 KiB page: a virtual disk that costs
+/// per segment serves it faster (64 KiB random writes on this host's disk:
+/// 21-24 k IOPS from huge pages against 9-11 k from 4 KiB ones, fio). Where
+/// the kernel gives no huge page they are ordinary pages. Pages are backed
+/// on first use, so an idle namespace costs address space only.
+struct Arena {
+    map: *mut libc::c_void,
+    map_len: usize,
+    base: *mut u8,
+}
+
+// SAFETY: the mapping is owned by the Arena alone; slices of it are handed
+// out through `&mut self` only.
+unsafe impl Send for Arena {}
+
+impl Arena {
+    const HUGE: usize = 2 << 20;
+
+    fn new() -> std::io::Result<Arena> {
+        let bytes = FILE_SLOTS * SLOT_BYTES;
+        let map_len = bytes + Self::HUGE;
+        // SAFETY: a fresh private anonymous mapping, no address asked for.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
         }
-        self.buf.get(len)
+        let base = map.cast::<u8>().wrapping_add((Self::HUGE - map as usize % Self::HUGE) % Self::HUGE);
+        // SAFETY: `bytes` from `base` lie inside the mapping. Advice only:
+        // without it (no THP here) the buffers are ordinary pages.
+        unsafe { libc::madvise(base.cast(), bytes, libc::MADV_HUGEPAGE) };
+        Ok(Arena { map, map_len, base })
+    }
+
+    /// Slot `slot`'s whole buffer: start and length.
+    fn whole(&self, slot: u16) -> (*mut u8, usize) {
+        assert!((slot as usize) < FILE_SLOTS);
+        (self.base.wrapping_add(slot as usize * SLOT_BYTES), SLOT_BYTES)
+    }
+
+    /// Slot `slot`'s buffer, `len` bytes (at most [`SLOT_BYTES`]: commands
+    /// were checked against MDTS).
+    fn get(&mut self, slot: u16, len: usize) -> &mut [u8] {
+        assert!(len <= SLOT_BYTES, "a {len}-byte transfer is over MDTS");
+        // SAFETY: inside the mapping (`whole` checks the slot), and borrowed
+        // from `&mut self`, so no other slice of it is live.
+        unsafe { std::slice::from_raw_parts_mut(self.whole(slot).0, len) }
+    }
+
+    /// Leaves the mapping to the kernel that may still write to it.
+    fn leak(&mut self) {
+        self.map_len = 0;
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        if self.map_len > 0 {
+            // SAFETY: the mapping made in `new`, no longer used.
+            unsafe { libc::munmap(self.map, self.map_len) };
+        }
     }
 }
 
@@ -99,16 +165,16 @@ impl Slot {
 /// Operations read into or write from bounce buffers of their own (the
 /// slots), never guest memory, so an operation still in flight when guest
 /// memory is unmapped or the controller reset cannot touch that memory.
-/// Each slot's buffer is registered as fixed buffer number `slot` when it
-/// is allocated (the kernel then pins it once, not on every operation);
-/// where registering is refused (RLIMIT_MEMLOCK), operations use plain
-/// buffers.
+/// Each slot's buffer is registered as fixed buffer number `slot` at its
+/// first use (the kernel then pins it once, not on every operation); where
+/// registering is refused (RLIMIT_MEMLOCK), operations use plain buffers.
 struct Uring {
     /// Kept open for the ring, which knows it as fixed file 0.
     _direct: File,
     ring: io_uring::IoUring,
     done: Arc<EventFd>,
     slots: Vec<Slot>,
+    arena: Arena,
     free: Vec<u16>,
     /// Pushed (submitted or not) and not yet reaped.
     in_flight: usize,
@@ -124,31 +190,28 @@ impl Uring {
         let done = EventFd::new(libc::EFD_CLOEXEC)?;
         ring.submitter().register_eventfd(done.as_raw_fd())?;
         let fixed_bufs = ring.submitter().register_buffers_sparse(FILE_SLOTS as u32).is_ok();
-        let slots = (0..FILE_SLOTS)
-            .map(|_| Slot { buf: Bounce::new(0), op: FileOp::Read, off: 0, len: 0, registered: (0, 0) })
-            .collect();
+        let slots = vec![Slot { op: FileOp::Read, off: 0, len: 0, registered: false }; FILE_SLOTS];
+        let arena = Arena::new()?;
         let free = (0..FILE_SLOTS as u16).rev().collect();
-        Ok(Uring { _direct: file, ring, done: Arc::new(done), slots, free, in_flight: 0, fixed_bufs })
+        Ok(Uring { _direct: file, ring, done: Arc::new(done), slots, arena, free, in_flight: 0, fixed_bufs })
     }
 
-    /// Makes slot `slot`'s current buffer its fixed buffer if it is not
-    /// (the buffer was allocated or grown). False if it cannot be.
+    /// Makes slot `slot`'s buffer its fixed buffer if it is not yet. False
+    /// if it cannot be.
     fn register(&mut self, slot: u16) -> bool {
-        let s = &mut self.slots[slot as usize];
-        let (start, cap) = s.buf.whole();
-        if s.registered == (start as usize, cap) {
+        if self.slots[slot as usize].registered {
             return true;
         }
         if !self.fixed_bufs {
             return false;
         }
+        let (start, cap) = self.arena.whole(slot);
         let iov = libc::iovec { iov_base: start.cast(), iov_len: cap };
-        // SAFETY: the buffer is this slot's and lives until it is replaced
-        // (then registered anew before use) or the ring is gone; the slot is
-        // not in flight (a buffer is only allocated then).
+        // SAFETY: the buffer is this slot's part of the arena, which lives as
+        // long as the ring (Drop waits for the operations before either goes).
         match unsafe { self.ring.submitter().register_buffers_update(slot as u32, &[iov], None) } {
             Ok(()) => {
-                s.registered = (start as usize, cap);
+                self.slots[slot as usize].registered = true;
                 true
             }
             Err(e) => {
@@ -170,7 +233,7 @@ impl Drop for Uring {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => {
                     log::warn!("nvme: io_uring wait at close: {e}; {} buffers leaked", self.in_flight);
-                    std::mem::forget(std::mem::take(&mut self.slots));
+                    self.arena.leak();
                     return;
                 }
             }
@@ -270,7 +333,7 @@ impl FileBackend {
     /// Slot `slot`'s buffer, `len` bytes, 4 KiB aligned (not while its
     /// operation is in flight).
     pub fn buffer(&mut self, slot: u16, len: usize) -> &mut [u8] {
-        self.uring.as_mut().expect("a slot is taken from the io_uring").slots[slot as usize].get(len)
+        self.uring.as_mut().expect("a slot is taken from the io_uring").arena.get(slot, len)
     }
 
     /// Queues slot `slot`'s operation on the ring (sent at the next
@@ -279,7 +342,7 @@ impl FileBackend {
     pub fn push(&mut self, slot: u16, op: FileOp, off: u64, len: usize) -> bool {
         use io_uring::{opcode, squeue::Flags, types};
         let Some(u) = self.uring.as_mut() else { return false };
-        let ptr = u.slots[slot as usize].get(len).as_mut_ptr();
+        let ptr = u.arena.get(slot, len).as_mut_ptr();
         let fixed = op != FileOp::Flush && u.register(slot);
         let s = &mut u.slots[slot as usize];
         (s.op, s.off, s.len) = (op, off, len);
@@ -416,7 +479,7 @@ impl FileBackend {
         let c = u.ring.completion().next()?;
         u.in_flight -= 1;
         let slot = c.user_data() as u16;
-        let Some(s) = u.slots.get_mut(slot as usize) else {
+        let Some(&s) = u.slots.get(slot as usize) else {
             return self.reap(); // not one of ours (cannot be: user_data is a slot)
         };
         let n = c.result();
@@ -426,9 +489,9 @@ impl FileBackend {
                 self.direct_ops += 1;
                 Ok(())
             }
-            FileOp::Read if n == -libc::EINVAL => self.file.read_exact_at(s.buf.get(s.len), s.off),
+            FileOp::Read if n == -libc::EINVAL => self.file.read_exact_at(u.arena.get(slot, s.len), s.off),
             FileOp::Write { dsync } if n == -libc::EINVAL => {
-                let r = self.file.write_all_at(s.buf.get(s.len), s.off);
+                let r = self.file.write_all_at(u.arena.get(slot, s.len), s.off);
                 if dsync {
                     r.and_then(|()| self.file.sync_data())
                 } else {
@@ -450,11 +513,6 @@ impl Bounce {
         let v = vec![0u8; len + 4096];
         let start = v.as_ptr().align_offset(4096);
         Bounce(v, start)
-    }
-    /// The whole aligned buffer: start and length.
-    fn whole(&mut self) -> (*mut u8, usize) {
-        let n = self.0.len() - self.1;
-        (self.0[self.1..].as_mut_ptr(), n)
     }
     pub fn get(&mut self, len: usize) -> &mut [u8] {
         if self.0.len() < self.1 + len {
@@ -668,7 +726,7 @@ mod tests {
             let i = slots.iter().position(|&x| x == s).unwrap();
             assert!(f.buffer(s, sizes(i)).iter().all(|&b| b == i as u8 + 1), "read {i}");
         }
-        // Buffers that grow are registered anew: the data goes through the new ones.
+        // The largest transfer, MDTS, through two slots' buffers.
         let (w, r) = (slots[0], slots[1]);
         f.buffer(w, 128 << 10).fill(0x77);
         assert!(f.push(w, FileOp::Write { dsync: false }, 0x80000, 128 << 10));
@@ -684,13 +742,22 @@ mod tests {
         assert!(f.push(r, FileOp::Read, 0x80000, 128 << 10));
         f.submit();
         reap_one(&mut f).1.unwrap();
-        assert!(f.buffer(r, 128 << 10).iter().all(|&b| b == 0x77), "read through a grown buffer");
+        assert!(f.buffer(r, 128 << 10).iter().all(|&b| b == 0x77), "read of a whole slot");
         assert_eq!(f.direct_ops, 34);
         assert_eq!(f.in_flight(), 0);
         let u = f.uring.as_ref().unwrap();
         if u.fixed_bufs {
-            assert!(slots.iter().all(|&s| u.slots[s as usize].registered.1 >= sizes(0)), "fixed buffers");
+            assert!(slots.iter().all(|&s| u.slots[s as usize].registered), "fixed buffers");
         }
+        // The slots' buffers: 2 MiB aligned (a whole slot never straddles a
+        // huge page), advised for huge pages.
+        assert_eq!(u.arena.base as usize % Arena::HUGE, 0);
+        assert_eq!(Arena::HUGE % SLOT_BYTES, 0);
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let base = format!("{:x}-", u.arena.base as usize);
+        let flags = smaps.split('\n').skip_while(|l| !l.starts_with(&base)).find(|l| l.starts_with("VmFlags:"));
+        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").is_ok();
+        assert!(!thp || flags.is_some_and(|f| f.contains(" hg")), "MADV_HUGEPAGE: {flags:?}");
         let _ = std::fs::remove_file(path);
     }
 }
