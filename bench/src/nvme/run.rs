@@ -326,7 +326,10 @@ impl<'a> Ctx<'a> {
             r.hist = lat.pairs_ns(self.tsc_khz);
             r.lat = Some(lat);
         }
-        r.routing = format!("fio on the host: io_uring, O_DIRECT, numjobs={} x iodepth={}", fj.numjobs, fj.iodepth);
+        r.routing = format!(
+            "fio on the host: io_uring, O_DIRECT, buffers in huge pages, numjobs={} x iodepth={}",
+            fj.numjobs, fj.iodepth
+        );
         if busy {
             let on = |c: Option<usize>| c.map_or("unpinned".to_string(), |c| format!("on CPU {c}"));
             r.routing = format!("{}; one busy thread {} (the vCPU's), fio {}", r.routing, on(vcpu), on(fj.cpu));
