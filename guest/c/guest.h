@@ -97,6 +97,7 @@ u64 cycles_to_ns(u64 cycles);
 /* Probing an instruction that may fault (#UD, #GP): the CPL0 stub skips it. */
 extern volatile u64 probe_skip;
 extern volatile u64 probe_fault;
+extern volatile u64 irq_count; /* external interrupts taken (boot.S isr_irq) */
 
 /* pci.c */
 #define PCI_MAX_DEVS 32

@@ -30,6 +30,9 @@ struct load_ops {
     int (*reap)(u32 q, u32 *i, u32 *status);
     /* Tell the device about what was reaped and issued on queue q. */
     void (*kick)(u32 q);
+    /* Optional: after a pass that found no completion (I/O in flight),
+       sleep until the device signals one. NULL: poll. */
+    void (*wait)(void);
 };
 
 struct load_job {
@@ -48,6 +51,7 @@ struct load_result {
     /* Cycles of reaping passes that found no completion: the driver waiting
        for the device (near cycles: the device is the bottleneck). */
     u64 wait_cycles;
+    u64 sleeps; /* ops->wait calls */
 };
 
 /* Bump allocator over identity-mapped guest RAM (zeroed, page aligned). */

@@ -24,9 +24,12 @@
  *   doorbells after every N commands issued while reaping, so the controller
  *   starts on them while the driver still reaps; 0, the default: once per
  *   reaping pass)
- *   qsize=N irq=0|1 (irq=1: MSI-X on, each I/O CQ signals its own vector;
- *   the guest runs with IF=0, so the messages stay pending in the LAPIC
- *   while completions are still reaped by polling)
+ *   qsize=N irq=0|1|wait (irq=1: MSI-X on, each I/O CQ signals its own
+ *   vector; the guest runs with IF=0, so the messages stay pending in the
+ *   LAPIC while completions are still reaped by polling. irq=wait: MSI-X
+ *   on, and a pass that finds no completion sleeps until one is signalled,
+ *   as an interrupt-driven driver does: sti; hlt at CPL0, the vCPU halts
+ *   in KVM until the message arrives; "sleeps" and "irqs" count them)
  * Memory: everything lives from 16 MiB up (identity mapped), bump allocated.
  */
 #include "load.h"
@@ -284,7 +287,19 @@ static void kick(u32 q)
     ring_both(&ioq[q]);
 }
 
-static const struct load_ops nvme_ops = {"nvme", issue, reap_io, kick};
+/* irq=wait: halts until an interrupt. Ring 3 runs with IF=0, so a message
+   that came after the pass looked stays pending in the LAPIC and is taken
+   at the sti (its one-instruction shadow covers the hlt): no lost wake-up. */
+static u64 r0_halt(void *a)
+{
+    (void)a;
+    asm volatile("sti; hlt; cli" ::: "memory");
+    return 0;
+}
+
+static void irq_wait(void) { ring0_call(r0_halt, NULL); }
+
+static struct load_ops nvme_ops = {"nvme", issue, reap_io, kick, NULL};
 
 static int job(const char *rw, u64 time_ms, u32 nq, u32 depth, u32 mixread, int verify, u64 think_us)
 {
@@ -297,7 +312,7 @@ static int job(const char *rw, u64 time_ms, u32 nq, u32 depth, u32 mixread, int 
     printf("@nvme rw=%s bs=%lu iodepth=%u queues=%u dbbuf=%d irq=%d", verify ? "verify" : rw, bs, depth, nq, use_dbbuf,
            use_irq);
     load_print_lat(&r);
-    printf(" errors=%lu io_doorbell_writes=%lu", load_errors, rings);
+    printf(" errors=%lu io_doorbell_writes=%lu irqs=%lu", load_errors, rings, irq_count);
     load_print_end("nvme", &j, &r);
     return (load_errors || r.mismatches) ? -1 : 0;
 }
@@ -466,9 +481,21 @@ int workload_nvme(u64 mem_bytes)
     }
     printf("@nvme-ctrl model=\"%s\" mqes=%u mdts=%u oacs=0x%x nn=%u nsze=%lu lba=%lu dbbuf=%d\n", model, mqes, mdts,
            oacs, nn, nsze, lba_bytes, use_dbbuf);
-    use_irq = (int)cmdline_u64("irq", 0);
+    const char *irqv = cmdline_get("irq");
+    use_irq = irqv && !strncmp(irqv, "wait", 4) ? 2 : (int)cmdline_u64("irq", 0);
     if (use_irq && msix_setup(d, nq))
         return EXIT_FAIL;
+    if (use_irq == 2) {
+        /* Only the controller's messages may end a halt: the legacy PICs
+           masked (under QEMU the firmware left the PIT's IRQ 0 unmasked at
+           vector 8, which the sti would take as a double fault), and the
+           local APIC software-enabled (SVR bit 8) so that it delivers the
+           messages; the spurious vector stays 0xff. */
+        outb(0x21, 0xff);
+        outb(0xa1, 0xff);
+        mmio_write32(0xfee000f0, mmio_read32(0xfee000f0) | 0x100);
+        nvme_ops.wait = irq_wait;
+    }
     if (create_queues(nq, qsize))
         return EXIT_FAIL;
     slots = alloc(sizeof(struct load_slot) * nq * depth);

@@ -147,7 +147,7 @@ static void kick(u32 q)
     }
 }
 
-static const struct load_ops vblk_ops = {"vblk", issue, reap, kick};
+static const struct load_ops vblk_ops = {"vblk", issue, reap, kick, NULL};
 
 /* Address of a capability's structure, or 0 if it is not inside its memory BAR. */
 static u64 cap_addr(const struct pci_dev *d, u8 p, u64 need, u32 *len_out)
