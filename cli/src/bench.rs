@@ -185,6 +185,11 @@ pub struct NvmeArgs {
     /// 0) it rings once per reaping pass; fio's own default, 1, is a ring per command.
     #[arg(long = "iodepth_batch_submit", value_parser = clap::value_parser!(u32).range(0..=1024))]
     pub iodepth_batch_submit: Option<u32>,
+    /// The guest driver waits for completions on interrupts, as Linux's
+    /// nvme driver does: a pass that finds none halts its vCPU until a CQ's
+    /// MSI-X message (QEMU's nvme gets the same guest). Without it, it polls.
+    #[arg(long)]
+    pub irq_wait: bool,
     /// fio's thinktime: microseconds the guest waits after a completion
     /// before the slot's next command (at iodepth 1: each I/O wakes an idle
     /// controller; at most 1000000).
@@ -257,7 +262,8 @@ impl NvmeArgs {
             || self.iodepth.is_some()
             || self.numjobs.is_some()
             || self.rwmixread.is_some()
-            || self.iodepth_batch_submit.is_some();
+            || self.iodepth_batch_submit.is_some()
+            || self.irq_wait;
         if custom || self.verify || self.thinktime.is_some() {
             o.jobs = vec![Job {
                 rw: self.rw.clone().unwrap_or_else(|| "randread".into()),
@@ -268,6 +274,7 @@ impl NvmeArgs {
                 thinktime_us: self.thinktime.unwrap_or(0),
                 rwmixread: self.rwmixread.unwrap_or(50),
                 batch_submit: self.iodepth_batch_submit.unwrap_or(0),
+                irq_wait: self.irq_wait,
             }];
         }
         Ok(o)

@@ -44,6 +44,10 @@ pub struct Job {
     /// fio's iodepth_batch_submit: the guest rings its doorbells after every
     /// this many commands issued while reaping (0: once per reaping pass).
     pub batch_submit: u32,
+    /// The guest waits for completions as an interrupt-driven driver does:
+    /// a pass that finds none halts its vCPU until a CQ's MSI-X message
+    /// (nvmeperf's `irq=wait`). false: it polls its CQs.
+    pub irq_wait: bool,
 }
 
 impl Job {
@@ -60,16 +64,19 @@ impl Job {
             thinktime_us: 0,
             rwmixread: 50,
             batch_submit: 0,
+            irq_wait: false,
         }
     }
 
     pub fn label(&self) -> String {
-        let l = self.base_label();
+        let mut l = self.base_label();
         if self.batch_submit > 0 {
-            format!("{l} batch {}", self.batch_submit)
-        } else {
-            l
+            l = format!("{l} batch {}", self.batch_submit);
         }
+        if self.irq_wait {
+            l = format!("{l} irq");
+        }
+        l
     }
 
     fn base_label(&self) -> String {
@@ -228,6 +235,10 @@ pub struct NvmeRun {
     /// found no completion (its `wait_cycles` over `cycles`): near 0 the
     /// guest's own work per I/O is the bottleneck, higher the device is.
     pub guest_wait_pct: Option<f64>,
+    /// irq_wait jobs: the guest's halts until an interrupt (`sleeps`), and
+    /// the interrupts it took (`irqs`); a polling guest takes none.
+    pub guest_sleeps: Option<u64>,
+    pub guest_irqs: Option<u64>,
     /// The ring floor this run is judged against: ops/s and p50 at the job's
     /// queue depth, measured just before this run (this host moves between
     /// faster and slower placements within a round; a floor measured beside
@@ -297,6 +308,8 @@ impl NvmeRun {
             cpu_ns_per_io: None,
             idle_cpu_pct: None,
             guest_wait_pct: None,
+            guest_sleeps: None,
+            guest_irqs: None,
             floor_ops_s: None,
             floor_p50_ns: None,
             floor_ratio: None,
@@ -404,8 +417,17 @@ fn floor_qd(j: &Job) -> u32 {
 
 fn cmdline(j: &Job, o: &NvmeOptions, tsc_khz: u64) -> String {
     format!(
-        "workload=nvme rw={} bs={} iodepth={} queues={} time_ms={} verify={} thinktime_us={} rwmixread={} batch_submit={} tsc_khz={tsc_khz}",
-        j.rw, j.bs, j.iodepth, j.queues, o.time_ms, j.verify as u8, j.thinktime_us, j.rwmixread.min(100), j.batch_submit
+        "workload=nvme rw={} bs={} iodepth={} queues={} time_ms={} verify={} thinktime_us={} rwmixread={} batch_submit={} irq={} tsc_khz={tsc_khz}",
+        j.rw,
+        j.bs,
+        j.iodepth,
+        j.queues,
+        o.time_ms,
+        j.verify as u8,
+        j.thinktime_us,
+        j.rwmixread.min(100),
+        j.batch_submit,
+        if j.irq_wait { "wait" } else { "0" }
     )
 }
 

@@ -379,8 +379,18 @@ pub fn guest_checks(r: &mut NvmeRun, j: &Job) {
             (v, m) => bad.push(format!("verify: {v:?} blocks read back, {m:?} mismatches")),
         }
     }
+    // Interrupts: each halt of an irq_wait guest ends on one it takes (a
+    // message may merge with one still pending); a polling guest takes none.
+    let irqs = match (j.irq_wait, r.guest_sleeps, r.guest_irqs) {
+        (true, Some(s), Some(i)) if i >= s => format!(", {s} halts, {i} interrupts taken"),
+        (false, _, None | Some(0)) => String::new(),
+        (w, s, i) => {
+            bad.push(format!("irq_wait={w}: {s:?} halts, {i:?} interrupts taken"));
+            String::new()
+        }
+    };
     if bad.is_empty() {
-        r.routing = format!("{}; guest: {} I/Os, 0 errors", r.routing, r.ios);
+        r.routing = format!("{}; guest: {} I/Os, 0 errors{irqs}", r.routing, r.ios);
     } else {
         r.routing_ok = false;
         r.routing = format!("{}; guest: {}", r.routing, bad.join(", "));
@@ -424,6 +434,8 @@ pub fn to_run(
     r.verified_blocks = g("verified_blocks").ok();
     r.io_doorbell_writes = g("io_doorbell_writes").unwrap_or(0);
     r.guest_wait_pct = g("wait_cycles").ok().map(|w| 100.0 * w as f64 / cycles as f64);
+    r.guest_sleeps = g("sleeps").ok();
+    r.guest_irqs = g("irqs").ok();
     Ok(r)
 }
 
@@ -508,5 +520,22 @@ mod tests {
         assert!(!ok(10, 0, Some(8), Some(1), true).0, "a mismatch");
         assert!(!ok(10, 0, None, None, true).0, "a verify job without its counts");
         assert!(!ok(10, 0, Some(0), Some(0), true).0, "nothing read back");
+    }
+
+    #[test]
+    fn an_irq_wait_guest_takes_an_interrupt_for_each_halt_and_a_polling_one_takes_none() {
+        let ok = |irq_wait, sleeps: Option<u64>, irqs: Option<u64>| {
+            let mut r = NvmeRun::new("iopath-shm", "", 0, 0, 10, 1);
+            (r.guest_sleeps, r.guest_irqs) = (sleeps, irqs);
+            guest_checks(&mut r, &Job { irq_wait, ..job(false) });
+            (r.routing_ok, r.routing)
+        };
+        let (good, why) = ok(true, Some(4), Some(5));
+        assert!(good && why.contains("4 halts, 5 interrupts taken"), "{why}");
+        assert!(!ok(true, Some(5), Some(4)).0, "a halt that no interrupt ended");
+        assert!(!ok(true, None, None).0, "a guest without the counts");
+        assert!(ok(false, Some(0), Some(0)).0 && ok(false, None, None).0);
+        let (good, why) = ok(false, Some(0), Some(3));
+        assert!(!good && why.contains("3"), "a polling guest took interrupts: {why}");
     }
 }
