@@ -109,20 +109,7 @@ impl Arena {
     fn new() -> std::io::Result<Arena> {
         let bytes = FILE_SLOTS * SLOT_BYTES;
         let map_len = bytes + Self::HUGE;
-        // SAFETY: a fresh private anonymous mapping, no address asked for.
-        let map = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if map == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
+        let map = anon_map(map_len)?;
         let base = map.cast::<u8>().wrapping_add((Self::HUGE - map as usize % Self::HUGE) % Self::HUGE);
         // SAFETY: `bytes` from `base` lie inside the mapping. Advice only:
         // without it (no THP here) the buffers are ordinary pages.
@@ -158,6 +145,26 @@ impl Drop for Arena {
             unsafe { libc::munmap(self.map, self.map_len) };
         }
     }
+}
+
+/// A fresh private anonymous mapping of `len` bytes, read-write, backed on
+/// first use (MAP_NORESERVE); the caller unmaps it.
+pub(super) fn anon_map(len: usize) -> std::io::Result<*mut libc::c_void> {
+    // SAFETY: a new mapping, no address asked for and no memory of ours passed.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if map == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(map)
 }
 
 /// The asynchronous side of a file namespace: an io_uring on the O_DIRECT

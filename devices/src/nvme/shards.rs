@@ -288,20 +288,7 @@ unsafe impl Sync for SharedRam {}
 impl SharedRam {
     pub fn new(len: u64) -> crate::Result<SharedRam> {
         let len = usize::try_from(len).map_err(|_| crate::Error::Host("nvme: namespace too large".into()))?;
-        // SAFETY: a fresh anonymous mapping; no memory of ours is passed.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(crate::Error::io("nvme: namespace memory", std::io::Error::last_os_error()));
-        }
+        let ptr = super::backend::anon_map(len).map_err(|e| crate::Error::io("nvme: namespace memory", e))?;
         Ok(SharedRam { ptr: ptr.cast(), len })
     }
 
