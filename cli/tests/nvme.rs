@@ -167,7 +167,9 @@ fn msix_completions_signal_their_vectors_through_kvm_irqfds() {
         nvmeperf("nvme,doorbell=shm,backend=null", "rw=randread bs=4096 iodepth=4 queues=2 irq=1 time_ms=200");
     assert_eq!(num(&rec, "irq"), 1);
     assert_eq!(num(&rec, "errors"), 0);
-    assert_eq!(c["msix.interrupts"], num(&rec, "ios"), "one MSI-X message per completion");
+    // One message per queue pass: every completion signalled or merged into its pass's message.
+    assert!(c["msix.interrupts"] > 0, "{c:?}");
+    assert_eq!(c["msix.interrupts"] + c["msix.merged"], num(&rec, "ios"), "a message per completion or pass");
     let (rec, c, _) = nvmeperf("nvme,doorbell=shm,backend=null", "rw=randread bs=4096 iodepth=4 time_ms=100");
     assert_eq!((num(&rec, "irq"), c["msix.interrupts"]), (0, 0), "polled mode: none");
     // From a device process: the VMM routes the vectors the guest programs and hands their
@@ -175,7 +177,8 @@ fn msix_completions_signal_their_vectors_through_kvm_irqfds() {
     let spec = "nvme,doorbell=shm,backend=null@vfio-user";
     let (rec, c, _) = nvmeperf(spec, "rw=randread bs=4096 iodepth=4 queues=2 irq=1 time_ms=200");
     assert_eq!(num(&rec, "errors"), 0);
-    assert_eq!(c["msix.interrupts"], num(&rec, "ios"), "vfio-user: one MSI-X message per completion");
+    assert!(c["msix.interrupts"] > 0, "vfio-user: {c:?}");
+    assert_eq!(c["msix.interrupts"] + c["msix.merged"], num(&rec, "ios"), "vfio-user: {c:?}");
 }
 
 #[test]
@@ -191,7 +194,8 @@ fn an_interrupt_driven_guest_halts_until_its_completions_msix_message_wakes_it()
         assert!(sleeps > 0, "{spec}: it never slept: {rec:?}");
         // A halt ends only on an interrupt taken; a message can merge with one still pending.
         assert!(irqs >= sleeps, "{spec}: {sleeps} sleeps, {irqs} interrupts taken");
-        assert!(irqs <= c["msix.interrupts"] && c["msix.interrupts"] == ios, "{spec}: {irqs} taken, {c:?}");
+        assert!(irqs <= c["msix.interrupts"], "{spec}: {irqs} taken, {c:?}");
+        assert_eq!(c["msix.interrupts"] + c["msix.merged"], ios, "{spec}: {c:?}");
     }
     // Polling, the same messages stay pending: none is taken.
     let (rec, _, _) =

@@ -160,6 +160,8 @@ pub(super) struct Stats {
     pub polls: u64,
     pub kicks: u64,
     pub interrupts: u64,
+    /// Completions whose MSI-X message merged into their pass's one.
+    pub merged_interrupts: u64,
     /// adaptive: times the poller went to sleep, and was woken by a kick.
     pub sleeps: u64,
     pub wakeups: u64,
@@ -180,6 +182,7 @@ impl Stats {
             (&mut self.polls, o.polls),
             (&mut self.kicks, o.kicks),
             (&mut self.interrupts, o.interrupts),
+            (&mut self.merged_interrupts, o.merged_interrupts),
             (&mut self.sleeps, o.sleeps),
             (&mut self.wakeups, o.wakeups),
         ];
@@ -278,8 +281,13 @@ impl Core {
 
     /// Serves SQ `qid` up to its tail; stops early if its CQ has no room
     /// for one more completion or (I/O queues) every file backend slot is
-    /// taken. Operations it started on the file backend go out in one submit.
+    /// taken. Operations it started on the file backend go out in one submit;
+    /// the vectors its completions raise are signalled once, at its end.
     pub fn process_sq(&mut self, qid: usize) -> bool {
+        self.batched(|c| c.serve_pass(qid))
+    }
+
+    fn serve_pass(&mut self, qid: usize) -> bool {
         if let Some(sq) = self.queues.sqs.get(qid).and_then(|s| s.as_ref()) {
             // The entries to serve, up to 8 lines ahead, fetched together.
             let (mut i, mut n) = (sq.head, 0);
@@ -401,6 +409,10 @@ impl Core {
     /// operations still in flight). The adaptive poller sleeps on the
     /// completion eventfd while only the latter holds.
     pub fn io_step(&mut self) -> (bool, bool) {
+        self.batched(|c| c.io_pass())
+    }
+
+    fn io_pass(&mut self) -> (bool, bool) {
         if self.mem.is_empty() {
             return (false, false); // no client: its completions wait for its memory
         }
@@ -477,6 +489,7 @@ impl Core {
             ("shadow.polls", s.polls),
             ("ioeventfd.kicks", s.kicks),
             ("msix.interrupts", s.interrupts),
+            ("msix.merged", s.merged_interrupts),
             ("adaptive.sleeps", s.sleeps),
             ("adaptive.wakeups", s.wakeups),
         ]

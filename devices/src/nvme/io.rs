@@ -160,6 +160,10 @@ impl Core {
     /// wait in the ring (its completion queue has room for twice the
     /// operations in flight) until memory is attached again.
     pub(super) fn reap_io(&mut self) -> bool {
+        self.batched(|c| c.reap_pass())
+    }
+
+    fn reap_pass(&mut self) -> bool {
         let Backend::File(f) = &mut self.ns.backend else { return false };
         if !f.is_async() || self.mem.is_empty() {
             return false;
@@ -322,7 +326,13 @@ impl Core {
         loop {
             self.reap_io();
             let Backend::File(f) = &mut self.ns.backend else { return };
-            if f.in_flight() == 0 || self.mem.is_empty() || !f.wait() {
+            if f.in_flight() == 0 || self.mem.is_empty() {
+                return;
+            }
+            // What the pass posted so far is not held while it waits.
+            self.signal_due();
+            let Backend::File(f) = &mut self.ns.backend else { return };
+            if !f.wait() {
                 return;
             }
         }

@@ -581,6 +581,39 @@ fn a_client_that_owns_the_msix_table_gets_every_raised_vector_on_its_eventfd() {
 }
 
 #[test]
+fn the_completions_of_one_doorbell_pass_share_one_msix_message() {
+    let mut d = Drv::new(mmio(BackendKind::Null));
+    let (lines, fds) = client_lines(&[0, 1]);
+    let mut ctx = DeviceContext::detached(d.mem.clone());
+    ctx.irq = lines.clone();
+    d.n.attach(ctx);
+    d.n.config_write(MSIX_CAP + 2, &0x8000u16.to_le_bytes());
+    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3 | 1 << 16, 0, 0]).1, 0);
+    assert_eq!(d.admin(0x01, 0, IOSQ, 0, [1 | 15 << 16, 1 | 1 << 16, 0, 0]).1, 0);
+    let _ = fds[0].read();
+    let before = counter(&d.n, "msix.interrupts");
+    // Five commands, one SQ tail doorbell: one pass posts five entries.
+    for i in 0..5u64 {
+        let e = d.sqe(0x02, 1, DATA, 0, [i as u32, 0, 0, 0]);
+        d.mem.write_slice(&e, GuestAddress(IOSQ + i * 64)).unwrap();
+    }
+    d.w32(DOORBELLS + 8, 5);
+    for i in 0..5u64 {
+        let dw3: u32 = d.mem.read_obj(GuestAddress(IOCQ + i * 16 + 12)).unwrap();
+        assert_eq!((dw3 >> 16 & 1, dw3 >> 17), (1, 0), "entry {i} posted, successful");
+    }
+    assert_eq!(fds[1].read().ok(), Some(1), "one message for the pass's five completions");
+    assert_eq!(counter(&d.n, "msix.interrupts") - before, 1);
+    assert_eq!(counter(&d.n, "msix.merged"), 4, "the other four merged into it");
+    // The next pass signals again: a message is never held past its pass.
+    let e = d.sqe(0x02, 1, DATA, 0, [0; 4]);
+    d.mem.write_slice(&e, GuestAddress(IOSQ + 5 * 64)).unwrap();
+    d.w32(DOORBELLS + 8, 6);
+    assert_eq!(fds[1].read().ok(), Some(1), "the next pass's own message");
+    assert_eq!(counter(&d.n, "msix.merged"), 4);
+}
+
+#[test]
 fn a_client_that_programs_the_msix_table_keeps_the_controllers_masking() {
     // iopath's own vfio-user proxy forwards table writes and hands eventfds
     // over: the controller's table stays authoritative, so a masked vector
