@@ -217,8 +217,10 @@ fn lacks_io_uring(r: &QemuRun) -> bool {
 }
 
 /// Runs nvmeperf (`cmdline`) on QEMU's nvme on `backing`; through io_uring,
-/// or the fallback `aio` if this QEMU cannot. Returns the run and what
-/// QEMU's drive was, for its row.
+/// or the fallback `aio` if this QEMU cannot; each guest line goes to
+/// `on_line` as it comes. Returns the run and what QEMU's drive was, for
+/// its row.
+#[allow(clippy::too_many_arguments)]
 pub fn run_nvme(
     qemu: &Path,
     image: &Path,
@@ -227,9 +229,10 @@ pub fn run_nvme(
     backing: &QemuBacking,
     lba: u32,
     timeout: Duration,
+    on_line: &mut dyn FnMut(&str),
 ) -> anyhow::Result<(QemuRun, String)> {
     let dev = format!("nvme,drive=nvm0,serial=iopath0,logical_block_size={lba}");
-    run_drive(qemu, image, cmdline, mem_mb, backing, &[], &dev, timeout, &mut |_| {})
+    run_drive(qemu, image, cmdline, mem_mb, backing, &[], &dev, timeout, on_line)
 }
 
 /// Runs the guest (`cmdline`) with QEMU's `device` (which names `drive=nvm0`)

@@ -464,6 +464,8 @@ fn bench_nvme_contend_records_its_level_device_cpu_and_leaves_no_contender() {
     let runs = bench(&["--doorbell", "shm,bar,ioeventfd,mmio"]);
     assert_eq!(runs.len(), 4);
     for r in &runs {
+        // The vCPU thread, in every mode (mmio: it does the device's work in its exits).
+        assert!(r["vcpu_ns_per_io"].as_f64().unwrap() > 0.0, "{r}");
         if r["target"] == "iopath-mmio" {
             assert!(r["device_threads"] == 0 && r["cpu_ns_per_io"].is_null(), "{r}");
         } else {
@@ -674,6 +676,11 @@ fn bench_nvme_vs_qemu_puts_qemu_on_the_same_backend_kind_and_checks_its_guest() 
         assert_eq!(q["routing_ok"], true);
         let sum: u64 = q["hist"].as_array().unwrap().iter().map(|p| p[1].as_u64().unwrap()).sum();
         assert_eq!(sum, q["ios"].as_u64().unwrap());
+        // QEMU's main loop (its device side) and its vCPU thread are measured in the window too.
+        assert!(q["device_threads"].as_u64().unwrap() >= 1, "{q}");
+        assert!(q["cpu_ns_per_io"].as_f64().unwrap() > 0.0, "{q}");
+        assert!(q["vcpu_ns_per_io"].as_f64().unwrap() > 0.0, "{q}");
+        assert!(table.contains("vCPU/IO"), "{table}");
         let l = table.lines().find(|l| l.contains("iopath-shm / qemu IOPS = ")).unwrap_or_else(|| panic!("{table}"));
         assert!(l.ends_with(&format!("(iopath {backend} / {setup})")), "{l}");
         if backend == "ram" {

@@ -224,11 +224,16 @@ pub struct NvmeRun {
     pub exits_per_io: Option<f64>,
     pub routing: String,
     pub routing_ok: bool,
-    /// Device threads (nvme-poller, nvme-adaptive, nvme-ioeventfd, nvme-uring) seen in the
-    /// measured window; none in mmio mode without io_uring, and for QEMU.
+    /// Device threads (nvme-poller, nvme-adaptive, nvme-ioeventfd, nvme-uring; QEMU's main
+    /// loop and workers) seen in the measured window; none in mmio mode without io_uring.
     pub device_threads: usize,
-    /// Their CPU time in the guest's timed window, per I/O.
+    /// Their CPU time in the guest's timed window, per I/O. Work done in the
+    /// vCPU's exits (mmio doorbells) is in `vcpu_ns_per_io` instead.
     pub cpu_ns_per_io: Option<f64>,
+    /// The guest vCPU thread's CPU time in the window, per I/O: the guest's
+    /// driver, its exits and their handling (a polling guest spins: then it
+    /// is the window's length over the I/Os).
+    pub vcpu_ns_per_io: Option<f64>,
     /// Their CPU share (100 = one core) in a pause with no I/O after the window.
     pub idle_cpu_pct: Option<f64>,
     /// The guest driver's share of its timed window spent in passes that
@@ -306,6 +311,7 @@ impl NvmeRun {
             routing_ok: true,
             device_threads: 0,
             cpu_ns_per_io: None,
+            vcpu_ns_per_io: None,
             idle_cpu_pct: None,
             guest_wait_pct: None,
             guest_sleeps: None,

@@ -7,6 +7,7 @@ use super::{
 };
 use crate::cpu::{Window, NVME_DEVICE_THREADS};
 use crate::host::{host_info, HostInfo};
+use crate::pin::{QEMU_DEVICE_THREADS, VCPU_THREADS};
 use crate::qemu::QemuBacking;
 use indicatif::{ProgressBar, ProgressStyle};
 use iopath_devices::nvme::backend::BackendKind;
@@ -189,12 +190,17 @@ impl<'a> Ctx<'a> {
         let _contention = contenders(o)?;
         let _pinned = pinner(o);
         let window = Window::new(NVME_DEVICE_THREADS, WINDOW_START, WINDOW_END, IDLE_WINDOW);
-        let w = window.clone();
+        let vcpu = Window::new(VCPU_THREADS, WINDOW_START, WINDOW_END, Duration::ZERO);
+        let (w, v) = (window.clone(), vcpu.clone());
         let mut cfg = VmConfig::new(iopath_guest::IMAGE, &cmdline(j, o, self.tsc_khz));
         cfg.devices = vec![instantiate(&spec, &self.progs)?];
         cfg.mem_size = o.mem_mb << 20;
         cfg.timeout = Duration::from_secs(o.timeout_s);
-        cfg.on_line = Some(Box::new(move |l| w.on_line(l)));
+        // The vCPU's window closes first: the device one then holds the vCPU for its idle pause.
+        cfg.on_line = Some(Box::new(move |l| {
+            v.on_line(l);
+            w.on_line(l)
+        }));
         cfg.exit_marks = vec![WINDOW_START.into(), WINDOW_END.into()];
         let rep = run(cfg)?;
         let mut r = to_run(target, ji, round, j, &rep.lines, self.tsc_khz)?;
@@ -204,6 +210,7 @@ impl<'a> Ctx<'a> {
             r.cpu_ns_per_io = Some(w.busy_ns as f64 / r.ios.max(1) as f64);
             r.idle_cpu_pct = Some(w.idle_pct);
         }
+        r.vcpu_ns_per_io = vcpu_per_io(&vcpu, r.ios);
         let dev = rep.devices.first().ok_or_else(|| anyhow::anyhow!("no device report"))?;
         let c = |n: &str| dev.counters.iter().find(|c| c.name == n).map(|c| c.value);
         let exits = rep.exits.mmio_write + rep.exits.mmio_read + rep.exits.io_out + rep.exits.io_in;
@@ -272,16 +279,38 @@ impl<'a> Ctx<'a> {
     fn qemu(&self, ji: usize, round: u32) -> anyhow::Result<NvmeRun> {
         let (o, j) = (self.o, &self.o.jobs[ji]);
         let (q, backing) = self.qemu.as_ref().ok_or_else(|| anyhow::anyhow!("no QEMU"))?;
+        // QEMU's device threads and its vCPU in the guest's timed window. The
+        // lines come from QEMU's output, not from a held vCPU: no idle pause.
+        let device = Window::new(QEMU_DEVICE_THREADS, WINDOW_START, WINDOW_END, Duration::ZERO);
+        let vcpu = Window::new(VCPU_THREADS, WINDOW_START, WINDOW_END, Duration::ZERO);
         let (qr, drive) = {
             let _c = contenders(o)?;
             // QEMU's vCPU where iopath's goes, its main loop where the device threads go.
             let _pinned = o.pin.map(|p| crate::pin::Pinner::start(p, crate::pin::QEMU_DEVICE_THREADS));
             let timeout = Duration::from_secs(o.timeout_s);
-            crate::qemu::run_nvme(q, &self.image, &cmdline(j, o, self.tsc_khz), o.mem_mb, backing, o.lba, timeout)?
+            let line = &mut |l: &str| {
+                device.on_line(l);
+                vcpu.on_line(l)
+            };
+            crate::qemu::run_nvme(
+                q,
+                &self.image,
+                &cmdline(j, o, self.tsc_khz),
+                o.mem_mb,
+                backing,
+                o.lba,
+                timeout,
+                line,
+            )?
         };
         let mut r = to_run("qemu", ji, round, j, &qr.lines, self.tsc_khz)
             .map_err(|e| anyhow::anyhow!("{e}; stderr: {}", qr.stderr.trim()))?;
         r.routing = format!("QEMU nvme on {drive}");
+        if let Some(w) = device.result().filter(|w| w.threads > 0) {
+            r.device_threads = w.threads;
+            r.cpu_ns_per_io = Some(w.busy_ns as f64 / r.ios.max(1) as f64);
+        }
+        r.vcpu_ns_per_io = vcpu_per_io(&vcpu, r.ios);
         // Not on its exit status alone: the guest's own counts too.
         r.routing_ok = qr.status == Some(1);
         if qr.status != Some(1) {
@@ -437,6 +466,12 @@ pub fn to_run(
     r.guest_sleeps = g("sleeps").ok();
     r.guest_irqs = g("irqs").ok();
     Ok(r)
+}
+
+/// The vCPU thread's CPU time in a window, per I/O (None if the window or
+/// the thread was not seen).
+fn vcpu_per_io(w: &Window, ios: u64) -> Option<f64> {
+    w.result().filter(|w| w.threads > 0).map(|w| w.busy_ns as f64 / ios.max(1) as f64)
 }
 
 #[cfg(test)]

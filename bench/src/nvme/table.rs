@@ -261,29 +261,40 @@ impl NvmeResult {
 
     /// Device threads' CPU per group: per I/O in the window, and idle.
     fn cpu_table(&self, s: &mut String) {
-        let groups: Vec<_> =
-            self.groups().into_iter().filter(|(_, rs)| rs.iter().any(|r| r.device_threads > 0)).collect();
+        let groups: Vec<_> = self
+            .groups()
+            .into_iter()
+            .filter(|(_, rs)| rs.iter().any(|r| r.device_threads > 0 || r.vcpu_ns_per_io.is_some()))
+            .collect();
         if groups.is_empty() {
             return;
         }
         let _ = writeln!(
             s,
-            "\ndevice threads' CPU ({}; fio's own for the fio rows), median over rounds; contend: {}",
+            "\ndevice threads' CPU ({}; QEMU's {}; fio's own for the fio rows) and the vCPU thread's, per I/O in \
+             the guest's timed window, median over rounds (a polling guest's vCPU spins: its figure is the window \
+             over the I/Os); idle CPU: the device threads in a pause after it; contend: {}",
             crate::cpu::NVME_DEVICE_THREADS.join(", "),
+            crate::pin::QEMU_DEVICE_THREADS.join(", "),
             self.options.contend
         );
-        let _ = writeln!(s, "{:<24} {:<22} {:>7} {:>11} {:>9}", "job", "target", "threads", "CPU/IO", "idle CPU");
+        let _ = writeln!(
+            s,
+            "{:<24} {:<22} {:>7} {:>11} {:>11} {:>9}",
+            "job", "target", "threads", "CPU/IO", "vCPU/IO", "idle CPU"
+        );
         for ((ji, target), rs) in groups {
             let med = |f: fn(&NvmeRun) -> Option<f64>| {
                 summarize(&rs.iter().filter_map(|r| f(r)).collect::<Vec<_>>()).map(|x| x.median)
             };
             let _ = writeln!(
                 s,
-                "{:<24} {:<22} {:>7} {:>11} {:>9}",
+                "{:<24} {:<22} {:>7} {:>11} {:>11} {:>9}",
                 self.options.jobs[ji].label(),
                 target,
                 rs.iter().map(|r| r.device_threads).max().unwrap_or(0),
                 med(|r| r.cpu_ns_per_io).map_or("-".into(), fmt_ns),
+                med(|r| r.vcpu_ns_per_io).map_or("-".into(), fmt_ns),
                 med(|r| r.idle_cpu_pct).map_or("-".into(), |p| format!("{p:.1} %")),
             );
         }

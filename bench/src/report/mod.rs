@@ -260,6 +260,7 @@ pub fn figures(input: &Input) -> Vec<Figure> {
             push("nvme", row.clone(), "p99_latency", g.stat("p99_ns"), "ns");
             push("nvme", row.clone(), "exits_per_io", g.stat("exits_per_io"), "exits");
             push("nvme", row.clone(), "cpu_per_io", g.stat("cpu_ns_per_io"), "ns");
+            push("nvme", row.clone(), "vcpu_per_io", g.stat("vcpu_ns_per_io"), "ns");
             push("nvme", row, "floor_ratio", g.stat("floor_ratio"), "x");
         }
     }
