@@ -27,7 +27,7 @@
 
 use super::controller::Core;
 use super::doorbells::{kick_fd, read_eventfd, wait_either, Retry, Threads};
-use super::{queue, Nvme, BAR_IDLE_MAX, BAR_IDLE_STEP, BAR_TRAP_AFTER, DOORBELLS};
+use super::{queue, Nvme, ADAPTIVE_IDLE, ADAPTIVE_IDLE_MIN, BAR_IDLE_MAX, BAR_IDLE_STEP, BAR_TRAP_AFTER, DOORBELLS};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -109,6 +109,30 @@ impl Steps {
     }
 }
 
+/// How long an idle poller polls before it sleeps, adapted as KVM adapts
+/// its halt polling. A sleep that ended within [`ADAPTIVE_IDLE`] (the next
+/// submission came soon: polling a while longer would have caught it
+/// without a wake-up) doubles the interval, up to [`ADAPTIVE_IDLE`]; a
+/// longer sleep (the gaps are long: the polling before it bought nothing)
+/// halves it, down to [`ADAPTIVE_IDLE_MIN`]. With a command every
+/// millisecond the poller then spins 10 us before each sleep, not 200.
+/// A queue that keeps it busy never sleeps, whatever the interval.
+struct IdleWindow(Duration);
+
+impl IdleWindow {
+    fn new() -> Self {
+        IdleWindow(ADAPTIVE_IDLE)
+    }
+    fn get(&self) -> Duration {
+        self.0
+    }
+    /// A sleep of `slept` (from arming to waking) ended.
+    fn slept(&mut self, slept: Duration) {
+        self.0 =
+            if slept < ADAPTIVE_IDLE { (self.0 * 2).min(ADAPTIVE_IDLE) } else { (self.0 / 2).max(ADAPTIVE_IDLE_MIN) };
+    }
+}
+
 /// The shorter of two optional timeouts.
 fn sooner(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
     match (a, b) {
@@ -118,7 +142,7 @@ fn sooner(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
 }
 
 /// One queue group's adaptive poller. It polls the doorbells (shadow, or the
-/// BAR page) while work comes; idle for `ADAPTIVE_IDLE`, it arms its wake-up
+/// BAR page) while work comes; idle for its [`IdleWindow`], it arms its wake-up
 /// and sleeps on its doorbells' eventfd (and the file backend's completion
 /// eventfd).
 fn spawn_adaptive(
@@ -129,6 +153,7 @@ fn spawn_adaptive(
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     let mut retry = Retry::default();
     let mut steps = Steps::default();
+    let mut window = IdleWindow::new();
     std::thread::Builder::new().name("nvme-adaptive".into()).spawn(move || {
         crate::sandbox::enter(crate::sandbox::Role::Device);
         // Since when the passes found no work (None: the last one found some);
@@ -158,7 +183,7 @@ fn spawn_adaptive(
             // and the interval is short: the completion eventfd wakes this
             // thread, so it leaves the core sooner.
             let (idle, every) =
-                if in_flight { (super::ADAPTIVE_IDLE_IO, 1) } else { (super::ADAPTIVE_IDLE, IDLE_CLOCK_PASSES) };
+                if in_flight { (super::ADAPTIVE_IDLE_IO, 1) } else { (window.get(), IDLE_CLOCK_PASSES) };
             idle_passes = idle_passes.wrapping_add(1);
             if !idle_passes.is_multiple_of(every)
                 || idle_since.get_or_insert_with(std::time::Instant::now).elapsed() < idle
@@ -225,6 +250,9 @@ fn spawn_adaptive(
                 // back into the guest), or the next submission would ring.
                 c.disarm_wakeup();
                 retry.next(c.io_stalled());
+                if !in_flight {
+                    window.slept(steps.idle());
+                }
                 break;
             }
             (idle_since, idle_passes) = (None, 0);
@@ -365,5 +393,27 @@ mod tests {
         );
         assert_eq!(sooner(None, Some(Duration::from_micros(5))), Some(Duration::from_micros(5)));
         assert_eq!(sooner(None, None), None);
+    }
+
+    #[test]
+    fn the_idle_window_halves_after_long_sleeps_and_doubles_back_after_short_ones() {
+        let mut w = IdleWindow::new();
+        assert_eq!(w.get(), ADAPTIVE_IDLE);
+        // A command every millisecond: each sleep is long, the window shrinks to its floor.
+        let mut seen = vec![w.get()];
+        for _ in 0..10 {
+            w.slept(Duration::from_millis(1));
+            seen.push(w.get());
+        }
+        assert!(seen.windows(2).all(|p| p[1] <= p[0]), "{seen:?}");
+        assert_eq!(w.get(), ADAPTIVE_IDLE_MIN);
+        // Commands a few tens of microseconds apart: the sleeps are short, it grows back.
+        for _ in 0..10 {
+            w.slept(Duration::from_micros(30));
+        }
+        assert_eq!(w.get(), ADAPTIVE_IDLE);
+        // A sleep of exactly the maximum counts as long.
+        w.slept(ADAPTIVE_IDLE);
+        assert_eq!(w.get(), ADAPTIVE_IDLE / 2);
     }
 }

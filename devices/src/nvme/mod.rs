@@ -48,7 +48,8 @@
 //!   is an ioeventfd from attach on (see `doorbells.rs`): there a driver
 //!   must configure the buffer before it creates I/O queues.
 //! - `adaptive`: `shm` while work comes; after [`ADAPTIVE_IDLE`] without
-//!   any ([`ADAPTIVE_IDLE_IO`] when only file operations are in flight:
+//!   any (less, down to [`ADAPTIVE_IDLE_MIN`], while its sleeps are longer
+//!   than that: `adaptive.rs`, `IdleWindow`; [`ADAPTIVE_IDLE_IO`] when only file operations are in flight:
 //!   their completion eventfd wakes it too), the poller sets every I/O
 //!   SQ's EventIdx to the tail it served (the driver's next submission
 //!   also writes the doorbell register, an
@@ -62,7 +63,7 @@
 //!   a polled driver gets `shm`'s latency, an idle controller costs no core.
 //!   A driver without Doorbell Buffer Config (SPDK) gets `mmio`.
 //! - `bar-adaptive`: `bar` while work comes; after [`ADAPTIVE_IDLE`]
-//!   without any, the poller sleeps in timed steps ([`BAR_IDLE_STEP`]
+//!   without any (or less, as `adaptive`), the poller sleeps in timed steps ([`BAR_IDLE_STEP`]
 //!   doubling up to [`BAR_IDLE_MAX`]) and looks at the page between them;
 //!   doorbells that arrive as exits or messages wake it at once. Idle for
 //!   [`BAR_TRAP_AFTER`], it asks its host to trap the page
@@ -194,8 +195,13 @@ impl DoorbellMode {
     }
 }
 
-/// `adaptive` mode: how long the poller finds no work before it sleeps.
+/// `adaptive` mode: how long the poller finds no work before it sleeps, at
+/// most; the poller shortens it down to [`ADAPTIVE_IDLE_MIN`] while its
+/// sleeps are longer than this (see `adaptive.rs`, `IdleWindow`).
 pub const ADAPTIVE_IDLE: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// The shortest idle interval before an adaptive poller sleeps.
+pub const ADAPTIVE_IDLE_MIN: std::time::Duration = std::time::Duration::from_micros(10);
 
 /// `adaptive` mode with file operations in flight and no other work: how
 /// long the poller looks before it sleeps until a completion (the ring's
