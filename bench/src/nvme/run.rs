@@ -5,7 +5,7 @@ use super::{
     busy_threads, cmdline, contenders, pinner, Job, LatHist, NvmeOptions, NvmeRun, FIO_BUSY_TARGET, FIO_TARGET,
     IDLE_WINDOW,
 };
-use crate::cpu::{Window, NVME_DEVICE_THREADS};
+use crate::cpu::{Window, WindowCpu, NVME_DEVICE_THREADS};
 use crate::host::{host_info, HostInfo};
 use crate::pin::{QEMU_DEVICE_THREADS, VCPU_THREADS};
 use crate::qemu::QemuBacking;
@@ -205,12 +205,12 @@ impl<'a> Ctx<'a> {
         let rep = run(cfg)?;
         let mut r = to_run(target, ji, round, j, &rep.lines, self.tsc_khz)?;
         r.pollers = pollers;
-        if let Some(w) = window.result().filter(|w| w.threads > 0) {
+        if let Some((w, ns)) = per_io(&window, r.ios) {
             r.device_threads = w.threads;
-            r.cpu_ns_per_io = Some(w.busy_ns as f64 / r.ios.max(1) as f64);
+            r.cpu_ns_per_io = Some(ns);
             r.idle_cpu_pct = Some(w.idle_pct);
         }
-        r.vcpu_ns_per_io = vcpu_per_io(&vcpu, r.ios);
+        r.vcpu_ns_per_io = per_io(&vcpu, r.ios).map(|(_, ns)| ns);
         let dev = rep.devices.first().ok_or_else(|| anyhow::anyhow!("no device report"))?;
         let c = |n: &str| dev.counters.iter().find(|c| c.name == n).map(|c| c.value);
         let exits = rep.exits.mmio_write + rep.exits.mmio_read + rep.exits.io_out + rep.exits.io_in;
@@ -306,11 +306,11 @@ impl<'a> Ctx<'a> {
         let mut r = to_run("qemu", ji, round, j, &qr.lines, self.tsc_khz)
             .map_err(|e| anyhow::anyhow!("{e}; stderr: {}", qr.stderr.trim()))?;
         r.routing = format!("QEMU nvme on {drive}");
-        if let Some(w) = device.result().filter(|w| w.threads > 0) {
+        if let Some((w, ns)) = per_io(&device, r.ios) {
             r.device_threads = w.threads;
-            r.cpu_ns_per_io = Some(w.busy_ns as f64 / r.ios.max(1) as f64);
+            r.cpu_ns_per_io = Some(ns);
         }
-        r.vcpu_ns_per_io = vcpu_per_io(&vcpu, r.ios);
+        r.vcpu_ns_per_io = per_io(&vcpu, r.ios).map(|(_, ns)| ns);
         // Not on its exit status alone: the guest's own counts too.
         r.routing_ok = qr.status == Some(1);
         if qr.status != Some(1) {
@@ -468,10 +468,10 @@ pub fn to_run(
     Ok(r)
 }
 
-/// The vCPU thread's CPU time in a window, per I/O (None if the window or
-/// the thread was not seen).
-fn vcpu_per_io(w: &Window, ios: u64) -> Option<f64> {
-    w.result().filter(|w| w.threads > 0).map(|w| w.busy_ns as f64 / ios.max(1) as f64)
+/// A window's figures and its threads' CPU time per I/O (None if the window
+/// or its threads were not seen).
+fn per_io(w: &Window, ios: u64) -> Option<(WindowCpu, f64)> {
+    w.result().filter(|w| w.threads > 0).map(|w| (w, w.busy_ns as f64 / ios.max(1) as f64))
 }
 
 #[cfg(test)]

@@ -325,8 +325,7 @@ impl Core {
     fn settle_io(&mut self) {
         loop {
             self.reap_io();
-            let Backend::File(f) = &mut self.ns.backend else { return };
-            if f.in_flight() == 0 || self.mem.is_empty() {
+            if self.io_in_flight() == 0 || self.mem.is_empty() {
                 return;
             }
             // What the pass posted so far is not held while it waits.

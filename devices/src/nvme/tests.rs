@@ -118,6 +118,11 @@ impl Drv {
         }
         Some((dw0, (dw3 >> 17) as u16))
     }
+    /// I/O queue pair 1, 16 entries, its CQ interrupting on MSI-X vector 1.
+    fn io_queues_on_vector1(&mut self) {
+        assert_eq!(self.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3 | 1 << 16, 0, 0]).1, 0);
+        assert_eq!(self.admin(0x01, 0, IOSQ, 0, [1 | 15 << 16, 1 | 1 << 16, 0, 0]).1, 0);
+    }
     fn io_queues(&mut self, size: u16) {
         let (_, st) = self.admin(0x05, 0, IOCQ, 0, [1 | ((size as u32 - 1) << 16), 1, 0, 0]);
         assert_eq!(st, 0);
@@ -350,8 +355,7 @@ fn msix_vectors_follow_the_table_and_fire_on_completions_or_stay_pending_while_m
     assert!(irqs.routes.lock().unwrap().contains(&(1, Some((0xfee0_0000, 0x45)))));
     // A CQ with IEN on vector 1; an invalid vector is refused.
     assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3 | 900 << 16, 0, 0]).1, status::INVALID_INTERRUPT_VECTOR);
-    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3 | 1 << 16, 0, 0]).1, 0);
-    assert_eq!(d.admin(0x01, 0, IOSQ, 0, [1 | 15 << 16, 1 | 1 << 16, 0, 0]).1, 0);
+    d.io_queues_on_vector1();
     assert_eq!(d.io(0x02, 0, 0, DATA, 0, 16), 0);
     assert_eq!(irqs.signals.lock().unwrap().as_slice(), [1]);
     // Masked: the completion sets the pending bit; unmasking fires it.
@@ -535,25 +539,31 @@ fn client_lines(vectors: &[u16]) -> (Arc<crate::irq::IrqLines>, Vec<vmm_sys_util
     (lines, fds)
 }
 
+/// A `mmio` controller on `null` whose host is a client with an eventfd per
+/// vector in `vectors` (see [`client_lines`]).
+fn with_client_lines(vectors: &[u16]) -> (Drv, Arc<crate::irq::IrqLines>, Vec<vmm_sys_util::eventfd::EventFd>) {
+    let d = Drv::new(mmio(BackendKind::Null));
+    let (lines, fds) = client_lines(vectors);
+    let mut ctx = DeviceContext::detached(d.mem.clone());
+    ctx.irq = lines.clone();
+    d.n.attach(ctx);
+    (d, lines, fds)
+}
+
 fn counter(n: &Nvme, name: &str) -> u64 {
     n.counters().iter().find(|c| c.name == name).map_or(0, |c| c.value)
 }
 
 #[test]
 fn a_client_that_owns_the_msix_table_gets_every_raised_vector_on_its_eventfd() {
-    let mut d = Drv::new(mmio(BackendKind::Null));
-    let (lines, fds) = client_lines(&[0, 1]);
-    let mut ctx = DeviceContext::detached(d.mem.clone());
-    ctx.irq = lines.clone();
-    d.n.attach(ctx);
+    let (mut d, lines, fds) = with_client_lines(&[0, 1]);
     // The client forwards the Message Control write (MSI-X on) but no table
     // write: the controller's own table keeps every vector masked.
     d.n.config_write(MSIX_CAP + 2, &0x8000u16.to_le_bytes());
     // The admin CQ signals vector 0 (its interrupts are always enabled).
     assert_eq!(d.admin(0x06, 0, DATA, 0, [1, 0, 0, 0]).1, 0);
     assert_eq!(fds[0].read().ok(), Some(1), "admin completion on vector 0");
-    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3 | 1 << 16, 0, 0]).1, 0);
-    assert_eq!(d.admin(0x01, 0, IOSQ, 0, [1 | 15 << 16, 1 | 1 << 16, 0, 0]).1, 0);
+    d.io_queues_on_vector1();
     let _ = fds[0].read();
     for _ in 0..3 {
         assert_eq!(d.io(0x02, 0, 0, DATA, 0, 16), 0);
@@ -582,33 +592,21 @@ fn a_client_that_owns_the_msix_table_gets_every_raised_vector_on_its_eventfd() {
 
 #[test]
 fn the_completions_of_one_doorbell_pass_share_one_msix_message() {
-    let mut d = Drv::new(mmio(BackendKind::Null));
-    let (lines, fds) = client_lines(&[0, 1]);
-    let mut ctx = DeviceContext::detached(d.mem.clone());
-    ctx.irq = lines.clone();
-    d.n.attach(ctx);
+    let (mut d, _, fds) = with_client_lines(&[0, 1]);
     d.n.config_write(MSIX_CAP + 2, &0x8000u16.to_le_bytes());
-    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3 | 1 << 16, 0, 0]).1, 0);
-    assert_eq!(d.admin(0x01, 0, IOSQ, 0, [1 | 15 << 16, 1 | 1 << 16, 0, 0]).1, 0);
+    d.io_queues_on_vector1();
     let _ = fds[0].read();
     let before = counter(&d.n, "msix.interrupts");
     // Five commands, one SQ tail doorbell: one pass posts five entries.
-    for i in 0..5u64 {
-        let e = d.sqe(0x02, 1, DATA, 0, [i as u32, 0, 0, 0]);
-        d.mem.write_slice(&e, GuestAddress(IOSQ + i * 64)).unwrap();
-    }
-    d.w32(DOORBELLS + 8, 5);
-    for i in 0..5u64 {
-        let dw3: u32 = d.mem.read_obj(GuestAddress(IOCQ + i * 16 + 12)).unwrap();
-        assert_eq!((dw3 >> 16 & 1, dw3 >> 17), (1, 0), "entry {i} posted, successful");
-    }
+    let cmds: Vec<_> = (0..5u64).map(|i| (0x02, i, 0, DATA)).collect();
+    let cids = d.submit_batch(&cmds, IOSQ, 16);
+    let done = d.reap_batch(5, IOCQ, 16);
+    assert_eq!(done, cids.iter().map(|&c| (c, 0)).collect::<Vec<_>>(), "posted, successful");
     assert_eq!(fds[1].read().ok(), Some(1), "one message for the pass's five completions");
     assert_eq!(counter(&d.n, "msix.interrupts") - before, 1);
     assert_eq!(counter(&d.n, "msix.merged"), 4, "the other four merged into it");
     // The next pass signals again: a message is never held past its pass.
-    let e = d.sqe(0x02, 1, DATA, 0, [0; 4]);
-    d.mem.write_slice(&e, GuestAddress(IOSQ + 5 * 64)).unwrap();
-    d.w32(DOORBELLS + 8, 6);
+    d.submit_batch(&[(0x02, 0, 0, DATA)], IOSQ, 16);
     assert_eq!(fds[1].read().ok(), Some(1), "the next pass's own message");
     assert_eq!(counter(&d.n, "msix.merged"), 4);
 }
@@ -618,17 +616,12 @@ fn a_client_that_programs_the_msix_table_keeps_the_controllers_masking() {
     // iopath's own vfio-user proxy forwards table writes and hands eventfds
     // over: the controller's table stays authoritative, so a masked vector
     // is held pending and fires on unmask.
-    let mut d = Drv::new(mmio(BackendKind::Null));
-    let (lines, fds) = client_lines(&[1]);
-    let mut ctx = DeviceContext::detached(d.mem.clone());
-    ctx.irq = lines.clone();
-    d.n.attach(ctx);
+    let (mut d, _, fds) = with_client_lines(&[1]);
     d.n.bar_write(0, MSIX_TABLE + 16, &0xfee0_0000u64.to_le_bytes());
     d.n.bar_write(0, MSIX_TABLE + 24, &0x45u32.to_le_bytes());
     d.n.bar_write(0, MSIX_TABLE + 28, &0u32.to_le_bytes());
     d.n.config_write(MSIX_CAP + 2, &0x8000u16.to_le_bytes());
-    assert_eq!(d.admin(0x05, 0, IOCQ, 0, [1 | 15 << 16, 3 | 1 << 16, 0, 0]).1, 0);
-    assert_eq!(d.admin(0x01, 0, IOSQ, 0, [1 | 15 << 16, 1 | 1 << 16, 0, 0]).1, 0);
+    d.io_queues_on_vector1();
     assert_eq!(d.io(0x02, 0, 0, DATA, 0, 16), 0);
     assert_eq!(fds[0].read().ok(), Some(1));
     d.n.bar_write(0, MSIX_TABLE + 28, &1u32.to_le_bytes());
