@@ -762,10 +762,19 @@ pub(super) fn wait_either(
     use std::os::fd::AsRawFd;
     let fd = |e: &EventFd| libc::pollfd { fd: e.as_raw_fd(), events: libc::POLLIN, revents: 0 };
     let mut fds = [fd(a), b.map_or(libc::pollfd { fd: -1, events: 0, revents: 0 }, fd)];
-    let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);
+    // ppoll, not poll: a timeout in microseconds (poll's milliseconds
+    // turned bar-adaptive's 100-800 us steps into no sleep at all).
+    let end = timeout.map(|t| std::time::Instant::now() + t);
     loop {
-        // SAFETY: two valid pollfd entries (a negative fd is ignored by poll).
-        if unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) } >= 0 {
+        let left = end.map(|e| e.saturating_duration_since(std::time::Instant::now()));
+        let ts = left.map(|t| libc::timespec {
+            tv_sec: t.as_secs().min(i64::MAX as u64) as libc::time_t,
+            tv_nsec: t.subsec_nanos() as libc::c_long,
+        });
+        let tsp = ts.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
+        // SAFETY: two valid pollfd entries (a negative fd is ignored), a
+        // timespec that outlives the call or null, no signal mask.
+        if unsafe { libc::ppoll(fds.as_mut_ptr(), 2, tsp, std::ptr::null()) } >= 0 {
             let ready = |p: &libc::pollfd| p.revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0;
             return Ok((ready(&fds[0]), ready(&fds[1])));
         }
