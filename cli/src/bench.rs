@@ -217,6 +217,9 @@ pub struct NvmeArgs {
     /// Controller poller counts, comma-separated (1..=16; more than 1 only in shm, bar and adaptive modes).
     #[arg(long, default_value = "1")]
     pub pollers: String,
+    /// adaptive's forecast of steady gaps: on, off, or on,off (both, as two targets).
+    #[arg(long, default_value = "on", value_name = "on|off|on,off")]
+    pub forecast: String,
     /// Seconds one guest run may take before it is stopped.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
@@ -254,6 +257,7 @@ impl NvmeArgs {
             pin: self.pin.placement(),
             progress: !self.out.quiet,
             pollers: parse_pollers(&self.pollers)?,
+            forecast: parse_forecast(&self.forecast)?,
             guard: self.guard.config(),
             ..NvmeOptions::default()
         };
@@ -431,6 +435,16 @@ fn parse_transports(s: &str) -> anyhow::Result<Vec<Option<&'static dyn iopath_pr
         .map(|t| match t.trim() {
             "vmm" => Ok(None),
             t => iopath_protocols::transport(t).map(Some).map_err(anyhow::Error::from),
+        })
+        .collect()
+}
+
+fn parse_forecast(s: &str) -> anyhow::Result<Vec<bool>> {
+    s.split(',')
+        .map(|f| match f.trim() {
+            "on" => Ok(true),
+            "off" => Ok(false),
+            _ => Err(anyhow::anyhow!("--forecast: {f:?} is not on or off")),
         })
         .collect()
 }

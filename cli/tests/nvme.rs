@@ -3,35 +3,10 @@
 //! device process, and the same driver against QEMU's nvme.
 
 mod common;
+use common::nvmeperf::{num, nvme_record, nvmeperf};
 use common::{kvm, programs};
 
-use iopath_protocols::attach::{instantiate, DeviceSpec};
-use iopath_vmm::{run, VmConfig};
-use std::collections::BTreeMap;
 use std::time::Duration;
-
-fn nvme_record(lines: &[String]) -> BTreeMap<String, String> {
-    iopath_bench::record::find_record(lines, "nvme")
-        .unwrap_or_else(|| panic!("no @nvme record in {:?}", lines.iter().rev().take(8).collect::<Vec<_>>()))
-}
-
-fn num(r: &BTreeMap<String, String>, k: &str) -> u64 {
-    r.get(k).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{k} missing in {r:?}"))
-}
-
-/// Runs nvmeperf against `spec`; returns the record and the controller's counters.
-fn nvmeperf(spec: &str, args: &str) -> (BTreeMap<String, String>, BTreeMap<String, u64>, iopath_vmm::vm::RunReport) {
-    let spec: DeviceSpec = spec.parse().unwrap();
-    let mut cfg = VmConfig::new(iopath_guest::IMAGE, &format!("workload=nvme {args}"));
-    cfg.devices = vec![instantiate(&spec, &programs()).unwrap()];
-    cfg.mem_size = 128 << 20;
-    cfg.timeout = Duration::from_secs(120);
-    let r = run(cfg).unwrap();
-    assert_eq!(r.status, 1, "{spec:?} {args}: {:?}", r.lines.iter().rev().take(6).collect::<Vec<_>>());
-    let rec = nvme_record(&r.lines);
-    let c = r.devices[0].counters.iter().map(|c| (c.name.clone(), c.value)).collect();
-    (rec, c, r)
-}
 
 #[test]
 fn verify_passes_on_every_backend_and_doorbell_mode_in_the_vmm() {
@@ -308,21 +283,6 @@ fn adaptive_doorbells_sleep_while_file_reads_are_in_flight_and_wake_on_their_com
 }
 
 #[test]
-fn a_think_time_spaces_the_io_and_each_wakes_the_adaptive_poller() {
-    kvm();
-    let (rec, c, _) =
-        nvmeperf("nvme,doorbell=adaptive,backend=null", "rw=randread bs=4096 iodepth=1 thinktime_us=2000 time_ms=200");
-    let ios = num(&rec, "ios");
-    assert_eq!(num(&rec, "thinktime_us"), 2000);
-    // 2 ms between a completion and the next command: at most 100 in 200 ms (and the last in flight).
-    assert!(ios > 0 && ios <= 101, "{ios} I/Os");
-    // Each pause is longer than ADAPTIVE_IDLE: the poller sleeps in it and the next command's
-    // doorbell (the EventIdx rule asks for it) wakes it.
-    assert!(c["adaptive.wakeups"] + 2 >= ios, "{ios} I/Os, {c:?}");
-    assert_eq!(num(&rec, "io_doorbell_writes"), c["ioeventfd.kicks"], "{c:?}");
-}
-
-#[test]
 fn bar_adaptive_sleeps_in_timed_steps_then_with_its_doorbell_page_trapped() {
     kvm();
     // 2 ms between a completion and the next command: the poller sleeps in timed steps and
@@ -341,7 +301,8 @@ fn bar_adaptive_sleeps_in_timed_steps_then_with_its_doorbell_page_trapped() {
     // and wakes the poller, which maps the page back.
     let (rec, c, r) = nvmeperf(dev, "rw=randread bs=4096 iodepth=1 thinktime_us=60000 time_ms=400");
     let ios = num(&rec, "ios");
-    assert!(ios > 0 && ios <= 8 && num(&rec, "errors") == 0, "{rec:?}");
+    // (The guest issues a slot's next command after its think time even past time_ms.)
+    assert!(ios > 0 && ios <= 9 && num(&rec, "errors") == 0, "{rec:?}");
     assert_eq!(c["io.commands"], ios);
     assert!(c["adaptive.wakeups"] + 1 >= ios, "each command woke the trapped poller: {ios} I/Os, {c:?}");
     assert!(c["doorbell.writes"] >= c["adaptive.wakeups"], "a wake-up is an exit: {c:?}");

@@ -144,8 +144,19 @@ impl FromStr for DeviceConfig {
                                 n => return Err(option("nvme", k, format!("{n} (1 ..= {})", nvme::MAX_POLLERS))),
                             }
                         }
+                        "forecast" => {
+                            c.forecast = match v.as_str() {
+                                "on" => true,
+                                "off" => false,
+                                _ => return Err(option("nvme", k, format!("{v:?} (on or off)"))),
+                            }
+                        }
                         _ => {
-                            return Err(option("nvme", k, "unknown option (doorbell, backend, size_mb, lba, pollers)"))
+                            return Err(option(
+                                "nvme",
+                                k,
+                                "unknown option (doorbell, backend, size_mb, lba, pollers, forecast)",
+                            ))
                         }
                     }
                 }
@@ -168,6 +179,9 @@ impl fmt::Display for DeviceConfig {
             if c.pollers != 1 {
                 write!(f, ",pollers={}", c.pollers)?;
             }
+            if !c.forecast {
+                write!(f, ",forecast=off")?;
+            }
         }
         if let DeviceConfig::VirtioBlk(c) = self {
             write!(f, ",backend={},size_mb={},notify={}", escape(&c.backend.to_string()), c.size >> 20, c.notify)?;
@@ -188,6 +202,7 @@ mod tests {
             "nvme,doorbell=bar,backend=null,size_mb=64,lba=4096",
             "nvme,doorbell=shm,backend=file:/tmp/a,,b@@c.img,size_mb=8,lba=512",
             "nvme,doorbell=shm,backend=ram,size_mb=8,lba=512,pollers=2",
+            "nvme,doorbell=adaptive,backend=null,size_mb=8,lba=512,forecast=off",
             "virtio-blk,backend=null,size_mb=64,notify=ioeventfd",
             "virtio-blk,backend=ram,size_mb=1,notify=poll",
             "virtio-blk,backend=file:/tmp/v,,b@@c.img,size_mb=8,notify=exit",
@@ -211,6 +226,9 @@ mod tests {
         assert!(e("nvme,size_mb=0").contains("size_mb"));
         for bad in ["pollers=0", "pollers=17", "pollers=x", "doorbell=mmio,pollers=2", "backend=file:/x,pollers=2"] {
             assert!(e(&format!("nvme,doorbell=shm,{bad}")).contains("pollers"), "{bad}: {}", e(&format!("nvme,{bad}")));
+        }
+        for bad in ["doorbell=shm,forecast=off", "forecast=maybe"] {
+            assert!(e(&format!("nvme,{bad}")).contains("forecast"), "{bad}: {}", e(&format!("nvme,{bad}")));
         }
         assert!(e("nvme,colour=blue").contains("colour"));
         assert!(e("nvme,doorbell").contains("KEY=VALUE"));

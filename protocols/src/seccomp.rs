@@ -120,7 +120,8 @@ fn base(r: &mut Rules, pid: u32) {
     when(r, SYS_getsockopt, vec![rule(vec![cond(1, Op::Eq, SOL_SOCKET as u64), cond(2, Op::Eq, SO_RCVTIMEO as u64)])]);
     when(r, SYS_mmap, no_exec());
     when(r, SYS_mprotect, no_exec());
-    when(r, SYS_prctl, one_of(0, &[PR_GET_NAME as u64, PR_SET_NAME as u64]));
+    // PR_SET_TIMERSLACK: the NVMe adaptive poller's timed wake-ups (its own thread's slack).
+    when(r, SYS_prctl, one_of(0, &[PR_GET_NAME as u64, PR_SET_NAME as u64, PR_SET_TIMERSLACK as u64]));
     // abort() and the SIGSYS handler signal their own thread; nobody else.
     when(r, SYS_tgkill, vec![rule(vec![cond(0, Op::Eq, pid as u64)])]);
     // F_GETFD/F_GETFL (std checks an fd it is handed) and F_DUPFD_CLOEXEC (try_clone).

@@ -114,6 +114,9 @@ pub struct NvmeOptions {
     /// Poller counts of the controller to run (`pollers=`); more than one only
     /// in the modes that serve it (shm, bar, adaptive): other combinations are skipped.
     pub pollers: Vec<u8>,
+    /// adaptive's forecast (`forecast=`): on, off, or both as two targets
+    /// (`iopath-adaptive`, `iopath-adaptive-noforecast`).
+    pub forecast: Vec<bool>,
     #[serde(serialize_with = "as_string")]
     pub backend: BackendKind,
     /// Where the controller runs, each in every round, interleaved: None in
@@ -157,6 +160,7 @@ impl Default for NvmeOptions {
                 DoorbellMode::Mmio,
             ],
             pollers: vec![1],
+            forecast: vec![true],
             backend: BackendKind::Ram,
             transports: vec![None],
             lba: 512,
@@ -449,7 +453,7 @@ impl<'a> Runner<'a> {
 
     /// One run of job `ji` of the options with doorbell mode `db`, one poller.
     pub fn run(&self, db: DoorbellMode, ji: usize, round: u32) -> anyhow::Result<NvmeRun> {
-        let t = run::Target { name: format!("iopath-{db}"), kind: run::Kind::Iopath(None, db, 1) };
+        let t = run::Target { name: format!("iopath-{db}"), kind: run::Kind::Iopath(None, db, 1, true) };
         self.0.run_target(&t, ji, round)
     }
 

@@ -28,7 +28,8 @@ pub const WINDOW_END: &str = "@nvme-window end";
 #[derive(Clone, Copy)]
 pub enum Kind {
     /// iopath's controller: in the VMM (None) or a device process, a mode, pollers.
-    Iopath(Option<&'static dyn Transport>, DoorbellMode, u8),
+    /// The last field: adaptive's forecast.
+    Iopath(Option<&'static dyn Transport>, DoorbellMode, u8, bool),
     Qemu,
     /// The host's fio on the file; `busy`: beside one busy thread on the
     /// vCPU's CPU, fio on the device threads' ([`FIO_BUSY_TARGET`]).
@@ -116,14 +117,20 @@ impl<'a> Ctx<'a> {
             .iter()
             .flat_map(|&t| o.doorbells.iter().flat_map(move |&db| o.pollers.iter().map(move |&p| (t, db, p))))
             .filter(|&(_, db, p)| p == 1 || db.polled())
-            .map(|(tr, db, pollers)| {
-                // One poller keeps the plain name; more show in it.
+            .flat_map(|(t, db, p)| {
+                // Only adaptive forecasts: the other modes run once.
+                let f: &[bool] = if db == DoorbellMode::Adaptive { &o.forecast } else { &[true] };
+                f.iter().map(move |&f| (t, db, p, f))
+            })
+            .map(|(tr, db, pollers, forecast)| {
+                // One poller keeps the plain name; more show in it, as does a forecast turned off.
                 let name = if pollers == 1 { format!("iopath-{db}") } else { format!("iopath-{db}-p{pollers}") };
+                let name = if forecast { name } else { format!("{name}-noforecast") };
                 let name = match tr.map(|t| t.name()) {
                     Some(t) => format!("{name}@{t}"),
                     None => name,
                 };
-                Target { name, kind: Kind::Iopath(tr, db, pollers) }
+                Target { name, kind: Kind::Iopath(tr, db, pollers, forecast) }
             })
             .collect();
         if self.fio.is_some() {
@@ -165,7 +172,7 @@ impl<'a> Ctx<'a> {
     /// One run of `t` for job `ji` in `round`.
     pub fn run_target(&self, t: &Target, ji: usize, round: u32) -> anyhow::Result<NvmeRun> {
         let mut r = match t.kind {
-            Kind::Iopath(tr, db, pollers) => self.iopath(&t.name, tr, db, pollers, ji, round),
+            Kind::Iopath(tr, db, pollers, forecast) => self.iopath(&t.name, tr, (db, pollers, forecast), ji, round),
             Kind::Qemu => self.qemu(ji, round),
             Kind::Fio { busy } => self.fio(ji, round, busy),
         }?;
@@ -177,14 +184,19 @@ impl<'a> Ctx<'a> {
         &self,
         target: &str,
         tr: Option<&'static dyn Transport>,
-        db: DoorbellMode,
-        pollers: u8,
+        (db, pollers, forecast): (DoorbellMode, u8, bool),
         ji: usize,
         round: u32,
     ) -> anyhow::Result<NvmeRun> {
         let (o, j) = (self.o, &self.o.jobs[ji]);
-        let config =
-            NvmeConfig { doorbell: db, backend: o.backend.clone(), lba_size: o.lba, size: self.ns_size, pollers };
+        let config = NvmeConfig {
+            doorbell: db,
+            backend: o.backend.clone(),
+            lba_size: o.lba,
+            size: self.ns_size,
+            pollers,
+            forecast,
+        };
         let spec =
             DeviceSpec { device: Device::Model(DeviceConfig::Nvme(config)), remote: tr.map(|t| (t, Endpoint::Spawn)) };
         let _contention = contenders(o)?;

@@ -2,6 +2,8 @@
 //! Each test binary uses a part of it.
 #![allow(dead_code)]
 
+pub mod nvmeperf;
+
 use iopath_protocols::attach::Programs;
 use std::path::PathBuf;
 

@@ -27,10 +27,11 @@
 
 use super::controller::Core;
 use super::doorbells::{kick_fd, read_eventfd, wait_either, Retry, Threads};
+use super::forecast::{Forecast, Seen, MIN_SLEEP};
 use super::{queue, Nvme, ADAPTIVE_IDLE, ADAPTIVE_IDLE_MIN, BAR_IDLE_MAX, BAR_IDLE_STEP, BAR_TRAP_AFTER, DOORBELLS};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use vmm_sys_util::eventfd::EventFd;
 
 impl Nvme {
@@ -52,7 +53,8 @@ impl Nvme {
         // Another group's event wakes group 0 to deliver it.
         self.core.lock().unwrap().raised.set_wake(Some(kick.clone()));
         let done = self.core.lock().unwrap().io_completion_fd();
-        match spawn_adaptive(self.core.clone(), kick, done, stop.clone()) {
+        let forecast = self.cfg.forecast;
+        match spawn_adaptive(self.core.clone(), kick, done, forecast, stop.clone()) {
             Ok(h) => t.worker = Some((stop.clone(), h)),
             Err(e) => return t.error = Some(format!("nvme: cannot start the adaptive poller: {e}")),
         }
@@ -65,7 +67,7 @@ impl Nvme {
                 }
                 continue;
             };
-            match spawn_adaptive(s, kick, None, stop.clone()) {
+            match spawn_adaptive(s, kick, None, forecast, stop.clone()) {
                 Ok(h) => t.pollers.push(h),
                 Err(e) => t.error = Some(format!("nvme: cannot start an adaptive poller: {e}")),
             }
@@ -174,19 +176,27 @@ fn spawn_adaptive(
     core: Arc<std::sync::Mutex<Core>>,
     kick: Arc<EventFd>,
     done: Option<Arc<EventFd>>,
+    forecast_on: bool,
     stop2: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     let mut retry = Retry::default();
     let mut steps = Steps::default();
     let mut window = IdleWindow::new();
+    let mut forecast = Forecast::default();
     std::thread::Builder::new().name("nvme-adaptive".into()).spawn(move || {
+        // Timed wake-ups (a forecast, bar-adaptive's steps) come when set,
+        // not up to the default 50 us later.
+        // SAFETY: prctl on this thread, no pointer passed.
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64) };
         crate::sandbox::enter(crate::sandbox::Role::Device);
         // Since when the passes found no work (None: the last one found some);
         // a busy pass reads no clock, and an idle one only every
         // IDLE_CLOCK_PASSES: a clock read (tens of ns) in every pass would
         // delay seeing the next submission by up to its own length.
-        let mut idle_since: Option<std::time::Instant> = None;
+        let mut idle_since: Option<Instant> = None;
         let mut idle_passes = 0u32;
+        // Woken by a forecast's timer: polling for its command.
+        let mut expect: Option<Expect> = None;
         while !stop2.load(Ordering::Relaxed) {
             let (busy, in_flight) = {
                 let mut c = core.lock().unwrap();
@@ -195,6 +205,20 @@ fn spawn_adaptive(
                 let busy = c.poll_doorbells() | done | c.commands_held();
                 c.flush_coalesced();
                 c.take_raised();
+                if busy {
+                    // The end of a forecast gap, or of one the clock was read in: measured.
+                    if let Some(e) = expect.take() {
+                        forecast.seen(e.start.elapsed(), Seen::Polled);
+                        // Found at the first look, the command came before
+                        // the timer woke this thread (and may have rung): no hit.
+                        if e.looked {
+                            forecast.hit();
+                            c.st.forecast_hits += 1;
+                        }
+                    } else if let (Some(start), false) = (idle_since, in_flight) {
+                        forecast.seen(start.elapsed(), Seen::Polled);
+                    }
+                }
                 (busy, in_flight)
             };
             if busy {
@@ -211,14 +235,45 @@ fn spawn_adaptive(
             let (idle, every) =
                 if in_flight { (super::ADAPTIVE_IDLE_IO, 1) } else { (window.get(), IDLE_CLOCK_PASSES) };
             idle_passes = idle_passes.wrapping_add(1);
-            if !idle_passes.is_multiple_of(every)
-                || idle_since.get_or_insert_with(std::time::Instant::now).elapsed() < idle
-            {
+            if let Some(e) = expect.as_mut() {
+                e.looked = true;
+            }
+            if !idle_passes.is_multiple_of(every) {
                 std::hint::spin_loop();
                 continue;
             }
-            {
+            let since = *idle_since.get_or_insert_with(Instant::now);
+            if let Some(e) = expect {
+                // Polling for a forecast command: until its time is past.
+                if Instant::now() < e.until {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                forecast.missed();
+                expect = None;
+                idle_since = Some(e.start);
+            } else if since.elapsed() < idle {
+                std::hint::spin_loop();
+                continue;
+            }
+            let gap_start = idle_since.unwrap_or(since);
+            let wake_at = {
                 let mut c = core.lock().unwrap();
+                // A forecast wakes the poller before the next command is due.
+                // Not in bar-adaptive: its timed looks at the page find a
+                // command up to a step late, too coarse to time the gaps by.
+                let forecasting = forecast_on && !in_flight && c.db.bar_page.is_none();
+                let wake_at = forecasting.then(|| forecast.wake_at()).flatten().map(|d| gap_start + d);
+                if wake_at.is_some_and(|t| t <= Instant::now() + MIN_SLEEP) {
+                    // Due already (the idle interval was longer): poll on for it.
+                    c.st.forecasts += 1;
+                    expect = Some(Expect::new(gap_start, &forecast));
+                    continue;
+                }
+                // A ring for a command this thread found polling (a driver
+                // that read EventIdx just before a forecast's timer took it
+                // back) would end the coming sleep at once, taken for a gap.
+                c.drain_kicks();
                 if !c.arm_wakeup() {
                     (idle_since, idle_passes) = (None, 0); // a submission raced: poll it
                     continue;
@@ -227,9 +282,11 @@ fn spawn_adaptive(
                 c.flush_coalesced_untimed();
                 // The doorbell page is looked at in timed steps (until trapped).
                 steps.start(c.db.bar_page.is_some());
-            }
+                wake_at
+            };
             loop {
-                let r = wait_either(&kick, done.as_deref(), sooner(retry.after(), steps.after()));
+                let timer = wake_at.map(|t| t.saturating_duration_since(Instant::now()));
+                let r = wait_either(&kick, done.as_deref(), sooner(sooner(retry.after(), steps.after()), timer));
                 let mut c = core.lock().unwrap();
                 let (kicked, completed) = match r {
                     Ok(r) => r,
@@ -245,7 +302,9 @@ fn spawn_adaptive(
                     c.untrap_bar();
                     return;
                 }
-                if !kicked && !completed && retry.after().is_none() && steps.after().is_some() {
+                let now = Instant::now();
+                let forecast_due = !kicked && !completed && wake_at.is_some_and(|t| now >= t);
+                if !forecast_due && !kicked && !completed && retry.after().is_none() && steps.after().is_some() {
                     // A timed look at the page, still asleep: nothing there, a
                     // longer sleep; idle long enough, the page trapped instead.
                     c.st.polls += 1;
@@ -268,9 +327,18 @@ fn spawn_adaptive(
                 if kicked {
                     c.drain_kicks();
                     c.st.wakeups += 1;
+                    if !in_flight {
+                        forecast.seen(now - gap_start, Seen::Kicked);
+                    }
                 }
                 if let (true, Some(done)) = (completed, done.as_deref()) {
                     let _ = read_eventfd(done);
+                }
+                if let (true, Some(t)) = (forecast_due, wake_at) {
+                    // Poll for the forecast command from here on.
+                    forecast.woke(now - t);
+                    c.st.forecasts += 1;
+                    expect = Some(Expect::new(gap_start, &forecast));
                 }
                 // Polling again: EventIdx goes back behind the tails (the page
                 // back into the guest), or the next submission would ring.
@@ -284,6 +352,23 @@ fn spawn_adaptive(
             (idle_since, idle_passes) = (None, 0);
         }
     })
+}
+
+/// A poller woken by a forecast's timer, polling for the command.
+#[derive(Clone, Copy)]
+struct Expect {
+    /// When the gap began, and until when to poll.
+    start: Instant,
+    until: Instant,
+    /// A pass has found nothing since the wake-up: a command found now came
+    /// while this thread polled for it.
+    looked: bool,
+}
+
+impl Expect {
+    fn new(start: Instant, f: &Forecast) -> Self {
+        Expect { start, until: start + f.poll_until(), looked: false }
+    }
 }
 
 impl Core {

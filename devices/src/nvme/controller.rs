@@ -165,6 +165,10 @@ pub(super) struct Stats {
     /// adaptive: times the poller went to sleep, and was woken by a kick.
     pub sleeps: u64,
     pub wakeups: u64,
+    /// adaptive: timed wake-ups for a forecast command, and the forecast
+    /// commands found by the polling after them (`forecast.rs`).
+    pub forecasts: u64,
+    pub forecast_hits: u64,
 }
 
 impl Stats {
@@ -185,6 +189,8 @@ impl Stats {
             (&mut self.merged_interrupts, o.merged_interrupts),
             (&mut self.sleeps, o.sleeps),
             (&mut self.wakeups, o.wakeups),
+            (&mut self.forecasts, o.forecasts),
+            (&mut self.forecast_hits, o.forecast_hits),
         ];
         for (a, b) in pairs {
             *a += b;
@@ -492,6 +498,8 @@ impl Core {
             ("msix.merged", s.merged_interrupts),
             ("adaptive.sleeps", s.sleeps),
             ("adaptive.wakeups", s.wakeups),
+            ("adaptive.forecasts", s.forecasts),
+            ("adaptive.forecast-hits", s.forecast_hits),
         ]
         .into_iter()
         .map(|(n, value)| Counter { name: n.into(), value })

@@ -59,7 +59,10 @@
 //!   behind again. Where the doorbell is no ioeventfd (mpqemu, ioregionfd:
 //!   the write comes as a message), the write is served where it arrives
 //!   and wakes the poller through the same eventfd, so the submissions after
-//!   it are polled again rather than each exiting. This is the default mode:
+//!   it are polled again rather than each exiting. With steady gaps between
+//!   submissions the poller sets a timer for just before the next is due and
+//!   polls for it instead of waiting for its doorbell (`forecast.rs`;
+//!   `forecast=off` turns it off). This is the default mode:
 //!   a polled driver gets `shm`'s latency, an idle controller costs no core.
 //!   A driver without Doorbell Buffer Config (SPDK) gets `mmio`.
 //! - `bar-adaptive`: `bar` while work comes; after [`ADAPTIVE_IDLE`]
@@ -124,6 +127,7 @@ mod admin;
 pub mod backend;
 mod controller;
 mod doorbells;
+mod forecast;
 mod interrupts;
 mod io;
 pub mod queue;
@@ -271,6 +275,10 @@ pub struct NvmeConfig {
     /// Poller threads ([`MAX_POLLERS`] at most); with more than one, the I/O
     /// queues are spread over them by CQ id (`shards.rs`).
     pub pollers: u8,
+    /// adaptive: the poller forecasts steady gaps and polls for the command
+    /// that ends one, instead of waiting for its doorbell (`forecast.rs`;
+    /// `forecast=off` to compare).
+    pub forecast: bool,
 }
 
 /// Poller threads a controller may have (`pollers=`).
@@ -284,6 +292,7 @@ impl Default for NvmeConfig {
             lba_size: 512,
             doorbell: DoorbellMode::Adaptive,
             pollers: 1,
+            forecast: true,
         }
     }
 }
@@ -308,6 +317,9 @@ impl NvmeConfig {
                 "pollers",
                 format!("several pollers need doorbell=shm, bar or adaptive, not {}", self.doorbell),
             );
+        }
+        if !self.forecast && self.doorbell != DoorbellMode::Adaptive {
+            return bad("forecast", format!("only doorbell=adaptive forecasts, not {}", self.doorbell));
         }
         if self.pollers > 1 && self.doorbell == DoorbellMode::BarAdaptive {
             // One page holds every queue's doorbells: one group's trap would

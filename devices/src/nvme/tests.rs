@@ -10,6 +10,7 @@ use std::sync::Arc;
 use vm_memory::{Bytes, GuestAddress};
 
 mod bar_adaptive;
+mod forecast;
 mod pollers;
 
 const ASQ: u64 = 0x10000;
@@ -150,7 +151,7 @@ impl Drv {
 }
 
 fn mmio(backend: BackendKind) -> NvmeConfig {
-    NvmeConfig { backend, size: 1 << 20, lba_size: 512, doorbell: DoorbellMode::Mmio, pollers: 1 }
+    NvmeConfig { backend, size: 1 << 20, lba_size: 512, doorbell: DoorbellMode::Mmio, pollers: 1, forecast: true }
 }
 
 #[test]
@@ -272,6 +273,7 @@ fn shm_doorbells_are_polled_with_eventidx_kept_behind_and_moved_only_when_it_lag
         lba_size: 4096,
         doorbell: DoorbellMode::Shm,
         pollers: 1,
+        forecast: true,
     };
     let mut d = Drv::new(cfg);
     assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
@@ -386,6 +388,7 @@ fn interrupt_coalescing_holds_completions_to_the_threshold_or_the_time() {
         lba_size: 512,
         doorbell: DoorbellMode::Shm,
         pollers: 1,
+        forecast: true,
     };
     let mut d = Drv::new(cfg);
     let irqs = Arc::new(Irqs::default());
@@ -472,6 +475,7 @@ fn the_controller_is_shared_without_an_outer_lock_and_survives_enable_cycles_und
         lba_size: 512,
         doorbell: DoorbellMode::Shm,
         pollers: 1,
+        forecast: true,
     };
     let Drv { n, .. } = Drv::new(cfg);
     let n: crate::SharedDevice = Arc::new(n);
@@ -661,7 +665,14 @@ impl Drv {
 fn a_recreated_io_queue_starts_from_zeroed_doorbells_in_every_mode() {
     let modes = [DoorbellMode::Mmio, DoorbellMode::Ioeventfd, DoorbellMode::Shm, DoorbellMode::Bar];
     for mode in modes.into_iter().chain([DoorbellMode::BarAdaptive]) {
-        let cfg = NvmeConfig { backend: BackendKind::Null, size: 1 << 20, lba_size: 512, doorbell: mode, pollers: 1 };
+        let cfg = NvmeConfig {
+            backend: BackendKind::Null,
+            size: 1 << 20,
+            lba_size: 512,
+            doorbell: mode,
+            pollers: 1,
+            forecast: true,
+        };
         let mut d = Drv::new(cfg);
         if matches!(mode, DoorbellMode::Shm | DoorbellMode::Ioeventfd) {
             assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0, "{mode}");
@@ -710,7 +721,14 @@ impl Drv {
 fn a_doorbell_flood_keeps_one_pending_event_per_type_and_info() {
     // bar-adaptive: the writes exit while its poller sleeps, each waking it to refuse the tail.
     for mode in [DoorbellMode::Mmio, DoorbellMode::Bar, DoorbellMode::BarAdaptive] {
-        let cfg = NvmeConfig { backend: BackendKind::Null, size: 1 << 20, lba_size: 512, doorbell: mode, pollers: 1 };
+        let cfg = NvmeConfig {
+            backend: BackendKind::Null,
+            size: 1 << 20,
+            lba_size: 512,
+            doorbell: mode,
+            pollers: 1,
+            forecast: true,
+        };
         let mut d = Drv::new(cfg);
         d.io_queues(4);
         for i in 0..100_000u32 {
@@ -821,7 +839,14 @@ fn identify_gives_namespace_descriptors_a_subsystem_nqn_and_matching_namespace_i
 #[test]
 fn the_effects_log_marks_exactly_the_commands_the_controller_implements() {
     for mode in [DoorbellMode::Mmio, DoorbellMode::Shm] {
-        let cfg = NvmeConfig { backend: BackendKind::Null, size: 1 << 20, lba_size: 512, doorbell: mode, pollers: 1 };
+        let cfg = NvmeConfig {
+            backend: BackendKind::Null,
+            size: 1 << 20,
+            lba_size: 512,
+            doorbell: mode,
+            pollers: 1,
+            forecast: true,
+        };
         let mut d = Drv::new(cfg);
         let (_, ctrl) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
         assert_eq!(ctrl[261] & 0b110, 0b110, "LPA: effects log, extended data (NUMDU, offsets)");
@@ -871,7 +896,14 @@ fn get_log_page_reads_from_its_offset_within_bounds() {
 #[test]
 fn identify_controller_advertises_only_what_the_controller_implements() {
     for mode in [DoorbellMode::Mmio, DoorbellMode::Ioeventfd, DoorbellMode::Shm, DoorbellMode::Bar] {
-        let cfg = NvmeConfig { backend: BackendKind::Null, size: 1 << 20, lba_size: 512, doorbell: mode, pollers: 1 };
+        let cfg = NvmeConfig {
+            backend: BackendKind::Null,
+            size: 1 << 20,
+            lba_size: 512,
+            doorbell: mode,
+            pollers: 1,
+            forecast: true,
+        };
         let mut d = Drv::new(cfg);
         let (_, c) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
         let shadow = matches!(mode, DoorbellMode::Shm | DoorbellMode::Ioeventfd);
@@ -933,7 +965,14 @@ fn a_late_register_doorbell_does_not_rewind_a_shadowed_queue() {
     // rule asked for can arrive after the poller already served newer shadow tails. Its value
     // must not be taken as the tail (the controller would serve the whole ring again).
     for mode in [DoorbellMode::Shm, DoorbellMode::Ioeventfd] {
-        let cfg = NvmeConfig { backend: BackendKind::Null, size: 1 << 20, lba_size: 512, doorbell: mode, pollers: 1 };
+        let cfg = NvmeConfig {
+            backend: BackendKind::Null,
+            size: 1 << 20,
+            lba_size: 512,
+            doorbell: mode,
+            pollers: 1,
+            forecast: true,
+        };
         let mut d = Drv::new(cfg);
         assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
         d.io_queues(8);
@@ -1063,8 +1102,14 @@ fn guest_ram_reached_only_through_a_port_serves_admin_and_io_in_mmio_mode() {
 
 #[test]
 fn guest_ram_reached_through_a_port_serves_the_bar_mode_poller_and_a_mixed_map() {
-    let cfg =
-        NvmeConfig { backend: BackendKind::Ram, size: 1 << 20, lba_size: 512, doorbell: DoorbellMode::Bar, pollers: 1 };
+    let cfg = NvmeConfig {
+        backend: BackendKind::Ram,
+        size: 1 << 20,
+        lba_size: 512,
+        doorbell: DoorbellMode::Bar,
+        pollers: 1,
+        forecast: true,
+    };
     // Queues mapped, data and PRP lists (0x20000 up) reached by message.
     let (mut d, port) = remote_drv(cfg, 0x20000);
     assert_eq!(d.admin(0x06, 0, DATA, 0, [1, 0, 0, 0]).1, 0);
@@ -1083,8 +1128,14 @@ fn guest_ram_reached_through_a_port_serves_the_bar_mode_poller_and_a_mixed_map()
 
 #[test]
 fn shadow_doorbells_in_memory_reached_by_message_are_refused_and_mmio_doorbells_serve() {
-    let cfg =
-        NvmeConfig { backend: BackendKind::Ram, size: 1 << 20, lba_size: 512, doorbell: DoorbellMode::Shm, pollers: 1 };
+    let cfg = NvmeConfig {
+        backend: BackendKind::Ram,
+        size: 1 << 20,
+        lba_size: 512,
+        doorbell: DoorbellMode::Shm,
+        pollers: 1,
+        forecast: true,
+    };
     let (mut d, port) = remote_drv(cfg, 0x20000);
     // DBBUF (0x30000) is reached by message: polling it would be a message per look.
     assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, status::INVALID_FIELD);
@@ -1109,7 +1160,14 @@ impl TempImage {
         TempImage(p)
     }
     fn cfg(&self, doorbell: DoorbellMode) -> NvmeConfig {
-        NvmeConfig { backend: BackendKind::File(self.0.clone()), size: 1 << 20, lba_size: 512, doorbell, pollers: 1 }
+        NvmeConfig {
+            backend: BackendKind::File(self.0.clone()),
+            size: 1 << 20,
+            lba_size: 512,
+            doorbell,
+            pollers: 1,
+            forecast: true,
+        }
     }
 }
 
@@ -1624,6 +1682,7 @@ fn ioeventfd_mode_on_a_static_host_registers_every_io_doorbell_at_attach_and_kic
         lba_size: 512,
         doorbell: DoorbellMode::Ioeventfd,
         pollers: 1,
+        forecast: true,
     };
     let host = Arc::new(Announcer::default());
     let mut d = Drv::with_ioevents(cfg, host.clone());
@@ -1674,6 +1733,32 @@ fn ioeventfd_mode_on_a_static_host_registers_every_io_doorbell_at_attach_and_kic
     d.n.quiesce();
 }
 
+/// SQ 1's doorbell eventfd as the host registered it (KVM's ioeventfd).
+fn sq1_kick(host: &Announcer) -> vmm_sys_util::eventfd::EventFd {
+    host.0.lock().unwrap().iter().find(|(s, _)| s.offset == DOORBELLS + 8).unwrap().1.try_clone().unwrap()
+}
+
+impl Drv {
+    /// Submits a read on I/O SQ 1 (8 entries) through the shadow tail and,
+    /// as the EventIdx rule asks, rings `kick` if EventIdx lies in the
+    /// entries just added. True if it rang.
+    fn read_ringing_by_event_idx(&mut self, kick: &vmm_sys_util::eventfd::EventFd) -> bool {
+        let old = self.iotail as u32;
+        let e = self.sqe(0x02, 1, DATA, 0, [0; 4]);
+        self.mem.write_slice(&e, GuestAddress(IOSQ + self.iotail as u64 * 64)).unwrap();
+        self.iotail = (self.iotail + 1) % 8;
+        let new = self.iotail as u32;
+        self.mem.store(new, GuestAddress(DBBUF + 8), Ordering::SeqCst).unwrap();
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let ev: u32 = self.mem.load(GuestAddress(EVIDX + 8), Ordering::SeqCst).unwrap();
+        let ring = (new + 16 - ev - 1) % 8 < (new + 8 - old) % 8;
+        if ring {
+            kick.write(1).unwrap();
+        }
+        ring
+    }
+}
+
 #[test]
 fn adaptive_mode_sleeps_when_idle_and_no_submission_racing_the_sleep_is_lost() {
     let cfg = NvmeConfig {
@@ -1682,14 +1767,14 @@ fn adaptive_mode_sleeps_when_idle_and_no_submission_racing_the_sleep_is_lost() {
         lba_size: 512,
         doorbell: DoorbellMode::Adaptive,
         pollers: 1,
+        forecast: true,
     };
     let host = Arc::new(Announcer::default());
     let mut d = Drv::with_ioevents(cfg, host.clone());
     assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
     d.io_queues(8);
-    let sq_kick =
-        host.0.lock().unwrap().iter().find(|(s, _)| s.offset == DOORBELLS + 8).unwrap().1.try_clone().unwrap();
-    let (mut old, mut rings) = (0u32, 0u64);
+    let sq_kick = sq1_kick(&host);
+    let mut rings = 0u64;
     // Submissions one at a time, the driver following the EventIdx rule (KVM's part: the
     // ioeventfd). Pauses of varied length put submissions before, during and after the
     // poller's switch to sleep; a lost wake-up leaves a command unserved (5 s timeout).
@@ -1697,18 +1782,7 @@ fn adaptive_mode_sleeps_when_idle_and_no_submission_racing_the_sleep_is_lost() {
         if i % 3 == 0 {
             std::thread::sleep(std::time::Duration::from_micros((i as u64 * 37) % 700));
         }
-        let e = d.sqe(0x02, 1, DATA, 0, [0; 4]);
-        d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
-        d.iotail = (d.iotail + 1) % 8;
-        let new = d.iotail as u32;
-        d.mem.store(new, GuestAddress(DBBUF + 8), Ordering::SeqCst).unwrap();
-        std::sync::atomic::fence(Ordering::SeqCst);
-        let ev: u32 = d.mem.load(GuestAddress(EVIDX + 8), Ordering::SeqCst).unwrap();
-        if (new + 16 - ev - 1) % 8 < (new + 8 - old) % 8 {
-            sq_kick.write(1).unwrap();
-            rings += 1;
-        }
-        old = new;
+        rings += d.read_ringing_by_event_idx(&sq_kick) as u64;
         assert_eq!(d.reap_io_wait(8).1, 0, "command {i}");
         d.mem.store(d.iohead as u32, GuestAddress(DBBUF + 12), Ordering::SeqCst).unwrap();
     }

@@ -13,6 +13,7 @@ fn cfg() -> NvmeConfig {
         lba_size: 512,
         doorbell: DoorbellMode::BarAdaptive,
         pollers: 1,
+        forecast: true,
     }
 }
 
