@@ -345,7 +345,11 @@ fn spawn_adaptive(
                 c.disarm_wakeup();
                 retry.next(c.io_stalled());
                 if !in_flight {
-                    window.slept(steps.idle());
+                    // A forecast's timer ended a sleep through most of a long
+                    // gap: a long sleep for the idle interval, not a short one
+                    // (taken as short, it grew the interval to the whole gap,
+                    // and the poller spun through gaps of 250 us).
+                    window.slept(if forecast_due { ADAPTIVE_IDLE } else { steps.idle() });
                 }
                 break;
             }
