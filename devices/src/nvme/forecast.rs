@@ -33,8 +33,8 @@
 
 use std::time::Duration;
 
-/// The longest margin a forecast polls for before the command is due (and
-/// after it, with the deviations): the adaptive pollers' longest idle
+/// The longest a forecast polls before the median gap (and twice that in
+/// all, if the command does not come): the adaptive pollers' longest idle
 /// interval, so a forecast costs no more CPU per gap than a busy idle does.
 pub const MAX_MARGIN: Duration = super::ADAPTIVE_IDLE;
 
@@ -124,20 +124,17 @@ fn median(v: &mut [i64]) -> i64 {
     v[v.len() / 2]
 }
 
-/// The doorbell-woken gaps scatter by the wake-up's own spread (tens of
-/// microseconds here) around the true gap, and a guest's own pace varies by
-/// as much. So the timer is set for the second shortest gap (one short
-/// one is not trusted) less a lateness (a command that comes before the
-/// timer rings, as without a forecast), the
-/// poll lasts to the upper quartile plus a lateness, and once forecasts
-/// hit, the polled gaps narrow both.
 impl Forecast {
+    /// How long before the median gap the timer is set. The doorbell-woken
+    /// gaps scatter by the wake-up's own spread (tens of microseconds here)
+    /// around the true gap, and a guest's own pace varies by as much: so the
+    /// second shortest gap (one short one is not trusted) less a lateness. A
+    /// command that comes before the timer rings, as without a forecast; once
+    /// forecasts hit, the polled gaps narrow the spread.
     fn margin(&self) -> i64 {
         self.gap - self.low + self.late + SLACK_NS
     }
-}
 
-impl Forecast {
     /// A command came `gap` after the poller went idle.
     pub fn seen(&mut self, gap: Duration, how: Seen) {
         let s = match how {
