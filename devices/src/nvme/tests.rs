@@ -382,14 +382,7 @@ fn msix_vectors_follow_the_table_and_fire_on_completions_or_stay_pending_while_m
 
 #[test]
 fn interrupt_coalescing_holds_completions_to_the_threshold_or_the_time() {
-    let cfg = NvmeConfig {
-        backend: BackendKind::Null,
-        size: 1 << 20,
-        lba_size: 512,
-        doorbell: DoorbellMode::Shm,
-        pollers: 1,
-        forecast: true,
-    };
+    let cfg = NvmeConfig { doorbell: DoorbellMode::Shm, ..mmio(BackendKind::Null) };
     let mut d = Drv::new(cfg);
     let irqs = Arc::new(Irqs::default());
     let mut ctx = DeviceContext::detached(d.mem.clone());
@@ -469,14 +462,7 @@ fn an_async_event_waits_for_room_in_the_admin_cq() {
 
 #[test]
 fn the_controller_is_shared_without_an_outer_lock_and_survives_enable_cycles_under_concurrent_accesses() {
-    let cfg = NvmeConfig {
-        backend: BackendKind::Null,
-        size: 1 << 20,
-        lba_size: 512,
-        doorbell: DoorbellMode::Shm,
-        pollers: 1,
-        forecast: true,
-    };
+    let cfg = NvmeConfig { doorbell: DoorbellMode::Shm, ..mmio(BackendKind::Null) };
     let Drv { n, .. } = Drv::new(cfg);
     let n: crate::SharedDevice = Arc::new(n);
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -665,14 +651,7 @@ impl Drv {
 fn a_recreated_io_queue_starts_from_zeroed_doorbells_in_every_mode() {
     let modes = [DoorbellMode::Mmio, DoorbellMode::Ioeventfd, DoorbellMode::Shm, DoorbellMode::Bar];
     for mode in modes.into_iter().chain([DoorbellMode::BarAdaptive]) {
-        let cfg = NvmeConfig {
-            backend: BackendKind::Null,
-            size: 1 << 20,
-            lba_size: 512,
-            doorbell: mode,
-            pollers: 1,
-            forecast: true,
-        };
+        let cfg = NvmeConfig { doorbell: mode, ..mmio(BackendKind::Null) };
         let mut d = Drv::new(cfg);
         if matches!(mode, DoorbellMode::Shm | DoorbellMode::Ioeventfd) {
             assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0, "{mode}");
@@ -721,14 +700,7 @@ impl Drv {
 fn a_doorbell_flood_keeps_one_pending_event_per_type_and_info() {
     // bar-adaptive: the writes exit while its poller sleeps, each waking it to refuse the tail.
     for mode in [DoorbellMode::Mmio, DoorbellMode::Bar, DoorbellMode::BarAdaptive] {
-        let cfg = NvmeConfig {
-            backend: BackendKind::Null,
-            size: 1 << 20,
-            lba_size: 512,
-            doorbell: mode,
-            pollers: 1,
-            forecast: true,
-        };
+        let cfg = NvmeConfig { doorbell: mode, ..mmio(BackendKind::Null) };
         let mut d = Drv::new(cfg);
         d.io_queues(4);
         for i in 0..100_000u32 {
@@ -839,14 +811,7 @@ fn identify_gives_namespace_descriptors_a_subsystem_nqn_and_matching_namespace_i
 #[test]
 fn the_effects_log_marks_exactly_the_commands_the_controller_implements() {
     for mode in [DoorbellMode::Mmio, DoorbellMode::Shm] {
-        let cfg = NvmeConfig {
-            backend: BackendKind::Null,
-            size: 1 << 20,
-            lba_size: 512,
-            doorbell: mode,
-            pollers: 1,
-            forecast: true,
-        };
+        let cfg = NvmeConfig { doorbell: mode, ..mmio(BackendKind::Null) };
         let mut d = Drv::new(cfg);
         let (_, ctrl) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
         assert_eq!(ctrl[261] & 0b110, 0b110, "LPA: effects log, extended data (NUMDU, offsets)");
@@ -896,14 +861,7 @@ fn get_log_page_reads_from_its_offset_within_bounds() {
 #[test]
 fn identify_controller_advertises_only_what_the_controller_implements() {
     for mode in [DoorbellMode::Mmio, DoorbellMode::Ioeventfd, DoorbellMode::Shm, DoorbellMode::Bar] {
-        let cfg = NvmeConfig {
-            backend: BackendKind::Null,
-            size: 1 << 20,
-            lba_size: 512,
-            doorbell: mode,
-            pollers: 1,
-            forecast: true,
-        };
+        let cfg = NvmeConfig { doorbell: mode, ..mmio(BackendKind::Null) };
         let mut d = Drv::new(cfg);
         let (_, c) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
         let shadow = matches!(mode, DoorbellMode::Shm | DoorbellMode::Ioeventfd);
@@ -965,14 +923,7 @@ fn a_late_register_doorbell_does_not_rewind_a_shadowed_queue() {
     // rule asked for can arrive after the poller already served newer shadow tails. Its value
     // must not be taken as the tail (the controller would serve the whole ring again).
     for mode in [DoorbellMode::Shm, DoorbellMode::Ioeventfd] {
-        let cfg = NvmeConfig {
-            backend: BackendKind::Null,
-            size: 1 << 20,
-            lba_size: 512,
-            doorbell: mode,
-            pollers: 1,
-            forecast: true,
-        };
+        let cfg = NvmeConfig { doorbell: mode, ..mmio(BackendKind::Null) };
         let mut d = Drv::new(cfg);
         assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
         d.io_queues(8);
@@ -1102,14 +1053,7 @@ fn guest_ram_reached_only_through_a_port_serves_admin_and_io_in_mmio_mode() {
 
 #[test]
 fn guest_ram_reached_through_a_port_serves_the_bar_mode_poller_and_a_mixed_map() {
-    let cfg = NvmeConfig {
-        backend: BackendKind::Ram,
-        size: 1 << 20,
-        lba_size: 512,
-        doorbell: DoorbellMode::Bar,
-        pollers: 1,
-        forecast: true,
-    };
+    let cfg = NvmeConfig { doorbell: DoorbellMode::Bar, ..mmio(BackendKind::Ram) };
     // Queues mapped, data and PRP lists (0x20000 up) reached by message.
     let (mut d, port) = remote_drv(cfg, 0x20000);
     assert_eq!(d.admin(0x06, 0, DATA, 0, [1, 0, 0, 0]).1, 0);
@@ -1128,14 +1072,7 @@ fn guest_ram_reached_through_a_port_serves_the_bar_mode_poller_and_a_mixed_map()
 
 #[test]
 fn shadow_doorbells_in_memory_reached_by_message_are_refused_and_mmio_doorbells_serve() {
-    let cfg = NvmeConfig {
-        backend: BackendKind::Ram,
-        size: 1 << 20,
-        lba_size: 512,
-        doorbell: DoorbellMode::Shm,
-        pollers: 1,
-        forecast: true,
-    };
+    let cfg = NvmeConfig { doorbell: DoorbellMode::Shm, ..mmio(BackendKind::Ram) };
     let (mut d, port) = remote_drv(cfg, 0x20000);
     // DBBUF (0x30000) is reached by message: polling it would be a message per look.
     assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, status::INVALID_FIELD);
@@ -1676,14 +1613,7 @@ impl crate::IoEvents for Announcer {
 
 #[test]
 fn ioeventfd_mode_on_a_static_host_registers_every_io_doorbell_at_attach_and_kicks_serve() {
-    let cfg = NvmeConfig {
-        backend: BackendKind::Null,
-        size: 1 << 20,
-        lba_size: 512,
-        doorbell: DoorbellMode::Ioeventfd,
-        pollers: 1,
-        forecast: true,
-    };
+    let cfg = NvmeConfig { doorbell: DoorbellMode::Ioeventfd, ..mmio(BackendKind::Null) };
     let host = Arc::new(Announcer::default());
     let mut d = Drv::with_ioevents(cfg, host.clone());
     // Before any queue exists: SQ tail and CQ head of every I/O queue, none of the admin queue.
@@ -1761,14 +1691,7 @@ impl Drv {
 
 #[test]
 fn adaptive_mode_sleeps_when_idle_and_no_submission_racing_the_sleep_is_lost() {
-    let cfg = NvmeConfig {
-        backend: BackendKind::Null,
-        size: 1 << 20,
-        lba_size: 512,
-        doorbell: DoorbellMode::Adaptive,
-        pollers: 1,
-        forecast: true,
-    };
+    let cfg = NvmeConfig { doorbell: DoorbellMode::Adaptive, ..mmio(BackendKind::Null) };
     let host = Arc::new(Announcer::default());
     let mut d = Drv::with_ioevents(cfg, host.clone());
     assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);

@@ -7,14 +7,7 @@ use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
 fn cfg() -> NvmeConfig {
-    NvmeConfig {
-        backend: BackendKind::Null,
-        size: 1 << 20,
-        lba_size: 512,
-        doorbell: DoorbellMode::BarAdaptive,
-        pollers: 1,
-        forecast: true,
-    }
+    NvmeConfig { doorbell: DoorbellMode::BarAdaptive, ..mmio(BackendKind::Null) }
 }
 
 /// A host that maps the doorbell page into the guest and traps it on
