@@ -198,29 +198,36 @@ fn spawn_adaptive(
         // Woken by a forecast's timer: polling for its command.
         let mut expect: Option<Expect> = None;
         while !stop2.load(Ordering::Relaxed) {
-            let (busy, in_flight) = {
+            let (busy, in_flight, gap) = {
                 let mut c = core.lock().unwrap();
                 c.st.polls += 1;
                 let (done, in_flight) = c.io_step();
                 let busy = c.poll_doorbells() | done | c.commands_held();
                 c.flush_coalesced();
                 c.take_raised();
+                // The end of a forecast gap, or of one the clock was read in:
+                // measured below, after the lock (a clock read and a sort).
+                let mut gap = None;
                 if busy {
-                    // The end of a forecast gap, or of one the clock was read in: measured.
                     if let Some(e) = expect.take() {
-                        forecast.seen(e.start.elapsed(), Seen::Polled);
                         // Found at the first look, the command came before
                         // the timer woke this thread (and may have rung): no hit.
                         if e.looked {
-                            forecast.hit();
                             c.st.forecast_hits += 1;
                         }
+                        gap = Some((e.start, e.looked));
                     } else if let (Some(start), false) = (idle_since, in_flight) {
-                        forecast.seen(start.elapsed(), Seen::Polled);
+                        gap = Some((start, false));
                     }
                 }
-                (busy, in_flight)
+                (busy, in_flight, gap)
             };
+            if let Some((start, hit)) = gap {
+                forecast.seen(start.elapsed(), Seen::Polled);
+                if hit {
+                    forecast.hit();
+                }
+            }
             if busy {
                 (idle_since, idle_passes) = (None, 0);
                 window.busy();
