@@ -13,7 +13,8 @@ use serde_json::{json, Value};
 
 /// Schema version of every `--json` document the benches write; bumped
 /// when a field changes meaning or goes away (new fields do not bump it).
-pub const JSON_SCHEMA_VERSION: u32 = 2;
+/// 3: `bench nvme`'s `options.contend` is a list of levels.
+pub const JSON_SCHEMA_VERSION: u32 = 3;
 
 /// Thresholds and the re-run budget.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -144,6 +144,21 @@ impl ExitsArgs {
     }
 }
 
+/// `--contend` levels: each once, in the order given.
+fn levels(l: &[u32]) -> anyhow::Result<Vec<u32>> {
+    let mut v: Vec<u32> = Vec::new();
+    for &n in l {
+        if v.contains(&n) {
+            anyhow::bail!("--contend {n} given twice");
+        }
+        v.push(n);
+    }
+    if v.is_empty() {
+        anyhow::bail!("--contend: no level");
+    }
+    Ok(v)
+}
+
 /// `bench nvme` options, named as fio names them. Without --rw/--bs/--iodepth/--numjobs
 /// the two reference jobs run: randread 512 B at iodepth 16 and 4 KiB at iodepth 1.
 /// (No --ramp_time: nvmeperf has no warm-up phase to map it to.)
@@ -223,9 +238,12 @@ pub struct NvmeArgs {
     /// Seconds one guest run may take before it is stopped.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
-    /// Run N busy threads (at most 64) during every run, QEMU's included.
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    pub contend: u32,
+    /// Run N busy threads (at most 64) during every run, QEMU's and fio's
+    /// included; several levels (0,2) run every target at each, one right
+    /// after the other, with each contended row's ratio to its quiet twin.
+    #[arg(long, default_value = "0", value_name = "N[,M..]", value_delimiter = ',',
+          value_parser = clap::value_parser!(u32).range(0..=iopath_bench::contend::MAX_CONTENDERS as i64))]
+    pub contend: Vec<u32>,
     /// Thread placement. auto: the guest vCPU on the first allowed CPU, the
     /// device threads on the others; off: the scheduler's; or VCPU,DEVICE.
     #[arg(long, default_value = "auto", value_name = "auto|off|VCPU,DEVICE")]
@@ -253,7 +271,7 @@ impl NvmeArgs {
             vs_qemu: self.vs == Some(Peer::Qemu),
             mem_mb: self.mem,
             timeout_s: self.timeout,
-            contend: self.contend,
+            contend: levels(&self.contend)?,
             pin: self.pin.placement(),
             progress: !self.out.quiet,
             pollers: parse_pollers(&self.pollers)?,

@@ -416,7 +416,7 @@ fn bench_nvme_contend_records_its_level_device_cpu_and_leaves_no_contender() {
         assert!(out.status.success(), "{extra:?}: {stderr}");
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert!(v["errors"].as_array().unwrap().is_empty(), "{}", v["errors"]);
-        assert_eq!(v["options"]["contend"], 1, "{}", v["options"]);
+        assert_eq!(v["options"]["contend"], serde_json::json!([1]), "{}", v["options"]);
         assert!(stderr.contains("contend: 1"), "{stderr}");
         v["runs"].as_array().unwrap().clone()
     };
@@ -441,12 +441,44 @@ fn bench_nvme_contend_records_its_level_device_cpu_and_leaves_no_contender() {
     assert!(runs[0]["cpu_ns_per_io"].as_f64().unwrap() > 0.0, "{}", runs[0]);
     assert!(runs[0]["idle_cpu_pct"].as_f64().unwrap() >= 0.0, "{}", runs[0]);
 
+    // Two levels: each target quiet, then beside busy threads, and their ratio.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["bench", "nvme", "--quick", "--json", "-", "--contend", "0,1", "--doorbell", "shm"])
+        .args(["--rw", "randread", "--bs", "4096", "--iodepth", "1", "--backend", "null"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["options"]["contend"], serde_json::json!([0, 1]), "{}", v["options"]);
+    let runs = v["runs"].as_array().unwrap();
+    let names: Vec<_> = runs.iter().map(|r| (r["target"].as_str().unwrap(), r["contend"].as_u64().unwrap())).collect();
+    assert_eq!(names, [("iopath-shm", 0), ("iopath-shm+contend1", 1)], "{stderr}");
+    assert!(runs[0]["quiet_ratio"].is_null(), "{}", runs[0]);
+    // The IOPS ratio pairs runs of the same attempt (the guard may have run one again).
+    if runs[0]["attempt"] == runs[1]["attempt"] {
+        let q = runs[1]["quiet_ratio"].as_f64().unwrap();
+        let want = runs[1]["iops"].as_f64().unwrap() / runs[0]["iops"].as_f64().unwrap();
+        assert!((q - want).abs() < 1e-9, "{}", runs[1]);
+    } else {
+        assert!(runs[1]["quiet_ratio"].is_null(), "{}", runs[1]);
+    }
+    assert!(runs[1]["quiet_floor_ratio"].as_f64().unwrap() > 0.0, "{}", runs[1]);
+    assert!(stderr.contains("contend: 0,1") && stderr.contains("beside busy threads over quiet"), "{stderr}");
+    for bad in ["0,0", "65"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+            .args(["bench", "nvme", "--quick", "--contend", bad])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "--contend {bad} was taken");
+    }
+
     // In this process: the contenders are gone once the bench returns.
     let o = iopath_bench::nvme::NvmeOptions {
         jobs: vec![iopath_bench::nvme::Job::randread(4096, 1)],
         doorbells: vec![iopath_devices::nvme::DoorbellMode::Shm],
         time_ms: 100,
-        contend: 2,
+        contend: vec![2],
         progress: false,
         ..Default::default()
     };

@@ -133,8 +133,12 @@ pub struct NvmeOptions {
     pub mem_mb: u64,
     pub timeout_s: u64,
     pub progress: bool,
-    /// Busy threads run during every measured run, QEMU's included (`--contend N`).
-    pub contend: u32,
+    /// Busy threads during the measured runs, QEMU's and fio's included
+    /// (`--contend N[,M..]`): every target runs once per level, each level
+    /// right after the one before it, so that a contended run and its quiet
+    /// twin (level 0) see the same placement; with several levels a level
+    /// above 0 shows in the target's name ([`contend_suffix`]).
+    pub contend: Vec<u32>,
     /// Where the vCPU, the device threads and the floor's threads run
     /// (`--pin`); None leaves them to the scheduler.
     pub pin: Option<crate::pin::Placement>,
@@ -171,7 +175,7 @@ impl Default for NvmeOptions {
             mem_mb: 256,
             timeout_s: 120,
             progress: true,
-            contend: 0,
+            contend: vec![0],
             pin: None,
             floor_ms: 300,
             iopath_exe: None,
@@ -271,6 +275,14 @@ pub struct NvmeRun {
     /// The same over each run's own floor: `floor_ratio` over the in-VMM
     /// run's, so that a placement change between the two runs cancels out.
     pub vmm_floor_ratio: Option<f64>,
+    /// Busy threads that ran beside it (`--contend`).
+    pub contend: u32,
+    /// A run beside busy threads: IOPS over its quiet twin's (the same target
+    /// at level 0, same job, round and attempt), with `--contend 0,N`.
+    pub quiet_ratio: Option<f64>,
+    /// The same over each run's own floor (`floor_ratio` over the twin's),
+    /// pairing the rounds of the same number whatever their attempts.
+    pub quiet_floor_ratio: Option<f64>,
     /// The guard's marks on this run (its own against the floor, and its
     /// target's spread over rounds), as `guard::marks_json`.
     #[serde(serialize_with = "marks_ser")]
@@ -329,6 +341,9 @@ impl NvmeRun {
             wake_ratio: None,
             vmm_ratio: None,
             vmm_floor_ratio: None,
+            contend: 0,
+            quiet_ratio: None,
+            quiet_floor_ratio: None,
             marks: Vec::new(),
         }
     }
@@ -354,9 +369,26 @@ fn placement(o: &NvmeOptions) -> String {
     o.pin.map_or_else(|| crate::floor::UNPINNED.to_string(), |p| p.to_string())
 }
 
-/// Contenders for one run: they stop by themselves well after its timeout.
-fn contenders(o: &NvmeOptions) -> anyhow::Result<crate::contend::Contention> {
-    busy_threads(o, o.contend, None)
+/// `n` contenders for one run: they stop by themselves well after its timeout.
+fn contenders(o: &NvmeOptions, n: u32) -> anyhow::Result<crate::contend::Contention> {
+    busy_threads(o, n, None)
+}
+
+/// What a target's name carries for contention level `n`: nothing at 0 or
+/// when only one level runs (the table's header says which), else
+/// `+contend{n}`, before any `@transport`.
+pub fn contend_suffix(o: &NvmeOptions, n: u32) -> String {
+    if n == 0 || o.contend.len() < 2 {
+        String::new()
+    } else {
+        format!("+contend{n}")
+    }
+}
+
+/// A run's target name without its contention level: what its quiet twin
+/// and its fio rows are called.
+fn base_target(r: &NvmeRun) -> String {
+    r.target.replacen(&format!("+contend{}", r.contend), "", 1)
 }
 
 /// `n` busy threads (pinned to `cpu` if given) for one run, stopping by
@@ -398,7 +430,8 @@ pub const FIO_BUSY_TARGET: &str = "fio (host, busy CPU)";
 /// Whether `target` is one of the host's fio rows: the file's own floors,
 /// judged against no ring floor and not re-run by the guard.
 pub fn is_fio_target(target: &str) -> bool {
-    target == FIO_TARGET || target == FIO_BUSY_TARGET
+    let t = target.split_once("+contend").map_or(target, |t| t.0);
+    t == FIO_TARGET || t == FIO_BUSY_TARGET
 }
 
 /// The disk size in bytes, for `bench nvme` and `bench blk` alike: a file
@@ -453,7 +486,7 @@ impl<'a> Runner<'a> {
 
     /// One run of job `ji` of the options with doorbell mode `db`, one poller.
     pub fn run(&self, db: DoorbellMode, ji: usize, round: u32) -> anyhow::Result<NvmeRun> {
-        let t = run::Target { name: format!("iopath-{db}"), kind: run::Kind::Iopath(None, db, 1, true) };
+        let t = run::Target { name: format!("iopath-{db}"), kind: run::Kind::Iopath(None, db, 1, true), contend: 0 };
         self.0.run_target(&t, ji, round)
     }
 
@@ -560,24 +593,30 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     })
 }
 
+/// Which runs pair up: job, round, attempt and contention level.
+type RunKey = (usize, u32, u32, u32);
+
 /// Ratios between targets of the same job, round and attempt: each
-/// file-backed row over the host's fio rows (alone and beside a busy CPU),
-/// each out-of-process row over its
-/// in-VMM twin. A re-run row has no partner of its attempt: no ratio.
-/// `vmm_floor_ratio` compares each run over its own floor, so it pairs
-/// the rounds of the same number whatever their attempts.
+/// file-backed row over the host's fio rows (alone and beside a busy CPU)
+/// of its contention level, each out-of-process row over its in-VMM twin,
+/// each contended row over its quiet twin. A re-run row has no partner of
+/// its attempt: no IOPS ratio. The `*_floor_ratio`s compare each run over
+/// its own floor, so they pair the rounds of the same number whatever
+/// their attempts.
 fn relate(runs: &mut [NvmeRun]) {
-    let key = |r: &NvmeRun| (r.job, r.round, r.attempt);
-    let of = |t: &str| runs.iter().filter(|r| r.target == t).map(|r| (key(r), r.iops)).collect::<Vec<_>>();
+    let key = |r: &NvmeRun| -> RunKey { (r.job, r.round, r.attempt, r.contend) };
+    let of = |t: &str| runs.iter().filter(|r| base_target(r) == t).map(|r| (key(r), r.iops)).collect::<Vec<_>>();
     let (fio, fio_busy) = (of(FIO_TARGET), of(FIO_BUSY_TARGET));
     let in_vmm: Vec<_> = runs
         .iter()
         .filter(|r| r.target.starts_with("iopath-") && !r.target.contains('@'))
         .map(|r| (key(r), r.target.clone(), r.iops, r.floor_ratio))
         .collect();
+    let quiet: Vec<_> =
+        runs.iter().filter(|r| r.contend == 0).map(|r| (key(r), r.target.clone(), r.iops, r.floor_ratio)).collect();
     for r in runs.iter_mut() {
         if !is_fio_target(&r.target) {
-            let over = |f: &[((usize, u32, u32), f64)]| {
+            let over = |f: &[(RunKey, f64)]| {
                 f.iter().find(|f| f.0 == key(r)).map(|f| f.1).filter(|&f| f > 0.0).map(|f| r.iops / f)
             };
             (r.fio_ratio, r.fio_busy_ratio) = (over(&fio), over(&fio_busy));
@@ -585,9 +624,21 @@ fn relate(runs: &mut [NvmeRun]) {
         if let Some((base, _)) = r.target.split_once('@') {
             let v = in_vmm.iter().find(|v| v.0 == key(r) && v.1 == base);
             r.vmm_ratio = v.map(|v| v.2).filter(|&v| v > 0.0).map(|v| r.iops / v);
-            let same_round = in_vmm.iter().find(|v| (v.0 .0, v.0 .1) == (r.job, r.round) && v.1 == base);
+            let same_round =
+                in_vmm.iter().find(|v| (v.0 .0, v.0 .1, v.0 .3) == (r.job, r.round, r.contend) && v.1 == base);
             let own = same_round.and_then(|v| v.3).filter(|&f| f > 0.0);
             r.vmm_floor_ratio = own.zip(r.floor_ratio).map(|(v, f)| f / v);
+        }
+        if r.contend > 0 {
+            let base = base_target(r);
+            let twin = |attempt: bool| {
+                quiet
+                    .iter()
+                    .find(|q| q.1 == base && (q.0 .0, q.0 .1) == (r.job, r.round) && (!attempt || q.0 .2 == r.attempt))
+            };
+            r.quiet_ratio = twin(true).map(|q| q.2).filter(|&q| q > 0.0).map(|q| r.iops / q);
+            let own = twin(false).and_then(|q| q.3).filter(|&f| f > 0.0);
+            r.quiet_floor_ratio = own.zip(r.floor_ratio).map(|(q, f)| f / q);
         }
     }
 }
@@ -623,6 +674,53 @@ mod relate_tests {
         runs[2].attempt = 1;
         relate(&mut runs);
         assert!(runs[3].vmm_ratio.is_none() && near(runs[3].vmm_floor_ratio, 1.0));
+    }
+
+    #[test]
+    fn contended_rows_are_related_to_their_quiet_twin_and_to_fio_at_their_level() {
+        let busy = |target: &str, round: u32, iops: f64, floor_ratio: Option<f64>| {
+            let mut r = run(target, round, iops, floor_ratio);
+            r.contend = 2;
+            r
+        };
+        let mut runs = vec![
+            run("iopath-adaptive", 0, 10e6, Some(0.5)),
+            busy("iopath-adaptive+contend2", 0, 4e6, Some(0.4)),
+            run("iopath-adaptive@vfio-user", 0, 9e6, Some(0.45)),
+            busy("iopath-adaptive+contend2@vfio-user", 0, 2e6, Some(0.2)),
+            run(FIO_TARGET, 0, 100e3, None),
+            busy("fio (host)+contend2", 0, 50e3, None),
+            busy("qemu+contend2", 1, 1e3, None),
+        ];
+        relate(&mut runs);
+        let near = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-9);
+        assert!(near(runs[1].quiet_ratio, 0.4) && near(runs[1].quiet_floor_ratio, 0.8), "{:?}", runs[1].quiet_ratio);
+        // Out of process: its quiet twin is out of process too, its in-VMM one contended too.
+        assert!(near(runs[3].quiet_ratio, 2.0 / 9.0) && near(runs[3].quiet_floor_ratio, 0.2 / 0.45));
+        assert!(near(runs[3].vmm_ratio, 0.5) && near(runs[3].vmm_floor_ratio, 0.5));
+        // fio at the same level: the quiet one for quiet rows, the busy one for busy rows.
+        assert!(near(runs[0].fio_ratio, 100.0) && near(runs[1].fio_ratio, 80.0));
+        assert!(is_fio_target(&runs[5].target) && runs[5].fio_ratio.is_none());
+        assert!(near(runs[5].quiet_ratio, 0.5), "fio has a quiet twin too");
+        for i in [0, 2, 4] {
+            assert_eq!((runs[i].quiet_ratio, runs[i].quiet_floor_ratio), (None, None), "{} is quiet", runs[i].target);
+        }
+        assert_eq!(runs[6].quiet_ratio, None, "no quiet QEMU run");
+        // The quiet twin was run again (attempt 1): no IOPS ratio across attempts, the floor one stays.
+        runs[0].attempt = 1;
+        relate(&mut runs);
+        assert!(runs[1].quiet_ratio.is_none() && near(runs[1].quiet_floor_ratio, 0.8));
+    }
+
+    #[test]
+    fn a_level_shows_in_names_only_beside_others() {
+        let mut o = NvmeOptions { contend: vec![2], ..Default::default() };
+        assert_eq!(contend_suffix(&o, 2), "");
+        o.contend = vec![0, 2];
+        assert_eq!((contend_suffix(&o, 0), contend_suffix(&o, 2)), (String::new(), "+contend2".into()));
+        let mut r = run("iopath-shm+contend2@vfio-user", 0, 1.0, None);
+        r.contend = 2;
+        assert_eq!(base_target(&r), "iopath-shm@vfio-user");
     }
 
     #[test]

@@ -42,6 +42,8 @@ pub enum Kind {
 pub struct Target {
     pub name: String,
     pub kind: Kind,
+    /// Busy threads during its runs (`--contend`).
+    pub contend: u32,
 }
 
 impl Target {
@@ -109,10 +111,11 @@ impl<'a> Ctx<'a> {
         })
     }
 
-    /// Every target, in the order each round runs them for a job.
+    /// Every target, in the order each round runs them for a job: each at
+    /// every contention level, one right after the other.
     pub fn targets(&self) -> Vec<Target> {
         let o = self.o;
-        let mut t: Vec<Target> = o
+        let mut t: Vec<(String, Option<&'static dyn Transport>, Kind)> = o
             .transports
             .iter()
             .flat_map(|&t| o.doorbells.iter().flat_map(move |&db| o.pollers.iter().map(move |&p| (t, db, p))))
@@ -126,21 +129,28 @@ impl<'a> Ctx<'a> {
                 // One poller keeps the plain name; more show in it, as does a forecast turned off.
                 let name = if pollers == 1 { format!("iopath-{db}") } else { format!("iopath-{db}-p{pollers}") };
                 let name = if forecast { name } else { format!("{name}-noforecast") };
-                let name = match tr.map(|t| t.name()) {
-                    Some(t) => format!("{name}@{t}"),
-                    None => name,
-                };
-                Target { name, kind: Kind::Iopath(tr, db, pollers, forecast) }
+                (name, tr, Kind::Iopath(tr, db, pollers, forecast))
             })
             .collect();
         if self.fio.is_some() {
-            t.push(Target { name: FIO_TARGET.into(), kind: Kind::Fio { busy: false } });
-            t.push(Target { name: FIO_BUSY_TARGET.into(), kind: Kind::Fio { busy: true } });
+            t.push((FIO_TARGET.into(), None, Kind::Fio { busy: false }));
+            t.push((FIO_BUSY_TARGET.into(), None, Kind::Fio { busy: true }));
         }
         if self.qemu.is_some() {
-            t.push(Target { name: "qemu".into(), kind: Kind::Qemu });
+            t.push(("qemu".into(), None, Kind::Qemu));
         }
-        t
+        t.into_iter()
+            .flat_map(|(name, tr, kind)| {
+                o.contend.iter().map(move |&n| {
+                    let name = format!("{name}{}", super::contend_suffix(o, n));
+                    let name = match tr.map(|t| t.name()) {
+                        Some(t) => format!("{name}@{t}"),
+                        None => name,
+                    };
+                    Target { name, kind, contend: n }
+                })
+            })
+            .collect()
     }
 
     /// Whether `t` runs job `j` (fio runs no verify job).
@@ -171,12 +181,16 @@ impl<'a> Ctx<'a> {
 
     /// One run of `t` for job `ji` in `round`.
     pub fn run_target(&self, t: &Target, ji: usize, round: u32) -> anyhow::Result<NvmeRun> {
+        // The busy threads stop (joined) when the run returns.
         let mut r = match t.kind {
-            Kind::Iopath(tr, db, pollers, forecast) => self.iopath(&t.name, tr, (db, pollers, forecast), ji, round),
-            Kind::Qemu => self.qemu(ji, round),
-            Kind::Fio { busy } => self.fio(ji, round, busy),
+            Kind::Iopath(tr, db, pollers, forecast) => {
+                self.iopath(&t.name, tr, (db, pollers, forecast), t.contend, ji, round)
+            }
+            Kind::Qemu => self.qemu(&t.name, t.contend, ji, round),
+            Kind::Fio { busy } => self.fio(&t.name, t.contend, ji, round, busy),
         }?;
         r.setup = self.setup(t);
+        r.contend = t.contend;
         Ok(r)
     }
 
@@ -185,6 +199,7 @@ impl<'a> Ctx<'a> {
         target: &str,
         tr: Option<&'static dyn Transport>,
         (db, pollers, forecast): (DoorbellMode, u8, bool),
+        contend: u32,
         ji: usize,
         round: u32,
     ) -> anyhow::Result<NvmeRun> {
@@ -199,7 +214,7 @@ impl<'a> Ctx<'a> {
         };
         let spec =
             DeviceSpec { device: Device::Model(DeviceConfig::Nvme(config)), remote: tr.map(|t| (t, Endpoint::Spawn)) };
-        let _contention = contenders(o)?;
+        let _contention = contenders(o, contend)?;
         let _pinned = pinner(o);
         let window = Window::new(NVME_DEVICE_THREADS, WINDOW_START, WINDOW_END, IDLE_WINDOW);
         let vcpu = Window::new(VCPU_THREADS, WINDOW_START, WINDOW_END, Duration::ZERO);
@@ -288,7 +303,7 @@ impl<'a> Ctx<'a> {
         Ok(r)
     }
 
-    fn qemu(&self, ji: usize, round: u32) -> anyhow::Result<NvmeRun> {
+    fn qemu(&self, target: &str, contend: u32, ji: usize, round: u32) -> anyhow::Result<NvmeRun> {
         let (o, j) = (self.o, &self.o.jobs[ji]);
         let (q, backing) = self.qemu.as_ref().ok_or_else(|| anyhow::anyhow!("no QEMU"))?;
         // QEMU's device threads and its vCPU in the guest's timed window. The
@@ -296,7 +311,7 @@ impl<'a> Ctx<'a> {
         let device = Window::new(QEMU_DEVICE_THREADS, WINDOW_START, WINDOW_END, Duration::ZERO);
         let vcpu = Window::new(VCPU_THREADS, WINDOW_START, WINDOW_END, Duration::ZERO);
         let (qr, drive) = {
-            let _c = contenders(o)?;
+            let _c = contenders(o, contend)?;
             // QEMU's vCPU where iopath's goes, its main loop where the device threads go.
             let _pinned = o.pin.map(|p| crate::pin::Pinner::start(p, crate::pin::QEMU_DEVICE_THREADS));
             let timeout = Duration::from_secs(o.timeout_s);
@@ -315,7 +330,7 @@ impl<'a> Ctx<'a> {
                 line,
             )?
         };
-        let mut r = to_run("qemu", ji, round, j, &qr.lines, self.tsc_khz)
+        let mut r = to_run(target, ji, round, j, &qr.lines, self.tsc_khz)
             .map_err(|e| anyhow::anyhow!("{e}; stderr: {}", qr.stderr.trim()))?;
         r.routing = format!("QEMU nvme on {drive}");
         if let Some((w, ns)) = per_io(&device, r.ios) {
@@ -336,7 +351,7 @@ impl<'a> Ctx<'a> {
     /// one fio job per queue pair, each at the job's iodepth (see `crate::fio`).
     /// `busy`: one more busy thread runs where the guest's vCPU would (as a
     /// polling vCPU does), and fio where the device threads would.
-    fn fio(&self, ji: usize, round: u32, busy: bool) -> anyhow::Result<NvmeRun> {
+    fn fio(&self, target: &str, contend: u32, ji: usize, round: u32, busy: bool) -> anyhow::Result<NvmeRun> {
         let (o, j) = (self.o, &self.o.jobs[ji]);
         let (Some(fio), BackendKind::File(path)) = (&self.fio, &o.backend) else { anyhow::bail!("no fio") };
         let fj = crate::fio::FioJob {
@@ -351,11 +366,11 @@ impl<'a> Ctx<'a> {
             batch_submit: j.batch_submit,
             cpu: o.pin.filter(|_| busy).map(|p| p.device),
         };
-        let _c = contenders(o)?;
+        let _c = contenders(o, contend)?;
         let vcpu = o.pin.map(|p| p.vcpu);
         let _vcpu = busy.then(|| busy_threads(o, 1, vcpu)).transpose()?;
         let f = crate::fio::run(fio, &fj, Duration::from_secs(o.timeout_s))?;
-        let mut r = NvmeRun::new(if busy { FIO_BUSY_TARGET } else { FIO_TARGET }, "", ji, round, f.ios, 0);
+        let mut r = NvmeRun::new(target, "", ji, round, f.ios, 0);
         r.iops = f.iops;
         r.mb_s = f.mb_s;
         r.lat_avg_ns = f.lat_avg_ns;

@@ -23,6 +23,11 @@ fn fmt_ns(v: f64) -> String {
     }
 }
 
+/// Contention levels as given: "0,2".
+fn levels(l: &[u32]) -> String {
+    l.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",")
+}
+
 /// A ratio's median over rounds with its range: "1.02x [0.85 .. 1.29]".
 fn show_ratio(x: Option<crate::stats::Summary>) -> String {
     x.map_or("-".to_string(), |x| format!("{:.2}x [{:.2} .. {:.2}]", x.median, x.min, x.max))
@@ -92,7 +97,7 @@ impl NvmeResult {
             o.time_ms as f64 / 1000.0,
             o.rounds,
             o.pollers,
-            o.contend,
+            levels(&o.contend),
             placement(o)
         );
         let _ = writeln!(
@@ -181,6 +186,7 @@ impl NvmeResult {
             o.guard.min_floor_ratio, o.guard.min_floor_ratio, o.guard.max_spread, o.guard.reruns
         );
         self.vmm_table(&mut s);
+        self.quiet_table(&mut s);
         self.fio_table(&mut s);
         self.cpu_table(&mut s);
         self.ratio_lines(&mut s);
@@ -199,19 +205,51 @@ impl NvmeResult {
         s
     }
 
-    /// iopath-shm over QEMU and over fio, naming what each side stood on.
+    /// iopath-shm over QEMU and over fio at each contention level, naming
+    /// what each side stood on.
     fn ratio_lines(&self, s: &mut String) {
         for (ji, j) in self.options.jobs.iter().enumerate() {
-            let side = |t: &str| {
-                let rs: Vec<&NvmeRun> = self.runs.iter().filter(|r| r.job == ji && r.target == t).collect();
-                (!rs.is_empty()).then(|| (Self::median(&rs, |r| r.iops), rs[0].setup.clone()))
-            };
-            let a = side("iopath-shm");
-            for peer in ["qemu", FIO_TARGET, FIO_BUSY_TARGET] {
-                if let (Some((a, sa)), Some((q, sq))) = (&a, side(peer)) {
-                    let _ = writeln!(s, "{}: iopath-shm / {peer} IOPS = {:.2}x ({sa} / {sq})", j.label(), a / q);
+            for &n in &self.options.contend {
+                let side = |t: &str| {
+                    let t = format!("{t}{}", super::contend_suffix(&self.options, n));
+                    let rs: Vec<&NvmeRun> = self.runs.iter().filter(|r| r.job == ji && r.target == t).collect();
+                    (!rs.is_empty()).then(|| (Self::median(&rs, |r| r.iops), rs[0].setup.clone()))
+                };
+                let a = side("iopath-shm");
+                let sfx = super::contend_suffix(&self.options, n);
+                for peer in ["qemu", FIO_TARGET, FIO_BUSY_TARGET] {
+                    if let (Some((a, sa)), Some((q, sq))) = (&a, side(peer)) {
+                        let _ = writeln!(
+                            s,
+                            "{}: iopath-shm{sfx} / {peer}{sfx} IOPS = {:.2}x ({sa} / {sq})",
+                            j.label(),
+                            a / q
+                        );
+                    }
                 }
             }
+        }
+    }
+
+    /// Rows beside busy threads over their quiet twins, round by round.
+    fn quiet_table(&self, s: &mut String) {
+        let groups: Vec<_> = self
+            .groups()
+            .into_iter()
+            .filter(|(_, rs)| rs.iter().any(|r| r.quiet_ratio.is_some() || r.quiet_floor_ratio.is_some()))
+            .collect();
+        if groups.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            s,
+            "\nbeside busy threads over quiet (the same target without them, same job and round, run just before): median [min .. max] of IOPS (same attempt), and of /floor (each run over the floor run just before it, which runs quiet)"
+        );
+        for ((ji, target), rs) in groups {
+            let v = summarize(&rs.iter().filter_map(|r| r.quiet_ratio).collect::<Vec<_>>());
+            let f = summarize(&rs.iter().filter_map(|r| r.quiet_floor_ratio).collect::<Vec<_>>());
+            let label = self.options.jobs[ji].label();
+            let _ = writeln!(s, "{label:<24} {target:<26} IOPS {:<22} /floor {}", show_ratio(v), show_ratio(f));
         }
     }
 
@@ -276,7 +314,7 @@ impl NvmeResult {
              over the I/Os); idle CPU: the device threads in a pause after it; contend: {}",
             crate::cpu::NVME_DEVICE_THREADS.join(", "),
             crate::pin::QEMU_DEVICE_THREADS.join(", "),
-            self.options.contend
+            levels(&self.options.contend)
         );
         let _ = writeln!(
             s,
