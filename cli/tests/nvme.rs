@@ -455,14 +455,11 @@ fn bench_nvme_contend_records_its_level_device_cpu_and_leaves_no_contender() {
     let names: Vec<_> = runs.iter().map(|r| (r["target"].as_str().unwrap(), r["contend"].as_u64().unwrap())).collect();
     assert_eq!(names, [("iopath-shm", 0), ("iopath-shm+contend1", 1)], "{stderr}");
     assert!(runs[0]["quiet_ratio"].is_null(), "{}", runs[0]);
-    // The IOPS ratio pairs runs of the same attempt (the guard may have run one again).
-    if runs[0]["attempt"] == runs[1]["attempt"] {
-        let q = runs[1]["quiet_ratio"].as_f64().unwrap();
-        let want = runs[1]["iops"].as_f64().unwrap() / runs[0]["iops"].as_f64().unwrap();
-        assert!((q - want).abs() < 1e-9, "{}", runs[1]);
-    } else {
-        assert!(runs[1]["quiet_ratio"].is_null(), "{}", runs[1]);
-    }
+    // The guard runs twins again together: the two are of one attempt.
+    assert_eq!(runs[0]["attempt"], runs[1]["attempt"], "{stderr}");
+    let q = runs[1]["quiet_ratio"].as_f64().unwrap();
+    let want = runs[1]["iops"].as_f64().unwrap() / runs[0]["iops"].as_f64().unwrap();
+    assert!((q - want).abs() < 1e-9, "{}", runs[1]);
     assert!(runs[1]["quiet_floor_ratio"].as_f64().unwrap() > 0.0, "{}", runs[1]);
     assert!(stderr.contains("contend: 0,1") && stderr.contains("beside busy threads over quiet"), "{stderr}");
     for bad in ["0,0", "65"] {

@@ -64,22 +64,36 @@ pub struct Guarded {
     pub reruns: Vec<(usize, String, u32, Vec<Mark>)>,
 }
 
+/// Each member's marks over its own runs, concatenated: what marks the group.
+fn twins_marks(g: &GuardConfig, twins: &[Target], runs: &[NvmeRun], j: &Job) -> Vec<Mark> {
+    twins.iter().flat_map(|t| group_marks(g, &of(runs, t), j)).collect()
+}
+
+/// The runs of target `t` among `runs`.
+fn of(runs: &[NvmeRun], t: &Target) -> Vec<NvmeRun> {
+    runs.iter().filter(|r| r.target == t.name).cloned().collect()
+}
+
 /// Runs every marked target again (bounded by `GuardConfig::run`), then
 /// gives each run that stands its marks. fio's rows are not judged: the
-/// ring is no floor for the host's own I/O.
+/// ring is no floor for the host's own I/O. A target's twins at the other
+/// contention levels (`--contend 0,N`) run again with it, back to back, so
+/// that a contended run keeps a quiet twin of its own attempt.
 pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar) -> Guarded {
     let (o, g) = (ctx.o, &ctx.o.guard);
     let mut out = Guarded::default();
     let mut runs = runs;
+    // `targets` has each target's levels one after the other.
+    let levels = o.contend.len().max(1);
     for (ji, j) in o.jobs.iter().enumerate() {
-        for t in targets.iter().filter(|t| !t.is_fio()) {
+        for twins in targets.chunks(levels).filter(|c| !c[0].is_fio()) {
             let (mine, rest): (Vec<NvmeRun>, Vec<NvmeRun>) =
-                runs.into_iter().partition(|r| r.job == ji && r.target == t.name);
+                runs.into_iter().partition(|r| r.job == ji && twins.iter().any(|t| t.name == r.target));
             runs = rest;
             if mine.is_empty() {
                 continue;
             }
-            if group_marks(g, &mine, j).is_empty() {
+            if twins_marks(g, twins, &mine, j).is_empty() {
                 out.runs.extend(mine);
                 continue;
             }
@@ -89,29 +103,32 @@ pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar
                     let v = if attempt == 0 {
                         mine.clone()
                     } else {
-                        pb.inc_length(o.rounds as u64);
-                        let (v, f) = rerun(ctx, t, ji, attempt, pb)?;
+                        pb.inc_length(o.rounds as u64 * twins.len() as u64);
+                        let (v, f) = rerun(ctx, twins, ji, attempt, pb)?;
                         floors.extend(f);
                         v
                     };
                     tried.push(v.clone());
                     Ok::<_, String>(v)
                 },
-                |v| group_marks(g, v, j),
+                |v| twins_marks(g, twins, v, j),
             );
             out.floor.extend(floors);
-            let (attempts, marks) = match &guarded {
-                Ok(x) => (x.attempts, x.marks.clone()),
+            let attempts = match &guarded {
+                Ok(x) => x.attempts,
                 Err(e) => {
-                    out.errors.push(format!("{} {}: re-run: {e}", t.name, j.label()));
-                    (tried.len() as u32, tried.last().map(|v| group_marks(g, v, j)).unwrap_or_default())
+                    let names: Vec<&str> = twins.iter().map(|t| t.name.as_str()).collect();
+                    out.errors.push(format!("{} {}: re-run: {e}", names.join(", "), j.label()));
+                    tried.len() as u32
                 }
             };
             // The last attempt that ran stands; the earlier ones are kept apart.
             let stands = tried.pop().unwrap_or_default();
             out.superseded.extend(tried.into_iter().flatten());
+            for t in twins {
+                out.reruns.push((ji, t.name.clone(), attempts, group_marks(g, &of(&stands, t), j)));
+            }
             out.runs.extend(stands);
-            out.reruns.push((ji, t.name.clone(), attempts, marks));
         }
     }
     out.runs.extend(runs);
@@ -136,12 +153,12 @@ pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar
     out
 }
 
-/// Attempt `attempt` of target `t` for job `ji`: every round again, each
-/// after the ring floor at the job's depth (and the wake-up floor, with a
-/// think time), measured just before it.
+/// Attempt `attempt` of the twins (a target at each contention level) for
+/// job `ji`: every round again, each run after the ring floor at the job's
+/// depth (and the wake-up floor, with a think time), measured just before it.
 fn rerun(
     ctx: &Ctx,
-    t: &Target,
+    twins: &[Target],
     ji: usize,
     attempt: u32,
     pb: &ProgressBar,
@@ -150,29 +167,31 @@ fn rerun(
     let pin = o.pin.map(|p| p.pair());
     let (mut runs, mut floors) = (Vec::new(), Vec::new());
     for round in 0..o.rounds {
-        pb.set_message(format!("re-run {attempt} round {}/{} {} {}", round + 1, o.rounds, j.label(), t.name));
-        let (mut f, e) = crate::floor::measure_round(&[floor_qd(j)], round, o.floor_ms, pin);
-        if !e.is_empty() {
-            return Err(e.join("; "));
+        for t in twins {
+            pb.set_message(format!("re-run {attempt} round {}/{} {} {}", round + 1, o.rounds, j.label(), t.name));
+            let (mut f, e) = crate::floor::measure_round(&[floor_qd(j)], round, o.floor_ms, pin);
+            if !e.is_empty() {
+                return Err(e.join("; "));
+            }
+            for x in f.iter_mut() {
+                x.attempt = attempt;
+            }
+            let wake = if j.thinktime_us > 0 {
+                let w = crate::wake::run_wake(crate::wake::WAKES, crate::wake::IDLE, pin, round);
+                Some(w.map_err(|e| format!("wake: {e}"))?.p50_ns)
+            } else {
+                None
+            };
+            let mut r = ctx.run_target(t, ji, round).map_err(|e| format!("{} round {round}: {e}", t.name))?;
+            r.attempt = attempt;
+            r.floor_ops_s = f.first().map(|f| f.ops_s);
+            r.floor_p50_ns = f.first().map(|f| f.p50_ns);
+            r.wake_p50_ns = wake;
+            r.fill_floor_ratios(j);
+            runs.push(r);
+            floors.extend(f);
+            pb.inc(1);
         }
-        for x in f.iter_mut() {
-            x.attempt = attempt;
-        }
-        let wake = if j.thinktime_us > 0 {
-            let w = crate::wake::run_wake(crate::wake::WAKES, crate::wake::IDLE, pin, round);
-            Some(w.map_err(|e| format!("wake: {e}"))?.p50_ns)
-        } else {
-            None
-        };
-        let mut r = ctx.run_target(t, ji, round).map_err(|e| format!("round {round}: {e}"))?;
-        r.attempt = attempt;
-        r.floor_ops_s = f.first().map(|f| f.ops_s);
-        r.floor_p50_ns = f.first().map(|f| f.p50_ns);
-        r.wake_p50_ns = wake;
-        r.fill_floor_ratios(j);
-        runs.push(r);
-        floors.extend(f);
-        pb.inc(1);
     }
     Ok((runs, floors))
 }
@@ -228,6 +247,29 @@ mod tests {
         assert!(run_marks(&g, &run(0, 1.0e5, 960.0, 1.0e6, 1000.0), &job(1)).is_empty());
         // At QD16 the floor's p50 is not a bound on the run's.
         assert!(run_marks(&g, &run(0, 1.0e5, 500.0, 1.0e6, 1000.0), &job(16)).is_empty());
+    }
+
+    #[test]
+    fn a_mark_on_either_twin_marks_both_levels() {
+        use super::super::run::Kind;
+        use iopath_devices::nvme::DoorbellMode;
+        let g = GuardConfig::default();
+        let kind = Kind::Iopath(None, DoorbellMode::Shm, 1, true);
+        let twins = [
+            Target { name: "iopath-shm".into(), kind, contend: 0 },
+            Target { name: "iopath-shm+contend2".into(), kind, contend: 2 },
+        ];
+        let busy = |round: u32, iops: f64| {
+            let mut r = run(round, iops, 5000.0, 2.0e6, 1.0);
+            (r.target, r.contend) = ("iopath-shm+contend2".into(), 2);
+            r
+        };
+        let calm = vec![run(0, 1.0e6, 5000.0, 2.0e6, 1.0), run(1, 1.1e6, 5000.0, 2.0e6, 1.0)];
+        assert!(twins_marks(&g, &twins, &[calm.clone(), vec![busy(0, 0.4e6), busy(1, 0.5e6)]].concat(), &job(16))
+            .is_empty());
+        // The busy twin's rounds disagree: the group is marked, though the quiet twin is calm.
+        let m = twins_marks(&g, &twins, &[calm, vec![busy(0, 0.1e6), busy(1, 0.5e6)]].concat(), &job(16));
+        assert_eq!(r9(m), vec![Mark::Spread { max_over_min: 5.0 }]);
     }
 
     #[test]
