@@ -462,6 +462,9 @@ fn bench_nvme_contend_records_its_level_device_cpu_and_leaves_no_contender() {
     assert!((q - want).abs() < 1e-9, "{}", runs[1]);
     assert!(runs[1]["quiet_floor_ratio"].as_f64().unwrap() > 0.0, "{}", runs[1]);
     assert!(stderr.contains("contend: 0,1") && stderr.contains("beside busy threads over quiet"), "{stderr}");
+    // The vCPU's share of a CPU, beside busy threads and quiet.
+    let row = stderr.lines().find(|l| l.contains("iopath-shm+contend1") && l.contains("vCPU")).unwrap_or_default();
+    assert!(row.contains(" % / ") && row.ends_with(" %"), "{stderr}");
     for bad in ["0,0", "65"] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
             .args(["bench", "nvme", "--quick", "--contend", bad])

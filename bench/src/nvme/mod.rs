@@ -387,7 +387,7 @@ pub fn contend_suffix(o: &NvmeOptions, n: u32) -> String {
 
 /// A run's target name without its contention level: what its quiet twin
 /// and its fio rows are called.
-fn base_target(r: &NvmeRun) -> String {
+pub(super) fn base_target(r: &NvmeRun) -> String {
     r.target.replacen(&format!("+contend{}", r.contend), "", 1)
 }
 

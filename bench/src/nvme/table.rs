@@ -23,6 +23,12 @@ fn fmt_ns(v: f64) -> String {
     }
 }
 
+/// The share of a CPU (percent) the guest's vCPU thread got in a run's
+/// timed window: its CPU time per I/O times the I/Os per second.
+fn vcpu_pct(r: &NvmeRun) -> Option<f64> {
+    r.vcpu_ns_per_io.filter(|_| r.iops.is_finite()).map(|ns| ns * r.iops / 1e7)
+}
+
 /// Contention levels as given: "0,2".
 fn levels(l: &[u32]) -> String {
     l.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",")
@@ -231,7 +237,11 @@ impl NvmeResult {
         }
     }
 
-    /// Rows beside busy threads over their quiet twins, round by round.
+    /// Rows beside busy threads over their quiet twins, round by round,
+    /// with the share of a CPU the guest's vCPU thread got in each: a guest
+    /// that does a fixed amount of work per I/O cannot go faster than its
+    /// vCPU runs, so with a polling guest (always runnable) IOPS over quiet
+    /// is bounded by about the ratio of the two shares.
     fn quiet_table(&self, s: &mut String) {
         let groups: Vec<_> = self
             .groups()
@@ -243,13 +253,25 @@ impl NvmeResult {
         }
         let _ = writeln!(
             s,
-            "\nbeside busy threads over quiet (the same target without them, same job and round, run just before): median [min .. max] of IOPS (same attempt), and of /floor (each run over the floor run just before it, which runs quiet)"
+            "\nbeside busy threads over quiet (the same target without them, same job and round, run just before): median [min .. max] of IOPS (same attempt), and of /floor (each run over the floor run just before it, which runs quiet); vCPU: the share of a CPU the guest's vCPU thread got in the timed window, median over rounds, beside busy threads / quiet"
         );
+        let pct = |rs: &[&NvmeRun]| summarize(&rs.iter().filter_map(|r| vcpu_pct(r)).collect::<Vec<_>>());
         for ((ji, target), rs) in groups {
             let v = summarize(&rs.iter().filter_map(|r| r.quiet_ratio).collect::<Vec<_>>());
             let f = summarize(&rs.iter().filter_map(|r| r.quiet_floor_ratio).collect::<Vec<_>>());
+            let base = super::base_target(rs[0]);
+            let quiet: Vec<&NvmeRun> = self.runs.iter().filter(|r| r.job == ji && r.target == base).collect();
+            let cpu = match (pct(&rs), pct(&quiet)) {
+                (Some(b), Some(q)) => format!("{:.0} % / {:.0} %", b.median, q.median),
+                _ => "-".into(),
+            };
             let label = self.options.jobs[ji].label();
-            let _ = writeln!(s, "{label:<24} {target:<26} IOPS {:<22} /floor {}", show_ratio(v), show_ratio(f));
+            let _ = writeln!(
+                s,
+                "{label:<24} {target:<26} IOPS {:<22} /floor {:<22} vCPU {cpu}",
+                show_ratio(v),
+                show_ratio(f)
+            );
         }
     }
 
