@@ -211,26 +211,28 @@ impl NvmeResult {
         s
     }
 
-    /// iopath-shm over QEMU and over fio at each contention level, naming
-    /// what each side stood on.
+    /// iopath-adaptive (the default mode) and iopath-shm over QEMU and over
+    /// fio at each contention level, naming what each side stood on.
     fn ratio_lines(&self, s: &mut String) {
         for (ji, j) in self.options.jobs.iter().enumerate() {
             for &n in &self.options.contend {
+                let sfx = super::contend_suffix(&self.options, n);
                 let side = |t: &str| {
-                    let t = format!("{t}{}", super::contend_suffix(&self.options, n));
+                    let t = format!("{t}{sfx}");
                     let rs: Vec<&NvmeRun> = self.runs.iter().filter(|r| r.job == ji && r.target == t).collect();
                     (!rs.is_empty()).then(|| (Self::median(&rs, |r| r.iops), rs[0].setup.clone()))
                 };
-                let a = side("iopath-shm");
-                let sfx = super::contend_suffix(&self.options, n);
-                for peer in ["qemu", FIO_TARGET, FIO_BUSY_TARGET] {
-                    if let (Some((a, sa)), Some((q, sq))) = (&a, side(peer)) {
-                        let _ = writeln!(
-                            s,
-                            "{}: iopath-shm{sfx} / {peer}{sfx} IOPS = {:.2}x ({sa} / {sq})",
-                            j.label(),
-                            a / q
-                        );
+                for ours in ["iopath-adaptive", "iopath-shm"] {
+                    let Some((a, sa)) = side(ours) else { continue };
+                    for peer in ["qemu", FIO_TARGET, FIO_BUSY_TARGET] {
+                        if let Some((q, sq)) = side(peer) {
+                            let _ = writeln!(
+                                s,
+                                "{}: {ours}{sfx} / {peer}{sfx} IOPS = {:.2}x ({sa} / {sq})",
+                                j.label(),
+                                a / q
+                            );
+                        }
                     }
                 }
             }
