@@ -196,7 +196,7 @@ pub fn prp_segments(mem: &GuestMem, prp1: u64, prp2: u64, len: u64, out: &mut Ve
     }
     let first = (PAGE - (prp1 & (PAGE - 1))).min(len);
     out.push((prp1, first));
-    let mut left = len - first;
+    let left = len - first;
     if left == 0 {
         return check(mem, out);
     }
@@ -207,8 +207,17 @@ pub fn prp_segments(mem: &GuestMem, prp1: u64, prp2: u64, len: u64, out: &mut Ve
         out.push((prp2, left));
         return check(mem, out);
     }
+    prp_list(mem, prp2, left, out)?;
+    check(mem, out)
+}
+
+/// The PRP list at `list` for the `left` bytes after PRP1's page, appended
+/// to `out`. Apart from [`prp_segments`] so that its page-sized entry buffer
+/// is on the stack only for transfers of more than two pages, not on the
+/// path every 512 B or 4 KiB command takes.
+#[inline(never)]
+fn prp_list(mem: &GuestMem, mut list: u64, mut left: u64, out: &mut Vec<(u64, u64)>) -> Result<(), u16> {
     // PRP2 points to a list; the last entry of a full list page chains on.
-    let mut list = prp2;
     if list & 7 != 0 {
         return Err(status::INVALID_PRP_OFFSET);
     }
@@ -244,7 +253,7 @@ pub fn prp_segments(mem: &GuestMem, prp1: u64, prp2: u64, len: u64, out: &mut Ve
             return Err(status::INVALID_FIELD); // a list longer than any transfer this controller allows
         }
     }
-    check(mem, out)
+    Ok(())
 }
 
 /// Reads PRP list entries at `at` (little endian in guest memory).
