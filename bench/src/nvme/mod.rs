@@ -596,24 +596,39 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
 /// Which runs pair up: job, round, attempt and contention level.
 type RunKey = (usize, u32, u32, u32);
 
+/// A run as a possible twin: its key, target, IOPS and floor ratio.
+type Twin = (RunKey, String, f64, Option<f64>);
+
+/// Run `r`'s ratios to its twin named `base` among `pool`, same job and
+/// round: IOPS over the twin's of the same attempt, and `floor_ratio` over
+/// the twin's whatever their attempts.
+fn over_twin(pool: &[Twin], base: &str, r: &NvmeRun) -> (Option<f64>, Option<f64>) {
+    let twin = |same_attempt: bool| {
+        pool.iter()
+            .find(|t| t.1 == base && (t.0 .0, t.0 .1) == (r.job, r.round) && (!same_attempt || t.0 .2 == r.attempt))
+    };
+    let iops = twin(true).map(|t| t.2).filter(|&v| v > 0.0).map(|v| r.iops / v);
+    let own = twin(false).and_then(|t| t.3).filter(|&f| f > 0.0);
+    (iops, own.zip(r.floor_ratio).map(|(t, f)| f / t))
+}
+
 /// Ratios between targets of the same job, round and attempt: each
 /// file-backed row over the host's fio rows (alone and beside a busy CPU)
 /// of its contention level, each out-of-process row over its in-VMM twin,
 /// each contended row over its quiet twin. A re-run row has no partner of
 /// its attempt: no IOPS ratio. The `*_floor_ratio`s compare each run over
 /// its own floor, so they pair the rounds of the same number whatever
-/// their attempts.
+/// their attempts. (A twin's name carries the contention level wherever
+/// several run, so an in-VMM twin is always at the run's own level.)
 fn relate(runs: &mut [NvmeRun]) {
     let key = |r: &NvmeRun| -> RunKey { (r.job, r.round, r.attempt, r.contend) };
     let of = |t: &str| runs.iter().filter(|r| base_target(r) == t).map(|r| (key(r), r.iops)).collect::<Vec<_>>();
     let (fio, fio_busy) = (of(FIO_TARGET), of(FIO_BUSY_TARGET));
-    let in_vmm: Vec<_> = runs
-        .iter()
-        .filter(|r| r.target.starts_with("iopath-") && !r.target.contains('@'))
-        .map(|r| (key(r), r.target.clone(), r.iops, r.floor_ratio))
-        .collect();
-    let quiet: Vec<_> =
-        runs.iter().filter(|r| r.contend == 0).map(|r| (key(r), r.target.clone(), r.iops, r.floor_ratio)).collect();
+    let twins = |keep: &dyn Fn(&NvmeRun) -> bool| -> Vec<Twin> {
+        runs.iter().filter(|r| keep(r)).map(|r| (key(r), r.target.clone(), r.iops, r.floor_ratio)).collect()
+    };
+    let in_vmm = twins(&|r| r.target.starts_with("iopath-") && !r.target.contains('@'));
+    let quiet = twins(&|r| r.contend == 0);
     for r in runs.iter_mut() {
         if !is_fio_target(&r.target) {
             let over = |f: &[(RunKey, f64)]| {
@@ -622,23 +637,10 @@ fn relate(runs: &mut [NvmeRun]) {
             (r.fio_ratio, r.fio_busy_ratio) = (over(&fio), over(&fio_busy));
         }
         if let Some((base, _)) = r.target.split_once('@') {
-            let v = in_vmm.iter().find(|v| v.0 == key(r) && v.1 == base);
-            r.vmm_ratio = v.map(|v| v.2).filter(|&v| v > 0.0).map(|v| r.iops / v);
-            let same_round =
-                in_vmm.iter().find(|v| (v.0 .0, v.0 .1, v.0 .3) == (r.job, r.round, r.contend) && v.1 == base);
-            let own = same_round.and_then(|v| v.3).filter(|&f| f > 0.0);
-            r.vmm_floor_ratio = own.zip(r.floor_ratio).map(|(v, f)| f / v);
+            (r.vmm_ratio, r.vmm_floor_ratio) = over_twin(&in_vmm, base, r);
         }
         if r.contend > 0 {
-            let base = base_target(r);
-            let twin = |attempt: bool| {
-                quiet
-                    .iter()
-                    .find(|q| q.1 == base && (q.0 .0, q.0 .1) == (r.job, r.round) && (!attempt || q.0 .2 == r.attempt))
-            };
-            r.quiet_ratio = twin(true).map(|q| q.2).filter(|&q| q > 0.0).map(|q| r.iops / q);
-            let own = twin(false).and_then(|q| q.3).filter(|&f| f > 0.0);
-            r.quiet_floor_ratio = own.zip(r.floor_ratio).map(|(q, f)| f / q);
+            (r.quiet_ratio, r.quiet_floor_ratio) = over_twin(&quiet, &base_target(r), r);
         }
     }
 }
