@@ -77,6 +77,11 @@ impl NvmeResult {
         g
     }
 
+    /// The groups with at least one run for which `f` holds (a section's rows).
+    fn groups_where(&self, f: impl Fn(&NvmeRun) -> bool) -> Vec<((usize, String), Vec<&NvmeRun>)> {
+        self.groups().into_iter().filter(|(_, rs)| rs.iter().any(|r| f(r))).collect()
+    }
+
     fn median(rs: &[&NvmeRun], f: impl Fn(&NvmeRun) -> f64) -> f64 {
         summarize(&rs.iter().map(|r| f(r)).collect::<Vec<_>>()).map(|s| s.median).unwrap_or(f64::NAN)
     }
@@ -245,11 +250,7 @@ impl NvmeResult {
     /// vCPU runs, so with a polling guest (always runnable) IOPS over quiet
     /// is bounded by about the ratio of the two shares.
     fn quiet_table(&self, s: &mut String) {
-        let groups: Vec<_> = self
-            .groups()
-            .into_iter()
-            .filter(|(_, rs)| rs.iter().any(|r| r.quiet_ratio.is_some() || r.quiet_floor_ratio.is_some()))
-            .collect();
+        let groups = self.groups_where(|r| r.quiet_ratio.is_some() || r.quiet_floor_ratio.is_some());
         if groups.is_empty() {
             return;
         }
@@ -279,11 +280,7 @@ impl NvmeResult {
 
     /// Out-of-process rows over their in-VMM twins, round by round.
     fn vmm_table(&self, s: &mut String) {
-        let groups: Vec<_> = self
-            .groups()
-            .into_iter()
-            .filter(|(_, rs)| rs.iter().any(|r| r.vmm_ratio.is_some() || r.vmm_floor_ratio.is_some()))
-            .collect();
+        let groups = self.groups_where(|r| r.vmm_ratio.is_some() || r.vmm_floor_ratio.is_some());
         if groups.is_empty() {
             return;
         }
@@ -302,8 +299,7 @@ impl NvmeResult {
     /// File rows over the host's two fio rows, round by round: alone, and
     /// beside a busy CPU where a polling guest's vCPU would be busy.
     fn fio_table(&self, s: &mut String) {
-        let groups: Vec<_> =
-            self.groups().into_iter().filter(|(_, rs)| rs.iter().any(|r| r.fio_busy_ratio.is_some())).collect();
+        let groups = self.groups_where(|r| r.fio_busy_ratio.is_some());
         if groups.is_empty() {
             return;
         }
@@ -323,11 +319,7 @@ impl NvmeResult {
 
     /// Device threads' CPU per group: per I/O in the window, and idle.
     fn cpu_table(&self, s: &mut String) {
-        let groups: Vec<_> = self
-            .groups()
-            .into_iter()
-            .filter(|(_, rs)| rs.iter().any(|r| r.device_threads > 0 || r.vcpu_ns_per_io.is_some()))
-            .collect();
+        let groups = self.groups_where(|r| r.device_threads > 0 || r.vcpu_ns_per_io.is_some());
         if groups.is_empty() {
             return;
         }
