@@ -509,9 +509,9 @@ fn bench_nvme_on_a_file_runs_host_fio_beside_it_or_says_why_not() {
     kvm();
     let img = std::env::temp_dir().join(format!("iopath-fio-row-{}.img", std::process::id()));
     std::fs::write(&img, vec![0u8; 8 << 20]).unwrap();
-    let bench = |fio: Option<&str>| {
+    let bench_with = |fio: Option<&str>, more: &[&str]| {
         let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"));
-        c.args(["bench", "nvme", "--rounds", "1", "--time", "0.3", "--doorbell", "shm", "--rw", "randread"]);
+        c.args(["bench", "nvme", "--time", "0.3", "--doorbell", "shm", "--rw", "randread"]).args(more);
         c.args(["--bs", "4096", "--iodepth", "4", "--json", "-", "--backend", &format!("file:{}", img.display())]);
         if let Some(f) = fio {
             c.env("IOPATH_FIO", f);
@@ -521,6 +521,7 @@ fn bench_nvme_on_a_file_runs_host_fio_beside_it_or_says_why_not() {
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         (v, String::from_utf8_lossy(&out.stderr).into_owned())
     };
+    let bench = |fio: Option<&str>| bench_with(fio, &["--rounds", "1"]);
     // No fio: the row is skipped with the reason; the bench runs and passes.
     let (v, table) = bench(Some("/nonexistent/fio"));
     let runs = v["runs"].as_array().unwrap();
@@ -548,6 +549,22 @@ fn bench_nvme_on_a_file_runs_host_fio_beside_it_or_says_why_not() {
         assert!((ratio - shm["iops"].as_f64().unwrap() / busy["iops"].as_f64().unwrap()).abs() < 1e-9);
         assert!(busy["fio_ratio"].is_null() && busy["floor_ratio"].is_null(), "{busy}");
         assert!(table.contains("/fio busy CPU"), "{table}");
+        // A target the guard runs again (two rounds never agree exactly, and the spread
+        // allowed is 1.0) takes fio along: each of its runs keeps a fio row of its own attempt.
+        let (v, _) = bench_with(None, &["--rounds", "2", "--max-spread", "1.0", "--reruns", "1"]);
+        let runs = v["runs"].as_array().unwrap();
+        let shm: Vec<_> = runs.iter().filter(|r| r["target"] == "iopath-shm").collect();
+        assert_eq!(shm.len(), 2, "{runs:?}");
+        for r in &shm {
+            assert_eq!(r["attempt"], 1, "{r}");
+            let fio = runs
+                .iter()
+                .find(|f| f["target"] == "fio (host)" && f["attempt"] == 1 && f["round"] == r["round"])
+                .expect("a fio row of the re-run's attempt and round");
+            let ratio = r["fio_ratio"].as_f64().expect("fio_ratio after a re-run");
+            assert!((ratio - r["iops"].as_f64().unwrap() / fio["iops"].as_f64().unwrap()).abs() < 1e-9);
+            assert!(r["fio_busy_ratio"].as_f64().is_some(), "{r}");
+        }
     } else {
         eprintln!("fio is not installed: only the skipped row was checked");
     }

@@ -78,13 +78,18 @@ fn of(runs: &[NvmeRun], t: &Target) -> Vec<NvmeRun> {
 /// gives each run that stands its marks. fio's rows are not judged: the
 /// ring is no floor for the host's own I/O. A target's twins at the other
 /// contention levels (`--contend 0,N`) run again with it, back to back, so
-/// that a contended run keeps a quiet twin of its own attempt.
+/// that a contended run keeps a quiet twin of its own attempt; on a file,
+/// fio runs again beside them, so that it keeps its fio rows too. Every
+/// re-run gets an attempt number of its own, whatever its target: runs pair
+/// up only with what ran in the same attempt.
 pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar) -> Guarded {
     let (o, g) = (ctx.o, &ctx.o.guard);
     let mut out = Guarded::default();
     let mut runs = runs;
     // `targets` has each target's levels one after the other.
     let levels = o.contend.len().max(1);
+    let fio: Vec<Target> = targets.iter().filter(|t| t.is_fio()).cloned().collect();
+    let mut next_attempt = 1;
     for (ji, j) in o.jobs.iter().enumerate() {
         for twins in targets.chunks(levels).filter(|c| !c[0].is_fio()) {
             let (mine, rest): (Vec<NvmeRun>, Vec<NvmeRun>) =
@@ -103,8 +108,11 @@ pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar
                     let v = if attempt == 0 {
                         mine.clone()
                     } else {
-                        pb.inc_length(o.rounds as u64 * twins.len() as u64);
-                        let (v, f) = rerun(ctx, twins, ji, attempt, pb)?;
+                        let fio: Vec<Target> = fio.iter().filter(|f| ctx.runs_job(f, j)).cloned().collect();
+                        pb.inc_length(o.rounds as u64 * (twins.len() + fio.len()) as u64);
+                        let id = next_attempt;
+                        next_attempt += 1;
+                        let (v, f) = rerun(ctx, twins, &fio, ji, id, pb)?;
                         floors.extend(f);
                         v
                     };
@@ -155,10 +163,13 @@ pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar
 
 /// Attempt `attempt` of the twins (a target at each contention level) for
 /// job `ji`: every round again, each run after the ring floor at the job's
-/// depth (and the wake-up floor, with a think time), measured just before it.
+/// depth (and the wake-up floor, with a think time), measured just before it,
+/// and after the `fio` targets at its level (the file's own floor), which
+/// join the attempt's runs.
 fn rerun(
     ctx: &Ctx,
     twins: &[Target],
+    fio: &[Target],
     ji: usize,
     attempt: u32,
     pb: &ProgressBar,
@@ -168,6 +179,13 @@ fn rerun(
     let (mut runs, mut floors) = (Vec::new(), Vec::new());
     for round in 0..o.rounds {
         for t in twins {
+            for f in fio.iter().filter(|f| f.contend == t.contend) {
+                pb.set_message(format!("re-run {attempt} round {}/{} {} {}", round + 1, o.rounds, j.label(), f.name));
+                let mut r = ctx.run_target(f, ji, round).map_err(|e| format!("{} round {round}: {e}", f.name))?;
+                r.attempt = attempt;
+                runs.push(r);
+                pb.inc(1);
+            }
             pb.set_message(format!("re-run {attempt} round {}/{} {} {}", round + 1, o.rounds, j.label(), t.name));
             let (mut f, e) = crate::floor::measure_round(&[floor_qd(j)], round, o.floor_ms, pin);
             if !e.is_empty() {

@@ -197,7 +197,9 @@ pub struct NvmeRun {
     pub poller_ios: Vec<u64>,
     pub job: usize,
     pub round: u32,
-    /// 0 for the run of the round; k for the k-th re-run of a marked target.
+    /// 0 for the run of the round; for a re-run, its attempt's number (1, 2, ..:
+    /// one per re-run in the bench, whatever its target, so that runs of the
+    /// same number ran together: a target, its twins and fio).
     pub attempt: u32,
     /// I/Os the guest completed in its timed window.
     pub ios: u64,
