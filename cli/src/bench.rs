@@ -144,17 +144,21 @@ impl ExitsArgs {
     }
 }
 
-/// `--contend` levels: each once, in the order given.
-fn levels(l: &[u32]) -> anyhow::Result<Vec<u32>> {
-    let mut v: Vec<u32> = Vec::new();
-    for &n in l {
-        if v.contains(&n) {
-            anyhow::bail!("--contend {n} given twice");
+/// A list option's values, each once, in the order given: a value given
+/// twice would run the same target twice under one name. `key` is how the
+/// option spells a value.
+fn each_once<T, K: PartialEq + std::fmt::Display>(
+    opt: &str,
+    v: Vec<T>,
+    key: impl Fn(&T) -> K,
+) -> anyhow::Result<Vec<T>> {
+    for (i, x) in v.iter().enumerate() {
+        if v[..i].iter().any(|y| key(y) == key(x)) {
+            anyhow::bail!("{opt} {} given twice", key(x));
         }
-        v.push(n);
     }
     if v.is_empty() {
-        anyhow::bail!("--contend: no level");
+        anyhow::bail!("{opt}: no value");
     }
     Ok(v)
 }
@@ -257,12 +261,11 @@ pub struct NvmeArgs {
 impl NvmeArgs {
     pub fn options(&self) -> anyhow::Result<NvmeOptions> {
         let mut o = NvmeOptions {
-            doorbells: self
-                .doorbell
-                .split(',')
-                .filter(|s| !s.is_empty())
-                .map(|d| d.parse())
-                .collect::<Result<_, _>>()?,
+            doorbells: each_once(
+                "--doorbell",
+                self.doorbell.split(',').filter(|s| !s.is_empty()).map(|d| d.parse()).collect::<Result<_, _>>()?,
+                |d: &iopath_devices::nvme::DoorbellMode| d.to_string(),
+            )?,
             backend: self.backend.parse()?,
             transports: parse_transports(&self.transport)?,
             lba: self.lba,
@@ -271,7 +274,7 @@ impl NvmeArgs {
             vs_qemu: self.vs == Some(Peer::Qemu),
             mem_mb: self.mem,
             timeout_s: self.timeout,
-            contend: levels(&self.contend)?,
+            contend: each_once("--contend", self.contend.clone(), |&n| n)?,
             pin: self.pin.placement(),
             progress: !self.out.quiet,
             pollers: parse_pollers(&self.pollers)?,
@@ -449,31 +452,37 @@ pub struct AllArgs {
 }
 
 fn parse_transports(s: &str) -> anyhow::Result<Vec<Option<&'static dyn iopath_protocols::Transport>>> {
-    s.split(',')
+    let v = s
+        .split(',')
         .map(|t| match t.trim() {
             "vmm" => Ok(None),
             t => iopath_protocols::transport(t).map(Some).map_err(anyhow::Error::from),
         })
-        .collect()
+        .collect::<anyhow::Result<_>>()?;
+    each_once("--transport", v, |t| t.map_or("vmm", |t| t.name()))
 }
 
 fn parse_forecast(s: &str) -> anyhow::Result<Vec<bool>> {
-    s.split(',')
+    let v = s
+        .split(',')
         .map(|f| match f.trim() {
             "on" => Ok(true),
             "off" => Ok(false),
             _ => Err(anyhow::anyhow!("--forecast: {f:?} is not on or off")),
         })
-        .collect()
+        .collect::<anyhow::Result<_>>()?;
+    each_once("--forecast", v, |&f| if f { "on" } else { "off" })
 }
 
 fn parse_pollers(s: &str) -> anyhow::Result<Vec<u8>> {
-    s.split(',')
+    let v = s
+        .split(',')
         .map(|p| match p.trim().parse::<u8>() {
             Ok(v @ 1..=16) => Ok(v),
             _ => Err(anyhow::anyhow!("--pollers: {p:?} is not a poller count (1..=16)")),
         })
-        .collect()
+        .collect::<anyhow::Result<_>>()?;
+    each_once("--pollers", v, |&p| p)
 }
 
 /// A size as fio writes one: a number of bytes with an optional binary
@@ -577,6 +586,25 @@ mod tests {
         assert_eq!((n.guard.reruns, n.guard.max_spread), (1, 2.0));
         assert!(parse(&["exits", "--cpl", "7"]).is_err());
         assert!(parse(&["exits", "--reruns", "9"]).is_err());
+    }
+
+    #[test]
+    fn list_options_take_each_value_once() {
+        let o = nvme(&["--doorbell", "shm,adaptive", "--pollers", "1,2", "--forecast", "on,off"]).options().unwrap();
+        assert_eq!((o.doorbells.len(), o.pollers, o.forecast), (2, vec![1, 2], vec![true, false]));
+        assert_eq!(nvme(&["--transport", "vmm,vfio-user"]).options().unwrap().transports.len(), 2);
+        assert_eq!(nvme(&["--contend", "2,0"]).options().unwrap().contend, vec![2, 0]);
+        for (opt, v, said) in [
+            ("--doorbell", "shm,bar,shm", "--doorbell shm given twice"),
+            ("--pollers", "2,2", "--pollers 2 given twice"),
+            ("--forecast", "on,on", "--forecast on given twice"),
+            ("--transport", "vfio-user,vmm,vfio-user", "--transport vfio-user given twice"),
+            ("--contend", "0,0", "--contend 0 given twice"),
+            ("--doorbell", ",", "--doorbell: no value"),
+        ] {
+            let e = nvme(&[opt, v]).options().expect_err(v).to_string();
+            assert_eq!(e, said);
+        }
     }
 
     #[test]
