@@ -291,7 +291,9 @@ fn spawn_adaptive(
                 steps.start(c.db.bar_page.is_some());
                 wake_at
             };
-            loop {
+            // What the wake-up tells the forecast, told once the lock is released:
+            // the gap a kick ended, and how late the forecast's timer fired.
+            let (kicked_gap, late) = loop {
                 let timer = wake_at.map(|t| t.saturating_duration_since(Instant::now()));
                 let r = wait_either(&kick, done.as_deref(), sooner(sooner(retry.after(), steps.after()), timer));
                 let mut c = core.lock().unwrap();
@@ -334,18 +336,12 @@ fn spawn_adaptive(
                 if kicked {
                     c.drain_kicks();
                     c.st.wakeups += 1;
-                    if !in_flight {
-                        forecast.seen(now - gap_start, Seen::Kicked);
-                    }
                 }
                 if let (true, Some(done)) = (completed, done.as_deref()) {
                     let _ = read_eventfd(done);
                 }
-                if let (true, Some(t)) = (forecast_due, wake_at) {
-                    // Poll for the forecast command from here on.
-                    forecast.woke(now - t);
+                if forecast_due {
                     c.st.forecasts += 1;
-                    expect = Some(Expect::new(gap_start, &forecast));
                 }
                 // Polling again: EventIdx goes back behind the tails (the page
                 // back into the guest), or the next submission would ring.
@@ -358,7 +354,16 @@ fn spawn_adaptive(
                     // and the poller spun through gaps of 250 us).
                     window.slept(if forecast_due { ADAPTIVE_IDLE } else { steps.idle() });
                 }
-                break;
+                let kicked_gap = (kicked && !in_flight).then(|| now - gap_start);
+                break (kicked_gap, wake_at.filter(|_| forecast_due).map(|t| now - t));
+            };
+            if let Some(gap) = kicked_gap {
+                forecast.seen(gap, Seen::Kicked);
+            }
+            if let Some(late) = late {
+                // Poll for the forecast command from here on.
+                forecast.woke(late);
+                expect = Some(Expect::new(gap_start, &forecast));
             }
             (idle_since, idle_passes) = (None, 0);
         }
