@@ -700,3 +700,52 @@ fn bench_nvme_vs_qemu_puts_qemu_on_the_same_backend_kind_and_checks_its_guest() 
         }
     }
 }
+
+/// A loop device over a file of `bytes`, detached (and its file removed) when dropped.
+struct LoopDevice(String, std::path::PathBuf);
+
+impl LoopDevice {
+    /// None where this user may not set one up (not root).
+    fn new(bytes: usize) -> Option<LoopDevice> {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        if !status.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(2) == Some("0")) {
+            return None;
+        }
+        let img = std::env::temp_dir().join(format!("iopath-blkdev-{}.img", std::process::id()));
+        std::fs::write(&img, vec![0u8; bytes]).unwrap();
+        let out = std::process::Command::new("losetup").args(["-f", "--show"]).arg(&img).output().expect("losetup");
+        assert!(out.status.success(), "losetup as root: {}", String::from_utf8_lossy(&out.stderr));
+        Some(LoopDevice(String::from_utf8(out.stdout).unwrap().trim().to_string(), img))
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("losetup").args(["-d", &self.0]).status();
+        let _ = std::fs::remove_file(&self.1);
+    }
+}
+
+#[test]
+fn a_block_device_backs_a_namespace_up_to_its_own_size() {
+    kvm();
+    let Some(dev) = LoopDevice::new(16 << 20) else {
+        eprintln!("not root: no loop device to put a namespace on");
+        return;
+    };
+    // Data through the block device, written and read back, from the VMM and a device process.
+    for remote in ["", "@vfio-user"] {
+        let spec = format!("nvme,doorbell=adaptive,backend=file:{},size_mb=16{remote}", dev.0);
+        let (rec, c, _) = nvmeperf(&spec, "verify=1 bs=4096 iodepth=8 size_mb=16");
+        assert_eq!((num(&rec, "errors"), num(&rec, "mismatches")), (0, 0), "{spec}");
+        assert_eq!(num(&rec, "verified_blocks"), (16 << 20) / 4096, "{spec}");
+        assert!(c["backend.direct-ops"] > 0, "{spec}: O_DIRECT through io_uring: {c:?}");
+    }
+    // A namespace larger than the device is refused with both sizes, not grown.
+    let spec: iopath_protocols::attach::DeviceSpec = format!("nvme,backend=file:{},size_mb=32", dev.0).parse().unwrap();
+    let e = iopath_protocols::attach::instantiate(&spec, &programs()).err().expect("a 32 MiB namespace on 16 MiB");
+    assert!(e.to_string().contains("holds 16777216 bytes, the namespace needs 33554432"), "{e}");
+    // The bench sizes its runs (guest, fio, QEMU) by the device.
+    let kind = iopath_devices::nvme::backend::BackendKind::File(dev.0.clone().into());
+    assert_eq!(iopath_bench::nvme::namespace_size(&kind, None), 16 << 20);
+}

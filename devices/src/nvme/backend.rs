@@ -269,12 +269,50 @@ pub struct FileBackend {
     pub fail_submits: u32,
 }
 
+vmm_sys_util::ioctl_ior_nr!(BLKGETSIZE64, 0x12, 114, u64);
+
+/// The bytes `f` holds: a regular file's length, or a block device's size
+/// (which its inode's length does not give).
+pub fn backing_bytes(f: &File) -> std::io::Result<u64> {
+    use std::os::unix::fs::FileTypeExt;
+    let m = f.metadata()?;
+    if !m.file_type().is_block_device() {
+        return Ok(m.len());
+    }
+    let mut size = 0u64;
+    // SAFETY: BLKGETSIZE64 writes one u64, into `size`, which outlives the call.
+    let r = unsafe { vmm_sys_util::ioctl::ioctl_with_mut_ref(f, BLKGETSIZE64(), &mut size) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(size)
+}
+
+/// The bytes at `p` (see [`backing_bytes`]); 0 where there is nothing to open.
+pub fn path_bytes(p: &std::path::Path) -> u64 {
+    File::open(p).and_then(|f| backing_bytes(&f)).unwrap_or(0)
+}
+
 impl FileBackend {
+    /// Opens (or creates) `p` for a namespace of `bytes`: a regular file
+    /// shorter than that is extended; a block device must hold it already.
     fn open(p: &std::path::Path, bytes: u64) -> Result<Self> {
+        use std::os::unix::fs::FileTypeExt;
         let io_err = |e| Error::io(p.display().to_string(), e);
         let f =
             std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(p).map_err(io_err)?;
-        if f.metadata().map_err(io_err)?.len() < bytes {
+        let have = backing_bytes(&f).map_err(io_err)?;
+        if have < bytes {
+            if f.metadata().map_err(io_err)?.file_type().is_block_device() {
+                return Err(Error::Option {
+                    device: "nvme",
+                    option: "backend".into(),
+                    reason: format!(
+                        "{}: the block device holds {have} bytes, the namespace needs {bytes}",
+                        p.display()
+                    ),
+                });
+            }
             f.set_len(bytes).map_err(io_err)?;
         }
         use std::os::unix::fs::OpenOptionsExt;
