@@ -78,6 +78,46 @@ impl Nvme {
 /// Idle passes of an adaptive poller between two looks at the clock.
 const IDLE_CLOCK_PASSES: u32 = 64;
 
+/// A yield that took longer than this met a thread that wants the core
+/// for a whole time slice (see [`Yielder`]).
+const LONG_YIELD: Duration = Duration::from_micros(50);
+
+/// After a long yield: how long the poller sleeps at once rather than
+/// yield while it waits for file operations.
+const BESIDE_BUSY: Duration = Duration::from_millis(10);
+
+/// While only file operations are in flight, an idle pass yields the core
+/// rather than spin: the storage stack's own work (a loop or dm worker,
+/// the block layer's completions) may be waiting for that core, and alone
+/// on it a yield returns at once, so the poller still sees a completion
+/// within a pass. A yield that lasted over [`LONG_YIELD`] handed the core
+/// to a busy thread for its slice: for [`BESIDE_BUSY`] the poller then
+/// sleeps at once instead (the completion eventfd wakes it, and a woken
+/// thread is scheduled ahead of one that spins).
+/// On a loop device over /dev/shm, 4 KiB randread QD32: 129-137 k IOPS
+/// spinning, 165-176 k yielding (fio on the host: 177-205 k).
+#[derive(Default)]
+struct Yielder {
+    busy_until: Option<Instant>,
+}
+
+impl Yielder {
+    /// True while a recent yield found the core shared with a busy thread.
+    fn beside_busy(&self) -> bool {
+        self.busy_until.is_some_and(|t| Instant::now() < t)
+    }
+
+    fn yield_core(&mut self) {
+        let t = Instant::now();
+        // SAFETY: sched_yield takes no arguments and cannot fail on Linux.
+        unsafe { libc::sched_yield() };
+        let now = Instant::now();
+        if now - t > LONG_YIELD {
+            self.busy_until = Some(now + BESIDE_BUSY);
+        }
+    }
+}
+
 /// The timed sleeps of a poller whose doorbell page is in memory:
 /// [`BAR_IDLE_STEP`], doubling up to [`BAR_IDLE_MAX`]; and when the poller
 /// went to sleep (the clock, not the sum of the steps: a loaded host wakes
@@ -197,6 +237,7 @@ fn spawn_adaptive(
         let mut idle_passes = 0u32;
         // Woken by a forecast's timer: polling for its command.
         let mut expect: Option<Expect> = None;
+        let mut yielder = Yielder::default();
         while !stop2.load(Ordering::Relaxed) {
             let (busy, in_flight, gap) = {
                 let mut c = core.lock().unwrap();
@@ -236,11 +277,15 @@ fn spawn_adaptive(
             // With no file operation in flight the clock is first read at the
             // IDLE_CLOCK_PASSES-th idle pass (a few us in), not at the first:
             // at QD1 the next submission usually comes within a few passes.
-            // Waiting only for the file's operations, every idle pass looks,
-            // and the interval is short: the completion eventfd wakes this
-            // thread, so it leaves the core sooner.
-            let (idle, every) =
-                if in_flight { (super::ADAPTIVE_IDLE_IO, 1) } else { (window.get(), IDLE_CLOCK_PASSES) };
+            // Waiting only for the file's operations, every idle pass looks
+            // and yields (`Yielder`), and the interval is short: the
+            // completion eventfd wakes this thread, so it leaves the core
+            // sooner (at once beside a busy thread).
+            let (idle, every) = if in_flight {
+                (if yielder.beside_busy() { Duration::ZERO } else { super::ADAPTIVE_IDLE_IO }, 1)
+            } else {
+                (window.get(), IDLE_CLOCK_PASSES)
+            };
             idle_passes = idle_passes.wrapping_add(1);
             if let Some(e) = expect.as_mut() {
                 e.looked = true;
@@ -260,7 +305,11 @@ fn spawn_adaptive(
                 expect = None;
                 idle_since = Some(e.start);
             } else if since.elapsed() < idle {
-                std::hint::spin_loop();
+                if in_flight {
+                    yielder.yield_core();
+                } else {
+                    std::hint::spin_loop();
+                }
                 continue;
             }
             let gap_start = idle_since.unwrap_or(since);
@@ -494,6 +543,53 @@ impl Core {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pins the calling thread to `cpu`.
+    fn pin(cpu: usize) {
+        // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes inside it.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            assert_eq!(libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set), 0);
+        }
+    }
+
+    #[test]
+    fn a_yield_to_a_busy_thread_on_the_same_core_makes_the_poller_sleep_at_once() {
+        let cpu = (0..libc::CPU_SETSIZE as usize)
+            .find(|&c| {
+                // SAFETY: as in `pin`, reading the calling thread's own mask.
+                unsafe {
+                    let mut set: libc::cpu_set_t = std::mem::zeroed();
+                    libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) == 0 && libc::CPU_ISSET(c, &set)
+                }
+            })
+            .unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let s2 = stop.clone();
+        let spinner = std::thread::spawn(move || {
+            pin(cpu);
+            while !s2.load(Ordering::Relaxed) {
+                std::hint::spin_loop();
+            }
+        });
+        let t = std::thread::spawn(move || {
+            pin(cpu);
+            let mut y = Yielder::default();
+            assert!(!y.beside_busy());
+            // The spinner keeps the core for its slice (milliseconds) once a yield hands it over.
+            let mut yields = 0;
+            while !y.beside_busy() && yields < 1000 {
+                y.yield_core();
+                yields += 1;
+            }
+            y.beside_busy()
+        });
+        let beside = t.join().unwrap();
+        stop.store(true, Ordering::Relaxed);
+        spinner.join().unwrap();
+        assert!(beside, "1000 yields to a thread spinning on the same CPU, none longer than {LONG_YIELD:?}");
+    }
 
     #[test]
     fn timed_steps_double_up_to_the_cap_and_only_when_asked_for() {

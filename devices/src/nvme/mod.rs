@@ -49,8 +49,8 @@
 //!   must configure the buffer before it creates I/O queues.
 //! - `adaptive`: `shm` while work comes; after [`ADAPTIVE_IDLE`] without
 //!   any (less, down to [`ADAPTIVE_IDLE_MIN`], while its sleeps are longer
-//!   than that: `adaptive.rs`, `IdleWindow`; [`ADAPTIVE_IDLE_IO`] when only file operations are in flight:
-//!   their completion eventfd wakes it too), the poller sets every I/O
+//!   than that: `adaptive.rs`, `IdleWindow`; [`ADAPTIVE_IDLE_IO`], yielding the core between looks, when only file
+//!   operations are in flight: their completion eventfd wakes it too), the poller sets every I/O
 //!   SQ's EventIdx to the tail it served (the driver's next submission
 //!   also writes the doorbell register, an
 //!   ioeventfd as in `ioeventfd` mode), re-reads the shadow tails (a
@@ -208,9 +208,10 @@ pub const ADAPTIVE_IDLE: std::time::Duration = std::time::Duration::from_micros(
 pub const ADAPTIVE_IDLE_MIN: std::time::Duration = std::time::Duration::from_micros(10);
 
 /// `adaptive` mode with file operations in flight and no other work: how
-/// long the poller looks before it sleeps until a completion (the ring's
-/// eventfd) or a doorbell wakes it. A disk's completion takes tens of
-/// microseconds or more; spinning through it takes a core from the vCPU.
+/// long the poller looks (yielding its core between looks, `adaptive.rs`,
+/// `Yielder`) before it sleeps until a completion (the ring's eventfd) or a
+/// doorbell wakes it. A disk's completion takes tens of microseconds or
+/// more; spinning through it takes a core from the vCPU and the storage stack.
 pub const ADAPTIVE_IDLE_IO: std::time::Duration = std::time::Duration::from_micros(20);
 
 /// `bar-adaptive`, idle: the first timed sleep between two looks at the
