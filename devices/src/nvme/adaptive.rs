@@ -565,16 +565,21 @@ mod tests {
                 }
             })
             .unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
-        let s2 = stop.clone();
+        let (stop, ready) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let (s2, r2) = (stop.clone(), ready.clone());
         let spinner = std::thread::spawn(move || {
             pin(cpu);
+            r2.store(true, Ordering::Release);
             while !s2.load(Ordering::Relaxed) {
                 std::hint::spin_loop();
             }
         });
         let t = std::thread::spawn(move || {
             pin(cpu);
+            // The spinner spins on that CPU from here on (this thread waits on it there).
+            while !ready.load(Ordering::Acquire) {
+                std::thread::yield_now();
+            }
             let mut y = Yielder::default();
             assert!(!y.beside_busy());
             // The spinner keeps the core for its slice (milliseconds) once a yield hands it over.
