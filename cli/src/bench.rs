@@ -175,7 +175,7 @@ pub struct NvmeArgs {
     /// Doorbell modes of iopath's controller, comma-separated (shm, bar, ioeventfd, adaptive, bar-adaptive, mmio).
     #[arg(long, default_value = "shm,bar,ioeventfd,adaptive,bar-adaptive,mmio")]
     pub doorbell: String,
-    /// null, ram, or file:PATH.
+    /// null, ram, or file:PATH (a file or a block device).
     #[arg(long, default_value = "ram")]
     pub backend: String,
     /// Where the controller runs, comma-separated, each in every round:
