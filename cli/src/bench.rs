@@ -116,10 +116,17 @@ impl GuardArgs {
 }
 
 impl ExitsArgs {
-    pub fn options(&self) -> ExitsOptions {
+    pub fn options(&self) -> anyhow::Result<ExitsOptions> {
         let (rounds, batches, batch_us) =
             if self.quick { (1, 5, 5000) } else { (self.rounds.max(1), self.batches, self.batch_us.max(10)) };
-        ExitsOptions {
+        let transports: Vec<String> = self
+            .transports
+            .split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty() && *t != "none")
+            .map(String::from)
+            .collect();
+        Ok(ExitsOptions {
             rounds,
             batches,
             batch_us,
@@ -128,19 +135,18 @@ impl ExitsArgs {
             floor: !self.no_floor,
             timeout_s: self.timeout,
             progress: !self.out.quiet,
-            transports: self
-                .transports
-                .split(',')
-                .map(str::trim)
-                .filter(|t| !t.is_empty() && *t != "none")
-                .map(String::from)
-                .collect(),
+            // "none" alone is no transport; a list may not repeat one.
+            transports: if transports.is_empty() {
+                transports
+            } else {
+                each_once("--transports", transports, |t: &String| t.clone())?
+            },
             spin_us: self.spin_us,
             contend: self.contend,
-            cpls: self.cpl.clone(),
+            cpls: each_once("--cpl", self.cpl.clone(), |&c| c)?,
             guard: self.guard.config(),
             ..ExitsOptions::default()
-        }
+        })
     }
 }
 
@@ -569,7 +575,7 @@ mod tests {
             let mut v = vec!["exits"];
             v.extend_from_slice(args);
             match parse(&v).unwrap().which {
-                Some(Which::Exits(e)) => e.options(),
+                Some(Which::Exits(e)) => e.options().unwrap(),
                 w => panic!("not exits: {w:?}"),
             }
         };
@@ -594,6 +600,15 @@ mod tests {
         assert_eq!((o.doorbells.len(), o.pollers, o.forecast), (2, vec![1, 2], vec![true, false]));
         assert_eq!(nvme(&["--transport", "vmm,vfio-user"]).options().unwrap().transports.len(), 2);
         assert_eq!(nvme(&["--contend", "2,0"]).options().unwrap().contend, vec![2, 0]);
+        let exits = |args: &[&str]| match parse(&[&["exits"], args].concat()).unwrap().which {
+            Some(Which::Exits(e)) => e.options(),
+            w => panic!("not exits: {w:?}"),
+        };
+        assert_eq!(exits(&["--cpl", "0,3"]).unwrap().cpls, vec![0, 3]);
+        assert_eq!(exits(&["--cpl", "3,3"]).unwrap_err().to_string(), "--cpl 3 given twice");
+        let e = exits(&["--transports", "mpqemu,vfio-user,mpqemu"]).unwrap_err().to_string();
+        assert_eq!(e, "--transports mpqemu given twice");
+        assert!(exits(&["--transports", "none"]).unwrap().transports.is_empty());
         for (opt, v, said) in [
             ("--doorbell", "shm,bar,shm", "--doorbell shm given twice"),
             ("--pollers", "2,2", "--pollers 2 given twice"),
@@ -675,13 +690,13 @@ mod tests {
     fn bare_bench_is_exits_with_its_options() {
         let b = parse(&["--quick", "--vs", "qemu"]).unwrap();
         assert!(b.which.is_none());
-        let o = b.exits.options();
+        let o = b.exits.options().unwrap();
         assert!(o.vs_qemu);
         assert_eq!((o.rounds, o.batches, o.batch_us), (1, 5, 5000));
         let o = parse(&["exits", "--transports", "none", "--quiet"]).unwrap();
         match o.which {
             Some(Which::Exits(e)) => {
-                let o = e.options();
+                let o = e.options().unwrap();
                 assert!(o.transports.is_empty());
                 assert!(!o.progress);
             }

@@ -250,7 +250,7 @@ fn bench(b: bench::BenchCmd) -> anyhow::Result<i32> {
 }
 
 fn bench_exits(a: &bench::ExitsArgs) -> anyhow::Result<i32> {
-    let r = run_exits(&a.options())?;
+    let r = run_exits(&a.options()?)?;
     emit(&r.table(), &r.json(), &a.out)?;
     Ok(status(&r.errors))
 }
