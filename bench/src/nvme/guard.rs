@@ -88,9 +88,9 @@ pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar
     let mut runs = runs;
     // `targets` has each target's levels one after the other.
     let levels = o.contend.len().max(1);
-    let fio: Vec<Target> = targets.iter().filter(|t| t.is_fio()).cloned().collect();
     let mut next_attempt = 1;
     for (ji, j) in o.jobs.iter().enumerate() {
+        let fio: Vec<Target> = targets.iter().filter(|t| t.is_fio() && ctx.runs_job(t, j)).cloned().collect();
         for twins in targets.chunks(levels).filter(|c| !c[0].is_fio()) {
             let (mine, rest): (Vec<NvmeRun>, Vec<NvmeRun>) =
                 runs.into_iter().partition(|r| r.job == ji && twins.iter().any(|t| t.name == r.target));
@@ -108,7 +108,6 @@ pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar
                     let v = if attempt == 0 {
                         mine.clone()
                     } else {
-                        let fio: Vec<Target> = fio.iter().filter(|f| ctx.runs_job(f, j)).cloned().collect();
                         pb.inc_length(o.rounds as u64 * (twins.len() + fio.len()) as u64);
                         let id = next_attempt;
                         next_attempt += 1;
@@ -177,16 +176,22 @@ fn rerun(
     let (o, j) = (ctx.o, &ctx.o.jobs[ji]);
     let pin = o.pin.map(|p| p.pair());
     let (mut runs, mut floors) = (Vec::new(), Vec::new());
+    let say = |round: u32, t: &Target| {
+        pb.set_message(format!("re-run {attempt} round {}/{} {} {}", round + 1, o.rounds, j.label(), t.name))
+    };
+    let run = |round: u32, t: &Target| -> Result<NvmeRun, String> {
+        let mut r = ctx.run_target(t, ji, round).map_err(|e| format!("{} round {round}: {e}", t.name))?;
+        r.attempt = attempt;
+        Ok(r)
+    };
     for round in 0..o.rounds {
         for t in twins {
             for f in fio.iter().filter(|f| f.contend == t.contend) {
-                pb.set_message(format!("re-run {attempt} round {}/{} {} {}", round + 1, o.rounds, j.label(), f.name));
-                let mut r = ctx.run_target(f, ji, round).map_err(|e| format!("{} round {round}: {e}", f.name))?;
-                r.attempt = attempt;
-                runs.push(r);
+                say(round, f);
+                runs.push(run(round, f)?);
                 pb.inc(1);
             }
-            pb.set_message(format!("re-run {attempt} round {}/{} {} {}", round + 1, o.rounds, j.label(), t.name));
+            say(round, t);
             let (mut f, e) = crate::floor::measure_round(&[floor_qd(j)], round, o.floor_ms, pin);
             if !e.is_empty() {
                 return Err(e.join("; "));
@@ -200,8 +205,7 @@ fn rerun(
             } else {
                 None
             };
-            let mut r = ctx.run_target(t, ji, round).map_err(|e| format!("{} round {round}: {e}", t.name))?;
-            r.attempt = attempt;
+            let mut r = run(round, t)?;
             r.floor_ops_s = f.first().map(|f| f.ops_s);
             r.floor_p50_ns = f.first().map(|f| f.p50_ns);
             r.wake_p50_ns = wake;
