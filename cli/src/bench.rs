@@ -245,6 +245,11 @@ pub struct NvmeArgs {
     /// adaptive's forecast of steady gaps: on, off, or on,off (both, as two targets).
     #[arg(long, default_value = "on", value_name = "on|off|on,off")]
     pub forecast: String,
+    /// A file namespace's reads and writes on the guest's pages in place:
+    /// auto (those within one page), on (all), off (none: bounce buffers),
+    /// several (on,off) as targets of their own.
+    #[arg(long = "in-place", default_value = "auto", value_name = "auto|on|off[,..]")]
+    pub in_place: String,
     /// Seconds one guest run may take before it is stopped.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
@@ -285,6 +290,7 @@ impl NvmeArgs {
             progress: !self.out.quiet,
             pollers: parse_pollers(&self.pollers)?,
             forecast: parse_forecast(&self.forecast)?,
+            in_place: parse_in_place(&self.in_place)?,
             guard: self.guard.config(),
             ..NvmeOptions::default()
         };
@@ -307,6 +313,10 @@ impl NvmeArgs {
                 batch_submit: self.iodepth_batch_submit.unwrap_or(0),
                 irq_wait: self.irq_wait,
             }];
+        }
+        let file = matches!(o.backend, iopath_devices::nvme::backend::BackendKind::File(_));
+        if !file && o.in_place != [iopath_devices::nvme::InPlace::Auto] {
+            anyhow::bail!("--in-place needs --backend file:PATH (only a file namespace bounces transfers)");
         }
         Ok(o)
     }
@@ -480,6 +490,14 @@ fn parse_forecast(s: &str) -> anyhow::Result<Vec<bool>> {
     each_once("--forecast", v, |&f| if f { "on" } else { "off" })
 }
 
+fn parse_in_place(s: &str) -> anyhow::Result<Vec<iopath_devices::nvme::InPlace>> {
+    let v = s
+        .split(',')
+        .map(|f| f.trim().parse().map_err(|e| anyhow::anyhow!("--in-place: {e}")))
+        .collect::<anyhow::Result<_>>()?;
+    each_once("--in-place", v, |f: &iopath_devices::nvme::InPlace| f.to_string())
+}
+
 fn parse_pollers(s: &str) -> anyhow::Result<Vec<u8>> {
     let v = s
         .split(',')
@@ -600,6 +618,11 @@ mod tests {
         assert_eq!((o.doorbells.len(), o.pollers, o.forecast), (2, vec![1, 2], vec![true, false]));
         assert_eq!(nvme(&["--transport", "vmm,vfio-user"]).options().unwrap().transports.len(), 2);
         assert_eq!(nvme(&["--contend", "2,0"]).options().unwrap().contend, vec![2, 0]);
+        let o = nvme(&["--backend", "file:/x", "--in-place", "on,off"]).options().unwrap();
+        assert_eq!(o.in_place, [iopath_devices::nvme::InPlace::On, iopath_devices::nvme::InPlace::Off]);
+        let e = nvme(&["--in-place", "on"]).options().unwrap_err().to_string();
+        assert!(e.contains("--backend file:PATH"), "{e}");
+        assert!(nvme(&["--backend", "file:/x", "--in-place", "sometimes"]).options().is_err());
         let exits = |args: &[&str]| match parse(&[&["exits"], args].concat()).unwrap().which {
             Some(Which::Exits(e)) => e.options(),
             w => panic!("not exits: {w:?}"),
@@ -613,6 +636,7 @@ mod tests {
             ("--doorbell", "shm,bar,shm", "--doorbell shm given twice"),
             ("--pollers", "2,2", "--pollers 2 given twice"),
             ("--forecast", "on,on", "--forecast on given twice"),
+            ("--in-place", "off,auto,off", "--in-place off given twice"),
             ("--transport", "vfio-user,vmm,vfio-user", "--transport vfio-user given twice"),
             ("--contend", "0,0", "--contend 0 given twice"),
             ("--doorbell", ",", "--doorbell: no value"),

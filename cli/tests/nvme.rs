@@ -179,6 +179,36 @@ fn an_interrupt_driven_guest_halts_until_its_completions_msix_message_wakes_it()
 }
 
 #[test]
+fn file_transfers_go_in_place_or_through_bounce_buffers_as_in_place_says() {
+    kvm();
+    let file = std::env::temp_dir().join(format!("iopath-nvme-in-place-{}.img", std::process::id()));
+    for (in_place, remote) in [("on", ""), ("off", ""), ("auto", ""), ("on", "@vfio-user")] {
+        // 4 KiB: one page each; 64 KiB: a PRP list of 16 pages.
+        for bs in [4096u64, 65536] {
+            let spec =
+                format!("nvme,doorbell=adaptive,backend=file:{},size_mb=8,in_place={in_place}{remote}", file.display());
+            let (rec, c, _) = nvmeperf(&spec, &format!("verify=1 bs={bs} iodepth=16 size_mb=4"));
+            assert_eq!((num(&rec, "errors"), num(&rec, "mismatches")), (0, 0), "{spec} bs={bs}");
+            assert_eq!(num(&rec, "verified_blocks"), (4 << 20) / bs, "{spec} bs={bs}");
+            let (direct, placed) = (c["backend.direct-ops"], c["backend.in-place-ops"]);
+            assert!(
+                direct >= 2 * num(&rec, "verified_blocks"),
+                "{spec}: O_DIRECT io_uring on {}: {c:?}",
+                file.display()
+            );
+            // auto: a transfer within one page goes in place, a larger one bounces.
+            let want = match (in_place, bs) {
+                ("off", _) | ("auto", 65536) => 0,
+                _ => direct,
+            };
+            eprintln!("{in_place}{remote} bs={bs}: {placed} of {direct} O_DIRECT operations in place");
+            assert_eq!(placed, want, "{spec} bs={bs}: {c:?}");
+        }
+    }
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
 fn the_controller_serves_from_a_device_process_over_vfio_user_and_mpqemu() {
     kvm();
     // vfio-user offers the doorbell page as a sparse mmap of BAR0: no exit out of process either.

@@ -272,23 +272,34 @@ fn linux_nvme_driver_against_iopath_nvme_bar_adaptive_ram() {
     assert!(counter(&report, "adaptive.sleeps") > 0, "{report}");
 }
 
-/// A file backend (O_DIRECT through io_uring where the filesystem allows) in `mode`.
-fn linux_against_iopath_file(mode: &str) {
+/// A file backend (O_DIRECT through io_uring where the filesystem allows)
+/// in `mode`, with the driver's transfers on guest pages in place as
+/// `in_place` says: some of them go so (the report's counter).
+fn linux_against_iopath_file(mode: &str, in_place: &str) {
     let dir = std::env::temp_dir().join(format!("iopath-rc-file-{}-{mode}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let img = dir.join("ns.img");
-    let _ = linux_against_iopath(&format!("nvme,doorbell={mode},backend=file:{},size_mb=64", img.display()));
+    let device = format!("nvme,doorbell={mode},backend=file:{},size_mb=64,in_place={in_place}", img.display());
+    let report = linux_against_iopath(&device);
     let _ = std::fs::remove_dir_all(&dir);
+    let count = |name: &str| -> u64 {
+        let at = report.find(&format!("\"{name}\":")).unwrap_or_else(|| panic!("{name} not in {report}"));
+        let digits = report[at + name.len() + 3..].chars().take_while(|c| c.is_ascii_digit()).collect::<String>();
+        digits.parse().unwrap()
+    };
+    let (direct, placed) = (count("backend.direct-ops"), count("backend.in-place-ops"));
+    eprintln!("{device}: {placed} of {direct} O_DIRECT operations on the guest's pages in place");
+    assert!(placed > 0 && placed <= direct, "{device}: {placed} of {direct} in place");
 }
 
 #[test]
 fn linux_nvme_driver_against_iopath_nvme_shm_file() {
-    linux_against_iopath_file("shm");
+    linux_against_iopath_file("shm", "on");
 }
 
 #[test]
 fn linux_nvme_driver_against_iopath_nvme_bar_file() {
-    linux_against_iopath_file("bar");
+    linux_against_iopath_file("bar", "auto");
 }
 
 /// iopath's own guest image under QEMU 11 + KVM, with `vfio-user-pci` to `iopath serve`.

@@ -267,6 +267,21 @@ impl GuestMem {
         host.is_multiple_of(align).then_some(Resolved { host, len, mem: self.id })
     }
 
+    /// The host address of `[gpa, gpa + len)` if it lies wholly in one
+    /// mapped region (len > 0): for the kernel to move data to or from in
+    /// place. Valid while this memory or one of its clones lives.
+    pub fn host_address(&self, gpa: u64, len: usize) -> Option<usize> {
+        match self.main.host(gpa, len as u64) {
+            Some(h) if len > 0 => Some(h),
+            _ => self.resolve(gpa, len, 1).map(|r| r.host),
+        }
+    }
+
+    /// True if `other` is this memory (a clone of it), not another one.
+    pub fn same(&self, other: &GuestMem) -> bool {
+        self.id == other.id
+    }
+
     /// The host address of `[off, off + n)` of `r`, if `r` is this memory's
     /// and the piece lies in it.
     fn resolved_at(&self, r: &Resolved, off: usize, n: usize) -> Option<usize> {

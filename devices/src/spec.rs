@@ -151,11 +151,12 @@ impl FromStr for DeviceConfig {
                                 _ => return Err(option("nvme", k, format!("{v:?} (on or off)"))),
                             }
                         }
+                        "in_place" => c.in_place = v.parse().map_err(|e| option("nvme", k, e))?,
                         _ => {
                             return Err(option(
                                 "nvme",
                                 k,
-                                "unknown option (doorbell, backend, size_mb, lba, pollers, forecast)",
+                                "unknown option (doorbell, backend, size_mb, lba, pollers, forecast, in_place)",
                             ))
                         }
                     }
@@ -182,6 +183,9 @@ impl fmt::Display for DeviceConfig {
             if !c.forecast {
                 write!(f, ",forecast=off")?;
             }
+            if c.in_place != nvme::InPlace::Auto {
+                write!(f, ",in_place={}", c.in_place)?;
+            }
         }
         if let DeviceConfig::VirtioBlk(c) = self {
             write!(f, ",backend={},size_mb={},notify={}", escape(&c.backend.to_string()), c.size >> 20, c.notify)?;
@@ -203,6 +207,8 @@ mod tests {
             "nvme,doorbell=shm,backend=file:/tmp/a,,b@@c.img,size_mb=8,lba=512",
             "nvme,doorbell=shm,backend=ram,size_mb=8,lba=512,pollers=2",
             "nvme,doorbell=adaptive,backend=null,size_mb=8,lba=512,forecast=off",
+            "nvme,doorbell=adaptive,backend=file:/tmp/x.img,size_mb=8,lba=512,in_place=on",
+            "nvme,doorbell=ioeventfd,backend=file:/tmp/x.img,size_mb=8,lba=4096,in_place=off",
             "virtio-blk,backend=null,size_mb=64,notify=ioeventfd",
             "virtio-blk,backend=ram,size_mb=1,notify=poll",
             "virtio-blk,backend=file:/tmp/v,,b@@c.img,size_mb=8,notify=exit",
@@ -229,6 +235,9 @@ mod tests {
         }
         for bad in ["doorbell=shm,forecast=off", "forecast=maybe"] {
             assert!(e(&format!("nvme,{bad}")).contains("forecast"), "{bad}: {}", e(&format!("nvme,{bad}")));
+        }
+        for bad in ["in_place=on", "backend=file:/x,in_place=yes"] {
+            assert!(e(&format!("nvme,{bad}")).contains("in_place"), "{bad}: {}", e(&format!("nvme,{bad}")));
         }
         assert!(e("nvme,colour=blue").contains("colour"));
         assert!(e("nvme,doorbell").contains("KEY=VALUE"));

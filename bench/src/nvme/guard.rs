@@ -276,7 +276,7 @@ mod tests {
         use super::super::run::Kind;
         use iopath_devices::nvme::DoorbellMode;
         let g = GuardConfig::default();
-        let kind = Kind::Iopath(None, DoorbellMode::Shm, 1, true);
+        let kind = Kind::Iopath(None, super::super::run::Setup::plain(DoorbellMode::Shm));
         let twins = [
             Target { name: "iopath-shm".into(), kind, contend: 0 },
             Target { name: "iopath-shm+contend2".into(), kind, contend: 2 },

@@ -16,7 +16,7 @@
 
 use crate::host::HostInfo;
 use iopath_devices::nvme::backend::BackendKind;
-use iopath_devices::nvme::{DoorbellMode, NvmeConfig};
+use iopath_devices::nvme::{DoorbellMode, InPlace, NvmeConfig};
 use iopath_protocols::Transport;
 use serde::Serialize;
 use std::time::Duration;
@@ -117,6 +117,10 @@ pub struct NvmeOptions {
     /// adaptive's forecast (`forecast=`): on, off, or both as two targets
     /// (`iopath-adaptive`, `iopath-adaptive-noforecast`).
     pub forecast: Vec<bool>,
+    /// A file namespace's transfers in place (`in_place=`): each value its
+    /// own target (`-inplace` for on, `-bounce` for off; auto keeps the name).
+    #[serde(serialize_with = "as_strings")]
+    pub in_place: Vec<InPlace>,
     #[serde(serialize_with = "as_string")]
     pub backend: BackendKind,
     /// Where the controller runs, each in every round, interleaved: None in
@@ -165,6 +169,7 @@ impl Default for NvmeOptions {
             ],
             pollers: vec![1],
             forecast: vec![true],
+            in_place: vec![InPlace::Auto],
             backend: BackendKind::Ram,
             transports: vec![None],
             lba: 512,
@@ -488,7 +493,8 @@ impl<'a> Runner<'a> {
 
     /// One run of job `ji` of the options with doorbell mode `db`, one poller.
     pub fn run(&self, db: DoorbellMode, ji: usize, round: u32) -> anyhow::Result<NvmeRun> {
-        let t = run::Target { name: format!("iopath-{db}"), kind: run::Kind::Iopath(None, db, 1, true), contend: 0 };
+        let kind = run::Kind::Iopath(None, run::Setup::plain(db));
+        let t = run::Target { name: format!("iopath-{db}"), kind, contend: 0 };
         self.0.run_target(&t, ji, round)
     }
 

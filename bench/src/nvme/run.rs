@@ -11,7 +11,7 @@ use crate::pin::{QEMU_DEVICE_THREADS, VCPU_THREADS};
 use crate::qemu::QemuBacking;
 use indicatif::{ProgressBar, ProgressStyle};
 use iopath_devices::nvme::backend::BackendKind;
-use iopath_devices::nvme::{DoorbellMode, NvmeConfig};
+use iopath_devices::nvme::{DoorbellMode, InPlace, NvmeConfig};
 use iopath_devices::DeviceConfig;
 use iopath_protocols::attach::{instantiate, Device, DeviceSpec, Endpoint, Programs};
 use iopath_protocols::Transport;
@@ -24,12 +24,29 @@ use std::time::Duration;
 pub const WINDOW_START: &str = "@nvme-window start";
 pub const WINDOW_END: &str = "@nvme-window end";
 
+/// iopath's controller as a target sets it up.
+#[derive(Clone, Copy)]
+pub struct Setup {
+    pub db: DoorbellMode,
+    pub pollers: u8,
+    /// adaptive's forecast.
+    pub forecast: bool,
+    /// A file namespace's transfers in place (`in_place=`).
+    pub in_place: InPlace,
+}
+
+impl Setup {
+    /// `db`, one poller, forecast on, in place as the device defaults.
+    pub fn plain(db: DoorbellMode) -> Setup {
+        Setup { db, pollers: 1, forecast: true, in_place: InPlace::Auto }
+    }
+}
+
 /// What runs.
 #[derive(Clone, Copy)]
 pub enum Kind {
-    /// iopath's controller: in the VMM (None) or a device process, a mode, pollers.
-    /// The last field: adaptive's forecast.
-    Iopath(Option<&'static dyn Transport>, DoorbellMode, u8, bool),
+    /// iopath's controller: in the VMM (None) or a device process, set up so.
+    Iopath(Option<&'static dyn Transport>, Setup),
     Qemu,
     /// The host's fio on the file; `busy`: beside one busy thread on the
     /// vCPU's CPU, fio on the device threads' ([`FIO_BUSY_TARGET`]).
@@ -125,11 +142,21 @@ impl<'a> Ctx<'a> {
                 let f: &[bool] = if db == DoorbellMode::Adaptive { &o.forecast } else { &[true] };
                 f.iter().map(move |&f| (t, db, p, f))
             })
-            .map(|(tr, db, pollers, forecast)| {
-                // One poller keeps the plain name; more show in it, as does a forecast turned off.
-                let name = if pollers == 1 { format!("iopath-{db}") } else { format!("iopath-{db}-p{pollers}") };
-                let name = if forecast { name } else { format!("{name}-noforecast") };
-                (name, tr, Kind::Iopath(tr, db, pollers, forecast))
+            .flat_map(|(t, db, pollers, forecast)| {
+                o.in_place.iter().map(move |&in_place| (t, Setup { db, pollers, forecast, in_place }))
+            })
+            .map(|(tr, s)| {
+                // One poller keeps the plain name; more show in it, as does a
+                // forecast turned off and in-place transfers not left to the device.
+                let db = s.db;
+                let name = if s.pollers == 1 { format!("iopath-{db}") } else { format!("iopath-{db}-p{}", s.pollers) };
+                let name = if s.forecast { name } else { format!("{name}-noforecast") };
+                let name = match s.in_place {
+                    InPlace::Auto => name,
+                    InPlace::On => format!("{name}-inplace"),
+                    InPlace::Off => format!("{name}-bounce"),
+                };
+                (name, tr, Kind::Iopath(tr, s))
             })
             .collect();
         if self.fio.is_some() {
@@ -171,6 +198,9 @@ impl<'a> Ctx<'a> {
     /// The setup of a target's device, for ratio lines.
     pub fn setup(&self, t: &Target) -> String {
         match (&t.kind, &self.qemu) {
+            (Kind::Iopath(_, s), _) if matches!(self.o.backend, BackendKind::File(_)) => {
+                format!("iopath {} in_place={}", self.o.backend, s.in_place)
+            }
             (Kind::Iopath(..), _) => format!("iopath {}", self.o.backend),
             (Kind::Qemu, Some((_, b))) => format!("qemu {}", b.short()),
             (Kind::Qemu, None) => "qemu".into(),
@@ -183,9 +213,7 @@ impl<'a> Ctx<'a> {
     pub fn run_target(&self, t: &Target, ji: usize, round: u32) -> anyhow::Result<NvmeRun> {
         // The busy threads stop (joined) when the run returns.
         let mut r = match t.kind {
-            Kind::Iopath(tr, db, pollers, forecast) => {
-                self.iopath(&t.name, tr, (db, pollers, forecast), t.contend, ji, round)
-            }
+            Kind::Iopath(tr, s) => self.iopath(&t.name, tr, s, t.contend, ji, round),
             Kind::Qemu => self.qemu(&t.name, t.contend, ji, round),
             Kind::Fio { busy } => self.fio(&t.name, t.contend, ji, round, busy),
         }?;
@@ -198,7 +226,7 @@ impl<'a> Ctx<'a> {
         &self,
         target: &str,
         tr: Option<&'static dyn Transport>,
-        (db, pollers, forecast): (DoorbellMode, u8, bool),
+        Setup { db, pollers, forecast, in_place }: Setup,
         contend: u32,
         ji: usize,
         round: u32,
@@ -211,6 +239,7 @@ impl<'a> Ctx<'a> {
             size: self.ns_size,
             pollers,
             forecast,
+            in_place,
         };
         let spec =
             DeviceSpec { device: Device::Model(DeviceConfig::Nvme(config)), remote: tr.map(|t| (t, Endpoint::Spawn)) };

@@ -512,6 +512,8 @@ impl Core {
         v.push(Counter { name: format!("backend.{backend}"), value: 1 });
         if let Backend::File(f) = &self.ns.backend {
             v.push(Counter { name: "backend.direct-ops".into(), value: f.direct_ops });
+            // Of those, the ones that moved data to or from the guest's pages in place.
+            v.push(Counter { name: "backend.in-place-ops".into(), value: f.in_place_ops });
             // The queue depth that reached the file: the most operations in flight at once.
             v.push(Counter { name: "backend.inflight-max".into(), value: f.max_in_flight });
             v.push(Counter { name: "backend.slot-waits".into(), value: self.ns.pending.slot_waits });

@@ -3,10 +3,13 @@
 //! backend. The opcodes are listed once, for the effects log, in `admin.rs`.
 //!
 //! On a file namespace with io_uring, Read, Write and Flush are
-//! asynchronous: fetching one gathers a write's data into a slot's bounce
-//! buffer and pushes the operation (a queue pass pushes many, then submits
-//! once); its completion is posted when the device thread reaps it
-//! (`reap_io`). Ordering: NVMe leaves outstanding commands unordered, so a
+//! asynchronous: fetching one pushes its operation (a queue pass pushes
+//! many, then submits once), on the guest's pages in place where they are
+//! mapped and aligned for O_DIRECT (`backend/guest.rs`), otherwise on a
+//! slot's bounce buffer (a write's data gathered into it first, a read's
+//! scattered from it when reaped); its completion is posted when the device
+//! thread reaps it (`reap_io`). Before the controller gives a memory up, it
+//! waits for the operations on its pages (`settle_guest_io`). Ordering: NVMe leaves outstanding commands unordered, so a
 //! read of blocks a write in flight covers may see either data (the host's
 //! concern). A Flush is an fdatasync with IOSQE_IO_DRAIN: it starts only once
 //! every operation submitted before it completed, and its completion is
@@ -18,7 +21,7 @@
 //! head back; it is then held until there is room, or dropped by a reset).
 
 use super::admin::IO_LBA_CHANGING;
-use super::backend::{Backend, FileOp, FILE_SLOTS};
+use super::backend::{Backend, FileOp, Placed, FILE_SLOTS};
 use super::controller::Core;
 use super::queue::{prp_segments, status, Sqe, PAGE};
 use super::regs::cap;
@@ -119,7 +122,15 @@ impl Core {
             Ok(()) => status::SUCCESS,
         };
         let Backend::File(f) = &mut self.ns.backend else { unreachable!() };
-        if st == status::SUCCESS && op != FileOp::Read {
+        let mut placed = Placed::Bounce;
+        if st == status::SUCCESS && op != FileOp::Flush {
+            placed = f.push_guest(slot, op, off, runs(&segs), &self.mem);
+            if placed == Placed::Refused {
+                st = status::INTERNAL;
+            }
+        }
+        let bounce = st == status::SUCCESS && placed == Placed::Bounce;
+        if bounce && op != FileOp::Read {
             let buf = f.buffer(slot, bytes as usize);
             let mut pos = 0;
             for (a, n) in runs(&segs) {
@@ -130,7 +141,7 @@ impl Core {
                 pos += n as usize;
             }
         }
-        if st == status::SUCCESS && !f.push(slot, op, off, bytes as usize) {
+        if bounce && !f.push(slot, op, off, bytes as usize) {
             st = status::INTERNAL;
         }
         let cqid = self.queues.sqs[qid].as_ref().map_or(0, |s| s.cqid);
@@ -188,8 +199,8 @@ impl Core {
                     status::DATA_TRANSFER_ERROR
                 }
             };
-            if st == status::SUCCESS && o.opcode == 0x02 {
-                // Scatter the data read to the guest pages, now.
+            if st == status::SUCCESS && o.opcode == 0x02 && !f.in_guest(slot) {
+                // Scatter the data read into the bounce buffer to the guest pages, now.
                 let buf = f.buffer(slot, o.bytes as usize);
                 let mut pos = 0;
                 for (a, n) in runs(&o.segs) {
@@ -283,9 +294,9 @@ impl Core {
 
     /// Controller reset or disable (the device thread is stopped): every
     /// command out on the file backend is aborted without a completion, and
-    /// this waits until none is in flight. Nothing of them reaches guest
-    /// memory (they finish into their own buffers), and an aborted write
-    /// cannot land after the host moved on (and wrote those blocks anew).
+    /// this waits until none is in flight, so an aborted read on guest
+    /// pages in place cannot land after the host moved on (and reused
+    /// them), nor an aborted write after the host wrote those blocks anew.
     /// The wait is bounded by half of CAP.TO, the time the host gives the
     /// controller; false if operations are still in flight then.
     pub(super) fn abort_io(&mut self) -> bool {
@@ -315,6 +326,31 @@ impl Core {
         }
         log::error!("nvme: {} file operations still in flight {timeout:?} after a reset", f.in_flight());
         false
+    }
+
+    /// Before the controller lets its memory go (another is attached): waits
+    /// until no file operation works on its pages in place, posting their
+    /// completions there (or holding them for CQ room). Bounded like a
+    /// reset's wait; past it, those operations keep the memory mapped until
+    /// they end (`backend/guest.rs`), and the client may see them land late.
+    pub(super) fn settle_guest_io(&mut self) {
+        let timeout = Duration::from_millis((cap() >> 24 & 0xff) * 500 / 2);
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.reap_io();
+            let Backend::File(f) = &mut self.ns.backend else { return };
+            let n = f.guest_in_flight();
+            if n == 0 {
+                return;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || !f.wait_for(left) {
+                log::error!(
+                    "nvme: {n} file operations on guest pages still in flight {timeout:?} after the memory went"
+                );
+                return;
+            }
+        }
     }
 
     /// Waits until no file backend operation is in flight (their

@@ -84,15 +84,17 @@
 //! with the core lock held, as it would for a page fault.
 //!
 //! A `file:PATH` namespace keeps the guest's queue depth: Read, Write and
-//! Flush go to an io_uring on an O_DIRECT fd (up to 256 in flight, each in
-//! a bounce buffer of its own, one submit per queue pass) and complete when
+//! Flush go to an io_uring on an O_DIRECT fd (up to 256 in flight, on the
+//! guest's pages in place or each in a bounce buffer of its own as
+//! `in_place=` says, one submit per queue pass) and complete when
 //! the device thread reaps them: each poller pass (`shm`, `bar`), or when
 //! the ring's eventfd wakes the `ioeventfd` thread or, in `mmio` mode, the
 //! `nvme-uring` thread. A Flush waits for the operations before it
 //! (IOSQE_IO_DRAIN); Delete I/O SQ waits for its queue's commands; a reset
 //! aborts them and waits until none is in flight before CSTS.RDY reads 0
-//! (their data never reaches guest memory, and an aborted write cannot land
-//! later); Write Zeroes and deallocate wait for them too (they write through
+//! (an aborted read cannot land in guest memory later, nor an aborted
+//! write in the file); attaching another memory waits for the operations on
+//! the old one's pages; Write Zeroes and deallocate wait for them too (they write through
 //! the buffered fd). While the controller has no memory (a client left),
 //! completions wait in the ring for the next one. Ordering, bounds and
 //! buffers: `io.rs`.
@@ -119,7 +121,7 @@
 //! commands and PRP data movement; `doorbells.rs` the four doorbell modes
 //! and the device thread; `interrupts.rs` MSI-X (the shared
 //! [`MsixTable`](crate::pci::MsixTable)) and interrupt coalescing;
-//! `queue.rs` queue entries and PRPs in guest memory; `backend.rs` the
+//! `queue.rs` queue entries and PRPs in guest memory; `backend/` the
 //! namespace's storage; `shards.rs` queue groups for several pollers.
 
 mod adaptive;
@@ -135,6 +137,7 @@ mod regs;
 mod shards;
 
 use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, Error, PciIds, Result};
+pub use backend::InPlace;
 use backend::{Backend, BackendKind};
 use controller::Core;
 use doorbells::Threads;
@@ -280,6 +283,9 @@ pub struct NvmeConfig {
     /// that ends one, instead of waiting for its doorbell (`forecast.rs`;
     /// `forecast=off` to compare).
     pub forecast: bool,
+    /// A file namespace: which reads and writes work on the guest's pages
+    /// in place instead of through bounce buffers (`backend/guest.rs`).
+    pub in_place: InPlace,
 }
 
 /// Poller threads a controller may have (`pollers=`).
@@ -294,6 +300,7 @@ impl Default for NvmeConfig {
             doorbell: DoorbellMode::Adaptive,
             pollers: 1,
             forecast: true,
+            in_place: InPlace::Auto,
         }
     }
 }
@@ -327,6 +334,9 @@ impl NvmeConfig {
             // make the others' stores exit while they are busy.
             return bad("pollers", "doorbell=bar-adaptive takes one poller (the doorbell page is one)".into());
         }
+        if self.in_place != InPlace::Auto && !matches!(self.backend, BackendKind::File(_)) {
+            return bad("in_place", format!("in_place={} needs backend=file:PATH", self.in_place));
+        }
         if self.pollers > 1 && matches!(self.backend, BackendKind::File(_)) {
             return bad(
                 "pollers",
@@ -352,7 +362,10 @@ pub struct Nvme {
 impl Nvme {
     pub fn new(cfg: NvmeConfig) -> Result<Self> {
         cfg.validate()?;
-        let backend = if cfg.pollers > 1 { Backend::Null } else { Backend::open(&cfg.backend, cfg.size)? };
+        let mut backend = if cfg.pollers > 1 { Backend::Null } else { Backend::open(&cfg.backend, cfg.size)? };
+        if let Backend::File(f) = &mut backend {
+            f.in_place = cfg.in_place;
+        }
         let (bar_page, bar_fd) = match cfg.doorbell.bar_page() {
             true => {
                 let (page, fd) = doorbells::bar_memory()?;
@@ -402,6 +415,8 @@ impl DeviceModel for Nvme {
         let ready = {
             let mut c = self.core.lock().unwrap();
             let gone = ctx.mem.is_empty();
+            // The file operations on the old memory's pages end first.
+            c.settle_guest_io();
             c.mem = ctx.mem;
             let c = &mut *c;
             c.queues.resolve(&c.mem);

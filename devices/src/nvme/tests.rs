@@ -151,7 +151,7 @@ impl Drv {
 }
 
 fn mmio(backend: BackendKind) -> NvmeConfig {
-    NvmeConfig { backend, size: 1 << 20, lba_size: 512, doorbell: DoorbellMode::Mmio, pollers: 1, forecast: true }
+    NvmeConfig { backend, size: 1 << 20, lba_size: 512, doorbell: DoorbellMode::Mmio, ..NvmeConfig::default() }
 }
 
 #[test]
@@ -272,8 +272,7 @@ fn shm_doorbells_are_polled_with_eventidx_kept_behind_and_moved_only_when_it_lag
         size: 1 << 20,
         lba_size: 4096,
         doorbell: DoorbellMode::Shm,
-        pollers: 1,
-        forecast: true,
+        ..NvmeConfig::default()
     };
     let mut d = Drv::new(cfg);
     assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
@@ -1102,8 +1101,7 @@ impl TempImage {
             size: 1 << 20,
             lba_size: 512,
             doorbell,
-            pollers: 1,
-            forecast: true,
+            ..NvmeConfig::default()
         }
     }
 }
@@ -1213,9 +1211,17 @@ fn a_flush_completes_after_the_writes_fetched_before_it() {
 
 #[test]
 fn a_reset_with_reads_in_flight_leaves_guest_memory_alone_after_it_returns() {
+    a_reset_with_reads_in_flight(false);
+    a_reset_with_reads_in_flight(true);
+}
+
+fn a_reset_with_reads_in_flight(in_place: bool) {
     const R: u64 = 0x40000;
     let img = TempImage::new("reset");
     let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    if !in_place {
+        bounce_only(&d);
+    }
     d.io_queues(64);
     d.io(0x01, 0, 7, DATA, 0, 64); // block 0 holds what DATA held (zeros)
     d.mem.write_slice(&[0x5a; 4096], GuestAddress(DATA)).unwrap();
@@ -1234,7 +1240,12 @@ fn a_reset_with_reads_in_flight_leaves_guest_memory_alone_after_it_returns() {
     let (mut r_after, mut cq_after) = (vec![0u8; 32 * 4096], vec![0u8; 64 * 16]);
     d.mem.read_slice(&mut r_after, GuestAddress(R)).unwrap();
     d.mem.read_slice(&mut cq_after, GuestAddress(IOCQ)).unwrap();
-    assert!(r_after.iter().all(|&b| b == 0xee), "nothing reaped them before the reset: they were out");
+    if in_place {
+        // The kernel moved the data to the guest's pages; the reset waited for it.
+        assert!(r_after.iter().all(|&b| b == 0x5a), "the reads on the guest's pages ended before the reset returned");
+    } else {
+        assert!(r_after.iter().all(|&b| b == 0xee), "nothing reaped them before the reset: they were out");
+    }
     // Enabled again: the device thread runs; nothing of the aborted reads is left to deliver.
     d.w32(REG_CC, 0x0046_0001);
     (d.atail, d.ahead, d.aphase, d.iotail, d.iohead, d.iophase) = (0, 0, 1, 0, 0, 1);
@@ -1419,11 +1430,56 @@ fn a_write_in_flight_at_reset_or_disable_is_in_the_file_before_either_returns() 
     }
 }
 
+/// Reads and writes of a file namespace through the bounce buffers only.
+fn bounce_only(d: &Drv) {
+    if let super::backend::Backend::File(f) = &mut d.n.core.lock().unwrap().ns.backend {
+        f.in_place = InPlace::Off;
+    }
+}
+
+#[test]
+fn file_reads_on_guest_pages_in_place_complete_before_the_memory_is_given_up() {
+    const R: u64 = 0x40000;
+    let img = TempImage::new("in-place");
+    let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    d.io_queues(64);
+    for i in 0..8u64 {
+        d.mem.write_slice(&[0x50 + i as u8; 4096], GuestAddress(DATA)).unwrap();
+        assert_eq!(d.io(0x01, i * 8, 7, DATA, 0, 64), 0);
+    }
+    let direct = counter(&d.n, "backend.direct-ops");
+    assert!(direct >= 8, "O_DIRECT through io_uring on {}: {:?}", img.0.display(), d.n.counters());
+    assert_eq!(counter(&d.n, "backend.in-place-ops"), direct, "page-aligned writes go in place");
+    // Nothing but the attach below reaps: the completion thread is stopped.
+    d.n.quiesce();
+    d.mem.write_slice(&[0xee; 8 * 4096], GuestAddress(R)).unwrap();
+    let reads: Vec<_> = (0..8u64).map(|i| (0x02, i * 8, 7, R + i * 4096)).collect();
+    let cids = d.submit_batch(&reads, IOSQ, 64);
+    // The client leaves: before the device lets its memory go, the reads on
+    // its pages end and their completions are in its CQ.
+    d.n.attach(DeviceContext::detached(GuestMemoryMmap::default()));
+    assert_eq!(counter(&d.n, "backend.in-place-ops"), direct + 8);
+    let mut done = Vec::new();
+    for k in 0..8u64 {
+        let e: [u32; 4] = d.mem.read_obj(GuestAddress(IOCQ + (d.iohead as u64 + k) % 64 * 16)).unwrap();
+        assert_eq!(e[3] >> 16 & 1, d.iophase, "completion {k} is posted");
+        done.push(e[3] as u16);
+        assert_eq!(e[3] >> 17, 0, "completion {k}: success");
+    }
+    assert_eq!(sorted(done), sorted(cids));
+    for i in 0..8u64 {
+        let mut b = [0u8; 4096];
+        d.mem.read_slice(&mut b, GuestAddress(R + i * 4096)).unwrap();
+        assert!(b.iter().all(|&x| x == 0x50 + i as u8), "read {i} carries its data");
+    }
+}
+
 #[test]
 fn completions_reaped_while_the_client_is_gone_wait_for_its_memory() {
     const R: u64 = 0x40000;
     let img = TempImage::new("no-memory");
     let mut d = Drv::new(img.cfg(DoorbellMode::Mmio));
+    bounce_only(&d);
     d.io_queues(64);
     for i in 0..8u64 {
         d.mem.write_slice(&[0x30 + i as u8; 4096], GuestAddress(DATA)).unwrap();

@@ -20,7 +20,7 @@ fn rbuf(q: u64) -> u64 {
 const QSIZE: u16 = 16;
 
 fn cfg(pollers: u8, doorbell: DoorbellMode) -> NvmeConfig {
-    NvmeConfig { backend: BackendKind::Ram, size: 1 << 20, lba_size: 512, doorbell, pollers, forecast: true }
+    NvmeConfig { backend: BackendKind::Ram, size: 1 << 20, lba_size: 512, doorbell, pollers, ..Default::default() }
 }
 
 /// A driver's view of one I/O queue pair on shadow doorbells (guest memory

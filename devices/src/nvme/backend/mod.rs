@@ -1,9 +1,13 @@
 //! Block backends of the NVMe namespace: `null` (no data: dispatch cost
 //! only), `ram` (keeps data in an anonymous mapping), `file:PATH` (O_DIRECT
-//! reads, writes and flushes through io_uring, many in flight, one whole
-//! transfer per command in a bounce buffer of its own; where O_DIRECT or
-//! io_uring is refused, synchronous pread/pwrite).
+//! reads, writes and flushes through io_uring, many in flight, on the
+//! guest's pages in place where O_DIRECT's alignment allows (`guest.rs`),
+//! otherwise one whole transfer per command in a bounce buffer of its own;
+//! where O_DIRECT or io_uring is refused, synchronous pread/pwrite).
 //! Callers pass LBA ranges already checked against the namespace.
+
+mod guest;
+pub use guest::{InPlace, Placed};
 
 use crate::{Error, Result};
 use std::fs::File;
@@ -83,6 +87,8 @@ struct Slot {
     len: usize,
     /// Its buffer is registered as fixed buffer number `slot`.
     registered: bool,
+    /// Its operation works on guest pages in place, not on its buffer.
+    guest: bool,
 }
 
 /// The slots' buffers, [`SLOT_BYTES`] each, in one anonymous mapping that is
@@ -187,6 +193,16 @@ struct Uring {
     in_flight: usize,
     /// The fixed buffer table exists and registering has not been refused.
     fixed_bufs: bool,
+    /// Operations on guest pages in place: their pieces, per slot.
+    iovs: Vec<guest::Iovecs>,
+    /// Of `in_flight`, those on guest pages in place.
+    guest_ops: usize,
+    /// The memories those pages belong to, kept mapped until none is in
+    /// flight (one, unless the controller gave a memory up while its
+    /// operations were still out).
+    keep: Vec<crate::GuestMem>,
+    /// O_DIRECT's alignment of memory addresses and of each piece's length.
+    dio_align: (usize, usize),
 }
 
 impl Uring {
@@ -197,10 +213,24 @@ impl Uring {
         let done = EventFd::new(libc::EFD_CLOEXEC)?;
         ring.submitter().register_eventfd(done.as_raw_fd())?;
         let fixed_bufs = ring.submitter().register_buffers_sparse(FILE_SLOTS as u32).is_ok();
-        let slots = vec![Slot { op: FileOp::Read, off: 0, len: 0, registered: false }; FILE_SLOTS];
+        let slots = vec![Slot { op: FileOp::Read, off: 0, len: 0, registered: false, guest: false }; FILE_SLOTS];
         let arena = Arena::new()?;
         let free = (0..FILE_SLOTS as u16).rev().collect();
-        Ok(Uring { _direct: file, ring, done: Arc::new(done), slots, arena, free, in_flight: 0, fixed_bufs })
+        let dio_align = guest::dio_align(&file);
+        Ok(Uring {
+            _direct: file,
+            ring,
+            done: Arc::new(done),
+            slots,
+            arena,
+            free,
+            in_flight: 0,
+            fixed_bufs,
+            iovs: (0..FILE_SLOTS).map(|_| guest::Iovecs::default()).collect(),
+            guest_ops: 0,
+            keep: Vec::new(),
+            dio_align,
+        })
     }
 
     /// Makes slot `slot`'s buffer its fixed buffer if it is not yet. False
@@ -241,6 +271,8 @@ impl Drop for Uring {
                 Err(e) => {
                     log::warn!("nvme: io_uring wait at close: {e}; {} buffers leaked", self.in_flight);
                     self.arena.leak();
+                    // Guest memory too: the kernel may still move data to or from it.
+                    std::mem::forget(std::mem::take(&mut self.keep));
                     return;
                 }
             }
@@ -257,6 +289,10 @@ pub struct FileBackend {
     uring: Option<Uring>,
     /// Operations that completed through io_uring with O_DIRECT.
     pub direct_ops: u64,
+    /// Of those, the ones on guest pages in place.
+    pub in_place_ops: u64,
+    /// Which reads and writes work on guest pages in place (`guest.rs`).
+    pub in_place: InPlace,
     /// The most operations that were in flight at once (after a submit).
     pub max_in_flight: u64,
     /// The last submit left operations in the ring (the kernel refused
@@ -334,6 +370,8 @@ impl FileBackend {
             file: f,
             uring,
             direct_ops: 0,
+            in_place_ops: 0,
+            in_place: InPlace::Auto,
             max_in_flight: 0,
             stalled: false,
             unsent_bytes: 0,
@@ -390,7 +428,7 @@ impl FileBackend {
         let ptr = u.arena.get(slot, len).as_mut_ptr();
         let fixed = op != FileOp::Flush && u.register(slot);
         let s = &mut u.slots[slot as usize];
-        (s.op, s.off, s.len) = (op, off, len);
+        (s.op, s.off, s.len, s.guest) = (op, off, len, false);
         let fd = types::Fixed(0);
         let (n, flags) = (len as u32, if op == (FileOp::Write { dsync: true }) { libc::RWF_DSYNC } else { 0 });
         let e = match op {
@@ -409,7 +447,16 @@ impl FileBackend {
         if unsafe { u.ring.submission().push(&e) }.is_err() {
             return false;
         }
-        u.in_flight += 1;
+        self.pushed(len);
+        true
+    }
+
+    /// Counts an operation of `len` bytes just pushed; submits what was
+    /// pushed once it adds up to [`SUBMIT_BYTES`].
+    fn pushed(&mut self, len: usize) {
+        if let Some(u) = self.uring.as_mut() {
+            u.in_flight += 1;
+        }
         // A queue pass pushes many and submits once, but writes are copied
         // into their slots as they are pushed (64 KiB: several us each):
         // the first would wait for every copy after it. Submitted every
@@ -418,7 +465,6 @@ impl FileBackend {
         if self.unsent_bytes >= SUBMIT_BYTES {
             self.submit();
         }
-        true
     }
 
     /// Sends every pushed operation to the kernel, without waiting. What
@@ -528,6 +574,10 @@ impl FileBackend {
             return self.reap(); // not one of ours (cannot be: user_data is a slot)
         };
         let n = c.result();
+        if s.guest {
+            let r = self.reap_guest(slot, n);
+            return Some((slot, r));
+        }
         let r = match s.op {
             FileOp::Flush if n == 0 => Ok(()),
             FileOp::Read | FileOp::Write { .. } if n >= 0 && n as usize == s.len => {
