@@ -447,21 +447,23 @@ impl FileBackend {
         if unsafe { u.ring.submission().push(&e) }.is_err() {
             return false;
         }
-        self.pushed(len);
+        self.pushed(if matches!(op, FileOp::Write { .. }) { len } else { 0 });
         true
     }
 
-    /// Counts an operation of `len` bytes just pushed; submits what was
-    /// pushed once it adds up to [`SUBMIT_BYTES`].
-    fn pushed(&mut self, len: usize) {
+    /// Counts an operation just pushed, `copied` bytes gathered into its
+    /// bounce buffer before; submits what was pushed once the copies add up
+    /// to [`SUBMIT_BYTES`].
+    fn pushed(&mut self, copied: usize) {
         if let Some(u) = self.uring.as_mut() {
             u.in_flight += 1;
         }
-        // A queue pass pushes many and submits once, but writes are copied
-        // into their slots as they are pushed (64 KiB: several us each):
-        // the first would wait for every copy after it. Submitted every
-        // SUBMIT_BYTES instead, so the file sees them while the rest copy.
-        self.unsent_bytes += len;
+        // A queue pass pushes many and submits once, but bounced writes are
+        // copied into their slots as they are pushed (64 KiB: several us
+        // each): the first would wait for every copy after it. Submitted
+        // every SUBMIT_BYTES of copies instead, so the file sees them while
+        // the rest copy. Reads and transfers in place copy nothing first.
+        self.unsent_bytes += copied;
         if self.unsent_bytes >= SUBMIT_BYTES {
             self.submit();
         }
