@@ -240,6 +240,13 @@ pub trait DeviceModel: Send + Sync {
     fn mapped_areas(&self) -> Vec<MappedArea> {
         Vec::new()
     }
+    /// True if the model hands guest RAM to another process (a proxy for
+    /// a device process): the host must then back guest RAM with an fd it
+    /// can pass. Otherwise the host may use anonymous memory, in
+    /// transparent huge pages.
+    fn shares_guest_ram(&self) -> bool {
+        false
+    }
 }
 
 /// The same methods as [`DeviceModel`] with `&mut self`, for a model whose
@@ -263,6 +270,9 @@ pub trait DeviceModelMut: Send {
     }
     fn mapped_areas(&self) -> Vec<MappedArea> {
         Vec::new()
+    }
+    fn shares_guest_ram(&self) -> bool {
+        false
     }
 }
 
@@ -305,6 +315,9 @@ impl<T: DeviceModelMut> DeviceModel for std::sync::Mutex<T> {
     }
     fn mapped_areas(&self) -> Vec<MappedArea> {
         lock(self).mapped_areas()
+    }
+    fn shares_guest_ram(&self) -> bool {
+        lock(self).shares_guest_ram()
     }
 }
 

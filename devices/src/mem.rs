@@ -91,6 +91,9 @@ pub struct GuestMem {
     /// The largest mapped region, resolved once: the per-I/O checks (PRPs,
     /// shadow doorbells) that fall in it skip vm-memory's region lookup.
     main: Main,
+    /// Its host says the mapped memory is in huge pages, as far as the
+    /// kernel grants them ([`in_huge_pages`](Self::in_huge_pages)).
+    huge: bool,
 }
 
 /// A mapped region's `[start, end)` and host address (all 0: none).
@@ -126,7 +129,7 @@ fn next_id() -> u64 {
 
 impl From<GuestMemoryMmap> for GuestMem {
     fn from(mapped: GuestMemoryMmap) -> Self {
-        GuestMem { main: Main::of(&mapped), mapped, remote: None, id: next_id() }
+        GuestMem { main: Main::of(&mapped), mapped, remote: None, id: next_id(), huge: false }
     }
 }
 
@@ -174,7 +177,21 @@ impl GuestMem {
             }
         }
         let remote = (!r.is_empty()).then(|| Arc::new(Remote { ranges: r, port }));
-        Ok(GuestMem { main: Main::of(&mapped), mapped, remote, id: next_id() })
+        Ok(GuestMem { main: Main::of(&mapped), mapped, remote, id: next_id(), huge: false })
+    }
+
+    /// The same memory, marked as advised for (transparent) huge pages by
+    /// its host.
+    pub fn with_huge_pages(self, huge: bool) -> Self {
+        GuestMem { huge, ..self }
+    }
+
+    /// True if the host advised the mapped memory for huge pages (and the
+    /// kernel may grant them): pages that follow each other in guest memory
+    /// then mostly follow each other in host memory too, so a transfer over
+    /// several reaches a disk as one segment.
+    pub fn in_huge_pages(&self) -> bool {
+        self.huge
     }
 
     /// The mapped part (what a host can pass on as fds).

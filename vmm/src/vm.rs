@@ -78,7 +78,8 @@ pub(crate) struct Machine {
     pub tsc_khz: u32,
 }
 
-pub(crate) fn boot(image: &[u8], cmdline: &str, mem_size: u64) -> Result<Machine, VmmError> {
+/// `shared`: a device hands guest RAM to another process (fd-backed RAM).
+pub(crate) fn boot(image: &[u8], cmdline: &str, mem_size: u64, shared: bool) -> Result<Machine, VmmError> {
     let k = |what: &'static str, source: kvm_ioctls::Error| VmmError::Kvm { what, source };
     let kvm = Kvm::new().map_err(VmmError::NoKvm)?;
     let vm = kvm.create_vm().map_err(|e| k("KVM_CREATE_VM", e))?;
@@ -87,7 +88,7 @@ pub(crate) fn boot(image: &[u8], cmdline: &str, mem_size: u64) -> Result<Machine
     if !(2 << 20..=3 << 30).contains(&mem_size) {
         return Err(VmmError::Memory(format!("guest RAM of {mem_size} bytes: use 2 MiB .. 3 GiB")));
     }
-    let ram = memory::create(mem_size).map_err(|source| VmmError::Host { what: "guest RAM", source })?;
+    let ram = memory::create(mem_size, shared).map_err(|source| VmmError::Host { what: "guest RAM", source })?;
     let host =
         ram.mem.get_host_address(vm_memory::GuestAddress(0)).map_err(|e| VmmError::Memory(e.to_string()))? as u64;
     let region = kvm_userspace_memory_region {
@@ -191,7 +192,8 @@ impl Drop for ReleaseBuses {
 /// Boots the guest image with the configured devices and runs it to the end.
 pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     let t0 = Instant::now();
-    let m = boot(&cfg.image, &cfg.cmdline, cfg.mem_size)?;
+    let shared = cfg.devices.iter().any(|d| d.shares_guest_ram());
+    let m = boot(&cfg.image, &cfg.cmdline, cfg.mem_size, shared)?;
     let pio = Arc::new(Bus::new());
     let mmio = Arc::new(Bus::new());
     // The PCI host holds both buses and sits on the port bus: emptied when
@@ -221,7 +223,8 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
         let ioevents = Arc::new(KvmIoEvents::new(m.vm.clone()));
         let gsi = INTX_GSI_BASE + (i as u32 % 8);
         let irq = Arc::new(crate::irq::VmIrq::new(m.vm.clone(), router.clone(), intx_lines(&m.vm, gsi)?, i as u32));
-        d.attach(DeviceContext { mem: m.ram.mem.clone().into(), ioevents: ioevents.clone(), irq, fail: fail.clone() });
+        let mem = iopath_devices::GuestMem::from(m.ram.mem.clone()).with_huge_pages(m.ram.huge);
+        d.attach(DeviceContext { mem, ioevents: ioevents.clone(), irq, fail: fail.clone() });
         let mut h = host.lock().unwrap();
         let slot = h.add(d.clone(), Some(ioevents))?;
         h.set_intx_line(slot as usize, gsi as u8);

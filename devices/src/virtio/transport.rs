@@ -95,6 +95,10 @@ pub trait QueueEngine: Send + Sized + 'static {
     /// The engine's own counters (the transport adds notifies, interrupts,
     /// ring_errors and resets).
     fn counters(&self) -> Vec<Counter>;
+    /// The engine hands guest RAM to another process (a vhost-user backend).
+    fn shares_guest_ram(&self) -> bool {
+        false
+    }
 }
 
 /// The transport's register state (the engine's is beside it in [`State`]).

@@ -24,6 +24,10 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
         vec![BarSpec { index: 0, kind: BarKind::Mem64, size: BAR_SIZE }]
     }
 
+    fn shares_guest_ram(&self) -> bool {
+        self.state().e.shares_guest_ram()
+    }
+
     fn attach(&self, ctx: DeviceContext) {
         E::attach(&self.state, &ctx);
         self.state().t.ctx = Some(ctx);

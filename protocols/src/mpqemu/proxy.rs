@@ -150,6 +150,10 @@ impl DeviceModelMut for MpqemuProxy {
     fn name(&self) -> String {
         self.peer.name.clone()
     }
+    /// SYNC_SYSMEM passes guest RAM's fds.
+    fn shares_guest_ram(&self) -> bool {
+        true
+    }
     fn ids(&self) -> PciIds {
         self.ids
     }

@@ -560,6 +560,10 @@ impl DeviceModelMut for VfioUserProxy {
     fn name(&self) -> String {
         self.peer.name.clone()
     }
+    /// DMA_MAP passes guest RAM's fds.
+    fn shares_guest_ram(&self) -> bool {
+        true
+    }
     fn ids(&self) -> PciIds {
         self.ids
     }

@@ -246,6 +246,11 @@ impl QueueEngine for VhostUserBlk {
         self.name.clone()
     }
 
+    /// SET_MEM_TABLE passes guest RAM's fds.
+    fn shares_guest_ram(&self) -> bool {
+        true
+    }
+
     fn device_id(&self) -> u16 {
         DEVICE_ID
     }
