@@ -33,6 +33,9 @@ pub struct VmConfig {
     /// Guest lines (by prefix) at which the exit counts are recorded
     /// (`RunReport::marks`), e.g. the edges of a timed window.
     pub exit_marks: Vec<String>,
+    /// Back guest RAM with a sealed memfd even when no device shares it
+    /// (a run compared with one whose device does: same memory on both sides).
+    pub memfd_ram: bool,
 }
 
 impl VmConfig {
@@ -46,6 +49,7 @@ impl VmConfig {
             timeout: Duration::from_secs(600),
             on_line: None,
             exit_marks: Vec::new(),
+            memfd_ram: false,
         }
     }
 }
@@ -192,7 +196,7 @@ impl Drop for ReleaseBuses {
 /// Boots the guest image with the configured devices and runs it to the end.
 pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     let t0 = Instant::now();
-    let shared = cfg.devices.iter().any(|d| d.shares_guest_ram());
+    let shared = cfg.memfd_ram || cfg.devices.iter().any(|d| d.shares_guest_ram());
     let m = boot(&cfg.image, &cfg.cmdline, cfg.mem_size, shared)?;
     let pio = Arc::new(Bus::new());
     let mmio = Arc::new(Bus::new());

@@ -199,13 +199,30 @@ impl<'a> Ctx<'a> {
     pub fn setup(&self, t: &Target) -> String {
         match (&t.kind, &self.qemu) {
             (Kind::Iopath(_, s), _) if matches!(self.o.backend, BackendKind::File(_)) => {
-                format!("iopath {} in_place={}", self.o.backend, s.in_place)
+                format!("iopath {} in_place={}{}", self.o.backend, s.in_place, self.ram_label())
             }
-            (Kind::Iopath(..), _) => format!("iopath {}", self.o.backend),
+            (Kind::Iopath(..), _) => format!("iopath {}{}", self.o.backend, self.ram_label()),
             (Kind::Qemu, Some((_, b))) => format!("qemu {}", b.short()),
             (Kind::Qemu, None) => "qemu".into(),
             (Kind::Fio { busy: false }, _) => "fio io_uring O_DIRECT".into(),
             (Kind::Fio { busy: true }, _) => "fio io_uring O_DIRECT beside a busy CPU".into(),
+        }
+    }
+
+    /// Guest RAM is a memfd in every iopath run, the VMM's too, when some
+    /// run puts the controller in a device process (which needs the fd):
+    /// the out-of-process ratio then compares transports, not memories
+    /// (the VMM's own RAM is otherwise anonymous, in huge pages).
+    fn memfd_ram(&self) -> bool {
+        self.o.transports.iter().any(|t| t.is_some())
+    }
+
+    /// How the setup line names the guest RAM, where it is not the default.
+    fn ram_label(&self) -> &'static str {
+        if self.memfd_ram() {
+            " ram=memfd"
+        } else {
+            ""
         }
     }
 
@@ -252,6 +269,7 @@ impl<'a> Ctx<'a> {
         cfg.devices = vec![instantiate(&spec, &self.progs)?];
         cfg.mem_size = o.mem_mb << 20;
         cfg.timeout = Duration::from_secs(o.timeout_s);
+        cfg.memfd_ram = self.memfd_ram();
         // The vCPU's window closes first: the device one then holds the vCPU for its idle pause.
         cfg.on_line = Some(Box::new(move |l| {
             v.on_line(l);
