@@ -9,11 +9,12 @@
 //! slot's bounce buffer (a write's data gathered into it first, a read's
 //! scattered from it when reaped); its completion is posted when the device
 //! thread reaps it (`reap_io`). Before the controller gives a memory up, it
-//! waits for the operations on its pages (`settle_guest_io`). Ordering: NVMe leaves outstanding commands unordered, so a
-//! read of blocks a write in flight covers may see either data (the host's
-//! concern). A Flush is an fdatasync with IOSQE_IO_DRAIN: it starts only once
-//! every operation submitted before it completed, and its completion is
-//! reaped after theirs, so it completes after the writes fetched before it.
+//! waits for the operations on its pages (`settle_guest_io`). Ordering:
+//! NVMe leaves outstanding commands unordered, so a read of blocks a write
+//! in flight covers may see either data (the host's concern). A Flush is
+//! an fdatasync with IOSQE_IO_DRAIN: it starts only once every operation
+//! submitted before it completed, and its completion is reaped after
+//! theirs, so it completes after the writes fetched before it.
 //! Bounds: at most [`FILE_SLOTS`](super::backend::FILE_SLOTS) commands are
 //! out (the queues stop being fetched until one completes), and an SQ is
 //! fetched only while its CQ has room for every completion already owed to

@@ -63,7 +63,8 @@ pub const FILE_SLOTS: usize = 256;
 /// A slot's buffer: the largest transfer a command may ask for (MDTS).
 const SLOT_BYTES: usize = (super::queue::PAGE as usize) << super::MDTS;
 
-/// Pushed operations are submitted at the latest once they add up to this.
+/// Pushed operations are submitted at the latest once the bounced writes
+/// among them copied this much (see `pushed`).
 const SUBMIT_BYTES: usize = 256 << 10;
 
 /// What an io_uring slot does.
