@@ -206,8 +206,7 @@ fuzz_target!(|data: &[u8]| {
         size: NS_SIZE,
         lba_size: if setup & SETUP_LBA4K != 0 { 4096 } else { 512 },
         doorbell: DoorbellMode::Mmio,
-        pollers: 1,
-        forecast: true,
+        ..NvmeConfig::default()
     };
     let (mem, port) = guest_ram(setup & SETUP_REMOTE != 0);
     let irq = Arc::new(Irq { accept: setup & SETUP_IRQ_ACCEPT != 0, host_owned: setup & SETUP_HOST_TABLE != 0 });
