@@ -176,9 +176,9 @@ pub(super) fn anon_map(len: usize) -> std::io::Result<*mut libc::c_void> {
 
 /// The asynchronous side of a file namespace: an io_uring on the O_DIRECT
 /// fd (registered as fixed file 0), whose completions signal `done`.
-/// Operations read into or write from bounce buffers of their own (the
-/// slots), never guest memory, so an operation still in flight when guest
-/// memory is unmapped or the controller reset cannot touch that memory.
+/// Operations work on the guest's pages in place (`guest.rs`: their memory
+/// is kept mapped until they are reaped) or read into or write from bounce
+/// buffers of their own (the slots), which live as long as the ring.
 /// Each slot's buffer is registered as fixed buffer number `slot` at its
 /// first use (the kernel then pins it once, not on every operation); where
 /// registering is refused (RLIMIT_MEMLOCK), operations use plain buffers.
