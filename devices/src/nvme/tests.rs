@@ -1438,6 +1438,37 @@ fn bounce_only(d: &Drv) {
 }
 
 #[test]
+fn a_transfer_o_direct_cannot_take_in_place_bounces_with_its_data() {
+    let img = TempImage::new("in-place-odd");
+    let mut d = Drv::new(NvmeConfig { in_place: InPlace::On, ..img.cfg(DoorbellMode::Mmio) });
+    d.io_queues(64);
+    // A dword-aligned PRP (valid NVMe) that O_DIRECT's alignment here refuses.
+    let align = match &d.n.core.lock().unwrap().ns.backend {
+        super::backend::Backend::File(f) => f.dio_align().expect("O_DIRECT io_uring on the test file"),
+        _ => unreachable!(),
+    };
+    if align.0 <= 4 {
+        eprintln!("O_DIRECT takes any dword-aligned address here ({align:?}): no PRP to bounce");
+        return;
+    }
+    let odd = DATA + 4;
+    d.mem.write_slice(&[0x6b; 512], GuestAddress(odd)).unwrap();
+    eprintln!("O_DIRECT alignment {align:?}, PRP at DATA + {}", odd - DATA);
+    assert_eq!(d.io(0x01, 3, 0, odd, 0, 64), status::SUCCESS);
+    d.mem.write_slice(&[0u8; 520], GuestAddress(DATA)).unwrap();
+    assert_eq!(d.io(0x02, 3, 0, odd, 0, 64), status::SUCCESS);
+    let mut b = [0u8; 520];
+    d.mem.read_slice(&mut b, GuestAddress(DATA)).unwrap();
+    let at = (odd - DATA) as usize;
+    assert!(b[..at].iter().chain(&b[at + 512..]).all(|&x| x == 0), "nothing outside the transfer");
+    assert!(b[at..at + 512].iter().all(|&x| x == 0x6b), "the data read back");
+    // Both went O_DIRECT through a bounce buffer (one tried in place would
+    // have failed with EINVAL and been redone without O_DIRECT).
+    assert_eq!(counter(&d.n, "backend.direct-ops"), 2, "{:?}", d.n.counters());
+    assert_eq!(counter(&d.n, "backend.in-place-ops"), 0, "{:?}", d.n.counters());
+}
+
+#[test]
 fn file_reads_on_guest_pages_in_place_complete_before_the_memory_is_given_up() {
     const R: u64 = 0x40000;
     let img = TempImage::new("in-place");

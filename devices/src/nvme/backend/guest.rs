@@ -206,6 +206,12 @@ impl FileBackend {
         self.uring.as_ref().is_some_and(|u| u.slots[slot as usize].guest)
     }
 
+    /// Tests: O_DIRECT's alignment of addresses and lengths here.
+    #[cfg(test)]
+    pub fn dio_align(&self) -> Option<(usize, usize)> {
+        self.uring.as_ref().map(|u| u.dio_align)
+    }
+
     /// Operations in flight on guest pages in place.
     pub fn guest_in_flight(&self) -> usize {
         self.uring.as_ref().map_or(0, |u| u.guest_ops)
