@@ -9,6 +9,7 @@
 
 pub mod doorbell;
 pub mod error;
+pub mod hugepages;
 pub mod irq;
 pub mod mem;
 pub mod nvme;

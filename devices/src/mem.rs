@@ -91,8 +91,9 @@ pub struct GuestMem {
     /// The largest mapped region, resolved once: the per-I/O checks (PRPs,
     /// shadow doorbells) that fall in it skip vm-memory's region lookup.
     main: Main,
-    /// Its host says the mapped memory is in huge pages, as far as the
-    /// kernel grants them ([`in_huge_pages`](Self::in_huge_pages)).
+    /// The mapped memory is in huge pages, as far as the kernel grants them
+    /// ([`in_huge_pages`](Self::in_huge_pages)): known from the mapped fds,
+    /// or said by the host of anonymous memory.
     huge: bool,
 }
 
@@ -129,8 +130,16 @@ fn next_id() -> u64 {
 
 impl From<GuestMemoryMmap> for GuestMem {
     fn from(mapped: GuestMemoryMmap) -> Self {
-        GuestMem { main: Main::of(&mapped), mapped, remote: None, id: next_id(), huge: false }
+        let huge = mapped_in_huge_pages(&mapped);
+        GuestMem { main: Main::of(&mapped), mapped, remote: None, id: next_id(), huge }
     }
+}
+
+/// True if every region of `mapped` (there is one at least) maps an fd
+/// whose pages are huge ([`crate::hugepages`]). Anonymous memory says no:
+/// its owner marks it ([`GuestMem::with_huge_pages`]).
+fn mapped_in_huge_pages(mapped: &GuestMemoryMmap) -> bool {
+    mapped.num_regions() > 0 && mapped.iter().all(crate::hugepages::region_in_huge_pages)
 }
 
 /// A range of mapped guest memory resolved once to its host address, for
@@ -177,17 +186,19 @@ impl GuestMem {
             }
         }
         let remote = (!r.is_empty()).then(|| Arc::new(Remote { ranges: r, port }));
-        Ok(GuestMem { main: Main::of(&mapped), mapped, remote, id: next_id(), huge: false })
+        let huge = mapped_in_huge_pages(&mapped);
+        Ok(GuestMem { main: Main::of(&mapped), mapped, remote, id: next_id(), huge })
     }
 
     /// The same memory, marked as advised for (transparent) huge pages by
-    /// its host.
+    /// its host (for anonymous memory; a mapped fd's pages are known from
+    /// the fd when the memory is made).
     pub fn with_huge_pages(self, huge: bool) -> Self {
         GuestMem { huge, ..self }
     }
 
-    /// True if the host advised the mapped memory for huge pages (and the
-    /// kernel may grant them): pages that follow each other in guest memory
+    /// True if the mapped memory is in huge pages (hugetlbfs, or advised for
+    /// transparent ones where the kernel grants them): pages that follow each other in guest memory
     /// then mostly follow each other in host memory too, so a transfer over
     /// several reaches a disk as one segment.
     pub fn in_huge_pages(&self) -> bool {

@@ -179,7 +179,7 @@ fn region(r: &mut Rules, pid: u32) {
 }
 
 /// The session: the union of all roles, and the client's socket with fds,
-/// DMA maps (mmap of the fds it sends), region socket pairs, the
+/// DMA maps (mmap of the fds it sends, fstatfs of them: huge pages or not), region socket pairs, the
 /// acceptor's socket options, and the fd budget's look at /proc/self/fd.
 fn session(r: &mut Rules, pid: u32) {
     use libc::*;
@@ -197,6 +197,7 @@ fn session(r: &mut Rules, pid: u32) {
             SYS_getsockname,
             SYS_getpeername,
             SYS_fstat,
+            SYS_fstatfs,
             SYS_newfstatat,
             SYS_statx,
             SYS_lseek,
@@ -261,6 +262,9 @@ pub fn install() -> Result<()> {
         return Err(Error::Config("seccomp: the filters are installed already".into()));
     }
     on_sigsys()?;
+    // Whether a DMA map's memfd is in huge pages depends on the host's
+    // shmem settings, files no thread may open once confined.
+    iopath_devices::hugepages::settings();
     // glibc reads /proc/sys/vm/overcommit_memory (an open by path) the first
     // time it shrinks a thread's heap, which may be in any thread after this.
     // A trim threshold above any heap's size (64 MiB) means no heap is ever
