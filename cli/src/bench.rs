@@ -239,6 +239,12 @@ pub struct NvmeArgs {
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256)]
     pub mem: u64,
+    /// How the VMM backs guest RAM: auto (anonymous, in transparent huge
+    /// pages; a memfd when a --transport names a device process), memfd,
+    /// or hugetlb (a memfd in 2 MiB pages from the host's pool,
+    /// vm.nr_hugepages: --mem/2 free pages).
+    #[arg(long, default_value = "auto", value_name = "auto|memfd|hugetlb")]
+    pub ram: iopath_vmm::RamKind,
     /// Controller poller counts, comma-separated (1..=16; more than 1 only in shm, bar and adaptive modes).
     #[arg(long, default_value = "1")]
     pub pollers: String,
@@ -284,6 +290,7 @@ impl NvmeArgs {
             rounds: if self.quick { 1 } else { self.rounds.max(1) },
             vs_qemu: self.vs == Some(Peer::Qemu),
             mem_mb: self.mem,
+            ram: self.ram,
             timeout_s: self.timeout,
             contend: each_once("--contend", self.contend.clone(), |&n| n)?,
             pin: self.pin.placement(),

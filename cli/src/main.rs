@@ -115,6 +115,11 @@ struct RunArgs {
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 64)]
     mem: u64,
+    /// How guest RAM is backed: auto (anonymous, in transparent huge pages;
+    /// a memfd when a device process shares it), memfd, or hugetlb (a memfd
+    /// in 2 MiB pages from the host's pool, vm.nr_hugepages: --mem/2 free pages).
+    #[arg(long, default_value = "auto", value_name = "auto|memfd|hugetlb")]
+    ram: iopath_vmm::RamKind,
     #[arg(long, default_value_t = 300)]
     timeout: u64,
     /// Devices (repeatable): NAME, NAME@TRANSPORT (a device process the VMM
@@ -261,6 +266,7 @@ fn run_guest(a: RunArgs) -> anyhow::Result<i32> {
     cfg.devices = devices_of(&a.devices, a.spin_us)?;
     cfg.place_bars = !a.guest_bars;
     cfg.mem_size = a.mem << 20;
+    cfg.ram = a.ram;
     cfg.timeout = Duration::from_secs(a.timeout);
     cfg.on_line = Some(Box::new(|l: &str| {
         println!("{l}");

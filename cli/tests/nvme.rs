@@ -3,8 +3,9 @@
 //! device process, and the same driver against QEMU's nvme.
 
 mod common;
-use common::nvmeperf::{num, nvme_record, nvmeperf};
+use common::nvmeperf::{num, nvme_record, nvmeperf, nvmeperf_in};
 use common::{kvm, programs};
+use iopath_vmm::RamKind;
 
 use std::time::Duration;
 
@@ -184,31 +185,54 @@ fn file_transfers_go_in_place_or_through_bounce_buffers_as_in_place_says() {
     let file = std::env::temp_dir().join(format!("iopath-nvme-in-place-{}.img", std::process::id()));
     // The VMM's own guest RAM is anonymous, advised for huge pages, where the kernel allows them.
     let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
-    let huge = thp.contains("[always]") || thp.contains("[madvise]");
-    for (in_place, remote) in [("on", ""), ("off", ""), ("auto", ""), ("auto", "@vfio-user"), ("on", "@vfio-user")] {
+    let anon_huge = thp.contains("[always]") || thp.contains("[madvise]");
+    // A device process maps a memfd: huge where the host's shmem settings grant it.
+    let memfd_huge = {
+        let m = iopath_vmm::memory::create(2 << 20, RamKind::Memfd).unwrap();
+        m.huge
+    };
+    // hugetlb RAM: 32 MiB, 16 pages of this machine's pool of 2 MiB pages (vm.nr_hugepages).
+    let runs = [
+        ("on", "", RamKind::Auto),
+        ("off", "", RamKind::Auto),
+        ("auto", "", RamKind::Auto),
+        ("auto", "@vfio-user", RamKind::Auto),
+        ("on", "@vfio-user", RamKind::Auto),
+        ("auto", "@vfio-user", RamKind::Hugetlb),
+    ];
+    for (in_place, remote, ram) in runs {
         // 4 KiB: one page each; 64 KiB: a PRP list of 16 pages.
         for bs in [4096u64, 65536] {
             let spec =
                 format!("nvme,doorbell=adaptive,backend=file:{},size_mb=8,in_place={in_place}{remote}", file.display());
-            let (rec, c, _) = nvmeperf(&spec, &format!("verify=1 bs={bs} iodepth=16 size_mb=4"));
-            assert_eq!((num(&rec, "errors"), num(&rec, "mismatches")), (0, 0), "{spec} bs={bs}");
-            assert_eq!(num(&rec, "verified_blocks"), (4 << 20) / bs, "{spec} bs={bs}");
+            let (mem, args) = match ram {
+                RamKind::Hugetlb => (32, format!("verify=1 bs={bs} iodepth=8 size_mb=4")),
+                _ => (128, format!("verify=1 bs={bs} iodepth=16 size_mb=4")),
+            };
+            let (rec, c, _) = nvmeperf_in(&spec, &args, mem, ram);
+            let what = format!("{spec} bs={bs} ram={ram}");
+            assert_eq!((num(&rec, "errors"), num(&rec, "mismatches")), (0, 0), "{what}");
+            assert_eq!(num(&rec, "verified_blocks"), (4 << 20) / bs, "{what}");
             let (direct, placed) = (c["backend.direct-ops"], c["backend.in-place-ops"]);
             assert!(
                 direct >= 2 * num(&rec, "verified_blocks"),
-                "{spec}: O_DIRECT io_uring on {}: {c:?}",
+                "{what}: O_DIRECT io_uring on {}: {c:?}",
                 file.display()
             );
             // auto: a transfer within one page goes in place, a larger one
-            // only from huge pages (not a device process's memfd).
-            let want = match (in_place, bs, remote) {
-                ("off", _, _) => 0,
-                ("auto", 65536, "") if huge => direct,
-                ("auto", 65536, _) => 0,
+            // only from huge pages.
+            let huge = match (remote, ram) {
+                (_, RamKind::Hugetlb) => true,
+                ("", _) => anon_huge,
+                _ => memfd_huge,
+            };
+            let want = match (in_place, bs) {
+                ("off", _) => 0,
+                ("auto", 65536) if !huge => 0,
                 _ => direct,
             };
-            eprintln!("{in_place}{remote} bs={bs}: {placed} of {direct} O_DIRECT operations in place");
-            assert_eq!(placed, want, "{spec} bs={bs}: {c:?}");
+            eprintln!("{in_place}{remote} ram={ram} bs={bs}: {placed} of {direct} O_DIRECT operations in place");
+            assert_eq!(placed, want, "{what}: {c:?}");
         }
     }
     let _ = std::fs::remove_file(file);

@@ -25,4 +25,5 @@ pub mod serial;
 pub mod vcpu;
 pub mod vm;
 
+pub use memory::RamKind;
 pub use vm::{run, RunReport, VmConfig, VmmError};

@@ -4,7 +4,7 @@ use crate::bus::Bus;
 use crate::debug_exit::{DebugExit, ExitStatus};
 pub use crate::error::VmmError;
 use crate::ioeventfd::KvmIoEvents;
-use crate::memory::{self, GuestRam};
+use crate::memory::{self, GuestRam, RamKind};
 use crate::pci::PciHost;
 use crate::serial::{LineCallback, LineSink, Uart};
 use crate::vcpu::{self, ExitStats};
@@ -33,9 +33,10 @@ pub struct VmConfig {
     /// Guest lines (by prefix) at which the exit counts are recorded
     /// (`RunReport::marks`), e.g. the edges of a timed window.
     pub exit_marks: Vec<String>,
-    /// Back guest RAM with a sealed memfd even when no device shares it
-    /// (a run compared with one whose device does: same memory on both sides).
-    pub memfd_ram: bool,
+    /// How guest RAM is backed. `Auto` is anonymous memory unless a device
+    /// shares guest RAM (then a memfd); `Memfd` even when none does (a run
+    /// compared with one whose device does: same memory on both sides).
+    pub ram: RamKind,
 }
 
 impl VmConfig {
@@ -49,7 +50,7 @@ impl VmConfig {
             timeout: Duration::from_secs(600),
             on_line: None,
             exit_marks: Vec::new(),
-            memfd_ram: false,
+            ram: RamKind::Auto,
         }
     }
 }
@@ -82,8 +83,8 @@ pub(crate) struct Machine {
     pub tsc_khz: u32,
 }
 
-/// `shared`: a device hands guest RAM to another process (fd-backed RAM).
-pub(crate) fn boot(image: &[u8], cmdline: &str, mem_size: u64, shared: bool) -> Result<Machine, VmmError> {
+/// `ram`: how guest RAM is backed (fd-backed where a device hands it to another process).
+pub(crate) fn boot(image: &[u8], cmdline: &str, mem_size: u64, ram: RamKind) -> Result<Machine, VmmError> {
     let k = |what: &'static str, source: kvm_ioctls::Error| VmmError::Kvm { what, source };
     let kvm = Kvm::new().map_err(VmmError::NoKvm)?;
     let vm = kvm.create_vm().map_err(|e| k("KVM_CREATE_VM", e))?;
@@ -92,7 +93,7 @@ pub(crate) fn boot(image: &[u8], cmdline: &str, mem_size: u64, shared: bool) -> 
     if !(2 << 20..=3 << 30).contains(&mem_size) {
         return Err(VmmError::Memory(format!("guest RAM of {mem_size} bytes: use 2 MiB .. 3 GiB")));
     }
-    let ram = memory::create(mem_size, shared).map_err(|source| VmmError::Host { what: "guest RAM", source })?;
+    let ram = memory::create(mem_size, ram).map_err(|source| VmmError::Host { what: "guest RAM", source })?;
     let host =
         ram.mem.get_host_address(vm_memory::GuestAddress(0)).map_err(|e| VmmError::Memory(e.to_string()))? as u64;
     let region = kvm_userspace_memory_region {
@@ -196,8 +197,11 @@ impl Drop for ReleaseBuses {
 /// Boots the guest image with the configured devices and runs it to the end.
 pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     let t0 = Instant::now();
-    let shared = cfg.memfd_ram || cfg.devices.iter().any(|d| d.shares_guest_ram());
-    let m = boot(&cfg.image, &cfg.cmdline, cfg.mem_size, shared)?;
+    let ram = match cfg.ram {
+        RamKind::Auto if cfg.devices.iter().any(|d| d.shares_guest_ram()) => RamKind::Memfd,
+        k => k,
+    };
+    let m = boot(&cfg.image, &cfg.cmdline, cfg.mem_size, ram)?;
     let pio = Arc::new(Bus::new());
     let mmio = Arc::new(Bus::new());
     // The PCI host holds both buses and sits on the port bus: emptied when

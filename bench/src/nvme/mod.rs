@@ -135,6 +135,10 @@ pub struct NvmeOptions {
     pub rounds: u32,
     pub vs_qemu: bool,
     pub mem_mb: u64,
+    /// How the VMM backs guest RAM (`--ram`); `auto` is a memfd when some
+    /// run puts the controller in a device process, else anonymous memory.
+    #[serde(serialize_with = "as_string")]
+    pub ram: iopath_vmm::RamKind,
     pub timeout_s: u64,
     pub progress: bool,
     /// Busy threads during the measured runs, QEMU's and fio's included
@@ -178,6 +182,7 @@ impl Default for NvmeOptions {
             rounds: 1,
             vs_qemu: false,
             mem_mb: 256,
+            ram: iopath_vmm::RamKind::Auto,
             timeout_s: 120,
             progress: true,
             contend: vec![0],

@@ -16,7 +16,7 @@ use iopath_devices::DeviceConfig;
 use iopath_protocols::attach::{instantiate, Device, DeviceSpec, Endpoint, Programs};
 use iopath_protocols::Transport;
 use iopath_vmm::vcpu::ExitMark;
-use iopath_vmm::{run, VmConfig};
+use iopath_vmm::{run, RamKind, VmConfig};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -209,20 +209,23 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    /// Guest RAM is a memfd in every iopath run, the VMM's too, when some
-    /// run puts the controller in a device process (which needs the fd):
-    /// the out-of-process ratio then compares transports, not memories
-    /// (the VMM's own RAM is otherwise anonymous, in huge pages).
-    fn memfd_ram(&self) -> bool {
-        self.o.transports.iter().any(|t| t.is_some())
+    /// How the VMM backs guest RAM: as `--ram` says, and `auto` is a memfd
+    /// in every iopath run, the VMM's too, when some run puts the
+    /// controller in a device process (which needs the fd): the
+    /// out-of-process ratio then compares transports, not memories (the
+    /// VMM's own RAM is otherwise anonymous, in huge pages).
+    fn ram(&self) -> RamKind {
+        match self.o.ram {
+            RamKind::Auto if self.o.transports.iter().any(|t| t.is_some()) => RamKind::Memfd,
+            k => k,
+        }
     }
 
     /// How the setup line names the guest RAM, where it is not the default.
-    fn ram_label(&self) -> &'static str {
-        if self.memfd_ram() {
-            " ram=memfd"
-        } else {
-            ""
+    fn ram_label(&self) -> String {
+        match self.ram() {
+            RamKind::Auto => String::new(),
+            k => format!(" ram={k}"),
         }
     }
 
@@ -269,7 +272,7 @@ impl<'a> Ctx<'a> {
         cfg.devices = vec![instantiate(&spec, &self.progs)?];
         cfg.mem_size = o.mem_mb << 20;
         cfg.timeout = Duration::from_secs(o.timeout_s);
-        cfg.memfd_ram = self.memfd_ram();
+        cfg.ram = self.ram();
         // The vCPU's window closes first: the device one then holds the vCPU for its idle pause.
         cfg.on_line = Some(Box::new(move |l| {
             v.on_line(l);

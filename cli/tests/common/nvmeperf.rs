@@ -3,7 +3,7 @@
 
 use super::programs;
 use iopath_protocols::attach::{instantiate, DeviceSpec};
-use iopath_vmm::{run, VmConfig};
+use iopath_vmm::{run, RamKind, VmConfig};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -16,15 +16,21 @@ pub fn num(r: &BTreeMap<String, String>, k: &str) -> u64 {
     r.get(k).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{k} missing in {r:?}"))
 }
 
+/// The record, the controller's counters and the run's report.
+pub type NvmeperfRun = (BTreeMap<String, String>, BTreeMap<String, u64>, iopath_vmm::vm::RunReport);
+
 /// Runs nvmeperf against `spec`; returns the record and the controller's counters.
-pub fn nvmeperf(
-    spec: &str,
-    args: &str,
-) -> (BTreeMap<String, String>, BTreeMap<String, u64>, iopath_vmm::vm::RunReport) {
+pub fn nvmeperf(spec: &str, args: &str) -> NvmeperfRun {
+    nvmeperf_in(spec, args, 128, RamKind::Auto)
+}
+
+/// The same in `mem_mb` of guest RAM backed as `ram` says.
+pub fn nvmeperf_in(spec: &str, args: &str, mem_mb: u64, ram: RamKind) -> NvmeperfRun {
     let spec: DeviceSpec = spec.parse().unwrap();
     let mut cfg = VmConfig::new(iopath_guest::IMAGE, &format!("workload=nvme {args}"));
     cfg.devices = vec![instantiate(&spec, &programs()).unwrap()];
-    cfg.mem_size = 128 << 20;
+    cfg.mem_size = mem_mb << 20;
+    cfg.ram = ram;
     cfg.timeout = Duration::from_secs(120);
     let r = run(cfg).unwrap();
     assert_eq!(r.status, 1, "{spec:?} {args}: {:?}", r.lines.iter().rev().take(6).collect::<Vec<_>>());
