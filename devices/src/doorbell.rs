@@ -212,12 +212,14 @@ impl Doorbell {
         }
         let fds = [m.try_clone().map_err(|e| Error::io("dup", e))?, p.try_clone().map_err(|e| Error::io("dup", e))?];
         let shared = self.shared.clone();
-        let mem = ctx.mem.mapped().clone();
+        // The GuestMem, not its mapping alone: it keeps what its regions may be windows into.
+        let held = ctx.mem.clone();
         let stop2 = stop.clone();
         let handle = std::thread::Builder::new()
             .name("doorbell-ioeventfd".into())
             .spawn(move || {
                 crate::sandbox::enter(crate::sandbox::Role::Device);
+                let mem = held.mapped();
                 let mut events = [EpollEvent::default(); 4];
                 while !stop2.load(Ordering::Relaxed) {
                     let n = match epoll.wait(-1, &mut events) {
@@ -233,7 +235,7 @@ impl Doorbell {
                         if let Ok(k) = fd.read() {
                             shared.kicks.fetch_add(k, Ordering::Relaxed);
                             let seq = shared.seq.fetch_add(k, Ordering::Relaxed) + k;
-                            shared.complete(&mem, seq);
+                            shared.complete(mem, seq);
                         }
                     }
                 }
@@ -250,12 +252,14 @@ impl Doorbell {
         }
         let wake = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("eventfd", e))?;
         let shared = self.shared.clone();
-        let mem = ctx.mem.mapped().clone();
+        // The GuestMem, not its mapping alone: it keeps what its regions may be windows into.
+        let held = ctx.mem.clone();
         let stop2 = stop.clone();
         let handle = std::thread::Builder::new()
             .name("doorbell-poll".into())
             .spawn(move || {
                 crate::sandbox::enter(crate::sandbox::Role::Device);
+                let mem = held.mapped();
                 // Both slices were validated above; resolve them once, outside the loop.
                 let (Ok(db), Ok(cq)) = (mem.get_slice(GuestAddress(shm), 8), mem.get_slice(GuestAddress(comp), 8))
                 else {

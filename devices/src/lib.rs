@@ -20,7 +20,7 @@ pub mod testdev;
 pub mod virtio;
 
 pub use error::{Error, Result};
-pub use mem::{DmaPort, GuestMem};
+pub use mem::{DmaPort, GuestMem, Keeper};
 pub use spec::{DeviceConfig, DEVICE_NAMES};
 use std::fmt;
 pub use vm_memory::GuestMemoryMmap;

@@ -95,7 +95,17 @@ pub struct GuestMem {
     /// ([`in_huge_pages`](Self::in_huge_pages)): known from the mapped fds,
     /// or said by the host of anonymous memory.
     huge: bool,
+    /// Mappings that regions of `mapped` are windows into (see [`Keeper`]).
+    _keep: Option<Arc<[Keeper]>>,
 }
+
+/// Keeps mapped what a region maps without owning it. A hugetlbfs fd can
+/// only be mapped from an offset its huge pages align with; a client's
+/// region that starts elsewhere (QEMU maps guest RAM above 1 MiB from
+/// offset 0x100000 of its memfd) is then a window into a mapping of the
+/// whole pages around it, which must live as long as the region is used:
+/// every [`GuestMem`] clone holds it.
+pub type Keeper = Arc<dyn std::any::Any + Send + Sync>;
 
 /// A mapped region's `[start, end)` and host address (all 0: none).
 #[derive(Clone, Copy, Default)]
@@ -131,7 +141,7 @@ fn next_id() -> u64 {
 impl From<GuestMemoryMmap> for GuestMem {
     fn from(mapped: GuestMemoryMmap) -> Self {
         let huge = mapped_in_huge_pages(&mapped);
-        GuestMem { main: Main::of(&mapped), mapped, remote: None, id: next_id(), huge }
+        GuestMem { main: Main::of(&mapped), mapped, remote: None, id: next_id(), huge, _keep: None }
     }
 }
 
@@ -187,7 +197,7 @@ impl GuestMem {
         }
         let remote = (!r.is_empty()).then(|| Arc::new(Remote { ranges: r, port }));
         let huge = mapped_in_huge_pages(&mapped);
-        Ok(GuestMem { main: Main::of(&mapped), mapped, remote, id: next_id(), huge })
+        Ok(GuestMem { main: Main::of(&mapped), mapped, remote, id: next_id(), huge, _keep: None })
     }
 
     /// The same memory, marked as advised for (transparent) huge pages by
@@ -205,7 +215,16 @@ impl GuestMem {
         self.huge
     }
 
-    /// The mapped part (what a host can pass on as fds).
+    /// The same memory, holding `keep` (the mappings its regions are
+    /// windows into) as long as it or a clone of it lives.
+    pub fn keeping(self, keep: Vec<Keeper>) -> Self {
+        GuestMem { _keep: (!keep.is_empty()).then(|| keep.into()), ..self }
+    }
+
+    /// The mapped part (what a host can pass on as fds). Its regions may be
+    /// windows into mappings this memory keeps ([`Keeper`]): a thread that
+    /// uses it holds a clone of this `GuestMem`, not of the
+    /// `GuestMemoryMmap` alone.
     pub fn mapped(&self) -> &GuestMemoryMmap {
         &self.mapped
     }

@@ -26,7 +26,7 @@
 
 use crate::{Error, Result};
 use iopath_devices::pci::ConfigSpace;
-use iopath_devices::{BarKind, Counter, DeviceContext, GuestMemoryMmap, SharedDevice};
+use iopath_devices::{BarKind, Counter, DeviceContext, GuestMem, GuestMemoryMmap, Keeper, SharedDevice};
 use std::fs::File;
 use std::sync::Arc;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryRegion, GuestRegionMmap, MmapRegion};
@@ -154,14 +154,32 @@ pub fn cannot_shrink(file: &File) -> bool {
 /// it). Each fd must be at least `offset + size` long (a shorter file would
 /// fault on access), and regions may not overlap. No region at all is the
 /// empty memory.
-pub fn map_guest_memory(regions: Vec<SharedRegion>) -> Result<GuestMemoryMmap> {
-    let mapped = regions.into_iter().map(|r| map_region(r).map(Arc::new)).collect::<Result<Vec<_>>>()?;
-    guest_memory(mapped)
+pub fn map_guest_memory(regions: Vec<SharedRegion>) -> Result<GuestMem> {
+    let mapped = regions.into_iter().map(map_region).collect::<Result<Vec<_>>>()?;
+    let (mem, keep) = guest_memory(mapped)?;
+    Ok(GuestMem::from(mem).keeping(keep))
+}
+
+/// A region a client shares, as mapped here.
+#[derive(Clone)]
+pub struct MappedRegion {
+    pub region: Arc<GuestRegionMmap>,
+    /// The mapping `region` is a window into, where it does not own its
+    /// memory (see [`map_region`]); the device's memory keeps it.
+    pub keeper: Option<Keeper>,
 }
 
 /// Maps one region a client shares: `size` bytes of its fd from `offset`,
 /// checked against the fd's length.
-pub fn map_region(r: SharedRegion) -> Result<GuestRegionMmap> {
+///
+/// A hugetlbfs fd maps only from offsets its page size divides. Clients
+/// share guest RAM in sections (QEMU: below 640 KiB from offset 0, above
+/// 1 MiB from offset 0x100000 of the same memfd), so where a section starts
+/// or ends inside a huge page, the whole pages around it are mapped and
+/// the region is the section's window into them (as libvfio-user and
+/// vhost-user backends map such fds). The region alone is what the device
+/// reaches.
+pub fn map_region(r: SharedRegion) -> Result<MappedRegion> {
     let at = r.gpa;
     let end = r
         .offset
@@ -175,20 +193,67 @@ pub fn map_region(r: SharedRegion) -> Result<GuestRegionMmap> {
         )));
     }
     let size = usize::try_from(r.size).map_err(|_| Error::protocol(format!("memory region at {at:#x}: too large")))?;
-    let m = MmapRegion::from_file(FileOffset::new(r.file, r.offset), size)
-        .map_err(|e| Error::io(format!("mmap of guest memory at {at:#x}"), std::io::Error::other(e)))?;
-    GuestRegionMmap::new(m, GuestAddress(at))
-        .ok_or_else(|| Error::protocol(format!("memory region at {at:#x}: overflows")))
+    let mmap_err = |e: vm_memory::mmap::MmapRegionError| {
+        Error::io(format!("mmap of guest memory at {at:#x}"), std::io::Error::other(e))
+    };
+    let page = huge_page_size(&r.file).max(1);
+    let (first, last) = (r.offset / page * page, end.div_ceil(page) * page);
+    if (first == r.offset && last == end) || last > len {
+        // Aligned (or a file without huge pages): the region owns its mapping.
+        let m = MmapRegion::from_file(FileOffset::new(r.file, r.offset), size).map_err(mmap_err)?;
+        let region = GuestRegionMmap::new(m, GuestAddress(at))
+            .ok_or_else(|| Error::protocol(format!("memory region at {at:#x}: overflows")))?;
+        return Ok(MappedRegion { region: Arc::new(region), keeper: None });
+    }
+    let whole =
+        usize::try_from(last - first).map_err(|_| Error::protocol(format!("memory region at {at:#x}: too large")))?;
+    let dup = r.file.try_clone().map_err(|e| Error::io("dup of a memory fd", e))?;
+    let outer = Arc::new(MmapRegion::<()>::from_file(FileOffset::new(dup, first), whole).map_err(mmap_err)?);
+    // SAFETY: `size` bytes from `r.offset - first` into `outer` lie inside
+    // it (`first <= r.offset`, `end <= last`); the memory made of this
+    // region keeps `outer` (the keeper) as long as it or a clone lives.
+    let inner = unsafe {
+        vm_memory::mmap::MmapRegionBuilder::new(size)
+            .with_raw_mmap_pointer(outer.as_ptr().add((r.offset - first) as usize))
+            .with_file_offset(FileOffset::new(r.file, r.offset))
+            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_flags(libc::MAP_SHARED)
+            .with_hugetlbfs(true)
+            .build()
+    }
+    .map_err(mmap_err)?;
+    let region = GuestRegionMmap::new(inner, GuestAddress(at))
+        .ok_or_else(|| Error::protocol(format!("memory region at {at:#x}: overflows")))?;
+    Ok(MappedRegion { region: Arc::new(region), keeper: Some(outer) })
 }
 
-/// One guest memory of already mapped regions, sorted here by address;
-/// overlapping regions are refused, and none at all is the empty memory.
-pub fn guest_memory(mut regions: Vec<Arc<GuestRegionMmap>>) -> Result<GuestMemoryMmap> {
-    if regions.is_empty() {
-        return Ok(no_memory());
+/// The page size of a hugetlbfs fd (its `statfs` block size); 0 for any
+/// other file, which maps from any page-aligned offset (mapped as given).
+fn huge_page_size(file: &File) -> u64 {
+    if iopath_devices::hugepages::backing(file) != iopath_devices::hugepages::Backing::Hugetlb {
+        return 0;
     }
-    regions.sort_by_key(|r| r.start_addr());
-    GuestMemoryMmap::from_arc_regions(regions).map_err(|e| Error::protocol(format!("guest memory map: {e}")))
+    use std::os::fd::AsRawFd;
+    // SAFETY: fstatfs writes one statfs into the zeroed struct we pass.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
+        return 0;
+    }
+    st.f_bsize as u64
+}
+
+/// One guest memory of already mapped regions, sorted here by address, and
+/// the mappings they are windows into; overlapping regions are refused,
+/// and none at all is the empty memory.
+pub fn guest_memory(mut regions: Vec<MappedRegion>) -> Result<(GuestMemoryMmap, Vec<Keeper>)> {
+    if regions.is_empty() {
+        return Ok((no_memory(), Vec::new()));
+    }
+    regions.sort_by_key(|r| r.region.start_addr());
+    let keep = regions.iter().filter_map(|r| r.keeper.clone()).collect();
+    let arcs = regions.into_iter().map(|r| r.region).collect();
+    let mem = GuestMemoryMmap::from_arc_regions(arcs).map_err(|e| Error::protocol(format!("guest memory map: {e}")))?;
+    Ok((mem, keep))
 }
 
 /// An empty guest memory (before a client shared any).
@@ -237,8 +302,8 @@ mod tests {
         assert!(map_guest_memory(vec![short]).unwrap_err().to_string().contains("fd holds"));
         let ok = SharedRegion { gpa: 0x10000, size: 4096, offset: 4096, file: file.try_clone().unwrap() };
         let mem = map_guest_memory(vec![ok]).unwrap();
-        mem.write_obj(0xabcdu16, GuestAddress(0x10010)).unwrap();
-        assert!(!mem.address_in_range(GuestAddress(0x11000)));
+        mem.mapped().write_obj(0xabcdu16, GuestAddress(0x10010)).unwrap();
+        assert!(!mem.mapped().address_in_range(GuestAddress(0x11000)));
         let overflow = SharedRegion { gpa: 0, size: u64::MAX, offset: 4096, file };
         assert!(map_guest_memory(vec![overflow]).is_err());
     }
@@ -251,11 +316,59 @@ mod tests {
             SharedRegion { gpa, size: 4096, offset: 0, file: f }
         };
         let mem = map_guest_memory(vec![region(0x20000), region(0x10000)]).unwrap();
-        mem.write_obj(1u8, GuestAddress(0x10000)).unwrap();
-        mem.write_obj(2u8, GuestAddress(0x20fff)).unwrap();
+        mem.mapped().write_obj(1u8, GuestAddress(0x10000)).unwrap();
+        mem.mapped().write_obj(2u8, GuestAddress(0x20fff)).unwrap();
         assert!(map_guest_memory(vec![region(0x10000), region(0x10800)]).is_err(), "overlap");
         let empty = map_guest_memory(Vec::new()).unwrap();
-        assert!(!empty.address_in_range(GuestAddress(0)));
+        assert!(!empty.mapped().address_in_range(GuestAddress(0)));
+    }
+
+    /// Mappings of files whose path names `name` in /proc/self/maps.
+    fn maps_of(name: &str) -> usize {
+        std::fs::read_to_string("/proc/self/maps").unwrap().lines().filter(|l| l.contains(name)).count()
+    }
+
+    #[test]
+    fn hugetlb_regions_at_offsets_inside_a_huge_page_map_as_windows_kept_while_the_memory_lives() {
+        // As QEMU shares 4 MiB of guest RAM from a hugetlb memfd: below 640 KiB from offset 0,
+        // above 1 MiB from offset 0x100000. Two 2 MiB pages of this machine's pool (vm.nr_hugepages).
+        let name = format!("iopath-hugetlb-window-{}", std::process::id());
+        let c = std::ffi::CString::new(name.clone()).unwrap();
+        // SAFETY: memfd_create with a valid C string; the fd is owned by the File below.
+        let fd = unsafe { libc::memfd_create(c.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_HUGETLB) };
+        assert!(fd >= 0, "memfd_create(MFD_HUGETLB): {}", std::io::Error::last_os_error());
+        // SAFETY: a fresh fd we own.
+        let f = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        f.set_len(4 << 20).unwrap();
+        // SAFETY: fallocate on our fd: the pages now, or a clear failure (not a SIGBUS later).
+        let got = unsafe { libc::fallocate(fd, 0, 0, 4 << 20) };
+        assert_eq!(got, 0, "two free 2 MiB pages (vm.nr_hugepages): {}", std::io::Error::last_os_error());
+        let low = SharedRegion { gpa: 0, size: 0xa0000, offset: 0, file: f.try_clone().unwrap() };
+        let high = SharedRegion { gpa: 0x100000, size: 0x300000, offset: 0x100000, file: f.try_clone().unwrap() };
+        let before = maps_of(&name);
+        let mem = map_guest_memory(vec![high, low]).unwrap();
+        assert!(mem.in_huge_pages());
+        mem.mapped().write_obj(0x5a5a_1234u32, GuestAddress(0x100040)).unwrap();
+        mem.mapped().write_obj(0x77u8, GuestAddress(0x9ffff)).unwrap();
+        // The hole between the sections is not the device's, though its pages are mapped.
+        assert!(!mem.mapped().address_in_range(GuestAddress(0xa0000)));
+        assert!(!mem.mapped().address_in_range(GuestAddress(0xfffff)));
+        assert!(!mem.mapped().address_in_range(GuestAddress(0x400000)));
+        // The windows are at the right offsets of the fd: pread sees what the device wrote.
+        use std::os::unix::fs::FileExt;
+        let mut b = [0u8; 4];
+        f.read_exact_at(&mut b, 0x100040).unwrap();
+        assert_eq!(u32::from_le_bytes(b), 0x5a5a_1234);
+        let mut one = [0u8; 1];
+        f.read_exact_at(&mut one, 0x9ffff).unwrap();
+        assert_eq!(one[0], 0x77);
+        // A clone keeps the mappings; the last one gone, they are unmapped.
+        let clone = mem.clone();
+        drop(mem);
+        assert!(maps_of(&name) > before);
+        assert_eq!(clone.mapped().read_obj::<u32>(GuestAddress(0x100040)).unwrap(), 0x5a5a_1234);
+        drop(clone);
+        assert_eq!(maps_of(&name), before, "the whole-page mappings outlived the memory");
     }
 
     fn tempfile() -> File {

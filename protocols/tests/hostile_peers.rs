@@ -146,7 +146,7 @@ fn proxy_refuses_a_dma_read_beyond_its_own_transfer_limit() {
         let mem = map_guest_memory(vec![SharedRegion { gpa: 0, size: 1 << 20, offset: 0, file: ram }]).unwrap();
         let fail: FailFn = Arc::new(|m: String| panic!("the proxy failed: {m}"));
         let irq = Arc::new(iopath_devices::NoInterrupts);
-        p.attach(DeviceContext { mem: mem.into(), ioevents: Arc::new(iopath_devices::NoIoEvents), irq, fail });
+        p.attach(DeviceContext { mem, ioevents: Arc::new(iopath_devices::NoIoEvents), irq, fail });
         let hwm = vm_hwm_kib();
         let mut d = [0u8; 4];
         p.bar_read(0, 0, &mut d);

@@ -41,7 +41,7 @@ fn context(
     let fails = Arc::new(Mutex::new(Vec::new()));
     let f = fails.clone();
     let fail: FailFn = Arc::new(move |m: String| f.lock().unwrap().push(m));
-    (DeviceContext { mem: mem.into(), ioevents, irq, fail }, fails)
+    (DeviceContext { mem, ioevents, irq, fail }, fails)
 }
 
 /// The VMM's interrupt host as a proxy sees it (what `vmm::irq::VmIrq`

@@ -51,7 +51,7 @@ struct Session<'a> {
 }
 
 impl Session<'_> {
-    fn context(&self, mem: iopath_devices::GuestMemoryMmap) -> DeviceContext {
+    fn context(&self, mem: impl Into<iopath_devices::GuestMem>) -> DeviceContext {
         let mut c = DeviceContext::detached(mem);
         c.ioevents = Arc::new(NoIoEvents);
         c.irq = self.irq.clone();

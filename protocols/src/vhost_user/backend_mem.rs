@@ -14,7 +14,6 @@
 use crate::function::{cannot_shrink, guest_memory, map_region, SharedRegion};
 use iopath_devices::GuestMem;
 use std::fs::File;
-use std::sync::Arc;
 use vhost::vhost_user::message::VhostUserMemoryRegion;
 
 /// Most regions one SET_MEM_TABLE may carry (QEMU sends at most 8 without
@@ -59,11 +58,11 @@ impl MemTable {
                 ));
             }
             let m = map_region(SharedRegion { gpa, size, offset, file }).map_err(|e| e.to_string())?;
-            mapped.push(Arc::new(m));
+            mapped.push(m);
             table.push(Region { gpa, size, uva });
         }
-        let mem = guest_memory(mapped).map_err(|e| e.to_string())?;
-        Ok(MemTable { regions: table, mem: GuestMem::from(mem) })
+        let (mem, keep) = guest_memory(mapped).map_err(|e| e.to_string())?;
+        Ok(MemTable { regions: table, mem: GuestMem::from(mem).keeping(keep) })
     }
 
     /// The guest physical address of `len` bytes at frontend address

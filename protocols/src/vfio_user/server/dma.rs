@@ -61,7 +61,7 @@ impl Session<'_> {
             Some(f) => {
                 let file = f.try_clone().map_err(|e| Error::io("dup of a DMA fd", e))?;
                 let shared = SharedRegion { gpa: map.address, size: map.size, offset: map.offset, file };
-                Some(Arc::new(map_region(shared)?))
+                Some(map_region(shared)?)
             }
             None => {
                 // From now on the device may wait for replies from any thread.
@@ -109,12 +109,13 @@ impl Session<'_> {
     /// others reached through the link (none at all is the empty memory).
     /// The model swaps it in under its lock.
     fn remap(&self) -> Result<()> {
-        let mapped = guest_memory(self.dma.iter().filter_map(|d| d.region.clone()).collect())?;
+        let (mapped, keep) = guest_memory(self.dma.iter().filter_map(|d| d.region.clone()).collect())?;
         let remote: Vec<(u64, u64)> =
             self.dma.iter().filter(|d| d.region.is_none()).map(|d| (d.map.address, d.map.size)).collect();
         let port: Arc<dyn DmaPort> = self.link.clone();
         let mem =
             GuestMem::with_remote(mapped, &remote, port).map_err(|e| Error::protocol(format!("DMA maps: {e}")))?;
+        let mem = mem.keeping(keep);
         self.srv.function().attach(self.srv.context(mem));
         Ok(())
     }

@@ -208,7 +208,7 @@ impl Server for VfioUserServer {
 /// A DMA_MAP the client made, mapped here if it came with an fd.
 struct DmaEntry {
     map: wire::DmaMap,
-    region: Option<Arc<vm_memory::GuestRegionMmap>>,
+    region: Option<crate::function::MappedRegion>,
 }
 
 /// Per-client state.
