@@ -304,12 +304,24 @@ fn linux_nvme_driver_against_iopath_nvme_bar_file() {
 
 /// iopath's own guest image under QEMU 11 + KVM, with `vfio-user-pci` to `iopath serve`.
 fn image_under_qemu11(device: &str, append: &str) -> (String, String) {
+    image_under_qemu11_env(device, append, &[])
+}
+
+/// The same with `env` for run-image.sh (its guest RAM options).
+fn image_under_qemu11_env(device: &str, append: &str, env: &[(&str, &str)]) -> (String, String) {
     kvm();
     let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let mut serve = Serve::start(device);
     let img = serve.socket.parent().unwrap().join("guest.elf");
     iopath_guest::write_image(&img).unwrap();
-    let (rc, text) = script("run-image.sh", &[img.to_str().unwrap(), serve.socket.to_str().unwrap(), append, "180"]);
+    let out = Command::new("bash")
+        .arg(harness("run-image.sh"))
+        .args([img.to_str().unwrap(), serve.socket.to_str().unwrap(), append, "180"])
+        .envs(env.iter().copied())
+        .output()
+        .expect("run run-image.sh");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let rc = out.status.code().unwrap_or(-1);
     assert_eq!(rc, 0, "{device}: guest under QEMU 11 failed (rc {rc}):\n{text}");
     let report = serve.report();
     (text, report)
@@ -318,6 +330,32 @@ fn image_under_qemu11(device: &str, append: &str) -> (String, String) {
 fn counter(report: &str, name: &str) -> u64 {
     let v: serde_json::Value = serde_json::from_str(report).unwrap_or_default();
     v["counters"][name].as_u64().unwrap_or_else(|| panic!("no counter {name} in {report}"))
+}
+
+#[test]
+fn qemu11_guest_ram_in_hugetlb_pages_lets_multi_page_transfers_go_in_place() {
+    // QEMU's memory-backend-memfd,hugetlb=on: the server knows the DMA_MAP fd is hugetlbfs,
+    // so in_place=auto puts 64 KiB transfers on the guest's pages; from a tmpfs memfd they
+    // bounce unless the host's shmem settings grant huge pages. 32 MiB: 16 pages of this
+    // machine's pool (vm.nr_hugepages).
+    let memfd_huge = iopath_vmm::memory::create(2 << 20, iopath_vmm::RamKind::Memfd).unwrap().huge;
+    for (hugetlb, huge) in [("1", true), ("0", memfd_huge)] {
+        let dir = std::env::temp_dir().join(format!("iopath-rc-hugetlb-{}-{hugetlb}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let dev =
+            format!("nvme,doorbell=adaptive,backend=file:{},size_mb=8,in_place=auto", dir.join("ns.img").display());
+        let env = [("IOPATH_RUN_IMAGE_MEM", "32"), ("IOPATH_RUN_IMAGE_HUGETLB", hugetlb)];
+        let (text, report) =
+            image_under_qemu11_env(&dev, "workload=nvme verify=1 bs=65536 iodepth=8 size_mb=4 irq=1", &env);
+        let _ = std::fs::remove_dir_all(&dir);
+        let rec = iopath_bench::record::find_record(&text.lines().collect::<Vec<_>>(), "nvme")
+            .unwrap_or_else(|| panic!("hugetlb={hugetlb}: no @nvme record:\n{text}"));
+        assert_eq!((rec["errors"].as_str(), rec["mismatches"].as_str()), ("0", "0"), "hugetlb={hugetlb}: {rec:?}");
+        let (direct, placed) = (counter(&report, "backend.direct-ops"), counter(&report, "backend.in-place-ops"));
+        eprintln!("QEMU hugetlb={hugetlb}: {placed} of {direct} 64 KiB O_DIRECT operations in place");
+        assert!(direct >= 128, "hugetlb={hugetlb}: {report}");
+        assert_eq!(placed, if huge { direct } else { 0 }, "hugetlb={hugetlb}: {report}");
+    }
 }
 
 #[test]

@@ -7,6 +7,7 @@
 #     APPEND     guest command line (default "batches=2 only=mmio-no,portio-no")
 #     TIMEOUT    wall clock in seconds (default 120), then QEMU is killed
 # Env: IOPATH_RUN_IMAGE_MEM (MB, default 64), IOPATH_RUN_IMAGE_SHARE=0 (plain -m, no memfd),
+#      IOPATH_RUN_IMAGE_HUGETLB=1 (the memfd in 2 MiB hugetlbfs pages: MEM/2 free in the host's pool),
 #      IOPATH_RUN_IMAGE_LOG (console log path; default /tmp/iopath-image.XXXXXX/console.log).
 # The guest's serial output is echoed and logged. Exit: 0 when the guest printed "@done rc=0" and
 # wrote 0 to isa-debug-exit (QEMU status 1), 1 otherwise, 124 on timeout, 4 on usage/setup errors.
@@ -30,7 +31,10 @@ if [[ -n ${IOPATH_RUN_IMAGE_LOG:-} ]]; then LOG=$IOPATH_RUN_IMAGE_LOG; else LOG=
 
 Q=(-accel kvm -cpu host,-arch-capabilities -display none -serial stdio -monitor none -no-reboot
    -nodefaults -device isa-debug-exit,iobase=0xf4,iosize=1)
-if [[ ${IOPATH_RUN_IMAGE_SHARE:-1} == 1 ]]; then
+if [[ ${IOPATH_RUN_IMAGE_HUGETLB:-0} == 1 ]]; then
+    Q+=(-m "${MEM}M" -object "memory-backend-memfd,id=mem,size=${MEM}M,share=on,hugetlb=on,hugetlbsize=2M"
+        -machine pc,memory-backend=mem)
+elif [[ ${IOPATH_RUN_IMAGE_SHARE:-1} == 1 ]]; then
     Q+=(-m "${MEM}M" -object "memory-backend-memfd,id=mem,size=${MEM}M,share=on" -machine pc,memory-backend=mem)
 else
     Q+=(-m "${MEM}M" -machine pc)
