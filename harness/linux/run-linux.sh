@@ -21,6 +21,8 @@ usage: run-linux.sh (--device qemu-nvme|qemu-virtio-blk | --vfio-user SOCKET | -
   --check nvme|vblk      the checks the guest runs: guest-check.sh (NVMe, the default) or
                          guest-vblk.sh (virtio-blk)
   --no-share             plain -m, no memfd/share=on backend (vfio-user DMA_READ/WRITE fallback)
+  --hugetlb              the shared memfd in 2 MiB hugetlbfs pages (hugetlb=on): MB/2 free pages
+                         in the host's pool (vm.nr_hugepages)
   --timeout SECS         wall clock for QEMU (default 300), then QEMU is killed (exit 2);
                          the guest gets harness.deadline=SECS-25 so it still prints @done
   --nvme-timeout SECS    nvme_core.admin_timeout and io_timeout in the guest (kernel default 60/30)
@@ -35,7 +37,7 @@ USAGE
     exit 4
 }
 
-MODE= CHECK=nvme SOCK= SHARE=1 TIMEOUT=300 NVME_TO= APPEND= SCRIPT= MEM=512 SMP=1 LOG= RUN= QUIET=0
+MODE= CHECK=nvme SOCK= SHARE=1 HUGETLB=0 TIMEOUT=300 NVME_TO= APPEND= SCRIPT= MEM=512 SMP=1 LOG= RUN= QUIET=0
 EXTRA=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -50,6 +52,7 @@ while [[ $# -gt 0 ]]; do
         --vhost-user) MODE=vhost-user; CHECK=vblk; SOCK=${2:?}; shift 2 ;;
         --check) [[ ${2:-} == nvme || ${2:-} == vblk ]] || die "--check takes nvme or vblk"; CHECK=$2; shift 2 ;;
         --no-share) SHARE=0; shift ;;
+        --hugetlb) HUGETLB=1; shift ;;
         --timeout) TIMEOUT=${2:?}; shift 2 ;;
         --nvme-timeout) NVME_TO=${2:?}; shift 2 ;;
         --append) APPEND=${2?}; shift 2 ;;
@@ -100,7 +103,11 @@ CMDLINE="console=ttyS0 loglevel=4 panic=1"
 Q=(-accel tcg -cpu max -smp "$SMP" -nodefaults -no-reboot -display none -nic none
    -serial "file:$LOG" -monitor none
    -kernel "$RUN/vmlinuz" -initrd "$INITRD" -append "$CMDLINE")
-if [[ $SHARE == 1 ]]; then
+if [[ $HUGETLB == 1 ]]; then
+    [[ $SHARE == 1 ]] || die "--hugetlb is the shared memfd: not with --no-share"
+    Q+=(-m "${MEM}M" -object "memory-backend-memfd,id=mem,size=${MEM}M,share=on,hugetlb=on,hugetlbsize=2M"
+        -machine q35,memory-backend=mem)
+elif [[ $SHARE == 1 ]]; then
     Q+=(-m "${MEM}M" -object "memory-backend-memfd,id=mem,size=${MEM}M,share=on" -machine q35,memory-backend=mem)
 else
     Q+=(-m "${MEM}M" -machine q35)
