@@ -23,13 +23,17 @@
 //!   the session link), logging once per client why; mpqemu, which has no
 //!   such fallback, refuses the SYNC_SYSMEM and closes the channel with a log
 //!   line naming the client, as for any bad message.
+//! - a hugetlbfs fd is mapped with a reservation ([`map_region`]): a pool
+//!   that cannot back it refuses the map rather than fault later. What
+//!   remains: a client that punches holes in its sealed hugetlbfs file
+//!   after the map and drains the pool can still make a later access fault.
 
 use crate::{Error, Result};
 use iopath_devices::pci::ConfigSpace;
 use iopath_devices::{BarKind, Counter, DeviceContext, GuestMem, GuestMemoryMmap, Keeper, SharedDevice};
 use std::fs::File;
 use std::sync::Arc;
-use vm_memory::{FileOffset, GuestAddress, GuestMemoryRegion, GuestRegionMmap, MmapRegion};
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryRegion, GuestRegionMmap};
 
 pub struct PciFunction {
     pub config: ConfigSpace,
@@ -196,19 +200,34 @@ pub fn map_region(r: SharedRegion) -> Result<MappedRegion> {
     let mmap_err = |e: vm_memory::mmap::MmapRegionError| {
         Error::io(format!("mmap of guest memory at {at:#x}"), std::io::Error::other(e))
     };
-    let page = huge_page_size(&r.file).max(1);
+    let huge = huge_page_size(&r.file);
+    // A hugetlbfs page the file lacks comes from the host's pool when it is
+    // touched, and an empty pool faults with SIGBUS: such a mapping is made
+    // with a reservation (no MAP_NORESERVE), so a pool that cannot back the
+    // range refuses the map now (a client that reserved its own mapping, as
+    // QEMU does by default, already holds the pages).
+    let map = |file: File, offset: u64, len: usize| {
+        let flags = if huge > 0 { libc::MAP_SHARED } else { libc::MAP_SHARED | libc::MAP_NORESERVE };
+        vm_memory::mmap::MmapRegionBuilder::<()>::new(len)
+            .with_file_offset(FileOffset::new(file, offset))
+            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_flags(flags)
+            .with_hugetlbfs(huge > 0)
+            .build()
+            .map_err(mmap_err)
+    };
+    let page = huge.max(1);
     let (first, last) = (r.offset / page * page, end.div_ceil(page) * page);
     if (first == r.offset && last == end) || last > len {
         // Aligned (or a file without huge pages): the region owns its mapping.
-        let m = MmapRegion::from_file(FileOffset::new(r.file, r.offset), size).map_err(mmap_err)?;
-        let region = GuestRegionMmap::new(m, GuestAddress(at))
+        let region = GuestRegionMmap::new(map(r.file, r.offset, size)?, GuestAddress(at))
             .ok_or_else(|| Error::protocol(format!("memory region at {at:#x}: overflows")))?;
         return Ok(MappedRegion { region: Arc::new(region), keeper: None });
     }
     let whole =
         usize::try_from(last - first).map_err(|_| Error::protocol(format!("memory region at {at:#x}: too large")))?;
     let dup = r.file.try_clone().map_err(|e| Error::io("dup of a memory fd", e))?;
-    let outer = Arc::new(MmapRegion::<()>::from_file(FileOffset::new(dup, first), whole).map_err(mmap_err)?);
+    let outer = Arc::new(map(dup, first, whole)?);
     // SAFETY: `size` bytes from `r.offset - first` into `outer` lie inside
     // it (`first <= r.offset`, `end <= last`); the memory made of this
     // region keeps `outer` (the keeper) as long as it or a clone lives.
@@ -369,6 +388,12 @@ mod tests {
         assert_eq!(clone.mapped().read_obj::<u32>(GuestAddress(0x100040)).unwrap(), 0x5a5a_1234);
         drop(clone);
         assert_eq!(maps_of(&name), before, "the whole-page mappings outlived the memory");
+        // 1 GiB of pages nobody allocated or reserved, more than this machine's pool: the map is
+        // refused now (no reservation to be had) rather than a SIGBUS at a later touch.
+        f.set_len(1 << 30).unwrap();
+        let big = SharedRegion { gpa: 0, size: 1 << 30, offset: 0, file: f.try_clone().unwrap() };
+        let e = map_guest_memory(vec![big]).expect_err("1 GiB of hugetlb pages mapped without a pool to back it");
+        assert!(e.to_string().contains("mmap of guest memory"), "{e}");
     }
 
     fn tempfile() -> File {
