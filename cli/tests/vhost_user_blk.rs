@@ -90,15 +90,18 @@ fn finish(mut s: Serve) -> (String, String) {
 
 /// QEMU's arguments: guest RAM a shared memfd (vhost-user maps it), the
 /// backend's socket as a chardev, vhost-user-blk-pci (modern only) on it.
-fn qemu_args(chardev: &str, cmdline: &str) -> Vec<String> {
+/// `hugetlb`: 32 MiB of guest RAM in 2 MiB hugetlbfs pages (16 of this machine's pool).
+fn qemu_args(chardev: &str, cmdline: &str, hugetlb: bool) -> Vec<String> {
     let image = iopath_guest::image_file().unwrap();
+    let (mem, backend) = if hugetlb {
+        (32, "memory-backend-memfd,id=mem,size=32M,share=on,hugetlb=on,hugetlbsize=2M")
+    } else {
+        (256, "memory-backend-memfd,id=mem,size=256M,share=on")
+    };
     let extra: Vec<String> =
-        ["-object", "memory-backend-memfd,id=mem,size=256M,share=on", "-numa", "node,memdev=mem", "-chardev", chardev]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+        ["-object", backend, "-numa", "node,memdev=mem", "-chardev", chardev].iter().map(|s| s.to_string()).collect();
     let dev = ["vhost-user-blk-pci,chardev=c0,num-queues=1,disable-legacy=on"];
-    iopath_bench::qemu::args_with(&image, cmdline, 256, &extra, &dev)
+    iopath_bench::qemu::args_with(&image, cmdline, mem, &extra, &dev)
 }
 
 fn qemu() -> PathBuf {
@@ -109,6 +112,11 @@ fn qemu() -> PathBuf {
 /// One verify run of the guest through iopath's backend in `notify` mode,
 /// the backend on a listening socket or (`fd`) an inherited one.
 fn verify_through_backend(notify: &str, fd: bool) {
+    verify_through_backend_in(notify, fd, false)
+}
+
+/// The same, guest RAM in hugetlb pages if `hugetlb`.
+fn verify_through_backend_in(notify: &str, fd: bool, hugetlb: bool) {
     let qemu = qemu();
     let spec = format!("virtio-blk,backend=ram,size_mb=64,notify={notify}");
     let sock = std::env::temp_dir().join(format!("iopath-vublk-{notify}-{fd}-{}.sock", std::process::id()));
@@ -121,7 +129,7 @@ fn verify_through_backend(notify: &str, fd: bool) {
     let s = serve(&spec, &via);
     drop(via); // the device process holds its end
     let cmdline = "workload=vblk verify=1 bs=4096 iodepth=8 size_mb=4";
-    let args = qemu_args(&chardev, cmdline);
+    let args = qemu_args(&chardev, cmdline, hugetlb);
     let how = if fd { "--fd 3".to_string() } else { format!("--once --socket {}", sock.display()) };
     println!("iopath serve {spec} --transport vhost-user {how}");
     println!("{} {}", qemu.display(), args.join(" "));
@@ -166,6 +174,14 @@ fn qemu_vhost_user_blk_pci_verifies_through_iopaths_backend_notify_ioeventfd() {
 #[test]
 fn qemu_vhost_user_blk_pci_verifies_through_iopaths_backend_notify_poll() {
     verify_through_backend("poll", false);
+}
+
+/// QEMU's hugetlb guest RAM: SET_MEM_TABLE's region above 1 MiB starts at
+/// offset 0x100000 of the memfd, inside a huge page; the backend maps the
+/// whole pages around it.
+#[test]
+fn qemu_vhost_user_blk_pci_with_hugetlb_guest_ram_verifies_through_iopaths_backend() {
+    verify_through_backend_in("ioeventfd", false, true);
 }
 
 /// The VMM's spawn path: `iopath serve ... --fd 3` on one end of a socket
