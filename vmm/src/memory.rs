@@ -108,6 +108,9 @@ pub fn create(size: u64, kind: RamKind) -> std::io::Result<GuestRam> {
     let memfd = unsafe { File::from_raw_fd(fd) };
     memfd.set_len(size)?;
     if hugetlb {
+        // What the pool has before this takes any (a failed fallocate keeps
+        // the pages it got until the memfd closes).
+        let pool = hugetlb_pool();
         // The pages are taken now, or the VM does not start: mapped
         // without a reservation (vm-memory maps MAP_NORESERVE), a page the
         // pool lacks would be a SIGBUS at the guest's first touch.
@@ -118,7 +121,7 @@ pub fn create(size: u64, kind: RamKind) -> std::io::Result<GuestRam> {
                 "guest RAM in hugetlb pages: {} MiB needs {} free 2 MiB pages ({e}); {}",
                 size >> 20,
                 size / HUGETLB_PAGE,
-                hugetlb_pool()
+                pool
             )));
         }
     }
