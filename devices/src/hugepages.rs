@@ -37,24 +37,43 @@ pub enum Backing {
     Other,
 }
 
-/// The file system `file` is on, by its `statfs` magic.
-pub fn backing(file: &File) -> Backing {
+/// `file`'s file system: its `statfs`, or None if the call fails.
+fn statfs(file: &File) -> Option<libc::statfs> {
     // SAFETY: fstatfs writes one statfs into the zeroed struct we pass.
     let mut s: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut s) } != 0 {
-        return Backing::Other;
-    }
-    match s.f_type as i64 {
-        HUGETLBFS_MAGIC => Backing::Hugetlb,
-        TMPFS_MAGIC => Backing::Shmem,
+    (unsafe { libc::fstatfs(file.as_raw_fd(), &mut s) } == 0).then_some(s)
+}
+
+/// A `statfs`'s file system magic (`f_type`'s width differs between architectures).
+#[allow(clippy::unnecessary_cast)]
+fn magic(s: &libc::statfs) -> i64 {
+    s.f_type as i64
+}
+
+/// The file system `file` is on, by its `statfs` magic.
+pub fn backing(file: &File) -> Backing {
+    match statfs(file).map(|s| magic(&s)) {
+        Some(HUGETLBFS_MAGIC) => Backing::Hugetlb,
+        Some(TMPFS_MAGIC) => Backing::Shmem,
         _ => Backing::Other,
     }
+}
+
+/// The page size of a hugetlbfs `file` (its `statfs` block size); None for
+/// any other file.
+pub fn hugetlb_page_size(file: &File) -> Option<u64> {
+    statfs(file).filter(|s| magic(s) == HUGETLBFS_MAGIC).map(|s| s.f_bsize as u64)
 }
 
 /// True if a mapping of `file` (advised for huge pages if `advised`) is in
 /// huge pages as far as the kernel grants them.
 pub fn file_in_huge_pages(file: &File, advised: bool) -> bool {
-    match backing(file) {
+    grants(backing(file), advised)
+}
+
+/// Whether pages of `backing` are huge, mapped advised or not.
+fn grants(backing: Backing, advised: bool) -> bool {
+    match backing {
         Backing::Hugetlb => true,
         Backing::Shmem => {
             let (top, pmd) = settings();
@@ -62,6 +81,13 @@ pub fn file_in_huge_pages(file: &File, advised: bool) -> bool {
         }
         Backing::Other => false,
     }
+}
+
+/// True if the kernel gives anonymous memory advised with MADV_HUGEPAGE
+/// transparent huge pages (`enabled` is `always` or `madvise`).
+pub fn anonymous_grants_advised() -> bool {
+    let s = std::fs::read_to_string(format!("{THP}/enabled")).unwrap_or_default();
+    matches!(selected(&s), Some("always" | "madvise"))
 }
 
 /// The host's shmem THP settings (`shmem_enabled`, and the PMD size's own
@@ -111,16 +137,14 @@ fn shmem_grants(top: &str, pmd: Option<&str>, advised: bool) -> bool {
 /// and the same advice again changes nothing).
 pub fn region_in_huge_pages(r: &GuestRegionMmap) -> bool {
     let Some(fo) = r.file_offset() else { return false };
-    let file = fo.file();
-    if backing(file) == Backing::Shmem {
-        let advised = match r.get_host_address(MemoryRegionAddress(0)) {
+    let b = backing(fo.file());
+    let advised = b == Backing::Shmem
+        && match r.get_host_address(MemoryRegionAddress(0)) {
             // SAFETY: advice on the region's own mapping, `len` bytes from its start.
             Ok(h) => unsafe { libc::madvise(h.cast(), r.len() as usize, libc::MADV_HUGEPAGE) == 0 },
             Err(_) => false,
         };
-        return file_in_huge_pages(file, advised);
-    }
-    file_in_huge_pages(file, false)
+    grants(b, advised)
 }
 
 #[cfg(test)]

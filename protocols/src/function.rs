@@ -200,7 +200,8 @@ pub fn map_region(r: SharedRegion) -> Result<MappedRegion> {
     let mmap_err = |e: vm_memory::mmap::MmapRegionError| {
         Error::io(format!("mmap of guest memory at {at:#x}"), std::io::Error::other(e))
     };
-    let huge = huge_page_size(&r.file);
+    // Nonzero for a hugetlbfs fd; any other maps from any page-aligned offset (mapped as given).
+    let huge = iopath_devices::hugepages::hugetlb_page_size(&r.file).unwrap_or(0);
     // A hugetlbfs page the file lacks comes from the host's pool when it is
     // touched, and an empty pool faults with SIGBUS: such a mapping is made
     // with a reservation (no MAP_NORESERVE), so a pool that cannot back the
@@ -244,21 +245,6 @@ pub fn map_region(r: SharedRegion) -> Result<MappedRegion> {
     let region = GuestRegionMmap::new(inner, GuestAddress(at))
         .ok_or_else(|| Error::protocol(format!("memory region at {at:#x}: overflows")))?;
     Ok(MappedRegion { region: Arc::new(region), keeper: Some(outer) })
-}
-
-/// The page size of a hugetlbfs fd (its `statfs` block size); 0 for any
-/// other file, which maps from any page-aligned offset (mapped as given).
-fn huge_page_size(file: &File) -> u64 {
-    if iopath_devices::hugepages::backing(file) != iopath_devices::hugepages::Backing::Hugetlb {
-        return 0;
-    }
-    use std::os::fd::AsRawFd;
-    // SAFETY: fstatfs writes one statfs into the zeroed struct we pass.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } != 0 {
-        return 0;
-    }
-    st.f_bsize as u64
 }
 
 /// One guest memory of already mapped regions, sorted here by address, and

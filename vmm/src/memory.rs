@@ -45,13 +45,6 @@ pub enum RamKind {
     Hugetlb,
 }
 
-impl RamKind {
-    /// Backed by an fd a device process can map.
-    pub fn shareable(self) -> bool {
-        self != RamKind::Auto
-    }
-}
-
 impl std::str::FromStr for RamKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -86,7 +79,7 @@ pub fn create(size: u64, kind: RamKind) -> std::io::Result<GuestRam> {
         // Without it (no THP here) guest RAM is in 4 KiB pages.
         let advised = unsafe { libc::madvise(region.as_ptr().cast(), size as usize, libc::MADV_HUGEPAGE) } == 0;
         let mem = from_region(region)?;
-        return Ok(GuestRam { huge: advised && thp_allowed(), ..mem });
+        return Ok(GuestRam { huge: advised && iopath_devices::hugepages::anonymous_grants_advised(), ..mem });
     }
     let hugetlb = kind == RamKind::Hugetlb;
     if hugetlb && !size.is_multiple_of(HUGETLB_PAGE) {
@@ -156,13 +149,6 @@ fn from_region(region: MmapRegion) -> std::io::Result<GuestRam> {
         .ok_or_else(|| std::io::Error::other("guest RAM region overflows"))?;
     let mem = GuestMemoryMmap::from_regions(vec![region]).map_err(|e| std::io::Error::other(e.to_string()))?;
     Ok(GuestRam { mem, huge: false })
-}
-
-/// The kernel gives advised anonymous memory transparent huge pages
-/// (`enabled` is `always` or `madvise`).
-fn thp_allowed() -> bool {
-    let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
-    s.contains("[always]") || s.contains("[madvise]")
 }
 
 #[cfg(test)]

@@ -21,8 +21,8 @@
 //!
 //! Which transfers go in place is the namespace's `in_place=` option
 //! ([`InPlace`]). The bounce buffers are in huge pages where the kernel
-//! grants them; guest RAM is too when its host says so
-//! ([`GuestMem::in_huge_pages`]: the VMM's own anonymous RAM), but a memfd
+//! grants them; guest RAM is too where [`GuestMem::in_huge_pages`] says so
+//! (the VMM's own anonymous RAM, a hugetlbfs memfd), but a tmpfs memfd
 //! shared with a device process is in 4 KiB pages unless the host's
 //! `shmem_enabled` allows more. A transfer over several 4 KiB pages reaches
 //! the disk as one segment per page, through a bounce buffer as one. On
