@@ -143,6 +143,36 @@ fn qemu_x_remote_serves_its_pci_testdev_to_iopath_over_mpqemu() {
     assert!(counter(&r, "mpqemu.requests") >= w.accesses);
 }
 
+/// QEMU's x-remote serves its socket from machine creation on and resets
+/// the machine only after that: configuration written before the reset is
+/// lost (a BAR sized 0). `spawn_qemu` returns after QEMU runs; configuration
+/// written then must stay, so two messages queued at once and a read made
+/// later agree.
+#[test]
+fn qemu_x_remote_keeps_configuration_written_once_it_is_ready() {
+    use iopath_protocols::mpqemu::wire::{recv_reply, send, Msg};
+    kvm();
+    let qemu = programs().qemu.expect("qemu-system-x86_64 is needed (apt-get install -y qemu-system-x86)");
+    let (mine, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+    let cmd = iopath_protocols::attach::qemu_remote(&qemu, "pci-testdev");
+    let _qemu = iopath_protocols::process::DeviceProcess::spawn_qemu(cmd, theirs.into(), Duration::from_secs(30))
+        .expect("QEMU's x-remote runs");
+    let ret = |sock: &std::os::unix::net::UnixStream| match recv_reply(sock).unwrap() {
+        Some((Msg::Ret(v), _)) => v as u32,
+        other => panic!("RET expected, got {other:?}"),
+    };
+    // BAR1, pci-testdev's I/O BAR: write all ones, read the size mask back.
+    send(&mine, &Msg::CfgWrite { addr: 0x14, val: 0xffff_ffff, len: 4 }, &[], "write").unwrap();
+    send(&mine, &Msg::CfgRead { addr: 0x14, len: 4 }, &[], "read").unwrap();
+    ret(&mine);
+    let mask = ret(&mine);
+    assert_eq!(mask & 1, 1, "an I/O BAR: {mask:#x}");
+    assert_ne!(mask & !3 & 0xffff, 0, "a sized BAR: {mask:#x}");
+    std::thread::sleep(Duration::from_millis(300));
+    send(&mine, &Msg::CfgRead { addr: 0x14, len: 4 }, &[], "read").unwrap();
+    assert_eq!(ret(&mine), mask, "QEMU reset the device after it reported running");
+}
+
 #[test]
 fn qemu_x_pci_proxy_dev_drives_iopath_serve_over_mpqemu() {
     kvm();

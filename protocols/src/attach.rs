@@ -249,7 +249,7 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> 
                 Error::Config(format!("QEMU is needed for @{}:qemu but was not found", transport.name()))
             })?;
             let (mine, theirs) = socketpair()?;
-            let child = DeviceProcess::spawn_command(qemu_remote(qemu, qemu_device(model)?), theirs.into())?;
+            let child = DeviceProcess::spawn_qemu(qemu_remote(qemu, qemu_device(model)?), theirs.into(), QEMU_START)?;
             (mine, Some(child))
         }
     };
@@ -330,10 +330,15 @@ fn connect(path: &Path) -> std::io::Result<UnixStream> {
     Ok(sock)
 }
 
-/// `qemu-system-x86_64 -machine x-remote` hosting QEMU's `device` on fd 3.
+/// How long QEMU's `-machine x-remote` may take to start running.
+const QEMU_START: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `qemu-system-x86_64 -machine x-remote` hosting QEMU's `device` on fd 3,
+/// with QMP on its standard input and output (to wait for it to run).
 pub fn qemu_remote(qemu: &Path, device: &str) -> std::process::Command {
     let mut c = std::process::Command::new(qemu);
     c.args(["-machine", "x-remote", "-nodefaults", "-display", "none", "-monitor", "none", "-serial", "none"]);
+    c.args(["-qmp", "stdio"]);
     c.args(["-device", &format!("{device},id=dev0")]);
     c.args(["-object", &format!("x-remote-object,id=robj0,devid=dev0,fd={CHILD_SOCKET_FD}")]);
     c

@@ -5,12 +5,14 @@
 
 use crate::{Error, Result};
 use iopath_devices::Counter;
+use std::io::Write;
 use std::io::{BufRead, BufReader};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
+use std::time::Instant;
 
 /// The fd number a spawned device process finds its socket on.
 pub const CHILD_SOCKET_FD: i32 = 3;
@@ -20,7 +22,12 @@ pub struct DeviceProcess {
     lines: mpsc::Receiver<String>,
     /// An iopath device process, which reports its counters (QEMU does not).
     reports: bool,
+    /// QEMU's monitor (QMP on its standard input), kept open for the session.
+    _monitor: Option<ChildStdin>,
 }
+
+/// Most QMP lines read while waiting for QEMU to run (events come between replies).
+const MAX_QMP_LINES: usize = 1000;
 
 /// The line a device process prints when its client goes away.
 pub fn disconnect_report(transport: &str, device: &str, counters: &[Counter]) -> String {
@@ -69,11 +76,80 @@ impl DeviceProcess {
         Ok(p)
     }
 
+    /// Starts QEMU's `-machine x-remote` (`cmd`, which must have `-qmp stdio`)
+    /// with `socket` as its fd 3, and returns once QEMU runs, within `timeout`.
+    ///
+    /// QEMU serves the socket from the moment its machine is created, and
+    /// only then resets the machine: a probe that crossed before that reset
+    /// would see its BAR sizing and configuration undone. The VM state
+    /// `running` comes after that reset, so the first message waits for it.
+    pub fn spawn_qemu(mut cmd: Command, socket: OwnedFd, timeout: Duration) -> Result<Self> {
+        cmd.stdin(Stdio::piped());
+        let mut p = Self::spawn_command_with(cmd, socket)?;
+        let mut stdin = p.child.stdin.take().ok_or_else(|| Error::PeerGone("QEMU has no standard input".into()))?;
+        let deadline = Instant::now() + timeout;
+        p.qmp_line(deadline, "the QMP greeting", |v| v.get("QMP").is_some())?;
+        let mut ask = |cmd: &str| {
+            writeln!(stdin, "{}", serde_json::json!({ "execute": cmd }))
+                .map_err(|e| Error::io(format!("QEMU's monitor ({cmd})"), e))
+        };
+        ask("qmp_capabilities")?;
+        p.qmp_line(deadline, "the reply to qmp_capabilities", |v| v.get("return").is_some())?;
+        loop {
+            ask("query-status")?;
+            let r = p.qmp_line(deadline, "the reply to query-status", |v| v.get("return").is_some())?;
+            if r["return"]["status"] == "running" {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        p._monitor = Some(stdin);
+        Ok(p)
+    }
+
+    /// The first QMP line that `wanted` accepts, by `deadline`; an error
+    /// reply, a non-JSON line or too many other lines end the wait.
+    fn qmp_line(
+        &mut self,
+        deadline: Instant,
+        what: &str,
+        wanted: impl Fn(&serde_json::Value) -> bool,
+    ) -> Result<serde_json::Value> {
+        let id = self.child.id();
+        for _ in 0..MAX_QMP_LINES {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = match self.lines.recv_timeout(left) {
+                Ok(l) => l,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(Error::Timeout { what: format!("{what} from QEMU {id}") })
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    let status = self.child.try_wait().ok().flatten();
+                    return Err(Error::PeerGone(format!("QEMU {id} ended ({status:?}) before {what}")));
+                }
+            };
+            let v: serde_json::Value = serde_json::from_str(line.trim_end())
+                .map_err(|e| Error::protocol(format!("QEMU {id} monitor, waiting for {what}: {e}: {line:.200}")))?;
+            if let Some(e) = v.get("error") {
+                return Err(Error::protocol(format!("QEMU {id} monitor, waiting for {what}: {e}")));
+            }
+            if wanted(&v) {
+                return Ok(v);
+            }
+        }
+        Err(Error::protocol(format!("QEMU {id} monitor: no {what} in {MAX_QMP_LINES} lines")))
+    }
+
     /// Starts `cmd` with `socket` as its fd 3 (iopath serve, or QEMU's
     /// `-machine x-remote`).
     pub fn spawn_command(mut cmd: Command, socket: OwnedFd) -> Result<Self> {
+        cmd.stdin(Stdio::null());
+        Self::spawn_command_with(cmd, socket)
+    }
+
+    fn spawn_command_with(mut cmd: Command, socket: OwnedFd) -> Result<Self> {
         let exe = std::path::PathBuf::from(cmd.get_program());
-        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        cmd.stdout(Stdio::piped()).stderr(Stdio::inherit());
         inherit_as_fd3(&mut cmd, &socket);
         let mut child =
             cmd.spawn().map_err(|e| Error::io(format!("cannot start the device process {}", exe.display()), e))?;
@@ -91,7 +167,7 @@ impl DeviceProcess {
                 }
             })
             .map_err(|e| Error::io("cannot read the device process output", e))?;
-        Ok(DeviceProcess { child, lines: rx, reports: false })
+        Ok(DeviceProcess { child, lines: rx, reports: false, _monitor: None })
     }
 
     /// Waits for the device's counters after the client disconnected.
