@@ -5,14 +5,12 @@
 
 use crate::{Error, Result};
 use iopath_devices::Counter;
-use std::io::Write;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The fd number a spawned device process finds its socket on.
 pub const CHILD_SOCKET_FD: i32 = 3;
@@ -140,8 +138,8 @@ impl DeviceProcess {
         Err(Error::protocol(format!("QEMU {id} monitor: no {what} in {MAX_QMP_LINES} lines")))
     }
 
-    /// Starts `cmd` with `socket` as its fd 3 (iopath serve, or QEMU's
-    /// `-machine x-remote`).
+    /// Starts `cmd` with `socket` as its fd 3 and no standard input (an
+    /// iopath serve; QEMU's `-machine x-remote` starts with [`spawn_qemu`](Self::spawn_qemu)).
     pub fn spawn_command(mut cmd: Command, socket: OwnedFd) -> Result<Self> {
         cmd.stdin(Stdio::null());
         Self::spawn_command_with(cmd, socket)
