@@ -40,7 +40,9 @@ struct Driver {
 
 impl Driver {
     fn new(config: &str, bs: u64) -> Driver {
-        let DeviceConfig::Nvme(cfg) = config.parse().expect("an nvme configuration") else { unreachable!() };
+        let DeviceConfig::Nvme(cfg) = config.parse().expect("a device configuration") else {
+            panic!("{config}: not an nvme configuration")
+        };
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 4 << 20)]).unwrap();
         let n = Nvme::new(cfg).unwrap();
         n.attach(DeviceContext::detached(mem.clone()));
