@@ -73,8 +73,12 @@ pub fn run_wake(n: usize, idle: Duration, cpus: Option<(usize, usize)>, round: u
             // SAFETY: one valid pollfd.
             let r = unsafe { libc::poll(&mut p, 1, 1000) };
             if r > 0 {
-                w2.store(t0.elapsed().as_nanos().max(1) as u64, Ordering::Release);
+                let ran = t0.elapsed().as_nanos().max(1) as u64;
+                // The count is taken before the wake-up is told: told first, a
+                // sleeper preempted for longer than `idle` would then read the
+                // next wake-up's write with this one's, and sleep through it.
                 let _ = e2.read();
+                w2.store(ran, Ordering::Release);
             }
         }
     })?;
@@ -132,5 +136,13 @@ mod tests {
         assert_eq!(r.n, 20);
         assert!(r.min_ns > 0.0 && r.min_ns <= r.p50_ns && r.p50_ns <= r.p99_ns, "{r:?}");
         assert!(super::run_wake(0, std::time::Duration::ZERO, None, 0).is_err());
+    }
+
+    /// No idle at all: the next wake-up is written as soon as the last one
+    /// is told, before a sleeper that told it first has read its count.
+    #[test]
+    fn back_to_back_wake_ups_are_each_seen() {
+        let r = super::run_wake(2000, std::time::Duration::ZERO, None, 0).unwrap();
+        assert_eq!(r.n, 2000);
     }
 }
