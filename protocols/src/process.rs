@@ -206,6 +206,40 @@ impl Drop for DeviceProcess {
 mod tests {
     use super::*;
 
+    /// `spawn_qemu` against a stand-in that prints `script`'s output as its
+    /// QMP and reads what it is sent.
+    fn fake_qemu(script: &str, timeout: Duration) -> Result<DeviceProcess> {
+        let (_mine, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut cmd = Command::new("/bin/sh");
+        cmd.args(["-c", script]);
+        DeviceProcess::spawn_qemu(cmd, theirs.into(), timeout)
+    }
+
+    #[test]
+    fn a_monitor_that_misbehaves_ends_the_wait_with_an_error() {
+        let t = Duration::from_secs(5);
+        let greet = r#"echo '{"QMP": {}}'; read a; echo '{"return": {}}'; read b"#;
+        let e = fake_qemu("echo 'not json'", t).err().expect("a line that is not JSON").to_string();
+        assert!(e.contains("not json"), "{e}");
+        let e = fake_qemu("exit 3", t).err().expect("QEMU gone").to_string();
+        assert!(e.contains("ended"), "{e}");
+        let e = fake_qemu(&format!(r#"{greet}; echo '{{"error": {{"desc": "no"}}}}'; cat"#), t).err().unwrap();
+        assert!(e.to_string().contains("no"), "{e}");
+        // Silent, or never running: the wait ends at its deadline.
+        let short = Duration::from_millis(300);
+        let e = fake_qemu("sleep 10", short).err().expect("no greeting").to_string();
+        assert!(e.contains("QMP greeting"), "{e}");
+        let paused = r#"echo '{"return": {"status": "paused"}}'; while read c; do echo '{"return": {"status": "paused"}}'; done"#;
+        let e = fake_qemu(&format!("{greet}; {paused}"), short).err().expect("never running");
+        assert!(e.to_string().contains("query-status"), "{e}");
+        // Events between replies are skipped, up to a bound.
+        let flood = r#"echo '{"QMP": {}}'; while :; do echo '{"event": "X"}'; done"#;
+        let e = fake_qemu(flood, t).err().expect("no reply among events").to_string();
+        assert!(e.contains("1000 lines"), "{e}");
+        let ok = format!(r#"{greet}; echo '{{"event": "RESUME"}}'; echo '{{"return": {{"status": "running"}}}}'; cat"#);
+        fake_qemu(&ok, t).expect("a monitor that says running");
+    }
+
     #[test]
     fn report_round_trip() {
         let c = vec![Counter { name: "a.exits".into(), value: 7 }];
