@@ -223,7 +223,7 @@ pub struct NvmeArgs {
     /// Length of each run: seconds, or with a suffix (500ms, 2s, 1m).
     #[arg(long, alias = "time", value_parser = parse_runtime, default_value = "2")]
     pub runtime: f64,
-    /// Rounds; each round runs every target once (A/B interleaving).
+    /// Rounds; each round runs every target once (A/B interleaving; odd rounds in reverse order, A B then B A).
     #[arg(long, default_value_t = 3)]
     pub rounds: u32,
     /// A short run: 1 round of 0.5 s runs.

@@ -510,6 +510,16 @@ impl<'a> Runner<'a> {
 
 pub use run::window_exits_between;
 
+/// The targets in the order round `round` runs them: as given in even
+/// rounds, reversed in odd ones (a contended target stays next to its
+/// quiet twin).
+fn round_order(targets: &[run::Target], round: u32) -> Vec<&run::Target> {
+    match round % 2 {
+        0 => targets.iter().collect(),
+        _ => targets.iter().rev().collect(),
+    }
+}
+
 pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     let ctx = run::Ctx::new(o)?;
     let targets = ctx.targets();
@@ -535,7 +545,10 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
             }
         }
         for (ji, j) in o.jobs.iter().enumerate() {
-            for t in &targets {
+            // Odd rounds run the targets in reverse (A B, then B A): what
+            // drifts during a run (a disk cache that warms, a host that
+            // throttles a disk after its burst) falls on every target alike.
+            for t in round_order(&targets, round) {
                 if !ctx.runs_job(t, j) {
                     if round == 0 && t.is_fio() {
                         skipped.push(format!("{} {}: a verify job is not a speed run", t.name, j.label()));
@@ -756,5 +769,21 @@ mod relate_tests {
             assert!(is_fio_target(&r.target));
         }
         assert!(!is_fio_target("iopath-shm") && !is_fio_target("qemu"));
+    }
+}
+
+#[cfg(test)]
+mod order_tests {
+    use super::round_order;
+    use super::run::{Kind, Target};
+
+    #[test]
+    fn odd_rounds_run_the_targets_in_reverse_and_twins_stay_together() {
+        let t = |name: &str, contend| Target { name: name.into(), kind: Kind::Qemu, contend };
+        let targets = [t("a", 0), t("a+2", 2), t("b", 0), t("b+2", 2)];
+        let names = |r| round_order(&targets, r).iter().map(|t| t.name.as_str()).collect::<Vec<_>>();
+        assert_eq!(names(0), ["a", "a+2", "b", "b+2"]);
+        assert_eq!(names(1), ["b+2", "b", "a+2", "a"]);
+        assert_eq!(names(2), names(0));
     }
 }
