@@ -28,7 +28,7 @@ pub enum Which {
     /// The exit-cost table: cpu, in-kernel, VMM exits, pci-testdev, doorbell round trips, transports.
     Exits(ExitsArgs),
     /// The guest's polled NVMe driver against iopath's NVMe controller (and QEMU's with --vs qemu).
-    Nvme(NvmeArgs),
+    Nvme(Box<NvmeArgs>),
     /// One block workload on every path to a guest's disk: NVMe, virtio-blk (exit, ioeventfd,
     /// poll), vfio-user, vhost-user, QEMU's virtio-blk-pci and vhost-user-blk-pci, same backend.
     Blk(BlkArgs),
@@ -256,6 +256,11 @@ pub struct NvmeArgs {
     /// several (on,off) as targets of their own.
     #[arg(long = "in-place", default_value = "auto", value_name = "auto|on|off[,..]")]
     pub in_place: String,
+    /// A file namespace's operations go to the kernel every N (fio's
+    /// iodepth_batch_submit; 0: all a queue pass fetched at once), several
+    /// (0,1) as targets of their own (`-sbN`).
+    #[arg(long = "submit-batch", default_value = "0", value_name = "N[,M..]")]
+    pub submit_batch: String,
     /// Seconds one guest run may take before it is stopped.
     #[arg(long, default_value_t = 300)]
     pub timeout: u64,
@@ -298,6 +303,7 @@ impl NvmeArgs {
             pollers: parse_pollers(&self.pollers)?,
             forecast: parse_forecast(&self.forecast)?,
             in_place: parse_in_place(&self.in_place)?,
+            submit_batch: parse_submit_batch(&self.submit_batch)?,
             guard: self.guard.config(),
             ..NvmeOptions::default()
         };
@@ -324,6 +330,9 @@ impl NvmeArgs {
         let file = matches!(o.backend, iopath_devices::nvme::backend::BackendKind::File(_));
         if !file && o.in_place != [iopath_devices::nvme::InPlace::Auto] {
             anyhow::bail!("--in-place needs --backend file:PATH (only a file namespace bounces transfers)");
+        }
+        if !file && o.submit_batch != [0] {
+            anyhow::bail!("--submit-batch needs --backend file:PATH (only a file namespace submits to the kernel)");
         }
         Ok(o)
     }
@@ -505,6 +514,18 @@ fn parse_in_place(s: &str) -> anyhow::Result<Vec<iopath_devices::nvme::InPlace>>
     each_once("--in-place", v, |f: &iopath_devices::nvme::InPlace| f.to_string())
 }
 
+fn parse_submit_batch(s: &str) -> anyhow::Result<Vec<u16>> {
+    let max = iopath_devices::nvme::MAX_SUBMIT_BATCH;
+    let v = s
+        .split(',')
+        .map(|n| match n.trim().parse::<u16>() {
+            Ok(v) if v <= max => Ok(v),
+            _ => Err(anyhow::anyhow!("--submit-batch: {n:?} is not an operation count (0..={max})")),
+        })
+        .collect::<anyhow::Result<_>>()?;
+    each_once("--submit-batch", v, |&n| n)
+}
+
 fn parse_pollers(s: &str) -> anyhow::Result<Vec<u8>> {
     let v = s
         .split(',')
@@ -589,7 +610,7 @@ mod tests {
         let mut v = vec!["nvme"];
         v.extend_from_slice(args);
         match parse(&v).unwrap().which {
-            Some(Which::Nvme(n)) => n,
+            Some(Which::Nvme(n)) => *n,
             w => panic!("not nvme: {w:?}"),
         }
     }
@@ -613,6 +634,15 @@ mod tests {
         assert!(parse(&["nvme", "--rwmixread", "101"]).is_err());
         let j = &nvme(&["--bs", "512", "--iodepth_batch_submit", "4"]).options().unwrap().jobs[0];
         assert_eq!((j.batch_submit, j.label()), (4, "randread 512 qd16 x1 batch 4".to_string()));
+        let o = nvme(&["--backend", "file:/x", "--submit-batch", "0,1"]).options().unwrap();
+        assert_eq!(o.submit_batch, [0, 1]);
+        for bad in [
+            &["--submit-batch", "1"][..],
+            &["--backend", "file:/x", "--submit-batch", "257"],
+            &["--backend", "file:/x", "--submit-batch", "1,1"],
+        ] {
+            assert!(nvme(bad).options().is_err(), "{bad:?}");
+        }
         let n = nvme(&["--reruns", "1"]).options().unwrap();
         assert_eq!((n.guard.reruns, n.guard.max_spread), (1, 2.0));
         assert!(parse(&["exits", "--cpl", "7"]).is_err());

@@ -95,7 +95,11 @@ fn doorbells_rung_within_a_reaping_pass_take_no_exit() {
 fn a_file_namespace_sees_the_guests_queue_depth() {
     kvm();
     let file = std::env::temp_dir().join(format!("iopath-nvme-qd-{}.img", std::process::id()));
-    for (db, remote) in [("shm", ""), ("ioeventfd", ""), ("mmio", ""), ("shm", "@vfio-user")] {
+    // submit_batch=1: each operation goes to the kernel as it is fetched (in a device process too).
+    let each = "adaptive,submit_batch=1";
+    for (db, remote) in
+        [("shm", ""), ("ioeventfd", ""), ("mmio", ""), ("shm", "@vfio-user"), (each, ""), (each, "@vfio-user")]
+    {
         let spec = format!("nvme,doorbell={db},backend=file:{},size_mb=8{remote}", file.display());
         let (rec, _, _) = nvmeperf(&spec, "verify=1 bs=4096 iodepth=32 size_mb=4");
         assert_eq!((num(&rec, "errors"), num(&rec, "mismatches")), (0, 0), "{spec}");

@@ -152,11 +152,19 @@ impl FromStr for DeviceConfig {
                             }
                         }
                         "in_place" => c.in_place = v.parse().map_err(|e| option("nvme", k, e))?,
+                        "submit_batch" => {
+                            c.submit_batch = match num()? {
+                                n if n <= nvme::MAX_SUBMIT_BATCH as u64 => n as u16,
+                                n => {
+                                    return Err(option("nvme", k, format!("{n} (0 ..= {})", nvme::MAX_SUBMIT_BATCH)))
+                                }
+                            }
+                        }
                         _ => {
                             return Err(option(
                                 "nvme",
                                 k,
-                                "unknown option (doorbell, backend, size_mb, lba, pollers, forecast, in_place)",
+                                "unknown option (doorbell, backend, size_mb, lba, pollers, forecast, in_place, submit_batch)",
                             ))
                         }
                     }
@@ -186,6 +194,9 @@ impl fmt::Display for DeviceConfig {
             if c.in_place != nvme::InPlace::Auto {
                 write!(f, ",in_place={}", c.in_place)?;
             }
+            if c.submit_batch != 0 {
+                write!(f, ",submit_batch={}", c.submit_batch)?;
+            }
         }
         if let DeviceConfig::VirtioBlk(c) = self {
             write!(f, ",backend={},size_mb={},notify={}", escape(&c.backend.to_string()), c.size >> 20, c.notify)?;
@@ -209,6 +220,7 @@ mod tests {
             "nvme,doorbell=adaptive,backend=null,size_mb=8,lba=512,forecast=off",
             "nvme,doorbell=adaptive,backend=file:/tmp/x.img,size_mb=8,lba=512,in_place=on",
             "nvme,doorbell=ioeventfd,backend=file:/tmp/x.img,size_mb=8,lba=4096,in_place=off",
+            "nvme,doorbell=adaptive,backend=file:/tmp/x.img,size_mb=8,lba=512,submit_batch=1",
             "virtio-blk,backend=null,size_mb=64,notify=ioeventfd",
             "virtio-blk,backend=ram,size_mb=1,notify=poll",
             "virtio-blk,backend=file:/tmp/v,,b@@c.img,size_mb=8,notify=exit",
@@ -235,6 +247,9 @@ mod tests {
         }
         for bad in ["doorbell=shm,forecast=off", "forecast=maybe"] {
             assert!(e(&format!("nvme,{bad}")).contains("forecast"), "{bad}: {}", e(&format!("nvme,{bad}")));
+        }
+        for bad in ["submit_batch=1", "backend=file:/x,submit_batch=257", "backend=file:/x,submit_batch=x"] {
+            assert!(e(&format!("nvme,{bad}")).contains("submit_batch"), "{bad}: {}", e(&format!("nvme,{bad}")));
         }
         for bad in ["in_place=on", "backend=file:/x,in_place=yes"] {
             assert!(e(&format!("nvme,{bad}")).contains("in_place"), "{bad}: {}", e(&format!("nvme,{bad}")));

@@ -121,6 +121,9 @@ pub struct NvmeOptions {
     /// own target (`-inplace` for on, `-bounce` for off; auto keeps the name).
     #[serde(serialize_with = "as_strings")]
     pub in_place: Vec<InPlace>,
+    /// A file namespace's operations to the kernel every N (`submit_batch=`;
+    /// 0: per queue pass): each value its own target (`-sbN`; 0 keeps the name).
+    pub submit_batch: Vec<u16>,
     #[serde(serialize_with = "as_string")]
     pub backend: BackendKind,
     /// Where the controller runs, each in every round, interleaved: None in
@@ -174,6 +177,7 @@ impl Default for NvmeOptions {
             pollers: vec![1],
             forecast: vec![true],
             in_place: vec![InPlace::Auto],
+            submit_batch: vec![0],
             backend: BackendKind::Ram,
             transports: vec![None],
             lba: 512,

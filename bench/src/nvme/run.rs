@@ -33,12 +33,14 @@ pub struct Setup {
     pub forecast: bool,
     /// A file namespace's transfers in place (`in_place=`).
     pub in_place: InPlace,
+    /// A file namespace's operations to the kernel every N (`submit_batch=`).
+    pub submit_batch: u16,
 }
 
 impl Setup {
-    /// `db`, one poller, forecast on, in place as the device defaults.
+    /// `db`, one poller, forecast on, in place and submission as the device defaults.
     pub fn plain(db: DoorbellMode) -> Setup {
-        Setup { db, pollers: 1, forecast: true, in_place: InPlace::Auto }
+        Setup { db, pollers: 1, forecast: true, in_place: InPlace::Auto, submit_batch: 0 }
     }
 }
 
@@ -143,7 +145,11 @@ impl<'a> Ctx<'a> {
                 f.iter().map(move |&f| (t, db, p, f))
             })
             .flat_map(|(t, db, pollers, forecast)| {
-                o.in_place.iter().map(move |&in_place| (t, Setup { db, pollers, forecast, in_place }))
+                o.in_place.iter().flat_map(move |&in_place| {
+                    o.submit_batch
+                        .iter()
+                        .map(move |&submit_batch| (t, Setup { db, pollers, forecast, in_place, submit_batch }))
+                })
             })
             .map(|(tr, s)| {
                 // One poller keeps the plain name; more show in it, as does a
@@ -156,6 +162,7 @@ impl<'a> Ctx<'a> {
                     InPlace::On => format!("{name}-inplace"),
                     InPlace::Off => format!("{name}-bounce"),
                 };
+                let name = if s.submit_batch == 0 { name } else { format!("{name}-sb{}", s.submit_batch) };
                 (name, tr, Kind::Iopath(tr, s))
             })
             .collect();
@@ -199,7 +206,8 @@ impl<'a> Ctx<'a> {
     pub fn setup(&self, t: &Target) -> String {
         match (&t.kind, &self.qemu) {
             (Kind::Iopath(_, s), _) if matches!(self.o.backend, BackendKind::File(_)) => {
-                format!("iopath {} in_place={}{}", self.o.backend, s.in_place, self.ram_label())
+                let sb = if s.submit_batch == 0 { String::new() } else { format!(" submit_batch={}", s.submit_batch) };
+                format!("iopath {} in_place={}{sb}{}", self.o.backend, s.in_place, self.ram_label())
             }
             (Kind::Iopath(..), _) => format!("iopath {}{}", self.o.backend, self.ram_label()),
             (Kind::Qemu, Some((_, b))) => format!("qemu {}", b.short()),
@@ -246,7 +254,7 @@ impl<'a> Ctx<'a> {
         &self,
         target: &str,
         tr: Option<&'static dyn Transport>,
-        Setup { db, pollers, forecast, in_place }: Setup,
+        Setup { db, pollers, forecast, in_place, submit_batch }: Setup,
         contend: u32,
         ji: usize,
         round: u32,
@@ -260,6 +268,7 @@ impl<'a> Ctx<'a> {
             pollers,
             forecast,
             in_place,
+            submit_batch,
         };
         let spec =
             DeviceSpec { device: Device::Model(DeviceConfig::Nvme(config)), remote: tr.map(|t| (t, Endpoint::Spawn)) };

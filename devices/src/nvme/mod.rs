@@ -286,7 +286,14 @@ pub struct NvmeConfig {
     /// A file namespace: which reads and writes work on the guest's pages
     /// in place instead of through bounce buffers (`backend/guest.rs`).
     pub in_place: InPlace,
+    /// A file namespace: its operations go to the kernel every this many
+    /// (`submit_batch=N`, fio's iodepth_batch_submit), or 0: all that a
+    /// queue pass fetched at once (see `backend::FileBackend::submit_batch`).
+    pub submit_batch: u16,
 }
+
+/// Most operations `submit_batch=` may gather: the io_uring's size.
+pub const MAX_SUBMIT_BATCH: u16 = backend::FILE_SLOTS as u16;
 
 /// Poller threads a controller may have (`pollers=`).
 pub const MAX_POLLERS: u8 = 16;
@@ -301,6 +308,7 @@ impl Default for NvmeConfig {
             pollers: 1,
             forecast: true,
             in_place: InPlace::Auto,
+            submit_batch: 0,
         }
     }
 }
@@ -337,6 +345,12 @@ impl NvmeConfig {
         if self.in_place != InPlace::Auto && !matches!(self.backend, BackendKind::File(_)) {
             return bad("in_place", format!("in_place={} needs backend=file:PATH", self.in_place));
         }
+        if self.submit_batch != 0 && !matches!(self.backend, BackendKind::File(_)) {
+            return bad("submit_batch", format!("submit_batch={} needs backend=file:PATH", self.submit_batch));
+        }
+        if self.submit_batch > MAX_SUBMIT_BATCH {
+            return bad("submit_batch", format!("{} (0 ..= {MAX_SUBMIT_BATCH})", self.submit_batch));
+        }
         if self.pollers > 1 && matches!(self.backend, BackendKind::File(_)) {
             return bad(
                 "pollers",
@@ -365,6 +379,7 @@ impl Nvme {
         let mut backend = if cfg.pollers > 1 { Backend::Null } else { Backend::open(&cfg.backend, cfg.size)? };
         if let Backend::File(f) = &mut backend {
             f.in_place = cfg.in_place;
+            f.submit_batch = cfg.submit_batch as usize;
         }
         let (bar_page, bar_fd) = match cfg.doorbell.bar_page() {
             true => {
