@@ -748,6 +748,22 @@ mod tests {
         assert!(matches!(&e, Error::Option { option, .. } if option == "backend"), "{e}");
     }
 
+    /// Reaps `n` operations, each successful, waiting for them.
+    fn reap_all(f: &mut FileBackend, n: usize) {
+        for _ in 0..n {
+            loop {
+                match f.reap() {
+                    Some((s, r)) => {
+                        r.unwrap();
+                        f.release(s);
+                        break;
+                    }
+                    None => assert!(f.wait()),
+                }
+            }
+        }
+    }
+
     #[test]
     fn pushed_operations_go_to_the_kernel_once_they_add_up_to_submit_bytes() {
         let path = std::env::temp_dir().join(format!("iopath-nvme-batch-{}.img", std::process::id()));
@@ -770,18 +786,7 @@ mod tests {
         }
         f.submit();
         assert_eq!(unsent(&mut f), 0);
-        for _ in 0..5 {
-            loop {
-                match f.reap() {
-                    Some((s, r)) => {
-                        r.unwrap();
-                        f.release(s);
-                        break;
-                    }
-                    None => assert!(f.wait()),
-                }
-            }
-        }
+        reap_all(&mut f, 5);
         let _ = std::fs::remove_file(&path);
     }
 
@@ -814,18 +819,7 @@ mod tests {
         assert_eq!(unsent(&mut f), 1);
         read(&mut f, 5);
         assert_eq!(unsent(&mut f), 0);
-        for _ in 0..6 {
-            loop {
-                match f.reap() {
-                    Some((s, r)) => {
-                        r.unwrap();
-                        f.release(s);
-                        break;
-                    }
-                    None => assert!(f.wait()),
-                }
-            }
-        }
+        reap_all(&mut f, 6);
         let _ = std::fs::remove_file(&path);
     }
 
