@@ -466,17 +466,19 @@ impl FileBackend {
     /// bounce buffer before; submits what was pushed once the copies add up
     /// to [`SUBMIT_BYTES`] or [`submit_batch`](Self::submit_batch) operations wait.
     fn pushed(&mut self, copied: usize) {
-        if let Some(u) = self.uring.as_mut() {
-            u.in_flight += 1;
-        }
+        let batch_full = match self.uring.as_mut() {
+            Some(u) => {
+                u.in_flight += 1;
+                self.submit_batch > 0 && u.ring.submission().len() >= self.submit_batch
+            }
+            None => false,
+        };
         // A queue pass pushes many and submits once, but bounced writes are
         // copied into their slots as they are pushed (64 KiB: several us
         // each): the first would wait for every copy after it. Submitted
         // every SUBMIT_BYTES of copies instead, so the file sees them while
         // the rest copy. Reads and transfers in place copy nothing first.
         self.unsent_bytes += copied;
-        let batch_full = self.submit_batch > 0
-            && self.uring.as_mut().is_some_and(|u| u.ring.submission().len() >= self.submit_batch);
         if self.unsent_bytes >= SUBMIT_BYTES || batch_full {
             self.submit();
         }
