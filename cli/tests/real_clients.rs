@@ -280,9 +280,11 @@ fn linux_against_iopath_file(mode: &str, in_place: &str) -> (u64, u64) {
     linux_against_iopath_file_with(mode, in_place, &[])
 }
 
-/// The same with more `run-linux.sh` options (`--hugetlb`).
+/// The same with more `run-linux.sh` options (`--hugetlb`). `mode` may carry
+/// more device options after the doorbell mode (`bar,submit_batch=1`).
 fn linux_against_iopath_file_with(mode: &str, in_place: &str, more: &[&str]) -> (u64, u64) {
-    let dir = std::env::temp_dir().join(format!("iopath-rc-file-{}-{mode}-{}", std::process::id(), unique()));
+    let tag = mode.replace([',', '='], "-");
+    let dir = std::env::temp_dir().join(format!("iopath-rc-file-{}-{tag}-{}", std::process::id(), unique()));
     std::fs::create_dir_all(&dir).unwrap();
     let img = dir.join("ns.img");
     let device = format!("nvme,doorbell={mode},backend=file:{},size_mb=64,in_place={in_place}", img.display());
@@ -317,6 +319,13 @@ fn linux_nvme_driver_against_iopath_nvme_with_hugetlb_guest_ram() {
 #[test]
 fn linux_nvme_driver_against_iopath_nvme_bar_file() {
     linux_against_iopath_file("bar", "auto");
+}
+
+/// Each operation to the kernel as the controller fetches it (`submit_batch=1`): the driver's
+/// fio, mkfs and file checks pass as with a submit per queue pass.
+#[test]
+fn linux_nvme_driver_against_iopath_nvme_file_submitting_each_operation() {
+    linux_against_iopath_file("adaptive,submit_batch=1", "auto");
 }
 
 /// iopath's own guest image under QEMU 11 + KVM, with `vfio-user-pci` to `iopath serve`.
