@@ -75,6 +75,15 @@ impl Nvme {
     }
 }
 
+/// Idle passes that only look at the doorbell words ([`Core::watch`],
+/// without the core lock) between two locked ones. A locked pass (the
+/// lock taken and given back, the file backend, coalesced interrupts,
+/// events) takes several times as long as a look, and a submission that
+/// lands during one waits for its end: at 4 KiB QD1 on the null backend
+/// this took the p50 from 555-556 ns to 540-547 ns (bar mode in the same
+/// runs, unchanged: 531-537 ns).
+pub(super) const PEEKS_PER_PASS: u32 = 16;
+
 /// Idle passes of an adaptive poller between two looks at the clock.
 const IDLE_CLOCK_PASSES: u32 = 64;
 
@@ -238,8 +247,17 @@ fn spawn_adaptive(
         // Woken by a forecast's timer: polling for its command.
         let mut expect: Option<Expect> = None;
         let mut yielder = Yielder::default();
+        // The doorbell words, looked at without the lock between passes.
+        let mut watch: Option<crate::mem::Watch> = None;
+        let mut peeks = 0u32;
         while !stop2.load(Ordering::Relaxed) {
-            let (busy, in_flight, gap) = {
+            // An idle pass that only looks at the doorbell words (no lock),
+            // unless one changed or a locked pass is due.
+            let peek = peeks < PEEKS_PER_PASS && watch.as_ref().is_some_and(|w| !w.changed());
+            peeks = if peek { peeks + 1 } else { 0 };
+            let (busy, in_flight, gap) = if peek {
+                (false, false, None)
+            } else {
                 let mut c = core.lock().unwrap();
                 c.st.polls += 1;
                 let (done, in_flight) = c.io_step();
@@ -260,6 +278,14 @@ fn spawn_adaptive(
                     } else if let (Some(start), false) = (idle_since, in_flight) {
                         gap = Some((start, false));
                     }
+                }
+                // Built once an idle begins; a word it expects wrongly (a
+                // queue created since, a value taken another way) costs a
+                // locked pass, never a missed command.
+                if busy || in_flight {
+                    watch = None;
+                } else if watch.is_none() {
+                    watch = Some(c.watch());
                 }
                 (busy, in_flight, gap)
             };
@@ -414,7 +440,7 @@ fn spawn_adaptive(
                 forecast.woke(late);
                 expect = Some(Expect::new(gap_start, &forecast));
             }
-            (idle_since, idle_passes) = (None, 0);
+            (idle_since, idle_passes, watch) = (None, 0, None);
         }
     })
 }

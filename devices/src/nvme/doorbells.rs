@@ -46,6 +46,8 @@ pub(super) struct Doorbells {
     /// Its host address (0: none), resolved once: the poller loads the
     /// doorbell words in place, without vm-memory's lookup in every pass.
     bar_host: usize,
+    /// The same page as a `GuestMem`, made once: what the poller's `watch` holds.
+    bar_mem: Option<crate::GuestMem>,
     /// Why a device thread stopped on its own (reported with the counters).
     pub failed: Option<String>,
     /// adaptive: the poller sleeps, EventIdx armed (bar-adaptive: the
@@ -68,8 +70,10 @@ impl Doorbells {
             .and_then(|p| p.iter().find(|r| r.start_addr().0 == 0 && r.len() >= BAR0_SIZE))
             .and_then(|r| r.get_host_address(MemoryRegionAddress(0)).ok())
             .map_or(0, |a| a as usize);
+        let bar_mem = bar_page.clone().filter(|_| bar_host != 0).map(crate::GuestMem::from);
         Doorbells {
             bar_host,
+            bar_mem,
             mode,
             shadow: None,
             kick: None,
@@ -463,6 +467,35 @@ impl Core {
         busy
     }
 
+    /// The doorbell words a poller looks at between its passes: the shadow
+    /// ones of the I/O queues (shm, adaptive), or every queue's in BAR0's
+    /// shared page (bar, bar-adaptive). Each should still hold the SQ tail
+    /// and CQ head this controller took last: a word written since, even
+    /// while this is built, reads as changed.
+    pub(super) fn watch(&self) -> crate::mem::Watch {
+        let q = &self.queues;
+        let word = |base: u64, id: usize| {
+            let (mut mask, mut want) = (0u64, 0u64);
+            if let Some(sq) = q.sqs.get(id).and_then(|s| s.as_ref()) {
+                (mask, want) = (0xffff_ffff, sq.tail as u64);
+            }
+            if let Some(cq) = q.cqs.get(id).and_then(|c| c.as_ref()) {
+                (mask, want) = (mask | 0xffff_ffff << 32, want | (cq.head as u64) << 32);
+            }
+            (base + id as u64 * 8, mask, want)
+        };
+        // Each SQ's word and its CQ's (the same one when the ids match).
+        let ids = |sqs: super::controller::SqIds| {
+            sqs.flat_map(|id| [Some(id), q.sq_fields(id).map(|f| f.3).filter(|&c| c != id)]).flatten()
+        };
+        if self.db.bar_page.is_some() {
+            let Some(mem) = &self.db.bar_mem else { return Default::default() };
+            return mem.watch(ids(q.sq_ids()).map(|id| word(DOORBELLS, id)));
+        }
+        let Some((db, _)) = self.db.shadow else { return Default::default() };
+        self.mem.watch(ids(q.io_sq_ids()).map(|id| word(db, id)))
+    }
+
     /// A tail beyond the queue read from a shared doorbell word: counted and
     /// raised as an Invalid Doorbell Write Value event. The caller has put
     /// the word back to the last good tail, so the event is raised once.
@@ -693,8 +726,14 @@ pub(super) fn spawn_poller(
     std::thread::Builder::new().name("nvme-poller".into()).spawn(move || {
         crate::sandbox::enter(crate::sandbox::Role::Device);
         let mut idle = 0u32;
+        // As the adaptive poller: idle passes between locked ones only look at the doorbell words.
+        let (mut watch, mut peeks): (Option<crate::mem::Watch>, u32) = (None, 0);
         while !stop.load(Ordering::Relaxed) {
-            let (busy, unused) = {
+            let peek = peeks < super::adaptive::PEEKS_PER_PASS && watch.as_ref().is_some_and(|w| !w.changed());
+            peeks = if peek { peeks + 1 } else { 0 };
+            let (busy, unused) = if peek {
+                (false, false)
+            } else {
                 let mut c = core.lock().unwrap();
                 c.st.polls += 1;
                 let busy = if c.db.bar_page.is_some() { c.poll_bar() } else { c.poll_shadow() };
@@ -702,6 +741,11 @@ pub(super) fn spawn_poller(
                 let busy = c.io_progress() | busy;
                 c.flush_coalesced();
                 c.take_raised();
+                if busy {
+                    watch = None;
+                } else if watch.is_none() {
+                    watch = Some(c.watch());
+                }
                 // Looked at only once idle (it walks the group's queues).
                 (busy, !busy && idle >= 4096 && c.group_unused())
             };

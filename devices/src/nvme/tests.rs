@@ -1844,3 +1844,50 @@ fn the_pollers_walk_exactly_the_sqs_that_exist_in_ascending_order() {
     assert_eq!(q.sq_ids().count(), 0);
     assert!(q.sqs.iter().all(|s| s.is_none()));
 }
+
+#[test]
+fn the_watched_doorbell_words_change_with_every_tail_and_head_the_poller_has_not_taken() {
+    for mode in [DoorbellMode::Shm, DoorbellMode::Bar] {
+        let cfg = NvmeConfig { doorbell: mode, ..mmio(BackendKind::Null) };
+        let page = (mode == DoorbellMode::Bar).then(|| doorbells::bar_memory().unwrap().0);
+        let mut c = controller::Core::new(&cfg, backend::Backend::Null, page.clone());
+        let ram = crate::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        c.mem = crate::GuestMem::from(ram.clone());
+        // SQ 1 on CQ 1, SQ 2 on CQ 3: three words, one of them holding a CQ head alone.
+        let sq = |cqid, tail| Some(queue::Sq { size: 8, cqid, tail, head: tail, ..Default::default() });
+        c.queues.set_sq(1, sq(1, 2));
+        c.queues.set_sq(2, sq(3, 5));
+        for (id, head) in [(1, 2u16), (3, 4)] {
+            c.queues.cqs[id] = Some(queue::Cq { size: 8, head, ..Default::default() });
+        }
+        // Where the driver writes: BAR0's page, or the shadow doorbell buffer.
+        let (store, base): (Box<dyn Fn(u32, u64)>, u64) = match &page {
+            Some(p) => {
+                let p = p.clone();
+                (Box::new(move |v, a| p.store(v, GuestAddress(a), Ordering::Release).unwrap()), DOORBELLS)
+            }
+            None => {
+                c.db.shadow = Some((0x8000, 0x9000));
+                (Box::new(move |v, a| ram.store(v, GuestAddress(a), Ordering::Release).unwrap()), 0x8000)
+            }
+        };
+        let set = |sq1: u32, cq1: u32, sq2: u32, cq3: u32| {
+            for (off, v) in [(8, sq1), (12, cq1), (16, sq2), (28, cq3)] {
+                store(v, base + off);
+            }
+        };
+        set(2, 2, 5, 4);
+        assert!(!c.watch().changed(), "{mode}: every word as taken");
+        for (i, moved) in [(3, 2, 5, 4), (2, 3, 5, 4), (2, 2, 6, 4), (2, 2, 5, 5)].into_iter().enumerate() {
+            let w = c.watch();
+            set(moved.0, moved.1, moved.2, moved.3);
+            assert!(w.changed(), "{mode}: word {i} written after the watch was made");
+            assert!(c.watch().changed(), "{mode}: word {i} written before");
+            set(2, 2, 5, 4);
+        }
+        // A word of no queue (SQ 2's CQ head half, queue 3's SQ half) is not looked at.
+        store(7, base + 20);
+        store(7, base + 24);
+        assert!(!c.watch().changed(), "{mode}");
+    }
+}
