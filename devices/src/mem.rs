@@ -552,6 +552,11 @@ pub struct Watch {
 }
 
 impl Watch {
+    /// True if this watches words of `mem` (the same memory, not one that replaced it).
+    pub fn of(&self, mem: &GuestMem) -> bool {
+        self._mem.same(mem)
+    }
+
     /// True if a watched word no longer holds its expected value (or nothing is watched).
     #[inline]
     pub fn changed(&self) -> bool {

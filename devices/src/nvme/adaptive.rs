@@ -282,11 +282,7 @@ fn spawn_adaptive(
                 // Built once an idle begins; a word it expects wrongly (a
                 // queue created since, a value taken another way) costs a
                 // locked pass, never a missed command.
-                if busy || in_flight {
-                    watch = None;
-                } else if watch.is_none() {
-                    watch = Some(c.watch());
-                }
+                watch = (!busy && !in_flight).then(|| c.rewatch(watch.take()));
                 (busy, in_flight, gap)
             };
             if let Some((start, hit)) = gap {

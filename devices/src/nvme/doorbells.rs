@@ -47,7 +47,7 @@ pub(super) struct Doorbells {
     /// doorbell words in place, without vm-memory's lookup in every pass.
     bar_host: usize,
     /// The same page as a `GuestMem`, made once: what the poller's `watch` holds.
-    bar_mem: Option<crate::GuestMem>,
+    pub(super) bar_mem: Option<crate::GuestMem>,
     /// Why a device thread stopped on its own (reported with the counters).
     pub failed: Option<String>,
     /// adaptive: the poller sleeps, EventIdx armed (bar-adaptive: the
@@ -496,6 +496,17 @@ impl Core {
         self.mem.watch(ids(q.io_sq_ids()).map(|id| word(db, id)))
     }
 
+    /// The watch a poller should go on with: `w` while it watches this
+    /// controller's memory, a new one otherwise (none yet, or the memory
+    /// was replaced or a client unmapped it: the old one is not kept mapped).
+    pub(super) fn rewatch(&self, w: Option<crate::mem::Watch>) -> crate::mem::Watch {
+        let mem = if self.db.bar_page.is_some() { self.db.bar_mem.as_ref() } else { Some(&self.mem) };
+        match w {
+            Some(w) if mem.is_some_and(|m| w.of(m)) => w,
+            _ => self.watch(),
+        }
+    }
+
     /// A tail beyond the queue read from a shared doorbell word: counted and
     /// raised as an Invalid Doorbell Write Value event. The caller has put
     /// the word back to the last good tail, so the event is raised once.
@@ -741,11 +752,7 @@ pub(super) fn spawn_poller(
                 let busy = c.io_progress() | busy;
                 c.flush_coalesced();
                 c.take_raised();
-                if busy {
-                    watch = None;
-                } else if watch.is_none() {
-                    watch = Some(c.watch());
-                }
+                watch = (!busy).then(|| c.rewatch(watch.take()));
                 // Looked at only once idle (it walks the group's queues).
                 (busy, !busy && idle >= 4096 && c.group_unused())
             };

@@ -1889,5 +1889,16 @@ fn the_watched_doorbell_words_change_with_every_tail_and_head_the_poller_has_not
         store(7, base + 20);
         store(7, base + 24);
         assert!(!c.watch().changed(), "{mode}");
+        // Guest memory replaced (a client's new map): the watch of the old one is not kept.
+        let old = c.watch();
+        let kept = c.rewatch(Some(c.watch()));
+        c.mem = crate::GuestMem::from(c.mem.mapped().clone());
+        let w = c.rewatch(Some(old));
+        if mode == DoorbellMode::Shm {
+            assert!(!kept.of(&c.mem) && w.of(&c.mem), "shm: rebuilt on the new memory");
+        } else {
+            assert!(c.db.bar_mem.as_ref().is_some_and(|m| kept.of(m) && w.of(m)), "bar: the page stays");
+        }
+        assert!(c.rewatch(None).of(if mode == DoorbellMode::Shm { &c.mem } else { c.db.bar_mem.as_ref().unwrap() }));
     }
 }
