@@ -557,6 +557,17 @@ impl Watch {
         self._mem.same(mem)
     }
 
+    /// Watches these words of the same memory instead (as [`GuestMem::watch`]),
+    /// in the storage it has: no allocation once it held as many.
+    pub fn set(&mut self, words: impl IntoIterator<Item = (u64, u64, u64)>) {
+        self.words.clear();
+        for (gpa, mask, want) in words {
+            if let Some(a) = self._mem.main.host(gpa, 8).filter(|_| gpa.is_multiple_of(8)) {
+                self.words.push((a, mask, want & mask));
+            }
+        }
+    }
+
     /// True if a watched word no longer holds its expected value (or nothing is watched).
     #[inline]
     pub fn changed(&self) -> bool {
@@ -575,12 +586,9 @@ impl GuestMem {
     /// quadword at `gpa` should read `want`. A word not 8-byte aligned in
     /// the main mapped region is left out (the caller's locked passes see it).
     pub fn watch(&self, words: impl IntoIterator<Item = (u64, u64, u64)>) -> Watch {
-        let words = words
-            .into_iter()
-            .filter(|&(gpa, _, _)| gpa.is_multiple_of(8))
-            .filter_map(|(gpa, mask, want)| self.main.host(gpa, 8).map(|a| (a, mask, want & mask)))
-            .collect();
-        Watch { _mem: self.clone(), words }
+        let mut w = Watch { _mem: self.clone(), words: Vec::new() };
+        w.set(words);
+        w
     }
 }
 
@@ -649,6 +657,12 @@ mod tests {
         }
         let w = g.watch([(0x104, u64::MAX, 0), (0x100, 0xffff_ffff, 5)]);
         assert!(!w.changed(), "the loadable word alone is watched");
+        // Set to other words of the same memory: only those count from then on.
+        let mut w = w;
+        w.set([(0x200, u64::MAX, 0), (0x8000, u64::MAX, 1)]);
+        assert!(!w.changed(), "0x200 holds 0; 0x8000 is left out");
+        g.store_u32(1, 0x204, Ordering::Release).unwrap();
+        assert!(w.changed());
         assert!(Watch::default().changed());
     }
 

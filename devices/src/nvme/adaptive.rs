@@ -75,7 +75,7 @@ impl Nvme {
     }
 }
 
-/// Idle passes that only look at the doorbell words ([`Core::watch`],
+/// Idle passes that only look at the doorbell words ([`Core::rewatch`],
 /// without the core lock) between two locked ones. A locked pass (the
 /// lock taken and given back, the file backend, coalesced interrupts,
 /// events) takes several times as long as a look, and a submission that
@@ -249,11 +249,13 @@ fn spawn_adaptive(
         let mut yielder = Yielder::default();
         // The doorbell words, looked at without the lock between passes.
         let mut watch: Option<crate::mem::Watch> = None;
+        // Set by the last locked pass, which found nothing (kept, not rebuilt, across busy ones).
+        let mut watching = false;
         let mut peeks = 0u32;
         while !stop2.load(Ordering::Relaxed) {
             // An idle pass that only looks at the doorbell words (no lock),
             // unless one changed or a locked pass is due.
-            let peek = peeks < PEEKS_PER_PASS && watch.as_ref().is_some_and(|w| !w.changed());
+            let peek = watching && peeks < PEEKS_PER_PASS && watch.as_ref().is_some_and(|w| !w.changed());
             peeks = if peek { peeks + 1 } else { 0 };
             let (busy, in_flight, gap) = if peek {
                 (false, false, None)
@@ -282,7 +284,10 @@ fn spawn_adaptive(
                 // Built once an idle begins; a word it expects wrongly (a
                 // queue created since, a value taken another way) costs a
                 // locked pass, never a missed command.
-                watch = (!busy && !in_flight).then(|| c.rewatch(watch.take()));
+                watching = !busy && !in_flight;
+                if watching {
+                    watch = Some(c.rewatch(watch.take()));
+                }
                 (busy, in_flight, gap)
             };
             if let Some((start, hit)) = gap {
@@ -436,7 +441,7 @@ fn spawn_adaptive(
                 forecast.woke(late);
                 expect = Some(Expect::new(gap_start, &forecast));
             }
-            (idle_since, idle_passes, watch) = (None, 0, None);
+            (idle_since, idle_passes, watching) = (None, 0, false);
         }
     })
 }

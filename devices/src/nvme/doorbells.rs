@@ -467,14 +467,20 @@ impl Core {
         busy
     }
 
-    /// The doorbell words a poller looks at between its passes: the shadow
-    /// ones of the I/O queues (shm, adaptive), or every queue's in BAR0's
-    /// shared page (bar, bar-adaptive). Each should still hold the SQ tail
-    /// and CQ head this controller took last: a word written since, even
-    /// while this is built, reads as changed.
-    pub(super) fn watch(&self) -> crate::mem::Watch {
+    /// The doorbell words a poller looks at between its passes, and the
+    /// memory they are in: the shadow ones of the I/O queues (shm,
+    /// adaptive), or every queue's in BAR0's shared page (bar,
+    /// bar-adaptive). Each should still hold the SQ tail and CQ head this
+    /// controller took last: a word written since, even while the watch is
+    /// made, reads as changed. None before there are doorbells in memory.
+    fn watch_words(&self) -> Option<(&crate::GuestMem, impl Iterator<Item = (u64, u64, u64)> + '_)> {
         let q = &self.queues;
-        let word = |base: u64, id: usize| {
+        let (mem, base, sqs) = if self.db.bar_page.is_some() {
+            (self.db.bar_mem.as_ref()?, DOORBELLS, q.sq_ids())
+        } else {
+            (&self.mem, self.db.shadow?.0, q.io_sq_ids())
+        };
+        let word = move |id: usize| {
             let (mut mask, mut want) = (0u64, 0u64);
             if let Some(sq) = q.sqs.get(id).and_then(|s| s.as_ref()) {
                 (mask, want) = (0xffff_ffff, sq.tail as u64);
@@ -485,25 +491,22 @@ impl Core {
             (base + id as u64 * 8, mask, want)
         };
         // Each SQ's word and its CQ's (the same one when the ids match).
-        let ids = |sqs: super::controller::SqIds| {
-            sqs.flat_map(|id| [Some(id), q.sq_fields(id).map(|f| f.3).filter(|&c| c != id)]).flatten()
-        };
-        if self.db.bar_page.is_some() {
-            let Some(mem) = &self.db.bar_mem else { return Default::default() };
-            return mem.watch(ids(q.sq_ids()).map(|id| word(DOORBELLS, id)));
-        }
-        let Some((db, _)) = self.db.shadow else { return Default::default() };
-        self.mem.watch(ids(q.io_sq_ids()).map(|id| word(db, id)))
+        let ids = sqs.flat_map(move |id| [Some(id), q.sq_fields(id).map(|f| f.3).filter(|&c| c != id)]);
+        Some((mem, ids.flatten().map(word)))
     }
 
-    /// The watch a poller should go on with: `w` while it watches this
-    /// controller's memory, a new one otherwise (none yet, or the memory
-    /// was replaced or a client unmapped it: the old one is not kept mapped).
+    /// The watch of the doorbell words (`watch_words`) a poller should go on
+    /// with: `w` set to the words as they should be now, while it watches
+    /// this controller's memory; a new one otherwise (none yet, or the memory was replaced or a client unmapped
+    /// it: the old one is not kept mapped).
     pub(super) fn rewatch(&self, w: Option<crate::mem::Watch>) -> crate::mem::Watch {
-        let mem = if self.db.bar_page.is_some() { self.db.bar_mem.as_ref() } else { Some(&self.mem) };
+        let Some((mem, words)) = self.watch_words() else { return Default::default() };
         match w {
-            Some(w) if mem.is_some_and(|m| w.of(m)) => w,
-            _ => self.watch(),
+            Some(mut w) if w.of(mem) => {
+                w.set(words);
+                w
+            }
+            _ => mem.watch(words),
         }
     }
 
@@ -738,9 +741,11 @@ pub(super) fn spawn_poller(
         crate::sandbox::enter(crate::sandbox::Role::Device);
         let mut idle = 0u32;
         // As the adaptive poller: idle passes between locked ones only look at the doorbell words.
-        let (mut watch, mut peeks): (Option<crate::mem::Watch>, u32) = (None, 0);
+        // `watching`: the watch was set by the last locked pass, which found nothing.
+        let (mut watch, mut watching, mut peeks): (Option<crate::mem::Watch>, bool, u32) = (None, false, 0);
         while !stop.load(Ordering::Relaxed) {
-            let peek = peeks < super::adaptive::PEEKS_PER_PASS && watch.as_ref().is_some_and(|w| !w.changed());
+            let peek =
+                watching && peeks < super::adaptive::PEEKS_PER_PASS && watch.as_ref().is_some_and(|w| !w.changed());
             peeks = if peek { peeks + 1 } else { 0 };
             let (busy, unused) = if peek {
                 (false, false)
@@ -752,7 +757,10 @@ pub(super) fn spawn_poller(
                 let busy = c.io_progress() | busy;
                 c.flush_coalesced();
                 c.take_raised();
-                watch = (!busy).then(|| c.rewatch(watch.take()));
+                watching = !busy;
+                if watching {
+                    watch = Some(c.rewatch(watch.take()));
+                }
                 // Looked at only once idle (it walks the group's queues).
                 (busy, !busy && idle >= 4096 && c.group_unused())
             };

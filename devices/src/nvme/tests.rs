@@ -1877,21 +1877,21 @@ fn the_watched_doorbell_words_change_with_every_tail_and_head_the_poller_has_not
             }
         };
         set(2, 2, 5, 4);
-        assert!(!c.watch().changed(), "{mode}: every word as taken");
+        assert!(!c.rewatch(None).changed(), "{mode}: every word as taken");
         for (i, moved) in [(3, 2, 5, 4), (2, 3, 5, 4), (2, 2, 6, 4), (2, 2, 5, 5)].into_iter().enumerate() {
-            let w = c.watch();
+            let w = c.rewatch(None);
             set(moved.0, moved.1, moved.2, moved.3);
             assert!(w.changed(), "{mode}: word {i} written after the watch was made");
-            assert!(c.watch().changed(), "{mode}: word {i} written before");
+            assert!(c.rewatch(None).changed(), "{mode}: word {i} written before");
             set(2, 2, 5, 4);
         }
         // A word of no queue (SQ 2's CQ head half, queue 3's SQ half) is not looked at.
         store(7, base + 20);
         store(7, base + 24);
-        assert!(!c.watch().changed(), "{mode}");
+        assert!(!c.rewatch(None).changed(), "{mode}");
         // Guest memory replaced (a client's new map): the watch of the old one is not kept.
-        let old = c.watch();
-        let kept = c.rewatch(Some(c.watch()));
+        let old = c.rewatch(None);
+        let kept = c.rewatch(Some(c.rewatch(None)));
         c.mem = crate::GuestMem::from(c.mem.mapped().clone());
         let w = c.rewatch(Some(old));
         if mode == DoorbellMode::Shm {
