@@ -362,6 +362,8 @@ fn spawn_adaptive(
                     continue;
                 }
                 c.st.sleeps += 1;
+                // Not kept through a sleep: a memory a client unmapped meanwhile stays mapped under it.
+                watch = None;
                 c.flush_coalesced_untimed();
                 // The doorbell page is looked at in timed steps (until trapped).
                 steps.start(c.db.bar_page.is_some());

@@ -497,8 +497,9 @@ impl Core {
 
     /// The watch of the doorbell words (`watch_words`) a poller should go on
     /// with: `w` set to the words as they should be now, while it watches
-    /// this controller's memory; a new one otherwise (none yet, or the memory was replaced or a client unmapped
-    /// it: the old one is not kept mapped).
+    /// this controller's memory; a new one otherwise (none yet, or the
+    /// memory was replaced or a client unmapped it: the old one is not kept
+    /// mapped).
     pub(super) fn rewatch(&self, w: Option<crate::mem::Watch>) -> crate::mem::Watch {
         let Some((mem, words)) = self.watch_words() else { return Default::default() };
         match w {
