@@ -546,7 +546,7 @@ pub mod testing {
 /// and look properly. Holds a clone of the memory, so the words stay mapped.
 #[derive(Default)]
 pub struct Watch {
-    _mem: GuestMem,
+    mem: GuestMem,
     /// Host address of each word, the bits looked at and the value they should hold.
     words: Vec<(usize, u64, u64)>,
 }
@@ -554,7 +554,7 @@ pub struct Watch {
 impl Watch {
     /// True if this watches words of `mem` (the same memory, not one that replaced it).
     pub fn of(&self, mem: &GuestMem) -> bool {
-        self._mem.same(mem)
+        self.mem.same(mem)
     }
 
     /// Watches these words of the same memory instead (as [`GuestMem::watch`]),
@@ -562,7 +562,7 @@ impl Watch {
     pub fn set(&mut self, words: impl IntoIterator<Item = (u64, u64, u64)>) {
         self.words.clear();
         for (gpa, mask, want) in words {
-            if let Some(a) = self._mem.main.host(gpa, 8).filter(|_| gpa.is_multiple_of(8)) {
+            if let Some(a) = self.mem.main.host(gpa, 8).filter(|a| a.is_multiple_of(8)) {
                 self.words.push((a, mask, want & mask));
             }
         }
@@ -574,7 +574,7 @@ impl Watch {
         self.words.is_empty()
             || self.words.iter().any(|&(a, mask, want)| {
                 // SAFETY: `a` is 8-byte aligned inside the main mapped region
-                // of `_mem`, which this struct keeps mapped (see `GuestMem::watch`).
+                // of `mem`, which this struct keeps mapped (see `GuestMem::watch`).
                 let v = unsafe { (*(a as *const std::sync::atomic::AtomicU64)).load(Ordering::Acquire) };
                 u64::from_le(v) & mask != want
             })
@@ -586,7 +586,7 @@ impl GuestMem {
     /// quadword at `gpa` should read `want`. A word not 8-byte aligned in
     /// the main mapped region is left out (the caller's locked passes see it).
     pub fn watch(&self, words: impl IntoIterator<Item = (u64, u64, u64)>) -> Watch {
-        let mut w = Watch { _mem: self.clone(), words: Vec::new() };
+        let mut w = Watch { mem: self.clone(), words: Vec::new() };
         w.set(words);
         w
     }

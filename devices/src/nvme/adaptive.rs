@@ -26,7 +26,7 @@
 //! marked asleep and wakes it.
 
 use super::controller::Core;
-use super::doorbells::{kick_fd, read_eventfd, wait_either, Retry, Threads};
+use super::doorbells::{kick_fd, read_eventfd, wait_either, Looks, Retry, Threads};
 use super::forecast::{Forecast, Seen, MIN_SLEEP};
 use super::{queue, Nvme, ADAPTIVE_IDLE, ADAPTIVE_IDLE_MIN, BAR_IDLE_MAX, BAR_IDLE_STEP, BAR_TRAP_AFTER, DOORBELLS};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -74,15 +74,6 @@ impl Nvme {
         }
     }
 }
-
-/// Idle passes that only look at the doorbell words ([`Core::rewatch`],
-/// without the core lock) between two locked ones. A locked pass (the
-/// lock taken and given back, the file backend, coalesced interrupts,
-/// events) takes several times as long as a look, and a submission that
-/// lands during one waits for its end: at 4 KiB QD1 on the null backend
-/// this took the p50 from 555-556 ns to 540-547 ns (bar mode in the same
-/// runs, unchanged: 531-537 ns).
-pub(super) const PEEKS_PER_PASS: u32 = 16;
 
 /// Idle passes of an adaptive poller between two looks at the clock.
 const IDLE_CLOCK_PASSES: u32 = 64;
@@ -248,16 +239,11 @@ fn spawn_adaptive(
         let mut expect: Option<Expect> = None;
         let mut yielder = Yielder::default();
         // The doorbell words, looked at without the lock between passes.
-        let mut watch: Option<crate::mem::Watch> = None;
-        // Set by the last locked pass, which found nothing (kept, not rebuilt, across busy ones).
-        let mut watching = false;
-        let mut peeks = 0u32;
+        let mut looks = Looks::default();
         while !stop2.load(Ordering::Relaxed) {
             // An idle pass that only looks at the doorbell words (no lock),
             // unless one changed or a locked pass is due.
-            let peek = watching && peeks < PEEKS_PER_PASS && watch.as_ref().is_some_and(|w| !w.changed());
-            peeks = if peek { peeks + 1 } else { 0 };
-            let (busy, in_flight, gap) = if peek {
+            let (busy, in_flight, gap) = if looks.only_look() {
                 (false, false, None)
             } else {
                 let mut c = core.lock().unwrap();
@@ -284,10 +270,7 @@ fn spawn_adaptive(
                 // Built once an idle begins; a word it expects wrongly (a
                 // queue created since, a value taken another way) costs a
                 // locked pass, never a missed command.
-                watching = !busy && !in_flight;
-                if watching {
-                    watch = Some(c.rewatch(watch.take()));
-                }
+                looks.passed(&c, !busy && !in_flight);
                 (busy, in_flight, gap)
             };
             if let Some((start, hit)) = gap {
@@ -362,8 +345,7 @@ fn spawn_adaptive(
                     continue;
                 }
                 c.st.sleeps += 1;
-                // Not kept through a sleep: a memory a client unmapped meanwhile stays mapped under it.
-                watch = None;
+                looks.stop();
                 c.flush_coalesced_untimed();
                 // The doorbell page is looked at in timed steps (until trapped).
                 steps.start(c.db.bar_page.is_some());
@@ -443,7 +425,7 @@ fn spawn_adaptive(
                 forecast.woke(late);
                 expect = Some(Expect::new(gap_start, &forecast));
             }
-            (idle_since, idle_passes, watching) = (None, 0, false);
+            (idle_since, idle_passes) = (None, 0);
         }
     })
 }

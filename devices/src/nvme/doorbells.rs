@@ -732,6 +732,52 @@ fn event_idx_lags(ev: Option<u32>, now: u32, size: u32) -> bool {
     }
 }
 
+/// Idle passes that only look at the doorbell words ([`Core::rewatch`],
+/// without the core lock) between two locked ones. A locked pass (the
+/// lock taken and given back, the file backend, coalesced interrupts,
+/// events) takes several times as long as a look, and a submission that
+/// lands during one waits for its end: at 4 KiB QD1 on the null backend
+/// this took the p50 from 555-556 ns to 540-547 ns (bar mode in the same
+/// runs, unchanged: 531-537 ns).
+const LOOKS_PER_PASS: u32 = 16;
+
+/// A poller's looks at the doorbell words between its locked passes.
+#[derive(Default)]
+pub(super) struct Looks {
+    /// Kept, not made anew, while work comes: set again when an idle begins.
+    watch: Option<crate::mem::Watch>,
+    /// The last locked pass found nothing and set `watch`.
+    watching: bool,
+    /// Looks since that pass.
+    looks: u32,
+}
+
+impl Looks {
+    /// True if this pass need only look: idle, no word changed, and no
+    /// locked pass due.
+    #[inline]
+    pub(super) fn only_look(&mut self) -> bool {
+        let only = self.watching && self.looks < LOOKS_PER_PASS && self.watch.as_ref().is_some_and(|w| !w.changed());
+        self.looks = if only { self.looks + 1 } else { 0 };
+        only
+    }
+
+    /// After a locked pass: `idle` if it found nothing (the looks begin,
+    /// the words as `c` took them), otherwise no looks until the next idle.
+    pub(super) fn passed(&mut self, c: &Core, idle: bool) {
+        self.watching = idle;
+        if idle {
+            self.watch = Some(c.rewatch(self.watch.take()));
+        }
+    }
+
+    /// Before a sleep, which can be long: the watch goes, so that a memory
+    /// a client unmaps meanwhile does not stay mapped under it.
+    pub(super) fn stop(&mut self) {
+        *self = Looks::default();
+    }
+}
+
 /// A poller (`shm`, `bar`) of one queue group's core, until `stop`. Group 0's
 /// also delivers the asynchronous events the other groups raised.
 pub(super) fn spawn_poller(
@@ -742,13 +788,9 @@ pub(super) fn spawn_poller(
         crate::sandbox::enter(crate::sandbox::Role::Device);
         let mut idle = 0u32;
         // As the adaptive poller: idle passes between locked ones only look at the doorbell words.
-        // `watching`: the watch was set by the last locked pass, which found nothing.
-        let (mut watch, mut watching, mut peeks): (Option<crate::mem::Watch>, bool, u32) = (None, false, 0);
+        let mut looks = Looks::default();
         while !stop.load(Ordering::Relaxed) {
-            let peek =
-                watching && peeks < super::adaptive::PEEKS_PER_PASS && watch.as_ref().is_some_and(|w| !w.changed());
-            peeks = if peek { peeks + 1 } else { 0 };
-            let (busy, unused) = if peek {
+            let (busy, unused) = if looks.only_look() {
                 (false, false)
             } else {
                 let mut c = core.lock().unwrap();
@@ -758,10 +800,7 @@ pub(super) fn spawn_poller(
                 let busy = c.io_progress() | busy;
                 c.flush_coalesced();
                 c.take_raised();
-                watching = !busy;
-                if watching {
-                    watch = Some(c.rewatch(watch.take()));
-                }
+                looks.passed(&c, !busy);
                 // Looked at only once idle (it walks the group's queues).
                 (busy, !busy && idle >= 4096 && c.group_unused())
             };
