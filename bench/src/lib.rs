@@ -9,6 +9,7 @@ pub mod exits;
 pub mod fio;
 pub mod floor;
 pub mod guard;
+pub mod guestline;
 pub mod host;
 pub mod nvme;
 pub mod pin;

@@ -285,6 +285,11 @@ pub struct NvmeRun {
     /// A job with a think time: p50 latency over `wake_p50_ns` (each I/O
     /// then meets an idle controller).
     pub wake_ratio: Option<f64>,
+    /// A QD1 job: the round's guest line floor (`guestline.rs`), a mean
+    /// round trip of one line between the guest and a host thread.
+    pub guest_line_ns: Option<f64>,
+    /// p50 latency over `guest_line_ns`.
+    pub guest_line_ratio: Option<f64>,
     /// Out of process (`...@transport`): IOPS over the same mode's in the
     /// VMM, same job and round (with `--transport vmm,...`).
     pub vmm_ratio: Option<f64>,
@@ -355,6 +360,8 @@ impl NvmeRun {
             fio_busy_ratio: None,
             wake_p50_ns: None,
             wake_ratio: None,
+            guest_line_ns: None,
+            guest_line_ratio: None,
             vmm_ratio: None,
             vmm_floor_ratio: None,
             contend: 0,
@@ -428,6 +435,8 @@ pub struct NvmeResult {
     pub refloor: Vec<crate::floor::FloorRun>,
     /// The wake-up floor of every round, with a think-time job.
     pub wake: Vec<crate::wake::WakeRun>,
+    /// The guest line floor of every round, with a QD1 job.
+    pub guest_line: Vec<crate::guestline::GuestLineRun>,
     /// Targets the guard ran again: (job, target, attempts, marks that stayed).
     pub reruns: Vec<(usize, String, u32, Vec<crate::guard::Mark>)>,
     pub errors: Vec<String>,
@@ -530,7 +539,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     let per_round: u64 = o.jobs.iter().map(|j| targets.iter().filter(|t| ctx.runs_job(t, j)).count() as u64).sum();
     let pb = ctx.progress(per_round * o.rounds as u64);
     let (mut runs, mut errors) = (Vec::new(), Vec::new());
-    let (mut floor, mut wake) = (Vec::new(), Vec::new());
+    let (mut floor, mut wake, mut guest_line) = (Vec::new(), Vec::new(), Vec::new());
     let mut skipped = ctx.skipped.clone();
     for round in 0..o.rounds {
         // The ring floor first, in this round, at the jobs' queue depths.
@@ -546,6 +555,13 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
             match crate::wake::run_wake(crate::wake::WAKES, crate::wake::IDLE, o.pin.map(|p| p.pair()), round) {
                 Ok(w) => wake.push(w),
                 Err(e) => errors.push(format!("wake round {round}: {e}")),
+            }
+        }
+        if o.jobs.iter().any(|j| floor_qd(j) == 1) {
+            pb.set_message(format!("round {}/{} guest line floor", round + 1, o.rounds));
+            match crate::guestline::run_guest_line(ctx.tsc_khz, o.pin, round) {
+                Ok(g) => guest_line.push(g),
+                Err(e) => errors.push(format!("guest line floor round {round}: {e}")),
             }
         }
         for (ji, j) in o.jobs.iter().enumerate() {
@@ -599,6 +615,10 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     pb.finish_and_clear();
     let mut runs = g.runs;
     errors.extend(g.errors);
+    for r in runs.iter_mut().filter(|r| !is_fio_target(&r.target) && floor_qd(&o.jobs[r.job]) == 1) {
+        r.guest_line_ns = crate::guestline::of_round(&guest_line, r.round);
+        r.guest_line_ratio = r.guest_line_ns.map(|g| r.p50_ns / g);
+    }
     relate(&mut runs);
     for r in &runs {
         if !r.routing_ok {
@@ -617,6 +637,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
         floor,
         refloor: g.floor,
         wake,
+        guest_line,
         reruns: g.reruns,
         errors,
         skipped,

@@ -118,6 +118,7 @@ impl NvmeResult {
         );
         s.push_str(&crate::floor::floor_rows(&self.floor));
         s.push_str(&crate::wake::rows(&self.wake));
+        s.push_str(&crate::guestline::rows(&self.guest_line));
         let _ = writeln!(s);
         let hdr = format!(
             "{:<24} {:<22} {:>7} {:>9} {:>11} {:>17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}  {}",
@@ -197,6 +198,7 @@ impl NvmeResult {
             o.guard.min_floor_ratio, o.guard.min_floor_ratio, o.guard.max_spread, o.guard.reruns
         );
         self.vmm_table(&mut s);
+        self.guest_line_table(&mut s);
         self.quiet_table(&mut s);
         self.fio_table(&mut s);
         self.cpu_table(&mut s);
@@ -279,6 +281,23 @@ impl NvmeResult {
     }
 
     /// Out-of-process rows over their in-VMM twins, round by round.
+    /// QD1 runs: p50 over the round's guest line floor.
+    fn guest_line_table(&self, s: &mut String) {
+        let groups = self.groups_where(|r| r.guest_line_ratio.is_some());
+        if groups.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            s,
+            "\nQD1 p50 over the guest line floor of the same round (one line there and back between the guest and a host thread; a command moves at least three): median [min .. max]"
+        );
+        for ((ji, target), rs) in groups {
+            let v = summarize(&rs.iter().filter_map(|r| r.guest_line_ratio).collect::<Vec<_>>());
+            let label = self.options.jobs[ji].label();
+            let _ = writeln!(s, "{label:<24} {target:<26} p50 {}", show_ratio(v));
+        }
+    }
+
     fn vmm_table(&self, s: &mut String) {
         let groups = self.groups_where(|r| r.vmm_ratio.is_some() || r.vmm_floor_ratio.is_some());
         if groups.is_empty() {
@@ -398,7 +417,7 @@ impl NvmeResult {
             "runs": self.runs,
             "summary": self.summary_json(),
             "superseded_runs": self.superseded,
-            "floor": {"placement": crate::floor::placement(self.options.pin.map(|p| p.pair())), "runs": self.floor, "wake": self.wake, "reruns": self.refloor},
+            "floor": {"placement": crate::floor::placement(self.options.pin.map(|p| p.pair())), "runs": self.floor, "wake": self.wake, "guest_line": self.guest_line, "reruns": self.refloor},
             "errors": self.errors,
             "skipped": self.skipped,
         })

@@ -1,0 +1,100 @@
+//! The guest's line floor: one cache line handed from iopath's guest (ring
+//! 3, on the vCPU's CPU) to a host thread polling guest memory (on the
+//! device threads' CPU) and back, the `doorbell-rtt:shm` row of `bench
+//! exits`. The ring floor (`floor.rs`) is two host threads; on this
+//! project's nested hosts a line the guest takes part in can cost more
+//! than a host thread's, so a polled NVMe command at QD1 (at least three
+//! such lines: the tail, the entry, the completion) may not reach the ring
+//! floor however little the device does. `bench nvme` measures this one in
+//! every round that has a QD1 job, beside the ring floor, and gives each
+//! QD1 run its p50 over it.
+
+use crate::exits::{exit_devices, guest_cmdline, verify_iopath, ExitsOptions};
+use crate::pin::Placement;
+use crate::record::GuestOutput;
+use crate::stats::summarize;
+use serde::Serialize;
+use std::time::Duration;
+
+/// The row of the exits guest that measures it.
+pub const ROW: &str = "doorbell-rtt:shm";
+
+/// The host thread that answers the guest (the doorbell device's poller).
+const POLLER: &[&str] = &["doorbell-poll"];
+
+/// One measurement: the guest's timed batches of round trips.
+#[derive(Clone, Debug, Serialize)]
+pub struct GuestLineRun {
+    pub round: u32,
+    /// Round trips over all batches.
+    pub round_trips: u64,
+    /// Mean round trip of the median batch, and of the fastest.
+    pub rtt_ns: f64,
+    pub min_ns: f64,
+    /// The doorbell device's counters against the guest's: every round
+    /// trip went through guest memory, none through an exit or eventfd.
+    pub routing: String,
+}
+
+/// Runs the exits guest's shm round-trip row once (about 0.2 s of batches);
+/// the vCPU and the host poller placed by `pin` as `bench nvme` places the
+/// vCPU and the controller's pollers.
+pub fn run_guest_line(tsc_khz: u64, pin: Option<Placement>, round: u32) -> anyhow::Result<GuestLineRun> {
+    let o = ExitsOptions { only: Some(ROW.into()), ..ExitsOptions::default() };
+    let mut cfg = iopath_vmm::VmConfig::new(iopath_guest::IMAGE, &guest_cmdline(&o, "exits", tsc_khz, "cpl=3"));
+    cfg.devices = exit_devices();
+    cfg.timeout = Duration::from_secs(o.timeout_s);
+    let r = {
+        let _pinned = pin.map(|p| crate::pin::Pinner::start(p, POLLER));
+        iopath_vmm::run(cfg)?
+    };
+    let out = GuestOutput::parse(&r.lines);
+    anyhow::ensure!(r.status == 1, "guest exit status {} {}", r.status, out.fault.clone().unwrap_or_default());
+    let row = out.row(ROW).ok_or_else(|| anyhow::anyhow!("the guest printed no {ROW} row"))?;
+    let routing = verify_iopath(&out, &r).remove(ROW).ok_or_else(|| anyhow::anyhow!("{ROW}: no routing verdict"))?;
+    anyhow::ensure!(routing.ok, "{ROW}: {}", routing.detail);
+    let per = summarize(&row.per_access()).ok_or_else(|| anyhow::anyhow!("{ROW}: no timed batch"))?;
+    let ns = |cycles: f64| cycles * 1e6 / tsc_khz.max(1) as f64;
+    Ok(GuestLineRun {
+        round,
+        round_trips: row.accesses,
+        rtt_ns: ns(per.median),
+        min_ns: ns(per.min),
+        routing: routing.detail,
+    })
+}
+
+/// The table line: the rounds' round trips, median [min .. max].
+pub fn rows(runs: &[GuestLineRun]) -> String {
+    let Some(s) = summarize(&runs.iter().map(|r| r.rtt_ns).collect::<Vec<_>>()) else { return String::new() };
+    format!(
+        "guest line floor ({ROW}: the guest stores a word, a host thread polling guest memory answers; QD1 p50 \
+         is given over it): {:.0} ns [{:.0} .. {:.0}]\n",
+        s.median, s.min, s.max
+    )
+}
+
+/// The round's guest line floor, for a run of that round.
+pub fn of_round(runs: &[GuestLineRun], round: u32) -> Option<f64> {
+    runs.iter().find(|r| r.round == round).map(|r| r.rtt_ns).filter(|&v| v > 0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(round: u32, rtt_ns: f64) -> GuestLineRun {
+        GuestLineRun { round, round_trips: 100, rtt_ns, min_ns: rtt_ns, routing: String::new() }
+    }
+
+    #[test]
+    fn a_round_has_its_own_floor_and_the_line_summarises_them_all() {
+        let runs = [run(0, 120.0), run(1, 80.0), run(2, 0.0)];
+        assert_eq!(of_round(&runs, 1), Some(80.0));
+        assert_eq!(of_round(&runs, 2), None, "an empty measurement is no floor");
+        assert_eq!(of_round(&runs, 3), None);
+        let line = rows(&runs[..2]);
+        assert!(line.contains("100 ns [80 .. 120]"), "{line}");
+        assert!(rows(&[]).is_empty());
+    }
+}
