@@ -483,6 +483,13 @@ fn floor_qd(j: &Job) -> u32 {
     j.iodepth.saturating_mul(j.queues).clamp(1, crate::floor::MAX_QD)
 }
 
+/// A job whose p50 is given over the guest line floor: one command out at
+/// a time, each meeting a polling controller (with a think time its
+/// latency is the wake-up's, given over the wake-up floor instead).
+fn guest_line_job(j: &Job) -> bool {
+    floor_qd(j) == 1 && j.thinktime_us == 0
+}
+
 fn cmdline(j: &Job, o: &NvmeOptions, tsc_khz: u64) -> String {
     format!(
         "workload=nvme rw={} bs={} iodepth={} queues={} time_ms={} verify={} thinktime_us={} rwmixread={} batch_submit={} irq={} tsc_khz={tsc_khz}",
@@ -557,7 +564,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                 Err(e) => errors.push(format!("wake round {round}: {e}")),
             }
         }
-        if o.jobs.iter().any(|j| floor_qd(j) == 1) {
+        if o.jobs.iter().any(guest_line_job) {
             pb.set_message(format!("round {}/{} guest line floor", round + 1, o.rounds));
             match crate::guestline::run_guest_line(ctx.tsc_khz, o.pin, round) {
                 Ok(g) => guest_line.push(g),
@@ -615,7 +622,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     pb.finish_and_clear();
     let mut runs = g.runs;
     errors.extend(g.errors);
-    for r in runs.iter_mut().filter(|r| !is_fio_target(&r.target) && floor_qd(&o.jobs[r.job]) == 1) {
+    for r in runs.iter_mut().filter(|r| !is_fio_target(&r.target) && guest_line_job(&o.jobs[r.job])) {
         r.guest_line_ns = crate::guestline::of_round(&guest_line, r.round);
         r.guest_line_ratio = r.guest_line_ns.map(|g| r.p50_ns / g);
     }

@@ -280,7 +280,6 @@ impl NvmeResult {
         }
     }
 
-    /// Out-of-process rows over their in-VMM twins, round by round.
     /// QD1 runs: p50 over the round's guest line floor.
     fn guest_line_table(&self, s: &mut String) {
         let groups = self.groups_where(|r| r.guest_line_ratio.is_some());
@@ -298,6 +297,7 @@ impl NvmeResult {
         }
     }
 
+    /// Out-of-process rows over their in-VMM twins, round by round.
     fn vmm_table(&self, s: &mut String) {
         let groups = self.groups_where(|r| r.vmm_ratio.is_some() || r.vmm_floor_ratio.is_some());
         if groups.is_empty() {
