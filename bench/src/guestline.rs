@@ -5,9 +5,9 @@
 //! project's nested hosts a line the guest takes part in can cost more
 //! than a host thread's, so a polled NVMe command at QD1 (at least three
 //! such lines: the tail, the entry, the completion) may not reach the ring
-//! floor however little the device does. `bench nvme` measures this one in
-//! every round that has a QD1 job, beside the ring floor, and gives each
-//! QD1 run its p50 over it.
+//! floor however little the device does. `bench nvme` measures this one
+//! just before each QD1 run, as it does the ring floor (this host changes
+//! its placement within a round), and gives the run its p50 over it.
 
 use crate::exits::{exit_devices, guest_cmdline, verify_iopath, ExitsOptions};
 use crate::pin::Placement;
@@ -26,6 +26,8 @@ const POLLER: &[&str] = &["doorbell-poll"];
 #[derive(Clone, Debug, Serialize)]
 pub struct GuestLineRun {
     pub round: u32,
+    /// The run it was measured before.
+    pub target: String,
     /// Round trips over all batches.
     pub round_trips: u64,
     /// Mean round trip of the median batch, and of the fastest.
@@ -39,7 +41,7 @@ pub struct GuestLineRun {
 /// Runs the exits guest's shm round-trip row once (about 0.2 s of batches);
 /// the vCPU and the host poller placed by `pin` as `bench nvme` places the
 /// vCPU and the controller's pollers.
-pub fn run_guest_line(tsc_khz: u64, pin: Option<Placement>, round: u32) -> anyhow::Result<GuestLineRun> {
+pub fn run_guest_line(tsc_khz: u64, pin: Option<Placement>, round: u32, target: &str) -> anyhow::Result<GuestLineRun> {
     let o = ExitsOptions { only: Some(ROW.into()), ..ExitsOptions::default() };
     let mut cfg = iopath_vmm::VmConfig::new(iopath_guest::IMAGE, &guest_cmdline(&o, "exits", tsc_khz, "cpl=3"));
     cfg.devices = exit_devices();
@@ -57,6 +59,7 @@ pub fn run_guest_line(tsc_khz: u64, pin: Option<Placement>, round: u32) -> anyho
     let ns = |cycles: f64| cycles * 1e6 / tsc_khz.max(1) as f64;
     Ok(GuestLineRun {
         round,
+        target: target.to_string(),
         round_trips: row.accesses,
         rtt_ns: ns(per.median),
         min_ns: ns(per.min),
@@ -74,25 +77,29 @@ pub fn rows(runs: &[GuestLineRun]) -> String {
     )
 }
 
-/// The round's guest line floor, for a run of that round.
-pub fn of_round(runs: &[GuestLineRun], round: u32) -> Option<f64> {
-    runs.iter().find(|r| r.round == round).map(|r| r.rtt_ns).filter(|&v| v > 0.0)
+/// The guest line floor measured before `target`'s run in `round` (a
+/// re-run the guard made keeps it).
+pub fn of_run(runs: &[GuestLineRun], round: u32, target: &str) -> Option<f64> {
+    runs.iter().find(|r| r.round == round && r.target == target).map(|r| r.rtt_ns).filter(|&v| v > 0.0)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn run(round: u32, rtt_ns: f64) -> GuestLineRun {
-        GuestLineRun { round, round_trips: 100, rtt_ns, min_ns: rtt_ns, routing: String::new() }
+    fn run(round: u32, target: &str, rtt_ns: f64) -> GuestLineRun {
+        let target = target.to_string();
+        GuestLineRun { round, target, round_trips: 100, rtt_ns, min_ns: rtt_ns, routing: String::new() }
     }
 
     #[test]
-    fn a_round_has_its_own_floor_and_the_line_summarises_them_all() {
-        let runs = [run(0, 120.0), run(1, 80.0), run(2, 0.0)];
-        assert_eq!(of_round(&runs, 1), Some(80.0));
-        assert_eq!(of_round(&runs, 2), None, "an empty measurement is no floor");
-        assert_eq!(of_round(&runs, 3), None);
+    fn a_run_has_the_floor_measured_before_it_and_the_line_summarises_them_all() {
+        let runs = [run(0, "a", 120.0), run(0, "b", 80.0), run(1, "a", 0.0), run(1, "b", 90.0)];
+        assert_eq!(of_run(&runs, 0, "a"), Some(120.0));
+        assert_eq!(of_run(&runs, 0, "b"), Some(80.0));
+        assert_eq!(of_run(&runs, 1, "a"), None, "an empty measurement is no floor");
+        assert_eq!(of_run(&runs, 1, "b"), Some(90.0));
+        assert_eq!(of_run(&runs, 2, "a"), None);
         let line = rows(&runs[..2]);
         assert!(line.contains("100 ns [80 .. 120]"), "{line}");
         assert!(rows(&[]).is_empty());

@@ -285,8 +285,9 @@ pub struct NvmeRun {
     /// A job with a think time: p50 latency over `wake_p50_ns` (each I/O
     /// then meets an idle controller).
     pub wake_ratio: Option<f64>,
-    /// A QD1 job: the round's guest line floor (`guestline.rs`), a mean
-    /// round trip of one line between the guest and a host thread.
+    /// A QD1 job: the guest line floor measured just before this run
+    /// (`guestline.rs`), a mean round trip of one line between the guest
+    /// and a host thread.
     pub guest_line_ns: Option<f64>,
     /// p50 latency over `guest_line_ns`.
     pub guest_line_ratio: Option<f64>,
@@ -435,7 +436,7 @@ pub struct NvmeResult {
     pub refloor: Vec<crate::floor::FloorRun>,
     /// The wake-up floor of every round, with a think-time job.
     pub wake: Vec<crate::wake::WakeRun>,
-    /// The guest line floor of every round, with a QD1 job.
+    /// The guest line floor, measured before every QD1 run.
     pub guest_line: Vec<crate::guestline::GuestLineRun>,
     /// Targets the guard ran again: (job, target, attempts, marks that stayed).
     pub reruns: Vec<(usize, String, u32, Vec<crate::guard::Mark>)>,
@@ -564,13 +565,6 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                 Err(e) => errors.push(format!("wake round {round}: {e}")),
             }
         }
-        if o.jobs.iter().any(guest_line_job) {
-            pb.set_message(format!("round {}/{} guest line floor", round + 1, o.rounds));
-            match crate::guestline::run_guest_line(ctx.tsc_khz, o.pin, round) {
-                Ok(g) => guest_line.push(g),
-                Err(e) => errors.push(format!("guest line floor round {round}: {e}")),
-            }
-        }
         for (ji, j) in o.jobs.iter().enumerate() {
             // Odd rounds run the targets in reverse (A B, then B A): what
             // drifts during a run (a disk cache that warms, a host that
@@ -592,6 +586,14 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     errors.extend(e);
                     f.into_iter().next()
                 };
+                // A QD1 job's guest line floor, also just before the run.
+                if !t.is_fio() && guest_line_job(j) {
+                    pb.set_message(format!("round {}/{} guest line floor before {}", round + 1, o.rounds, t.name));
+                    match crate::guestline::run_guest_line(ctx.tsc_khz, o.pin, round, &t.name) {
+                        Ok(g) => guest_line.push(g),
+                        Err(e) => errors.push(format!("guest line floor before {} round {round}: {e}", t.name)),
+                    }
+                }
                 pb.set_message(format!("round {}/{} {} {}", round + 1, o.rounds, j.label(), t.name));
                 match ctx.run_target(t, ji, round) {
                     Ok(mut r) => {
@@ -623,7 +625,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     let mut runs = g.runs;
     errors.extend(g.errors);
     for r in runs.iter_mut().filter(|r| !is_fio_target(&r.target) && guest_line_job(&o.jobs[r.job])) {
-        r.guest_line_ns = crate::guestline::of_round(&guest_line, r.round);
+        r.guest_line_ns = crate::guestline::of_run(&guest_line, r.round, &r.target);
         r.guest_line_ratio = r.guest_line_ns.map(|g| r.p50_ns / g);
     }
     relate(&mut runs);

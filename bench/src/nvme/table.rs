@@ -288,7 +288,7 @@ impl NvmeResult {
         }
         let _ = writeln!(
             s,
-            "\nQD1 p50 over the guest line floor of the same round (one line there and back between the guest and a host thread; a command moves at least three): median [min .. max]"
+            "\nQD1 p50 over the guest line floor measured just before the run (one line there and back between the guest and a host thread; a command moves at least three): median [min .. max]"
         );
         for ((ji, target), rs) in groups {
             let v = summarize(&rs.iter().filter_map(|r| r.guest_line_ratio).collect::<Vec<_>>());
