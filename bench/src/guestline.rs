@@ -67,7 +67,7 @@ pub fn run_guest_line(tsc_khz: u64, pin: Option<Placement>, round: u32, target: 
     })
 }
 
-/// The table line: the rounds' round trips, median [min .. max].
+/// The table line: the measurements' round trips, median [min .. max].
 pub fn rows(runs: &[GuestLineRun]) -> String {
     let Some(s) = summarize(&runs.iter().map(|r| r.rtt_ns).collect::<Vec<_>>()) else { return String::new() };
     format!(
