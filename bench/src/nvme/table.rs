@@ -280,7 +280,7 @@ impl NvmeResult {
         }
     }
 
-    /// QD1 runs: p50 over the round's guest line floor.
+    /// QD1 runs: p50 over the guest line floor measured just before each.
     fn guest_line_table(&self, s: &mut String) {
         let groups = self.groups_where(|r| r.guest_line_ratio.is_some());
         if groups.is_empty() {
