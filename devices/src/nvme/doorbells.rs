@@ -567,47 +567,66 @@ impl Core {
         busy
     }
 
-    /// ioeventfd mode: serve every I/O queue from its shadow tail, publish
-    /// EventIdx = the tail served (ring me next time), then look again.
+    /// ioeventfd mode: serves every I/O queue from its shadow tail and
+    /// publishes EventIdx = the tail served (ring me next time); where a
+    /// full CQ holds an SQ's commands back, that CQ's EventIdx asks for the
+    /// next head (ring me when you free an entry); then looks again. The
+    /// heads are taken and their EventIdx set per CQ, after every SQ was
+    /// served: set per SQ, a later SQ with nothing held took back the
+    /// request an earlier SQ on the same CQ made, and its commands waited
+    /// for a doorbell that never came.
     pub(super) fn serve_kicked(&mut self) {
         let Some((db, ei)) = self.db.shadow else { return };
-        for qid in self.queues.io_sq_ids() {
-            while let Some(sq) = self.queues.sqs[qid] {
-                let cqid = sq.cqid as usize;
+        let cq_ids =
+            |c: &Core| -> Vec<usize> { (1..c.queues.cqs.len()).filter(|&q| c.queues.cqs[q].is_some()).collect() };
+        loop {
+            for cqid in cq_ids(self) {
                 if let Ok(head) = self.mem.load_u32(db + cqid as u64 * 8 + 4, Ordering::Acquire) {
-                    if let Some(cq) = self.queues.cqs[cqid].as_mut() {
-                        if head < cq.size as u32 {
-                            cq.head = head as u16;
-                            let ev = queue::prev(head, cq.size as u32);
-                            let _ = self.mem.store_u32(ev, ei + cqid as u64 * 8 + 4, Ordering::Release);
-                        }
+                    let cq = self.queues.cqs[cqid].as_mut().unwrap();
+                    if head < cq.size as u32 {
+                        cq.head = head as u16;
                     }
                 }
-                let Ok(tail) = self.mem.load_u32(db + qid as u64 * 8, Ordering::Acquire) else {
-                    break;
-                };
+            }
+            let mut served = Vec::new();
+            for qid in self.queues.io_sq_ids() {
+                let Some(sq) = self.queues.sqs[qid] else { continue };
+                let Ok(tail) = self.mem.load_u32(db + qid as u64 * 8, Ordering::Acquire) else { continue };
                 if tail >= sq.size as u32 {
                     let _ = self.mem.store_u32(sq.tail as u32, db + qid as u64 * 8, Ordering::Release);
                     self.refuse_tail();
-                    break;
+                    continue;
                 }
                 self.queues.sqs[qid].as_mut().unwrap().tail = tail as u16;
                 self.process_sq(qid);
                 let _ = self.mem.store_u32(tail, ei + qid as u64 * 8, Ordering::SeqCst);
-                // Commands held back by a full CQ: ask for the CQ head doorbell
-                // (EventIdx = the head), then look at the head again.
-                let held = self.queues.sqs[qid].is_some_and(|s| s.head != s.tail);
-                let cq_head = self.queues.cqs[cqid].map(|c| c.head as u32);
-                if let (true, Some(h)) = (held, cq_head) {
-                    let _ = self.mem.store_u32(h, ei + cqid as u64 * 8 + 4, Ordering::SeqCst);
+                served.push((qid, tail));
+            }
+            // Each CQ's EventIdx: at the head where commands wait for room, behind it otherwise.
+            let mut held_cqs = Vec::new();
+            for cqid in cq_ids(self) {
+                let cq = self.queues.cqs[cqid].unwrap();
+                let held = self
+                    .queues
+                    .io_sq_ids()
+                    .any(|q| self.queues.sqs[q].is_some_and(|s| s.cqid as usize == cqid && s.head != s.tail));
+                let ev = if held { cq.head as u32 } else { queue::prev(cq.head as u32, cq.size as u32) };
+                let _ = self.mem.store_u32(ev, ei + cqid as u64 * 8 + 4, Ordering::SeqCst);
+                if held {
+                    held_cqs.push((cqid, cq.head as u32));
                 }
-                std::sync::atomic::fence(Ordering::SeqCst);
-                let head_moved = held && self.mem.load_u32(db + cqid as u64 * 8 + 4, Ordering::Acquire).ok() != cq_head;
-                match self.mem.load_u32(db + qid as u64 * 8, Ordering::Acquire) {
-                    Ok(t) if t != tail => continue, // a submission raced with EventIdx
-                    _ if head_moved => continue,    // the host freed CQ entries meanwhile
-                    _ => break,
-                }
+            }
+            // The driver stores, fences, reads EventIdx; this side stores
+            // EventIdx, fences, reads the shadow: one of the two sees the other.
+            std::sync::atomic::fence(Ordering::SeqCst);
+            let tail_moved = served
+                .iter()
+                .any(|&(q, t)| self.mem.load_u32(db + q as u64 * 8, Ordering::Acquire).is_ok_and(|x| x != t));
+            let head_moved = held_cqs
+                .iter()
+                .any(|&(c, h)| self.mem.load_u32(db + c as u64 * 8 + 4, Ordering::Acquire).is_ok_and(|x| x != h));
+            if !tail_moved && !head_moved {
+                return;
             }
         }
     }
