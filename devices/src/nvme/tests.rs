@@ -11,6 +11,7 @@ use vm_memory::{Bytes, GuestAddress};
 
 mod bar_adaptive;
 mod forecast;
+mod oracle;
 mod pollers;
 
 const ASQ: u64 = 0x10000;
@@ -1748,6 +1749,24 @@ fn ioeventfd_mode_on_a_static_host_registers_every_io_doorbell_at_attach_and_kic
         d.io_queues(8);
     }
     d.n.quiesce();
+}
+
+#[test]
+fn out_of_process_kicked_modes_refuse_an_io_sq_before_the_shadow_doorbells_rather_than_lose_its_doorbells() {
+    for doorbell in [DoorbellMode::Ioeventfd, DoorbellMode::Adaptive] {
+        let cfg = NvmeConfig { doorbell, ..mmio(BackendKind::Null) };
+        let mut d = Drv::with_ioevents(cfg, Arc::new(Announcer::default()));
+        assert_eq!(
+            d.admin(0x05, 0, IOCQ, 0, [1 | 7 << 16, 1, 0, 0]).1,
+            0,
+            "{doorbell}: a CQ has no doorbell value to lose"
+        );
+        let create_sq = [1 | 7 << 16, 1 | 1 << 16, 0, 0];
+        assert_eq!(d.admin(0x01, 0, IOSQ, 0, create_sq).1, status::COMMAND_SEQUENCE_ERROR, "{doorbell}");
+        assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
+        assert_eq!(d.admin(0x01, 0, IOSQ, 0, create_sq).1, 0, "{doorbell}: with shadow doorbells");
+        d.n.quiesce();
+    }
 }
 
 /// SQ 1's doorbell eventfd as the host registered it (KVM's ioeventfd).
