@@ -40,6 +40,9 @@ pub(super) struct Core {
     /// Shared by the groups: MSI-X vector states, events they raised.
     pub vectors: std::sync::Arc<super::shards::Vectors>,
     pub raised: std::sync::Arc<super::shards::Raised>,
+    /// The queue oracle's log of the I/O commands fetched (`oracle.rs`).
+    #[cfg(any(test, feature = "oracle"))]
+    pub oplog: Option<std::sync::Arc<std::sync::Mutex<Vec<super::oracle::OpRecord>>>>,
 }
 
 /// Queue ids, ascending, from a mask copied when the walk began (the
@@ -238,6 +241,8 @@ impl Core {
             shards: Vec::new(),
             vectors: std::sync::Arc::new(super::shards::Vectors::new()),
             raised: std::sync::Arc::default(),
+            #[cfg(any(test, feature = "oracle"))]
+            oplog: None,
         }
     }
 
@@ -375,6 +380,11 @@ impl Core {
                 }
                 Some(c) => {
                     self.st.io += 1;
+                    #[cfg(any(test, feature = "oracle"))]
+                    if let Some(log) = &self.oplog {
+                        let r = super::oracle::OpRecord { sqid: qid as u16, cid: c.cid, tag: c.cdw2, opcode: c.opcode };
+                        log.lock().unwrap().push(r);
+                    }
                     match self.io_start(qid, &c) {
                         Some(st) => (0, st),
                         None => continue, // on the file backend: completed when reaped

@@ -132,6 +132,8 @@ mod doorbells;
 mod forecast;
 mod interrupts;
 mod io;
+#[cfg(any(test, feature = "oracle"))]
+pub mod oracle;
 pub mod queue;
 mod regs;
 mod shards;
@@ -403,6 +405,20 @@ impl Nvme {
             Core::new(&cfg, backend, bar_page)
         };
         Ok(Nvme { cfg, core: Arc::new(Mutex::new(core)), threads: Mutex::new(Threads::default()), bar_fd })
+    }
+}
+
+#[cfg(any(test, feature = "oracle"))]
+impl Nvme {
+    /// Starts the log of fetched I/O commands the queue oracle checks.
+    pub fn oracle_log(&self) -> Arc<Mutex<Vec<oracle::OpRecord>>> {
+        let log: Arc<Mutex<Vec<oracle::OpRecord>>> = Arc::default();
+        let mut c = self.core.lock().unwrap();
+        c.oplog = Some(log.clone());
+        for s in &c.shards {
+            s.lock().unwrap().oplog = Some(log.clone());
+        }
+        log
     }
 }
 

@@ -103,6 +103,9 @@ pub struct Sqe {
     pub opcode: u8,
     pub cid: u16,
     pub nsid: u32,
+    /// Reserved in the commands this controller implements; the queue
+    /// oracle tags its commands with it.
+    pub cdw2: u32,
     pub prp1: u64,
     pub prp2: u64,
     pub cdw10: u32,
@@ -130,6 +133,7 @@ impl Sqe {
             opcode: w[0] as u8,
             cid: (w[0] >> 16) as u16,
             nsid: (w[0] >> 32) as u32,
+            cdw2: w[1] as u32,
             prp1: w[3],
             prp2: w[4],
             cdw10: w[5] as u32,

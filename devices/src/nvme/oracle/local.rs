@@ -1,0 +1,125 @@
+//! The oracle's port to a controller in this process, with a host that
+//! plays KVM's part: ioeventfds (a store to a registered doorbell signals
+//! its eventfd; the value is lost), the doorbell page mapped into the guest
+//! (a store lands in memory) and trapped on request (a store exits).
+
+use super::{OpRecord, Port};
+use crate::nvme::{Nvme, NvmeConfig};
+use crate::{Counter, DeviceContext, DeviceModel, IoEventSpec, IoEvents, Result};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vmm_sys_util::eventfd::EventFd;
+
+/// A host as the VMM is one (ioeventfds follow the queues, the doorbell
+/// page can be trapped), or as a device process's client is one
+/// (`static_only`: ioeventfds announced once, the page mapped for good).
+pub struct LocalHost {
+    events: Mutex<Vec<(IoEventSpec, EventFd)>>,
+    static_only: bool,
+    trapped: RwLock<bool>,
+}
+
+impl IoEvents for LocalHost {
+    fn register(&self, spec: IoEventSpec, fd: &EventFd) -> Result<()> {
+        let fd = fd.try_clone().map_err(|e| crate::Error::io("eventfd clone", e))?;
+        self.events.lock().unwrap().push((spec, fd));
+        Ok(())
+    }
+    fn unregister(&self, spec: IoEventSpec, _: &EventFd) -> Result<()> {
+        self.events.lock().unwrap().retain(|(s, _)| *s != spec);
+        Ok(())
+    }
+    fn static_only(&self) -> bool {
+        self.static_only
+    }
+    fn trap_area(&self, _bar: u8, _offset: u64, trap: bool) -> bool {
+        if self.static_only {
+            return false;
+        }
+        // Waits for a store in progress, as KVM's memslot change does.
+        *self.trapped.write().unwrap() = trap;
+        true
+    }
+}
+
+/// A controller in this process, its guest RAM and its host.
+pub struct LocalPort {
+    pub nvme: Arc<Nvme>,
+    ram: GuestMemoryMmap,
+    host: Arc<LocalHost>,
+    /// The doorbell page as the guest has it mapped (bar modes).
+    page: Option<vm_memory::mmap::MmapRegion>,
+    ops: Arc<Mutex<Vec<OpRecord>>>,
+}
+
+impl LocalPort {
+    /// A controller of `cfg` with the oracle's RAM, hosted as a VMM hosts it
+    /// or (`static_host`) as a device process's client does.
+    pub fn new(cfg: NvmeConfig, static_host: bool) -> Result<LocalPort> {
+        let ram = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), super::driver::RAM as usize)])
+            .map_err(|e| crate::Error::Host(format!("oracle RAM: {e}")))?;
+        let nvme = Arc::new(Nvme::new(cfg)?);
+        let host =
+            Arc::new(LocalHost { events: Mutex::default(), static_only: static_host, trapped: RwLock::new(false) });
+        let page = match nvme.mapped_areas().into_iter().next() {
+            Some(a) => Some(
+                vm_memory::mmap::MmapRegion::from_file(vm_memory::FileOffset::new(a.fd, a.fd_offset), a.size as usize)
+                    .map_err(|e| crate::Error::Host(format!("oracle: doorbell page: {e}")))?,
+            ),
+            None => None,
+        };
+        let ops = nvme.oracle_log();
+        let mut ctx = DeviceContext::detached(ram.clone());
+        ctx.ioevents = host.clone();
+        nvme.attach(ctx);
+        Ok(LocalPort { nvme, ram, host, page, ops })
+    }
+}
+
+impl Port for LocalPort {
+    fn read32(&self, off: u64) -> u32 {
+        let mut b = [0u8; 4];
+        self.nvme.bar_read(0, off, &mut b);
+        u32::from_le_bytes(b)
+    }
+    fn write(&self, off: u64, data: &[u8]) {
+        self.nvme.bar_write(0, off, data)
+    }
+    fn doorbell(&self, off: u64, value: u32) {
+        if let Some(page) = &self.page {
+            let trapped = self.host.trapped.read().unwrap();
+            if !*trapped && (0x1000..0x2000).contains(&off) {
+                // SAFETY: the page maps 4 KiB from BAR0 + 0x1000 and `off` is a
+                // 4-byte aligned doorbell inside it; the device reads it
+                // concurrently, hence atomic.
+                let w = unsafe { &*(page.as_ptr().add((off - 0x1000) as usize) as *const AtomicU32) };
+                w.store(value.to_le(), Ordering::Release);
+                return;
+            }
+        }
+        let kick = self.host.events.lock().unwrap().iter().find_map(|(s, fd)| {
+            let hit = s.bar == 0 && s.offset == off && s.len == 4 && s.datamatch.is_none_or(|d| d == value as u64);
+            hit.then(|| fd.try_clone().ok()).flatten()
+        });
+        match kick {
+            Some(fd) => fd.write(1).expect("an ioeventfd's eventfd"),
+            None => self.nvme.bar_write(0, off, &value.to_le_bytes()),
+        }
+    }
+    fn ram(&self) -> &GuestMemoryMmap {
+        &self.ram
+    }
+    fn counters(&self) -> Vec<Counter> {
+        self.nvme.counters()
+    }
+    fn take_ops(&self) -> Option<Vec<OpRecord>> {
+        Some(std::mem::take(&mut *self.ops.lock().unwrap()))
+    }
+}
+
+impl Drop for LocalPort {
+    fn drop(&mut self) {
+        self.nvme.quiesce();
+    }
+}

@@ -1,0 +1,71 @@
+//! The queue-protocol oracle: a reference NVMe driver that drives the
+//! controller through random schedules and checks every completion against
+//! a model of what it published.
+//!
+//! A schedule varies what real drivers vary and what a hostile one may do:
+//! queue sizes from 2 to 4096, CQs smaller than their SQs and several SQs
+//! on one CQ, SQ tails rung every k entries, after a batch or late, CQ
+//! heads rung after each completion, in batches or late, shadow doorbells
+//! with the EventIdx rule or plain doorbell registers, queues deleted and
+//! created again, controller resets and shutdowns with commands in flight.
+//! What it checks (`model.rs`):
+//! - a completion names a published, outstanding command of an SQ of its
+//!   CQ; every published command completes exactly once (or, dropped by a
+//!   reset, never), and no completion lands after a reset;
+//! - each command is executed at most once, and once if it completed: the
+//!   controller's operation log ([`OpRecord`], the tag the driver puts in
+//!   CDW2) has each tag at most once;
+//! - the SQ head a completion reports moves forward only, never past the
+//!   tail the driver published;
+//! - data: every write carries a pattern of its own, every read returns
+//!   what the last completed write (or write zeroes, or deallocate) left;
+//! - guest memory is written only inside the command's data pointers: free
+//!   data pages, write buffers, the bytes past a read's length, SQ rings
+//!   and the shadow doorbells keep what the driver put there.
+//!
+//! The driver reaches the controller through a [`Port`]: in process
+//! (`local.rs`, with a host that plays KVM's ioeventfds and memslots), or
+//! over vfio-user (the protocols crate's tests). The fuzz target `nvme_queues`
+//! takes its schedule from the fuzzer's bytes instead of a seed.
+
+mod driver;
+mod local;
+mod model;
+mod rng;
+
+pub use driver::{Driver, Report, Shape};
+pub use local::{LocalHost, LocalPort};
+pub use model::Violation;
+pub use rng::Rng;
+
+use crate::Counter;
+use vm_memory::GuestMemoryMmap;
+
+/// One I/O command the controller fetched from an SQ (its operation log).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpRecord {
+    pub sqid: u16,
+    pub cid: u16,
+    /// CDW2 as the driver wrote it: the oracle's tag of the command.
+    pub tag: u32,
+    pub opcode: u8,
+}
+
+/// How the reference driver reaches a controller.
+pub trait Port {
+    /// A 32-bit register read of BAR0 at `off`.
+    fn read32(&self, off: u64) -> u32;
+    /// A register write of 4 or 8 bytes to BAR0 at `off`.
+    fn write(&self, off: u64, data: &[u8]);
+    /// A doorbell store to BAR0 at `off`, carried as the host carries a
+    /// CPU's store there: into a mapped doorbell page, as an ioeventfd
+    /// kick, or as an exit (a register write).
+    fn doorbell(&self, off: u64, value: u32);
+    /// Guest RAM as the driver sees it.
+    fn ram(&self) -> &GuestMemoryMmap;
+    /// The device's counters (at a quiescent point).
+    fn counters(&self) -> Vec<Counter>;
+    /// The operations the controller fetched since the last call, if this
+    /// port can see them (a controller in this process).
+    fn take_ops(&self) -> Option<Vec<OpRecord>>;
+}

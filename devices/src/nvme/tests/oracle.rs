@@ -1,0 +1,79 @@
+//! The queue oracle (`nvme::oracle`) over random schedules, in every
+//! doorbell mode, with one and two pollers, hosted as the VMM hosts the
+//! controller and as a device process's client does.
+
+use super::super::oracle::{Driver, LocalPort, Rng, Shape};
+use super::super::{DoorbellMode, NvmeConfig};
+use crate::nvme::backend::BackendKind;
+
+const MODES: [DoorbellMode; 6] = [
+    DoorbellMode::Mmio,
+    DoorbellMode::Ioeventfd,
+    DoorbellMode::Shm,
+    DoorbellMode::Bar,
+    DoorbellMode::Adaptive,
+    DoorbellMode::BarAdaptive,
+];
+
+fn cfg(doorbell: DoorbellMode, pollers: u8, lba: u32) -> NvmeConfig {
+    NvmeConfig { backend: BackendKind::Ram, size: 2 << 20, lba_size: lba, doorbell, pollers, ..NvmeConfig::default() }
+}
+
+/// Runs `shape` from `seed` against a fresh controller; panics with the violation.
+fn run(c: NvmeConfig, static_host: bool, seed: u64, shape: impl FnOnce(&mut Rng) -> Shape) {
+    let port = LocalPort::new(c.clone(), static_host).unwrap();
+    let mut rng = Rng::new(seed);
+    let mut shape = shape(&mut rng);
+    // Out of process, ioeventfd and adaptive serve only drivers with shadow
+    // doorbells (Create I/O SQ is refused otherwise: a test of its own).
+    shape.shadow |= static_host && c.doorbell.kicked();
+    if let Err(e) = Driver::new(&port, rng, shape).run() {
+        panic!("{} pollers={} static={static_host} seed={seed}: {e}", c.doorbell, c.pollers);
+    }
+}
+
+/// Seeds per configuration: `IOPATH_ORACLE_SEEDS` for a longer campaign.
+fn seeds() -> u64 {
+    std::env::var("IOPATH_ORACLE_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(12)
+}
+
+#[test]
+fn the_driver_that_met_replayed_commands_sees_each_completion_once_in_every_mode() {
+    for mode in MODES {
+        for static_host in [false, true] {
+            run(cfg(mode, 1, 512), static_host, 1, |_| Shape::replay_case(3000));
+        }
+    }
+}
+
+#[test]
+fn several_sqs_on_a_small_cq_keep_their_held_commands_served_in_every_mode() {
+    for mode in MODES {
+        for seed in 0..4 {
+            run(cfg(mode, 1, 512), seed % 2 == 1, 3000 + seed, |r| {
+                let mut s = Shape::shared_small_cq(800);
+                s.admin = r.pick(&[2, 32]);
+                s
+            });
+        }
+    }
+}
+
+#[test]
+fn random_schedules_in_every_doorbell_mode_with_one_poller() {
+    for mode in MODES {
+        for seed in 0..seeds() {
+            let lba = if seed % 3 == 2 { 4096 } else { 512 };
+            run(cfg(mode, 1, lba), seed % 2 == 1, 1000 + seed, |r| Shape::random(r, 600));
+        }
+    }
+}
+
+#[test]
+fn random_schedules_with_two_pollers() {
+    for mode in MODES.into_iter().filter(|m| m.polled() && *m != DoorbellMode::BarAdaptive) {
+        for seed in 0..seeds() {
+            run(cfg(mode, 2, 512), seed % 2 == 1, 2000 + seed, |r| Shape::random(r, 600));
+        }
+    }
+}
