@@ -538,3 +538,43 @@ fn mpqemu_an_unsealed_memfd_is_mapped_and_a_truncation_ends_that_session_only() 
         assert_eq!(u16::from_le_bytes(vid), 0x1234);
     });
 }
+
+/// The kernel, not the device's code, reaches a truncated page when a
+/// file namespace reads into guest memory in place (io_uring, O_DIRECT):
+/// no SIGBUS, the operation fails in its completion (EFAULT), and that
+/// must become an NVMe error status, not a hang. The queues stay in a
+/// second map the client keeps; the session goes on.
+#[test]
+fn an_in_place_read_into_truncated_memory_completes_with_an_nvme_error() {
+    within("in place", || {
+        let disk = std::env::temp_dir().join(format!("iopath-sigbus-disk-{}", std::process::id()));
+        std::fs::write(&disk, vec![0x5au8; 1 << 20]).unwrap();
+        let host =
+            Host::start(&format!("nvme,doorbell=mmio,backend=file:{},size_mb=1,lba=4096,in_place=on", disk.display()));
+        let (ram, data) = (Ram::new(Kind::Memfd).unwrap(), Ram::new(Kind::Memfd).unwrap());
+        let mut c = host.connect();
+        c.map(&ram);
+        let dgpa = 0x40_0000;
+        let m = DmaMap { flags: DMA_MAP_FLAG_READ | DMA_MAP_FLAG_WRITE, offset: 0, address: dgpa, size: RAM as u64 };
+        c.call(Command::DmaMap, &m.to_bytes(), &[data.file.as_raw_fd()]).unwrap();
+        let mut nvme = Nvme::enable(&mut c, &ram);
+        nvme.identify_and_io();
+        assert_eq!(nvme.command(1, 0x02, 1, (dgpa + 0x1000, 0), [5, 0, 0]), 0, "before the truncation");
+        data.truncate();
+        let st = nvme.command(1, 0x02, 1, (dgpa + 0x1000, 0), [5, 0, 0]);
+        assert_ne!(st, 0, "a read into truncated memory completes with an error status");
+        // The session goes on: a read into memory the client kept.
+        assert_eq!(nvme.command(1, 0x02, 1, (BASE + RBUF, 0), [5, 0, 0]), 0);
+        let mut back = vec![0u8; 4096];
+        ram.read(RBUF, &mut back);
+        assert!(back.iter().all(|&b| b == 0x5a), "the disk's data");
+        drop(nvme);
+        drop(c);
+        let (r, _) = host.session_end();
+        let _ = std::fs::remove_file(&disk);
+        // Either nothing faulted in the device's code (the kernel's EFAULT), or the session says so.
+        if let Err(e) = r {
+            assert!(e.contains("shrank"), "{e}");
+        }
+    });
+}
