@@ -180,8 +180,12 @@ fn hugetlbfs_file() -> Result<File, String> {
         };
         let file = r.and_then(|()| {
             let p = dir.join("ram");
-            let f =
-                std::fs::OpenOptions::new().read(true).write(true).create(true).open(&p).map_err(|e| e.to_string())?;
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&p)
+                .map_err(|e| e.to_string())?;
             std::fs::remove_file(&p).map_err(|e| e.to_string())?;
             f.set_len(RAM as u64).map_err(|e| e.to_string())?;
             Ok(f)
@@ -413,7 +417,6 @@ fn truncated_under_running_queues(mode: &str, kind: Kind) -> Option<Duration> {
         ram.write(EVENTIDX, &[0; 8]);
     }
     let tail = nvme.tails[1];
-    drop(nvme);
     let t0 = Instant::now();
     ram.truncate();
     // The device reads the next entry from the truncated queue: SIGBUS in
@@ -512,7 +515,6 @@ fn mpqemu_an_unsealed_memfd_is_mapped_and_a_truncation_ends_that_session_only() 
         let mut nvme = Nvme::enable(&mut a, &ram);
         nvme.identify_and_io();
         let tail = nvme.tails[1];
-        drop(nvme);
         ram.truncate();
         let _ = a.reg_write(0x1008, &(tail as u32 + 1).to_le_bytes());
         let (r, mut server) = h.join().unwrap();
@@ -568,7 +570,6 @@ fn an_in_place_read_into_truncated_memory_completes_with_an_nvme_error() {
         let mut back = vec![0u8; 4096];
         ram.read(RBUF, &mut back);
         assert!(back.iter().all(|&b| b == 0x5a), "the disk's data");
-        drop(nvme);
         drop(c);
         let (r, _) = host.session_end();
         let _ = std::fs::remove_file(&disk);
