@@ -9,25 +9,32 @@
 //!
 //! # Shared memory that may shrink (SIGBUS policy)
 //!
-//! A mapping of a file that is truncated under it faults with SIGBUS on the
-//! next access, which would kill the process. So:
-//! - every memfd iopath creates is sealed against shrinking (F_SEAL_SHRINK,
-//!   and F_SEAL_GROW where its size is final; created with
-//!   MFD_ALLOW_SEALING): guest RAM (`vmm/src/memory.rs`) and NVMe's BAR0
-//!   (`devices/src/nvme/doorbells.rs`), whose doorbell page clients map;
-//! - a device process maps a client's fd only if it cannot shrink under us:
-//!   its seals (F_GET_SEALS) include F_SEAL_SHRINK ([`cannot_shrink`]). No
-//!   other kind of fd is trusted (a regular file or a memfd without the seal
-//!   can be truncated by whoever else holds it). Otherwise vfio-user treats
-//!   the map as one without an fd (reached with DMA_READ/DMA_WRITE through
-//!   the session link), logging once per client why; mpqemu, which has no
-//!   such fallback, refuses the SYNC_SYSMEM and closes the channel with a log
-//!   line naming the client, as for any bad message.
-//! - a hugetlbfs fd is mapped with a reservation ([`map_region`]): a pool
-//!   that cannot back it refuses the map rather than fault later. What
-//!   remains: a client that punches holes in its sealed hugetlbfs file
-//!   after the map and drains the pool can still make a later access fault.
+//! A client's memory is mapped whatever its fd: memfds (sealed or not),
+//! hugetlbfs files (memfds or not), tmpfs and regular files, as the
+//! vfio-user spec expects of a map given with an fd (SPDK's client, with
+//! DPDK's hugetlbfs files, reads its socket only for its own replies and
+//! never serves DMA_READ/DMA_WRITE). vfio-user's DMA messages serve only
+//! maps without an fd. vfio-user DMA_MAP, mpqemu SYNC_SYSMEM and vhost-user
+//! SET_MEM_TABLE share this one policy ([`map_region`]).
+//!
+//! A file can shrink under its mapping (a truncation, a hole punched in a
+//! hugetlbfs file whose pool is then drained) and the next access faults
+//! with SIGBUS. Each mapping is registered with the process's SIGBUS
+//! handler ([`crate::sigbus`]), which replaces a faulting client mapping
+//! with zero pages, so the access completes, and marks its session: the
+//! session ends with an error naming the client and the region, the device
+//! is reset as for any client that leaves, and the process serves the next
+//! client. A fault outside every client mapping still kills the process.
+//! Kernel accesses to a truncated page (io_uring, pread/pwrite) fail with
+//! EFAULT, an NVMe error status.
+//!
+//! A hugetlbfs fd is still mapped with a reservation ([`map_region`]): a
+//! pool that cannot back it refuses the map rather than fault later.
+//! iopath's own memfds (guest RAM in `vmm/src/memory.rs`, NVMe's BAR0 in
+//! `devices/src/nvme/doorbells.rs`) are sealed against shrinking, so a
+//! peer cannot shrink what it is given.
 
+use crate::sigbus::{Guarded, Owner};
 use crate::{Error, Result};
 use iopath_devices::pci::ConfigSpace;
 use iopath_devices::{BarKind, Counter, DeviceContext, GuestMem, GuestMemoryMmap, Keeper, SharedDevice};
@@ -143,38 +150,64 @@ pub struct SharedRegion {
     pub file: File,
 }
 
-/// True if `file` cannot shrink under a mapping of it: its seals include
-/// F_SEAL_SHRINK (a memfd sealed so). Files that cannot be sealed report no
-/// seals, so this is false for them.
-pub fn cannot_shrink(file: &File) -> bool {
-    use std::os::fd::AsRawFd;
-    // SAFETY: F_GET_SEALS on an fd we own; no memory is passed.
-    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
-    seals >= 0 && seals & libc::F_SEAL_SHRINK != 0
-}
-
 /// Maps the regions a client passed as one guest memory, in any order
 /// (clients map guest RAM in whatever order their memory listener sees
-/// it). Each fd must be at least `offset + size` long (a shorter file would
-/// fault on access), and regions may not overlap. No region at all is the
-/// empty memory.
-pub fn map_guest_memory(regions: Vec<SharedRegion>) -> Result<GuestMem> {
-    let mapped = regions.into_iter().map(map_region).collect::<Result<Vec<_>>>()?;
-    let (mem, keep) = guest_memory(mapped)?;
-    Ok(GuestMem::from(mem).keeping(keep))
+/// it), each registered for `owner` ([`map_region`]). Each fd must be at
+/// least `offset + size` long (a shorter file would fault on access), and
+/// regions may not overlap. No region at all is the empty memory.
+pub fn map_guest_memory(regions: Vec<SharedRegion>, owner: &Arc<Owner>) -> Result<(GuestMem, Vec<MappedRegion>)> {
+    let mapped = regions.into_iter().map(|r| map_region(r, owner)).collect::<Result<Vec<_>>>()?;
+    let (mem, keep) = guest_memory(mapped.clone())?;
+    Ok((GuestMem::from(mem).keeping(keep), mapped))
 }
 
 /// A region a client shares, as mapped here.
 #[derive(Clone)]
 pub struct MappedRegion {
+    /// The client's range: a window into `guard`'s mapping (see [`map_region`]).
     pub region: Arc<GuestRegionMmap>,
-    /// The mapping `region` is a window into, where it does not own its
-    /// memory (see [`map_region`]); the device's memory keeps it.
-    pub keeper: Option<Keeper>,
+    /// The mapping, registered with the SIGBUS handler; the device's memory
+    /// keeps it as long as it or a clone lives.
+    pub guard: Arc<Guarded>,
 }
 
-/// Maps one region a client shares: `size` bytes of its fd from `offset`,
-/// checked against the fd's length.
+impl MappedRegion {
+    /// The region's guest physical range, for log lines: `[start, end)`.
+    pub fn range(&self) -> (u64, u64) {
+        let start = self.region.start_addr().0;
+        (start, start + self.region.len())
+    }
+
+    /// True once the client shrank the region's file under it (an access
+    /// faulted and the mapping was replaced by zero pages).
+    pub fn poisoned(&self) -> bool {
+        self.guard.poisoned()
+    }
+}
+
+/// What a session says when its client shrank memory it shared, naming the
+/// regions that faulted; None if none did.
+pub fn shrunk(regions: &[&MappedRegion]) -> Option<Error> {
+    let bad: Vec<String> = regions
+        .iter()
+        .filter(|r| r.poisoned())
+        .map(|r| {
+            let (s, e) = r.range();
+            format!("{s:#x}..{e:#x}")
+        })
+        .collect();
+    (!bad.is_empty()).then(|| {
+        Error::protocol(format!(
+            "the client shrank the file of its guest RAM at {} under the device (SIGBUS): those pages now \
+             read as zeros here; session ended",
+            bad.join(", ")
+        ))
+    })
+}
+
+/// Maps one region a client shares, whatever its fd: `size` bytes of it from
+/// `offset`, checked against the fd's length, registered for `owner` with the
+/// SIGBUS handler ([`crate::sigbus`]; see the module doc).
 ///
 /// A hugetlbfs fd maps only from offsets its page size divides. Clients
 /// share guest RAM in sections (QEMU: below 640 KiB from offset 0, above
@@ -182,8 +215,8 @@ pub struct MappedRegion {
 /// or ends inside a huge page, the whole pages around it are mapped and
 /// the region is the section's window into them (as libvfio-user and
 /// vhost-user backends map such fds). The region alone is what the device
-/// reaches.
-pub fn map_region(r: SharedRegion) -> Result<MappedRegion> {
+/// reaches. Every region is such a window, into a mapping of its own.
+pub fn map_region(r: SharedRegion, owner: &Arc<Owner>) -> Result<MappedRegion> {
     let at = r.gpa;
     let end = r
         .offset
@@ -196,55 +229,50 @@ pub fn map_region(r: SharedRegion) -> Result<MappedRegion> {
             r.size, r.offset
         )));
     }
-    let size = usize::try_from(r.size).map_err(|_| Error::protocol(format!("memory region at {at:#x}: too large")))?;
+    let too_large = || Error::protocol(format!("memory region at {at:#x}: too large"));
+    let size = usize::try_from(r.size).map_err(|_| too_large())?;
     let mmap_err = |e: vm_memory::mmap::MmapRegionError| {
         Error::io(format!("mmap of guest memory at {at:#x}"), std::io::Error::other(e))
     };
     // Nonzero for a hugetlbfs fd; any other maps from any page-aligned offset (mapped as given).
     let huge = iopath_devices::hugepages::hugetlb_page_size(&r.file).unwrap_or(0);
+    let page = huge.max(1);
+    let (first, last) = (r.offset / page * page, end.div_ceil(page) * page);
+    // Aligned, a file without huge pages, or pages past the file's end: mapped as given.
+    let (moff, mlen) =
+        if last > len { (r.offset, size) } else { (first, usize::try_from(last - first).map_err(|_| too_large())?) };
     // A hugetlbfs page the file lacks comes from the host's pool when it is
     // touched, and an empty pool faults with SIGBUS: such a mapping is made
     // with a reservation (no MAP_NORESERVE), so a pool that cannot back the
     // range refuses the map now (a client that reserved its own mapping, as
     // QEMU does by default, already holds the pages).
-    let map = |file: File, offset: u64, len: usize| {
-        let flags = if huge > 0 { libc::MAP_SHARED } else { libc::MAP_SHARED | libc::MAP_NORESERVE };
-        vm_memory::mmap::MmapRegionBuilder::<()>::new(len)
-            .with_file_offset(FileOffset::new(file, offset))
-            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-            .with_mmap_flags(flags)
-            .with_hugetlbfs(huge > 0)
-            .build()
-            .map_err(mmap_err)
-    };
-    let page = huge.max(1);
-    let (first, last) = (r.offset / page * page, end.div_ceil(page) * page);
-    if (first == r.offset && last == end) || last > len {
-        // Aligned (or a file without huge pages): the region owns its mapping.
-        let region = GuestRegionMmap::new(map(r.file, r.offset, size)?, GuestAddress(at))
-            .ok_or_else(|| Error::protocol(format!("memory region at {at:#x}: overflows")))?;
-        return Ok(MappedRegion { region: Arc::new(region), keeper: None });
-    }
-    let whole =
-        usize::try_from(last - first).map_err(|_| Error::protocol(format!("memory region at {at:#x}: too large")))?;
+    let flags = if huge > 0 { libc::MAP_SHARED } else { libc::MAP_SHARED | libc::MAP_NORESERVE };
     let dup = r.file.try_clone().map_err(|e| Error::io("dup of a memory fd", e))?;
-    let outer = Arc::new(map(dup, first, whole)?);
-    // SAFETY: `size` bytes from `r.offset - first` into `outer` lie inside
-    // it (`first <= r.offset`, `end <= last`); the memory made of this
-    // region keeps `outer` (the keeper) as long as it or a clone lives.
+    let outer = vm_memory::mmap::MmapRegionBuilder::<()>::new(mlen)
+        .with_file_offset(FileOffset::new(dup, moff))
+        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+        .with_mmap_flags(flags)
+        .with_hugetlbfs(huge > 0)
+        .build()
+        .map_err(mmap_err)?;
+    let guard = Guarded::new(outer, if huge > 0 { huge as usize } else { 4096 }, owner)?;
+    // SAFETY: `size` bytes from `r.offset - moff` into the guarded mapping
+    // lie inside it (`moff <= r.offset`, `end <= moff + mlen`); the memory
+    // made of this region keeps `guard` (its keeper) as long as it or a
+    // clone lives.
     let inner = unsafe {
         vm_memory::mmap::MmapRegionBuilder::new(size)
-            .with_raw_mmap_pointer(outer.as_ptr().add((r.offset - first) as usize))
+            .with_raw_mmap_pointer(guard.as_ptr().add((r.offset - moff) as usize))
             .with_file_offset(FileOffset::new(r.file, r.offset))
             .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
             .with_mmap_flags(libc::MAP_SHARED)
-            .with_hugetlbfs(true)
+            .with_hugetlbfs(huge > 0)
             .build()
     }
     .map_err(mmap_err)?;
     let region = GuestRegionMmap::new(inner, GuestAddress(at))
         .ok_or_else(|| Error::protocol(format!("memory region at {at:#x}: overflows")))?;
-    Ok(MappedRegion { region: Arc::new(region), keeper: Some(outer) })
+    Ok(MappedRegion { region: Arc::new(region), guard })
 }
 
 /// One guest memory of already mapped regions, sorted here by address, and
@@ -255,7 +283,7 @@ pub fn guest_memory(mut regions: Vec<MappedRegion>) -> Result<(GuestMemoryMmap, 
         return Ok((no_memory(), Vec::new()));
     }
     regions.sort_by_key(|r| r.region.start_addr());
-    let keep = regions.iter().filter_map(|r| r.keeper.clone()).collect();
+    let keep = regions.iter().map(|r| r.guard.clone() as Keeper).collect();
     let arcs = regions.into_iter().map(|r| r.region).collect();
     let mem = GuestMemoryMmap::from_arc_regions(arcs).map_err(|e| Error::protocol(format!("guest memory map: {e}")))?;
     Ok((mem, keep))
@@ -304,13 +332,13 @@ mod tests {
         let mut file = tempfile();
         file.write_all(&[0u8; 8192]).unwrap();
         let short = SharedRegion { gpa: 0, size: 16384, offset: 0, file: file.try_clone().unwrap() };
-        assert!(map_guest_memory(vec![short]).unwrap_err().to_string().contains("fd holds"));
+        assert!(map_guest_memory(vec![short], &owner()).err().unwrap().to_string().contains("fd holds"));
         let ok = SharedRegion { gpa: 0x10000, size: 4096, offset: 4096, file: file.try_clone().unwrap() };
-        let mem = map_guest_memory(vec![ok]).unwrap();
+        let (mem, _) = map_guest_memory(vec![ok], &owner()).unwrap();
         mem.mapped().write_obj(0xabcdu16, GuestAddress(0x10010)).unwrap();
         assert!(!mem.mapped().address_in_range(GuestAddress(0x11000)));
         let overflow = SharedRegion { gpa: 0, size: u64::MAX, offset: 4096, file };
-        assert!(map_guest_memory(vec![overflow]).is_err());
+        assert!(map_guest_memory(vec![overflow], &owner()).is_err());
     }
 
     #[test]
@@ -320,11 +348,11 @@ mod tests {
             f.set_len(4096).unwrap();
             SharedRegion { gpa, size: 4096, offset: 0, file: f }
         };
-        let mem = map_guest_memory(vec![region(0x20000), region(0x10000)]).unwrap();
+        let (mem, _) = map_guest_memory(vec![region(0x20000), region(0x10000)], &owner()).unwrap();
         mem.mapped().write_obj(1u8, GuestAddress(0x10000)).unwrap();
         mem.mapped().write_obj(2u8, GuestAddress(0x20fff)).unwrap();
-        assert!(map_guest_memory(vec![region(0x10000), region(0x10800)]).is_err(), "overlap");
-        let empty = map_guest_memory(Vec::new()).unwrap();
+        assert!(map_guest_memory(vec![region(0x10000), region(0x10800)], &owner()).is_err(), "overlap");
+        let (empty, _) = map_guest_memory(Vec::new(), &owner()).unwrap();
         assert!(!empty.mapped().address_in_range(GuestAddress(0)));
     }
 
@@ -351,7 +379,8 @@ mod tests {
         let low = SharedRegion { gpa: 0, size: 0xa0000, offset: 0, file: f.try_clone().unwrap() };
         let high = SharedRegion { gpa: 0x100000, size: 0x300000, offset: 0x100000, file: f.try_clone().unwrap() };
         let before = maps_of(&name);
-        let mem = map_guest_memory(vec![high, low]).unwrap();
+        let (mem, regions) = map_guest_memory(vec![high, low], &owner()).unwrap();
+        drop(regions);
         assert!(mem.in_huge_pages());
         mem.mapped().write_obj(0x5a5a_1234u32, GuestAddress(0x100040)).unwrap();
         mem.mapped().write_obj(0x77u8, GuestAddress(0x9ffff)).unwrap();
@@ -374,12 +403,25 @@ mod tests {
         assert_eq!(clone.mapped().read_obj::<u32>(GuestAddress(0x100040)).unwrap(), 0x5a5a_1234);
         drop(clone);
         assert_eq!(maps_of(&name), before, "the whole-page mappings outlived the memory");
-        // 1 GiB of pages nobody allocated or reserved, more than this machine's pool: the map is
-        // refused now (no reservation to be had) rather than a SIGBUS at a later touch.
-        f.set_len(1 << 30).unwrap();
-        let big = SharedRegion { gpa: 0, size: 1 << 30, offset: 0, file: f.try_clone().unwrap() };
-        let e = map_guest_memory(vec![big]).expect_err("1 GiB of hugetlb pages mapped without a pool to back it");
+        // More pages than this machine's pool has or may grow to, nobody allocated or reserved:
+        // the map is refused now (no reservation to be had) rather than a SIGBUS at a later touch.
+        let pages = hugetlb_pool_pages() + 1;
+        f.set_len(pages * (2 << 20)).unwrap();
+        let big = SharedRegion { gpa: 0, size: pages * (2 << 20), offset: 0, file: f.try_clone().unwrap() };
+        let e = map_guest_memory(vec![big], &owner()).err().expect("hugetlb pages mapped without a pool to back them");
         assert!(e.to_string().contains("mmap of guest memory"), "{e}");
+    }
+
+    /// The most 2 MiB pages the pool can hold: its size and what it may
+    /// grow to on demand (vm.nr_overcommit_hugepages).
+    fn hugetlb_pool_pages() -> u64 {
+        let read = |p: &str| std::fs::read_to_string(p).unwrap().trim().parse::<u64>().unwrap();
+        read("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages")
+            + read("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_overcommit_hugepages")
+    }
+
+    fn owner() -> Arc<Owner> {
+        Owner::new(None::<&File>).unwrap()
     }
 
     fn tempfile() -> File {

@@ -26,6 +26,7 @@ pub mod peer;
 pub mod process;
 pub mod seccomp;
 pub mod serve;
+pub mod sigbus;
 pub mod socket;
 pub mod transport;
 pub mod vfio_user;

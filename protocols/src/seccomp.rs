@@ -14,7 +14,9 @@
 //! something: no executable memory, `clone` only for threads (`clone3`
 //! answers ENOSYS, so glibc falls back to `clone`), `socketpair` only
 //! AF_UNIX, `openat` only of directories read-only, signals only to this
-//! process, no SIGSYS handler but ours. No `execve`, `socket`, `connect`,
+//! process, no SIGSYS handler but ours, SIGBUS's handler changed only to the
+//! default (the SIGBUS handler's miss, `crate::sigbus`), `shutdown` outside
+//! session and region threads only SHUT_RD (the SIGBUS handler's wake-up). No `execve`, `socket`, `connect`,
 //! `ptrace`, file opening or writing by path.
 //!
 //! A forbidden call raises SIGSYS: the handler writes one line
@@ -126,6 +128,13 @@ fn base(r: &mut Rules, pid: u32) {
     when(r, SYS_tgkill, vec![rule(vec![cond(0, Op::Eq, pid as u64)])]);
     // F_GETFD/F_GETFL (std checks an fd it is handed) and F_DUPFD_CLOEXEC (try_clone).
     when(r, SYS_fcntl, one_of(1, &[F_GETFD as u64, F_GETFL as u64, F_DUPFD_CLOEXEC as u64]));
+    // The SIGBUS handler (`crate::sigbus`), in whatever thread faults on client
+    // memory its client shrank: mmap of zero pages (no PROT_EXEC, above),
+    // shutdown of the session socket for reading, write, rt_sigreturn; on a
+    // fault outside client memory, the default action back (SIGBUS only) and
+    // tgkill to itself.
+    when(r, SYS_shutdown, one_of(1, &[SHUT_RD as u64]));
+    when(r, SYS_rt_sigaction, one_of(0, &[SIGBUS as u64]));
 }
 
 /// Device threads: epoll waits, and the NVMe queues' backend I/O.
@@ -262,6 +271,8 @@ pub fn install() -> Result<()> {
         return Err(Error::Config("seccomp: the filters are installed already".into()));
     }
     on_sigsys()?;
+    // Before any client memory is mapped and while sigaction is allowed in any thread.
+    crate::sigbus::install()?;
     // Whether a DMA map's memfd is in huge pages depends on the host's
     // shmem settings, files no thread may open once confined.
     iopath_devices::hugepages::settings();

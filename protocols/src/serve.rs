@@ -148,6 +148,9 @@ pub(crate) fn clients(
     refuse: Refuse,
     mut client: impl FnMut(UnixStream, &str, &dyn Fn()) -> bool,
 ) -> Result<()> {
+    // Before any client memory is mapped: a client that shrinks it ends its
+    // own session, not the process (`crate::sigbus`).
+    crate::sigbus::install()?;
     match listen {
         Listen::Fd(fd) => {
             if *fd < 0 {
@@ -266,7 +269,7 @@ impl Host<'_> {
 /// them) or find MSI-X enabled; the model is told of the fresh header as a
 /// configuration write, so that its own copy (MSI-X Enable, Function Mask)
 /// agrees.
-fn power_on(f: &mut PciFunction) -> Result<()> {
+pub fn power_on(f: &mut PciFunction) -> Result<()> {
     f.device.reset();
     let mut c = ConfigSpace::new(f.device.ids(), &f.device.bars())?;
     c.add_capabilities(&f.device.capabilities())?;

@@ -44,7 +44,9 @@ pub fn sealed_memfd(name: &str, len: u64) -> File {
 /// A memfd-backed guest memory and an INTx pair, as the VMM gives a proxy.
 pub fn vmm_context() -> (DeviceContext, EventFd) {
     let memfd = sealed_memfd("ram", 1 << 20);
-    let mem = map_guest_memory(vec![SharedRegion { gpa: 0, size: 1 << 20, offset: 0, file: memfd }]).unwrap();
+    let owner = crate::sigbus::Owner::new(None::<&File>).unwrap();
+    let (mem, _) =
+        map_guest_memory(vec![SharedRegion { gpa: 0, size: 1 << 20, offset: 0, file: memfd }], &owner).unwrap();
     let lines = IrqLines::new();
     let trigger = EventFd::new(EFD_NONBLOCK).unwrap();
     lines.connect_intx(trigger.try_clone().unwrap(), Some(EventFd::new(EFD_NONBLOCK).unwrap()));

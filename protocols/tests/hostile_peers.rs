@@ -143,7 +143,9 @@ fn proxy_refuses_a_dma_read_beyond_its_own_transfer_limit() {
         let mut p = VfioUserProxy::connect(a, None).unwrap();
         let ram = memfd();
         ram.set_len(1 << 20).unwrap();
-        let mem = map_guest_memory(vec![SharedRegion { gpa: 0, size: 1 << 20, offset: 0, file: ram }]).unwrap();
+        let owner = iopath_protocols::sigbus::Owner::new(None::<&File>).unwrap();
+        let (mem, _) =
+            map_guest_memory(vec![SharedRegion { gpa: 0, size: 1 << 20, offset: 0, file: ram }], &owner).unwrap();
         let fail: FailFn = Arc::new(|m: String| panic!("the proxy failed: {m}"));
         let irq = Arc::new(iopath_devices::NoInterrupts);
         p.attach(DeviceContext { mem, ioevents: Arc::new(iopath_devices::NoIoEvents), irq, fail });

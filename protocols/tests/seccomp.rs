@@ -4,12 +4,73 @@
 //! SIGSYS and the handler's line on stderr; allowed ones must not.
 
 use iopath_devices::sandbox::{enter, Role};
+use iopath_protocols::function::{map_region, MappedRegion, SharedRegion};
+use iopath_protocols::sigbus::Owner;
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use vmm_sys_util::eventfd::EventFd;
 
 /// An eventfd the child makes as a session would, for its threads to use.
 static EVENT: OnceLock<EventFd> = OnceLock::new();
+
+/// Memory a client shrank, made before the filters as a session makes it
+/// (memfd_create and ftruncate are the client's, not the session's): a
+/// client mapping registered with the SIGBUS handler, its owner's session
+/// socket, and a mapping nobody registered.
+struct Shrunk {
+    client: MappedRegion,
+    owner: Arc<Owner>,
+    session: UnixStream,
+    _client_end: UnixStream,
+    stray: *const u8,
+}
+
+// SAFETY: `stray` is a mapping that lives as long as the process; the rest is Send and Sync.
+unsafe impl Send for Shrunk {}
+// SAFETY: as above.
+unsafe impl Sync for Shrunk {}
+
+static SHRUNK: OnceLock<Shrunk> = OnceLock::new();
+
+fn shrunk_memory() -> Shrunk {
+    let memfd = || {
+        // SAFETY: memfd_create with a C string; the fd is owned by the File.
+        let f = unsafe { File::from_raw_fd(libc::memfd_create(c"iopath-seccomp-sigbus".as_ptr(), 0)) };
+        f.set_len(0x2000).unwrap();
+        f
+    };
+    let (session, client_end) = UnixStream::pair().unwrap();
+    let owner = Owner::new(Some(&session)).unwrap();
+    let client = map_region(SharedRegion { gpa: 0, size: 0x2000, offset: 0, file: memfd() }, &owner).unwrap();
+    client.region.file_offset().unwrap().file().set_len(0).unwrap();
+    let f = memfd();
+    // SAFETY: a fresh shared mapping of our memfd, never unmapped.
+    let stray =
+        unsafe { libc::mmap(std::ptr::null_mut(), 0x2000, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
+    f.set_len(0).unwrap();
+    Shrunk { client, owner, session, _client_end: client_end, stray: stray as *const u8 }
+}
+
+/// A load from the client's truncated memory: the handler replaces the
+/// mapping (zero pages) under the filter; 0 if it did, and woke the session.
+fn touch_shrunk_client_memory() -> i32 {
+    let s = SHRUNK.get().unwrap();
+    // SAFETY: inside the mapping, which `s.client` keeps mapped.
+    let v = unsafe { std::ptr::read_volatile(s.client.guard.as_ptr().add(0x1008)) };
+    let mut b = [0u8; 1];
+    let woke = (&s.session).read(&mut b).ok() == Some(0);
+    (v != 0 || !s.client.poisoned() || !s.owner.poisoned() || !woke) as i32
+}
+
+/// A load from a truncated mapping no client gave: fatal, SIGBUS.
+fn touch_stray_memory() -> i32 {
+    // SAFETY: a mapping of the process's own; the load faults (the file is empty).
+    unsafe { std::ptr::read_volatile(SHRUNK.get().unwrap().stray) as i32 }
+}
 
 /// How a child ended, and what it wrote on stderr.
 #[derive(Debug)]
@@ -66,6 +127,7 @@ fn seccomp_case() {
     };
     // SAFETY: no core file for the deaths meant here.
     unsafe { libc::setrlimit(libc::RLIMIT_CORE, &libc::rlimit { rlim_cur: 0, rlim_max: 0 }) };
+    let _ = SHRUNK.set(shrunk_memory());
     if let Err(e) = iopath_protocols::seccomp::install() {
         eprintln!("install: {e}");
         // SAFETY: ends the child without the harness's report.
@@ -197,6 +259,21 @@ fn each_role_keeps_to_its_own_calls() {
         || unsafe { libc::accept4(0, std::ptr::null_mut(), std::ptr::null_mut(), 0) },
         libc::SYS_accept4,
     );
+}
+
+/// The SIGBUS handler does what it must under every role's filter: a
+/// client that shrank its memory costs no thread (and no SIGSYS); a fault
+/// outside client memory still kills the process with SIGBUS.
+#[test]
+fn the_sigbus_handler_works_under_every_roles_filter() {
+    lives(None, touch_shrunk_client_memory);
+    for role in Role::ALL {
+        lives(Some(role), touch_shrunk_client_memory);
+    }
+    for role in [None, Some(Role::Device), Some(Role::Irq)] {
+        let (end, err) = child(role, touch_stray_memory);
+        assert!(matches!(end, End::Signal(libc::SIGBUS)), "{role:?}: {end:?}, stderr {err:?}");
+    }
 }
 
 #[test]

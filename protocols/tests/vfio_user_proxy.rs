@@ -36,8 +36,9 @@ fn context(
     irq: Arc<dyn iopath_devices::Interrupts>,
     ioevents: Arc<dyn IoEvents>,
 ) -> (DeviceContext, Arc<Mutex<Vec<String>>>) {
-    let mem =
-        map_guest_memory(vec![SharedRegion { gpa: 0, size: 1 << 20, offset: 0, file: memfd(1 << 20, true) }]).unwrap();
+    let owner = iopath_protocols::sigbus::Owner::new(None::<&std::fs::File>).unwrap();
+    let ram = SharedRegion { gpa: 0, size: 1 << 20, offset: 0, file: memfd(1 << 20, true) };
+    let (mem, _) = map_guest_memory(vec![ram], &owner).unwrap();
     let fails = Arc::new(Mutex::new(Vec::new()));
     let f = fails.clone();
     let fail: FailFn = Arc::new(move |m: String| f.lock().unwrap().push(m));

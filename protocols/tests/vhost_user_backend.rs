@@ -1,7 +1,8 @@
 //! iopath's vhost-user-blk backend driven by the `vhost` crate's frontend
 //! (an independent implementation of the protocol's other side): memory
 //! from a sealed memfd, one ring, a write and a read with their data
-//! checked; and hostile frontends: an unsealed memfd, a ring outside the
+//! checked; an unsealed memfd, mapped, that the frontend truncates; and
+//! hostile frontends: a ring outside the
 //! memory, too many regions, a bad queue index, a frontend that leaves in
 //! the middle of I/O. After every session the process holds no more fds
 //! and no more mappings of the frontend's memory than before it.
@@ -362,17 +363,62 @@ fn refused<T: std::fmt::Debug>(r: Rig, res: vhost::Result<T>, why: &str) {
     assert!(counter(&be, "refused") >= 1);
 }
 
+/// An unsealed memfd is mapped and serves I/O; the frontend then truncates
+/// it under the running ring and kicks: the ring thread's access faults,
+/// the mapping is replaced by zero pages and the session ends with an
+/// error naming the region, leaving nothing behind; the same backend then
+/// serves the next frontend.
 #[test]
-fn an_unsealed_memfd_is_refused_and_not_mapped() {
+fn an_unsealed_memfd_is_mapped_and_a_truncation_ends_that_session_only() {
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let g = Guest::new(false);
     let (fds0, maps0) = (fds(), mappings());
+    let g = Guest::new(false);
+    let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
     let mut r = rig(NotifyMode::Ioeventfd);
     r.negotiate();
-    let res = r.fe.set_mem_table(&[g.region()]);
-    assert_eq!(mappings(), maps0, "not mapped");
-    refused(r, res, "F_SEAL_SHRINK");
-    assert_eq!((fds(), mappings()), (fds0, maps0));
+    r.start(&g, &kick, &call);
+    let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 13 + 1) as u8).collect();
+    g.write(0x10000, &pattern);
+    submit(&g, 0, 1, 8, 0x10000);
+    kick.write(1).unwrap();
+    wait_used(&g, &call, 1);
+    submit(&g, 1, 0, 8, 0x20000);
+    kick.write(1).unwrap();
+    wait_used(&g, &call, 2);
+    let mut back = vec![0u8; 4096];
+    g.read(0x20000, &mut back);
+    assert_eq!(back, pattern, "I/O through the unsealed memfd");
+    // Truncated (the test's own mapping gone first: it would fault here too).
+    let file = g.file.try_clone().unwrap();
+    drop(g);
+    file.set_len(0).unwrap();
+    kick.write(1).unwrap();
+    let t0 = Instant::now();
+    while !r.session.is_finished() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the session of a frontend that shrank its memory goes on");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let (be, end) = r.end();
+    let e = end.unwrap_err().to_string();
+    assert!(e.contains("shrank") && e.contains("0x0..0x100000"), "{e}");
+    drop((file, kick, call));
+    assert_eq!((fds(), mappings()), (fds0, maps0), "everything the session was given is gone");
+    // The next frontend, on the same backend.
+    let g = Guest::new(true);
+    let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+    let (a, b) = UnixStream::pair().unwrap();
+    b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let be2 = be.clone();
+    let mut r = Rig::new(a, 1, be, std::thread::spawn(move || be2.session(&b)));
+    r.negotiate();
+    r.start(&g, &kick, &call);
+    submit(&g, 0, 0, 8, 0x30000);
+    kick.write(1).unwrap();
+    wait_used(&g, &call, 1);
+    let mut back = vec![0u8; 4096];
+    g.read(0x30000, &mut back);
+    assert_eq!(back, pattern, "the disk kept the first frontend's write");
+    r.end().1.unwrap();
 }
 
 #[test]

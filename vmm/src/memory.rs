@@ -4,8 +4,8 @@
 //! backed. The region keeps its memfd (`GuestRegionMmap::file_offset`),
 //! which the proxies hand to a device process (mpqemu SYNC_SYSMEM,
 //! vfio-user DMA_MAP, vhost-user SET_MEM_TABLE). It is sealed against
-//! shrinking and growing, which device processes require before they map
-//! it (a truncated mapping faults with SIGBUS). A memfd gets transparent
+//! shrinking and growing: nobody it is handed can truncate it under the VM
+//! (a truncated mapping faults with SIGBUS). A memfd gets transparent
 //! huge pages only where the host's `shmem_enabled` allows; `hugetlb`
 //! RAM is a memfd in hugetlbfs pages, shareable and huge everywhere, taken
 //! from the host's pool when the VM starts.
@@ -118,8 +118,8 @@ pub fn create(size: u64, kind: RamKind) -> std::io::Result<GuestRam> {
             )));
         }
     }
-    // Its size is final: a device process that maps it must not see it
-    // shrink (SIGBUS) and checks for this seal.
+    // Its size is final: no process it is handed to can shrink it under
+    // the VM or a device (SIGBUS).
     // SAFETY: F_ADD_SEALS on an fd we own; no memory is passed.
     if unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) } < 0 {
         return Err(std::io::Error::last_os_error());

@@ -6,7 +6,8 @@
 //! message that breaks the protocol ends the session with an error naming it.
 
 use super::wire::{recv, send, Msg};
-use crate::function::{cannot_shrink, map_guest_memory, no_memory, PciFunction, SharedRegion};
+use crate::function::{map_guest_memory, no_memory, shrunk, MappedRegion, PciFunction, SharedRegion};
+use crate::sigbus::Owner;
 use crate::transport::Server;
 use crate::{Error, Result};
 use iopath_devices::irq::IrqLines;
@@ -30,16 +31,22 @@ impl MpqemuServer {
 impl Server for MpqemuServer {
     /// Holds the function for the whole session (one client, one vCPU's
     /// worth of synchronous requests).
+    /// A client that shrinks the memory it shared ends its session with an
+    /// error (`function`'s SIGBUS policy): the SIGBUS handler ends the wait
+    /// for its next message.
     fn session(&mut self, sock: &UnixStream, peer: &str) -> Result<()> {
         let mut f = iopath_devices::lock(&self.f);
-        let mut s = Session { sock, f: &mut f, irq: &self.irq, peer };
+        let owner = Owner::new(Some(sock))?;
+        let mut s = Session { sock, f: &mut f, irq: &self.irq, peer, owner, mem: Vec::new() };
         s.f.attach(s.context(no_memory()));
-        loop {
-            let Some((msg, files)) = recv(sock)? else {
-                return Ok(());
-            };
-            s.handle(msg, files)?;
-        }
+        let r = s.serve();
+        let shrunk = s.owner.poisoned().then(|| {
+            let regions: Vec<&MappedRegion> = s.mem.iter().collect();
+            shrunk(&regions).unwrap_or_else(|| Error::protocol("the client shrank memory it had shared"))
+        });
+        // The device lets go of the client's memory with the session.
+        s.f.attach(s.context(no_memory()));
+        shrunk.map_or(r, Err)
     }
 }
 
@@ -48,9 +55,23 @@ struct Session<'a> {
     f: &'a mut PciFunction,
     irq: &'a Arc<IrqLines>,
     peer: &'a str,
+    /// What the client's memory is registered under with the SIGBUS handler.
+    owner: Arc<Owner>,
+    /// The regions of the last SYNC_SYSMEM, to name one that shrank.
+    mem: Vec<MappedRegion>,
 }
 
 impl Session<'_> {
+    fn serve(&mut self) -> Result<()> {
+        while let Some((msg, files)) = recv(self.sock)? {
+            if self.owner.poisoned() {
+                break;
+            }
+            self.handle(msg, files)?;
+        }
+        Ok(())
+    }
+
     fn context(&self, mem: impl Into<iopath_devices::GuestMem>) -> DeviceContext {
         let mut c = DeviceContext::detached(mem);
         c.ioevents = Arc::new(NoIoEvents);
@@ -103,27 +124,17 @@ impl Session<'_> {
         }
     }
 
-    /// Guest RAM as the client shares it: the device is attached again with it.
-    /// Each fd must be sealed against shrinking (`function`'s SIGBUS policy;
-    /// mpqemu has no way to reach memory but mapping it): otherwise the
-    /// channel closes.
+    /// Guest RAM as the client shares it, mapped whatever the fds
+    /// (`function`'s SIGBUS policy): the device is attached again with it.
     fn sync_sysmem(&mut self, regions: &[super::wire::SysmemRegion], files: Vec<File>) -> Result<()> {
-        if let Some((r, _)) = regions.iter().zip(&files).find(|(_, f)| !cannot_shrink(f)) {
-            let e = format!(
-                "SYNC_SYSMEM: the fd of guest RAM at {:#x} is not sealed against shrinking (F_SEAL_SHRINK); \
-                 refused (a truncation would kill this process with SIGBUS)",
-                r.gpa
-            );
-            log::error!("mpqemu {}: {e}", self.peer);
-            return Err(Error::protocol(e));
-        }
         let shared = regions
             .iter()
             .zip(files)
             .map(|(r, file)| SharedRegion { gpa: r.gpa, size: r.size, offset: r.offset, file })
             .collect();
-        let mem = map_guest_memory(shared).map_err(|e| e.context("SYNC_SYSMEM"))?;
+        let (mem, mapped) = map_guest_memory(shared, &self.owner).map_err(|e| e.context("SYNC_SYSMEM"))?;
         self.f.attach(self.context(mem));
+        self.mem = mapped;
         Ok(())
     }
 

@@ -57,7 +57,9 @@ pub struct VfioUserProxy {
     pub(super) ioevents: Vec<(IoEventSpec, EventFd)>,
     /// ioregionfd regions the server announced, by BAR.
     pub(super) regions: Vec<(u8, RegionClient)>,
-    pub(super) mem: Option<iopath_devices::GuestMemoryMmap>,
+    /// Guest RAM for the server's DMA requests: the `GuestMem`, which keeps
+    /// what its regions may be windows into, not its mapping alone.
+    pub(super) mem: Option<iopath_devices::GuestMem>,
     pub(super) requests: u64,
     dma_requests: u64,
     /// ioregionfd commands of regions already closed.
@@ -339,7 +341,7 @@ impl VfioUserProxy {
     /// more than the proxy's own transfer limit is E2BIG (no buffer made).
     pub(super) fn serve_dma(&mut self, m: &Received) -> Vec<u8> {
         self.dma_requests += 1;
-        let Some(mem) = &self.mem else { return error_reply(&m.hdr, libc::EFAULT) };
+        let Some(mem) = self.mem.as_ref().map(|m| m.mapped()) else { return error_reply(&m.hdr, libc::EFAULT) };
         let max = self.max_xfer as u64;
         match m.hdr.command() {
             Some(Command::DmaRead) => match DmaAccess::parse(&m.payload) {
@@ -573,7 +575,7 @@ impl DeviceModelMut for VfioUserProxy {
 
     fn attach(&mut self, ctx: DeviceContext) {
         self.peer.fail = Some(ctx.fail.clone());
-        self.mem = Some(ctx.mem.mapped().clone());
+        self.mem = Some(ctx.mem.clone());
         self.irq = Some(ctx.irq.clone());
         match self.setup(&ctx) {
             Ok(()) => self.peer.watch(),

@@ -197,7 +197,7 @@ fn the_client_answers_dma_fallback_requests_within_guest_ram_only() {
     let h = server(IoFds::IoEventFds, vec![b]);
     let mut p = VfioUserProxy::connect(a, None).unwrap();
     let mem = iopath_devices::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap();
-    p.mem = Some(mem.clone());
+    p.mem = Some(mem.clone().into());
     let hdr = |cmd: Command| Header { msg_id: 9, cmd: cmd as u16, msg_size: 0, flags: 0, error_no: 0 };
     let w =
         Received { hdr: hdr(Command::DmaWrite), payload: DmaAccess::to_bytes_with_data(0x100, b"hello"), fds: vec![] };

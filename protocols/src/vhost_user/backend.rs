@@ -10,9 +10,9 @@
 //! rings by [`Queue`](iopath_devices::virtio::queue::Queue) over
 //! [`GuestMem`](iopath_devices::GuestMem) (EVENT_IDX, indirect tables,
 //! every index and address checked). Not the `vhost-user-backend` daemon
-//! framework: iopath maps a client's memory only if it cannot shrink
-//! (F_SEAL_SHRINK, see [`crate::function`]), which has to be checked on
-//! the fd before it is mapped, and the framework maps it itself.
+//! framework: iopath maps a client's memory registered with its SIGBUS
+//! handler (a frontend that shrinks it ends its own session, see
+//! [`crate::function`]), and the framework maps it itself.
 //!
 //! Offered: the device's virtio features (VERSION_1, EVENT_IDX,
 //! INDIRECT_DESC, FLUSH, DISCARD, WRITE_ZEROES, BLK_SIZE, SEG_MAX), MQ and
@@ -25,8 +25,8 @@
 //! asks; the rings share the disk behind one lock.
 //!
 //! A session ends when the frontend leaves, at the first request it
-//! refuses (`refused`), or when the channel breaks or is too slow
-//! (`socket_errors`), with a log line (and, if the frontend asked, an
+//! refuses (`refused`), when the channel breaks or is too slow
+//! (`socket_errors`), or when the frontend shrinks memory it shared, with a log line (and, if the frontend asked, an
 //! error reply first); then nothing the frontend gave is kept: ring
 //! threads joined, memory unmapped, kick, call and error fds closed. The
 //! disk (a ram backend's data) and the counters stay for the next frontend.
@@ -122,7 +122,10 @@ impl BlkBackend {
     /// must be whole within `T`, and the request (its body read, served,
     /// answered) done within `T` plus the send timeout, or the session ends.
     pub fn session(&self, sock: &UnixStream) -> Result<()> {
-        let s = Arc::new(Mutex::new(req::Session::new(self.dev.clone(), self.notify)));
+        // The SIGBUS handler shuts `sock` down for reading if the frontend
+        // shrinks memory it shared: the wait below ends at once.
+        let owner = crate::sigbus::Owner::new(Some(sock))?;
+        let s = Arc::new(Mutex::new(req::Session::new(self.dev.clone(), self.notify, owner.clone())));
         let ch = sock.try_clone().map_err(|e| Error::io("the session socket", e))?;
         let header = sock.read_timeout().ok().flatten();
         let request = header.map(|t| t + sock.write_timeout().ok().flatten().unwrap_or(t));
@@ -138,6 +141,9 @@ impl BlkBackend {
         };
         let mut h = BackendReqHandler::from_stream(ch, s.clone());
         let r = loop {
+            if owner.poisoned() {
+                break Ok(()); // said below
+            }
             if let Err(e) = wait_readable(sock) {
                 break Err(Error::io("waiting for a message", e));
             }
@@ -188,8 +194,12 @@ impl BlkBackend {
         };
         drop(h);
         drop(dog);
-        iopath_devices::lock(&s).end();
-        r
+        let mut s = iopath_devices::lock(&s);
+        let shrunk = owner.poisoned().then(|| {
+            s.shrunk().unwrap_or_else(|| Error::protocol("vhost-user: the frontend shrank memory it had shared"))
+        });
+        s.end();
+        shrunk.map_or(r, Err)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Dev> {

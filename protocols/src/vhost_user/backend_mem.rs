@@ -4,16 +4,16 @@
 //! physical ones, which [`Queue`](iopath_devices::virtio::queue::Queue)
 //! and the descriptors use.
 //!
-//! An fd is mapped only if it cannot shrink under us (F_SEAL_SHRINK,
-//! [`cannot_shrink`]): vhost-user has no way to reach memory but mapping
-//! it, so an fd that may be truncated (a memfd without the seal, a regular
-//! file) is refused, as mpqemu refuses it (see [`crate::function`]'s SIGBUS
-//! policy). Region count, sizes, offsets against the fd's length and
-//! overlaps are checked before anything is used.
+//! Every fd is mapped, whatever it is ([`crate::function`]'s SIGBUS policy:
+//! a frontend that shrinks it afterwards ends its own session). Region
+//! count, sizes, offsets against the fd's length and overlaps are checked
+//! before anything is used.
 
-use crate::function::{cannot_shrink, guest_memory, map_region, SharedRegion};
+use crate::function::{guest_memory, map_region, shrunk, MappedRegion, SharedRegion};
+use crate::sigbus::Owner;
 use iopath_devices::GuestMem;
 use std::fs::File;
+use std::sync::Arc;
 use vhost::vhost_user::message::VhostUserMemoryRegion;
 
 /// Most regions one SET_MEM_TABLE may carry (QEMU sends at most 8 without
@@ -32,12 +32,14 @@ struct Region {
 pub(super) struct MemTable {
     regions: Vec<Region>,
     pub(super) mem: GuestMem,
+    mapped: Vec<MappedRegion>,
 }
 
 impl MemTable {
-    /// Checks and maps `regions`, each from its fd in `files`; a clear
-    /// reason for the first thing refused.
-    pub(super) fn map(regions: &[VhostUserMemoryRegion], files: Vec<File>) -> Result<Self, String> {
+    /// Checks and maps `regions`, each from its fd in `files`, registered
+    /// for `owner` with the SIGBUS handler; a clear reason for the first
+    /// thing refused.
+    pub(super) fn map(regions: &[VhostUserMemoryRegion], files: Vec<File>, owner: &Arc<Owner>) -> Result<Self, String> {
         if regions.is_empty() || regions.len() > MAX_REGIONS {
             return Err(format!("{} memory regions (1 ..= {MAX_REGIONS})", regions.len()));
         }
@@ -51,18 +53,17 @@ impl MemTable {
             if size == 0 || uva.checked_add(size).is_none() {
                 return Err(format!("memory region at {gpa:#x}: size {size:#x} at address {uva:#x}"));
             }
-            if !cannot_shrink(&file) {
-                return Err(format!(
-                    "memory region at {gpa:#x}: its fd is not sealed against shrinking (F_SEAL_SHRINK); \
-                     refused, a client could truncate it and kill this process with SIGBUS"
-                ));
-            }
-            let m = map_region(SharedRegion { gpa, size, offset, file }).map_err(|e| e.to_string())?;
+            let m = map_region(SharedRegion { gpa, size, offset, file }, owner).map_err(|e| e.to_string())?;
             mapped.push(m);
             table.push(Region { gpa, size, uva });
         }
-        let (mem, keep) = guest_memory(mapped).map_err(|e| e.to_string())?;
-        Ok(MemTable { regions: table, mem: GuestMem::from(mem).keeping(keep) })
+        let (mem, keep) = guest_memory(mapped.clone()).map_err(|e| e.to_string())?;
+        Ok(MemTable { regions: table, mem: GuestMem::from(mem).keeping(keep), mapped })
+    }
+
+    /// Why the session ends if the frontend shrank some of this memory.
+    pub(super) fn shrunk(&self) -> Option<crate::Error> {
+        shrunk(&self.mapped.iter().collect::<Vec<_>>())
     }
 
     /// The guest physical address of `len` bytes at frontend address

@@ -37,10 +37,12 @@ pub(super) struct Session {
     sized: [bool; NUM_QUEUES],
     /// Why the last request was refused, for the session's log line.
     pub(super) refusal: Option<String>,
+    /// What the frontend's memory is registered under with the SIGBUS handler.
+    owner: Arc<crate::sigbus::Owner>,
 }
 
 impl Session {
-    pub(super) fn new(dev: Arc<Mutex<Dev>>, notify: NotifyMode) -> Self {
+    pub(super) fn new(dev: Arc<Mutex<Dev>>, notify: NotifyMode, owner: Arc<crate::sigbus::Owner>) -> Self {
         iopath_devices::lock(&dev).st.sessions += 1;
         Session {
             dev,
@@ -51,7 +53,13 @@ impl Session {
             workers: Default::default(),
             sized: [false; NUM_QUEUES],
             refusal: None,
+            owner,
         }
+    }
+
+    /// Why the session ends if the frontend shrank memory of its table.
+    pub(super) fn shrunk(&self) -> Option<crate::Error> {
+        self.table.as_ref().and_then(|t| t.shrunk())
     }
 
     fn dev(&self) -> std::sync::MutexGuard<'_, Dev> {
@@ -175,7 +183,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         files: Vec<File>,
         _postcopy: Option<bool>,
     ) -> VuResult<Option<Vec<u64>>> {
-        let t = match MemTable::map(ctx, files) {
+        let t = match MemTable::map(ctx, files, &self.owner) {
             Ok(t) => t,
             Err(why) => return self.refuse(format!("SET_MEM_TABLE: {why}")),
         };

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use vfio_user::Client;
 
 /// A memfd of `len` bytes, sealed against shrinking if `sealed` (device
-/// processes map only sealed fds).
+/// processes map either; a client that shrinks an unsealed one ends its session).
 pub fn memfd(len: u64, sealed: bool) -> File {
     // SAFETY: memfd_create with a NUL-terminated name; the fd is checked, then owned by the File.
     let fd = unsafe { libc::memfd_create(c"iopath-test".as_ptr(), libc::MFD_ALLOW_SEALING) };

@@ -1,10 +1,8 @@
 //! DMA_MAP and DMA_UNMAP: guest RAM as the client shares it. A map with an
-//! fd is mmapped once, when it comes; every change gives the device a new
-//! memory built from those maps, in address order (clients map in any
-//! order).
-//!
-//! A map whose fd is not sealed against shrinking is treated as one without
-//! an fd (logged once per client): see `function`'s SIGBUS policy.
+//! fd is mmapped once, when it comes, whatever the fd (`function`'s SIGBUS
+//! policy: a client that shrinks it afterwards ends its own session); every
+//! change gives the device a new memory built from those maps, in address
+//! order (clients map in any order).
 //!
 //! A map without an fd (QEMU's guest RAM without `share=on`) is memory the
 //! device reaches through the session's link (`link.rs`): DMA_READ and
@@ -20,7 +18,7 @@
 //! thread still delivers the reply meanwhile.
 
 use super::{ok, DmaEntry, Reply, Session};
-use crate::function::{cannot_shrink, guest_memory, map_region, SharedRegion};
+use crate::function::{guest_memory, map_region, SharedRegion};
 use crate::vfio_user::wire::{fixed_part, DmaMap, DmaUnmap, DMA_MAP_SIZE, DMA_UNMAP_FLAG_ALL, DMA_UNMAP_SIZE};
 use crate::vfio_user::Received;
 use crate::{Error, Result};
@@ -41,27 +39,11 @@ impl Session<'_> {
         if self.dma.len() >= self.caps.max_dma_maps as usize {
             return Ok(Reply::Error(libc::ENOSPC));
         }
-        // An fd that may shrink under us is not mapped (see `function`'s
-        // SIGBUS policy): the map is then reached like one without an fd.
-        let fd = m.fds.first().filter(|f| {
-            let sealed = cannot_shrink(f);
-            if !sealed && !self.remote_logged {
-                self.remote_logged = true;
-                log::warn!(
-                    "vfio-user {}: DMA_MAP of {:#x}..{end:#x} with an fd not sealed against shrinking \
-                     (F_SEAL_SHRINK): not mapped (a truncation would kill this process with SIGBUS); \
-                     the device reaches it with DMA_READ/DMA_WRITE messages",
-                    self.peer,
-                    map.address
-                );
-            }
-            sealed
-        });
-        let region = match fd {
+        let region = match m.fds.first() {
             Some(f) => {
                 let file = f.try_clone().map_err(|e| Error::io("dup of a DMA fd", e))?;
                 let shared = SharedRegion { gpa: map.address, size: map.size, offset: map.offset, file };
-                Some(map_region(shared)?)
+                Some(map_region(shared, &self.owner)?)
             }
             None => {
                 // From now on the device may wait for replies from any thread.

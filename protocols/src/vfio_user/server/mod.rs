@@ -29,6 +29,7 @@ use super::wire::{DEFAULT_MAX_DATA_XFER_SIZE, INFO16_SIZE, VERSION_MAJOR, VERSIO
 use super::wire::{DEVICE_FLAGS_PCI, DEVICE_FLAGS_RESET, PCI_NUM_IRQS, PCI_NUM_REGIONS};
 use super::{recv, Received, MAX_FDS};
 use crate::function::{no_memory, PciFunction};
+use crate::sigbus::Owner;
 use crate::transport::Server;
 use crate::{Error, Result};
 use iopath_devices::irq::IrqLines;
@@ -174,7 +175,11 @@ impl Server for VfioUserServer {
     fn session(&mut self, sock: &UnixStream, peer: &str) -> Result<()> {
         let wsock = sock.try_clone().map_err(|e| Error::io("dup of the session socket", e))?;
         let link = Arc::new(Link::new(wsock, peer, self.dma_timeout, self.dma_stats.clone()));
+        // The SIGBUS handler shuts this socket down for reading if the
+        // client shrinks memory it mapped (`crate::sigbus`).
+        let owner = Owner::new(Some(sock))?;
         let mut s = Session {
+            owner,
             srv: self,
             peer,
             sock,
@@ -228,6 +233,9 @@ struct Session<'a> {
     /// What the server answered: the session's limits (DMA maps).
     caps: Capabilities,
     dma: Vec<DmaEntry>,
+    /// What the client's mapped memory is registered under with the SIGBUS
+    /// handler: poisoned once the client shrank some of it.
+    owner: Arc<Owner>,
     /// A DMA_MAP without an fd was logged (once per client).
     remote_logged: bool,
     /// INTx trigger and unmask (resample) eventfds, as SET_IRQS gave them.
@@ -248,10 +256,33 @@ fn ok(payload: Vec<u8>) -> Result<Reply> {
 }
 
 impl Session<'_> {
-    /// Handles the client's commands in order until it leaves or the
-    /// stream breaks.
+    /// Handles the client's commands in order until it leaves, the stream
+    /// breaks, or the client shrinks memory it mapped (the SIGBUS handler
+    /// then also ends the wait for its next message: see `crate::sigbus`).
     fn run(&mut self) -> Result<()> {
+        let r = self.serve();
+        match self.shrunk() {
+            Some(e) => Err(e),
+            None => r,
+        }
+    }
+
+    /// The error that ends a session whose client shrank mapped memory.
+    fn shrunk(&self) -> Option<Error> {
+        if !self.owner.poisoned() {
+            return None;
+        }
+        let mapped: Vec<&crate::function::MappedRegion> = self.dma.iter().filter_map(|d| d.region.as_ref()).collect();
+        Some(crate::function::shrunk(&mapped).unwrap_or_else(|| {
+            Error::protocol("the client shrank memory it had mapped (since unmapped) under the device; session ended")
+        }))
+    }
+
+    fn serve(&mut self) -> Result<()> {
         while let Some(m) = self.next()? {
+            if self.owner.poisoned() {
+                return Ok(()); // `run` says why
+            }
             let reply = self.handle(&m).unwrap_or_else(|e| {
                 log::warn!("vfio-user {}: command {} (message {}): {e}", self.peer, m.hdr.cmd, m.hdr.msg_id);
                 Reply::Error(libc::EINVAL)
@@ -347,8 +378,8 @@ impl Session<'_> {
         let mut caps = SERVER_CAPS.answer(&proposed).ok_or_else(|| {
             Error::protocol(format!("client page sizes {:#x}: none of 4 KiB or more", proposed.pgsizes))
         })?;
-        // Each map with an fd holds that fd: promise only what fits.
-        caps.max_dma_maps = caps.max_dma_maps.min(dma_map_budget());
+        // Each map with an fd holds that fd and a mapping: promise only what fits.
+        caps.max_dma_maps = caps.max_dma_maps.min(dma_map_budget()).min(crate::sigbus::CAPACITY as u32);
         (self.versioned, self.client, self.caps) = (true, proposed, caps);
         self.link.set_max_xfer(caps.max_data_xfer_size);
         let mine = Version { major: VERSION_MAJOR, minor: v.minor.min(VERSION_MINOR), capabilities: Some(caps) };
