@@ -5,7 +5,7 @@
 
 use super::{OpRecord, Port};
 use crate::nvme::{Nvme, NvmeConfig};
-use crate::{Counter, DeviceContext, DeviceModel, IoEventSpec, IoEvents, Result};
+use crate::{Counter, DeviceContext, DeviceModel, GuestMem, IoEventSpec, IoEvents, Result, SharedDevice};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use vm_memory::{GuestAddress, GuestMemoryMmap};
@@ -43,14 +43,15 @@ impl IoEvents for LocalHost {
     }
 }
 
-/// A controller in this process, its guest RAM and its host.
+/// A device in this process (the controller, or a proxy of one in a
+/// device process), its guest RAM and its host.
 pub struct LocalPort {
-    pub nvme: Arc<Nvme>,
+    pub dev: SharedDevice,
     ram: GuestMemoryMmap,
     host: Arc<LocalHost>,
     /// The doorbell page as the guest has it mapped (bar modes).
     page: Option<vm_memory::mmap::MmapRegion>,
-    ops: Arc<Mutex<Vec<OpRecord>>>,
+    ops: Option<Arc<Mutex<Vec<OpRecord>>>>,
 }
 
 impl LocalPort {
@@ -60,31 +61,40 @@ impl LocalPort {
         let ram = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), super::driver::RAM as usize)])
             .map_err(|e| crate::Error::Host(format!("oracle RAM: {e}")))?;
         let nvme = Arc::new(Nvme::new(cfg)?);
+        let ops = nvme.oracle_log();
+        let mut port = LocalPort::hosting(nvme, ram.clone(), ram.into(), static_host)?;
+        port.ops = Some(ops);
+        Ok(port)
+    }
+
+    /// Hosts `dev` on `mem` (the device's view of `ram`, the driver's): the
+    /// proxy of a controller in a device process, say.
+    pub fn hosting(dev: SharedDevice, ram: GuestMemoryMmap, mem: GuestMem, static_host: bool) -> Result<LocalPort> {
         let host =
             Arc::new(LocalHost { events: Mutex::default(), static_only: static_host, trapped: RwLock::new(false) });
-        let page = match nvme.mapped_areas().into_iter().next() {
+        let mut ctx = DeviceContext::detached(mem);
+        ctx.ioevents = host.clone();
+        dev.attach(ctx);
+        // A device process's areas are known once its client attached.
+        let page = match dev.mapped_areas().into_iter().find(|a| a.bar == 0 && a.offset == 0x1000) {
             Some(a) => Some(
                 vm_memory::mmap::MmapRegion::from_file(vm_memory::FileOffset::new(a.fd, a.fd_offset), a.size as usize)
                     .map_err(|e| crate::Error::Host(format!("oracle: doorbell page: {e}")))?,
             ),
             None => None,
         };
-        let ops = nvme.oracle_log();
-        let mut ctx = DeviceContext::detached(ram.clone());
-        ctx.ioevents = host.clone();
-        nvme.attach(ctx);
-        Ok(LocalPort { nvme, ram, host, page, ops })
+        Ok(LocalPort { dev, ram, host, page, ops: None })
     }
 }
 
 impl Port for LocalPort {
     fn read32(&self, off: u64) -> u32 {
         let mut b = [0u8; 4];
-        self.nvme.bar_read(0, off, &mut b);
+        self.dev.bar_read(0, off, &mut b);
         u32::from_le_bytes(b)
     }
     fn write(&self, off: u64, data: &[u8]) {
-        self.nvme.bar_write(0, off, data)
+        self.dev.bar_write(0, off, data)
     }
     fn doorbell(&self, off: u64, value: u32) {
         if let Some(page) = &self.page {
@@ -104,22 +114,22 @@ impl Port for LocalPort {
         });
         match kick {
             Some(fd) => fd.write(1).expect("an ioeventfd's eventfd"),
-            None => self.nvme.bar_write(0, off, &value.to_le_bytes()),
+            None => self.dev.bar_write(0, off, &value.to_le_bytes()),
         }
     }
     fn ram(&self) -> &GuestMemoryMmap {
         &self.ram
     }
     fn counters(&self) -> Vec<Counter> {
-        self.nvme.counters()
+        self.dev.counters()
     }
     fn take_ops(&self) -> Option<Vec<OpRecord>> {
-        Some(std::mem::take(&mut *self.ops.lock().unwrap()))
+        Some(std::mem::take(&mut *self.ops.as_ref()?.lock().unwrap()))
     }
 }
 
 impl Drop for LocalPort {
     fn drop(&mut self) {
-        self.nvme.quiesce();
+        self.dev.quiesce();
     }
 }
