@@ -692,6 +692,8 @@ fn perf(t: &mut Target, j: Job) -> PerfResult {
     let r = spdk_tool(t, "spdk_nvme_perf", &perf_args(t, j), j.secs);
     let all = format!("{}{}", r.stdout, r.stderr);
     assert!(!all.contains("completed with error"), "{what}: I/O errors:\n{}", r.log);
+    // (perf exits 0 when it attached no controller: its figures are the proof it ran.)
+    assert!(r.stdout.contains("\nTotal"), "{what}: perf printed no figures:\n{}\n{}", r.log, t.server_log());
     let p = parse_perf(&r.stdout, &what);
     assert!(p.iops > 0.0 && p.avg_us > 0.0 && p.p50_us > 0.0, "{what}: {p:?}");
     assert!(p.p50_us <= p.p99_us, "{what}: {p:?}");
