@@ -130,6 +130,7 @@ pub mod backend;
 mod controller;
 mod doorbells;
 mod forecast;
+pub mod identity;
 mod interrupts;
 mod io;
 pub mod queue;
@@ -290,6 +291,9 @@ pub struct NvmeConfig {
     /// (`submit_batch=N`, fio's iodepth_batch_submit), or 0: all that a
     /// queue pass fetched at once (see `backend::FileBackend::submit_batch`).
     pub submit_batch: u16,
+    /// `serial=`, `nqn=`, `cntlid=`; what is unset is drawn per controller
+    /// instance (`identity.rs`).
+    pub id: identity::IdentityOptions,
 }
 
 /// Most operations `submit_batch=` may gather: the io_uring's size.
@@ -309,6 +313,7 @@ impl Default for NvmeConfig {
             forecast: true,
             in_place: InPlace::Auto,
             submit_batch: 0,
+            id: identity::IdentityOptions::default(),
         }
     }
 }
@@ -357,7 +362,7 @@ impl NvmeConfig {
                 "several pollers need backend=null or ram (a file namespace has one io_uring)".into(),
             );
         }
-        Ok(())
+        self.id.validate()
     }
 }
 
@@ -374,8 +379,10 @@ pub struct Nvme {
 }
 
 impl Nvme {
-    pub fn new(cfg: NvmeConfig) -> Result<Self> {
+    pub fn new(mut cfg: NvmeConfig) -> Result<Self> {
         cfg.validate()?;
+        // One identity for the controller's life, its queue groups included.
+        cfg.id = cfg.id.resolved();
         let mut backend = if cfg.pollers > 1 { Backend::Null } else { Backend::open(&cfg.backend, cfg.size)? };
         if let Backend::File(f) = &mut backend {
             f.in_place = cfg.in_place;
