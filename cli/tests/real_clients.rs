@@ -272,6 +272,43 @@ fn linux_nvme_driver_against_iopath_nvme_bar_adaptive_ram() {
     assert!(counter(&report, "adaptive.sleeps") > 0, "{report}");
 }
 
+/// Two iopath controllers in one Linux guest (two `iopath serve nvme` processes, QEMU 11's
+/// vfio-user-pci twice): each has an identity of its own, so Linux keeps them apart (two
+/// subsystems, no "Duplicate cntlid ... rejecting") and fio verifies a write and its read-back on
+/// both namespaces. One takes the identity options, the other draws its identity.
+#[test]
+fn linux_nvme_driver_against_two_iopath_controllers_in_one_guest() {
+    let mut a = Serve::start("nvme,doorbell=bar,backend=ram,size_mb=64");
+    let mut b = Serve::start("nvme,backend=ram,size_mb=64,serial=HARNESS-B,nqn=nqn.2014-08.org.example:two-b,cntlid=1");
+    let (sa, sb) = (a.socket.to_str().unwrap().to_string(), b.socket.to_str().unwrap().to_string());
+    let script = harness("guest-two-nvme.sh");
+    let args = [
+        "--vfio-user",
+        sa.as_str(),
+        "--vfio-user",
+        sb.as_str(),
+        "--nvme-timeout",
+        "10",
+        "--script",
+        script.to_str().unwrap(),
+    ];
+    let (la, lb) = (a.stderr.clone(), b.stderr.clone());
+    let log = move || format!("{}\n--- second ---\n{}", la.lock().unwrap().join("\n"), lb.lock().unwrap().join("\n"));
+    let text = linux_with(&args, &log);
+    let c = checks(&text);
+    let passed = |name: &str| c.iter().any(|l| l.starts_with(&format!("@check {name} ok")));
+    for want in ["two-probe", "two-subsystems", "no-rejected"] {
+        assert!(passed(want), "check {want} did not pass:\n{}", c.join("\n"));
+    }
+    let fio: Vec<_> = c.iter().filter(|l| l.starts_with("@check fio-") && l.contains(" ok")).collect();
+    assert_eq!(fio.len(), 4, "a verified write and read-back on each namespace:\n{}", c.join("\n"));
+    assert!(c.iter().any(|l| l.contains("HARNESS-B")), "serial= reached the guest:\n{}", c.join("\n"));
+    for (name, s) in [("first", &mut a), ("second", &mut b)] {
+        let report = s.report();
+        assert!(counter(&report, "io.commands") > 1000, "{name}: the driver's I/O did not reach it: {report}");
+    }
+}
+
 /// A file backend (O_DIRECT through io_uring where the filesystem allows)
 /// in `mode`, with the driver's transfers on guest pages in place as
 /// `in_place` says: some of them go so (the report's counter).
