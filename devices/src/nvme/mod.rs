@@ -426,6 +426,7 @@ impl DeviceModel for Nvme {
             revision: 0,
             subsystem_vendor: VENDOR,
             subsystem: DEVICE,
+            interrupt_pin: 0, // MSI-X only
         }
     }
 

@@ -24,6 +24,7 @@ impl ConfigSpace {
         c.put32(0x08, (ids.class << 8) | ids.revision as u32);
         c.put16(0x2c, ids.subsystem_vendor);
         c.put16(0x2e, ids.subsystem);
+        c.regs[PCI_INTERRUPT_LINE + 1] = ids.interrupt_pin;
         c.put16(PCI_STATUS, 0x0000); // status: no capabilities list yet
         let cmd_mask = PCI_COMMAND_IO | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER | PCI_COMMAND_INTX_DISABLE;
         c.wmask[PCI_COMMAND..PCI_COMMAND + 2].copy_from_slice(&cmd_mask.to_le_bytes());
@@ -277,7 +278,15 @@ mod tests {
     }
 
     fn ids() -> PciIds {
-        PciIds { vendor: 0x1b36, device: 0x0005, class: 0xff0000, revision: 1, subsystem_vendor: 0, subsystem: 0 }
+        PciIds {
+            vendor: 0x1b36,
+            device: 0x0005,
+            class: 0xff0000,
+            revision: 1,
+            subsystem_vendor: 0,
+            subsystem: 0,
+            interrupt_pin: 0,
+        }
     }
 
     fn rd32(c: &ConfigSpace, off: usize) -> u32 {

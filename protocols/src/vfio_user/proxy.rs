@@ -91,6 +91,7 @@ fn pci_ids(cfg: &[u8]) -> PciIds {
         revision: class as u8,
         subsystem_vendor: u16_at(0x2c),
         subsystem: u16_at(0x2e),
+        interrupt_pin: cfg[0x3d],
     }
 }
 

@@ -449,9 +449,42 @@ fn the_version_reply_is_a_subset_of_what_the_client_proposed() {
     h.join().unwrap().unwrap();
 }
 
+/// GET_IRQ_INFO offers INTx only where the Interrupt Pin is set, as kernel
+/// VFIO does: pci-testdev has none (as QEMU's), virtio-blk INTA#; a device
+/// without one takes no INTx vector, but may have it disabled.
+#[test]
+fn intx_is_offered_where_the_interrupt_pin_is_set() {
+    for (dev, pin) in [("pci-testdev", 0u8), ("nvme,doorbell=mmio,backend=null", 0), ("virtio-blk,backend=null", 1)] {
+        let (mut c, _, h) = serve(dev);
+        c.version();
+        let q = RegionAccess { offset: 0x3c, region: PCI_CONFIG_REGION_INDEX, count: 4 };
+        let r = c.ok(Command::RegionRead, &q.to_bytes(), &[]);
+        let (_, cfg) = RegionAccess::parse_with_data(&r.payload).unwrap();
+        assert_eq!(cfg[1], pin, "{dev}: Interrupt Pin");
+        let r = c.ok(Command::DeviceGetIrqInfo, &IrqInfo::request(PCI_INTX_IRQ_INDEX).to_bytes(), &[]);
+        let info = IrqInfo::parse(&r.payload).unwrap();
+        assert_eq!(info.count, pin as u32, "{dev}: INTx vectors");
+        assert_eq!(info.flags, IRQ_INFO_EVENTFD | IRQ_INFO_MASKABLE | IRQ_INFO_AUTOMASKED, "{dev}");
+        let trig = EventFd::new(EFD_NONBLOCK).unwrap();
+        let set = c.set_irqs(
+            IRQ_SET_DATA_EVENTFD | IRQ_SET_ACTION_TRIGGER,
+            PCI_INTX_IRQ_INDEX,
+            0,
+            1,
+            &[],
+            &[trig.as_raw_fd()],
+        );
+        assert_eq!(set.hdr.is_error(), pin == 0, "{dev}: a trigger eventfd for INTx");
+        let off = c.set_irqs(IRQ_SET_DATA_NONE | IRQ_SET_ACTION_TRIGGER, PCI_INTX_IRQ_INDEX, 0, 0, &[], &[]);
+        assert!(!off.hdr.is_error(), "{dev}: disabling INTx");
+        drop(c);
+        h.join().unwrap().unwrap();
+    }
+}
+
 #[test]
 fn intx_with_a_trigger_eventfd_only_and_by_value_actions() {
-    let (mut c, irq, h) = serve("pci-testdev");
+    let (mut c, irq, h) = serve("virtio-blk,backend=null");
     c.version();
     let trig = EventFd::new(EFD_NONBLOCK).unwrap();
     let t = [trig.as_raw_fd()];
