@@ -1,7 +1,9 @@
 //! Interrupts: GET_IRQ_INFO and SET_IRQS. INTx is one vector where the
 //! function's Interrupt Pin is set (none otherwise, as kernel VFIO): a
 //! trigger eventfd, with or without an unmask (resample) eventfd, mask and
-//! unmask by value, and trigger by value. MSI-X has the vectors the device's
+//! unmask by value, and trigger by value; automasked as kernel VFIO's (an
+//! assertion masks it until the client unmasks, a device reset included;
+//! `iopath_devices::irq`). MSI-X has the vectors the device's
 //! capability declares, as eventfds the client gives (it keeps the table and
 //! masks vectors itself, as QEMU does) or triggered by value; MSI, ERR and
 //! REQ have none.
@@ -90,13 +92,10 @@ impl Session<'_> {
             return Ok(());
         }
         match action {
-            IRQ_SET_ACTION_MASK => irq.mask_intx(true),
+            IRQ_SET_ACTION_MASK => irq.mask_intx(),
             // INTx is automasked: the client unmasks after each assertion
             // (after the guest's EOI), and a line still high asserts again.
-            IRQ_SET_ACTION_UNMASK => {
-                irq.mask_intx(true);
-                irq.mask_intx(false);
-            }
+            IRQ_SET_ACTION_UNMASK => irq.unmask_intx(),
             _ => {
                 if let Some(t) = &self.intx.0 {
                     if t.write(1).is_ok() {

@@ -482,6 +482,40 @@ fn intx_is_offered_where_the_interrupt_pin_is_set() {
     }
 }
 
+/// INTx is automasked (GET_IRQ_INFO says so): an assertion masks it until
+/// the client unmasks, and a device reset does not unmask it, as kernel
+/// VFIO keeps its mask across VFIO_DEVICE_RESET. Trigger, reset, trigger:
+/// no second signal until UNMASK.
+#[test]
+fn intx_stays_masked_after_an_assertion_until_unmasked_across_a_device_reset() {
+    let (mut c, irq, h) = serve("virtio-blk,backend=null");
+    c.version();
+    let trig = EventFd::new(EFD_NONBLOCK).unwrap();
+    let (efd, none) = (IRQ_SET_DATA_EVENTFD, IRQ_SET_DATA_NONE);
+    let (trigger, unmask) = (IRQ_SET_ACTION_TRIGGER, IRQ_SET_ACTION_UNMASK);
+    assert!(!c.set_irqs(efd | trigger, PCI_INTX_IRQ_INDEX, 0, 1, &[], &[trig.as_raw_fd()]).hdr.is_error());
+    Interrupts::set_intx(&*irq, true);
+    assert!(signalled(&trig), "the first assertion");
+    assert!(irq.intx_masked(), "automasked");
+    c.ok(Command::DeviceReset, &[], &[]);
+    Interrupts::set_intx(&*irq, false); // the reset lowered the line
+    Interrupts::set_intx(&*irq, true); // and the device raises it again
+    assert!(!signalled(&trig), "masked since the first assertion, reset or not: no signal before UNMASK");
+    assert!(!c.set_irqs(none | unmask, PCI_INTX_IRQ_INDEX, 0, 1, &[], &[]).hdr.is_error());
+    assert!(signalled(&trig), "unmasked while high: signalled, once");
+    assert!(!signalled(&trig));
+    Interrupts::set_intx(&*irq, false);
+    Interrupts::set_intx(&*irq, true);
+    assert!(!signalled(&trig), "masked again by the re-assertion on unmask");
+    Interrupts::set_intx(&*irq, false);
+    assert!(!c.set_irqs(none | unmask, PCI_INTX_IRQ_INDEX, 0, 1, &[], &[]).hdr.is_error());
+    assert!(!signalled(&trig) && !irq.intx_masked(), "unmasked while low: nothing to signal");
+    Interrupts::set_intx(&*irq, true);
+    assert!(signalled(&trig), "unmasked: the next assertion signals");
+    drop(c);
+    h.join().unwrap().unwrap();
+}
+
 #[test]
 fn intx_with_a_trigger_eventfd_only_and_by_value_actions() {
     let (mut c, irq, h) = serve("virtio-blk,backend=null");
