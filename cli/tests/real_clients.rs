@@ -149,6 +149,7 @@ fn linux_against_iopath_with(device: &str, more: &[&str]) -> String {
     let text = linux_with(&args, &|| log.lock().unwrap().join("\n"));
     for want in [
         "probe",
+        "pci-caps",
         "irq-msix",
         "nvme-list",
         "id-ctrl",
@@ -232,9 +233,24 @@ fn linux_nvme_driver_against_qemu_nvme_control() {
     linux(&["--device", "qemu-nvme"]);
 }
 
+/// Behind a PCI Express root port (on q35's root bus QEMU shows an Endpoint as Root Complex
+/// Integrated): lspci in the guest shows iopath's controller as an Express (v2) Endpoint with
+/// Power Management, and the nvme driver binds, resets and rebinds it.
 #[test]
 fn linux_nvme_driver_against_iopath_nvme_bar_ram() {
-    let report = linux_against_iopath("nvme,doorbell=bar,backend=ram,size_mb=64");
+    let mut serve = Serve::start("nvme,doorbell=bar,backend=ram,size_mb=64");
+    let sock = serve.socket.to_str().unwrap().to_string();
+    let log = serve.stderr.clone();
+    let args = ["--vfio-user", sock.as_str(), "--nvme-timeout", "10", "--root-port"];
+    let text = linux_with(&args, &|| log.lock().unwrap().join("\n"));
+    let c = checks(&text);
+    let caps = c.iter().find(|l| l.starts_with("@check pci-caps ok")).unwrap_or_else(|| panic!("{}", c.join("\n")));
+    assert!(caps.contains("Express (v2) Endpoint"), "{caps}");
+    assert!(caps.contains("Power Management version 3") && caps.contains("driver=nvme"), "{caps}");
+    for want in ["fio-randread", "io-after-reset", "io-after-rebind", "no-timeout"] {
+        assert!(c.iter().any(|l| l.starts_with(&format!("@check {want} ok"))), "{want}:\n{}", c.join("\n"));
+    }
+    let report = serve.report();
     assert_eq!(counter(&report, "dma.reads"), 0, "shared guest RAM needs no DMA_READ: {report}");
 }
 

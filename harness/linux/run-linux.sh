@@ -20,6 +20,8 @@ usage: run-linux.sh (--device qemu-nvme|qemu-virtio-blk | --vfio-user SOCKET | -
                          --check vblk; needs the shared memfd RAM, so not with --no-share)
   --check nvme|vblk      the checks the guest runs: guest-check.sh (NVMe, the default) or
                          guest-vblk.sh (virtio-blk)
+  --root-port            each vfio-user device behind a pcie-root-port of its own (q35's root
+                         bus makes QEMU show an Express endpoint as Root Complex Integrated)
   --no-share             plain -m, no memfd/share=on backend (vfio-user DMA_READ/WRITE fallback)
   --hugetlb              the shared memfd in 2 MiB hugetlbfs pages (hugetlb=on): MB/2 free pages
                          in the host's pool (vm.nr_hugepages)
@@ -37,7 +39,7 @@ USAGE
     exit 4
 }
 
-MODE= CHECK=nvme SOCK= SOCKS=() SHARE=1 HUGETLB=0 TIMEOUT=300 NVME_TO= APPEND= SCRIPT= MEM=512 SMP=1 LOG= RUN= QUIET=0
+MODE= CHECK=nvme SOCK= SOCKS=() ROOT_PORT=0 SHARE=1 HUGETLB=0 TIMEOUT=300 NVME_TO= APPEND= SCRIPT= MEM=512 SMP=1 LOG= RUN= QUIET=0
 EXTRA=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -52,6 +54,7 @@ while [[ $# -gt 0 ]]; do
         --vhost-user) MODE=vhost-user; CHECK=vblk; SOCK=${2:?}; shift 2 ;;
         --check) [[ ${2:-} == nvme || ${2:-} == vblk ]] || die "--check takes nvme or vblk"; CHECK=$2; shift 2 ;;
         --no-share) SHARE=0; shift ;;
+        --root-port) ROOT_PORT=1; shift ;;
         --hugetlb) HUGETLB=1; shift ;;
         --timeout) TIMEOUT=${2:?}; shift 2 ;;
         --nvme-timeout) NVME_TO=${2:?}; shift 2 ;;
@@ -123,12 +126,19 @@ case "$MODE" in
         ;;
     vfio-user|vhost-user)
         [[ $MODE == vfio-user ]] || SOCKS=("$SOCK")
+        n=0
         for SOCK in "${SOCKS[@]}"; do
             [[ $SOCK == /* ]] || SOCK="$PWD/$SOCK"
             [[ -S $SOCK ]] || die "no $MODE socket at $SOCK (is the server running?)"
             [[ $SOCK == /tmp/* ]] || BIND+=("$(dirname "$SOCK")")
             if [[ $MODE == vfio-user ]]; then
-                Q+=(-device "{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"$SOCK\"}}")
+                BUS=
+                if [[ $ROOT_PORT == 1 ]]; then
+                    Q+=(-device "pcie-root-port,id=rp$n,chassis=$((n + 1)),slot=$((n + 1))")
+                    BUS=",\"bus\":\"rp$n\""
+                fi
+                Q+=(-device "{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"$SOCK\"}$BUS}")
+                n=$((n + 1))
             else
                 [[ $SHARE == 1 ]] || die "--vhost-user needs the shared memfd RAM (drop --no-share)"
                 Q+=(-chardev "socket,id=vu0,path=$SOCK" -device vhost-user-blk-pci,chardev=vu0)

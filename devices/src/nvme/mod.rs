@@ -160,8 +160,11 @@ pub const MSIX_VECTORS: usize = MAX_IO_QUEUES as usize + 1;
 /// MSI-X table and PBA offsets in BAR0.
 const MSIX_TABLE: u64 = 0x2000;
 const MSIX_PBA: u64 = 0x3000;
-/// Where the controller asks the host to put its MSI-X capability.
+/// Where the controller asks the host to put its MSI-X capability, then
+/// Power Management and PCI Express (an Endpoint, as NVMe over PCIe wants).
 const MSIX_CAP: usize = 0x40;
+const PM_CAP: usize = 0x50;
+const EXP_CAP: usize = 0x60;
 /// The doorbell registers (and, in `bar` mode, the shared page) in BAR0.
 const DOORBELLS: u64 = 0x1000;
 
@@ -479,7 +482,8 @@ impl DeviceModel for Nvme {
     }
 
     fn capabilities(&self) -> Vec<crate::pci::Capability> {
-        vec![self.core.lock().unwrap().intr.msix.capability()]
+        let msix = self.core.lock().unwrap().intr.msix.capability();
+        vec![msix, crate::pci::caps::power_management(PM_CAP), crate::pci::caps::express_endpoint(EXP_CAP)]
     }
 
     fn config_write(&self, offset: usize, data: &[u8]) {

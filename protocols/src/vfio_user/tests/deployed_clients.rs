@@ -636,3 +636,30 @@ fn nvme_ioeventfd_doorbells_are_announced_before_any_queue_on_one_fd() {
     drop(c);
     h.join().unwrap().unwrap();
 }
+
+/// The NVMe function is PCI Express: a 4 KiB configuration region whose extended space reads 0
+/// (a 0 header at 0x100: no extended capability), accesses past it refused; a conventional
+/// function (pci-testdev) keeps 256 bytes.
+#[test]
+fn an_express_function_has_a_4k_configuration_region_reading_0_past_the_header() {
+    for (dev, size) in [("nvme,doorbell=mmio,backend=null", 4096u64), ("pci-testdev", 256)] {
+        let (mut c, _, h) = serve(dev);
+        c.version();
+        let q = RegionInfo::request(PCI_CONFIG_REGION_INDEX, 32);
+        let r = c.ok(Command::DeviceGetRegionInfo, &q.to_bytes(), &[]);
+        let info = RegionInfoReply::parse(&r.payload).unwrap().info;
+        assert_eq!(info.size, size, "{dev}: configuration region size");
+        let read = |c: &mut Client, offset: u64| {
+            let q = RegionAccess { offset, region: PCI_CONFIG_REGION_INDEX, count: 4 };
+            let r = c.call(Command::RegionRead, &q.to_bytes(), &[]);
+            (!r.hdr.is_error()).then(|| u32_at(RegionAccess::parse_with_data(&r.payload).unwrap().1, 0))
+        };
+        if size == 4096 {
+            assert_eq!(read(&mut c, 0x100), Some(0), "{dev}: no extended capability at 0x100");
+            assert_eq!(read(&mut c, 0xffc), Some(0), "{dev}");
+        }
+        assert_eq!(read(&mut c, size), None, "{dev}: past the region");
+        drop(c);
+        h.join().unwrap().unwrap();
+    }
+}
