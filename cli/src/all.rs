@@ -139,7 +139,7 @@ pub fn run(a: &AllArgs) -> anyhow::Result<i32> {
         }
         Err(e) => {
             failed = true;
-            input.docs.push(serde_json::json!({"benchmark": "exits", "errors": [format!("{e:#}")]}));
+            input.docs.push(serde_json::json!({"benchmark": "exits", "errors": [crate::error_text(&e)]}));
         }
     }
     say("2/4 floor");
@@ -151,7 +151,7 @@ pub fn run(a: &AllArgs) -> anyhow::Result<i32> {
         }
         Err(e) => {
             failed = true;
-            input.docs.push(serde_json::json!({"benchmark": "floor", "errors": [format!("{e:#}")]}));
+            input.docs.push(serde_json::json!({"benchmark": "floor", "errors": [crate::error_text(&e)]}));
         }
     }
     say("3/4 nvme");
@@ -163,7 +163,7 @@ pub fn run(a: &AllArgs) -> anyhow::Result<i32> {
         }
         Err(e) => {
             failed = true;
-            input.docs.push(serde_json::json!({"benchmark": "nvme", "errors": [format!("{e:#}")]}));
+            input.docs.push(serde_json::json!({"benchmark": "nvme", "errors": [crate::error_text(&e)]}));
         }
     }
     say("4/4 blk");
@@ -175,7 +175,7 @@ pub fn run(a: &AllArgs) -> anyhow::Result<i32> {
         }
         Err(e) => {
             failed = true;
-            input.docs.push(serde_json::json!({"benchmark": "blk", "errors": [format!("{e:#}")]}));
+            input.docs.push(serde_json::json!({"benchmark": "blk", "errors": [crate::error_text(&e)]}));
         }
     }
     input.meta.wall_s = start.elapsed().as_secs_f64();

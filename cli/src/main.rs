@@ -305,8 +305,28 @@ fn main() {
     match r {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("iopath: {e:#}");
+            eprintln!("iopath: {}", error_text(&e));
             std::process::exit(2);
         }
     }
+}
+
+/// An error and its causes, each once. The crates' error types put their
+/// source in their own text (`"{context}: {source}"`) and also return it as
+/// their source, so `{:#}` repeats it (a missing file's "No such file or
+/// directory" three times); a cause whose text ends what is written already
+/// is left out.
+pub(crate) fn error_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let t = cause.to_string();
+        if out.ends_with(&t) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&t);
+    }
+    out
 }

@@ -215,3 +215,70 @@ fn fio_sizes_and_names_reach_the_job() {
     );
     assert!(positive(&v["runs"][0]["iops"]), "{}", v["runs"]);
 }
+
+/// Lines of `text` that contain `what`, and how often `what` occurs in all.
+fn occurrences(text: &str, what: &str) -> (usize, usize) {
+    (text.lines().filter(|l| l.contains(what)).count(), text.matches(what).count())
+}
+
+/// Each error is printed once: the error types put their source in their own text, which an
+/// error chain printed cause by cause repeated ("... (os error 2): No such file or directory
+/// (os error 2)"), and a device process that died was logged by the VMM, then printed again.
+#[test]
+fn an_error_is_printed_once() {
+    let dir = std::env::temp_dir().join(format!("iopath-once-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let missing = dir.join("missing").join("x");
+    let m = missing.to_str().unwrap();
+    let cases: [(Vec<String>, &str); 4] = [
+        (
+            vec!["serve".into(), "nvme".into(), "--transport".into(), "vfio-user".into(), "--socket".into(), m.into()],
+            "No such file",
+        ),
+        (
+            vec![
+                "serve".into(),
+                format!("nvme,backend=file:{m}"),
+                "--transport".into(),
+                "vfio-user".into(),
+                "--socket".into(),
+                dir.join("s").to_str().unwrap().into(),
+            ],
+            "No such file",
+        ),
+        (vec!["run".into(), "--device".into(), format!("nvme,backend=file:{m}")], "No such file"),
+        (vec!["run".into(), "--device".into(), format!("pci-testdev@vfio-user:{m}")], "No such file"),
+    ];
+    for (args, what) in cases {
+        let out = iopath().args(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(occurrences(&stderr, what), (1, 1), "{args:?} printed {what:?} more than once:\n{stderr}");
+    }
+    // A device process that dies during the run: the run stops with that error, printed once.
+    assert!(std::path::Path::new("/dev/kvm").exists(), "/dev/kvm is missing");
+    let sock = dir.join("td.sock");
+    let mut serve =
+        iopath().args(["serve", "pci-testdev", "--transport", "vfio-user", "--socket"]).arg(&sock).spawn().unwrap();
+    let t0 = std::time::Instant::now();
+    while !sock.exists() {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "no socket");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let run = iopath()
+        .args(["run", "--device"])
+        .arg(format!("pci-testdev@vfio-user:{}", sock.display()))
+        .args(["--append", "batches=100000 batch_us=20000"])
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    serve.kill().unwrap();
+    let _ = serve.wait();
+    let out = run.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_eq!(occurrences(&stderr, "closed its socket"), (1, 1), "the device process's end, once:\n{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -149,6 +149,7 @@ fn linux_against_iopath_with(device: &str, more: &[&str]) -> String {
     let text = linux_with(&args, &|| log.lock().unwrap().join("\n"));
     for want in [
         "probe",
+        "pci-caps",
         "irq-msix",
         "nvme-list",
         "id-ctrl",
@@ -232,9 +233,24 @@ fn linux_nvme_driver_against_qemu_nvme_control() {
     linux(&["--device", "qemu-nvme"]);
 }
 
+/// Behind a PCI Express root port (on q35's root bus QEMU shows an Endpoint as Root Complex
+/// Integrated): lspci in the guest shows iopath's controller as an Express (v2) Endpoint with
+/// Power Management, and the nvme driver binds, resets and rebinds it.
 #[test]
 fn linux_nvme_driver_against_iopath_nvme_bar_ram() {
-    let report = linux_against_iopath("nvme,doorbell=bar,backend=ram,size_mb=64");
+    let mut serve = Serve::start("nvme,doorbell=bar,backend=ram,size_mb=64");
+    let sock = serve.socket.to_str().unwrap().to_string();
+    let log = serve.stderr.clone();
+    let args = ["--vfio-user", sock.as_str(), "--nvme-timeout", "10", "--root-port"];
+    let text = linux_with(&args, &|| log.lock().unwrap().join("\n"));
+    let c = checks(&text);
+    let caps = c.iter().find(|l| l.starts_with("@check pci-caps ok")).unwrap_or_else(|| panic!("{}", c.join("\n")));
+    assert!(caps.contains("Express (v2) Endpoint"), "{caps}");
+    assert!(caps.contains("Power Management version 3") && caps.contains("driver=nvme"), "{caps}");
+    for want in ["fio-randread", "io-after-reset", "io-after-rebind", "no-timeout"] {
+        assert!(c.iter().any(|l| l.starts_with(&format!("@check {want} ok"))), "{want}:\n{}", c.join("\n"));
+    }
+    let report = serve.report();
     assert_eq!(counter(&report, "dma.reads"), 0, "shared guest RAM needs no DMA_READ: {report}");
 }
 
@@ -270,6 +286,43 @@ fn linux_nvme_driver_against_iopath_nvme_in_its_default_mode() {
 fn linux_nvme_driver_against_iopath_nvme_bar_adaptive_ram() {
     let report = linux_against_iopath("nvme,doorbell=bar-adaptive,backend=ram,size_mb=64");
     assert!(counter(&report, "adaptive.sleeps") > 0, "{report}");
+}
+
+/// Two iopath controllers in one Linux guest (two `iopath serve nvme` processes, QEMU 11's
+/// vfio-user-pci twice): each has an identity of its own, so Linux keeps them apart (two
+/// subsystems, no "Duplicate cntlid ... rejecting") and fio verifies a write and its read-back on
+/// both namespaces. One takes the identity options, the other draws its identity.
+#[test]
+fn linux_nvme_driver_against_two_iopath_controllers_in_one_guest() {
+    let mut a = Serve::start("nvme,doorbell=bar,backend=ram,size_mb=64");
+    let mut b = Serve::start("nvme,backend=ram,size_mb=64,serial=HARNESS-B,nqn=nqn.2014-08.org.example:two-b,cntlid=1");
+    let (sa, sb) = (a.socket.to_str().unwrap().to_string(), b.socket.to_str().unwrap().to_string());
+    let script = harness("guest-two-nvme.sh");
+    let args = [
+        "--vfio-user",
+        sa.as_str(),
+        "--vfio-user",
+        sb.as_str(),
+        "--nvme-timeout",
+        "10",
+        "--script",
+        script.to_str().unwrap(),
+    ];
+    let (la, lb) = (a.stderr.clone(), b.stderr.clone());
+    let log = move || format!("{}\n--- second ---\n{}", la.lock().unwrap().join("\n"), lb.lock().unwrap().join("\n"));
+    let text = linux_with(&args, &log);
+    let c = checks(&text);
+    let passed = |name: &str| c.iter().any(|l| l.starts_with(&format!("@check {name} ok")));
+    for want in ["two-probe", "two-subsystems", "no-rejected"] {
+        assert!(passed(want), "check {want} did not pass:\n{}", c.join("\n"));
+    }
+    let fio: Vec<_> = c.iter().filter(|l| l.starts_with("@check fio-") && l.contains(" ok")).collect();
+    assert_eq!(fio.len(), 4, "a verified write and read-back on each namespace:\n{}", c.join("\n"));
+    assert!(c.iter().any(|l| l.contains("HARNESS-B")), "serial= reached the guest:\n{}", c.join("\n"));
+    for (name, s) in [("first", &mut a), ("second", &mut b)] {
+        let report = s.report();
+        assert!(counter(&report, "io.commands") > 1000, "{name}: the driver's I/O did not reach it: {report}");
+    }
 }
 
 /// A file backend (O_DIRECT through io_uring where the filesystem allows)

@@ -340,6 +340,7 @@ impl DeviceModelMut for Doorbell {
             revision: 0,
             subsystem_vendor: VENDOR,
             subsystem: DEVICE,
+            interrupt_pin: 0,
         }
     }
 

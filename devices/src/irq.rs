@@ -3,6 +3,11 @@
 //! INTx is a pair: `trigger`, which KVM turns into a level-triggered GSI
 //! assertion (irqfd), and `resample`, which KVM signals when the guest's EOI
 //! de-asserts the line; a device whose level is still high asserts again.
+//! INTx is automasked, as kernel VFIO's: an assertion signals the trigger
+//! and masks the line; it stays masked (further assertions wait, a device
+//! reset included) until the host unmasks it, by the resample eventfd (the
+//! guest's EOI) or by value (vfio-user SET_IRQS ACTION_UNMASK); unmasking a
+//! line that is still high signals again and keeps it masked.
 //! MSI-X is one eventfd per vector, each a KVM irqfd on its own MSI route.
 //! The same [`IrqLines`] serves a device in the VMM (fds registered with KVM
 //! right there) and in a device process (fds received over the socket): the
@@ -53,6 +58,32 @@ impl Resampler {
 struct IntxState {
     line: Option<Arc<Intx>>,
     resampler: Option<Resampler>,
+    /// The device's level.
+    level: bool,
+    /// Masked: by the host (ACTION_MASK), or automasked by an assertion.
+    masked: bool,
+}
+
+impl IntxState {
+    /// Signals the trigger (if connected) and masks the line.
+    fn assert(&mut self, signalled: &AtomicU64) {
+        self.masked = true;
+        if let Some(i) = &self.line {
+            if i.trigger.write(1).is_ok() {
+                signalled.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The host's unmask: a line still high asserts again (and stays
+    /// masked); a low one is unmasked.
+    fn unmask(&mut self, signalled: &AtomicU64) {
+        if self.level {
+            self.assert(signalled);
+        } else {
+            self.masked = false;
+        }
+    }
 }
 
 /// MSI-X as a client set it up.
@@ -67,10 +98,9 @@ struct Msix {
 
 #[derive(Default)]
 pub struct IrqLines {
+    /// INTx: its fds, level and mask, under one lock (an unmask and an
+    /// assertion that race see each other).
     intx: Mutex<IntxState>,
-    level: AtomicBool,
-    /// INTx masked by the client (vfio-user SET_IRQS ACTION_MASK).
-    masked: AtomicBool,
     msix: Mutex<Msix>,
     /// Interrupts signalled (INTx assertions and MSI-X messages).
     pub signalled: AtomicU64,
@@ -123,22 +153,29 @@ impl IrqLines {
         Ok(Resampler { wake, stop, thread })
     }
 
-    /// Masks or unmasks INTx; unmasking re-asserts a line that is still high.
-    pub fn mask_intx(&self, mask: bool) {
-        let was = self.masked.swap(mask, Ordering::AcqRel);
-        if was && !mask && self.level.load(Ordering::Acquire) {
-            if let Some(i) = self.intx.lock().unwrap().line.as_ref() {
-                let _ = i.trigger.write(1);
-                self.signalled.fetch_add(1, Ordering::Relaxed);
-            }
-        }
+    /// Masks INTx (the host's ACTION_MASK): assertions wait for the unmask.
+    pub fn mask_intx(&self) {
+        self.intx.lock().unwrap().masked = true;
     }
 
-    /// Disconnects INTx; its resample thread ends before this returns.
+    /// Unmasks INTx (the host's ACTION_UNMASK, or its resample eventfd): a
+    /// line that is still high asserts again and stays masked.
+    pub fn unmask_intx(&self) {
+        self.intx.lock().unwrap().unmask(&self.signalled);
+    }
+
+    /// True while INTx is masked (by the host, or automasked).
+    pub fn intx_masked(&self) -> bool {
+        self.intx.lock().unwrap().masked
+    }
+
+    /// Disconnects INTx and unmasks it (the next connection starts
+    /// unmasked, as kernel VFIO's INTx enable); its resample thread ends
+    /// before this returns.
     pub fn clear_intx(&self) {
-        self.masked.store(false, Ordering::Release);
         let r = {
             let mut g = self.intx.lock().unwrap();
+            g.masked = false;
             g.line = None;
             g.resampler.take()
         };
@@ -194,8 +231,8 @@ impl Drop for IrqLines {
 }
 
 /// The resample thread: waits on `wake` and the current resample eventfd,
-/// and asserts again when the guest's EOI comes while the level is high
-/// and INTx unmasked. A resample fd that hangs up or fails (not an eventfd:
+/// and unmasks INTx when the guest's EOI comes (a line still high asserts
+/// again). A resample fd that hangs up or fails (not an eventfd:
 /// a peer's pipe) is no longer waited on, with a log line, until INTx is
 /// connected again.
 fn resample_loop(lines: Weak<IrqLines>, wake: EventFd, stop: Arc<AtomicBool>) {
@@ -234,9 +271,10 @@ fn resample_loop(lines: Weak<IrqLines>, wake: EventFd, stop: Arc<AtomicBool>) {
             continue;
         }
         let Some(lines) = lines.upgrade() else { return };
-        if lines.level.load(Ordering::Acquire) && !lines.masked.load(Ordering::Acquire) {
-            let _ = intx.trigger.write(1);
-            lines.signalled.fetch_add(1, Ordering::Relaxed);
+        let mut g = lines.intx.lock().unwrap();
+        // Only the resample fd of the line connected now unmasks it.
+        if g.line.as_ref().is_some_and(|l| Arc::ptr_eq(l, &intx)) {
+            g.unmask(&lines.signalled);
         }
     }
 }
@@ -249,12 +287,12 @@ fn poll_in(fd: &EventFd, timeout_ms: i32) -> bool {
 
 impl Interrupts for IrqLines {
     fn set_intx(&self, level: bool) {
-        let was = self.level.swap(level, Ordering::AcqRel);
-        if level && !was && !self.masked.load(Ordering::Acquire) {
-            if let Some(i) = self.intx.lock().unwrap().line.as_ref() {
-                let _ = i.trigger.write(1);
-                self.signalled.fetch_add(1, Ordering::Relaxed);
-            }
+        let mut g = self.intx.lock().unwrap();
+        let rising = level && !g.level;
+        g.level = level;
+        // Automasked: asserted, the line waits for the host's unmask.
+        if rising && !g.masked && g.line.is_some() {
+            g.assert(&self.signalled);
         }
     }
 
@@ -370,10 +408,10 @@ mod tests {
         let lines = IrqLines::new();
         let trig = EventFd::new(EFD_NONBLOCK).unwrap();
         lines.connect_intx(trig.try_clone().unwrap(), None);
-        lines.mask_intx(true);
+        lines.mask_intx();
         Interrupts::set_intx(&*lines, true);
         assert!(trig.read().is_err(), "masked: nothing asserted");
-        lines.mask_intx(false);
+        lines.unmask_intx();
         assert_eq!(trig.read().unwrap(), 1, "unmasked while high: asserted");
         lines.clear_intx();
     }

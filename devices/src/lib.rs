@@ -55,6 +55,11 @@ pub struct PciIds {
     pub revision: u8,
     pub subsystem_vendor: u16,
     pub subsystem: u16,
+    /// Interrupt Pin (configuration offset 0x3d): 1 (INTA#) for a device
+    /// that raises INTx, 0 for one that does not. A host may route the line
+    /// of a device that has none (the VMM routes every slot's); a vfio-user
+    /// server offers INTx (GET_IRQ_INFO) only where the pin is set.
+    pub interrupt_pin: u8,
 }
 
 /// A KVM ioeventfd a device asks for, in BAR terms.

@@ -155,16 +155,18 @@ impl FromStr for DeviceConfig {
                         "submit_batch" => {
                             c.submit_batch = match num()? {
                                 n if n <= nvme::MAX_SUBMIT_BATCH as u64 => n as u16,
-                                n => {
-                                    return Err(option("nvme", k, format!("{n} (0 ..= {})", nvme::MAX_SUBMIT_BATCH)))
-                                }
+                                n => return Err(option("nvme", k, format!("{n} (0 ..= {})", nvme::MAX_SUBMIT_BATCH))),
                             }
                         }
+                        "serial" => c.id.serial = Some(v.clone()),
+                        "nqn" => c.id.nqn = Some(v.clone()),
+                        "cntlid" => c.id.cntlid = Some(num()?.try_into().unwrap_or(0)),
                         _ => {
                             return Err(option(
                                 "nvme",
                                 k,
-                                "unknown option (doorbell, backend, size_mb, lba, pollers, forecast, in_place, submit_batch)",
+                                "unknown option (doorbell, backend, size_mb, lba, pollers, forecast, in_place, \
+                                 submit_batch, serial, nqn, cntlid)",
                             ))
                         }
                     }
@@ -197,6 +199,15 @@ impl fmt::Display for DeviceConfig {
             if c.submit_batch != 0 {
                 write!(f, ",submit_batch={}", c.submit_batch)?;
             }
+            if let Some(s) = &c.id.serial {
+                write!(f, ",serial={}", escape(s))?;
+            }
+            if let Some(n) = &c.id.nqn {
+                write!(f, ",nqn={}", escape(n))?;
+            }
+            if let Some(id) = c.id.cntlid {
+                write!(f, ",cntlid={id}")?;
+            }
         }
         if let DeviceConfig::VirtioBlk(c) = self {
             write!(f, ",backend={},size_mb={},notify={}", escape(&c.backend.to_string()), c.size >> 20, c.notify)?;
@@ -221,6 +232,8 @@ mod tests {
             "nvme,doorbell=adaptive,backend=file:/tmp/x.img,size_mb=8,lba=512,in_place=on",
             "nvme,doorbell=ioeventfd,backend=file:/tmp/x.img,size_mb=8,lba=4096,in_place=off",
             "nvme,doorbell=adaptive,backend=file:/tmp/x.img,size_mb=8,lba=512,submit_batch=1",
+            "nvme,doorbell=adaptive,backend=ram,size_mb=8,lba=512,serial=SN 1,,2@@3",
+            "nvme,doorbell=adaptive,backend=ram,size_mb=8,lba=512,nqn=nqn.2014-08.com.example:a@@b,,c,cntlid=65519",
             "virtio-blk,backend=null,size_mb=64,notify=ioeventfd",
             "virtio-blk,backend=ram,size_mb=1,notify=poll",
             "virtio-blk,backend=file:/tmp/v,,b@@c.img,size_mb=8,notify=exit",
@@ -253,6 +266,11 @@ mod tests {
         }
         for bad in ["in_place=on", "backend=file:/x,in_place=yes"] {
             assert!(e(&format!("nvme,{bad}")).contains("in_place"), "{bad}: {}", e(&format!("nvme,{bad}")));
+        }
+        for bad in ["serial=", "serial=123456789012345678901", "nqn=iqn.x", "cntlid=0", "cntlid=65520", "cntlid=70000"]
+        {
+            let key = bad.split('=').next().unwrap();
+            assert!(e(&format!("nvme,{bad}")).contains(key), "{bad}: {}", e(&format!("nvme,{bad}")));
         }
         assert!(e("nvme,colour=blue").contains("colour"));
         assert!(e("nvme,doorbell").contains("KEY=VALUE"));

@@ -220,6 +220,7 @@ impl DeviceModelMut for PciTestDev {
             revision: 0,
             subsystem_vendor: 0x1af4,
             subsystem: 0x1100,
+            interrupt_pin: 0, // as QEMU's pci-testdev: no INTx
         }
     }
 

@@ -119,6 +119,7 @@ void pci_scan(void);
 struct pci_dev *pci_find(u16 vendor, u16 device);
 u32 pci_cfg_read32(const struct pci_dev *d, u8 off);
 void pci_cfg_write32(const struct pci_dev *d, u8 off, u32 v);
+void pci_cfg_write16(const struct pci_dev *d, u8 off, u16 v);
 
 /* Workloads. Each returns an exit code. */
 int workload_exits(void);

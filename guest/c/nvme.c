@@ -344,7 +344,8 @@ static int msix_setup(struct pci_dev *d, u32 nq)
         mmio_write32(table + 16 * v + 8, 0x40 + v);
         mmio_write32(table + 16 * v + 12, 0);
     }
-    pci_cfg_write32(d, p, (hdr & 0xffff) | (ctl | 0x8000) << 16);
+    /* Message Control alone (cap + 2): MSI-X Enable. */
+    pci_cfg_write16(d, (u8)(p + 2), (u16)(ctl | 0x8000));
     return 0;
 }
 

@@ -46,6 +46,15 @@ static void cfg_write(u8 bus, u8 dev, u8 fn, u8 off, u32 v)
 u32 pci_cfg_read32(const struct pci_dev *d, u8 off) { return cfg_read(d->bus, d->dev, d->fn, off); }
 void pci_cfg_write32(const struct pci_dev *d, u8 off, u32 v) { cfg_write(d->bus, d->dev, d->fn, off, v); }
 
+/* A 16-bit write at `off` (even): only those two bytes change. A capability's
+ * ID and next pointer must not be written (libvfio-user refuses any write that
+ * touches them), so a control register goes alone. */
+void pci_cfg_write16(const struct pci_dev *d, u8 off, u16 v)
+{
+    outl(PCI_CONFIG_ADDR, cfg_addr(d->bus, d->dev, d->fn, off));
+    outw((u16)(PCI_CONFIG_DATA + (off & 2)), v);
+}
+
 static u64 align_up(u64 v, u64 a) { return (v + a - 1) & ~(a - 1); }
 
 /* Sizes every BAR (decoding off meanwhile) and assigns the unassigned ones. */

@@ -5,7 +5,7 @@
 #   harness.probe_wait=SECS   how long to wait for /dev/nvme0n1 (default 120)
 #   harness.step=SECS         bound on each step (default 180)
 #   harness.fio_mb=MB         fio region size (default 16)
-#   harness.skip=a,b          checks to skip (nvme-list id-ctrl id-ns ns-descs fio ext4 reset rebind)
+#   harness.skip=a,b          checks to skip (pci-caps nvme-list id-ctrl id-ns ns-descs fio ext4 reset rebind)
 #   harness.deadline=SECS     guest uptime after which every remaining step fails at once, so
 #                             that @done is still printed (run-linux.sh passes its timeout - 25)
 . /lib.sh
@@ -59,6 +59,15 @@ else
 fi
 new_dmesg 'nvme|msi|timeout|error'
 if [ -n "$BDF" ] && command -v lspci >/dev/null; then lspci -nn -vvv -s "$BDF" 2>&1 | grep -vE '^\s*$' | indent lspci; fi
+
+# 1b. PCI Express and Power Management capabilities, as NVMe over PCIe has them ---------------------
+skipped pci-caps || {
+    lspci -vv -s "${BDF:-none}" >$W/lspci 2>&1
+    exp=$(grep -o 'Express (v[0-9]) [A-Za-z ]*' $W/lspci | head -n 1)
+    pm=$(grep -o 'Power Management version [0-9]*' $W/lspci | head -n 1)
+    if [ -n "$exp" ] && [ -n "$pm" ]; then check pci-caps ok "$exp; $pm; driver=$(basename "$(readlink /sys/bus/pci/devices/$BDF/driver 2>/dev/null)")"
+    else check pci-caps fail "express='$exp' pm='$pm' at ${BDF:-no BDF}"; fi
+}
 
 # 2. interrupts ----------------------------------------------------------------------------------
 say "/proc/interrupts (nvme) before I/O:"

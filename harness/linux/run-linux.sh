@@ -15,11 +15,13 @@ usage: run-linux.sh (--device qemu-nvme|qemu-virtio-blk | --vfio-user SOCKET | -
   --device qemu-virtio-blk  control: QEMU's own -device virtio-blk-pci on a 64 MiB raw image
                          (implies --check vblk)
   --vfio-user SOCKET     -device vfio-user-pci on SOCKET (absolute path; under /tmp, or its
-                         directory is bound into the QEMU root)
+                         directory is bound into the QEMU root); repeatable: one device each
   --vhost-user SOCKET    -device vhost-user-blk-pci on SOCKET (a vhost-user-blk backend; implies
                          --check vblk; needs the shared memfd RAM, so not with --no-share)
   --check nvme|vblk      the checks the guest runs: guest-check.sh (NVMe, the default) or
                          guest-vblk.sh (virtio-blk)
+  --root-port            each vfio-user device behind a pcie-root-port of its own (q35's root
+                         bus makes QEMU show an Express endpoint as Root Complex Integrated)
   --no-share             plain -m, no memfd/share=on backend (vfio-user DMA_READ/WRITE fallback)
   --hugetlb              the shared memfd in 2 MiB hugetlbfs pages (hugetlb=on): MB/2 free pages
                          in the host's pool (vm.nr_hugepages)
@@ -37,7 +39,7 @@ USAGE
     exit 4
 }
 
-MODE= CHECK=nvme SOCK= SHARE=1 HUGETLB=0 TIMEOUT=300 NVME_TO= APPEND= SCRIPT= MEM=512 SMP=1 LOG= RUN= QUIET=0
+MODE= CHECK=nvme SOCK= SOCKS=() ROOT_PORT=0 SHARE=1 HUGETLB=0 TIMEOUT=300 NVME_TO= APPEND= SCRIPT= MEM=512 SMP=1 LOG= RUN= QUIET=0
 EXTRA=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -48,10 +50,11 @@ while [[ $# -gt 0 ]]; do
                 *) die "--device takes qemu-nvme or qemu-virtio-blk" ;;
             esac
             MODE=$2; shift 2 ;;
-        --vfio-user) MODE=vfio-user; SOCK=${2:?}; shift 2 ;;
+        --vfio-user) MODE=vfio-user; SOCK=${2:?}; SOCKS+=("$2"); shift 2 ;;
         --vhost-user) MODE=vhost-user; CHECK=vblk; SOCK=${2:?}; shift 2 ;;
         --check) [[ ${2:-} == nvme || ${2:-} == vblk ]] || die "--check takes nvme or vblk"; CHECK=$2; shift 2 ;;
         --no-share) SHARE=0; shift ;;
+        --root-port) ROOT_PORT=1; shift ;;
         --hugetlb) HUGETLB=1; shift ;;
         --timeout) TIMEOUT=${2:?}; shift 2 ;;
         --nvme-timeout) NVME_TO=${2:?}; shift 2 ;;
@@ -122,15 +125,26 @@ case "$MODE" in
         Q+=(-drive "file=$RUN/disk.img,if=none,id=d0,format=raw,cache=unsafe" -device virtio-blk-pci,drive=d0)
         ;;
     vfio-user|vhost-user)
-        [[ $SOCK == /* ]] || SOCK="$PWD/$SOCK"
-        [[ -S $SOCK ]] || die "no $MODE socket at $SOCK (is the server running?)"
-        [[ $SOCK == /tmp/* ]] || BIND+=("$(dirname "$SOCK")")
-        if [[ $MODE == vfio-user ]]; then
-            Q+=(-device "{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"$SOCK\"}}")
-        else
-            [[ $SHARE == 1 ]] || die "--vhost-user needs the shared memfd RAM (drop --no-share)"
-            Q+=(-chardev "socket,id=vu0,path=$SOCK" -device vhost-user-blk-pci,chardev=vu0)
-        fi
+        [[ $MODE == vfio-user ]] || SOCKS=("$SOCK")
+        n=0
+        for SOCK in "${SOCKS[@]}"; do
+            [[ $SOCK == /* ]] || SOCK="$PWD/$SOCK"
+            [[ -S $SOCK ]] || die "no $MODE socket at $SOCK (is the server running?)"
+            [[ $SOCK == /tmp/* ]] || BIND+=("$(dirname "$SOCK")")
+            if [[ $MODE == vfio-user ]]; then
+                BUS=
+                if [[ $ROOT_PORT == 1 ]]; then
+                    Q+=(-device "pcie-root-port,id=rp$n,chassis=$((n + 1)),slot=$((n + 1))")
+                    BUS=",\"bus\":\"rp$n\""
+                fi
+                Q+=(-device "{\"driver\":\"vfio-user-pci\",\"socket\":{\"type\":\"unix\",\"path\":\"$SOCK\"}$BUS}")
+                n=$((n + 1))
+            else
+                [[ $SHARE == 1 ]] || die "--vhost-user needs the shared memfd RAM (drop --no-share)"
+                Q+=(-chardev "socket,id=vu0,path=$SOCK" -device vhost-user-blk-pci,chardev=vu0)
+            fi
+        done
+        SOCK=$(IFS=' '; echo "${SOCKS[*]}")
         ;;
 esac
 Q+=("${EXTRA[@]}")

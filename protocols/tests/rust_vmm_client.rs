@@ -85,12 +85,15 @@ fn rust_vmm_client_drives_pci_testdev() {
         c.dma_map(0, 0x10_0000, 1 << 20, ram.as_raw_fd()).unwrap();
         c.dma_unmap(0x20_0000, 1 << 20).unwrap();
         c.dma_unmap(0x10_0000, 1 << 20).unwrap();
-        // Interrupts: INTx (one vector), MSI (none), MSI-X (none), ERR, REQ.
-        for (index, count) in [(0, 1), (1, 0), (2, 0), (3, 0), (4, 0)] {
+        // Interrupts: INTx (none: pci-testdev's Interrupt Pin is 0, as QEMU's), MSI (none),
+        // MSI-X (none), ERR, REQ.
+        for (index, count) in [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0)] {
             let i = c.get_irq_info(index).unwrap();
             assert_eq!((i.index, i.count, i.flags & IRQ_EVENTFD), (index, count, IRQ_EVENTFD), "IRQ index {index}");
         }
         let trigger = EventFd::new(EFD_NONBLOCK).unwrap();
+        // Refused with an error reply (no INTx vector), which this client does not surface;
+        // the session goes on.
         c.set_irqs(0, SET_DATA_EVENTFD | SET_ACTION_TRIGGER, 0, 1, &[trigger.as_raw_fd()]).unwrap();
         // Reset: the test selection goes.
         c.reset().unwrap();

@@ -240,7 +240,8 @@ fn set_irqs(sock: &UnixStream, id: u16, action: u32, fd: RawFd) {
 fn repeated_intx_unmask_eventfds_start_no_thread_each() {
     let _g = serial();
     let irq = IrqLines::new();
-    let srv = VfioUserServer::new(function("pci-testdev"), irq.clone(), IoFds::IoEventFds);
+    // virtio-blk: INTA# (pci-testdev has no INTx).
+    let srv = VfioUserServer::new(function("virtio-blk,backend=null"), irq.clone(), IoFds::IoEventFds);
     let served = Served::start(Box::new(srv));
     let c = served.connect();
     version(&c);

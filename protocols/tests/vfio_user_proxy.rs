@@ -128,7 +128,8 @@ struct Seen {
     bar_writes: u64,
     /// BAR accesses to the MSI-X table or PBA (a client that emulates them sends none).
     msix_accesses: u64,
-    config_writes: u64,
+    /// Configuration writes as they arrived: (offset, length).
+    config_writes: Vec<(u64, usize)>,
     dma_maps: u64,
     /// SET_IRQS: (index, flags, start, count, fds).
     irq_sets: Vec<(u32, u32, u32, u32, usize)>,
@@ -236,7 +237,7 @@ impl ServerBackend for Device {
     fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), std::io::Error> {
         let end = offset as usize + data.len();
         match region {
-            CONFIG_REGION => self.seen.lock().unwrap().config_writes += 1,
+            CONFIG_REGION => self.seen.lock().unwrap().config_writes.push((offset, data.len())),
             0 if in_msix(offset) => {
                 self.seen.lock().unwrap().msix_accesses += 1;
                 return Err(refused("the MSI-X table and PBA are the client's"));
@@ -617,7 +618,7 @@ fn bar_registers_are_answered_by_the_vmm_as_qemu_emulates_them() {
         assert!(p.config_read(reg, &mut b), "register {reg:#x} not read from the server");
     }
     p.config_write(0x10, &0xffff_ffffu32.to_le_bytes());
-    assert_eq!(seen.lock().unwrap().config_writes, 1, "writes still go to the server");
+    assert_eq!(seen.lock().unwrap().config_writes, [(0x10, 4)], "writes still go to the server");
     drop(p);
     h.join().unwrap();
 }
@@ -635,6 +636,33 @@ fn a_region_info_whose_argsz_the_rust_vmm_server_left_0_is_read_as_its_32_bytes(
     let mut b = [0u8; 4];
     p.bar_read(0, 0x10, &mut b);
     assert_eq!(seen.lock().unwrap().bar_reads, 1);
+    drop(p);
+    h.join().unwrap();
+}
+
+/// A guest that enables MSI-X with one 32-bit write at the capability (iopath's guest did): the
+/// VMM takes MSI-X Enable, and forwards Message Control alone, 16 bits at cap + 2, never the
+/// capability's ID and next pointer, which libvfio-user refuses to have written (EPERM). Other
+/// configuration writes go as they came.
+#[test]
+fn a_dword_write_at_the_msix_capability_reaches_the_server_as_its_message_control_alone() {
+    let (path, seen, h) = Device::new(false).serve();
+    let mut p = connect(&path);
+    let (ctx, fails) = context(Host::new(), Arc::new(NoIoEvents));
+    p.attach(ctx);
+    let ctl = VECTORS - 1;
+    p.config_write(MSIX_CAP, &(0x11 | (0x8000 | ctl) << 16).to_le_bytes());
+    let mut b = [0u8; 2];
+    assert!(p.config_read(MSIX_CAP + 2, &mut b));
+    assert_eq!(u16::from_le_bytes(b) & 0x8000, 0x8000, "MSI-X enabled in the VMM");
+    p.config_write(MSIX_CAP + 2, &(ctl as u16).to_le_bytes()); // off again, 16 bits
+    p.config_write(MSIX_CAP, &[0x11]); // the ID alone: nothing to forward
+    p.config_write(MSIX_CAP + 1, &[0, 0x80]); // next pointer and Message Control's low byte
+    p.config_write(0x04, &0x0006u16.to_le_bytes()); // the command register
+    let w = seen.lock().unwrap().config_writes.clone();
+    let c = MSIX_CAP as u64;
+    assert_eq!(w, [(c + 2, 2), (c + 2, 2), (c + 2, 1), (4, 2)], "forwarded (offset, size)");
+    assert!(fails.lock().unwrap().is_empty(), "{:?}", fails.lock().unwrap());
     drop(p);
     h.join().unwrap();
 }

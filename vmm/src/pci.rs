@@ -54,8 +54,15 @@ pub struct PciHost {
 }
 
 fn host_bridge() -> ConfigSpace {
-    let ids =
-        PciIds { vendor: 0x1b36, device: 0x0008, class: 0x060000, revision: 0, subsystem_vendor: 0, subsystem: 0 };
+    let ids = PciIds {
+        vendor: 0x1b36,
+        device: 0x0008,
+        class: 0x060000,
+        revision: 0,
+        subsystem_vendor: 0,
+        subsystem: 0,
+        interrupt_pin: 0,
+    };
     ConfigSpace::new(ids, &[]).expect("host bridge has no BARs")
 }
 

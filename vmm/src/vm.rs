@@ -221,9 +221,15 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     pio.insert(crate::pci::CONFIG_ADDRESS, 8, host.clone())?;
     let fatal: Fatal = Arc::new(Mutex::new(None));
     let fatal2 = fatal.clone();
+    // The first failure stops the run and is its error (printed once, by
+    // whoever gets it); a later one is only logged.
     let fail: FailFn = Arc::new(move |msg: String| {
-        log::error!("{msg}");
-        fatal2.lock().unwrap().get_or_insert(msg);
+        let mut f = fatal2.lock().unwrap();
+        match f.as_ref() {
+            Some(first) if *first != msg => log::error!("{msg} (after: {first})"),
+            Some(_) => {}
+            None => *f = Some(msg),
+        }
     });
     let mut devices: Vec<(u8, SharedDevice)> = Vec::new();
     let router = crate::irq::GsiRouter::new(m.vm.clone());

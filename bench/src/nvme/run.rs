@@ -269,6 +269,7 @@ impl<'a> Ctx<'a> {
             forecast,
             in_place,
             submit_batch,
+            ..NvmeConfig::default()
         };
         let spec =
             DeviceSpec { device: Device::Model(DeviceConfig::Nvme(config)), remote: tr.map(|t| (t, Endpoint::Spawn)) };

@@ -8,9 +8,6 @@ use std::sync::atomic::Ordering;
 
 /// Asynchronous Event Requests outstanding at most.
 const AERL: usize = 4;
-/// The serial number (Identify Controller SN); the namespace's NGUID and
-/// UUID and the subsystem NQN are derived from it.
-const SERIAL: &[u8; 20] = b"IOPATH0000000000001 ";
 /// Firmware revision (Identify Controller FR, firmware slot 1).
 const FIRMWARE: &[u8; 8] = b"1.0     ";
 /// Admin opcodes implemented (Doorbell Buffer Config, 0x7c, only where shadow
@@ -64,43 +61,6 @@ impl Features {
             async_events: 0,
         }
     }
-}
-
-/// 128 bits derived from the serial number and a label: stable for a
-/// controller, with no randomness (FNV-1a, then two SplitMix64 finalisers).
-fn derived_id(serial: &[u8], label: &[u8]) -> [u8; 16] {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in label.iter().chain(serial) {
-        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-    }
-    let mix = |mut z: u64| {
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
-    let mut id = [0u8; 16];
-    id[..8].copy_from_slice(&mix(h).to_be_bytes());
-    id[8..].copy_from_slice(&mix(h ^ 0x9e37_79b9_7f4a_7c15).to_be_bytes());
-    id
-}
-
-/// The namespace's NGUID (Identify Namespace and its descriptor).
-fn nguid() -> [u8; 16] {
-    derived_id(SERIAL, b"nguid")
-}
-
-/// The namespace's UUID: RFC 9562 version 8 (custom), variant 10b.
-fn uuid() -> [u8; 16] {
-    let mut u = derived_id(SERIAL, b"uuid");
-    u[6] = (u[6] & 0x0f) | 0x80;
-    u[8] = (u[8] & 0x3f) | 0x80;
-    u
-}
-
-/// The NVM Subsystem NVMe Qualified Name (Identify Controller SUBNQN).
-fn subnqn() -> String {
-    let serial = String::from_utf8_lossy(SERIAL);
-    format!("nqn.2026-11.io.iopath:nvme:{}", serial.trim_end())
 }
 
 impl Core {
@@ -298,17 +258,17 @@ impl Core {
                 d[25] = 0; // NLBAF: one format
                 d[26] = 0; // FLBAS: format 0
                 d[33] = 1; // DLFEAT: deallocated blocks read as zeros
-                d[104..120].copy_from_slice(&nguid()); // NGUID; EUI64 (120..128) not reported
+                d[104..120].copy_from_slice(&self.ident.nguid); // NGUID; EUI64 (120..128) not reported
                 d[128 + 2] = self.ns.lba_shift as u8; // LBAF0: MS 0, LBADS, RP 0
             }
             0x01 => {
                 d[0..2].copy_from_slice(&VENDOR.to_le_bytes());
                 d[2..4].copy_from_slice(&VENDOR.to_le_bytes());
-                d[4..24].copy_from_slice(SERIAL);
+                d[4..24].copy_from_slice(&self.ident.serial);
                 d[24..64].copy_from_slice(format!("{:<40}", "iopath NVMe controller").as_bytes());
                 d[64..72].copy_from_slice(FIRMWARE);
                 d[77] = MDTS;
-                d[78..80].copy_from_slice(&1u16.to_le_bytes()); // CNTLID
+                d[78..80].copy_from_slice(&self.ident.cntlid.to_le_bytes()); // CNTLID
                 d[80..84].copy_from_slice(&0x0001_0400u32.to_le_bytes()); // VER 1.4
                 d[111] = 1; // CNTRLTYPE: I/O controller
                 d[256..258].copy_from_slice(&self.oacs().to_le_bytes());
@@ -325,8 +285,9 @@ impl Core {
                 let oncs: u16 = (1 << 2) | (1 << 3); // DSM, Write Zeroes
                 d[520..522].copy_from_slice(&oncs.to_le_bytes());
                 d[525] = 1; // VWC present (Set Features 06h turns it off)
-                let nqn = subnqn();
-                d[768..768 + nqn.len()].copy_from_slice(nqn.as_bytes()); // SUBNQN, NUL-terminated
+                let nqn = self.ident.nqn.as_bytes();
+                let n = nqn.len().min(super::identity::NQN_MAX); // validated: never cut
+                d[768..768 + n].copy_from_slice(&nqn[..n]); // SUBNQN, NUL-terminated
             }
             0x02 => {
                 if c.nsid >= 0xffff_fffe {
@@ -342,7 +303,7 @@ impl Core {
                 }
                 // Namespace Identification Descriptors: NIDT, NIDL, 2 reserved, NID.
                 let mut p = 0;
-                for (nidt, nid) in [(2u8, nguid()), (3, uuid())] {
+                for (nidt, nid) in [(2u8, self.ident.nguid), (3, self.ident.uuid)] {
                     d[p] = nidt;
                     d[p + 1] = nid.len() as u8;
                     d[p + 4..p + 4 + nid.len()].copy_from_slice(&nid);

@@ -32,6 +32,8 @@ pub(super) struct Core {
     pub st: Stats,
     pub smart: Smart,
     pub feat: Features,
+    /// SN, SUBNQN, CNTLID, NGUID, UUID (`identity.rs`).
+    pub ident: super::identity::Identity,
     /// Queue groups (`shards.rs`): this core's group and how many there are.
     pub group: usize,
     pub groups: usize,
@@ -236,6 +238,7 @@ impl Core {
             st: Stats::default(),
             smart: Smart::default(),
             feat: Features::new(),
+            ident: super::identity::Identity::new(&cfg.id),
             group: 0,
             groups: 1,
             shards: Vec::new(),

@@ -130,6 +130,7 @@ pub mod backend;
 mod controller;
 mod doorbells;
 mod forecast;
+pub mod identity;
 mod interrupts;
 mod io;
 #[cfg(any(test, feature = "oracle"))]
@@ -161,8 +162,11 @@ pub const MSIX_VECTORS: usize = MAX_IO_QUEUES as usize + 1;
 /// MSI-X table and PBA offsets in BAR0.
 const MSIX_TABLE: u64 = 0x2000;
 const MSIX_PBA: u64 = 0x3000;
-/// Where the controller asks the host to put its MSI-X capability.
+/// Where the controller asks the host to put its MSI-X capability, then
+/// Power Management and PCI Express (an Endpoint, as NVMe over PCIe wants).
 const MSIX_CAP: usize = 0x40;
+const PM_CAP: usize = 0x50;
+const EXP_CAP: usize = 0x60;
 /// The doorbell registers (and, in `bar` mode, the shared page) in BAR0.
 const DOORBELLS: u64 = 0x1000;
 
@@ -292,6 +296,9 @@ pub struct NvmeConfig {
     /// (`submit_batch=N`, fio's iodepth_batch_submit), or 0: all that a
     /// queue pass fetched at once (see `backend::FileBackend::submit_batch`).
     pub submit_batch: u16,
+    /// `serial=`, `nqn=`, `cntlid=`; what is unset is drawn per controller
+    /// instance (`identity.rs`).
+    pub id: identity::IdentityOptions,
 }
 
 /// Most operations `submit_batch=` may gather: the io_uring's size.
@@ -311,6 +318,7 @@ impl Default for NvmeConfig {
             forecast: true,
             in_place: InPlace::Auto,
             submit_batch: 0,
+            id: identity::IdentityOptions::default(),
         }
     }
 }
@@ -359,7 +367,7 @@ impl NvmeConfig {
                 "several pollers need backend=null or ram (a file namespace has one io_uring)".into(),
             );
         }
-        Ok(())
+        self.id.validate()
     }
 }
 
@@ -376,8 +384,10 @@ pub struct Nvme {
 }
 
 impl Nvme {
-    pub fn new(cfg: NvmeConfig) -> Result<Self> {
+    pub fn new(mut cfg: NvmeConfig) -> Result<Self> {
         cfg.validate()?;
+        // One identity for the controller's life, its queue groups included.
+        cfg.id = cfg.id.resolved();
         let mut backend = if cfg.pollers > 1 { Backend::Null } else { Backend::open(&cfg.backend, cfg.size)? };
         if let Backend::File(f) = &mut backend {
             f.in_place = cfg.in_place;
@@ -435,6 +445,7 @@ impl DeviceModel for Nvme {
             revision: 0,
             subsystem_vendor: VENDOR,
             subsystem: DEVICE,
+            interrupt_pin: 0, // MSI-X only
         }
     }
 
@@ -487,7 +498,8 @@ impl DeviceModel for Nvme {
     }
 
     fn capabilities(&self) -> Vec<crate::pci::Capability> {
-        vec![self.core.lock().unwrap().intr.msix.capability()]
+        let msix = self.core.lock().unwrap().intr.msix.capability();
+        vec![msix, crate::pci::caps::power_management(PM_CAP), crate::pci::caps::express_endpoint(EXP_CAP)]
     }
 
     fn config_write(&self, offset: usize, data: &[u8]) {

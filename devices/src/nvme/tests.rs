@@ -766,6 +766,47 @@ impl Drv {
     }
 }
 
+/// `serial=`, `nqn=`, `cntlid=` as Identify Controller reports them, and
+/// the namespace ids they give: the same options, the same ids.
+#[test]
+fn identify_reports_the_identity_options() {
+    let id = |serial: &str, nqn: &str, cntlid: u16| identity::IdentityOptions {
+        serial: Some(serial.into()),
+        nqn: Some(nqn.into()),
+        cntlid: Some(cntlid),
+    };
+    let nqn = "nqn.2014-08.com.example:nvme:disk-7";
+    let cfg = |id| NvmeConfig { id, ..mmio(BackendKind::Null) };
+    let mut d = Drv::new(cfg(id("SN-0042", nqn, 0x1234)));
+    let (st, ctrl) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
+    assert_eq!(st, 0);
+    assert_eq!(&ctrl[4..24], b"SN-0042             ", "SN, space padded");
+    assert_eq!(u16::from_le_bytes([ctrl[78], ctrl[79]]), 0x1234, "CNTLID");
+    assert_eq!(&ctrl[768..768 + nqn.len()], nqn.as_bytes(), "SUBNQN");
+    assert!(ctrl[768 + nqn.len()..1024].iter().all(|&b| b == 0), "NUL-terminated, zero filled");
+    let list = d.admin_data(0x06, 1, [3, 0, 0, 0], 4096).1;
+    let (nguid, uuid) = (list[4..20].to_vec(), list[24..40].to_vec());
+    assert_eq!((list[0], list[1], list[20], list[21]), (2, 16, 3, 16), "NGUID then UUID descriptors");
+    assert_eq!((uuid[6] >> 4, uuid[8] >> 6), (8, 0b10), "an RFC 9562 version 8 UUID");
+    // Another instance with the same serial and NQN: the same namespace ids
+    // (another CNTLID is the host's business); another serial: others.
+    let mut e = Drv::new(cfg(id("SN-0042", nqn, 2)));
+    assert_eq!(e.admin_data(0x06, 1, [3, 0, 0, 0], 4096).1, list);
+    let mut f = Drv::new(cfg(id("SN-0043", nqn, 2)));
+    let l = f.admin_data(0x06, 1, [3, 0, 0, 0], 4096).1;
+    assert!(l[4..20] != nguid[..] && l[24..40] != uuid[..]);
+    // A 223-byte NQN fills the field up to its terminating NUL.
+    let long = format!("nqn.2014-08.com.example:{}", "n".repeat(223 - 24));
+    let mut g = Drv::new(cfg(id("X", &long, 1)));
+    let ctrl = g.admin_data(0x06, 0, [1, 0, 0, 0], 4096).1;
+    assert_eq!(&ctrl[768..768 + 223], long.as_bytes());
+    assert!(ctrl[768 + 223..1024].iter().all(|&b| b == 0));
+    // Invalid options never make a controller.
+    assert!(Nvme::new(cfg(id("", nqn, 1))).is_err());
+    assert!(Nvme::new(cfg(id("S", "nqn.x", 1))).is_err());
+    assert!(Nvme::new(cfg(id("S", nqn, 0))).is_err());
+}
+
 #[test]
 fn identify_gives_namespace_descriptors_a_subsystem_nqn_and_matching_namespace_ids() {
     let mut d = Drv::new(mmio(BackendKind::Null));
@@ -797,9 +838,19 @@ fn identify_gives_namespace_descriptors_a_subsystem_nqn_and_matching_namespace_i
     assert_eq!(st, 0);
     assert_eq!(&ns[104..120], &nguid[..], "NGUID as in the descriptor");
     assert_eq!(&ns[120..128], &[0u8; 8], "EUI64 not reported");
-    // Stable: another controller instance with the same serial number reports the same ids.
+    // Stable for the instance: asked again, the same ids.
+    assert_eq!(d.admin_data(0x06, 1, [3, 0, 0, 0], 4096).1, list);
+    assert_eq!(d.admin_data(0x06, 0, [1, 0, 0, 0], 4096).1, ctrl);
+    // Another instance with no identity options is another controller: SN,
+    // SUBNQN, NGUID and UUID differ (Linux refuses a second controller of one
+    // subsystem with the same CNTLID, and merges namespaces with one NGUID).
     let mut e = Drv::new(mmio(BackendKind::Null));
-    assert_eq!(e.admin_data(0x06, 1, [3, 0, 0, 0], 4096).1, list);
+    let other = e.admin_data(0x06, 0, [1, 0, 0, 0], 4096).1;
+    assert_ne!(other[4..24], ctrl[4..24], "SN");
+    assert_ne!(other[768..1024], ctrl[768..1024], "SUBNQN");
+    let other_list = e.admin_data(0x06, 1, [3, 0, 0, 0], 4096).1;
+    assert_ne!(other_list[4..20], list[4..20], "NGUID");
+    assert_ne!(other_list[24..40], list[24..40], "UUID");
     // Only namespace 1 exists; the active namespace list refuses the reserved ids.
     assert_eq!(d.admin(0x06, 2, DATA, 0, [3, 0, 0, 0]).1, status::INVALID_NAMESPACE);
     assert_eq!(d.admin(0x06, 0xffff_ffff, DATA, 0, [3, 0, 0, 0]).1, status::INVALID_NAMESPACE);

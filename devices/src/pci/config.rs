@@ -12,18 +12,22 @@ pub struct ConfigSpace {
     regs: [u8; CONFIG_SIZE],
     wmask: [u8; CONFIG_SIZE],
     bars: [Option<BarSpec>; 6],
+    /// The Power Management capability's offset, if there is one: a write
+    /// of a power state its PMC does not offer is ignored.
+    pm: Option<usize>,
 }
 
 impl ConfigSpace {
     /// Builds the header for `ids` and `bars`. BAR sizes must be powers of two
     /// (at least 16 bytes for memory, 4 for I/O); a 64-bit BAR takes two slots.
     pub fn new(ids: PciIds, bars: &[BarSpec]) -> Result<Self> {
-        let mut c = ConfigSpace { regs: [0; CONFIG_SIZE], wmask: [0; CONFIG_SIZE], bars: [None; 6] };
+        let mut c = ConfigSpace { regs: [0; CONFIG_SIZE], wmask: [0; CONFIG_SIZE], bars: [None; 6], pm: None };
         c.put16(0x00, ids.vendor);
         c.put16(0x02, ids.device);
         c.put32(0x08, (ids.class << 8) | ids.revision as u32);
         c.put16(0x2c, ids.subsystem_vendor);
         c.put16(0x2e, ids.subsystem);
+        c.regs[PCI_INTERRUPT_LINE + 1] = ids.interrupt_pin;
         c.put16(PCI_STATUS, 0x0000); // status: no capabilities list yet
         let cmd_mask = PCI_COMMAND_IO | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER | PCI_COMMAND_INTX_DISABLE;
         c.wmask[PCI_COMMAND..PCI_COMMAND + 2].copy_from_slice(&cmd_mask.to_le_bytes());
@@ -99,6 +103,7 @@ impl ConfigSpace {
     /// Writes through the write mask; returns what changed.
     pub fn write(&mut self, offset: usize, data: &[u8]) -> ConfigChange {
         let mut change = ConfigChange::default();
+        let power_state = self.pm.map_or(0, |pm| self.regs[pm + 4] & 3);
         for (i, &v) in data.iter().enumerate() {
             let Some(o) = offset.checked_add(i).filter(|&o| o < CONFIG_SIZE) else {
                 break;
@@ -110,7 +115,46 @@ impl ConfigSpace {
             }
             self.regs[o] = new;
         }
+        self.keep_power_state(offset, data.len(), power_state);
         change
+    }
+
+    /// A write of PowerState (PMCSR bits 1:0) that names a state PMC does not
+    /// offer (D1, D2) completes but changes nothing (PCI PM 1.2).
+    fn keep_power_state(&mut self, offset: usize, len: usize, before: u8) {
+        let Some(pm) = self.pm else { return };
+        let at = pm + 4;
+        if !(offset..offset.saturating_add(len)).contains(&at) {
+            return;
+        }
+        let pmc = u16::from_le_bytes([self.regs[pm + 2], self.regs[pm + 3]]);
+        let offered = match self.regs[at] & 3 {
+            1 => pmc & super::caps::PMC_D1 != 0,
+            2 => pmc & super::caps::PMC_D2 != 0,
+            _ => true,
+        };
+        if !offered {
+            self.regs[at] = (self.regs[at] & !3) | before;
+        }
+    }
+
+    /// The offset of the first capability with `id`, walking the list as a
+    /// guest does (bounded: a loop ends it).
+    pub fn find_capability(&self, id: u8) -> Option<usize> {
+        if self.regs[PCI_STATUS] & PCI_STATUS_CAP_LIST == 0 {
+            return None;
+        }
+        let mut p = (self.regs[PCI_CAPABILITY_LIST] & 0xfc) as usize;
+        for _ in 0..48 {
+            if p < PCI_CAP_START {
+                return None;
+            }
+            if self.regs[p] == id {
+                return Some(p);
+            }
+            p = (self.regs[p + 1] & 0xfc) as usize;
+        }
+        None
     }
 
     /// Programs a BAR's address directly (firmware-style placement).
@@ -171,6 +215,7 @@ impl ConfigSpace {
             self.regs[at + 2..at + len].copy_from_slice(&c.body);
             self.wmask[at + 2..at + 2 + c.wmask.len()].copy_from_slice(&c.wmask);
         }
+        self.pm = order.iter().find(|c| c.id == super::caps::PCI_CAP_ID_PM && c.body.len() >= 4).map(|c| c.offset);
         self.regs[PCI_CAPABILITY_LIST] = order[0].offset as u8;
         self.regs[PCI_STATUS] |= PCI_STATUS_CAP_LIST;
         Ok(())
@@ -277,7 +322,15 @@ mod tests {
     }
 
     fn ids() -> PciIds {
-        PciIds { vendor: 0x1b36, device: 0x0005, class: 0xff0000, revision: 1, subsystem_vendor: 0, subsystem: 0 }
+        PciIds {
+            vendor: 0x1b36,
+            device: 0x0005,
+            class: 0xff0000,
+            revision: 1,
+            subsystem_vendor: 0,
+            subsystem: 0,
+            interrupt_pin: 0,
+        }
     }
 
     fn rd32(c: &ConfigSpace, off: usize) -> u32 {

@@ -3,11 +3,13 @@
 //!
 //! Neither knows buses. The host (the VMM's PCI host, a device process)
 //! builds a [`ConfigSpace`] from a model's ids, BARs and [`Capability`]s,
+//! (the PCI Express and Power Management ones in `caps.rs`)
 //! and reads the decoded BAR placements from [`ConfigSpace::bar_placement`]
 //! after each write. A capability says where it sits
 //! ([`Capability::offset`]): the model and the host agree on its offset
 //! through that value, never through a constant kept in two places.
 
+pub mod caps;
 mod config;
 mod msix;
 

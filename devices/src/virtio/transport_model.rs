@@ -17,6 +17,7 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
             revision: 1,
             subsystem_vendor: crate::virtio::pci::VENDOR,
             subsystem: 0x1100,
+            interrupt_pin: 1, // INTx while MSI-X is off (`transport.rs`)
         }
     }
 

@@ -28,18 +28,18 @@ pub struct MpqemuProxy {
     requests: u64,
 }
 
+const NO_IDS: PciIds =
+    PciIds { vendor: 0, device: 0, class: 0, revision: 0, subsystem_vendor: 0, subsystem: 0, interrupt_pin: 0 };
+
 impl MpqemuProxy {
     /// Probes the remote device's identity and BARs over `sock`, the way
     /// QEMU's proxy does (configuration reads, BAR sizing).
     pub fn connect(sock: UnixStream, child: Option<DeviceProcess>) -> Result<Self> {
         let mut p = MpqemuProxy {
             peer: Peer::new(sock, "mpqemu", child),
-            ids: PciIds { vendor: 0xffff, device: 0xffff, class: 0, revision: 0, subsystem_vendor: 0, subsystem: 0 },
+            ids: PciIds { vendor: 0xffff, device: 0xffff, ..NO_IDS },
             bars: Vec::new(),
-            shadow: ConfigSpace::new(
-                PciIds { vendor: 0, device: 0, class: 0, revision: 0, subsystem_vendor: 0, subsystem: 0 },
-                &[],
-            )?,
+            shadow: ConfigSpace::new(NO_IDS, &[])?,
             requests: 0,
         };
         let id = p.cfg_read(0, 4)?;
@@ -55,6 +55,7 @@ impl MpqemuProxy {
             revision: class as u8,
             subsystem_vendor: sub as u16,
             subsystem: (sub >> 16) as u16,
+            interrupt_pin: 0, // the VMM routes INTx of every slot (`vmm::pci`)
         };
         let mut i = 0u8;
         while i < 6 {

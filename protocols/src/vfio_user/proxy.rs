@@ -19,7 +19,10 @@
 //! Deployed servers differ from the spec and from each other; what the
 //! proxy does about it: GET_REGION_IO_FDS only to servers at minor >= 1
 //! (see `connect`), both io fd entry layouts (`wire::io_fds`), optional
-//! steps of the attach whose error replies are logged.
+//! steps of the attach whose error replies are logged, configuration writes
+//! forwarded without the bytes of a capability's ID and next pointer
+//! (libvfio-user refuses a write that touches them: MSI-X Enable goes as
+//! Message Control alone, 16 bits at cap + 2).
 //!
 //! An error reply is the answer to one request (a BAR read gives all-ones,
 //! a write is dropped; both are counted); any other error ends the peer
@@ -80,6 +83,10 @@ pub struct VfioUserProxy {
     areas: Vec<MappedArea>,
     /// The server may be asked GET_REGION_IO_FDS (see `connect`).
     ask_io_fds: bool,
+    /// Where the server's capabilities start (each one's ID and next
+    /// pointer): read-only, and a write that touches them is refused whole
+    /// by libvfio-user (EPERM), so they are never forwarded.
+    cap_headers: Vec<usize>,
     irq: Option<Arc<dyn Interrupts>>,
 }
 
@@ -93,7 +100,42 @@ fn pci_ids(cfg: &[u8]) -> PciIds {
         revision: class as u8,
         subsystem_vendor: u16_at(0x2c),
         subsystem: u16_at(0x2e),
+        interrupt_pin: cfg[0x3d],
     }
+}
+
+/// The offsets of the capabilities in a configuration header, walked from
+/// the capability pointer (at most 48, each in 0x40..0x100; a loop ends it).
+fn capability_offsets(cfg: &[u8]) -> Vec<usize> {
+    let mut out = Vec::new();
+    if cfg.get(0x06).is_none_or(|s| s & 0x10 == 0) {
+        return out;
+    }
+    let mut p = cfg.get(0x34).map_or(0, |&b| (b & 0xfc) as usize);
+    while p >= 0x40 && p + 1 < cfg.len() && out.len() < 48 && !out.contains(&p) {
+        out.push(p);
+        p = (cfg[p + 1] & 0xfc) as usize;
+    }
+    out
+}
+
+/// The runs of a configuration write at `offset` that touch no
+/// capability's first two bytes: (offset, bytes) each. An aligned access
+/// leaves one run at most (a capability starts a dword).
+fn without_cap_headers<'a>(headers: &[usize], offset: usize, data: &'a [u8]) -> Vec<(usize, &'a [u8])> {
+    let header = |i: &usize| headers.iter().any(|&h| (h..h + 2).contains(&(offset + i)));
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < data.len() {
+        if header(&i) {
+            i += 1;
+            continue;
+        }
+        let end = (i..data.len()).find(header).unwrap_or(data.len());
+        runs.push((offset + i, &data[i..end]));
+        i = end;
+    }
+    runs
 }
 
 /// True if the eventfd held a signal, which is taken (its counter goes back
@@ -142,6 +184,7 @@ impl VfioUserProxy {
             error_replies: 0,
             areas: Vec::new(),
             ask_io_fds: false,
+            cap_headers: Vec::new(),
             irq: None,
         };
         let caps = Capabilities { max_msg_fds: MAX_FDS, ..Capabilities::default() };
@@ -173,6 +216,7 @@ impl VfioUserProxy {
         }
         let cfg = p.region_read(PCI_CONFIG_REGION_INDEX, 0, CONFIG_REGION_SIZE as u32)?;
         p.ids = pci_ids(&cfg);
+        p.cap_headers = capability_offsets(&cfg);
         let msix_count = p.irq_count(PCI_MSIX_IRQ_INDEX)?;
         p.msix = MsixTable::find(&cfg, msix_count);
         p.msix_reset = p.msix.clone();
@@ -643,7 +687,12 @@ impl DeviceModelMut for VfioUserProxy {
 
     fn config_write(&mut self, offset: usize, data: &[u8]) {
         self.msix_control_write(offset, data);
-        let _ = self.region_write(PCI_CONFIG_REGION_INDEX, offset as u64, data);
+        // Without the bytes of a capability's ID and next pointer (a guest
+        // that enables MSI-X with a dword write at the capability sends its
+        // Message Control alone, 16 bits at cap + 2, as libvfio-user takes it).
+        for (at, bytes) in without_cap_headers(&self.cap_headers.clone(), offset, data) {
+            let _ = self.region_write(PCI_CONFIG_REGION_INDEX, at as u64, bytes);
+        }
     }
 
     fn reset(&mut self) {

@@ -232,13 +232,28 @@ fn set_irqs_hands_intx_to_the_device_process_and_dma_map_its_ram() {
     let irq2 = irq.clone();
     let h = std::thread::spawn(move || VfioUserServer::new(testdev(), irq2, IoFds::IoEventFds).session(&b, "test"));
     let mut p = VfioUserProxy::connect(a, None).unwrap();
-    let (ctx, trigger) = vmm_context();
+    let (ctx, _) = vmm_context();
     let recorder = Arc::new(Recorder::default());
     let mut ctx = ctx;
     ctx.ioevents = recorder.clone();
     p.attach(ctx);
     assert!(p.peer.dead.is_none(), "{:?}", p.peer.dead);
     assert_eq!(recorder.0.lock().unwrap().len(), 4, "the announced ioeventfds went to KVM's registrar");
+    // pci-testdev has no Interrupt Pin: the server offers no INTx, the proxy hands none over.
+    assert!(irq.intx_eventfds().is_none(), "INTx fds for a device without INTx");
+    drop(p);
+    h.join().unwrap().unwrap();
+    // virtio-blk has INTA#: its INTx eventfds reach the device process.
+    let (a, b) = UnixStream::pair().unwrap();
+    let irq = IrqLines::new();
+    let irq2 = irq.clone();
+    let dev = "virtio-blk,backend=null".parse::<DeviceConfig>().unwrap().build().unwrap();
+    let f = Arc::new(Mutex::new(PciFunction::new(dev).unwrap()));
+    let h = std::thread::spawn(move || VfioUserServer::new(f, irq2, IoFds::IoEventFds).session(&b, "test"));
+    let mut p = VfioUserProxy::connect(a, None).unwrap();
+    let (ctx, trigger) = vmm_context();
+    p.attach(ctx);
+    assert!(p.peer.dead.is_none(), "{:?}", p.peer.dead);
     device_intx_reaches(&irq, &trigger);
     drop(p);
     h.join().unwrap().unwrap();

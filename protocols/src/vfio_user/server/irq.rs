@@ -1,6 +1,9 @@
-//! Interrupts: GET_IRQ_INFO and SET_IRQS. INTx is one vector: a trigger
-//! eventfd, with or without an unmask (resample) eventfd, mask and unmask by
-//! value, and trigger by value. MSI-X has the vectors the device's
+//! Interrupts: GET_IRQ_INFO and SET_IRQS. INTx is one vector where the
+//! function's Interrupt Pin is set (none otherwise, as kernel VFIO): a
+//! trigger eventfd, with or without an unmask (resample) eventfd, mask and
+//! unmask by value, and trigger by value; automasked as kernel VFIO's (an
+//! assertion masks it until the client unmasks, a device reset included;
+//! `iopath_devices::irq`). MSI-X has the vectors the device's
 //! capability declares, as eventfds the client gives (it keeps the table and
 //! masks vectors itself, as QEMU does) or triggered by value; MSI, ERR and
 //! REQ have none.
@@ -12,6 +15,9 @@ use crate::vfio_user::Received;
 use crate::{Error, Result};
 use std::sync::atomic::Ordering;
 use vmm_sys_util::eventfd::EventFd;
+
+/// The Interrupt Pin register in configuration space.
+const PCI_INTERRUPT_PIN: usize = 0x3d;
 
 /// SET_IRQS's fixed part; `count` bools follow it with DATA_BOOL, nothing
 /// otherwise.
@@ -25,7 +31,7 @@ impl Session<'_> {
         let (flags, count) = match q.index {
             // Mask and unmask by value, an unmask eventfd (no mask eventfd,
             // as in kernel VFIO); the client unmasks after each assertion.
-            PCI_INTX_IRQ_INDEX => (IRQ_INFO_EVENTFD | IRQ_INFO_MASKABLE | IRQ_INFO_AUTOMASKED, 1),
+            PCI_INTX_IRQ_INDEX => (IRQ_INFO_EVENTFD | IRQ_INFO_MASKABLE | IRQ_INFO_AUTOMASKED, self.intx_count()),
             // Not MASKABLE: the client masks vectors in its own copy of the
             // table (QEMU does). Not NORESIZE: a vector's eventfd may come
             // alone at any time, so QEMU adds vectors without first tearing
@@ -65,8 +71,9 @@ impl Session<'_> {
             irq.clear_intx();
             return Ok(());
         }
-        if q.start + q.count > 1 {
-            return Err(Error::protocol(format!("INTx has 1 vector, not {}..{}", q.start, q.start + q.count)));
+        let n = self.intx_count();
+        if q.start + q.count > n {
+            return Err(Error::protocol(format!("INTx has {n} vectors, not {}..{}", q.start, q.start + q.count)));
         }
         if q.count == 0 {
             return Ok(());
@@ -85,13 +92,10 @@ impl Session<'_> {
             return Ok(());
         }
         match action {
-            IRQ_SET_ACTION_MASK => irq.mask_intx(true),
+            IRQ_SET_ACTION_MASK => irq.mask_intx(),
             // INTx is automasked: the client unmasks after each assertion
             // (after the guest's EOI), and a line still high asserts again.
-            IRQ_SET_ACTION_UNMASK => {
-                irq.mask_intx(true);
-                irq.mask_intx(false);
-            }
+            IRQ_SET_ACTION_UNMASK => irq.unmask_intx(),
             _ => {
                 if let Some(t) = &self.intx.0 {
                     if t.write(1).is_ok() {
@@ -101,6 +105,13 @@ impl Session<'_> {
             }
         }
         Ok(())
+    }
+
+    /// INTx vectors: 1 if the function's Interrupt Pin is set, else 0.
+    fn intx_count(&self) -> u32 {
+        let mut pin = [0u8];
+        self.srv.function().config_read(PCI_INTERRUPT_PIN, &mut pin);
+        (pin[0] != 0) as u32
     }
 
     /// Connects INTx to the eventfds the client gave. With a trigger alone

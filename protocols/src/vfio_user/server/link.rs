@@ -13,9 +13,13 @@
 //! sender, so they may equal the client's).
 //!
 //! Every wait is bounded ([`DMA_TIMEOUT`] by default): a client that does not
-//! answer makes the access fail (counted as `dma.timeouts`), and its late
-//! reply is dropped. When the session ends, every waiter fails at once and
-//! later requests fail without a message.
+//! answer makes the access fail (counted as `dma.timeouts`), and the session
+//! is dead for DMA from then on: every request still waiting and every later
+//! one fails at once (the device's commands get errors), the socket is shut
+//! down and the session ends with a log line saying why. So a client that
+//! stops answering costs one deadline, not one per queued command. A late
+//! reply that still comes is dropped. When the session ends, every waiter
+//! fails at once and later requests fail without a message.
 //!
 //! Deadlock note (QEMU): QEMU answers DMA requests from its main loop, which
 //! needs the big lock, and a vCPU holds that lock while it waits for the
@@ -79,6 +83,9 @@ impl DmaStats {
 struct Pending {
     /// The session is over: nothing waits, nothing is sent.
     closed: bool,
+    /// A request went unanswered past its deadline: why. Nothing waits and
+    /// nothing is sent from then on (the session ends).
+    dead: Option<String>,
     waiting: HashMap<u16, SyncSender<Received>>,
     late: VecDeque<u16>,
 }
@@ -176,13 +183,40 @@ impl Link {
         p.waiting.clear();
     }
 
+    /// Why the session is dead for DMA, if it is: a request went unanswered
+    /// past its deadline.
+    pub fn dead(&self) -> Option<String> {
+        lock(&self.pending).dead.clone()
+    }
+
+    /// A request went unanswered past its deadline: the session is dead for
+    /// DMA. The requests still waiting fail now, later ones at once, and the
+    /// socket is shut down, which ends the session (its reader sees the end
+    /// of the stream, its handler [`dead`](Self::dead)'s reason).
+    fn give_up(&self, p: &mut Pending, why: &str) {
+        log::error!(
+            "vfio-user {}: {why}: the session is dead for DMA (every later DMA request fails at once, the \
+             device's commands get errors) and ends",
+            self.peer
+        );
+        p.dead = Some(why.to_string());
+        p.waiting.clear();
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
+
     /// Sends a request about `n` bytes at `gpa` and waits for its reply, at
     /// most the link's timeout.
     fn request(&self, cmd: Command, payload: &[u8], gpa: u64, n: usize) -> Result<Received, MemError> {
-        let gone = || self.failed(gpa, n, "the client has left".into());
+        let gone = || match self.dead() {
+            Some(why) => self.failed(gpa, n, why),
+            None => self.failed(gpa, n, "the client has left".into()),
+        };
         let (tx, rx) = sync_channel(1);
         let id = {
             let mut p = lock(&self.pending);
+            if let Some(why) = &p.dead {
+                return Err(self.failed(gpa, n, why.clone()));
+            }
             if p.closed {
                 return Err(gone());
             }
@@ -213,8 +247,9 @@ impl Link {
                     }
                     p.late.push_back(id);
                     self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
-                    log::warn!("vfio-user {}: no reply to {cmd:?} {id} in {:?}", self.peer, self.timeout);
-                    return Err(self.failed(gpa, n, format!("no reply to {cmd:?} in {:?}", self.timeout)));
+                    let why = format!("the client did not answer {cmd:?} {id} within {:?}", self.timeout);
+                    self.give_up(&mut p, &why);
+                    return Err(self.failed(gpa, n, why));
                 }
             }
             Err(RecvTimeoutError::Disconnected) => return Err(gone()),

@@ -290,22 +290,32 @@ impl Session<'_> {
             if m.hdr.no_reply() {
                 continue;
             }
-            match reply {
+            let sent = match reply {
                 Reply::Data(p, fds) => {
                     let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
-                    self.link.send(&wire::reply(&m.hdr, &p), &raw)?
+                    self.link.send(&wire::reply(&m.hdr, &p), &raw)
                 }
-                Reply::Error(errno) => self.link.send(&error_reply(&m.hdr, errno), &[])?,
-            }
+                Reply::Error(errno) => self.link.send(&error_reply(&m.hdr, errno), &[]),
+            };
+            sent.map_err(|e| self.or_dead(e))?;
         }
         Ok(())
+    }
+
+    /// The reason the session ends: the link's, if a DMA request went
+    /// unanswered (it shut the socket down), else `e`.
+    fn or_dead(&self, e: Error) -> Error {
+        self.link.dead().map_or(e, Error::protocol)
     }
 
     /// The next command: off the socket, or from the reader thread once one
     /// runs. None: the client left.
     fn next(&mut self) -> Result<Option<Received>> {
         if let Some((commands, _)) = &self.reader {
-            return commands.recv().map_or(Ok(None), |m| m.map(Some));
+            return match commands.recv() {
+                Ok(m) => m.map(Some).map_err(|e| self.or_dead(e)),
+                Err(_) => self.link.dead().map_or(Ok(None), |why| Err(Error::protocol(why))),
+            };
         }
         let Some(m) = recv(self.sock)? else { return Ok(None) };
         if m.hdr.is_reply() {

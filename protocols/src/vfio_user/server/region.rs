@@ -142,11 +142,24 @@ enum Access<'a> {
 fn region_size(f: &PciFunction, index: u32) -> Option<u64> {
     match index {
         0..=5 => Some(f.config.bar_specs().find(|b| b.index as u32 == index).map_or(0, |b| b.size)),
-        PCI_CONFIG_REGION_INDEX => Some(CONFIG_REGION_SIZE),
+        PCI_CONFIG_REGION_INDEX => Some(config_region_size(f)),
         PCI_ROM_REGION_INDEX | PCI_VGA_REGION_INDEX => Some(0),
         _ => None,
     }
 }
+
+/// The configuration region: 4 KiB for a PCI Express function (extended
+/// configuration space; with no extended capability, reads past the header
+/// give 0, a 0 header at 0x100 ending an empty list), 256 bytes otherwise.
+fn config_region_size(f: &PciFunction) -> u64 {
+    match f.config.find_capability(iopath_devices::pci::caps::PCI_CAP_ID_EXP) {
+        Some(_) => PCIE_CONFIG_REGION_SIZE,
+        None => CONFIG_REGION_SIZE,
+    }
+}
+
+/// A PCI Express function's configuration space.
+const PCIE_CONFIG_REGION_SIZE: u64 = 4096;
 
 /// A region access, checked against the region: BARs take 1/2/4/8-byte
 /// accesses; config space any length, split into naturally aligned pieces.

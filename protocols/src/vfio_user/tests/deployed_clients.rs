@@ -449,9 +449,76 @@ fn the_version_reply_is_a_subset_of_what_the_client_proposed() {
     h.join().unwrap().unwrap();
 }
 
+/// GET_IRQ_INFO offers INTx only where the Interrupt Pin is set, as kernel
+/// VFIO does: pci-testdev has none (as QEMU's), virtio-blk INTA#; a device
+/// without one takes no INTx vector, but may have it disabled.
+#[test]
+fn intx_is_offered_where_the_interrupt_pin_is_set() {
+    for (dev, pin) in [("pci-testdev", 0u8), ("nvme,doorbell=mmio,backend=null", 0), ("virtio-blk,backend=null", 1)] {
+        let (mut c, _, h) = serve(dev);
+        c.version();
+        let q = RegionAccess { offset: 0x3c, region: PCI_CONFIG_REGION_INDEX, count: 4 };
+        let r = c.ok(Command::RegionRead, &q.to_bytes(), &[]);
+        let (_, cfg) = RegionAccess::parse_with_data(&r.payload).unwrap();
+        assert_eq!(cfg[1], pin, "{dev}: Interrupt Pin");
+        let r = c.ok(Command::DeviceGetIrqInfo, &IrqInfo::request(PCI_INTX_IRQ_INDEX).to_bytes(), &[]);
+        let info = IrqInfo::parse(&r.payload).unwrap();
+        assert_eq!(info.count, pin as u32, "{dev}: INTx vectors");
+        assert_eq!(info.flags, IRQ_INFO_EVENTFD | IRQ_INFO_MASKABLE | IRQ_INFO_AUTOMASKED, "{dev}");
+        let trig = EventFd::new(EFD_NONBLOCK).unwrap();
+        let set = c.set_irqs(
+            IRQ_SET_DATA_EVENTFD | IRQ_SET_ACTION_TRIGGER,
+            PCI_INTX_IRQ_INDEX,
+            0,
+            1,
+            &[],
+            &[trig.as_raw_fd()],
+        );
+        assert_eq!(set.hdr.is_error(), pin == 0, "{dev}: a trigger eventfd for INTx");
+        let off = c.set_irqs(IRQ_SET_DATA_NONE | IRQ_SET_ACTION_TRIGGER, PCI_INTX_IRQ_INDEX, 0, 0, &[], &[]);
+        assert!(!off.hdr.is_error(), "{dev}: disabling INTx");
+        drop(c);
+        h.join().unwrap().unwrap();
+    }
+}
+
+/// INTx is automasked (GET_IRQ_INFO says so): an assertion masks it until
+/// the client unmasks, and a device reset does not unmask it, as kernel
+/// VFIO keeps its mask across VFIO_DEVICE_RESET. Trigger, reset, trigger:
+/// no second signal until UNMASK.
+#[test]
+fn intx_stays_masked_after_an_assertion_until_unmasked_across_a_device_reset() {
+    let (mut c, irq, h) = serve("virtio-blk,backend=null");
+    c.version();
+    let trig = EventFd::new(EFD_NONBLOCK).unwrap();
+    let (efd, none) = (IRQ_SET_DATA_EVENTFD, IRQ_SET_DATA_NONE);
+    let (trigger, unmask) = (IRQ_SET_ACTION_TRIGGER, IRQ_SET_ACTION_UNMASK);
+    assert!(!c.set_irqs(efd | trigger, PCI_INTX_IRQ_INDEX, 0, 1, &[], &[trig.as_raw_fd()]).hdr.is_error());
+    Interrupts::set_intx(&*irq, true);
+    assert!(signalled(&trig), "the first assertion");
+    assert!(irq.intx_masked(), "automasked");
+    c.ok(Command::DeviceReset, &[], &[]);
+    Interrupts::set_intx(&*irq, false); // the reset lowered the line
+    Interrupts::set_intx(&*irq, true); // and the device raises it again
+    assert!(!signalled(&trig), "masked since the first assertion, reset or not: no signal before UNMASK");
+    assert!(!c.set_irqs(none | unmask, PCI_INTX_IRQ_INDEX, 0, 1, &[], &[]).hdr.is_error());
+    assert!(signalled(&trig), "unmasked while high: signalled, once");
+    assert!(!signalled(&trig));
+    Interrupts::set_intx(&*irq, false);
+    Interrupts::set_intx(&*irq, true);
+    assert!(!signalled(&trig), "masked again by the re-assertion on unmask");
+    Interrupts::set_intx(&*irq, false);
+    assert!(!c.set_irqs(none | unmask, PCI_INTX_IRQ_INDEX, 0, 1, &[], &[]).hdr.is_error());
+    assert!(!signalled(&trig) && !irq.intx_masked(), "unmasked while low: nothing to signal");
+    Interrupts::set_intx(&*irq, true);
+    assert!(signalled(&trig), "unmasked: the next assertion signals");
+    drop(c);
+    h.join().unwrap().unwrap();
+}
+
 #[test]
 fn intx_with_a_trigger_eventfd_only_and_by_value_actions() {
-    let (mut c, irq, h) = serve("pci-testdev");
+    let (mut c, irq, h) = serve("virtio-blk,backend=null");
     c.version();
     let trig = EventFd::new(EFD_NONBLOCK).unwrap();
     let t = [trig.as_raw_fd()];
@@ -568,4 +635,31 @@ fn nvme_ioeventfd_doorbells_are_announced_before_any_queue_on_one_fd() {
     assert_eq!(offsets, want, "SQ tail and CQ head of every I/O queue, no admin doorbell");
     drop(c);
     h.join().unwrap().unwrap();
+}
+
+/// The NVMe function is PCI Express: a 4 KiB configuration region whose extended space reads 0
+/// (a 0 header at 0x100: no extended capability), accesses past it refused; a conventional
+/// function (pci-testdev) keeps 256 bytes.
+#[test]
+fn an_express_function_has_a_4k_configuration_region_reading_0_past_the_header() {
+    for (dev, size) in [("nvme,doorbell=mmio,backend=null", 4096u64), ("pci-testdev", 256)] {
+        let (mut c, _, h) = serve(dev);
+        c.version();
+        let q = RegionInfo::request(PCI_CONFIG_REGION_INDEX, 32);
+        let r = c.ok(Command::DeviceGetRegionInfo, &q.to_bytes(), &[]);
+        let info = RegionInfoReply::parse(&r.payload).unwrap().info;
+        assert_eq!(info.size, size, "{dev}: configuration region size");
+        let read = |c: &mut Client, offset: u64| {
+            let q = RegionAccess { offset, region: PCI_CONFIG_REGION_INDEX, count: 4 };
+            let r = c.call(Command::RegionRead, &q.to_bytes(), &[]);
+            (!r.hdr.is_error()).then(|| u32_at(RegionAccess::parse_with_data(&r.payload).unwrap().1, 0))
+        };
+        if size == 4096 {
+            assert_eq!(read(&mut c, 0x100), Some(0), "{dev}: no extended capability at 0x100");
+            assert_eq!(read(&mut c, 0xffc), Some(0), "{dev}");
+        }
+        assert_eq!(read(&mut c, size), None, "{dev}: past the region");
+        drop(c);
+        h.join().unwrap().unwrap();
+    }
 }
