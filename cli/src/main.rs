@@ -61,7 +61,7 @@ enum Cmd {
 #[derive(Args)]
 struct ServeArgs {
     /// The device model and its options: pci-testdev, iopath-doorbell,
-    /// nvme[,doorbell=adaptive|shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096][,pollers=N][,in_place=auto|on|off][,submit_batch=N],
+    /// nvme[,doorbell=auto|adaptive|bar-adaptive|shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096][,pollers=N][,in_place=auto|on|off][,submit_batch=N],
     /// virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll]
     /// (a `,` or `@` inside a value is written twice).
     device: iopath_devices::DeviceConfig,

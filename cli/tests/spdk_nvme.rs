@@ -41,8 +41,9 @@ const NQN_CONTROL: &str = "nqn.2026-11.io.iopath:spdk-control";
 const SERIAL_CONTROL: &str = "SPDKCONTROL000000001";
 const MODEL_CONTROL: &str = "SPDK bdev Controller";
 const UUID_CONTROL: &str = "6b1f6c1e-7d0a-4c55-9e3b-2f4a1d5c8e90";
-/// iopath's controller names its subsystem after its serial number (devices/src/nvme/admin.rs).
-const NQN_IOPATH: &str = "nqn.2026-11.io.iopath:nvme:IOPATH0000000000001";
+/// The identity `iopath serve` is given (`serial=`, `nqn=`), which SPDK must read back.
+const NQN_IOPATH: &str = "nqn.2026-11.io.iopath:spdk-test";
+const SERIAL_IOPATH: &str = "IOPATH-SPDK-TEST-01";
 
 // ---------------------------------------------------------------------------------------------
 // The peers
@@ -353,7 +354,7 @@ impl Target {
         if self.place == Place::Nvmf {
             Expect { vid: "4e58", serial: SERIAL_CONTROL, model: MODEL_CONTROL, uuid: Some(UUID_CONTROL) }
         } else {
-            Expect { vid: "1234", serial: "IOPATH0000000000001", model: "iopath NVMe controller", uuid: None }
+            Expect { vid: "1234", serial: SERIAL_IOPATH, model: "iopath NVMe controller", uuid: None }
         }
     }
 
@@ -362,7 +363,7 @@ impl Target {
     }
 
     fn start_iopath(&mut self) {
-        let mut dev = format!("nvme,size_mb={NS_MB}");
+        let mut dev = format!("nvme,size_mb={NS_MB},serial={SERIAL_IOPATH},nqn={NQN_IOPATH}");
         if self.place == Place::IopathBar {
             dev.push_str(",doorbell=bar");
         }

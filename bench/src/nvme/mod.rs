@@ -167,6 +167,7 @@ impl Default for NvmeOptions {
         NvmeOptions {
             jobs: vec![Job::randread(512, 16), Job::randread(4096, 1)],
             doorbells: vec![
+                DoorbellMode::Auto,
                 DoorbellMode::Shm,
                 DoorbellMode::Bar,
                 DoorbellMode::Ioeventfd,

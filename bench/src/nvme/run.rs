@@ -328,7 +328,9 @@ impl<'a> Ctx<'a> {
         // these doorbells as messages: checked, and labelled, as exits.
         let exits_only = tr.and_then(|t| match db {
             DoorbellMode::Ioeventfd | DoorbellMode::Adaptive => (!t.announces_ioeventfds()).then_some("ioeventfds"),
-            DoorbellMode::Bar | DoorbellMode::BarAdaptive => (!t.shares_bar_pages()).then_some("shared BAR pages"),
+            DoorbellMode::Bar | DoorbellMode::BarAdaptive | DoorbellMode::Auto => {
+                (!t.shares_bar_pages()).then_some("shared BAR pages")
+            }
             _ => None,
         });
         if let (Some(what), Some(t)) = (exits_only, tr) {
@@ -339,7 +341,7 @@ impl<'a> Ctx<'a> {
         let bar_page = db.bar_page() && exits_only.is_none();
         let dbs_ok = bar_page || io_exits.map(|x| x + kicks) == Some(r.io_doorbell_writes);
         let want_exits = if db == DoorbellMode::Mmio || exits_only.is_some() { r.io_doorbell_writes } else { 0 };
-        let exits_ok = if bar_page && db == DoorbellMode::BarAdaptive {
+        let exits_ok = if bar_page && matches!(db, DoorbellMode::BarAdaptive | DoorbellMode::Auto) {
             // Stores land in the page except while the idle poller has it
             // trapped: each exit wakes it, and at most one kick per queue (its
             // CQ head and SQ tail) can exit before the page is back; admin

@@ -377,7 +377,7 @@ fn spawn_adaptive(
                     // A timed look at the page, still asleep: nothing there, a
                     // longer sleep; idle long enough, the page trapped instead.
                     c.st.polls += 1;
-                    if !c.poll_bar() && !c.commands_held() {
+                    if !c.poll_doorbells() && !c.commands_held() {
                         steps.next();
                         if steps.idle() < BAR_TRAP_AFTER {
                             continue;
@@ -448,13 +448,12 @@ impl Expect {
 }
 
 impl Core {
-    /// The doorbells the pollers read: BAR0's page, or the shadow doorbells.
+    /// The doorbells the pollers read: BAR0's page, the shadow doorbells, or
+    /// (auto) both: the page for the admin queue and for I/O queues until
+    /// the driver configures shadow doorbells.
     pub(super) fn poll_doorbells(&mut self) -> bool {
-        if self.db.bar_page.is_some() {
-            self.poll_bar()
-        } else {
-            self.poll_shadow()
-        }
+        let page = self.poll_bar();
+        self.poll_shadow() | page
     }
 
     /// Arms the wake-up and looks at the doorbells once more. False if a
@@ -530,7 +529,7 @@ impl Core {
         }
         // A store that exits from now on waits for this lock and then wakes
         // the poller; one that landed before the trap is in the page.
-        if self.poll_bar() || self.commands_held() {
+        if self.poll_doorbells() || self.commands_held() {
             self.db.sleeping = false;
             self.untrap_bar();
             return None;

@@ -3,7 +3,7 @@
 
 use super::controller::Core;
 use super::queue::{self, prp_segments, queue_in_ram, status, Cq, Sq, Sqe, CQE_SIZE, PAGE, SQE_SIZE};
-use super::{DoorbellMode, MAX_IO_QUEUES, MDTS, MQES, MSIX_VECTORS, VENDOR};
+use super::{MAX_IO_QUEUES, MDTS, MQES, MSIX_VECTORS, VENDOR};
 use std::sync::atomic::Ordering;
 
 /// Asynchronous Event Requests outstanding at most.
@@ -326,7 +326,7 @@ impl Core {
     }
 
     fn shadow_mode(&self) -> bool {
-        self.mode() == DoorbellMode::Shm || self.mode().kicked()
+        self.mode().shadowed()
     }
 
     fn set_features(&mut self, c: &Sqe) -> Option<(u32, u16)> {

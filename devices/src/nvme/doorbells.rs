@@ -475,10 +475,12 @@ impl Core {
     /// made, reads as changed. None before there are doorbells in memory.
     fn watch_words(&self) -> Option<(&crate::GuestMem, impl Iterator<Item = (u64, u64, u64)> + '_)> {
         let q = &self.queues;
-        let (mem, base, sqs) = if self.db.bar_page.is_some() {
-            (self.db.bar_mem.as_ref()?, DOORBELLS, q.sq_ids())
-        } else {
-            (&self.mem, self.db.shadow?.0, q.io_sq_ids())
+        // auto with shadow doorbells: the I/O queues' are the shadow's (the
+        // admin queue's, in the page, wait for the next locked pass).
+        let (mem, base, sqs) = match (self.db.bar_page.is_some(), self.db.shadow) {
+            (_, Some((db, _))) => (&self.mem, db, q.io_sq_ids()),
+            (true, None) => (self.db.bar_mem.as_ref()?, DOORBELLS, q.sq_ids()),
+            (false, None) => return None,
         };
         let word = move |id: usize| {
             let (mut mask, mut want) = (0u64, 0u64);
@@ -533,13 +535,18 @@ impl Core {
     }
 
     /// bar mode: the doorbells are the words of the shared page; serve what
-    /// they show, admin queue included.
+    /// they show, admin queue included. (auto, once the driver configured
+    /// shadow doorbells: the I/O queues are the shadow's, `poll_shadow`.)
     pub(super) fn poll_bar(&mut self) -> bool {
         if self.db.bar_page.is_none() {
             return false;
         }
         let mut busy = false;
+        let shadowed = self.db.shadow.is_some();
         for qid in self.queues.sq_ids() {
+            if shadowed && qid > 0 {
+                break; // ascending: the rest are I/O queues
+            }
             let Some((sq_head, sq_tail, sq_size, cqid)) = self.queues.sq_fields(qid) else { continue };
             let head = self.db.bar_load(DOORBELLS + cqid as u64 * 8 + 4);
             let tail = self.db.bar_load(DOORBELLS + qid as u64 * 8);

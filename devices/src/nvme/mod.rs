@@ -62,9 +62,11 @@
 //!   it are polled again rather than each exiting. With steady gaps between
 //!   submissions the poller sets a timer for just before the next is due and
 //!   polls for it instead of waiting for its doorbell (`forecast.rs`;
-//!   `forecast=off` turns it off). This is the default mode:
-//!   a polled driver gets `shm`'s latency, an idle controller costs no core.
-//!   A driver without Doorbell Buffer Config (SPDK) gets `mmio`.
+//!   `forecast=off` turns it off): a polled driver gets `shm`'s latency,
+//!   an idle controller costs no core. In a device process it serves only
+//!   drivers that configure shadow doorbells (Create I/O SQ is refused
+//!   before Doorbell Buffer Config: a doorbell there is a kick without its
+//!   value); in the VMM, a driver without them gets `mmio`.
 //! - `bar-adaptive`: `bar` while work comes; after [`ADAPTIVE_IDLE`]
 //!   without any (or less, as `adaptive`), the poller sleeps in timed steps ([`BAR_IDLE_STEP`]
 //!   doubling up to [`BAR_IDLE_MAX`]) and looks at the page between them;
@@ -77,6 +79,17 @@
 //!   woken; awake, it maps the page back and polls. A host that cannot trap
 //!   the page (a device process: its client mapped the vfio-user sparse
 //!   area) keeps the steps. See `adaptive.rs`.
+//! - `auto` (the default): every driver's mode. BAR0's doorbell page is
+//!   shared memory as in `bar` (SPDK's stores, and any driver's before it
+//!   configures shadow doorbells, land there), and Doorbell Buffer Config
+//!   is offered: once a driver configures it (Linux), its I/O queues'
+//!   tails and heads are taken from the shadow doorbells as in `shm`, the
+//!   admin queue's still from the page. One poller watches both and sleeps
+//!   as `bar-adaptive` does (timed steps, then the page trapped where the
+//!   host can); asleep, it also sets every shadowed SQ's EventIdx to the
+//!   tail served, so a shadow driver's next submission stores to the
+//!   register too, which lands in the page (or exits, trapped) and is seen
+//!   at the next step (or at once). One poller (`pollers=1`).
 //!
 //! Guest memory is a [`GuestMem`](crate::GuestMem): queues, PRP lists and
 //! data may also lie in memory the host reaches by message (vfio-user
@@ -183,6 +196,10 @@ pub enum DoorbellMode {
     /// in timed steps, and idle for [`BAR_TRAP_AFTER`] with the doorbell
     /// page trapped until a doorbell store exits.
     BarAdaptive,
+    /// The default: BAR0's doorbell page shared and shadow doorbells
+    /// offered, one poller that sleeps as bar-adaptive's does: serves
+    /// drivers with and without shadow doorbells alike.
+    Auto,
 }
 
 impl DoorbellMode {
@@ -194,18 +211,34 @@ impl DoorbellMode {
 
     /// Modes served by polling threads, one per queue group (`pollers=N`).
     pub fn polled(self) -> bool {
-        matches!(self, DoorbellMode::Shm | DoorbellMode::Bar | DoorbellMode::Adaptive | DoorbellMode::BarAdaptive)
+        !matches!(self, DoorbellMode::Mmio | DoorbellMode::Ioeventfd)
     }
 
     /// Modes whose doorbells are BAR0's page shared as memory.
     pub fn bar_page(self) -> bool {
-        matches!(self, DoorbellMode::Bar | DoorbellMode::BarAdaptive)
+        matches!(self, DoorbellMode::Bar | DoorbellMode::BarAdaptive | DoorbellMode::Auto)
     }
 
     /// Modes whose poller sleeps when idle.
     pub fn adaptive(self) -> bool {
-        matches!(self, DoorbellMode::Adaptive | DoorbellMode::BarAdaptive)
+        matches!(self, DoorbellMode::Adaptive | DoorbellMode::BarAdaptive | DoorbellMode::Auto)
     }
+
+    /// Modes that offer Doorbell Buffer Config (shadow doorbells).
+    pub fn shadowed(self) -> bool {
+        matches!(self, DoorbellMode::Shm | DoorbellMode::Ioeventfd | DoorbellMode::Adaptive | DoorbellMode::Auto)
+    }
+
+    /// Every mode, as `doorbell=` names them.
+    pub const ALL: [DoorbellMode; 7] = [
+        DoorbellMode::Auto,
+        DoorbellMode::Adaptive,
+        DoorbellMode::BarAdaptive,
+        DoorbellMode::Shm,
+        DoorbellMode::Bar,
+        DoorbellMode::Ioeventfd,
+        DoorbellMode::Mmio,
+    ];
 }
 
 /// `adaptive` mode: how long the poller finds no work before it sleeps, at
@@ -251,10 +284,14 @@ impl std::str::FromStr for DoorbellMode {
             "bar" => Ok(DoorbellMode::Bar),
             "adaptive" => Ok(DoorbellMode::Adaptive),
             "bar-adaptive" => Ok(DoorbellMode::BarAdaptive),
+            "auto" => Ok(DoorbellMode::Auto),
             _ => Err(Error::Option {
                 device: "nvme",
                 option: "doorbell".into(),
-                reason: format!("unknown doorbell mode {s:?} (mmio, ioeventfd, shm, bar, adaptive, bar-adaptive)"),
+                reason: format!(
+                    "unknown doorbell mode {s:?} ({})",
+                    DoorbellMode::ALL.map(|m| m.to_string()).join(", ")
+                ),
             }),
         }
     }
@@ -270,6 +307,7 @@ impl std::fmt::Display for DoorbellMode {
             DoorbellMode::Bar => "bar",
             DoorbellMode::Adaptive => "adaptive",
             DoorbellMode::BarAdaptive => "bar-adaptive",
+            DoorbellMode::Auto => "auto",
         })
     }
 }
@@ -313,7 +351,7 @@ impl Default for NvmeConfig {
             backend: BackendKind::Ram,
             size: 64 << 20,
             lba_size: 512,
-            doorbell: DoorbellMode::Adaptive,
+            doorbell: DoorbellMode::Auto,
             pollers: 1,
             forecast: true,
             in_place: InPlace::Auto,
@@ -347,10 +385,10 @@ impl NvmeConfig {
         if !self.forecast && self.doorbell != DoorbellMode::Adaptive {
             return bad("forecast", format!("only doorbell=adaptive forecasts, not {}", self.doorbell));
         }
-        if self.pollers > 1 && self.doorbell == DoorbellMode::BarAdaptive {
+        if self.pollers > 1 && matches!(self.doorbell, DoorbellMode::BarAdaptive | DoorbellMode::Auto) {
             // One page holds every queue's doorbells: one group's trap would
             // make the others' stores exit while they are busy.
-            return bad("pollers", "doorbell=bar-adaptive takes one poller (the doorbell page is one)".into());
+            return bad("pollers", format!("doorbell={} takes one poller (the doorbell page is one)", self.doorbell));
         }
         if self.in_place != InPlace::Auto && !matches!(self.backend, BackendKind::File(_)) {
             return bad("in_place", format!("in_place={} needs backend=file:PATH", self.in_place));

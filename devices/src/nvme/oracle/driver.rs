@@ -140,6 +140,7 @@ pub struct Report {
     pub resets: u64,
     pub deletes: u64,
     pub sweeps: u64,
+    pub idles: u64,
     /// The controller offered shadow doorbells and the driver used them.
     pub shadowed: bool,
 }
@@ -317,7 +318,11 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             0..=39 => self.submit_batch(),
             40..=69 => self.reap_all(false).map(|_| ()),
             70..=74 => self.publish_all(),
-            75..=89 => self.wait_some(),
+            75..=86 => self.wait_some(),
+            // Idle gaps: a sleeping poller's wake-up (armed EventIdx, timed
+            // steps, a trapped doorbell page) is part of the protocol too.
+            87..=88 => self.idle(50, 1000),
+            89 => self.idle(1000, 25_000),
             90..=93 if self.shape.deletes => self.delete_and_create(),
             94..=96 if self.shape.resets => self.reset(false),
             97 if self.shape.resets => self.reset(true),
@@ -967,6 +972,14 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             }
             std::thread::yield_now();
         }
+    }
+
+    /// Does nothing for `lo..=hi` microseconds, everything published or
+    /// not, as the schedule has it.
+    fn idle(&mut self, lo: u64, hi: u64) -> Result<(), Violation> {
+        self.report.idles += 1;
+        std::thread::sleep(Duration::from_micros(self.rng.range(lo, hi)));
+        Ok(())
     }
 
     /// Drains: everything published, every command completed.

@@ -5,7 +5,7 @@
 
 use super::{OpRecord, Port};
 use crate::nvme::{Nvme, NvmeConfig};
-use crate::{Counter, DeviceContext, DeviceModel, GuestMem, IoEventSpec, IoEvents, Result, SharedDevice};
+use crate::{Counter, DeviceContext, GuestMem, IoEventSpec, IoEvents, Result, SharedDevice};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use vm_memory::{GuestAddress, GuestMemoryMmap};

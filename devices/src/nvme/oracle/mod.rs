@@ -33,7 +33,7 @@ mod local;
 mod model;
 mod rng;
 
-pub use driver::{Driver, Report, Shape};
+pub use driver::{Driver, Report, Shape, RAM};
 pub use local::{LocalHost, LocalPort};
 pub use model::Violation;
 pub use rng::Rng;

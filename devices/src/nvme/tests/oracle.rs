@@ -6,7 +6,8 @@ use super::super::oracle::{Driver, LocalPort, Rng, Shape};
 use super::super::{DoorbellMode, NvmeConfig};
 use crate::nvme::backend::BackendKind;
 
-const MODES: [DoorbellMode; 6] = [
+const MODES: [DoorbellMode; 7] = [
+    DoorbellMode::Auto,
     DoorbellMode::Mmio,
     DoorbellMode::Ioeventfd,
     DoorbellMode::Shm,
@@ -71,7 +72,8 @@ fn random_schedules_in_every_doorbell_mode_with_one_poller() {
 
 #[test]
 fn random_schedules_with_two_pollers() {
-    for mode in MODES.into_iter().filter(|m| m.polled() && *m != DoorbellMode::BarAdaptive) {
+    for mode in MODES.into_iter().filter(|m| m.polled() && !matches!(m, DoorbellMode::BarAdaptive | DoorbellMode::Auto))
+    {
         for seed in 0..seeds() {
             run(cfg(mode, 2, 512), seed % 2 == 1, 2000 + seed, |r| Shape::random(r, 600));
         }
