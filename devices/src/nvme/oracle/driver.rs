@@ -65,6 +65,9 @@ pub struct Shape {
     /// Delete and create queues again, reset and shut down the controller.
     pub deletes: bool,
     pub resets: bool,
+    /// Kill the device with commands in flight and start a new one on the
+    /// same storage (`Port::restart`).
+    pub crashes: bool,
 }
 
 impl Shape {
@@ -86,6 +89,7 @@ impl Shape {
             cq_late: rng.pick(&[0, 0, 20, 60]),
             deletes: rng.chance(50),
             resets: rng.chance(50),
+            crashes: false,
         }
     }
 
@@ -108,6 +112,23 @@ impl Shape {
             cq_late: 0,
             deletes: false,
             resets: false,
+            crashes: false,
+        }
+    }
+
+    /// The durability case: many writes in flight (up to 255), the device
+    /// killed now and then and a new one started on the same storage.
+    pub fn durability(rng: &mut Rng, steps: u32) -> Shape {
+        Shape {
+            sqs: rng.range(1, 2) as u16,
+            inflight: 255,
+            batch: 64,
+            sq_every: rng.pick(&[0, 16]),
+            cq_every: rng.pick(&[0, 1]),
+            crashes: true,
+            resets: false,
+            deletes: false,
+            ..Shape::random(rng, steps)
         }
     }
 }
@@ -139,6 +160,7 @@ pub struct Report {
     pub dropped: u64,
     pub resets: u64,
     pub deletes: u64,
+    pub crashes: u64,
     pub sweeps: u64,
     pub idles: u64,
     /// The controller offered shadow doorbells and the driver used them.
@@ -160,7 +182,10 @@ enum Op {
 struct Cmd {
     sqid: u16,
     cid: u16,
-    slot: u16,
+    /// Its place in its SQ, counted from the queue's creation (the slot is
+    /// this modulo the size): a slot is reused while an older command in it
+    /// may still be out.
+    at: u64,
     op: Op,
     slba: u64,
     nlb: u64,
@@ -192,16 +217,23 @@ impl Cmd {
     }
 }
 
+/// An SQ as the driver keeps it; positions count entries from its creation.
 struct SqState {
     size: u16,
     cqid: u16,
-    tail: u16,
-    published: u16,
+    tail: u64,
+    published: u64,
     /// The SQ head of the newest completion.
-    head: u16,
+    head: u64,
     since_ring: u16,
-    /// Tag of the command in each slot, while it may still be fetched.
-    slots: Vec<Option<u32>>,
+    /// Commands written and not published yet, in order.
+    unpublished: Vec<u32>,
+}
+
+impl SqState {
+    fn slot(&self, at: u64) -> u16 {
+        (at % self.size as u64) as u16
+    }
 }
 
 struct CqState {
@@ -326,6 +358,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             90..=93 if self.shape.deletes => self.delete_and_create(),
             94..=96 if self.shape.resets => self.reset(false),
             97 if self.shape.resets => self.reset(true),
+            98 if self.shape.crashes => self.crash(),
             99 => self.sweep(),
             _ => Ok(()),
         }
@@ -542,8 +575,9 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         let cqid = (qid - 1) % self.shape.cqs + 1;
         let gpa = SQ_BASE + (qid as u64 - 1) * SQ_STRIDE;
         self.admin_ok(0x01, 0, gpa, [qid as u32 | (size as u32 - 1) << 16, 1 | (cqid as u32) << 16, 0])?;
-        let slots = vec![None; size as usize];
-        self.sqs[qid as usize] = Some(SqState { size, cqid, tail: 0, published: 0, head: 0, since_ring: 0, slots });
+        let unpublished = Vec::new();
+        self.sqs[qid as usize] =
+            Some(SqState { size, cqid, tail: 0, published: 0, head: 0, since_ring: 0, unpublished });
         Ok(())
     }
 
@@ -599,7 +633,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
     fn submit(&mut self, qid: u16) -> Result<bool, Violation> {
         let sq = self.sqs[qid as usize].as_ref().unwrap();
         // Entries the controller may not have fetched yet, as its last completion told.
-        if dist(sq.head, sq.tail, sq.size) >= sq.size - 1 {
+        if sq.tail - sq.head >= sq.size as u64 - 1 {
             return Ok(false);
         }
         let mut op = match self.rng.below(100) {
@@ -624,7 +658,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         let mut cmd = Cmd {
             sqid: qid,
             cid: 0,
-            slot: 0,
+            at: 0,
             op,
             slba,
             nlb,
@@ -697,10 +731,10 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         };
         let e = sqe(opcode, cmd.cid, 1, tag, prp1, prp2, cdw);
         let sq = self.sqs[qid as usize].as_mut().unwrap();
-        let slot = sq.tail;
-        cmd.slot = slot;
-        sq.slots[slot as usize] = Some(tag);
-        sq.tail = (sq.tail + 1) % sq.size;
+        let slot = sq.slot(sq.tail);
+        cmd.at = sq.tail;
+        sq.unpublished.push(tag);
+        sq.tail += 1;
         sq.since_ring += 1;
         let every = self.shape.sq_every;
         let ring = every > 0 && sq.since_ring >= every;
@@ -756,19 +790,15 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
     /// always), the register.
     fn publish_sq(&mut self, qid: u16) {
         let sq = self.sqs[qid as usize].as_mut().unwrap();
-        let (old, new) = (sq.published, sq.tail);
+        let (old, new) = (sq.slot(sq.published), sq.slot(sq.tail));
         sq.since_ring = 0;
-        let mut i = old;
-        while i != new {
-            if let Some(tag) = sq.slots[i as usize] {
-                self.published.insert(tag);
-                if let Some(c) = self.cmds.get_mut(&tag) {
-                    c.published = true;
-                }
+        for tag in sq.unpublished.drain(..) {
+            self.published.insert(tag);
+            if let Some(c) = self.cmds.get_mut(&tag) {
+                c.published = true;
             }
-            i = (i + 1) % sq.size;
         }
-        sq.published = new;
+        sq.published = sq.tail;
         self.ring(qid as u64 * 8, old as u32, new as u32);
     }
 
@@ -873,33 +903,31 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         let c = &self.cmds[&tag];
         if !c.published {
             return Err(Violation::UnexpectedCompletion(format!(
-                "SQ {sqid} cid {cid} tag {tag} in slot {} was never published",
-                c.slot
+                "SQ {sqid} cid {cid} tag {tag} at entry {} was never published",
+                c.at
             )));
         }
         let sq = self.sqs[sqid as usize].as_mut().unwrap();
         // The head moves forward, up to the tail published, and past this command's slot.
-        let (ahead, room) = (dist(sq.head, sqhd, sq.size), dist(sq.head, sq.published, sq.size));
-        if ahead > room {
+        let ahead = dist(sq.slot(sq.head), sqhd, sq.size) as u64;
+        if sq.head + ahead > sq.published {
             return Err(Violation::SqHead(format!(
                 "SQ {sqid}: a completion reports head {sqhd}; last head {}, tail published {} (size {})",
-                sq.head, sq.published, sq.size
+                sq.slot(sq.head),
+                sq.slot(sq.published),
+                sq.size
             )));
         }
-        let consumed = dist(c.slot, sqhd, sq.size);
-        if consumed == 0 || consumed > dist(c.slot, sq.published, sq.size) {
+        sq.head += ahead;
+        // The command is behind that head: fetched, not among the entries
+        // published and not fetched yet, as the completion itself tells.
+        if c.at >= sq.head {
             return Err(Violation::SqHead(format!(
-                "SQ {sqid} cid {cid}: its slot {} is not before the head {sqhd} the completion reports",
-                c.slot
+                "SQ {sqid} cid {cid}: its entry {} (slot {}) is not before the head {sqhd} the completion reports",
+                c.at,
+                sq.slot(c.at)
             )));
         }
-        // Slots the head passed are free again.
-        let mut i = sq.head;
-        while i != sqhd {
-            sq.slots[i as usize] = None;
-            i = (i + 1) % sq.size;
-        }
-        sq.head = sqhd;
         let c = self.cmds.remove(&tag).unwrap();
         self.by_cid.remove(&(sqid, cid));
         self.completed.insert(tag);
@@ -1058,6 +1086,37 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         for tag in tags {
             self.drop_cmd(tag)?;
         }
+        self.forget_queues();
+        self.sweep()?;
+        self.init()
+    }
+
+    /// The device killed with what it has in flight, and a new one on the
+    /// same storage: every command out is dropped (a write may have landed
+    /// or not), completions reaped before stay reaped, and the controller is
+    /// brought up again from scratch.
+    fn crash(&mut self) -> Result<(), Violation> {
+        if self.rng.chance(50) {
+            self.publish_all()?;
+        }
+        match self.port.restart() {
+            None => return Ok(()),
+            Some(Err(e)) => return Err(Violation::Controller(format!("restarting the device: {e}"))),
+            Some(Ok(())) => {}
+        }
+        self.report.crashes += 1;
+        let tags: Vec<u32> = self.cmds.keys().copied().collect();
+        for tag in tags {
+            self.drop_cmd(tag)?;
+        }
+        // A new controller, a new log: tags the old one fetched stay fetched.
+        self.forget_queues();
+        self.init()
+    }
+
+    /// The queues and admin queue are gone (a reset, a new device): their
+    /// rings hold the canary, so nothing may write there any more.
+    fn forget_queues(&mut self) {
         for q in 1..=MAX_QUEUES as usize {
             if let Some(cq) = self.cqs[q].take() {
                 self.fill_canary(CQ_BASE + (q as u64 - 1) * CQ_STRIDE, cq.size as u64 * 16);
@@ -1069,8 +1128,6 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             self.fill_canary(DBBUF, PAGE);
             self.fill_canary(EVIDX, PAGE);
         }
-        self.sweep()?;
-        self.init()
     }
 
     /// Everything completes; then the operation log and the counters agree.
@@ -1127,10 +1184,10 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             .iter()
             .map(|(t, c)| {
                 format!(
-                    "tag {t} SQ {} cid {} slot {} {:?}{}",
+                    "tag {t} SQ {} cid {} entry {} {:?}{}",
                     c.sqid,
                     c.cid,
-                    c.slot,
+                    c.at,
                     c.op,
                     if c.published { "" } else { " (unpublished)" }
                 )

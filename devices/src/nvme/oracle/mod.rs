@@ -27,6 +27,13 @@
 //! (`local.rs`, with a host that plays KVM's ioeventfds and memslots), or
 //! over vfio-user (the protocols crate's tests). The fuzz target `nvme_queues`
 //! takes its schedule from the fuzzer's bytes instead of a seed.
+//!
+//! A second driver shape is the durability case ([`Shape::durability`]):
+//! writes in flight on a file namespace when the device process is killed
+//! with SIGKILL and a new one starts on the same file (`Port::restart`). A
+//! write whose completion was reaped must read back afterwards (none lost,
+//! none overwritten by an older command run again); a write that was in
+//! flight may or may not have landed.
 
 mod driver;
 mod local;
@@ -34,6 +41,7 @@ mod model;
 mod rng;
 
 pub use driver::{Driver, Report, Shape, RAM};
+// (OpRecord and Port are defined here.)
 pub use local::{LocalHost, LocalPort};
 pub use model::Violation;
 pub use rng::Rng;
@@ -68,4 +76,10 @@ pub trait Port {
     /// The operations the controller fetched since the last call, if this
     /// port can see them (a controller in this process).
     fn take_ops(&self) -> Option<Vec<OpRecord>>;
+    /// Kills the device (its process, with SIGKILL) with whatever it has
+    /// in flight and brings up a new one on the same storage, reached
+    /// through this port; None if this port cannot.
+    fn restart(&self) -> Option<Result<(), String>> {
+        None
+    }
 }
