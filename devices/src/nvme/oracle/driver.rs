@@ -68,6 +68,9 @@ pub struct Shape {
     /// Kill the device with commands in flight and start a new one on the
     /// same storage (`Port::restart`).
     pub crashes: bool,
+    /// The namespace keeps data (false: a null namespace, whose reads
+    /// leave the buffer as it was; their data is not checked).
+    pub data: bool,
 }
 
 impl Shape {
@@ -90,6 +93,7 @@ impl Shape {
             deletes: rng.chance(50),
             resets: rng.chance(50),
             crashes: false,
+            data: true,
         }
     }
 
@@ -113,6 +117,7 @@ impl Shape {
             deletes: false,
             resets: false,
             crashes: false,
+            data: true,
         }
     }
 
@@ -950,7 +955,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         let lba = self.lba;
         let mut result = Ok(());
         match c.op {
-            Op::Read if completed => {
+            Op::Read if completed && self.shape.data => {
                 let data = self.gather(&c);
                 for (b, block) in data.chunks_exact(lba as usize).enumerate() {
                     let words: Vec<u64> =
