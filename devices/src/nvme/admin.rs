@@ -135,19 +135,6 @@ impl Core {
         if size < 2 || size > MQES as u32 {
             return status::MAX_QSIZE_EXCEEDED;
         }
-        if self.static_ioevents() && self.db.shadow.is_none() {
-            // Every I/O doorbell is an ioeventfd the client installed at
-            // attach: a register write would arrive as a kick without its
-            // value, and the queue would never be served. Refused now, so a
-            // driver without shadow doorbells (SPDK) fails at once, not at
-            // its first I/O's timeout.
-            log::error!(
-                "nvme: Create I/O SQ {qid} before Doorbell Buffer Config: doorbell={} in a device process serves only \
-                 drivers that configure shadow doorbells (Linux); others need the default mode, bar or mmio",
-                self.mode()
-            );
-            return status::COMMAND_SEQUENCE_ERROR;
-        }
         // The SQ goes to its CQ's group (`shards.rs`).
         let g = self.cq_group(cqid);
         if cqid == 0 || cqid >= self.queues.cqs.len() || self.with_group(g, |c| c.queues.cqs[cqid].is_none()) {
@@ -527,6 +514,7 @@ impl Core {
             return status::INVALID_FIELD;
         }
         self.db.shadow = Some((c.prp1, c.prp2));
+        self.st.dbbuf_configs += 1;
         // Every queue group's queues (`sync_shards` gives the groups the buffer).
         for g in 0..self.groups.max(1) {
             self.with_group(g, |k| {

@@ -174,6 +174,8 @@ pub(super) struct Stats {
     /// commands found by the polling after them (`forecast.rs`).
     pub forecasts: u64,
     pub forecast_hits: u64,
+    /// Doorbell Buffer Config commands that set up shadow doorbells.
+    pub dbbuf_configs: u64,
 }
 
 impl Stats {
@@ -196,6 +198,7 @@ impl Stats {
             (&mut self.wakeups, o.wakeups),
             (&mut self.forecasts, o.forecasts),
             (&mut self.forecast_hits, o.forecast_hits),
+            (&mut self.dbbuf_configs, o.dbbuf_configs),
         ];
         for (a, b) in pairs {
             *a += b;
@@ -513,6 +516,7 @@ impl Core {
             ("adaptive.wakeups", s.wakeups),
             ("adaptive.forecasts", s.forecasts),
             ("adaptive.forecast-hits", s.forecast_hits),
+            ("dbbuf.configs", s.dbbuf_configs),
         ]
         .into_iter()
         .map(|(n, value)| Counter { name: n.into(), value })

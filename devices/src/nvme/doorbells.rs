@@ -222,9 +222,9 @@ impl Nvme {
                 }
                 let mut c = core.lock().unwrap();
                 c.st.kicks += n;
-                if kicked && n > 0 && c.db.shadow.is_none() {
+                if kicked && c.db.shadow.is_none() {
                     // Only a static host's doorbells are ioeventfds this early.
-                    log::warn!("nvme: an I/O doorbell rang before Doorbell Buffer Config: its value is lost");
+                    c.lost_doorbells(n);
                 } else if kicked {
                     c.serve_kicked();
                 }
@@ -656,7 +656,32 @@ impl Core {
             let own = n.min(self.db.own_wakes);
             self.db.own_wakes -= own;
             self.st.kicks += n - own;
+            if self.db.shadow.is_none() {
+                self.lost_doorbells(n - own);
+            }
         }
+    }
+
+    /// `n` I/O doorbell kicks came while no shadow doorbells are set. On a
+    /// static host (a device process, every I/O doorbell an ioeventfd the
+    /// client installed at attach) each was a register write whose value
+    /// the kick lost: a driver that does not configure Doorbell Buffer
+    /// Config (SPDK) would wait for completions that never come. The
+    /// controller reports Controller Fatal Status instead, with a log line
+    /// naming the modes that serve such a driver, and the driver resets.
+    pub(super) fn lost_doorbells(&mut self, n: u64) {
+        if n == 0 || !self.static_ioevents() {
+            return;
+        }
+        if self.regs.csts & 2 == 0 {
+            log::error!(
+                "nvme: an I/O doorbell rang before Doorbell Buffer Config and its value is lost: doorbell={} in a \
+                 device process serves only drivers that configure shadow doorbells before I/O (Linux); others \
+                 need the default mode (auto), bar or mmio. Controller Fatal Status set.",
+                self.mode()
+            );
+        }
+        self.regs.csts |= 2;
     }
 
     /// ioeventfd mode: the I/O queue doorbells of `qid` as ioeventfds (a
