@@ -62,8 +62,8 @@ enum Cmd {
 struct ServeArgs {
     /// The device model and its options: pci-testdev, iopath-doorbell,
     /// nvme[,doorbell=auto|adaptive|bar-adaptive|shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096][,pollers=N][,in_place=auto|on|off][,submit_batch=N],
-    /// virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll]
-    /// (a `,` or `@` inside a value is written twice).
+    /// virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N]
+    /// (queues: 1..=16, default 1; over vhost-user 16) (a `,` or `@` inside a value is written twice).
     device: iopath_devices::DeviceConfig,
     /// The transport (ioregionfd: vfio-user control and a region fd for each
     /// BAR; ioregionfd-posted: the same with writes posted; vhost-user:
@@ -130,7 +130,7 @@ struct RunArgs {
     /// x-vfio-user-server...); its identity, BARs and capabilities come from
     /// the server. NAME: pci-testdev, iopath-doorbell,
     /// nvme[,doorbell=..][,backend=..][,size_mb=N][,lba=N],
-    /// virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll].
+    /// virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N].
     /// Default: pci-testdev and iopath-doorbell in the VMM.
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<iopath_protocols::attach::DeviceSpec>,

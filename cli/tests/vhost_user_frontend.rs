@@ -150,6 +150,58 @@ fn the_vmm_drives_iopaths_own_vhost_user_blk_backend_in_a_device_process_it_star
     assert_eq!((counter(&stderr, "backend_errors"), counter(&stderr, "ring_errors")), (0, 0), "{stderr}");
 }
 
+#[test]
+fn the_vmm_asks_a_backend_for_two_queues_and_starts_the_one_its_driver_enables() {
+    common::kvm();
+    // iopath's backend with queues=2, and qemu-storage-daemon's export with num-queues=2: the
+    // function has 2 queues (GET_QUEUE_NUM said so); the guest's one-queue driver enables
+    // queue 0, the only ring the VMM starts, which serves every request.
+    let out = run("virtio-blk,backend=ram,size_mb=64,queues=2@vhost-user", "verify=1 bs=4096 iodepth=4 size_mb=4");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stderr}\n{stdout}");
+    let r = vblk_record(&stdout);
+    assert_eq!((r["errors"], r["mismatches"], r["verified_blocks"]), (0, 0, 1024), "{r:?}");
+    assert_eq!(counter(&stderr, "backend.q0.requests"), r["ios"], "{stderr}");
+    assert_eq!(counter(&stderr, "backend.q1.requests"), 0, "{stderr}");
+    assert_eq!((counter(&stderr, "kick_ioeventfd"), counter(&stderr, "activations")), (1, 1), "{stderr}");
+    assert_eq!((counter(&stderr, "backend_errors"), counter(&stderr, "ring_errors")), (0, 0), "{stderr}");
+
+    let qsd = which("qemu-storage-daemon").unwrap_or_else(|()| panic!("qemu-storage-daemon is not on PATH"));
+    for (num_queues, ok) in [(2, true), (1, false)] {
+        let dir = tempdir(&format!("qsd-mq{num_queues}"));
+        let (img, sock) = (dir.join("disk.img"), dir.join("vu.sock"));
+        std::fs::File::create(&img).unwrap().set_len(64 << 20).unwrap();
+        let daemon = Daemon(
+            Command::new(&qsd)
+                .arg("--blockdev")
+                .arg(format!("driver=file,node-name=f0,filename={}", img.display()))
+                .arg("--export")
+                .arg(format!(
+                    "type=vhost-user-blk,id=e0,node-name=f0,addr.type=unix,addr.path={},writable=on,num-queues={num_queues}",
+                    sock.display()
+                ))
+                .spawn()
+                .unwrap(),
+        );
+        wait_for(&sock);
+        let out =
+            run(&format!("virtio-blk,queues=2@vhost-user:{}", sock.display()), "verify=1 bs=4096 iodepth=4 size_mb=4");
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if ok {
+            assert!(out.status.success(), "{stderr}\n{stdout}");
+            let r = vblk_record(&stdout);
+            assert_eq!((r["errors"], r["mismatches"], r["verified_blocks"]), (0, 0, 1024), "{r:?}");
+            assert_eq!((counter(&stderr, "activations"), counter(&stderr, "backend_errors")), (1, 0), "{stderr}");
+        } else {
+            // Asked for more queues than the backend has: the run does not start, and says why.
+            assert!(!out.status.success(), "{stderr}\n{stdout}");
+            assert!(stderr.contains("2 queues asked, and the backend has 1"), "{stderr}");
+        }
+        drop(daemon);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
 fn which(name: &str) -> Result<PathBuf, ()> {
     std::env::var_os("PATH")
         .and_then(|p| std::env::split_paths(&p).map(|d| d.join(name)).find(|f| f.is_file()))

@@ -211,6 +211,9 @@ impl fmt::Display for DeviceConfig {
         }
         if let DeviceConfig::VirtioBlk(c) = self {
             write!(f, ",backend={},size_mb={},notify={}", escape(&c.backend.to_string()), c.size >> 20, c.notify)?;
+            if let Some(n) = c.queues {
+                write!(f, ",queues={n}")?;
+            }
         }
         Ok(())
     }
@@ -238,11 +241,19 @@ mod tests {
             "virtio-blk,backend=ram,size_mb=1,notify=poll",
             "virtio-blk,backend=file:/tmp/v,,b@@c.img,size_mb=8,notify=exit",
             "virtio-blk,backend=ram,size_mb=8,notify=exit",
+            "virtio-blk,backend=ram,size_mb=8,notify=poll,queues=2",
+            "virtio-blk,backend=null,size_mb=8,notify=ioeventfd,queues=1",
+            "virtio-blk,backend=null,size_mb=8,notify=exit,queues=16",
         ] {
             let c: DeviceConfig = s.parse().unwrap();
             assert_eq!(c.to_string(), s);
             assert_eq!(c.to_string().parse::<DeviceConfig>().unwrap(), c);
         }
+        // queues= given or not stays so: None is each host's own default.
+        let c: DeviceConfig = "virtio-blk,backend=null".parse().unwrap();
+        assert!(matches!(c, DeviceConfig::VirtioBlk(VirtioBlkConfig { queues: None, .. })), "{c:?}");
+        let c: DeviceConfig = "virtio-blk,queues=1".parse().unwrap();
+        assert!(matches!(c, DeviceConfig::VirtioBlk(VirtioBlkConfig { queues: Some(1), .. })), "{c:?}");
         let c: DeviceConfig = "nvme,backend=file:/tmp/a,,b@@c.img".parse().unwrap();
         let DeviceConfig::Nvme(n) = c else { panic!() };
         assert_eq!(n.backend, BackendKind::File("/tmp/a,b@c.img".into()));
@@ -276,7 +287,16 @@ mod tests {
         assert!(e("nvme,doorbell").contains("KEY=VALUE"));
         assert!(e("pci-testdev,x=1").contains("no options"));
         assert!(e("nvme9").contains("unknown device"));
-        for bad in ["notify=spin", "backend=disk", "size_mb=0", "size_mb=9999999", "lba=512"] {
+        for bad in [
+            "notify=spin",
+            "backend=disk",
+            "size_mb=0",
+            "size_mb=9999999",
+            "lba=512",
+            "queues=0",
+            "queues=17",
+            "queues=x",
+        ] {
             assert!(e(&format!("virtio-blk,{bad}")).contains(bad.split('=').next().unwrap()), "{bad}");
         }
     }

@@ -4,7 +4,9 @@
 # Kernel command line knobs read here (all optional):
 #   harness.probe_wait=SECS   how long to wait for the device (default 120)
 #   harness.step=SECS         bound on each step (default 180)
-#   harness.fio_mb=MB         fio region size (default 16)
+#   harness.fio_mb=MB         fio region size (default 16), per job
+#   harness.fio_jobs=N        fio jobs (default 1); with N > 1 each job on a vCPU of its own
+#                             (cpus_allowed 0..N-1, split) and a region of its own (offset_increment)
 #   harness.skip=a,b          checks to skip (each script lists its own)
 #   harness.deadline=SECS     guest uptime after which every remaining step fails at once, so
 #                             that @done is still printed (run-linux.sh passes its timeout - 25)
@@ -13,6 +15,7 @@ FAIL=0
 PROBE_WAIT=120
 STEP=180
 FIO_MB=16
+FIO_JOBS=1
 SKIP=,
 DEADLINE=0
 for t in $(cat /proc/cmdline); do
@@ -20,6 +23,7 @@ for t in $(cat /proc/cmdline); do
         harness.probe_wait=*) PROBE_WAIT=${t#*=} ;;
         harness.step=*) STEP=${t#*=} ;;
         harness.fio_mb=*) FIO_MB=${t#*=} ;;
+        harness.fio_jobs=*) FIO_JOBS=${t#*=} ;;
         harness.skip=*) SKIP=,${t#*=}, ;;
         harness.deadline=*) DEADLINE=${t#*=} ;;
     esac
@@ -90,11 +94,16 @@ bounded() {
     return "$(cat "$out.rc")"
 }
 
-FIO_COMMON="--filename=NS --bs=4k --ioengine=libaio --direct=1 --iodepth=16 --numjobs=1 --group_reporting"
+FIO_COMMON="--filename=NS --bs=4k --ioengine=libaio --direct=1 --iodepth=16 --group_reporting"
+fio_jobs() { # SIZE_MB: the fio options of FIO_JOBS jobs, each on its vCPU and its own SIZE_MB region
+    if [ "$FIO_JOBS" -gt 1 ]; then
+        echo "--numjobs=$FIO_JOBS --offset_increment=${1}M --cpus_allowed=0-$((FIO_JOBS - 1)) --cpus_allowed_policy=split"
+    else echo "--numjobs=1"; fi
+}
 fio_run() { # NAME RW SIZE_MB [extra fio args]
     fname=$1; rw=$2; mb=$3; shift 3
     # shellcheck disable=SC2086
-    bounded $STEP $W/fio.$fname fio --name=$fname $(echo $FIO_COMMON | sed "s#NS#$NS#") \
+    bounded $STEP $W/fio.$fname fio --name=$fname $(echo $FIO_COMMON | sed "s#NS#$NS#") $(fio_jobs $mb) \
         --rw=$rw --size=${mb}M --verify=crc32c --verify_fatal=1 "$@"
     rc=$?
     grep -E 'err=|IOPS=|verify|bad|fio: |\[bounded\]' $W/fio.$fname | indent "$fname"
@@ -147,10 +156,10 @@ fio_checks() { # fio-randwrite, then fio-randread of what it wrote, both verifie
     skipped fio || {
         if [ -z "$NS" ]; then check fio-randwrite fail "no namespace"; check fio-randread fail "no namespace"
         else
-            if fio_run randwrite randwrite "$FIO_MB"; then check fio-randwrite ok "${FIO_MB}MiB 4k qd16 libaio direct verify=crc32c errs=0$(grep -m1 'write: IOPS=' $W/fio.randwrite | tr -s ' ' | cut -d'(' -f1)"
+            if fio_run randwrite randwrite "$FIO_MB"; then check fio-randwrite ok "${FIO_MB}MiB x$FIO_JOBS 4k qd16 libaio direct verify=crc32c errs=0$(grep -m1 'write: IOPS=' $W/fio.randwrite | tr -s ' ' | cut -d'(' -f1)"
             else check fio-randwrite fail "rc=$rc errs=$errs"; fi
             # the data written above carries crc32c verify headers; read it back in random order
-            if fio_run randread randread "$FIO_MB" --verify_header_seed=0; then check fio-randread ok "${FIO_MB}MiB 4k qd16 libaio direct verify=crc32c errs=0$(grep -m1 'read: IOPS=' $W/fio.randread | tr -s ' ' | cut -d'(' -f1)"
+            if fio_run randread randread "$FIO_MB" --verify_header_seed=0; then check fio-randread ok "${FIO_MB}MiB x$FIO_JOBS 4k qd16 libaio direct verify=crc32c errs=0$(grep -m1 'read: IOPS=' $W/fio.randread | tr -s ' ' | cut -d'(' -f1)"
             else check fio-randread fail "rc=$rc errs=$errs"; fi
         fi
     }

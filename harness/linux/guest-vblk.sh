@@ -4,7 +4,9 @@
 # /check.sh: "@check NAME ok|fail detail..." lines, then "@done passed=N failed=M", then power off.
 # Knobs: those of /lib.sh (harness.skip takes fio ext4 rebind), and
 #   harness.vblk_sectors=N     the capacity the disk must show, in 512-byte sectors
-#   harness.vblk_queues=N      the request queues the driver must have set up
+#   harness.vblk_queues=N      the request queues the driver must have set up; with N > 1 each
+#                              queue's own MSI-X vector (virtioK-req.Q) must take interrupts during
+#                              fio (check queue-irqs; harness.fio_jobs=N puts a job on each vCPU)
 . /lib.sh
 
 SECTORS=
@@ -43,8 +45,15 @@ wait_disk() { # SECS
     return 1
 }
 irq_lines() { [ -n "$VDEV" ] && grep -E "$VDEV-" /proc/interrupts; }
-irq_total() {
-    irq_lines | awk '{for (i = 2; i <= NF; i++) { if ($i ~ /^[0-9]+$/) s += $i; else break }} END {print s + 0}'
+irq_sum() { awk '{for (i = 2; i <= NF; i++) { if ($i ~ /^[0-9]+$/) s += $i; else break }} END {print s + 0}'; }
+irq_total() { irq_lines | irq_sum; }
+queue_irqs() { # the interrupt count of each request queue's vector: "req.0=N req.1=M ..."
+    k=0; out=
+    while [ $k -lt "${QUEUES:-0}" ]; do
+        out="$out req.$k=$(irq_lines | awk -v n="$VDEV-req.$k" '$NF == n' | irq_sum)"
+        k=$((k + 1))
+    done
+    echo "${out# }"
 }
 feature() { # BIT: 1 if the driver negotiated virtio feature BIT (sysfs lists bits 0.. as 0/1)
     cut -c$(($1 + 1)) "/sys/bus/virtio/devices/$VDEV/features" 2>/dev/null
@@ -93,10 +102,25 @@ if irq_lines | grep -q MSI; then check irq-msix ok "$(irq_lines | wc -l) $VDEV v
 else check irq-msix fail "no MSI-X $VDEV lines in /proc/interrupts (total=$IRQ0)"; fi
 
 # 3. fio, ext4 -----------------------------------------------------------------------------------
+QIRQ0=$(queue_irqs)
 fio_checks
 IRQ1=$(irq_total)
 if [ "$IRQ1" -gt "$IRQ0" ]; then check irq-count-rise ok "before=$IRQ0 after=$IRQ1"
 else check irq-count-rise fail "before=$IRQ0 after=$IRQ1"; fi
+queue_irq_check() { # each queue's vector of its own took interrupts during fio (none shared)
+    QIRQ1=$(queue_irqs)
+    set -- $QIRQ0
+    bad=
+    for a in $QIRQ1; do
+        b=${1#*=}; shift
+        [ "${a#*=}" -gt "$b" ] || bad="$bad ${a%%=*}"
+    done
+    if [ -z "$bad" ]; then check queue-irqs ok "before: $QIRQ0; after: $QIRQ1"
+    else check queue-irqs fail "no interrupt on$bad: before: $QIRQ0; after: $QIRQ1; vectors: $(irq_lines | awk '{print $NF}' | tr '\n' ' ')"; fi
+}
+if [ "${QUEUES:-1}" -gt 1 ]; then
+    case "$SKIP" in *,fio,*) ;; *) queue_irq_check ;; esac
+fi
 ext4_check
 new_dmesg 'virtio|error|EXT4|I/O'
 

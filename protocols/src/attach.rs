@@ -22,7 +22,8 @@
 //! - `virtio-blk[,OPTS]@vhost-user`: the same, with iopath's backend
 //!   (`iopath serve virtio-blk,OPTS --transport vhost-user --fd 3`) started
 //!   by the VMM on a socketpair; `...@vhost-user:PATH` connects to one
-//!   already listening on PATH.
+//!   already listening on PATH (of OPTS only `queues=N` counts there).
+//!   The function has the `queues=N` of OPTS (default 1).
 
 use crate::process::{DeviceProcess, CHILD_SOCKET_FD};
 use crate::transport::{transport, Transport};
@@ -58,8 +59,9 @@ pub enum Device {
 /// Where a vhost-user-blk device's backend is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum VhostUser {
-    /// Any backend listening on this UNIX socket (`vhost-user-blk:PATH`).
-    Socket(PathBuf),
+    /// Any backend listening on this UNIX socket (`vhost-user-blk:PATH`),
+    /// serving this many queues (`virtio-blk,queues=N@vhost-user:PATH`; 1).
+    Socket(PathBuf, u16),
     /// iopath's backend serving this virtio-blk, started by the VMM
     /// (`virtio-blk,OPTS@vhost-user`).
     Spawn(DeviceConfig),
@@ -109,7 +111,7 @@ impl DeviceSpec {
             if path.is_empty() {
                 return Err(Error::Config(format!("{s:?}: the vhost-user backend's socket path is missing")));
             }
-            return spec(VhostUser::Socket(path.into()));
+            return spec(VhostUser::Socket(path.into(), 1));
         }
         let Some(i) = iopath_devices::spec::find_unescaped_at(s) else { return Ok(None) };
         let place = match s[i + 1..].strip_prefix(VHOST_USER) {
@@ -121,10 +123,14 @@ impl DeviceSpec {
         if !matches!(model, DeviceConfig::VirtioBlk(_)) {
             return Err(Error::Config(format!("{s:?}: only virtio-blk has its queues served over vhost-user")));
         }
+        let queues = match &model {
+            DeviceConfig::VirtioBlk(c) => c.num_queues(),
+            _ => 1,
+        };
         match place {
             None => spec(VhostUser::Spawn(model)),
             Some("") => Err(Error::Config(format!("{s:?}: the vhost-user backend's socket path is missing"))),
-            Some(p) => spec(VhostUser::Socket(p.into())),
+            Some(p) => spec(VhostUser::Socket(p.into(), queues)),
         }
     }
 }
@@ -167,7 +173,10 @@ impl FromStr for DeviceSpec {
 impl std::fmt::Display for DeviceSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let model = match (&self.device, &self.remote) {
-            (Device::VhostUser(VhostUser::Socket(p)), _) => return write!(f, "{VHOST_USER_BLK}:{}", p.display()),
+            (Device::VhostUser(VhostUser::Socket(p, 1)), _) => return write!(f, "{VHOST_USER_BLK}:{}", p.display()),
+            (Device::VhostUser(VhostUser::Socket(p, n)), _) => {
+                return write!(f, "virtio-blk,queues={n}@{VHOST_USER}:{}", p.display())
+            }
             (Device::VhostUser(VhostUser::Spawn(m)), _) => return write!(f, "{m}@{VHOST_USER}"),
             (Device::Model(m), _) => m,
             (Device::Server, Some((t, Endpoint::Socket(p)))) => return write!(f, "{}:{}", t.name(), p.display()),
@@ -273,9 +282,9 @@ fn spawn_serve(progs: &Programs, model: &DeviceConfig, transport: &str) -> Resul
 fn vhost_user(v: &VhostUser, progs: &Programs) -> Result<SharedDevice> {
     use crate::vhost_user::frontend;
     match v {
-        VhostUser::Socket(path) => {
+        VhostUser::Socket(path, queues) => {
             let sock = connect(path).map_err(|e| Error::io(format!("cannot connect to {}", path.display()), e))?;
-            frontend::connect(sock, None, VHOST_USER_BLK)
+            frontend::connect(sock, None, VHOST_USER_BLK, *queues)
         }
         VhostUser::Spawn(model) => {
             // A backend is always kicked through an eventfd: notify=exit (the
@@ -286,8 +295,12 @@ fn vhost_user(v: &VhostUser, progs: &Programs) -> Result<SharedDevice> {
                     c.notify = iopath_devices::virtio::pci::NotifyMode::Ioeventfd;
                 }
             }
+            let queues = match &model {
+                DeviceConfig::VirtioBlk(c) => c.num_queues(),
+                _ => 1,
+            };
             let (mine, child) = spawn_serve(progs, &model, VHOST_USER)?;
-            frontend::connect(mine, Some(child), VHOST_USER_BLK)
+            frontend::connect(mine, Some(child), VHOST_USER_BLK, queues)
         }
     }
 }
@@ -377,17 +390,24 @@ mod tests {
     #[test]
     fn vhost_user_specs_parse() {
         let s: DeviceSpec = "vhost-user-blk:/tmp/vu.sock".parse().unwrap();
-        assert_eq!(s.device, Device::VhostUser(VhostUser::Socket("/tmp/vu.sock".into())));
+        assert_eq!(s.device, Device::VhostUser(VhostUser::Socket("/tmp/vu.sock".into(), 1)));
         assert_eq!(s.remote, None);
         let s: DeviceSpec = "virtio-blk,backend=null,size_mb=8@vhost-user".parse().unwrap();
         let Device::VhostUser(VhostUser::Spawn(m)) = &s.device else { panic!("{s:?}") };
         assert_eq!(m.to_string(), "virtio-blk,backend=null,size_mb=8,notify=exit");
         let s: DeviceSpec = "virtio-blk@vhost-user:/tmp/a,b@c".parse().unwrap();
-        assert_eq!(s.device, Device::VhostUser(VhostUser::Socket("/tmp/a,b@c".into())), "a path as it is");
+        assert_eq!(s.device, Device::VhostUser(VhostUser::Socket("/tmp/a,b@c".into(), 1)), "a path as it is");
+        // queues=N is the function's, on a socket too (the other options are the backend's own).
+        let s: DeviceSpec = "virtio-blk,backend=null,queues=4@vhost-user:/tmp/vu.sock".parse().unwrap();
+        assert_eq!(s.device, Device::VhostUser(VhostUser::Socket("/tmp/vu.sock".into(), 4)));
+        let s: DeviceSpec = "virtio-blk,queues=1@vhost-user:/tmp/vu.sock".parse().unwrap();
+        assert_eq!(s.to_string(), "vhost-user-blk:/tmp/vu.sock");
         for s in [
             "vhost-user-blk:/tmp/vu.sock",
             "vhost-user-blk:/tmp/a,b@c",
             "virtio-blk,backend=ram,size_mb=64,notify=poll@vhost-user",
+            "virtio-blk,backend=ram,size_mb=64,notify=poll,queues=2@vhost-user",
+            "virtio-blk,queues=3@vhost-user:/tmp/a,b@c",
         ] {
             assert_eq!(s.parse::<DeviceSpec>().unwrap().to_string(), s);
         }
@@ -397,6 +417,8 @@ mod tests {
             "pci-testdev@vhost-user:/tmp/s",
             "virtio-blk@vhost-user:",
             "virtio-blk,notify=never@vhost-user",
+            "virtio-blk,queues=17@vhost-user",
+            "virtio-blk,queues=0@vhost-user:/tmp/s",
         ] {
             assert!(bad.parse::<DeviceSpec>().is_err(), "{bad}");
         }

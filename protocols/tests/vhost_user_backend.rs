@@ -185,7 +185,7 @@ fn rig_on(backend: BackendKind, notify: NotifyMode) -> Rig {
 
 /// A rig whose frontend believes in `queues` queues.
 fn rig_with_queues(backend: BackendKind, notify: NotifyMode, queues: u64) -> Rig {
-    let cfg = VirtioBlkConfig { backend, size: MEM as u64, notify };
+    let cfg = VirtioBlkConfig { backend, size: MEM as u64, notify, queues: None };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let (a, b) = UnixStream::pair().unwrap();
     b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -463,7 +463,8 @@ fn more_regions_than_the_bound_are_refused() {
 fn a_queue_index_past_the_device_is_refused() {
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (a, b) = UnixStream::pair().unwrap();
-    let cfg = VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd };
+    let cfg =
+        VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd, queues: None };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let be2 = be.clone();
     let session = std::thread::spawn(move || be2.session(&b));
@@ -472,6 +473,28 @@ fn a_queue_index_past_the_device_is_refused() {
     r.negotiate();
     let res = r.fe.set_vring_num(NUM_QUEUES, QSIZE);
     refused(r, res, &format!("queue index {NUM_QUEUES}"));
+    // With queues=2 the device has 2: GET_QUEUE_NUM, num_queues and the bound say so.
+    let (a, b) = UnixStream::pair().unwrap();
+    let be = Arc::new(BlkBackend::new(&VirtioBlkConfig { queues: Some(2), ..cfg }).unwrap());
+    let be2 = be.clone();
+    let session = std::thread::spawn(move || be2.session(&b));
+    let mut r = Rig::new(a, 2 * NUM_QUEUES as u64, be, session);
+    r.negotiate();
+    let flags = vhost::vhost_user::message::VhostUserConfigFlags::WRITABLE;
+    let (_, cfg) = r.fe.get_config(34, 2, flags, &[0u8; 2]).unwrap();
+    assert_eq!(u16::from_le_bytes([cfg[0], cfg[1]]), 2, "num_queues");
+    r.fe.set_vring_num(1, QSIZE).unwrap();
+    let res = r.fe.set_vring_num(2, QSIZE); // the crate's bound is ours here, not GET_QUEUE_NUM's
+    let (be, end) = r.end();
+    assert!(res.is_err() && end.unwrap_err().to_string().contains("queue index 2 (the device has 2)"));
+    // The next frontend asks.
+    let (a, b) = UnixStream::pair().unwrap();
+    let be2 = be.clone();
+    let session = std::thread::spawn(move || be2.session(&b));
+    let mut r = Rig::new(a, 1, be, session);
+    r.negotiate();
+    assert_eq!(r.fe.get_queue_num().unwrap(), 2);
+    r.end().1.unwrap();
 }
 
 #[test]
@@ -517,30 +540,40 @@ fn get_config_is_the_pci_devices_configuration_space() {
     use iopath_devices::virtio::pci::{VirtioBlk, DEVCFG, DEVCFG_LEN};
     use iopath_devices::DeviceModel;
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let cfg = VirtioBlkConfig { backend: BackendKind::Null, size: 3 << 20, notify: NotifyMode::Ioeventfd };
-    let pci = VirtioBlk::new(cfg.clone()).unwrap();
-    let mut want = vec![0u8; DEVCFG_LEN as usize];
-    for (k, b) in want.iter_mut().enumerate() {
-        let mut x = [0u8; 1];
-        pci.bar_read(0, DEVCFG + k as u64, &mut x);
-        *b = x[0];
+    for queues in [Some(2), None] {
+        let cfg = VirtioBlkConfig { backend: BackendKind::Null, size: 3 << 20, notify: NotifyMode::Ioeventfd, queues };
+        let pci = VirtioBlk::new(cfg.clone()).unwrap();
+        let mut want = vec![0u8; DEVCFG_LEN as usize];
+        for (k, b) in want.iter_mut().enumerate() {
+            let mut x = [0u8; 1];
+            pci.bar_read(0, DEVCFG + k as u64, &mut x);
+            *b = x[0];
+        }
+        let (a, b) = UnixStream::pair().unwrap();
+        let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+        let be2 = be.clone();
+        let session = std::thread::spawn(move || be2.session(&b));
+        let mut r = Rig::new(a, 1, be, session);
+        r.negotiate();
+        let flags = vhost::vhost_user::message::VhostUserConfigFlags::WRITABLE;
+        let (_, got) = r.fe.get_config(0, DEVCFG_LEN as u32, flags, &want).unwrap();
+        // num_queues (offset 34): queues=N on both hosts; without it, each
+        // host's default (the PCI function 1, the backend NUM_QUEUES).
+        let n = u16::from_le_bytes([got[34], got[35]]) as usize;
+        let pci_n = u16::from_le_bytes([want[34], want[35]]) as usize;
+        match queues {
+            Some(q) => assert_eq!((n, pci_n), (q as usize, q as usize)),
+            None => {
+                assert_eq!((n, pci_n), (NUM_QUEUES, 1));
+                want[34..36].copy_from_slice(&got[34..36]);
+            }
+        }
+        assert_eq!(got, want, "{queues:?}");
+        // A window past the fields reads as zeros.
+        let (_, tail) = r.fe.get_config(0x100, 16, flags, &[0u8; 16]).unwrap();
+        assert_eq!(tail, [0u8; 16]);
+        r.end().1.unwrap();
     }
-    let (a, b) = UnixStream::pair().unwrap();
-    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
-    let be2 = be.clone();
-    let session = std::thread::spawn(move || be2.session(&b));
-    let mut r = Rig::new(a, 1, be, session);
-    r.negotiate();
-    let flags = vhost::vhost_user::message::VhostUserConfigFlags::WRITABLE;
-    let (_, got) = r.fe.get_config(0, DEVCFG_LEN as u32, flags, &want).unwrap();
-    // num_queues (offset 34) is vhost-user's own (MQ); the PCI function has one queue.
-    assert_eq!(u16::from_le_bytes([got[34], got[35]]) as usize, NUM_QUEUES);
-    want[34..36].copy_from_slice(&got[34..36]);
-    assert_eq!(got, want);
-    // A window past the fields reads as zeros.
-    let (_, tail) = r.fe.get_config(0x100, 16, flags, &[0u8; 16]).unwrap();
-    assert_eq!(tail, [0u8; 16]);
-    r.end().1.unwrap();
 }
 
 /// QEMU stops a ring with SET_VRING_ENABLE 0 (which has the ring's thread
@@ -552,7 +585,8 @@ fn a_ring_stopped_right_after_it_was_disabled_answers() {
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let g = Guest::new(true);
     let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
-    let cfg = VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd };
+    let cfg =
+        VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd, queues: None };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let (a, b) = UnixStream::pair().unwrap();
     // A reply that never comes: the rig's guard shuts the socket down
@@ -765,7 +799,8 @@ fn ring_addresses_before_the_ring_size_are_checked_at_that_size() {
 fn a_refused_check_device_state_ends_the_session() {
     use std::io::{Read, Write};
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let cfg = VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd };
+    let cfg =
+        VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd, queues: None };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let (mut a, b) = UnixStream::pair().unwrap();
     b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();

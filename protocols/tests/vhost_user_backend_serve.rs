@@ -21,7 +21,12 @@ fn sock(tag: &str) -> PathBuf {
 fn start(path: &PathBuf, handshake: Duration) -> std::thread::JoinHandle<iopath_protocols::Result<()>> {
     let _ = std::fs::remove_file(path);
     let o = VhostUserServeOptions {
-        device: VirtioBlkConfig { backend: BackendKind::Null, size: 1 << 20, notify: NotifyMode::Ioeventfd },
+        device: VirtioBlkConfig {
+            backend: BackendKind::Null,
+            size: 1 << 20,
+            notify: NotifyMode::Ioeventfd,
+            queues: None,
+        },
         listen: Listen::Socket(path.clone()),
         once: true,
         timeouts: Timeouts { handshake, ..Timeouts::default() },
@@ -85,7 +90,12 @@ fn a_silent_connection_is_dropped_and_once_waits_for_a_frontend() {
 fn start_bounded(path: &PathBuf, message: Duration) {
     let _ = std::fs::remove_file(path);
     let o = VhostUserServeOptions {
-        device: VirtioBlkConfig { backend: BackendKind::Null, size: 1 << 20, notify: NotifyMode::Ioeventfd },
+        device: VirtioBlkConfig {
+            backend: BackendKind::Null,
+            size: 1 << 20,
+            notify: NotifyMode::Ioeventfd,
+            queues: None,
+        },
         listen: Listen::Socket(path.clone()),
         once: false,
         timeouts: Timeouts { message, send: message, ..Timeouts::default() },

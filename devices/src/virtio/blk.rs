@@ -237,19 +237,23 @@ impl Blk {
     }
 }
 
+/// Where num_queues sits in the configuration space (after the
+/// geometry, blk_size, topology and writeback fields; 5.2.4).
+pub const NUM_QUEUES_AT: usize = 34;
 /// Length of the virtio-blk configuration space [`config_space`] builds.
 pub const CONFIG_LEN: usize = 0x40;
 
-/// The virtio-blk device configuration (5.2.4) of a disk of `size` bytes,
-/// as the device offers it with [`FEATURES`](super::pci::FEATURES):
-/// capacity, seg_max, blk_size, and the DISCARD and WRITE_ZEROES limits.
-/// Every host of the device serves these bytes (a vhost-user backend in
-/// GET_CONFIG).
-pub fn config_space(size: u64) -> [u8; CONFIG_LEN] {
+/// The virtio-blk device configuration (5.2.4) of a disk of `size` bytes
+/// with `num_queues` request queues, as the device offers it with
+/// [`FEATURES`](super::pci::FEATURES): capacity, seg_max, blk_size,
+/// num_queues (MQ), and the DISCARD and WRITE_ZEROES limits. Every host of
+/// the device serves these bytes (a vhost-user backend in GET_CONFIG).
+pub fn config_space(size: u64, num_queues: u16) -> [u8; CONFIG_LEN] {
     let mut r = [0u8; CONFIG_LEN];
     r[0..8].copy_from_slice(&(size / SECTOR).to_le_bytes());
     r[12..16].copy_from_slice(&super::pci::SEG_MAX.to_le_bytes());
     r[20..24].copy_from_slice(&(SECTOR as u32).to_le_bytes());
+    r[NUM_QUEUES_AT..NUM_QUEUES_AT + 2].copy_from_slice(&num_queues.to_le_bytes());
     // max_discard_sectors, max_discard_seg, discard_sector_alignment,
     // max_write_zeroes_sectors, max_write_zeroes_seg; write_zeroes_may_unmap.
     for (at, v) in

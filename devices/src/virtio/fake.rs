@@ -17,18 +17,30 @@ pub struct Driver {
     pub mem: GuestMem,
     pub num: u16,
     pub avail_idx: u16,
+    /// Where this queue's rings are (DESC, AVAIL, USED for the first).
+    pub desc: u64,
+    pub avail: u64,
+    pub used: u64,
 }
 
 impl Driver {
     pub fn new(num: u16) -> Self {
         let ram = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), RAM as usize)]).unwrap();
-        Driver { mem: ram.clone().into(), ram, num, avail_idx: 0 }
+        Driver { mem: ram.clone().into(), ram, num, avail_idx: 0, desc: DESC, avail: AVAIL, used: USED }
+    }
+
+    /// The driver of another queue in the same memory, its rings `off`
+    /// bytes past the first queue's (descriptor tables at `desc`: the
+    /// tests' chains go through [`chain_at`](Self::chain_at)).
+    pub fn another(&self, off: u64) -> Self {
+        let (ram, mem) = (self.ram.clone(), self.mem.clone());
+        Driver { ram, mem, num: self.num, avail_idx: 0, desc: DESC + off, avail: AVAIL + off, used: USED + off }
     }
 
     /// A device-side queue set up on this driver's rings.
     pub fn queue(&self, event_idx: bool) -> Queue {
         let mut q = Queue::new(self.num);
-        (q.desc, q.avail, q.used, q.event_idx, q.ready) = (DESC, AVAIL, USED, event_idx, true);
+        (q.desc, q.avail, q.used, q.event_idx, q.ready) = (self.desc, self.avail, self.used, event_idx, true);
         q.validate(&self.mem).unwrap();
         q
     }
@@ -56,7 +68,7 @@ impl Driver {
     /// Writes a chain of `(addr, len, writable)` buffers at descriptors
     /// `first..`, linked with NEXT.
     pub fn chain(&self, first: u16, bufs: &[(u64, u32, bool)]) {
-        self.chain_at(DESC, first, bufs);
+        self.chain_at(self.desc, first, bufs);
     }
 
     pub fn chain_at(&self, table: u64, first: u16, bufs: &[(u64, u32, bool)]) {
@@ -72,31 +84,31 @@ impl Driver {
 
     /// Descriptor `i` points at an indirect table of `n` descriptors.
     pub fn indirect(&self, i: u16, table: u64, n: u32) {
-        self.desc_at(DESC, i, table, 16 * n, DESC_F_INDIRECT, 0);
+        self.desc_at(self.desc, i, table, 16 * n, DESC_F_INDIRECT, 0);
     }
 
     /// Makes the chain at `head` available and publishes the index.
     pub fn publish(&mut self, head: u16) {
         let slot = (self.avail_idx % self.num) as u64;
-        self.w16(AVAIL + 4 + 2 * slot, head);
+        self.w16(self.avail + 4 + 2 * slot, head);
         self.avail_idx = self.avail_idx.wrapping_add(1);
-        self.w16(AVAIL + 2, self.avail_idx);
+        self.w16(self.avail + 2, self.avail_idx);
     }
 
     /// The used ring's index and element `k`: (id, len).
     pub fn used_idx(&self) -> u16 {
-        self.r16(USED + 2)
+        self.r16(self.used + 2)
     }
     pub fn used_elem(&self, k: u16) -> (u32, u32) {
-        let at = USED + 4 + 8 * (k % self.num) as u64;
+        let at = self.used + 4 + 8 * (k % self.num) as u64;
         (self.r32(at), self.r32(at + 4))
     }
     /// used_event (the driver's interrupt threshold with EVENT_IDX).
     pub fn set_used_event(&self, v: u16) {
-        self.w16(AVAIL + 4 + 2 * self.num as u64, v);
+        self.w16(self.avail + 4 + 2 * self.num as u64, v);
     }
     /// avail_event (the device's notification threshold with EVENT_IDX).
     pub fn avail_event(&self) -> u16 {
-        self.r16(USED + 4 + 8 * self.num as u64)
+        self.r16(self.used + 4 + 8 * self.num as u64)
     }
 }

@@ -1,7 +1,7 @@
 //! virtio 1.x devices: split virtqueues ([`queue`]), the block device
-//! ([`blk`]), the modern PCI transport ([`transport`], with a
-//! [`QueueEngine`](transport::QueueEngine) serving its queue) and
-//! virtio-blk served in the VMM ([`pci`]).
+//! ([`blk`]), the modern PCI transport ([`transport`]: up to 16 queues, a
+//! [`QueueEngine`](transport::QueueEngine) serving them) and virtio-blk
+//! served in the VMM ([`pci`]).
 
 pub mod blk;
 pub mod pci;
@@ -16,7 +16,8 @@ use crate::{Error, Result};
 use pci::VirtioBlkConfig;
 
 /// Parses virtio-blk's `KEY=VALUE` options: `backend=null|ram|file:PATH`,
-/// `size_mb=N` (1 ..= 1048576), `notify=exit|ioeventfd|poll`.
+/// `size_mb=N` (1 ..= 1048576), `notify=exit|ioeventfd|poll`, `queues=N`
+/// (1 ..= [`MAX_QUEUES`](transport::MAX_QUEUES)).
 pub fn parse_blk(opts: &[(String, String)]) -> Result<VirtioBlkConfig> {
     let err = |k: &str, reason: String| Error::Option { device: "virtio-blk", option: k.into(), reason };
     let mut c = VirtioBlkConfig::default();
@@ -28,7 +29,11 @@ pub fn parse_blk(opts: &[(String, String)]) -> Result<VirtioBlkConfig> {
                 _ => return Err(err(k, format!("{v:?} MiB (1 ..= 1048576)"))),
             },
             "notify" => c.notify = v.parse()?,
-            _ => return Err(err(k, "unknown option (backend, size_mb, notify)".into())),
+            "queues" => match v.parse::<u16>() {
+                Ok(n) if (1..=transport::MAX_QUEUES).contains(&n) => c.queues = Some(n),
+                _ => return Err(err(k, format!("{v:?} (1 ..= {})", transport::MAX_QUEUES))),
+            },
+            _ => return Err(err(k, "unknown option (backend, size_mb, notify, queues)".into())),
         }
     }
     Ok(c)

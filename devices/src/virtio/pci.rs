@@ -1,18 +1,31 @@
 //! virtio-blk served in the VMM, on the modern PCI transport
-//! ([`transport`](super::transport)): vendor 0x1af4, device 0x1042, one
-//! request queue. [`BlkEngine`] is its queue engine.
+//! ([`transport`](super::transport)): vendor 0x1af4, device 0x1042, and
+//! `queues=N` request queues (1 ..= 16; 1 unless asked). [`BlkEngine`] is
+//! its queue engine.
 //!
-//! Notifications arrive as `notify` says: `exit` (a write to the notify
-//! area exits, and the queue is served on the vCPU thread in
-//! `bar_write`) or `ioeventfd` (the notify
-//! address is a KVM ioeventfd; the `virtio-blk` thread wakes and serves the
-//! queue) or `poll` (that thread polls the ring, see
-//! [`worker`](super::worker)). A driver that breaks the ring puts the
-//! device in DEVICE_NEEDS_RESET until it resets it.
+//! VIRTIO_BLK_F_MQ is always offered, with num_queues = N in the
+//! configuration space (N = 1 included: Linux then sets up one queue, as
+//! without MQ; it uses min(num_queues, its CPUs) queues). Each queue is a
+//! ring of its own: its requests, used ring, EVENT_IDX thresholds and
+//! interrupt vector are its own; a ring the driver breaks puts the device
+//! in DEVICE_NEEDS_RESET (every queue stops) until it resets it, and a
+//! reset stops and forgets every queue.
+//!
+//! Notifications arrive as `notify` says: `exit` (a write to a queue's
+//! notify address exits, and that queue is served on the vCPU thread in
+//! `bar_write`) or `ioeventfd` (every queue's notify address is a KVM
+//! ioeventfd on one eventfd; the `virtio-blk` thread wakes and serves each
+//! queue that has work) or `poll` (that thread polls every ring, see
+//! [`worker`](super::worker)). One thread serves all the queues: the disk
+//! is one, behind the device's one lock, so threads per queue would take
+//! turns at that lock, not serve in parallel; a pass takes at most a
+//! ring's worth from each queue in turn, so no queue waits behind another
+//! one kept full. One eventfd for all: a vfio-user client takes the fds a
+//! server announces once, and one fd per queue would cost an fd each.
 //!
 //! A `file:PATH` disk is read and written synchronously (pread, pwrite,
 //! fdatasync) on the thread that serves the queue. Not yet: io_uring with
-//! O_DIRECT and several requests in flight (NVMe's `FileBackend` slots), more queues.
+//! O_DIRECT and several requests in flight (NVMe's `FileBackend` slots).
 
 use super::blk::{self, Blk};
 use super::transport::{DeviceConfigBytes, QueueEngine, Shared, State, Transport, VirtioPci};
@@ -29,15 +42,17 @@ pub const F_SEG_MAX: u64 = 1 << 2;
 pub const F_BLK_SIZE: u64 = 1 << 6;
 pub const F_FLUSH: u64 = 1 << 9;
 pub const F_DISCARD: u64 = 1 << 13;
+/// VIRTIO_BLK_F_MQ: num_queues in the configuration space says how many queues.
+pub const F_MQ: u64 = 1 << 12;
 pub const F_WRITE_ZEROES: u64 = 1 << 14;
 pub const F_INDIRECT_DESC: u64 = 1 << 28;
 pub use super::transport::{F_EVENT_IDX, F_VERSION_1};
 /// What the device offers.
 pub const FEATURES: u64 =
-    F_SEG_MAX | F_BLK_SIZE | F_FLUSH | F_DISCARD | F_WRITE_ZEROES | F_INDIRECT_DESC | F_EVENT_IDX | F_VERSION_1;
+    F_SEG_MAX | F_BLK_SIZE | F_FLUSH | F_MQ | F_DISCARD | F_WRITE_ZEROES | F_INDIRECT_DESC | F_EVENT_IDX | F_VERSION_1;
 pub use super::transport::{
-    BAR_SIZE, COMMON, COMMON_LEN, DEVCFG, DEVCFG_LEN, ISR, MSIX_PBA, MSIX_TABLE, MSIX_VECTORS, NOTIFY, NOTIFY_MULT,
-    NO_VECTOR, S_ACKNOWLEDGE, S_DRIVER, S_DRIVER_OK, S_FAILED, S_FEATURES_OK, S_NEEDS_RESET,
+    notify_offset, BAR_SIZE, COMMON, COMMON_LEN, DEVCFG, DEVCFG_LEN, ISR, MAX_QUEUES, MSIX_PBA, MSIX_TABLE, NOTIFY,
+    NOTIFY_MULT, NO_VECTOR, S_ACKNOWLEDGE, S_DRIVER, S_DRIVER_OK, S_FAILED, S_FEATURES_OK, S_NEEDS_RESET,
 };
 /// Segments per request the device advertises (seg_max).
 pub const SEG_MAX: u32 = 128;
@@ -82,18 +97,30 @@ impl std::fmt::Display for NotifyMode {
     }
 }
 
-/// Options of `--device virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll]`.
+/// Options of `--device virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VirtioBlkConfig {
     pub backend: BackendKind,
     /// Disk size in bytes.
     pub size: u64,
     pub notify: NotifyMode,
+    /// Request queues (`queues=N`, 1 ..= [`MAX_QUEUES`]). None: the host's
+    /// default, 1 for the device on the PCI transport (in the VMM or a
+    /// device process); iopath's vhost-user backend then has
+    /// [`MAX_QUEUES`], since QEMU's vhost-user-blk-pci asks one per vCPU.
+    pub queues: Option<u16>,
 }
 
 impl Default for VirtioBlkConfig {
     fn default() -> Self {
-        VirtioBlkConfig { backend: BackendKind::Ram, size: 64 << 20, notify: NotifyMode::Exit }
+        VirtioBlkConfig { backend: BackendKind::Ram, size: 64 << 20, notify: NotifyMode::Exit, queues: None }
+    }
+}
+
+impl VirtioBlkConfig {
+    /// The queues of the device on the PCI transport: `queues=N`, else 1.
+    pub fn num_queues(&self) -> u16 {
+        self.queues.unwrap_or(1)
     }
 }
 
@@ -106,6 +133,8 @@ pub(super) struct Stats {
     pub(super) sleeps: u64,
     requests: u64,
     errors: u64,
+    /// Requests served on each queue.
+    queue_requests: Vec<u64>,
 }
 
 /// The queue engine of iopath's own virtio-blk: requests served in the
@@ -138,20 +167,32 @@ impl VirtioPci<BlkEngine> {
         if cfg.size == 0 || !cfg.size.is_multiple_of(blk::SECTOR) {
             return Err(Error::Option { device: "virtio-blk", option: "size_mb".into(), reason: "empty disk".into() });
         }
+        let n = cfg.num_queues();
+        if !(1..=MAX_QUEUES).contains(&n) {
+            let reason = format!("{n} (1 ..= {MAX_QUEUES})");
+            return Err(Error::Option { device: "virtio-blk", option: "queues".into(), reason });
+        }
         let backend = Backend::open(&cfg.backend, cfg.size)?;
         let blk = Blk::new(backend, cfg.size, "iopath-virtio-blk");
-        let e = BlkEngine { cfg, blk, st: Stats::default(), polling: false, thread: None, kick: None };
+        let st = Stats { queue_requests: vec![0; n as usize], ..Stats::default() };
+        let e = BlkEngine { cfg, blk, st, polling: false, thread: None, kick: None };
         Ok(VirtioPci::with_engine(e))
     }
 }
 
-/// Registers the notify ioeventfd and starts the thread that serves it.
+/// The ioeventfd of queue `q`'s notify address (any length, any value).
+fn notify_spec(q: u16) -> IoEventSpec {
+    IoEventSpec { bar: 0, offset: notify_offset(q), len: 0, datamatch: None }
+}
+
+/// Registers every queue's notify address as an ioeventfd on one eventfd
+/// and starts the thread that serves it.
 fn start_thread(dev: &Shared<BlkEngine>, ctx: &DeviceContext) {
     let mut s = crate::lock(dev);
     if s.e.thread.is_some() {
         return;
     }
-    let spec = IoEventSpec { bar: 0, offset: NOTIFY, len: 0, datamatch: None };
+    let queues = s.t.num_queues();
     let kick = match s.e.kick.clone() {
         Some(k) => k, // registered at an earlier attach: still the one the host knows
         None => {
@@ -159,8 +200,13 @@ fn start_thread(dev: &Shared<BlkEngine>, ctx: &DeviceContext) {
                 Ok(e) => Arc::new(e),
                 Err(e) => return log::warn!("virtio-blk: eventfd: {e}; notifications will exit"),
             };
-            if let Err(e) = ctx.ioevents.register(spec, &kick) {
-                return log::warn!("virtio-blk: no ioeventfd ({e}); notifications will exit");
+            for q in 0..queues {
+                if let Err(e) = ctx.ioevents.register(notify_spec(q), &kick) {
+                    for done in 0..q {
+                        let _ = ctx.ioevents.unregister(notify_spec(done), &kick);
+                    }
+                    return log::warn!("virtio-blk: no ioeventfd for queue {q} ({e}); notifications will exit");
+                }
             }
             s.e.kick = Some(kick.clone());
             kick
@@ -180,7 +226,9 @@ fn start_thread(dev: &Shared<BlkEngine>, ctx: &DeviceContext) {
     match handle {
         Ok(handle) => s.e.thread = Some(Worker { kick, stop, handle }),
         Err(e) => {
-            let _ = ctx.ioevents.unregister(spec, &kick);
+            for q in 0..queues {
+                let _ = ctx.ioevents.unregister(notify_spec(q), &kick);
+            }
             s.e.kick = None;
             log::warn!("virtio-blk: thread: {e}; notifications will exit");
         }
@@ -201,7 +249,11 @@ impl QueueEngine for BlkEngine {
     }
 
     fn device_config(&self) -> DeviceConfigBytes {
-        blk::config_space(self.blk.size)
+        blk::config_space(self.blk.size, self.cfg.num_queues())
+    }
+
+    fn num_queues(&self) -> u16 {
+        self.cfg.num_queues()
     }
 
     fn attach(dev: &Shared<Self>, ctx: &DeviceContext) {
@@ -219,11 +271,9 @@ impl QueueEngine for BlkEngine {
         }
     }
 
-    fn notify(&mut self, t: &mut Transport, value: u64) {
+    fn notify(&mut self, t: &mut Transport, queue: u16) {
         // The vCPU that wrote is waiting here: nothing else adds to the ring.
-        if value == 0 {
-            while serve(t, self) {}
-        }
+        while serve_queue(t, self, queue as usize) {}
     }
 
     fn counters(&self) -> Vec<Counter> {
@@ -231,31 +281,50 @@ impl QueueEngine for BlkEngine {
         [("kicks", st.kicks), ("sleeps", st.sleeps), ("requests", st.requests), ("errors", st.errors)]
             .into_iter()
             .map(|(n, value)| Counter { name: n.into(), value })
+            .chain(
+                st.queue_requests
+                    .iter()
+                    .enumerate()
+                    .map(|(q, &value)| Counter { name: format!("q{q}.requests"), value }),
+            )
             .collect()
     }
 }
 
-/// Serves available requests, at most a ring's worth, then re-arms
-/// notifications. True if it stopped with more to do: the device thread
-/// then lets go of the lock before the next pass, so a driver that keeps
-/// the queue full cannot hold register accesses off.
+/// One pass over every queue: each served as [`serve_queue`] does, in
+/// turn. True if one stopped with more to do.
 pub(super) fn serve(t: &mut Transport, e: &mut BlkEngine) -> bool {
-    if !t.live() {
+    let mut more = false;
+    for i in 0..t.queues.len() {
+        more |= serve_queue(t, e, i);
+    }
+    more
+}
+
+/// Serves queue `i`'s available requests, at most a ring's worth, then
+/// re-arms its notifications and raises its interrupt if the driver wants
+/// one. True if it stopped with more to do: the device thread then lets go
+/// of the lock before the next pass, so a driver that keeps a queue full
+/// can hold off neither register accesses nor the other queues.
+pub(super) fn serve_queue(t: &mut Transport, e: &mut BlkEngine, i: usize) -> bool {
+    if !t.queue_live(i) {
         return false;
     }
     let Some(mem) = t.ctx.as_ref().map(|c| c.mem.clone()) else { return false };
     let mut irq = false;
     let mut more = false;
-    for _ in 0..=t.queue.num {
+    let q = &mut t.queues[i].ring;
+    for _ in 0..=q.num {
         more = true;
-        match t.queue.pop(&mem) {
+        match q.pop(&mem) {
             Ok(Some(c)) => {
                 let done = e.blk.handle(&mem, &c.descs);
                 e.st.requests += 1;
+                e.st.queue_requests[i] += 1;
                 if done.status != Some(blk::S_OK) {
                     e.st.errors += 1;
                 }
-                match t.queue.push_used(&mem, c.head, done.written) {
+                match q.push_used(&mem, c.head, done.written) {
                     Ok(i) => irq |= i,
                     Err(err) => {
                         t.broken(&format!("used ring: {err}"));
@@ -263,8 +332,8 @@ pub(super) fn serve(t: &mut Transport, e: &mut BlkEngine) -> bool {
                     }
                 }
             }
-            Ok(None) => match t.queue.set_notify(&mem, !e.polling) {
-                Ok(a) if a != t.queue.next_avail() => continue, // raced in
+            Ok(None) => match q.set_notify(&mem, !e.polling) {
+                Ok(a) if a != q.next_avail() => continue, // raced in
                 Ok(_) => {
                     more = false;
                     break;
@@ -275,13 +344,13 @@ pub(super) fn serve(t: &mut Transport, e: &mut BlkEngine) -> bool {
                 }
             },
             Err(err) => {
-                t.broken(&format!("queue 0: {err}"));
+                t.broken(&format!("queue {i}: {err}"));
                 return false;
             }
         }
     }
     if irq {
-        t.interrupt(t.queue_vector, 1);
+        t.queue_interrupt(i);
     }
     more
 }
@@ -292,29 +361,35 @@ impl State<BlkEngine> {
         serve(&mut self.t, &mut self.e)
     }
 
-    /// True if the queue is live and the driver has made chains available
-    /// the device has not taken.
+    /// True if a queue is live and the driver has made chains available
+    /// on it the device has not taken.
     pub(super) fn has_work(&self) -> bool {
         let t = &self.t;
-        t.live() && t.ctx.as_ref().is_some_and(|c| t.queue.has_work(&c.mem).unwrap_or(true))
+        let Some(c) = t.ctx.as_ref() else { return false };
+        (0..t.queues.len()).any(|i| t.queue_live(i) && t.queues[i].ring.has_work(&c.mem).unwrap_or(true))
     }
 
-    /// Sets whether a poller serves the queue, and asks the driver for
-    /// notifications accordingly. True if work is already waiting (a
-    /// poller about to sleep then polls on).
+    /// Sets whether a poller serves the queues, and asks the driver for
+    /// notifications on each live one accordingly. True if work is already
+    /// waiting (a poller about to sleep then polls on).
     pub(super) fn set_polling(&mut self, on: bool) -> bool {
         self.e.polling = on;
-        let live = self.t.live();
-        match self.t.ctx.as_ref().map(|c| c.mem.clone()) {
-            Some(mem) if live => match self.t.queue.set_notify(&mem, !on) {
-                Ok(a) => a != self.t.queue.next_avail(),
+        let Some(mem) = self.t.ctx.as_ref().map(|c| c.mem.clone()) else { return false };
+        let mut waiting = false;
+        for i in 0..self.t.queues.len() {
+            if !self.t.queue_live(i) {
+                continue;
+            }
+            let q = &mut self.t.queues[i].ring;
+            match q.set_notify(&mem, !on) {
+                Ok(a) => waiting |= a != q.next_avail(),
                 Err(e) => {
-                    self.t.broken(&format!("used ring: {e}"));
-                    false
+                    self.t.broken(&format!("queue {i} used ring: {e}"));
+                    return false;
                 }
-            },
-            _ => false,
+            }
         }
+        waiting
     }
 }
 #[cfg(test)]

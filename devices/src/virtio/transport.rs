@@ -2,15 +2,28 @@
 //! serves the queues: vendor 0x1af4, one 64-bit memory BAR holding the
 //! common configuration, ISR, device configuration and notify areas (each
 //! named by a vendor capability), the MSI-X table and PBA (config vector +
-//! one per queue), and the VIRTIO_PCI_CAP_PCI_CFG window. One queue.
+//! one per queue), and the VIRTIO_PCI_CAP_PCI_CFG window.
 //!
-//! The transport owns feature negotiation, device status, the queue's
-//! registers (checked against guest memory when the driver enables it),
-//! MSI-X, ISR and INTx. A [`QueueEngine`] serves the queue: iopath's own
-//! virtio-blk ([`pci`](super::pci), requests served in the VMM) or a
-//! vhost-user backend (`iopath_protocols::vhost_user::frontend`). The
-//! transport tells it about DRIVER_OK, notify writes that exit, and reset,
-//! and asks it for the device features and device configuration.
+//! N virtqueues (1 ..= [`MAX_QUEUES`], the engine's
+//! [`num_queues`](QueueEngine::num_queues), fixed for the device's life).
+//! `queue_select` takes any value; a queue at or past N reads `queue_size`
+//! 0 (unavailable, 4.1.4.3), its other fields 0 (the vector NO_VECTOR), and
+//! writes to it are dropped. Queue q notifies at `NOTIFY + 4 * q`
+//! (`queue_notify_off` = q, [`NOTIFY_MULT`]); the device takes the queue
+//! from the address, not from the value written, as an ioeventfd does. The
+//! MSI-X table has N + 1 vectors, so a driver can give the configuration
+//! and each queue a vector of its own (Linux does); any queue may take any
+//! vector, or share one.
+//!
+//! The transport owns feature negotiation, device status, each queue's
+//! registers (size a power of two up to [`MAX_QUEUE_SIZE`], rings checked
+//! against guest memory when the driver enables the queue, nothing
+//! writable once it is enabled or after DRIVER_OK), MSI-X, ISR and INTx.
+//! A reset forgets every queue. A [`QueueEngine`] serves the queues:
+//! iopath's own virtio-blk ([`pci`](super::pci), requests served in the
+//! VMM) or a vhost-user backend (`iopath_protocols::vhost_user::frontend`).
+//! The transport tells it about DRIVER_OK, notify writes that exit, and
+//! reset, and asks it for the device features and device configuration.
 
 use super::queue::{Queue, MAX_QUEUE_SIZE};
 use crate::pci::{Capability, MsixTable};
@@ -42,9 +55,15 @@ pub const NOTIFY: u64 = 0x3000;
 pub const NOTIFY_MULT: u32 = 4;
 pub const MSIX_TABLE: u64 = 0x4000;
 pub const MSIX_PBA: u64 = 0x5000;
-/// Vector 0 for configuration changes, 1 for the queue (by convention; the driver picks).
-pub const MSIX_VECTORS: u16 = 2;
+/// Most virtqueues a device has: its notify area (4 bytes each) and its
+/// MSI-X table (N + 1 vectors) fit their pages many times over.
+pub const MAX_QUEUES: u16 = 16;
 pub(super) const MSIX_CAP: usize = 0x40;
+
+/// The address queue `q`'s notifications go to (BAR 0 offset).
+pub fn notify_offset(q: u16) -> u64 {
+    NOTIFY + NOTIFY_MULT as u64 * q as u64
+}
 
 /// Where the VIRTIO_PCI_CAP_PCI_CFG capability sits, and its body length
 /// (cap_len, cfg_type, bar, id, padding, offset, length, pci_cfg_data).
@@ -70,6 +89,11 @@ pub trait QueueEngine: Send + Sized + 'static {
     fn features(&self) -> u64;
     /// The device configuration area (read by the driver at any time).
     fn device_config(&self) -> DeviceConfigBytes;
+    /// How many virtqueues the device has (1 ..= [`MAX_QUEUES`]; asked
+    /// once, when the transport is made).
+    fn num_queues(&self) -> u16 {
+        1
+    }
     /// The host attached the device (its memory, ioeventfds, interrupts);
     /// `t.ctx` is not set yet.
     fn attach(_dev: &Shared<Self>, _ctx: &DeviceContext) {}
@@ -80,14 +104,14 @@ pub trait QueueEngine: Send + Sized + 'static {
     fn driver_ok(&mut self, _t: &mut Transport) -> Result<()> {
         Ok(())
     }
-    /// A write to the queue's notify address reached the VMM (it was not
-    /// an ioeventfd). `value` is what the driver wrote (the queue index).
-    fn notify(&mut self, t: &mut Transport, value: u64);
+    /// A write to queue `queue`'s notify address reached the VMM (it was
+    /// not an ioeventfd); `queue` < the device's queues.
+    fn notify(&mut self, t: &mut Transport, queue: u16);
     /// The driver reset the device (status 0) or the host did: stop serving
-    /// the queue. The transport then forgets its registers.
+    /// every queue. The transport then forgets their registers.
     fn reset(&mut self, _t: &mut Transport) {}
-    /// How the queue's interrupt is delivered may have changed: the driver
-    /// wrote the queue's MSI-X vector, MSI-X enable or function mask, or a
+    /// How a queue's interrupt is delivered may have changed: the driver
+    /// wrote a queue's MSI-X vector, MSI-X enable or function mask, or a
     /// table entry (a vector's route). `t` holds the new state. An engine
     /// that handed a vector's eventfd to someone else (vhost-user's call
     /// fd) hands over the right one again.
@@ -113,10 +137,9 @@ pub struct Transport {
     generation: u8,
     config_vector: u16,
     queue_sel: u16,
-    /// Queue 0: its registers, and its ring state for an engine that serves it here.
-    pub queue: Queue,
-    /// The MSI-X vector the driver gave queue 0 ([`NO_VECTOR`]: none).
-    pub queue_vector: u16,
+    /// The device's queues (as many as the engine has, fixed): their
+    /// registers, and their ring state for an engine that serves them here.
+    pub queues: Vec<Vq>,
     isr: u8,
     /// The device features, taken from the engine when the transport is made.
     features: u64,
@@ -125,6 +148,21 @@ pub struct Transport {
     pub interrupts: u64,
     pub ring_errors: u64,
     pub resets: u64,
+}
+
+/// One virtqueue's transport state.
+#[derive(Clone, Debug)]
+pub struct Vq {
+    /// Its registers (size, enable, ring addresses) and ring state.
+    pub ring: Queue,
+    /// The MSI-X vector the driver gave it ([`NO_VECTOR`]: none).
+    pub vector: u16,
+}
+
+impl Vq {
+    fn new() -> Self {
+        Vq { ring: Queue::new(MAX_QUEUE_SIZE), vector: NO_VECTOR }
+    }
 }
 
 /// A device's state behind its one lock: the transport and the engine.
@@ -145,11 +183,13 @@ pub struct VirtioPci<E: QueueEngine> {
 }
 
 impl<E: QueueEngine> VirtioPci<E> {
-    /// A function served by `engine`.
+    /// A function served by `engine`, with its
+    /// [`num_queues`](QueueEngine::num_queues) (bounded to 1 ..= [`MAX_QUEUES`]).
     pub fn with_engine(engine: E) -> Self {
+        let n = engine.num_queues().clamp(1, MAX_QUEUES);
         let t = Transport {
             ctx: None,
-            msix: new_msix(),
+            msix: new_msix(n),
             dfsel: 0,
             gfsel: 0,
             driver_features: 0,
@@ -157,8 +197,7 @@ impl<E: QueueEngine> VirtioPci<E> {
             generation: 0,
             config_vector: NO_VECTOR,
             queue_sel: 0,
-            queue: Queue::new(MAX_QUEUE_SIZE),
-            queue_vector: NO_VECTOR,
+            queues: vec![Vq::new(); n as usize],
             isr: 0,
             features: engine.features(),
             name: engine.name(),
@@ -216,14 +255,26 @@ impl<E: QueueEngine> Drop for VirtioPci<E> {
     }
 }
 
-fn new_msix() -> MsixTable {
-    MsixTable::new(MSIX_VECTORS, 0, MSIX_TABLE, MSIX_PBA, MSIX_CAP)
+/// The MSI-X table of a device with `queues` queues: one vector for
+/// configuration changes and one per queue (by convention; the driver picks).
+fn new_msix(queues: u16) -> MsixTable {
+    MsixTable::new(queues + 1, 0, MSIX_TABLE, MSIX_PBA, MSIX_CAP)
 }
 
 impl Transport {
     /// The feature bits offered.
     pub fn features(&self) -> u64 {
         self.features
+    }
+
+    /// How many queues the device has.
+    pub fn num_queues(&self) -> u16 {
+        self.queues.len() as u16
+    }
+
+    /// MSI-X vectors in the table: the configuration's and one per queue.
+    pub fn msix_vectors(&self) -> u16 {
+        self.num_queues() + 1
     }
 
     fn common_regs(&self) -> [u8; COMMON_LEN as usize] {
@@ -240,46 +291,57 @@ impl Transport {
         let gfeat = if self.gfsel < 2 { (self.driver_features >> (32 * self.gfsel)) as u32 } else { 0 };
         put(0x0c, &gfeat.to_le_bytes());
         put(0x10, &self.config_vector.to_le_bytes());
-        put(0x12, &1u16.to_le_bytes());
+        put(0x12, &self.num_queues().to_le_bytes());
         put(0x14, &[self.status, self.generation]);
         put(0x16, &self.queue_sel.to_le_bytes());
-        if self.queue_sel == 0 {
-            let q = &self.queue;
-            put(0x18, &q.num.to_le_bytes());
-            put(0x1a, &self.queue_vector.to_le_bytes());
-            put(0x1c, &(q.ready as u16).to_le_bytes());
-            put(0x1e, &0u16.to_le_bytes());
-            put(0x20, &q.desc.to_le_bytes());
-            put(0x28, &q.avail.to_le_bytes());
-            put(0x30, &q.used.to_le_bytes());
+        match self.queues.get(self.queue_sel as usize) {
+            Some(vq) => {
+                let q = &vq.ring;
+                put(0x18, &q.num.to_le_bytes());
+                put(0x1a, &vq.vector.to_le_bytes());
+                put(0x1c, &(q.ready as u16).to_le_bytes());
+                put(0x1e, &self.queue_sel.to_le_bytes()); // queue_notify_off
+                put(0x20, &q.desc.to_le_bytes());
+                put(0x28, &q.avail.to_le_bytes());
+                put(0x30, &q.used.to_le_bytes());
+            }
+            // No such queue: size 0 (unavailable), no vector, the rest 0.
+            None => put(0x1a, &NO_VECTOR.to_le_bytes()),
         }
         r
     }
 
-    fn vector_ok(v: u16) -> u16 {
-        if v < MSIX_VECTORS {
+    /// `v` if the table has that vector, else NO_VECTOR (the driver reads
+    /// it back and knows it was refused).
+    fn vector_ok(&self, v: u16) -> u16 {
+        if v < self.msix_vectors() {
             v
         } else {
             NO_VECTOR
         }
     }
 
-    fn enable_queue(&mut self) {
+    fn enable_queue(&mut self, i: usize) {
         let Some(ctx) = &self.ctx else { return };
-        match self.queue.validate(&ctx.mem) {
+        let event_idx = self.driver_features & F_EVENT_IDX != 0;
+        let q = &mut self.queues[i].ring;
+        match q.validate(&ctx.mem) {
             Ok(()) => {
-                self.queue.event_idx = self.driver_features & F_EVENT_IDX != 0;
-                self.queue.ready = true;
+                q.event_idx = event_idx;
+                q.ready = true;
             }
-            Err(e) => self.broken(&format!("queue 0 enable: {e}")),
+            Err(e) => self.broken(&format!("queue {i} enable: {e}")),
         }
     }
 
     fn forget(&mut self) {
-        self.queue.reset();
-        self.queue.num = MAX_QUEUE_SIZE;
+        for vq in &mut self.queues {
+            vq.ring.reset();
+            vq.ring.num = MAX_QUEUE_SIZE;
+            vq.vector = NO_VECTOR;
+        }
         (self.dfsel, self.gfsel, self.driver_features, self.status) = (0, 0, 0, 0);
-        (self.config_vector, self.queue_vector, self.queue_sel, self.isr) = (NO_VECTOR, NO_VECTOR, 0, 0);
+        (self.config_vector, self.queue_sel, self.isr) = (NO_VECTOR, 0, 0);
         if let Some(c) = &self.ctx {
             c.irq.set_intx(false);
         }
@@ -298,11 +360,23 @@ impl Transport {
         }
     }
 
-    /// The queue is served: features accepted, DRIVER_OK, the queue
-    /// enabled, and no protocol error since the last reset.
+    /// The device is served: features accepted, DRIVER_OK, and no
+    /// protocol error since the last reset.
     pub fn live(&self) -> bool {
         let ok = S_FEATURES_OK | S_DRIVER_OK;
-        self.status & ok == ok && self.status & (S_NEEDS_RESET | S_FAILED) == 0 && self.queue.ready
+        self.status & ok == ok && self.status & (S_NEEDS_RESET | S_FAILED) == 0
+    }
+
+    /// Queue `i` is served: the device [`live`](Self::live) and the queue enabled.
+    pub fn queue_live(&self, i: usize) -> bool {
+        self.live() && self.queues.get(i).is_some_and(|q| q.ring.ready)
+    }
+
+    /// Raises queue `i`'s interrupt: its vector, or INTx with the ISR's queue bit.
+    pub fn queue_interrupt(&mut self, i: usize) {
+        if let Some(v) = self.queues.get(i).map(|q| q.vector) {
+            self.interrupt(v, 1);
+        }
     }
 
     /// True when MSI-X is enabled (else interrupts are INTx with the ISR).
@@ -349,36 +423,40 @@ impl<E: QueueEngine> State<E> {
     fn common_write(&mut self, off: u64, data: &[u8]) {
         let t = &mut self.t;
         let v = le_value(data);
-        let q_setup = t.queue_sel == 0 && !t.queue.ready && t.status & S_DRIVER_OK == 0;
-        match (off, data.len()) {
-            (0x00, 4) => t.dfsel = v as u32,
-            (0x08, 4) => t.gfsel = v as u32,
-            (0x0c, 4) if t.status & S_FEATURES_OK == 0 && t.gfsel < 2 => {
+        // The selected queue, if the device has it: its registers are
+        // written only while it is disabled and before DRIVER_OK.
+        let sel = Some(t.queue_sel as usize).filter(|&i| i < t.queues.len());
+        let setup = sel.filter(|&i| !t.queues[i].ring.ready && t.status & S_DRIVER_OK == 0);
+        match (off, data.len(), sel, setup) {
+            (0x00, 4, ..) => t.dfsel = v as u32,
+            (0x08, 4, ..) => t.gfsel = v as u32,
+            (0x0c, 4, ..) if t.status & S_FEATURES_OK == 0 && t.gfsel < 2 => {
                 let sh = 32 * t.gfsel;
                 t.driver_features = (t.driver_features & !(0xffff_ffffu64 << sh)) | (v & 0xffff_ffff) << sh;
             }
-            (0x10, 2) => t.config_vector = Transport::vector_ok(v as u16),
-            (0x14, 1) => self.status_write(v as u8),
-            (0x16, 2) => t.queue_sel = v as u16,
-            (0x18, 2) if q_setup => {
+            (0x10, 2, ..) => t.config_vector = t.vector_ok(v as u16),
+            (0x14, 1, ..) => self.status_write(v as u8),
+            (0x16, 2, ..) => t.queue_sel = v as u16,
+            (0x18, 2, _, Some(i)) => {
                 let n = v as u16;
                 if n != 0 && n <= MAX_QUEUE_SIZE && n.is_power_of_two() {
-                    t.queue.num = n;
+                    t.queues[i].ring.num = n;
                 }
             }
-            (0x1a, 2) if t.queue_sel == 0 => {
-                let v = Transport::vector_ok(v as u16);
-                if v != t.queue_vector {
-                    t.queue_vector = v;
+            (0x1a, 2, Some(i), _) => {
+                let v = t.vector_ok(v as u16);
+                if v != t.queues[i].vector {
+                    t.queues[i].vector = v;
                     self.e.interrupt_changed(&mut self.t);
                 }
             }
-            (0x1c, 2) if q_setup && v == 1 => t.enable_queue(),
-            (0x20..=0x37, 4 | 8) if q_setup && off.is_multiple_of(data.len() as u64) => {
+            (0x1c, 2, _, Some(i)) if v == 1 => t.enable_queue(i),
+            (0x20..=0x37, 4 | 8, _, Some(i)) if off.is_multiple_of(data.len() as u64) => {
+                let q = &mut t.queues[i].ring;
                 let field = match off & !7 {
-                    0x20 => &mut t.queue.desc,
-                    0x28 => &mut t.queue.avail,
-                    _ => &mut t.queue.used,
+                    0x20 => &mut q.desc,
+                    0x28 => &mut q.avail,
+                    _ => &mut q.used,
                 };
                 let sh = 8 * (off & 7);
                 let mask = if data.len() == 8 { u64::MAX } else { 0xffff_ffffu64 << sh };

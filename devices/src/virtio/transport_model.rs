@@ -67,12 +67,15 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
             }
             return;
         }
+        let notify_end = notify_offset(s.t.num_queues());
         match offset {
             o if o < COMMON_LEN => s.common_write(o, data),
-            o if (NOTIFY..NOTIFY + NOTIFY_MULT as u64).contains(&o) => {
+            // Queue q's notify address (4.1.4.4): the queue is the
+            // address's, whatever the value (as a KVM ioeventfd there).
+            o if (NOTIFY..notify_end).contains(&o) && (o - NOTIFY).is_multiple_of(NOTIFY_MULT as u64) => {
                 s.t.notifies += 1;
                 let State { t, e } = &mut *s;
-                e.notify(t, le_value(data));
+                e.notify(t, ((o - NOTIFY) / NOTIFY_MULT as u64) as u16);
             }
             _ => {}
         }
@@ -81,7 +84,7 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
     fn reset(&self) {
         let mut s = self.state();
         s.reset();
-        s.t.msix = new_msix();
+        s.t.msix = new_msix(s.t.num_queues());
     }
 
     fn quiesce(&self) {
@@ -114,7 +117,7 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
         self.pci_cfg_write(offset, data);
         let mut s = self.state();
         if s.t.msix.config_write(offset, data) {
-            for v in 0..MSIX_VECTORS as usize {
+            for v in 0..s.t.msix_vectors() as usize {
                 s.t.msix_update(v);
             }
             let State { t, e } = &mut *s;
@@ -134,10 +137,15 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
             }
             Capability { offset: at, id: 0x09, body, wmask: Vec::new() }
         };
+        let (msix, queues) = {
+            let s = self.state();
+            (s.t.msix.capability(), s.t.num_queues())
+        };
         vec![
-            self.state().t.msix.capability(),
+            msix,
             vcap(0x50, 1, COMMON, COMMON_LEN, None),
-            vcap(0x60, 2, NOTIFY, NOTIFY_MULT as u64, Some(NOTIFY_MULT)),
+            // Each queue's notify address, queue_notify_off * multiplier, inside it.
+            vcap(0x60, 2, NOTIFY, notify_offset(queues) - NOTIFY, Some(NOTIFY_MULT)),
             vcap(0x78, 3, ISR, 1, None),
             vcap(0x88, 4, DEVCFG, DEVCFG_LEN, None),
             {

@@ -18,9 +18,9 @@
 //! INDIRECT_DESC, FLUSH, DISCARD, WRITE_ZEROES, BLK_SIZE, SEG_MAX), MQ and
 //! PROTOCOL_FEATURES; protocol features CONFIG (GET_CONFIG: the
 //! configuration space, [`blk::config_space`](iopath_devices::virtio::blk::config_space)
-//! with num_queues), MQ (up to [`NUM_QUEUES`] queues: QEMU's
-//! vhost-user-blk-pci asks for one per vCPU by default) and REPLY_ACK (the
-//! crate's). Each started ring has a thread (`backend_worker.rs`) that serves it on
+//! with num_queues), MQ (GET_QUEUE_NUM: `queues=N` of the device's options,
+//! or by default [`NUM_QUEUES`], since QEMU's vhost-user-blk-pci asks for
+//! one per vCPU unless told `num-queues`) and REPLY_ACK (the crate's). Each started ring has a thread (`backend_worker.rs`) that serves it on
 //! kicks or polls it (`notify=poll`), and signals the call fd as the driver
 //! asks; the rings share the disk behind one lock.
 //!
@@ -74,13 +74,13 @@ use vhost::vhost_user::{BackendReqHandler, Error as VuError, VhostUserProtocolFe
 /// A vhost-user message header: request, flags, size (u32 each).
 const HEADER: usize = 12;
 
-/// Queues the device has (config num_queues, GET_QUEUE_NUM): QEMU's
-/// vhost-user-blk-pci sets up one per vCPU (up to this many; `-smp 16`).
-/// A queue costs its state here; a thread only once the frontend starts it
-/// (SET_VRING_KICK): at most this many ring threads per session.
-pub const NUM_QUEUES: usize = 16;
-/// VIRTIO_BLK_F_MQ.
-pub const F_MQ: u64 = 1 << 12;
+/// Most queues the device has (config num_queues, GET_QUEUE_NUM), and how
+/// many without `queues=N`: QEMU's vhost-user-blk-pci sets up one per vCPU
+/// (up to this many; `-smp 16`). A queue costs its state here; a thread
+/// only once the frontend starts it (SET_VRING_KICK): at most this many
+/// ring threads per session.
+pub const NUM_QUEUES: usize = iopath_devices::virtio::transport::MAX_QUEUES as usize;
+pub use iopath_devices::virtio::pci::F_MQ;
 /// VHOST_USER_F_PROTOCOL_FEATURES (a virtio feature bit vhost-user uses).
 pub const F_PROTOCOL_FEATURES: u64 = 1 << 30;
 /// Virtio features offered: the device's, MQ and PROTOCOL_FEATURES.
@@ -90,11 +90,9 @@ pub const PROTOCOL_FEATURES: VhostUserProtocolFeatures =
     VhostUserProtocolFeatures::CONFIG.union(VhostUserProtocolFeatures::MQ);
 
 /// The configuration space GET_CONFIG serves: the device's
-/// ([`blk::config_space`]) with num_queues (offset 34) set.
-pub fn config_space(size: u64) -> [u8; blk::CONFIG_LEN] {
-    let mut c = blk::config_space(size);
-    c[34..36].copy_from_slice(&(NUM_QUEUES as u16).to_le_bytes());
-    c
+/// ([`blk::config_space`]) with its `queues` as num_queues.
+pub fn config_space(size: u64, queues: usize) -> [u8; blk::CONFIG_LEN] {
+    blk::config_space(size, queues as u16)
 }
 
 /// The device a vhost-user device process serves, kept across sessions.
@@ -104,15 +102,20 @@ pub struct BlkBackend {
 }
 
 impl BlkBackend {
-    /// A virtio-blk on `cfg`'s backend and size; `notify=poll` polls the
-    /// rings, any other mode serves them on kicks.
+    /// A virtio-blk on `cfg`'s backend and size, with its `queues`
+    /// (default [`NUM_QUEUES`]); `notify=poll` polls the rings, any other
+    /// mode serves them on kicks.
     pub fn new(cfg: &VirtioBlkConfig) -> Result<Self> {
         if cfg.size == 0 || !cfg.size.is_multiple_of(blk::SECTOR) {
             return Err(Error::Config(format!("virtio-blk: a disk of {} bytes", cfg.size)));
         }
+        let queues = cfg.queues.map_or(NUM_QUEUES, usize::from);
+        if !(1..=NUM_QUEUES).contains(&queues) {
+            return Err(Error::Config(format!("virtio-blk: {queues} queues (1 ..= {NUM_QUEUES})")));
+        }
         let backend = Backend::open(&cfg.backend, cfg.size)?;
         let b = Blk::new(backend, cfg.size, "iopath-vhost-user-blk");
-        Ok(BlkBackend { dev: Arc::new(Mutex::new(Dev::new(b, NUM_QUEUES))), notify: cfg.notify })
+        Ok(BlkBackend { dev: Arc::new(Mutex::new(Dev::new(b, queues))), notify: cfg.notify })
     }
 
     /// Serves one frontend on `sock` until it leaves (`Ok`) or a request

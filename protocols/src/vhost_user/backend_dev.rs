@@ -228,7 +228,12 @@ impl Dev {
         ]
         .into_iter()
         .map(|(n, value)| Counter { name: n.into(), value })
-        .chain(st.ring_requests.iter().enumerate().map(|(q, &value)| Counter { name: format!("q{q}.requests"), value }))
+        .chain(
+            st.ring_requests[..self.rings.len()]
+                .iter()
+                .enumerate()
+                .map(|(q, &value)| Counter { name: format!("q{q}.requests"), value }),
+        )
         .collect()
     }
 }

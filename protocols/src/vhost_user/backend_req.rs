@@ -75,9 +75,10 @@ impl Session {
 
     /// The ring `index` names, if there is one.
     fn ring(&mut self, index: u32) -> VuResult<usize> {
+        let n = self.dev().rings.len();
         match usize::try_from(index) {
-            Ok(i) if i < NUM_QUEUES => Ok(i),
-            _ => self.refuse(format!("queue index {index} (the device has {NUM_QUEUES})")),
+            Ok(i) if i < n => Ok(i),
+            _ => self.refuse(format!("queue index {index} (the device has {n})")),
         }
     }
 
@@ -86,7 +87,9 @@ impl Session {
         if let Some(w) = self.workers[i].take() {
             w.stop();
         }
-        self.dev().rings[i].q.ready = false;
+        if let Some(r) = self.dev().rings.get_mut(i) {
+            r.q.ready = false;
+        }
     }
 
     /// Refuses a change to ring `i` while it runs.
@@ -308,7 +311,7 @@ impl VhostUserBackendReqHandlerMut for Session {
     }
 
     fn get_queue_num(&mut self) -> VuResult<u64> {
-        Ok(NUM_QUEUES as u64)
+        Ok(self.dev().rings.len() as u64)
     }
 
     fn set_vring_enable(&mut self, index: u32, enable: bool) -> VuResult<()> {
@@ -322,7 +325,10 @@ impl VhostUserBackendReqHandlerMut for Session {
 
     fn get_config(&mut self, offset: u32, size: u32, _flags: VhostUserConfigFlags) -> VuResult<Vec<u8>> {
         // The crate bounds offset + size by 4 KiB; past the fields, zeros.
-        let cfg = super::config_space(self.dev().blk.size);
+        let cfg = {
+            let d = self.dev();
+            super::config_space(d.blk.size, d.rings.len())
+        };
         let mut out = vec![0u8; size as usize];
         for (k, b) in out.iter_mut().enumerate() {
             *b = cfg.get(offset as usize + k).copied().unwrap_or(0);

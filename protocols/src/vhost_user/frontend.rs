@@ -1,23 +1,35 @@
 //! The VMM side of a vhost-user-blk device: iopath's modern virtio PCI
-//! transport (`iopath_devices::virtio::transport`) whose queue a vhost-user
+//! transport (`iopath_devices::virtio::transport`) whose queues a vhost-user
 //! backend serves (iopath's `iopath serve virtio-blk --transport vhost-user`,
 //! qemu-storage-daemon's vhost-user-blk export, any other), driven through
 //! the rust-vmm `vhost` crate's [`Frontend`].
 //!
 //! - **Connect** ([`connect`]): SET_OWNER, GET_FEATURES, GET/SET_PROTOCOL_FEATURES
-//!   and GET_CONFIG, because the driver reads the device features and the
-//!   capacity before DRIVER_OK. No ring, memory or fd is sent yet.
+//!   (CONFIG, REPLY_ACK and MQ, those offered), GET_QUEUE_NUM when more
+//!   than one queue is asked for, and GET_CONFIG, because the driver reads
+//!   the device features and the capacity before DRIVER_OK. No ring,
+//!   memory or fd is sent yet.
+//! - **Queues**: the function has the `queues=N` the VMM asked for (1 by
+//!   default; `virtio-blk,queues=N@vhost-user[:PATH]`). N > 1 needs a
+//!   backend that offers VIRTIO_BLK_F_MQ, the MQ protocol feature and at
+//!   least N queues (GET_QUEUE_NUM), or the connect fails and says which.
+//!   MQ is passed to the driver whenever the backend offers it, with
+//!   num_queues = N in the configuration (the backend's own count is its
+//!   bound, not what this function has).
 //! - **DRIVER_OK** (`frontend_ring.rs`): SET_FEATURES
-//!   (the driver's choice), SET_MEM_TABLE (the VMM's RAM memfd),
-//!   SET_VRING_NUM/ADDR/BASE, SET_VRING_CALL (the MSI-X vector's irqfd, or
-//!   an eventfd the VMM relays), SET_VRING_KICK (the eventfd that is the KVM
-//!   ioeventfd on the notify address, registered at attach) and
-//!   SET_VRING_ENABLE. A guest that never writes DRIVER_OK gets nothing sent.
-//! - **Interrupt changes** after DRIVER_OK (the queue's vector, MSI-X
-//!   enable, a vector routed): a new SET_VRING_CALL if the calls must go
-//!   elsewhere ([`QueueEngine::interrupt_changed`]).
-//! - **Reset**: SET_VRING_ENABLE(0), then GET_VRING_BASE stops the ring;
-//!   the fds of the session are dropped.
+//!   (the driver's choice), SET_MEM_TABLE (the VMM's RAM memfd), then for
+//!   each queue the driver enabled: SET_VRING_NUM/ADDR/BASE,
+//!   SET_VRING_CALL (its MSI-X vector's irqfd, or an eventfd the VMM
+//!   relays), SET_VRING_KICK (the eventfd that is the KVM ioeventfd on its
+//!   notify address, registered at attach: one per queue, since each of
+//!   the backend's rings waits on its own) and SET_VRING_ENABLE. A guest
+//!   that never writes DRIVER_OK gets nothing sent; queues it leaves
+//!   disabled are never started.
+//! - **Interrupt changes** after DRIVER_OK (a queue's vector, MSI-X
+//!   enable, a vector routed): a new SET_VRING_CALL for each queue whose
+//!   calls must go elsewhere ([`QueueEngine::interrupt_changed`]).
+//! - **Reset**: SET_VRING_ENABLE(0), then GET_VRING_BASE stops each
+//!   started ring; the fds of the session are dropped.
 //!
 //! REPLY_ACK is negotiated where the backend offers it, so every request
 //! is answered. Each sequence of requests (connect, DRIVER_OK, reset, a
@@ -32,8 +44,11 @@ use super::frontend_ring::Session;
 use crate::peer::Peer;
 use crate::process::DeviceProcess;
 use crate::{Error, Result};
+use iopath_devices::virtio::blk::NUM_QUEUES_AT;
+use iopath_devices::virtio::pci::F_MQ;
 use iopath_devices::virtio::transport::{
-    DeviceConfigBytes, QueueEngine, Shared, State, Transport, VirtioPci, DEVCFG_LEN, F_EVENT_IDX, F_VERSION_1, NOTIFY,
+    notify_offset, DeviceConfigBytes, QueueEngine, Shared, State, Transport, VirtioPci, DEVCFG_LEN, F_EVENT_IDX,
+    F_VERSION_1, MAX_QUEUES,
 };
 use iopath_devices::{Counter, DeviceContext, IoEventSpec, SharedDevice};
 use std::os::unix::net::UnixStream;
@@ -58,11 +73,11 @@ pub const CONFIG_LEN: u32 = 60;
 
 /// Feature bits the transport passes from the backend to the driver: the
 /// block device's own (SIZE_MAX, SEG_MAX, GEOMETRY, RO, BLK_SIZE, FLUSH,
-/// TOPOLOGY, DISCARD, WRITE_ZEROES) and the ring's that the backend's
-/// queue implements (INDIRECT_DESC, EVENT_IDX), plus VERSION_1, which the
-/// transport requires. Not passed: CONFIG_WCE (the driver would write
-/// `writeback`, and configuration writes are not forwarded as SET_CONFIG),
-/// MQ (one queue here), PACKED,
+/// TOPOLOGY, DISCARD, WRITE_ZEROES, MQ with num_queues set to the
+/// function's queues) and the ring's that the backend's queue implements
+/// (INDIRECT_DESC, EVENT_IDX), plus VERSION_1, which the transport
+/// requires. Not passed: CONFIG_WCE (the driver would write `writeback`,
+/// and configuration writes are not forwarded as SET_CONFIG), PACKED,
 /// ACCESS_PLATFORM, NOTIFICATION_DATA, RING_RESET (the transport has none
 /// of these) and PROTOCOL_FEATURES (vhost-user's own, bit 30).
 pub const PASSED_FEATURES: u64 = (1 << 1)
@@ -72,6 +87,7 @@ pub const PASSED_FEATURES: u64 = (1 << 1)
     | (1 << 6)
     | (1 << 9)
     | (1 << 10)
+    | F_MQ
     | (1 << 13)
     | (1 << 14)
     | (1 << 28)
@@ -107,10 +123,14 @@ pub struct VhostUserBlk {
     /// The protocol features acked (SET_PROTOCOL_FEATURES was sent).
     pub(super) protocol: bool,
     config: DeviceConfigBytes,
-    /// The notify eventfd, KVM's ioeventfd on the notify address when `kick_registered`.
-    pub(super) kick: Option<Arc<EventFd>>,
+    /// The function's queues (1 ..= MAX_QUEUES).
+    queues: u16,
+    /// Each queue's notify eventfd (made at the first attach), KVM's
+    /// ioeventfd on its notify address when `kick_registered`.
+    pub(super) kicks: Vec<Arc<EventFd>>,
+    /// Every queue's notify address is a KVM ioeventfd.
     pub(super) kick_registered: bool,
-    /// The ring as set up at DRIVER_OK, until reset.
+    /// The rings as set up at DRIVER_OK, until reset.
     pub(super) session: Option<Session>,
     pub(super) me: Weak<Mutex<State<VhostUserBlk>>>,
     pub(super) st: Stats,
@@ -124,9 +144,10 @@ pub struct VhostUserBlk {
 }
 
 /// Connects to the backend on `sock` (a device process the VMM started,
-/// `child`, or one listening on a socket) and makes the PCI function.
-pub fn connect(sock: UnixStream, child: Option<DeviceProcess>, name: &str) -> Result<SharedDevice> {
-    let engine = VhostUserBlk::handshake(sock, child, name)?;
+/// `child`, or one listening on a socket) and makes the PCI function, with
+/// `queues` queues (1 ..= 16) the backend must serve.
+pub fn connect(sock: UnixStream, child: Option<DeviceProcess>, name: &str, queues: u16) -> Result<SharedDevice> {
+    let engine = VhostUserBlk::handshake(sock, child, name, queues)?;
     let dev = Arc::new(VirtioPci::with_engine(engine));
     iopath_devices::lock(dev.shared()).e.me = Arc::downgrade(dev.shared());
     Ok(dev)
@@ -147,7 +168,10 @@ pub(super) fn vhost_err(what: &str, e: vhost::Error) -> Error {
 }
 
 impl VhostUserBlk {
-    fn handshake(sock: UnixStream, child: Option<DeviceProcess>, name: &str) -> Result<Self> {
+    fn handshake(sock: UnixStream, child: Option<DeviceProcess>, name: &str, queues: u16) -> Result<Self> {
+        if !(1..=MAX_QUEUES).contains(&queues) {
+            return Err(Error::Config(format!("{name}: {queues} queues (1 ..= {MAX_QUEUES})")));
+        }
         let ours = sock.try_clone().map_err(|e| Error::io("vhost-user socket", e))?;
         let watched = sock.try_clone().map_err(|e| Error::io("vhost-user socket", e))?;
         let peer = Peer::new(sock, name, child);
@@ -160,7 +184,8 @@ impl VhostUserBlk {
             backend_features: 0,
             protocol: false,
             config: [0; DEVCFG_LEN as usize],
-            kick: None,
+            queues,
+            kicks: Vec::new(),
             kick_registered: false,
             session: None,
             me: Weak::new(),
@@ -190,17 +215,35 @@ impl VhostUserBlk {
         }
         // REPLY_ACK, where offered, makes every request answered, so a
         // backend that stops answering is seen at DRIVER_OK, not never.
-        let acked = offered & (VhostUserProtocolFeatures::CONFIG | VhostUserProtocolFeatures::REPLY_ACK);
+        // MQ lets GET_QUEUE_NUM be asked.
+        use VhostUserProtocolFeatures as P;
+        let acked = offered & (P::CONFIG | P::REPLY_ACK | P::MQ);
         e.msg("SET_PROTOCOL_FEATURES", |fe| fe.set_protocol_features(acked))?;
         e.protocol = true;
-        if acked.contains(VhostUserProtocolFeatures::REPLY_ACK) {
+        if acked.contains(P::REPLY_ACK) {
             e.fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+        }
+        if e.queues > 1 {
+            let n = e.queues;
+            if e.backend_features & F_MQ == 0 {
+                return Err(Error::Config(format!("{n} queues asked, and the backend does not offer VIRTIO_BLK_F_MQ")));
+            }
+            if !acked.contains(P::MQ) {
+                return Err(Error::Config(format!("{n} queues asked, and the backend has no protocol feature MQ")));
+            }
+            // The crate bounds the answer and takes it as its queue limit.
+            let has = e.msg("GET_QUEUE_NUM", |fe| fe.get_queue_num())?;
+            if has < n as u64 {
+                return Err(Error::Config(format!("{n} queues asked, and the backend has {has} (GET_QUEUE_NUM)")));
+            }
         }
         let blank = [0u8; CONFIG_LEN as usize];
         let (_, cfg) = e.msg("GET_CONFIG", |fe| fe.get_config(0, CONFIG_LEN, VhostUserConfigFlags::empty(), &blank))?;
         // The crate checked the reply's size against the request's.
         let n = cfg.len().min(e.config.len());
         e.config[..n].copy_from_slice(&cfg[..n]);
+        // The driver is offered this function's queues, not all the backend has.
+        e.config[NUM_QUEUES_AT..NUM_QUEUES_AT + 2].copy_from_slice(&e.queues.to_le_bytes());
         Ok(())
     }
 
@@ -263,25 +306,38 @@ impl QueueEngine for VhostUserBlk {
         self.config
     }
 
+    fn num_queues(&self) -> u16 {
+        self.queues
+    }
+
     fn attach(dev: &Shared<Self>, ctx: &DeviceContext) {
         let mut s = iopath_devices::lock(dev);
         s.e.peer.fail = Some(ctx.fail.clone());
         s.e.deadline.set_fail(ctx.fail.clone());
         s.e.peer.watch(); // one watcher per peer: again, it only takes the new fail hook
-        if s.e.kick.is_some() {
+        if !s.e.kicks.is_empty() {
             return;
         }
-        // The notify address becomes the KVM ioeventfd the backend is kicked through.
-        let kick = match EventFd::new(libc::EFD_NONBLOCK) {
-            Ok(k) => Arc::new(k),
-            Err(e) => return log::error!("{}: eventfd: {e}", s.e.name),
-        };
-        let spec = IoEventSpec { bar: 0, offset: NOTIFY, len: 0, datamatch: None };
-        match ctx.ioevents.register(spec, &kick) {
-            Ok(()) => s.e.kick_registered = true,
-            Err(e) => log::warn!("{}: no ioeventfd ({e}); the VMM passes notifications on", s.e.name),
+        // Each queue's notify address becomes the KVM ioeventfd its ring
+        // in the backend is kicked through; one that cannot be registered
+        // exits, and `notify` passes it on.
+        let mut registered = true;
+        for q in 0..s.e.queues {
+            let kick = match EventFd::new(libc::EFD_NONBLOCK) {
+                Ok(k) => Arc::new(k),
+                Err(e) => {
+                    s.e.kicks.clear();
+                    return log::error!("{}: eventfd: {e}", s.e.name);
+                }
+            };
+            let spec = IoEventSpec { bar: 0, offset: notify_offset(q), len: 0, datamatch: None };
+            if let Err(e) = ctx.ioevents.register(spec, &kick) {
+                log::warn!("{}: queue {q}: no ioeventfd ({e}); the VMM passes notifications on", s.e.name);
+                registered = false;
+            }
+            s.e.kicks.push(kick);
         }
-        s.e.kick = Some(kick);
+        s.e.kick_registered = registered;
     }
 
     fn quiesce(dev: &Shared<Self>) {
@@ -304,9 +360,9 @@ impl QueueEngine for VhostUserBlk {
     }
 
     fn driver_ok(&mut self, t: &mut Transport) -> iopath_devices::Result<()> {
-        if !t.queue.ready {
+        if !t.queues.iter().any(|q| q.ring.ready) {
             // The driver's mistake, not the backend's: NEEDS_RESET (the transport's), nothing sent.
-            return Err(iopath_devices::Error::Host("DRIVER_OK with queue 0 not enabled".into()));
+            return Err(iopath_devices::Error::Host("DRIVER_OK with no queue enabled".into()));
         }
         if let Err(e) = self.within(|s| s.start(t)) {
             // The backend failed: NEEDS_RESET, and the run stops.
@@ -315,9 +371,10 @@ impl QueueEngine for VhostUserBlk {
         Ok(())
     }
 
-    fn notify(&mut self, _t: &mut Transport, _value: u64) {
-        // Without an ioeventfd the notify write lands here: pass it on.
-        if let (Some(k), Some(_)) = (&self.kick, &self.session) {
+    fn notify(&mut self, _t: &mut Transport, queue: u16) {
+        // Without an ioeventfd the notify write lands here: pass it on to a started ring.
+        let started = self.session.as_ref().is_some_and(|s| s.started(queue));
+        if let (Some(k), true) = (self.kicks.get(queue as usize), started) {
             if k.write(1).is_ok() {
                 self.st.kicks_forwarded += 1;
             }

@@ -1,5 +1,6 @@
-//! The vhost-user ring session of [`VhostUserBlk`]: set up at DRIVER_OK,
-//! stopped at reset, and the relay of backend calls that have no irqfd.
+//! The vhost-user ring session of [`VhostUserBlk`]: each enabled queue's
+//! ring set up at DRIVER_OK and stopped at reset, and the relay of backend
+//! calls that have no irqfd.
 
 use super::frontend::VhostUserBlk;
 use crate::{Error, Result};
@@ -14,8 +15,21 @@ use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vm_memory::{GuestAddress, GuestMemoryBackend};
 use vmm_sys_util::eventfd::EventFd;
 
-/// What a DRIVER_OK set up in the backend, until the next reset.
+/// What a DRIVER_OK set up in the backend, until the next reset: the
+/// queues it started (those the driver enabled), each with its call.
 pub struct Session {
+    rings: Vec<(u16, Call)>,
+}
+
+impl Session {
+    /// Queue `q`'s ring runs in the backend.
+    pub(super) fn started(&self, q: u16) -> bool {
+        self.rings.iter().any(|(i, _)| *i == q)
+    }
+}
+
+/// Where one ring's calls go.
+pub struct Call {
     /// Where the backend's calls go now.
     to: CallTo,
     /// The call eventfd given to the backend (the irqfd, or the relay's).
@@ -36,7 +50,7 @@ enum CallTo {
     Relay,
 }
 
-/// A thread that waits on the call eventfd and raises the queue's interrupt.
+/// A thread that waits on a call eventfd and raises its queue's interrupt.
 /// Dropped (often under the device lock, which the thread takes), it is
 /// told to stop and woken, not joined: it ends within one poll.
 pub struct Relay {
@@ -52,10 +66,13 @@ impl Drop for Relay {
 }
 
 impl VhostUserBlk {
-    /// DRIVER_OK: the driver's features, guest RAM, the ring, kick and call.
+    /// DRIVER_OK: the driver's features, guest RAM, then each enabled
+    /// queue's ring, kick and call.
     pub(super) fn start(&mut self, t: &mut Transport) -> Result<()> {
         let ctx = t.ctx.clone().ok_or_else(|| Error::protocol("DRIVER_OK before the device was attached"))?;
-        let kick = self.kick.clone().ok_or_else(|| Error::protocol("no kick eventfd"))?;
+        if self.kicks.len() != t.queues.len() {
+            return Err(Error::protocol("no kick eventfds"));
+        }
         let mut features = t.driver_features;
         if self.protocol {
             features |= VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
@@ -76,99 +93,123 @@ impl VhostUserBlk {
             .map_err(|e| Error::protocol(format!("guest RAM region without an fd: {e}")))?;
         self.msg("SET_MEM_TABLE", |fe| fe.set_mem_table(&regions))?;
 
-        // The ring, in this process's addresses (the backend maps them through the table).
-        let q = &t.queue;
-        let hva = |gpa: u64, what: &str| {
+        // Each enabled queue's ring, in this process's addresses (the
+        // backend maps them through the table); the others are not started.
+        let hva = |q: usize, gpa: u64, what: &str| {
             mem.mapped()
                 .get_host_address(GuestAddress(gpa))
                 .map(|p| p as u64)
-                .map_err(|e| Error::protocol(format!("queue 0 {what} {gpa:#x}: {e}")))
+                .map_err(|e| Error::protocol(format!("queue {q} {what} {gpa:#x}: {e}")))
         };
-        let ring = VringConfigData {
-            queue_max_size: q.num,
-            queue_size: q.num,
-            flags: 0,
-            desc_table_addr: hva(q.desc, "descriptor table")?,
-            used_ring_addr: hva(q.used, "used ring")?,
-            avail_ring_addr: hva(q.avail, "available ring")?,
-            log_addr: None,
-        };
-        let num = q.num;
-        self.msg("SET_VRING_NUM", |fe| fe.set_vring_num(0, num))?;
-        self.msg("SET_VRING_ADDR", |fe| fe.set_vring_addr(0, &ring))?;
-        self.msg("SET_VRING_BASE", |fe| fe.set_vring_base(0, 0))?;
-        // The call fd before the kick: a backend never runs the ring without one.
-        let session = self.call(t, &ctx)?;
-        self.msg("SET_VRING_KICK", |fe| fe.set_vring_kick(0, &kick))?;
-        self.msg("SET_VRING_ENABLE", |fe| fe.set_vring_enable(0, true))?;
-        self.session = Some(session);
-        self.st.activations += 1;
+        let mut rings = Vec::new();
+        for (i, vq) in t.queues.iter().enumerate().filter(|(_, vq)| vq.ring.ready) {
+            let q = &vq.ring;
+            let ring = VringConfigData {
+                queue_max_size: q.num,
+                queue_size: q.num,
+                flags: 0,
+                desc_table_addr: hva(i, q.desc, "descriptor table")?,
+                used_ring_addr: hva(i, q.used, "used ring")?,
+                avail_ring_addr: hva(i, q.avail, "available ring")?,
+                log_addr: None,
+            };
+            rings.push((i, q.num, ring));
+        }
+        let mut started = Vec::new();
+        for (i, num, ring) in rings {
+            self.msg("SET_VRING_NUM", |fe| fe.set_vring_num(i, num))?;
+            self.msg("SET_VRING_ADDR", |fe| fe.set_vring_addr(i, &ring))?;
+            self.msg("SET_VRING_BASE", |fe| fe.set_vring_base(i, 0))?;
+            // The call fd before the kick: a backend never runs the ring without one.
+            let call = self.call(t, &ctx, i as u16)?;
+            let kick = self.kicks[i].clone();
+            self.msg("SET_VRING_KICK", |fe| fe.set_vring_kick(i, &kick))?;
+            self.msg("SET_VRING_ENABLE", |fe| fe.set_vring_enable(i, true))?;
+            started.push((i as u16, call));
+        }
         // Anything the driver made available before DRIVER_OK is looked at now.
-        let _ = kick.write(1);
+        for (q, _) in &started {
+            let _ = self.kicks[*q as usize].write(1);
+        }
+        self.session = Some(Session { rings: started });
+        self.st.activations += 1;
         Ok(())
     }
 
-    /// Reset: SET_VRING_ENABLE(0), then GET_VRING_BASE stops the ring (and
-    /// is the one request whose reply shows the backend took all before
-    /// it), as QEMU's vhost_dev_stop does; the session's fds go.
+    /// Reset: for each started ring SET_VRING_ENABLE(0), then
+    /// GET_VRING_BASE stops it (and is the one request whose reply shows
+    /// the backend took all before it), as QEMU's vhost_dev_stop does; the
+    /// session's fds go. The first failure ends it.
     pub(super) fn stop(&mut self) -> Result<()> {
         let Some(session) = self.session.take() else { return Ok(()) };
-        let r = self
-            .msg("SET_VRING_ENABLE", |fe| fe.set_vring_enable(0, false))
-            .and_then(|()| self.msg("GET_VRING_BASE", |fe| fe.get_vring_base(0)).map(drop));
+        let mut r = Ok(());
+        for (q, _) in &session.rings {
+            let i = *q as usize;
+            r = self
+                .msg("SET_VRING_ENABLE", |fe| fe.set_vring_enable(i, false))
+                .and_then(|()| self.msg("GET_VRING_BASE", |fe| fe.get_vring_base(i)).map(drop));
+            if r.is_err() {
+                break;
+            }
+        }
         drop(session);
         r
     }
 
-    /// Gives the backend a call fd (SET_VRING_CALL): the queue vector's
-    /// irqfd if MSI-X is on and routes one, else an eventfd the VMM relays.
-    fn call(&mut self, t: &Transport, ctx: &DeviceContext) -> Result<Session> {
-        let irqfd =
-            (t.msix_enabled() && t.queue_vector != NO_VECTOR).then(|| ctx.irq.msix_eventfd(t.queue_vector)).flatten();
+    /// Gives the backend queue `q`'s call fd (SET_VRING_CALL): its
+    /// vector's irqfd if MSI-X is on and routes one, else an eventfd the
+    /// VMM relays.
+    fn call(&mut self, t: &Transport, ctx: &DeviceContext, q: u16) -> Result<Call> {
+        let vector = t.queues[q as usize].vector;
+        let irqfd = (t.msix_enabled() && vector != NO_VECTOR).then(|| ctx.irq.msix_eventfd(vector)).flatten();
         let (to, call, relay) = match irqfd {
-            Some(fd) => (CallTo::Irqfd(t.queue_vector), fd, None),
+            Some(fd) => (CallTo::Irqfd(vector), fd, None),
             None => {
                 let fd = EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::io("call eventfd", e))?;
-                let relay = spawn_relay(&fd, self.me.clone(), self.relays.clone())?;
+                let relay = spawn_relay(&fd, q, self.me.clone(), self.relays.clone())?;
                 (CallTo::Relay, fd, Some(relay))
             }
         };
-        self.msg("SET_VRING_CALL", |fe| fe.set_vring_call(0, &call))?;
+        self.msg("SET_VRING_CALL", |fe| fe.set_vring_call(q as usize, &call))?;
         if to != CallTo::Relay {
             self.st.call_irqfd += 1;
         }
-        Ok(Session { to, _call: call, _relay: relay })
+        Ok(Call { to, _call: call, _relay: relay })
     }
 
-    /// After DRIVER_OK the driver changed the queue's vector or MSI-X (or
-    /// routed a vector): if the calls should now go elsewhere, a new
-    /// SET_VRING_CALL. The backend kept the old fd until then, so one
-    /// interrupt is raised (spurious at worst) for a call it made there.
+    /// After DRIVER_OK the driver changed a queue's vector or MSI-X (or
+    /// routed a vector): for each started ring whose calls should now go
+    /// elsewhere, a new SET_VRING_CALL. The backend kept the old fd until
+    /// then, so one interrupt is raised (spurious at worst) for a call it
+    /// made there.
     pub(super) fn interrupt_changed(&mut self, t: &mut Transport) -> Result<()> {
-        let (Some(was), Some(ctx)) = (self.session.as_ref().map(|s| s.to), t.ctx.clone()) else { return Ok(()) };
-        let routed = t.msix_enabled() && t.queue_vector != NO_VECTOR;
-        let same = match was {
-            CallTo::Irqfd(v) => routed && v == t.queue_vector,
-            CallTo::Relay => !routed || ctx.irq.msix_eventfd(t.queue_vector).is_none(),
-        };
-        if same {
-            return Ok(());
+        let Some(ctx) = t.ctx.clone() else { return Ok(()) };
+        // The session is out while calls change: if the backend fails, it
+        // stays out (and a reset then sends nothing to it).
+        let Some(mut session) = self.session.take() else { return Ok(()) };
+        for (q, call) in session.rings.iter_mut() {
+            let vector = t.queues[*q as usize].vector;
+            let routed = t.msix_enabled() && vector != NO_VECTOR;
+            let same = match call.to {
+                CallTo::Irqfd(v) => routed && v == vector,
+                CallTo::Relay => !routed || ctx.irq.msix_eventfd(vector).is_none(),
+            };
+            if same {
+                continue;
+            }
+            let new = self.call(t, &ctx, *q)?;
+            log::debug!("{}: queue {q}: call fd {:?} -> {:?}", self.name, call.to, new.to);
+            *call = new;
+            self.st.call_changes += 1;
+            t.queue_interrupt(*q as usize);
         }
-        // The old session goes either way: replaced, or the backend failed
-        // (and a reset then sends nothing to it).
-        self.session = None;
-        let session = self.call(t, &ctx)?;
-        log::debug!("{}: call fd {was:?} -> {:?}", self.name, session.to);
         self.session = Some(session);
-        self.st.call_changes += 1;
-        let v = t.queue_vector;
-        t.interrupt(v, 1);
         Ok(())
     }
 }
 
-/// Starts the relay thread for `call`.
-fn spawn_relay(call: &EventFd, dev: Weak<Mutex<State<VhostUserBlk>>>, live: Arc<AtomicUsize>) -> Result<Relay> {
+/// Starts the relay thread for queue `q`'s `call`.
+fn spawn_relay(call: &EventFd, q: u16, dev: Weak<Mutex<State<VhostUserBlk>>>, live: Arc<AtomicUsize>) -> Result<Relay> {
     let fd = call.try_clone().map_err(|e| Error::io("call eventfd", e))?;
     let wake = Arc::new(EventFd::new(libc::EFD_NONBLOCK).map_err(|e| Error::io("eventfd", e))?);
     let stop = Arc::new(AtomicBool::new(false));
@@ -176,7 +217,7 @@ fn spawn_relay(call: &EventFd, dev: Weak<Mutex<State<VhostUserBlk>>>, live: Arc<
     live.fetch_add(1, Ordering::AcqRel);
     let l = live.clone();
     let spawned = std::thread::Builder::new().name("vhost-user-call".into()).spawn(move || {
-        relay_loop(&fd, &w, &s, &dev);
+        relay_loop(&fd, q, &w, &s, &dev);
         l.fetch_sub(1, Ordering::AcqRel);
     });
     if let Err(e) = spawned {
@@ -186,7 +227,7 @@ fn spawn_relay(call: &EventFd, dev: Weak<Mutex<State<VhostUserBlk>>>, live: Arc<
     Ok(Relay { stop, wake })
 }
 
-fn relay_loop(call: &EventFd, wake: &EventFd, stop: &AtomicBool, dev: &Weak<Mutex<State<VhostUserBlk>>>) {
+fn relay_loop(call: &EventFd, q: u16, wake: &EventFd, stop: &AtomicBool, dev: &Weak<Mutex<State<VhostUserBlk>>>) {
     let mut fds = [
         libc::pollfd { fd: call.as_raw_fd(), events: libc::POLLIN, revents: 0 },
         libc::pollfd { fd: wake.as_raw_fd(), events: libc::POLLIN, revents: 0 },
@@ -204,8 +245,7 @@ fn relay_loop(call: &EventFd, wake: &EventFd, stop: &AtomicBool, dev: &Weak<Mute
                 return; // the session ended while this call waited for the lock
             }
             s.e.st.calls_relayed += 1;
-            let v = s.t.queue_vector;
-            s.t.interrupt(v, 1);
+            s.t.queue_interrupt(q as usize);
         }
     }
 }

@@ -35,6 +35,10 @@ struct Opts {
     slow_handshake: Duration,
     /// Waits this long before each answer after the handshake.
     slow_ring: Duration,
+    /// Offers protocol feature MQ and answers GET_QUEUE_NUM with this.
+    queue_num: Option<u64>,
+    /// The queues the frontend asks for (0: 1).
+    queues: u16,
 }
 
 /// Answers as a backend would, as `o` says.
@@ -77,7 +81,8 @@ fn fake_backend(s: UnixStream, log: Log, o: Opts, calls: Calls) {
         };
         match req {
             1 => answer(&BACKEND_FEATURES.to_le_bytes()),
-            15 => answer(&(0x200u64 | 0x8).to_le_bytes()),
+            15 => answer(&(0x200u64 | 0x8 | o.queue_num.map_or(0, |_| 1)).to_le_bytes()),
+            17 => answer(&o.queue_num.unwrap_or(0).to_le_bytes()),
             24 => {
                 let mut b = body[..12].to_vec();
                 let mut cfg = vec![0u8; body.len() - 12];
@@ -111,7 +116,7 @@ impl Rig {
         let (log, calls): (Log, Calls) = Default::default();
         let (l, c) = (log.clone(), calls.clone());
         std::thread::spawn(move || fake_backend(theirs, l, o, c));
-        let e = VhostUserBlk::handshake(mine, child, "vhost-user-blk").unwrap();
+        let e = VhostUserBlk::handshake(mine, child, "vhost-user-blk", o.queues.max(1)).unwrap();
         let dev = Arc::new(VirtioPci::with_engine(e));
         iopath_devices::lock(dev.shared()).e.me = Arc::downgrade(dev.shared());
         let d: SharedDevice = dev.clone();
@@ -236,7 +241,7 @@ fn nothing_reaches_the_backend_before_driver_ok_which_sets_up_ring_kick_and_irqf
     let log: Log = Arc::default();
     let l = log.clone();
     std::thread::spawn(move || fake_backend(theirs, l, Opts::default(), Calls::default()));
-    let d = connect(mine, None, "vhost-user-blk").unwrap();
+    let d = connect(mine, None, "vhost-user-blk", 1).unwrap();
     let mut ctx = DeviceContext::detached(ram());
     ctx.ioevents = Arc::new(IoEvents);
     ctx.irq = Arc::new(Irqs(EventFd::new(0).unwrap()));
@@ -249,8 +254,9 @@ fn nothing_reaches_the_backend_before_driver_ok_which_sets_up_ring_kick_and_irqf
     w(&d, 0x14, 0, 1);
     w(&d, 0x14, 3, 1);
     let offered = (0..2).map(|sel| (w(&d, 0x00, sel, 4), r(&d, 0x04, 4) << (32 * sel)).1).sum::<u64>();
-    assert_eq!(offered, VERSION_1 | EVENT_IDX | (1 << 2), "no CONFIG_WCE, no MQ, no bit 34, no PROTOCOL_FEATURES");
+    assert_eq!(offered, VERSION_1 | EVENT_IDX | (1 << 2) | (1 << 12), "no CONFIG_WCE, no bit 34, no PROTOCOL_FEATURES");
     assert_eq!(r(&d, 0x2000, 8), CAPACITY, "the backend's configuration");
+    assert_eq!((r(&d, 0x2000 + 34, 2), r(&d, 0x12, 2)), (1, 1), "MQ with num_queues 1: the function's one queue");
     let want = VERSION_1 | EVENT_IDX;
     for sel in 0..2u64 {
         w(&d, 0x08, sel, 4);
@@ -295,7 +301,7 @@ fn a_backend_that_hangs_up_before_driver_ok_makes_the_device_need_reset_and_stop
     let log: Log = Arc::default();
     let l = log.clone();
     std::thread::spawn(move || fake_backend(theirs, l, Opts { last: Some(24), ..Opts::default() }, Calls::default()));
-    let d = connect(mine, None, "vhost-user-blk").unwrap();
+    let d = connect(mine, None, "vhost-user-blk", 1).unwrap();
     let failed: Arc<Mutex<Vec<String>>> = Arc::default();
     let f = failed.clone();
     let mut ctx = DeviceContext::detached(ram());
@@ -338,7 +344,7 @@ fn without_ioeventfd_or_msix_the_vmm_passes_kicks_on_and_relays_calls_as_intx() 
     let (log, calls): (Log, Calls) = Default::default();
     let (l, c) = (log.clone(), calls.clone());
     std::thread::spawn(move || fake_backend(theirs, l, Opts::default(), c));
-    let d = connect(mine, None, "vhost-user-blk").unwrap();
+    let d = connect(mine, None, "vhost-user-blk", 1).unwrap();
     let intx = Arc::new(Intx::default());
     let mut ctx = DeviceContext::detached(ram()); // no ioeventfds
     ctx.irq = intx.clone();
@@ -375,7 +381,7 @@ fn driver_ok_without_the_queue_enabled_needs_reset_but_sends_nothing_and_runs_on
     let log: Log = Arc::default();
     let l = log.clone();
     std::thread::spawn(move || fake_backend(theirs, l, Opts::default(), Calls::default()));
-    let d = connect(mine, None, "vhost-user-blk").unwrap();
+    let d = connect(mine, None, "vhost-user-blk", 1).unwrap();
     let failed: Arc<Mutex<Vec<String>>> = Arc::default();
     let f = failed.clone();
     let mut ctx = DeviceContext::detached(ram());
@@ -531,7 +537,7 @@ fn one_deadline_bounds_the_whole_connect_handshake() {
     let (mine, theirs) = UnixStream::pair().unwrap();
     let o = Opts { slow_handshake: Duration::from_secs(2), ..Opts::default() };
     std::thread::spawn(move || fake_backend(theirs, Log::default(), o, Calls::default()));
-    match VhostUserBlk::handshake(mine, None, "vhost-user-blk") {
+    match VhostUserBlk::handshake(mine, None, "vhost-user-blk", 1) {
         Ok(_) => panic!("three answers 2 s apart passed the 5 s bound"),
         Err(e) => assert!(matches!(e, Error::Timeout { .. }), "{e}"),
     }
@@ -597,3 +603,6 @@ fn a_backend_that_hangs_up_at_a_call_fd_change_needs_reset_and_a_reset_sends_it_
     assert_eq!((rig.sent(), counter(&rig.d, "ring_errors")), (14, errors), "nothing sent, no new error");
     rig.d.quiesce();
 }
+
+#[path = "frontend_mq_tests.rs"]
+mod mq;
