@@ -351,6 +351,7 @@ struct GuestRun {
 }
 
 fn guest_run(sock: &Path, id: &str, ops: &str, dir: &TempDir, server: &Proc) -> GuestRun {
+    assert!(Path::new("/dev/kvm").exists(), "/dev/kvm is missing: these tests boot the guest on KVM");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_iopath"));
     cmd.args(["run", "--workload", "pci", "--timeout", "60", "--append", &format!("id={id} ops={ops}"), "--device"])
         .arg(format!("vfio-user:{}", sock.display()));
@@ -412,6 +413,14 @@ fn iopath_vmm_attaches_the_gpio_sample_and_reads_its_input_registers() {
         gpio.log()
     );
     assert!(!g.stderr.contains("vfio-user.error-replies"), "no access refused (counters > 0 are listed): {}", g.stderr);
+    // The sample's own log: BAR2 programmed where the guest found it, I/O decoding on.
+    let addr = u64::from_str_radix(rec["bar2"].split(':').nth(1).unwrap().trim_start_matches("0x"), 16).unwrap();
+    let log = gpio.stderr();
+    assert!(
+        log.contains(&format!("Write BAR2: size 0x100, mask=0xffffff00, flag_mask=0x3, value={:#x}\n", addr | 1)),
+        "the sample saw BAR2 placed at {addr:#x}:\n{log}"
+    );
+    assert!(log.contains("I/O space enabled"), "{log}");
 }
 
 /// The `server` sample: dead:beef, BAR0 8 bytes and BAR1 16 KiB, both I/O space (libvfio-user
