@@ -6,7 +6,7 @@ use std::env;
 use std::path::PathBuf;
 use std::process::Command;
 
-const SOURCES: &[&str] = &["boot.S", "lib.c", "pci.c", "exits.c", "nvme.c", "load.c", "virtio.c", "main.c"];
+const SOURCES: &[&str] = &["boot.S", "lib.c", "pci.c", "exits.c", "nvme.c", "load.c", "virtio.c", "pciio.c", "main.c"];
 const CFLAGS: &[&str] = &[
     "-m64",
     "-O2",

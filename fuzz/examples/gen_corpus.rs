@@ -369,14 +369,37 @@ fn nvme(o: &mut Out) {
     o.put("registers", &nv::encode(nv::SETUP_HOST_TABLE, &[], &regs));
 }
 
+/// Schedules for the queue oracle: choice bytes from the oracle's own generator (any bytes are a
+/// schedule), in mmio and each polled mode, with and without a device process's host.
+fn nvme_queues(o: &mut Out) {
+    use iopath_fuzz::nvme_queues::{encode, LBA_4K, STATIC_HOST, STEPS_SHIFT, TWO_POLLERS};
+    let choices = |seed: u64, n: usize| -> Vec<u8> {
+        let mut r = iopath_devices::nvme::oracle::Rng::new(seed);
+        (0..n).flat_map(|_| r.next_u64().to_le_bytes()[..2].to_vec()).collect()
+    };
+    let long = 3 << STEPS_SHIFT;
+    for seed in 0..4u64 {
+        let flags = long | if seed % 2 == 1 { LBA_4K } else { 0 };
+        o.put(&format!("mmio-{seed}"), &encode(0, flags, &choices(seed, 800)));
+    }
+    for (i, mode) in ["ioeventfd", "shm", "bar", "adaptive", "bar-adaptive", "auto"].iter().enumerate() {
+        o.put(mode, &encode(10 + i as u8, 2 << STEPS_SHIFT, &choices(100 + i as u64, 400)));
+        o.put(
+            &format!("{mode}-static"),
+            &encode(10 + i as u8, 2 << STEPS_SHIFT | STATIC_HOST | TWO_POLLERS, &choices(200 + i as u64, 400)),
+        );
+    }
+}
+
 fn main() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
     type Gen = fn(&mut Out);
-    let gens: [(&str, Gen); 6] = [
+    let gens: [(&str, Gen); 7] = [
         ("vfio_user_wire", vfio_user),
         ("mpqemu_wire", mpqemu),
         ("ioregionfd_wire", ioregionfd),
         ("nvme", nvme),
+        ("nvme_queues", nvme_queues),
         ("elf_loader", elf),
         ("guest_records", records),
     ];

@@ -4,6 +4,7 @@
 //! operation at the end is dropped.
 
 pub mod nvme;
+pub mod nvme_queues;
 
 /// A byte reader that runs out quietly (`None`).
 pub struct Cursor<'a> {

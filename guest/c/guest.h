@@ -126,5 +126,6 @@ int workload_exits(void);
 int workload_floor(void);
 int workload_nvme(u64 mem_bytes);
 int workload_vblk(u64 mem_bytes);
+int workload_pci(void);  /* pciio.c: BAR reads and writes of one function */
 
 #endif

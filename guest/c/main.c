@@ -52,6 +52,9 @@ int guest_main(u64 mbi_addr, u32 magic)
     } else if (!strncmp(workload, "vblk", 4) && (workload[4] == ' ' || !workload[4])) {
         pci_scan();
         rc = workload_vblk((u64)mem_kb * 1024);
+    } else if (!strncmp(workload, "pci", 3) && (workload[3] == ' ' || !workload[3])) {
+        pci_scan();
+        rc = workload_pci();
     } else {
         printf("@error unknown workload\n");
         rc = EXIT_FAIL;

@@ -39,8 +39,15 @@ impl ConfigSpace {
                 return Err(Error::Config(format!("BAR{i} overlaps another BAR or is out of range")));
             }
             let min = if b.kind == BarKind::Io { 4 } else { 16 };
-            if !b.size.is_power_of_two() || b.size < min || (b.kind == BarKind::Io && b.size > 256) {
-                return Err(Error::Config(format!("BAR{i} size {:#x} is not a valid power of two", b.size)));
+            if !b.size.is_power_of_two() || b.size < min {
+                return Err(Error::Config(format!(
+                    "BAR{i} size {:#x} is not a power of two of at least {min}",
+                    b.size
+                )));
+            }
+            // PCI: a function must not take more than 256 bytes of I/O space per BAR.
+            if b.kind == BarKind::Io && b.size > 256 {
+                return Err(Error::Config(format!("BAR{i}: {:#x} bytes of I/O space; PCI allows 256 at most", b.size)));
             }
             if b.kind == BarKind::Mem32 && b.size > 1 << 31 {
                 return Err(Error::Config(format!("BAR{i} too large for a 32-bit BAR")));
@@ -424,5 +431,11 @@ mod tests {
             BarSpec { index: 1, kind: BarKind::Io, size: 0x10 },
         ];
         assert!(ConfigSpace::new(ids(), &bad).is_err());
+        // A 16 KiB I/O BAR (libvfio-user's server sample has one): a power of two, over PCI's
+        // 256 bytes, and the error says which.
+        let bad = [BarSpec { index: 1, kind: BarKind::Io, size: 0x4000 }];
+        let e = ConfigSpace::new(ids(), &bad).err().expect("refused").to_string();
+        assert!(e.contains("BAR1: 0x4000 bytes of I/O space; PCI allows 256 at most"), "{e}");
+        assert!(ConfigSpace::new(ids(), &[BarSpec { index: 1, kind: BarKind::Io, size: 0x100 }]).is_ok());
     }
 }

@@ -32,7 +32,13 @@ impl Session<'_> {
         };
         flags |= REGION_INFO_FLAG_MMAP;
         let reply = RegionInfoReply::new(q.index, flags, size, base, Some(sparse)).fit(q.argsz);
-        Ok(Reply::Data(reply.to_bytes(), vec![OwnedFd::from(first.fd)]))
+        // The fd goes with the sparse mmap capability it belongs to: a reply too small for
+        // that (the client asks again with the argsz it says) carries neither, as libvfio-user
+        // answers. Its clients read such a reply with no room for an fd, and one there cuts
+        // the message (MSG_CTRUNC: the client fails with EFAULT); QEMU and the rust-vmm client
+        // drop an fd that came with it and take the one of the full reply.
+        let fds = if reply.is_truncated() { Vec::new() } else { vec![OwnedFd::from(first.fd)] };
+        Ok(Reply::Data(reply.to_bytes(), fds))
     }
 
     /// The BAR's announced ioeventfds, or its ioregionfd region, by the

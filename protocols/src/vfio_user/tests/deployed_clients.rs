@@ -637,6 +637,27 @@ fn nvme_ioeventfd_doorbells_are_announced_before_any_queue_on_one_fd() {
     h.join().unwrap().unwrap();
 }
 
+/// libvfio-user's clients (its `client` sample; `tran_sock`) ask for a region's info with argsz
+/// 32 and no room for ancillary data, then again with the argsz the reply asks for: the short
+/// reply must carry no fd (one there truncates the message: MSG_CTRUNC, the client fails with
+/// EFAULT), the full one the capability and its fd (QEMU and the rust-vmm client take that one).
+#[test]
+fn a_region_info_reply_too_short_for_its_capability_carries_no_fd() {
+    let (mut c, _, h) = serve("nvme,backend=null");
+    c.version();
+    let r = c.ok(Command::DeviceGetRegionInfo, &RegionInfo::request(0, 32).to_bytes(), &[]);
+    let short = RegionInfoReply::parse(&r.payload).unwrap();
+    assert_eq!((r.payload.len(), r.fds.len()), (32, 0), "the fixed part alone, no fd");
+    assert_eq!(short.info.flags & REGION_INFO_FLAG_CAPS, 0);
+    assert!(short.info.argsz > 32, "argsz says what the capability needs: {:?}", short.info);
+    let r = c.ok(Command::DeviceGetRegionInfo, &RegionInfo::request(0, short.info.argsz).to_bytes(), &[]);
+    let full = RegionInfoReply::parse(&r.payload).unwrap();
+    assert_eq!(full.sparse_mmap, Some(vec![SparseMmapArea { offset: 0x1000, size: 0x1000 }]));
+    assert_eq!(r.fds.len(), 1, "the doorbell page's fd, with its capability");
+    drop(c);
+    h.join().unwrap().unwrap();
+}
+
 /// The NVMe function is PCI Express: a 4 KiB configuration region whose extended space reads 0
 /// (a 0 header at 0x100: no extended capability), accesses past it refused; a conventional
 /// function (pci-testdev) keeps 256 bytes.
