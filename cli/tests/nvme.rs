@@ -463,7 +463,7 @@ fn bench_nvme_reports_a_checked_table_and_json() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["errors"].as_array().unwrap().is_empty(), "{}", v["errors"]);
     let runs = v["runs"].as_array().unwrap();
-    assert_eq!(runs.len(), 12, "2 jobs x 6 doorbell modes (the CLI's default list)");
+    assert_eq!(runs.len(), 14, "2 jobs x 7 doorbell modes (the CLI's default list)");
     let mut qd1_runs = 0;
     for r in runs {
         assert!(r["iops"].as_f64().unwrap() > 0.0 && r["routing_ok"] == true, "{r}");
