@@ -405,7 +405,9 @@ impl Target {
 
     fn start_nvmf(&mut self) {
         let mut cmd = Command::new(tool("nvmf_tgt"));
-        cmd.args(["-m", "0x2", "-u", "-s", &TGT_MEM_MB.to_string(), "-r"]).arg(&self.rpc_sock);
+        // No core lock: another SPDK application on this host (a bench, a user's) may hold core 1's.
+        cmd.args(["-m", "0x2", "-u", "--disable-cpumask-locks", "-s", &TGT_MEM_MB.to_string(), "-r"])
+            .arg(&self.rpc_sock);
         let p = Proc::spawn("nvmf_tgt", &mut cmd, &self.dir.0, true, false);
         self.server = Some(p);
         let t0 = Instant::now();
