@@ -181,8 +181,9 @@ pub struct NvmeArgs {
     /// (null: null-co; ram: a /dev/shm image; file: the same file), interleaved.
     #[arg(long, value_enum)]
     pub vs: Option<Peer>,
-    /// Doorbell modes of iopath's controller, comma-separated (shm, bar, ioeventfd, adaptive, bar-adaptive, mmio).
-    #[arg(long, default_value = "shm,bar,ioeventfd,adaptive,bar-adaptive,mmio")]
+    /// Doorbell modes of iopath's controller, comma-separated (auto, the default mode; shm, bar,
+    /// ioeventfd, adaptive, bar-adaptive, mmio).
+    #[arg(long, default_value = "auto,shm,bar,ioeventfd,adaptive,bar-adaptive,mmio")]
     pub doorbell: String,
     /// null, ram, or file:PATH (a file or a block device).
     #[arg(long, default_value = "ram")]
@@ -254,6 +255,12 @@ pub struct NvmeArgs {
     /// adaptive's forecast of steady gaps: on, off, or on,off (both, as two targets).
     #[arg(long, default_value = "on", value_name = "on|off|on,off")]
     pub forecast: String,
+    /// The guest driver's doorbells: 1, shadow doorbells where the mode offers them (Doorbell
+    /// Buffer Config, as Linux's driver); 0, every doorbell a register store (as SPDK's); 0,1
+    /// runs both as targets of their own (`-dbbuf0`).
+    #[arg(long, default_value = "1", value_name = "0|1|0,1", value_delimiter = ',',
+          value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub dbbuf: Vec<u8>,
     /// A file namespace's reads and writes on the guest's pages in place:
     /// auto (those within one page), on (all), off (none: bounce buffers),
     /// several (on,off) as targets of their own.
@@ -305,6 +312,7 @@ impl NvmeArgs {
             progress: !self.out.quiet,
             pollers: parse_pollers(&self.pollers)?,
             forecast: parse_forecast(&self.forecast)?,
+            dbbuf: each_once("--dbbuf", self.dbbuf.clone(), |&d| d)?.into_iter().map(|d| d == 1).collect(),
             in_place: parse_in_place(&self.in_place)?,
             submit_batch: parse_submit_batch(&self.submit_batch)?,
             guard: self.guard.config(),
@@ -734,6 +742,9 @@ mod tests {
         assert_eq!((o.doorbells.len(), o.pollers, o.forecast), (2, vec![1, 2], vec![true, false]));
         assert_eq!(nvme(&["--transport", "vmm,vfio-user"]).options().unwrap().transports.len(), 2);
         assert_eq!(nvme(&["--contend", "2,0"]).options().unwrap().contend, vec![2, 0]);
+        assert_eq!(nvme(&["--dbbuf", "0,1"]).options().unwrap().dbbuf, [false, true]);
+        assert_eq!(nvme(&[]).options().unwrap().dbbuf, [true]);
+        assert!(parse(&["nvme", "--dbbuf", "2"]).is_err());
         let o = nvme(&["--backend", "file:/x", "--in-place", "on,off"]).options().unwrap();
         assert_eq!(o.in_place, [iopath_devices::nvme::InPlace::On, iopath_devices::nvme::InPlace::Off]);
         let e = nvme(&["--in-place", "on"]).options().unwrap_err().to_string();
@@ -755,6 +766,7 @@ mod tests {
             ("--in-place", "off,auto,off", "--in-place off given twice"),
             ("--transport", "vfio-user,vmm,vfio-user", "--transport vfio-user given twice"),
             ("--contend", "0,0", "--contend 0 given twice"),
+            ("--dbbuf", "1,1", "--dbbuf 1 given twice"),
             ("--doorbell", ",", "--doorbell: no value"),
         ] {
             let e = nvme(&[opt, v]).options().expect_err(v).to_string();
