@@ -181,9 +181,9 @@ pub struct NvmeArgs {
     /// (null: null-co; ram: a /dev/shm image; file: the same file), interleaved.
     #[arg(long, value_enum)]
     pub vs: Option<Peer>,
-    /// Doorbell modes of iopath's controller, comma-separated (auto, the default mode; shm, bar,
-    /// ioeventfd, adaptive, bar-adaptive, mmio).
-    #[arg(long, default_value = "auto,shm,bar,ioeventfd,adaptive,bar-adaptive,mmio")]
+    /// Doorbell modes of iopath's controller, comma-separated (shm, bar, ioeventfd, adaptive,
+    /// bar-adaptive, mmio; auto, the controller's default mode, when named).
+    #[arg(long, default_value = "shm,bar,ioeventfd,adaptive,bar-adaptive,mmio")]
     pub doorbell: String,
     /// null, ram, or file:PATH (a file or a block device).
     #[arg(long, default_value = "ram")]
