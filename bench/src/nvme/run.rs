@@ -376,7 +376,8 @@ impl<'a> Ctx<'a> {
             r.routing =
                 format!("guest dbbuf={:?}, the target's driver dbbuf={want_dbbuf}: {}", r.guest_dbbuf, r.routing);
         }
-        let registers = r.guest_dbbuf == Some(false);
+        // Register stores exit, unless they land in the shared page.
+        let registers = r.guest_dbbuf == Some(false) && !bar_page;
         let want_exits =
             if db == DoorbellMode::Mmio || exits_only.is_some() || registers { r.io_doorbell_writes } else { 0 };
         let exits_ok = if bar_page && matches!(db, DoorbellMode::BarAdaptive | DoorbellMode::Auto) {
