@@ -299,7 +299,11 @@ fn run_one(
     let io = io?;
     let (ok, check) = verdict(j, o.runtime_s, &f, &io);
     if !ok {
-        anyhow::bail!("device counters do not account for perf's I/O: {check}");
+        anyhow::bail!(
+            "perf's figures and the device's counters disagree: {check} (fewer: I/O perf counted that the device \
+             did not serve; more: perf's timing took a stall longer than its run, which its IOPS would understate, \
+             or the device served I/O perf did not send)"
+        );
     }
     Ok(SpdkRun { target: s.kind, job: ji, round, perf: f, device: io, check, perf_pid })
 }

@@ -41,6 +41,16 @@ fn show(s: Option<Summary>, f: fn(f64) -> String) -> String {
     s.map_or("-".into(), |s| format!("{} [{} .. {}]", f(s.median), f(s.min), f(s.max)))
 }
 
+/// iopath's IOPS over nvmf_tgt's in each round (the two ran back to back).
+fn by_round(a: &[&SpdkRun], b: &[&SpdkRun]) -> Option<Summary> {
+    let v: Vec<f64> = a
+        .iter()
+        .filter_map(|x| b.iter().find(|y| y.round == x.round).map(|y| x.perf.iops / y.perf.iops))
+        .filter(|r| r.is_finite())
+        .collect();
+    summarize(&v)
+}
+
 /// iopath's median over nvmf_tgt's.
 fn ratio(a: Option<Summary>, b: Option<Summary>) -> Option<f64> {
     a.zip(b).filter(|(_, b)| b.median > 0.0).map(|(a, b)| a.median / b.median)
@@ -113,6 +123,13 @@ impl SpdkResult {
                 x(P50),
                 x(P99)
             );
+            if let Some(r) = by_round(&a, &b).filter(|r| r.n > 1) {
+                let _ = writeln!(
+                    s,
+                    "iopath/nvmf_tgt IOPS round by round (each round's pair ran back to back): {:.2}x [{:.2} .. {:.2}]",
+                    r.median, r.min, r.max
+                );
+            }
         }
         if !self.errors.is_empty() {
             let _ = writeln!(s, "\nerrors (these runs are not in the figures):");
@@ -138,6 +155,7 @@ impl SpdkResult {
                 json!({
                     "job": ji,
                     "label": j.label(),
+                    "iops_ratio_by_round": by_round(&a, &b),
                     "iopath": side(&a),
                     "nvmf_tgt": side(&b),
                     "iopath_over_nvmf_tgt": {
@@ -201,10 +219,14 @@ mod tests {
         assert_eq!(s["nvmf_tgt"]["iops"]["median"], 200e3);
         assert_eq!(s["iopath_over_nvmf_tgt"]["iops"], 0.5);
         assert_eq!(s["iopath_over_nvmf_tgt"]["avg_us"], 2.0);
+        let by_round = &s["iops_ratio_by_round"];
+        assert_eq!((by_round["median"].as_f64(), by_round["n"].as_u64()), (Some(0.5), Some(3)), "{by_round}");
+        assert!((by_round["max"].as_f64().unwrap() - 120.0 / 180.0).abs() < 1e-9, "{by_round}");
         assert_eq!((v["benchmark"].as_str(), v["runs"].as_array().map(|a| a.len())), (Some("spdk"), Some(6)));
         assert_eq!(v["runs"][1]["target"], "nvmf_tgt");
         let t = r.table();
         assert!(t.contains("100.0 k [90.0 k .. 120.0 k]"), "{t}");
         assert!(t.contains("0.50x") && t.contains("2.00x") && t.contains("boom"), "{t}");
+        assert!(t.contains("round by round (each round's pair ran back to back): 0.50x [0.41 .. 0.67]"), "{t}");
     }
 }
