@@ -460,6 +460,10 @@ pub struct SpdkArgs {
     #[arg(long, default_value_t = 512,
           value_parser = clap::builder::TypedValueParser::map(clap::builder::PossibleValuesParser::new(["512", "4096"]), |s| s.parse::<u32>().unwrap_or(512)))]
     pub lba: u32,
+    /// iopath serve's doorbell mode (`doorbell=`); without it none is given: the controller's
+    /// default, auto.
+    #[arg(long, value_name = "MODE")]
+    pub doorbell: Option<iopath_devices::nvme::DoorbellMode>,
     /// Where perf (-c) and the targets (iopath serve's affinity, nvmf_tgt's -m) run: auto (perf
     /// on the first allowed CPU, the targets on the second) or PERF,TARGET. SPDK pins its own
     /// threads, so there is no off.
@@ -498,6 +502,7 @@ impl SpdkArgs {
             rounds: if self.quick { 1 } else { self.rounds },
             size_mb: self.size_mb,
             lba: self.lba,
+            doorbell: self.doorbell,
             pin,
             spdk: self.spdk.clone(),
             iopath_exe: None,
@@ -892,7 +897,10 @@ mod tests {
         let o = spdk(&["--pin", "0,1"]).unwrap();
         assert_eq!(o.jobs.len(), 8);
         assert_eq!((o.jobs[0].label(), o.jobs[7].label()), ("randread 4k qd1".into(), "randread 512 qd128".into()));
-        assert_eq!((o.rounds, o.runtime_s, o.size_mb, o.lba), (3, 2, 64, 512));
+        assert_eq!((o.rounds, o.runtime_s, o.size_mb, o.lba, o.doorbell), (3, 2, 64, 512, None));
+        let o = spdk(&["--pin", "0,1", "--doorbell", "bar"]).unwrap();
+        assert_eq!(o.doorbell, Some(iopath_devices::nvme::DoorbellMode::Bar));
+        assert!(spdk(&["--doorbell", "fast"]).is_err());
         let o =
             spdk(&["--pin", "1,0", "--quick", "--bs", "4k", "--iodepth", "16", "--rw", "randread,randwrite"]).unwrap();
         assert_eq!((o.rounds, o.runtime_s, o.jobs.len()), (1, 1, 2));

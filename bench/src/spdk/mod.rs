@@ -50,6 +50,9 @@ pub struct SpdkOptions {
     /// The namespace: MiB and LBA size, the same on both targets.
     pub size_mb: u64,
     pub lba: u32,
+    /// iopath's doorbell mode; None: no option, the controller's default (auto).
+    #[serde(serialize_with = "mode_name")]
+    pub doorbell: Option<iopath_devices::nvme::DoorbellMode>,
     /// perf's core (`vcpu`) and the targets' (`device`).
     pub pin: Placement,
     /// The peers' install directory (bin/spdk_nvme_perf, bin/nvmf_tgt,
@@ -73,11 +76,19 @@ impl Default for SpdkOptions {
             rounds: 3,
             size_mb: 64,
             lba: 512,
+            doorbell: None,
             pin: Placement { vcpu: 0, device: 1 },
             spdk: None,
             iopath_exe: None,
             progress: true,
         }
+    }
+}
+
+fn mode_name<S: serde::Serializer>(m: &Option<iopath_devices::nvme::DoorbellMode>, s: S) -> Result<S::Ok, S::Error> {
+    match m {
+        Some(m) => s.collect_str(m),
+        None => s.serialize_none(),
     }
 }
 
@@ -322,8 +333,8 @@ fn verdict(j: &PerfJob, secs: u64, f: &PerfOut, io: &Io) -> (bool, String) {
     };
     let ok = io.commands >= done && io.commands <= most && same == io.commands && other == 0 && io.errors == 0;
     let text = format!(
-        "device {} commands ({} reads, {} writes, {} errors) for perf's {done} I/Os (at most {most})",
-        io.commands, io.reads, io.writes, io.errors
+        "device {} commands ({} reads, {} writes, {} errors; poller sleeps {}) for perf's {done} I/Os (at most {most})",
+        io.commands, io.reads, io.writes, io.errors, io.sleeps
     );
     (ok, text)
 }
@@ -339,7 +350,7 @@ mod tests {
     #[test]
     fn a_run_counts_only_if_the_device_served_every_io_perf_counted_and_no_more() {
         let j = PerfJob { rw: "randread".into(), bs: 4096, iodepth: 16 };
-        let io = |commands, reads, writes, errors| Io { commands, reads, writes, errors };
+        let io = |commands, reads, writes, errors| Io { commands, reads, writes, errors, sleeps: 0 };
         assert!(verdict(&j, 2, &out(1000.0), &io(2010, 2010, 0, 0)).0);
         assert!(!verdict(&j, 2, &out(1000.0), &io(1999, 1999, 0, 0)).0, "fewer than perf counted");
         assert!(!verdict(&j, 2, &out(1000.0), &io(3100, 3100, 0, 0)).0, "more than perf could issue");

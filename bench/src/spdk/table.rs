@@ -20,6 +20,7 @@ const IOPS: fn(&SpdkRun) -> f64 = |r| r.perf.iops;
 const AVG: fn(&SpdkRun) -> f64 = |r| r.perf.avg_us;
 const P50: fn(&SpdkRun) -> f64 = |r| r.perf.p50_us;
 const P99: fn(&SpdkRun) -> f64 = |r| r.perf.p99_us;
+const SLEEPS: fn(&SpdkRun) -> f64 = |r| r.device.sleeps as f64;
 
 fn rate(v: f64) -> String {
     if v >= 1e6 {
@@ -76,10 +77,11 @@ impl SpdkResult {
         let _ = writeln!(s, "{}", self.host);
         let _ = writeln!(
             s,
-            "spdk: stock spdk_nvme_perf (SPDK v25.09, {}) against `iopath serve nvme,backend=null` (no doorbell option: \
-             auto) over vfio-user and nvmf_tgt (VFIOUSER, bdev_null); {} MiB namespace, {} B LBA; 1 qpair; {} s per \
-             run, a fresh perf each; {} round(s), interleaved (even rounds iopath first, odd nvmf_tgt first); {}",
+            "spdk: stock spdk_nvme_perf (SPDK v25.09, {}) against `iopath serve nvme,backend=null{}` over vfio-user \
+             and nvmf_tgt (VFIOUSER, bdev_null); {} MiB namespace, {} B LBA; 1 qpair; {} s per run, a fresh perf \
+             each; {} round(s), interleaved (even rounds iopath first, odd nvmf_tgt first); {}",
             self.peers.display(),
+            o.doorbell.map_or(" (no doorbell option: auto)".to_string(), |d| format!(",doorbell={d}")),
             o.size_mb,
             o.lba,
             o.runtime_s,
@@ -89,27 +91,34 @@ impl SpdkResult {
         let _ = writeln!(
             s,
             "perf's own figures (latency from -L), median over rounds [min .. max]; every run checked against the \
-             device's counters (iopath's report, nvmf_tgt's bdev_get_iostat)"
+             device's counters (iopath's report, nvmf_tgt's bdev_get_iostat); sleeps: the times iopath's poller went \
+             to sleep during a run (perf's attach and exit included), median"
         );
         for (ji, j) in o.jobs.iter().enumerate() {
             let _ = writeln!(s, "\n{}", j.label());
             let hdr = format!(
-                "{:<16} {:>6} {:>28} {:>26} {:>26} {:>28}",
-                "target", "rounds", "IOPS", "avg us", "p50 us", "p99 us"
+                "{:<16} {:>6} {:>28} {:>26} {:>26} {:>28} {:>7}",
+                "target", "rounds", "IOPS", "avg us", "p50 us", "p99 us", "sleeps"
             );
             let _ = writeln!(s, "{hdr}");
             let _ = writeln!(s, "{}", "-".repeat(hdr.len()));
             let (a, b) = (of(self, ji, Kind::Iopath), of(self, ji, Kind::Nvmf));
             for (name, rs) in [("iopath", &a), ("nvmf_tgt", &b)] {
+                let sleeps = if name == "iopath" {
+                    sum(rs, SLEEPS).map_or("-".into(), |x| format!("{:.0}", x.median))
+                } else {
+                    "-".into()
+                };
                 let _ = writeln!(
                     s,
-                    "{:<16} {:>6} {:>28} {:>26} {:>26} {:>28}",
+                    "{:<16} {:>6} {:>28} {:>26} {:>26} {:>28} {:>7}",
                     name,
                     rs.len(),
                     show(sum(rs, IOPS), rate),
                     show(sum(rs, AVG), us),
                     show(sum(rs, P50), us),
-                    show(sum(rs, P99), us)
+                    show(sum(rs, P99), us),
+                    sleeps
                 );
             }
             let x = |f| ratio(sum(&a, f), sum(&b, f)).map_or("-".into(), |r| format!("{r:.2}x"));

@@ -45,13 +45,20 @@ pub struct Io {
     pub reads: u64,
     pub writes: u64,
     pub errors: u64,
+    /// Times iopath's poller went to sleep (`adaptive.sleeps`; 0 for a
+    /// mode that does not sleep and for nvmf_tgt, whose reactor polls).
+    pub sleeps: u64,
 }
 
 impl Io {
     /// What happened since `before`; counters that went back (a device reset
     /// between clients) count from zero.
     fn since(self, before: Io) -> Io {
-        if self.commands < before.commands || self.reads < before.reads || self.writes < before.writes {
+        if self.commands < before.commands
+            || self.reads < before.reads
+            || self.writes < before.writes
+            || self.sleeps < before.sleeps
+        {
             return self;
         }
         Io {
@@ -59,6 +66,7 @@ impl Io {
             reads: self.reads - before.reads,
             writes: self.writes - before.writes,
             errors: self.errors.saturating_sub(before.errors),
+            sleeps: self.sleeps - before.sleeps,
         }
     }
 }
@@ -76,7 +84,8 @@ pub struct Server {
 }
 
 impl Server {
-    /// `iopath serve nvme,backend=null,...` (no doorbell option) on `dir/ctrl/cntrl`, on CPU `cpu`.
+    /// `iopath serve nvme,backend=null,...` (no doorbell option unless `--doorbell`) on
+    /// `dir/iopath/cntrl`, on CPU `cpu`.
     pub fn iopath(o: &SpdkOptions, iopath: &Path, rpc_py: &Path, dir: &Path, cpu: usize) -> anyhow::Result<Server> {
         let ctrl = dir.join("iopath");
         std::fs::create_dir_all(&ctrl)?;
@@ -234,7 +243,8 @@ fn parse_report(line: &str) -> anyhow::Result<Io> {
     let n = |k: &str| {
         c.iter().find(|c| c.name == k).map(|c| c.value).ok_or_else(|| anyhow::anyhow!("no counter {k} in {line}"))
     };
-    Ok(Io { commands: n("io.commands")?, reads: n("io.reads")?, writes: n("io.writes")?, errors: n("errors")? })
+    let sleeps = n("adaptive.sleeps").unwrap_or(0);
+    Ok(Io { commands: n("io.commands")?, reads: n("io.reads")?, writes: n("io.writes")?, errors: n("errors")?, sleeps })
 }
 
 /// `bdev_get_iostat -b Ns0`: reads, writes and unmaps, and the I/O error counts.
@@ -245,7 +255,7 @@ fn parse_iostat(out: &str) -> anyhow::Result<Io> {
     let n = |k: &str| b[k].as_u64().ok_or_else(|| anyhow::anyhow!("no {k} in bdev_get_iostat: {out}"));
     let (reads, writes) = (n("num_read_ops")?, n("num_write_ops")?);
     let errors = b["io_error"].as_object().map_or(0, |m| m.values().filter_map(|x| x.as_u64()).sum());
-    Ok(Io { commands: reads + writes + n("num_unmap_ops")?, reads, writes, errors })
+    Ok(Io { commands: reads + writes + n("num_unmap_ops")?, reads, writes, errors, sleeps: 0 })
 }
 
 #[cfg(test)]
@@ -254,18 +264,18 @@ mod tests {
 
     #[test]
     fn the_counters_of_both_targets_parse_and_deltas_survive_a_reset() {
-        let line = r#"{"event":"disconnected","transport":"vfio-user","device":"nvme","counters":{"io.commands":120,"io.reads":120,"io.writes":0,"errors":0,"admin.commands":30}}"#;
-        assert_eq!(parse_report(line).unwrap(), Io { commands: 120, reads: 120, writes: 0, errors: 0 });
+        let line = r#"{"event":"disconnected","transport":"vfio-user","device":"nvme","counters":{"io.commands":120,"io.reads":120,"io.writes":0,"errors":0,"admin.commands":30,"adaptive.sleeps":7}}"#;
+        assert_eq!(parse_report(line).unwrap(), Io { commands: 120, reads: 120, writes: 0, errors: 0, sleeps: 7 });
         assert!(parse_report(r#"{"event":"connected"}"#).is_err());
         assert!(parse_report(r#"{"event":"disconnected","counters":{"io.reads":1}}"#).is_err());
         let st = r#"{"tick_rate": 1, "bdevs": [{"name": "Ns0", "num_read_ops": 57893, "num_write_ops": 2,
                    "num_unmap_ops": 1, "io_error": {"read": 3}}]}"#;
-        assert_eq!(parse_iostat(st).unwrap(), Io { commands: 57896, reads: 57893, writes: 2, errors: 3 });
+        assert_eq!(parse_iostat(st).unwrap(), Io { commands: 57896, reads: 57893, writes: 2, errors: 3, sleeps: 0 });
         assert!(parse_iostat("not json").is_err());
         assert!(parse_iostat(r#"{"bdevs": []}"#).is_err());
-        let a = Io { commands: 10, reads: 10, writes: 0, errors: 0 };
-        let b = Io { commands: 25, reads: 25, writes: 0, errors: 1 };
-        assert_eq!(b.since(a), Io { commands: 15, reads: 15, writes: 0, errors: 1 });
+        let a = Io { commands: 10, reads: 10, writes: 0, errors: 0, sleeps: 2 };
+        let b = Io { commands: 25, reads: 25, writes: 0, errors: 1, sleeps: 5 };
+        assert_eq!(b.since(a), Io { commands: 15, reads: 15, writes: 0, errors: 1, sleeps: 3 });
         assert_eq!(a.since(b), a, "counters that went back count from zero");
     }
 }
