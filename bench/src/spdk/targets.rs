@@ -90,8 +90,11 @@ impl Server {
         let ctrl = dir.join("iopath");
         std::fs::create_dir_all(&ctrl)?;
         let sock = ctrl.join("cntrl");
-        let dev =
+        let mut dev =
             format!("nvme,backend=null,size_mb={},lba={},serial={SERIAL_IOPATH},nqn={NQN_IOPATH}", o.size_mb, o.lba);
+        if let Some(db) = o.doorbell {
+            dev.push_str(&format!(",doorbell={db}"));
+        }
         let mut cmd = Command::new(iopath);
         cmd.args(["serve", &dev, "--transport", "vfio-user", "--socket"]).arg(&sock);
         let mut proc = Proc::spawn("iopath-serve", &mut cmd, dir, false, true, Some(cpu))?;
