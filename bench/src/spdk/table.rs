@@ -77,11 +77,12 @@ impl SpdkResult {
         let _ = writeln!(s, "{}", self.host);
         let _ = writeln!(
             s,
-            "spdk: stock spdk_nvme_perf (SPDK v25.09, {}) against `iopath serve nvme,backend=null{}` over vfio-user \
+            "spdk: stock spdk_nvme_perf (SPDK v25.09, {}) against `iopath serve nvme,backend=null{}`{} over vfio-user \
              and nvmf_tgt (VFIOUSER, bdev_null); {} MiB namespace, {} B LBA; 1 qpair; {} s per run, a fresh perf \
              each; {} round(s), interleaved (even rounds iopath first, odd nvmf_tgt first); {}",
             self.peers.display(),
-            o.doorbell.map_or(" (no doorbell option: auto)".to_string(), |d| format!(",doorbell={d}")),
+            o.doorbell.map_or(String::new(), |d| format!(",doorbell={d}")),
+            if o.doorbell.is_none() { " (no doorbell option: auto)" } else { "" },
             o.size_mb,
             o.lba,
             o.runtime_s,
@@ -237,5 +238,6 @@ mod tests {
         assert!(t.contains("100.0 k [90.0 k .. 120.0 k]"), "{t}");
         assert!(t.contains("0.50x") && t.contains("2.00x") && t.contains("boom"), "{t}");
         assert!(t.contains("round by round (each round's pair ran back to back): 0.50x [0.41 .. 0.67]"), "{t}");
+        assert!(t.contains("`iopath serve nvme,backend=null` (no doorbell option: auto)"), "{t}");
     }
 }
