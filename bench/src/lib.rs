@@ -18,5 +18,6 @@ pub mod qmp;
 pub mod record;
 pub mod remote;
 pub mod report;
+pub mod spdk;
 pub mod stats;
 pub mod wake;

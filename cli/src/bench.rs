@@ -34,6 +34,9 @@ pub enum Which {
     Blk(BlkArgs),
     /// The polled SQ/CQ ring between two host threads at QD 1/16/64: the floor under `bench nvme`.
     Floor(FloorArgs),
+    /// SPDK's stock spdk_nvme_perf against `iopath serve nvme` (default doorbell mode) and against
+    /// SPDK's own nvmf_tgt VFIOUSER target, side by side, rounds interleaved.
+    Spdk(SpdkArgs),
     /// Every benchmark in its default matrix; writes report.md, results.json, results.csv and SVG plots to --out.
     All(AllArgs),
 }
@@ -251,6 +254,12 @@ pub struct NvmeArgs {
     /// adaptive's forecast of steady gaps: on, off, or on,off (both, as two targets).
     #[arg(long, default_value = "on", value_name = "on|off|on,off")]
     pub forecast: String,
+    /// The guest driver's doorbells: 1, shadow doorbells where the mode offers them (Doorbell
+    /// Buffer Config, as Linux's driver); 0, every doorbell a register store (as SPDK's); 0,1
+    /// runs both as targets of their own (`-dbbuf0`).
+    #[arg(long, default_value = "1", value_name = "0|1|0,1", value_delimiter = ',',
+          value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub dbbuf: Vec<u8>,
     /// A file namespace's reads and writes on the guest's pages in place:
     /// auto (those within one page), on (all), off (none: bounce buffers),
     /// several (on,off) as targets of their own.
@@ -302,6 +311,7 @@ impl NvmeArgs {
             progress: !self.out.quiet,
             pollers: parse_pollers(&self.pollers)?,
             forecast: parse_forecast(&self.forecast)?,
+            dbbuf: each_once("--dbbuf", self.dbbuf.clone(), |&d| d)?.into_iter().map(|d| d == 1).collect(),
             in_place: parse_in_place(&self.in_place)?,
             submit_batch: parse_submit_batch(&self.submit_batch)?,
             guard: self.guard.config(),
@@ -417,6 +427,87 @@ pub fn blk(a: &BlkArgs, emit: impl FnOnce(&str, &serde_json::Value) -> anyhow::R
     let r = iopath_bench::blk::run_blk(&a.options()?)?;
     emit(&r.table(), &r.json())?;
     Ok(if r.errors.is_empty() { 0 } else { 1 })
+}
+
+/// `bench spdk`: spdk_nvme_perf's jobs (one qpair each), every --rw x --bs x --iodepth.
+#[derive(Args, Debug)]
+pub struct SpdkArgs {
+    /// perf's patterns, comma-separated: randread, randwrite, read, write.
+    #[arg(long, default_value = "randread", value_delimiter = ',',
+          value_parser = ["read", "write", "randread", "randwrite"])]
+    pub rw: Vec<String>,
+    /// Block sizes, comma-separated: bytes or with fio's suffixes (512 .. 128k, a multiple of the LBA).
+    #[arg(long, default_value = "4k,512", value_delimiter = ',', value_parser = parse_bs)]
+    pub bs: Vec<u64>,
+    /// Queue depths, comma-separated (1..=1024).
+    #[arg(long, default_value = "1,16,64,128", value_delimiter = ',',
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub iodepth: Vec<u32>,
+    /// Length of each perf run in whole seconds (perf's -t).
+    #[arg(long, alias = "time", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub runtime: u64,
+    /// Rounds; each runs every job against both targets (even rounds iopath first, odd rounds nvmf_tgt first).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub rounds: u32,
+    /// A short run: 1 round of 1 s runs.
+    #[arg(long, conflicts_with_all = ["rounds", "runtime"])]
+    pub quick: bool,
+    /// Namespace size in MiB, the same on both targets.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub size_mb: u64,
+    /// LBA size: 512 or 4096, the same on both targets.
+    #[arg(long, default_value_t = 512,
+          value_parser = clap::builder::TypedValueParser::map(clap::builder::PossibleValuesParser::new(["512", "4096"]), |s| s.parse::<u32>().unwrap_or(512)))]
+    pub lba: u32,
+    /// iopath serve's doorbell mode (`doorbell=`); without it none is given: the controller's
+    /// default, auto.
+    #[arg(long, value_name = "MODE")]
+    pub doorbell: Option<iopath_devices::nvme::DoorbellMode>,
+    /// Where perf (-c) and the targets (iopath serve's affinity, nvmf_tgt's -m) run: auto (perf
+    /// on the first allowed CPU, the targets on the second) or PERF,TARGET. SPDK pins its own
+    /// threads, so there is no off.
+    #[arg(long, default_value = "auto", value_name = "auto|PERF,TARGET")]
+    pub pin: iopath_bench::pin::PinChoice,
+    /// The SPDK install directory harness/spdk/build.sh printed (bin/spdk_nvme_perf, bin/nvmf_tgt,
+    /// bin/rpc.py); default: run harness/spdk/build.sh of this source tree (cached; builds if missing).
+    #[arg(long, value_name = "DIR")]
+    pub spdk: Option<PathBuf>,
+    #[command(flatten)]
+    pub out: Output,
+}
+
+impl SpdkArgs {
+    pub fn options(&self) -> anyhow::Result<iopath_bench::spdk::SpdkOptions> {
+        use iopath_bench::pin::PinChoice;
+        use iopath_bench::spdk::{perf::PerfJob, SpdkOptions};
+        let pin = match self.pin {
+            PinChoice::Off => anyhow::bail!(
+                "--pin off: SPDK's perf and nvmf_tgt always pin their threads to the cores of their masks; give auto or PERF,TARGET"
+            ),
+            p => p.placement().ok_or_else(|| anyhow::anyhow!("--pin auto needs two CPUs this process may use"))?,
+        };
+        let rw = each_once("--rw", self.rw.clone(), |r| r.clone())?;
+        let bs = each_once("--bs", self.bs.clone(), |&b| b)?;
+        let qd = each_once("--iodepth", self.iodepth.clone(), |&q| q)?;
+        let mut jobs = Vec::new();
+        for rw in &rw {
+            for &bs in &bs {
+                jobs.extend(qd.iter().map(|&iodepth| PerfJob { rw: rw.clone(), bs, iodepth }));
+            }
+        }
+        Ok(SpdkOptions {
+            jobs,
+            runtime_s: if self.quick { 1 } else { self.runtime },
+            rounds: if self.quick { 1 } else { self.rounds },
+            size_mb: self.size_mb,
+            lba: self.lba,
+            doorbell: self.doorbell,
+            pin,
+            spdk: self.spdk.clone(),
+            iopath_exe: None,
+            progress: !self.out.quiet,
+        })
+    }
 }
 
 #[derive(Args, Debug)]
@@ -655,6 +746,9 @@ mod tests {
         assert_eq!((o.doorbells.len(), o.pollers, o.forecast), (2, vec![1, 2], vec![true, false]));
         assert_eq!(nvme(&["--transport", "vmm,vfio-user"]).options().unwrap().transports.len(), 2);
         assert_eq!(nvme(&["--contend", "2,0"]).options().unwrap().contend, vec![2, 0]);
+        assert_eq!(nvme(&["--dbbuf", "0,1"]).options().unwrap().dbbuf, [false, true]);
+        assert_eq!(nvme(&[]).options().unwrap().dbbuf, [true]);
+        assert!(parse(&["nvme", "--dbbuf", "2"]).is_err());
         let o = nvme(&["--backend", "file:/x", "--in-place", "on,off"]).options().unwrap();
         assert_eq!(o.in_place, [iopath_devices::nvme::InPlace::On, iopath_devices::nvme::InPlace::Off]);
         let e = nvme(&["--in-place", "on"]).options().unwrap_err().to_string();
@@ -676,6 +770,7 @@ mod tests {
             ("--in-place", "off,auto,off", "--in-place off given twice"),
             ("--transport", "vfio-user,vmm,vfio-user", "--transport vfio-user given twice"),
             ("--contend", "0,0", "--contend 0 given twice"),
+            ("--dbbuf", "1,1", "--dbbuf 1 given twice"),
             ("--doorbell", ",", "--doorbell: no value"),
         ] {
             let e = nvme(&[opt, v]).options().expect_err(v).to_string();
@@ -789,6 +884,31 @@ mod tests {
         assert!(blk(&["--reference", "qemu"]).is_err());
         assert!(parse(&["blk", "--quick", "--rounds", "2"]).is_err());
         assert!(parse(&["blk", "--iodepth", "65"]).is_err());
+    }
+
+    #[test]
+    fn spdk_takes_lists_of_patterns_sizes_and_depths_and_no_unpinned_run() {
+        let spdk = |args: &[&str]| match parse(&[&["spdk"], args].concat()) {
+            Ok(BenchCmd { which: Some(Which::Spdk(s)), .. }) => s.options(),
+            Ok(w) => panic!("not spdk: {w:?}"),
+            Err(e) => Err(anyhow::anyhow!("{e}")),
+        };
+        let o = spdk(&["--pin", "0,1"]).unwrap();
+        assert_eq!(o.jobs.len(), 8);
+        assert_eq!((o.jobs[0].label(), o.jobs[7].label()), ("randread 4k qd1".into(), "randread 512 qd128".into()));
+        assert_eq!((o.rounds, o.runtime_s, o.size_mb, o.lba, o.doorbell), (3, 2, 64, 512, None));
+        let o = spdk(&["--pin", "0,1", "--doorbell", "bar"]).unwrap();
+        assert_eq!(o.doorbell, Some(iopath_devices::nvme::DoorbellMode::Bar));
+        assert!(spdk(&["--doorbell", "fast"]).is_err());
+        let o =
+            spdk(&["--pin", "1,0", "--quick", "--bs", "4k", "--iodepth", "16", "--rw", "randread,randwrite"]).unwrap();
+        assert_eq!((o.rounds, o.runtime_s, o.jobs.len()), (1, 1, 2));
+        assert_eq!((o.pin.vcpu, o.pin.device), (1, 0));
+        assert!(spdk(&["--pin", "off"]).unwrap_err().to_string().contains("--pin off"));
+        assert_eq!(spdk(&["--pin", "0,1", "--iodepth", "1,1"]).unwrap_err().to_string(), "--iodepth 1 given twice");
+        assert!(spdk(&["--quick", "--rounds", "2"]).is_err());
+        assert!(spdk(&["--rw", "randrw"]).is_err());
+        assert!(spdk(&["--runtime", "0"]).is_err());
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //!
 //!   iopath bench [exits] [--vs qemu] [--json PATH]   the exit-cost table
 //!   iopath bench nvme|floor [OPTIONS]                the NVMe controller, the ring floor
+//!   iopath bench spdk [OPTIONS]                      SPDK's perf: iopath serve against nvmf_tgt
 //!   iopath bench all --out DIR [--quick]             everything, with report.md, CSV, JSON, SVG plots
 //!   iopath report --from results.json --out DIR      the report again from its results.json
 //!   iopath run [--workload exits] [--append ARGS]    boot the guest, show its console
@@ -250,6 +251,17 @@ fn bench(b: bench::BenchCmd) -> anyhow::Result<i32> {
             Ok(status(&r.errors))
         }
         Some(Which::Blk(a)) => bench::blk(&a, |t, j| emit(t, j, &a.out)),
+        Some(Which::Spdk(a)) => match iopath_bench::spdk::run_spdk(&a.options()?) {
+            Ok(r) => {
+                emit(&r.table(), &r.json(), &a.out)?;
+                Ok(status(&r.errors))
+            }
+            Err(e) if e.is::<iopath_bench::spdk::proc::Interrupted>() => {
+                eprintln!("iopath: {e}");
+                Ok(130)
+            }
+            Err(e) => Err(e),
+        },
         Some(Which::All(a)) => all::run(&a),
     }
 }

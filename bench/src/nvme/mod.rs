@@ -117,6 +117,11 @@ pub struct NvmeOptions {
     /// adaptive's forecast (`forecast=`): on, off, or both as two targets
     /// (`iopath-adaptive`, `iopath-adaptive-noforecast`).
     pub forecast: Vec<bool>,
+    /// The guest driver's doorbells (nvmeperf's `dbbuf=`): true, shadow
+    /// doorbells where the controller offers them (as Linux); false, every
+    /// doorbell a register store (as SPDK). Each value its own target
+    /// (`-dbbuf0` for false; true keeps the name).
+    pub dbbuf: Vec<bool>,
     /// A file namespace's transfers in place (`in_place=`): each value its
     /// own target (`-inplace` for on, `-bounce` for off; auto keeps the name).
     #[serde(serialize_with = "as_strings")]
@@ -177,6 +182,7 @@ impl Default for NvmeOptions {
             ],
             pollers: vec![1],
             forecast: vec![true],
+            dbbuf: vec![true],
             in_place: vec![InPlace::Auto],
             submit_batch: vec![0],
             backend: BackendKind::Ram,
@@ -265,6 +271,9 @@ pub struct NvmeRun {
     /// found no completion (its `wait_cycles` over `cycles`): near 0 the
     /// guest's own work per I/O is the bottleneck, higher the device is.
     pub guest_wait_pct: Option<f64>,
+    /// Whether the guest's driver used shadow doorbells (its record's
+    /// `dbbuf`): asked for and offered by the controller's mode.
+    pub guest_dbbuf: Option<bool>,
     /// irq_wait jobs: the guest's halts until an interrupt (`sleeps`), and
     /// the interrupts it took (`irqs`); a polling guest takes none.
     pub guest_sleeps: Option<u64>,
@@ -353,6 +362,7 @@ impl NvmeRun {
             vcpu_ns_per_io: None,
             idle_cpu_pct: None,
             guest_wait_pct: None,
+            guest_dbbuf: None,
             guest_sleeps: None,
             guest_irqs: None,
             floor_ops_s: None,

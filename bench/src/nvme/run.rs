@@ -35,12 +35,14 @@ pub struct Setup {
     pub in_place: InPlace,
     /// A file namespace's operations to the kernel every N (`submit_batch=`).
     pub submit_batch: u16,
+    /// The guest driver asks for shadow doorbells (nvmeperf's `dbbuf=1`).
+    pub dbbuf: bool,
 }
 
 impl Setup {
     /// `db`, one poller, forecast on, in place and submission as the device defaults.
     pub fn plain(db: DoorbellMode) -> Setup {
-        Setup { db, pollers: 1, forecast: true, in_place: InPlace::Auto, submit_batch: 0 }
+        Setup { db, pollers: 1, forecast: true, in_place: InPlace::Auto, submit_batch: 0, dbbuf: true }
     }
 }
 
@@ -69,6 +71,14 @@ impl Target {
     pub fn is_fio(&self) -> bool {
         matches!(self.kind, Kind::Fio { .. })
     }
+}
+
+/// A combination the controller refuses: in a device process the modes whose
+/// doorbells are kicks (ioeventfd, adaptive) serve only drivers with shadow
+/// doorbells (Create I/O SQ is refused before Doorbell Buffer Config: a kick
+/// carries no value).
+fn refused(t: Option<&'static dyn Transport>, s: &Setup) -> bool {
+    t.is_some() && s.db.kicked() && !s.dbbuf
 }
 
 /// Everything a run needs, found once.
@@ -109,6 +119,18 @@ impl<'a> Ctx<'a> {
             },
             _ => None,
         };
+        if o.dbbuf.contains(&false) {
+            for t in o.transports.iter().flatten() {
+                for &db in
+                    o.doorbells.iter().filter(|d| refused(Some(*t), &Setup { dbbuf: false, ..Setup::plain(**d) }))
+                {
+                    skipped.push(format!(
+                        "iopath-{db}-dbbuf0@{}: a device process serves {db} only to drivers with shadow doorbells",
+                        t.name()
+                    ));
+                }
+            }
+        }
         let progs = Programs {
             iopath: match &o.iopath_exe {
                 Some(p) => p.clone(),
@@ -146,11 +168,14 @@ impl<'a> Ctx<'a> {
             })
             .flat_map(|(t, db, pollers, forecast)| {
                 o.in_place.iter().flat_map(move |&in_place| {
-                    o.submit_batch
-                        .iter()
-                        .map(move |&submit_batch| (t, Setup { db, pollers, forecast, in_place, submit_batch }))
+                    o.submit_batch.iter().flat_map(move |&submit_batch| {
+                        o.dbbuf
+                            .iter()
+                            .map(move |&dbbuf| (t, Setup { db, pollers, forecast, in_place, submit_batch, dbbuf }))
+                    })
                 })
             })
+            .filter(|(t, s)| !refused(*t, s))
             .map(|(tr, s)| {
                 // One poller keeps the plain name; more show in it, as does a
                 // forecast turned off and in-place transfers not left to the device.
@@ -163,6 +188,7 @@ impl<'a> Ctx<'a> {
                     InPlace::Off => format!("{name}-bounce"),
                 };
                 let name = if s.submit_batch == 0 { name } else { format!("{name}-sb{}", s.submit_batch) };
+                let name = if s.dbbuf { name } else { format!("{name}-dbbuf0") };
                 (name, tr, Kind::Iopath(tr, s))
             })
             .collect();
@@ -254,7 +280,7 @@ impl<'a> Ctx<'a> {
         &self,
         target: &str,
         tr: Option<&'static dyn Transport>,
-        Setup { db, pollers, forecast, in_place, submit_batch }: Setup,
+        Setup { db, pollers, forecast, in_place, submit_batch, dbbuf }: Setup,
         contend: u32,
         ji: usize,
         round: u32,
@@ -278,7 +304,8 @@ impl<'a> Ctx<'a> {
         let window = Window::new(NVME_DEVICE_THREADS, WINDOW_START, WINDOW_END, IDLE_WINDOW);
         let vcpu = Window::new(VCPU_THREADS, WINDOW_START, WINDOW_END, Duration::ZERO);
         let (w, v) = (window.clone(), vcpu.clone());
-        let mut cfg = VmConfig::new(iopath_guest::IMAGE, &cmdline(j, o, self.tsc_khz));
+        let line = format!("{} dbbuf={}", cmdline(j, o, self.tsc_khz), dbbuf as u8);
+        let mut cfg = VmConfig::new(iopath_guest::IMAGE, &line);
         cfg.devices = vec![instantiate(&spec, &self.progs)?];
         cfg.mem_size = o.mem_mb << 20;
         cfg.timeout = Duration::from_secs(o.timeout_s);
@@ -340,7 +367,19 @@ impl<'a> Ctx<'a> {
         }
         let bar_page = db.bar_page() && exits_only.is_none();
         let dbs_ok = bar_page || io_exits.map(|x| x + kicks) == Some(r.io_doorbell_writes);
-        let want_exits = if db == DoorbellMode::Mmio || exits_only.is_some() { r.io_doorbell_writes } else { 0 };
+        // The guest's driver must be the kind the target names: shadow
+        // doorbells where asked and offered, else register stores, which
+        // exit unless they land in the shared page.
+        let want_dbbuf = dbbuf && db.shadowed();
+        let driver_ok = r.guest_dbbuf == Some(want_dbbuf);
+        if !driver_ok {
+            r.routing =
+                format!("guest dbbuf={:?}, the target's driver dbbuf={want_dbbuf}: {}", r.guest_dbbuf, r.routing);
+        }
+        // Register stores exit, unless they land in the shared page.
+        let registers = r.guest_dbbuf == Some(false) && !bar_page;
+        let want_exits =
+            if db == DoorbellMode::Mmio || exits_only.is_some() || registers { r.io_doorbell_writes } else { 0 };
         let exits_ok = if bar_page && matches!(db, DoorbellMode::BarAdaptive | DoorbellMode::Auto) {
             // Stores land in the page except while the idle poller has it
             // trapped: each exit wakes it, and at most one kick per queue (its
@@ -357,7 +396,7 @@ impl<'a> Ctx<'a> {
         } else {
             io_exits == Some(want_exits)
         };
-        r.routing_ok = cmds == Some(r.ios) && dbs_ok && exits_ok;
+        r.routing_ok = cmds == Some(r.ios) && dbs_ok && exits_ok && driver_ok;
         guest_checks(&mut r, j);
         if rep.status != 1 {
             anyhow::bail!("guest exit status {}: {}", rep.status, r.routing);
@@ -552,6 +591,7 @@ pub fn to_run(
     r.verified_blocks = g("verified_blocks").ok();
     r.io_doorbell_writes = g("io_doorbell_writes").unwrap_or(0);
     r.guest_wait_pct = g("wait_cycles").ok().map(|w| 100.0 * w as f64 / cycles as f64);
+    r.guest_dbbuf = g("dbbuf").ok().map(|v| v != 0);
     r.guest_sleeps = g("sleeps").ok();
     r.guest_irqs = g("irqs").ok();
     Ok(r)

@@ -202,6 +202,7 @@ impl NvmeResult {
         self.quiet_table(&mut s);
         self.fio_table(&mut s);
         self.cpu_table(&mut s);
+        self.think_table(&mut s);
         self.ratio_lines(&mut s);
         if !self.skipped.is_empty() {
             let _ = writeln!(s, "\nskipped:");
@@ -373,6 +374,62 @@ impl NvmeResult {
         }
     }
 
+    /// Think-time jobs: each command meets a controller idle for the think
+    /// time, so its latency is the wake-up's; per target, the guest
+    /// driver's kind, how many commands, their latency from the rounds'
+    /// merged histogram, and what the device threads spent idle.
+    fn think_table(&self, s: &mut String) {
+        let groups: Vec<_> = self
+            .groups()
+            .into_iter()
+            .filter(|((ji, t), _)| self.options.jobs[*ji].thinktime_us > 0 && !is_fio_target(t))
+            .collect();
+        if groups.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            s,
+            "\nthe first command after an idle think time (its latency is the wake-up's): driver: shadow doorbells or \
+             register stores (nvmeperf dbbuf=1/0, as the guest ran); cmds: commands over all rounds (the first of \
+             each run follows setup, not an idle spell); p50/p99/max from the rounds' merged histogram; idle CPU: \
+             the device threads in the {} ms pause after the window, median [min .. max] over rounds; window CPU: \
+             their CPU over the timed window (think times and wake-ups) as a share of one core, median",
+            super::IDLE_WINDOW.as_millis()
+        );
+        let hdr = format!(
+            "{:<34} {:<30} {:<9} {:>5} {:>10} {:>10} {:>10} {:>22} {:>10}",
+            "job", "target", "driver", "cmds", "p50", "p99", "max", "idle CPU", "window CPU"
+        );
+        let _ = writeln!(s, "{hdr}");
+        for ((ji, target), rs) in groups {
+            let driver = match rs[0].guest_dbbuf {
+                Some(true) => "shadow",
+                Some(false) => "registers",
+                None => "-",
+            };
+            let merged = LatHist::merged(rs.iter().filter_map(|r| r.lat.as_ref()));
+            let q = |x: f64| fmt_ns(merged.quantile_ns(x, self.tsc_khz));
+            let idle = summarize(&rs.iter().filter_map(|r| r.idle_cpu_pct).collect::<Vec<_>>())
+                .map_or("-".into(), |x| format!("{:.2} % [{:.2} .. {:.2}]", x.median, x.min, x.max));
+            let window =
+                summarize(&rs.iter().filter_map(|r| r.cpu_ns_per_io.map(|ns| ns * r.iops / 1e7)).collect::<Vec<_>>())
+                    .map_or("-".into(), |x| format!("{:.2} %", x.median));
+            let _ = writeln!(
+                s,
+                "{:<34} {:<30} {:<9} {:>5} {:>10} {:>10} {:>10} {:>22} {:>10}",
+                self.options.jobs[ji].label(),
+                target,
+                driver,
+                rs.iter().fold(0u64, |a, r| a.saturating_add(r.ios)),
+                q(0.5),
+                q(0.99),
+                q(1.0),
+                idle,
+                window
+            );
+        }
+    }
+
     /// Per target: the merged-histogram percentiles the table shows, and the marks.
     fn summary_json(&self) -> Vec<Value> {
         self.groups()
@@ -452,5 +509,48 @@ mod tests {
         }
         let refs: Vec<&NvmeRun> = fio.iter().collect();
         assert_eq!(percentiles(&refs, 1_000_000)[0], 100.0);
+    }
+
+    #[test]
+    fn think_time_rows_show_the_driver_kind_the_commands_and_the_idle_cpu() {
+        use super::super::{Job, NvmeOptions};
+        let mut runs = Vec::new();
+        for (target, dbbuf, ios, idle) in
+            [("iopath-auto", true, 9, 0.1), ("iopath-auto-dbbuf0@vfio-user", false, 8, 1.2)]
+        {
+            for round in 0..2 {
+                let mut r = run(round, &[(170, ios)], 1e6);
+                r.target = target.into();
+                (r.guest_dbbuf, r.idle_cpu_pct) = (Some(dbbuf), Some(idle + round as f64 / 10.0));
+                (r.cpu_ns_per_io, r.iops) = (Some(5e6), 1.0);
+                runs.push(r);
+            }
+        }
+        let o =
+            NvmeOptions { jobs: vec![Job { thinktime_us: 1_000_000, ..Job::randread(4096, 1) }], ..Default::default() };
+        let r = NvmeResult {
+            host: crate::host::host_info(1_000_000),
+            options: o,
+            tsc_khz: 1_000_000,
+            runs,
+            superseded: vec![],
+            floor: vec![],
+            refloor: vec![],
+            wake: vec![],
+            guest_line: vec![],
+            reruns: vec![],
+            errors: vec![],
+            skipped: vec![],
+        };
+        let mut s = String::new();
+        r.think_table(&mut s);
+        let row = |t: &str| s.lines().find(|l| l.contains(&format!(" {t} "))).unwrap_or_default().to_string();
+        let (a, b) = (row("iopath-auto"), row("iopath-auto-dbbuf0@vfio-user"));
+        assert!(a.contains("shadow") && a.contains(" 18 ") && a.contains("0.15 % [0.10 .. 0.20]"), "{s}");
+        assert!(b.contains("registers") && b.contains(" 16 ") && b.contains("1.25 % [1.20 .. 1.30]"), "{s}");
+        assert!(a.ends_with("0.50 %"), "5 ms of CPU a second: {a}");
+        let mut none = String::new();
+        NvmeResult { options: NvmeOptions::default(), ..r }.think_table(&mut none);
+        assert!(none.is_empty(), "no think-time job, no section");
     }
 }
