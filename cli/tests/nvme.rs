@@ -474,7 +474,7 @@ fn bench_nvme_reports_a_checked_table_and_json() {
     }
     // One per QD1 run, every round trip through guest memory (the doorbell device's counters).
     let g = v["floor"]["guest_line"].as_array().unwrap();
-    assert_eq!((g.len(), qd1_runs), (6, 6), "{g:?}");
+    assert_eq!((g.len(), qd1_runs), (7, 7), "{g:?}");
     for l in g {
         assert!(
             l["rtt_ns"].as_f64().unwrap() > 0.0 && l["routing"].as_str().unwrap().contains("exits=0 kicks=0"),
