@@ -226,6 +226,13 @@ pub trait DeviceModel: Send + Sync {
     fn reset(&self) {}
     /// Stops device threads and folds pending ioeventfd kicks into counters.
     fn quiesce(&self) {}
+    /// A device process's next client is about to be served: whatever the
+    /// model handed out before (the fds of its [`mapped_areas`](Self::mapped_areas),
+    /// the eventfds it registered as ioeventfds with a host that announces
+    /// them once) is replaced by new ones, so that what a client that left
+    /// kept reaches a page and an eventfd nobody looks at. The device's state
+    /// stays as it is (the host resets it separately, unless told to keep it).
+    fn new_client(&self) {}
     fn counters(&self) -> Vec<Counter>;
     /// Configuration-space read. A model that keeps its own configuration
     /// space (a proxy for a device in another process) answers and returns
@@ -266,6 +273,7 @@ pub trait DeviceModelMut: Send {
     fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]);
     fn reset(&mut self) {}
     fn quiesce(&mut self) {}
+    fn new_client(&mut self) {}
     fn counters(&self) -> Vec<Counter>;
     fn config_read(&mut self, _offset: usize, _data: &mut [u8]) -> bool {
         false
@@ -306,6 +314,9 @@ impl<T: DeviceModelMut> DeviceModel for std::sync::Mutex<T> {
     }
     fn quiesce(&self) {
         lock(self).quiesce()
+    }
+    fn new_client(&self) {
+        lock(self).new_client()
     }
     fn counters(&self) -> Vec<Counter> {
         lock(self).counters()

@@ -296,3 +296,232 @@ fn repeated_mpqemu_set_irqfd_starts_no_thread_each() {
     drop(c);
     served.session_ended();
 }
+
+// ---------------------------------------------------------------------------------------------
+// Per-client doorbell pages and ioeventfds (NVMe in a device process).
+
+/// Guest memory of a client: a memfd at `GPA`, with the admin queues, an I/O queue pair, the
+/// shadow doorbells and a data page.
+const GPA: u64 = 0x10_0000;
+const ASQ: u64 = 0x0;
+const ACQ: u64 = 0x1000;
+const IOSQ: u64 = 0x2000;
+const IOCQ: u64 = 0x3000;
+const DBBUF: u64 = 0x4000;
+const EVIDX: u64 = 0x5000;
+const DATA: u64 = 0x6000;
+
+fn region_write(sock: &UnixStream, id: u16, offset: u64, data: &[u8]) {
+    let q = RegionAccess::to_bytes_with_data(offset, 0, data);
+    let (err, errno, _, _) = request(sock, id, Command::RegionWrite, &q, &[]);
+    assert!(!err, "REGION_WRITE at {offset:#x} refused: errno {errno}");
+}
+
+fn region_read32(sock: &UnixStream, id: u16, offset: u64) -> u32 {
+    let q = RegionAccess { offset, region: 0, count: 4 };
+    let (err, errno, p, _) = request(sock, id, Command::RegionRead, &q.to_bytes(), &[]);
+    assert!(!err, "REGION_READ at {offset:#x} refused: errno {errno}");
+    u32::from_le_bytes(p[p.len() - 4..].try_into().unwrap())
+}
+
+/// A client of iopath's NVMe controller speaking raw vfio-user: its socket, its memory, its
+/// message ids, and the admin queue's position.
+struct Nvme {
+    sock: UnixStream,
+    ram: File,
+    id: u16,
+    atail: u16,
+}
+
+impl Nvme {
+    fn connect(served: &Served) -> Nvme {
+        let sock = served.connect();
+        version(&sock);
+        let ram = {
+            // SAFETY: memfd_create with a NUL-terminated name; the fd is owned by the File.
+            let fd = unsafe { libc::memfd_create(c"iopath-client".as_ptr(), 0) };
+            assert!(fd >= 0);
+            // SAFETY: a fresh fd nothing else owns.
+            let f = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+            f.set_len(0x10000).unwrap();
+            f
+        };
+        Nvme { sock, ram, id: 10, atail: 0 }
+    }
+    fn next(&mut self) -> u16 {
+        self.id += 1;
+        self.id
+    }
+    fn write32(&mut self, offset: u64, v: u32) {
+        let id = self.next();
+        region_write(&self.sock, id, offset, &v.to_le_bytes());
+    }
+    fn write64(&mut self, offset: u64, v: u64) {
+        let id = self.next();
+        region_write(&self.sock, id, offset, &v.to_le_bytes());
+    }
+    fn read32(&mut self, offset: u64) -> u32 {
+        let id = self.next();
+        region_read32(&self.sock, id, offset)
+    }
+    /// Maps the memory, enables the controller, configures shadow doorbells if asked, and
+    /// creates I/O queue pair 1 (8 entries).
+    fn bring_up(&mut self, shadow: bool) {
+        let id = self.next();
+        let map = DmaMap { flags: DMA_MAP_FLAG_READ | DMA_MAP_FLAG_WRITE, offset: 0, address: GPA, size: 0x10000 };
+        let (err, errno, _, _) = request(&self.sock, id, Command::DmaMap, &map.to_bytes(), &[self.ram.as_raw_fd()]);
+        assert!(!err, "DMA_MAP refused: errno {errno}");
+        self.write32(0x24, 15 << 16 | 15);
+        self.write64(0x28, GPA + ASQ);
+        self.write64(0x30, GPA + ACQ);
+        self.write32(0x14, 0x0046_0001);
+        assert_eq!(self.read32(0x1c) & 3, 1, "CSTS.RDY");
+        if shadow {
+            assert_eq!(self.admin(0x7c, GPA + DBBUF, GPA + EVIDX, [0, 0]), 0, "Doorbell Buffer Config");
+        }
+        assert_eq!(self.admin(0x05, GPA + IOCQ, 0, [1 | 7 << 16, 1]), 0, "Create I/O CQ");
+        assert_eq!(self.admin(0x01, GPA + IOSQ, 0, [1 | 7 << 16, 1 | 1 << 16]), 0, "Create I/O SQ");
+    }
+    /// An admin command through the admin queue's doorbell register; its status.
+    fn admin(&mut self, op: u8, prp1: u64, prp2: u64, cdw: [u32; 2]) -> u16 {
+        let slot = self.atail as u64;
+        self.ram.write_all_at(&sqe(op, 0x100 + self.atail, 0, prp1, prp2, cdw), ASQ + slot * 64).unwrap();
+        self.atail += 1;
+        self.write32(0x1000, self.atail as u32);
+        let cqe = self.wait_cqe(ACQ + slot * 16, Duration::from_secs(10)).expect("an admin completion");
+        self.write32(0x1004, self.atail as u32);
+        u16::from_le_bytes([cqe[14], cqe[15]]) >> 1
+    }
+    /// The CQE at `at` once its phase tag is 1, within `d`.
+    fn wait_cqe(&self, at: u64, d: Duration) -> Option<[u8; 16]> {
+        let t0 = std::time::Instant::now();
+        let mut cqe = [0u8; 16];
+        loop {
+            self.ram.read_exact_at(&mut cqe, at).unwrap();
+            if cqe[14] & 1 == 1 {
+                return Some(cqe);
+            }
+            if t0.elapsed() > d {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    /// A Write of LBA 0 in I/O SQ 1's slot 0, published in the shadow tail if `shadow`, no doorbell.
+    fn stage_write(&mut self, shadow: bool) {
+        self.ram.write_all_at(&sqe(0x01, 7, 1, GPA + DATA, 0, [0, 0]), IOSQ).unwrap();
+        if shadow {
+            self.ram.write_all_at(&1u32.to_le_bytes(), DBBUF + 8).unwrap();
+        }
+    }
+    fn write_completed(&self, d: Duration) -> bool {
+        self.wait_cqe(IOCQ, d).is_some()
+    }
+}
+
+use std::os::unix::fs::FileExt;
+
+fn sqe(op: u8, cid: u16, nsid: u32, prp1: u64, prp2: u64, cdw: [u32; 2]) -> [u8; 64] {
+    let mut e = [0u8; 64];
+    e[0] = op;
+    e[2..4].copy_from_slice(&cid.to_le_bytes());
+    e[4..8].copy_from_slice(&nsid.to_le_bytes());
+    e[24..32].copy_from_slice(&prp1.to_le_bytes());
+    e[32..40].copy_from_slice(&prp2.to_le_bytes());
+    e[40..44].copy_from_slice(&cdw[0].to_le_bytes());
+    e[44..48].copy_from_slice(&cdw[1].to_le_bytes());
+    e
+}
+
+/// BAR0's region info with its fd: the doorbell page's memfd and the page's offset in it.
+fn doorbell_page(sock: &UnixStream, id: u16) -> (File, u64) {
+    let (err, errno, p, mut fds) =
+        request(sock, id, Command::DeviceGetRegionInfo, &RegionInfo::request(0, 4096).to_bytes(), &[]);
+    assert!(!err, "GET_REGION_INFO refused: errno {errno}");
+    let r = RegionInfoReply::parse(&p).unwrap();
+    let area = r.sparse_mmap.as_ref().and_then(|a| a.first().cloned()).expect("a sparse mmap area");
+    assert_eq!((area.offset, area.size), (0x1000, 0x1000));
+    assert_eq!(fds.len(), 1, "BAR0's fd");
+    (fds.pop().unwrap(), r.info.offset + area.offset)
+}
+
+/// A client that left keeps its mapping of the doorbell page it was given: its stores reach a
+/// page nobody polls. The next client's staged (unrung) write does not run until that client
+/// rings its own doorbell, and its page is another memfd, sealed so that no client can seal it
+/// further (F_SEAL_FUTURE_WRITE would refuse the next client's mapping).
+#[test]
+fn a_departed_clients_mapping_of_the_doorbell_page_reaches_nobody() {
+    let _g = serial();
+    let f = function("nvme,doorbell=bar,backend=ram,size_mb=1");
+    let served = Served::start(Box::new(VfioUserServer::new(f.clone(), IrqLines::new(), IoFds::IoEventFds)));
+    let a = served.connect();
+    version(&a);
+    let (fd_a, off_a) = doorbell_page(&a, 2);
+    // SAFETY: F_ADD_SEALS on a copy of the device's memfd: refused (F_SEAL_SEAL).
+    let sealed = unsafe { libc::fcntl(fd_a.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_FUTURE_WRITE) };
+    assert_eq!(sealed, -1, "a client added a seal to the doorbell page's memfd");
+    let old = vm_memory::mmap::MmapRegion::<()>::from_file(vm_memory::FileOffset::new(fd_a, off_a), 0x1000).unwrap();
+    drop(a);
+    served.session_ended();
+    let mut b = Nvme::connect(&served);
+    let (_fd_b, _) = doorbell_page(&b.sock, 3);
+    b.bring_up(false);
+    b.stage_write(false);
+    // The old client stores SQ 1's tail (1) into its mapping of the old page.
+    // SAFETY: inside the 4 KiB mapping, 4-byte aligned.
+    unsafe { std::ptr::write_volatile(old.as_ptr().add(8).cast::<u32>(), 1) };
+    assert!(!b.write_completed(Duration::from_millis(500)), "the departed client's store ran the next client's write");
+    assert_eq!(counter(&f, "io.writes"), 0);
+    b.write32(0x1008, 1);
+    assert!(b.write_completed(Duration::from_secs(10)), "the client's own doorbell");
+    assert_eq!(counter(&f, "io.writes"), 1);
+}
+
+/// A client that left keeps the ioeventfds it was announced: a write to one wakes nobody. The
+/// next client's write, published in its shadow doorbell but not rung, runs only when that
+/// client rings its own (new) ioeventfd.
+#[test]
+fn a_departed_clients_ioeventfds_wake_nobody() {
+    let _g = serial();
+    let f = function("nvme,doorbell=ioeventfd,backend=ram,size_mb=1");
+    let served = Served::start(Box::new(VfioUserServer::new(f.clone(), IrqLines::new(), IoFds::IoEventFds)));
+    let io_fds = |sock: &UnixStream, id: u16| -> (Vec<IoFdEntry>, Vec<File>) {
+        let q = IoFdsRequest { argsz: 65536, index: 0 };
+        let (err, errno, p, fds) = request(sock, id, Command::DeviceGetRegionIoFds, &q.to_bytes(), &[]);
+        assert!(!err, "GET_REGION_IO_FDS refused: errno {errno}");
+        (IoFdsReply::parse(&p).unwrap().entries, fds)
+    };
+    // SQ 1's tail doorbell's eventfd.
+    let sq1 = |(entries, fds): (Vec<IoFdEntry>, Vec<File>)| -> EventFd {
+        let i = entries
+            .iter()
+            .find_map(|e| match e {
+                IoFdEntry::IoEventFd { offset: 0x1008, fd_index, .. } => Some(*fd_index as usize),
+                _ => None,
+            })
+            .expect("SQ 1's tail doorbell announced");
+        // SAFETY: a dup of an eventfd the server sent; owned by the EventFd.
+        unsafe { <EventFd as std::os::fd::FromRawFd>::from_raw_fd(libc::dup(fds[i].as_raw_fd())) }
+    };
+    let a = served.connect();
+    version(&a);
+    let old = sq1(io_fds(&a, 2));
+    drop(a);
+    served.session_ended();
+    let mut b = Nvme::connect(&served);
+    let new = sq1(io_fds(&b.sock, 3));
+    b.bring_up(true);
+    b.stage_write(true);
+    // (EventIdx asks for a ring: the device thread sleeps until its ioeventfd fires.)
+    old.write(1).unwrap();
+    assert!(!b.write_completed(Duration::from_millis(500)), "the departed client's ioeventfd woke the device");
+    assert_eq!(counter(&f, "io.writes"), 0);
+    new.write(1).unwrap();
+    assert!(b.write_completed(Duration::from_secs(10)), "the client's own ioeventfd");
+    assert_eq!(counter(&f, "io.writes"), 1);
+}
+
+fn counter(f: &Mutex<PciFunction>, name: &str) -> u64 {
+    let c = f.lock().unwrap().device.counters();
+    c.iter().find(|c| c.name == name).map_or(0, |c| c.value)
+}

@@ -63,28 +63,35 @@ pub(super) struct Doorbells {
 
 impl Doorbells {
     pub fn new(mode: DoorbellMode, bar_page: Option<GuestMemoryMmap>) -> Self {
-        use vm_memory::{GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
-        // The region at 0 of BAR0_SIZE bytes or more (`bar_memory`), or none.
-        let bar_host = bar_page
-            .as_ref()
-            .and_then(|p| p.iter().find(|r| r.start_addr().0 == 0 && r.len() >= BAR0_SIZE))
-            .and_then(|r| r.get_host_address(MemoryRegionAddress(0)).ok())
-            .map_or(0, |a| a as usize);
-        let bar_mem = bar_page.clone().filter(|_| bar_host != 0).map(crate::GuestMem::from);
-        Doorbells {
-            bar_host,
-            bar_mem,
+        let mut d = Doorbells {
+            bar_host: 0,
+            bar_mem: None,
             mode,
             shadow: None,
             kick: None,
             ioevents: None,
             registered: Vec::new(),
-            bar_page,
+            bar_page: None,
             failed: None,
             sleeping: false,
             trapped: false,
             own_wakes: 0,
-        }
+        };
+        d.set_bar_page(bar_page);
+        d
+    }
+
+    /// The doorbell page and the addresses derived from it.
+    fn set_bar_page(&mut self, bar_page: Option<GuestMemoryMmap>) {
+        use vm_memory::{GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
+        // The region at 0 of BAR0_SIZE bytes or more (`bar_memory`), or none.
+        self.bar_host = bar_page
+            .as_ref()
+            .and_then(|p| p.iter().find(|r| r.start_addr().0 == 0 && r.len() >= BAR0_SIZE))
+            .and_then(|r| r.get_host_address(MemoryRegionAddress(0)).ok())
+            .map_or(0, |a| a as usize);
+        self.bar_mem = bar_page.clone().filter(|_| self.bar_host != 0).map(crate::GuestMem::from);
+        self.bar_page = bar_page;
     }
 
     /// bar mode: the doorbell word at byte `off` of BAR0, loaded in place
@@ -740,6 +747,37 @@ impl Core {
         }
     }
 
+    /// For a device process's next client (no device thread runs): the
+    /// doorbells announced once, registered again on a new eventfd; the old
+    /// one, which the last client may keep, is no longer read.
+    pub(super) fn renew_ioevents(&mut self) {
+        if !self.static_ioevents() {
+            return;
+        }
+        self.unregister_all();
+        self.db.kick = None;
+        self.db.own_wakes = 0;
+        self.register_static();
+    }
+
+    /// For a device process's next client (no device thread runs): `page`
+    /// becomes the doorbell page, holding what the old one holds now; the
+    /// last client's mapping of the old one reaches nothing any more.
+    pub(super) fn replace_bar_page(&mut self, page: GuestMemoryMmap) {
+        let mut words = [0u8; 0x1000];
+        if let Some(old) = &self.db.bar_page {
+            let _ = old.read_slice(&mut words, GuestAddress(DOORBELLS));
+        }
+        let _ = page.write_slice(&words, GuestAddress(DOORBELLS));
+        self.db.set_bar_page(Some(page));
+        for s in self.shards.clone() {
+            // The other queue groups poll the same page (`shards.rs`).
+            let mut s = s.lock().unwrap();
+            let p = self.db.bar_page.clone();
+            s.db.set_bar_page(p);
+        }
+    }
+
     /// Registers queue `qid`'s SQ tail and CQ head doorbells, as asked
     /// (those not registered yet).
     fn register_queue(&mut self, qid: usize, sq: bool, cq: bool) {
@@ -948,10 +986,12 @@ pub(super) fn bar_memory() -> Result<(GuestMemoryMmap, std::fs::File)> {
     // SAFETY: a fresh descriptor nobody else owns.
     let f = unsafe { std::fs::File::from_raw_fd(fd) };
     f.set_len(BAR0_SIZE).map_err(|e| Error::io("nvme: doorbell page size", e))?;
-    // Its size is final; a client that maps it (and the device processes'
-    // own check) must not see it shrink: a truncated mapping is SIGBUS.
+    // Its size is final; a client that maps it must not see it shrink (a
+    // truncated mapping is SIGBUS), and no client may add seals of its own
+    // (F_SEAL_FUTURE_WRITE would refuse the next client's writable mapping).
     // SAFETY: F_ADD_SEALS on an fd we own; no memory is passed.
-    if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) } < 0 {
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, seals) } < 0 {
         return Err(Error::io("nvme: sealing BAR0", std::io::Error::last_os_error()));
     }
     let fo = vm_memory::FileOffset::new(f.try_clone().map_err(|e| Error::io("nvme: doorbell page fd", e))?, 0);
@@ -966,11 +1006,16 @@ pub(super) fn bar_memory() -> Result<(GuestMemoryMmap, std::fs::File)> {
 #[cfg(test)]
 mod bar_memory_tests {
     #[test]
-    fn bar0_memfd_refuses_to_shrink_or_grow() {
+    fn bar0_memfd_refuses_to_shrink_grow_or_take_more_seals() {
+        use std::os::fd::AsRawFd;
         let (_mem, f) = super::bar_memory().unwrap();
         assert_eq!(f.set_len(0).unwrap_err().raw_os_error(), Some(libc::EPERM), "shrink");
         assert_eq!(f.set_len(super::BAR0_SIZE * 2).unwrap_err().raw_os_error(), Some(libc::EPERM), "grow");
         assert_eq!(f.metadata().unwrap().len(), super::BAR0_SIZE);
+        // A client's F_SEAL_FUTURE_WRITE would refuse every later client's writable mmap.
+        // SAFETY: F_ADD_SEALS on an fd we own.
+        let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_FUTURE_WRITE) };
+        assert_eq!((r, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::EPERM)), "F_SEAL_SEAL");
     }
 }
 

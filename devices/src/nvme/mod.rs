@@ -419,8 +419,9 @@ pub struct Nvme {
     core: Arc<Mutex<Core>>,
     /// The device thread: taken on CC writes, attach, reset, quiesce, drop.
     threads: Mutex<Threads>,
-    /// `bar` mode: the memfd behind BAR0, whose doorbell page the host maps.
-    bar_fd: Option<std::fs::File>,
+    /// `bar` mode: the memfd behind BAR0, whose doorbell page the host maps
+    /// (a new one for each client of a device process: `new_client`).
+    bar_fd: Mutex<Option<std::fs::File>>,
 }
 
 impl Nvme {
@@ -454,6 +455,7 @@ impl Nvme {
         } else {
             Core::new(&cfg, backend, bar_page)
         };
+        let bar_fd = Mutex::new(bar_fd);
         Ok(Nvme { cfg, core: Arc::new(Mutex::new(core)), threads: Mutex::new(Threads::default()), bar_fd })
     }
 }
@@ -527,7 +529,8 @@ impl DeviceModel for Nvme {
     }
 
     fn mapped_areas(&self) -> Vec<crate::MappedArea> {
-        let Some(fd) = &self.bar_fd else { return Vec::new() };
+        let fd = self.bar_fd.lock().unwrap();
+        let Some(fd) = fd.as_ref() else { return Vec::new() };
         match fd.try_clone() {
             Ok(fd) => vec![crate::MappedArea { bar: 0, offset: DOORBELLS, size: 0x1000, fd, fd_offset: DOORBELLS }],
             Err(e) => {
@@ -617,6 +620,35 @@ impl DeviceModel for Nvme {
 
     fn quiesce(&self) {
         self.stop_threads(&mut self.threads.lock().unwrap());
+    }
+
+    /// A new doorbell page (its doorbells as the old one holds them) and,
+    /// where the host announced the doorbells' ioeventfds once, a new
+    /// eventfd announced for them: a client that left keeps a mapping of the
+    /// old page and copies of the old eventfd, which nobody reads any more.
+    fn new_client(&self) {
+        let mut t = self.threads.lock().unwrap();
+        self.stop_threads(&mut t);
+        let ready = {
+            let mut c = self.core.lock().unwrap();
+            c.renew_ioevents();
+            if self.cfg.doorbell.bar_page() {
+                match doorbells::bar_memory() {
+                    Ok((page, fd)) => {
+                        c.replace_bar_page(page);
+                        *self.bar_fd.lock().unwrap() = Some(fd);
+                    }
+                    Err(e) => {
+                        log::error!("nvme: a new doorbell page for the next client: {e}; it keeps the last one's")
+                    }
+                }
+            }
+            c.regs.csts & 1 == 1
+        };
+        // With `--keep-state` the controller is still enabled: served again.
+        if ready {
+            self.start_threads(&mut t);
+        }
     }
 
     fn counters(&self) -> Vec<Counter> {

@@ -173,6 +173,9 @@ impl Server for VfioUserServer {
     /// A session whose memory all came with fds keeps the one thread and
     /// its latency.
     fn session(&mut self, sock: &UnixStream, peer: &str) -> Result<()> {
+        // Nothing the last client was handed (a doorbell page it mapped, the
+        // ioeventfds it installed) reaches the device this one is served.
+        self.function().device.new_client();
         let wsock = sock.try_clone().map_err(|e| Error::io("dup of the session socket", e))?;
         let link = Arc::new(Link::new(wsock, peer, self.dma_timeout, self.dma_stats.clone()));
         // The SIGBUS handler shuts this socket down for reading if the
