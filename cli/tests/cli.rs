@@ -140,7 +140,7 @@ fn bench_nvme_runs_carry_their_rounds_floor_ratio() {
         assert!(positive(&f["ops_s"]) && f["round"] == 0, "{f}");
     }
     let runs = v["runs"].as_array().unwrap();
-    assert_eq!(runs.len(), 12, "2 jobs x 6 doorbell modes");
+    assert_eq!(runs.len(), 14, "2 jobs x 7 doorbell modes");
     for r in runs {
         assert!(positive(&r["iops"]), "{r}");
         assert!(positive(&r["floor_ratio"]), "every run has IOPS / the floor's ops/s: {r}");
