@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The tests, with all their set-up, on a fresh machine (Debian 12, root, /dev/kvm): what
+# `cargo test` needs installed, built and sized, then the whole suite, every test binary's
+# result shown (a failing one does not stop the others). Arguments go to `cargo test`
+# (e.g. `bash harness/test.sh -p iopath-devices`). Each cold step says how long it takes here
+# (2 cores); warm, the set-up takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+t0=$SECONDS
+say() { echo "[test] $* ($((SECONDS - t0)) s)"; }
+
+if [ ! -c /dev/kvm ]; then
+  echo "the tests need /dev/kvm: the end-to-end tests boot the guest on real KVM" >&2
+  exit 1
+fi
+need=()
+command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
+# qemu-storage-daemon: the independent vhost-user-blk backend the VMM's frontend is tested against
+command -v qemu-storage-daemon >/dev/null || need+=(qemu-system-common)
+command -v fio >/dev/null || need+=(fio)
+command -v gcc >/dev/null || need+=(gcc)
+command -v objcopy >/dev/null || need+=(binutils)
+command -v debootstrap >/dev/null || need+=(debootstrap)
+command -v unshare >/dev/null || need+=(util-linux)
+command -v script >/dev/null || need+=(bsdutils)
+if [ ${#need[@]} -gt 0 ]; then
+  say "installing ${need[*]} (about a minute cold)"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
+fi
+
+# Guest RAM in hugetlb pages: the Linux-guest tests take up to 144 pages of 2 MiB at once
+# (vm.nr_hugepages), and SPDK's DPDK memory and nvmf_tgt up to 300 in their own test binary;
+# the pool of a fresh machine is empty. hugepages.sh grows it to 300 free (never shrinks it)
+# and mounts hugetlbfs at /dev/hugepages.
+bash harness/spdk/hugepages.sh 300
+
+# The real-client harness: a Debian trixie root with QEMU >= 10.1 (vfio-user-pci), the trixie
+# kernel and an initramfs with fio, nvme-cli and e2fsprogs, cached under /var/cache by the
+# scripts' hash (about 65 s cold). The Linux-guest tests fail loudly without it.
+say "the Linux harness (about 65 s cold)"
+bash harness/linux/build-root.sh >/dev/null
+bash harness/linux/build-initramfs.sh >/dev/null
+# The stock vfio-user peers: SPDK v25.09 (nvmf_tgt, spdk_nvme_perf/identify, bdevperf) and
+# libvfio-user with its samples, built from ../shared/peers and cached under
+# /var/cache/iopath-peers (7 to 10 min cold; harness/spdk/README.md).
+say "the SPDK and libvfio-user peers (7 to 10 min cold)"
+bash harness/spdk/build.sh >/dev/null
+say "set-up done; the suite (about 25 min here, every binary in turn)"
+
+export CARGO_BUILD_JOBS=${CARGO_BUILD_JOBS:-2}
+# Bounded: a hung test fails with its name on screen, not at some outer limit.
+timeout --foreground 45m cargo test --workspace --no-fail-fast "$@"
+say "all tests passed"
