@@ -216,7 +216,12 @@ fn session(r: &mut Rules, pid: u32) {
         ],
     );
     when(r, SYS_socketpair, one_of(0, &[AF_UNIX as u64]));
-    when(r, SYS_fcntl, one_of(1, &[F_GET_SEALS as u64]));
+    when(r, SYS_fcntl, one_of(1, &[F_GET_SEALS as u64, F_ADD_SEALS as u64]));
+    // Each client's own doorbell page (NVMe's BAR0 memfd, made at session
+    // start so that nothing an earlier client mapped is shared): a sealable
+    // memfd, no huge pages, its size set once, then sealed.
+    when(r, SYS_memfd_create, one_of(1, &[(MFD_CLOEXEC | MFD_ALLOW_SEALING) as u64]));
+    any(r, &[SYS_ftruncate]);
     // getrlimit: prlimit64(0, resource, NULL, old).
     when(r, SYS_prlimit64, vec![rule(vec![cond(0, Op::Eq, 0), Cond::new(2, Len::Qword, Op::Eq, 0).unwrap()])]);
     // Directories only, read-only: O_TMPFILE (which includes O_DIRECTORY) needs write access.

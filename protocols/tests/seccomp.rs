@@ -223,6 +223,25 @@ fn the_session_serves_with_the_filter_on() {
         let v = vec![1u8; 8 << 20];
         (fds != 0 || n == 0 || t != 0 || v[4095] != 1) as i32
     });
+    // Each client's doorbell page: a sealable memfd, sized, sealed (what NVMe's new_client does).
+    lives(None, || {
+        // SAFETY: memfd_create with a valid name; ftruncate and fcntl on the fd it returned, then closed.
+        unsafe {
+            let fd = libc::memfd_create(c"db".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING);
+            let sized = libc::ftruncate(fd, 16384);
+            let sealed =
+                libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL);
+            libc::close(fd);
+            (fd < 0 || sized != 0 || sealed != 0) as i32
+        }
+    });
+    // Not huge pages, not executable memory: only the flags a doorbell page is made with.
+    killed(
+        None,
+        // SAFETY: memfd_create with a valid name; refused before it runs.
+        || unsafe { libc::memfd_create(c"x".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_HUGETLB) },
+        libc::SYS_memfd_create,
+    );
     // clone3 answers ENOSYS (glibc then uses clone), it does not kill.
     lives(None, || {
         // SAFETY: clone3 with no arguments; refused before it reads them.
