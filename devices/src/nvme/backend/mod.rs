@@ -175,7 +175,8 @@ pub(super) fn anon_map(len: usize) -> std::io::Result<*mut libc::c_void> {
 }
 
 /// The asynchronous side of a file namespace: an io_uring on the O_DIRECT
-/// fd (registered as fixed file 0), whose completions signal `done`.
+/// fd (registered as fixed file 0), whose completions signal `done`, and
+/// which can do nothing but this namespace's I/O ([`restrictions`]).
 /// Operations work on the guest's pages in place (`guest.rs`: their memory
 /// is kept mapped until they are reaped) or read into or write from bounce
 /// buffers of their own (the slots), which live as long as the ring.
@@ -206,14 +207,63 @@ struct Uring {
     dio_align: (usize, usize),
 }
 
+/// io_uring_register(2)'s opcode for updating registered buffers in place:
+/// the one registration a ring allows once it is enabled ([`Uring::register`]).
+pub const IORING_REGISTER_BUFFERS_UPDATE: u8 = 16;
+
+/// What a file namespace's ring may do once enabled, registered with
+/// IORING_REGISTER_RESTRICTIONS: the operations `push` and `push_guest`
+/// submit, each on fixed file 0 (IOSQE_FIXED_FILE required, IOSQE_IO_DRAIN
+/// allowed: a flush), and buffer updates. Anything else (an open, a socket
+/// operation, a plain fd) completes with EACCES: the ring cannot reach
+/// what the process's sandbox refuses its system calls.
+fn restrictions() -> Vec<io_uring::register::Restriction> {
+    use io_uring::{opcode, register::Restriction, squeue::Flags};
+    let ops = [
+        opcode::Read::CODE,
+        opcode::Readv::CODE,
+        opcode::ReadFixed::CODE,
+        opcode::Write::CODE,
+        opcode::Writev::CODE,
+        opcode::WriteFixed::CODE,
+        opcode::Fsync::CODE,
+    ];
+    let mut r: Vec<_> = ops.into_iter().map(Restriction::sqe_op).collect();
+    r.push(Restriction::sqe_flags_allowed((Flags::FIXED_FILE | Flags::IO_DRAIN).bits()));
+    r.push(Restriction::sqe_flags_required(Flags::FIXED_FILE.bits()));
+    r.push(Restriction::register_op(IORING_REGISTER_BUFFERS_UPDATE));
+    r
+}
+
+/// A ring of `entries` created disabled (IORING_SETUP_R_DISABLED, Linux
+/// 5.10), so that its restrictions can be registered before it runs; false
+/// with a plain ring where the kernel has no such flag.
+fn disabled_ring(entries: u32) -> std::io::Result<(io_uring::IoUring, bool)> {
+    match io_uring::IoUring::builder().setup_r_disabled().build(entries) {
+        Ok(r) => Ok((r, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            log::warn!(
+                "nvme: this kernel's io_uring has no restrictions (IORING_SETUP_R_DISABLED: Linux 5.10); \
+                 the file backend's ring may make any io_uring operation"
+            );
+            Ok((io_uring::IoUring::new(entries)?, false))
+        }
+        Err(e) => Err(e),
+    }
+}
+
 impl Uring {
     fn new(file: File) -> std::io::Result<Uring> {
         use std::os::fd::AsRawFd;
-        let ring = io_uring::IoUring::new(FILE_SLOTS as u32)?;
+        let (ring, disabled) = disabled_ring(FILE_SLOTS as u32)?;
         ring.submitter().register_files(&[file.as_raw_fd()])?;
         let done = EventFd::new(libc::EFD_CLOEXEC)?;
         ring.submitter().register_eventfd(done.as_raw_fd())?;
         let fixed_bufs = ring.submitter().register_buffers_sparse(FILE_SLOTS as u32).is_ok();
+        if disabled {
+            ring.submitter().register_restrictions(&mut restrictions())?;
+            ring.submitter().register_enable_rings()?;
+        }
         let slots = vec![Slot { op: FileOp::Read, off: 0, len: 0, registered: false, guest: false }; FILE_SLOTS];
         let arena = Arena::new()?;
         let free = (0..FILE_SLOTS as u16).rev().collect();
@@ -724,6 +774,7 @@ impl Backend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     #[test]
     fn ram_and_file_keep_data_null_keeps_none() {
@@ -831,6 +882,44 @@ mod tests {
         assert_eq!(unsent(&mut f), 0);
         reap_all(&mut f, 6);
         let _ = std::fs::remove_file(&path);
+    }
+
+    /// The ring does this namespace's operations and nothing else: an open,
+    /// a no-op, a read of a plain fd and a registration other than a buffer
+    /// update all get EACCES, while a read of fixed file 0 goes through.
+    #[test]
+    fn the_ring_refuses_every_operation_but_the_namespaces_own() {
+        use io_uring::{opcode, types};
+        let path = std::env::temp_dir().join(format!("iopath-nvme-restrict-{}.img", std::process::id()));
+        let mut f = FileBackend::open(&path, 1 << 20).unwrap();
+        let _ = std::fs::remove_file(&path);
+        if !f.is_async() {
+            eprintln!("no O_DIRECT io_uring here: nothing to check");
+            return;
+        }
+        let plain_fd = f.file.as_raw_fd();
+        let u = f.uring.as_mut().unwrap();
+        let buf = u.arena.get(0, 4096).as_mut_ptr();
+        let probes = [
+            ("openat", opcode::OpenAt::new(types::Fd(libc::AT_FDCWD), c"/etc/hostname".as_ptr()).build()),
+            ("nop", opcode::Nop::new().build()),
+            ("read of a plain fd", opcode::Read::new(types::Fd(plain_fd), buf, 4096).build()),
+            ("read of fixed file 0", opcode::Read::new(types::Fixed(0), buf, 4096).build()),
+        ];
+        let mut got = Vec::new();
+        for (what, e) in probes {
+            // SAFETY: the path and the buffer outlive the operation, which is waited for here.
+            unsafe { u.ring.submission().push(&e.user_data(0)).unwrap() };
+            u.ring.submit_and_wait(1).unwrap();
+            got.push((what, u.ring.completion().next().unwrap().result()));
+        }
+        let eacces = -libc::EACCES;
+        assert_eq!(
+            got,
+            [("openat", eacces), ("nop", eacces), ("read of a plain fd", eacces), ("read of fixed file 0", 4096)]
+        );
+        let e = u.ring.submitter().register_files_update(0, &[plain_fd]).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EACCES), "{e}");
     }
 
     #[test]
