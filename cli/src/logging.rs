@@ -9,6 +9,13 @@
 //! [`ALL_PER_SEC`]), so the log volume is bounded whatever the number of
 //! sites. A line that gets through after others from its site were dropped
 //! says how many were.
+//!
+//! Whether lines are coloured is decided once, when the logger is made
+//! (`RUST_LOG_STYLE`, else whether stderr is a terminal that takes colour,
+//! as env_logger decides it), and each line is then one plain write to
+//! stderr: env_logger's own stderr writer asks the terminal again at every
+//! line (an ioctl), which a confined device process (`iopath serve`'s
+//! seccomp filters) may not make.
 
 use log::{Log, Metadata, Record};
 use std::collections::HashMap;
@@ -118,9 +125,37 @@ impl Log for RateLimited {
     }
 }
 
+/// Where the lines go: stderr, one write each (a line is formatted whole
+/// first), with no terminal check.
+struct Stderr;
+
+impl std::io::Write for Stderr {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        std::io::stderr().write(b)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(()) // stderr is not buffered
+    }
+}
+
+/// Colours or not, decided now: `RUST_LOG_STYLE` (`always`, `never`; else
+/// `auto`), and for `auto` what anstream makes of stderr (NO_COLOR,
+/// CLICOLOR_FORCE, a terminal whose TERM takes colour), as env_logger does.
+fn style(var: Option<&str>) -> env_logger::WriteStyle {
+    match var {
+        Some("always") => env_logger::WriteStyle::Always,
+        Some("never") => env_logger::WriteStyle::Never,
+        _ => anstream::AutoStream::choice(&std::io::stderr()).into(),
+    }
+}
+
 /// Installs the logger: `RUST_LOG` (default `warn`), rate-limited.
 pub fn init() {
-    let inner = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).build();
+    let style = style(std::env::var("RUST_LOG_STYLE").ok().as_deref());
+    let inner = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .write_style(style)
+        .target(env_logger::Target::Pipe(Box::new(Stderr)))
+        .build();
     let level = inner.filter();
     let logger = RateLimited { inner, limiter: Mutex::new(Limiter::new(Instant::now())) };
     if log::set_boxed_logger(Box::new(logger)).is_ok() {
@@ -143,6 +178,17 @@ mod tests {
         assert_eq!(l.admit(site, t0 + Duration::from_millis(500)), None);
         assert_eq!(l.admit(site, t0 + Duration::from_millis(1100)), Some(991), "990 + the one at 500 ms");
         assert_eq!(l.admit(site, t0 + Duration::from_millis(1200)), None);
+    }
+
+    #[test]
+    fn the_style_is_the_one_rust_log_style_names_else_what_stderr_takes() {
+        use env_logger::WriteStyle;
+        assert_eq!(style(Some("always")), WriteStyle::Always);
+        assert_eq!(style(Some("never")), WriteStyle::Never);
+        // auto (or anything else): decided now, once, never left to each line.
+        for v in [None, Some("auto"), Some("bogus")] {
+            assert_ne!(style(v), WriteStyle::Auto, "{v:?}");
+        }
     }
 
     #[test]
