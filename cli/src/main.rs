@@ -96,8 +96,9 @@ struct ServeArgs {
     /// Poll the socket this long for the next request before sleeping.
     #[arg(long, default_value_t = 0, value_name = "US")]
     spin_us: u64,
-    /// Do not confine the process with seccomp once it is set up (a
-    /// forbidden system call otherwise ends it with SIGSYS).
+    /// Do not confine the process once it is set up (otherwise Landlock
+    /// refuses every file access by path, and seccomp ends the process with
+    /// SIGSYS at a system call its thread's role does not make).
     #[arg(long)]
     no_seccomp: bool,
 }

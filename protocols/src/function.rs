@@ -222,7 +222,7 @@ pub fn map_region(r: SharedRegion, owner: &Arc<Owner>) -> Result<MappedRegion> {
         .offset
         .checked_add(r.size)
         .ok_or_else(|| Error::protocol(format!("memory region at {at:#x}: offset + size overflows")))?;
-    let len = r.file.metadata().map_err(|e| Error::io("fstat of a memory fd", e))?.len();
+    let len = crate::nopath::fstat(&r.file).map_err(|e| Error::io("fstat of a memory fd", e))?.st_size as u64;
     if r.size == 0 || end > len {
         return Err(Error::protocol(format!(
             "memory region at {at:#x}: {:#x} bytes from offset {:#x} but the fd holds {len:#x}",

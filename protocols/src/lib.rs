@@ -21,7 +21,9 @@
 pub mod attach;
 pub mod error;
 pub mod function;
+pub mod landlock;
 pub mod mpqemu;
+pub mod nopath;
 pub mod peer;
 pub mod process;
 pub mod seccomp;

@@ -1,23 +1,35 @@
 //! seccomp for `iopath serve`: once the device process is set up (device
-//! built, socket bound or inherited), [`install`] confines every thread to
-//! the system calls of the [`Session`](Role::Session) role (TSYNC), and
-//! each thread a device process starts narrows itself to its own role when
-//! it calls [`sandbox::enter`](iopath_devices::sandbox::enter) (filters
-//! stack; the strictest answer wins).
+//! built, backend file open, socket bound or inherited), [`install`] takes
+//! file system access by path away ([`crate::landlock`]) and confines every
+//! thread to the system calls of the [`Session`](Role::Session) role
+//! (TSYNC), and each thread a device process starts narrows itself to its
+//! own role when it calls [`sandbox::enter`](iopath_devices::sandbox::enter)
+//! (filters stack; the strictest answer wins).
 //!
 //! The allow-lists come from what the code calls, checked with `strace -f`
-//! on the test suites and the benchmark: Rust's runtime and glibc (memory,
-//! futexes, thread start and exit), the session (messages with fds, DMA
-//! maps, eventfds, region socket pairs, the fd count of `/proc/self/fd`),
-//! device threads (eventfds, epoll, the NVMe file backend's io_uring and
-//! pread/pwrite). Arguments are checked where that is cheap and means
+//! on the test suites and the benchmark, with stderr a terminal and not:
+//! Rust's runtime and glibc (memory, futexes, thread start and exit), the
+//! session (messages with fds, DMA maps, eventfds, region socket pairs, the
+//! fd count from a `/proc/self/fd` opened before, [`crate::nopath`]),
+//! device threads (eventfds, epoll, the NVMe file backend's io_uring, whose
+//! ring was restricted to the backend's own operations when it was made,
+//! and pread/pwrite). Arguments are checked where that is cheap and means
 //! something: no executable memory, `clone` only for threads (`clone3`
 //! answers ENOSYS, so glibc falls back to `clone`), `socketpair` only
-//! AF_UNIX, `openat` only of directories read-only, signals only to this
-//! process, no SIGSYS handler but ours, SIGBUS's handler changed only to the
-//! default (the SIGBUS handler's miss, `crate::sigbus`), `shutdown` outside
-//! session and region threads only SHUT_RD (the SIGBUS handler's wake-up). No `execve`, `socket`, `connect`,
-//! `ptrace`, file opening or writing by path.
+//! AF_UNIX, signals only to this process, no SIGSYS handler but ours,
+//! SIGBUS's handler changed only to the default (the SIGBUS handler's miss,
+//! `crate::sigbus`), `shutdown` outside session and region threads only
+//! SHUT_RD (the SIGBUS handler's wake-up), `io_uring_register` only to
+//! update a buffer. No `execve`, `socket`, `connect`, `ptrace`, `ioctl`,
+//! `io_uring_setup`, and no system call that takes a path in any role:
+//! no open, stat, statx, access, readlink, ... (an fd's `fstat` is the raw
+//! system call: [`crate::nopath::fstat`]).
+//!
+//! What the runtime would otherwise do by path or on a terminal after
+//! setup is done or decided before it: glibc's heap trimming and arena
+//! limit (below), the host's shmem settings, the panic message (no
+//! backtrace), and the logger's colours (decided once when it is made, in
+//! the binary: no terminal check per line).
 //!
 //! A forbidden call raises SIGSYS: the handler writes one line
 //! ("iopath serve: seccomp: forbidden syscall N in thread NAME (role R)")
@@ -155,12 +167,11 @@ fn device(r: &mut Rules, pid: u32) {
             SYS_fsync,
         ],
     );
-    // The file backend registers a slot's bounce buffer again when it grows.
-    when(r, SYS_io_uring_register, one_of(1, &[IORING_REGISTER_BUFFERS_UPDATE]));
+    // The file backend registers a slot's bounce buffer at its first use
+    // (the one registration its ring's restrictions allow).
+    let update = iopath_devices::nvme::backend::IORING_REGISTER_BUFFERS_UPDATE as u64;
+    when(r, SYS_io_uring_register, one_of(1, &[update]));
 }
-
-/// io_uring_register(2)'s opcode for updating registered buffers in place.
-const IORING_REGISTER_BUFFERS_UPDATE: u64 = 16;
 
 /// Starting threads (a BAR access may start device threads): the clone
 /// itself, what glibc and std do in the new thread before it narrows, and
@@ -188,8 +199,10 @@ fn region(r: &mut Rules, pid: u32) {
 }
 
 /// The session: the union of all roles, and the client's socket with fds,
-/// DMA maps (mmap of the fds it sends, fstatfs of them: huge pages or not), region socket pairs, the
-/// acceptor's socket options, and the fd budget's look at /proc/self/fd.
+/// DMA maps (mmap of the fds it sends, fstat and fstatfs of them: length,
+/// huge pages or not), region socket pairs, the acceptor's socket options,
+/// and the fd budget's listing of the `/proc/self/fd` opened before
+/// (lseek, getdents64: [`crate::nopath::open_fds`]).
 fn session(r: &mut Rules, pid: u32) {
     use libc::*;
     region(r, pid);
@@ -207,8 +220,6 @@ fn session(r: &mut Rules, pid: u32) {
             SYS_getpeername,
             SYS_fstat,
             SYS_fstatfs,
-            SYS_newfstatat,
-            SYS_statx,
             SYS_lseek,
             SYS_getdents64,
             SYS_dup,
@@ -224,9 +235,6 @@ fn session(r: &mut Rules, pid: u32) {
     any(r, &[SYS_ftruncate]);
     // getrlimit: prlimit64(0, resource, NULL, old).
     when(r, SYS_prlimit64, vec![rule(vec![cond(0, Op::Eq, 0), Cond::new(2, Len::Qword, Op::Eq, 0).unwrap()])]);
-    // Directories only, read-only: O_TMPFILE (which includes O_DIRECTORY) needs write access.
-    let dir = (O_ACCMODE | O_DIRECTORY | O_CREAT | O_PATH) as u64;
-    when(r, SYS_openat, vec![rule(vec![cond(2, Op::MaskedEq(dir), O_DIRECTORY as u64)])]);
 }
 
 /// The system calls `role` may make, with their argument rules.
@@ -281,6 +289,8 @@ pub fn install() -> Result<()> {
     // Whether a DMA map's memfd is in huge pages depends on the host's
     // shmem settings, files no thread may open once confined.
     iopath_devices::hugepages::settings();
+    // The fd budget's /proc/self/fd, opened while opening is allowed.
+    crate::nopath::prepare().map_err(|e| Error::io("opening /proc/self/fd", e))?;
     // glibc reads /proc/sys/vm/overcommit_memory (an open by path) the first
     // time it shrinks a thread's heap, which may be in any thread after this.
     // A trim threshold above any heap's size (64 MiB) means no heap is ever
@@ -308,6 +318,10 @@ pub fn install() -> Result<()> {
     let apply = |bpf: &BpfProgram| {
         seccompiler::apply_filter_all_threads(bpf).map_err(|e| Error::io("seccomp", std::io::Error::other(e)))
     };
+    // No file system access by path from here on (the filters below refuse
+    // the calls too; Landlock also covers what they let through: an
+    // io_uring operation, a thread started before them).
+    crate::landlock::deny_all()?;
     apply(&FILTERS.get().expect("set above")[0].1)?;
     apply(&clone3)?;
     ROLE.with(|c| c.set(1));
@@ -413,6 +427,60 @@ extern "C" fn sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut l
 #[cfg(test)]
 mod tests {
     use super::*;
+    use libc::*;
+
+    /// No role makes these: processes, network sockets, tracing, terminal
+    /// and device ioctls, new io_urings, and every call that takes a path.
+    const FORBIDDEN_EVERYWHERE: [i64; 48] = [
+        SYS_execve,
+        SYS_execveat,
+        SYS_fork,
+        SYS_vfork,
+        SYS_socket,
+        SYS_connect,
+        SYS_bind,
+        SYS_listen,
+        SYS_ptrace,
+        SYS_ioctl,
+        SYS_io_uring_setup,
+        SYS_open,
+        SYS_openat,
+        SYS_openat2,
+        SYS_creat,
+        SYS_open_by_handle_at,
+        SYS_name_to_handle_at,
+        SYS_stat,
+        SYS_lstat,
+        SYS_newfstatat,
+        SYS_statx,
+        SYS_statfs,
+        SYS_access,
+        SYS_faccessat,
+        SYS_faccessat2,
+        SYS_readlink,
+        SYS_readlinkat,
+        SYS_getcwd,
+        SYS_chdir,
+        SYS_chroot,
+        SYS_mkdir,
+        SYS_mkdirat,
+        SYS_mknod,
+        SYS_mknodat,
+        SYS_unlink,
+        SYS_unlinkat,
+        SYS_rmdir,
+        SYS_rename,
+        SYS_renameat2,
+        SYS_link,
+        SYS_linkat,
+        SYS_symlink,
+        SYS_symlinkat,
+        SYS_truncate,
+        SYS_chmod,
+        SYS_fchmodat,
+        SYS_utimensat,
+        SYS_mount,
+    ];
 
     /// A thread starts under its parent's filters and narrows itself: every
     /// role a session or region thread may start must fit in the
@@ -438,8 +506,9 @@ mod tests {
         for r in Role::ALL {
             compile(r, 1).unwrap();
         }
+        // Only the session's list need be checked: every role fits in it.
         let s = rules(Role::Session, 1);
-        for nr in [libc::SYS_execve, libc::SYS_socket, libc::SYS_connect, libc::SYS_ptrace, libc::SYS_open] {
+        for nr in FORBIDDEN_EVERYWHERE {
             assert!(!s.contains_key(&nr), "syscall {nr} allowed");
         }
     }

@@ -1,7 +1,11 @@
-//! `iopath serve`'s seccomp filters: a child process (this binary run
-//! again) installs them with the function serve uses (`seccomp::install`),
-//! then makes one system call from a thread of some role. Forbidden calls must end the child with
-//! SIGSYS and the handler's line on stderr; allowed ones must not.
+//! `iopath serve`'s sandbox: a child process (this binary run again) builds
+//! an NVMe device on a file namespace (its io_uring made as serve makes
+//! it), confines itself with the function serve uses (`seccomp::install`:
+//! Landlock, then the seccomp filters), then makes one system call from a
+//! thread of some role. Forbidden calls must end the child with SIGSYS and
+//! the handler's line on stderr; allowed ones must not. Some children run
+//! with a pseudo-terminal for stderr (util-linux `script`), where a
+//! terminal-only path of the runtime would show.
 
 use iopath_devices::sandbox::{enter, Role};
 use iopath_protocols::function::{map_region, MappedRegion, SharedRegion};
@@ -11,11 +15,68 @@ use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use vmm_sys_util::eventfd::EventFd;
 
 /// An eventfd the child makes as a session would, for its threads to use.
 static EVENT: OnceLock<EventFd> = OnceLock::new();
+
+/// An NVMe controller on a file namespace, built before the filters as
+/// `iopath serve` builds its device, and what a thread needs to reach the
+/// namespace's io_uring from outside the backend: the ring's fd (found in
+/// /proc/self/fd) and the parameters of a ring of its size (the mmap
+/// offsets, the same for every ring of that size on this kernel).
+struct FileNvme {
+    _device: iopath_devices::SharedDevice,
+    ring_fd: i32,
+    params: io_uring::Parameters,
+    /// A ring with no restrictions, made before the sandbox as no device
+    /// makes one: what reaches Landlock past seccomp and the restrictions.
+    plain: Mutex<io_uring::IoUring>,
+}
+
+static NVME: OnceLock<FileNvme> = OnceLock::new();
+
+fn file_nvme() -> FileNvme {
+    let img = std::env::temp_dir().join(format!("iopath-seccomp-nvme-{}.img", std::process::id()));
+    let cfg: iopath_devices::DeviceConfig = format!("nvme,backend=file:{},size_mb=1", img.display()).parse().unwrap();
+    let device = cfg.build().unwrap();
+    let _ = std::fs::remove_file(&img);
+    let ring_fd = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let to = std::fs::read_link(e.path()).ok()?;
+            (to.to_str() == Some("anon_inode:[io_uring]")).then(|| e.file_name().to_str()?.parse::<i32>().ok())?
+        })
+        .max()
+        .expect("the file namespace's io_uring");
+    let slots = iopath_devices::nvme::backend::FILE_SLOTS as u32;
+    let params = io_uring::IoUring::new(slots).unwrap().params().clone();
+    FileNvme { _device: device, ring_fd, params, plain: Mutex::new(io_uring::IoUring::new(8).unwrap()) }
+}
+
+/// An IORING_OP_OPENAT of /etc/hostname on `ring`: 0 if it was refused
+/// (the refusal on stderr, after `what`), 1 if it opened the file.
+fn ring_openat(ring: &mut io_uring::IoUring, what: &str) -> i32 {
+    use io_uring::{opcode, types};
+    let e = opcode::OpenAt::new(types::Fd(libc::AT_FDCWD), c"/etc/hostname".as_ptr()).build().user_data(u64::MAX);
+    // SAFETY: the path is a static C string.
+    unsafe { ring.submission().push(&e).unwrap() };
+    if let Err(e) = ring.submit_and_wait(1) {
+        eprintln!("{what}: submit: {e}");
+        return 0;
+    }
+    // A backend's own completions (none: it is idle) would not carry this tag.
+    let c = ring.completion().find(|c| c.user_data() == u64::MAX).expect("the openat's completion");
+    let r = c.result();
+    if r >= 0 {
+        eprintln!("{what}: fd {r}: NOT REFUSED");
+        return 1;
+    }
+    eprintln!("{what}: refused: {}", std::io::Error::from_raw_os_error(-r));
+    0
+}
 
 /// Memory a client shrank, made before the filters as a session makes it
 /// (memfd_create and ftruncate are the client's, not the session's): a
@@ -96,15 +157,45 @@ fn anchor() -> i32 {
 /// a lock another test thread held (std's thread registry) and hang on its
 /// first thread.
 fn child(role: Option<Role>, f: fn() -> i32) -> (End, String) {
+    run_child(role, f, false)
+}
+
+/// As [`child`], with a pseudo-terminal for the child's stdin, stdout and
+/// stderr (`script`; its output is the child's, both streams); the child
+/// checks that stderr is a terminal before it confines itself.
+fn child_at_a_terminal(role: Option<Role>, f: fn() -> i32) -> (End, String) {
+    let (end, out) = run_child(role, f, true);
+    assert!(out.contains("stderr is a terminal"), "{role:?}: the child's stderr was no terminal: {out:?}");
+    (end, out)
+}
+
+fn run_child(role: Option<Role>, f: fn() -> i32, tty: bool) -> (End, String) {
     let offset = (f as usize).wrapping_sub(anchor as fn() -> i32 as usize);
     let role = role.map_or("-".to_string(), |r| Role::ALL.iter().position(|&x| x == r).unwrap().to_string());
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "seccomp_case", "--nocapture", "--test-threads=1"])
+    let exe = std::env::current_exe().unwrap();
+    let args = ["--exact", "seccomp_case", "--nocapture", "--test-threads=1"];
+    let mut cmd = if tty {
+        let line = format!("'{}' {}", exe.display(), args.join(" "));
+        assert!(!exe.to_string_lossy().contains('\''), "a test binary path with a quote: {exe:?}");
+        let mut c = std::process::Command::new("script");
+        c.args(["-qec", &line, "/dev/null"]);
+        c
+    } else {
+        let mut c = std::process::Command::new(exe);
+        c.args(args);
+        c
+    };
+    let out = cmd
         .env(CASE, format!("{role}:{offset}"))
+        .env("RUST_BACKTRACE", "1")
+        .stdin(std::process::Stdio::null())
         .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).to_string();
+        .unwrap_or_else(|e| panic!("running the child (tty: {tty}; util-linux script for a terminal): {e}"));
+    let err = if tty { &out.stdout } else { &out.stderr };
+    let err = String::from_utf8_lossy(err).to_string();
     let end = match (out.status.code(), out.status.signal()) {
+        // script -e: a child killed by signal N exits 128 + N.
+        (Some(c), _) if tty && c > 128 => End::Signal(c - 128),
         (Some(c), _) => End::Exit(c),
         (None, Some(s)) => End::Signal(s),
         (None, None) => unreachable!("a process ends with a code or a signal"),
@@ -127,7 +218,12 @@ fn seccomp_case() {
     };
     // SAFETY: no core file for the deaths meant here.
     unsafe { libc::setrlimit(libc::RLIMIT_CORE, &libc::rlimit { rlim_cur: 0, rlim_max: 0 }) };
+    // SAFETY: isatty on fd 2 (an ioctl the filters refuse, so asked before them).
+    if unsafe { libc::isatty(2) } == 1 {
+        eprintln!("stderr is a terminal");
+    }
     let _ = SHRUNK.set(shrunk_memory());
+    let _ = NVME.set(file_nvme());
     if let Err(e) = iopath_protocols::seccomp::install() {
         eprintln!("install: {e}");
         // SAFETY: ends the child without the harness's report.
@@ -135,7 +231,7 @@ fn seccomp_case() {
     }
     let _ = EVENT.set(EventFd::new(0).unwrap());
     let code = match role {
-        None => f(),
+        None => std::panic::catch_unwind(f).unwrap_or(101),
         Some(r) => std::thread::spawn(move || {
             enter(r);
             f()
@@ -216,9 +312,9 @@ fn the_session_may_not_open_network_sockets_exec_or_map_executable_memory() {
 #[test]
 fn the_session_serves_with_the_filter_on() {
     lives(None, || {
-        // What a session does: socket pairs, eventfds, a thread, directories read-only, anonymous memory.
+        // What a session does: socket pairs, eventfds, a thread, its fd count, anonymous memory.
         let fds = socketpair();
-        let n = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+        let n = iopath_protocols::nopath::open_fds().unwrap_or(0);
         let t = std::thread::spawn(eventfd_round_trip).join().unwrap_or(1);
         let v = vec![1u8; 8 << 20];
         (fds != 0 || n == 0 || t != 0 || v[4095] != 1) as i32
@@ -307,6 +403,157 @@ fn a_panicking_device_thread_ends_alone_as_without_the_filter() {
         t.join().is_ok() as i32
     });
     assert!(err.contains("a device thread's bug"), "{err:?}");
+}
+
+/// A panic in a thread of any role (the session's included), with stderr
+/// a terminal or not and RUST_BACKTRACE=1, prints its message and unwinds:
+/// nothing on the panic path (the hook, the unwinder, the thread's end) is
+/// a call the filters refuse.
+#[test]
+fn a_panic_in_any_role_at_a_terminal_or_not_is_a_panic_not_a_sigsys() {
+    let bug = || -> i32 { panic!("a bug under the filter") };
+    for role in [None].into_iter().chain(Role::ALL.map(Some)) {
+        for tty in [false, true] {
+            let (end, out) = if tty { child_at_a_terminal(role, bug) } else { child(role, bug) };
+            assert!(matches!(end, End::Exit(101)), "{role:?}, tty {tty}: {end:?}, output {out:?}");
+            assert!(out.contains("a bug under the filter"), "{role:?}, tty {tty}: {out:?}");
+            assert!(!out.contains("forbidden syscall"), "{role:?}, tty {tty}: {out:?}");
+        }
+    }
+}
+
+/// What a confined thread saw when it tried to reach a file by path: the
+/// return value and errno, on stderr; 0 if it was refused, 1 if it got in.
+fn refused(what: &str, r: i64) -> i32 {
+    let e = std::io::Error::last_os_error();
+    if r >= 0 {
+        eprintln!("{what}: {r}: NOT REFUSED");
+        return 1;
+    }
+    eprintln!("{what}: refused: {e}");
+    0
+}
+
+fn open_etc_hostname() -> i32 {
+    // SAFETY: open of a C string path; the fd (if any) is leaked in a child that exits.
+    refused("openat /etc/hostname", unsafe { libc::open(c"/etc/hostname".as_ptr(), libc::O_RDONLY) } as i64)
+}
+
+fn open_root_directory() -> i32 {
+    // SAFETY: as above.
+    let fd = unsafe { libc::open(c"/".as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY) };
+    refused("openat / (a directory, read-only)", fd as i64)
+}
+
+fn stat_etc_hostname() -> i32 {
+    let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
+    // SAFETY: stat into a local buffer (glibc: newfstatat(AT_FDCWD, path)).
+    refused("stat /etc/hostname", unsafe { libc::stat(c"/etc/hostname".as_ptr(), st.as_mut_ptr()) } as i64)
+}
+
+fn statx_etc_hostname() -> i32 {
+    // SAFETY: statx into a local buffer.
+    let r = unsafe {
+        let mut stx: libc::statx = std::mem::zeroed();
+        libc::statx(libc::AT_FDCWD, c"/etc/hostname".as_ptr(), 0, libc::STATX_BASIC_STATS, &mut stx)
+    };
+    refused("statx /etc/hostname", r as i64)
+}
+
+fn readlink_proc_self_exe() -> i32 {
+    let mut b = [0u8; 256];
+    // SAFETY: readlink into a local buffer of its size.
+    let r = unsafe { libc::readlink(c"/proc/self/exe".as_ptr(), b.as_mut_ptr().cast(), b.len()) };
+    refused("readlink /proc/self/exe", r as i64)
+}
+
+fn access_etc_hostname() -> i32 {
+    // SAFETY: access of a C string path.
+    refused("access /etc/hostname", unsafe { libc::access(c"/etc/hostname".as_ptr(), libc::R_OK) } as i64)
+}
+
+/// An IORING_OP_OPENAT of /etc/hostname on the NVMe file namespace's own
+/// ring, which the thread reaches as an attacker with the process's memory
+/// would (its fd, mapped again).
+fn openat_through_the_backends_ring() -> i32 {
+    let n = NVME.get().unwrap();
+    // SAFETY: the fd is the backend's ring and the parameters a ring of its
+    // size's; the handle is never dropped (the fd stays the backend's).
+    let ring = unsafe { io_uring::IoUring::from_fd(n.ring_fd, n.params.clone()) }.unwrap();
+    ring_openat(&mut std::mem::ManuallyDrop::new(ring), "io_uring openat /etc/hostname")
+}
+
+/// The same on a ring with no restrictions: Landlock's refusal.
+fn openat_through_an_unrestricted_ring() -> i32 {
+    let mut ring = NVME.get().unwrap().plain.lock().unwrap();
+    ring_openat(&mut ring, "unrestricted io_uring openat /etc/hostname")
+}
+
+fn a_new_io_uring() -> i32 {
+    let mut p = [0u8; 120]; // struct io_uring_params
+                            // SAFETY: io_uring_setup with a zeroed params struct of its size.
+    refused("io_uring_setup", unsafe { libc::syscall(libc::SYS_io_uring_setup, 8, p.as_mut_ptr()) })
+}
+
+/// After setup nothing is reached by path, in any role, at a terminal or
+/// not: the system calls that take a path die of SIGSYS (no role's
+/// allow-list has one, so the call never reaches the kernel, and the line
+/// names it), and an open through the file namespace's io_uring, the one
+/// way past the filters, completes with EACCES (the ring's restrictions;
+/// Landlock would refuse it too). Every refusal is printed.
+#[test]
+fn nothing_is_reached_by_path_in_any_role_nor_through_the_io_uring() {
+    let by_path: [(fn() -> i32, i64); 7] = [
+        (open_etc_hostname, libc::SYS_openat),
+        (open_root_directory, libc::SYS_openat),
+        (stat_etc_hostname, libc::SYS_newfstatat),
+        (statx_etc_hostname, libc::SYS_statx),
+        (readlink_proc_self_exe, libc::SYS_readlink),
+        (access_etc_hostname, libc::SYS_access),
+        (a_new_io_uring, libc::SYS_io_uring_setup),
+    ];
+    for role in [None].into_iter().chain(Role::ALL.map(Some)) {
+        for (i, &(f, nr)) in by_path.iter().enumerate() {
+            // Each case once at a terminal, in turn.
+            let (end, out) = if i % 2 == 1 { child_at_a_terminal(role, f) } else { child(role, f) };
+            let line = format!("iopath serve: seccomp: forbidden syscall {nr} in thread ");
+            assert!(matches!(end, End::Signal(libc::SIGSYS)) && out.contains(&line), "{role:?}: {end:?}, {out:?}");
+            let said = out.lines().find(|l| l.contains(&line)).unwrap_or_default().trim_end();
+            eprintln!("{role:?} case {i}: {end:?}: {said}");
+        }
+        // io_uring_enter is a device thread's (file I/O): the ring refuses the open itself.
+        let (end, out) = child(role, openat_through_the_backends_ring);
+        let said = out.lines().find(|l| l.contains("io_uring openat") || l.contains("seccomp")).unwrap_or_default();
+        eprintln!("{role:?} io_uring openat: {end:?}: {said}");
+        match role {
+            Some(Role::Reader | Role::Irq) => {
+                let line = format!("forbidden syscall {} in thread", libc::SYS_io_uring_enter);
+                assert!(matches!(end, End::Signal(libc::SIGSYS)) && out.contains(&line), "{role:?}: {end:?}, {out:?}");
+            }
+            _ => {
+                assert!(matches!(end, End::Exit(0)), "{role:?}: {end:?}, {out:?}");
+                assert!(out.contains("io_uring openat /etc/hostname: refused: Permission denied"), "{role:?}: {out:?}");
+            }
+        }
+    }
+}
+
+/// Landlock holds where seccomp and the ring's restrictions do not reach:
+/// an open through a ring made before the sandbox without restrictions (no
+/// device makes one) is refused too, EACCES, in every role that may enter
+/// a ring at all.
+#[test]
+fn landlock_refuses_an_open_that_gets_past_the_filters() {
+    let Ok(abi) = iopath_protocols::landlock::abi() else {
+        panic!("this kernel has no Landlock: {:?}", iopath_protocols::landlock::abi());
+    };
+    for role in [None, Some(Role::Session), Some(Role::Region), Some(Role::Device)] {
+        let (end, out) = child(role, openat_through_an_unrestricted_ring);
+        let said = out.lines().find(|l| l.contains("io_uring openat")).unwrap_or_default();
+        eprintln!("{role:?} (Landlock ABI {abi}): {end:?}: {said}");
+        assert!(matches!(end, End::Exit(0)), "{role:?}: {end:?}, {out:?}");
+        assert!(said.contains("refused: Permission denied"), "{role:?}: {out:?}");
+    }
 }
 
 const SHRINK_CHILD: &str = "IOPATH_SECCOMP_HEAP_SHRINK_CHILD";

@@ -83,7 +83,7 @@ fn dma_map_budget() -> u32 {
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
         return SERVER_CAPS.max_dma_maps;
     }
-    let open = std::fs::read_dir("/proc/self/fd").map(|d| d.count() as u64).unwrap_or(0);
+    let open = crate::nopath::open_fds().unwrap_or(0);
     let free = lim.rlim_cur.saturating_sub(open).saturating_sub(FD_RESERVE);
     free.clamp(1, SERVER_CAPS.max_dma_maps as u64) as u32
 }
