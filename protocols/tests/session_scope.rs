@@ -525,3 +525,63 @@ fn counter(f: &Mutex<PciFunction>, name: &str) -> u64 {
     let c = f.lock().unwrap().device.counters();
     c.iter().find(|c| c.name == name).map_or(0, |c| c.value)
 }
+
+/// virtio-blk's notify ioeventfd, as NVMe's: the one a client that left
+/// kept is not the device's any more. Written, it stays unread (nobody
+/// polls it) and no kick is counted; the next client's own one is read.
+#[test]
+fn a_departed_clients_virtio_notify_eventfd_wakes_nobody() {
+    let _g = serial();
+    let f = function("virtio-blk,backend=null,notify=ioeventfd");
+    let served = Served::start(Box::new(VfioUserServer::new(f.clone(), IrqLines::new(), IoFds::IoEventFds)));
+    let notify_fd = |sock: &UnixStream, id: u16| -> EventFd {
+        let q = IoFdsRequest { argsz: 65536, index: 0 };
+        let (err, errno, p, fds) = request(sock, id, Command::DeviceGetRegionIoFds, &q.to_bytes(), &[]);
+        assert!(!err, "GET_REGION_IO_FDS refused: errno {errno}");
+        let i = IoFdsReply::parse(&p)
+            .unwrap()
+            .entries
+            .iter()
+            .find_map(|e| match e {
+                IoFdEntry::IoEventFd { fd_index, .. } => Some(*fd_index as usize),
+                _ => None,
+            })
+            .expect("queue 0's notify address announced");
+        // SAFETY: a dup of an eventfd the server sent; owned by the EventFd.
+        unsafe { <EventFd as std::os::fd::FromRawFd>::from_raw_fd(libc::dup(fds[i].as_raw_fd())) }
+    };
+    let a = served.connect();
+    version(&a);
+    let old = notify_fd(&a, 2);
+    drop(a);
+    served.session_ended();
+    let b = served.connect();
+    version(&b);
+    let new = notify_fd(&b, 3);
+    let kicks = counter(&f, "kicks");
+    // Non-blocking; emptied of the wake-up its device thread got when it stopped.
+    set_nonblocking(&old).unwrap();
+    let _ = old.read();
+    old.write(1).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // A value still there was read by nobody.
+    assert_eq!(old.read().ok(), Some(1), "the departed client's notify eventfd was read by the device");
+    assert_eq!(counter(&f, "kicks"), kicks, "a kick counted from the departed client's eventfd");
+    new.write(1).unwrap();
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    while counter(&f, "kicks") == kicks && std::time::Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(counter(&f, "kicks"), kicks + 1, "the client's own notify eventfd");
+    drop(b);
+}
+
+fn set_nonblocking(e: &EventFd) -> std::io::Result<()> {
+    // SAFETY: fcntl on an fd the EventFd owns.
+    let fl = unsafe { libc::fcntl(e.as_raw_fd(), libc::F_GETFL) };
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(e.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}

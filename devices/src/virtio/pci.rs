@@ -271,6 +271,22 @@ impl QueueEngine for BlkEngine {
         }
     }
 
+    fn new_client(dev: &Shared<Self>, ctx: &DeviceContext) {
+        Self::quiesce(dev);
+        let (old, queues, notify) = {
+            let mut s = crate::lock(dev);
+            (s.e.kick.take(), s.t.num_queues(), s.e.cfg.notify)
+        };
+        if let Some(old) = old {
+            for q in 0..queues {
+                let _ = ctx.ioevents.unregister(notify_spec(q), &old);
+            }
+        }
+        if notify != NotifyMode::Exit {
+            start_thread(dev, ctx);
+        }
+    }
+
     fn notify(&mut self, t: &mut Transport, queue: u16) {
         // The vCPU that wrote is waiting here: nothing else adds to the ring.
         while serve_queue(t, self, queue as usize) {}

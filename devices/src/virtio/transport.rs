@@ -99,6 +99,10 @@ pub trait QueueEngine: Send + Sized + 'static {
     fn attach(_dev: &Shared<Self>, _ctx: &DeviceContext) {}
     /// The run is ending: stop the engine's threads (without the lock held).
     fn quiesce(_dev: &Shared<Self>) {}
+    /// A device process's next client is about to be served: replace every
+    /// eventfd the engine registered as an ioeventfd, so that the one a
+    /// client that left kept wakes nobody (without the lock held).
+    fn new_client(_dev: &Shared<Self>, _ctx: &DeviceContext) {}
     /// The driver wrote DRIVER_OK with FEATURES_OK set. An error puts the
     /// device in DEVICE_NEEDS_RESET.
     fn driver_ok(&mut self, _t: &mut Transport) -> Result<()> {

@@ -87,6 +87,13 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
         s.t.msix = new_msix(s.t.num_queues());
     }
 
+    fn new_client(&self) {
+        let ctx = self.state().t.ctx.clone();
+        if let Some(ctx) = ctx {
+            E::new_client(&self.state, &ctx);
+        }
+    }
+
     fn quiesce(&self) {
         E::quiesce(&self.state);
     }
