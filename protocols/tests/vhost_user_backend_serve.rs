@@ -175,3 +175,17 @@ fn a_frontend_that_reads_no_replies_does_not_hold_the_slot() {
     next_frontend_served(&path, None);
     drop(stalled);
 }
+
+/// Five bytes of a header, then the frontend leaves: its session ends at
+/// once, not after the message bound (a minute here): the next frontend is
+/// served within `next_frontend_served`'s 10 s.
+#[test]
+fn a_frontend_that_leaves_inside_a_header_is_dropped_at_once() {
+    use std::io::Write;
+    let path = sock("partial");
+    start_bounded(&path, Duration::from_secs(60));
+    let mut gone = UnixStream::connect(&path).unwrap();
+    gone.write_all(&[1, 0, 0, 0, 1]).unwrap();
+    drop(gone);
+    next_frontend_served(&path, None);
+}

@@ -37,8 +37,9 @@
 //! at its stop between passes; kick, call and error fds eventfds only
 //! (made non-blocking: a signal that finds one full is dropped, never
 //! waited for); with a receive timeout on the session socket, a message's
-//! header, once begun, whole within it (peeked before the crate reads it),
-//! and each request done (read, served, answered) within it plus the send
+//! header, once begun, whole within it (peeked before the crate reads it;
+//! a frontend that leaves inside one ends its session at once), and each
+//! request done (read, served, answered) within it plus the send
 //! timeout, or a watchdog shuts the socket down: the crate retries
 //! timed-out reads and writes for ever.
 
@@ -157,7 +158,10 @@ impl BlkBackend {
                         self.lock().st.socket_errors += 1;
                         break Err(Error::protocol(format!("vhost-user: a message header not whole within {t:?}")));
                     }
-                    Err(e) => break Err(Error::io("peeking at a message", e)),
+                    Err(e) => {
+                        self.lock().st.socket_errors += 1;
+                        break Err(Error::io("peeking at a message", e));
+                    }
                 }
             }
             iopath_devices::lock(&s).refusal = None;
@@ -216,16 +220,20 @@ impl BlkBackend {
 }
 
 /// Waits until the 12-byte header of the message `sock` has input of is
-/// whole (true), or the peer left (true: the crate reads the end), for at
-/// most `t` (false).
+/// whole (true), or the peer left before it began (true: the crate reads
+/// the end), for at most `t` (false). A peer that leaves inside the header
+/// is an `UnexpectedEof` error at once: the peek sees its bytes, never the
+/// end of stream behind them, so that is asked of poll (POLLRDHUP).
 fn header_within(sock: &UnixStream, t: Duration) -> std::io::Result<bool> {
     let end = Instant::now() + t;
     let mut b = [0u8; HEADER];
+    // SAFETY: a peek into a local buffer of its length.
+    let peek = |b: &mut [u8; HEADER]| unsafe {
+        libc::recv(sock.as_raw_fd(), b.as_mut_ptr().cast(), HEADER, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+    };
     loop {
-        // SAFETY: a peek into a local buffer of its length.
-        let n =
-            unsafe { libc::recv(sock.as_raw_fd(), b.as_mut_ptr().cast(), HEADER, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
-        if n == 0 || n as usize >= HEADER {
+        let n = peek(&mut b);
+        if n == 0 || n >= HEADER as isize {
             return Ok(true);
         }
         if n < 0 {
@@ -233,6 +241,17 @@ fn header_within(sock: &UnixStream, t: Duration) -> std::io::Result<bool> {
             if !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted) {
                 return Err(e);
             }
+        } else if crate::socket::peer_closed(sock, 0) {
+            // The rest may have come just before the end: a whole header
+            // (and the message behind it) is still served.
+            let n = peek(&mut b);
+            if n >= HEADER as isize {
+                return Ok(true);
+            }
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!("the frontend closed its socket inside a message header ({n} of {HEADER} bytes)"),
+            ));
         }
         let now = Instant::now();
         if now >= end {
@@ -256,5 +275,37 @@ fn wait_readable(sock: &UnixStream) -> std::io::Result<()> {
         if e.kind() != std::io::ErrorKind::Interrupted {
             return Err(e);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// A frontend that sends 5 bytes of a header and leaves: an error at
+    /// once, not a wait for the bound (a minute here, which would be a
+    /// `false` after it).
+    #[test]
+    fn a_frontend_that_leaves_inside_a_header_is_seen_at_once() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        a.write_all(&[1, 0, 0, 0, 1]).unwrap();
+        drop(a);
+        let e = header_within(&b, Duration::from_secs(60)).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof, "{e}");
+        assert!(e.to_string().contains("5 of 12 bytes"), "{e}");
+    }
+
+    /// One that leaves before a byte: the crate reads the end (true); one
+    /// that stays inside a header: false once the bound has passed.
+    #[test]
+    fn an_end_before_a_header_is_for_the_crate_and_a_stall_is_bounded() {
+        let (a, b) = UnixStream::pair().unwrap();
+        drop(a);
+        assert!(header_within(&b, Duration::from_secs(60)).unwrap());
+        let (mut a, b) = UnixStream::pair().unwrap();
+        a.write_all(&[1, 0, 0]).unwrap();
+        assert!(!header_within(&b, Duration::from_millis(50)).unwrap());
+        drop(a);
     }
 }
