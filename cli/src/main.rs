@@ -74,9 +74,12 @@ struct ServeArgs {
           value_parser = clap::builder::PossibleValuesParser::new(
               iopath_protocols::TRANSPORTS.iter().map(|t| t.name()).chain([iopath_protocols::vhost_user::backend::TRANSPORT])))]
     transport: String,
-    /// Listen on this UNIX socket path (one client at a time; one that comes
-    /// while another is served is refused: vfio-user answers EBUSY). Between
-    /// clients the device is reset, unless --keep-state.
+    /// Listen on this UNIX socket path: nothing may be there but a stale
+    /// socket (replaced); any other file, or a socket a live server listens
+    /// on, is refused and left alone. Removed when the process ends. One
+    /// client at a time; one that comes while another is served is refused
+    /// (vfio-user answers EBUSY). Between clients the device is reset, unless
+    /// --keep-state.
     #[arg(long, value_name = "PATH", conflicts_with = "fd", required_unless_present = "fd")]
     socket: Option<PathBuf>,
     /// Serve the connected socket inherited as this fd, then exit.

@@ -37,6 +37,15 @@
 //! ([`Transport::refuse`]: vfio-user answers its first message with EBUSY),
 //! the connection is closed and logged. It never waits in the backlog.
 //! Neither a dropped nor a refused connection prints a counters line.
+//!
+//! The socket file: what may be at PATH before (nothing, or a stale
+//! socket; never a regular file, which is refused), and its removal however
+//! the process ends: `serve_listen.rs` and `serve_janitor.rs`.
+
+#[path = "serve_janitor.rs"]
+mod janitor;
+#[path = "serve_listen.rs"]
+mod listen;
 
 use crate::function::PciFunction;
 use crate::process::disconnect_report;
@@ -56,7 +65,8 @@ use std::time::{Duration, Instant};
 pub enum Listen {
     /// An inherited, connected socket: serve it, then exit.
     Fd(i32),
-    /// Listen on this path (removed first if it is a stale socket).
+    /// Listen on this path: nothing there, or a stale socket (replaced);
+    /// anything else is refused. Removed when the process ends.
     Socket(PathBuf),
 }
 
@@ -109,6 +119,7 @@ pub struct ServeOptions {
 /// socket (until the first client with `once`).
 pub fn run(o: &ServeOptions) -> Result<()> {
     check_timeouts(&o.timeouts)?;
+    let bound = bind(&o.listen)?;
     let f = Arc::new(Mutex::new(PciFunction::new(o.device.build()?)?));
     let irq = IrqLines::new();
     let server = o.transport.server(f.clone(), irq.clone())?;
@@ -116,7 +127,7 @@ pub fn run(o: &ServeOptions) -> Result<()> {
     let transport = o.transport;
     let banner = format!("{} over {}", o.device, transport.name());
     let refuse = Box::new(move |s: &UnixStream| transport.refuse(s));
-    clients(&o.listen, &banner, o.once, o.seccomp, o.timeouts.refusal, refuse, |sock, peer, free| {
+    clients(&o.listen, bound, &banner, o.once, o.seccomp, o.timeouts.refusal, refuse, |sock, peer, free| {
         host.client(sock, peer, free)
     })
 }
@@ -129,6 +140,17 @@ pub(crate) fn check_timeouts(t: &Timeouts) -> Result<()> {
     Ok(())
 }
 
+/// Binds the socket of `listen` (if it is one) and starts its janitor,
+/// before the device is built: a path that is refused costs nothing, and the
+/// janitor is forked from a process that has touched little memory yet (its
+/// pages are shared copy-on-write with the janitor for as long as it lives).
+pub(crate) fn bind(listen: &Listen) -> Result<Option<listen::Bound>> {
+    match listen {
+        Listen::Fd(_) => Ok(None),
+        Listen::Socket(path) => listen::Bound::new(path).map(Some),
+    }
+}
+
 /// What a client is refused with when another one is served ([`Transport::refuse`]).
 pub(crate) type Refuse = Box<dyn Fn(&UnixStream) -> Result<()> + Send>;
 
@@ -138,9 +160,12 @@ pub(crate) type Refuse = Box<dyn Fn(&UnixStream) -> Result<()> + Send>;
 /// inherited socket, then returns; or each connection on the listening
 /// socket (the acceptor refuses the ones that come while another is served
 /// with `refuse`), until the first client with `once`. `banner` names what
-/// is served on stderr. Confines the process with seccomp once set up.
+/// is served on stderr. `bound`: the socket of `listen` as [`bind`] bound
+/// it (bound here if `None`). Confines the process with seccomp once set up.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn clients(
     listen: &Listen,
+    bound: Option<listen::Bound>,
     banner: &str,
     once: bool,
     seccomp: bool,
@@ -165,11 +190,12 @@ pub(crate) fn clients(
             Ok(())
         }
         Listen::Socket(path) => {
-            if path.exists() && UnixStream::connect(path).is_err() {
-                let _ = std::fs::remove_file(path);
-            }
+            let bound = match bound {
+                Some(b) => b,
+                None => listen::Bound::new(path)?,
+            };
             let l = Arc::new(
-                UnixListener::bind(path).map_err(|e| Error::io(format!("cannot listen on {}", path.display()), e))?,
+                bound.listener.try_clone().map_err(|e| Error::io(format!("the socket {}", path.display()), e))?,
             );
             eprintln!("iopath serve: {banner} on {}", path.display());
             if seccomp {
@@ -199,6 +225,8 @@ pub(crate) fn clients(
             unsafe { libc::shutdown(l.as_raw_fd(), libc::SHUT_RDWR) };
             drop(rx);
             let _ = acceptor.join();
+            drop(l);
+            // `bound` dropped here: the socket closed, its file removed.
             r
         }
     }

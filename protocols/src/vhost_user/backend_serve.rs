@@ -6,7 +6,7 @@
 
 use super::BlkBackend;
 use crate::process::disconnect_report;
-use crate::serve::{check_timeouts, clients, handshake, Listen, Timeouts};
+use crate::serve::{bind, check_timeouts, clients, handshake, Listen, Timeouts};
 use crate::Result;
 use iopath_devices::virtio::pci::VirtioBlkConfig;
 use std::io::Write;
@@ -29,11 +29,12 @@ pub struct VhostUserServeOptions {
 /// socket (until the first frontend with `once`).
 pub fn run(o: &VhostUserServeOptions) -> Result<()> {
     check_timeouts(&o.timeouts)?;
+    let bound = bind(&o.listen)?;
     let dev = BlkBackend::new(&o.device)?;
     let spec = iopath_devices::DeviceConfig::VirtioBlk(o.device.clone());
     let banner = format!("{spec} over {TRANSPORT}");
     let refuse = Box::new(|_: &std::os::unix::net::UnixStream| Ok(()));
-    clients(&o.listen, &banner, o.once, o.seccomp, o.timeouts.refusal, refuse, |sock, peer, free| {
+    clients(&o.listen, bound, &banner, o.once, o.seccomp, o.timeouts.refusal, refuse, |sock, peer, free| {
         let what = format!("{banner}: {peer}");
         if !handshake(&sock, &o.timeouts, &what) {
             free();
