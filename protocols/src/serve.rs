@@ -28,24 +28,26 @@
 //!   a client that never reads its replies cannot block the process.
 //!
 //! The last two end the session with [`Error::Timeout`]. On a listening
-//! socket the thread `serve-acceptor` (`accept_loop` here) takes every
-//! connection: it hands the next client to the serving thread when that one
-//! is free (or frees within `refusal`: a VMM that reconnects at once is
-//! often faster than the server's read of its end of stream), and refuses a
-//! client that comes while another is served, one at a time, each within
-//! `refusal`: the transport says so
-//! ([`Transport::refuse`]: vfio-user answers its first message with EBUSY),
-//! the connection is closed and logged. It never waits in the backlog.
-//! Neither a dropped nor a refused connection prints a counters line.
+//! socket the thread `serve-acceptor` takes every connection and holds the
+//! ones that wait, each against its own deadlines, all at once
+//! (`serve_acceptor.rs`): the first bound above, and the refusal of a
+//! client that comes while another is served ([`Transport::refuse`]:
+//! vfio-user answers its first message with EBUSY). It hands the serving
+//! thread only a connection that has spoken. Neither a dropped nor a
+//! refused connection prints a counters line.
 //!
 //! The socket file: what may be at PATH before (nothing, or a stale
 //! socket; never a regular file, which is refused), and its removal however
 //! the process ends: `serve_listen.rs` and `serve_janitor.rs`.
 
+#[path = "serve_acceptor.rs"]
+mod acceptor;
 #[path = "serve_janitor.rs"]
 mod janitor;
 #[path = "serve_listen.rs"]
 mod listen;
+
+pub use acceptor::MAX_PENDING;
 
 use crate::function::PciFunction;
 use crate::process::disconnect_report;
@@ -55,12 +57,13 @@ use iopath_devices::irq::IrqLines;
 use iopath_devices::pci::{ConfigSpace, CONFIG_SIZE, PCI_COMMAND};
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 pub enum Listen {
     /// An inherited, connected socket: serve it, then exit.
@@ -127,7 +130,7 @@ pub fn run(o: &ServeOptions) -> Result<()> {
     let transport = o.transport;
     let banner = format!("{} over {}", o.device, transport.name());
     let refuse = Box::new(move |s: &UnixStream| transport.refuse(s));
-    clients(&o.listen, bound, &banner, o.once, o.seccomp, o.timeouts.refusal, refuse, |sock, peer, free| {
+    clients(&o.listen, bound, &banner, o.once, o.seccomp, &o.timeouts, refuse, |sock, peer, free| {
         host.client(sock, peer, free)
     })
 }
@@ -158,10 +161,12 @@ pub(crate) type Refuse = Box<dyn Fn(&UnixStream) -> Result<()> + Send>;
 /// free)`, which serves one, calls `free` as soon as its session is over,
 /// and returns false if it was dropped before its first message: the
 /// inherited socket, then returns; or each connection on the listening
-/// socket (the acceptor refuses the ones that come while another is served
-/// with `refuse`), until the first client with `once`. `banner` names what
-/// is served on stderr. `bound`: the socket of `listen` as [`bind`] bound
-/// it (bound here if `None`). Confines the process with seccomp once set up.
+/// socket that has spoken (the acceptor drops the silent ones after
+/// `timeouts.handshake` and refuses the ones that come while another is
+/// served with `refuse`), until the first client with `once`. `banner`
+/// names what is served on stderr. `bound`: the socket of `listen` as
+/// [`bind`] bound it (bound here if `None`). Confines the process with
+/// seccomp once set up.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn clients(
     listen: &Listen,
@@ -169,7 +174,7 @@ pub(crate) fn clients(
     banner: &str,
     once: bool,
     seccomp: bool,
-    refusal: Duration,
+    timeouts: &Timeouts,
     refuse: Refuse,
     mut client: impl FnMut(UnixStream, &str, &dyn Fn()) -> bool,
 ) -> Result<()> {
@@ -194,40 +199,51 @@ pub(crate) fn clients(
                 Some(b) => b,
                 None => listen::Bound::new(path)?,
             };
-            let l = Arc::new(
-                bound.listener.try_clone().map_err(|e| Error::io(format!("the socket {}", path.display()), e))?,
-            );
+            let l = &bound.listener;
+            l.set_nonblocking(true).map_err(|e| Error::io(format!("the listening socket {}", path.display()), e))?;
+            let wake = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("the acceptor's eventfd", e))?;
             eprintln!("iopath serve: {banner} on {}", path.display());
             if seccomp {
                 crate::seccomp::install()?;
             }
             let (tx, rx) = sync_channel(1);
-            let (busy, stop) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
-            let acceptor = {
-                let (l, busy, stop, where_) = (l.clone(), busy.clone(), stop.clone(), path.display().to_string());
+            let (busy, stop) = (AtomicBool::new(false), AtomicBool::new(false));
+            let where_ = path.display().to_string();
+            std::thread::scope(|scope| {
+                let a = acceptor::Acceptor {
+                    l,
+                    wake: &wake,
+                    tx,
+                    busy: &busy,
+                    stop: &stop,
+                    refuse,
+                    handshake: timeouts.handshake,
+                    refusal: timeouts.refusal,
+                    banner,
+                    where_: &where_,
+                };
                 std::thread::Builder::new()
                     .name("serve-acceptor".into())
-                    .spawn(move || accept_loop(&l, &tx, &busy, &stop, &*refuse, refusal, &where_))
-                    .map_err(|e| Error::io("the acceptor thread", e))?
-            };
-            let r = loop {
-                let Ok((sock, n)) = rx.recv() else {
-                    break Err(Error::PeerGone(format!("the acceptor on {} stopped", path.display())));
+                    .spawn_scoped(scope, move || a.run())
+                    .map_err(|e| Error::io("the acceptor thread", e))?;
+                let free = || {
+                    busy.store(false, Ordering::Release);
+                    let _ = wake.write(1);
                 };
-                let peer = format!("client {n} on {}", path.display());
-                if client(sock, &peer, &|| busy.store(false, Ordering::Release)) && once {
-                    break Ok(());
-                }
-            };
-            // Stop the acceptor: shutdown wakes its accept (EINVAL on Linux).
-            stop.store(true, Ordering::Release);
-            // SAFETY: shutdown on the listener's fd, which `l` keeps open.
-            unsafe { libc::shutdown(l.as_raw_fd(), libc::SHUT_RDWR) };
-            drop(rx);
-            let _ = acceptor.join();
-            drop(l);
+                let r = loop {
+                    let Ok((sock, n)) = rx.recv() else {
+                        break Err(Error::PeerGone(format!("the acceptor on {where_} stopped")));
+                    };
+                    let peer = format!("client {n} on {where_}");
+                    if client(sock, &peer, &free) && once {
+                        break Ok(());
+                    }
+                };
+                stop.store(true, Ordering::Release);
+                let _ = wake.write(1);
+                r
+            })
             // `bound` dropped here: the socket closed, its file removed.
-            r
         }
     }
 }
@@ -323,73 +339,6 @@ fn readable_within(sock: &UnixStream, d: Duration) -> bool {
             r if r > 0 => return true,
             _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {}
             _ => return false,
-        }
-    }
-}
-
-/// True once `busy` went from false to true here, trying for up to `grace`:
-/// a client that reconnects as soon as it left (iopath's proxy, QEMU) is
-/// often faster than the serving thread's read of its end of stream, and
-/// is served, not refused.
-fn take_within(busy: &AtomicBool, grace: Duration) -> bool {
-    let end = Instant::now() + grace;
-    loop {
-        if busy.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-            return true;
-        }
-        if Instant::now() >= end {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
-/// The acceptor thread (`serve-acceptor`): every connection on `l`, handed
-/// to the serving thread if it is free (`busy` false; it clears `busy` when
-/// its session is over) or becomes free within `refusal`, else refused
-/// here with `refuse`, one at a time, each within `refusal`. Ends when `stop` is set (the listener is shut down) or the
-/// serving thread is gone.
-fn accept_loop(
-    l: &UnixListener,
-    tx: &SyncSender<(UnixStream, u64)>,
-    busy: &AtomicBool,
-    stop: &AtomicBool,
-    refuse: &dyn Fn(&UnixStream) -> Result<()>,
-    refusal: Duration,
-    where_: &str,
-) {
-    let mut n = 0u64;
-    loop {
-        let conn = l.accept();
-        if stop.load(Ordering::Acquire) {
-            return;
-        }
-        let sock = match conn {
-            Ok((s, _)) => s,
-            Err(e) => {
-                // EMFILE and the like: try again, without spinning.
-                log::warn!("accept on {where_}: {e}");
-                std::thread::sleep(Duration::from_millis(100));
-                continue;
-            }
-        };
-        n += 1;
-        if take_within(busy, refusal) {
-            // The serving thread took the last one before it cleared `busy`:
-            // the channel is empty, this does not block.
-            if tx.send((sock, n)).is_err() {
-                return;
-            }
-            continue;
-        }
-        let r = sock
-            .set_read_timeout(Some(refusal))
-            .and_then(|_| sock.set_write_timeout(Some(refusal)))
-            .map_err(|e| Error::io("setting its socket timeouts", e))
-            .and_then(|_| refuse(&sock));
-        match r {
-            Ok(()) => log::warn!("client {n} on {where_}: another client is being served; refused"),
-            Err(e) => log::warn!("client {n} on {where_}: another client is being served; refused ({e})"),
         }
     }
 }

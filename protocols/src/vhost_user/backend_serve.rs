@@ -34,7 +34,7 @@ pub fn run(o: &VhostUserServeOptions) -> Result<()> {
     let spec = iopath_devices::DeviceConfig::VirtioBlk(o.device.clone());
     let banner = format!("{spec} over {TRANSPORT}");
     let refuse = Box::new(|_: &std::os::unix::net::UnixStream| Ok(()));
-    clients(&o.listen, bound, &banner, o.once, o.seccomp, o.timeouts.refusal, refuse, |sock, peer, free| {
+    clients(&o.listen, bound, &banner, o.once, o.seccomp, &o.timeouts, refuse, |sock, peer, free| {
         let what = format!("{banner}: {peer}");
         if !handshake(&sock, &o.timeouts, &what) {
             free();
