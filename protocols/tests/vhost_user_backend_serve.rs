@@ -184,7 +184,15 @@ fn a_frontend_that_leaves_inside_a_header_is_dropped_at_once() {
     use std::io::Write;
     let path = sock("partial");
     start_bounded(&path, Duration::from_secs(60));
-    let mut gone = UnixStream::connect(&path).unwrap();
+    // The file is there from bind(2), the socket listens from listen(2): retry.
+    let t0 = Instant::now();
+    let mut gone = loop {
+        match UnixStream::connect(&path) {
+            Ok(s) => break s,
+            Err(e) => assert!(t0.elapsed() < Duration::from_secs(10), "{e}"),
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
     gone.write_all(&[1, 0, 0, 0, 1]).unwrap();
     drop(gone);
     next_frontend_served(&path, None);
