@@ -137,7 +137,7 @@ pub fn args(j: &FioJob) -> Vec<String> {
     a
 }
 
-/// Runs fio (`fio`, found by [`find`]) for `j`, killed after `timeout`.
+/// Runs fio (`fio`, found by [`find`]) for `j`, killed after `timeout` or on Ctrl-C (`crate::interrupt`).
 pub fn run(fio: &Path, j: &FioJob, timeout: Duration) -> anyhow::Result<FioResult> {
     let mut child = Command::new(fio)
         .args(args(j))
@@ -164,6 +164,11 @@ pub fn run(fio: &Path, j: &FioJob, timeout: Duration) -> anyhow::Result<FioResul
     let status = loop {
         if let Some(s) = child.try_wait()? {
             break s;
+        }
+        if crate::interrupt::interrupted() {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(crate::interrupt::Interrupted.into());
         }
         if t0.elapsed() > timeout {
             let _ = child.kill();

@@ -500,6 +500,8 @@ pub fn placement(cpus: Option<(usize, usize)>) -> String {
 }
 
 pub struct FloorResult {
+    /// Ctrl-C stopped the bench (`crate::interrupt`): the runs measured before it.
+    pub partial: bool,
     pub host: HostInfo,
     pub options: FloorOptions,
     pub runs: Vec<FloorRun>,
@@ -517,13 +519,20 @@ pub fn run_floor(o: &FloorOptions) -> anyhow::Result<FloorResult> {
     let pb = if o.progress { indicatif::ProgressBar::new(total) } else { indicatif::ProgressBar::hidden() };
     let (mut runs, mut errors, mut wake) = (Vec::new(), Vec::new(), Vec::new());
     let (k0, t0) = (ticks(), Instant::now());
-    for round in 0..o.rounds {
+    let interrupted = crate::interrupt::interrupted;
+    'rounds: for round in 0..o.rounds {
+        if interrupted() {
+            break;
+        }
         pb.set_message(format!("round {}/{} wake-up", round + 1, o.rounds));
         match crate::wake::run_wake(crate::wake::WAKES, crate::wake::IDLE, o.cpus, round) {
             Ok(w) => wake.push(w),
             Err(e) => errors.push(format!("wake round {round}: {e}")),
         }
         for &qd in &o.depths {
+            if interrupted() {
+                break 'rounds;
+            }
             pb.set_message(format!("round {}/{} qd{qd}", round + 1, o.rounds));
             let (r, e) = measure_round(&[qd], round, o.time_ms, o.cpus);
             runs.extend(r);
@@ -534,7 +543,7 @@ pub fn run_floor(o: &FloorOptions) -> anyhow::Result<FloorResult> {
     pb.finish_and_clear();
     // No VM here: the TSC rate is what the clock saw it count.
     let tsc_khz = (ticks().wrapping_sub(k0) as f64 / t0.elapsed().as_secs_f64().max(1e-9) / 1e3) as u64;
-    Ok(FloorResult { host: host_info(tsc_khz), options: o.clone(), runs, wake, errors })
+    Ok(FloorResult { partial: interrupted(), host: host_info(tsc_khz), options: o.clone(), runs, wake, errors })
 }
 
 /// Per-depth medians with min and max over rounds: (qd, ops/s, p50 ns).
@@ -603,6 +612,9 @@ impl FloorResult {
     pub fn table(&self) -> String {
         let mut s = String::new();
         let o = &self.options;
+        if self.partial {
+            let _ = writeln!(s, "{}", crate::interrupt::partial_line(self.runs.len()));
+        }
         let _ = writeln!(s, "{}", self.host);
         let _ = writeln!(
             s,
@@ -631,6 +643,7 @@ impl FloorResult {
         json!({
             "schema_version": crate::guard::JSON_SCHEMA_VERSION,
             "benchmark": "floor",
+            "partial": self.partial,
             "host": self.host,
             "options": self.options,
             "placement": placement(self.options.cpus),
@@ -704,6 +717,7 @@ mod tests {
     #[test]
     fn the_json_carries_the_schema_version() {
         let r = FloorResult {
+            partial: false,
             host: host_info(1_000_000),
             options: FloorOptions::default(),
             runs: Vec::new(),

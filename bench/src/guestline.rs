@@ -46,6 +46,7 @@ pub fn run_guest_line(tsc_khz: u64, pin: Option<Placement>, round: u32, target: 
     let mut cfg = iopath_vmm::VmConfig::new(iopath_guest::IMAGE, &guest_cmdline(&o, "exits", tsc_khz, "cpl=3"));
     cfg.devices = exit_devices();
     cfg.timeout = Duration::from_secs(o.timeout_s);
+    cfg.cancel = Some(&crate::interrupt::FLAG);
     let r = {
         let _pinned = pin.map(|p| crate::pin::Pinner::start(p, POLLER));
         iopath_vmm::run(cfg)?

@@ -11,6 +11,7 @@ pub mod floor;
 pub mod guard;
 pub mod guestline;
 pub mod host;
+pub mod interrupt;
 pub mod nvme;
 pub mod pin;
 pub mod qemu;

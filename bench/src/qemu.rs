@@ -336,6 +336,7 @@ fn read_bounded(mut r: impl Read, max: u64) -> String {
 }
 
 /// Runs QEMU with `args`; `fd3`, if given, becomes the child's fd 3.
+/// Killed and reaped at once on Ctrl-C (`crate::interrupt`), which is then the error.
 pub fn run_args(
     qemu: &Path,
     args: Vec<String>,
@@ -373,6 +374,13 @@ pub fn run_args(
         }
         if let Some(s) = child.try_wait()? {
             break s.code();
+        }
+        if crate::interrupt::interrupted() {
+            let _ = child.kill();
+            let _ = child.wait();
+            let _ = reader.join();
+            let _ = err_reader.join();
+            return Err(crate::interrupt::Interrupted.into());
         }
         if t0.elapsed() > timeout {
             let _ = child.kill();

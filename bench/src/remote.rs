@@ -114,6 +114,7 @@ impl Round<'_> {
         let mut cfg = VmConfig::new(iopath_guest::IMAGE, &guest_cmdline(&o, "exits", self.tsc_khz, ""));
         cfg.devices = vec![instantiate(&self.spec(t)?, self.progs)?];
         cfg.timeout = Duration::from_secs(self.o.timeout_s);
+        cfg.cancel = Some(&crate::interrupt::FLAG);
         cfg.on_line = Some(progress_callback(self.pb, label.to_string()));
         let t0 = Instant::now();
         let r = run(cfg)?;

@@ -426,7 +426,7 @@ impl BlkArgs {
 pub fn blk(a: &BlkArgs, emit: impl FnOnce(&str, &serde_json::Value) -> anyhow::Result<()>) -> anyhow::Result<i32> {
     let r = iopath_bench::blk::run_blk(&a.options()?)?;
     emit(&r.table(), &r.json())?;
-    Ok(if r.errors.is_empty() { 0 } else { 1 })
+    Ok(crate::status(&r.errors))
 }
 
 /// `bench spdk`: spdk_nvme_perf's jobs (one qpair each), every --rw x --bs x --iodepth.

@@ -230,16 +230,34 @@ fn emit(table: &str, json: &serde_json::Value, out: &bench::Output) -> anyhow::R
     Ok(())
 }
 
-/// Exit status of a bench: 1 if it found errors (a wrong route, a lost completion).
-fn status(errors: &[String]) -> i32 {
-    if errors.is_empty() {
+/// Exit status of a bench: 130 if a signal stopped it (its results are
+/// partial), else 1 if it found errors (a wrong route, a lost completion).
+pub(crate) fn status(errors: &[String]) -> i32 {
+    if iopath_bench::interrupt::interrupted() {
+        eprintln!("iopath: {}; the results above are partial", iopath_bench::interrupt::Interrupted);
+        130
+    } else if errors.is_empty() {
         0
     } else {
         1
     }
 }
 
+/// Runs a bench with Ctrl-C, SIGTERM and SIGHUP caught (`iopath_bench::interrupt`):
+/// its children stopped and reaped, its files removed, what it measured
+/// printed marked partial, exit status 130.
 fn bench(b: bench::BenchCmd) -> anyhow::Result<i32> {
+    let _signals = iopath_bench::interrupt::SignalGuard::install()?;
+    match bench_caught(b) {
+        Err(e) if e.is::<iopath_bench::interrupt::Interrupted>() || iopath_bench::interrupt::interrupted() => {
+            eprintln!("iopath: {}", iopath_bench::interrupt::Interrupted);
+            Ok(130)
+        }
+        r => r,
+    }
+}
+
+fn bench_caught(b: bench::BenchCmd) -> anyhow::Result<i32> {
     use bench::Which;
     match b.which {
         None => bench_exits(&b.exits),
@@ -255,18 +273,12 @@ fn bench(b: bench::BenchCmd) -> anyhow::Result<i32> {
             Ok(status(&r.errors))
         }
         Some(Which::Blk(a)) => bench::blk(&a, |t, j| emit(t, j, &a.out)),
-        Some(Which::Spdk(a)) => match iopath_bench::spdk::run_spdk(&a.options()?) {
-            Ok(r) => {
-                emit(&r.table(), &r.json(), &a.out)?;
-                Ok(status(&r.errors))
-            }
-            Err(e) if e.is::<iopath_bench::spdk::proc::Interrupted>() => {
-                eprintln!("iopath: {e}");
-                Ok(130)
-            }
-            Err(e) => Err(e),
-        },
-        Some(Which::All(a)) => all::run(&a),
+        Some(Which::Spdk(a)) => {
+            let r = iopath_bench::spdk::run_spdk(&a.options()?)?;
+            emit(&r.table(), &r.json(), &a.out)?;
+            Ok(status(&r.errors))
+        }
+        Some(Which::All(a)) => all::run(&a).map(|code| if iopath_bench::interrupt::interrupted() { 130 } else { code }),
     }
 }
 

@@ -22,7 +22,7 @@ pub struct BareReport {
 
 pub fn run_bare(image: &[u8], cmdline: &str, mem_size: u64, timeout: Duration) -> Result<BareReport, VmmError> {
     let Machine { vm, ram, mut vcpu, tsc_khz } = boot(image, cmdline, mem_size, crate::memory::RamKind::Auto)?;
-    let (r, out) = watched(timeout, None, move |stop| {
+    let (r, out) = watched(timeout, None, None, move |stop| {
         let mut out = Vec::<u8>::new();
         let mut s = ExitStats::default();
         let r = loop {

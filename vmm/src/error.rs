@@ -40,4 +40,7 @@ pub enum VmmError {
     Guest { reason: String, rip: u64 },
     #[error("the guest did not finish in time (guest RIP {rip:#x})")]
     Timeout { rip: u64 },
+    /// The caller's cancel flag (`VmConfig::cancel`) stopped the run.
+    #[error("the run was cancelled (interrupted by a signal)")]
+    Cancelled,
 }

@@ -37,6 +37,9 @@ pub struct VmConfig {
     /// shares guest RAM (then a memfd); `Memfd` even when none does (a run
     /// compared with one whose device does: same memory on both sides).
     pub ram: RamKind,
+    /// A flag that stops the run as its timeout does when it becomes true
+    /// (e.g. a bench's Ctrl-C flag): the run ends with [`VmmError::Cancelled`].
+    pub cancel: Option<&'static AtomicBool>,
 }
 
 impl VmConfig {
@@ -51,6 +54,7 @@ impl VmConfig {
             on_line: None,
             exit_marks: Vec::new(),
             ram: RamKind::Auto,
+            cancel: None,
         }
     }
 }
@@ -134,14 +138,16 @@ pub(crate) fn kick_signal() -> i32 {
     sig
 }
 
-/// Runs `body` on a vCPU thread; past `timeout` sets `stop` and kicks the
-/// thread out of KVM_RUN until it returns.
 /// A device's report that the run cannot go on (its device process died).
 pub(crate) type Fatal = Arc<Mutex<Option<String>>>;
 
+/// Runs `body` on a vCPU thread; past `timeout`, on a device's fatal
+/// report or once `cancel` is set, sets `stop` and kicks the thread out of
+/// KVM_RUN until it returns.
 pub(crate) fn watched<R: Send + 'static>(
     timeout: Duration,
     fatal: Option<Fatal>,
+    cancel: Option<&'static AtomicBool>,
     body: impl FnOnce(&AtomicBool) -> R + Send + 'static,
 ) -> Result<R, VmmError> {
     let sig = kick_signal();
@@ -155,7 +161,8 @@ pub(crate) fn watched<R: Send + 'static>(
     while !h.is_finished() {
         std::thread::sleep(Duration::from_millis(5));
         let failed = fatal.as_ref().is_some_and(|f| f.lock().unwrap().is_some());
-        if t0.elapsed() > timeout || failed {
+        let cancelled = cancel.is_some_and(|c| c.load(Ordering::Relaxed));
+        if t0.elapsed() > timeout || failed || cancelled {
             stop.store(true, Ordering::Release);
             // SAFETY: the thread is alive (not finished) and joinable; the
             // handler does nothing but interrupt the ioctl.
@@ -249,11 +256,17 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     }
     let Machine { vm, ram, mut vcpu, tsc_khz } = m;
     let (pio2, mmio2, status2, marks2) = (pio.clone(), mmio.clone(), status.clone(), marks.clone());
-    let result = watched(cfg.timeout, Some(fatal.clone()), move |stop| {
+    let result = watched(cfg.timeout, Some(fatal.clone()), cfg.cancel, move |stop| {
         let r = vcpu::run_loop(&mut vcpu, &pio2, &mmio2, &status2, stop, marks2.as_deref());
         (r, vcpu)
     })?;
     let (r, vcpu) = result;
+    if cfg.cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+        for (_, d) in &devices {
+            d.quiesce();
+        }
+        return Err(VmmError::Cancelled);
+    }
     if let Some(msg) = fatal.lock().unwrap().take() {
         for (_, d) in &devices {
             d.quiesce();

@@ -189,6 +189,8 @@ pub struct Failure {
 }
 
 pub struct BlkResult {
+    /// Ctrl-C stopped the bench (`crate::interrupt`): the runs measured before it.
+    pub partial: bool,
     pub host: HostInfo,
     pub options: BlkOptions,
     /// The disk every target ran on, in bytes (a file backend's is the file's).
@@ -246,9 +248,13 @@ pub fn run_blk(o: &BlkOptions) -> anyhow::Result<BlkResult> {
     // Failures without a good run, per target, and the first one's error:
     // past max_failures the target is left out.
     let mut failed: Vec<(u32, bool, String)> = o.targets.iter().map(|_| (0, false, String::new())).collect();
-    for round in 0..o.rounds {
+    let interrupted = crate::interrupt::interrupted;
+    'rounds: for round in 0..o.rounds {
         for (ji, j) in jobs.iter().enumerate() {
             for (ti, t) in o.targets.iter().enumerate() {
+                if interrupted() {
+                    break 'rounds;
+                }
                 pb.set_message(format!("round {}/{} {} {t}", round + 1, o.rounds, j.name));
                 let fail =
                     |error: String| Failure { target: t.clone(), job_index: ji, job: j.name.clone(), round, error };
@@ -261,6 +267,7 @@ pub fn run_blk(o: &BlkOptions) -> anyhow::Result<BlkResult> {
                             *ok = true;
                             runs.push(r)
                         }
+                        Err(_) if interrupted() => break 'rounds,
                         Err(e) => {
                             *n += 1;
                             if first.is_empty() {
@@ -283,6 +290,7 @@ pub fn run_blk(o: &BlkOptions) -> anyhow::Result<BlkResult> {
     let (host, tsc_khz, disk_bytes) = (ctx.host.clone(), ctx.tsc_khz, ctx.size);
     drop(ctx);
     Ok(BlkResult {
+        partial: interrupted(),
         host,
         options: o.clone(),
         disk_bytes,

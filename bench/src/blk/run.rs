@@ -170,6 +170,7 @@ impl<'a> Ctx<'a> {
         cfg.devices = vec![instantiate(&spec, &self.progs).map_err(|e| anyhow::anyhow!("{spec}: {e}"))?];
         cfg.mem_size = self.o.mem_mb << 20;
         cfg.timeout = Duration::from_secs(self.o.timeout_s);
+        cfg.cancel = Some(&crate::interrupt::FLAG);
         cfg.exit_marks = vec![WINDOW_START.into(), WINDOW_END.into()];
         let rep = run(cfg)?;
         let mut r = to_run(t, &self.jobs[ji], ji, round, &rep.lines, self.tsc_khz)?;

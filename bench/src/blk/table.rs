@@ -126,6 +126,9 @@ impl BlkResult {
         let o = &self.options;
         let recs = self.records();
         let mut s = String::new();
+        if self.partial {
+            let _ = writeln!(s, "{}", crate::interrupt::partial_line(self.runs.len()));
+        }
         let _ = writeln!(s, "{}", self.host);
         let _ = writeln!(
             s,
@@ -219,6 +222,7 @@ impl BlkResult {
     pub fn json(&self) -> Value {
         json!({
             "benchmark": "blk",
+            "partial": self.partial,
             "schema_version": crate::guard::JSON_SCHEMA_VERSION,
             "host": self.host,
             "options": self.options,
@@ -308,6 +312,7 @@ mod tests {
         };
         let jobs = options.jobs();
         BlkResult {
+            partial: false,
             host: HostInfo {
                 cpu: "test".into(),
                 cpus: 2,

@@ -140,6 +140,8 @@ pub struct TargetRun {
 }
 
 pub struct ExitsResult {
+    /// Ctrl-C stopped the bench: the runs measured before it, no re-runs.
+    pub partial: bool,
     pub host: HostInfo,
     pub options: ExitsOptions,
     pub tsc_khz: u64,
@@ -183,6 +185,7 @@ pub(crate) fn tsc_khz_of_host() -> anyhow::Result<u64> {
     let mut cfg = VmConfig::new(iopath_guest::IMAGE, "workload=exits only=none batches=1 batch_us=1");
     cfg.devices = Vec::new();
     cfg.timeout = Duration::from_secs(60);
+    cfg.cancel = Some(&crate::interrupt::FLAG);
     let r = run(cfg).map_err(|e| anyhow::anyhow!("iopath VMM: {e}"))?;
     Ok(r.tsc_khz as u64)
 }
@@ -238,6 +241,7 @@ impl Runner<'_> {
             VmConfig::new(iopath_guest::IMAGE, &guest_cmdline(o, "exits", self.tsc_khz, &format!("cpl={cpl}")));
         cfg.devices = exit_devices();
         cfg.timeout = Duration::from_secs(o.timeout_s);
+        cfg.cancel = Some(&crate::interrupt::FLAG);
         cfg.on_line = Some(progress_callback(self.pb, label));
         let r = run(cfg)?;
         let out = GuestOutput::parse(&r.lines);
@@ -334,7 +338,8 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
     let _contention = crate::contend::Contention::start(o.contend, timeout.saturating_mul(runs_bound))
         .map_err(|e| anyhow::anyhow!("cannot start {} contenders: {e}", o.contend))?;
     let mut runner = Runner { o, tsc_khz, pb: &pb, progs: &progs, td: BTreeMap::new() };
-    for round in 0..o.rounds {
+    let interrupted = crate::interrupt::interrupted;
+    'rounds: for round in 0..o.rounds {
         for &cpl in &o.cpls {
             // iopath's VMM with pci-testdev and iopath-doorbell, then its floor.
             let mut targets = vec![Target::Iopath];
@@ -344,6 +349,7 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
             for t in targets {
                 match runner.run(t, cpl, None, round, 0) {
                     Ok(r) => runs.push(r),
+                    Err(_) if interrupted() => break 'rounds,
                     Err(e) => errors.push(format!("{} cpl{cpl} round {round}: {e}", t.name())),
                 }
                 pb.inc(1);
@@ -381,6 +387,7 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
                         wall_s: t0.elapsed().as_secs_f64(),
                     });
                 }
+                Err(_) if interrupted() => break 'rounds,
                 Err(e) => errors.push(format!("qemu round {round}: {e}")),
             }
             pb.inc(1);
@@ -388,6 +395,7 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
         for t in &remote_targets {
             match runner.run(*t, 3, None, round, 0) {
                 Ok(r) => runs.push(r),
+                Err(_) if interrupted() => break 'rounds,
                 Err(e) => errors.push(format!("{} round {round}: {e}", t.name())),
             }
             if *t != Target::QemuRemote {
@@ -395,15 +403,27 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
                 let ctx = crate::remote::Round { o, round, tsc_khz, pb: &pb, progs: &progs };
                 match ctx.round_trip(*t) {
                     Ok(v) => rtt_ns.entry(t.name().to_string()).or_default().extend(v),
+                    Err(_) if interrupted() => break 'rounds,
                     Err(e) => errors.push(format!("{} round {round}: round trip: {e}", t.name())),
                 }
             }
             pb.inc(1);
         }
     }
-    let mut result = ExitsResult { host, options: o.clone(), tsc_khz, runs, errors, rtt_ns, attempts: BTreeMap::new() };
-    // Marked rows run again, all their rounds, before a mark stays.
-    guard_rows(&mut result, &mut |t, cpl, row, round, attempt| runner.run(t, cpl, Some(row), round, attempt));
+    let mut result = ExitsResult {
+        partial: interrupted(),
+        host,
+        options: o.clone(),
+        tsc_khz,
+        runs,
+        errors,
+        rtt_ns,
+        attempts: BTreeMap::new(),
+    };
+    // Marked rows run again, all their rounds, before a mark stays (not after Ctrl-C).
+    if !result.partial {
+        guard_rows(&mut result, &mut |t, cpl, row, round, attempt| runner.run(t, cpl, Some(row), round, attempt));
+    }
     pb.finish_and_clear();
     let mut wrong = Vec::new();
     for r in &result.runs {

@@ -140,6 +140,9 @@ impl ExitsResult {
 
     pub fn table(&self) -> String {
         let mut s = String::new();
+        if self.partial {
+            let _ = writeln!(s, "{}", crate::interrupt::partial_line(self.runs.len()));
+        }
         let _ = writeln!(s, "{}", self.host);
         let _ = writeln!(
             s,
@@ -301,6 +304,7 @@ impl ExitsResult {
         json!({
             "schema_version": JSON_SCHEMA_VERSION,
             "benchmark": "exits",
+            "partial": self.partial,
             "out_of_process": crate::remote::json(self),
             "host": self.host,
             "options": self.options,

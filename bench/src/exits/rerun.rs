@@ -147,6 +147,7 @@ mod tests {
             ..Default::default()
         };
         ExitsResult {
+            partial: false,
             host,
             options,
             tsc_khz: 2_000_000,

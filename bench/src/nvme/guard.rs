@@ -98,7 +98,8 @@ pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar
             if mine.is_empty() {
                 continue;
             }
-            if twins_marks(g, twins, &mine, j).is_empty() {
+            // After Ctrl-C nothing runs again: the runs that stand are what was measured.
+            if crate::interrupt::interrupted() || twins_marks(g, twins, &mine, j).is_empty() {
                 out.runs.extend(mine);
                 continue;
             }
@@ -123,6 +124,7 @@ pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar
             out.floor.extend(floors);
             let attempts = match &guarded {
                 Ok(x) => x.attempts,
+                Err(_) if crate::interrupt::interrupted() => tried.len() as u32,
                 Err(e) => {
                     let names: Vec<&str> = twins.iter().map(|t| t.name.as_str()).collect();
                     out.errors.push(format!("{} {}: re-run: {e}", names.join(", "), j.label()));

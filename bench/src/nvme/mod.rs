@@ -434,6 +434,9 @@ fn busy_threads(o: &NvmeOptions, n: u32, cpu: Option<usize>) -> anyhow::Result<c
 }
 
 pub struct NvmeResult {
+    /// Ctrl-C stopped the bench (`crate::interrupt`): these are the runs
+    /// measured before it, with no re-run of the guard's.
+    pub partial: bool,
     pub host: HostInfo,
     pub options: NvmeOptions,
     pub tsc_khz: u64,
@@ -560,12 +563,16 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     let (mut runs, mut errors) = (Vec::new(), Vec::new());
     let (mut floor, mut wake, mut guest_line) = (Vec::new(), Vec::new(), Vec::new());
     let mut skipped = ctx.skipped.clone();
-    for round in 0..o.rounds {
+    let interrupted = crate::interrupt::interrupted;
+    'rounds: for round in 0..o.rounds {
         // The ring floor first, in this round, at the jobs' queue depths.
         pb.set_message(format!("round {}/{} ring floor", round + 1, o.rounds));
         let mut depths: Vec<u32> = o.jobs.iter().map(floor_qd).collect();
         depths.sort_unstable();
         depths.dedup();
+        if interrupted() {
+            break;
+        }
         let (f, e) = crate::floor::measure_round(&depths, round, o.floor_ms, o.pin.map(|p| p.pair()));
         floor.extend(f);
         errors.extend(e);
@@ -581,6 +588,9 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
             // drifts during a run (a disk cache that warms, a host that
             // throttles a disk after its burst) falls on every target alike.
             for t in round_order(&targets, round) {
+                if interrupted() {
+                    break 'rounds;
+                }
                 if !ctx.runs_job(t, j) {
                     if round == 0 && t.is_fio() {
                         skipped.push(format!("{} {}: a verify job is not a speed run", t.name, j.label()));
@@ -602,6 +612,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                     pb.set_message(format!("round {}/{} guest line floor before {}", round + 1, o.rounds, t.name));
                     match crate::guestline::run_guest_line(ctx.tsc_khz, o.pin, round, &t.name) {
                         Ok(g) => guest_line.push(g),
+                        Err(_) if interrupted() => break 'rounds,
                         Err(e) => errors.push(format!("guest line floor before {} round {round}: {e}", t.name)),
                     }
                 }
@@ -614,6 +625,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
                         }
                         runs.push(r)
                     }
+                    Err(_) if interrupted() => break 'rounds,
                     Err(e) => errors.push(format!("{} {} round {round}: {e}", t.name, j.label())),
                 }
                 pb.inc(1);
@@ -649,6 +661,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
         }
     }
     Ok(NvmeResult {
+        partial: interrupted(),
         host: ctx.host.clone(),
         options: o.clone(),
         tsc_khz: ctx.tsc_khz,

@@ -309,6 +309,7 @@ impl<'a> Ctx<'a> {
         cfg.devices = vec![instantiate(&spec, &self.progs)?];
         cfg.mem_size = o.mem_mb << 20;
         cfg.timeout = Duration::from_secs(o.timeout_s);
+        cfg.cancel = Some(&crate::interrupt::FLAG);
         cfg.ram = self.ram();
         // The vCPU's window closes first: the device one then holds the vCPU for its idle pause.
         cfg.on_line = Some(Box::new(move |l| {

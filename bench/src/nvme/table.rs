@@ -98,6 +98,9 @@ impl NvmeResult {
 
     pub fn table(&self) -> String {
         let mut s = String::new();
+        if self.partial {
+            let _ = writeln!(s, "{}", crate::interrupt::partial_line(self.runs.len()));
+        }
         let _ = writeln!(s, "{}", self.host);
         let o = &self.options;
         let _ = writeln!(
@@ -467,6 +470,7 @@ impl NvmeResult {
         json!({
             "schema_version": crate::guard::JSON_SCHEMA_VERSION,
             "benchmark": "nvme",
+            "partial": self.partial,
             "host": self.host,
             "options": self.options,
             "guard": {"min_floor_ratio": g.min_floor_ratio, "max_spread": g.max_spread, "reruns": g.reruns},
@@ -529,6 +533,7 @@ mod tests {
         let o =
             NvmeOptions { jobs: vec![Job { thinktime_us: 1_000_000, ..Job::randread(4096, 1) }], ..Default::default() };
         let r = NvmeResult {
+            partial: false,
             host: crate::host::host_info(1_000_000),
             options: o,
             tsc_khz: 1_000_000,

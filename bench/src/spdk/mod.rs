@@ -107,6 +107,8 @@ pub struct SpdkRun {
 }
 
 pub struct SpdkResult {
+    /// Ctrl-C stopped the bench once perf had started: the runs before it.
+    pub partial: bool,
     pub host: HostInfo,
     pub options: SpdkOptions,
     /// The peers' install directory used.
@@ -209,12 +211,13 @@ fn progress_bar(show: bool, len: u64) -> indicatif::ProgressBar {
     pb
 }
 
-/// Runs the bench. Ctrl-C stops it with [`Interrupted`] after the servers
-/// and any perf are stopped and their files removed (whatever failed
-/// because of the signal, a child it also reached, is that error).
+/// Runs the bench. Ctrl-C stops it after the servers and any perf are
+/// stopped and their files removed: the runs measured so far, `partial`
+/// (before the servers ran, [`Interrupted`]; whatever failed because of the
+/// signal, a child it also reached, is that).
 pub fn run_spdk(o: &SpdkOptions) -> anyhow::Result<SpdkResult> {
     let _signals = proc::SignalGuard::install()?;
-    run(o).map_err(|e| if proc::interrupted() { Interrupted.into() } else { e })
+    run(o).map_err(crate::interrupt::or_interrupted)
 }
 
 fn run(o: &SpdkOptions) -> anyhow::Result<SpdkResult> {
@@ -244,7 +247,7 @@ fn run(o: &SpdkOptions) -> anyhow::Result<SpdkResult> {
     ];
     let server_pids = servers.iter().map(|s| (s.kind, s.pid())).collect();
     let (mut runs, mut errors) = (Vec::new(), Vec::new());
-    for round in 0..o.rounds {
+    'rounds: for round in 0..o.rounds {
         for (ji, j) in o.jobs.iter().enumerate() {
             let order: [usize; 2] = if round % 2 == 0 { [0, 1] } else { [1, 0] };
             for ti in order {
@@ -252,7 +255,7 @@ fn run(o: &SpdkOptions) -> anyhow::Result<SpdkResult> {
                 pb.set_message(format!("round {}/{} {} {}", round + 1, o.rounds, j.label(), s.kind.name()));
                 match run_one(o, &peers, &dir.0, s, ji, round) {
                     Ok(r) => runs.push(r),
-                    Err(e) if e.is::<Interrupted>() || proc::interrupted() => return Err(Interrupted.into()),
+                    Err(e) if e.is::<Interrupted>() || proc::interrupted() => break 'rounds,
                     Err(e) => errors.push(format!("{} {} round {round}: {e:#}", s.kind.name(), j.label())),
                 }
                 pb.inc(1);
@@ -264,6 +267,7 @@ fn run(o: &SpdkOptions) -> anyhow::Result<SpdkResult> {
         s.stop();
     }
     Ok(SpdkResult {
+        partial: proc::interrupted(),
         host: crate::host::host_info(tsc_khz),
         options: o.clone(),
         peers: peers.dir,

@@ -6,79 +6,17 @@
 //! (DPDK's `--file-prefix spdk_pid<PID>`) keeps its hugepage files in
 //! /dev/hugepages after it ends when it ran with `-g` (DPDK does not unlink
 //! them even on a clean exit): they are removed, with its runtime directory,
-//! once it is reaped. Ctrl-C (SIGINT), SIGTERM and SIGHUP set a flag that
-//! every wait here checks, so the bench unwinds through these drops instead
-//! of dying with its children still running ([`SignalGuard`]).
+//! once it is reaped. Ctrl-C (SIGINT), SIGTERM and SIGHUP set the benches'
+//! one flag (`crate::interrupt`) that every wait here checks, so the bench
+//! unwinds through these drops instead of dying with its children running.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-/// The error every wait returns once a signal asked the bench to stop.
-#[derive(Debug, thiserror::Error)]
-#[error("interrupted by a signal: the bench stopped its processes and removed their files")]
-pub struct Interrupted;
-
-/// Whether SIGINT, SIGTERM or SIGHUP came since the [`SignalGuard`] was made.
-pub fn interrupted() -> bool {
-    INTERRUPTED.load(Ordering::Relaxed)
-}
-
-/// Fails with [`Interrupted`] once a signal came.
-pub fn check() -> Result<(), Interrupted> {
-    if interrupted() {
-        Err(Interrupted)
-    } else {
-        Ok(())
-    }
-}
-
-extern "C" fn on_signal(_: libc::c_int) {
-    INTERRUPTED.store(true, Ordering::Relaxed);
-}
-
-const SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
-
-/// Catches SIGINT, SIGTERM and SIGHUP while it lives (the flag above);
-/// the previous dispositions come back when it drops.
-pub struct SignalGuard {
-    old: Vec<(libc::c_int, libc::sigaction)>,
-}
-
-impl SignalGuard {
-    pub fn install() -> std::io::Result<SignalGuard> {
-        INTERRUPTED.store(false, Ordering::Relaxed);
-        let mut g = SignalGuard { old: Vec::new() };
-        for sig in SIGNALS {
-            // SAFETY: sigaction with a zeroed struct whose handler only stores to an atomic
-            // (async-signal-safe); `old` receives the previous action.
-            unsafe {
-                let mut sa: libc::sigaction = std::mem::zeroed();
-                sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
-                libc::sigemptyset(&mut sa.sa_mask);
-                let mut old: libc::sigaction = std::mem::zeroed();
-                if libc::sigaction(sig, &sa, &mut old) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                g.old.push((sig, old));
-            }
-        }
-        Ok(g)
-    }
-}
-
-impl Drop for SignalGuard {
-    fn drop(&mut self) {
-        for (sig, old) in &self.old {
-            // SAFETY: restores an action sigaction returned.
-            unsafe { libc::sigaction(*sig, old, std::ptr::null_mut()) };
-        }
-    }
-}
+pub use crate::interrupt::{check, interrupted, Interrupted, SignalGuard};
 
 /// A child process with its stdout and stderr in files (or stdout as a
 /// pipe), killed and reaped on drop.

@@ -74,6 +74,9 @@ impl SpdkResult {
     pub fn table(&self) -> String {
         let o = &self.options;
         let mut s = String::new();
+        if self.partial {
+            let _ = writeln!(s, "{}", crate::interrupt::partial_line(self.runs.len()));
+        }
         let _ = writeln!(s, "{}", self.host);
         let _ = writeln!(
             s,
@@ -180,6 +183,7 @@ impl SpdkResult {
         json!({
             "schema_version": crate::guard::JSON_SCHEMA_VERSION,
             "benchmark": "spdk",
+            "partial": self.partial,
             "host": self.host,
             "options": self.options,
             "placement": self.placement(),
@@ -209,6 +213,7 @@ mod tests {
         let o =
             SpdkOptions { jobs: vec![PerfJob { rw: "randread".into(), bs: 4096, iodepth: 1 }], ..Default::default() };
         let r = SpdkResult {
+            partial: false,
             host: crate::host::host_info(0),
             options: o,
             peers: "/p".into(),
