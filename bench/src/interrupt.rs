@@ -95,12 +95,17 @@ impl Drop for SignalGuard {
     }
 }
 
+/// Unit tests that wait on the flag, or set it, hold this: it is one per process.
+#[cfg(test)]
+pub(crate) static TEST_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn a_signal_sets_the_flag_and_the_old_disposition_comes_back() {
+        let _one = TEST_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         let outer = SignalGuard::install().unwrap();
         assert!(check().is_ok());
         // SAFETY: raise(2) on ourselves; SIGHUP is caught by the guard just installed.
@@ -120,5 +125,6 @@ mod tests {
             old
         };
         assert_ne!(old.sa_sigaction, on_signal as extern "C" fn(libc::c_int) as usize, "the handler stayed");
+        FLAG.store(false, Ordering::Relaxed);
     }
 }

@@ -2,6 +2,7 @@
 //! KVM_RUN floor and on QEMU, collect the guest's `@row` records and the
 //! devices' counters, verify routing, and report medians and ratios.
 
+pub mod backing;
 pub mod blk;
 pub mod contend;
 pub mod cpu;

@@ -436,6 +436,7 @@ mod tests {
 
     #[test]
     fn each_run_on_a_ram_image_starts_from_untouched_memory() {
+        let _one = crate::interrupt::TEST_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         use std::io::Write;
         let dir = std::env::temp_dir();
         let r = QemuBacking::for_backend(&BackendKind::Ram, 1 << 20, &dir).unwrap();
@@ -455,6 +456,7 @@ mod tests {
 
     #[test]
     fn a_flooded_console_is_kept_within_its_bounds() {
+        let _one = crate::interrupt::TEST_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         // A "QEMU" (sh) that writes 100 MiB without a newline, then a line, and 2 MiB to stderr.
         let script = "head -c 104857600 /dev/zero | tr '\\0' x; echo; echo '@done rc=0'; head -c 2097152 /dev/zero >&2";
         let args = vec!["-c".to_string(), script.to_string()];
@@ -472,6 +474,7 @@ mod tests {
 
     #[test]
     fn a_flood_of_empty_lines_is_bounded_by_count_too() {
+        let _one = crate::interrupt::TEST_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         // 8 M empty lines: 8 MiB of bytes, but each kept line costs its String.
         let args = vec!["-c".to_string(), "yes '' | head -n 8388608".to_string()];
         let r = run_args(Path::new("/bin/sh"), args, None, Duration::from_secs(120), |_| {}).unwrap();
@@ -480,6 +483,7 @@ mod tests {
 
     #[test]
     fn a_guest_that_keeps_printing_still_meets_the_deadline() {
+        let _one = crate::interrupt::TEST_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         // A line every 5 ms, forever: the 1 s deadline must end it (the bound here is liveness only).
         let args = vec!["-c".to_string(), "while :; do echo x; sleep 0.005; done".to_string()];
         let t0 = Instant::now();

@@ -184,9 +184,16 @@ pub struct NvmeArgs {
     /// Doorbell modes of iopath's controller, comma-separated (auto, shm, bar, ioeventfd, adaptive, bar-adaptive, mmio).
     #[arg(long, default_value = "auto,shm,bar,ioeventfd,adaptive,bar-adaptive,mmio")]
     pub doorbell: String,
-    /// null, ram, or file:PATH (a file or a block device).
+    /// null, ram, or file:PATH (an existing file of at least 1 MiB or a
+    /// block device; a missing one only with --create).
     #[arg(long, default_value = "ram")]
     pub backend: String,
+    /// With --backend file:PATH: make PATH if it is missing (64 MiB),
+    /// every byte written before it is measured (as fio lays out its files).
+    /// Without it a missing PATH is an error; an existing file or block
+    /// device is never created over, truncated or extended.
+    #[arg(long)]
+    pub create: bool,
     /// Where the controller runs, comma-separated, each in every round:
     /// vmm (in iopath's VMM), or a device process over vfio-user, mpqemu,
     /// ioregionfd (e.g. vmm,vfio-user compares the two in one run).
@@ -357,9 +364,16 @@ pub struct BlkArgs {
     /// qemu-vhost-user-blk-pci.
     #[arg(long)]
     pub targets: Option<String>,
-    /// The backend every target stands on: null, ram, or file:PATH (QEMU: null-co, a /dev/shm image, the file).
+    /// The backend every target stands on: null, ram, or file:PATH (QEMU: null-co, a /dev/shm image, the file;
+    /// PATH an existing file of at least 1 MiB or a block device, a missing one only with --create).
     #[arg(long, default_value = "null")]
     pub backend: String,
+    /// With --backend file:PATH: make PATH if it is missing (--size-mb),
+    /// every byte written before it is measured (as fio lays out its files).
+    /// Without it a missing PATH is an error; an existing file or block
+    /// device is never created over, truncated or extended.
+    #[arg(long)]
+    pub create: bool,
     /// Disk size in MiB (null and ram backends).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
     pub size_mb: u64,
@@ -424,7 +438,10 @@ impl BlkArgs {
 /// `iopath bench blk`: runs it and hands its table and JSON to `emit`; the
 /// exit status (1 if a target failed or a routing check did not hold).
 pub fn blk(a: &BlkArgs, emit: impl FnOnce(&str, &serde_json::Value) -> anyhow::Result<()>) -> anyhow::Result<i32> {
-    let r = iopath_bench::blk::run_blk(&a.options()?)?;
+    let o = a.options()?;
+    let bytes = iopath_bench::nvme::namespace_size(&o.backend, Some(o.size_mb));
+    iopath_bench::backing::prepare(&o.backend, bytes, a.create)?;
+    let r = iopath_bench::blk::run_blk(&o)?;
     emit(&r.table(), &r.json())?;
     Ok(crate::status(&r.errors))
 }

@@ -263,7 +263,10 @@ fn bench_caught(b: bench::BenchCmd) -> anyhow::Result<i32> {
         None => bench_exits(&b.exits),
         Some(Which::Exits(a)) => bench_exits(&a),
         Some(Which::Nvme(a)) => {
-            let r = iopath_bench::nvme::run_nvme(&a.options()?)?;
+            let o = a.options()?;
+            let bytes = iopath_bench::nvme::namespace_size(&o.backend, o.size_mb);
+            iopath_bench::backing::prepare(&o.backend, bytes, a.create)?;
+            let r = iopath_bench::nvme::run_nvme(&o)?;
             emit(&r.table(), &r.json(), &a.out)?;
             Ok(status(&r.errors))
         }

@@ -238,6 +238,7 @@ mod tests {
 
     #[test]
     fn a_child_is_killed_and_reaped_when_dropped_and_a_signal_stops_a_wait() {
+        let _one = crate::interrupt::TEST_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         let dir = TempDir::new("proc-test").unwrap();
         let mut p = Proc::spawn("sleep", Command::new("sleep").arg("30"), &dir.0, false, false, None).unwrap();
         let pid = p.pid();
