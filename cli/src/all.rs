@@ -101,12 +101,41 @@ fn qemu_version() -> (bool, String) {
     }
 }
 
-/// The KVM modules /proc/modules lists.
+/// The KVM modules loaded (or built in), as /sys/module lists them, each
+/// with its parameters (`kvm_pvm (force=N, pvm_native=Y, ...)`): /proc/modules
+/// may be absent (a kernel without module unloading lists nothing there).
 fn kvm_modules() -> String {
-    let m = std::fs::read_to_string("/proc/modules").unwrap_or_default();
-    let names: Vec<&str> =
-        m.lines().filter_map(|l| l.split_whitespace().next()).filter(|n| n.starts_with("kvm")).collect();
-    names.join(", ")
+    let mut names: Vec<String> = std::fs::read_dir("/sys/module")
+        .map(|d| d.filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with("kvm")).collect())
+        .unwrap_or_default();
+    names.sort();
+    let params = |m: &str| -> Vec<String> {
+        let mut p: Vec<String> = std::fs::read_dir(format!("/sys/module/{m}/parameters"))
+            .map(|d| {
+                d.filter_map(|e| {
+                    let e = e.ok()?;
+                    let v = std::fs::read_to_string(e.path()).ok()?;
+                    Some(format!("{}={}", e.file_name().to_string_lossy(), v.trim()))
+                })
+                .collect()
+            })
+            .unwrap_or_default();
+        p.sort();
+        p.truncate(64);
+        p
+    };
+    let all: Vec<String> = names
+        .iter()
+        .map(|m| match params(m) {
+            p if p.is_empty() => m.clone(),
+            p => format!("{m} ({})", p.join(", ")),
+        })
+        .collect();
+    if all.is_empty() {
+        "none found in /sys/module".into()
+    } else {
+        all.join("; ")
+    }
 }
 
 pub fn run(a: &AllArgs) -> anyhow::Result<i32> {
@@ -204,4 +233,25 @@ pub fn rerender(from: &std::path::Path, out: &std::path::Path) -> anyhow::Result
         println!("{}", f.display());
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    /// The report's KVM line names the loaded module and its parameters, as
+    /// /sys/module has them (this host's /proc/modules may not exist).
+    #[test]
+    fn the_kvm_line_names_the_module_and_its_parameters() {
+        let want: Vec<String> = std::fs::read_dir("/sys/module")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with("kvm_"))
+            .collect();
+        assert!(!want.is_empty(), "no kvm_* module in /sys/module: these tests need KVM");
+        let line = super::kvm_modules();
+        for m in &want {
+            assert!(line.contains(m.as_str()), "{m} missing from {line:?}");
+            let has_params = std::fs::read_dir(format!("/sys/module/{m}/parameters")).map_or(0, |d| d.count()) > 0;
+            assert!(!has_params || line.contains(&format!("{m} (")), "{m}'s parameters missing from {line:?}");
+        }
+    }
 }

@@ -27,7 +27,7 @@ fn host(input: &Input, s: &mut String) {
     let nested = if h["nested"] == true { " (nested: this host is itself a VM)" } else { "" };
     let _ = writeln!(
         s,
-        "| KVM | {kvm}{nested}; /proc/modules: {} |",
+        "| KVM | {kvm}{nested}; modules and parameters: {} |",
         if m.kvm_modules.is_empty() { "-" } else { &m.kvm_modules }
     );
     let _ = writeln!(s, "| TSC | {:.3} GHz |", h["tsc_khz"].as_f64().unwrap_or(0.0) / 1e6);
@@ -92,7 +92,8 @@ fn seed_row(s: &mut String, what: &str, theirs: f64, unit: &str, ours: Option<(f
 const SAFL: &str = "safl.dk notebook, \"Getting 4.3 M IOPS with an emulated NVMe device in a qemu guest\", https://safl.dk/notebook/exploration/vfio_user.html";
 const FAN: &str = "Jinhao Fan, \"hw/nvme: Use ioeventfd to handle doorbell updates\", qemu-devel 2022";
 const UFIM: &str = "Elena Ufimtseva, \"[RFC 0/8] ioregionfd introduction\", qemu-devel 2022-02-08";
-const HOSTKVM: &str = "iopath's docs/host-kvm.md (2026-11-22: a C KVM loop and QEMU 7.2 on this machine kind)";
+const HOSTKVM: &str =
+    "measured 2026-11-22 on this machine kind with a bare C KVM loop and QEMU 7.2 (the project's host notes; not a figure of this run)";
 
 fn seeds(input: &Input, s: &mut String) {
     let _ = writeln!(s, "## Published figures beside ours\n");

@@ -18,7 +18,7 @@ pub struct Meta {
     pub version: String,
     /// `qemu-system-x86_64 --version`'s first line, or why there is none.
     pub qemu: String,
-    /// The KVM module as /proc/modules lists it (kvm_intel, kvm_amd, kvm_pvm...).
+    /// The KVM modules /sys/module lists (kvm_intel, kvm_amd, kvm_pvm...), each with its parameters.
     pub kvm_modules: String,
     /// The command that made the report.
     pub command: String,
