@@ -52,7 +52,7 @@ pub fn run_guest_line(tsc_khz: u64, pin: Option<Placement>, round: u32, target: 
         iopath_vmm::run(cfg)?
     };
     let out = GuestOutput::parse(&r.lines);
-    anyhow::ensure!(r.status == 1, "guest exit status {} {}", r.status, out.fault.clone().unwrap_or_default());
+    anyhow::ensure!(r.status == 1, "{}", crate::record::exit_failure(r.status, &r.lines));
     let row = out.row(ROW).ok_or_else(|| anyhow::anyhow!("the guest printed no {ROW} row"))?;
     let routing = verify_iopath(&out, &r).remove(ROW).ok_or_else(|| anyhow::anyhow!("{ROW}: no routing verdict"))?;
     anyhow::ensure!(routing.ok, "{ROW}: {}", routing.detail);

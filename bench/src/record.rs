@@ -156,6 +156,59 @@ impl GuestOutput {
     }
 }
 
+/// Why a guest run failed, for an error message: its isa-debug-exit status
+/// decoded (`(rc << 1) | 1`: 1 is the guest's rc 0, success) and the lines
+/// in which the guest said why (`@fault`, `@error`, `@...-error`, a `@row`
+/// with `status=error`; at most 4), else its last 3 lines.
+pub fn exit_failure<S: AsRef<str>>(status: i32, lines: &[S]) -> String {
+    let rc = match status {
+        s if s & 1 == 1 && (s >> 1) == 0x3f => "the guest's rc 0x3f: a CPU fault".to_string(),
+        s if s & 1 == 1 => format!("the guest's rc {}", s >> 1),
+        _ => "not an isa-debug-exit value: the VM ended another way".to_string(),
+    };
+    let said = |l: &str| {
+        let head = l.split_whitespace().next().unwrap_or("");
+        head == "@fault"
+            || head == "@error"
+            || (head.starts_with('@') && head.ends_with("-error"))
+            || (head == "@row" && l.split_whitespace().any(|f| f == "status=error"))
+    };
+    let mut why: Vec<&str> = lines.iter().map(|l| l.as_ref().trim_end()).filter(|l| said(l)).take(4).collect();
+    if why.is_empty() {
+        let n = lines.len();
+        why = lines[n.saturating_sub(3)..].iter().map(|l| l.as_ref().trim_end()).collect();
+        if why.is_empty() {
+            return format!("guest exit status {status} ({rc}); the guest printed nothing");
+        }
+        return format!("guest exit status {status} ({rc}); its last lines: {}", why.join(" | "));
+    }
+    format!("guest exit status {status} ({rc}): {}", why.join(" | "))
+}
+
+#[cfg(test)]
+mod exit_failure_tests {
+    use super::exit_failure;
+
+    #[test]
+    fn a_failed_run_names_the_guests_own_reason() {
+        let lines = [
+            "@guest version=1",
+            "@row name=shm group=doorbell cpl=3 status=error reason=timeout device_error=0 completed=7",
+            "@done rc=1",
+        ];
+        let m = exit_failure(3, &lines);
+        assert!(m.starts_with("guest exit status 3 (the guest's rc 1)"), "{m}");
+        assert!(m.contains("reason=timeout"), "{m}");
+        let m = exit_failure(3, &["@nvme-error cid=4 completed twice", "@done rc=1"]);
+        assert!(m.contains("cid=4 completed twice"), "{m}");
+        let m = exit_failure(0x7f, &["@fault vector=14 error=0x4 rip=0x1000"]);
+        assert!(m.contains("a CPU fault") && m.contains("vector=14"), "{m}");
+        let m = exit_failure(3, &["a", "b", "c", "d"]);
+        assert!(m.ends_with("its last lines: b | c | d"), "{m}");
+        assert!(exit_failure(0, &[] as &[&str]).contains("printed nothing"));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -120,7 +120,7 @@ impl Round<'_> {
         let r = run(cfg)?;
         let out = GuestOutput::parse(&r.lines);
         if r.status != 1 {
-            anyhow::bail!("guest exit status {} {}", r.status, out.fault.clone().unwrap_or_default());
+            anyhow::bail!("{}", crate::record::exit_failure(r.status, &r.lines));
         }
         let mut routing = if t == Target::QemuRemote {
             crate::exits::verify_qemu(&out)

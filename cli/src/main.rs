@@ -304,7 +304,12 @@ fn run_guest(a: RunArgs) -> anyhow::Result<i32> {
         let _ = std::io::stdout().flush();
     }));
     let r = iopath_vmm::run(cfg)?;
-    eprintln!("guest exit status {} (isa-debug-exit), {:.2} s, TSC {} kHz", r.status, r.wall.as_secs_f64(), r.tsc_khz);
+    let said = if r.status == 1 {
+        "isa-debug-exit's (rc << 1) | 1: the guest's rc 0, success".to_string()
+    } else {
+        iopath_bench::record::exit_failure(r.status, &r.lines)
+    };
+    eprintln!("guest exit status {} ({said}), {:.2} s, TSC {} kHz", r.status, r.wall.as_secs_f64(), r.tsc_khz);
     eprintln!("vm exits: {}", r.exits.fields().iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "));
     for d in &r.devices {
         let bars: Vec<String> = d

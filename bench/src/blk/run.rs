@@ -189,7 +189,12 @@ impl<'a> Ctx<'a> {
         let v = check::virtio(path, &c, Guest { ios: r.ios, notifies: r.guest_notifies.unwrap_or(0) });
         (r.routing, r.routing_ok) = (v.text, v.ok);
         guest_checks(&mut r);
-        anyhow::ensure!(rep.status == 1, "guest exit status {}: {}", rep.status, r.routing);
+        anyhow::ensure!(
+            rep.status == 1,
+            "{}; routing: {}",
+            crate::record::exit_failure(rep.status, &rep.lines),
+            r.routing
+        );
         Ok(r)
     }
 }

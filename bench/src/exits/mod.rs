@@ -246,7 +246,7 @@ impl Runner<'_> {
         let r = run(cfg)?;
         let out = GuestOutput::parse(&r.lines);
         if r.status != 1 {
-            anyhow::bail!("guest exit status {} {}", r.status, out.fault.clone().unwrap_or_default());
+            anyhow::bail!("{}", crate::record::exit_failure(r.status, &r.lines));
         }
         let addr = |n: &str| {
             out.row(n)
@@ -286,7 +286,7 @@ impl Runner<'_> {
         )?;
         let out = GuestOutput::parse(&r.lines);
         if r.status != 1 {
-            anyhow::bail!("guest exit status {} {}", r.status, out.fault.clone().unwrap_or_default());
+            anyhow::bail!("{}", crate::record::exit_failure(r.status, &r.lines));
         }
         // The loop kept one byte per serial OUT; `lines` dropped each '\n'.
         let serial: u64 = r.lines.iter().map(|l| l.len() as u64 + 1).sum();

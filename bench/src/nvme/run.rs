@@ -400,7 +400,7 @@ impl<'a> Ctx<'a> {
         r.routing_ok = cmds == Some(r.ios) && dbs_ok && exits_ok && driver_ok;
         guest_checks(&mut r, j);
         if rep.status != 1 {
-            anyhow::bail!("guest exit status {}: {}", rep.status, r.routing);
+            anyhow::bail!("{}; routing: {}", crate::record::exit_failure(rep.status, &rep.lines), r.routing);
         }
         Ok(r)
     }
