@@ -69,6 +69,9 @@ pub struct FioResult {
     pub mb_s: f64,
     /// Total latency (submission to completion), as nvmeperf measures it.
     pub lat_avg_ns: f64,
+    /// The shortest and longest total latency of any job and direction.
+    pub lat_min_ns: Option<f64>,
+    pub lat_max_ns: Option<f64>,
     pub p50_ns: f64,
     pub p90_ns: f64,
     pub p99_ns: f64,
@@ -199,6 +202,8 @@ pub fn parse(out: &str) -> anyhow::Result<FioResult> {
         iops: 0.0,
         mb_s: 0.0,
         lat_avg_ns: 0.0,
+        lat_min_ns: None,
+        lat_max_ns: None,
         p50_ns: 0.0,
         p90_ns: 0.0,
         p99_ns: 0.0,
@@ -231,6 +236,10 @@ pub fn parse(out: &str) -> anyhow::Result<FioResult> {
                 *e = e.saturating_add(c);
             }
             r.mb_s += num(&d["bw_bytes"])? / 1e6;
+            if let (Some(lo), Some(hi)) = (d["lat_ns"]["min"].as_f64(), d["lat_ns"]["max"].as_f64()) {
+                r.lat_min_ns = Some(r.lat_min_ns.map_or(lo, |m| m.min(lo)));
+                r.lat_max_ns = Some(r.lat_max_ns.map_or(hi, |m| m.max(hi)));
+            }
             if ios > most {
                 most = ios;
                 let lat = &d["lat_ns"];
@@ -270,6 +279,7 @@ mod tests {
         assert!((r.mb_s - 260.867838).abs() < 1e-6, "{r:?}");
         assert_eq!((r.p50_ns, r.p99_ns, r.p999_ns), (432128.0, 3489792.0, 7307264.0));
         assert_eq!(r.errors, 0);
+        assert_eq!((r.lat_min_ns, r.lat_max_ns), (Some(64556.0), Some(8629109.0)));
         // (3.266667 + 35.3) % of 3000 ms over the I/Os.
         let cpu = r.cpu_ns_per_io.unwrap();
         assert!((cpu - 0.38566667 * 3e9 / 191129.0).abs() < 1.0, "{cpu}");

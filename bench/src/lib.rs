@@ -8,6 +8,8 @@ pub mod contend;
 pub mod cpu;
 pub mod exits;
 pub mod fio;
+pub mod fiojobs;
+pub mod fioout;
 pub mod floor;
 pub mod guard;
 pub mod guestline;

@@ -160,6 +160,11 @@ pub struct BlkRun {
     pub cycles: u64,
     pub iops: f64,
     pub mb_s: f64,
+    /// The guest's mean, shortest and longest latency (`lat_sum` over the
+    /// I/Os, `lat_min`, `lat_max`), where its record gave them.
+    pub lat_avg_ns: Option<f64>,
+    pub lat_min_ns: Option<f64>,
+    pub lat_max_ns: Option<f64>,
     /// From this run's histogram, interpolated within the bucket.
     pub p50_ns: f64,
     pub p99_ns: f64,

@@ -210,6 +210,9 @@ fn from_nvme(t: &str, j: &BlkJob, n: NvmeRun) -> BlkRun {
         cycles: n.cycles,
         iops: n.iops,
         mb_s: n.mb_s,
+        lat_avg_ns: Some(n.lat_avg_ns).filter(|v| v.is_finite()),
+        lat_min_ns: n.lat_min_ns,
+        lat_max_ns: n.lat_max_ns,
         p50_ns: n.p50_ns,
         p99_ns: n.p99_ns,
         hist: n.hist,
@@ -254,6 +257,7 @@ pub fn to_run(
     anyhow::ensure!(cycles > 0 && tsc_khz > 0, "@vblk record with cycles=0");
     let lat = LatHist::parse_kind(lines, "vblk", ios)?.ok_or_else(|| anyhow::anyhow!("no @vblk-hist lines"))?;
     let secs = cycles as f64 / (tsc_khz as f64 * 1000.0);
+    let ns = |c: u64| crate::stats::ns(c as f64, tsc_khz);
     Ok(BlkRun {
         target: target.into(),
         job_index: ji,
@@ -263,6 +267,9 @@ pub fn to_run(
         cycles,
         iops: ios as f64 / secs,
         mb_s: ios as f64 * j.job.bs as f64 / secs / 1e6,
+        lat_avg_ns: g("lat_sum").ok().filter(|_| ios > 0).map(|s| ns(s) / ios as f64),
+        lat_min_ns: g("lat_min").ok().filter(|_| ios > 0).map(ns),
+        lat_max_ns: g("lat_max").ok().filter(|_| ios > 0).map(ns),
         p50_ns: lat.quantile_ns(0.5, tsc_khz),
         p99_ns: lat.quantile_ns(0.99, tsc_khz),
         hist: lat.pairs_ns(tsc_khz),

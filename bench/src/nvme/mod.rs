@@ -229,6 +229,10 @@ pub struct NvmeRun {
     pub iops: f64,
     pub mb_s: f64,
     pub lat_avg_ns: f64,
+    /// The shortest and longest latency of the run (the guest's `lat_min`,
+    /// `lat_max`; fio's `lat_ns` min and max for fio), where known.
+    pub lat_min_ns: Option<f64>,
+    pub lat_max_ns: Option<f64>,
     /// This run's percentiles: from its histogram, interpolated within the
     /// bucket (`LatHist::quantile_cycles`); fio's own for fio.
     pub p50_ns: f64,
@@ -341,6 +345,8 @@ impl NvmeRun {
             iops: f64::NAN,
             mb_s: f64::NAN,
             lat_avg_ns: f64::NAN,
+            lat_min_ns: None,
+            lat_max_ns: None,
             p50_ns: f64::NAN,
             p90_ns: f64::NAN,
             p99_ns: f64::NAN,

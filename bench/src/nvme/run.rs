@@ -476,6 +476,7 @@ impl<'a> Ctx<'a> {
         r.iops = f.iops;
         r.mb_s = f.mb_s;
         r.lat_avg_ns = f.lat_avg_ns;
+        (r.lat_min_ns, r.lat_max_ns) = (f.lat_min_ns, f.lat_max_ns);
         (r.p50_ns, r.p90_ns, r.p99_ns, r.p999_ns) = (f.p50_ns, f.p90_ns, f.p99_ns, f.p999_ns);
         r.errors = f.errors;
         // fio's bins in the guest's buckets: its row's percentiles over rounds merge as the guest's do.
@@ -581,6 +582,9 @@ pub fn to_run(
     r.iops = ios as f64 / secs;
     r.mb_s = ios as f64 * j.bs as f64 / secs / 1e6;
     r.lat_avg_ns = ns(g("lat_sum")?) / ios.max(1) as f64;
+    if ios > 0 {
+        (r.lat_min_ns, r.lat_max_ns) = (g("lat_min").ok().map(ns), g("lat_max").ok().map(ns));
+    }
     r.p50_ns = lat.quantile_ns(0.5, tsc_khz);
     r.p90_ns = lat.quantile_ns(0.9, tsc_khz);
     r.p99_ns = lat.quantile_ns(0.99, tsc_khz);
