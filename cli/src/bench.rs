@@ -52,6 +52,30 @@ pub struct Output {
     pub quiet: bool,
 }
 
+/// `--output-format` of the benches that run I/O (fio's option).
+#[derive(Args, Debug)]
+pub struct FioFormat {
+    /// normal: the table; json, json+: fio's JSON on standard output (json+ with
+    /// the latency histograms' bins), the table on standard error (none with --quiet).
+    #[arg(long = "output-format", visible_alias = "output_format", default_value = "normal",
+          value_parser = clap::builder::TypedValueParser::map(
+              clap::builder::PossibleValuesParser::new(iopath_bench::fioout::FORMATS),
+              |s| s.parse::<iopath_bench::fioout::Format>().unwrap_or(iopath_bench::fioout::Format::Normal)))]
+    pub output_format: iopath_bench::fioout::Format,
+}
+
+impl FioFormat {
+    /// Refuses `--json -` beside fio's JSON: both would go to standard output.
+    pub fn check(&self, out: &Output) -> anyhow::Result<()> {
+        if self.output_format != iopath_bench::fioout::Format::Normal
+            && out.json.as_deref() == Some(std::path::Path::new("-"))
+        {
+            anyhow::bail!("--json - and --output-format json both write to standard output: give --json a file");
+        }
+        Ok(())
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct ExitsArgs {
     /// Also run the same workload on this peer, in the same run, interleaved.
@@ -208,6 +232,11 @@ pub struct NvmeArgs {
     /// Commands in flight per queue (1..=1024).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub iodepth: Option<u32>,
+    /// The bytes the I/O ranges over, as fio's size (whole MiB, e.g. 64m, 1g):
+    /// the namespace's size on a null or ram backend, and the file --create
+    /// lays out (an existing file's namespace is the whole file). Default 64m.
+    #[arg(long, value_parser = parse_size_mb)]
+    pub size: Option<u64>,
     /// I/O queue pairs, each with its own submitter slot set (1..=16).
     #[arg(long, alias = "queues", value_parser = clap::value_parser!(u32).range(1..=16))]
     pub numjobs: Option<u32>,
@@ -218,12 +247,13 @@ pub struct NvmeArgs {
     /// tail doorbells after every N commands it issues while reaping, so the
     /// controller starts on them while it reaps on (0..=1024). Without it (or
     /// 0) it rings once per reaping pass; fio's own default, 1, is a ring per command.
-    #[arg(long = "iodepth_batch_submit", value_parser = clap::value_parser!(u32).range(0..=1024))]
+    #[arg(long = "iodepth_batch_submit", visible_alias = "iodepth-batch-submit",
+          value_parser = clap::value_parser!(u32).range(0..=1024))]
     pub iodepth_batch_submit: Option<u32>,
     /// The guest driver waits for completions on interrupts, as Linux's
     /// nvme driver does: a pass that finds none halts its vCPU until a CQ's
     /// MSI-X message (QEMU's nvme gets the same guest). Without it, it polls.
-    #[arg(long)]
+    #[arg(long, visible_alias = "irq_wait")]
     pub irq_wait: bool,
     /// fio's thinktime: microseconds the guest waits after a completion
     /// before the slot's next command (at iodepth 1: each I/O wakes an idle
@@ -270,12 +300,12 @@ pub struct NvmeArgs {
     /// A file namespace's reads and writes on the guest's pages in place:
     /// auto (those within one page), on (all), off (none: bounce buffers),
     /// several (on,off) as targets of their own.
-    #[arg(long = "in-place", default_value = "auto", value_name = "auto|on|off[,..]")]
+    #[arg(long = "in-place", visible_alias = "in_place", default_value = "auto", value_name = "auto|on|off[,..]")]
     pub in_place: String,
-    /// A file namespace's operations go to the kernel every N (fio's
-    /// iodepth_batch_submit; 0: all a queue pass fetched at once), several
-    /// (0,1) as targets of their own (`-sbN`).
-    #[arg(long = "submit-batch", default_value = "0", value_name = "N[,M..]")]
+    /// A file namespace's operations go to the kernel every N (the device's
+    /// side of a batch, as fio's iodepth_batch_submit is the submitter's; 0: all
+    /// a queue pass fetched at once), several (0,1) as targets of their own (`-sbN`).
+    #[arg(long = "submit-batch", visible_alias = "submit_batch", default_value = "0", value_name = "N[,M..]")]
     pub submit_batch: String,
     /// Seconds one guest run may take before it is stopped.
     #[arg(long, default_value_t = 300)]
@@ -293,6 +323,8 @@ pub struct NvmeArgs {
     #[command(flatten)]
     pub guard: GuardArgs,
     #[command(flatten)]
+    pub format: FioFormat,
+    #[command(flatten)]
     pub out: Output,
 }
 
@@ -305,6 +337,7 @@ impl NvmeArgs {
                 |d: &iopath_devices::nvme::DoorbellMode| d.to_string(),
             )?,
             backend: self.backend.parse()?,
+            size_mb: self.size,
             transports: parse_transports(&self.transport)?,
             lba: self.lba,
             time_ms: if self.quick { 500 } else { (self.runtime * 1000.0).max(10.0) as u64 },
@@ -344,6 +377,7 @@ impl NvmeArgs {
                 irq_wait: self.irq_wait,
             }];
         }
+        size_fits_backend(self.size, &o.backend)?;
         let file = matches!(o.backend, iopath_devices::nvme::backend::BackendKind::File(_));
         if !file && o.in_place != [iopath_devices::nvme::InPlace::Auto] {
             anyhow::bail!("--in-place needs --backend file:PATH (only a file namespace bounces transfers)");
@@ -374,12 +408,19 @@ pub struct BlkArgs {
     /// device is never created over, truncated or extended.
     #[arg(long)]
     pub create: bool,
-    /// Disk size in MiB (null and ram backends).
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
-    pub size_mb: u64,
-    /// Queue depth of the 128 KiB throughput jobs (1..=64).
+    /// Disk size in MiB (null and ram backends, and the file --create lays out; default 64).
+    #[arg(long, visible_alias = "size_mb", value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    pub size_mb: Option<u64>,
+    /// The disk size as fio's size (whole MiB: 64m, 1g), instead of --size-mb.
+    #[arg(long, value_parser = parse_size_mb, conflicts_with = "size_mb")]
+    pub size: Option<u64>,
+    /// Queue depth of the throughput jobs (1..=64; the latency jobs run at 1).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub iodepth: u32,
+    /// Block size of every job (512 .. 128k, a multiple of 512; fio's suffixes).
+    /// Without it: 128k for the throughput jobs, 4k for the latency jobs.
+    #[arg(long, value_parser = parse_bs)]
+    pub bs: Option<u64>,
     /// Length of each run: seconds, or with a suffix (500ms, 2s, 1m).
     #[arg(long, alias = "time", value_parser = parse_runtime, default_value = "2")]
     pub runtime: f64,
@@ -402,19 +443,26 @@ pub struct BlkArgs {
     #[arg(long, default_value = "auto", value_name = "auto|off|VCPU,DEVICE")]
     pub pin: iopath_bench::pin::PinChoice,
     #[command(flatten)]
+    pub format: FioFormat,
+    #[command(flatten)]
     pub out: Output,
 }
 
 impl BlkArgs {
     pub fn options(&self) -> anyhow::Result<iopath_bench::blk::BlkOptions> {
         let d = iopath_bench::blk::BlkOptions::default();
+        let backend = self.backend.parse()?;
+        let size_mb = self.size.or(self.size_mb);
+        size_fits_backend(size_mb, &backend)?;
         Ok(iopath_bench::blk::BlkOptions {
             targets: match &self.targets {
                 Some(t) => iopath_bench::blk::parse_targets(t).map_err(|e| anyhow::anyhow!("--targets: {e}"))?,
                 None => d.targets.clone(),
             },
-            backend: self.backend.parse()?,
-            size_mb: self.size_mb,
+            backend,
+            size_mb: size_mb.unwrap_or(d.size_mb),
+            tput_bs: self.bs.unwrap_or(d.tput_bs),
+            lat_bs: self.bs.unwrap_or(d.lat_bs),
             tput_qd: self.iodepth,
             time_ms: if self.quick { 300 } else { (self.runtime * 1000.0).max(10.0) as u64 },
             rounds: if self.quick { 1 } else { self.rounds.max(1) },
@@ -435,14 +483,22 @@ impl BlkArgs {
     }
 }
 
-/// `iopath bench blk`: runs it and hands its table and JSON to `emit`; the
-/// exit status (1 if a target failed or a routing check did not hold).
-pub fn blk(a: &BlkArgs, emit: impl FnOnce(&str, &serde_json::Value) -> anyhow::Result<()>) -> anyhow::Result<i32> {
+/// `iopath bench blk`: runs it and hands its table, JSON and fio's JSON (if
+/// asked for) to `emit`; the exit status (1 if a target failed or a routing
+/// check did not hold).
+pub fn blk(
+    a: &BlkArgs,
+    emit: impl FnOnce(&str, &serde_json::Value, Option<iopath_bench::fioout::Output>) -> anyhow::Result<()>,
+) -> anyhow::Result<i32> {
+    use iopath_bench::fioout::Format;
     let o = a.options()?;
+    a.format.check(&a.out)?;
     let bytes = iopath_bench::nvme::namespace_size(&o.backend, Some(o.size_mb));
     iopath_bench::backing::prepare(&o.backend, bytes, a.create)?;
     let r = iopath_bench::blk::run_blk(&o)?;
-    emit(&r.table(), &r.json())?;
+    let fio =
+        (a.format.output_format != Format::Normal).then(|| r.fio_output(a.format.output_format == Format::JsonPlus));
+    emit(&r.table(), &r.json(), fio)?;
     Ok(crate::status(&r.errors))
 }
 
@@ -470,8 +526,11 @@ pub struct SpdkArgs {
     #[arg(long, conflicts_with_all = ["rounds", "runtime"])]
     pub quick: bool,
     /// Namespace size in MiB, the same on both targets.
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    #[arg(long, visible_alias = "size_mb", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub size_mb: u64,
+    /// The namespace size as fio's size (whole MiB: 64m, 1g), instead of --size-mb.
+    #[arg(long, value_parser = parse_size_mb, conflicts_with = "size_mb")]
+    pub size: Option<u64>,
     /// LBA size: 512 or 4096, the same on both targets.
     #[arg(long, default_value_t = 512,
           value_parser = clap::builder::TypedValueParser::map(clap::builder::PossibleValuesParser::new(["512", "4096"]), |s| s.parse::<u32>().unwrap_or(512)))]
@@ -489,6 +548,8 @@ pub struct SpdkArgs {
     /// bin/rpc.py); default: run harness/spdk/build.sh of this source tree (cached; builds if missing).
     #[arg(long, value_name = "DIR")]
     pub spdk: Option<PathBuf>,
+    #[command(flatten)]
+    pub format: FioFormat,
     #[command(flatten)]
     pub out: Output,
 }
@@ -516,7 +577,11 @@ impl SpdkArgs {
             jobs,
             runtime_s: if self.quick { 1 } else { self.runtime },
             rounds: if self.quick { 1 } else { self.rounds },
-            size_mb: self.size_mb,
+            size_mb: match self.size {
+                Some(m) if m > 65536 => anyhow::bail!("--size: at most 64g (65536 MiB)"),
+                Some(m) => m,
+                None => self.size_mb,
+            },
             lba: self.lba,
             doorbell: self.doorbell,
             pin,
@@ -646,7 +711,7 @@ fn parse_pollers(s: &str) -> anyhow::Result<Vec<u8>> {
 }
 
 /// A size as fio writes one: a number of bytes with an optional binary
-/// suffix (k, kb, kib = 1024; m, mb, mib = 1024^2), any case.
+/// suffix (k, kb, kib = 1024; m, mb, mib = 1024^2; g, gb, gib = 1024^3), any case.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim().to_ascii_lowercase();
     let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
@@ -656,9 +721,35 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
-        _ => return Err(format!("{s:?}: unknown size suffix {suffix:?} (k, m)")),
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(format!("{s:?}: unknown size suffix {suffix:?} (k, m, g)")),
     };
     n.checked_mul(unit).ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// `--size`: fio's size, in whole MiB (1 MiB .. 1 TiB).
+fn parse_size_mb(s: &str) -> Result<u64, String> {
+    let v = parse_size(s)?;
+    if v == 0 || !v.is_multiple_of(1 << 20) || v > 1 << 40 {
+        return Err(format!("{s:?} = {v} bytes: the size must be whole MiB (e.g. 64m, 1g), 1m .. 1024g"));
+    }
+    Ok(v >> 20)
+}
+
+/// `--size` is a null or ram disk's size, or the size of the file `--create`
+/// lays out: with an existing file the namespace is the whole file, and a
+/// size given there would be ignored, so it is an error.
+fn size_fits_backend(size_mb: Option<u64>, backend: &iopath_devices::nvme::backend::BackendKind) -> anyhow::Result<()> {
+    if let (Some(_), iopath_devices::nvme::backend::BackendKind::File(p)) = (size_mb, backend) {
+        if p.exists() {
+            anyhow::bail!(
+                "--size: {} exists, and its namespace is the whole file or device; a size applies to a null or \
+                 ram backend, or to a missing file that --create lays out",
+                p.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `--bs`: a size nvmeperf can issue: 512 .. 128 KiB (the controller's MDTS), a multiple of 512.
@@ -810,6 +901,76 @@ mod tests {
         // 1m is a size, but past the controller's 128 KiB transfer limit.
         assert!(parse(&["nvme", "--bs", "1m"]).is_err());
         assert!(parse(&["nvme", "--bs", "1000"]).is_err());
+    }
+
+    #[test]
+    fn fio_spellings_and_hyphenated_ones_are_the_same_option() {
+        for (a, b) in [
+            ("--iodepth_batch_submit", "--iodepth-batch-submit"),
+            ("--submit-batch", "--submit_batch"),
+            ("--in-place", "--in_place"),
+            ("--irq-wait", "--irq_wait"),
+        ] {
+            let value: &[&str] = match a {
+                "--iodepth_batch_submit" => &["4"],
+                "--submit-batch" => &["0,1"],
+                "--in-place" => &["on"],
+                _ => &[],
+            };
+            let args = |o: &'static str| [&["--backend", "file:/x", o][..], value].concat();
+            let (x, y) = (nvme(&args(a)).options().unwrap(), nvme(&args(b)).options().unwrap());
+            assert_eq!(format!("{:?}", x.jobs), format!("{:?}", y.jobs), "{a} {b}");
+            assert_eq!((x.submit_batch, x.in_place), (y.submit_batch, y.in_place), "{a} {b}");
+        }
+        assert_eq!(nvme(&["--iodepth-batch-submit", "3"]).options().unwrap().jobs[0].batch_submit, 3);
+        let blk = |args: &[&str]| match parse(&[&["blk"], args].concat()) {
+            Ok(BenchCmd { which: Some(Which::Blk(b)), .. }) => b.options(),
+            Ok(w) => panic!("not blk: {w:?}"),
+            Err(e) => Err(anyhow::anyhow!("{e}")),
+        };
+        assert_eq!(blk(&["--size_mb", "32"]).unwrap().size_mb, 32);
+        assert_eq!(blk(&["--size", "1g"]).unwrap().size_mb, 1024);
+        assert!(blk(&["--size", "1g", "--size-mb", "3"]).is_err());
+    }
+
+    #[test]
+    fn size_is_the_namespace_of_a_null_ram_or_created_disk_never_an_ignored_one() {
+        assert_eq!(nvme(&["--size", "128m"]).options().unwrap().size_mb, Some(128));
+        assert_eq!(nvme(&[]).options().unwrap().size_mb, None);
+        for bad in ["100k", "0", "1m1", "2048g"] {
+            assert!(parse(&["nvme", "--size", bad]).is_err(), "{bad}");
+        }
+        assert_eq!(parse_size("2g"), Ok(2 << 30));
+        // An existing file is its own size: --size there would be ignored.
+        let f = std::env::temp_dir().join(format!("iopath-size-{}", std::process::id()));
+        std::fs::write(&f, b"x").unwrap();
+        let backend = format!("file:{}", f.display());
+        let e = nvme(&["--backend", &backend, "--size", "8m"]).options().unwrap_err().to_string();
+        assert!(e.contains("exists"), "{e}");
+        let blk = match parse(&["blk", "--backend", &backend, "--size-mb", "8"]).unwrap().which {
+            Some(Which::Blk(b)) => b,
+            w => panic!("{w:?}"),
+        };
+        assert!(blk.options().is_err());
+        std::fs::remove_file(&f).unwrap();
+        // A missing one (--create lays it out at that size) takes it.
+        assert_eq!(nvme(&["--backend", &backend, "--size", "8m"]).options().unwrap().size_mb, Some(8));
+    }
+
+    #[test]
+    fn blk_bs_is_every_jobs_block_size() {
+        let b = match parse(&["blk", "--bs", "64k"]).unwrap().which {
+            Some(Which::Blk(b)) => b.options().unwrap(),
+            w => panic!("{w:?}"),
+        };
+        assert_eq!((b.tput_bs, b.lat_bs), (65536, 65536));
+        assert!(b.jobs().iter().all(|j| j.job.bs == 65536 && j.name.contains("64k")));
+        let d = match parse(&["blk"]).unwrap().which {
+            Some(Which::Blk(b)) => b.options().unwrap(),
+            w => panic!("{w:?}"),
+        };
+        assert_eq!((d.tput_bs, d.lat_bs), (128 << 10, 4096));
+        assert!(parse(&["blk", "--bs", "256k"]).is_err());
     }
 
     #[test]

@@ -211,8 +211,32 @@ fn devices_of(
 /// The table on stdout (stderr when JSON goes to stdout; nothing then with
 /// --quiet) and the JSON.
 fn emit(table: &str, json: &serde_json::Value, out: &bench::Output) -> anyhow::Result<()> {
+    emit_io(table, json, None, out)
+}
+
+/// `emit`, or with fio's JSON (`--output-format json|json+`): that on
+/// standard output, the table on standard error (none with --quiet), the
+/// bench's own JSON only to a --json file.
+fn emit_io(
+    table: &str,
+    json: &serde_json::Value,
+    fio: Option<iopath_bench::fioout::Output>,
+    out: &bench::Output,
+) -> anyhow::Result<()> {
     let path = out.json.as_deref();
-    if path == Some(std::path::Path::new("-")) {
+    if let Some(f) = fio {
+        if !out.quiet {
+            eprint!("{table}");
+        }
+        print!("{}", iopath_bench::fioout::to_text(&f));
+        if let Some(p) = path {
+            std::fs::write(p, serde_json::to_string_pretty(json)?)
+                .with_context(|| format!("writing {}", p.display()))?;
+            if !out.quiet {
+                eprintln!("JSON written to {}", p.display());
+            }
+        }
+    } else if path == Some(std::path::Path::new("-")) {
         if !out.quiet {
             eprint!("{table}");
         }
@@ -259,15 +283,19 @@ fn bench(b: bench::BenchCmd) -> anyhow::Result<i32> {
 
 fn bench_caught(b: bench::BenchCmd) -> anyhow::Result<i32> {
     use bench::Which;
+    use iopath_bench::fioout::Format;
     match b.which {
         None => bench_exits(&b.exits),
         Some(Which::Exits(a)) => bench_exits(&a),
         Some(Which::Nvme(a)) => {
             let o = a.options()?;
+            a.format.check(&a.out)?;
             let bytes = iopath_bench::nvme::namespace_size(&o.backend, o.size_mb);
             iopath_bench::backing::prepare(&o.backend, bytes, a.create)?;
             let r = iopath_bench::nvme::run_nvme(&o)?;
-            emit(&r.table(), &r.json(), &a.out)?;
+            let fio = (a.format.output_format != Format::Normal)
+                .then(|| r.fio_output(a.format.output_format == Format::JsonPlus));
+            emit_io(&r.table(), &r.json(), fio, &a.out)?;
             Ok(status(&r.errors))
         }
         Some(Which::Floor(a)) => {
@@ -275,10 +303,14 @@ fn bench_caught(b: bench::BenchCmd) -> anyhow::Result<i32> {
             emit(&r.table(), &r.json(), &a.out)?;
             Ok(status(&r.errors))
         }
-        Some(Which::Blk(a)) => bench::blk(&a, |t, j| emit(t, j, &a.out)),
+        Some(Which::Blk(a)) => bench::blk(&a, |t, j, f| emit_io(t, j, f, &a.out)),
         Some(Which::Spdk(a)) => {
-            let r = iopath_bench::spdk::run_spdk(&a.options()?)?;
-            emit(&r.table(), &r.json(), &a.out)?;
+            let o = a.options()?;
+            a.format.check(&a.out)?;
+            let r = iopath_bench::spdk::run_spdk(&o)?;
+            // perf prints no histogram: json+ has no bins to add.
+            let fio = (a.format.output_format != Format::Normal).then(|| r.fio_output());
+            emit_io(&r.table(), &r.json(), fio, &a.out)?;
             Ok(status(&r.errors))
         }
         Some(Which::All(a)) => all::run(&a).map(|code| if iopath_bench::interrupt::interrupted() { 130 } else { code }),
