@@ -222,14 +222,17 @@ pub struct LatFigures {
 /// The latency object of `f` over `n` I/Os.
 fn lat_of(f: &LatFigures, n: u64, plus: bool) -> Lat {
     let r = |v: f64| if v.is_finite() && v > 0.0 { v.round() as u64 } else { 0 };
+    // fio's min and max are whole ns: the measured range rounded outwards,
+    // so that min <= mean <= max still holds.
+    let (lo, hi) = (|v: f64| r(v.floor()), |v: f64| r(v.ceil()));
     let mut bins: BTreeMap<u64, u64> = BTreeMap::new();
     for &(ns, c) in &f.bins {
         let e = bins.entry(ns).or_insert(0);
         *e = e.saturating_add(c);
     }
     Lat {
-        min: r(f.min),
-        max: r(f.max),
+        min: lo(f.min),
+        max: hi(f.max),
         mean: if f.mean.is_finite() { f.mean } else { 0.0 },
         stddev: f.stddev.filter(|s| s.is_finite()),
         n,
@@ -337,13 +340,20 @@ pub fn lat_from_hist(h: &crate::nvme::LatHist, tsc_khz: u64, min: f64, max: f64,
         (n, sum, sq) = (n + c as f64, sum + mid * c as f64, sq + mid * mid * c as f64);
         bins.push((mid.round() as u64, c));
     }
-    let stddev = (n > 1.0).then(|| ((sq - sum * sum / n) / (n - 1.0)).max(0.0).sqrt());
+    // One I/O has no spread (fio: 0).
+    let stddev = (n > 0.0).then(|| if n > 1.0 { ((sq - sum * sum / n) / (n - 1.0)).max(0.0).sqrt() } else { 0.0 });
     LatFigures {
         min,
         max,
         mean,
         stddev,
-        percentiles: PERCENTILES.iter().map(|&p| (p, h.quantile_ns(p / 100.0, tsc_khz))).collect(),
+        // Within the measured range (a bucket's interpolated value may fall
+        // past its run's shortest or longest latency).
+        percentiles: PERCENTILES
+            .iter()
+            .map(|&p| (p, h.quantile_ns(p / 100.0, tsc_khz)))
+            .map(|(p, v)| (p, if max > 0.0 && max >= min { v.clamp(min, max) } else { v }))
+            .collect(),
         bins,
         is_clat: true,
     }
