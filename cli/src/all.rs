@@ -12,7 +12,7 @@ use std::time::Instant;
 
 /// Queue depths of the NVMe sweep (IOPS and p99 against iodepth).
 const SWEEP: [u32; 4] = [1, 4, 16, 64];
-const SWEEP_QUICK: [u32; 3] = [1, 4, 16];
+pub const SWEEP_QUICK: [u32; 3] = [1, 4, 16];
 
 /// The benches' options for this matrix.
 pub struct Matrix {

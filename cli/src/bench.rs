@@ -634,7 +634,7 @@ pub struct AllArgs {
     /// Directory for report.md, results.json, results.csv and the SVG plots (created if missing).
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
-    /// A short matrix: 1 round, short runs, two iodepths.
+    /// A short matrix: 1 round, short runs, the NVMe sweep at iodepths 1, 4, 16 (not 64).
     #[arg(long, conflicts_with_all = ["rounds"])]
     pub quick: bool,
     /// Rounds of every benchmark.
@@ -643,9 +643,9 @@ pub struct AllArgs {
     /// Leave QEMU out even where it is installed.
     #[arg(long)]
     pub no_qemu: bool,
-    /// Only exits, on the in-VMM and one out-of-process transport, one NVMe
-    /// job per mode, and blk on two virtio-blk targets: a smoke run of the
-    /// whole pipeline (tests use it).
+    /// Only a few exit rows over one out-of-process transport, NVMe shm and
+    /// mmio at iodepths 1 and 16 in the VMM and over vfio-user, and blk on two
+    /// virtio-blk targets: a smoke run of the whole pipeline (tests use it).
     #[arg(long, requires = "quick")]
     pub smoke: bool,
     /// No progress bar, no tables: only the files.

@@ -62,7 +62,7 @@ enum Cmd {
 #[derive(Args)]
 struct ServeArgs {
     /// The device model and its options: pci-testdev, iopath-doorbell,
-    /// nvme[,doorbell=auto|adaptive|bar-adaptive|shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096][,pollers=N][,in_place=auto|on|off][,submit_batch=N],
+    /// nvme[,doorbell=auto|adaptive|bar-adaptive|shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096][,pollers=N][,forecast=on|off][,in_place=auto|on|off][,submit_batch=N][,serial=S][,nqn=S][,cntlid=N],
     /// virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N]
     /// (queues: 1..=16, default 1; over vhost-user 16) (a `,` or `@` inside a value is written twice).
     device: iopath_devices::DeviceConfig,
@@ -108,8 +108,8 @@ struct ServeArgs {
 
 #[derive(Args)]
 struct RunArgs {
-    /// Guest workload.
-    #[arg(long, default_value = "exits")]
+    /// Guest workload: exits, floor, nvme, vblk or pci (their options go in --append).
+    #[arg(long, default_value = "exits", value_parser = ["exits", "floor", "nvme", "vblk", "pci"])]
     workload: String,
     /// More guest command-line words (batches=N batch_us=N only=...).
     #[arg(long, default_value = "")]
@@ -397,4 +397,92 @@ pub(crate) fn error_text(e: &anyhow::Error) -> String {
         out.push_str(&t);
     }
     out
+}
+
+#[cfg(test)]
+mod help_tests {
+    //! Each `--help`'s listed values against what the parser takes.
+    use super::Cli;
+    use clap::CommandFactory;
+
+    /// The long help of `iopath PATH...`.
+    fn help(path: &[&str]) -> String {
+        let mut c = Cli::command();
+        for p in path {
+            c = c.find_subcommand(p).unwrap_or_else(|| panic!("no subcommand {p}")).clone();
+        }
+        c.render_long_help().to_string()
+    }
+
+    /// The keys an error of the parser lists as the options it knows.
+    fn known_keys(spec: &str) -> Vec<String> {
+        let e = spec.parse::<iopath_devices::DeviceConfig>().unwrap_err().to_string();
+        let list = e.rsplit_once('(').and_then(|(_, l)| l.split_once(')')).map(|(l, _)| l).expect(&e);
+        list.split(',').map(|k| k.trim().to_string()).collect()
+    }
+
+    #[test]
+    fn serve_lists_every_device_option_and_doorbell_mode_the_parser_takes() {
+        let h = help(&["serve"]);
+        for (device, keys) in [("nvme", known_keys("nvme,zz=1")), ("virtio-blk", known_keys("virtio-blk,zz=1"))] {
+            assert!(keys.len() >= 4, "{keys:?}");
+            for k in keys {
+                // The key is one the parser takes (a bad value, not an unknown option)...
+                let e =
+                    format!("{device},{k}=%bad%").parse::<iopath_devices::DeviceConfig>().err().map(|e| e.to_string());
+                assert!(!e.unwrap_or_default().contains("unknown option"), "{device} {k}");
+                // ...and the help names it.
+                assert!(h.contains(&format!("[,{k}=")), "serve --help lacks {device}'s {k}=");
+            }
+        }
+        let modes: Vec<String> = iopath_devices::nvme::DoorbellMode::ALL.iter().map(|m| m.to_string()).collect();
+        assert!(h.contains(&format!("doorbell={}", modes.join("|"))), "serve --help's doorbell modes");
+        assert!(h.contains("forecast=on|off") && h.contains("bar-adaptive"));
+        let nvme = help(&["bench", "nvme"]);
+        for m in &modes {
+            assert!(nvme.contains(m.as_str()), "bench nvme --help lacks {m}");
+            assert!(m.parse::<iopath_devices::nvme::DoorbellMode>().is_ok());
+        }
+    }
+
+    #[test]
+    fn run_lists_the_workloads_the_guest_dispatches() {
+        // The guest's own dispatch (guest/c/main.c): `strncmp(workload, "NAME", N)`.
+        let src = include_str!("../../guest/c/main.c");
+        let names: Vec<&str> = src.split("strncmp(workload, \"").skip(1).filter_map(|s| s.split('"').next()).collect();
+        assert_eq!(names.len(), 5, "{names:?}");
+        let h = help(&["run"]);
+        for n in &names {
+            assert!(h.contains(n), "run --help lacks workload {n}");
+            assert!(Cli::try_parse_from_args(&["iopath", "run", "--workload", n]), "{n}");
+        }
+        assert!(!Cli::try_parse_from_args(&["iopath", "run", "--workload", "nvmee"]));
+    }
+
+    #[test]
+    fn bench_helps_state_what_runs() {
+        let blk = help(&["bench", "blk"]);
+        for t in iopath_bench::blk::TARGETS {
+            assert!(blk.contains(t), "bench blk --help lacks target {t}");
+        }
+        let all = help(&["bench", "all"]);
+        let quick: Vec<String> = crate::all::SWEEP_QUICK.iter().map(|d| d.to_string()).collect();
+        assert!(all.contains(&format!("iodepths {}", quick.join(", "))), "bench all --help: the quick sweep");
+        for b in ["nvme", "blk", "spdk"] {
+            let h = help(&["bench", b]);
+            for f in iopath_bench::fioout::FORMATS {
+                assert!(h.contains(f), "bench {b} --help lacks --output-format {f}");
+            }
+        }
+        let transports = help(&["bench", "exits"]);
+        for t in iopath_protocols::TRANSPORTS {
+            assert!(transports.contains(t.name()), "bench exits --help lacks transport {}", t.name());
+        }
+    }
+
+    impl Cli {
+        fn try_parse_from_args(a: &[&str]) -> bool {
+            <Cli as clap::Parser>::try_parse_from(a).is_ok()
+        }
+    }
 }
