@@ -516,7 +516,7 @@ pub fn run_floor(o: &FloorOptions) -> anyhow::Result<FloorResult> {
         anyhow::ensure!((1..=MAX_QD).contains(&qd), "queue depth {qd} is outside 1..={MAX_QD}");
     }
     let total = o.depths.len() as u64 * o.rounds as u64;
-    let pb = if o.progress { indicatif::ProgressBar::new(total) } else { indicatif::ProgressBar::hidden() };
+    let pb = crate::progress::bar(o.progress, total);
     let (mut runs, mut errors, mut wake) = (Vec::new(), Vec::new(), Vec::new());
     let (k0, t0) = (ticks(), Instant::now());
     let interrupted = crate::interrupt::interrupted;

@@ -17,6 +17,7 @@ pub mod host;
 pub mod interrupt;
 pub mod nvme;
 pub mod pin;
+pub mod progress;
 pub mod qemu;
 pub mod qmp;
 pub mod record;

@@ -13,7 +13,7 @@ use crate::host::{host_info, HostInfo};
 use crate::nvme::{LatHist, NvmeOptions, NvmeRun, Runner};
 use crate::pin::Pinner;
 use crate::qemu::QemuBacking;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use iopath_devices::nvme::DoorbellMode;
 use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig};
 use iopath_devices::DeviceConfig;
@@ -35,11 +35,7 @@ pub const WINDOW_END: &str = "@vblk-window end";
 
 /// The progress bar of a run of `len` steps (hidden without `show`).
 pub fn progress(show: bool, len: u64) -> ProgressBar {
-    let pb = if show { ProgressBar::new(len) } else { ProgressBar::hidden() };
-    pb.set_style(
-        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "),
-    );
-    pb
+    crate::progress::bar(show, len)
 }
 
 /// The options `bench nvme`'s runner takes for the same jobs and backend.

@@ -22,7 +22,7 @@ pub use verify::{verify_floor, verify_iopath, verify_qemu, Routing};
 use crate::guard::GuardConfig;
 use crate::host::{host_info, HostInfo};
 use crate::record::GuestOutput;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use iopath_devices::doorbell::Doorbell;
 use iopath_devices::testdev::PciTestDev;
 use iopath_devices::SharedDevice;
@@ -315,10 +315,7 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
     let remote_targets = crate::remote::targets(o, qemu.is_some())?;
     let ncpl = o.cpls.len() as u64;
     let per_round = ncpl * (1 + o.floor as u64) + qemu.is_some() as u64 + remote_targets.len() as u64;
-    let pb = if o.progress { ProgressBar::new(o.rounds as u64 * per_round) } else { ProgressBar::hidden() };
-    pb.set_style(
-        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "),
-    );
+    let pb = crate::progress::bar(o.progress, o.rounds as u64 * per_round);
     let timeout = Duration::from_secs(o.timeout_s);
     let mut runs = Vec::new();
     let mut errors = Vec::new();

@@ -9,7 +9,7 @@ use crate::cpu::{Window, WindowCpu, NVME_DEVICE_THREADS};
 use crate::host::{host_info, HostInfo};
 use crate::pin::{QEMU_DEVICE_THREADS, VCPU_THREADS};
 use crate::qemu::QemuBacking;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use iopath_devices::nvme::backend::BackendKind;
 use iopath_devices::nvme::{DoorbellMode, InPlace, NvmeConfig};
 use iopath_devices::DeviceConfig;
@@ -219,13 +219,7 @@ impl<'a> Ctx<'a> {
     }
 
     pub fn progress(&self, len: u64) -> ProgressBar {
-        let pb = if self.o.progress { ProgressBar::new(len) } else { ProgressBar::hidden() };
-        pb.set_style(
-            ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
-                .unwrap()
-                .progress_chars("=> "),
-        );
-        pb
+        crate::progress::bar(self.o.progress, len)
     }
 
     /// The setup of a target's device, for ratio lines.

@@ -204,11 +204,7 @@ fn hugepages() -> anyhow::Result<()> {
 }
 
 fn progress_bar(show: bool, len: u64) -> indicatif::ProgressBar {
-    let pb = if show { indicatif::ProgressBar::new(len) } else { indicatif::ProgressBar::hidden() };
-    if let Ok(style) = indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}") {
-        pb.set_style(style.progress_chars("=> "));
-    }
-    pb
+    crate::progress::bar(show, len)
 }
 
 /// Runs the bench. Ctrl-C stops it after the servers and any perf are
