@@ -75,7 +75,12 @@ fn lines(weak: &WeakProgressBar, when: Plain, mut out: Box<dyn Write + Send>) {
 
 /// One plain progress line: `progress: 3/12 runs, 0:42 elapsed, ETA 2:06: <what runs>`.
 pub fn line(pos: u64, len: u64, elapsed: Duration, eta: Option<Duration>, msg: &str) -> String {
-    let eta = eta.map_or_else(|| "not known yet".to_string(), clock);
+    let eta = match eta {
+        // Re-runs a guard asked for, or a bench's last steps, come after the planned runs.
+        _ if len > 0 && pos >= len => "none: the planned runs are done; re-runs and the last steps go on".to_string(),
+        Some(d) => clock(d),
+        None => "not known yet".to_string(),
+    };
     let msg = if msg.is_empty() { String::new() } else { format!(": {msg}") };
     format!("progress: {pos}/{len} runs, {} elapsed, ETA {eta}{msg}", clock(elapsed))
 }
@@ -114,6 +119,8 @@ mod tests {
         assert_eq!(l, "progress: 3/12 runs, 0:42 elapsed, ETA 2:06: nvme shm qd16");
         let l = line(0, 2, Duration::from_secs(3725), None, "");
         assert_eq!(l, "progress: 0/2 runs, 1:02:05 elapsed, ETA not known yet");
+        let l = line(18, 18, Duration::from_secs(341), Some(Duration::ZERO), "re-run 49");
+        assert!(l.contains("ETA none: the planned runs are done"), "{l}");
     }
 
     /// Without a terminal: a line when a run ends, one while a run goes on
