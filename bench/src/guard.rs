@@ -25,11 +25,14 @@ pub struct GuardConfig {
     pub max_spread: f64,
     /// How many times a marked row is run again before the mark stays.
     pub reruns: u32,
+    /// A round this many times (or more) away from the median of its row's
+    /// other rounds, either way, is marked as an outlier.
+    pub max_outlier: f64,
 }
 
 impl Default for GuardConfig {
     fn default() -> Self {
-        GuardConfig { min_floor_ratio: 0.95, max_spread: 2.0, reruns: 2 }
+        GuardConfig { min_floor_ratio: 0.95, max_spread: 2.0, reruns: 2, max_outlier: 100.0 }
     }
 }
 
@@ -40,6 +43,11 @@ pub enum Mark {
     BelowFloor { ratio: f64, floor: String },
     /// The rounds' max is `max_over_min` times their min.
     Spread { max_over_min: f64 },
+    /// Round `round` (0-based, in the order given) is `ratio` times the
+    /// median of the other rounds (above 1: larger; below 1: smaller).
+    Outlier { round: usize, ratio: f64 },
+    /// One round only: no spread or outlier check was possible.
+    Unguarded,
 }
 
 impl Mark {
@@ -48,6 +56,11 @@ impl Mark {
         match self {
             Mark::BelowFloor { ratio, floor } => format!("!{ratio:.2}x of {floor}"),
             Mark::Spread { max_over_min } => format!("!spread {max_over_min:.1}x"),
+            Mark::Outlier { round, ratio } if *ratio >= 1.0 => {
+                format!("!round {} {:.0}x the others", round + 1, ratio)
+            }
+            Mark::Outlier { round, ratio } => format!("!round {} 1/{:.0} of the others", round + 1, 1.0 / ratio),
+            Mark::Unguarded => "!unguarded (1 round)".into(),
         }
     }
 
@@ -55,6 +68,8 @@ impl Mark {
         match self {
             Mark::BelowFloor { ratio, floor } => json!({"kind": "below_floor", "ratio": ratio, "floor": floor}),
             Mark::Spread { max_over_min } => json!({"kind": "spread", "max_over_min": max_over_min}),
+            Mark::Outlier { round, ratio } => json!({"kind": "outlier", "round": round, "ratio": ratio}),
+            Mark::Unguarded => json!({"kind": "unguarded", "rounds": 1}),
         }
     }
 }
@@ -87,6 +102,31 @@ impl GuardConfig {
         }
         let r = s.max / s.min;
         (r > self.max_spread).then_some(Mark::Spread { max_over_min: r })
+    }
+
+    /// Marks the rounds of one figure (`rounds`, one value per round, in
+    /// round order): each round `max_outlier` times (or more) above or below
+    /// its row's other rounds (their median: with two rounds, the other one;
+    /// with more, the median of all rounds, which one wild round cannot
+    /// move), and a figure of one round as unguarded (no spread or outlier
+    /// check can fire on it). No rounds: no mark (the caller reports a
+    /// missing figure as missing).
+    pub fn rounds(&self, rounds: &[f64]) -> Vec<Mark> {
+        let v: Vec<f64> = rounds.iter().copied().filter(|x| x.is_finite()).collect();
+        if v.len() == 1 {
+            return vec![Mark::Unguarded];
+        }
+        let all = crate::stats::summarize(&v).map(|s| s.median);
+        let mut out = Vec::new();
+        for (i, x) in v.iter().enumerate() {
+            let m = if v.len() == 2 { Some(v[1 - i]) } else { all };
+            let Some(m) = m.filter(|m| *m > 0.0 && *x > 0.0) else { continue };
+            let ratio = x / m;
+            if ratio >= self.max_outlier || ratio <= 1.0 / self.max_outlier {
+                out.push(Mark::Outlier { round: i, ratio });
+            }
+        }
+        out
     }
 
     /// Runs `attempt` (given the attempt number, 0 first) until `marks` finds
@@ -158,6 +198,29 @@ mod tests {
         assert_eq!(g.spread(&s(1.0, 2.0, 2.5, 5)), Some(Mark::Spread { max_over_min: 2.5 }));
         assert_eq!(g.spread(&s(1.0, 1.5, 1.9, 5)), None);
         assert_eq!(g.spread(&s(1.0, 1.0, 9.0, 1)), None, "one round has no spread");
+    }
+
+    #[test]
+    fn a_round_100x_from_the_others_is_an_outlier_and_one_round_is_unguarded() {
+        let g = GuardConfig::default();
+        // The case: 6.56 ms among rounds of ~107.5 ns.
+        let m = g.rounds(&[107.5, 6.56e6, 109.8]);
+        assert_eq!(m.len(), 1, "{m:?}");
+        assert!(matches!(m[0], Mark::Outlier { round: 1, ratio } if (ratio - 6.56e6 / 109.8).abs() < 1.0));
+        assert_eq!(m[0].label(), "!round 2 59745x the others");
+        assert_eq!(m[0].json()["kind"], "outlier");
+        // Below the others by 100x or more.
+        assert!(matches!(g.rounds(&[1000.0, 1000.0, 10.0])[..], [Mark::Outlier { round: 2, ratio }] if ratio == 0.01));
+        // 99x is not marked; nor are rounds that agree.
+        assert_eq!(g.rounds(&[100.0, 9900.0, 100.0]), vec![]);
+        assert_eq!(g.rounds(&[100.0, 10000.0, 100.0]).len(), 1);
+        assert_eq!(g.rounds(&[100.0, 120.0]), vec![]);
+        // Two rounds 100x apart: each is 100x the other.
+        assert_eq!(g.rounds(&[1.0, 100.0]).len(), 2);
+        assert_eq!(g.rounds(&[6.56e6]), vec![Mark::Unguarded]);
+        assert_eq!(Mark::Unguarded.label(), "!unguarded (1 round)");
+        assert_eq!(g.rounds(&[]), vec![]);
+        assert_eq!(g.rounds(&[f64::NAN]), vec![]);
     }
 
     #[test]

@@ -231,6 +231,8 @@ mod tests {
             .map(|m| match m {
                 Mark::BelowFloor { ratio, floor } => Mark::BelowFloor { ratio: r(ratio), floor },
                 Mark::Spread { max_over_min } => Mark::Spread { max_over_min: r(max_over_min) },
+                Mark::Outlier { round, ratio } => Mark::Outlier { round, ratio: r(ratio) },
+                Mark::Unguarded => Mark::Unguarded,
             })
             .collect()
     }
