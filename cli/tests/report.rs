@@ -25,7 +25,7 @@ fn bench_all_writes_a_report_with_tables_csv_json_and_plots() {
     assert_eq!(benches, ["exits", "floor", "nvme", "blk"]);
 
     let csv = std::fs::read_to_string(dir.join("results.csv")).unwrap();
-    assert!(csv.starts_with("bench,row,metric,median,min,max,unit\n"));
+    assert!(csv.starts_with("bench,row,metric,median,min,max,unit,mark\n"));
     for want in [
         // bench all runs the exit rows at ring 3 and ring 0 (the device processes at 3).
         "exits,mmio-no-eventfd:pci-mem cpl3 @ iopath,ns_per_access,",
@@ -56,7 +56,7 @@ fn bench_all_writes_a_report_with_tables_csv_json_and_plots() {
     for svg in [
         "cost-per-path.svg",
         "iops-vs-iodepth-vmm.svg",
-        "p99-vs-iodepth-vmm.svg",
+        "latency-vs-iodepth-vmm.svg",
         "iops-vs-iodepth-vfio-user.svg",
         "blk-throughput-seq-read-128k-qd16.svg",
     ] {

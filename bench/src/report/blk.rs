@@ -19,8 +19,9 @@ fn records(d: &Value) -> impl Iterator<Item = &Value> {
     d["records"].as_array().into_iter().flatten()
 }
 
-/// Every blk figure: one CSV row per target, job and metric.
-pub(super) fn figures(input: &Input, out: &mut Vec<Figure>) {
+/// Every blk figure: one CSV row per target, job and metric, marked from its
+/// rounds and (latency) against the run's shm round trip floor `shm`.
+pub(super) fn figures(input: &Input, shm: Option<f64>, out: &mut Vec<Figure>) {
     for d in docs(input, "blk") {
         for r in records(d) {
             let row = format!("{} {}", r["target"].as_str().unwrap_or("?"), r["job"].as_str().unwrap_or("?"));
@@ -37,15 +38,23 @@ pub(super) fn figures(input: &Input, out: &mut Vec<Figure>) {
                 } else {
                     stat(r, key)
                 };
-                if let Some(s) = s {
-                    out.push(Figure {
-                        bench: "blk".into(),
-                        row: row.clone(),
-                        metric: metric.into(),
-                        s,
-                        unit: unit.into(),
-                    });
+                let Some(s) = s else { continue };
+                let mut marks = Vec::new();
+                if key != "ratio" {
+                    let rounds = super::values(&r["rounds"], key);
+                    marks.extend(super::guard().rounds(&rounds).iter().map(|m| m.label()));
                 }
+                if let (Some(fl), "ns") = (shm, unit) {
+                    marks.extend(super::guard().below_floor(s.median, fl, "shm round trip floor").map(|m| m.label()));
+                }
+                out.push(Figure {
+                    bench: "blk".into(),
+                    row: row.clone(),
+                    metric: metric.into(),
+                    s,
+                    unit: unit.into(),
+                    marks,
+                });
             }
         }
     }
@@ -186,22 +195,65 @@ pub(super) fn markdown(input: &Input, s: &mut String) {
     }
 }
 
-/// One bar plot per job: MB/s (throughput) or p50 (latency) per target.
-pub(super) fn plots(input: &Input, keep: &mut dyn FnMut(String, Result<String, String>)) {
+/// One dot plot per job: MB/s (throughput, min..max over rounds) or p50
+/// with a whisker to p99 (latency) per target; failed targets say so; a
+/// null backend's throughput says no data moved.
+pub(super) fn plots(input: &Input, figs: &[Figure], keep: &mut dyn FnMut(String, Result<String, String>)) {
     let Some(d) = docs(input, "blk").next() else { return };
+    let null = d["options"]["backend"].as_str() == Some("null");
+    let failed: Vec<&str> = d["failures"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|x| x["target"].as_str())
+        .chain(d["not_run"].as_array().into_iter().flatten().filter_map(|x| x["target"].as_str()))
+        .collect();
     for (ji, name, measure) in jobs(d) {
-        let (key, unit, what) =
-            if measure == "throughput" { ("mb_s", "MB/s", "throughput") } else { ("p50_ns", "ns", "latency") };
+        let tput = measure == "throughput";
+        let (key, metric) = if tput { ("mb_s", "mb_s") } else { ("p50_ns", "p50_latency") };
         let bars: Vec<plot::Bar> = targets(d)
             .iter()
             .filter_map(|t| {
-                let s = stat(find(d, t, ji)?, key)?;
-                Some(plot::Bar { label: t.clone(), median: s.median, min: s.min, max: s.max })
+                let r = find(d, t, ji);
+                let s = r.and_then(|r| stat(r, key));
+                let Some(s) = s.filter(|s| s.median > 0.0) else {
+                    let known = r.is_some() || failed.contains(&t.as_str());
+                    return known.then(|| plot::Bar { label: t.clone(), failed: true, ..Default::default() });
+                };
+                let row = format!("{t} {name}");
+                let mut mark: Vec<String> = figs
+                    .iter()
+                    .filter(|x| x.bench == "blk" && x.row == row && x.metric == metric)
+                    .flat_map(|x| x.marks.clone())
+                    .collect();
+                if tput && null {
+                    mark.insert(0, "(no data moved)".into());
+                }
+                let (min, max) =
+                    if tput { (s.min, s.max) } else { (s.median, r.and_then(|r| f(&r["p99_ns"])).unwrap_or(s.median)) };
+                Some(plot::Bar { label: t.clone(), median: s.median, min, max, mark: mark.join("; "), failed: false })
             })
             .collect();
-        if !bars.is_empty() {
-            let title = format!("Block paths, {name}: {}", if key == "mb_s" { "MB/s" } else { "p50 latency" });
-            keep(format!("blk-{what}-{}.svg", slug(&name)), plot::cost_bars(&title, unit, &bars));
+        if bars.is_empty() {
+            continue;
         }
+        let title = if tput {
+            let note = if null { " — null backend: no data moved, a bound on the path alone" } else { "" };
+            format!("Block paths, {name}: guest I/O throughput per path{note}")
+        } else {
+            format!("Block paths, {name}: guest I/O latency per path")
+        };
+        let p = plot::DotPlot {
+            title: &title,
+            what: if tput { "throughput the guest saw" } else { "I/O latency" },
+            q: if tput { plot::Quantity::Other("MB/s") } else { plot::Quantity::Ns },
+            whisker: if tput { "min..max over rounds" } else { "p50..p99" },
+            floor: if tput {
+                None
+            } else {
+                super::shm_floor(input).map(|v| (v, "shm round trip floor (same run)".to_string()))
+            },
+        };
+        keep(format!("blk-{measure}-{}.svg", slug(&name)), plot::dots(&p, &bars));
     }
 }

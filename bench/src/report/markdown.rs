@@ -48,16 +48,17 @@ fn figure_table(s: &mut String, bench: &str, figs: &[Figure]) {
     if rows.is_empty() {
         return;
     }
-    let _ = writeln!(s, "| row | metric | median | min | max |\n|---|---|---:|---:|---:|");
+    let _ = writeln!(s, "| row | metric | median | min | max | mark |\n|---|---|---:|---:|---:|---|");
     for f in rows {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} |",
             f.row,
             f.metric,
             fmt(f.s.median, &f.unit),
             fmt(f.s.min, &f.unit),
-            fmt(f.s.max, &f.unit)
+            fmt(f.s.max, &f.unit),
+            f.marks.join("; ")
         );
     }
     let _ = writeln!(s);
@@ -195,10 +196,21 @@ pub(super) fn render(input: &Input, figs: &[Figure], svgs: &[(String, String)], 
         let _ = writeln!(s);
     }
     let marked = super::marked(input);
-    if !marked.is_empty() {
-        let _ = writeln!(s, "## Marked figures\n\nThe guard marked these (below their floor, or rounds that disagree) after its re-runs: do not take them at face value.\n\n| bench | row | marks |\n|---|---|---|");
+    let figs_marked: Vec<&Figure> =
+        figs.iter().filter(|f| !f.marks.is_empty() && f.metric != "cycles_per_access").collect();
+    if !marked.is_empty() || !figs_marked.is_empty() {
+        let _ = writeln!(
+            s,
+            "## Marked figures\n\nDo not take these at face value. `!round k Nx the others`: one round 100x or more away \
+             from the median of its row's other rounds; `!unguarded (1 round)`: one round only, so no spread check was \
+             possible; `!0.50x of F`: below the same run's floor F; `bench:` the bench's own guard, after its re-runs.\n\n\
+             | bench | row | marks |\n|---|---|---|"
+        );
         for (b, r, m) in &marked {
-            let _ = writeln!(s, "| {b} | {r} | {m} |");
+            let _ = writeln!(s, "| {b} | {r} | bench: {m} |");
+        }
+        for f in figs_marked {
+            let _ = writeln!(s, "| {} | {} {} | {} |", f.bench, f.row, f.metric, f.marks.join("; "));
         }
         let _ = writeln!(s);
     }
@@ -211,10 +223,17 @@ pub(super) fn render(input: &Input, figs: &[Figure], svgs: &[(String, String)], 
     }
     let costs = super::path_costs(input);
     if !costs.is_empty() {
-        let _ = writeln!(s, "## Cost per path\n\n| path | median | min | max |\n|---|---:|---:|---:|");
+        let _ = writeln!(s, "## Cost per path\n\nOne guest access (an exit: one write; the shm doorbell: one round trip).\n\n| path | median | min | max | mark |\n|---|---:|---:|---:|---|");
         for b in &costs {
-            let _ =
-                writeln!(s, "| {} | {} | {} | {} |", b.label, fmt(b.median, "ns"), fmt(b.min, "ns"), fmt(b.max, "ns"));
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} |",
+                b.label,
+                fmt(b.median, "ns"),
+                fmt(b.min, "ns"),
+                fmt(b.max, "ns"),
+                b.mark
+            );
         }
         let _ = writeln!(s);
     }

@@ -76,6 +76,10 @@ pub struct Figure {
     pub metric: String,
     pub s: Summary,
     pub unit: String,
+    /// Why the figure is not to be taken at face value: the bench's own
+    /// marks and the report's (`crate::guard`: a round 100x from the
+    /// others, one round only, below a same-run floor); empty when none.
+    pub marks: Vec<String>,
 }
 
 pub(crate) fn f(v: &Value) -> Option<f64> {
@@ -230,48 +234,121 @@ pub(crate) fn nvme_groups(doc: &Value) -> Vec<NvmeGroup<'_>> {
     g
 }
 
-/// Every measured figure of every document, one per CSV row.
+/// The values of `key` in each element of `v` (a JSON array), in order.
+pub(crate) fn values(v: &Value, key: &str) -> Vec<f64> {
+    v.as_array().into_iter().flatten().filter_map(|x| f(&x[key])).collect()
+}
+
+/// The report's marks on a figure from its rounds (`guard::GuardConfig::rounds`)
+/// and the bench's own (`doc_marks`, a JSON `marks` array).
+fn marks_of(rounds: &[f64], doc_marks: &Value) -> Vec<String> {
+    let mut m: Vec<String> = guard().rounds(rounds).iter().map(crate::guard::Mark::label).collect();
+    m.extend(marks_text(doc_marks).map(|t| format!("bench: {t}")));
+    m
+}
+
+/// The report's thresholds: the benches' defaults.
+pub(crate) fn guard() -> crate::guard::GuardConfig {
+    crate::guard::GuardConfig::default()
+}
+
+/// The shm doorbell round trip of the run (exits `doorbell-rtt:shm` on
+/// iopath): no round trip through shared memory can be cheaper.
+pub(crate) fn shm_floor(input: &Input) -> Option<f64> {
+    docs(input, "exits").find_map(|d| exits_ns(d, "doorbell-rtt:shm", "iopath")).map(|s| s.median)
+}
+
+/// The ring floor of the run at `qd`: (ops/s, p50 ns), from `bench floor`'s summary.
+pub(crate) fn ring_floor(input: &Input, qd: u64) -> Option<(f64, f64)> {
+    docs(input, "floor").find_map(|d| {
+        let s = d["summary"].as_array()?.iter().find(|s| s["qd"].as_u64() == Some(qd))?;
+        Some((summary_of(&s["ops_s"])?.median, summary_of(&s["p50_ns"])?.median))
+    })
+}
+
+/// Every measured figure of every document, one per CSV row, with its marks.
 pub fn figures(input: &Input) -> Vec<Figure> {
     let mut out = Vec::new();
-    let mut push = |bench: &str, row: String, metric: &str, s: Option<Summary>, unit: &str| {
+    let mut push = |bench: &str, row: String, metric: &str, s: Option<Summary>, unit: &str, marks: Vec<String>| {
         if let Some(s) = s {
-            out.push(Figure { bench: bench.into(), row, metric: metric.into(), s, unit: unit.into() });
+            out.push(Figure { bench: bench.into(), row, metric: metric.into(), s, unit: unit.into(), marks });
+        }
+    };
+    let shm = shm_floor(input);
+    let below_shm = |v: Option<Summary>, unit: &str| -> Vec<String> {
+        match (v, shm, unit) {
+            (Some(v), Some(fl), "ns") => {
+                guard().below_floor(v.median, fl, "shm round trip floor").iter().map(|m| m.label()).collect()
+            }
+            _ => vec![],
         }
     };
     for d in docs(input, "exits") {
         for r in d["rows"].as_array().into_iter().flatten() {
             let name = exits_row_name(r);
             for (t, v) in r["targets"].as_object().into_iter().flatten() {
-                push("exits", format!("{name} @ {t}"), "ns_per_access", summary_of(&v["ns"]), "ns");
-                push("exits", format!("{name} @ {t}"), "cycles_per_access", summary_of(&v["cycles"]), "cycles");
+                let m = exits_marks(v);
+                push("exits", format!("{name} @ {t}"), "ns_per_access", summary_of(&v["ns"]), "ns", m.clone());
+                push("exits", format!("{name} @ {t}"), "cycles_per_access", summary_of(&v["cycles"]), "cycles", m);
             }
         }
         for (k, v) in d["out_of_process"]["socket_round_trip"].as_object().into_iter().flatten() {
-            push("exits", format!("socket round trip {k}"), "round_trip", summary_of(&v["ns"]), "ns");
+            let s = summary_of(&v["ns"]);
+            // Batches, not rounds: only a single one leaves nothing to check against.
+            let one =
+                if v["batches"].as_u64() == Some(1) { s.map(|s| vec![s.median]).unwrap_or_default() } else { vec![] };
+            let mut m = marks_of(&one, &Value::Null);
+            m.extend(below_shm(s, "ns"));
+            push("exits", format!("socket round trip {k}"), "round_trip", s, "ns", m);
         }
     }
     for d in docs(input, "nvme") {
         let jobs = d["options"]["jobs"].as_array().cloned().unwrap_or_default();
         for g in nvme_groups(d) {
-            let row =
-                format!("{} {}", g.target, jobs.get(g.job).map(job_label).unwrap_or_else(|| format!("job {}", g.job)));
-            push("nvme", row.clone(), "iops", g.stat("iops"), "IOPS");
-            push("nvme", row.clone(), "p50_latency", g.stat("p50_ns"), "ns");
-            push("nvme", row.clone(), "p99_latency", g.stat("p99_ns"), "ns");
-            push("nvme", row.clone(), "exits_per_io", g.stat("exits_per_io"), "exits");
-            push("nvme", row.clone(), "cpu_per_io", g.stat("cpu_ns_per_io"), "ns");
-            push("nvme", row.clone(), "vcpu_per_io", g.stat("vcpu_ns_per_io"), "ns");
-            push("nvme", row, "floor_ratio", g.stat("floor_ratio"), "x");
+            let job = jobs.get(g.job);
+            let row = format!("{} {}", g.target, job.map(job_label).unwrap_or_else(|| format!("job {}", g.job)));
+            let ring = job.and_then(|j| j["iodepth"].as_u64()).and_then(|qd| Some((qd, ring_floor(input, qd)?)));
+            let doc_marks = g.summary.map_or(Value::Null, |s| s["marks"].clone());
+            let per = |key: &str| {
+                let rounds: Vec<f64> = g.runs.iter().filter_map(|r| f(&r[key])).collect();
+                marks_of(&rounds, &Value::Null)
+            };
+            let mut m = per("iops");
+            m.extend(marks_text(&doc_marks).map(|t| format!("bench: {t}")));
+            if let (Some((qd, (ops, _))), Some(v)) = (ring, g.stat("iops")) {
+                m.extend(guard().above_floor_rate(v.median, ops, &format!("ring floor qd{qd}")).map(|x| x.label()));
+            }
+            push("nvme", row.clone(), "iops", g.stat("iops"), "IOPS", m);
+            let mut m = per("p50_ns");
+            m.extend(below_shm(g.stat("p50_ns"), "ns"));
+            if let (Some((qd, (_, p50))), Some(v)) = (ring, g.stat("p50_ns")) {
+                m.extend(guard().below_floor(v.median, p50, &format!("ring floor qd{qd}")).map(|x| x.label()));
+            }
+            push("nvme", row.clone(), "p50_latency", g.stat("p50_ns"), "ns", m);
+            let mut m = per("p99_ns");
+            m.extend(below_shm(g.stat("p99_ns"), "ns"));
+            push("nvme", row.clone(), "p99_latency", g.stat("p99_ns"), "ns", m);
+            push("nvme", row.clone(), "exits_per_io", g.stat("exits_per_io"), "exits", vec![]);
+            push("nvme", row.clone(), "cpu_per_io", g.stat("cpu_ns_per_io"), "ns", per("cpu_ns_per_io"));
+            push("nvme", row.clone(), "vcpu_per_io", g.stat("vcpu_ns_per_io"), "ns", per("vcpu_ns_per_io"));
+            push("nvme", row, "floor_ratio", g.stat("floor_ratio"), "x", vec![]);
         }
     }
     for d in docs(input, "floor") {
         for s in d["summary"].as_array().into_iter().flatten() {
             let qd = s["qd"].as_u64().unwrap_or(0);
-            push("floor", format!("ring qd{qd}"), "ops_s", summary_of(&s["ops_s"]), "ops/s");
-            push("floor", format!("ring qd{qd}"), "p50_latency", summary_of(&s["p50_ns"]), "ns");
+            let runs: Vec<&Value> = d["runs"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|r| r["qd"].as_u64() == Some(qd) && r["attempt"].as_u64().unwrap_or(0) == 0)
+                .collect();
+            let per = |key: &str| marks_of(&runs.iter().filter_map(|r| f(&r[key])).collect::<Vec<_>>(), &Value::Null);
+            push("floor", format!("ring qd{qd}"), "ops_s", summary_of(&s["ops_s"]), "ops/s", per("ops_s"));
+            push("floor", format!("ring qd{qd}"), "p50_latency", summary_of(&s["p50_ns"]), "ns", per("p50_ns"));
         }
     }
-    blk::figures(input, &mut out);
+    blk::figures(input, shm, &mut out);
     out
 }
 
@@ -300,30 +377,56 @@ fn num(v: f64) -> String {
 }
 
 pub fn csv(figs: &[Figure]) -> String {
-    let mut s = String::from("bench,row,metric,median,min,max,unit\n");
+    let mut s = String::from("bench,row,metric,median,min,max,unit,mark\n");
     for x in figs {
         s.push_str(&format!(
-            "{},{},{},{},{},{},{}\n",
+            "{},{},{},{},{},{},{},{}\n",
             csv_field(&x.bench),
             csv_field(&x.row),
             csv_field(&x.metric),
             num(x.s.median),
             num(x.s.min),
             num(x.s.max),
-            csv_field(&x.unit)
+            csv_field(&x.unit),
+            csv_field(&x.marks.join("; "))
         ));
     }
     s
 }
 
+/// An exits row's target object, the CPL3 row where rows come at both CPLs.
+fn exits_target<'a>(doc: &'a Value, row: &str, target: &str) -> Option<&'a Value> {
+    let rows = doc["rows"].as_array()?;
+    let r = rows
+        .iter()
+        .find(|r| r["name"] == row && (r["cpl"].is_null() || r["cpl"] == 3))
+        .or_else(|| rows.iter().find(|r| r["name"] == row))?;
+    r["targets"].get(target)
+}
+
+/// The report's marks on an exits target: from its rounds, and the bench's own.
+fn exits_marks(v: &Value) -> Vec<String> {
+    let mut rounds: Vec<f64> = v["per_round_median_cycles"].as_array().into_iter().flatten().filter_map(f).collect();
+    if rounds.is_empty() && v["rounds"].as_u64() == Some(1) {
+        rounds = summary_of(&v["ns"]).map(|s| vec![s.median]).unwrap_or_default();
+    }
+    marks_of(&rounds, &v["marks"])
+}
+
 /// The cost of each path, from the exits document: exit, ioeventfd,
-/// in-kernel, each transport, the shared-memory doorbell (and QEMU's exit).
+/// in-kernel, each transport, the shared-memory doorbell (and QEMU's exit),
+/// each with the report's marks.
 pub fn path_costs(input: &Input) -> Vec<plot::Bar> {
     let Some(d) = docs(input, "exits").next() else { return vec![] };
     let mut bars = Vec::new();
     let mut add = |label: String, row: &str, target: &str| {
-        if let Some(s) = exits_ns(d, row, target) {
-            bars.push(plot::Bar { label, median: s.median, min: s.min, max: s.max });
+        if let Some(v) = exits_target(d, row, target) {
+            if let Some(s) = summary_of(&v["ns"]) {
+                let mark = exits_marks(v).join("; ");
+                bars.push(plot::Bar { label, median: s.median, min: s.min, max: s.max, mark, failed: false });
+            } else {
+                bars.push(plot::Bar { label, failed: true, ..Default::default() });
+            }
         }
     };
     add("exit (iopath VMM)".into(), "mmio-no-eventfd:pci-mem", "iopath");
@@ -344,15 +447,43 @@ pub fn path_costs(input: &Input) -> Vec<plot::Bar> {
     bars
 }
 
+/// The run's `KVM_RUN` floor (exits' floor target on the MMIO row), ns.
+pub fn kvm_run_floor(input: &Input) -> Option<f64> {
+    docs(input, "exits").find_map(|d| exits_ns(d, "mmio-no-eventfd:pci-mem", "floor")).map(|s| s.median)
+}
+
 /// Where an nvme target runs: "vmm" (iopath's VMM, and QEMU), or the transport after its '@'.
 fn transport_of(target: &str) -> &str {
     target.split_once('@').map_or("vmm", |(_, t)| t)
 }
 
+/// The nvme targets that an error names as failing a run ("TARGET JOB round
+/// N: why"): a target with no runs at all shows as failed, not as nothing.
+fn failed_targets(doc: &Value) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for e in doc["errors"].as_array().into_iter().flatten().filter_map(Value::as_str) {
+        let Some((head, _)) = e.split_once(": ") else { continue };
+        let Some(t) = head.split_whitespace().next() else { continue };
+        let is_run = head.split_whitespace().rev().nth(1) == Some("round");
+        if is_run && !["wake", "guest", "floor"].contains(&t) && !t.ends_with(',') && !out.iter().any(|x| x == t) {
+            out.push(t.to_string());
+        }
+    }
+    out
+}
+
 /// nvme series against iodepth, one plot per transport ("vmm" holds QEMU
 /// too) and one series per target, for the jobs that differ only in
-/// iodepth (the most common rw/bs/queues of the run): (transport, family, series).
-pub fn by_iodepth(input: &Input, key: &str) -> Vec<(String, String, Vec<plot::Series>)> {
+/// iodepth (the most common rw/bs/queues of the run): (transport, family,
+/// series). `hi_key`, when given, is each point's whisker top (p99 over a
+/// p50); a point the report marked (`figs`) is listed as marked; a target
+/// that failed every run of the family is a failed series.
+pub fn by_iodepth(
+    input: &Input,
+    figs: &[Figure],
+    key: &str,
+    hi_key: Option<&str>,
+) -> Vec<(String, String, Vec<plot::Series>)> {
     let Some(d) = docs(input, "nvme").next() else { return vec![] };
     let Some(jobs) = d["options"]["jobs"].as_array() else { return vec![] };
     let family = |j: &Value| {
@@ -369,29 +500,81 @@ pub fn by_iodepth(input: &Input, key: &str) -> Vec<(String, String, Vec<plot::Se
     if n < 2 {
         return vec![];
     }
+    let metric = match key {
+        "iops" => "iops",
+        "p50_ns" => "p50_latency",
+        _ => "p99_latency",
+    };
     let mut plots: Vec<(String, String, Vec<plot::Series>)> = Vec::new();
+    let plot_of =
+        |plots: &mut Vec<(String, String, Vec<plot::Series>)>, tr: &str| match plots.iter().position(|p| p.0 == tr) {
+            Some(i) => i,
+            None => {
+                plots.push((tr.to_string(), fam.clone(), Vec::new()));
+                plots.len() - 1
+            }
+        };
     for g in nvme_groups(d) {
         let Some(j) = jobs.get(g.job) else { continue };
         if family(j).as_deref() != Some(fam.as_str()) || g.target.starts_with("fio") {
             continue;
         }
-        let (Some(qd), Some(v)) = (j["iodepth"].as_f64(), g.stat(key)) else { continue };
-        let tr = transport_of(&g.target).to_string();
-        let i = match plots.iter().position(|p| p.0 == tr) {
-            Some(i) => i,
+        let i = plot_of(&mut plots, transport_of(&g.target));
+        let series = &mut plots[i].2;
+        let si = match series.iter().position(|s| s.name == g.target) {
+            Some(si) => si,
             None => {
-                plots.push((tr, fam.clone(), Vec::new()));
-                plots.len() - 1
+                series.push(plot::Series { name: g.target.clone(), ..Default::default() });
+                series.len() - 1
             }
         };
-        let series = &mut plots[i].2;
-        match series.iter_mut().find(|s| s.name == g.target) {
-            Some(s) => s.points.push((qd, v.median)),
-            None => series.push(plot::Series { name: g.target.clone(), points: vec![(qd, v.median)] }),
+        let (Some(qd), Some(v)) = (j["iodepth"].as_f64(), g.stat(key)) else { continue };
+        let s = &mut series[si];
+        s.points.push((qd, v.median));
+        if let Some(h) = hi_key {
+            s.hi.push(g.stat(h).map_or(f64::NAN, |x| x.median));
+        }
+        let row = format!("{} {}", g.target, job_label(j));
+        if figs.iter().any(|f| f.bench == "nvme" && f.row == row && f.metric == metric && !f.marks.is_empty()) {
+            s.marked.push((qd, v.median));
+        }
+    }
+    for t in failed_targets(d) {
+        let i = plot_of(&mut plots, transport_of(&t));
+        if !plots[i].2.iter().any(|s| s.name == t) {
+            plots[i].2.push(plot::Series { name: t, ..Default::default() });
         }
     }
     for s in plots.iter_mut().flat_map(|p| p.2.iter_mut()) {
-        s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut idx: Vec<usize> = (0..s.points.len()).collect();
+        idx.sort_by(|a, b| s.points[*a].0.total_cmp(&s.points[*b].0));
+        let hi = s.hi.clone();
+        s.hi = if hi.len() == s.points.len() { idx.iter().map(|&i| hi[i]).collect() } else { vec![] };
+        s.points = idx.iter().map(|&i| s.points[i]).collect();
+        s.failed = s.points.is_empty();
+    }
+    // The run's ring floor at the family's iodepths, as a dashed line.
+    let qds: Vec<u64> = jobs
+        .iter()
+        .filter(|j| family(j).as_deref() == Some(fam.as_str()))
+        .filter_map(|j| j["iodepth"].as_u64())
+        .collect();
+    let floor: Vec<(f64, f64)> = qds
+        .iter()
+        .filter_map(|&q| {
+            let (ops, p50) = ring_floor(input, q)?;
+            Some((q as f64, if key == "iops" { ops } else { p50 }))
+        })
+        .collect();
+    if !floor.is_empty() && (key == "iops" || key == "p50_ns") {
+        for p in plots.iter_mut() {
+            p.2.push(plot::Series {
+                name: "ring floor (same run)".into(),
+                points: floor.clone(),
+                floor: true,
+                ..Default::default()
+            });
+        }
     }
     plots
 }
@@ -417,7 +600,7 @@ pub fn cdfs(input: &Input) -> Vec<(String, String, Vec<plot::Series>)> {
                 (e, acc as f64 / total as f64)
             })
             .collect();
-        let s = plot::Series { name: g.target.clone(), points };
+        let s = plot::Series { name: g.target.clone(), points, ..Default::default() };
         let tr = transport_of(&g.target).to_string();
         match out.iter_mut().find(|x| x.0 == g.job && x.2 == tr) {
             Some(x) => x.3.push(s),
@@ -441,7 +624,7 @@ fn slug(s: &str) -> String {
 
 /// The SVG plots the input has data for; a plot that fails to draw is
 /// reported in `errors` and left out.
-pub fn plots(input: &Input, errors: &mut Vec<String>) -> Vec<(String, String)> {
+pub fn plots(input: &Input, figs: &[Figure], errors: &mut Vec<String>) -> Vec<(String, String)> {
     let mut out = Vec::new();
     let mut keep = |name: String, r: Result<String, String>| match r {
         Ok(svg) => out.push((name, svg)),
@@ -449,24 +632,45 @@ pub fn plots(input: &Input, errors: &mut Vec<String>) -> Vec<(String, String)> {
     };
     let bars = path_costs(input);
     if !bars.is_empty() {
-        keep("cost-per-path.svg".into(), plot::cost_bars("Cost of one guest write, per path", "ns", &bars));
+        let p = plot::DotPlot {
+            title: "Cost of one guest access per path (exits: one MMIO/port write; shm doorbell: one round trip)",
+            what: "time per access",
+            q: plot::Quantity::Ns,
+            whisker: "min..max",
+            floor: kvm_run_floor(input).map(|v| (v, "KVM_RUN floor (same run)".to_string())),
+        };
+        keep("cost-per-path.svg".into(), plot::dots(&p, &bars));
     }
-    for (key, file, title, desc, log_y) in [
-        ("iops", "iops-vs-iodepth", "NVMe IOPS against iodepth", "IOPS", false),
-        ("p99_ns", "p99-vs-iodepth", "NVMe p99 latency against iodepth", "p99 latency (log)", true),
+    for (key, hi, file, title, what, q) in [
+        (
+            "iops",
+            None,
+            "iops-vs-iodepth",
+            "NVMe IOPS against iodepth",
+            "completed I/Os per second",
+            plot::Quantity::Other("IOPS"),
+        ),
+        (
+            "p50_ns",
+            Some("p99_ns"),
+            "latency-vs-iodepth",
+            "NVMe I/O latency (p50, whisker to p99) against iodepth",
+            "I/O latency, submission to completion",
+            plot::Quantity::Ns,
+        ),
     ] {
-        for (tr, fam, series) in by_iodepth(input, key) {
+        for (tr, fam, series) in by_iodepth(input, figs, key, hi) {
             let place = if tr == "vmm" { "in the VMM".to_string() } else { format!("over {tr}") };
             let title = format!("{title}, {place} ({fam})");
             let a = plot::Axes {
                 title: &title,
-                x_desc: "iodepth (log)",
-                y_desc: desc,
+                x_what: "iodepth",
+                x_q: plot::Quantity::Other("I/Os in flight"),
+                y_what: what,
+                y_q: q,
                 log_x: true,
-                log_y,
+                log_y: None,
                 y_zero: true,
-                x_ns: false,
-                y_ns: log_y,
                 legend: plot::Legend::UpperLeft,
             };
             keep(format!("{file}-{}.svg", slug(&tr)), plot::lines(&a, &series));
@@ -474,29 +678,29 @@ pub fn plots(input: &Input, errors: &mut Vec<String>) -> Vec<(String, String)> {
     }
     for (label, tr, series) in cdfs(input) {
         let place = if tr == "vmm" { "in the VMM".to_string() } else { format!("over {tr}") };
-        let title = format!("NVMe latency CDF, {place}: {label}");
+        let title = format!("NVMe I/O latency CDF, {place}: {label}");
         let a = plot::Axes {
             title: &title,
-            x_desc: "latency (log)",
-            y_desc: "fraction of I/Os",
+            x_what: "I/O latency",
+            x_q: plot::Quantity::Ns,
+            y_what: "share of I/Os done within it",
+            y_q: plot::Quantity::Other("fraction"),
             log_x: true,
-            log_y: false,
+            log_y: Some(false),
             y_zero: true,
-            x_ns: true,
-            y_ns: false,
             legend: plot::Legend::LowerRight,
         };
         keep(format!("cdf-{}-{}.svg", slug(&label), slug(&tr)), plot::lines(&a, &series));
     }
-    blk::plots(input, &mut keep);
+    blk::plots(input, figs, &mut keep);
     out
 }
 
 /// Renders the whole report.
 pub fn render(input: &Input) -> Report {
     let mut errors = Vec::new();
-    let svgs = plots(input, &mut errors);
     let figs = figures(input);
+    let svgs = plots(input, &figs, &mut errors);
     let markdown = markdown::render(input, &figs, &svgs, &errors);
     let json = json!({
         "schema_version": crate::guard::JSON_SCHEMA_VERSION,

@@ -3,24 +3,49 @@
 
 use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-/// One bar: a path's cost, median with its min..max.
-#[derive(Clone, Debug)]
+/// One row of a dot plot: a median (dot) with a whisker from `min` to `max`
+/// (min..max over rounds, or p50..p99 for latency), its marks, or a failed run.
+#[derive(Clone, Debug, Default)]
 pub struct Bar {
     pub label: String,
     pub median: f64,
     pub min: f64,
     pub max: f64,
+    /// The report's marks on this figure ("" when none): drawn in red beside it.
+    pub mark: String,
+    /// The run failed: the row says "failed" and has no dot.
+    pub failed: bool,
 }
 
-/// One line: named points (x, y).
-#[derive(Clone, Debug)]
+/// One line: named points (x, y), each with an optional whisker top (p99)
+/// and mark; a failed series has no points and says so in the legend.
+#[derive(Clone, Debug, Default)]
 pub struct Series {
     pub name: String,
     pub points: Vec<(f64, f64)>,
+    /// Whisker tops, one per point (empty: no whiskers).
+    pub hi: Vec<f64>,
+    /// The points the report marked (drawn ringed in red).
+    pub marked: Vec<(f64, f64)>,
+    pub failed: bool,
+    /// A same-run floor: drawn dashed, in grey.
+    pub floor: bool,
 }
 
 const W: u32 = 900;
+
+/// A width that holds a title of 18 px (plotters writes it at 18/1.24 px) with margins.
+fn title_width(t: &str) -> u32 {
+    text_width(t.chars().count(), 18.0 / 1.24) as u32 + 40
+}
+
+/// The width plotters' layout and a viewer give a text of `chars` characters
+/// at `size` px, at most (sans-serif averages about 0.55 em).
+pub fn text_width(chars: usize, size: f64) -> f64 {
+    chars as f64 * size * 0.62
+}
 
 fn err<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
@@ -32,16 +57,19 @@ fn colour(i: usize) -> RGBColor {
         RGBColor(31, 119, 180),
         RGBColor(255, 127, 14),
         RGBColor(44, 160, 44),
-        RGBColor(214, 39, 40),
         RGBColor(148, 103, 189),
         RGBColor(140, 86, 75),
         RGBColor(227, 119, 194),
         RGBColor(127, 127, 127),
         RGBColor(188, 189, 34),
         RGBColor(23, 190, 207),
+        RGBColor(31, 60, 120),
     ];
     C[i % C.len()]
 }
+
+const MARK: RGBColor = RGBColor(214, 39, 40);
+const FLOOR: RGBColor = RGBColor(90, 90, 90);
 
 /// A power of ten at or below `v` (and at or above for `up`), for log axes.
 fn decade(v: f64, up: bool) -> f64 {
@@ -49,64 +77,211 @@ fn decade(v: f64, up: bool) -> f64 {
     10f64.powf(if up { e.ceil() } else { e.floor() })
 }
 
-/// Horizontal bars on a log axis, one per path, with min..max whiskers and the median written at the bar's end.
-pub fn cost_bars(title: &str, unit: &str, bars: &[Bar]) -> Result<String, String> {
-    let bars: Vec<&Bar> = bars.iter().filter(|b| b.median.is_finite() && b.median > 0.0).collect();
-    if bars.is_empty() {
-        return Err("no bars".into());
+/// What an axis holds: nanoseconds (shown in one unit picked from the
+/// range), or a quantity with its unit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Quantity<'a> {
+    Ns,
+    Other(&'a str),
+}
+
+/// The unit an axis over `lo..hi` shows and the divisor from its values:
+/// for ns, ns, µs or ms by the range's geometric middle.
+pub fn axis_unit(q: Quantity, lo: f64, hi: f64) -> (String, f64) {
+    match q {
+        Quantity::Ns => {
+            let mid = (lo.max(1e-9) * hi.max(1e-9)).sqrt();
+            if mid >= 1e6 {
+                ("ms".into(), 1e6)
+            } else if mid >= 1e3 {
+                ("µs".into(), 1e3)
+            } else {
+                ("ns".into(), 1.0)
+            }
+        }
+        Quantity::Other(u) => (u.to_string(), 1.0),
     }
-    let lo = decade(bars.iter().map(|b| b.min.min(b.median)).fold(f64::INFINITY, f64::min), false);
-    let hi = decade(bars.iter().map(|b| b.max.max(b.median)).fold(0.0, f64::max) * 3.0, true);
+}
+
+/// A tick value in its axis' unit: k and M for large counts, enough
+/// decimals for small ones, no trailing zeros.
+pub fn tick(v: f64) -> String {
+    let a = v.abs();
+    if a >= 1e6 {
+        return format!("{}M", trim(format!("{:.2}", v / 1e6)));
+    }
+    if a >= 1e4 {
+        return format!("{}k", trim(format!("{:.1}", v / 1e3)));
+    }
+    if a == 0.0 {
+        return "0".into();
+    }
+    let digits = (2 - a.log10().floor() as i32).clamp(0, 9) as usize;
+    trim(format!("{v:.digits$}"))
+}
+
+fn trim(s: String) -> String {
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
+}
+
+/// A value with its unit, for the text beside a dot.
+pub fn value_text(v: f64, q: Quantity) -> String {
+    match q {
+        Quantity::Ns if v >= 1e6 => format!("{:.2} ms", v / 1e6),
+        Quantity::Ns if v >= 1e3 => format!("{:.2} µs", v / 1e3),
+        Quantity::Ns => format!("{v:.1} ns"),
+        Quantity::Other(u) if v >= 100.0 => format!("{v:.0} {u}"),
+        Quantity::Other(u) => format!("{v:.2} {u}"),
+    }
+}
+
+/// A dot plot, one row per path: the median as a dot with its whisker, its
+/// value (and marks, in red) in a right-hand column, failed rows saying so.
+/// The axis is logarithmic when the values span 10x or more (dots, never
+/// bars, so no baseline is implied), else linear from zero. `floor`, when
+/// given, is drawn as a dashed vertical line with its name.
+pub struct DotPlot<'a> {
+    pub title: &'a str,
+    /// What the axis measures, without its unit ("time per guest access").
+    pub what: &'a str,
+    pub q: Quantity<'a>,
+    /// What the whisker spans, for the axis label ("min..max over rounds").
+    pub whisker: &'a str,
+    pub floor: Option<(f64, String)>,
+}
+
+pub fn dots(p: &DotPlot, bars: &[Bar]) -> Result<String, String> {
+    let ok: Vec<&Bar> = bars.iter().filter(|b| !b.failed && b.median.is_finite() && b.median > 0.0).collect();
+    if ok.is_empty() {
+        return Err("no figures".into());
+    }
+    let vals =
+        || ok.iter().flat_map(|b| [b.min, b.median, b.max]).chain(p.floor.iter().map(|f| f.0)).filter(|v| *v > 0.0);
+    let lo = vals().fold(f64::INFINITY, f64::min);
+    let hi = vals().fold(0.0, f64::max);
+    let log = hi / lo >= 10.0;
+    let (x0, x1) = if log { (decade(lo, false), decade(hi * 1.01, true)) } else { (0.0, hi * 1.1) };
+    let (unit, div) = axis_unit(p.q, if log { x0 } else { hi / 10.0 }, hi);
+    let text_of = |b: &Bar| -> String {
+        if b.failed || !(b.median.is_finite() && b.median > 0.0) {
+            return "failed".into();
+        }
+        let v = value_text(b.median, p.q);
+        if b.mark.is_empty() {
+            v
+        } else {
+            format!("{v} {}", b.mark)
+        }
+    };
+    let left = bars.iter().map(|b| text_width(b.label.chars().count(), 14.0)).fold(120.0, f64::max) as u32 + 16;
+    let right = bars.iter().map(|b| text_width(text_of(b).chars().count(), 13.0)).fold(80.0, f64::max) as u32 + 16;
+    let width = (left + right + 520).max(W).max(title_width(p.title));
     let n = bars.len();
+    let height = 150 + 34 * n as u32;
+    let desc =
+        format!("{}, {unit}{} — dot: median, whisker: {}", p.what, if log { " (log scale)" } else { "" }, p.whisker);
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, (W, 120 + 36 * n as u32)).into_drawing_area();
+        let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
         root.fill(&WHITE).map_err(err)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 20))
+        // The title over the whole picture, not just the plot left of the values.
+        root.draw(&Text::new(
+            p.title,
+            (width as i32 / 2, 10),
+            ("sans-serif", 18).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Top)),
+        ))
+        .map_err(err)?;
+        let (plot_area, _) = root.split_horizontally(width - right);
+        let mut chart = ChartBuilder::on(&plot_area)
             .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(220)
-            .build_cartesian_2d((lo..hi).log_scale(), 0f64..n as f64)
+            .margin_top(40)
+            .x_label_area_size(48)
+            .y_label_area_size(left)
+            .build_cartesian_2d(x0..x1, 0f64..n as f64)
             .map_err(err)?;
+        // Ticks: the linear range's own; on a log axis, the decades and their 2x and 5x.
+        let ticks: Vec<f64> = if log {
+            let mut t = Vec::new();
+            let mut d = x0;
+            while d <= x1 * 1.0001 {
+                t.extend([d, 2.0 * d, 5.0 * d].into_iter().filter(|v| *v <= x1 * 1.0001));
+                d *= 10.0;
+            }
+            t
+        } else {
+            let step = nice_step(x1 / 6.0);
+            (0..).map(|k| k as f64 * step).take_while(|v| *v <= x1).collect()
+        };
+        let pos = |v: f64| if log { (v.log10() - x0.log10()) / (x1.log10() - x0.log10()) } else { v / x1 };
         chart
             .configure_mesh()
-            .disable_y_mesh()
+            .disable_mesh()
             .disable_y_axis()
-            .x_desc(format!("{unit} per access (log scale)"))
-            .x_label_formatter(&|v| axis_value(*v, unit))
+            .x_labels(0)
+            .x_desc(desc.clone())
+            .axis_desc_style(("sans-serif", 14))
             .draw()
             .map_err(err)?;
-        for (i, b) in bars.iter().enumerate() {
-            // Bar i sits in the band [n-1-i, n-i): the first bar on top.
-            let y = (n - 1 - i) as f64;
-            let c = colour(i);
-            chart
-                .draw_series(std::iter::once(Rectangle::new([(lo, y + 0.2), (b.median, y + 0.8)], c.filled())))
-                .map_err(err)?;
-            if b.max > b.min {
-                chart
-                    .draw_series(std::iter::once(PathElement::new(vec![(b.min, y + 0.5), (b.max, y + 0.5)], BLACK)))
-                    .map_err(err)?;
-            }
-            chart
-                .draw_series(std::iter::once(Text::new(
-                    format!(" {}", fmt_value(b.median, unit)),
-                    (b.max.max(b.median), y + 0.65),
-                    ("sans-serif", 13),
-                )))
-                .map_err(err)?;
+        let ((px0, px1), (py0, py1)) = {
+            let (xr, yr) = chart.plotting_area().get_pixel_range();
+            ((xr.start, xr.end), (yr.start, yr.end))
+        };
+        let xpix = |v: f64| px0 + ((px1 - px0) as f64 * pos(v)).round() as i32;
+        for t in &ticks {
+            let x = xpix(*t);
+            root.draw(&PathElement::new(vec![(x, py0), (x, py1)], RGBColor(225, 225, 225))).map_err(err)?;
+            root.draw(&Text::new(
+                tick(t / div),
+                (x, py1 + 6),
+                ("sans-serif", 12).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Top)),
+            ))
+            .map_err(err)?;
         }
-        // Labels in the left margin, one per bar.
-        let area = chart.plotting_area();
-        let (px, _) = area.get_pixel_range();
+        let ypix = |row: usize| py0 + ((py1 - py0) as f64 * (row as f64 + 0.5) / n as f64).round() as i32;
         for (i, b) in bars.iter().enumerate() {
-            let y = (n - 1 - i) as f64;
-            let (_, py) = chart.backend_coord(&(lo, y + 0.5));
+            let y = ypix(i);
+            let failed = text_of(b) == "failed";
             root.draw(&Text::new(
                 b.label.clone(),
-                (px.start - 210, py - 7),
-                ("sans-serif", 14).into_font().color(&BLACK),
+                (px0 - 8, y),
+                ("sans-serif", 14).into_font().color(&BLACK).pos(Pos::new(HPos::Right, VPos::Center)),
+            ))
+            .map_err(err)?;
+            let c = if b.mark.is_empty() { colour(i) } else { MARK };
+            if !failed {
+                if b.max > b.min && b.min > 0.0 {
+                    let (a, z) = (xpix(b.min.max(x0)), xpix(b.max.min(x1)));
+                    root.draw(&PathElement::new(vec![(a, y), (z, y)], BLACK.stroke_width(1))).map_err(err)?;
+                    for e in [a, z] {
+                        root.draw(&PathElement::new(vec![(e, y - 5), (e, y + 5)], BLACK)).map_err(err)?;
+                    }
+                }
+                root.draw(&Circle::new((xpix(b.median), y), 6, c.filled())).map_err(err)?;
+                if !b.mark.is_empty() {
+                    root.draw(&Circle::new((xpix(b.median), y), 10, MARK.stroke_width(2))).map_err(err)?;
+                }
+            }
+            let tc = if failed || !b.mark.is_empty() { MARK } else { BLACK };
+            root.draw(&Text::new(
+                text_of(b),
+                ((width - right) as i32 + 4, y),
+                ("sans-serif", 13).into_font().color(&tc).pos(Pos::new(HPos::Left, VPos::Center)),
+            ))
+            .map_err(err)?;
+        }
+        if let Some((v, name)) = &p.floor {
+            let x = xpix(*v);
+            root.draw(&PathElement::new(vec![(x, py0), (x, py1)], FLOOR.stroke_width(2))).map_err(err)?;
+            // The name on the side of the line with room for it.
+            let (tx, h) = if x > (px0 + px1) / 2 { (x - 4, HPos::Right) } else { (x + 4, HPos::Left) };
+            root.draw(&Text::new(
+                format!("{name}: {}", value_text(*v, p.q)),
+                (tx, py0 + 2),
+                ("sans-serif", 12).into_font().color(&FLOOR).pos(Pos::new(h, VPos::Top)),
             ))
             .map_err(err)?;
         }
@@ -115,38 +290,25 @@ pub fn cost_bars(title: &str, unit: &str, bars: &[Bar]) -> Result<String, String
     Ok(svg)
 }
 
-/// An axis tick: ns as ns, us or ms; others short.
-fn axis_value(v: f64, unit: &str) -> String {
-    match unit {
-        "ns" if v >= 1e6 => format!("{} ms", short(v / 1e6)),
-        "ns" if v >= 1e3 => format!("{} us", short(v / 1e3)),
-        "ns" => format!("{} ns", short(v)),
-        _ => short(v),
-    }
-}
-
-fn fmt_value(v: f64, unit: &str) -> String {
-    if unit == "ns" && v >= 1000.0 {
-        format!("{:.2} us", v / 1000.0)
-    } else if v >= 100.0 {
-        format!("{v:.0} {unit}")
-    } else {
-        format!("{v:.1} {unit}")
-    }
+/// 1, 2 or 5 times a power of ten, at or above `v`.
+fn nice_step(v: f64) -> f64 {
+    let d = decade(v, false);
+    [1.0, 2.0, 5.0, 10.0].into_iter().map(|k| k * d).find(|s| *s >= v).unwrap_or(10.0 * d)
 }
 
 /// Axes of a line plot.
 pub struct Axes<'a> {
     pub title: &'a str,
-    pub x_desc: &'a str,
-    pub y_desc: &'a str,
+    /// What each axis measures, without its unit; the unit comes from `x_q`/`y_q`.
+    pub x_what: &'a str,
+    pub x_q: Quantity<'a>,
+    pub y_what: &'a str,
+    pub y_q: Quantity<'a>,
     pub log_x: bool,
-    pub log_y: bool,
+    /// Logarithmic y: always, never, or (None) when the values span 10x or more.
+    pub log_y: Option<bool>,
     /// Y from 0 (linear) instead of from the data's minimum.
     pub y_zero: bool,
-    /// The axes hold nanoseconds: ticks read ns, us or ms.
-    pub x_ns: bool,
-    pub y_ns: bool,
     /// Where the legend goes: where the lines leave room.
     pub legend: Legend,
 }
@@ -158,20 +320,28 @@ pub enum Legend {
     LowerRight,
 }
 
-/// Lines with points and a legend naming each series.
+/// Lines with points (and whiskers, marks, floors) and a legend naming
+/// each series, failed ones too.
 pub fn lines(a: &Axes, series: &[Series]) -> Result<String, String> {
-    let pts = || series.iter().flat_map(|s| s.points.iter()).filter(|(x, y)| x.is_finite() && y.is_finite());
+    let fin = |&(x, y): &(f64, f64)| x.is_finite() && y.is_finite() && (!a.log_x || x > 0.0);
+    let pts = || {
+        series
+            .iter()
+            .flat_map(|s| s.points.iter().copied().chain(s.points.iter().zip(&s.hi).map(|(p, h)| (p.0, *h))))
+            .filter(fin)
+    };
     if pts().next().is_none() {
         return Err("no points".into());
     }
-    let (mut x0, mut x1) = pts().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &(x, _)| (a.min(x), b.max(x)));
-    let (mut y0, mut y1) = pts().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &(_, y)| (a.min(y), b.max(y)));
+    let (mut x0, mut x1) = pts().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), (x, _)| (a.min(x), b.max(x)));
+    let (mut y0, mut y1) = pts().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), (_, y)| (a.min(y), b.max(y)));
+    let log_y = a.log_y.unwrap_or(y0 > 0.0 && y1 / y0 >= 10.0) && y0 > 0.0;
     if a.log_x {
-        (x0, x1) = (x0.max(1e-9) / 1.25, x1.max(1e-9) * 1.25);
+        (x0, x1) = (x0 / 1.25, x1 * 1.25);
     } else if x1 <= x0 {
         (x0, x1) = (x0 - 1.0, x1 + 1.0);
     }
-    if a.log_y {
+    if log_y {
         (y0, y1) = (decade(y0, false), decade(y1 * 1.01, true));
     } else {
         if a.y_zero {
@@ -181,23 +351,41 @@ pub fn lines(a: &Axes, series: &[Series]) -> Result<String, String> {
     }
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, (W, 560)).into_drawing_area();
+        let root = SVGBackend::with_string(&mut svg, (W.max(title_width(a.title)), 580)).into_drawing_area();
         root.fill(&WHITE).map_err(err)?;
+        let scale = |log: bool| if log { " (log scale)" } else { "" };
+        let (xu, xd) = axis_unit(a.x_q, x0, x1);
+        let (yu, yd) = axis_unit(a.y_q, y0.max(y1 / 1e3), y1);
+        let l = Labels {
+            x_desc: format!("{}, {xu}{}", a.x_what, scale(a.log_x)),
+            y_desc: format!("{}, {yu}{}", a.y_what, scale(log_y)),
+            xd,
+            yd,
+        };
         // Four combinations of linear and log axes, one generic body.
-        match (a.log_x, a.log_y) {
-            (false, false) => draw(&root, a, series, x0..x1, y0..y1)?,
-            (true, false) => draw(&root, a, series, (x0..x1).log_scale(), y0..y1)?,
-            (false, true) => draw(&root, a, series, x0..x1, (y0..y1).log_scale())?,
-            (true, true) => draw(&root, a, series, (x0..x1).log_scale(), (y0..y1).log_scale())?,
+        match (a.log_x, log_y) {
+            (false, false) => draw(&root, a, &l, series, x0..x1, y0..y1)?,
+            (true, false) => draw(&root, a, &l, series, (x0..x1).log_scale(), y0..y1)?,
+            (false, true) => draw(&root, a, &l, series, x0..x1, (y0..y1).log_scale())?,
+            (true, true) => draw(&root, a, &l, series, (x0..x1).log_scale(), (y0..y1).log_scale())?,
         }
         root.present().map_err(err)?;
     }
     Ok(svg)
 }
 
+/// Axis descriptions and the divisors of their ticks.
+struct Labels {
+    x_desc: String,
+    y_desc: String,
+    xd: f64,
+    yd: f64,
+}
+
 fn draw<X, Y>(
     root: &DrawingArea<SVGBackend, plotters::coord::Shift>,
     a: &Axes,
+    l: &Labels,
     series: &[Series],
     x: X,
     y: Y,
@@ -209,34 +397,80 @@ where
     Y::CoordDescType: ValueFormatter<f64>,
 {
     let mut chart = ChartBuilder::on(root)
-        .caption(a.title, ("sans-serif", 20))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(70)
+        .caption(a.title, ("sans-serif", 18))
+        .margin(16)
+        .margin_right(28)
+        .x_label_area_size(48)
+        .y_label_area_size(80)
         .build_cartesian_2d(x, y)
         .map_err(err)?;
     chart
         .configure_mesh()
-        .x_desc(a.x_desc)
-        .y_desc(a.y_desc)
-        .x_label_formatter(&|v| if a.x_ns { axis_value(*v, "ns") } else { short(*v) })
-        .y_label_formatter(&|v| if a.y_ns { axis_value(*v, "ns") } else { short(*v) })
+        .light_line_style(WHITE)
+        .x_desc(l.x_desc.as_str())
+        .y_desc(l.y_desc.as_str())
+        .axis_desc_style(("sans-serif", 14))
+        .x_label_formatter(&|v| tick(*v / l.xd))
+        .y_label_formatter(&|v| tick(*v / l.yd))
         .draw()
         .map_err(err)?;
-    for (i, s) in series.iter().enumerate() {
-        let c = colour(i);
+    let mut k = 0;
+    for s in series {
         let pts: Vec<(f64, f64)> = s.points.iter().copied().filter(|(x, y)| x.is_finite() && y.is_finite()).collect();
+        if s.failed || pts.is_empty() {
+            chart
+                .draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())
+                .map_err(err)?
+                .label(format!("{}: failed (no figures)", s.name))
+                .legend(|(x, y)| Cross::new((x + 9, y), 5, MARK.stroke_width(2)));
+            continue;
+        }
+        if s.floor {
+            chart
+                .draw_series(DashedLineSeries::new(pts.clone(), 8, 5, FLOOR.stroke_width(2)))
+                .map_err(err)?
+                .label(s.name.clone())
+                .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], FLOOR.stroke_width(2)));
+            continue;
+        }
+        let c = colour(k);
+        k += 1;
         chart
             .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
             .map_err(err)?
             .label(s.name.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
-        chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, c.filled()))).map_err(err)?;
+        chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled()))).map_err(err)?;
+        for (p, h) in s.points.iter().zip(&s.hi).filter(|(p, h)| h.is_finite() && **h > p.1) {
+            chart
+                .draw_series(std::iter::once(PathElement::new(vec![*p, (p.0, *h)], c.stroke_width(1))))
+                .map_err(err)?;
+            // A cap at p99.
+            let cap = chart.backend_coord(&(p.0, *h));
+            root.draw(&PathElement::new(vec![(cap.0 - 5, cap.1), (cap.0 + 5, cap.1)], c.stroke_width(1)))
+                .map_err(err)?;
+        }
+        chart.draw_series(s.marked.iter().map(|&p| Circle::new(p, 9, MARK.stroke_width(2)))).map_err(err)?;
+    }
+    if series.iter().any(|s| !s.marked.is_empty()) {
+        chart
+            .draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())
+            .map_err(err)?
+            .label("ringed: marked, see report.md")
+            .legend(|(x, y)| Circle::new((x + 9, y), 6, MARK.stroke_width(2)));
+    }
+    if series.iter().any(|s| !s.hi.is_empty()) {
+        chart
+            .draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())
+            .map_err(err)?
+            .label("dot: p50, whisker: up to p99")
+            .legend(|(x, y)| PathElement::new(vec![(x + 9, y - 6), (x + 9, y + 6)], BLACK));
     }
     chart
         .configure_series_labels()
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
+        .label_font(("sans-serif", 13))
         .position(match a.legend {
             Legend::UpperLeft => SeriesLabelPosition::UpperLeft,
             Legend::LowerRight => SeriesLabelPosition::LowerRight,
@@ -244,18 +478,4 @@ where
         .draw()
         .map_err(err)?;
     Ok(())
-}
-
-/// 1234567 -> "1.23M": short axis labels.
-fn short(v: f64) -> String {
-    let a = v.abs();
-    if a >= 1e6 {
-        format!("{:.2}M", v / 1e6)
-    } else if a >= 1e3 {
-        format!("{:.1}k", v / 1e3)
-    } else if a >= 1.0 || a == 0.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.2}")
-    }
 }
