@@ -221,17 +221,23 @@ pub(super) fn plots(input: &Input, figs: &[Figure], keep: &mut dyn FnMut(String,
                     return known.then(|| plot::Bar { label: t.clone(), failed: true, ..Default::default() });
                 };
                 let row = format!("{t} {name}");
-                let mut mark: Vec<String> = figs
+                let mark: Vec<String> = figs
                     .iter()
                     .filter(|x| x.bench == "blk" && x.row == row && x.metric == metric)
                     .flat_map(|x| x.marks.clone())
                     .collect();
-                if tput && null {
-                    mark.insert(0, "(no data moved)".into());
-                }
+                let note = if tput && null { "(no data moved)".to_string() } else { String::new() };
                 let (min, max) =
                     if tput { (s.min, s.max) } else { (s.median, r.and_then(|r| f(&r["p99_ns"])).unwrap_or(s.median)) };
-                Some(plot::Bar { label: t.clone(), median: s.median, min, max, mark: mark.join("; "), failed: false })
+                Some(plot::Bar {
+                    label: t.clone(),
+                    median: s.median,
+                    min,
+                    max,
+                    mark: mark.join("; "),
+                    note,
+                    failed: false,
+                })
             })
             .collect();
         if bars.is_empty() {

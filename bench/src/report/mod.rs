@@ -423,7 +423,7 @@ pub fn path_costs(input: &Input) -> Vec<plot::Bar> {
         if let Some(v) = exits_target(d, row, target) {
             if let Some(s) = summary_of(&v["ns"]) {
                 let mark = exits_marks(v).join("; ");
-                bars.push(plot::Bar { label, median: s.median, min: s.min, max: s.max, mark, failed: false });
+                bars.push(plot::Bar { label, median: s.median, min: s.min, max: s.max, mark, ..Default::default() });
             } else {
                 bars.push(plot::Bar { label, failed: true, ..Default::default() });
             }

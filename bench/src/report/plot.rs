@@ -15,6 +15,8 @@ pub struct Bar {
     pub max: f64,
     /// The report's marks on this figure ("" when none): drawn in red beside it.
     pub mark: String,
+    /// A note on the figure ("no data moved"), drawn beside it in black.
+    pub note: String,
     /// The run failed: the row says "failed" and has no dot.
     pub failed: bool,
 }
@@ -165,17 +167,16 @@ pub fn dots(p: &DotPlot, bars: &[Bar]) -> Result<String, String> {
     let hi = vals().fold(0.0, f64::max);
     let log = hi / lo >= 10.0;
     let (x0, x1) = if log { (decade(lo, false), decade(hi * 1.01, true)) } else { (0.0, hi * 1.1) };
-    let (unit, div) = axis_unit(p.q, if log { x0 } else { hi / 10.0 }, hi);
+    let (unit, div) = if log { axis_unit(p.q, x0, x1) } else { axis_unit(p.q, hi / 10.0, hi) };
     let text_of = |b: &Bar| -> String {
         if b.failed || !(b.median.is_finite() && b.median > 0.0) {
             return "failed".into();
         }
-        let v = value_text(b.median, p.q);
-        if b.mark.is_empty() {
-            v
-        } else {
-            format!("{v} {}", b.mark)
-        }
+        [value_text(b.median, p.q), b.note.clone(), b.mark.clone()]
+            .into_iter()
+            .filter(|t| !t.is_empty())
+            .collect::<Vec<_>>()
+            .join(" ")
     };
     let left = bars.iter().map(|b| text_width(b.label.chars().count(), 14.0)).fold(120.0, f64::max) as u32 + 16;
     let right = bars.iter().map(|b| text_width(text_of(b).chars().count(), 13.0)).fold(80.0, f64::max) as u32 + 16;
@@ -362,12 +363,22 @@ pub fn lines(a: &Axes, series: &[Series]) -> Result<String, String> {
             xd,
             yd,
         };
-        // Four combinations of linear and log axes, one generic body.
-        match (a.log_x, log_y) {
-            (false, false) => draw(&root, a, &l, series, x0..x1, y0..y1)?,
-            (true, false) => draw(&root, a, &l, series, (x0..x1).log_scale(), y0..y1)?,
-            (false, true) => draw(&root, a, &l, series, x0..x1, (y0..y1).log_scale())?,
-            (true, true) => draw(&root, a, &l, series, (x0..x1).log_scale(), (y0..y1).log_scale())?,
+        // A log x has its ticks at the data's own x values (iodepths) when
+        // there are few, not at plotters' dense 1..9 per decade.
+        let mut xs: Vec<f64> = series.iter().flat_map(|s| s.points.iter().map(|p| p.0)).filter(|x| *x > 0.0).collect();
+        xs.sort_by(f64::total_cmp);
+        xs.dedup();
+        let keyed = a.log_x && (2..=8).contains(&xs.len());
+        // The combinations of linear, log and keyed axes, one generic body.
+        match (a.log_x, keyed, log_y) {
+            (false, _, false) => draw(&root, a, &l, series, x0..x1, y0..y1)?,
+            (false, _, true) => draw(&root, a, &l, series, x0..x1, (y0..y1).log_scale())?,
+            (true, true, false) => draw(&root, a, &l, series, (x0..x1).log_scale().with_key_points(xs), y0..y1)?,
+            (true, true, true) => {
+                draw(&root, a, &l, series, (x0..x1).log_scale().with_key_points(xs), (y0..y1).log_scale())?
+            }
+            (true, false, false) => draw(&root, a, &l, series, (x0..x1).log_scale(), y0..y1)?,
+            (true, false, true) => draw(&root, a, &l, series, (x0..x1).log_scale(), (y0..y1).log_scale())?,
         }
         root.present().map_err(err)?;
     }
@@ -407,6 +418,8 @@ where
     chart
         .configure_mesh()
         .light_line_style(WHITE)
+        .bold_line_style(RGBColor(225, 225, 225))
+        .x_labels(8)
         .x_desc(l.x_desc.as_str())
         .y_desc(l.y_desc.as_str())
         .axis_desc_style(("sans-serif", 14))

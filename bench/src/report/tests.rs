@@ -299,11 +299,11 @@ fn every_plot_says_its_units_floors_failures_and_keeps_its_labels_inside() {
             assert!(t.iter().any(|x| x.contains(w)), "{n}: {w:?} not among {t:?}");
         }
     };
-    // 99 ns .. 72 us spans decades: a log axis of dots, in ns, with the KVM_RUN floor drawn.
+    // 99 ns .. 72 µs spans decades: a log axis of dots, in µs, with the KVM_RUN floor drawn.
     has(
         "cost-per-path.svg",
         &[
-            "time per access, ns (log scale)",
+            "time per access, µs (log scale)",
             "dot: median",
             "KVM_RUN floor (same run): 2.85 µs",
             "30.00 µs",
