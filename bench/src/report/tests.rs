@@ -361,6 +361,12 @@ fn the_issues_one_round_6_56_ms_round_trip_is_marked_everywhere() {
     ] {
         assert!(r.markdown.contains(&want), "{want:?} missing from:\n{}", r.markdown);
     }
+    // The earlier measurement's row compares a marked figure with its mark.
+    assert!(
+        r.markdown.contains(&format!("| 6.56 ms (doorbell-rtt:shm @ iopath; {mark}) | 61023.26x |")),
+        "{}",
+        r.markdown
+    );
     let cost = &r.svgs.iter().find(|(n, _)| n == "cost-per-path.svg").unwrap().1;
     assert!(texts_inside("cost-per-path.svg", cost).iter().any(|t| t == &format!("6.56 ms {mark}")));
 
