@@ -539,7 +539,7 @@ pub fn by_iodepth(
             s.marked.push((qd, v.median));
         }
     }
-    for t in failed_targets(d) {
+    for t in failed_targets(d).into_iter().filter(|t| !t.starts_with("fio")) {
         let i = plot_of(&mut plots, transport_of(&t));
         if !plots[i].2.iter().any(|s| s.name == t) {
             plots[i].2.push(plot::Series { name: t, ..Default::default() });

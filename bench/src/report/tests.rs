@@ -338,6 +338,18 @@ fn every_plot_says_its_units_floors_failures_and_keeps_its_labels_inside() {
         &["no data moved", "throughput the guest saw, MB/s (log scale)", "vhost-user-blk", "failed", "384309 MB/s"],
     );
     has("blk-latency-randread.svg", &["I/O latency, µs (log scale)", "p50..p99", "shm round trip floor (same run)"]);
+    // Only a run's own failure names a failed series: not the wake or guest line floors, nor fio's rows.
+    let mut i = full_input();
+    i.docs[1]["errors"] = json!([
+        "iopath-mmio randread 512 qd1 x1 round 0: guest exit status 3 (no device)",
+        "wake round 0: timed out",
+        "guest line floor before iopath-ioeventfd round 1: guest exit status 3",
+        "fio-libaio randread 512 qd1 x1 round 0: fio missing",
+    ]);
+    let figs = figures(&i);
+    let vmm = by_iodepth(&i, &figs, "iops", None).into_iter().find(|p| p.0 == "vmm").unwrap().2;
+    let failed: Vec<&str> = vmm.iter().filter(|s| s.failed).map(|s| s.name.as_str()).collect();
+    assert_eq!(failed, ["iopath-mmio"]);
     // The nvme transports' plots, the blk ones, the CDFs: each drawn once.
     assert_eq!(r.svgs.len(), 13, "{:?}", r.svgs.iter().map(|x| &x.0).collect::<Vec<_>>());
 }
