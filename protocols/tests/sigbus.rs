@@ -50,7 +50,7 @@ const RBUF: u64 = 0x9000;
 /// The region as the session's error names it.
 const REGION: &str = "0x100000..0x300000";
 const BOUND: Duration = Duration::from_secs(20);
-const MODES: [&str; 6] = ["mmio", "ioeventfd", "shm", "bar", "adaptive", "bar-adaptive"];
+const MODES: [&str; 7] = ["auto", "mmio", "ioeventfd", "shm", "bar", "adaptive", "bar-adaptive"];
 
 #[derive(Clone, Copy, Debug)]
 enum Kind {
