@@ -21,6 +21,8 @@ command -v fio >/dev/null || need+=(fio)
 # fio's own JSON reader (fio_jsonplus_clat2csv, a Python script in the fio package) checks --output-format
 command -v fio_jsonplus_clat2csv >/dev/null || need+=(fio)
 command -v python3 >/dev/null || need+=(python3)
+# rsvg-convert: the report test renders every plot to PNG with an independent SVG renderer
+command -v rsvg-convert >/dev/null || need+=(librsvg2-bin)
 command -v gcc >/dev/null || need+=(gcc)
 command -v objcopy >/dev/null || need+=(binutils)
 command -v debootstrap >/dev/null || need+=(debootstrap)

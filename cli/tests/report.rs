@@ -64,6 +64,28 @@ fn bench_all_writes_a_report_with_tables_csv_json_and_plots() {
         roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{svg} is not XML: {e}"));
         assert!(md.contains(&format!("]({svg})")), "report.md does not show {svg}");
     }
+    // Every plot renders to PNG with an independent SVG renderer (librsvg), so an image a
+    // viewer cannot draw fails here (to look at them, run `iopath bench all --quick --out DIR` and
+    // `rsvg-convert` by hand: this directory goes at the end).
+    let mut rendered = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let svg = e.unwrap().path();
+        if svg.extension().is_none_or(|x| x != "svg") {
+            continue;
+        }
+        let png = svg.with_extension("png");
+        let r = Command::new("rsvg-convert")
+            .arg("-o")
+            .arg(&png)
+            .arg(&svg)
+            .output()
+            .unwrap_or_else(|e| panic!("rsvg-convert (librsvg2-bin; harness/test.sh installs it): {e}"));
+        assert!(r.status.success(), "{}: {}", svg.display(), String::from_utf8_lossy(&r.stderr));
+        let bytes = std::fs::read(&png).unwrap();
+        assert!(bytes.starts_with(b"\x89PNG") && bytes.len() > 2000, "{}: no PNG drawn", png.display());
+        rendered += 1;
+    }
+    assert!(rendered >= 5, "{rendered} plots rendered");
     // `iopath report` renders the same report again from results.json.
     let again = dir.join("again");
     let out = Command::new(env!("CARGO_BIN_EXE_iopath"))
