@@ -5,7 +5,7 @@
 //! byte written, as fio lays out its files) so that the bench measures
 //! reads of data, not of holes.
 
-use iopath_devices::nvme::backend::BackendKind;
+use iopath_devices::block::StorageKind;
 use std::io::Write;
 use std::path::Path;
 
@@ -28,8 +28,8 @@ pub enum Prepared {
 /// missing file of `bytes`, written through (zeros, then fsync). A file
 /// that exists but is shorter than 1 MiB is refused (the device would
 /// extend it: the user's file changed).
-pub fn prepare(backend: &BackendKind, bytes: u64, create: bool) -> anyhow::Result<Prepared> {
-    let BackendKind::File(p) = backend else { return Ok(Prepared::AsIs) };
+pub fn prepare(backend: &StorageKind, bytes: u64, create: bool) -> anyhow::Result<Prepared> {
+    let StorageKind::File(p) = backend else { return Ok(Prepared::AsIs) };
     match std::fs::metadata(p) {
         Ok(m) => {
             use std::os::unix::fs::FileTypeExt;
@@ -105,7 +105,7 @@ mod tests {
     fn a_missing_file_is_refused_unless_asked_and_then_written_through() {
         let d = scratch("missing");
         let p = d.join("ns.img");
-        let kind = BackendKind::File(p.clone());
+        let kind = StorageKind::File(p.clone());
         let e = prepare(&kind, 4 << 20, false).unwrap_err().to_string();
         assert!(e.contains(&p.display().to_string()) && e.contains(CREATE_OPTION), "{e}");
         assert!(!p.exists(), "a refused file was made");
@@ -125,16 +125,16 @@ mod tests {
         let p = d.join("user.img");
         let data: Vec<u8> = (0..(2u32 << 20)).map(|i| (i * 7 % 251) as u8).collect();
         std::fs::write(&p, &data).unwrap();
-        assert_eq!(prepare(&BackendKind::File(p.clone()), 64 << 20, true).unwrap(), Prepared::AsIs);
+        assert_eq!(prepare(&StorageKind::File(p.clone()), 64 << 20, true).unwrap(), Prepared::AsIs);
         assert_eq!(std::fs::read(&p).unwrap(), data, "the user's file changed");
         let short = d.join("short.img");
         std::fs::write(&short, b"mine").unwrap();
-        let e = prepare(&BackendKind::File(short.clone()), 64 << 20, true).unwrap_err().to_string();
+        let e = prepare(&StorageKind::File(short.clone()), 64 << 20, true).unwrap_err().to_string();
         assert!(e.contains("at least 1 MiB"), "{e}");
         assert_eq!(std::fs::read(&short).unwrap(), b"mine");
-        let e = prepare(&BackendKind::File(d.clone()), 1 << 20, true).unwrap_err().to_string();
+        let e = prepare(&StorageKind::File(d.clone()), 1 << 20, true).unwrap_err().to_string();
         assert!(e.contains("neither a regular file"), "{e}");
-        for k in [BackendKind::Null, BackendKind::Ram] {
+        for k in [StorageKind::Null, StorageKind::Ram] {
             assert_eq!(prepare(&k, 1 << 20, false).unwrap(), Prepared::AsIs);
         }
         let _ = std::fs::remove_dir_all(&d);

@@ -1,6 +1,6 @@
 //! Runs the same guest image under QEMU (+KVM) with QEMU's own devices.
 
-use iopath_devices::nvme::backend::BackendKind;
+use iopath_devices::block::StorageKind;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -160,11 +160,11 @@ fn escaped(p: &Path) -> String {
 impl QemuBacking {
     /// The backing for iopath's `backend` with a namespace of `size` bytes
     /// (a ram one makes its file in `shm_dir`).
-    pub fn for_backend(backend: &BackendKind, size: u64, shm_dir: &Path) -> anyhow::Result<QemuBacking> {
+    pub fn for_backend(backend: &StorageKind, size: u64, shm_dir: &Path) -> anyhow::Result<QemuBacking> {
         Ok(match backend {
-            BackendKind::Null => QemuBacking::Null { size },
-            BackendKind::Ram => QemuBacking::Ram(RamImage::create(shm_dir, size)?),
-            BackendKind::File(p) => QemuBacking::File(p.clone()),
+            StorageKind::Null => QemuBacking::Null { size },
+            StorageKind::Ram => QemuBacking::Ram(RamImage::create(shm_dir, size)?),
+            StorageKind::File(p) => QemuBacking::File(p.clone()),
         })
     }
 
@@ -407,15 +407,15 @@ mod tests {
     #[test]
     fn qemu_stands_on_the_backend_kind_iopath_runs_on() {
         let f =
-            QemuBacking::for_backend(&BackendKind::File("/var/tmp/a,b.img".into()), 1 << 20, Path::new("/x")).unwrap();
+            QemuBacking::for_backend(&StorageKind::File("/var/tmp/a,b.img".into()), 1 << 20, Path::new("/x")).unwrap();
         assert_eq!(f.drive("io_uring"), "file=/var/tmp/a,,b.img,format=raw,if=none,id=nvm0,aio=io_uring,cache=none");
         assert!(f.drive("native").contains(",aio=native,cache=none"));
-        let n = QemuBacking::for_backend(&BackendKind::Null, 64 << 20, Path::new("/x")).unwrap();
+        let n = QemuBacking::for_backend(&StorageKind::Null, 64 << 20, Path::new("/x")).unwrap();
         assert_eq!(n.drive(""), "driver=null-co,size=67108864,if=none,id=nvm0");
         assert_eq!((n.short(), f.short()), ("null-co".to_string(), "file".to_string()));
         // ram: a sparse file of the namespace's size, gone with the backing.
         let dir = std::env::temp_dir();
-        let r = QemuBacking::for_backend(&BackendKind::Ram, 8 << 20, &dir).unwrap();
+        let r = QemuBacking::for_backend(&StorageKind::Ram, 8 << 20, &dir).unwrap();
         let QemuBacking::Ram(img) = &r else { panic!("{r:?}") };
         let path = img.path.clone();
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 8 << 20);
@@ -439,7 +439,7 @@ mod tests {
         let _one = crate::interrupt::TEST_LOCK.lock().unwrap_or_else(|p| p.into_inner());
         use std::io::Write;
         let dir = std::env::temp_dir();
-        let r = QemuBacking::for_backend(&BackendKind::Ram, 1 << 20, &dir).unwrap();
+        let r = QemuBacking::for_backend(&StorageKind::Ram, 1 << 20, &dir).unwrap();
         let QemuBacking::Ram(img) = &r else { panic!("{r:?}") };
         // What an earlier write job left: pages of data in the file.
         let mut f = std::fs::OpenOptions::new().write(true).open(&img.path).unwrap();

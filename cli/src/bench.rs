@@ -378,7 +378,7 @@ impl NvmeArgs {
             }];
         }
         size_fits_backend(self.size, &o.backend)?;
-        let file = matches!(o.backend, iopath_devices::nvme::backend::BackendKind::File(_));
+        let file = matches!(o.backend, iopath_devices::block::StorageKind::File(_));
         if !file && o.in_place != [iopath_devices::nvme::InPlace::Auto] {
             anyhow::bail!("--in-place needs --backend file:PATH (only a file namespace bounces transfers)");
         }
@@ -739,8 +739,8 @@ fn parse_size_mb(s: &str) -> Result<u64, String> {
 /// `--size` is a null or ram disk's size, or the size of the file `--create`
 /// lays out: with an existing file the namespace is the whole file, and a
 /// size given there would be ignored, so it is an error.
-fn size_fits_backend(size_mb: Option<u64>, backend: &iopath_devices::nvme::backend::BackendKind) -> anyhow::Result<()> {
-    if let (Some(_), iopath_devices::nvme::backend::BackendKind::File(p)) = (size_mb, backend) {
+fn size_fits_backend(size_mb: Option<u64>, backend: &iopath_devices::block::StorageKind) -> anyhow::Result<()> {
+    if let (Some(_), iopath_devices::block::StorageKind::File(p)) = (size_mb, backend) {
         if p.exists() {
             anyhow::bail!(
                 "--size: {} exists, and its namespace is the whole file or device; a size applies to a null or \

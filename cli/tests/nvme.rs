@@ -828,6 +828,6 @@ fn a_block_device_backs_a_namespace_up_to_its_own_size() {
     let e = iopath_protocols::attach::instantiate(&spec, &programs()).err().expect("a 32 MiB namespace on 16 MiB");
     assert!(e.to_string().contains("holds 16777216 bytes, the namespace needs 33554432"), "{e}");
     // The bench sizes its runs (guest, fio, QEMU) by the device.
-    let kind = iopath_devices::nvme::backend::BackendKind::File(dev.0.clone().into());
+    let kind = iopath_devices::block::StorageKind::File(dev.0.clone().into());
     assert_eq!(iopath_bench::nvme::namespace_size(&kind, None), 16 << 20);
 }

@@ -7,7 +7,7 @@
 //! (which separates a device from its transport in a device spec) `@@`:
 //! `nvme,backend=file:/data/a,,b@@c.img` names the file `/data/a,b@c.img`.
 
-use crate::nvme::backend::BackendKind;
+use crate::block::StorageKind;
 use crate::nvme::{DoorbellMode, NvmeConfig};
 use crate::virtio::pci::{VirtioBlk, VirtioBlkConfig};
 use crate::{doorbell, nvme, testdev, Error, Result, SharedDevice};
@@ -123,7 +123,7 @@ impl FromStr for DeviceConfig {
                     let num = || v.parse::<u64>().map_err(|_| option("nvme", k, format!("{v:?} is not a number")));
                     match k.as_str() {
                         "doorbell" => c.doorbell = v.parse::<DoorbellMode>()?,
-                        "backend" => c.backend = v.parse::<BackendKind>()?,
+                        "backend" => c.backend = v.parse::<StorageKind>()?,
                         "size_mb" => {
                             let mb = num()?;
                             if mb == 0 || mb > 1 << 20 {
@@ -184,7 +184,7 @@ impl fmt::Display for DeviceConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.name())?;
         if let DeviceConfig::Nvme(c) = self {
-            // Paths may hold the separators: escaped, unlike BackendKind's own Display.
+            // Paths may hold the separators: escaped, unlike StorageKind's own Display.
             let backend = escape(&c.backend.to_string());
             write!(f, ",doorbell={},backend={backend},size_mb={},lba={}", c.doorbell, c.size >> 20, c.lba_size)?;
             if c.pollers != 1 {
@@ -256,7 +256,7 @@ mod tests {
         assert!(matches!(c, DeviceConfig::VirtioBlk(VirtioBlkConfig { queues: Some(1), .. })), "{c:?}");
         let c: DeviceConfig = "nvme,backend=file:/tmp/a,,b@@c.img".parse().unwrap();
         let DeviceConfig::Nvme(n) = c else { panic!() };
-        assert_eq!(n.backend, BackendKind::File("/tmp/a,b@c.img".into()));
+        assert_eq!(n.backend, StorageKind::File("/tmp/a,b@c.img".into()));
     }
 
     #[test]

@@ -10,7 +10,7 @@
 #![no_main]
 
 use iopath_devices::mem::{MemError, Result as MemResult};
-use iopath_devices::nvme::backend::BackendKind;
+use iopath_devices::block::StorageKind;
 use iopath_devices::nvme::{DoorbellMode, Nvme, NvmeConfig};
 use iopath_devices::{DeviceContext, DeviceModel, DmaPort, GuestMem, GuestMemoryMmap, Interrupts, NoIoEvents};
 use iopath_fuzz::nvme::*;
@@ -202,7 +202,7 @@ impl Harness {
 fuzz_target!(|data: &[u8]| {
     let (setup, image, ops) = decode(data);
     let cfg = NvmeConfig {
-        backend: if setup & SETUP_NULL != 0 { BackendKind::Null } else { BackendKind::Ram },
+        backend: if setup & SETUP_NULL != 0 { StorageKind::Null } else { StorageKind::Ram },
         size: NS_SIZE,
         lba_size: if setup & SETUP_LBA4K != 0 { 4096 } else { 512 },
         doorbell: DoorbellMode::Mmio,

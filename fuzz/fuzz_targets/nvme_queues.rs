@@ -14,7 +14,7 @@
 
 #![no_main]
 
-use iopath_devices::nvme::backend::BackendKind;
+use iopath_devices::block::StorageKind;
 use iopath_devices::nvme::oracle::{Driver, LocalPort, Rng, Shape};
 use iopath_devices::nvme::NvmeConfig;
 use iopath_fuzz::nvme_queues::{decode, Setup, NS_SIZE};
@@ -24,7 +24,7 @@ fuzz_target!(|data: &[u8]| {
     let (setup, choices) = decode(data);
     let Setup { doorbell, pollers, lba_size, static_host, steps } = setup;
     let cfg =
-        NvmeConfig { backend: BackendKind::Ram, size: NS_SIZE, lba_size, doorbell, pollers, ..NvmeConfig::default() };
+        NvmeConfig { backend: StorageKind::Ram, size: NS_SIZE, lba_size, doorbell, pollers, ..NvmeConfig::default() };
     let port = LocalPort::new(cfg, static_host).expect("the oracle's controller and RAM");
     let mut rng = Rng::from_bytes(choices);
     let mut shape = Shape::random(&mut rng, steps);

@@ -169,7 +169,7 @@ fn device(r: &mut Rules, pid: u32) {
     );
     // The file backend registers a slot's bounce buffer at its first use
     // (the one registration its ring's restrictions allow).
-    let update = iopath_devices::nvme::backend::IORING_REGISTER_BUFFERS_UPDATE as u64;
+    let update = iopath_devices::block::IORING_REGISTER_BUFFERS_UPDATE as u64;
     when(r, SYS_io_uring_register, one_of(1, &[update]));
 }
 

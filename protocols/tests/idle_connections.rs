@@ -201,7 +201,7 @@ fn a_second_client_is_refused_promptly_behind_idle_and_trickling_connections() {
 /// connections are held.
 #[test]
 fn a_vhost_user_frontend_is_served_while_50_idle_connections_are_held() {
-    use iopath_devices::nvme::backend::BackendKind;
+    use iopath_devices::block::StorageKind;
     use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig};
     use iopath_protocols::vhost_user::backend::{run, VhostUserServeOptions, FEATURES};
     use vhost::vhost_user::Frontend;
@@ -210,7 +210,7 @@ fn a_vhost_user_frontend_is_served_while_50_idle_connections_are_held() {
     let _ = std::fs::remove_file(&path);
     let o = VhostUserServeOptions {
         device: VirtioBlkConfig {
-            backend: BackendKind::Null,
+            backend: StorageKind::Null,
             size: 1 << 20,
             notify: NotifyMode::Ioeventfd,
             queues: None,

@@ -51,7 +51,7 @@ fn file_nvme() -> FileNvme {
         })
         .max()
         .expect("the file namespace's io_uring");
-    let slots = iopath_devices::nvme::backend::FILE_SLOTS as u32;
+    let slots = iopath_devices::block::FILE_SLOTS as u32;
     let params = io_uring::IoUring::new(slots).unwrap().params().clone();
     FileNvme { _device: device, ring_fd, params, plain: Mutex::new(io_uring::IoUring::new(8).unwrap()) }
 }

@@ -7,7 +7,7 @@
 //! the middle of I/O. After every session the process holds no more fds
 //! and no more mappings of the frontend's memory than before it.
 
-use iopath_devices::nvme::backend::BackendKind;
+use iopath_devices::block::StorageKind;
 use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig, F_VERSION_1};
 use iopath_protocols::vhost_user::backend::{BlkBackend, F_PROTOCOL_FEATURES, MAX_REGIONS, NUM_QUEUES};
 use std::fs::File;
@@ -176,15 +176,15 @@ impl Rig {
 }
 
 fn rig(notify: NotifyMode) -> Rig {
-    rig_on(BackendKind::Ram, notify)
+    rig_on(StorageKind::Ram, notify)
 }
 
-fn rig_on(backend: BackendKind, notify: NotifyMode) -> Rig {
+fn rig_on(backend: StorageKind, notify: NotifyMode) -> Rig {
     rig_with_queues(backend, notify, 1)
 }
 
 /// A rig whose frontend believes in `queues` queues.
-fn rig_with_queues(backend: BackendKind, notify: NotifyMode, queues: u64) -> Rig {
+fn rig_with_queues(backend: StorageKind, notify: NotifyMode, queues: u64) -> Rig {
     let cfg = VirtioBlkConfig { backend, size: MEM as u64, notify, queues: None };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let (a, b) = UnixStream::pair().unwrap();
@@ -464,7 +464,7 @@ fn a_queue_index_past_the_device_is_refused() {
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (a, b) = UnixStream::pair().unwrap();
     let cfg =
-        VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd, queues: None };
+        VirtioBlkConfig { backend: StorageKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd, queues: None };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let be2 = be.clone();
     let session = std::thread::spawn(move || be2.session(&b));
@@ -541,7 +541,7 @@ fn get_config_is_the_pci_devices_configuration_space() {
     use iopath_devices::DeviceModel;
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for queues in [Some(2), None] {
-        let cfg = VirtioBlkConfig { backend: BackendKind::Null, size: 3 << 20, notify: NotifyMode::Ioeventfd, queues };
+        let cfg = VirtioBlkConfig { backend: StorageKind::Null, size: 3 << 20, notify: NotifyMode::Ioeventfd, queues };
         let pci = VirtioBlk::new(cfg.clone()).unwrap();
         let mut want = vec![0u8; DEVCFG_LEN as usize];
         for (k, b) in want.iter_mut().enumerate() {
@@ -586,7 +586,7 @@ fn a_ring_stopped_right_after_it_was_disabled_answers() {
     let g = Guest::new(true);
     let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
     let cfg =
-        VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd, queues: None };
+        VirtioBlkConfig { backend: StorageKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd, queues: None };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let (a, b) = UnixStream::pair().unwrap();
     // A reply that never comes: the rig's guard shuts the socket down
@@ -677,7 +677,7 @@ fn a_ring_kept_full_still_stops_at_get_vring_base() {
         // A file disk: each 512 KiB write a system call, a pass of the
         // ring's thread long enough for the driver to keep up through it.
         let disk = std::env::temp_dir().join(format!("iopath-vu-full-{}.img", std::process::id()));
-        let mut r = rig_on(BackendKind::File(disk.clone()), notify);
+        let mut r = rig_on(StorageKind::File(disk.clone()), notify);
         r.negotiate();
         r.fe.set_mem_table(&[g.region()]).unwrap();
         r.fe.set_vring_num(0, N).unwrap();
@@ -757,7 +757,7 @@ fn the_sixteenth_queue_serves_requests() {
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let g = Guest::new(true);
     let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
-    let mut r = rig_with_queues(BackendKind::Ram, NotifyMode::Ioeventfd, 16);
+    let mut r = rig_with_queues(StorageKind::Ram, NotifyMode::Ioeventfd, 16);
     r.negotiate();
     assert!(r.fe.get_queue_num().unwrap() >= 16);
     r.start_ring(&g, &kick, &call, 15);
@@ -800,7 +800,7 @@ fn a_refused_check_device_state_ends_the_session() {
     use std::io::{Read, Write};
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let cfg =
-        VirtioBlkConfig { backend: BackendKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd, queues: None };
+        VirtioBlkConfig { backend: StorageKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd, queues: None };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let (mut a, b) = UnixStream::pair().unwrap();
     b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();

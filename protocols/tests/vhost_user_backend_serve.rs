@@ -3,7 +3,7 @@
 //! comes meanwhile is closed), a connection that sends nothing within the
 //! handshake bound is dropped and is not the one client `--once` waits for.
 
-use iopath_devices::nvme::backend::BackendKind;
+use iopath_devices::block::StorageKind;
 use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig};
 use iopath_protocols::serve::{Listen, Timeouts};
 use iopath_protocols::vhost_user::backend::{run, VhostUserServeOptions, FEATURES};
@@ -22,7 +22,7 @@ fn start(path: &PathBuf, handshake: Duration) -> std::thread::JoinHandle<iopath_
     let _ = std::fs::remove_file(path);
     let o = VhostUserServeOptions {
         device: VirtioBlkConfig {
-            backend: BackendKind::Null,
+            backend: StorageKind::Null,
             size: 1 << 20,
             notify: NotifyMode::Ioeventfd,
             queues: None,
@@ -91,7 +91,7 @@ fn start_bounded(path: &PathBuf, message: Duration) {
     let _ = std::fs::remove_file(path);
     let o = VhostUserServeOptions {
         device: VirtioBlkConfig {
-            backend: BackendKind::Null,
+            backend: StorageKind::Null,
             size: 1 << 20,
             notify: NotifyMode::Ioeventfd,
             queues: None,

@@ -17,7 +17,7 @@
 
 use crate::host::HostInfo;
 use crate::nvme::{Job, LatHist};
-use iopath_devices::nvme::backend::BackendKind;
+use iopath_devices::block::StorageKind;
 use serde::Serialize;
 use std::time::Duration;
 
@@ -55,7 +55,7 @@ pub struct BlkOptions {
     /// Targets to run, from `TARGETS`, in that order.
     pub targets: Vec<String>,
     #[serde(serialize_with = "as_string")]
-    pub backend: BackendKind,
+    pub backend: StorageKind,
     /// Disk size in MiB on null and ram backends (each device's, and the
     /// guest's range); a file backend's is the file's.
     pub size_mb: u64,
@@ -88,7 +88,7 @@ impl Default for BlkOptions {
     fn default() -> Self {
         BlkOptions {
             targets: TARGETS.iter().map(|t| t.to_string()).collect(),
-            backend: BackendKind::Null,
+            backend: StorageKind::Null,
             size_mb: 64,
             time_ms: 2000,
             rounds: 3,

@@ -282,7 +282,7 @@ pub fn to_run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use iopath_devices::nvme::backend::BackendKind;
+    use iopath_devices::block::StorageKind;
 
     #[test]
     fn a_file_disk_is_sized_as_bench_nvme_sizes_it() {
@@ -292,7 +292,7 @@ mod tests {
             std::fs::File::create(&p).unwrap().set_len(len).unwrap();
             p
         };
-        let o = |p: &Path| BlkOptions { backend: BackendKind::File(p.into()), size_mb: 32, ..Default::default() };
+        let o = |p: &Path| BlkOptions { backend: StorageKind::File(p.into()), size_mb: 32, ..Default::default() };
         // Below 1 MiB: size_mb, which the device makes the file (it was 1 MiB).
         let tiny = file("tiny", 4096);
         assert_eq!(disk_size(&o(&tiny)), 32 << 20);

@@ -15,7 +15,7 @@
 //! disagree, are marked and their target run again (`guard`).
 
 use crate::host::HostInfo;
-use iopath_devices::nvme::backend::BackendKind;
+use iopath_devices::block::StorageKind;
 use iopath_devices::nvme::{DoorbellMode, InPlace, NvmeConfig};
 use iopath_protocols::Transport;
 use serde::Serialize;
@@ -130,7 +130,7 @@ pub struct NvmeOptions {
     /// 0: per queue pass): each value its own target (`-sbN`; 0 keeps the name).
     pub submit_batch: Vec<u16>,
     #[serde(serialize_with = "as_string")]
-    pub backend: BackendKind,
+    pub backend: StorageKind,
     /// Where the controller runs, each in every round, interleaved: None in
     /// the VMM, or a device process over that transport.
     #[serde(serialize_with = "transport_names")]
@@ -185,7 +185,7 @@ impl Default for NvmeOptions {
             dbbuf: vec![true],
             in_place: vec![InPlace::Auto],
             submit_batch: vec![0],
-            backend: BackendKind::Ram,
+            backend: StorageKind::Ram,
             transports: vec![None],
             lba: 512,
             size_mb: None,
@@ -486,10 +486,10 @@ pub fn is_fio_target(target: &str) -> bool {
 /// where the file is missing or < 1 MiB, `size_mb` or the default (the
 /// device makes the file that long). Null and ram: `size_mb` or the default.
 /// At most 1 TiB.
-pub fn namespace_size(backend: &BackendKind, size_mb: Option<u64>) -> u64 {
+pub fn namespace_size(backend: &StorageKind, size_mb: Option<u64>) -> u64 {
     let asked = size_mb.filter(|&m| m > 0).map_or(NvmeConfig::default().size, |m| m.min(1 << 20) << 20);
     let len = match backend {
-        BackendKind::File(p) => iopath_devices::nvme::backend::path_bytes(p) >> 20 << 20,
+        StorageKind::File(p) => iopath_devices::block::path_bytes(p) >> 20 << 20,
         _ => asked,
     };
     if len > 0 {

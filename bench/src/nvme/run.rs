@@ -10,7 +10,7 @@ use crate::host::{host_info, HostInfo};
 use crate::pin::{QEMU_DEVICE_THREADS, VCPU_THREADS};
 use crate::qemu::QemuBacking;
 use indicatif::ProgressBar;
-use iopath_devices::nvme::backend::BackendKind;
+use iopath_devices::block::StorageKind;
 use iopath_devices::nvme::{DoorbellMode, InPlace, NvmeConfig};
 use iopath_devices::DeviceConfig;
 use iopath_protocols::attach::{instantiate, Device, DeviceSpec, Endpoint, Programs};
@@ -110,7 +110,7 @@ impl<'a> Ctx<'a> {
         };
         let mut skipped = Vec::new();
         let fio = match &o.backend {
-            BackendKind::File(_) => match crate::fio::find() {
+            StorageKind::File(_) => match crate::fio::find() {
                 Some(f) => Some(f),
                 None => {
                     skipped.push(format!("{FIO_TARGET}: {}", crate::fio::missing_reason()));
@@ -225,7 +225,7 @@ impl<'a> Ctx<'a> {
     /// The setup of a target's device, for ratio lines.
     pub fn setup(&self, t: &Target) -> String {
         match (&t.kind, &self.qemu) {
-            (Kind::Iopath(_, s), _) if matches!(self.o.backend, BackendKind::File(_)) => {
+            (Kind::Iopath(_, s), _) if matches!(self.o.backend, StorageKind::File(_)) => {
                 let sb = if s.submit_batch == 0 { String::new() } else { format!(" submit_batch={}", s.submit_batch) };
                 format!("iopath {} in_place={}{sb}{}", self.o.backend, s.in_place, self.ram_label())
             }
@@ -449,7 +449,7 @@ impl<'a> Ctx<'a> {
     /// polling vCPU does), and fio where the device threads would.
     fn fio(&self, target: &str, contend: u32, ji: usize, round: u32, busy: bool) -> anyhow::Result<NvmeRun> {
         let (o, j) = (self.o, &self.o.jobs[ji]);
-        let (Some(fio), BackendKind::File(path)) = (&self.fio, &o.backend) else { anyhow::bail!("no fio") };
+        let (Some(fio), StorageKind::File(path)) = (&self.fio, &o.backend) else { anyhow::bail!("no fio") };
         let fj = crate::fio::FioJob {
             path: path.into(),
             rw: j.rw.clone(),

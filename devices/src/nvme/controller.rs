@@ -8,13 +8,13 @@
 //! each queue group is a `Core` of its own (`shards.rs`).
 
 use super::admin::Features;
-use super::backend::{Backend, Bounce};
 use super::doorbells::Doorbells;
 use super::interrupts::IrqState;
 use super::io::{Namespace, Pending};
 use super::queue::{self, post_cqe, read_sqe, status, Cq, Sq};
 use super::regs::Regs;
 use super::{DoorbellMode, NvmeConfig, MAX_IO_QUEUES};
+use crate::block::{Bounce, Storage};
 use crate::{Counter, GuestMem, GuestMemoryMmap};
 use std::collections::VecDeque;
 
@@ -145,9 +145,9 @@ pub(super) struct Events {
 pub(super) struct Scratch {
     /// PRP segments (guest address, length) of the command at hand.
     pub segs: Vec<(u64, u64)>,
-    /// Staging for RAM backend transfers.
+    /// Staging for RAM namespace transfers.
     pub buf: Vec<u8>,
-    /// O_DIRECT-aligned staging for file backend transfers.
+    /// O_DIRECT-aligned staging for file namespace transfers.
     pub bounce: Bounce,
 }
 
@@ -214,7 +214,7 @@ pub(super) struct Smart {
 }
 
 impl Core {
-    pub fn new(cfg: &NvmeConfig, backend: Backend, bar_page: Option<GuestMemoryMmap>) -> Core {
+    pub fn new(cfg: &NvmeConfig, storage: Storage, bar_page: Option<GuestMemoryMmap>) -> Core {
         let n = MAX_IO_QUEUES as usize + 1;
         Core {
             mem: GuestMem::default(),
@@ -229,7 +229,7 @@ impl Core {
             },
             events: Events::default(),
             ns: Namespace {
-                backend,
+                storage,
                 lba_shift: cfg.lba_size.trailing_zeros(),
                 nlbas: cfg.size / cfg.lba_size as u64,
                 pending: Pending::new(),
@@ -297,8 +297,8 @@ impl Core {
     }
 
     /// Serves SQ `qid` up to its tail; stops early if its CQ has no room
-    /// for one more completion or (I/O queues) every file backend slot is
-    /// taken. Operations it started on the file backend go out in one submit;
+    /// for one more completion or (I/O queues) every file namespace slot is
+    /// taken. Operations it started on the file namespace go out in one submit;
     /// the vectors its completions raise are signalled once, at its end.
     pub fn process_sq(&mut self, qid: usize) -> bool {
         self.batched(|c| c.serve_pass(qid))
@@ -321,7 +321,7 @@ impl Core {
         did
     }
 
-    /// Serves the I/O SQs that stopped for want of a file backend slot, if
+    /// Serves the I/O SQs that stopped for want of a file namespace slot, if
     /// slots are free again. Called wherever slots may have been freed (a
     /// reap, a queue drained): a waiting SQ may sit on any CQ, and no
     /// doorbell will come for it (its commands are already posted).
@@ -393,7 +393,7 @@ impl Core {
                     }
                     match self.io_start(qid, &c) {
                         Some(st) => (0, st),
-                        None => continue, // on the file backend: completed when reaped
+                        None => continue, // on the file namespace: completed when reaped
                     }
                 }
             };
@@ -410,15 +410,15 @@ impl Core {
         }
     }
 
-    /// A file backend slot is free (or the backend completes at once).
+    /// A file namespace slot is free (or the storage completes at once).
     fn io_room(&self) -> bool {
-        match &self.ns.backend {
-            Backend::File(f) => f.has_room(),
+        match &self.ns.storage {
+            Storage::File(f) => f.has_room(),
             _ => true,
         }
     }
 
-    /// The device thread's turn for the file backend: reaps and posts what
+    /// The device thread's turn for the file namespace: reaps and posts what
     /// completed, then serves the I/O queues that stopped for want of a slot
     /// (whoever freed it) or of CQ room. True if anything was done or
     /// operations are in flight (a poller stays busy then).
@@ -450,27 +450,27 @@ impl Core {
         (true, self.io_in_flight() > 0)
     }
 
-    /// The file backend's completion eventfd (io_uring signals it).
+    /// The file namespace's completion eventfd (io_uring signals it).
     pub fn io_completion_fd(&self) -> Option<std::sync::Arc<vmm_sys_util::eventfd::EventFd>> {
-        match &self.ns.backend {
-            Backend::File(f) => f.completion_fd(),
+        match &self.ns.storage {
+            Storage::File(f) => f.completion_fd(),
             _ => None,
         }
     }
 
-    /// File backend operations wait in the ring for a submit the kernel
+    /// File namespace operations wait in the ring for a submit the kernel
     /// refused: the device thread retries after a while.
     pub fn io_stalled(&self) -> bool {
-        match &self.ns.backend {
-            Backend::File(f) => f.stalled(),
+        match &self.ns.storage {
+            Storage::File(f) => f.stalled(),
             _ => false,
         }
     }
 
-    /// File backend operations in flight.
+    /// File namespace operations in flight.
     pub fn io_in_flight(&self) -> usize {
-        match &self.ns.backend {
-            Backend::File(f) => f.in_flight(),
+        match &self.ns.storage {
+            Storage::File(f) => f.in_flight(),
             _ => 0,
         }
     }
@@ -525,9 +525,9 @@ impl Core {
             // I/O commands each poller served (group k's poller: `poller{k}.ios`).
             v.extend(per.iter().enumerate().map(|(k, &n)| Counter { name: format!("poller{k}.ios"), value: n }));
         }
-        let backend = if self.ns.ram.is_some() { "ram" } else { self.ns.backend.name() };
+        let backend = if self.ns.ram.is_some() { "ram" } else { self.ns.storage.name() };
         v.push(Counter { name: format!("backend.{backend}"), value: 1 });
-        if let Backend::File(f) = &self.ns.backend {
+        if let Storage::File(f) = &self.ns.storage {
             v.push(Counter { name: "backend.direct-ops".into(), value: f.direct_ops });
             // Of those, the ones that moved data to or from the guest's pages in place.
             v.push(Counter { name: "backend.in-place-ops".into(), value: f.in_place_ops });

@@ -80,12 +80,12 @@ const _: () = assert!(MSIX_VECTORS <= 128);
 impl Core {
     /// Runs `f` (a pass that posts completions) with the vectors it raises
     /// signalled once each when it ends, not once per completion. Nested
-    /// passes signal at the end of the outermost. A file backend without
+    /// passes signal at the end of the outermost. A file namespace without
     /// io_uring blocks on each operation inside the pass, so it signals each
     /// completion at once.
     pub(super) fn batched<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
-        let batch = match &self.ns.backend {
-            super::backend::Backend::File(b) => b.is_async(),
+        let batch = match &self.ns.storage {
+            crate::block::Storage::File(b) => b.is_async(),
             _ => true,
         };
         let outer = self.intr.batching;

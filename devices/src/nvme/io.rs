@@ -1,11 +1,11 @@
 //! I/O commands on namespace 1 (Flush, Read, Write, Write Zeroes, Dataset
 //! Management) and the data movement between guest pages (PRPs) and the
-//! backend. The opcodes are listed once, for the effects log, in `admin.rs`.
+//! storage. The opcodes are listed once, for the effects log, in `admin.rs`.
 //!
 //! On a file namespace with io_uring, Read, Write and Flush are
 //! asynchronous: fetching one pushes its operation (a queue pass pushes
 //! many, then submits once), on the guest's pages in place where they are
-//! mapped and aligned for O_DIRECT (`backend/guest.rs`), otherwise on a
+//! mapped and aligned for O_DIRECT (`block/guest.rs`), otherwise on a
 //! slot's bounce buffer (a write's data gathered into it first, a read's
 //! scattered from it when reaped); its completion is posted when the device
 //! thread reaps it (`reap_io`). Before the controller gives a memory up, it
@@ -15,18 +15,18 @@
 //! an fdatasync with IOSQE_IO_DRAIN: it starts only once every operation
 //! submitted before it completed, and its completion is reaped after
 //! theirs, so it completes after the writes fetched before it.
-//! Bounds: at most [`FILE_SLOTS`](super::backend::FILE_SLOTS) commands are
+//! Bounds: at most [`FILE_SLOTS`](crate::block::FILE_SLOTS) commands are
 //! out (the queues stop being fetched until one completes), and an SQ is
 //! fetched only while its CQ has room for every completion already owed to
 //! it, so a completion never waits for room (unless the host moves its CQ
 //! head back; it is then held until there is room, or dropped by a reset).
 
 use super::admin::IO_LBA_CHANGING;
-use super::backend::{Backend, FileOp, Placed, FILE_SLOTS};
 use super::controller::Core;
 use super::queue::{prp_segments, status, Sqe, PAGE};
 use super::regs::cap;
 use super::{MAX_IO_QUEUES, MDTS};
+use crate::block::{FileOp, Placed, Storage, FILE_SLOTS};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -35,19 +35,19 @@ const FUA: u32 = 1 << 30;
 
 /// The namespace: its storage and geometry.
 pub(super) struct Namespace {
-    pub backend: Backend,
+    pub storage: Storage,
     /// log2 of the LBA size.
     pub lba_shift: u32,
     /// Size in LBAs.
     pub nlbas: u64,
-    /// Commands out on the file backend's io_uring.
+    /// Commands out on the file namespace's io_uring.
     pub pending: Pending,
     /// Several pollers on a `ram` namespace: its memory, shared by the queue
-    /// groups (`backend` is then `Null`).
-    pub ram: Option<std::sync::Arc<super::shards::SharedRam>>,
+    /// groups (`storage` is then `Null`).
+    pub ram: Option<std::sync::Arc<crate::block::Ram>>,
 }
 
-/// The command a file backend slot serves (index = slot).
+/// The command a file namespace slot serves (index = slot).
 #[derive(Default)]
 struct Op {
     /// Its completion is owed to the host (false: free, or aborted by a reset).
@@ -63,7 +63,7 @@ struct Op {
     status: Option<u16>,
 }
 
-/// Commands out on the file backend, and the completions owed to each CQ.
+/// Commands out on the file namespace, and the completions owed to each CQ.
 pub(super) struct Pending {
     ops: Vec<Op>,
     /// Reaped, waiting for room in their CQ (in reap order).
@@ -89,11 +89,11 @@ impl Pending {
 }
 
 impl Core {
-    /// Starts I/O command `c` of SQ `qid`: on the file backend's io_uring
+    /// Starts I/O command `c` of SQ `qid`: on the file namespace's io_uring
     /// (Read, Write, Flush; None: its completion comes when it is reaped)
     /// or at once (Some(status)).
     pub(super) fn io_start(&mut self, qid: usize, c: &Sqe) -> Option<u16> {
-        let Backend::File(f) = &mut self.ns.backend else { return Some(self.io(c)) };
+        let Storage::File(f) = &mut self.ns.storage else { return Some(self.io(c)) };
         if c.nsid != 1 || !matches!(c.opcode, 0x00..=0x02) || !f.is_async() {
             return Some(self.io(c));
         }
@@ -122,7 +122,7 @@ impl Core {
             Err(st) => st,
             Ok(()) => status::SUCCESS,
         };
-        let Backend::File(f) = &mut self.ns.backend else { unreachable!() };
+        let Storage::File(f) = &mut self.ns.storage else { unreachable!() };
         let mut placed = Placed::Bounce;
         if st == status::SUCCESS && op != FileOp::Flush {
             placed = f.push_guest(slot, op, off, runs(&segs), &self.mem);
@@ -160,12 +160,12 @@ impl Core {
 
     /// Sends the operations pushed by a queue pass.
     pub(super) fn io_submit(&mut self) {
-        if let Backend::File(f) = &mut self.ns.backend {
+        if let Storage::File(f) = &mut self.ns.storage {
             f.submit();
         }
     }
 
-    /// Reaps what the file backend completed, without waiting, and posts
+    /// Reaps what the file namespace completed, without waiting, and posts
     /// the completions (or holds them while their CQ is full). True if
     /// anything was reaped or posted. Nothing while the controller has no
     /// memory (a client left; the next may keep the state): the completions
@@ -176,7 +176,7 @@ impl Core {
     }
 
     fn reap_pass(&mut self) -> bool {
-        let Backend::File(f) = &mut self.ns.backend else { return false };
+        let Storage::File(f) = &mut self.ns.storage else { return false };
         if !f.is_async() || self.mem.is_empty() {
             return false;
         }
@@ -253,19 +253,19 @@ impl Core {
         o.live = false;
         let owed = &mut self.ns.pending.owed[o.cqid as usize];
         *owed = owed.saturating_sub(1);
-        if let Backend::File(f) = &mut self.ns.backend {
+        if let Storage::File(f) = &mut self.ns.storage {
             f.release(slot);
         }
     }
 
-    /// Delete I/O SQ `sqid`: waits for its commands on the file backend and
+    /// Delete I/O SQ `sqid`: waits for its commands on the file namespace and
     /// posts their completions, so none is left to a queue that is gone
     /// (one the CQ has no room for, or one the wait failed for, is dropped).
     pub(super) fn drain_sq(&mut self, sqid: u16) {
         let mine = |p: &Pending| p.ops.iter().any(|o| o.live && o.sqid == sqid && o.status.is_none());
         while mine(&self.ns.pending) && !self.mem.is_empty() {
             self.reap_io();
-            let Backend::File(f) = &mut self.ns.backend else { break };
+            let Storage::File(f) = &mut self.ns.storage else { break };
             if mine(&self.ns.pending) && !f.wait() {
                 break;
             }
@@ -294,7 +294,7 @@ impl Core {
     }
 
     /// Controller reset or disable (the device thread is stopped): every
-    /// command out on the file backend is aborted without a completion, and
+    /// command out on the file namespace is aborted without a completion, and
     /// this waits until none is in flight, so an aborted read on guest
     /// pages in place cannot land after the host moved on (and reused
     /// them), nor an aborted write after the host wrote those blocks anew.
@@ -309,7 +309,7 @@ impl Core {
         self.ns.pending.held.clear();
         self.ns.pending.owed.iter_mut().for_each(|o| *o = 0);
         self.ns.pending.slot_wait = false;
-        let Backend::File(f) = &mut self.ns.backend else { return true };
+        let Storage::File(f) = &mut self.ns.storage else { return true };
         let timeout = Duration::from_millis((cap() >> 24 & 0xff) * 500 / 2);
         let deadline = Instant::now() + timeout;
         loop {
@@ -333,13 +333,13 @@ impl Core {
     /// until no file operation works on its pages in place, posting their
     /// completions there (or holding them for CQ room). Bounded like a
     /// reset's wait; past it, those operations keep the memory mapped until
-    /// they end (`backend/guest.rs`), and the client may see them land late.
+    /// they end (`block/guest.rs`), and the client may see them land late.
     pub(super) fn settle_guest_io(&mut self) {
         let timeout = Duration::from_millis((cap() >> 24 & 0xff) * 500 / 2);
         let deadline = Instant::now() + timeout;
         loop {
             self.reap_io();
-            let Backend::File(f) = &mut self.ns.backend else { return };
+            let Storage::File(f) = &mut self.ns.storage else { return };
             let n = f.guest_in_flight();
             if n == 0 {
                 return;
@@ -354,7 +354,7 @@ impl Core {
         }
     }
 
-    /// Waits until no file backend operation is in flight (their
+    /// Waits until no file namespace operation is in flight (their
     /// completions posted, or held for CQ room): before a write through the
     /// buffered fd (Write Zeroes, deallocate), which must not race O_DIRECT
     /// writes of the same blocks (the page cache they invalidate could be
@@ -367,7 +367,7 @@ impl Core {
             }
             // What the pass posted so far is not held while it waits.
             self.signal_due();
-            let Backend::File(f) = &mut self.ns.backend else { return };
+            let Storage::File(f) = &mut self.ns.storage else { return };
             if !f.wait() {
                 return;
             }
@@ -380,7 +380,7 @@ impl Core {
             return status::INVALID_NAMESPACE;
         }
         let st = match c.opcode {
-            0x00 => match self.ns.backend.flush() {
+            0x00 => match self.ns.storage.flush() {
                 Ok(()) => status::SUCCESS,
                 Err(_) => status::INTERNAL,
             },
@@ -403,7 +403,7 @@ impl Core {
         // Unit Access: what changed is stable before it completes.
         let fua = c.opcode == 0x01 && c.cdw12 & FUA != 0;
         if st == status::SUCCESS && (!self.feat.write_cache && IO_LBA_CHANGING.contains(&c.opcode) || fua) {
-            if let Err(e) = self.ns.backend.flush() {
+            if let Err(e) = self.ns.storage.flush() {
                 log::warn!("nvme: flush with the write cache off: {e}");
                 return status::INTERNAL;
             }
@@ -439,17 +439,17 @@ impl Core {
         st
     }
 
-    /// Moves data between the backend and the guest pages: a run of pages
+    /// Moves data between the storage and the guest pages: a run of pages
     /// that follow each other in guest memory is one access (one message
     /// each way where the host reaches that memory by message).
     fn transfer(&mut self, segs: &[(u64, u64)], mut off: u64, write: bool) -> u16 {
         if self.ns.ram.is_some() {
             return self.transfer_shared(segs, off, write);
         }
-        if matches!(self.ns.backend, Backend::Null) {
+        if matches!(self.ns.storage, Storage::Null) {
             return status::SUCCESS;
         }
-        if matches!(self.ns.backend, Backend::File(_)) {
+        if matches!(self.ns.storage, Storage::File(_)) {
             return self.transfer_whole(segs, off, write);
         }
         for (a, n) in runs(segs) {
@@ -458,11 +458,11 @@ impl Core {
                 self.scratch.buf.resize(n, 0);
             }
             let buf = &mut self.scratch.buf[..n];
-            let (mem, backend) = (&self.mem, &mut self.ns.backend);
+            let (mem, storage) = (&self.mem, &mut self.ns.storage);
             let r = if write {
-                mem.read_slice(buf, a).map_err(|_| ()).and_then(|()| backend.write(off, buf).map_err(|_| ()))
+                mem.read_slice(buf, a).map_err(|_| ()).and_then(|()| storage.write(off, buf).map_err(|_| ()))
             } else {
-                backend.read(off, buf).map_err(|_| ()).and_then(|()| mem.write_slice(buf, a).map_err(|_| ()))
+                storage.read(off, buf).map_err(|_| ()).and_then(|()| mem.write_slice(buf, a).map_err(|_| ()))
             };
             if r.is_err() {
                 return status::DATA_TRANSFER_ERROR;
@@ -472,11 +472,11 @@ impl Core {
         status::SUCCESS
     }
 
-    /// A file transfer as one aligned backend operation (O_DIRECT-able),
+    /// A file transfer as one aligned storage operation (O_DIRECT-able),
     /// gathered from or scattered to the guest pages.
     fn transfer_whole(&mut self, segs: &[(u64, u64)], off: u64, write: bool) -> u16 {
         let len: u64 = segs.iter().map(|s| s.1).sum();
-        let (mem, backend) = (&self.mem, &mut self.ns.backend);
+        let (mem, storage) = (&self.mem, &mut self.ns.storage);
         let buf = self.scratch.bounce.get(len as usize);
         let mut pos = 0usize;
         let mut ok = true;
@@ -485,9 +485,9 @@ impl Core {
                 ok &= mem.read_slice(&mut buf[pos..pos + n as usize], a).is_ok();
                 pos += n as usize;
             }
-            ok = ok && backend.write(off, buf).is_ok();
+            ok = ok && storage.write(off, buf).is_ok();
         } else {
-            ok = backend.read(off, buf).is_ok();
+            ok = storage.read(off, buf).is_ok();
             for (a, n) in runs(segs) {
                 if !ok {
                     break;

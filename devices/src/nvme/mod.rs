@@ -134,12 +134,12 @@
 //! commands and PRP data movement; `doorbells.rs` the four doorbell modes
 //! and the device thread; `interrupts.rs` MSI-X (the shared
 //! [`MsixTable`](crate::pci::MsixTable)) and interrupt coalescing;
-//! `queue.rs` queue entries and PRPs in guest memory; `backend/` the
-//! namespace's storage; `shards.rs` queue groups for several pollers.
+//! `queue.rs` queue entries and PRPs in guest memory; `shards.rs` queue
+//! groups for several pollers. The namespace's storage is the block layer's
+//! ([`crate::block`]), which virtio-blk shares.
 
 mod adaptive;
 mod admin;
-pub mod backend;
 mod controller;
 mod doorbells;
 mod forecast;
@@ -152,9 +152,9 @@ pub mod queue;
 mod regs;
 mod shards;
 
+pub use crate::block::InPlace;
+use crate::block::{Storage, StorageKind};
 use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, Error, PciIds, Result};
-pub use backend::InPlace;
-use backend::{Backend, BackendKind};
 use controller::Core;
 use doorbells::Threads;
 use regs::REG_CC;
@@ -170,6 +170,7 @@ pub const MAX_IO_QUEUES: u16 = 64;
 pub const MQES: u16 = 4096;
 /// Maximum data transfer: 2^MDTS pages = 128 KiB.
 pub const MDTS: u8 = 5;
+const _: () = assert!((queue::PAGE as usize) << MDTS == crate::block::MAX_IO, "a command fits a storage slot");
 /// MSI-X vectors: one per queue pair, admin included.
 pub const MSIX_VECTORS: usize = MAX_IO_QUEUES as usize + 1;
 /// MSI-X table and PBA offsets in BAR0.
@@ -316,7 +317,7 @@ impl std::fmt::Display for DoorbellMode {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NvmeConfig {
-    pub backend: BackendKind,
+    pub backend: StorageKind,
     /// Namespace size in bytes.
     pub size: u64,
     /// 512 or 4096.
@@ -330,11 +331,11 @@ pub struct NvmeConfig {
     /// `forecast=off` to compare).
     pub forecast: bool,
     /// A file namespace: which reads and writes work on the guest's pages
-    /// in place instead of through bounce buffers (`backend/guest.rs`).
+    /// in place instead of through bounce buffers (`block/guest.rs`).
     pub in_place: InPlace,
     /// A file namespace: its operations go to the kernel every this many
     /// (`submit_batch=N`, fio's iodepth_batch_submit), or 0: all that a
-    /// queue pass fetched at once (see `backend::FileBackend::submit_batch`).
+    /// queue pass fetched at once (see `block::FileStorage::submit_batch`).
     pub submit_batch: u16,
     /// `serial=`, `nqn=`, `cntlid=`; what is unset is drawn per controller
     /// instance (`identity.rs`).
@@ -342,7 +343,7 @@ pub struct NvmeConfig {
 }
 
 /// Most operations `submit_batch=` may gather: the io_uring's size.
-pub const MAX_SUBMIT_BATCH: u16 = backend::FILE_SLOTS as u16;
+pub const MAX_SUBMIT_BATCH: u16 = crate::block::FILE_SLOTS as u16;
 
 /// Poller threads a controller may have (`pollers=`).
 pub const MAX_POLLERS: u8 = 16;
@@ -350,7 +351,7 @@ pub const MAX_POLLERS: u8 = 16;
 impl Default for NvmeConfig {
     fn default() -> Self {
         NvmeConfig {
-            backend: BackendKind::Ram,
+            backend: StorageKind::Ram,
             size: 64 << 20,
             lba_size: 512,
             doorbell: DoorbellMode::Auto,
@@ -392,16 +393,16 @@ impl NvmeConfig {
             // make the others' stores exit while they are busy.
             return bad("pollers", format!("doorbell={} takes one poller (the doorbell page is one)", self.doorbell));
         }
-        if self.in_place != InPlace::Auto && !matches!(self.backend, BackendKind::File(_)) {
+        if self.in_place != InPlace::Auto && !matches!(self.backend, StorageKind::File(_)) {
             return bad("in_place", format!("in_place={} needs backend=file:PATH", self.in_place));
         }
-        if self.submit_batch != 0 && !matches!(self.backend, BackendKind::File(_)) {
+        if self.submit_batch != 0 && !matches!(self.backend, StorageKind::File(_)) {
             return bad("submit_batch", format!("submit_batch={} needs backend=file:PATH", self.submit_batch));
         }
         if self.submit_batch > MAX_SUBMIT_BATCH {
             return bad("submit_batch", format!("{} (0 ..= {MAX_SUBMIT_BATCH})", self.submit_batch));
         }
-        if self.pollers > 1 && matches!(self.backend, BackendKind::File(_)) {
+        if self.pollers > 1 && matches!(self.backend, StorageKind::File(_)) {
             return bad(
                 "pollers",
                 "several pollers need backend=null or ram (a file namespace has one io_uring)".into(),
@@ -429,8 +430,8 @@ impl Nvme {
         cfg.validate()?;
         // One identity for the controller's life, its queue groups included.
         cfg.id = cfg.id.resolved();
-        let mut backend = if cfg.pollers > 1 { Backend::Null } else { Backend::open(&cfg.backend, cfg.size)? };
-        if let Backend::File(f) = &mut backend {
+        let mut storage = if cfg.pollers > 1 { Storage::Null } else { Storage::open(&cfg.backend, cfg.size)? };
+        if let Storage::File(f) = &mut storage {
             f.in_place = cfg.in_place;
             f.submit_batch = cfg.submit_batch as usize;
         }
@@ -444,16 +445,16 @@ impl Nvme {
         let core = if cfg.pollers > 1 {
             // Queue groups (`shards.rs`); a RAM namespace becomes memory they share.
             let ram = match cfg.backend {
-                BackendKind::Ram => Some(Arc::new(shards::SharedRam::new(cfg.size)?)),
+                StorageKind::Ram => Some(Arc::new(crate::block::Ram::new(cfg.size)?)),
                 _ => None,
             };
-            let mut c0 = Core::new(&cfg, Backend::Null, bar_page);
+            let mut c0 = Core::new(&cfg, Storage::Null, bar_page);
             c0.ns.ram = ram;
             c0.groups = cfg.pollers as usize;
             c0.shards = (1..c0.groups).map(|g| Arc::new(Mutex::new(Core::new_shard(&c0, &cfg, g)))).collect();
             c0
         } else {
-            Core::new(&cfg, backend, bar_page)
+            Core::new(&cfg, storage, bar_page)
         };
         let bar_fd = Mutex::new(bar_fd);
         Ok(Nvme { cfg, core: Arc::new(Mutex::new(core)), threads: Mutex::new(Threads::default()), bar_fd })

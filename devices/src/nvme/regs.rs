@@ -144,7 +144,7 @@ impl Core {
     }
 
     /// Controller disable (or reset): every queue, the commands out on the
-    /// file backend (aborted, and waited for), the shadow doorbells,
+    /// file namespace (aborted, and waited for), the shadow doorbells,
     /// outstanding AERs and events, held interrupts and CSTS go; the
     /// features Set Features keeps return to their defaults. Aborted file
     /// operations that would not finish leave CSTS.CFS set (the host resets

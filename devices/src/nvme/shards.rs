@@ -18,7 +18,7 @@
 //! What the groups share, without a lock a poller takes per I/O:
 //! - guest memory: each core holds a clone of the handle (set at attach);
 //! - the namespace: `null` has no data; `ram` is one anonymous mapping
-//!   ([`SharedRam`]) every core reaches with plain copies (the host orders
+//!   ([`Ram`](crate::block::Ram)) every core reaches with plain copies (the host orders
 //!   accesses to the same blocks, as with any NVMe device: two commands in
 //!   flight on the same blocks leave them unspecified, never out of bounds);
 //! - MSI-X: group 0 keeps the table; each vector has an atomic state here
@@ -87,7 +87,7 @@ impl Raised {
 impl Core {
     /// A core for queue group `group` (1..N) of controller core `c0`.
     pub fn new_shard(c0: &Core, cfg: &super::NvmeConfig, group: usize) -> Core {
-        let mut c = Core::new(cfg, super::backend::Backend::Null, c0.db.bar_page.clone());
+        let mut c = Core::new(cfg, crate::block::Storage::Null, c0.db.bar_page.clone());
         c.group = group;
         c.groups = c0.groups;
         c.ns.ram = c0.ns.ram.clone();
@@ -259,86 +259,13 @@ impl Core {
         status::SUCCESS
     }
 
-    /// Zeroes `len` bytes at `off` of the namespace (shared RAM or backend).
+    /// Zeroes `len` bytes at `off` of the namespace (shared RAM or storage).
     pub fn zero_blocks(&mut self, off: u64, len: u64) -> std::io::Result<()> {
-        let Some(ram) = &self.ns.ram else { return self.ns.backend.zero(off, len) };
+        let Some(ram) = &self.ns.ram else { return self.ns.storage.zero(off, len) };
         if ram.zero(off, len) {
             Ok(())
         } else {
             Err(std::io::Error::other("outside the namespace"))
         }
-    }
-}
-
-/// A `ram` namespace shared by the queue groups: an anonymous private
-/// mapping (pages appear on first touch), read and written with plain
-/// copies, every range checked against its length.
-pub(super) struct SharedRam {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the mapping lives as long as the value and is only reached
-// through `read`, `write` and `zero`, which copy within its bounds; what
-// concurrent commands on the same blocks leave there is the host's concern
-// (bytes, never memory outside the mapping).
-unsafe impl Send for SharedRam {}
-unsafe impl Sync for SharedRam {}
-
-impl SharedRam {
-    pub fn new(len: u64) -> crate::Result<SharedRam> {
-        let len = usize::try_from(len).map_err(|_| crate::Error::Host("nvme: namespace too large".into()))?;
-        let ptr = super::backend::anon_map(len).map_err(|e| crate::Error::io("nvme: namespace memory", e))?;
-        Ok(SharedRam { ptr: ptr.cast(), len })
-    }
-
-    /// The byte offset of `n` bytes at `off`, if they lie in the mapping.
-    fn at(&self, off: u64, n: usize) -> Option<usize> {
-        let off = usize::try_from(off).ok()?;
-        (off.checked_add(n)? <= self.len).then_some(off)
-    }
-
-    pub fn read(&self, off: u64, buf: &mut [u8]) -> bool {
-        let Some(o) = self.at(off, buf.len()) else { return false };
-        // SAFETY: o..o+len lies in the mapping (checked); `buf` is ours.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(o), buf.as_mut_ptr(), buf.len()) };
-        true
-    }
-
-    pub fn write(&self, off: u64, buf: &[u8]) -> bool {
-        let Some(o) = self.at(off, buf.len()) else { return false };
-        // SAFETY: as in `read`.
-        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), self.ptr.add(o), buf.len()) };
-        true
-    }
-
-    pub fn zero(&self, off: u64, len: u64) -> bool {
-        let Ok(n) = usize::try_from(len) else { return false };
-        let Some(o) = self.at(off, n) else { return false };
-        // SAFETY: as in `read`.
-        unsafe { std::ptr::write_bytes(self.ptr.add(o), 0, n) };
-        true
-    }
-}
-
-impl Drop for SharedRam {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`, no longer reachable.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
-    }
-}
-
-#[cfg(test)]
-mod shared_ram_tests {
-    #[test]
-    fn copies_stay_inside_the_namespace() {
-        let r = super::SharedRam::new(8192).unwrap();
-        assert!(r.write(4096, &[7u8; 512]));
-        let mut b = [0u8; 512];
-        assert!(r.read(4096, &mut b) && b == [7u8; 512]);
-        assert!(r.zero(4096, 256) && r.read(4096, &mut b) && b[..256] == [0u8; 256] && b[256..] == [7u8; 256]);
-        assert!(!r.write(8192 - 511, &[1u8; 512]), "past the end");
-        assert!(!r.read(u64::MAX, &mut b), "offset overflow");
-        assert!(!r.zero(1, u64::MAX), "length overflow");
     }
 }

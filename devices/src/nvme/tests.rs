@@ -1,9 +1,9 @@
 //! The controller driven the way a driver would, through BAR0 and guest RAM.
 
-use super::backend::BackendKind;
 use super::queue::status;
 use super::regs::{REG_ACQ, REG_AQA, REG_ASQ, REG_CC};
 use super::*;
+use crate::block::StorageKind;
 use crate::{DeviceContext, GuestMemoryMmap};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -151,13 +151,13 @@ impl Drv {
     }
 }
 
-fn mmio(backend: BackendKind) -> NvmeConfig {
+fn mmio(backend: StorageKind) -> NvmeConfig {
     NvmeConfig { backend, size: 1 << 20, lba_size: 512, doorbell: DoorbellMode::Mmio, ..NvmeConfig::default() }
 }
 
 #[test]
 fn bring_up_identify_and_data_round_trip() {
-    let mut d = Drv::new(mmio(BackendKind::Ram));
+    let mut d = Drv::new(mmio(StorageKind::Ram));
     assert_eq!(d.admin(0x06, 0, DATA, 0, [1, 0, 0, 0]).1, 0);
     let vid: u16 = d.mem.read_obj(GuestAddress(DATA)).unwrap();
     assert_eq!(vid, VENDOR);
@@ -195,7 +195,7 @@ fn bring_up_identify_and_data_round_trip() {
 #[test]
 fn hostile_commands_get_nvme_statuses_and_the_controller_goes_on() {
     let img = TempImage::new("hostile");
-    for backend in [BackendKind::Ram, BackendKind::File(img.0.clone())] {
+    for backend in [StorageKind::Ram, StorageKind::File(img.0.clone())] {
         hostile_commands(Drv::new(mmio(backend)));
     }
 }
@@ -240,7 +240,7 @@ fn hostile_commands(mut d: Drv) {
 
 #[test]
 fn a_full_cq_holds_submissions_until_the_host_frees_entries() {
-    let mut d = Drv::new(mmio(BackendKind::Null));
+    let mut d = Drv::new(mmio(StorageKind::Null));
     d.io_queues(4);
     // Fill the SQ with 3 commands without reaping: a 4-entry CQ holds 3.
     for _ in 0..3 {
@@ -269,7 +269,7 @@ fn a_full_cq_holds_submissions_until_the_host_frees_entries() {
 #[test]
 fn shm_doorbells_are_polled_with_eventidx_kept_behind_and_moved_only_when_it_lags() {
     let cfg = NvmeConfig {
-        backend: BackendKind::Ram,
+        backend: StorageKind::Ram,
         size: 1 << 20,
         lba_size: 4096,
         doorbell: DoorbellMode::Shm,
@@ -315,10 +315,10 @@ fn shm_doorbells_are_polled_with_eventidx_kept_behind_and_moved_only_when_it_lag
 
 #[test]
 fn mmio_mode_offers_no_doorbell_buffer_config_and_bad_lba_sizes_are_refused() {
-    let mut d = Drv::new(mmio(BackendKind::Null));
+    let mut d = Drv::new(mmio(StorageKind::Null));
     assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, status::INVALID_OPCODE);
-    assert!(Nvme::new(NvmeConfig { lba_size: 1024, ..mmio(BackendKind::Null) }).is_err());
-    assert!(Nvme::new(NvmeConfig { size: 1000, ..mmio(BackendKind::Null) }).is_err());
+    assert!(Nvme::new(NvmeConfig { lba_size: 1024, ..mmio(StorageKind::Null) }).is_err());
+    assert!(Nvme::new(NvmeConfig { size: 1000, ..mmio(StorageKind::Null) }).is_err());
 }
 
 type Routes = Vec<(u16, Option<(u64, u32)>)>;
@@ -341,7 +341,7 @@ impl crate::Interrupts for Irqs {
 
 #[test]
 fn msix_vectors_follow_the_table_and_fire_on_completions_or_stay_pending_while_masked() {
-    let mut d = Drv::new(mmio(BackendKind::Null));
+    let mut d = Drv::new(mmio(StorageKind::Null));
     let irqs = Arc::new(Irqs::default());
     let mut ctx = DeviceContext::detached(d.mem.clone());
     ctx.irq = irqs.clone();
@@ -382,7 +382,7 @@ fn msix_vectors_follow_the_table_and_fire_on_completions_or_stay_pending_while_m
 
 #[test]
 fn interrupt_coalescing_holds_completions_to_the_threshold_or_the_time() {
-    let cfg = NvmeConfig { doorbell: DoorbellMode::Shm, ..mmio(BackendKind::Null) };
+    let cfg = NvmeConfig { doorbell: DoorbellMode::Shm, ..mmio(StorageKind::Null) };
     let mut d = Drv::new(cfg);
     let irqs = Arc::new(Irqs::default());
     let mut ctx = DeviceContext::detached(d.mem.clone());
@@ -441,7 +441,7 @@ fn interrupt_coalescing_holds_completions_to_the_threshold_or_the_time() {
 #[test]
 fn an_async_event_waits_for_room_in_the_admin_cq() {
     // Admin queues of 2 entries: the CQ holds one unreaped completion at most.
-    let mut d = Drv::with_admin(mmio(BackendKind::Null), 2);
+    let mut d = Drv::with_admin(mmio(StorageKind::Null), 2);
     let submit = |d: &mut Drv, op: u8, prp: u64, cdw10: u32| {
         let e = d.sqe(op, 0, prp, 0, [cdw10, 0, 0, 0]);
         d.mem.write_slice(&e, GuestAddress(ASQ + d.atail as u64 * 64)).unwrap();
@@ -462,7 +462,7 @@ fn an_async_event_waits_for_room_in_the_admin_cq() {
 
 #[test]
 fn the_controller_is_shared_without_an_outer_lock_and_survives_enable_cycles_under_concurrent_accesses() {
-    let cfg = NvmeConfig { doorbell: DoorbellMode::Shm, ..mmio(BackendKind::Null) };
+    let cfg = NvmeConfig { doorbell: DoorbellMode::Shm, ..mmio(StorageKind::Null) };
     let Drv { n, .. } = Drv::new(cfg);
     let n: crate::SharedDevice = Arc::new(n);
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -511,9 +511,9 @@ fn options_round_trip_and_bad_geometry_names_its_option() {
     }
     let e = "shmm".parse::<DoorbellMode>().unwrap_err();
     assert!(matches!(&e, crate::Error::Option { option, .. } if option == "doorbell"), "{e}");
-    let e = Nvme::new(NvmeConfig { lba_size: 1024, ..mmio(BackendKind::Null) }).err().unwrap();
+    let e = Nvme::new(NvmeConfig { lba_size: 1024, ..mmio(StorageKind::Null) }).err().unwrap();
     assert!(matches!(&e, crate::Error::Option { option, .. } if option == "lba"), "{e}");
-    let e = Nvme::new(NvmeConfig { size: 1000, ..mmio(BackendKind::Null) }).err().unwrap();
+    let e = Nvme::new(NvmeConfig { size: 1000, ..mmio(StorageKind::Null) }).err().unwrap();
     assert!(matches!(&e, crate::Error::Option { option, .. } if option == "size_mb"), "{e}");
 }
 
@@ -532,7 +532,7 @@ fn client_lines(vectors: &[u16]) -> (Arc<crate::irq::IrqLines>, Vec<vmm_sys_util
 /// A `mmio` controller on `null` whose host is a client with an eventfd per
 /// vector in `vectors` (see [`client_lines`]).
 fn with_client_lines(vectors: &[u16]) -> (Drv, Arc<crate::irq::IrqLines>, Vec<vmm_sys_util::eventfd::EventFd>) {
-    let d = Drv::new(mmio(BackendKind::Null));
+    let d = Drv::new(mmio(StorageKind::Null));
     let (lines, fds) = client_lines(vectors);
     let mut ctx = DeviceContext::detached(d.mem.clone());
     ctx.irq = lines.clone();
@@ -651,7 +651,7 @@ impl Drv {
 fn a_recreated_io_queue_starts_from_zeroed_doorbells_in_every_mode() {
     let modes = [DoorbellMode::Mmio, DoorbellMode::Ioeventfd, DoorbellMode::Shm, DoorbellMode::Bar];
     for mode in modes.into_iter().chain([DoorbellMode::BarAdaptive]) {
-        let cfg = NvmeConfig { doorbell: mode, ..mmio(BackendKind::Null) };
+        let cfg = NvmeConfig { doorbell: mode, ..mmio(StorageKind::Null) };
         let mut d = Drv::new(cfg);
         if matches!(mode, DoorbellMode::Shm | DoorbellMode::Ioeventfd) {
             assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0, "{mode}");
@@ -700,7 +700,7 @@ impl Drv {
 fn a_doorbell_flood_keeps_one_pending_event_per_type_and_info() {
     // bar-adaptive: the writes exit while its poller sleeps, each waking it to refuse the tail.
     for mode in [DoorbellMode::Mmio, DoorbellMode::Bar, DoorbellMode::BarAdaptive] {
-        let cfg = NvmeConfig { doorbell: mode, ..mmio(BackendKind::Null) };
+        let cfg = NvmeConfig { doorbell: mode, ..mmio(StorageKind::Null) };
         let mut d = Drv::new(cfg);
         d.io_queues(4);
         for i in 0..100_000u32 {
@@ -728,7 +728,7 @@ fn a_doorbell_flood_keeps_one_pending_event_per_type_and_info() {
 
 #[test]
 fn an_event_type_reported_is_not_reported_again_until_its_log_page_is_read() {
-    let mut d = Drv::new(mmio(BackendKind::Null));
+    let mut d = Drv::new(mmio(StorageKind::Null));
     d.io_queues(4);
     let (a1, a2) = (d.submit_aer(), d.submit_aer());
     d.w32(DOORBELLS + 8, 9); // invalid value: error event, info 1, log page 1
@@ -776,7 +776,7 @@ fn identify_reports_the_identity_options() {
         cntlid: Some(cntlid),
     };
     let nqn = "nqn.2014-08.com.example:nvme:disk-7";
-    let cfg = |id| NvmeConfig { id, ..mmio(BackendKind::Null) };
+    let cfg = |id| NvmeConfig { id, ..mmio(StorageKind::Null) };
     let mut d = Drv::new(cfg(id("SN-0042", nqn, 0x1234)));
     let (st, ctrl) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
     assert_eq!(st, 0);
@@ -809,7 +809,7 @@ fn identify_reports_the_identity_options() {
 
 #[test]
 fn identify_gives_namespace_descriptors_a_subsystem_nqn_and_matching_namespace_ids() {
-    let mut d = Drv::new(mmio(BackendKind::Null));
+    let mut d = Drv::new(mmio(StorageKind::Null));
     let (st, ctrl) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
     assert_eq!(st, 0);
     let serial = std::str::from_utf8(&ctrl[4..24]).unwrap().trim_end().to_string();
@@ -844,7 +844,7 @@ fn identify_gives_namespace_descriptors_a_subsystem_nqn_and_matching_namespace_i
     // Another instance with no identity options is another controller: SN,
     // SUBNQN, NGUID and UUID differ (Linux refuses a second controller of one
     // subsystem with the same CNTLID, and merges namespaces with one NGUID).
-    let mut e = Drv::new(mmio(BackendKind::Null));
+    let mut e = Drv::new(mmio(StorageKind::Null));
     let other = e.admin_data(0x06, 0, [1, 0, 0, 0], 4096).1;
     assert_ne!(other[4..24], ctrl[4..24], "SN");
     assert_ne!(other[768..1024], ctrl[768..1024], "SUBNQN");
@@ -862,7 +862,7 @@ fn identify_gives_namespace_descriptors_a_subsystem_nqn_and_matching_namespace_i
 #[test]
 fn the_effects_log_marks_exactly_the_commands_the_controller_implements() {
     for mode in [DoorbellMode::Mmio, DoorbellMode::Shm] {
-        let cfg = NvmeConfig { doorbell: mode, ..mmio(BackendKind::Null) };
+        let cfg = NvmeConfig { doorbell: mode, ..mmio(StorageKind::Null) };
         let mut d = Drv::new(cfg);
         let (_, ctrl) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
         assert_eq!(ctrl[261] & 0b110, 0b110, "LPA: effects log, extended data (NUMDU, offsets)");
@@ -892,7 +892,7 @@ fn the_effects_log_marks_exactly_the_commands_the_controller_implements() {
 
 #[test]
 fn get_log_page_reads_from_its_offset_within_bounds() {
-    let mut d = Drv::new(mmio(BackendKind::Null));
+    let mut d = Drv::new(mmio(StorageKind::Null));
     let (_, full) = d.log_page(0x05, 0, 4096);
     let (st, part) = d.log_page(0x05, 4096 - 8, 8);
     assert_eq!((st, &part[..]), (0, &full[4088..]), "the last two dwords");
@@ -912,14 +912,14 @@ fn get_log_page_reads_from_its_offset_within_bounds() {
 #[test]
 fn identify_controller_advertises_only_what_the_controller_implements() {
     for mode in [DoorbellMode::Mmio, DoorbellMode::Ioeventfd, DoorbellMode::Shm, DoorbellMode::Bar] {
-        let cfg = NvmeConfig { doorbell: mode, ..mmio(BackendKind::Null) };
+        let cfg = NvmeConfig { doorbell: mode, ..mmio(StorageKind::Null) };
         let mut d = Drv::new(cfg);
         let (_, c) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
         let shadow = matches!(mode, DoorbellMode::Shm | DoorbellMode::Ioeventfd);
         assert_eq!(u16::from_le_bytes([c[256], c[257]]), (shadow as u16) << 8, "{mode}: OACS: DBBC only");
         d.n.quiesce();
     }
-    let mut d = Drv::new(mmio(BackendKind::Ram));
+    let mut d = Drv::new(mmio(StorageKind::Ram));
     let (_, c) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
     // Firmware: one slot, read-only (no Firmware Download or Commit).
     assert_eq!(c[260], 0b11, "FRMW");
@@ -959,7 +959,7 @@ fn identify_controller_advertises_only_what_the_controller_implements() {
 #[test]
 fn registers_the_controller_does_not_implement_read_as_zero() {
     // Linux reads CMBSZ (0x3c) and CMBLOC (0x38): all-ones there is a controller memory buffer.
-    let mut d = Drv::new(mmio(BackendKind::Null));
+    let mut d = Drv::new(mmio(StorageKind::Null));
     for off in [0x38, 0x3c, 0x40, 0x50, 0x58, 0xe00, 0xffc] {
         assert_eq!(d.r32(off), 0, "{off:#x}");
     }
@@ -974,7 +974,7 @@ fn a_late_register_doorbell_does_not_rewind_a_shadowed_queue() {
     // rule asked for can arrive after the poller already served newer shadow tails. Its value
     // must not be taken as the tail (the controller would serve the whole ring again).
     for mode in [DoorbellMode::Shm, DoorbellMode::Ioeventfd] {
-        let cfg = NvmeConfig { doorbell: mode, ..mmio(BackendKind::Null) };
+        let cfg = NvmeConfig { doorbell: mode, ..mmio(StorageKind::Null) };
         let mut d = Drv::new(cfg);
         assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
         d.io_queues(8);
@@ -1089,7 +1089,7 @@ fn remote_round_trip(d: &mut Drv) {
 
 #[test]
 fn guest_ram_reached_only_through_a_port_serves_admin_and_io_in_mmio_mode() {
-    let (mut d, port) = remote_drv(mmio(BackendKind::Ram), 0);
+    let (mut d, port) = remote_drv(mmio(StorageKind::Ram), 0);
     assert_eq!(d.admin(0x06, 0, DATA, 0, [1, 0, 0, 0]).1, 0, "Identify into memory reached by message");
     assert_eq!(d.mem.read_obj::<u16>(GuestAddress(DATA)).unwrap(), VENDOR);
     d.io_queues(16);
@@ -1104,7 +1104,7 @@ fn guest_ram_reached_only_through_a_port_serves_admin_and_io_in_mmio_mode() {
 
 #[test]
 fn guest_ram_reached_through_a_port_serves_the_bar_mode_poller_and_a_mixed_map() {
-    let cfg = NvmeConfig { doorbell: DoorbellMode::Bar, ..mmio(BackendKind::Ram) };
+    let cfg = NvmeConfig { doorbell: DoorbellMode::Bar, ..mmio(StorageKind::Ram) };
     // Queues mapped, data and PRP lists (0x20000 up) reached by message.
     let (mut d, port) = remote_drv(cfg, 0x20000);
     assert_eq!(d.admin(0x06, 0, DATA, 0, [1, 0, 0, 0]).1, 0);
@@ -1123,7 +1123,7 @@ fn guest_ram_reached_through_a_port_serves_the_bar_mode_poller_and_a_mixed_map()
 
 #[test]
 fn shadow_doorbells_in_memory_reached_by_message_are_refused_and_mmio_doorbells_serve() {
-    let cfg = NvmeConfig { doorbell: DoorbellMode::Shm, ..mmio(BackendKind::Ram) };
+    let cfg = NvmeConfig { doorbell: DoorbellMode::Shm, ..mmio(StorageKind::Ram) };
     let (mut d, port) = remote_drv(cfg, 0x20000);
     // DBBUF (0x30000) is reached by message: polling it would be a message per look.
     assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, status::INVALID_FIELD);
@@ -1149,7 +1149,7 @@ impl TempImage {
     }
     fn cfg(&self, doorbell: DoorbellMode) -> NvmeConfig {
         NvmeConfig {
-            backend: BackendKind::File(self.0.clone()),
+            backend: StorageKind::File(self.0.clone()),
             size: 1 << 20,
             lba_size: 512,
             doorbell,
@@ -1352,7 +1352,7 @@ fn a_thousand_commands_on_a_deep_queue_all_complete_within_the_in_flight_bound()
         assert!(done.iter().all(|&(_, st)| st == 0), "{mode}");
         assert_eq!(sorted(done.iter().map(|c| c.0).collect()), sorted(cids), "{mode}: each command completed once");
         let max = counter(&d.n, "backend.inflight-max");
-        assert_eq!(max, super::backend::FILE_SLOTS as u64, "{mode}: the bound was reached and held");
+        assert_eq!(max, crate::block::FILE_SLOTS as u64, "{mode}: the bound was reached and held");
         assert!(counter(&d.n, "backend.slot-waits") > 0, "{mode}: fetching waited for slots");
     }
 }
@@ -1484,7 +1484,7 @@ fn a_write_in_flight_at_reset_or_disable_is_in_the_file_before_either_returns() 
 
 /// Reads and writes of a file namespace through the bounce buffers only.
 fn bounce_only(d: &Drv) {
-    if let super::backend::Backend::File(f) = &mut d.n.core.lock().unwrap().ns.backend {
+    if let crate::block::Storage::File(f) = &mut d.n.core.lock().unwrap().ns.storage {
         f.in_place = InPlace::Off;
     }
 }
@@ -1495,8 +1495,8 @@ fn a_transfer_o_direct_cannot_take_in_place_bounces_with_its_data() {
     let mut d = Drv::new(NvmeConfig { in_place: InPlace::On, ..img.cfg(DoorbellMode::Mmio) });
     d.io_queues(64);
     // A dword-aligned PRP (valid NVMe) that O_DIRECT's alignment here refuses.
-    let align = match &d.n.core.lock().unwrap().ns.backend {
-        super::backend::Backend::File(f) => f.dio_align().expect("O_DIRECT io_uring on the test file"),
+    let align = match &d.n.core.lock().unwrap().ns.storage {
+        crate::block::Storage::File(f) => f.dio_align().expect("O_DIRECT io_uring on the test file"),
         _ => unreachable!(),
     };
     if align.0 <= 4 {
@@ -1662,8 +1662,8 @@ fn commands_a_refused_submit_left_in_the_ring_are_retried_by_the_device_thread()
         }
         // The kernel refuses the next 5 submits (EAGAIN, ENOMEM): the reads
         // stay in the ring with nothing in the kernel to signal a completion.
-        match &mut d.n.core.lock().unwrap().ns.backend {
-            super::backend::Backend::File(f) => f.fail_submits = 5,
+        match &mut d.n.core.lock().unwrap().ns.storage {
+            crate::block::Storage::File(f) => f.fail_submits = 5,
             _ => unreachable!(),
         }
         let reads: Vec<_> = (0..4u64).map(|i| (0x02, i * 8, 7, 0x40000 + i * 4096)).collect();
@@ -1696,11 +1696,11 @@ fn a_write_with_force_unit_access_is_a_dsync_write_on_a_file_namespace() {
         d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
         d.iotail += 1;
         d.w32(DOORBELLS + 8, d.iotail as u32);
-        let ops = match &d.n.core.lock().unwrap().ns.backend {
-            super::backend::Backend::File(f) => f.taken_ops(),
+        let ops = match &d.n.core.lock().unwrap().ns.storage {
+            crate::block::Storage::File(f) => f.taken_ops(),
             _ => unreachable!(),
         };
-        assert!(ops.contains(&super::backend::FileOp::Write { dsync }), "FUA {fua:#x}: {ops:?}");
+        assert!(ops.contains(&crate::block::FileOp::Write { dsync }), "FUA {fua:#x}: {ops:?}");
     }
 }
 
@@ -1752,7 +1752,7 @@ impl crate::IoEvents for Announcer {
 
 #[test]
 fn ioeventfd_mode_on_a_static_host_registers_every_io_doorbell_at_attach_and_kicks_serve() {
-    let cfg = NvmeConfig { doorbell: DoorbellMode::Ioeventfd, ..mmio(BackendKind::Null) };
+    let cfg = NvmeConfig { doorbell: DoorbellMode::Ioeventfd, ..mmio(StorageKind::Null) };
     let host = Arc::new(Announcer::default());
     let mut d = Drv::with_ioevents(cfg, host.clone());
     // Before any queue exists: SQ tail and CQ head of every I/O queue, none of the admin queue.
@@ -1805,7 +1805,7 @@ fn ioeventfd_mode_on_a_static_host_registers_every_io_doorbell_at_attach_and_kic
 #[test]
 fn out_of_process_a_kick_before_the_shadow_doorbells_is_a_fatal_status_not_a_lost_doorbell() {
     for doorbell in [DoorbellMode::Ioeventfd, DoorbellMode::Adaptive] {
-        let cfg = NvmeConfig { doorbell, ..mmio(BackendKind::Null) };
+        let cfg = NvmeConfig { doorbell, ..mmio(StorageKind::Null) };
         let host = Arc::new(Announcer::default());
         let mut d = Drv::with_ioevents(cfg, host.clone());
         // Queues may come first (Linux creates them, then configures the shadow doorbells).
@@ -1848,7 +1848,7 @@ impl Drv {
 
 #[test]
 fn adaptive_mode_sleeps_when_idle_and_no_submission_racing_the_sleep_is_lost() {
-    let cfg = NvmeConfig { doorbell: DoorbellMode::Adaptive, ..mmio(BackendKind::Null) };
+    let cfg = NvmeConfig { doorbell: DoorbellMode::Adaptive, ..mmio(StorageKind::Null) };
     let host = Arc::new(Announcer::default());
     let mut d = Drv::with_ioevents(cfg, host.clone());
     assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
@@ -1878,7 +1878,7 @@ fn adaptive_mode_sleeps_when_idle_and_no_submission_racing_the_sleep_is_lost() {
 #[test]
 fn a_batch_completes_in_order_across_cq_lines_errors_and_a_wrap_off_a_line_boundary() {
     // A 6-entry queue: lines of 4 entries, and a wrap that is no line boundary.
-    let mut d = Drv::new(mmio(BackendKind::Ram));
+    let mut d = Drv::new(mmio(StorageKind::Ram));
     d.io_queues_at(IOSQ, IOCQ, 6);
     for round in 0..4 {
         // Five reads in one doorbell write; the third is out of range.
@@ -1897,8 +1897,8 @@ fn a_batch_completes_in_order_across_cq_lines_errors_and_a_wrap_off_a_line_bound
 
 #[test]
 fn the_pollers_walk_exactly_the_sqs_that_exist_in_ascending_order() {
-    let cfg = NvmeConfig { doorbell: DoorbellMode::Shm, ..mmio(BackendKind::Null) };
-    let mut c = controller::Core::new(&cfg, backend::Backend::Null, None);
+    let cfg = NvmeConfig { doorbell: DoorbellMode::Shm, ..mmio(StorageKind::Null) };
+    let mut c = controller::Core::new(&cfg, crate::block::Storage::Null, None);
     let q = &mut c.queues;
     assert_eq!(q.sq_ids().count(), 0);
     let sq = queue::Sq { size: 2, ..Default::default() };
@@ -1918,9 +1918,9 @@ fn the_pollers_walk_exactly_the_sqs_that_exist_in_ascending_order() {
 #[test]
 fn the_watched_doorbell_words_change_with_every_tail_and_head_the_poller_has_not_taken() {
     for mode in [DoorbellMode::Shm, DoorbellMode::Bar] {
-        let cfg = NvmeConfig { doorbell: mode, ..mmio(BackendKind::Null) };
+        let cfg = NvmeConfig { doorbell: mode, ..mmio(StorageKind::Null) };
         let page = (mode == DoorbellMode::Bar).then(|| doorbells::bar_memory().unwrap().0);
-        let mut c = controller::Core::new(&cfg, backend::Backend::Null, page.clone());
+        let mut c = controller::Core::new(&cfg, crate::block::Storage::Null, page.clone());
         let ram = crate::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
         c.mem = crate::GuestMem::from(ram.clone());
         // SQ 1 on CQ 1, SQ 2 on CQ 3: three words, one of them holding a CQ head alone.

@@ -99,13 +99,14 @@ pub fn express_endpoint(offset: usize) -> Capability {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nvme::{backend::BackendKind, DoorbellMode, Nvme, NvmeConfig};
+    use crate::block::StorageKind;
+    use crate::nvme::{DoorbellMode, Nvme, NvmeConfig};
     use crate::pci::{ConfigSpace, CONFIG_SIZE, PCI_CAPABILITY_LIST, PCI_CAP_ID_MSIX, PCI_STATUS, PCI_STATUS_CAP_LIST};
     use crate::DeviceModel;
 
     /// The NVMe function's header as a host builds it.
     fn nvme_header() -> ConfigSpace {
-        let cfg = NvmeConfig { backend: BackendKind::Null, doorbell: DoorbellMode::Mmio, ..NvmeConfig::default() };
+        let cfg = NvmeConfig { backend: StorageKind::Null, doorbell: DoorbellMode::Mmio, ..NvmeConfig::default() };
         let n = Nvme::new(cfg).unwrap();
         let mut c = ConfigSpace::new(n.ids(), &n.bars()).unwrap();
         c.add_capabilities(&n.capabilities()).unwrap();

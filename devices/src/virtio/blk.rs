@@ -1,5 +1,5 @@
-//! virtio-blk requests (virtio 1.2, 5.2.6) on the NVMe device's null and
-//! ram backends ([`Backend`]).
+//! virtio-blk requests (virtio 1.2, 5.2.6) on the block layer's storage
+//! ([`Storage`]: null, ram or file), which NVMe shares.
 //!
 //! A request is a chain: a 16-byte header (type, reserved, sector) in
 //! readable buffers, data (readable for OUT, writable for IN and GET_ID),
@@ -9,8 +9,8 @@
 //! VIRTIO_BLK_S_UNSUPP.
 
 use super::queue::Desc;
+use crate::block::Storage;
 use crate::mem::GuestMem;
-use crate::nvme::backend::Backend;
 
 pub const T_IN: u32 = 0;
 pub const T_OUT: u32 = 1;
@@ -96,9 +96,9 @@ impl<'a> Part<'a> {
     }
 }
 
-/// The block device's request engine: its backend and capacity.
+/// The block device's request engine: its storage and capacity.
 pub struct Blk {
-    pub backend: Backend,
+    pub storage: Storage,
     /// Capacity in bytes (a multiple of [`SECTOR`]).
     pub size: u64,
     /// The GET_ID answer (NUL-padded).
@@ -107,11 +107,11 @@ pub struct Blk {
 }
 
 impl Blk {
-    pub fn new(backend: Backend, size: u64, id: &str) -> Self {
+    pub fn new(storage: Storage, size: u64, id: &str) -> Self {
         let mut b = [0u8; ID_LEN];
         let n = id.len().min(ID_LEN);
         b[..n].copy_from_slice(&id.as_bytes()[..n]);
-        Blk { backend, size, id: b, bounce: Vec::new() }
+        Blk { storage, size, id: b, bounce: Vec::new() }
     }
 
     /// Serves one request chain (already range-checked by the queue).
@@ -135,12 +135,12 @@ impl Blk {
             T_IN => match self.range(sector, data_in) {
                 Some(off) => {
                     // A null disk transfers no data, as the NVMe null namespace.
-                    let null = matches!(self.backend, Backend::Null);
+                    let null = matches!(self.storage, Storage::Null);
                     let (mut done, mut ok) = (0u64, true);
                     while ok && done < data_in {
                         let n = (data_in - done).min(MAX_TRANSFER);
                         let buf = bounce(&mut self.bounce, n as usize);
-                        ok = self.backend.read(off + done, buf).is_ok() && (null || w.write(mem, done, buf));
+                        ok = self.storage.read(off + done, buf).is_ok() && (null || w.write(mem, done, buf));
                         done += n;
                     }
                     if ok {
@@ -153,7 +153,7 @@ impl Blk {
             },
             // A null disk keeps no data: nothing is read from the guest (the queue
             // has range-checked the buffers), as the NVMe null namespace.
-            T_OUT if matches!(self.backend, Backend::Null) => match self.range(sector, data_out) {
+            T_OUT if matches!(self.storage, Storage::Null) => match self.range(sector, data_out) {
                 Some(_) => (S_OK, 0),
                 None => (S_IOERR, 0),
             },
@@ -163,14 +163,14 @@ impl Blk {
                     while ok && done < data_out {
                         let n = (data_out - done).min(MAX_TRANSFER);
                         let buf = bounce(&mut self.bounce, n as usize);
-                        ok = r.read(mem, 16 + done, buf) && self.backend.write(off + done, buf).is_ok();
+                        ok = r.read(mem, 16 + done, buf) && self.storage.write(off + done, buf).is_ok();
                         done += n;
                     }
                     (if ok { S_OK } else { S_IOERR }, 0)
                 }
                 None => (S_IOERR, 0),
             },
-            T_FLUSH => (if self.backend.flush().is_ok() { S_OK } else { S_IOERR }, 0),
+            T_FLUSH => (if self.storage.flush().is_ok() { S_OK } else { S_IOERR }, 0),
             T_DISCARD | T_WRITE_ZEROES => (self.zero_ranges(mem, &r, data_out, kind), 0),
             T_GET_ID => {
                 let n = data_in.min(ID_LEN as u64) as usize;
@@ -219,7 +219,7 @@ impl Blk {
             segs.push((off, n as u64 * SECTOR));
         }
         for (off, bytes) in segs {
-            if self.backend.zero(off, bytes).is_err() {
+            if self.storage.zero(off, bytes).is_err() {
                 return S_IOERR;
             }
         }

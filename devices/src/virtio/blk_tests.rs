@@ -1,5 +1,5 @@
 use super::*;
-use crate::nvme::backend::BackendKind;
+use crate::block::StorageKind;
 use crate::virtio::fake::{Driver, DATA, RAM};
 use crate::virtio::queue::Desc;
 use vm_memory::{Bytes, GuestAddress};
@@ -27,7 +27,7 @@ fn status(d: &Driver) -> u8 {
 }
 
 fn ram_blk() -> Blk {
-    Blk::new(crate::nvme::backend::Backend::open(&BackendKind::Ram, 1 << 20).unwrap(), 1 << 20, "iopath-vblk")
+    Blk::new(crate::block::Storage::open(&StorageKind::Ram, 1 << 20).unwrap(), 1 << 20, "iopath-vblk")
 }
 
 #[test]
@@ -104,7 +104,7 @@ fn bad_requests_get_ioerr_or_are_dropped() {
 #[test]
 fn null_backend_moves_no_data() {
     let d = Driver::new(8);
-    let mut b = Blk::new(crate::nvme::backend::Backend::Null, 1 << 30, "x");
+    let mut b = Blk::new(crate::block::Storage::Null, 1 << 30, "x");
     header(&d, T_OUT, 8);
     assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), rd(BUF, 4096), wr(ST, 1)]).status, Some(S_OK));
     // The guest's data was not even copied in.
@@ -128,15 +128,15 @@ fn segment(d: &Driver, at: u64, sector: u64, n: u32, flags: u32) {
 fn write_zeroes_and_discard_zero_the_range_and_check_it() {
     let d = Driver::new(8);
     let mut b = ram_blk();
-    b.backend.write(0, &[0xee; 4096]).unwrap();
+    b.storage.write(0, &[0xee; 4096]).unwrap();
     let seg = BUF + 0x3000;
     for (kind, flags) in [(T_WRITE_ZEROES, 1), (T_DISCARD, 0)] {
-        b.backend.write(512, &[0xee; 1024]).unwrap();
+        b.storage.write(512, &[0xee; 1024]).unwrap();
         header(&d, kind, 0);
         segment(&d, seg, 1, 2, flags);
         assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), rd(seg, 16), wr(ST, 1)]).status, Some(S_OK), "{kind}");
         let mut back = [0u8; 4096];
-        b.backend.read(0, &mut back).unwrap();
+        b.storage.read(0, &mut back).unwrap();
         assert!(back[..512].iter().all(|&x| x == 0xee) && back[512..1536].iter().all(|&x| x == 0), "{kind}");
         assert!(back[1536..].iter().all(|&x| x == 0xee), "{kind}: only the range");
     }
@@ -163,8 +163,8 @@ fn write_zeroes_and_discard_zero_the_range_and_check_it() {
 #[test]
 fn a_file_disk_keeps_data_synchronously() {
     let path = std::env::temp_dir().join(format!("iopath-vblk-{}.img", std::process::id()));
-    let backend = crate::nvme::backend::Backend::open(&BackendKind::File(path.clone()), 1 << 20).unwrap();
-    let mut b = Blk::new(backend, 1 << 20, "f");
+    let storage = crate::block::Storage::open(&StorageKind::File(path.clone()), 1 << 20).unwrap();
+    let mut b = Blk::new(storage, 1 << 20, "f");
     let d = Driver::new(8);
     d.ram.write_slice(&[0x3c; 512], GuestAddress(BUF)).unwrap();
     header(&d, T_OUT, 2);
@@ -185,7 +185,7 @@ fn a_request_larger_than_the_bounce_buffer_moves_in_pieces() {
     let ram = vm_memory::GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 8 << 20)]).unwrap();
     let mem: crate::mem::GuestMem = ram.clone().into();
     let disk = 4u64 << 20;
-    let mut b = Blk::new(crate::nvme::backend::Backend::open(&BackendKind::Ram, disk).unwrap(), disk, "x");
+    let mut b = Blk::new(crate::block::Storage::open(&StorageKind::Ram, disk).unwrap(), disk, "x");
     let n = 3 * MAX_TRANSFER + 512;
     let (src, dst) = (0x10_0000u64, 0x40_0000u64);
     let data: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();

@@ -23,7 +23,7 @@ pub fn parse_blk(opts: &[(String, String)]) -> Result<VirtioBlkConfig> {
     let mut c = VirtioBlkConfig::default();
     for (k, v) in opts {
         match k.as_str() {
-            "backend" => c.backend = v.parse::<crate::nvme::backend::BackendKind>()?,
+            "backend" => c.backend = v.parse::<crate::block::StorageKind>()?,
             "size_mb" => match v.parse::<u64>() {
                 Ok(mb) if (1..=1 << 20).contains(&mb) => c.size = mb << 20,
                 _ => return Err(err(k, format!("{v:?} MiB (1 ..= 1048576)"))),

@@ -25,11 +25,12 @@
 //!
 //! A `file:PATH` disk is read and written synchronously (pread, pwrite,
 //! fdatasync) on the thread that serves the queue. Not yet: io_uring with
-//! O_DIRECT and several requests in flight (NVMe's `FileBackend` slots).
+//! O_DIRECT and several requests in flight (the block layer's `FileStorage`
+//! slots, which NVMe uses).
 
 use super::blk::{self, Blk};
 use super::transport::{DeviceConfigBytes, QueueEngine, Shared, State, Transport, VirtioPci};
-use crate::nvme::backend::{Backend, BackendKind};
+use crate::block::{Storage, StorageKind};
 use crate::{Counter, DeviceContext, Error, IoEventSpec, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -100,7 +101,7 @@ impl std::fmt::Display for NotifyMode {
 /// Options of `--device virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VirtioBlkConfig {
-    pub backend: BackendKind,
+    pub backend: StorageKind,
     /// Disk size in bytes.
     pub size: u64,
     pub notify: NotifyMode,
@@ -113,7 +114,7 @@ pub struct VirtioBlkConfig {
 
 impl Default for VirtioBlkConfig {
     fn default() -> Self {
-        VirtioBlkConfig { backend: BackendKind::Ram, size: 64 << 20, notify: NotifyMode::Exit, queues: None }
+        VirtioBlkConfig { backend: StorageKind::Ram, size: 64 << 20, notify: NotifyMode::Exit, queues: None }
     }
 }
 
@@ -172,8 +173,8 @@ impl VirtioPci<BlkEngine> {
             let reason = format!("{n} (1 ..= {MAX_QUEUES})");
             return Err(Error::Option { device: "virtio-blk", option: "queues".into(), reason });
         }
-        let backend = Backend::open(&cfg.backend, cfg.size)?;
-        let blk = Blk::new(backend, cfg.size, "iopath-virtio-blk");
+        let storage = Storage::open(&cfg.backend, cfg.size)?;
+        let blk = Blk::new(storage, cfg.size, "iopath-virtio-blk");
         let st = Stats { queue_requests: vec![0; n as usize], ..Stats::default() };
         let e = BlkEngine { cfg, blk, st, polling: false, thread: None, kick: None };
         Ok(VirtioPci::with_engine(e))

@@ -15,14 +15,14 @@ impl crate::Interrupts for Vectors {
     }
 }
 
-fn mq(queues: u16, backend: BackendKind) -> VirtioBlkConfig {
+fn mq(queues: u16, backend: StorageKind) -> VirtioBlkConfig {
     VirtioBlkConfig { queues: Some(queues), ..cfg(backend) }
 }
 
 /// A device with `queues` queues, its driver's first queue, and the vectors it signalled.
 fn mq_rig(queues: u16) -> (Rig, Arc<Vectors>) {
     let d = Driver::new(8);
-    let dev = VirtioBlk::new(mq(queues, BackendKind::Ram)).unwrap();
+    let dev = VirtioBlk::new(mq(queues, StorageKind::Ram)).unwrap();
     let v = Arc::new(Vectors::default());
     let mut ctx = DeviceContext::detached(d.mem.clone());
     ctx.irq = v.clone();
@@ -141,7 +141,7 @@ fn each_queue_has_its_own_registers_and_a_queue_past_n_is_unavailable() {
 #[test]
 fn notify_area_and_msix_table_cover_every_queue() {
     for n in [1u16, 2, 16] {
-        let dev = VirtioBlk::new(mq(n, BackendKind::Null)).unwrap();
+        let dev = VirtioBlk::new(mq(n, StorageKind::Null)).unwrap();
         let caps = dev.capabilities();
         let notify = caps.iter().find(|c| c.id == 0x09 && c.body[1] == 2).expect("notify capability");
         let le32 = |b: &[u8]| u32::from_le_bytes(b.try_into().unwrap());
@@ -268,7 +268,7 @@ fn a_queue_whose_rings_leave_memory_is_refused_by_its_index() {
 fn with_an_ioeventfd_every_queue_notify_address_wakes_the_one_thread() {
     for notify in [NotifyMode::Ioeventfd, NotifyMode::Poll] {
         let d = Driver::new(8);
-        let dev = VirtioBlk::new(VirtioBlkConfig { notify, ..mq(3, BackendKind::Ram) }).unwrap();
+        let dev = VirtioBlk::new(VirtioBlkConfig { notify, ..mq(3, StorageKind::Ram) }).unwrap();
         let io = Arc::new(FakeIoEvents::default());
         let mut ctx = DeviceContext::detached(d.mem.clone());
         ctx.ioevents = io.clone();
@@ -299,7 +299,7 @@ fn with_an_ioeventfd_every_queue_notify_address_wakes_the_one_thread() {
 fn the_configuration_offers_mq_with_num_queues() {
     assert_ne!(FEATURES & F_MQ, 0, "MQ is offered whatever the count");
     for (queues, n) in [(None, 1u64), (Some(1), 1), (Some(4), 4), (Some(16), 16)] {
-        let dev = VirtioBlk::new(VirtioBlkConfig { queues, ..cfg(BackendKind::Null) }).unwrap();
+        let dev = VirtioBlk::new(VirtioBlkConfig { queues, ..cfg(StorageKind::Null) }).unwrap();
         let mut b = [0u8; 2];
         dev.bar_read(0, DEVCFG + blk::NUM_QUEUES_AT as u64, &mut b);
         assert_eq!(u16::from_le_bytes(b) as u64, n, "{queues:?}");
@@ -307,7 +307,7 @@ fn the_configuration_offers_mq_with_num_queues() {
         assert_eq!(u16::from_le_bytes(b) as u64, n, "{queues:?}: the transport's num_queues");
     }
     for bad in [0u16, 17] {
-        let e = VirtioBlk::new(VirtioBlkConfig { queues: Some(bad), ..cfg(BackendKind::Null) }).err().unwrap();
+        let e = VirtioBlk::new(VirtioBlkConfig { queues: Some(bad), ..cfg(StorageKind::Null) }).err().unwrap();
         assert!(e.to_string().contains("queues"), "{e}");
     }
 }

@@ -95,13 +95,13 @@ impl Rig {
     }
 }
 
-fn cfg(backend: BackendKind) -> VirtioBlkConfig {
+fn cfg(backend: StorageKind) -> VirtioBlkConfig {
     VirtioBlkConfig { backend, size: 1 << 20, notify: NotifyMode::Exit, queues: None }
 }
 
 #[test]
 fn a_driver_negotiates_and_does_io() {
-    let mut r = rig(cfg(BackendKind::Ram));
+    let mut r = rig(cfg(StorageKind::Ram));
     assert!(r.init(F_VERSION_1 | F_EVENT_IDX | F_FLUSH));
     assert_eq!(r.r(DEVCFG, 8), (1 << 20) / 512, "capacity in sectors");
     assert_eq!(r.r(DEVCFG + 20, 4), 512, "blk_size");
@@ -132,7 +132,7 @@ fn a_driver_negotiates_and_does_io() {
 
 #[test]
 fn features_without_version_1_or_unoffered_are_refused() {
-    let r = rig(cfg(BackendKind::Null));
+    let r = rig(cfg(StorageKind::Null));
     assert!(!r.init(F_EVENT_IDX), "legacy driver");
     assert!(!r.init(F_VERSION_1 | 1 << 40), "a feature never offered");
     // DRIVER_OK without FEATURES_OK: the queue is not served.
@@ -153,7 +153,7 @@ fn features_without_version_1_or_unoffered_are_refused() {
 
 #[test]
 fn a_broken_ring_needs_reset_and_reset_recovers() {
-    let mut r = rig(cfg(BackendKind::Ram));
+    let mut r = rig(cfg(StorageKind::Ram));
     assert!(r.init(F_VERSION_1));
     r.d.publish(200); // head index beyond the queue
     r.w(NOTIFY, 0, 2);
@@ -173,7 +173,7 @@ fn a_broken_ring_needs_reset_and_reset_recovers() {
 
 #[test]
 fn queue_setup_outside_memory_is_refused() {
-    let r = rig(cfg(BackendKind::Null));
+    let r = rig(cfg(StorageKind::Null));
     r.w(0x14, (S_ACKNOWLEDGE | S_DRIVER) as u64, 1);
     r.w(0x0c, 0, 4);
     r.w(0x08, 1, 4);
@@ -192,7 +192,7 @@ fn queue_setup_outside_memory_is_refused() {
 
 #[test]
 fn msix_vectors_carry_queue_interrupts() {
-    let mut r = rig(cfg(BackendKind::Null));
+    let mut r = rig(cfg(StorageKind::Null));
     assert!(r.init(F_VERSION_1));
     // Unmask vector 1 with an address, enable MSI-X in the capability.
     r.w(MSIX_TABLE + 16, 0xfee0_0000, 4);
@@ -211,7 +211,7 @@ fn msix_vectors_carry_queue_interrupts() {
 
 #[test]
 fn capabilities_fit_the_header() {
-    let dev = VirtioBlk::new(cfg(BackendKind::Null)).unwrap();
+    let dev = VirtioBlk::new(cfg(StorageKind::Null)).unwrap();
     let mut c = crate::pci::ConfigSpace::new(dev.ids(), &dev.bars()).unwrap();
     c.add_capabilities(&dev.capabilities()).unwrap();
     let mut b = [0u8; 4];
@@ -235,7 +235,7 @@ impl crate::IoEvents for FakeIoEvents {
 #[test]
 fn ioeventfd_mode_serves_kicks_on_the_device_thread() {
     let d = Driver::new(8);
-    let dev = VirtioBlk::new(VirtioBlkConfig { notify: NotifyMode::Ioeventfd, ..cfg(BackendKind::Ram) }).unwrap();
+    let dev = VirtioBlk::new(VirtioBlkConfig { notify: NotifyMode::Ioeventfd, ..cfg(StorageKind::Ram) }).unwrap();
     let io = Arc::new(FakeIoEvents::default());
     let mut ctx = DeviceContext::detached(d.mem.clone());
     ctx.ioevents = io.clone();
@@ -262,7 +262,7 @@ fn ioeventfd_mode_serves_kicks_on_the_device_thread() {
 
 #[test]
 fn one_notify_serves_a_full_ring() {
-    let mut r = rig(cfg(BackendKind::Null));
+    let mut r = rig(cfg(StorageKind::Null));
     assert!(r.init(F_VERSION_1 | F_EVENT_IDX));
     // Eight requests, each through an indirect table of its own.
     for h in 0..8u16 {
@@ -299,7 +299,7 @@ fn eventually(what: &str, mut f: impl FnMut() -> bool) {
 #[test]
 fn poll_mode_serves_then_sleeps_with_notifications_on() {
     let d = Driver::new(8);
-    let dev = VirtioBlk::new(VirtioBlkConfig { notify: NotifyMode::Poll, ..cfg(BackendKind::Null) }).unwrap();
+    let dev = VirtioBlk::new(VirtioBlkConfig { notify: NotifyMode::Poll, ..cfg(StorageKind::Null) }).unwrap();
     let io = Arc::new(FakeIoEvents::default());
     let mut ctx = DeviceContext::detached(d.mem.clone());
     ctx.ioevents = io.clone();
@@ -326,7 +326,7 @@ fn poll_mode_serves_then_sleeps_with_notifications_on() {
 
 #[test]
 fn the_pci_cfg_window_reaches_the_bar() {
-    let r = rig(cfg(BackendKind::Null));
+    let r = rig(cfg(StorageKind::Null));
     let body = 0x98 + 2;
     let cw = |off: usize, v: u32| r.dev.config_write(off, &v.to_le_bytes());
     // Window: BAR 0, the device status byte (common config 0x14), 1 byte.

@@ -6,7 +6,7 @@
 //! (header, size, fds) and dispatches them to `Session` (`backend_req.rs`),
 //! this module's `VhostUserBackendReqHandlerMut`; the device behind it is
 //! the one every other host serves: requests by
-//! [`Blk`](iopath_devices::virtio::blk::Blk) on the NVMe backends' storage,
+//! [`Blk`](iopath_devices::virtio::blk::Blk) on the block layer's storage,
 //! rings by [`Queue`](iopath_devices::virtio::queue::Queue) over
 //! [`GuestMem`](iopath_devices::GuestMem) (EVENT_IDX, indirect tables,
 //! every index and address checked). Not the `vhost-user-backend` daemon
@@ -62,7 +62,7 @@ pub use worker::POLL_IDLE;
 
 use crate::{Error, Result};
 use dev::Dev;
-use iopath_devices::nvme::backend::Backend;
+use iopath_devices::block::Storage;
 use iopath_devices::virtio::blk::{self, Blk};
 use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig};
 use iopath_devices::Counter;
@@ -114,8 +114,8 @@ impl BlkBackend {
         if !(1..=NUM_QUEUES).contains(&queues) {
             return Err(Error::Config(format!("virtio-blk: {queues} queues (1 ..= {NUM_QUEUES})")));
         }
-        let backend = Backend::open(&cfg.backend, cfg.size)?;
-        let b = Blk::new(backend, cfg.size, "iopath-vhost-user-blk");
+        let storage = Storage::open(&cfg.backend, cfg.size)?;
+        let b = Blk::new(storage, cfg.size, "iopath-vhost-user-blk");
         Ok(BlkBackend { dev: Arc::new(Mutex::new(Dev::new(b, queues))), notify: cfg.notify })
     }
 

@@ -7,7 +7,7 @@ use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
 fn cfg() -> NvmeConfig {
-    NvmeConfig { doorbell: DoorbellMode::BarAdaptive, ..mmio(BackendKind::Null) }
+    NvmeConfig { doorbell: DoorbellMode::BarAdaptive, ..mmio(StorageKind::Null) }
 }
 
 /// A host that maps the doorbell page into the guest and traps it on

@@ -5,7 +5,7 @@ use super::*;
 use std::time::Duration;
 
 fn adaptive(forecast: bool) -> NvmeConfig {
-    NvmeConfig { doorbell: DoorbellMode::Adaptive, forecast, ..mmio(BackendKind::Null) }
+    NvmeConfig { doorbell: DoorbellMode::Adaptive, forecast, ..mmio(StorageKind::Null) }
 }
 
 /// Reads one at a time, `gap(i)` after each completion; each must complete

@@ -4,7 +4,7 @@
 
 use super::super::oracle::{Driver, LocalPort, Rng, Shape};
 use super::super::{DoorbellMode, NvmeConfig};
-use crate::nvme::backend::BackendKind;
+use crate::block::StorageKind;
 
 const MODES: [DoorbellMode; 7] = [
     DoorbellMode::Auto,
@@ -17,15 +17,15 @@ const MODES: [DoorbellMode; 7] = [
 ];
 
 fn cfg(doorbell: DoorbellMode, pollers: u8, lba: u32) -> NvmeConfig {
-    NvmeConfig { backend: BackendKind::Ram, size: 2 << 20, lba_size: lba, doorbell, pollers, ..NvmeConfig::default() }
+    NvmeConfig { backend: StorageKind::Ram, size: 2 << 20, lba_size: lba, doorbell, pollers, ..NvmeConfig::default() }
 }
 
 /// A namespace on `backend` (0 ram, 1 a file, 2 null).
 fn on(mut c: NvmeConfig, backend: u64, file: &std::path::Path) -> NvmeConfig {
     c.backend = match backend {
-        0 => BackendKind::Ram,
-        1 => BackendKind::File(file.to_path_buf()),
-        _ => BackendKind::Null,
+        0 => StorageKind::Ram,
+        1 => StorageKind::File(file.to_path_buf()),
+        _ => StorageKind::Null,
     };
     c
 }
@@ -35,7 +35,7 @@ fn run(c: NvmeConfig, static_host: bool, seed: u64, shape: impl FnOnce(&mut Rng)
     let port = LocalPort::new(c.clone(), static_host).unwrap();
     let mut rng = Rng::new(seed);
     let mut shape = shape(&mut rng);
-    shape.data = c.backend != BackendKind::Null;
+    shape.data = c.backend != StorageKind::Null;
     // Out of process, ioeventfd and adaptive serve only drivers with shadow
     // doorbells (Create I/O SQ is refused otherwise: a test of its own).
     shape.shadow |= static_host && c.doorbell.kicked();

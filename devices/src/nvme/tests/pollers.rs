@@ -20,7 +20,7 @@ fn rbuf(q: u64) -> u64 {
 const QSIZE: u16 = 16;
 
 fn cfg(pollers: u8, doorbell: DoorbellMode) -> NvmeConfig {
-    NvmeConfig { backend: BackendKind::Ram, size: 1 << 20, lba_size: 512, doorbell, pollers, ..Default::default() }
+    NvmeConfig { backend: StorageKind::Ram, size: 1 << 20, lba_size: 512, doorbell, pollers, ..Default::default() }
 }
 
 /// A driver's view of one I/O queue pair on shadow doorbells (guest memory
@@ -332,9 +332,9 @@ fn a_masked_vector_of_another_group_is_pending_in_the_pba_and_fires_when_unmaske
 #[test]
 fn several_pollers_are_refused_where_they_are_not_served() {
     for (db, backend) in [
-        (DoorbellMode::Mmio, BackendKind::Null),
-        (DoorbellMode::Ioeventfd, BackendKind::Null),
-        (DoorbellMode::Shm, BackendKind::File("/nonexistent".into())),
+        (DoorbellMode::Mmio, StorageKind::Null),
+        (DoorbellMode::Ioeventfd, StorageKind::Null),
+        (DoorbellMode::Shm, StorageKind::File("/nonexistent".into())),
     ] {
         let e = Nvme::new(NvmeConfig { backend, ..cfg(2, db) }).err().expect("refused").to_string();
         assert!(e.contains("pollers"), "{e}");

@@ -31,7 +31,7 @@
 //! 15.6-18.3 k bounced; the device thread's CPU per write fell from 20-24 us
 //! bounced to 9-13 us in place.
 
-use super::{FileBackend, FileOp};
+use super::{FileOp, FileStorage};
 use crate::GuestMem;
 use std::fs::File;
 
@@ -81,7 +81,7 @@ impl std::fmt::Display for InPlace {
     }
 }
 
-/// What [`FileBackend::push_guest`] did with an operation.
+/// What [`FileStorage::push_guest`] did with an operation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Placed {
     /// Queued on the ring, on the guest's pages.
@@ -110,7 +110,7 @@ pub(super) fn dio_align(f: &File) -> (usize, usize) {
     }
 }
 
-impl FileBackend {
+impl FileStorage {
     /// Queues slot `slot`'s Read or Write at byte `off` on the guest's
     /// pages themselves: `runs` are the transfer's `(gpa, length)` pieces,
     /// in order, in `mem`, which is kept mapped until the operation is
@@ -180,7 +180,7 @@ impl FileBackend {
     /// operation the file refuses O_DIRECT for after all (EINVAL) is done
     /// with the buffered fd.
     pub(super) fn reap_guest(&mut self, slot: u16, n: i32) -> std::io::Result<()> {
-        let FileBackend { uring, file, direct_ops, in_place_ops, .. } = self;
+        let FileStorage { uring, file, direct_ops, in_place_ops, .. } = self;
         let Some(u) = uring.as_mut() else { return Err(std::io::ErrorKind::NotConnected.into()) };
         let s = u.slots[slot as usize];
         let r = match n {

@@ -1,0 +1,78 @@
+//! A `ram` namespace: data in anonymous memory, reached with plain copies.
+//! Several threads may share one (NVMe's queue groups): what concurrent
+//! operations on the same bytes leave there is the host's concern (as with
+//! any disk: two commands in flight on the same blocks leave them
+//! unspecified), never memory outside the mapping.
+
+/// A `ram` namespace: an anonymous private mapping (pages appear on first
+/// touch), read and written with plain copies through `&self` (several
+/// queue groups may share it), every range checked against its length.
+pub struct Ram {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping lives as long as the value and is only reached
+// through `read`, `write` and `zero`, which copy within its bounds; what
+// concurrent commands on the same blocks leave there is the host's concern
+// (bytes, never memory outside the mapping).
+unsafe impl Send for Ram {}
+unsafe impl Sync for Ram {}
+
+impl Ram {
+    pub fn new(len: u64) -> crate::Result<Ram> {
+        let len = usize::try_from(len).map_err(|_| crate::Error::Host("nvme: namespace too large".into()))?;
+        let ptr = super::anon_map(len).map_err(|e| crate::Error::io("nvme: namespace memory", e))?;
+        Ok(Ram { ptr: ptr.cast(), len })
+    }
+
+    /// The byte offset of `n` bytes at `off`, if they lie in the mapping.
+    fn at(&self, off: u64, n: usize) -> Option<usize> {
+        let off = usize::try_from(off).ok()?;
+        (off.checked_add(n)? <= self.len).then_some(off)
+    }
+
+    pub fn read(&self, off: u64, buf: &mut [u8]) -> bool {
+        let Some(o) = self.at(off, buf.len()) else { return false };
+        // SAFETY: o..o+len lies in the mapping (checked); `buf` is ours.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(o), buf.as_mut_ptr(), buf.len()) };
+        true
+    }
+
+    pub fn write(&self, off: u64, buf: &[u8]) -> bool {
+        let Some(o) = self.at(off, buf.len()) else { return false };
+        // SAFETY: as in `read`.
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), self.ptr.add(o), buf.len()) };
+        true
+    }
+
+    pub fn zero(&self, off: u64, len: u64) -> bool {
+        let Ok(n) = usize::try_from(len) else { return false };
+        let Some(o) = self.at(off, n) else { return false };
+        // SAFETY: as in `read`.
+        unsafe { std::ptr::write_bytes(self.ptr.add(o), 0, n) };
+        true
+    }
+}
+
+impl Drop for Ram {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, no longer reachable.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn copies_stay_inside_the_namespace() {
+        let r = super::Ram::new(8192).unwrap();
+        assert!(r.write(4096, &[7u8; 512]));
+        let mut b = [0u8; 512];
+        assert!(r.read(4096, &mut b) && b == [7u8; 512]);
+        assert!(r.zero(4096, 256) && r.read(4096, &mut b) && b[..256] == [0u8; 256] && b[256..] == [7u8; 256]);
+        assert!(!r.write(8192 - 511, &[1u8; 512]), "past the end");
+        assert!(!r.read(u64::MAX, &mut b), "offset overflow");
+        assert!(!r.zero(1, u64::MAX), "length overflow");
+    }
+}

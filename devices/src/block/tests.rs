@@ -1,0 +1,238 @@
+//! Tests of the storage layer: each kind keeps (or drops) data, and a
+//! file namespace's ring does its operations and nothing else.
+
+use super::uring::{Arena, SLOT_BYTES, SUBMIT_BYTES};
+use super::*;
+use std::os::fd::AsRawFd;
+
+#[test]
+fn ram_and_file_keep_data_null_keeps_none() {
+    let path = std::env::temp_dir().join(format!("iopath-block-{}.img", std::process::id()));
+    for kind in [StorageKind::Ram, StorageKind::File(path.clone()), StorageKind::Null] {
+        let mut b = Storage::open(&kind, 1 << 20).unwrap();
+        b.write(4096, b"abcd").unwrap();
+        let mut r = [0u8; 4];
+        b.read(4096, &mut r).unwrap();
+        assert_eq!(&r, if kind == StorageKind::Null { b"\0\0\0\0" } else { b"abcd" }, "{kind:?}");
+        // Whole aligned transfers go O_DIRECT through io_uring where the file system allows.
+        let mut bounce = Bounce::new(8192);
+        let buf = bounce.get(8192);
+        buf.fill(0x5a);
+        b.write(8192, buf).unwrap();
+        buf.fill(0);
+        b.read(8192, buf).unwrap();
+        if kind != StorageKind::Null {
+            assert!(buf.iter().all(|&x| x == 0x5a), "{kind:?}");
+        }
+        b.zero(4096, 4096).unwrap();
+        b.read(4096, &mut r).unwrap();
+        assert_eq!(r, [0; 4]);
+    }
+    let _ = std::fs::remove_file(path);
+    assert!("floppy".parse::<StorageKind>().is_err());
+    assert_eq!("file:/x".parse::<StorageKind>().unwrap(), StorageKind::File("/x".into()));
+    for s in ["null", "ram", "file:/x/y z.img"] {
+        assert_eq!(s.parse::<StorageKind>().unwrap().to_string(), s, "round trip");
+    }
+    let e = "file:".parse::<StorageKind>().unwrap_err();
+    assert!(matches!(&e, Error::Option { option, .. } if option == "backend"), "{e}");
+}
+
+/// Reaps `n` operations, each successful, waiting for them.
+fn reap_all(f: &mut FileStorage, n: usize) {
+    for _ in 0..n {
+        loop {
+            match f.reap() {
+                Some((s, r)) => {
+                    r.unwrap();
+                    f.release(s);
+                    break;
+                }
+                None => assert!(f.wait()),
+            }
+        }
+    }
+}
+
+#[test]
+fn pushed_operations_go_to_the_kernel_once_they_add_up_to_submit_bytes() {
+    let path = std::env::temp_dir().join(format!("iopath-block-batch-{}.img", std::process::id()));
+    let mut f = FileStorage::open(&path, 1 << 20).unwrap();
+    if !f.is_async() {
+        eprintln!("no O_DIRECT io_uring here: nothing to check");
+        let _ = std::fs::remove_file(&path);
+        return;
+    }
+    let per = SUBMIT_BYTES / 4;
+    let unsent = |f: &mut FileStorage| f.uring.as_mut().unwrap().ring.submission().len();
+    let mut slots = Vec::new();
+    for i in 0..5 {
+        let s = f.take_slot().unwrap();
+        f.buffer(s, per).fill(i as u8);
+        assert!(f.push(s, FileOp::Write { dsync: false }, (i * per) as u64, per));
+        slots.push(s);
+        // The fourth push made SUBMIT_BYTES: those four went without a submit call.
+        assert_eq!(unsent(&mut f), if i < 3 { i + 1 } else { i - 3 }, "after push {i}");
+    }
+    f.submit();
+    assert_eq!(unsent(&mut f), 0);
+    reap_all(&mut f, 5);
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn with_a_submit_batch_pushed_reads_go_to_the_kernel_every_that_many() {
+    let path = std::env::temp_dir().join(format!("iopath-block-sbatch-{}.img", std::process::id()));
+    let mut f = FileStorage::open(&path, 1 << 20).unwrap();
+    if !f.is_async() {
+        eprintln!("no O_DIRECT io_uring here: nothing to check");
+        let _ = std::fs::remove_file(&path);
+        return;
+    }
+    let unsent = |f: &mut FileStorage| f.uring.as_mut().unwrap().ring.submission().len();
+    let read = |f: &mut FileStorage, i: u64| {
+        let s = f.take_slot().unwrap();
+        assert!(f.push(s, FileOp::Read, i * 4096, 4096));
+    };
+    // 0 (the default): reads wait for the pass's submit; they copy nothing first.
+    for i in 0..3 {
+        read(&mut f, i);
+    }
+    assert_eq!(unsent(&mut f), 3);
+    f.submit();
+    // 1: each goes at its push; 2: every second one.
+    f.submit_batch = 1;
+    read(&mut f, 3);
+    assert_eq!(unsent(&mut f), 0);
+    f.submit_batch = 2;
+    read(&mut f, 4);
+    assert_eq!(unsent(&mut f), 1);
+    read(&mut f, 5);
+    assert_eq!(unsent(&mut f), 0);
+    reap_all(&mut f, 6);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// The ring does this namespace's operations and nothing else: an open,
+/// a no-op, a read of a plain fd and a registration other than a buffer
+/// update all get EACCES, while a read of fixed file 0 goes through.
+#[test]
+fn the_ring_refuses_every_operation_but_the_namespaces_own() {
+    use io_uring::{opcode, types};
+    let path = std::env::temp_dir().join(format!("iopath-block-restrict-{}.img", std::process::id()));
+    let mut f = FileStorage::open(&path, 1 << 20).unwrap();
+    let _ = std::fs::remove_file(&path);
+    if !f.is_async() {
+        eprintln!("no O_DIRECT io_uring here: nothing to check");
+        return;
+    }
+    let plain_fd = f.file.as_raw_fd();
+    let u = f.uring.as_mut().unwrap();
+    let buf = u.arena.get(0, 4096).as_mut_ptr();
+    let probes = [
+        ("openat", opcode::OpenAt::new(types::Fd(libc::AT_FDCWD), c"/etc/hostname".as_ptr()).build()),
+        ("nop", opcode::Nop::new().build()),
+        ("read of a plain fd", opcode::Read::new(types::Fd(plain_fd), buf, 4096).build()),
+        ("read of fixed file 0", opcode::Read::new(types::Fixed(0), buf, 4096).build()),
+    ];
+    let mut got = Vec::new();
+    for (what, e) in probes {
+        // SAFETY: the path and the buffer outlive the operation, which is waited for here.
+        unsafe { u.ring.submission().push(&e.user_data(0)).unwrap() };
+        u.ring.submit_and_wait(1).unwrap();
+        got.push((what, u.ring.completion().next().unwrap().result()));
+    }
+    let eacces = -libc::EACCES;
+    assert_eq!(
+        got,
+        [("openat", eacces), ("nop", eacces), ("read of a plain fd", eacces), ("read of fixed file 0", 4096)]
+    );
+    let e = u.ring.submitter().register_files_update(0, &[plain_fd]).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EACCES), "{e}");
+}
+
+#[test]
+fn operations_in_flight_on_a_file_complete_with_their_data_through_fixed_buffers() {
+    let path = std::env::temp_dir().join(format!("iopath-block-uring-{}.img", std::process::id()));
+    let mut f = FileStorage::open(&path, 1 << 20).unwrap();
+    if !f.is_async() {
+        eprintln!("no O_DIRECT io_uring here: nothing to check");
+        return;
+    }
+    // 16 writes of growing sizes in flight at once, then a flush after them, then reads.
+    let sizes = |i: usize| 512 * (i + 1);
+    let mut slots = Vec::new();
+    for i in 0..16 {
+        let s = f.take_slot().unwrap();
+        f.buffer(s, sizes(i)).fill(i as u8 + 1);
+        assert!(f.push(s, FileOp::Write { dsync: i == 3 }, (i as u64) << 16, sizes(i)));
+        slots.push(s);
+    }
+    let flush = f.take_slot().unwrap();
+    assert!(f.push(flush, FileOp::Flush, 0, 0));
+    f.submit();
+    assert_eq!(f.max_in_flight, 17);
+    let mut done = Vec::new();
+    while done.len() < 17 {
+        match f.reap() {
+            Some((s, r)) => {
+                r.unwrap();
+                done.push(s);
+            }
+            None => assert!(f.wait()),
+        }
+    }
+    assert_eq!(done.last(), Some(&flush), "the flush drained the writes before it");
+    for &s in &done {
+        f.release(s);
+    }
+    for (i, &s) in slots.iter().enumerate() {
+        f.buffer(s, sizes(i)).fill(0);
+        assert!(f.push(s, FileOp::Read, (i as u64) << 16, sizes(i)));
+    }
+    f.submit();
+    for _ in 0..16 {
+        let (s, r) = loop {
+            match f.reap() {
+                Some(x) => break x,
+                None => assert!(f.wait()),
+            }
+        };
+        r.unwrap();
+        let i = slots.iter().position(|&x| x == s).unwrap();
+        assert!(f.buffer(s, sizes(i)).iter().all(|&b| b == i as u8 + 1), "read {i}");
+    }
+    // The largest transfer, MDTS, through two slots' buffers.
+    let (w, r) = (slots[0], slots[1]);
+    f.buffer(w, 128 << 10).fill(0x77);
+    assert!(f.push(w, FileOp::Write { dsync: false }, 0x80000, 128 << 10));
+    f.submit();
+    let reap_one = |f: &mut FileStorage| loop {
+        match f.reap() {
+            Some(x) => break x,
+            None => assert!(f.wait()),
+        }
+    };
+    reap_one(&mut f).1.unwrap();
+    f.buffer(r, 128 << 10).fill(0);
+    assert!(f.push(r, FileOp::Read, 0x80000, 128 << 10));
+    f.submit();
+    reap_one(&mut f).1.unwrap();
+    assert!(f.buffer(r, 128 << 10).iter().all(|&b| b == 0x77), "read of a whole slot");
+    assert_eq!(f.direct_ops, 34);
+    assert_eq!(f.in_flight(), 0);
+    let u = f.uring.as_ref().unwrap();
+    if u.fixed_bufs {
+        assert!(slots.iter().all(|&s| u.slots[s as usize].registered), "fixed buffers");
+    }
+    // The slots' buffers: 2 MiB aligned (a whole slot never straddles a
+    // huge page), advised for huge pages.
+    assert_eq!(u.arena.base as usize % Arena::HUGE, 0);
+    assert_eq!(Arena::HUGE % SLOT_BYTES, 0);
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let base = format!("{:x}-", u.arena.base as usize);
+    let flags = smaps.split('\n').skip_while(|l| !l.starts_with(&base)).find(|l| l.starts_with("VmFlags:"));
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").is_ok();
+    assert!(!thp || flags.is_some_and(|f| f.contains(" hg")), "MADV_HUGEPAGE: {flags:?}");
+    let _ = std::fs::remove_file(path);
+}
