@@ -69,7 +69,8 @@ impl std::fmt::Display for StorageKind {
 /// A device's storage, opened from a [`StorageKind`].
 pub enum Storage {
     Null,
-    Ram(Vec<u8>),
+    /// Shared by the threads that serve one device (NVMe's queue groups).
+    Ram(std::sync::Arc<Ram>),
     File(Box<FileStorage>),
 }
 
@@ -94,17 +95,20 @@ impl Storage {
     pub fn open(kind: &StorageKind, bytes: u64) -> Result<Self> {
         Ok(match kind {
             StorageKind::Null => Storage::Null,
-            StorageKind::Ram => {
-                let n = usize::try_from(bytes).map_err(|_| Error::Option {
-                    device: "nvme",
-                    option: "size_mb".into(),
-                    reason: "namespace too large".into(),
-                })?;
-                // vec! of zeros is calloc: pages are mapped on first touch.
-                Storage::Ram(vec![0u8; n])
-            }
+            StorageKind::Ram => Storage::Ram(std::sync::Arc::new(Ram::new(bytes)?)),
             StorageKind::File(p) => Storage::File(Box::new(FileStorage::open(p, bytes)?)),
         })
+    }
+
+    /// Another handle on the same data, for another thread of the same
+    /// device: `null` and `ram` (None for a file, whose io_uring is one
+    /// thread's).
+    pub fn share(&self) -> Option<Storage> {
+        match self {
+            Storage::Null => Some(Storage::Null),
+            Storage::Ram(r) => Some(Storage::Ram(r.clone())),
+            Storage::File(_) => None,
+        }
     }
 
     pub fn name(&self) -> &'static str {
@@ -120,11 +124,7 @@ impl Storage {
     pub fn read(&mut self, off: u64, buf: &mut [u8]) -> std::io::Result<()> {
         match self {
             Storage::Null => Ok(()),
-            Storage::Ram(v) => {
-                let o = off as usize;
-                buf.copy_from_slice(&v[o..o + buf.len()]);
-                Ok(())
-            }
+            Storage::Ram(r) => r.read(off, buf).then_some(()).ok_or_else(outside),
             Storage::File(f) => f.file.read_exact_at(buf, off),
         }
     }
@@ -132,11 +132,7 @@ impl Storage {
     pub fn write(&mut self, off: u64, buf: &[u8]) -> std::io::Result<()> {
         match self {
             Storage::Null => Ok(()),
-            Storage::Ram(v) => {
-                let o = off as usize;
-                v[o..o + buf.len()].copy_from_slice(buf);
-                Ok(())
-            }
+            Storage::Ram(r) => r.write(off, buf).then_some(()).ok_or_else(outside),
             Storage::File(f) => f.file.write_all_at(buf, off),
         }
     }
@@ -144,10 +140,7 @@ impl Storage {
     pub fn zero(&mut self, off: u64, len: u64) -> std::io::Result<()> {
         match self {
             Storage::Null => Ok(()),
-            Storage::Ram(v) => {
-                v[off as usize..(off + len) as usize].fill(0);
-                Ok(())
-            }
+            Storage::Ram(r) => r.zero(off, len).then_some(()).ok_or_else(outside),
             Storage::File(f) => {
                 let z = vec![0u8; 64 << 10];
                 let mut done = 0;
@@ -167,6 +160,10 @@ impl Storage {
             _ => Ok(()),
         }
     }
+}
+
+fn outside() -> std::io::Error {
+    std::io::Error::other("outside the namespace")
 }
 
 /// A fresh private anonymous mapping of `len` bytes, read-write, backed on

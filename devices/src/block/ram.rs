@@ -20,9 +20,15 @@ unsafe impl Send for Ram {}
 unsafe impl Sync for Ram {}
 
 impl Ram {
+    /// `len` bytes of zeros (no memory is taken until written).
     pub fn new(len: u64) -> crate::Result<Ram> {
-        let len = usize::try_from(len).map_err(|_| crate::Error::Host("nvme: namespace too large".into()))?;
-        let ptr = super::anon_map(len).map_err(|e| crate::Error::io("nvme: namespace memory", e))?;
+        let too_large =
+            || crate::Error::Option { device: "nvme", option: "size_mb".into(), reason: "namespace too large".into() };
+        let len = usize::try_from(len).map_err(|_| too_large())?;
+        if len == 0 {
+            return Ok(Ram { ptr: std::ptr::NonNull::dangling().as_ptr(), len });
+        }
+        let ptr = super::anon_map(len).map_err(|e| crate::Error::io("block: ram namespace memory", e))?;
         Ok(Ram { ptr: ptr.cast(), len })
     }
 
@@ -57,6 +63,9 @@ impl Ram {
 
 impl Drop for Ram {
     fn drop(&mut self) {
+        if self.len == 0 {
+            return; // nothing was mapped
+        }
         // SAFETY: the mapping made in `new`, no longer reachable.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }

@@ -233,7 +233,6 @@ impl Core {
                 lba_shift: cfg.lba_size.trailing_zeros(),
                 nlbas: cfg.size / cfg.lba_size as u64,
                 pending: Pending::new(),
-                ram: None,
             },
             scratch: Scratch { segs: Vec::with_capacity(64), buf: Vec::new(), bounce: Bounce::new(0) },
             db: Doorbells::new(cfg.doorbell, bar_page),
@@ -525,7 +524,7 @@ impl Core {
             // I/O commands each poller served (group k's poller: `poller{k}.ios`).
             v.extend(per.iter().enumerate().map(|(k, &n)| Counter { name: format!("poller{k}.ios"), value: n }));
         }
-        let backend = if self.ns.ram.is_some() { "ram" } else { self.ns.storage.name() };
+        let backend = self.ns.storage.name();
         v.push(Counter { name: format!("backend.{backend}"), value: 1 });
         if let Storage::File(f) = &self.ns.storage {
             v.push(Counter { name: "backend.direct-ops".into(), value: f.direct_ops });

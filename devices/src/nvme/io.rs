@@ -42,9 +42,6 @@ pub(super) struct Namespace {
     pub nlbas: u64,
     /// Commands out on the file namespace's io_uring.
     pub pending: Pending,
-    /// Several pollers on a `ram` namespace: its memory, shared by the queue
-    /// groups (`storage` is then `Null`).
-    pub ram: Option<std::sync::Arc<crate::block::Ram>>,
 }
 
 /// The command a file namespace slot serves (index = slot).
@@ -391,7 +388,7 @@ impl Core {
                     return status::LBA_OUT_OF_RANGE;
                 }
                 self.settle_io();
-                match self.zero_blocks(slba << self.ns.lba_shift, n << self.ns.lba_shift) {
+                match self.ns.storage.zero(slba << self.ns.lba_shift, n << self.ns.lba_shift) {
                     Ok(()) => status::SUCCESS,
                     Err(_) => status::INTERNAL,
                 }
@@ -443,9 +440,6 @@ impl Core {
     /// that follow each other in guest memory is one access (one message
     /// each way where the host reaches that memory by message).
     fn transfer(&mut self, segs: &[(u64, u64)], mut off: u64, write: bool) -> u16 {
-        if self.ns.ram.is_some() {
-            return self.transfer_shared(segs, off, write);
-        }
         if matches!(self.ns.storage, Storage::Null) {
             return status::SUCCESS;
         }
@@ -537,7 +531,7 @@ impl Core {
             if slba.checked_add(n).is_none_or(|e| e > self.ns.nlbas) {
                 return status::LBA_OUT_OF_RANGE;
             }
-            if deallocate && self.zero_blocks(slba << self.ns.lba_shift, n << self.ns.lba_shift).is_err() {
+            if deallocate && self.ns.storage.zero(slba << self.ns.lba_shift, n << self.ns.lba_shift).is_err() {
                 return status::INTERNAL;
             }
         }

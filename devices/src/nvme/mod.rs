@@ -430,7 +430,7 @@ impl Nvme {
         cfg.validate()?;
         // One identity for the controller's life, its queue groups included.
         cfg.id = cfg.id.resolved();
-        let mut storage = if cfg.pollers > 1 { Storage::Null } else { Storage::open(&cfg.backend, cfg.size)? };
+        let mut storage = Storage::open(&cfg.backend, cfg.size)?;
         if let Storage::File(f) = &mut storage {
             f.in_place = cfg.in_place;
             f.submit_batch = cfg.submit_batch as usize;
@@ -443,13 +443,8 @@ impl Nvme {
             false => (None, None),
         };
         let core = if cfg.pollers > 1 {
-            // Queue groups (`shards.rs`); a RAM namespace becomes memory they share.
-            let ram = match cfg.backend {
-                StorageKind::Ram => Some(Arc::new(crate::block::Ram::new(cfg.size)?)),
-                _ => None,
-            };
-            let mut c0 = Core::new(&cfg, Storage::Null, bar_page);
-            c0.ns.ram = ram;
+            // Queue groups (`shards.rs`), each with a handle on the one namespace.
+            let mut c0 = Core::new(&cfg, storage, bar_page);
             c0.groups = cfg.pollers as usize;
             c0.shards = (1..c0.groups).map(|g| Arc::new(Mutex::new(Core::new_shard(&c0, &cfg, g)))).collect();
             c0

@@ -18,7 +18,8 @@
 //! What the groups share, without a lock a poller takes per I/O:
 //! - guest memory: each core holds a clone of the handle (set at attach);
 //! - the namespace: `null` has no data; `ram` is one anonymous mapping
-//!   ([`Ram`](crate::block::Ram)) every core reaches with plain copies (the host orders
+//!   ([`Ram`](crate::block::Ram)), a handle in each core's
+//!   [`Storage`](crate::block::Storage), reached with plain copies (the host orders
 //!   accesses to the same blocks, as with any NVMe device: two commands in
 //!   flight on the same blocks leave them unspecified, never out of bounds);
 //! - MSI-X: group 0 keeps the table; each vector has an atomic state here
@@ -35,7 +36,6 @@
 //! only its own group.
 
 use super::controller::{Core, Smart, Stats};
-use super::queue::status;
 use super::MSIX_VECTORS;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Mutex;
@@ -87,10 +87,11 @@ impl Raised {
 impl Core {
     /// A core for queue group `group` (1..N) of controller core `c0`.
     pub fn new_shard(c0: &Core, cfg: &super::NvmeConfig, group: usize) -> Core {
-        let mut c = Core::new(cfg, crate::block::Storage::Null, c0.db.bar_page.clone());
+        // The namespace's data is one (`null` or `ram`: several pollers never serve a file).
+        let storage = c0.ns.storage.share().unwrap_or(crate::block::Storage::Null);
+        let mut c = Core::new(cfg, storage, c0.db.bar_page.clone());
         c.group = group;
         c.groups = c0.groups;
-        c.ns.ram = c0.ns.ram.clone();
         c.vectors = c0.vectors.clone();
         c.raised = c0.raised.clone();
         c
@@ -235,37 +236,5 @@ impl Core {
             per.push(s.st.io);
         }
         (st, smart, dropped, per)
-    }
-
-    /// A transfer to or from the shared RAM namespace (several pollers).
-    pub fn transfer_shared(&mut self, segs: &[(u64, u64)], mut off: u64, write: bool) -> u16 {
-        let Some(ram) = self.ns.ram.clone() else { return status::INTERNAL };
-        for (a, n) in super::io::runs(segs) {
-            let n = n as usize;
-            if self.scratch.buf.len() < n {
-                self.scratch.buf.resize(n, 0);
-            }
-            let buf = &mut self.scratch.buf[..n];
-            let ok = if write {
-                self.mem.read_slice(buf, a).is_ok() && ram.write(off, buf)
-            } else {
-                ram.read(off, buf) && self.mem.write_slice(buf, a).is_ok()
-            };
-            if !ok {
-                return status::DATA_TRANSFER_ERROR;
-            }
-            off += n as u64;
-        }
-        status::SUCCESS
-    }
-
-    /// Zeroes `len` bytes at `off` of the namespace (shared RAM or storage).
-    pub fn zero_blocks(&mut self, off: u64, len: u64) -> std::io::Result<()> {
-        let Some(ram) = &self.ns.ram else { return self.ns.storage.zero(off, len) };
-        if ram.zero(off, len) {
-            Ok(())
-        } else {
-            Err(std::io::Error::other("outside the namespace"))
-        }
     }
 }
