@@ -11,9 +11,9 @@
 //! Rust's runtime and glibc (memory, futexes, thread start and exit), the
 //! session (messages with fds, DMA maps, eventfds, region socket pairs, the
 //! fd count from a `/proc/self/fd` opened before, [`crate::nopath`]),
-//! device threads (eventfds, epoll, the NVMe file backend's io_uring, whose
-//! ring was restricted to the backend's own operations when it was made,
-//! and pread/pwrite). Arguments are checked where that is cheap and means
+//! device threads (eventfds, epoll, a file namespace's io_uring, whose
+//! ring was restricted to the namespace's own operations when it was made,
+//! pread/pwrite, and fallocate for discard and write zeroes). Arguments are checked where that is cheap and means
 //! something: no executable memory, `clone` only for threads (`clone3`
 //! answers ENOSYS, so glibc falls back to `clone`), `socketpair` only
 //! AF_UNIX, signals only to this process, no SIGSYS handler but ours,
@@ -149,7 +149,9 @@ fn base(r: &mut Rules, pid: u32) {
     when(r, SYS_rt_sigaction, one_of(0, &[SIGBUS as u64]));
 }
 
-/// Device threads: epoll waits, and the NVMe queues' backend I/O.
+/// Device threads: epoll waits, and the block storage's I/O (NVMe's
+/// queues, virtio-blk's requests): io_uring, pread/pwrite, fdatasync, and
+/// fallocate (discard and write zeroes punch holes or zero ranges).
 fn device(r: &mut Rules, pid: u32) {
     use libc::*;
     base(r, pid);
@@ -165,9 +167,10 @@ fn device(r: &mut Rules, pid: u32) {
             SYS_pwritev,
             SYS_fdatasync,
             SYS_fsync,
+            SYS_fallocate,
         ],
     );
-    // The file backend registers a slot's bounce buffer at its first use
+    // A file namespace registers a slot's bounce buffer at its first use
     // (the one registration its ring's restrictions allow).
     let update = iopath_devices::block::IORING_REGISTER_BUFFERS_UPDATE as u64;
     when(r, SYS_io_uring_register, one_of(1, &[update]));

@@ -56,6 +56,33 @@ fn file_nvme() -> FileNvme {
     FileNvme { _device: device, ring_fd, params, plain: Mutex::new(io_uring::IoUring::new(8).unwrap()) }
 }
 
+/// A file namespace's storage, opened before the filters as `iopath serve`
+/// opens its device's: 64 KiB written with 0xa5 at its start.
+static STORAGE: OnceLock<Mutex<iopath_devices::block::Storage>> = OnceLock::new();
+
+fn file_storage() -> Mutex<iopath_devices::block::Storage> {
+    use iopath_devices::block::{Storage, StorageKind};
+    let img = std::env::temp_dir().join(format!("iopath-seccomp-storage-{}.img", std::process::id()));
+    let mut s = Storage::open(&StorageKind::File(img.clone()), 1 << 20).unwrap();
+    let _ = std::fs::remove_file(&img);
+    s.write(0, &[0xa5; 65536]).unwrap();
+    Mutex::new(s)
+}
+
+/// What a device thread does for a discard and for write zeroes with and
+/// without deallocation (fallocate PUNCH_HOLE, ZERO_RANGE) under the
+/// filter: 0 if each completed and its 16 KiB read as zeros after, the
+/// rest still as written.
+fn discard_and_write_zeroes() -> i32 {
+    let mut s = STORAGE.get().unwrap().lock().unwrap();
+    let done = [s.discard(0, 16384), s.write_zeroes(16384, 16384, true), s.write_zeroes(32768, 16384, false)];
+    let mut b = vec![0xffu8; 65536];
+    let read = s.read(0, &mut b);
+    let zeros = b[..49152].iter().all(|&x| x == 0) && b[49152..].iter().all(|&x| x == 0xa5);
+    eprintln!("discard, write zeroes: {done:?}, read back: {read:?}, zeros where zeroed: {zeros}");
+    (!(done.iter().all(|r| r.is_ok()) && read.is_ok() && zeros)) as i32
+}
+
 /// An IORING_OP_OPENAT of /etc/hostname on `ring`: 0 if it was refused
 /// (the refusal on stderr, after `what`), 1 if it opened the file.
 fn ring_openat(ring: &mut io_uring::IoUring, what: &str) -> i32 {
@@ -224,6 +251,7 @@ fn seccomp_case() {
     }
     let _ = SHRUNK.set(shrunk_memory());
     let _ = NVME.set(file_nvme());
+    let _ = STORAGE.set(file_storage());
     if let Err(e) = iopath_protocols::seccomp::install() {
         eprintln!("install: {e}");
         // SAFETY: ends the child without the harness's report.
@@ -374,6 +402,20 @@ fn each_role_keeps_to_its_own_calls() {
         || unsafe { libc::accept4(0, std::ptr::null_mut(), std::ptr::null_mut(), 0) },
         libc::SYS_accept4,
     );
+}
+
+/// Discard and write zeroes on a file namespace (fallocate) work under the
+/// filter of every role that serves storage; the roles that do not (a
+/// reader, an interrupt thread) die of SIGSYS at the call.
+#[test]
+fn discard_and_write_zeroes_reach_the_file_under_the_storage_roles_filters() {
+    for role in [None, Some(Role::Session), Some(Role::Region), Some(Role::Device)] {
+        let err = lives(role, discard_and_write_zeroes);
+        assert!(err.contains("zeros where zeroed: true"), "{role:?}: {err:?}");
+    }
+    for role in [Role::Reader, Role::Irq] {
+        killed(Some(role), discard_and_write_zeroes, libc::SYS_fallocate);
+    }
 }
 
 /// The SIGBUS handler does what it must under every role's filter: a

@@ -1,18 +1,17 @@
 //! A `file:PATH` namespace: a regular file or a block device, opened
-//! buffered (synchronous pread/pwrite, fdatasync) and, where the file
-//! system and kernel allow, O_DIRECT through an io_uring ([`uring`]) with
-//! up to [`FILE_SLOTS`](super::FILE_SLOTS) operations in flight: pushed by a front end,
-//! submitted in batches, reaped from the ring's completions.
-//!
-//! [`uring`]: super::uring
+//! buffered (synchronous pread/pwrite, fdatasync, fallocate) and, where the
+//! file system and kernel allow, O_DIRECT through an io_uring
+//! ([`uring`](super::uring)) with up to [`FILE_SLOTS`](super::FILE_SLOTS)
+//! operations in flight (`reap.rs`: pushed by a front end, submitted in
+//! batches, reaped from the ring's completions). Discard and write zeroes
+//! with deallocation punch holes (a thin image stays thin); write zeroes
+//! without it keeps the blocks allocated.
 
 use super::guest::InPlace;
-use super::uring::{FileOp, Uring, SUBMIT_BYTES};
+use super::uring::Uring;
 use crate::{Error, Result};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::Arc;
-use vmm_sys_util::eventfd::EventFd;
 
 /// A file namespace: a buffered fd always, and when the filesystem and
 /// kernel allow, an O_DIRECT fd driven through io_uring with up to
@@ -39,9 +38,15 @@ pub struct FileStorage {
     pub max_in_flight: u64,
     /// The last submit left operations in the ring (the kernel refused
     /// them for now: EAGAIN, ENOMEM): the device thread retries them.
-    stalled: bool,
+    pub(super) stalled: bool,
     /// Bytes of the operations pushed since the last submit.
-    unsent_bytes: usize,
+    pub(super) unsent_bytes: usize,
+    /// The namespace's size: no operation reaches past it.
+    bytes: u64,
+    /// fallocate refused (EOPNOTSUPP) to punch holes here ...
+    no_punch: bool,
+    /// ... or to zero a range: the slower way is taken at once from then on.
+    no_zero_range: bool,
     /// Tests: the next submits fail as if the kernel were short of memory.
     #[cfg(test)]
     pub fail_submits: u32,
@@ -130,233 +135,101 @@ impl FileStorage {
             max_in_flight: 0,
             stalled: false,
             unsent_bytes: 0,
+            bytes,
+            no_punch: false,
+            no_zero_range: false,
             #[cfg(test)]
             fail_submits: 0,
         })
     }
 
-    /// True when commands go through io_uring (asynchronously).
-    pub fn is_async(&self) -> bool {
-        self.uring.is_some()
+    /// The namespace's size in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
     }
 
-    /// The eventfd io_uring signals on each completion.
-    pub fn completion_fd(&self) -> Option<Arc<EventFd>> {
-        self.uring.as_ref().map(|u| u.done.clone())
+    /// Reads `buf.len()` bytes at `off` with the buffered fd (the caller
+    /// checked the range).
+    pub(super) fn read_at(&self, off: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.file.read_exact_at(buf, off)
     }
 
-    /// Operations pushed and not yet reaped.
-    pub fn in_flight(&self) -> usize {
-        self.uring.as_ref().map_or(0, |u| u.in_flight)
+    /// Writes `buf` at `off` with the buffered fd (the caller checked the range).
+    pub(super) fn write_at(&self, off: u64, buf: &[u8]) -> std::io::Result<()> {
+        self.file.write_all_at(buf, off)
     }
 
-    /// Takes a free slot (None: all [`FILE_SLOTS`](super::FILE_SLOTS) are taken, or no io_uring).
-    pub fn take_slot(&mut self) -> Option<u16> {
-        self.uring.as_mut()?.free.pop()
+    /// fdatasync: what was written is stable.
+    pub(super) fn sync(&self) -> std::io::Result<()> {
+        self.file.sync_data()
     }
 
-    /// True if a slot is free (or commands are served synchronously).
-    pub fn has_room(&self) -> bool {
-        self.uring.as_ref().is_none_or(|u| !u.free.is_empty())
-    }
-
-    /// Gives a slot back; its operation must have been reaped (or never pushed).
-    pub fn release(&mut self, slot: u16) {
-        if let Some(u) = self.uring.as_mut() {
-            debug_assert!(!u.free.contains(&slot));
-            u.free.push(slot);
+    /// Makes `len` bytes at `off` read as zeros (the caller checked the
+    /// range), with the buffered fd; operations in flight on the same
+    /// blocks must have completed (the front end waits for them). With
+    /// `deallocate`, the file's blocks there are given back (a hole:
+    /// fallocate PUNCH_HOLE, which on a block device zeroes them and may
+    /// unmap them); otherwise they stay allocated (ZERO_RANGE: unwritten
+    /// extents). Where the file system or device does neither, zeros are
+    /// written.
+    pub(super) fn zeroes(&mut self, off: u64, len: u64, deallocate: bool) -> std::io::Result<()> {
+        if len == 0 {
+            return Ok(());
         }
-    }
-
-    /// Slot `slot`'s buffer, `len` bytes, 4 KiB aligned (not while its
-    /// operation is in flight).
-    pub fn buffer(&mut self, slot: u16, len: usize) -> &mut [u8] {
-        self.uring.as_mut().expect("a slot is taken from the io_uring").arena.get(slot, len)
-    }
-
-    /// Queues slot `slot`'s operation on the ring (sent at the next
-    /// [`submit`](Self::submit)); `len` bytes of its buffer at byte `off`.
-    /// False if the ring refused it (the slot is still the caller's).
-    pub fn push(&mut self, slot: u16, op: FileOp, off: u64, len: usize) -> bool {
-        use io_uring::{opcode, squeue::Flags, types};
-        let Some(u) = self.uring.as_mut() else { return false };
-        let ptr = u.arena.get(slot, len).as_mut_ptr();
-        let fixed = op != FileOp::Flush && u.register(slot);
-        let s = &mut u.slots[slot as usize];
-        (s.op, s.off, s.len, s.guest) = (op, off, len, false);
-        let fd = types::Fixed(0);
-        let (n, flags) = (len as u32, if op == (FileOp::Write { dsync: true }) { libc::RWF_DSYNC } else { 0 });
-        let e = match op {
-            FileOp::Read if fixed => opcode::ReadFixed::new(fd, ptr, n, slot).offset(off).build(),
-            FileOp::Read => opcode::Read::new(fd, ptr, n).offset(off).build(),
-            FileOp::Write { .. } if fixed => {
-                opcode::WriteFixed::new(fd, ptr, n, slot).offset(off).rw_flags(flags).build()
-            }
-            FileOp::Write { .. } => opcode::Write::new(fd, ptr, n).offset(off).rw_flags(flags).build(),
-            FileOp::Flush => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build().flags(Flags::IO_DRAIN),
-        }
-        .user_data(slot as u64);
-        // SAFETY: the buffer is the slot's own and stays put (it is neither
-        // resized nor freed) until this operation's completion is reaped:
-        // the slot is not given back before that, and Drop waits for it.
-        if unsafe { u.ring.submission().push(&e) }.is_err() {
-            return false;
-        }
-        self.pushed(if matches!(op, FileOp::Write { .. }) { len } else { 0 });
-        true
-    }
-
-    /// Counts an operation just pushed, `copied` bytes gathered into its
-    /// bounce buffer before; submits what was pushed once the copies add up
-    /// to [`SUBMIT_BYTES`] or [`submit_batch`](Self::submit_batch) operations wait.
-    pub(super) fn pushed(&mut self, copied: usize) {
-        let batch_full = match self.uring.as_mut() {
-            Some(u) => {
-                u.in_flight += 1;
-                self.submit_batch > 0 && u.ring.submission().len() >= self.submit_batch
-            }
-            None => false,
-        };
-        // A queue pass pushes many and submits once, but bounced writes are
-        // copied into their slots as they are pushed (64 KiB: several us
-        // each): the first would wait for every copy after it. Submitted
-        // every SUBMIT_BYTES of copies instead, so the file sees them while
-        // the rest copy. Reads and transfers in place copy nothing first.
-        self.unsent_bytes += copied;
-        if self.unsent_bytes >= SUBMIT_BYTES || batch_full {
-            self.submit();
-        }
-    }
-
-    /// Sends every pushed operation to the kernel, without waiting. What
-    /// the kernel does not take stays in the ring for the next submit; the
-    /// first time, the completion eventfd is signalled so that the device
-    /// thread wakes (no completion may come to wake it) and retries.
-    pub fn submit(&mut self) {
-        self.unsent_bytes = 0;
-        let Some(u) = self.uring.as_mut() else { return };
-        while !u.ring.submission().is_empty() {
-            #[cfg(test)]
-            if self.fail_submits > 0 {
-                self.fail_submits -= 1;
-                break;
-            }
-            match u.ring.submit() {
-                Ok(0) => break, // nothing taken: try again next time rather than spin
-                Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                // Kept in the ring: the next submit (each pass, each reap) sends them.
-                Err(e) => {
-                    log::debug!("nvme: io_uring submit: {e}");
-                    break;
-                }
+        if deallocate && !self.no_punch {
+            match self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, off, len) {
+                Ok(()) => return Ok(()),
+                Err(Fallback::Unsupported) => self.no_punch = true,
+                Err(Fallback::NotHere) => {}
+                Err(Fallback::Failed(e)) => return Err(e),
             }
         }
-        let unsent = u.ring.submission().len();
-        self.max_in_flight = self.max_in_flight.max((u.in_flight - unsent) as u64);
-        if unsent > 0 && !self.stalled {
-            let _ = u.done.write(1);
-        }
-        self.stalled = unsent > 0;
-    }
-
-    /// Tests: what the taken slots do.
-    #[cfg(test)]
-    pub fn taken_ops(&self) -> Vec<FileOp> {
-        let Some(u) = &self.uring else { return Vec::new() };
-        (0..super::FILE_SLOTS as u16).filter(|s| !u.free.contains(s)).map(|s| u.slots[s as usize].op).collect()
-    }
-
-    /// Operations wait in the ring for a submit the kernel refused.
-    pub fn stalled(&self) -> bool {
-        self.stalled
-    }
-
-    /// Blocks until an operation completes; false if none is in flight or
-    /// waiting failed.
-    pub fn wait(&mut self) -> bool {
-        let Some(u) = self.uring.as_mut() else { return false };
-        if u.in_flight == 0 {
-            return false;
-        }
-        loop {
-            match u.ring.submit_and_wait(1) {
-                Ok(_) => return true,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    log::warn!("nvme: io_uring wait: {e}");
-                    return false;
-                }
+        if !self.no_zero_range {
+            match self.fallocate(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, off, len) {
+                Ok(()) => return Ok(()),
+                Err(Fallback::Unsupported) => self.no_zero_range = true,
+                Err(Fallback::NotHere) => {}
+                Err(Fallback::Failed(e)) => return Err(e),
             }
         }
+        let z = vec![0u8; 64 << 10];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(z.len() as u64) as usize;
+            self.file.write_all_at(&z[..n], off + done)?;
+            done += n as u64;
+        }
+        Ok(())
     }
 
-    /// Blocks until an operation completes or `timeout` passed (sends what
-    /// an earlier submit left in the ring first); false if none is in
-    /// flight, the time passed or waiting failed.
-    pub fn wait_for(&mut self, timeout: std::time::Duration) -> bool {
+    /// fallocate(2) of `len` bytes at `off` in `mode` on the buffered fd.
+    fn fallocate(&self, mode: i32, off: u64, len: u64) -> std::result::Result<(), Fallback> {
         use std::os::fd::AsRawFd;
-        self.submit();
-        let Some(u) = self.uring.as_mut() else { return false };
-        if u.in_flight == 0 {
-            return false;
-        }
-        if !u.ring.completion().is_empty() {
-            return true;
-        }
-        // The ring's fd is readable while its completion queue holds an entry.
-        let mut p = libc::pollfd { fd: u.ring.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd.
-        match unsafe { libc::poll(&mut p, 1, ms) } {
-            n if n > 0 => true,
-            0 => false,
-            _ => {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    log::warn!("nvme: io_uring wait: {e}");
-                    return false;
-                }
-                true // the caller looks again (and checks its deadline)
+        let (Ok(o), Ok(n)) = (i64::try_from(off), i64::try_from(len)) else { return Err(Fallback::NotHere) };
+        loop {
+            // SAFETY: plain values on our own fd; no memory is passed.
+            if unsafe { libc::fallocate(self.file.as_raw_fd(), mode, o, n) } == 0 {
+                return Ok(());
             }
+            let e = std::io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                // Not this file system, or not this kind of file.
+                Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::ENODEV) => Fallback::Unsupported,
+                // Not this range (a block device's alignment): the next way may take it.
+                Some(libc::EINVAL) => Fallback::NotHere,
+                _ => Fallback::Failed(e),
+            });
         }
     }
+}
 
-    /// The next completed operation, without waiting: its slot and result.
-    /// The slot stays taken (its buffer holds the data read) until
-    /// [`release`](Self::release). A read or write the filesystem refuses
-    /// O_DIRECT for (EINVAL: its block size) is done here with the buffered fd.
-    pub fn reap(&mut self) -> Option<(u16, std::io::Result<()>)> {
-        let u = self.uring.as_mut()?;
-        let c = u.ring.completion().next()?;
-        u.in_flight -= 1;
-        let slot = c.user_data() as u16;
-        let Some(&s) = u.slots.get(slot as usize) else {
-            return self.reap(); // not one of ours (cannot be: user_data is a slot)
-        };
-        let n = c.result();
-        if s.guest {
-            let r = self.reap_guest(slot, n);
-            return Some((slot, r));
-        }
-        let r = match s.op {
-            FileOp::Flush if n == 0 => Ok(()),
-            FileOp::Read | FileOp::Write { .. } if n >= 0 && n as usize == s.len => {
-                self.direct_ops += 1;
-                Ok(())
-            }
-            FileOp::Read if n == -libc::EINVAL => self.file.read_exact_at(u.arena.get(slot, s.len), s.off),
-            FileOp::Write { dsync } if n == -libc::EINVAL => {
-                let r = self.file.write_all_at(u.arena.get(slot, s.len), s.off);
-                if dsync {
-                    r.and_then(|()| self.file.sync_data())
-                } else {
-                    r
-                }
-            }
-            _ if n < 0 => Err(std::io::Error::from_raw_os_error(-n)),
-            _ => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short O_DIRECT transfer")),
-        };
-        Some((slot, r))
-    }
+/// Why fallocate did not do it.
+enum Fallback {
+    /// Never here: the next way from now on.
+    Unsupported,
+    /// Not this time: the next way for this range.
+    NotHere,
+    /// A real error (EIO, ENOSPC): the operation fails.
+    Failed(std::io::Error),
 }

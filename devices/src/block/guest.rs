@@ -89,7 +89,8 @@ pub enum Placed {
     /// Not for in place (a piece is remote or not aligned for O_DIRECT, or
     /// in-place operations are off): the caller bounces it.
     Bounce,
-    /// The ring refused it; the slot is still the caller's.
+    /// The ring refused it, or it does not lie inside the namespace; the
+    /// slot is still the caller's.
     Refused,
 }
 
@@ -125,7 +126,7 @@ impl FileStorage {
         mem: &GuestMem,
     ) -> Placed {
         use io_uring::{opcode, types};
-        let mode = self.in_place;
+        let (mode, size) = (self.in_place, self.bytes());
         let Some(u) = self.uring.as_mut() else { return Placed::Bounce };
         let (ma, la) = u.dio_align;
         if mode == InPlace::Off || op == FileOp::Flush || !off.is_multiple_of(la as u64) {
@@ -143,6 +144,9 @@ impl FileStorage {
                 _ => return Placed::Bounce,
             }
             len += n;
+        }
+        if off.checked_add(len as u64).is_none_or(|end| end > size) {
+            return Placed::Refused; // past the namespace: never reaches the ring
         }
         let Some(first) = iov.first() else { return Placed::Bounce };
         let one_page = iov.len() == 1 && (first.iov_base as usize % 4096) + len <= 4096;

@@ -5,17 +5,25 @@
 //! - `ram` ([`ram`]): data in an anonymous mapping;
 //! - `file:PATH` ([`file`]): a regular file or a block device; reads,
 //!   writes and flushes go O_DIRECT through io_uring, many in flight
-//!   ([`uring`]: the ring, its bounce buffers and completion reaping), on
-//!   the guest's pages in place where O_DIRECT's alignment allows
-//!   ([`guest`]), otherwise one whole transfer per operation in a bounce
-//!   buffer of its own; where O_DIRECT or io_uring is refused, synchronous
-//!   pread/pwrite.
+//!   ([`uring`]: the ring and its bounce buffers; `reap.rs`: operations
+//!   pushed, submitted and their completions reaped), on the guest's pages
+//!   in place where O_DIRECT's alignment allows ([`guest`]), otherwise one
+//!   whole transfer per operation in a bounce buffer of its own; where
+//!   O_DIRECT or io_uring is refused, synchronous pread/pwrite.
 //!
-//! Callers pass byte ranges already checked against the storage's size.
+//! Operations ([`Storage`]): read, write, flush, discard and write zeroes
+//! (with or without deallocation). Discarded and deallocated ranges read
+//! as zeros: a file gets holes (fallocate PUNCH_HOLE), a ram namespace
+//! gives the pages back. Every range is checked against the size (an
+//! error, never an access outside); front ends check theirs first and
+//! answer in their own terms (NVMe's LBA Out of Range, virtio's IOERR).
+//! NVMe (`nvme/io.rs`) and virtio-blk (`virtio/blk.rs`) are the two front
+//! ends.
 
 pub mod file;
 pub mod guest;
 pub mod ram;
+mod reap;
 pub mod uring;
 
 pub use file::{backing_bytes, path_bytes, FileStorage};
@@ -24,7 +32,6 @@ pub use ram::Ram;
 pub use uring::{FileOp, FILE_SLOTS, IORING_REGISTER_BUFFERS_UPDATE};
 
 use crate::{Error, Result};
-use std::os::unix::fs::FileExt;
 
 /// The largest transfer one operation may ask for (an NVMe command's MDTS,
 /// a bounce buffer slot): 128 KiB.
@@ -66,13 +73,34 @@ impl std::fmt::Display for StorageKind {
     }
 }
 
-/// A device's storage, opened from a [`StorageKind`].
+/// A device's storage, opened from a [`StorageKind`]: the operations
+/// every block front end needs (read, write, flush, discard, write
+/// zeroes), each checked against its size. A file's io_uring side (many
+/// operations in flight) is [`FileStorage`]'s own API (`reap.rs`).
 pub enum Storage {
-    Null,
+    /// No data: reads leave the buffer as it is (a null device transfers
+    /// nothing), writes and zeroing go nowhere.
+    Null {
+        bytes: u64,
+    },
     /// Shared by the threads that serve one device (NVMe's queue groups).
     Ram(std::sync::Arc<Ram>),
     File(Box<FileStorage>),
 }
+
+/// An operation the storage did not carry out.
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    /// A range that does not lie inside the storage (the front end checks
+    /// ranges first; this is the layer's own guard, nothing is touched).
+    #[error("{len} bytes at byte {off} are outside the {size}-byte storage")]
+    OutOfRange { off: u64, len: u64, size: u64 },
+    /// The file or device failed it.
+    #[error("storage I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+type OpResult = std::result::Result<(), StorageError>;
 
 /// A buffer aligned for O_DIRECT (4 KiB), for whole transfers.
 pub struct Bounce(Vec<u8>, usize);
@@ -94,7 +122,7 @@ impl Bounce {
 impl Storage {
     pub fn open(kind: &StorageKind, bytes: u64) -> Result<Self> {
         Ok(match kind {
-            StorageKind::Null => Storage::Null,
+            StorageKind::Null => Storage::Null { bytes },
             StorageKind::Ram => Storage::Ram(std::sync::Arc::new(Ram::new(bytes)?)),
             StorageKind::File(p) => Storage::File(Box::new(FileStorage::open(p, bytes)?)),
         })
@@ -105,7 +133,7 @@ impl Storage {
     /// thread's).
     pub fn share(&self) -> Option<Storage> {
         match self {
-            Storage::Null => Some(Storage::Null),
+            Storage::Null { bytes } => Some(Storage::Null { bytes: *bytes }),
             Storage::Ram(r) => Some(Storage::Ram(r.clone())),
             Storage::File(_) => None,
         }
@@ -113,57 +141,94 @@ impl Storage {
 
     pub fn name(&self) -> &'static str {
         match self {
-            Storage::Null => "null",
+            Storage::Null { .. } => "null",
             Storage::Ram(_) => "ram",
             Storage::File(_) => "file",
         }
     }
 
+    /// The size in bytes.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Storage::Null { bytes } => *bytes,
+            Storage::Ram(r) => r.len(),
+            Storage::File(f) => f.bytes(),
+        }
+    }
+
+    /// Ok if `len` bytes at `off` lie inside the storage.
+    fn check(&self, off: u64, len: u64) -> OpResult {
+        let size = self.bytes();
+        match off.checked_add(len) {
+            Some(end) if end <= size => Ok(()),
+            _ => Err(StorageError::OutOfRange { off, len, size }),
+        }
+    }
+
     /// Reads `buf.len()` bytes at byte offset `off` (null: zeros are not
     /// even written, as a null device transfers no data).
-    pub fn read(&mut self, off: u64, buf: &mut [u8]) -> std::io::Result<()> {
+    pub fn read(&mut self, off: u64, buf: &mut [u8]) -> OpResult {
+        self.check(off, buf.len() as u64)?;
         match self {
-            Storage::Null => Ok(()),
-            Storage::Ram(r) => r.read(off, buf).then_some(()).ok_or_else(outside),
-            Storage::File(f) => f.file.read_exact_at(buf, off),
+            Storage::Null { .. } => {}
+            Storage::Ram(r) => ram_did(r.read(off, buf), off, buf.len(), r)?,
+            Storage::File(f) => f.read_at(off, buf)?,
         }
+        Ok(())
     }
 
-    pub fn write(&mut self, off: u64, buf: &[u8]) -> std::io::Result<()> {
+    pub fn write(&mut self, off: u64, buf: &[u8]) -> OpResult {
+        self.check(off, buf.len() as u64)?;
         match self {
-            Storage::Null => Ok(()),
-            Storage::Ram(r) => r.write(off, buf).then_some(()).ok_or_else(outside),
-            Storage::File(f) => f.file.write_all_at(buf, off),
+            Storage::Null { .. } => {}
+            Storage::Ram(r) => ram_did(r.write(off, buf), off, buf.len(), r)?,
+            Storage::File(f) => f.write_at(off, buf)?,
         }
+        Ok(())
     }
 
-    pub fn zero(&mut self, off: u64, len: u64) -> std::io::Result<()> {
+    /// What was written is stable (a file: fdatasync).
+    pub fn flush(&mut self) -> OpResult {
+        if let Storage::File(f) = self {
+            f.sync()?;
+        }
+        Ok(())
+    }
+
+    /// Discards `len` bytes at `off` (NVMe Dataset Management with
+    /// Deallocate, virtio-blk DISCARD): their storage is given back (a
+    /// file's blocks become a hole, a ram namespace's pages are freed) and
+    /// they read as zeros afterwards, as NVMe's DLFEAT says (virtio leaves
+    /// a discarded range's contents open; zeros are one answer).
+    pub fn discard(&mut self, off: u64, len: u64) -> OpResult {
+        self.write_zeroes(off, len, true)
+    }
+
+    /// Makes `len` bytes at `off` read as zeros (NVMe Write Zeroes, virtio-blk
+    /// WRITE_ZEROES). With `deallocate` (NVMe's DEAC, virtio's UNMAP flag)
+    /// as [`discard`](Self::discard); without, the storage stays allocated
+    /// (a file: FALLOC_FL_ZERO_RANGE, or zeros written).
+    pub fn write_zeroes(&mut self, off: u64, len: u64, deallocate: bool) -> OpResult {
+        self.check(off, len)?;
         match self {
-            Storage::Null => Ok(()),
-            Storage::Ram(r) => r.zero(off, len).then_some(()).ok_or_else(outside),
-            Storage::File(f) => {
-                let z = vec![0u8; 64 << 10];
-                let mut done = 0;
-                while done < len {
-                    let n = (len - done).min(z.len() as u64) as usize;
-                    f.file.write_all_at(&z[..n], off + done)?;
-                    done += n as u64;
-                }
-                Ok(())
+            Storage::Null { .. } => {}
+            Storage::Ram(r) => {
+                let ok = if deallocate { r.deallocate(off, len) } else { r.zero(off, len) };
+                ram_did(ok, off, len as usize, r)?;
             }
+            Storage::File(f) => f.zeroes(off, len, deallocate)?,
         }
-    }
-
-    pub fn flush(&mut self) -> std::io::Result<()> {
-        match self {
-            Storage::File(f) => f.file.sync_data(),
-            _ => Ok(()),
-        }
+        Ok(())
     }
 }
 
-fn outside() -> std::io::Error {
-    std::io::Error::other("outside the namespace")
+/// A ram copy's result (`ok`: it lay inside, which `check` made sure of).
+fn ram_did(ok: bool, off: u64, len: usize, r: &Ram) -> OpResult {
+    if ok {
+        Ok(())
+    } else {
+        Err(StorageError::OutOfRange { off, len: len as u64, size: r.len() })
+    }
 }
 
 /// A fresh private anonymous mapping of `len` bytes, read-write, backed on

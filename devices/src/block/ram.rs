@@ -59,6 +59,39 @@ impl Ram {
         unsafe { std::ptr::write_bytes(self.ptr.add(o), 0, n) };
         true
     }
+
+    /// Zeroes `len` bytes at `off` and gives the memory of the whole pages
+    /// among them back (MADV_DONTNEED: they read as zeros and take no
+    /// memory until written again), so that a discard of the whole disk
+    /// (mkfs does one) frees it rather than filling it with zeros.
+    pub fn deallocate(&self, off: u64, len: u64) -> bool {
+        const PAGE: usize = 4096;
+        let Ok(n) = usize::try_from(len) else { return false };
+        let Some(o) = self.at(off, n) else { return false };
+        // The whole pages inside [o, o + n); the mapping is page aligned.
+        let (first, end) = (o.next_multiple_of(PAGE), (o + n) / PAGE * PAGE);
+        if first >= end {
+            return self.zero(off, len);
+        }
+        // SAFETY: first..end lies in the mapping (inside the checked range)
+        // and is page aligned; a private anonymous page given back reads as
+        // zeros at its next touch. No Rust reference into the mapping exists
+        // (every access is a copy through the pointer).
+        let r = unsafe { libc::madvise(self.ptr.add(first).cast(), end - first, libc::MADV_DONTNEED) };
+        if r != 0 {
+            return self.zero(off, len); // zeros all the same, without freeing
+        }
+        self.zero(off, (first - o) as u64) && self.zero(end as u64, (o + n - end) as u64)
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
 }
 
 impl Drop for Ram {

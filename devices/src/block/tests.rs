@@ -24,7 +24,7 @@ fn ram_and_file_keep_data_null_keeps_none() {
         if kind != StorageKind::Null {
             assert!(buf.iter().all(|&x| x == 0x5a), "{kind:?}");
         }
-        b.zero(4096, 4096).unwrap();
+        b.write_zeroes(4096, 4096, false).unwrap();
         b.read(4096, &mut r).unwrap();
         assert_eq!(r, [0; 4]);
     }

@@ -244,7 +244,9 @@ impl Core {
                 d[16..24].copy_from_slice(&nlbas.to_le_bytes()); // NUSE
                 d[25] = 0; // NLBAF: one format
                 d[26] = 0; // FLBAS: format 0
-                d[33] = 1; // DLFEAT: deallocated blocks read as zeros
+                           // DLFEAT: deallocated blocks read as zeros (001b); Write Zeroes may
+                           // deallocate (bit 3, DEAC: Linux then sets it unless told not to unmap).
+                d[33] = 0b1001;
                 d[104..120].copy_from_slice(&self.ident.nguid); // NGUID; EUI64 (120..128) not reported
                 d[128 + 2] = self.ns.lba_shift as u8; // LBAF0: MS 0, LBADS, RP 0
             }

@@ -1,6 +1,11 @@
 //! I/O commands on namespace 1 (Flush, Read, Write, Write Zeroes, Dataset
 //! Management) and the data movement between guest pages (PRPs) and the
-//! storage. The opcodes are listed once, for the effects log, in `admin.rs`.
+//! storage ([`crate::block`]). The opcodes are listed once, for the effects
+//! log, in `admin.rs`. Write Zeroes (DEAC: deallocate) and Dataset
+//! Management's deallocate (AD) are the storage's write zeroes and discard
+//! (a file namespace punches holes; deallocated blocks read as zeros, as
+//! Identify Namespace's DLFEAT says), done after the file operations in
+//! flight completed.
 //!
 //! On a file namespace with io_uring, Read, Write and Flush are
 //! asynchronous: fetching one pushes its operation (a queue pass pushes
@@ -30,8 +35,12 @@ use crate::block::{FileOp, Placed, Storage, FILE_SLOTS};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-/// Force Unit Access, in CDW12 of a Read or Write.
+/// Force Unit Access, in CDW12 of a Read, Write or Write Zeroes.
 const FUA: u32 = 1 << 30;
+/// Deallocate, in CDW12 of a Write Zeroes.
+const DEAC: u32 = 1 << 25;
+/// Attribute - Deallocate, in CDW11 of a Dataset Management.
+const AD: u32 = 1 << 2;
 
 /// The namespace: its storage and geometry.
 pub(super) struct Namespace {
@@ -388,17 +397,22 @@ impl Core {
                     return status::LBA_OUT_OF_RANGE;
                 }
                 self.settle_io();
-                match self.ns.storage.zero(slba << self.ns.lba_shift, n << self.ns.lba_shift) {
+                // DEAC: the blocks may be deallocated (DLFEAT bit 3 says so; a file gets a hole).
+                let deac = c.cdw12 & DEAC != 0;
+                match self.ns.storage.write_zeroes(slba << self.ns.lba_shift, n << self.ns.lba_shift, deac) {
                     Ok(()) => status::SUCCESS,
-                    Err(_) => status::INTERNAL,
+                    Err(e) => {
+                        log::warn!("nvme: write zeroes: {e}");
+                        status::INTERNAL
+                    }
                 }
             }
             0x09 => self.dsm(c),
             _ => status::INVALID_OPCODE,
         };
-        // Volatile write cache off (Set Features 06h), or a write with Force
-        // Unit Access: what changed is stable before it completes.
-        let fua = c.opcode == 0x01 && c.cdw12 & FUA != 0;
+        // Volatile write cache off (Set Features 06h), or a Write or Write
+        // Zeroes with Force Unit Access: what changed is stable before it completes.
+        let fua = matches!(c.opcode, 0x01 | 0x08) && c.cdw12 & FUA != 0;
         if st == status::SUCCESS && (!self.feat.write_cache && IO_LBA_CHANGING.contains(&c.opcode) || fua) {
             if let Err(e) = self.ns.storage.flush() {
                 log::warn!("nvme: flush with the write cache off: {e}");
@@ -440,7 +454,7 @@ impl Core {
     /// that follow each other in guest memory is one access (one message
     /// each way where the host reaches that memory by message).
     fn transfer(&mut self, segs: &[(u64, u64)], mut off: u64, write: bool) -> u16 {
-        if matches!(self.ns.storage, Storage::Null) {
+        if matches!(self.ns.storage, Storage::Null { .. }) {
             return status::SUCCESS;
         }
         if matches!(self.ns.storage, Storage::File(_)) {
@@ -497,8 +511,10 @@ impl Core {
         }
     }
 
-    /// Dataset Management: checks every range, deallocates (zeroes) them
-    /// when asked.
+    /// Dataset Management: checks every range, then deallocates them when
+    /// asked (AD): they read as zeros after (DLFEAT), a file's blocks
+    /// become holes. A range outside the namespace fails the command
+    /// before any is touched.
     fn dsm(&mut self, c: &Sqe) -> u16 {
         let nr = (c.cdw10 & 0xff) as usize + 1;
         let mut ranges = vec![0u8; nr * 16];
@@ -521,17 +537,21 @@ impl Core {
         if st != status::SUCCESS {
             return st;
         }
-        let deallocate = c.cdw11 & 4 != 0;
-        if deallocate {
-            self.settle_io();
-        }
-        for r in ranges.chunks(16) {
+        // Context attributes (0..4), length in LBAs (4..8), starting LBA (8..16).
+        let range = |r: &[u8]| {
             let n = u32::from_le_bytes(r[4..8].try_into().unwrap()) as u64;
-            let slba = u64::from_le_bytes(r[8..16].try_into().unwrap());
-            if slba.checked_add(n).is_none_or(|e| e > self.ns.nlbas) {
-                return status::LBA_OUT_OF_RANGE;
-            }
-            if deallocate && self.ns.storage.zero(slba << self.ns.lba_shift, n << self.ns.lba_shift).is_err() {
+            (u64::from_le_bytes(r[8..16].try_into().unwrap()), n)
+        };
+        if ranges.chunks(16).map(range).any(|(slba, n)| slba.checked_add(n).is_none_or(|e| e > self.ns.nlbas)) {
+            return status::LBA_OUT_OF_RANGE;
+        }
+        if c.cdw11 & AD == 0 {
+            return status::SUCCESS; // attributes only: hints
+        }
+        self.settle_io();
+        for (slba, n) in ranges.chunks(16).map(range) {
+            if let Err(e) = self.ns.storage.discard(slba << self.ns.lba_shift, n << self.ns.lba_shift) {
+                log::warn!("nvme: deallocate: {e}");
                 return status::INTERNAL;
             }
         }

@@ -88,7 +88,8 @@ impl Core {
     /// A core for queue group `group` (1..N) of controller core `c0`.
     pub fn new_shard(c0: &Core, cfg: &super::NvmeConfig, group: usize) -> Core {
         // The namespace's data is one (`null` or `ram`: several pollers never serve a file).
-        let storage = c0.ns.storage.share().unwrap_or(crate::block::Storage::Null);
+        let bytes = c0.ns.storage.bytes();
+        let storage = c0.ns.storage.share().unwrap_or(crate::block::Storage::Null { bytes });
         let mut c = Core::new(cfg, storage, c0.db.bar_page.clone());
         c.group = group;
         c.groups = c0.groups;

@@ -1898,7 +1898,7 @@ fn a_batch_completes_in_order_across_cq_lines_errors_and_a_wrap_off_a_line_bound
 #[test]
 fn the_pollers_walk_exactly_the_sqs_that_exist_in_ascending_order() {
     let cfg = NvmeConfig { doorbell: DoorbellMode::Shm, ..mmio(StorageKind::Null) };
-    let mut c = controller::Core::new(&cfg, crate::block::Storage::Null, None);
+    let mut c = controller::Core::new(&cfg, crate::block::Storage::Null { bytes: cfg.size }, None);
     let q = &mut c.queues;
     assert_eq!(q.sq_ids().count(), 0);
     let sq = queue::Sq { size: 2, ..Default::default() };
@@ -1920,7 +1920,7 @@ fn the_watched_doorbell_words_change_with_every_tail_and_head_the_poller_has_not
     for mode in [DoorbellMode::Shm, DoorbellMode::Bar] {
         let cfg = NvmeConfig { doorbell: mode, ..mmio(StorageKind::Null) };
         let page = (mode == DoorbellMode::Bar).then(|| doorbells::bar_memory().unwrap().0);
-        let mut c = controller::Core::new(&cfg, crate::block::Storage::Null, page.clone());
+        let mut c = controller::Core::new(&cfg, crate::block::Storage::Null { bytes: cfg.size }, page.clone());
         let ram = crate::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
         c.mem = crate::GuestMem::from(ram.clone());
         // SQ 1 on CQ 1, SQ 2 on CQ 3: three words, one of them holding a CQ head alone.

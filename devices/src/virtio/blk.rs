@@ -135,7 +135,7 @@ impl Blk {
             T_IN => match self.range(sector, data_in) {
                 Some(off) => {
                     // A null disk transfers no data, as the NVMe null namespace.
-                    let null = matches!(self.storage, Storage::Null);
+                    let null = matches!(self.storage, Storage::Null { .. });
                     let (mut done, mut ok) = (0u64, true);
                     while ok && done < data_in {
                         let n = (data_in - done).min(MAX_TRANSFER);
@@ -153,7 +153,7 @@ impl Blk {
             },
             // A null disk keeps no data: nothing is read from the guest (the queue
             // has range-checked the buffers), as the NVMe null namespace.
-            T_OUT if matches!(self.storage, Storage::Null) => match self.range(sector, data_out) {
+            T_OUT if matches!(self.storage, Storage::Null { .. }) => match self.range(sector, data_out) {
                 Some(_) => (S_OK, 0),
                 None => (S_IOERR, 0),
             },
@@ -189,8 +189,11 @@ impl Blk {
     }
 
     /// DISCARD and WRITE_ZEROES (5.2.6.2): segments of {sector, num_sectors,
-    /// flags} after the header. Both zero the range (a discarded ram range
-    /// reads as zeros; null keeps nothing anyway).
+    /// flags} after the header, every one checked before any is done.
+    /// DISCARD and WRITE_ZEROES with VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP
+    /// deallocate (a file's blocks become a hole, a ram disk's pages are
+    /// freed); WRITE_ZEROES without it keeps the blocks. Either range reads
+    /// as zeros after (null keeps nothing anyway).
     fn zero_ranges(&mut self, mem: &GuestMem, r: &Part<'_>, len: u64, kind: u32) -> u8 {
         if len == 0 || !len.is_multiple_of(16) || len / 16 > MAX_RANGE_SEGS as u64 {
             return S_IOERR;
@@ -216,10 +219,13 @@ impl Blk {
             else {
                 return S_IOERR;
             };
-            segs.push((off, n as u64 * SECTOR));
+            // DISCARD deallocates; WRITE_ZEROES does where its UNMAP flag allows.
+            let deallocate = kind == T_DISCARD || flags & SEG_F_UNMAP != 0;
+            segs.push((off, n as u64 * SECTOR, deallocate));
         }
-        for (off, bytes) in segs {
-            if self.storage.zero(off, bytes).is_err() {
+        for (off, bytes, deallocate) in segs {
+            if let Err(e) = self.storage.write_zeroes(off, bytes, deallocate) {
+                log::warn!("virtio-blk: {}: {e}", if kind == T_DISCARD { "discard" } else { "write zeroes" });
                 return S_IOERR;
             }
         }

@@ -104,7 +104,7 @@ fn bad_requests_get_ioerr_or_are_dropped() {
 #[test]
 fn null_backend_moves_no_data() {
     let d = Driver::new(8);
-    let mut b = Blk::new(crate::block::Storage::Null, 1 << 30, "x");
+    let mut b = Blk::new(crate::block::Storage::Null { bytes: 1 << 30 }, 1 << 30, "x");
     header(&d, T_OUT, 8);
     assert_eq!(b.handle(&d.mem, &[rd(HDR, 16), rd(BUF, 4096), wr(ST, 1)]).status, Some(S_OK));
     // The guest's data was not even copied in.
