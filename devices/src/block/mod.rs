@@ -252,4 +252,6 @@ pub(crate) fn anon_map(len: usize) -> std::io::Result<*mut libc::c_void> {
 }
 
 #[cfg(test)]
+mod model_tests;
+#[cfg(test)]
 mod tests;

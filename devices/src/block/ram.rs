@@ -117,4 +117,40 @@ mod tests {
         assert!(!r.read(u64::MAX, &mut b), "offset overflow");
         assert!(!r.zero(1, u64::MAX), "length overflow");
     }
+
+    /// Pages of the mapping in memory, per mincore(2).
+    fn resident(r: &super::Ram) -> Vec<bool> {
+        let pages = r.len.div_ceil(4096);
+        let mut v = vec![0u8; pages];
+        // SAFETY: the mapping is ours, page aligned, `pages` pages long; `v` has a byte per page.
+        assert_eq!(unsafe { libc::mincore(r.ptr.cast(), r.len, v.as_mut_ptr()) }, 0);
+        v.iter().map(|&b| b & 1 == 1).collect()
+    }
+
+    /// A deallocated range reads as zeros and its whole pages leave memory;
+    /// the pages it only partly covers keep their other bytes.
+    #[test]
+    fn deallocation_gives_whole_pages_back_and_zeroes_the_edges() {
+        let r = super::Ram::new(16 * 4096).unwrap();
+        assert!(r.write(0, &[9u8; 16 * 4096]));
+        assert!(resident(&r).iter().all(|&p| p), "written: every page in memory");
+        // From the middle of page 2 to the middle of page 9.
+        let (off, len) = (2 * 4096 + 100, 7 * 4096);
+        assert!(r.deallocate(off, len));
+        let res = resident(&r);
+        assert!(res[3..9].iter().all(|&p| !p), "whole pages given back: {res:?}");
+        assert!(res[2] && res[9], "the edge pages stay: {res:?}");
+        let mut all = vec![0xffu8; 16 * 4096];
+        assert!(r.read(0, &mut all));
+        let (a, b) = (off as usize, (off + len) as usize);
+        assert!(all[..a].iter().all(|&x| x == 9) && all[b..].iter().all(|&x| x == 9), "outside kept");
+        assert!(all[a..b].iter().all(|&x| x == 0), "inside reads as zeros");
+        // Inside one page: zeroed only; bounds as for every operation.
+        assert!(r.deallocate(4096 + 10, 20) && r.read(4096, &mut all[..64]) && all[10..30] == [0u8; 20]);
+        assert!(!r.deallocate(16 * 4096 - 10, 11), "past the end");
+        assert!(!r.deallocate(u64::MAX - 1, 4), "offset overflow");
+        assert!(r.deallocate(16 * 4096, 0), "empty at the end");
+        let empty = super::Ram::new(0).unwrap();
+        assert!(empty.is_empty() && empty.deallocate(0, 0) && !empty.write(0, &[1]));
+    }
 }

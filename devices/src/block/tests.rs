@@ -236,3 +236,44 @@ fn operations_in_flight_on_a_file_complete_with_their_data_through_fixed_buffers
     assert!(!thp || flags.is_some_and(|f| f.contains(" hg")), "MADV_HUGEPAGE: {flags:?}");
     let _ = std::fs::remove_file(path);
 }
+
+/// The bytes of `f` on disk (st_blocks counts 512-byte units).
+fn allocated(f: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(f).unwrap().blocks() * 512
+}
+
+/// A thin image stays thin: a discard and a write zeroes with deallocation
+/// punch holes (the file's allocated bytes drop by what they covered),
+/// a write zeroes without it keeps the blocks; each range reads as zeros.
+#[test]
+fn discard_punches_a_hole_in_a_file_and_write_zeroes_keeps_blocks_unless_deallocating() {
+    const MIB: u64 = 1 << 20;
+    let path = std::env::temp_dir().join(format!("iopath-block-holes-{}.img", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let mut s = Storage::open(&StorageKind::File(path.clone()), 4 * MIB).unwrap();
+    for i in 0..4 {
+        s.write(i * MIB, &vec![0x5a; MIB as usize]).unwrap();
+    }
+    s.flush().unwrap();
+    let full = allocated(&path);
+    assert!(full >= 4 * MIB, "written: {full} bytes allocated");
+    s.discard(MIB, MIB).unwrap();
+    let after_discard = allocated(&path);
+    s.write_zeroes(2 * MIB, MIB, false).unwrap();
+    let after_zeroes = allocated(&path);
+    s.write_zeroes(3 * MIB, MIB, true).unwrap();
+    let after_dealloc = allocated(&path);
+    // Unaligned: the whole blocks inside become a hole, the edges are zeroed.
+    s.discard(1000, 100_000).unwrap();
+    let mut back = vec![0xffu8; (4 * MIB) as usize];
+    s.read(0, &mut back).unwrap();
+    let _ = std::fs::remove_file(&path);
+    eprintln!("allocated: {full} written, {after_discard} after a 1 MiB discard, {after_zeroes} after write zeroes, {after_dealloc} after write zeroes with deallocation");
+    assert!(after_discard <= full - MIB, "a discard punched no hole: {full} -> {after_discard}");
+    assert_eq!(after_zeroes, after_discard, "write zeroes without deallocation kept the blocks");
+    assert!(after_dealloc <= after_zeroes - MIB, "deallocation punched no hole: {after_zeroes} -> {after_dealloc}");
+    assert!(back[..1000].iter().all(|&b| b == 0x5a) && back[1000..101_000].iter().all(|&b| b == 0));
+    assert!(back[101_000..MIB as usize].iter().all(|&b| b == 0x5a));
+    assert!(back[MIB as usize..].iter().all(|&b| b == 0), "the zeroed megabytes read as zeros");
+}

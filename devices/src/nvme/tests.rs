@@ -10,6 +10,7 @@ use std::sync::Arc;
 use vm_memory::{Bytes, GuestAddress};
 
 mod bar_adaptive;
+mod deallocate;
 mod forecast;
 mod oracle;
 mod pollers;
