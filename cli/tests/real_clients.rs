@@ -430,6 +430,56 @@ fn linux_nvme_driver_against_iopath_nvme_file_submitting_each_operation() {
     linux_against_iopath_file("adaptive,submit_batch=1", "auto");
 }
 
+/// Linux's discard reaches a `file:` disk as a hole, over vfio-user: the guest
+/// (`guest-discard.sh`) runs blkdiscard on 4 MiB at 4 MiB of a 16 MiB image the host filled
+/// with 'Z'; afterwards the image has 4 MiB fewer bytes allocated, reads as zeros there and
+/// keeps every other byte. `device` names the image `IMG`.
+fn linux_discard_on_a_file(device: &str) {
+    use std::os::unix::fs::MetadataExt;
+    const MIB: usize = 1 << 20;
+    let dir = std::env::temp_dir().join(format!("iopath-rc-discard-{}-{}", std::process::id(), unique()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let img = dir.join("disk.img");
+    std::fs::write(&img, vec![b'Z'; 16 * MIB]).unwrap();
+    let allocated = || std::fs::metadata(&img).unwrap().blocks() * 512;
+    let before = allocated();
+    let device = device.replace("IMG", img.to_str().unwrap());
+    let mut serve = Serve::start(&device);
+    let sock = serve.socket.to_str().unwrap().to_string();
+    let script = harness("guest-discard.sh");
+    let args = ["--vfio-user", sock.as_str(), "--nvme-timeout", "10", "--script", script.to_str().unwrap()];
+    let log = serve.stderr.clone();
+    let text = linux_with(&args, &|| log.lock().unwrap().join("\n"));
+    for want in ["discard-probe", "discard-limits", "discard-before", "discard", "discard-after"] {
+        assert!(
+            checks(&text).iter().any(|l| l.starts_with(&format!("@check {want} ok"))),
+            "{device}: check {want} did not pass:\n{}",
+            checks(&text).join("\n")
+        );
+    }
+    let report = serve.report();
+    let after = allocated();
+    let data = std::fs::read(&img).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    eprintln!("{device}: {before} bytes allocated before, {after} after the guest's discard");
+    assert!(after <= before - 4 * MIB as u64, "{device}: no hole: {before} -> {after}; {report}");
+    assert_eq!(data.len(), 16 * MIB, "{device}: the image keeps its size");
+    let first = |r: std::ops::Range<usize>, want: u8| r.clone().find(|&i| data[i] != want);
+    assert_eq!(first(4 * MIB..8 * MIB, 0), None, "{device}: the discarded range reads as zeros");
+    assert_eq!(first(0..4 * MIB, b'Z'), None, "{device}: before the range, as written");
+    assert_eq!(first(8 * MIB..16 * MIB, b'Z'), None, "{device}: after the range, as written");
+}
+
+#[test]
+fn linux_blkdiscard_punches_a_hole_in_an_iopath_nvme_file_namespace() {
+    linux_discard_on_a_file("nvme,backend=file:IMG,size_mb=16");
+}
+
+#[test]
+fn linux_blkdiscard_punches_a_hole_in_an_iopath_virtio_blk_file_disk() {
+    linux_discard_on_a_file("virtio-blk,backend=file:IMG,size_mb=16,notify=poll");
+}
+
 /// iopath's own guest image under QEMU 11 + KVM, with `vfio-user-pci` to `iopath serve`.
 fn image_under_qemu11(device: &str, append: &str) -> (String, String) {
     image_under_qemu11_env(device, append, &[])
