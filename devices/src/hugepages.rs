@@ -1,7 +1,7 @@
 //! Whether mapped guest memory lies in huge pages.
 //!
 //! It matters to a device that moves data on the guest's pages in place
-//! (the NVMe file backend's O_DIRECT transfers): in 4 KiB pages a transfer
+//! (a file namespace's O_DIRECT transfers, `block/guest.rs`): in 4 KiB pages a transfer
 //! over several guest pages reaches the disk as one segment per page, in
 //! huge pages as one per huge page.
 //!
