@@ -27,7 +27,7 @@ pub struct FileStorage {
     pub in_place: InPlace,
     /// Pushed operations go to the kernel once this many wait in the ring
     /// (0: when the queue pass that pushed them ends, or a bounced write's
-    /// copies reach [`SUBMIT_BYTES`]). One at a time costs a system call
+    /// copies reach `SUBMIT_BYTES`, 256 KiB). One at a time costs a system call
     /// per operation but hands a disk a steady stream instead of bursts: on
     /// this project's virtual disk, 4 KiB randread QD32 did 0.97-1.00x of
     /// fio with 1 and 0.82-0.89x with 0 (fio itself lost as much with

@@ -3,7 +3,7 @@
 //! `backend=null|ram|file:PATH` ([`StorageKind`]):
 //! - `null`: no data, dispatch cost only;
 //! - `ram` ([`ram`]): data in an anonymous mapping;
-//! - `file:PATH` ([`file`]): a regular file or a block device; reads,
+//! - `file:PATH` ([`file`](mod@file)): a regular file or a block device; reads,
 //!   writes and flushes go O_DIRECT through io_uring, many in flight
 //!   ([`uring`]: the ring and its bounce buffers; `reap.rs`: operations
 //!   pushed, submitted and their completions reaped), on the guest's pages

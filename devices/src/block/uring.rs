@@ -1,8 +1,8 @@
 //! A file namespace's io_uring: the ring on its O_DIRECT fd, restricted
-//! to this namespace's own operations ([`restrictions`]), the slots that
-//! operations in flight take (each with a bounce buffer in one [`Arena`])
+//! to this namespace's own operations (`restrictions`), the slots that
+//! operations in flight take (each with a bounce buffer in one `Arena`)
 //! and the wait for them all before the buffers go. [`FileStorage`]
-//! (`file.rs`) pushes, submits and reaps through it.
+//! (`reap.rs`) pushes, submits and reaps through it.
 //!
 //! [`FileStorage`]: super::FileStorage
 
@@ -143,7 +143,7 @@ pub(super) struct Uring {
 }
 
 /// io_uring_register(2)'s opcode for updating registered buffers in place:
-/// the one registration a ring allows once it is enabled ([`Uring::register`]).
+/// the one registration a ring allows once it is enabled (`Uring::register`).
 pub const IORING_REGISTER_BUFFERS_UPDATE: u8 = 16;
 
 /// What a file namespace's ring may do once enabled, registered with
