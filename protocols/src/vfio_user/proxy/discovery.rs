@@ -202,3 +202,59 @@ fn region_info_argsz(mut payload: Vec<u8>) -> Vec<u8> {
     }
     payload
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A header with status "capabilities" and a chain 0x40 -> 0x50 -> `last_next`.
+    fn header(last_next: u8) -> Vec<u8> {
+        let mut cfg = vec![0u8; CONFIG_REGION_SIZE as usize];
+        cfg[0x06] = 0x10;
+        cfg[0x34] = 0x40;
+        cfg[0x41] = 0x50;
+        cfg[0x51] = last_next;
+        cfg
+    }
+
+    #[test]
+    fn capabilities_are_walked_from_the_pointer_and_a_loop_or_a_bad_pointer_ends_the_walk() {
+        assert_eq!(capability_offsets(&header(0)), [0x40, 0x50]);
+        assert_eq!(capability_offsets(&header(0x40)), [0x40, 0x50], "a loop back to the first");
+        assert_eq!(capability_offsets(&header(0x3c)), [0x40, 0x50], "a pointer into the header");
+        let mut no_list = header(0);
+        no_list[0x06] = 0;
+        assert!(capability_offsets(&no_list).is_empty(), "status says no capability list");
+        // The low two bits of a pointer are reserved: 0x43 is 0x40.
+        let mut low_bits = header(0);
+        low_bits[0x34] = 0x43;
+        assert_eq!(capability_offsets(&low_bits), [0x40, 0x50]);
+    }
+
+    #[test]
+    fn bar_kinds_and_ids_come_from_the_configuration_header() {
+        let mut cfg = header(0);
+        cfg[0x10..0x14].copy_from_slice(&0xfe00_0004u32.to_le_bytes()); // 64-bit memory
+        cfg[0x18..0x1c].copy_from_slice(&0xc001u32.to_le_bytes()); // I/O
+        cfg[0x1c..0x20].copy_from_slice(&0xfd00_0000u32.to_le_bytes()); // 32-bit memory
+        let kinds: Vec<_> = [0, 2, 3].iter().map(|&i| bar_kind(&cfg, i)).collect();
+        assert_eq!(kinds, [BarKind::Mem64, BarKind::Io, BarKind::Mem32]);
+        cfg[..4].copy_from_slice(&[0x36, 0x1b, 0x10, 0x00]);
+        cfg[8..12].copy_from_slice(&[0x02, 0x02, 0x08, 0x01]);
+        cfg[0x2c..0x30].copy_from_slice(&[0xf4, 0x1a, 0x01, 0x11]);
+        cfg[0x3d] = 1;
+        let ids = pci_ids(&cfg);
+        let got = (ids.vendor, ids.device, ids.class, ids.revision, ids.subsystem_vendor, ids.subsystem);
+        assert_eq!(got, (0x1b36, 0x0010, 0x010802, 0x02, 0x1af4, 0x1101));
+        assert_eq!(ids.interrupt_pin, 1);
+    }
+
+    #[test]
+    fn a_short_region_info_argsz_is_read_as_the_32_bytes_the_info_is() {
+        let with = |argsz: u32| [argsz.to_le_bytes().to_vec(), vec![7; 28]].concat();
+        assert_eq!(region_info_argsz(with(0))[..4], 32u32.to_le_bytes());
+        assert_eq!(region_info_argsz(with(31))[..4], 32u32.to_le_bytes());
+        assert_eq!(region_info_argsz(with(80)), with(80), "a full argsz is left alone");
+        assert_eq!(region_info_argsz(vec![1, 2]), [1, 2], "too short to carry one: left to the parser");
+    }
+}
