@@ -3,7 +3,7 @@
 //! device process, and the same driver against QEMU's nvme.
 
 mod common;
-use common::nvmeperf::{num, nvme_record, nvmeperf, nvmeperf_in};
+use common::nvmeperf::{num, nvme_record, nvmeperf, nvmeperf_in, nvmeperf_run};
 use common::{kvm, programs};
 use iopath_vmm::RamKind;
 
@@ -121,8 +121,8 @@ fn a_file_namespace_sees_the_guests_queue_depth() {
 #[test]
 fn every_rw_mode_and_several_queues_run_clean() {
     kvm();
-    for rw in ["read", "write", "randread", "randwrite", "randrw"] {
-        let (rec, c, _) =
+    for rw in ["read", "write", "randread", "randwrite", "randrw", "randrw rwmixread=0", "randrw rwmixread=100"] {
+        let (rec, c, r) =
             nvmeperf("nvme,doorbell=shm,backend=ram", &format!("rw={rw} bs=8192 iodepth=4 queues=3 time_ms=200"));
         assert_eq!(num(&rec, "errors"), 0, "{rw}");
         assert_eq!(num(&rec, "queues"), 3);
@@ -130,9 +130,25 @@ fn every_rw_mode_and_several_queues_run_clean() {
         match rw {
             "read" | "randread" => assert_eq!(c["io.writes"], 0),
             "write" | "randwrite" => assert_eq!(c["io.reads"], 0),
-            _ => assert!(c["io.reads"] > 0 && c["io.writes"] > 0),
+            _ => {
+                // randrw: the guest's reads and writes apart are the controller's.
+                let dir = |d: &str| iopath_bench::record::find_record(&r.lines, &format!("nvme-{d}")).unwrap();
+                let (rd, wr) = (dir("read"), dir("write"));
+                assert_eq!((num(&rd, "ios"), num(&wr, "ios")), (c["io.reads"], c["io.writes"]), "{rw}");
+                assert_eq!(num(&rd, "lat_sum") + num(&wr, "lat_sum"), num(&rec, "lat_sum"), "{rw}");
+                let mix = rec.get("rwmixread").map(String::as_str);
+                match mix {
+                    Some("0") => assert!(c["io.reads"] == 0 && c["io.writes"] > 0),
+                    Some("100") => assert!(c["io.reads"] > 0 && c["io.writes"] == 0),
+                    _ => assert!(mix == Some("50") && c["io.reads"] > 0 && c["io.writes"] > 0, "{rec:?}"),
+                }
+            }
         }
     }
+    // A share of reads past 100 % is refused by the guest, not run.
+    let r = nvmeperf_run("nvme,doorbell=shm,backend=ram", "rw=randrw rwmixread=101 time_ms=50", 128, RamKind::Auto);
+    assert_eq!(r.status, 3, "the guest's rc 1");
+    assert!(r.lines.iter().any(|l| l.starts_with("@nvme-error rwmixread=101")), "{:?}", r.lines);
     // 128 KiB transfers need PRP lists.
     let (rec, _, _) = nvmeperf("nvme,doorbell=shm,backend=ram", "verify=1 bs=131072 iodepth=4 size_mb=8");
     assert_eq!((num(&rec, "errors"), num(&rec, "mismatches")), (0, 0));
