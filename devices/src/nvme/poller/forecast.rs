@@ -30,13 +30,19 @@
 //! not made again for 1, 2, 4 .. 64 gaps. Irregular gaps (quartiles too far
 //! apart for those bounds) get no forecast: the poller sleeps until its
 //! doorbell, as without one.
+//!
+//! After a timed wake-up the poller polls for the command until
+//! [`Forecast::poll_until`] ([`Expect`]); it is a hit if a pass that found
+//! nothing came before it (found at the first look, the command came
+//! before the timer woke the poller). Everything here is arithmetic on
+//! durations the poller measured: no clock is read here.
 
 use std::time::Duration;
 
 /// The longest a forecast polls before the median gap (and twice that in
 /// all, if the command does not come): the adaptive pollers' longest idle
 /// interval, so a forecast costs no more CPU per gap than a busy idle does.
-pub const MAX_MARGIN: Duration = super::ADAPTIVE_IDLE;
+pub const MAX_MARGIN: Duration = super::super::ADAPTIVE_IDLE;
 
 /// How late a timed wake-up is taken to be before one was measured.
 const LATE_INIT: Duration = Duration::from_micros(50);
@@ -198,6 +204,26 @@ impl Forecast {
     pub fn missed(&mut self) {
         self.skip = self.backoff;
         self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// A poller woken by a forecast's timer (or whose forecast was due
+/// already), polling for the command. Times are the poller's clock
+/// readings (durations since it started).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Expect {
+    /// When the gap began, and until when to poll.
+    pub start: Duration,
+    pub until: Duration,
+    /// A pass has found nothing since the wake-up: a command found now came
+    /// while the poller polled for it (a hit).
+    pub looked: bool,
+}
+
+impl Expect {
+    /// Polling for the command of the gap that began at `start`.
+    pub fn new(start: Duration, f: &Forecast) -> Self {
+        Expect { start, until: start + f.poll_until(), looked: false }
     }
 }
 
