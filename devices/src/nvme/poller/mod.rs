@@ -59,6 +59,8 @@ pub(super) mod check;
 pub mod forecast;
 pub(super) mod idle;
 #[cfg(test)]
+mod sim;
+#[cfg(test)]
 mod tests;
 
 use super::doorbells::{Retry, LOOKS_PER_PASS};

@@ -1,8 +1,10 @@
 //! The adaptive poller's machine without threads or clocks: each
-//! transition on a sequence written out.
+//! transition on a sequence written out, then long random sequences
+//! against the simulated world (`sim.rs`).
 
 use super::super::{ADAPTIVE_IDLE, ADAPTIVE_IDLE_IO, ADAPTIVE_IDLE_MIN, BAR_IDLE_MAX, BAR_IDLE_STEP, BAR_TRAP_AFTER};
 use super::check::Checker;
+use super::sim::{run, Doorbells, Setup, Stats};
 use super::*;
 use Action as A;
 use Observation as O;
@@ -403,4 +405,90 @@ fn the_page_gets_no_forecast_and_never_sleeps_longer_than_a_step_untrapped() {
         ]);
         t += 2 * MS;
     }
+}
+
+#[test]
+fn the_same_observations_give_the_same_actions() {
+    for seed in 0..2 {
+        let s = Setup { doorbells: Doorbells::Shadow, forecast: true, file: true, can_trap: true, messages: true };
+        let a = run(s, seed, 20_000).unwrap();
+        let b = run(s, seed, 20_000).unwrap();
+        assert_eq!(a, b, "seed {seed}");
+        assert_ne!(a.trace, run(s, seed + 100, 20_000).unwrap().trace);
+    }
+}
+
+/// Seeds per setup: `IOPATH_POLLER_SEEDS` for a longer campaign.
+fn seeds() -> u64 {
+    std::env::var("IOPATH_POLLER_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(4)
+}
+
+const STEPS: u64 = 100_000;
+
+/// Runs `setup` over the seeds; the counts summed.
+fn campaign(setup: Setup, base: u64) -> Stats {
+    let mut sum = Stats::default();
+    for seed in base..base + seeds() {
+        let r = run(setup, seed, STEPS).unwrap_or_else(|e| panic!("{e}"));
+        let s = r.stats;
+        sum.served += s.served;
+        sum.max_wait = sum.max_wait.max(s.max_wait);
+        sum.sleeps += s.sleeps;
+        sum.kicked += s.kicked;
+        sum.completed += s.completed;
+        sum.timers += s.timers;
+        sum.hits += s.hits;
+        sum.raced_arms += s.raced_arms;
+        sum.found_asleep += s.found_asleep;
+        sum.traps += s.traps;
+        sum.raced_traps += s.raced_traps;
+        sum.cannot_trap += s.cannot_trap;
+        sum.long_yields += s.long_yields;
+        sum.stalls += s.stalls;
+    }
+    eprintln!("{setup:?}: {sum:?}");
+    assert!(sum.served > 0 && sum.sleeps > 0, "{sum:?}");
+    sum
+}
+
+#[test]
+fn random_sequences_on_shadow_doorbells_lose_no_wake_up_and_forecast_steady_gaps() {
+    let s = campaign(
+        Setup { doorbells: Doorbells::Shadow, forecast: true, file: false, can_trap: true, messages: false },
+        1,
+    );
+    assert!(s.kicked > 0 && s.raced_arms > 0 && s.timers > 0 && s.hits > 0, "{s:?}");
+    let s = campaign(
+        Setup { doorbells: Doorbells::Shadow, forecast: false, file: false, can_trap: true, messages: true },
+        100,
+    );
+    assert!(s.kicked > 0 && s.raced_arms > 0 && s.timers == 0 && s.hits == 0, "{s:?}");
+}
+
+#[test]
+fn random_sequences_with_file_operations_in_flight() {
+    let s = campaign(
+        Setup { doorbells: Doorbells::Shadow, forecast: true, file: true, can_trap: true, messages: true },
+        200,
+    );
+    assert!(s.completed > 0 && s.long_yields > 0 && s.stalls > 0, "{s:?}");
+    let s = campaign(
+        Setup { doorbells: Doorbells::Page, forecast: true, file: true, can_trap: false, messages: false },
+        300,
+    );
+    assert!(s.completed > 0 && s.cannot_trap > 0 && s.timers == 0, "{s:?}");
+}
+
+#[test]
+fn random_sequences_on_the_page_look_in_steps_and_trap_without_losing_a_store() {
+    let s = campaign(
+        Setup { doorbells: Doorbells::Page, forecast: true, file: false, can_trap: true, messages: true },
+        400,
+    );
+    assert!(s.found_asleep > 0 && s.traps > 0 && s.raced_traps > 0 && s.timers == 0, "{s:?}");
+    let s = campaign(
+        Setup { doorbells: Doorbells::Auto, forecast: false, file: false, can_trap: true, messages: true },
+        500,
+    );
+    assert!(s.found_asleep > 0 && s.traps > 0 && s.raced_traps > 0 && s.raced_arms > 0, "{s:?}");
 }
