@@ -118,6 +118,10 @@ impl Carrier<'_> {
 
     /// Carries out `m`'s actions until stopped (or an error stops it).
     fn run(&self, mut m: Poller) {
+        // The crate's tests (the queue oracle's among them) check every
+        // decision of every adaptive poller against the machine's invariants.
+        #[cfg(test)]
+        let mut check = super::poller::check::Checker::new(m.config());
         // The doorbell words, looked at without the lock between passes.
         let mut watch: Option<crate::mem::Watch> = None;
         // Asleep, the core lock is held from the end of a sleep through what
@@ -126,6 +130,12 @@ impl Carrier<'_> {
         let mut seen = Observation::Done;
         loop {
             let act = m.step(seen);
+            #[cfg(test)]
+            if let Err(e) = check.check(seen, act) {
+                // With the core lock held: poisoned, it fails the test at its next access.
+                let _c = self.lock(&mut held);
+                panic!("nvme: the adaptive poller broke an invariant: {e}");
+            }
             seen = match act {
                 Action::Look | Action::Pass { .. } if self.stop.load(Ordering::Relaxed) => return,
                 Action::Look => Observation::Looked { changed: watch.as_ref().is_none_or(|w| w.changed()) },
