@@ -333,4 +333,58 @@ mod tests {
         f.seen(1000 * US, Seen::Polled);
         assert!(f.wake_at().is_some());
     }
+
+    #[test]
+    fn over_random_gaps_lateness_hits_and_misses_a_forecast_stays_within_its_bounds() {
+        use super::super::super::oracle::Rng;
+        for seed in 0..4 {
+            let mut r = Rng::new(seed);
+            let mut f = Forecast::default();
+            // The last GAPS gaps as measured (before a lateness is taken off), and
+            // the misses since the last hit.
+            let mut last = std::collections::VecDeque::new();
+            let (mut seen, mut misses, mut skip, mut made) = (0u32, 0u32, 0u32, 0u32);
+            let mut base = 1000 * US;
+            for step in 0..100_000u32 {
+                if r.chance(1) {
+                    base = US * r.range(10, 20_000) as u32;
+                }
+                match r.below(100) {
+                    0..=79 => {
+                        let spread = US * r.pick(&[0u32, 2, 20, 300]);
+                        let g = base + spread * r.below(2) as u32;
+                        f.seen(g, if r.chance(70) { Seen::Polled } else { Seen::Kicked });
+                        last.push_back(g);
+                        if last.len() > GAPS {
+                            last.pop_front();
+                        }
+                        seen += 1;
+                        skip = skip.saturating_sub(1);
+                    }
+                    80..=87 => {
+                        let most = if r.chance(90) { 60 } else { 2000 };
+                        f.woke(US * r.range(0, most) as u32)
+                    }
+                    88..=94 => {
+                        f.hit();
+                        misses = 0;
+                    }
+                    _ => {
+                        f.missed();
+                        skip = 1 << misses.min(6);
+                        misses += 1;
+                    }
+                }
+                let Some(at) = f.wake_at() else { continue };
+                made += 1;
+                let ctx = format!("seed {seed} step {step}: {f:?}");
+                assert!(seen as usize >= GAPS / 2 && skip == 0, "a forecast too early or while backing off: {ctx}");
+                assert!(at >= MIN_SLEEP, "{at:?}: {ctx}");
+                assert!(at <= *last.iter().max().unwrap(), "{at:?} after the longest gap: {ctx}");
+                let until = f.poll_until();
+                assert!(until >= at && until - at <= 2 * MAX_MARGIN, "poll {at:?}..{until:?}: {ctx}");
+            }
+            assert!(made > 1000, "seed {seed}: only {made} forecasts");
+        }
+    }
 }
