@@ -375,7 +375,7 @@ impl Target {
             match self.backend {
                 Backend::Null => ",backend=null".to_string(),
                 Backend::Ram => ",backend=ram".to_string(),
-                Backend::File => format!(",backend=file:{}", self.backing_file().display()),
+                Backend::File => format!(",backend=file:{},create=on", self.backing_file().display()),
             }
             .as_str(),
         );

@@ -214,6 +214,7 @@ fn a_vhost_user_frontend_is_served_while_50_idle_connections_are_held() {
             size: 1 << 20,
             notify: NotifyMode::Ioeventfd,
             queues: None,
+            create: false,
         },
         listen: Listen::Socket(path.clone()),
         once: true,
