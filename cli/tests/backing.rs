@@ -3,16 +3,12 @@
 //! with `--create` the file is laid out (written, no holes) before it is
 //! measured; an existing file is not changed by a read-only bench.
 
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
+use common::TempDir;
 
-fn scratch(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("iopath-backing-cli-{}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::process::{Command, Output};
 
 fn iopath(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_iopath")).args(args).output().unwrap()
@@ -31,7 +27,7 @@ fn bench_nvme(file: &Path, more: &[&str]) -> Output {
 
 #[test]
 fn a_missing_backend_file_is_refused_naming_it_and_the_option_that_makes_it() {
-    let d = scratch("missing");
+    let d = TempDir::new("backing-cli-missing");
     let p = d.join("none.img");
     let backend = format!("file:{}", p.display());
     for args in [vec!["bench", "nvme", "--backend", &backend], vec!["bench", "blk", "--backend", &backend]] {
@@ -41,12 +37,11 @@ fn a_missing_backend_file_is_refused_naming_it_and_the_option_that_makes_it() {
         assert!(stderr.contains(&p.display().to_string()) && stderr.contains("--create"), "{stderr}");
         assert!(!p.exists(), "{args:?} made {}", p.display());
     }
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn with_create_the_file_is_written_through_before_it_is_measured() {
-    let d = scratch("create");
+    let d = TempDir::new("backing-cli-create");
     let p = d.join("new.img");
     let out = bench_nvme(&p, &["--create"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -56,12 +51,11 @@ fn with_create_the_file_is_written_through_before_it_is_measured() {
     assert!(m.blocks() * 512 >= m.len(), "{} bytes allocated of {}: the bench read holes", m.blocks() * 512, m.len());
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["runs"][0]["iops"].as_f64().is_some_and(|x| x > 0.0), "{}", v["runs"]);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 #[test]
 fn a_read_only_bench_leaves_an_existing_file_as_it_was() {
-    let d = scratch("existing");
+    let d = TempDir::new("backing-cli-existing");
     let p = d.join("user.img");
     let data: Vec<u8> = (0..(8u32 << 20)).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
     std::fs::write(&p, &data).unwrap();
@@ -78,5 +72,4 @@ fn a_read_only_bench_leaves_an_existing_file_as_it_was() {
     let out = bench_nvme(&short, &[]);
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(std::fs::read(&short).unwrap(), b"the user's");
-    let _ = std::fs::remove_dir_all(&d);
 }

@@ -3,6 +3,9 @@
 #![allow(dead_code)]
 
 pub mod nvmeperf;
+mod tempdir;
+#[allow(unused_imports)] // not every test binary makes one
+pub use tempdir::TempDir;
 
 use iopath_protocols::attach::Programs;
 use std::path::PathBuf;
