@@ -185,7 +185,9 @@ fn rig_on(backend: BackendKind, notify: NotifyMode) -> Rig {
 
 /// A rig whose frontend believes in `queues` queues.
 fn rig_with_queues(backend: BackendKind, notify: NotifyMode, queues: u64) -> Rig {
-    let cfg = VirtioBlkConfig { backend, size: MEM as u64, notify, queues: None, create: false };
+    // A file disk is made (create=on) by the first rig on it.
+    let create = matches!(backend, BackendKind::File(_));
+    let cfg = VirtioBlkConfig { backend, size: MEM as u64, notify, queues: None, create };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let (a, b) = UnixStream::pair().unwrap();
     b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
