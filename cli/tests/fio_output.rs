@@ -41,10 +41,8 @@ for j in d["jobs"]:
 print("jobs read:", n)
 "#;
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("iopath-fio-output-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmp(name: &str) -> common::TempDir {
+    common::TempDir::new(&format!("fio-output-{name}"))
 }
 
 /// Python reads `file` as fio users' scripts do; the jobs it read.

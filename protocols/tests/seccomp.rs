@@ -39,7 +39,8 @@ static NVME: OnceLock<FileNvme> = OnceLock::new();
 
 fn file_nvme() -> FileNvme {
     let img = std::env::temp_dir().join(format!("iopath-seccomp-nvme-{}.img", std::process::id()));
-    let cfg: iopath_devices::DeviceConfig = format!("nvme,backend=file:{},size_mb=1", img.display()).parse().unwrap();
+    let cfg: iopath_devices::DeviceConfig =
+        format!("nvme,backend=file:{},create=on,size_mb=1", img.display()).parse().unwrap();
     let device = cfg.build().unwrap();
     let _ = std::fs::remove_file(&img);
     let ring_fd = std::fs::read_dir("/proc/self/fd")

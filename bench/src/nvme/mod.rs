@@ -498,8 +498,8 @@ pub fn is_fio_target(target: &str) -> bool {
 /// The disk size in bytes, for `bench nvme` and `bench blk` alike: a file
 /// backend's is the file's (or the block device's), in whole MiB (a device process gets it as
 /// size_mb), so that the guest, fio and QEMU all range over the same bytes;
-/// where the file is missing or < 1 MiB, `size_mb` or the default (the
-/// device makes the file that long). Null and ram: `size_mb` or the default.
+/// where the file is missing or < 1 MiB, `size_mb` or the default (what
+/// `--create` lays out; a file there that is shorter is refused). Null and ram: `size_mb` or the default.
 /// At most 1 TiB.
 pub fn namespace_size(backend: &BackendKind, size_mb: Option<u64>) -> u64 {
     let asked = size_mb.filter(|&m| m > 0).map_or(NvmeConfig::default().size, |m| m.min(1 << 20) << 20);

@@ -338,6 +338,9 @@ pub struct NvmeConfig {
     /// (`submit_batch=N`, fio's iodepth_batch_submit), or 0: all that a
     /// queue pass fetched at once (see `backend::FileBackend::submit_batch`).
     pub submit_batch: u16,
+    /// A file namespace: make a missing file, `size` bytes written through
+    /// (`create=on`; otherwise a missing file is an error, `crate::backing`).
+    pub create: bool,
     /// `serial=`, `nqn=`, `cntlid=`; what is unset is drawn per controller
     /// instance (`identity.rs`).
     pub id: identity::IdentityOptions,
@@ -360,6 +363,7 @@ impl Default for NvmeConfig {
             forecast: true,
             in_place: InPlace::Auto,
             submit_batch: 0,
+            create: false,
             id: identity::IdentityOptions::default(),
         }
     }
@@ -403,6 +407,9 @@ impl NvmeConfig {
         if self.submit_batch > MAX_SUBMIT_BATCH {
             return bad("submit_batch", format!("{} (0 ..= {MAX_SUBMIT_BATCH})", self.submit_batch));
         }
+        if self.create && !matches!(self.backend, BackendKind::File(_)) {
+            return bad("create", "create=on needs backend=file:PATH".into());
+        }
         if self.pollers > 1 && matches!(self.backend, BackendKind::File(_)) {
             return bad(
                 "pollers",
@@ -431,7 +438,8 @@ impl Nvme {
         cfg.validate()?;
         // One identity for the controller's life, its queue groups included.
         cfg.id = cfg.id.resolved();
-        let mut backend = if cfg.pollers > 1 { Backend::Null } else { Backend::open(&cfg.backend, cfg.size)? };
+        let mut backend =
+            if cfg.pollers > 1 { Backend::Null } else { crate::backing::open(&cfg.backend, cfg.size, cfg.create)? };
         if let Backend::File(f) = &mut backend {
             f.in_place = cfg.in_place;
             f.submit_batch = cfg.submit_batch as usize;

@@ -29,7 +29,7 @@
 
 use super::blk::{self, Blk};
 use super::transport::{DeviceConfigBytes, QueueEngine, Shared, State, Transport, VirtioPci};
-use crate::nvme::backend::{Backend, BackendKind};
+use crate::nvme::backend::BackendKind;
 use crate::{Counter, DeviceContext, Error, IoEventSpec, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -97,7 +97,7 @@ impl std::fmt::Display for NotifyMode {
     }
 }
 
-/// Options of `--device virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N]`.
+/// Options of `--device virtio-blk[,backend=null|ram|file:PATH][,create=on][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VirtioBlkConfig {
     pub backend: BackendKind,
@@ -109,11 +109,20 @@ pub struct VirtioBlkConfig {
     /// device process); iopath's vhost-user backend then has
     /// [`MAX_QUEUES`], since QEMU's vhost-user-blk-pci asks one per vCPU.
     pub queues: Option<u16>,
+    /// A file disk: make a missing file, `size` bytes written through
+    /// (`create=on`; otherwise a missing file is an error, `crate::backing`).
+    pub create: bool,
 }
 
 impl Default for VirtioBlkConfig {
     fn default() -> Self {
-        VirtioBlkConfig { backend: BackendKind::Ram, size: 64 << 20, notify: NotifyMode::Exit, queues: None }
+        VirtioBlkConfig {
+            backend: BackendKind::Ram,
+            size: 64 << 20,
+            notify: NotifyMode::Exit,
+            queues: None,
+            create: false,
+        }
     }
 }
 
@@ -172,7 +181,7 @@ impl VirtioPci<BlkEngine> {
             let reason = format!("{n} (1 ..= {MAX_QUEUES})");
             return Err(Error::Option { device: "virtio-blk", option: "queues".into(), reason });
         }
-        let backend = Backend::open(&cfg.backend, cfg.size)?;
+        let backend = crate::backing::open(&cfg.backend, cfg.size, cfg.create)?;
         let blk = Blk::new(backend, cfg.size, "iopath-virtio-blk");
         let st = Stats { queue_requests: vec![0; n as usize], ..Stats::default() };
         let e = BlkEngine { cfg, blk, st, polling: false, thread: None, kick: None };

@@ -390,27 +390,11 @@ pub fn path_bytes(p: &std::path::Path) -> u64 {
 }
 
 impl FileBackend {
-    /// Opens (or creates) `p` for a namespace of `bytes`: a regular file
-    /// shorter than that is extended; a block device must hold it already.
+    /// Opens `p` for a namespace of `bytes`: a regular file or block device
+    /// that is there and holds them (`crate::backing`; never made, extended
+    /// or truncated here).
     fn open(p: &std::path::Path, bytes: u64) -> Result<Self> {
-        use std::os::unix::fs::FileTypeExt;
-        let io_err = |e| Error::io(p.display().to_string(), e);
-        let f =
-            std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(p).map_err(io_err)?;
-        let have = backing_bytes(&f).map_err(io_err)?;
-        if have < bytes {
-            if f.metadata().map_err(io_err)?.file_type().is_block_device() {
-                return Err(Error::Option {
-                    device: "nvme",
-                    option: "backend".into(),
-                    reason: format!(
-                        "{}: the block device holds {have} bytes, the namespace needs {bytes}",
-                        p.display()
-                    ),
-                });
-            }
-            f.set_len(bytes).map_err(io_err)?;
-        }
+        let f = crate::backing::open_rw(p, bytes)?;
         use std::os::unix::fs::OpenOptionsExt;
         // O_NOATIME: every read of a block device (or of a file mounted
         // relatime) otherwise goes through the kernel's atime check, about
@@ -780,7 +764,7 @@ mod tests {
     fn ram_and_file_keep_data_null_keeps_none() {
         let path = std::env::temp_dir().join(format!("iopath-nvme-{}.img", std::process::id()));
         for kind in [BackendKind::Ram, BackendKind::File(path.clone()), BackendKind::Null] {
-            let mut b = Backend::open(&kind, 1 << 20).unwrap();
+            let mut b = crate::backing::open(&kind, 1 << 20, kind == BackendKind::File(path.clone())).unwrap();
             b.write(4096, b"abcd").unwrap();
             let mut r = [0u8; 4];
             b.read(4096, &mut r).unwrap();
@@ -828,6 +812,7 @@ mod tests {
     #[test]
     fn pushed_operations_go_to_the_kernel_once_they_add_up_to_submit_bytes() {
         let path = std::env::temp_dir().join(format!("iopath-nvme-batch-{}.img", std::process::id()));
+        crate::backing::prepare(&BackendKind::File(path.clone()), 1 << 20, true).unwrap();
         let mut f = FileBackend::open(&path, 1 << 20).unwrap();
         if !f.is_async() {
             eprintln!("no O_DIRECT io_uring here: nothing to check");
@@ -854,6 +839,7 @@ mod tests {
     #[test]
     fn with_a_submit_batch_pushed_reads_go_to_the_kernel_every_that_many() {
         let path = std::env::temp_dir().join(format!("iopath-nvme-sbatch-{}.img", std::process::id()));
+        crate::backing::prepare(&BackendKind::File(path.clone()), 1 << 20, true).unwrap();
         let mut f = FileBackend::open(&path, 1 << 20).unwrap();
         if !f.is_async() {
             eprintln!("no O_DIRECT io_uring here: nothing to check");
@@ -891,6 +877,7 @@ mod tests {
     fn the_ring_refuses_every_operation_but_the_namespaces_own() {
         use io_uring::{opcode, types};
         let path = std::env::temp_dir().join(format!("iopath-nvme-restrict-{}.img", std::process::id()));
+        crate::backing::prepare(&BackendKind::File(path.clone()), 1 << 20, true).unwrap();
         let mut f = FileBackend::open(&path, 1 << 20).unwrap();
         let _ = std::fs::remove_file(&path);
         if !f.is_async() {
@@ -925,6 +912,7 @@ mod tests {
     #[test]
     fn operations_in_flight_on_a_file_complete_with_their_data_through_fixed_buffers() {
         let path = std::env::temp_dir().join(format!("iopath-nvme-uring-{}.img", std::process::id()));
+        crate::backing::prepare(&BackendKind::File(path.clone()), 1 << 20, true).unwrap();
         let mut f = FileBackend::open(&path, 1 << 20).unwrap();
         if !f.is_async() {
             eprintln!("no O_DIRECT io_uring here: nothing to check");

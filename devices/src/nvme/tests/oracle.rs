@@ -27,6 +27,7 @@ fn on(mut c: NvmeConfig, backend: u64, file: &std::path::Path) -> NvmeConfig {
         1 => BackendKind::File(file.to_path_buf()),
         _ => BackendKind::Null,
     };
+    c.create = backend == 1;
     c
 }
 
