@@ -17,9 +17,9 @@ need=()
 command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 # qemu-storage-daemon: the independent vhost-user-blk backend the VMM's frontend is tested against
 command -v qemu-storage-daemon >/dev/null || need+=(qemu-system-common)
-command -v fio >/dev/null || need+=(fio)
-# fio's own JSON reader (fio_jsonplus_clat2csv, a Python script in the fio package) checks --output-format
-command -v fio_jsonplus_clat2csv >/dev/null || need+=(fio)
+# fio, and its own JSON reader (fio_jsonplus_clat2csv, a Python script in the fio package) that
+# checks --output-format
+command -v fio >/dev/null && command -v fio_jsonplus_clat2csv >/dev/null || need+=(fio)
 command -v python3 >/dev/null || need+=(python3)
 # rsvg-convert: the report test renders every plot to PNG with an independent SVG renderer
 command -v rsvg-convert >/dev/null || need+=(librsvg2-bin)

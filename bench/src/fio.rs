@@ -18,6 +18,7 @@
 //! 9-11 k IOPS against 15-18 k from huge pages), and the row would then
 //! measure fio's allocator, not the file.
 
+use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -85,6 +86,74 @@ pub struct FioResult {
     /// (bin value in ns, count), from `--output-format=json+`'s `lat_ns.bins`;
     /// empty when fio gave none or they do not add up to `ios`.
     pub lat_bins: Vec<(u64, u64)>,
+    /// Reads and writes apart (fio's `read` and `write`, all jobs).
+    pub read: FioDir,
+    pub write: FioDir,
+}
+
+/// One direction's figures, its `read` or `write` objects of every job
+/// added (latency mean and percentiles from the job with the most I/Os).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FioDir {
+    pub ios: u64,
+    pub iops: f64,
+    /// Decimal MB/s.
+    pub mb_s: f64,
+    pub lat_avg_ns: f64,
+    pub lat_min_ns: Option<f64>,
+    pub lat_max_ns: Option<f64>,
+    pub p50_ns: f64,
+    pub p90_ns: f64,
+    pub p99_ns: f64,
+    pub p999_ns: f64,
+    /// json+ `lat_ns.bins` (ns, count); empty unless they add up to `ios`.
+    pub lat_bins: Vec<(u64, u64)>,
+}
+
+/// `f` of both where both are known, else the one that is.
+fn combine(a: Option<f64>, b: Option<f64>, f: fn(f64, f64) -> f64) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(f(a, b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Adds `d` (one job's `read` or `write` object) into `acc`; `most`: the
+/// I/Os of the job whose latencies `acc` holds so far.
+fn add_dir(
+    acc: &mut FioDir,
+    most: &mut u64,
+    bins: &mut BTreeMap<u64, u64>,
+    d: &serde_json::Value,
+) -> anyhow::Result<()> {
+    let num = |x: &serde_json::Value| x.as_f64().ok_or_else(|| anyhow::anyhow!("fio's JSON: not a number: {x}"));
+    let ios = d["total_ios"].as_u64().unwrap_or(0);
+    if ios == 0 {
+        return Ok(());
+    }
+    acc.ios += ios;
+    acc.iops += num(&d["iops"])?;
+    acc.mb_s += num(&d["bw_bytes"])? / 1e6;
+    for (k, c) in d["lat_ns"]["bins"].as_object().into_iter().flatten() {
+        let (Ok(v), Some(c)) = (k.parse::<u64>(), c.as_u64()) else {
+            anyhow::bail!("fio's JSON: a latency bin {k:?}: {c}");
+        };
+        anyhow::ensure!(bins.len() < MAX_BINS || bins.contains_key(&v), "fio's JSON: over {MAX_BINS} bins");
+        let e = bins.entry(v).or_insert(0);
+        *e = e.saturating_add(c);
+    }
+    if let (Some(lo), Some(hi)) = (d["lat_ns"]["min"].as_f64(), d["lat_ns"]["max"].as_f64()) {
+        acc.lat_min_ns = combine(acc.lat_min_ns, Some(lo), f64::min);
+        acc.lat_max_ns = combine(acc.lat_max_ns, Some(hi), f64::max);
+    }
+    if ios > *most {
+        *most = ios;
+        let lat = &d["lat_ns"];
+        let p = |k: &str| num(&lat["percentile"][k]);
+        (acc.lat_avg_ns, acc.p50_ns, acc.p90_ns, acc.p99_ns, acc.p999_ns) =
+            (num(&lat["mean"])?, p("50.000000")?, p("90.000000")?, p("99.000000")?, p("99.900000")?);
+    }
+    Ok(())
 }
 
 /// Most latency bins taken from fio's JSON (fio has about 1900 per direction and job).
@@ -188,75 +257,61 @@ pub fn run(fio: &Path, j: &FioJob, timeout: Duration) -> anyhow::Result<FioResul
 }
 
 /// Reads fio's `--output-format=json` (anything fio prints before the JSON
-/// object, such as warnings, is skipped): the group's read and write
-/// figures added, latencies from the direction with more I/Os.
+/// object, such as warnings, is skipped): each direction's figures, and
+/// the two added: the mean latency over both, percentiles from the
+/// direction with more I/Os.
 pub fn parse(out: &str) -> anyhow::Result<FioResult> {
     use serde_json::Value;
     let start = out.find('{').ok_or_else(|| anyhow::anyhow!("no JSON in fio's output: {:?}", trunc(out)))?;
     let v: Value = serde_json::from_str(&out[start..]).map_err(|e| anyhow::anyhow!("fio's JSON: {e}"))?;
     let jobs =
         v["jobs"].as_array().filter(|j| !j.is_empty()).ok_or_else(|| anyhow::anyhow!("fio's JSON has no jobs"))?;
-    let num = |x: &Value| x.as_f64().ok_or_else(|| anyhow::anyhow!("fio's JSON: not a number: {x}"));
-    let mut r = FioResult {
-        ios: 0,
-        iops: 0.0,
-        mb_s: 0.0,
-        lat_avg_ns: 0.0,
-        lat_min_ns: None,
-        lat_max_ns: None,
-        p50_ns: 0.0,
-        p90_ns: 0.0,
-        p99_ns: 0.0,
-        p999_ns: 0.0,
-        errors: 0,
-        cpu_ns_per_io: None,
-        lat_bins: Vec::new(),
-    };
-    let mut bins: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
-    let mut most = 0;
-    let mut cpu_ns = Some(0.0);
+    let (mut dirs, mut most) = ([FioDir::default(), FioDir::default()], [0u64; 2]);
+    let mut bins = [BTreeMap::new(), BTreeMap::new()];
+    let (mut errors, mut cpu_ns) = (0, Some(0.0));
     for job in jobs {
-        r.errors += (job["error"].as_u64().unwrap_or(1) != 0) as u64;
+        errors += (job["error"].as_u64().unwrap_or(1) != 0) as u64;
         let pct = job["usr_cpu"].as_f64().zip(job["sys_cpu"].as_f64()).map(|(u, s)| u + s);
         cpu_ns = cpu_ns.zip(pct.zip(job["job_runtime"].as_f64())).map(|(n, (p, ms))| n + p / 100.0 * ms * 1e6);
-        for dir in ["read", "write"] {
-            let d = &job[dir];
-            let ios = d["total_ios"].as_u64().unwrap_or(0);
-            if ios == 0 {
-                continue;
-            }
-            r.ios += ios;
-            r.iops += num(&d["iops"])?;
-            for (k, c) in d["lat_ns"]["bins"].as_object().into_iter().flatten() {
-                let (Ok(v), Some(c)) = (k.parse::<u64>(), c.as_u64()) else {
-                    anyhow::bail!("fio's JSON: a latency bin {k:?}: {c}");
-                };
-                anyhow::ensure!(bins.len() < MAX_BINS || bins.contains_key(&v), "fio's JSON: over {MAX_BINS} bins");
-                let e = bins.entry(v).or_insert(0);
-                *e = e.saturating_add(c);
-            }
-            r.mb_s += num(&d["bw_bytes"])? / 1e6;
-            if let (Some(lo), Some(hi)) = (d["lat_ns"]["min"].as_f64(), d["lat_ns"]["max"].as_f64()) {
-                r.lat_min_ns = Some(r.lat_min_ns.map_or(lo, |m| m.min(lo)));
-                r.lat_max_ns = Some(r.lat_max_ns.map_or(hi, |m| m.max(hi)));
-            }
-            if ios > most {
-                most = ios;
-                let lat = &d["lat_ns"];
-                let p = |k: &str| num(&lat["percentile"][k]);
-                (r.lat_avg_ns, r.p50_ns, r.p90_ns, r.p99_ns, r.p999_ns) =
-                    (num(&lat["mean"])?, p("50.000000")?, p("90.000000")?, p("99.000000")?, p("99.900000")?);
-            }
+        for (k, dir) in ["read", "write"].into_iter().enumerate() {
+            add_dir(&mut dirs[k], &mut most[k], &mut bins[k], &job[dir])?;
         }
     }
-    if r.ios == 0 {
+    let [mut read, mut write] = dirs;
+    let ios = read.ios + write.ios;
+    if ios == 0 {
         anyhow::bail!("fio did no I/O");
     }
-    r.cpu_ns_per_io = cpu_ns.map(|n| n / r.ios as f64);
-    if bins.values().fold(0u64, |a, &c| a.saturating_add(c)) == r.ios {
-        r.lat_bins = bins.into_iter().collect();
+    // Both directions' bins together, and each direction's, where they hold its I/Os.
+    let mut all: BTreeMap<u64, u64> = BTreeMap::new();
+    for (&v, &c) in bins.iter().flatten() {
+        let e = all.entry(v).or_insert(0);
+        *e = e.saturating_add(c);
     }
-    Ok(r)
+    let holds = |b: &BTreeMap<u64, u64>, n: u64| b.values().fold(0u64, |a, &c| a.saturating_add(c)) == n;
+    for (d, b) in [(&mut read, &bins[0]), (&mut write, &bins[1])] {
+        if holds(b, d.ios) {
+            d.lat_bins = b.iter().map(|(&v, &c)| (v, c)).collect();
+        }
+    }
+    let busier = if write.ios > read.ios { &write } else { &read };
+    Ok(FioResult {
+        ios,
+        iops: read.iops + write.iops,
+        mb_s: read.mb_s + write.mb_s,
+        lat_avg_ns: (read.lat_avg_ns * read.ios as f64 + write.lat_avg_ns * write.ios as f64) / ios as f64,
+        lat_min_ns: combine(read.lat_min_ns, write.lat_min_ns, f64::min),
+        lat_max_ns: combine(read.lat_max_ns, write.lat_max_ns, f64::max),
+        p50_ns: busier.p50_ns,
+        p90_ns: busier.p90_ns,
+        p99_ns: busier.p99_ns,
+        p999_ns: busier.p999_ns,
+        errors,
+        cpu_ns_per_io: cpu_ns.map(|n| n / ios as f64),
+        lat_bins: if holds(&all, ios) { all.into_iter().collect() } else { Vec::new() },
+        read,
+        write,
+    })
 }
 
 fn trunc(s: &str) -> &str {
@@ -291,7 +346,10 @@ mod tests {
               "lat_ns":{"mean":9.0,"percentile":{"50.000000":5,"90.000000":6,"99.000000":7,"99.900000":8}}}},
             {"error":5,"read":{"total_ios":0},"write":{"total_ios":0}}]}"#;
         let r = parse(two).unwrap();
-        assert_eq!((r.ios, r.iops, r.mb_s, r.p99_ns, r.lat_avg_ns, r.errors), (40, 20.0, 8.0, 7.0, 9.0, 1));
+        assert_eq!((r.ios, r.iops, r.mb_s, r.p99_ns, r.lat_avg_ns, r.errors), (40, 20.0, 8.0, 7.0, 8.5, 1));
+        // Each direction on its own: a randrw row's reads and writes.
+        assert_eq!((r.read.ios, r.read.iops, r.read.mb_s, r.read.p99_ns, r.read.lat_avg_ns), (10, 5.0, 2.0, 3.0, 7.0));
+        assert_eq!((r.write.ios, r.write.iops, r.write.mb_s, r.write.p50_ns), (30, 15.0, 6.0, 5.0));
         assert_eq!(r.cpu_ns_per_io, None, "no CPU figures in that output");
         assert!(r.lat_bins.is_empty(), "no bins in that output");
     }
@@ -305,7 +363,9 @@ mod tests {
              "write":{"total_ios":1,"iops":1.0,"bw_bytes":1,
               "lat_ns":{"mean":9.0,"percentile":{"50.000000":5,"90.000000":6,"99.000000":7,"99.900000":8},
                         "bins":{"1000":1}}}}]}"#;
-        assert_eq!(parse(j).unwrap().lat_bins, vec![(1000, 3), (2000, 1)]);
+        let r = parse(j).unwrap();
+        assert_eq!(r.lat_bins, vec![(1000, 3), (2000, 1)]);
+        assert_eq!((r.read.lat_bins, r.write.lat_bins), (vec![(1000, 2), (2000, 1)], vec![(1000, 1)]));
         // Bins that do not add up to the I/Os are not a histogram of them.
         assert!(parse(&j.replace(r#""2000":1"#, r#""2000":7"#)).unwrap().lat_bins.is_empty());
         // A malformed bin is an error.

@@ -2,8 +2,8 @@
 //! and `bench blk` one job per target and job, their rounds together;
 //! `bench spdk` one per perf run.
 
-use crate::fioout::{self, bs_text, Direction, LatFigures, Measured, Output};
-use crate::nvme::LatHist;
+use crate::fioout::{self, bs_text, Figures, LatFigures, Measured, Output};
+use crate::nvme::{DirRun, LatHist};
 use std::collections::BTreeMap;
 
 /// Runs grouped by (job index, target): jobs in index order, targets in
@@ -47,6 +47,31 @@ fn measured(parts: &[Part], bs: u64, tsc_khz: u64, is_clat: bool) -> Measured {
         f
     });
     Measured { ios, bytes: ios.saturating_mul(bs), secs, lat }
+}
+
+/// A direction's part of a run (its window is the run's: `secs`).
+fn dir_part(d: &DirRun, secs: f64) -> Part<'_> {
+    // A direction without I/O has no mean (NaN), and weighs nothing.
+    let mean = if d.ios > 0 { d.lat_avg_ns } else { 0.0 };
+    Part { ios: d.ios, secs, lat: d.lat.as_ref(), mean, min: d.lat_min_ns, max: d.lat_max_ns }
+}
+
+/// A group's reads and writes apart, where every run has both.
+fn split_measured(
+    runs: &[&crate::nvme::NvmeRun],
+    parts: &[Part],
+    bs: u64,
+    tsc_khz: u64,
+    is_clat: bool,
+) -> Option<(Measured, Measured)> {
+    let dirs: Option<Vec<(&DirRun, &DirRun)>> = runs.iter().map(|r| r.read.as_ref().zip(r.write.as_ref())).collect();
+    let dirs = dirs.filter(|d| !d.is_empty())?;
+    let of = |read: bool| {
+        let p: Vec<Part> =
+            dirs.iter().zip(parts).map(|(d, p)| dir_part(if read { d.0 } else { d.1 }, p.secs)).collect();
+        measured(&p, bs, tsc_khz, is_clat)
+    };
+    Some((of(true), of(false)))
 }
 
 fn opts(pairs: &[(&str, String)]) -> BTreeMap<String, String> {
@@ -106,9 +131,10 @@ impl crate::nvme::NvmeResult {
                     options.insert("direct".into(), "1".into());
                 }
                 let m = measured(&parts, j.bs, self.tsc_khz, !fio);
+                let split = split_measured(&runs, &parts, j.bs, self.tsc_khz, !fio);
+                let figures = Figures::of(&j.rw, j.verify, &m, split.as_ref().map(|(r, w)| (r, w)));
                 let errors = runs.iter().map(|r| r.errors).sum();
-                let mut job =
-                    fioout::job(&target, ji as u32, options, Direction::of(&j.rw, j.verify), &m, errors, plus);
+                let mut job = fioout::job(&target, ji as u32, options, figures, errors, plus);
                 job.rounds = Some(runs.len() as u32);
                 job
             })
@@ -145,7 +171,8 @@ impl crate::blk::BlkResult {
                 ]);
                 let m = measured(&parts, j.bs, self.tsc_khz, true);
                 let errors = runs.iter().map(|r| r.errors).sum();
-                let mut job = fioout::job(&target, ji as u32, options, Direction::of(&j.rw, false), &m, errors, plus);
+                let mut job =
+                    fioout::job(&target, ji as u32, options, Figures::of(&j.rw, false, &m, None), errors, plus);
                 job.rounds = Some(runs.len() as u32);
                 job
             })
@@ -188,8 +215,8 @@ impl crate::spdk::SpdkResult {
                     ("size", (o.size_mb << 20).to_string()),
                     ("ioengine", "spdk_nvme_perf".into()),
                 ]);
-                let mut job =
-                    fioout::job(r.target.name(), r.job as u32, options, Direction::of(&j.rw, false), &m, 0, false);
+                let figures = Figures::of(&j.rw, false, &m, None);
+                let mut job = fioout::job(r.target.name(), r.job as u32, options, figures, 0, false);
                 job.round = Some(r.round);
                 job
             })
@@ -201,6 +228,29 @@ impl crate::spdk::SpdkResult {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_randrw_groups_reads_and_writes_add_their_rounds_apart() {
+        let tsc = 1_000_000;
+        let run = |reads: u64, writes: u64| {
+            let mut r = crate::nvme::NvmeRun::new("iopath-shm", "", 0, 0, reads + writes, 1_000_000);
+            let d = |n, b| DirRun::new(n, 4096, 1.0, Some(LatHist { counts: [(b, n)].into() }), tsc);
+            (r.read, r.write) = (Some(d(reads, 105)), Some(d(writes, 180)));
+            r
+        };
+        let runs = [run(70, 30), run(68, 32)];
+        let rs: Vec<&crate::nvme::NvmeRun> = runs.iter().collect();
+        let part =
+            |r: &crate::nvme::NvmeRun| Part { ios: r.ios, secs: 1.0, lat: None, mean: 0.0, min: None, max: None };
+        let parts: Vec<Part> = runs.iter().map(part).collect();
+        let (r, w) = split_measured(&rs, &parts, 4096, tsc, true).unwrap();
+        assert_eq!((r.ios, r.secs, w.ios, w.bytes), (138, 2.0, 62, 62 * 4096));
+        assert_eq!(r.lat.unwrap().bins.iter().map(|b| b.1).sum::<u64>(), 138);
+        // A run without its directions: the group is not counted apart.
+        let mut plain = run(1, 1);
+        plain.write = None;
+        assert!(split_measured(&[rs[0], &plain], &parts, 4096, tsc, true).is_none());
+    }
 
     #[test]
     fn groups_keep_job_order_then_first_appearance() {

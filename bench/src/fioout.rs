@@ -13,11 +13,12 @@
 //! it writes it, and again when it sees the completion, so there is no
 //! separate submission latency (`slat_ns` is fio's empty one, N 0) and
 //! `clat_ns` and `lat_ns` are that one measurement; a direction the job did
-//! not run is fio's empty one (zeros, no percentiles); a mixed job whose
-//! I/Os the guest does not count per direction (randrw, verify) is reported
-//! as fio's `unified_rw_reporting=mixed` does, in one `mixed` object. A
-//! stddev is the histogram's (bucket midpoints; buckets up to 1/16 of their
-//! value wide), fio's own is of every latency.
+//! not run is fio's empty one (zeros, no percentiles). A randrw job fills
+//! `read` and `write` apart, as fio does by default (the guest counts and
+//! times them apart); a verify job, whose writes and reads back are phases
+//! of one set, is reported as fio's `unified_rw_reporting=mixed` does, in
+//! one `mixed` object. A stddev is the histogram's (bucket midpoints;
+//! buckets up to 1/16 of their value wide), fio's own is of every latency.
 //!
 //! The header names iopath (`"iopath version"`), never fio: these are not
 //! fio's measurements (the host's own fio rows of `bench nvme` excepted,
@@ -272,49 +273,62 @@ impl Measured {
     }
 }
 
-/// Which of fio's objects a job's `rw` fills.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Direction {
-    Read,
-    Write,
-    /// Reads and writes not counted apart (randrw, verify): fio's `mixed`.
-    Mixed,
+/// What a job measured, by the fio objects it fills.
+#[derive(Clone, Copy, Debug)]
+pub enum Figures<'a> {
+    Read(&'a Measured),
+    Write(&'a Measured),
+    /// Reads and writes counted apart (randrw): fio's `read` and `write`.
+    Split {
+        read: &'a Measured,
+        write: &'a Measured,
+    },
+    /// Reads and writes not counted apart (verify's write and read-back
+    /// phases): fio's `mixed`.
+    Mixed(&'a Measured),
 }
 
-impl Direction {
-    pub fn of(rw: &str, verify: bool) -> Direction {
-        match rw {
-            _ if verify => Direction::Mixed,
-            "read" | "randread" => Direction::Read,
-            "write" | "randwrite" => Direction::Write,
-            _ => Direction::Mixed,
+impl<'a> Figures<'a> {
+    /// The objects a job of `rw` fills: `all` (its every I/O) in `read` or
+    /// `write`; a randrw job's reads and writes apart where `split` has
+    /// them, else (and a verify job) `all` as `mixed`.
+    pub fn of(rw: &str, verify: bool, all: &'a Measured, split: Option<(&'a Measured, &'a Measured)>) -> Figures<'a> {
+        match (rw, split) {
+            _ if verify => Figures::Mixed(all),
+            ("read" | "randread", _) => Figures::Read(all),
+            ("write" | "randwrite", _) => Figures::Write(all),
+            (_, Some((read, write))) => Figures::Split { read, write },
+            _ => Figures::Mixed(all),
         }
     }
 }
 
-/// A job of fio's output: `m`'s figures in `dir`'s object, the others fio's
+/// A job of fio's output: the figures in their objects, the others fio's
 /// empty ones (none beside `mixed`, as fio's `unified_rw_reporting=mixed`).
+/// A randrw direction without I/O (rwmixread 0 or 100) is fio's empty one.
 pub fn job(
     jobname: &str,
     groupid: u32,
     mut options: BTreeMap<String, String>,
-    dir: Direction,
-    m: &Measured,
+    figures: Figures,
     errors: u64,
     plus: bool,
 ) -> Job {
-    let d = m.dir(plus);
-    let job_runtime = d.runtime;
-    let mut j =
-        Job { jobname: jobname.into(), groupid, error: if errors > 0 { 5 } else { 0 }, job_runtime, ..Job::default() };
-    match dir {
-        Direction::Mixed => {
+    let mut j = Job { jobname: jobname.into(), groupid, error: if errors > 0 { 5 } else { 0 }, ..Job::default() };
+    let (e, dir) = (Dir::empty, |m: &Measured| m.dir(plus));
+    match figures {
+        Figures::Mixed(m) => {
             options.insert("unified_rw_reporting".into(), "mixed".into());
-            j.mixed = Some(d);
+            j.mixed = Some(dir(m));
         }
-        Direction::Read => (j.read, j.write, j.trim) = (Some(d), Some(Dir::empty()), Some(Dir::empty())),
-        Direction::Write => (j.read, j.write, j.trim) = (Some(Dir::empty()), Some(d), Some(Dir::empty())),
+        Figures::Read(m) => (j.read, j.write, j.trim) = (Some(dir(m)), Some(e()), Some(e())),
+        Figures::Write(m) => (j.read, j.write, j.trim) = (Some(e()), Some(dir(m)), Some(e())),
+        Figures::Split { read, write } => {
+            let some = |m: &Measured| if m.ios > 0 { dir(m) } else { e() };
+            (j.read, j.write, j.trim) = (Some(some(read)), Some(some(write)), Some(e()));
+        }
     }
+    j.job_runtime = [&j.read, &j.write, &j.mixed].into_iter().flatten().map(|d| d.runtime).max().unwrap_or(0);
     j.job_options = options;
     j
 }
@@ -384,7 +398,7 @@ mod tests {
 
     #[test]
     fn a_read_job_fills_read_and_leaves_write_and_trim_empty_as_fio() {
-        let j = job("iopath-shm", 0, BTreeMap::new(), Direction::Read, &measured(), 0, false);
+        let j = job("iopath-shm", 0, BTreeMap::new(), Figures::Read(&measured()), 0, false);
         let v = serde_json::to_value(&j).unwrap();
         let r = &v["read"];
         assert_eq!((r["total_ios"].as_u64(), r["iops"].as_f64()), (Some(1000), Some(2000.0)));
@@ -416,23 +430,62 @@ mod tests {
 
     #[test]
     fn json_plus_bins_add_up_to_the_ios_and_mixed_jobs_say_so() {
-        let j = job("t", 1, BTreeMap::new(), Direction::Write, &measured(), 3, true);
+        let j = job("t", 1, BTreeMap::new(), Figures::Write(&measured()), 3, true);
         let bins = j.write.as_ref().unwrap().clat_ns.bins.as_ref().unwrap();
         assert_eq!(bins.0.iter().map(|b| b.1).sum::<u64>(), 1000);
         let keys: Vec<u64> = bins.0.iter().map(|b| b.0.parse().unwrap()).collect();
         assert!(keys.windows(2).all(|w| w[0] < w[1]), "{keys:?}");
         assert_eq!(j.error, 5);
-        let m = job("t", 0, BTreeMap::new(), Direction::Mixed, &measured(), 0, false);
-        assert!(m.read.is_none() && m.write.is_none() && m.mixed.is_some());
+        let all = measured();
+        let m = job("t", 0, BTreeMap::new(), Figures::of("randwrite", true, &all, None), 0, false);
+        assert!(m.read.is_none() && m.write.is_none() && m.mixed.is_some(), "verify: one set");
         assert_eq!(m.job_options["unified_rw_reporting"], "mixed");
-        assert_eq!(Direction::of("randrw", false), Direction::Mixed);
-        assert_eq!(Direction::of("randread", true), Direction::Mixed);
-        assert_eq!(Direction::of("write", false), Direction::Write);
+        assert!(matches!(Figures::of("randrw", false, &all, None), Figures::Mixed(_)), "not counted apart");
+        assert!(matches!(Figures::of("randrw", false, &all, Some((&all, &all))), Figures::Split { .. }));
+        assert!(matches!(Figures::of("randread", false, &all, Some((&all, &all))), Figures::Read(_)));
+        assert!(matches!(Figures::of("write", false, &all, None), Figures::Write(_)));
+    }
+
+    /// `n` I/Os of 4 KiB in 0.5 s, at about `ns` each.
+    fn measured_at(n: u64, ns: u64) -> Measured {
+        let h = LatHist::from_ns_points(&[(ns, n - n / 10), (ns * 4, n / 10)], 1_000_000);
+        let lat = lat_from_hist(&h, 1_000_000, ns as f64 * 0.97, ns as f64 * 4.1, ns as f64 * 1.3);
+        Measured { ios: n, bytes: 4096 * n, secs: 0.5, lat: Some(lat) }
+    }
+
+    #[test]
+    fn a_randrw_job_fills_read_and_write_apart_as_fio_does_by_default() {
+        // 700 reads near 2 us, 300 writes near 9 us, in the same 0.5 s window.
+        let (r, w) = (measured_at(700, 2000), measured_at(300, 9000));
+        let mut opts = BTreeMap::new();
+        opts.insert("rwmixread".to_string(), "70".to_string());
+        let j = job("iopath-shm", 0, opts, Figures::of("randrw", false, &measured(), Some((&r, &w))), 0, true);
+        assert!(j.mixed.is_none() && !j.job_options.contains_key("unified_rw_reporting"));
+        let v = serde_json::to_value(&j).unwrap();
+        for (d, n, ns) in [("read", 700u64, 2000u64), ("write", 300, 9000)] {
+            let x = &v[d];
+            assert_eq!((x["total_ios"].as_u64(), x["iops"].as_f64()), (Some(n), Some(n as f64 * 2.0)), "{d}");
+            assert_eq!((x["io_bytes"].as_u64(), x["bw_bytes"].as_u64()), (Some(4096 * n), Some(8192 * n)), "{d}");
+            assert_eq!((x["runtime"].as_u64(), x["lat_ns"]["N"].as_u64()), (Some(500), Some(n)), "{d}");
+            let p: Vec<u64> =
+                PERCENTILES.iter().map(|&q| x["clat_ns"]["percentile"][percentile_key(q)].as_u64().unwrap()).collect();
+            assert!(p.windows(2).all(|w| w[0] <= w[1]), "{d}: {p:?}");
+            assert!(p[6] >= ns * 9 / 10 && p[6] <= ns * 11 / 10, "{d}: p50 {} of {ns}", p[6]);
+            let bins = x["clat_ns"]["bins"].as_object().unwrap();
+            assert_eq!(bins.values().map(|c| c.as_u64().unwrap()).sum::<u64>(), n, "{d}");
+            assert_eq!(x["lat_ns"], x["clat_ns"], "{d}: one measurement");
+        }
+        assert_eq!((v["trim"]["total_ios"].as_u64(), v["job_runtime"].as_u64()), (Some(0), Some(500)));
+        // rwmixread 100: no writes, and the write object is fio's empty one.
+        let none = Measured { ios: 0, bytes: 0, secs: 0.5, lat: None };
+        let j = job("t", 0, BTreeMap::new(), Figures::Split { read: &r, write: &none }, 0, true);
+        assert_eq!(j.write, Some(Dir::empty()));
+        assert_eq!(j.read.as_ref().map(|d| d.total_ios), Some(700));
     }
 
     #[test]
     fn it_reads_back_what_it_writes_and_reads_fios_own_output() {
-        let o = Output::new(vec![job("a", 0, BTreeMap::new(), Direction::Read, &measured(), 0, true)], false);
+        let o = Output::new(vec![job("a", 0, BTreeMap::new(), Figures::Read(&measured()), 0, true)], false);
         let back: Output = serde_json::from_str(&to_text(&o)).unwrap();
         assert_eq!(back, o);
         // fio 3.33's own JSON (trimmed; a warning line before it): the same types read it.

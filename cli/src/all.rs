@@ -159,54 +159,25 @@ pub fn run(a: &AllArgs) -> anyhow::Result<i32> {
     };
     let mut failed = false;
     // Each bench runs even if one before it failed; its error goes into the report.
-    say("1/4 exits");
-    match run_exits(&exits) {
-        Ok(r) => {
-            failed |= !r.errors.is_empty();
-            input.tables.push(("exits".into(), r.table()));
-            input.docs.push(r.json());
+    let mut take = |name: &str, r: anyhow::Result<(bool, String, serde_json::Value)>| match r {
+        Ok((errors, table, json)) => {
+            failed |= errors;
+            input.tables.push((name.into(), table));
+            input.docs.push(json);
         }
         Err(e) => {
             failed = true;
-            input.docs.push(serde_json::json!({"benchmark": "exits", "errors": [crate::error_text(&e)]}));
+            input.docs.push(serde_json::json!({"benchmark": name, "errors": [crate::error_text(&e)]}));
         }
-    }
+    };
+    say("1/4 exits (each bench shows its own runs and ETA)");
+    take("exits", run_exits(&exits).map(|r| (!r.errors.is_empty(), r.table(), r.json())));
     say("2/4 floor");
-    match run_floor(&floor) {
-        Ok(r) => {
-            failed |= !r.errors.is_empty();
-            input.tables.push(("floor".into(), r.table()));
-            input.docs.push(r.json());
-        }
-        Err(e) => {
-            failed = true;
-            input.docs.push(serde_json::json!({"benchmark": "floor", "errors": [crate::error_text(&e)]}));
-        }
-    }
+    take("floor", run_floor(&floor).map(|r| (!r.errors.is_empty(), r.table(), r.json())));
     say("3/4 nvme");
-    match run_nvme(&nvme) {
-        Ok(r) => {
-            failed |= !r.errors.is_empty();
-            input.tables.push(("nvme".into(), r.table()));
-            input.docs.push(r.json());
-        }
-        Err(e) => {
-            failed = true;
-            input.docs.push(serde_json::json!({"benchmark": "nvme", "errors": [crate::error_text(&e)]}));
-        }
-    }
+    take("nvme", run_nvme(&nvme).map(|r| (!r.errors.is_empty(), r.table(), r.json())));
     say("4/4 blk");
-    match run_blk(&blk) {
-        Ok(r) => {
-            failed |= !r.errors.is_empty();
-            input.tables.push(("blk".into(), r.table()));
-            input.docs.push(r.json());
-        }
-        Err(e) => {
-            failed = true;
-            input.docs.push(serde_json::json!({"benchmark": "blk", "errors": [crate::error_text(&e)]}));
-        }
-    }
+    take("blk", run_blk(&blk).map(|r| (!r.errors.is_empty(), r.table(), r.json())));
     input.meta.wall_s = start.elapsed().as_secs_f64();
     let r = report::render(&input);
     let files = report::write(&a.out, &r).with_context(|| format!("writing the report to {}", a.out.display()))?;

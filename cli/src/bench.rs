@@ -240,8 +240,9 @@ pub struct NvmeArgs {
     /// I/O queue pairs, each with its own submitter slot set (1..=16).
     #[arg(long, alias = "queues", value_parser = clap::value_parser!(u32).range(1..=16))]
     pub numjobs: Option<u32>,
-    /// randrw: the percentage of reads (0..=100; default 50, as fio).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=100))]
+    /// randrw: the percentage of reads (0..=100; default 50, as fio); the
+    /// guest counts and times reads and writes apart.
+    #[arg(long, visible_alias = "rwmix-read", value_parser = clap::value_parser!(u32).range(0..=100))]
     pub rwmixread: Option<u32>,
     /// fio's iodepth_batch_submit: the guest driver rings its CQ head and SQ
     /// tail doorbells after every N commands it issues while reaping, so the
@@ -376,6 +377,9 @@ impl NvmeArgs {
                 batch_submit: self.iodepth_batch_submit.unwrap_or(0),
                 irq_wait: self.irq_wait,
             }];
+        }
+        if self.rwmixread.is_some() && self.rw.as_deref() != Some("randrw") {
+            anyhow::bail!("--rwmixread is the share of reads of --rw randrw");
         }
         size_fits_backend(self.size, &o.backend)?;
         let file = matches!(o.backend, iopath_devices::block::StorageKind::File(_));
@@ -831,6 +835,11 @@ mod tests {
         let j = &nvme(&["--rw", "randrw", "--rwmixread", "70"]).options().unwrap().jobs[0];
         assert_eq!((j.rw.as_str(), j.rwmixread, j.label()), ("randrw", 70, "randrw 4k qd16 x1 70% reads".to_string()));
         assert!(parse(&["nvme", "--rwmixread", "101"]).is_err());
+        let j = &nvme(&["--rw", "randrw", "--rwmix-read", "0"]).options().unwrap().jobs[0];
+        assert_eq!(j.rwmixread, 0, "fio's spelling and the hyphenated one");
+        let e = nvme(&["--rw", "randread", "--rwmixread", "70"]).options().unwrap_err();
+        assert!(e.to_string().contains("--rw randrw"), "{e}");
+        assert!(nvme(&["--rwmixread", "70"]).options().is_err(), "randread by default");
         let j = &nvme(&["--bs", "512", "--iodepth_batch_submit", "4"]).options().unwrap().jobs[0];
         assert_eq!((j.batch_submit, j.label()), (4, "randread 512 qd16 x1 batch 4".to_string()));
         let o = nvme(&["--backend", "file:/x", "--submit-batch", "0,1"]).options().unwrap();

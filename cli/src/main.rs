@@ -62,9 +62,12 @@ enum Cmd {
 #[derive(Args)]
 struct ServeArgs {
     /// The device model and its options: pci-testdev, iopath-doorbell,
-    /// nvme[,doorbell=auto|adaptive|bar-adaptive|shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,size_mb=N][,lba=512|4096][,pollers=N][,forecast=on|off][,in_place=auto|on|off][,submit_batch=N][,serial=S][,nqn=S][,cntlid=N],
-    /// virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N]
+    /// nvme[,doorbell=auto|adaptive|bar-adaptive|shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,create=on][,size_mb=N][,lba=512|4096][,pollers=N][,forecast=on|off][,in_place=auto|on|off][,submit_batch=N][,serial=S][,nqn=S][,cntlid=N],
+    /// virtio-blk[,backend=null|ram|file:PATH][,create=on][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N]
     /// (queues: 1..=16, default 1; over vhost-user 16) (a `,` or `@` inside a value is written twice).
+    /// file:PATH: an existing file or block device that holds size_mb, used as it is (never
+    /// truncated or extended); a missing PATH is an error unless create=on, which makes it and
+    /// writes all its bytes (synced) before it is served.
     device: iopath_devices::DeviceConfig,
     /// The transport (ioregionfd: vfio-user control and a region fd for each
     /// BAR; ioregionfd-posted: the same with writes posted; vhost-user:
@@ -134,8 +137,9 @@ struct RunArgs {
     /// iopath's or not (libvfio-user's samples, SPDK's NVMe target, QEMU's
     /// x-vfio-user-server...); its identity, BARs and capabilities come from
     /// the server. NAME: pci-testdev, iopath-doorbell,
-    /// nvme[,doorbell=..][,backend=..][,size_mb=N][,lba=N],
-    /// virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N].
+    /// nvme[,doorbell=..][,backend=..][,create=on][,size_mb=N][,lba=N],
+    /// virtio-blk[,backend=null|ram|file:PATH][,create=on][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N]
+    /// (file:PATH must exist and hold size_mb; create=on makes a missing one, every byte written).
     /// Default: pci-testdev and iopath-doorbell in the VMM.
     #[arg(long = "device", value_name = "SPEC")]
     devices: Vec<iopath_protocols::attach::DeviceSpec>,

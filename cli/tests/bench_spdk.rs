@@ -6,6 +6,9 @@
 //! The bench builds the peers with harness/spdk/build.sh if they are missing (cached; these
 //! tests fail loudly if it cannot) and makes hugepages available with harness/spdk/hugepages.sh.
 
+mod common;
+use common::children;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
@@ -18,22 +21,6 @@ fn bench(args: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_iopath"));
     c.args(["bench", "spdk"]).args(args);
     c
-}
-
-/// The children of `pid` and their names (comm).
-fn children(pid: u32) -> Vec<(u32, String)> {
-    let mut v = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
-        let Some(close) = stat.rfind(')') else { continue };
-        let ppid = stat[close + 1..].split_whitespace().nth(1).and_then(|x| x.parse::<u32>().ok());
-        if ppid == Some(pid) {
-            let comm = stat[stat.find('(').unwrap_or(0) + 1..close].to_string();
-            v.push((p, comm));
-        }
-    }
-    v
 }
 
 /// What a process `pid` of the bench could leave: itself (still running as an SPDK or iopath
@@ -133,7 +120,7 @@ fn sigint_in_the_middle_of_a_perf_run_leaves_nothing_behind() {
     // Until the first perf runs (the peers may need building: bounded as above).
     let kids = loop {
         let k = children(pid);
-        if k.iter().any(|(_, c)| c == "spdk_nvme_perf") {
+        if k.iter().any(|c| c.comm == "spdk_nvme_perf") {
             break k;
         }
         if let Some(st) = child.try_wait().unwrap() {
@@ -147,7 +134,7 @@ fn sigint_in_the_middle_of_a_perf_run_leaves_nothing_behind() {
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    let names: Vec<&str> = kids.iter().map(|(_, c)| c.as_str()).collect();
+    let names: Vec<&str> = kids.iter().map(|c| c.comm.as_str()).collect();
     assert!(names.len() >= 3, "iopath serve, nvmf_tgt (its reactor) and perf under the bench: {kids:?}");
     std::thread::sleep(Duration::from_secs(2)); // perf is doing I/O by now
                                                 // SAFETY: kill(2) on our own child, not yet reaped.
@@ -161,7 +148,7 @@ fn sigint_in_the_middle_of_a_perf_run_leaves_nothing_behind() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("interrupted"), "{stderr}");
-    let left: Vec<String> = kids.iter().flat_map(|(p, _)| leftovers(*p)).collect();
+    let left: Vec<String> = kids.iter().flat_map(|c| leftovers(c.pid)).collect();
     assert!(left.is_empty(), "{left:?}");
     let dir = std::env::temp_dir().join(format!("iopath-bench-spdk-{pid}"));
     assert!(!Path::new(&dir).exists(), "{} (its sockets) is still there", dir.display());

@@ -230,7 +230,7 @@ fn an_error_is_printed_once() {
     std::fs::create_dir_all(&dir).unwrap();
     let missing = dir.join("missing").join("x");
     let m = missing.to_str().unwrap();
-    let cases: [(Vec<String>, &str); 4] = [
+    let cases: [(Vec<String>, &str); 5] = [
         (
             vec!["serve".into(), "nvme".into(), "--transport".into(), "vfio-user".into(), "--socket".into(), m.into()],
             "No such file",
@@ -244,9 +244,13 @@ fn an_error_is_printed_once() {
                 "--socket".into(),
                 dir.join("s").to_str().unwrap().into(),
             ],
-            "No such file",
+            "does not exist; add create=on",
         ),
-        (vec!["run".into(), "--device".into(), format!("nvme,backend=file:{m}")], "No such file"),
+        (vec!["run".into(), "--device".into(), format!("nvme,backend=file:{m}")], "does not exist; add create=on"),
+        (
+            vec!["run".into(), "--device".into(), format!("virtio-blk,backend=file:{m}@vfio-user")],
+            "does not exist; add create=on",
+        ),
         (vec!["run".into(), "--device".into(), format!("pci-testdev@vfio-user:{m}")], "No such file"),
     ];
     for (args, what) in cases {

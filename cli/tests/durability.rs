@@ -7,6 +7,9 @@
 //! twice, and everything else it checks on every schedule. Every doorbell
 //! mode that serves a file namespace from a device process.
 
+mod common;
+use common::TempDir;
+
 use iopath_devices::nvme::oracle::{Driver, LocalPort, OpRecord, Port, Rng, Shape, RAM};
 use iopath_devices::{Counter, SharedDevice};
 use iopath_protocols::function::{map_guest_memory, SharedRegion};
@@ -136,13 +139,6 @@ impl Port for CrashPort {
     }
 }
 
-struct TempDir(PathBuf);
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn run(mode: &str, seed: u64, dir: &Path) {
     let image = dir.join(format!("ns-{mode}-{seed}.img"));
     std::fs::write(&image, vec![0u8; 2 << 20]).unwrap();
@@ -166,8 +162,7 @@ fn run(mode: &str, seed: u64, dir: &Path) {
 
 #[test]
 fn killed_device_processes_lose_no_acknowledged_write_and_run_no_command_twice() {
-    let dir = TempDir(std::env::temp_dir().join(format!("iopath-durability-{}", std::process::id())));
-    std::fs::create_dir_all(&dir.0).unwrap();
+    let dir = TempDir::new("durability");
     for mode in ["auto", "bar", "shm", "adaptive", "ioeventfd", "mmio", "bar-adaptive"] {
         for seed in 0..2 {
             run(mode, 40 + seed, &dir.0);

@@ -41,10 +41,8 @@ for j in d["jobs"]:
 print("jobs read:", n)
 "#;
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("iopath-fio-output-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmp(name: &str) -> common::TempDir {
+    common::TempDir::new(&format!("fio-output-{name}"))
 }
 
 /// Python reads `file` as fio users' scripts do; the jobs it read.
@@ -94,8 +92,8 @@ fn csv_total(csv: &Path, column: &str) -> u64 {
     lines.filter_map(|l| l.split(',').nth(col).and_then(|v| v.trim().parse::<u64>().ok())).max().unwrap_or(0)
 }
 
-fn synthetic(plus: bool, dir: iopath_bench::fioout::Direction) -> iopath_bench::fioout::Output {
-    use iopath_bench::fioout::{job, lat_from_hist, Measured, Output};
+fn synthetic(plus: bool) -> iopath_bench::fioout::Output {
+    use iopath_bench::fioout::{job, lat_from_hist, Figures, Measured, Output};
     let h = iopath_bench::nvme::LatHist::from_ns_points(&[(800, 10), (1000, 900), (5000, 89), (90_000, 1)], 2_000_000);
     let m = Measured {
         ios: 1000,
@@ -107,21 +105,21 @@ fn synthetic(plus: bool, dir: iopath_bench::fioout::Direction) -> iopath_bench::
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-    Output::new(vec![job("iopath-shm", 0, o, dir, &m, 0, plus)], false)
+    Output::new(vec![job("iopath-shm", 0, o, Figures::Read(&m), 0, plus)], false)
 }
 
 #[test]
 fn fio_readers_read_the_format_and_refuse_a_wrong_one() {
-    use iopath_bench::fioout::{to_text, Direction};
+    use iopath_bench::fioout::to_text;
     let d = tmp("synthetic");
     let f = d.join("out.json");
-    std::fs::write(&f, to_text(&synthetic(true, Direction::Read))).unwrap();
+    std::fs::write(&f, to_text(&synthetic(true))).unwrap();
     assert!(python_reads(&f).contains("iopath-shm randread 4k read ios=1000 iops=4000"));
     let csv = clat2csv_reads(&f, &d, 1);
     assert_eq!(csv_total(&csv[0], "read_clat_ns"), 1000);
     assert_eq!(csv_total(&csv[0], "read_lat_ns"), 1000);
     // Wrong schemas: each reader refuses them.
-    let good = to_text(&synthetic(true, Direction::Read));
+    let good = to_text(&synthetic(true));
     for (what, bad) in [
         ("percentile keys without fio's six decimals", good.replace("\"99.000000\"", "\"99\"")),
         ("lat_ns without N", good.replace("\"N\": 1000", "\"n\": 1000")),
@@ -178,31 +176,102 @@ fn bench_blk_json_plus_is_read_by_fios_tools() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// fio's empty object of a direction a job did not run.
+fn assert_empty(j: &serde_json::Value, dir: &str) {
+    let x = &j[dir];
+    assert_eq!(
+        (x["total_ios"].as_u64(), x["iops"].as_f64(), x["runtime"].as_u64()),
+        (Some(0), Some(0.0), Some(0)),
+        "{j}"
+    );
+    assert!(x["clat_ns"].get("percentile").is_none() && x["clat_ns"].get("bins").is_none(), "{dir}: {j}");
+}
+
+/// A direction's figures hold together: percentiles monotone in fio's
+/// numeric order, and (json+) its bins hold its every I/O. Its I/Os.
+fn assert_direction(j: &serde_json::Value, dir: &str, plus: bool) -> u64 {
+    let x = &j[dir];
+    let ios = x["total_ios"].as_u64().unwrap();
+    assert!(ios > 0 && x["lat_ns"]["N"].as_u64() == Some(ios), "{dir}: {j}");
+    let mut p: Vec<(f64, u64)> = x["clat_ns"]["percentile"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.parse().unwrap(), v.as_u64().unwrap()))
+        .collect();
+    p.sort_by(|a, b| a.0.total_cmp(&b.0));
+    assert_eq!(p.len(), iopath_bench::fioout::PERCENTILES.len());
+    assert!(p.windows(2).all(|w| w[0].1 <= w[1].1), "{dir}: percentiles {p:?}");
+    if plus {
+        let bins = x["clat_ns"]["bins"].as_object().unwrap();
+        assert_eq!(bins.values().map(|c| c.as_u64().unwrap()).sum::<u64>(), ios, "{dir}: bins");
+    }
+    ios
+}
+
 #[test]
-fn bench_nvme_json_gives_reads_and_a_mixed_job_as_fios_unified_reporting() {
+fn bench_nvme_json_gives_reads_and_writes_apart_as_fio_does_and_verify_as_mixed() {
     common::kvm();
-    let base = ["bench", "nvme", "--quick", "--quiet", "--doorbell", "shm", "--iodepth", "4"];
-    let (out, _) = iopath(&[&base[..], &["--rw", "randread", "--output-format", "json+"]].concat());
+    let base = ["bench", "nvme", "--quick", "--doorbell", "shm", "--iodepth", "4"];
+    let (out, _) = iopath(&[&base[..], &["--quiet", "--rw", "randread", "--output-format", "json+"]].concat());
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let j = &v["jobs"][0];
     assert_eq!((j["jobname"].as_str(), v["jobs"].as_array().unwrap().len()), (Some("iopath-shm"), 1));
     assert_eq!(j["job options"]["iodepth"].as_str(), Some("4"));
+    assert_direction(j, "read", true);
+    assert_empty(j, "write");
     let d = tmp("nvme");
     let f = d.join("out.json");
     std::fs::write(&f, &out).unwrap();
     assert!(python_reads(&f).contains("iopath-shm randread 4k read ios="));
     let csv = clat2csv_reads(&f, &d, 1);
     assert_eq!(csv_total(&csv[0], "read_lat_ns"), j["read"]["total_ios"].as_u64().unwrap());
-    // randrw: the guest does not count reads and writes apart: one mixed object.
-    let (out, _) = iopath(&[&base[..], &["--rw", "randrw", "--rwmixread", "70", "--output-format", "json"]].concat());
+
+    // randrw, 70 % reads: read and write apart, as fio's default reporting; the table (on
+    // standard error without --quiet) shows them apart too.
+    let (out, table) =
+        iopath(&[&base[..], &["--rw", "randrw", "--rwmixread", "70", "--output-format", "json+"]].concat());
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let j = &v["jobs"][0];
+    assert!(j.get("mixed").is_none() && j["job options"].get("unified_rw_reporting").is_none(), "{j}");
+    assert_eq!(j["job options"]["rwmixread"].as_str(), Some("70"));
+    let (reads, writes) = (assert_direction(j, "read", true), assert_direction(j, "write", true));
+    // Each I/O a read with probability 0.7: the reads' count within 6 standard deviations.
+    let n = (reads + writes) as f64;
+    let sd = (n * 0.7 * 0.3).sqrt();
+    assert!((reads as f64 - 0.7 * n).abs() <= 6.0 * sd + 1.0, "{reads} reads of {n} I/Os: {:.4}", reads as f64 / n);
+    eprintln!("randrw 70: {reads} reads, {writes} writes ({:.4} reads)", reads as f64 / n);
+    std::fs::write(&f, &out).unwrap();
+    let read = python_reads(&f);
+    assert!(
+        read.contains("iopath-shm randrw 4k read ios=") && read.contains("iopath-shm randrw 4k write ios="),
+        "{read}"
+    );
+    let csv = clat2csv_reads(&f, &d, 1);
+    assert_eq!((csv_total(&csv[0], "read_clat_ns"), csv_total(&csv[0], "write_clat_ns")), (reads, writes));
+    // The table's rows under the job's own: each direction's share of the I/Os the JSON counted.
+    for (dir, ios) in [("read", reads), ("write", writes)] {
+        let head = format!("  {dir} {:.1}%", 100.0 * ios as f64 / n);
+        assert!(table.lines().any(|l| l.starts_with(&head) && l.contains("iopath-shm")), "no {head:?} row:\n{table}");
+    }
+
+    // randrw, no reads (fio's hyphenated spelling): the read object is fio's empty one.
+    let (out, _) =
+        iopath(&[&base[..], &["--quiet", "--rw", "randrw", "--rwmix-read", "0", "--output-format", "json"]].concat());
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let j = &v["jobs"][0];
+    assert_direction(j, "write", false);
+    assert_empty(j, "read");
+    assert!(j["write"]["lat_ns"].get("bins").is_none(), "json, not json+");
+
+    // verify: its writes and reads back are phases of one set: one mixed object.
+    let (out, _) = iopath(&[&base[..], &["--quiet", "--verify", "--size", "8m", "--output-format", "json"]].concat());
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let j = &v["jobs"][0];
     assert!(j.get("read").is_none() && j["mixed"]["total_ios"].as_u64() > Some(0), "{j}");
     assert_eq!(j["job options"]["unified_rw_reporting"].as_str(), Some("mixed"));
-    assert_eq!(j["job options"]["rwmixread"].as_str(), Some("70"));
-    assert!(j["mixed"]["lat_ns"].get("bins").is_none(), "json, not json+");
     std::fs::write(&f, &out).unwrap();
-    assert!(python_reads(&f).contains("iopath-shm randrw 4k mixed ios="));
+    assert!(python_reads(&f).contains("iopath-shm verify 4k mixed ios="));
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -5,6 +5,9 @@
 //! (QEMU's /dev/shm image, sockets and logs in /tmp) removed, and the runs
 //! measured before the signal printed and in the JSON marked partial.
 
+mod common;
+use common::{children, ProcInfo};
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
@@ -20,22 +23,6 @@ fn qemu_installed() {
         on_path || std::env::var_os("IOPATH_QEMU").is_some(),
         "qemu-system-x86_64 is needed for this test (harness/test.sh installs it)"
     );
-}
-
-/// Processes whose parent is `pid`: (pid, cmdline).
-fn children(pid: u32) -> Vec<(u32, String)> {
-    let mut v = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
-        let Some(close) = stat.rfind(')') else { continue };
-        let ppid = stat[close + 1..].split_whitespace().nth(1).and_then(|x| x.parse::<u32>().ok());
-        if ppid == Some(pid) {
-            let cmd = std::fs::read_to_string(format!("/proc/{p}/cmdline")).unwrap_or_default().replace('\0', " ");
-            v.push((p, cmd));
-        }
-    }
-    v
 }
 
 /// Every process whose command line names `needle`: (pid, cmdline).
@@ -106,12 +93,12 @@ fn spawn_nvme(json: &Path) -> Child {
 
 /// Waits (bounded) until `want` holds of the bench's children; the
 /// children seen so far go to `seen`.
-fn wait_for(child: &mut Child, seen: &mut Vec<(u32, String)>, what: &str, want: impl Fn(&[(u32, String)]) -> bool) {
+fn wait_for(child: &mut Child, seen: &mut Vec<ProcInfo>, what: &str, want: impl Fn(&[ProcInfo]) -> bool) {
     let t0 = Instant::now();
     loop {
         let k = children(child.id());
         for c in &k {
-            if !seen.iter().any(|s| s.0 == c.0) {
+            if !seen.iter().any(|s| s.pid == c.pid) {
                 seen.push(c.clone());
             }
         }
@@ -132,17 +119,17 @@ fn wait_for(child: &mut Child, seen: &mut Vec<(u32, String)>, what: &str, want: 
     }
 }
 
-fn is_qemu(c: &(u32, String)) -> bool {
-    c.1.contains("qemu-system")
+fn is_qemu(c: &ProcInfo) -> bool {
+    c.cmdline.contains("qemu-system")
 }
 
-fn is_serve(c: &(u32, String)) -> bool {
-    c.1.contains(" serve ")
+fn is_serve(c: &ProcInfo) -> bool {
+    c.cmdline.contains(" serve ")
 }
 
 /// SIGINT to the bench while `during` holds of its children (after at
 /// least one QEMU run ended); then the checks.
-fn interrupt_while(during: &str, pred: fn(&(u32, String)) -> bool) {
+fn interrupt_while(during: &str, pred: fn(&ProcInfo) -> bool) {
     let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
     qemu_installed();
     let json = std::env::temp_dir().join(format!("interrupt-test-{}-{during}.json", std::process::id()));
@@ -158,7 +145,7 @@ fn interrupt_while(during: &str, pred: fn(&(u32, String)) -> bool) {
     let image = format!("iopath-qemu-nvme-{pid}-");
     assert!(files_of(pid).iter().any(|f| f.to_string_lossy().contains(&image)), "QEMU's /dev/shm image is there");
     std::thread::sleep(Duration::from_millis(300)); // it is running by now
-    let running: Vec<(u32, String)> = children(pid);
+    let running = children(pid);
     assert!(running.iter().any(pred), "{during} still runs: {running:?}");
     // SAFETY: kill(2) on our own child, not yet reaped.
     unsafe { libc::kill(pid as libc::pid_t, libc::SIGINT) };
@@ -172,7 +159,7 @@ fn interrupt_while(during: &str, pred: fn(&(u32, String)) -> bool) {
     assert_eq!(out.status.code(), Some(130), "{}\n{stdout}\n{stderr}", out.status);
     assert!(stderr.contains("interrupted") && stderr.contains("partial"), "{stderr}");
     // Nothing left: every child seen ended and reaped, nobody holds the image, no file of the run's.
-    let left: Vec<&(u32, String)> = seen.iter().filter(|c| alive(c.0)).collect();
+    let left: Vec<&ProcInfo> = seen.iter().filter(|c| alive(c.pid)).collect();
     assert!(left.is_empty(), "children of the bench still there: {left:?} (of {seen:?})");
     assert!(seen.iter().any(is_qemu) && seen.iter().any(is_serve), "QEMU and a device process ran: {seen:?}");
     assert_eq!(naming(&image), vec![], "a process still names the bench's image");

@@ -26,6 +26,9 @@
 //! and prints that device's configuration space). Every wait is bounded; every process is
 //! started in its own process group, which is killed and reaped on drop.
 
+mod common;
+use common::TempDir;
+
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::unix::process::CommandExt;
@@ -63,31 +66,6 @@ fn sample(name: &str, dir: &Path) -> PathBuf {
 
 fn peer(name: &str) -> PathBuf {
     sample(name, peers())
-}
-
-/// A fresh directory under the system's temp dir, removed with its contents on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        use std::sync::atomic::{AtomicU32, Ordering};
-        static N: AtomicU32 = AtomicU32::new(0);
-        let n = N.fetch_add(1, Ordering::Relaxed);
-        let d = std::env::temp_dir().join(format!("iopath-vfu-{tag}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// A process in a process group of its own (with whatever it forks), output in files, stdin a
@@ -231,7 +209,7 @@ fn client_cmd(sock: &Path) -> Command {
 /// negotiation, the bogus region, DEVICE_GET_INFO and GET_REGION_INFO, print the regions iopath
 /// serves (`want`, offsets aside), and stop at its assertion `stop` (SIGABRT), nowhere earlier.
 fn client_against_iopath(device: &str, want: &[RegionLine], stop: &str) {
-    let dir = TempDir::new("client");
+    let dir = TempDir::new("vfu-client");
     let (mut serve, sock) = iopath_serve(device, &dir);
     let mut cmd = client_cmd(&sock);
     let client = run_bounded("client", &mut cmd, &dir, Duration::from_secs(30), &|| serve.log());
@@ -306,7 +284,7 @@ fn client_sample_against_iopath_nvme_with_its_doorbell_page_mappable() {
 /// (each exits when the client closes its socket).
 #[test]
 fn client_sample_against_its_own_server_the_control() {
-    let dir = TempDir::new("control");
+    let dir = TempDir::new("vfu-control");
     let (mut server, sock) = sample_server("server", &["-v"], &dir);
     let mut cmd = client_cmd(&sock);
     let mut client = Proc::spawn("client", &mut cmd, &dir);
@@ -396,7 +374,7 @@ fn values(io: &[BTreeMap<String, String>], ops: &str) -> Vec<u64> {
 /// as 1 (offsets 0 and 4) is a multiple of 3.
 #[test]
 fn iopath_vmm_attaches_the_gpio_sample_and_reads_its_input_registers() {
-    let dir = TempDir::new("gpio");
+    let dir = TempDir::new("vfu-gpio");
     let (gpio, sock) = sample_server("gpio-pci-idio-16", &["-v"], &dir);
     let ops = "r1:2:1,r1:2:5,w1:2:0:1,r1:2:1,w1:2:0:3,w1:2:0:3,r1:2:1,w1:2:4:80,r1:2:5,r1:2:1";
     let g = guest_run(&sock, "494f:0dc8", ops, &dir, &gpio);
@@ -430,7 +408,7 @@ fn iopath_vmm_attaches_the_gpio_sample_and_reads_its_input_registers() {
 /// vfio-user-pci would place such a BAR; see the report of this branch.)
 #[test]
 fn iopath_vmm_refuses_the_server_sample_for_its_16k_io_bar() {
-    let dir = TempDir::new("server");
+    let dir = TempDir::new("vfu-server");
     let (server, sock) = sample_server("server", &["-v"], &dir);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_iopath"));
     cmd.args(["run", "--workload", "pci", "--timeout", "60", "--append", "id=dead:beef", "--device"])
@@ -450,7 +428,7 @@ fn iopath_vmm_refuses_the_server_sample_for_its_16k_io_bar() {
 /// interrupt). The guest finds it and lists no BAR.
 #[test]
 fn iopath_vmm_attaches_the_null_sample() {
-    let dir = TempDir::new("null");
+    let dir = TempDir::new("vfu-null");
     let (null, sock) = sample_server("null", &[], &dir);
     let g = guest_run(&sock, "0000:0000", "", &dir, &null);
     let rec = g.pci.get("0000:0000").unwrap_or_else(|| panic!("the guest did not find the null sample: {:?}", g.pci));

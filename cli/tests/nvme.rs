@@ -3,7 +3,7 @@
 //! device process, and the same driver against QEMU's nvme.
 
 mod common;
-use common::nvmeperf::{num, nvme_record, nvmeperf, nvmeperf_in};
+use common::nvmeperf::{num, nvme_record, nvmeperf, nvmeperf_in, nvmeperf_run};
 use common::{kvm, programs};
 use iopath_vmm::RamKind;
 
@@ -13,7 +13,7 @@ use std::time::Duration;
 fn verify_passes_on_every_backend_and_doorbell_mode_in_the_vmm() {
     kvm();
     let file = std::env::temp_dir().join(format!("iopath-nvme-test-{}.img", std::process::id()));
-    for backend in ["ram".to_string(), format!("file:{}", file.display())] {
+    for backend in ["ram".to_string(), format!("file:{},create=on", file.display())] {
         for db in ["mmio", "ioeventfd", "shm", "bar", "adaptive", "bar-adaptive"] {
             for (bs, lba) in [(4096, 512), (65536, 4096)] {
                 let spec = format!("nvme,doorbell={db},backend={backend},size_mb=8,lba={lba}");
@@ -100,7 +100,7 @@ fn a_file_namespace_sees_the_guests_queue_depth() {
     for (db, remote) in
         [("shm", ""), ("ioeventfd", ""), ("mmio", ""), ("shm", "@vfio-user"), (each, ""), (each, "@vfio-user")]
     {
-        let spec = format!("nvme,doorbell={db},backend=file:{},size_mb=8{remote}", file.display());
+        let spec = format!("nvme,doorbell={db},backend=file:{},create=on,size_mb=8{remote}", file.display());
         let (rec, _, _) = nvmeperf(&spec, "verify=1 bs=4096 iodepth=32 size_mb=4");
         assert_eq!((num(&rec, "errors"), num(&rec, "mismatches")), (0, 0), "{spec}");
         let (rec, c, _) = nvmeperf(&spec, "rw=randrw bs=4096 iodepth=32 time_ms=300");
@@ -121,8 +121,8 @@ fn a_file_namespace_sees_the_guests_queue_depth() {
 #[test]
 fn every_rw_mode_and_several_queues_run_clean() {
     kvm();
-    for rw in ["read", "write", "randread", "randwrite", "randrw"] {
-        let (rec, c, _) =
+    for rw in ["read", "write", "randread", "randwrite", "randrw", "randrw rwmixread=0", "randrw rwmixread=100"] {
+        let (rec, c, r) =
             nvmeperf("nvme,doorbell=shm,backend=ram", &format!("rw={rw} bs=8192 iodepth=4 queues=3 time_ms=200"));
         assert_eq!(num(&rec, "errors"), 0, "{rw}");
         assert_eq!(num(&rec, "queues"), 3);
@@ -130,9 +130,25 @@ fn every_rw_mode_and_several_queues_run_clean() {
         match rw {
             "read" | "randread" => assert_eq!(c["io.writes"], 0),
             "write" | "randwrite" => assert_eq!(c["io.reads"], 0),
-            _ => assert!(c["io.reads"] > 0 && c["io.writes"] > 0),
+            _ => {
+                // randrw: the guest's reads and writes apart are the controller's.
+                let dir = |d: &str| iopath_bench::record::find_record(&r.lines, &format!("nvme-{d}")).unwrap();
+                let (rd, wr) = (dir("read"), dir("write"));
+                assert_eq!((num(&rd, "ios"), num(&wr, "ios")), (c["io.reads"], c["io.writes"]), "{rw}");
+                assert_eq!(num(&rd, "lat_sum") + num(&wr, "lat_sum"), num(&rec, "lat_sum"), "{rw}");
+                let mix = rec.get("rwmixread").map(String::as_str);
+                match mix {
+                    Some("0") => assert!(c["io.reads"] == 0 && c["io.writes"] > 0),
+                    Some("100") => assert!(c["io.reads"] > 0 && c["io.writes"] == 0),
+                    _ => assert!(mix == Some("50") && c["io.reads"] > 0 && c["io.writes"] > 0, "{rec:?}"),
+                }
+            }
         }
     }
+    // A share of reads past 100 % is refused by the guest, not run.
+    let r = nvmeperf_run("nvme,doorbell=shm,backend=ram", "rw=randrw rwmixread=101 time_ms=50", 128, RamKind::Auto);
+    assert_eq!(r.status, 3, "the guest's rc 1");
+    assert!(r.lines.iter().any(|l| l.starts_with("@nvme-error rwmixread=101")), "{:?}", r.lines);
     // 128 KiB transfers need PRP lists.
     let (rec, _, _) = nvmeperf("nvme,doorbell=shm,backend=ram", "verify=1 bs=131072 iodepth=4 size_mb=8");
     assert_eq!((num(&rec, "errors"), num(&rec, "mismatches")), (0, 0));
@@ -207,8 +223,10 @@ fn file_transfers_go_in_place_or_through_bounce_buffers_as_in_place_says() {
     for (in_place, remote, ram) in runs {
         // 4 KiB: one page each; 64 KiB: a PRP list of 16 pages.
         for bs in [4096u64, 65536] {
-            let spec =
-                format!("nvme,doorbell=adaptive,backend=file:{},size_mb=8,in_place={in_place}{remote}", file.display());
+            let spec = format!(
+                "nvme,doorbell=adaptive,backend=file:{},create=on,size_mb=8,in_place={in_place}{remote}",
+                file.display()
+            );
             let (mem, args) = match ram {
                 RamKind::Hugetlb => (32, format!("verify=1 bs={bs} iodepth=8 size_mb=4")),
                 _ => (128, format!("verify=1 bs={bs} iodepth=16 size_mb=4")),
@@ -826,7 +844,7 @@ fn a_block_device_backs_a_namespace_up_to_its_own_size() {
     // A namespace larger than the device is refused with both sizes, not grown.
     let spec: iopath_protocols::attach::DeviceSpec = format!("nvme,backend=file:{},size_mb=32", dev.0).parse().unwrap();
     let e = iopath_protocols::attach::instantiate(&spec, &programs()).err().expect("a 32 MiB namespace on 16 MiB");
-    assert!(e.to_string().contains("holds 16777216 bytes, the namespace needs 33554432"), "{e}");
+    assert!(e.to_string().contains("holds 16777216 bytes, the disk needs 33554432"), "{e}");
     // The bench sizes its runs (guest, fio, QEMU) by the device.
     let kind = iopath_devices::block::StorageKind::File(dev.0.clone().into());
     assert_eq!(iopath_bench::nvme::namespace_size(&kind, None), 16 << 20);

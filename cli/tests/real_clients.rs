@@ -389,7 +389,8 @@ fn linux_against_iopath_file_with(mode: &str, in_place: &str, more: &[&str]) -> 
     let dir = std::env::temp_dir().join(format!("iopath-rc-file-{}-{tag}-{}", std::process::id(), unique()));
     std::fs::create_dir_all(&dir).unwrap();
     let img = dir.join("ns.img");
-    let device = format!("nvme,doorbell={mode},backend=file:{},size_mb=64,in_place={in_place}", img.display());
+    let device =
+        format!("nvme,doorbell={mode},backend=file:{},create=on,size_mb=64,in_place={in_place}", img.display());
     let report = linux_against_iopath_with(&device, more);
     let _ = std::fs::remove_dir_all(&dir);
     let count = |name: &str| -> u64 {
@@ -520,8 +521,10 @@ fn qemu11_guest_ram_in_hugetlb_pages_lets_multi_page_transfers_go_in_place() {
     for (hugetlb, huge) in [("1", true), ("0", memfd_huge)] {
         let dir = std::env::temp_dir().join(format!("iopath-rc-hugetlb-{}-{hugetlb}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let dev =
-            format!("nvme,doorbell=adaptive,backend=file:{},size_mb=8,in_place=auto", dir.join("ns.img").display());
+        let dev = format!(
+            "nvme,doorbell=adaptive,backend=file:{},create=on,size_mb=8,in_place=auto",
+            dir.join("ns.img").display()
+        );
         let env = [("IOPATH_RUN_IMAGE_MEM", "32"), ("IOPATH_RUN_IMAGE_HUGETLB", hugetlb)];
         let (text, report) =
             image_under_qemu11_env(&dev, "workload=nvme verify=1 bs=65536 iodepth=8 size_mb=4 irq=1", &env);

@@ -183,7 +183,8 @@ fn nvme_device_processes_that_log_at_a_terminal_run_to_the_end() {
         }
     }
     let img = std::env::temp_dir().join(format!("iopath-seccomp-tty-{}.img", std::process::id()));
-    let dev = format!("nvme,doorbell=adaptive,backend=file:{},size_mb=8,in_place=on@vfio-user", img.display());
+    let dev =
+        format!("nvme,doorbell=adaptive,backend=file:{},create=on,size_mb=8,in_place=on@vfio-user", img.display());
     let (code, out) = run_at_a_terminal(&format!(
         "--device {dev} --workload nvme --mem 128 --append 'verify=1 bs=4096 iodepth=8 size_mb=4'"
     ));

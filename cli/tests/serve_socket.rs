@@ -4,24 +4,20 @@
 //! socket file is gone once the process is, however it ended (the binary,
 //! confined by seccomp as it runs for users).
 
+mod common;
+use common::TempDir;
+
 use iopath_protocols::socket;
 use iopath_protocols::vfio_user::wire::*;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
 /// A liveness bound on every wait.
 const HUNG: Duration = Duration::from_secs(20);
-
-fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("iopath-serve-socket-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 /// A server process, killed if a test fails before it ends.
 struct Server(Child);
@@ -107,7 +103,7 @@ fn clients(path: &Path, name: &str) -> usize {
 /// why, the file is as it was.
 #[test]
 fn a_file_that_is_not_a_socket_is_refused_and_left_intact() {
-    let d = dir("file");
+    let d = TempDir::new("serve-socket-file");
     let img = d.join("disk.img");
     std::fs::write(&img, b"the user's data").unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
@@ -128,7 +124,6 @@ fn a_file_that_is_not_a_socket_is_refused_and_left_intact() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("a directory, not a socket"));
     assert!(img.exists());
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A second `iopath serve` on a live server's socket is refused, and the
@@ -136,7 +131,7 @@ fn a_file_that_is_not_a_socket_is_refused_and_left_intact() {
 /// line until a real client comes, and it is served.
 #[test]
 fn a_live_server_is_detected_without_a_connection() {
-    let d = dir("live");
+    let d = TempDir::new("serve-socket-live");
     let path = d.join("dev.sock");
     let mut a = serve(&path, "a", &[]);
     listening(&mut a, &path, "a");
@@ -157,14 +152,13 @@ fn a_live_server_is_detected_without_a_connection() {
         std::thread::sleep(Duration::from_millis(10));
     }
     drop(a);
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// A socket nobody has bound any more is replaced, served, and gone once
 /// the server ends (`--once`: a normal exit).
 #[test]
 fn a_stale_socket_is_replaced_and_removed_at_a_normal_exit() {
-    let d = dir("stale");
+    let d = TempDir::new("serve-socket-stale");
     let path = d.join("dev.sock");
     drop(UnixListener::bind(&path).unwrap());
     assert!(UnixStream::connect(&path).is_err(), "a stale socket refuses connections");
@@ -174,14 +168,13 @@ fn a_stale_socket_is_replaced_and_removed_at_a_normal_exit() {
     let s = wait(&mut a);
     assert!(s.success(), "{s}: {}", output(&path, "a", "err"));
     assert!(!path.exists(), "the socket file outlived a normal exit");
-    let _ = std::fs::remove_dir_all(&d);
 }
 
 /// SIGTERM and SIGINT: the socket file is gone by the time the process is,
 /// which still dies of the signal; SIGKILL: it goes right after.
 #[test]
 fn the_socket_file_is_gone_after_a_signal() {
-    let d = dir("signal");
+    let d = TempDir::new("serve-socket-signal");
     for (sig, name) in [(libc::SIGTERM, "term"), (libc::SIGINT, "int")] {
         let path = d.join(format!("{name}.sock"));
         let mut a = serve(&path, name, &[]);
@@ -202,5 +195,4 @@ fn the_socket_file_is_gone_after_a_signal() {
         assert!(t0.elapsed() < HUNG, "the socket file outlived SIGKILL by {HUNG:?}");
         std::thread::sleep(Duration::from_millis(10));
     }
-    let _ = std::fs::remove_dir_all(&d);
 }

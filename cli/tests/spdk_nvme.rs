@@ -11,6 +11,9 @@
 //! a core, and the host has two. Every wait is bounded; every child is killed and reaped by a
 //! guard, with the hugepage files of an SPDK process killed by a signal.
 
+mod common;
+use common::TempDir;
+
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -85,23 +88,6 @@ fn unique() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
     N.fetch_add(1, Ordering::Relaxed)
-}
-
-/// A fresh directory under the system's temp dir, removed (with what is in it) on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let d = std::env::temp_dir().join(format!("iopath-spdk-{tag}-{}-{}", std::process::id(), unique()));
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -310,7 +296,7 @@ struct Target {
 
 impl Target {
     fn start(place: Place, backend: Backend) -> Target {
-        let dir = TempDir::new(&format!("{place:?}-{backend:?}").to_lowercase());
+        let dir = TempDir::new(&format!("spdk-{place:?}-{backend:?}").to_lowercase());
         std::fs::create_dir_all(dir.0.join("ctrl")).unwrap();
         let mut t = Target {
             place,
@@ -375,7 +361,7 @@ impl Target {
             match self.backend {
                 Backend::Null => ",backend=null".to_string(),
                 Backend::Ram => ",backend=ram".to_string(),
-                Backend::File => format!(",backend=file:{}", self.backing_file().display()),
+                Backend::File => format!(",backend=file:{},create=on", self.backing_file().display()),
             }
             .as_str(),
         );

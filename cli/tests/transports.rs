@@ -10,7 +10,6 @@ use iopath_bench::record::GuestOutput;
 use iopath_protocols::attach::{instantiate, DeviceSpec};
 use iopath_vmm::{run, VmConfig};
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -80,7 +79,7 @@ fn serve_on(path: &std::path::Path, transport: &str) -> std::process::Child {
 #[test]
 fn a_device_process_outlives_its_vmm_and_serves_the_next() {
     kvm();
-    let dir = tempdir();
+    let dir = common::TempDir::new("transports");
     let sock = dir.join("td.sock");
     let mut serve = serve_on(&sock, "vfio-user");
     let spec = format!("pci-testdev@vfio-user:{}", sock.display());
@@ -104,7 +103,7 @@ fn a_device_process_outlives_its_vmm_and_serves_the_next() {
 #[test]
 fn a_device_process_that_dies_stops_the_run_within_a_second() {
     kvm();
-    let dir = tempdir();
+    let dir = common::TempDir::new("transports");
     let sock = dir.join("td.sock");
     let mut serve = serve_on(&sock, "mpqemu");
     // A long run of writes through the device process.
@@ -205,10 +204,4 @@ fn qemu_x_pci_proxy_dev_drives_iopath_serve_over_mpqemu() {
     let reads = get("portio.data-reads").unwrap();
     assert!(reads >= out.row("portio-read:pci-io").unwrap().accesses);
     assert!(serve.wait().unwrap().success());
-}
-
-fn tempdir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("iopath-test-{}-{:?}", std::process::id(), std::thread::current().id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }

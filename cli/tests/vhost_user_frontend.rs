@@ -5,19 +5,13 @@
 //! configuration, or stop answering at DRIVER_OK.
 
 mod common;
+use common::TempDir;
 
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
-
-fn tempdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("iopath-vu-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 /// Waits (bounded, for liveness only) until `path` exists.
 fn wait_for(path: &Path) {
@@ -76,7 +70,7 @@ fn the_vmm_drives_qemu_storage_daemons_vhost_user_blk_export() {
     common::kvm();
     // This host has it (COMMON.md): a missing one is a failure, not a skip.
     let qsd = which("qemu-storage-daemon").unwrap_or_else(|()| panic!("qemu-storage-daemon is not on PATH"));
-    let dir = tempdir("qsd");
+    let dir = TempDir::new("vu-qsd");
     let (img, sock) = (dir.join("disk.img"), dir.join("vu.sock"));
     std::fs::File::create(&img).unwrap().set_len(64 << 20).unwrap();
     let daemon = Daemon(
@@ -126,7 +120,6 @@ fn the_vmm_drives_qemu_storage_daemons_vhost_user_blk_export() {
     let data = std::fs::read(&img).unwrap();
     assert!(holds_the_verify_pattern(&data[..4 << 20]), "the guest's pattern is not in the image");
     assert!(data[4 << 20..].iter().all(|&b| b == 0), "nothing was written past the 4 MiB the guest wrote");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -168,7 +161,7 @@ fn the_vmm_asks_a_backend_for_two_queues_and_starts_the_one_its_driver_enables()
 
     let qsd = which("qemu-storage-daemon").unwrap_or_else(|()| panic!("qemu-storage-daemon is not on PATH"));
     for (num_queues, ok) in [(2, true), (1, false)] {
-        let dir = tempdir(&format!("qsd-mq{num_queues}"));
+        let dir = TempDir::new(&format!("vu-qsd-mq{num_queues}"));
         let (img, sock) = (dir.join("disk.img"), dir.join("vu.sock"));
         std::fs::File::create(&img).unwrap().set_len(64 << 20).unwrap();
         let daemon = Daemon(
@@ -198,7 +191,6 @@ fn the_vmm_asks_a_backend_for_two_queues_and_starts_the_one_its_driver_enables()
             assert!(stderr.contains("2 queues asked, and the backend has 1"), "{stderr}");
         }
         drop(daemon);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 
@@ -291,7 +283,7 @@ fn fake_backend(listener: UnixListener, mode: Fake) {
 /// panic, within a bound, with `want` in what it says.
 fn a_bad_backend_fails_the_run(mode: Fake, want: &[&str]) {
     common::kvm();
-    let dir = tempdir(&format!("{mode:?}"));
+    let dir = TempDir::new(&format!("vu-{mode:?}"));
     let sock = dir.join("fake.sock");
     let listener = UnixListener::bind(&sock).unwrap();
     std::thread::spawn(move || fake_backend(listener, mode));
@@ -307,7 +299,6 @@ fn a_bad_backend_fails_the_run(mode: Fake, want: &[&str]) {
     }
     // Liveness only: the frontend waits 5 s per reply; the guest's own 60 s watchdog must not be what ended it.
     assert!(t.elapsed() < Duration::from_secs(45), "{mode:?}: took {:?}", t.elapsed());
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! Errors of the devices crate: a device that cannot be built from its
 //! options, a host service a device asked for and did not get, a PCI header
-//! that cannot hold what a device declares.
+//! that cannot hold what a device declares, a backing file that is not there.
 
 use std::io;
 
@@ -10,6 +10,10 @@ pub enum Error {
     /// before anything is started).
     #[error("{device}: {option}: {reason}")]
     Option { device: &'static str, option: String, reason: String },
+    /// A `file:PATH` backend that is missing (without `create=on`), too
+    /// short, or not a file (`crate::backing`).
+    #[error(transparent)]
+    Backing(#[from] crate::backing::BackingError),
     /// A device name nobody implements.
     #[error("unknown device {0:?} (one of pci-testdev, iopath-doorbell, nvme, virtio-blk)")]
     UnknownDevice(String),

@@ -7,6 +7,7 @@
 //! an ioeventfd, or a message from another process): that is what makes
 //! the transports comparable. This crate must not touch KVM or the VMM.
 
+pub mod backing;
 pub mod block;
 pub mod doorbell;
 pub mod error;

@@ -41,6 +41,18 @@ impl DeviceConfig {
         }
     }
 
+    /// Checks the `file:PATH` backend this device stands on, and with
+    /// `create=on` makes a missing one (`crate::backing`), before the
+    /// device is built here or in a device process.
+    pub fn prepare_backing(&self) -> Result<crate::backing::Prepared> {
+        let (backend, bytes, create) = match self {
+            DeviceConfig::Nvme(c) => (&c.backend, c.size, c.create),
+            DeviceConfig::VirtioBlk(c) => (&c.backend, c.size, c.create),
+            _ => return Ok(crate::backing::Prepared::AsIs),
+        };
+        Ok(crate::backing::prepare(backend, bytes, create)?)
+    }
+
     /// A new device model with these options.
     pub fn build(&self) -> Result<SharedDevice> {
         Ok(match self {
@@ -98,6 +110,15 @@ fn option(device: &'static str, key: &str, reason: impl Into<String>) -> Error {
     Error::Option { device, option: key.to_string(), reason: reason.into() }
 }
 
+/// A switch's value: `on` or `off`.
+pub fn on_off(device: &'static str, key: &str, v: &str) -> Result<bool> {
+    match v {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(option(device, key, format!("{v:?} (on or off)"))),
+    }
+}
+
 impl FromStr for DeviceConfig {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -144,14 +165,9 @@ impl FromStr for DeviceConfig {
                                 n => return Err(option("nvme", k, format!("{n} (1 ..= {})", nvme::MAX_POLLERS))),
                             }
                         }
-                        "forecast" => {
-                            c.forecast = match v.as_str() {
-                                "on" => true,
-                                "off" => false,
-                                _ => return Err(option("nvme", k, format!("{v:?} (on or off)"))),
-                            }
-                        }
+                        "forecast" => c.forecast = on_off("nvme", k, v)?,
                         "in_place" => c.in_place = v.parse().map_err(|e| option("nvme", k, e))?,
+                        "create" => c.create = on_off("nvme", k, v)?,
                         "submit_batch" => {
                             c.submit_batch = match num()? {
                                 n if n <= nvme::MAX_SUBMIT_BATCH as u64 => n as u16,
@@ -165,8 +181,8 @@ impl FromStr for DeviceConfig {
                             return Err(option(
                                 "nvme",
                                 k,
-                                "unknown option (doorbell, backend, size_mb, lba, pollers, forecast, in_place, \
-                                 submit_batch, serial, nqn, cntlid)",
+                                "unknown option (doorbell, backend, create, size_mb, lba, pollers, forecast, \
+                                 in_place, submit_batch, serial, nqn, cntlid)",
                             ))
                         }
                     }
@@ -187,6 +203,9 @@ impl fmt::Display for DeviceConfig {
             // Paths may hold the separators: escaped, unlike StorageKind's own Display.
             let backend = escape(&c.backend.to_string());
             write!(f, ",doorbell={},backend={backend},size_mb={},lba={}", c.doorbell, c.size >> 20, c.lba_size)?;
+            if c.create {
+                write!(f, ",create=on")?;
+            }
             if c.pollers != 1 {
                 write!(f, ",pollers={}", c.pollers)?;
             }
@@ -214,6 +233,9 @@ impl fmt::Display for DeviceConfig {
             if let Some(n) = c.queues {
                 write!(f, ",queues={n}")?;
             }
+            if c.create {
+                write!(f, ",create=on")?;
+            }
         }
         Ok(())
     }
@@ -235,6 +257,7 @@ mod tests {
             "nvme,doorbell=adaptive,backend=file:/tmp/x.img,size_mb=8,lba=512,in_place=on",
             "nvme,doorbell=ioeventfd,backend=file:/tmp/x.img,size_mb=8,lba=4096,in_place=off",
             "nvme,doorbell=adaptive,backend=file:/tmp/x.img,size_mb=8,lba=512,submit_batch=1",
+            "nvme,doorbell=shm,backend=file:/tmp/a,,b.img,size_mb=8,lba=4096,create=on,in_place=off",
             "nvme,doorbell=adaptive,backend=ram,size_mb=8,lba=512,serial=SN 1,,2@@3",
             "nvme,doorbell=adaptive,backend=ram,size_mb=8,lba=512,nqn=nqn.2014-08.com.example:a@@b,,c,cntlid=65519",
             "virtio-blk,backend=null,size_mb=64,notify=ioeventfd",
@@ -244,6 +267,7 @@ mod tests {
             "virtio-blk,backend=ram,size_mb=8,notify=poll,queues=2",
             "virtio-blk,backend=null,size_mb=8,notify=ioeventfd,queues=1",
             "virtio-blk,backend=null,size_mb=8,notify=exit,queues=16",
+            "virtio-blk,backend=file:/tmp/v@@.img,size_mb=8,notify=poll,queues=2,create=on",
         ] {
             let c: DeviceConfig = s.parse().unwrap();
             assert_eq!(c.to_string(), s);
@@ -257,6 +281,15 @@ mod tests {
         let c: DeviceConfig = "nvme,backend=file:/tmp/a,,b@@c.img".parse().unwrap();
         let DeviceConfig::Nvme(n) = c else { panic!() };
         assert_eq!(n.backend, StorageKind::File("/tmp/a,b@c.img".into()));
+        // create: off unless asked (and then off is not written).
+        for (s, create) in [("file:/x", false), ("file:/x,create=off", false), ("file:/x,create=on", true)] {
+            let n: DeviceConfig = format!("nvme,backend={s}").parse().unwrap();
+            let v: DeviceConfig = format!("virtio-blk,backend={s}").parse().unwrap();
+            assert!(matches!(&n, DeviceConfig::Nvme(c) if c.create == create), "{n:?}");
+            assert!(matches!(&v, DeviceConfig::VirtioBlk(c) if c.create == create), "{v:?}");
+            assert_eq!(n.to_string().contains("create"), create, "{n}");
+            assert_eq!(v.to_string().contains("create"), create, "{v}");
+        }
     }
 
     #[test]
@@ -274,6 +307,12 @@ mod tests {
         }
         for bad in ["submit_batch=1", "backend=file:/x,submit_batch=257", "backend=file:/x,submit_batch=x"] {
             assert!(e(&format!("nvme,{bad}")).contains("submit_batch"), "{bad}: {}", e(&format!("nvme,{bad}")));
+        }
+        for bad in ["create=on", "backend=ram,create=on", "backend=file:/x,create=1", "backend=file:/x,create=yes"] {
+            for dev in ["nvme", "virtio-blk"] {
+                let msg = e(&format!("{dev},{bad}"));
+                assert!(msg.starts_with(&format!("{dev}: create: ")), "{bad}: {msg}");
+            }
         }
         for bad in ["in_place=on", "backend=file:/x,in_place=yes"] {
             assert!(e(&format!("nvme,{bad}")).contains("in_place"), "{bad}: {}", e(&format!("nvme,{bad}")));

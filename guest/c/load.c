@@ -1,7 +1,9 @@
 /*
  * iopath guest: the shared load generator (load.h). A log-linear latency
  * histogram of cycles (HIST_SUB buckets per power of two), xorshift LBAs,
- * and the verify pattern: every 8 bytes carry their LBA and offset.
+ * and the verify pattern: every 8 bytes carry their LBA and offset. A
+ * randrw job keeps reads and writes apart (a histogram, count, sum and
+ * extremes each) and adds them up for the job's own figures at its end.
  */
 #include "load.h"
 
@@ -10,13 +12,21 @@
 #define HIST_PER_LINE 16
 
 u64 load_mem_next, load_mem_end, load_errors;
-static u64 hist[HIST_BUCKETS];
-static u64 lat_sum, lat_min, lat_max;
+/* The latencies of a set of I/Os, in cycles. */
+struct lat_stats {
+    u64 hist[HIST_BUCKETS];
+    u64 ios, sum, min, max;
+};
+/* Every I/O of the job; a randrw job's reads ([0]) and writes ([1]) apart,
+   added into all at its end. */
+static struct lat_stats all, dirs[2];
+static const char *const dir_names[2] = {"read", "write"};
 static u64 rng_state;
 /* The slots a reaping pass found completed. */
 static u32 reaped[LOAD_MAX_DEPTH];
-/* Their latencies, in cycles. */
+/* Their latencies, in cycles, and what each command was (LOAD_OP_*). */
 static u64 lat[LOAD_MAX_DEPTH];
+static u8 lat_op[LOAD_MAX_DEPTH];
 
 void *load_alloc(u64 n)
 {
@@ -32,9 +42,10 @@ void load_seed(u64 seed) { rng_state = seed * 0x9e3779b97f4a7c15ull | 1; }
 
 void load_reset(void)
 {
-    memset(hist, 0, sizeof(hist));
-    lat_sum = lat_max = load_errors = 0;
-    lat_min = ~0ull;
+    memset(&all, 0, sizeof(all));
+    memset(dirs, 0, sizeof(dirs));
+    all.min = dirs[0].min = dirs[1].min = ~0ull;
+    load_errors = 0;
 }
 
 static u64 rnd(void)
@@ -58,17 +69,31 @@ static u64 next_seq(u64 *at, u64 blocks)
    rnd() % n would be a 64-bit division (tens of cycles) on every I/O. */
 static u64 rnd_below(u64 n) { return (u64)(((unsigned __int128)rnd() * n) >> 64); }
 
-static void hist_add(u64 c)
+static void hist_add(struct lat_stats *st, u64 c)
 {
     u32 msb = 63 - (u32)__builtin_clzll(c | 1);
     u32 sub = msb >= 4 ? (u32)(c >> (msb - 4)) & (HIST_SUB - 1) : (u32)c & (HIST_SUB - 1);
     u32 b = msb * HIST_SUB + sub;
-    hist[b < HIST_BUCKETS ? b : HIST_BUCKETS - 1]++;
-    lat_sum += c;
-    if (c < lat_min)
-        lat_min = c;
-    if (c > lat_max)
-        lat_max = c;
+    st->hist[b < HIST_BUCKETS ? b : HIST_BUCKETS - 1]++;
+    st->ios++;
+    st->sum += c;
+    if (c < st->min)
+        st->min = c;
+    if (c > st->max)
+        st->max = c;
+}
+
+/* Adds a's I/Os into st. */
+static void stats_add(struct lat_stats *st, const struct lat_stats *a)
+{
+    for (u32 b = 0; b < HIST_BUCKETS; b++)
+        st->hist[b] += a->hist[b];
+    st->ios += a->ios;
+    st->sum += a->sum;
+    if (a->min < st->min)
+        st->min = a->min;
+    if (a->max > st->max)
+        st->max = a->max;
 }
 
 /* Upper edge of bucket b, in cycles. */
@@ -80,36 +105,52 @@ static u64 hist_value(u32 b)
     return ((u64)(HIST_SUB + sub + 1) << (msb - 4)) - 1;
 }
 
-static u64 percentile(u64 total, u64 per_mille_x10)
+static u64 percentile(const struct lat_stats *st, u64 per_mille_x10)
 {
-    u64 want = (total * per_mille_x10 + 9999) / 10000, seen = 0;
+    u64 want = (st->ios * per_mille_x10 + 9999) / 10000, seen = 0;
     for (u32 b = 0; b < HIST_BUCKETS; b++) {
-        seen += hist[b];
+        seen += st->hist[b];
         if (seen >= want && want)
             return hist_value(b);
     }
     return 0;
 }
 
-/* The histogram, non-empty buckets only: bucket index and count (the host
- * knows the bucket layout of hist_add). At most 16 pairs a line, so a line
- * stays under 400 bytes and the whole dump under 64 lines. */
-static void hist_dump(const char *prefix)
+/* st's histogram as "@PREFIX[-DIR]-hist" lines, non-empty buckets only:
+ * bucket index and count (the host knows the bucket layout of hist_add). At
+ * most 16 pairs a line, so a line stays under 400 bytes and the whole dump
+ * under 64 lines. dir: "" or "-read", "-write". */
+static void hist_dump(const char *prefix, const char *dir, const struct lat_stats *st)
 {
     u32 n = 0, lines = 0;
     for (u32 b = 0; b < HIST_BUCKETS; b++) {
-        if (!hist[b])
+        if (!st->hist[b])
             continue;
         if (n % HIST_PER_LINE == 0) {
-            printf(n ? "\n@%s-hist" : "@%s-hist", prefix);
+            printf(n ? "\n@%s%s-hist" : "@%s%s-hist", prefix, dir);
             lines++;
         }
-        printf(" %u:%lu", b, hist[b]);
+        printf(" %u:%lu", b, st->hist[b]);
         n++;
     }
     if (n)
         printf("\n");
-    printf("@%s-hist-end buckets=%u lines=%u\n", prefix, n, lines);
+    printf("@%s%s-hist-end buckets=%u lines=%u\n", prefix, dir, n, lines);
+}
+
+/* " lat_sum=.. lat_min=.. lat_max=.. p50=.. p90=.. p99=.. p999=.." of st
+   (lat_min 0 when it holds no I/O). */
+static void print_stats(const struct lat_stats *st)
+{
+    printf(" lat_sum=%lu lat_min=%lu lat_max=%lu p50=%lu p90=%lu p99=%lu p999=%lu", st->sum, st->ios ? st->min : 0,
+           st->max, percentile(st, 5000), percentile(st, 9000), percentile(st, 9900), percentile(st, 9990));
+}
+
+/* A job's next command: a write or a read, as rw= and rwmixread= say. */
+static u8 next_op(const struct load_job *j, int mixed, int is_write)
+{
+    int w = mixed ? rnd_below(100) >= j->mixread : is_write;
+    return w ? LOAD_OP_WRITE : LOAD_OP_READ;
 }
 
 /* Fills in slot s for its next command, issued at t0, and issues it. */
@@ -178,11 +219,17 @@ int load_run(const struct load_ops *ops, const struct load_job *j, struct load_r
     int rnd_rw = rw[0] == 'r' && rw[1] == 'a';
     int is_write = !strncmp(rw, "write", 5) || !strncmp(rw, "randwrite", 9);
     int mixed = !strncmp(rw, "randrw", 6);
+    /* A randrw job counts and times reads and writes apart (verify: write then read back, one set). */
+    int split = mixed && !verify;
     u64 seq[16];
     u64 blocks = j->range_lbas / lbs;
     memset(r, 0, sizeof(*r));
     if (!blocks) {
         printf("@%s-error the range holds no block of %lu bytes\n", px, bs);
+        return -1;
+    }
+    if (mixed && j->mixread > 100) {
+        printf("@%s-error rwmixread=%u: a percentage of reads, 0 to 100\n", px, j->mixread);
         return -1;
     }
     if (nq > 16 || depth > LOAD_MAX_DEPTH) {
@@ -209,9 +256,8 @@ int load_run(const struct load_ops *ops, const struct load_job *j, struct load_r
                     break;
                 op = LOAD_OP_WRITE;
             } else {
-                int w = mixed ? (rnd() % 100) >= j->mixread : is_write;
+                op = next_op(j, mixed, is_write);
                 blk = rnd_rw ? rnd_below(blocks) : next_seq(&seq[q], blocks);
-                op = w ? LOAD_OP_WRITE : LOAD_OP_READ;
             }
             if (op == LOAD_OP_WRITE && verify)
                 pattern(j, s->buf, blk * lbs, rng_state);
@@ -281,6 +327,7 @@ int load_run(const struct load_ops *ops, const struct load_job *j, struct load_r
                 i = reaped[k];
                 struct load_slot *s = &j->slots[q * depth + i];
                 lat[k] = t_seen - s->t0;
+                lat_op[k] = s->op;
                 /* Next command in this slot. */
                 u64 blk;
                 u8 op;
@@ -302,9 +349,8 @@ int load_run(const struct load_ops *ops, const struct load_job *j, struct load_r
                             cpu_relax();
                         t = rdtsc(); /* issued after its own think time */
                     }
-                    int w = mixed ? (rnd() % 100) >= j->mixread : is_write;
+                    op = next_op(j, mixed, is_write);
                     blk = rnd_rw ? rnd_below(blocks) : next_seq(&seq[q], blocks);
-                    op = w ? LOAD_OP_WRITE : LOAD_OP_READ;
                 } else {
                     continue;
                 }
@@ -318,7 +364,7 @@ int load_run(const struct load_ops *ops, const struct load_job *j, struct load_r
             }
             ops->kick(q);
             for (u32 k = 0; k < n; k++)
-                hist_add(lat[k]);
+                hist_add(split ? &dirs[lat_op[k] == LOAD_OP_WRITE] : &all, lat[k]);
         }
         /* A pass that found nothing reads the clock when the waiting starts
            and then every 64th pass only: a read in every pass would delay
@@ -357,6 +403,10 @@ int load_run(const struct load_ops *ops, const struct load_job *j, struct load_r
     r->cycles = rdtsc() - t_start;
     r->wait_cycles = wait;
     printf("@%s-window end\n", px);
+    if (split) {
+        stats_add(&all, &dirs[0]);
+        stats_add(&all, &dirs[1]);
+    }
     r->ios = ios;
     r->mismatches = mismatches;
     r->verified = read_back;
@@ -365,17 +415,26 @@ int load_run(const struct load_ops *ops, const struct load_job *j, struct load_r
 
 void load_print_lat(const struct load_result *r)
 {
-    printf(" ios=%lu cycles=%lu wait_cycles=%lu sleeps=%lu lat_sum=%lu lat_min=%lu lat_max=%lu p50=%lu p90=%lu p99=%lu p999=%lu",
-           r->ios, r->cycles, r->wait_cycles, r->sleeps, lat_sum, lat_min, lat_max, percentile(r->ios, 5000), percentile(r->ios, 9000),
-           percentile(r->ios, 9900), percentile(r->ios, 9990));
+    printf(" ios=%lu cycles=%lu wait_cycles=%lu sleeps=%lu", r->ios, r->cycles, r->wait_cycles, r->sleeps);
+    print_stats(&all);
 }
 
 void load_print_end(const char *prefix, const struct load_job *j, const struct load_result *r)
 {
+    int split = !j->verify && !strncmp(j->rw, "randrw", 6);
     if (j->think_us)
         printf(" thinktime_us=%lu", j->think_us);
     if (j->verify)
         printf(" verified_blocks=%lu mismatches=%lu", r->verified, r->mismatches);
+    if (split)
+        printf(" rwmixread=%u", j->mixread);
     printf("\n");
-    hist_dump(prefix);
+    hist_dump(prefix, "", &all);
+    /* randrw: reads and writes apart, each a record and a histogram of its own. */
+    for (u32 d = 0; split && d < 2; d++) {
+        printf("@%s-%s ios=%lu", prefix, dir_names[d], dirs[d].ios);
+        print_stats(&dirs[d]);
+        printf("\n");
+        hist_dump(prefix, d ? "-write" : "-read", &dirs[d]);
+    }
 }

@@ -5,7 +5,11 @@
  * new commands); load_job() runs the job, time based or verify, keeps the
  * latency histogram, and the driver prints its record with load_print_*().
  * Records carry the driver's prefix: "@PREFIX-window start|end",
- * "@PREFIX-hist b:count ...", "@PREFIX-hist-end", "@PREFIX-error ...".
+ * "@PREFIX-hist b:count ...", "@PREFIX-hist-end", "@PREFIX-error ...". A
+ * randrw job (rwmixread=N percent reads) adds its reads and writes apart
+ * after them: "@PREFIX-read ios=.. lat_sum=.. ..." with its
+ * "@PREFIX-read-hist" lines and "-hist-end", then the same for "-write";
+ * the driver's own record and histogram hold both.
  */
 #ifndef IOPATH_LOAD_H
 #define IOPATH_LOAD_H
@@ -66,9 +70,10 @@ extern u64 load_errors;
 int load_parse_rw(const char *prefix, char rw[16]);
 /* Runs the job; 0, or -1 after an error record (the result is then partial). */
 int load_run(const struct load_ops *ops, const struct load_job *j, struct load_result *r);
-/* " ios=.. cycles=.. wait_cycles=.. lat_sum=.. lat_min=.. lat_max=.. p50=.. p90=.. p99=.. p999=.." */
+/* " ios=.. cycles=.. wait_cycles=.. sleeps=.. lat_sum=.. lat_min=.. lat_max=.. p50=.. p90=.. p99=.. p999=.." */
 void load_print_lat(const struct load_result *r);
-/* " thinktime_us=.." / " verified_blocks=.. mismatches=..", the newline, the histogram. */
+/* " thinktime_us=.." / " verified_blocks=.. mismatches=.." / " rwmixread=..", the newline,
+   the histogram; a randrw job's read and write records and histograms. */
 void load_print_end(const char *prefix, const struct load_job *j, const struct load_result *r);
 
 #endif

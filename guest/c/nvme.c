@@ -11,8 +11,9 @@
  * log-linear histogram of cycles,
  * then the histogram itself ("@nvme-hist b:count ..." lines, non-empty
  * buckets only, HIST_PER_LINE a line, then "@nvme-hist-end") for the host
- * to merge over rounds. "@nvme-window start|end" lines mark the timed
- * window, so that the host counts only its exits.
+ * to merge over rounds; a randrw job then its reads and writes apart
+ * ("@nvme-read", "@nvme-write", each with its histogram). "@nvme-window
+ * start|end" lines mark the timed window, so that the host counts only its exits.
  * Verify mode writes an LBA-tagged pattern and reads it back.
  *
  * Command line: rw=read|write|randread|randwrite|randrw bs=N iodepth=N

@@ -267,7 +267,10 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> 
 
 /// `iopath serve MODEL --transport TRANSPORT --fd N` (and the programs'
 /// serve arguments) on a new socket pair: our end and the device process.
+/// A backing file is checked (and with `create=on` made) here first, so
+/// that a missing one is one error, not a device process that dies.
 fn spawn_serve(progs: &Programs, model: &DeviceConfig, transport: &str) -> Result<(UnixStream, DeviceProcess)> {
+    model.prepare_backing()?;
     let (mine, theirs) = socketpair()?;
     let args: Vec<String> =
         [model.to_string(), "--transport".into(), transport.into(), "--fd".into(), CHILD_SOCKET_FD.to_string()]

@@ -40,7 +40,7 @@ pub fn open_fds() -> Option<u64> {
     let Some(dir) = PROC_FD.get() else {
         return std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count() as u64);
     };
-    let dir = dir.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = iopath_devices::lock(dir);
     let fd = dir.as_raw_fd();
     // SAFETY: lseek on an fd we own; procfs lists the fd table afresh from offset 0.
     if unsafe { libc::lseek(fd, 0, libc::SEEK_SET) } != 0 {

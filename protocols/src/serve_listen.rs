@@ -362,11 +362,27 @@ mod tests {
         }
     }
 
-    fn dir(name: &str) -> std::path::PathBuf {
+    /// A scratch directory removed when dropped, a failed assertion included.
+    struct Dir(std::path::PathBuf);
+
+    impl std::ops::Deref for Dir {
+        type Target = Path;
+        fn deref(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn dir(name: &str) -> Dir {
         let d = std::env::temp_dir().join(format!("iopath-listen-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
-        d
+        Dir(d)
     }
 
     #[test]
@@ -381,7 +397,6 @@ mod tests {
         assert!(bound_by_anyone(&other, &std::fs::symlink_metadata(&other).unwrap()).unwrap());
         drop(l);
         unbound(&p, &m); // a socket nobody has bound any more
-        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
@@ -396,7 +411,6 @@ mod tests {
         let e = bind(&d.join("link")).unwrap_err().to_string();
         assert!(e.contains("a symbolic link"), "{e}");
         assert!(bind(&d).unwrap_err().to_string().contains("a directory"));
-        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
@@ -415,7 +429,6 @@ mod tests {
         let l = bind(&p).unwrap();
         assert!(UnixStream::connect(&p).is_ok(), "the stale socket is replaced by a live one");
         drop(l);
-        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
@@ -432,6 +445,5 @@ mod tests {
         std::fs::write(&p, b"not the server's").unwrap();
         drop(b);
         assert_eq!(std::fs::read(&p).unwrap(), b"not the server's");
-        let _ = std::fs::remove_dir_all(&d);
     }
 }

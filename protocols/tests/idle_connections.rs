@@ -5,6 +5,8 @@
 //! default bounds (a 10 s handshake); each wait here is a liveness bound,
 //! none measures speed (`examples/acceptor_bench.rs` does).
 
+mod common;
+
 use iopath_protocols::serve::{run, Listen, ServeOptions, Timeouts, MAX_PENDING};
 use iopath_protocols::socket;
 use iopath_protocols::vfio_user::wire::*;
@@ -18,11 +20,10 @@ use std::time::{Duration, Instant};
 /// (the old acceptor kept a client out 9 s behind 5 idle connections).
 const HUNG: Duration = Duration::from_secs(10);
 
+/// A server in a thread on a socket in the test process's scratch root
+/// (removed at exit, with a server that never ends).
 fn serve(name: &str, transport: &str, once: bool, timeouts: Timeouts) -> (PathBuf, JoinHandle<()>) {
-    let dir = std::env::temp_dir().join(format!("iopath-idle-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("dev.sock");
+    let path = common::scratch(&format!("idle-{name}")).join("dev.sock");
     let o = ServeOptions {
         device: "pci-testdev".parse().unwrap(),
         transport: iopath_protocols::transport(transport).unwrap(),
@@ -206,14 +207,14 @@ fn a_vhost_user_frontend_is_served_while_50_idle_connections_are_held() {
     use iopath_protocols::vhost_user::backend::{run, VhostUserServeOptions, FEATURES};
     use vhost::vhost_user::Frontend;
     use vhost::VhostBackend;
-    let path = std::env::temp_dir().join(format!("iopath-idle-{}-vhost.sock", std::process::id()));
-    let _ = std::fs::remove_file(&path);
+    let path = common::scratch("idle-vhost").join("vhost.sock");
     let o = VhostUserServeOptions {
         device: VirtioBlkConfig {
             backend: StorageKind::Null,
             size: 1 << 20,
             notify: NotifyMode::Ioeventfd,
             queues: None,
+            create: false,
         },
         listen: Listen::Socket(path.clone()),
         once: true,

@@ -39,7 +39,8 @@ static NVME: OnceLock<FileNvme> = OnceLock::new();
 
 fn file_nvme() -> FileNvme {
     let img = std::env::temp_dir().join(format!("iopath-seccomp-nvme-{}.img", std::process::id()));
-    let cfg: iopath_devices::DeviceConfig = format!("nvme,backend=file:{},size_mb=1", img.display()).parse().unwrap();
+    let cfg: iopath_devices::DeviceConfig =
+        format!("nvme,backend=file:{},create=on,size_mb=1", img.display()).parse().unwrap();
     let device = cfg.build().unwrap();
     let _ = std::fs::remove_file(&img);
     let ring_fd = std::fs::read_dir("/proc/self/fd")
@@ -61,9 +62,9 @@ fn file_nvme() -> FileNvme {
 static STORAGE: OnceLock<Mutex<iopath_devices::block::Storage>> = OnceLock::new();
 
 fn file_storage() -> Mutex<iopath_devices::block::Storage> {
-    use iopath_devices::block::{Storage, StorageKind};
+    use iopath_devices::block::StorageKind;
     let img = std::env::temp_dir().join(format!("iopath-seccomp-storage-{}.img", std::process::id()));
-    let mut s = Storage::open(&StorageKind::File(img.clone()), 1 << 20).unwrap();
+    let mut s = iopath_devices::backing::open(&StorageKind::File(img.clone()), 1 << 20, true).unwrap();
     let _ = std::fs::remove_file(&img);
     s.write(0, &[0xa5; 65536]).unwrap();
     Mutex::new(s)

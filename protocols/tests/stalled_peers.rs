@@ -39,10 +39,7 @@ const HUNG: Duration = Duration::from_secs(20);
 /// bounds, in a thread. Without `once` the thread outlives the test (it
 /// waits for a next client that never comes).
 fn serve(device: &str, transport: &str, name: &str, once: bool, keep_state: bool) -> (PathBuf, JoinHandle<()>) {
-    let dir = std::env::temp_dir().join(format!("iopath-stall-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("dev.sock");
+    let path = common::scratch(name).join("dev.sock");
     let o = ServeOptions {
         device: device.parse().unwrap(),
         transport: iopath_protocols::transport(transport).unwrap(),

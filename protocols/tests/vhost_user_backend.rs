@@ -185,7 +185,9 @@ fn rig_on(backend: StorageKind, notify: NotifyMode) -> Rig {
 
 /// A rig whose frontend believes in `queues` queues.
 fn rig_with_queues(backend: StorageKind, notify: NotifyMode, queues: u64) -> Rig {
-    let cfg = VirtioBlkConfig { backend, size: MEM as u64, notify, queues: None };
+    // A file disk is made (create=on) by the first rig on it.
+    let create = matches!(backend, StorageKind::File(_));
+    let cfg = VirtioBlkConfig { backend, size: MEM as u64, notify, queues: None, create };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let (a, b) = UnixStream::pair().unwrap();
     b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -463,8 +465,13 @@ fn more_regions_than_the_bound_are_refused() {
 fn a_queue_index_past_the_device_is_refused() {
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (a, b) = UnixStream::pair().unwrap();
-    let cfg =
-        VirtioBlkConfig { backend: StorageKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd, queues: None };
+    let cfg = VirtioBlkConfig {
+        backend: StorageKind::Null,
+        size: MEM as u64,
+        notify: NotifyMode::Ioeventfd,
+        queues: None,
+        create: false,
+    };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let be2 = be.clone();
     let session = std::thread::spawn(move || be2.session(&b));
@@ -541,7 +548,13 @@ fn get_config_is_the_pci_devices_configuration_space() {
     use iopath_devices::DeviceModel;
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for queues in [Some(2), None] {
-        let cfg = VirtioBlkConfig { backend: StorageKind::Null, size: 3 << 20, notify: NotifyMode::Ioeventfd, queues };
+        let cfg = VirtioBlkConfig {
+            backend: StorageKind::Null,
+            size: 3 << 20,
+            notify: NotifyMode::Ioeventfd,
+            queues,
+            create: false,
+        };
         let pci = VirtioBlk::new(cfg.clone()).unwrap();
         let mut want = vec![0u8; DEVCFG_LEN as usize];
         for (k, b) in want.iter_mut().enumerate() {
@@ -585,8 +598,13 @@ fn a_ring_stopped_right_after_it_was_disabled_answers() {
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let g = Guest::new(true);
     let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
-    let cfg =
-        VirtioBlkConfig { backend: StorageKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd, queues: None };
+    let cfg = VirtioBlkConfig {
+        backend: StorageKind::Null,
+        size: MEM as u64,
+        notify: NotifyMode::Ioeventfd,
+        queues: None,
+        create: false,
+    };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let (a, b) = UnixStream::pair().unwrap();
     // A reply that never comes: the rig's guard shuts the socket down
@@ -799,8 +817,13 @@ fn ring_addresses_before_the_ring_size_are_checked_at_that_size() {
 fn a_refused_check_device_state_ends_the_session() {
     use std::io::{Read, Write};
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let cfg =
-        VirtioBlkConfig { backend: StorageKind::Null, size: MEM as u64, notify: NotifyMode::Ioeventfd, queues: None };
+    let cfg = VirtioBlkConfig {
+        backend: StorageKind::Null,
+        size: MEM as u64,
+        notify: NotifyMode::Ioeventfd,
+        queues: None,
+        create: false,
+    };
     let be = Arc::new(BlkBackend::new(&cfg).unwrap());
     let (mut a, b) = UnixStream::pair().unwrap();
     b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();

@@ -14,8 +14,10 @@ use std::time::{Duration, Instant};
 use vhost::vhost_user::Frontend;
 use vhost::VhostBackend;
 
+mod common;
+
 fn sock(tag: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("iopath-vub-serve-{tag}-{}.sock", std::process::id()))
+    common::scratch(tag).join("vhost-user.sock")
 }
 
 fn start(path: &PathBuf, handshake: Duration) -> std::thread::JoinHandle<iopath_protocols::Result<()>> {
@@ -26,6 +28,7 @@ fn start(path: &PathBuf, handshake: Duration) -> std::thread::JoinHandle<iopath_
             size: 1 << 20,
             notify: NotifyMode::Ioeventfd,
             queues: None,
+            create: false,
         },
         listen: Listen::Socket(path.clone()),
         once: true,
@@ -95,6 +98,7 @@ fn start_bounded(path: &PathBuf, message: Duration) {
             size: 1 << 20,
             notify: NotifyMode::Ioeventfd,
             queues: None,
+            create: false,
         },
         listen: Listen::Socket(path.clone()),
         once: false,

@@ -145,7 +145,7 @@ impl<'a> Ctx<'a> {
     }
 
     pub(super) fn blk_config(&self, notify: NotifyMode) -> VirtioBlkConfig {
-        VirtioBlkConfig { backend: self.o.backend.clone(), size: self.size, notify, queues: None }
+        VirtioBlkConfig { backend: self.o.backend.clone(), size: self.size, notify, queues: None, create: false }
     }
 
     /// iopath's virtio-blk in the VMM, or in a device process over `remote`.

@@ -419,7 +419,16 @@ pub fn run_exits(o: &ExitsOptions) -> anyhow::Result<ExitsResult> {
     };
     // Marked rows run again, all their rounds, before a mark stays (not after Ctrl-C).
     if !result.partial {
-        guard_rows(&mut result, &mut |t, cpl, row, round, attempt| runner.run(t, cpl, Some(row), round, attempt));
+        // A re-run's rounds join the bar when its first round starts (for
+        // each target it runs), so the ETA counts them.
+        guard_rows(&mut result, &mut |t, cpl, row, round, attempt| {
+            if round == 0 {
+                pb.inc_length(o.rounds as u64);
+            }
+            let run = runner.run(t, cpl, Some(row), round, attempt);
+            pb.inc(1);
+            run
+        });
     }
     pb.finish_and_clear();
     let mut wrong = Vec::new();

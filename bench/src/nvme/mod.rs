@@ -24,9 +24,11 @@ use std::time::Duration;
 mod guard;
 pub mod hist;
 mod run;
+pub mod split;
 mod table;
 
 pub use hist::LatHist;
+pub use split::DirRun;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Job {
@@ -77,6 +79,12 @@ impl Job {
             l = format!("{l} irq");
         }
         l
+    }
+
+    /// Whether the job's reads and writes are counted apart: randrw (a
+    /// verify job writes, then reads back: one set).
+    pub fn split(&self) -> bool {
+        self.rw == "randrw" && !self.verify
     }
 
     fn base_label(&self) -> String {
@@ -245,6 +253,11 @@ pub struct NvmeRun {
     pub hist: Vec<(f64, u64)>,
     #[serde(skip)]
     pub lat: Option<LatHist>,
+    /// A randrw run's reads and writes apart (`split`); None for other jobs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read: Option<DirRun>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub write: Option<DirRun>,
     pub errors: u64,
     pub mismatches: Option<u64>,
     pub verified_blocks: Option<u64>,
@@ -331,7 +344,7 @@ fn marks_ser<S: serde::Serializer>(m: &[crate::guard::Mark], s: S) -> Result<S::
 
 impl NvmeRun {
     /// A run with `ios` in `cycles` at `tsc_khz` and nothing else known yet.
-    fn new(target: &str, setup: &str, job: usize, round: u32, ios: u64, cycles: u64) -> NvmeRun {
+    pub(crate) fn new(target: &str, setup: &str, job: usize, round: u32, ios: u64, cycles: u64) -> NvmeRun {
         NvmeRun {
             target: target.into(),
             setup: setup.into(),
@@ -353,6 +366,8 @@ impl NvmeRun {
             p999_ns: f64::NAN,
             hist: Vec::new(),
             lat: None,
+            read: None,
+            write: None,
             errors: 0,
             mismatches: None,
             verified_blocks: None,
@@ -483,8 +498,8 @@ pub fn is_fio_target(target: &str) -> bool {
 /// The disk size in bytes, for `bench nvme` and `bench blk` alike: a file
 /// backend's is the file's (or the block device's), in whole MiB (a device process gets it as
 /// size_mb), so that the guest, fio and QEMU all range over the same bytes;
-/// where the file is missing or < 1 MiB, `size_mb` or the default (the
-/// device makes the file that long). Null and ram: `size_mb` or the default.
+/// where the file is missing or < 1 MiB, `size_mb` or the default (what
+/// `--create` lays out; a file there that is shorter is refused). Null and ram: `size_mb` or the default.
 /// At most 1 TiB.
 pub fn namespace_size(backend: &StorageKind, size_mb: Option<u64>) -> u64 {
     let asked = size_mb.filter(|&m| m > 0).map_or(NvmeConfig::default().size, |m| m.min(1 << 20) << 20);

@@ -391,7 +391,23 @@ impl<'a> Ctx<'a> {
         } else {
             io_exits == Some(want_exits)
         };
-        r.routing_ok = cmds == Some(r.ios) && dbs_ok && exits_ok && driver_ok;
+        // randrw: the guest's reads and writes are the controller's.
+        let split_ok = match (&r.read, &r.write) {
+            (Some(rd), Some(wr)) => {
+                let (reads, writes) = (c("io.reads"), c("io.writes"));
+                r.routing = format!(
+                    "{}; controller io.reads={} io.writes={} of {} and {} guest reads and writes",
+                    r.routing,
+                    fmt_opt(reads),
+                    fmt_opt(writes),
+                    rd.ios,
+                    wr.ios
+                );
+                (reads, writes) == (Some(rd.ios), Some(wr.ios))
+            }
+            _ => true,
+        };
+        r.routing_ok = cmds == Some(r.ios) && dbs_ok && exits_ok && driver_ok && split_ok;
         guest_checks(&mut r, j);
         if rep.status != 1 {
             anyhow::bail!("{}; routing: {}", crate::record::exit_failure(rep.status, &rep.lines), r.routing);
@@ -473,6 +489,10 @@ impl<'a> Ctx<'a> {
         (r.lat_min_ns, r.lat_max_ns) = (f.lat_min_ns, f.lat_max_ns);
         (r.p50_ns, r.p90_ns, r.p99_ns, r.p999_ns) = (f.p50_ns, f.p90_ns, f.p99_ns, f.p999_ns);
         r.errors = f.errors;
+        if j.split() {
+            let d = |d: &crate::fio::FioDir| Some(super::DirRun::from_fio(d, self.tsc_khz));
+            (r.read, r.write) = (d(&f.read), d(&f.write));
+        }
         // fio's bins in the guest's buckets: its row's percentiles over rounds merge as the guest's do.
         if !f.lat_bins.is_empty() {
             let lat = LatHist::from_ns_points(&f.lat_bins, self.tsc_khz);
@@ -585,6 +605,10 @@ pub fn to_run(
     r.p999_ns = lat.quantile_ns(0.999, tsc_khz);
     r.hist = lat.pairs_ns(tsc_khz);
     r.lat = Some(lat);
+    if j.split() {
+        let [read, write] = super::split::from_guest(lines, "nvme", (ios, g("lat_sum")?), j.bs, secs, tsc_khz)?;
+        (r.read, r.write) = (Some(read), Some(write));
+    }
     r.errors = g("errors")?;
     r.mismatches = g("mismatches").ok();
     r.verified_blocks = g("verified_blocks").ok();

@@ -5,7 +5,7 @@ use crate::stats::summarize;
 use serde_json::{json, Value};
 use std::fmt::Write as _;
 
-fn fmt_rate(v: f64) -> String {
+pub(super) fn fmt_rate(v: f64) -> String {
     if v >= 1e6 {
         format!("{:.2} M", v / 1e6)
     } else {
@@ -13,7 +13,7 @@ fn fmt_rate(v: f64) -> String {
     }
 }
 
-fn fmt_ns(v: f64) -> String {
+pub(super) fn fmt_ns(v: f64) -> String {
     if !v.is_finite() {
         "-".into()
     } else if v >= 1000.0 {
@@ -177,6 +177,7 @@ impl NvmeResult {
                 epi,
                 rs[0].routing
             );
+            s.push_str(&super::split::rows(&rs, &target, self.tsc_khz));
         }
         let setup = summarize(&self.runs.iter().filter_map(|r| r.setup_exits.map(|x| x as f64)).collect::<Vec<_>>());
         let _ = writeln!(
@@ -445,7 +446,7 @@ impl NvmeResult {
                     Some((_, _, _, m)) => m.clone(),
                     None => super::guard::group_marks(&self.options.guard, &runs, &self.options.jobs[ji]),
                 };
-                json!({
+                let mut v = json!({
                     "job": ji,
                     "target": target,
                     "setup": rs[0].setup,
@@ -460,7 +461,12 @@ impl NvmeResult {
                     "percentiles": if rs.iter().all(|r| r.lat.is_some()) { "merged histogram, interpolated" } else { "median of rounds" },
                     "hist": merged.pairs_ns(self.tsc_khz),
                     "marks": crate::guard::marks_json(&marks),
-                })
+                });
+                // randrw: its reads and writes apart, `read` and `write`.
+                if let (Some(Value::Object(d)), Some(o)) = (super::split::summary(&rs, self.tsc_khz), v.as_object_mut()) {
+                    o.extend(d);
+                }
+                v
             })
             .collect()
     }

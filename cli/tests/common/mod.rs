@@ -3,6 +3,9 @@
 #![allow(dead_code)]
 
 pub mod nvmeperf;
+mod tempdir;
+#[allow(unused_imports)] // not every test binary makes one
+pub use tempdir::TempDir;
 
 use iopath_protocols::attach::Programs;
 use std::path::PathBuf;
@@ -36,4 +39,31 @@ pub fn programs() -> Programs {
         qemu: iopath_bench::qemu::find().ok(),
         serve_args: Vec::new(),
     }
+}
+
+/// A process as /proc shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcInfo {
+    pub pid: u32,
+    /// Its name (`comm`, at most 15 bytes).
+    pub comm: String,
+    /// Its arguments, joined by spaces.
+    pub cmdline: String,
+}
+
+/// The processes whose parent is `pid` (zombies included: not yet reaped).
+pub fn children(pid: u32) -> Vec<ProcInfo> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
+        // "PID (COMM) STATE PPID ...": COMM may hold spaces and parentheses, the last ')' ends it.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+        let ppid = stat[close + 1..].split_whitespace().nth(1).and_then(|x| x.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            let cmdline = std::fs::read_to_string(format!("/proc/{p}/cmdline")).unwrap_or_default().replace('\0', " ");
+            v.push(ProcInfo { pid: p, comm: stat[open + 1..close].to_string(), cmdline });
+        }
+    }
+    v
 }

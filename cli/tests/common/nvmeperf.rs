@@ -24,15 +24,20 @@ pub fn nvmeperf(spec: &str, args: &str) -> NvmeperfRun {
     nvmeperf_in(spec, args, 128, RamKind::Auto)
 }
 
-/// The same in `mem_mb` of guest RAM backed as `ram` says.
-pub fn nvmeperf_in(spec: &str, args: &str, mem_mb: u64, ram: RamKind) -> NvmeperfRun {
+/// One nvmeperf run against `spec`, whatever its outcome.
+pub fn nvmeperf_run(spec: &str, args: &str, mem_mb: u64, ram: RamKind) -> iopath_vmm::vm::RunReport {
     let spec: DeviceSpec = spec.parse().unwrap();
     let mut cfg = VmConfig::new(iopath_guest::IMAGE, &format!("workload=nvme {args}"));
     cfg.devices = vec![instantiate(&spec, &programs()).unwrap()];
     cfg.mem_size = mem_mb << 20;
     cfg.ram = ram;
     cfg.timeout = Duration::from_secs(120);
-    let r = run(cfg).unwrap();
+    run(cfg).unwrap()
+}
+
+/// The same in `mem_mb` of guest RAM backed as `ram` says.
+pub fn nvmeperf_in(spec: &str, args: &str, mem_mb: u64, ram: RamKind) -> NvmeperfRun {
+    let r = nvmeperf_run(spec, args, mem_mb, ram);
     assert_eq!(r.status, 1, "{spec:?} {args}: {:?}", r.lines.iter().rev().take(6).collect::<Vec<_>>());
     let rec = nvme_record(&r.lines);
     let c = r.devices[0].counters.iter().map(|c| (c.name.clone(), c.value)).collect();

@@ -9,7 +9,7 @@
 
 use super::guest::InPlace;
 use super::uring::Uring;
-use crate::{Error, Result};
+use crate::Result;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 
@@ -76,25 +76,11 @@ pub fn path_bytes(p: &std::path::Path) -> u64 {
     File::open(p).and_then(|f| backing_bytes(&f)).unwrap_or(0)
 }
 
-/// The buffered fd of a `file:PATH` namespace of `bytes`: `p` opened (or
-/// created); a regular file shorter than that is extended, a block device
-/// must hold it already.
+/// The buffered fd of a `file:PATH` namespace of `bytes`: `p` opened to
+/// read and write, a regular file or block device that is there and holds
+/// them ([`crate::backing`]; never made, extended or truncated here).
 fn open_backing(p: &std::path::Path, bytes: u64) -> Result<File> {
-    use std::os::unix::fs::FileTypeExt;
-    let io_err = |e| Error::io(p.display().to_string(), e);
-    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(p).map_err(io_err)?;
-    let have = backing_bytes(&f).map_err(io_err)?;
-    if have < bytes {
-        if f.metadata().map_err(io_err)?.file_type().is_block_device() {
-            return Err(Error::Option {
-                device: "nvme",
-                option: "backend".into(),
-                reason: format!("{}: the block device holds {have} bytes, the namespace needs {bytes}", p.display()),
-            });
-        }
-        f.set_len(bytes).map_err(io_err)?;
-    }
-    Ok(f)
+    Ok(crate::backing::open_rw(p, bytes)?)
 }
 
 impl FileStorage {

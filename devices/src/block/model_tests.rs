@@ -205,7 +205,7 @@ fn a_file_follows_the_model_through_random_operations_and_its_ring() {
     for seed in 1..=4 {
         let path = std::env::temp_dir().join(format!("iopath-block-model-{}-{seed}.img", std::process::id()));
         let _ = std::fs::remove_file(&path);
-        let mut s = Storage::open(&StorageKind::File(path.clone()), SIZE).unwrap();
+        let mut s = crate::backing::open(&StorageKind::File(path.clone()), SIZE, true).unwrap();
         let Storage::File(f) = &s else { unreachable!() };
         assert!(f.is_async(), "no O_DIRECT io_uring on {}: the ring's half is not tested", path.display());
         let model = run(&mut s, seed, 300);

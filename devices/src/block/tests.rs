@@ -9,7 +9,7 @@ use std::os::fd::AsRawFd;
 fn ram_and_file_keep_data_null_keeps_none() {
     let path = std::env::temp_dir().join(format!("iopath-block-{}.img", std::process::id()));
     for kind in [StorageKind::Ram, StorageKind::File(path.clone()), StorageKind::Null] {
-        let mut b = Storage::open(&kind, 1 << 20).unwrap();
+        let mut b = crate::backing::open(&kind, 1 << 20, kind == StorageKind::File(path.clone())).unwrap();
         b.write(4096, b"abcd").unwrap();
         let mut r = [0u8; 4];
         b.read(4096, &mut r).unwrap();
@@ -57,6 +57,7 @@ fn reap_all(f: &mut FileStorage, n: usize) {
 #[test]
 fn pushed_operations_go_to_the_kernel_once_they_add_up_to_submit_bytes() {
     let path = std::env::temp_dir().join(format!("iopath-block-batch-{}.img", std::process::id()));
+    crate::backing::prepare(&StorageKind::File(path.clone()), 1 << 20, true).unwrap();
     let mut f = FileStorage::open(&path, 1 << 20).unwrap();
     if !f.is_async() {
         eprintln!("no O_DIRECT io_uring here: nothing to check");
@@ -83,6 +84,7 @@ fn pushed_operations_go_to_the_kernel_once_they_add_up_to_submit_bytes() {
 #[test]
 fn with_a_submit_batch_pushed_reads_go_to_the_kernel_every_that_many() {
     let path = std::env::temp_dir().join(format!("iopath-block-sbatch-{}.img", std::process::id()));
+    crate::backing::prepare(&StorageKind::File(path.clone()), 1 << 20, true).unwrap();
     let mut f = FileStorage::open(&path, 1 << 20).unwrap();
     if !f.is_async() {
         eprintln!("no O_DIRECT io_uring here: nothing to check");
@@ -120,6 +122,7 @@ fn with_a_submit_batch_pushed_reads_go_to_the_kernel_every_that_many() {
 fn the_ring_refuses_every_operation_but_the_namespaces_own() {
     use io_uring::{opcode, types};
     let path = std::env::temp_dir().join(format!("iopath-block-restrict-{}.img", std::process::id()));
+    crate::backing::prepare(&StorageKind::File(path.clone()), 1 << 20, true).unwrap();
     let mut f = FileStorage::open(&path, 1 << 20).unwrap();
     let _ = std::fs::remove_file(&path);
     if !f.is_async() {
@@ -154,6 +157,7 @@ fn the_ring_refuses_every_operation_but_the_namespaces_own() {
 #[test]
 fn operations_in_flight_on_a_file_complete_with_their_data_through_fixed_buffers() {
     let path = std::env::temp_dir().join(format!("iopath-block-uring-{}.img", std::process::id()));
+    crate::backing::prepare(&StorageKind::File(path.clone()), 1 << 20, true).unwrap();
     let mut f = FileStorage::open(&path, 1 << 20).unwrap();
     if !f.is_async() {
         eprintln!("no O_DIRECT io_uring here: nothing to check");
@@ -251,7 +255,7 @@ fn discard_punches_a_hole_in_a_file_and_write_zeroes_keeps_blocks_unless_dealloc
     const MIB: u64 = 1 << 20;
     let path = std::env::temp_dir().join(format!("iopath-block-holes-{}.img", std::process::id()));
     let _ = std::fs::remove_file(&path);
-    let mut s = Storage::open(&StorageKind::File(path.clone()), 4 * MIB).unwrap();
+    let mut s = crate::backing::open(&StorageKind::File(path.clone()), 4 * MIB, true).unwrap();
     for i in 0..4 {
         s.write(i * MIB, &vec![0x5a; MIB as usize]).unwrap();
     }

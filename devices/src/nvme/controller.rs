@@ -171,7 +171,7 @@ pub(super) struct Stats {
     pub sleeps: u64,
     pub wakeups: u64,
     /// adaptive: timed wake-ups for a forecast command, and the forecast
-    /// commands found by the polling after them (`forecast.rs`).
+    /// commands found by the polling after them (`poller/forecast.rs`).
     pub forecasts: u64,
     pub forecast_hits: u64,
     /// Doorbell Buffer Config commands that set up shadow doorbells.

@@ -5,7 +5,7 @@
 //! memory polled by a thread (`bar`), and ioeventfd kicks that wake a thread
 //! which reads the shadow doorbells (`ioeventfd`). The threads are started
 //! and stopped here; the adaptive pollers, which also sleep, are in
-//! `adaptive.rs`.
+//! `adaptive.rs` (their threads) and `poller/` (their decisions).
 //!
 //! ioeventfd registration follows the host. A VMM installs them as the
 //! queues come and go (`register_doorbells`). A device process's host
@@ -828,7 +828,7 @@ fn event_idx_lags(ev: Option<u32>, now: u32, size: u32) -> bool {
 /// lands during one waits for its end: at 4 KiB QD1 on the null backend
 /// this took the p50 from 555-556 ns to 540-547 ns (bar mode in the same
 /// runs, unchanged: 531-537 ns).
-const LOOKS_PER_PASS: u32 = 16;
+pub(super) const LOOKS_PER_PASS: u32 = 16;
 
 /// A poller's looks at the doorbell words between its locked passes.
 #[derive(Default)]
@@ -858,12 +858,6 @@ impl Looks {
         if idle {
             self.watch = Some(c.rewatch(self.watch.take()));
         }
-    }
-
-    /// Before a sleep, which can be long: the watch goes, so that a memory
-    /// a client unmaps meanwhile does not stay mapped under it.
-    pub(super) fn stop(&mut self) {
-        *self = Looks::default();
     }
 }
 
@@ -926,7 +920,7 @@ pub(super) fn read_eventfd(fd: &EventFd) -> std::io::Result<u64> {
 /// When a device thread looks again at operations the kernel refused to
 /// take (no completion will wake it for them): 1 ms after the first
 /// refusal, doubling to 100 ms while they are refused.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub(super) struct Retry(Option<std::time::Duration>);
 
 impl Retry {

@@ -49,7 +49,7 @@
 //!   must configure the buffer before it creates I/O queues.
 //! - `adaptive`: `shm` while work comes; after [`ADAPTIVE_IDLE`] without
 //!   any (less, down to [`ADAPTIVE_IDLE_MIN`], while its sleeps are longer
-//!   than that: `adaptive.rs`, `IdleWindow`; [`ADAPTIVE_IDLE_IO`], yielding the core between looks, when only file
+//!   than that: `poller/idle.rs`, `IdleWindow`; [`ADAPTIVE_IDLE_IO`], yielding the core between looks, when only file
 //!   operations are in flight: their completion eventfd wakes it too), the poller sets every I/O
 //!   SQ's EventIdx to the tail it served (the driver's next submission
 //!   also writes the doorbell register, an
@@ -61,7 +61,7 @@
 //!   and wakes the poller through the same eventfd, so the submissions after
 //!   it are polled again rather than each exiting. With steady gaps between
 //!   submissions the poller sets a timer for just before the next is due and
-//!   polls for it instead of waiting for its doorbell (`forecast.rs`;
+//!   polls for it instead of waiting for its doorbell (`poller/forecast.rs`;
 //!   `forecast=off` turns it off): a polled driver gets `shm`'s latency,
 //!   an idle controller costs no core. In a device process it serves only
 //!   drivers that configure shadow doorbells (Create I/O SQ is refused
@@ -78,7 +78,7 @@
 //!   that landed before the trap is served, not slept on) and sleeps until
 //!   woken; awake, it maps the page back and polls. A host that cannot trap
 //!   the page (a device process: its client mapped the vfio-user sparse
-//!   area) keeps the steps. See `adaptive.rs`.
+//!   area) keeps the steps. See `poller/asleep.rs`.
 //! - `auto` (the default): every driver's mode. BAR0's doorbell page is
 //!   shared memory as in `bar` (SPDK's stores, and any driver's before it
 //!   configures shadow doorbells, land there), and Doorbell Buffer Config
@@ -132,7 +132,9 @@
 //! `controller.rs` the `Core` and its state by concern, queue processing,
 //! asynchronous events, counters; `admin.rs` admin commands; `io.rs` I/O
 //! commands and PRP data movement; `doorbells.rs` the four doorbell modes
-//! and the device thread; `interrupts.rs` MSI-X (the shared
+//! and the device thread; `adaptive.rs` the adaptive pollers' threads and
+//! `poller/` their decisions, a pure state machine (and the forecast of
+//! steady gaps); `interrupts.rs` MSI-X (the shared
 //! [`MsixTable`](crate::pci::MsixTable)) and interrupt coalescing;
 //! `queue.rs` queue entries and PRPs in guest memory; `shards.rs` queue
 //! groups for several pollers. The namespace's storage is the block layer's
@@ -142,12 +144,12 @@ mod adaptive;
 mod admin;
 mod controller;
 mod doorbells;
-mod forecast;
 pub mod identity;
 mod interrupts;
 mod io;
 #[cfg(any(test, feature = "oracle"))]
 pub mod oracle;
+mod poller;
 pub mod queue;
 mod regs;
 mod shards;
@@ -244,14 +246,14 @@ impl DoorbellMode {
 
 /// `adaptive` mode: how long the poller finds no work before it sleeps, at
 /// most; the poller shortens it down to [`ADAPTIVE_IDLE_MIN`] while its
-/// sleeps are longer than this (see `adaptive.rs`, `IdleWindow`).
+/// sleeps are longer than this (see `poller/idle.rs`, `IdleWindow`).
 pub const ADAPTIVE_IDLE: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// The shortest idle interval before an adaptive poller sleeps.
 pub const ADAPTIVE_IDLE_MIN: std::time::Duration = std::time::Duration::from_micros(10);
 
 /// `adaptive` mode with file operations in flight and no other work: how
-/// long the poller looks (yielding its core between looks, `adaptive.rs`,
+/// long the poller looks (yielding its core between looks, `poller/idle.rs`,
 /// `Yielder`) before it sleeps until a completion (the ring's eventfd) or a
 /// doorbell wakes it. A disk's completion takes tens of microseconds or
 /// more; spinning through it takes a core from the vCPU and the storage stack.
@@ -327,7 +329,7 @@ pub struct NvmeConfig {
     /// queues are spread over them by CQ id (`shards.rs`).
     pub pollers: u8,
     /// adaptive: the poller forecasts steady gaps and polls for the command
-    /// that ends one, instead of waiting for its doorbell (`forecast.rs`;
+    /// that ends one, instead of waiting for its doorbell (`poller/forecast.rs`;
     /// `forecast=off` to compare).
     pub forecast: bool,
     /// A file namespace: which reads and writes work on the guest's pages
@@ -337,6 +339,9 @@ pub struct NvmeConfig {
     /// (`submit_batch=N`, fio's iodepth_batch_submit), or 0: all that a
     /// queue pass fetched at once (see `block::FileStorage::submit_batch`).
     pub submit_batch: u16,
+    /// A file namespace: make a missing file, `size` bytes written through
+    /// (`create=on`; otherwise a missing file is an error, `crate::backing`).
+    pub create: bool,
     /// `serial=`, `nqn=`, `cntlid=`; what is unset is drawn per controller
     /// instance (`identity.rs`).
     pub id: identity::IdentityOptions,
@@ -359,6 +364,7 @@ impl Default for NvmeConfig {
             forecast: true,
             in_place: InPlace::Auto,
             submit_batch: 0,
+            create: false,
             id: identity::IdentityOptions::default(),
         }
     }
@@ -402,6 +408,9 @@ impl NvmeConfig {
         if self.submit_batch > MAX_SUBMIT_BATCH {
             return bad("submit_batch", format!("{} (0 ..= {MAX_SUBMIT_BATCH})", self.submit_batch));
         }
+        if self.create && !matches!(self.backend, StorageKind::File(_)) {
+            return bad("create", "create=on needs backend=file:PATH".into());
+        }
         if self.pollers > 1 && matches!(self.backend, StorageKind::File(_)) {
             return bad(
                 "pollers",
@@ -430,7 +439,7 @@ impl Nvme {
         cfg.validate()?;
         // One identity for the controller's life, its queue groups included.
         cfg.id = cfg.id.resolved();
-        let mut storage = Storage::open(&cfg.backend, cfg.size)?;
+        let mut storage = crate::backing::open(&cfg.backend, cfg.size, cfg.create)?;
         if let Storage::File(f) = &mut storage {
             f.in_place = cfg.in_place;
             f.submit_batch = cfg.submit_batch as usize;

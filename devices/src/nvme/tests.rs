@@ -197,7 +197,8 @@ fn bring_up_identify_and_data_round_trip() {
 fn hostile_commands_get_nvme_statuses_and_the_controller_goes_on() {
     let img = TempImage::new("hostile");
     for backend in [StorageKind::Ram, StorageKind::File(img.0.clone())] {
-        hostile_commands(Drv::new(mmio(backend)));
+        let create = matches!(backend, StorageKind::File(_));
+        hostile_commands(Drv::new(NvmeConfig { create, ..mmio(backend) }));
     }
 }
 
@@ -1154,6 +1155,7 @@ impl TempImage {
             size: 1 << 20,
             lba_size: 512,
             doorbell,
+            create: true,
             ..NvmeConfig::default()
         }
     }

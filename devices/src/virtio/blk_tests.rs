@@ -163,7 +163,7 @@ fn write_zeroes_and_discard_zero_the_range_and_check_it() {
 #[test]
 fn a_file_disk_keeps_data_synchronously() {
     let path = std::env::temp_dir().join(format!("iopath-vblk-{}.img", std::process::id()));
-    let storage = crate::block::Storage::open(&StorageKind::File(path.clone()), 1 << 20).unwrap();
+    let storage = crate::backing::open(&StorageKind::File(path.clone()), 1 << 20, true).unwrap();
     let mut b = Blk::new(storage, 1 << 20, "f");
     let d = Driver::new(8);
     d.ram.write_slice(&[0x3c; 512], GuestAddress(BUF)).unwrap();

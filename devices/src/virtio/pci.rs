@@ -30,7 +30,7 @@
 
 use super::blk::{self, Blk};
 use super::transport::{DeviceConfigBytes, QueueEngine, Shared, State, Transport, VirtioPci};
-use crate::block::{Storage, StorageKind};
+use crate::block::StorageKind;
 use crate::{Counter, DeviceContext, Error, IoEventSpec, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -98,7 +98,7 @@ impl std::fmt::Display for NotifyMode {
     }
 }
 
-/// Options of `--device virtio-blk[,backend=null|ram|file:PATH][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N]`.
+/// Options of `--device virtio-blk[,backend=null|ram|file:PATH][,create=on][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VirtioBlkConfig {
     pub backend: StorageKind,
@@ -110,11 +110,20 @@ pub struct VirtioBlkConfig {
     /// device process); iopath's vhost-user backend then has
     /// [`MAX_QUEUES`], since QEMU's vhost-user-blk-pci asks one per vCPU.
     pub queues: Option<u16>,
+    /// A file disk: make a missing file, `size` bytes written through
+    /// (`create=on`; otherwise a missing file is an error, `crate::backing`).
+    pub create: bool,
 }
 
 impl Default for VirtioBlkConfig {
     fn default() -> Self {
-        VirtioBlkConfig { backend: StorageKind::Ram, size: 64 << 20, notify: NotifyMode::Exit, queues: None }
+        VirtioBlkConfig {
+            backend: StorageKind::Ram,
+            size: 64 << 20,
+            notify: NotifyMode::Exit,
+            queues: None,
+            create: false,
+        }
     }
 }
 
@@ -173,7 +182,7 @@ impl VirtioPci<BlkEngine> {
             let reason = format!("{n} (1 ..= {MAX_QUEUES})");
             return Err(Error::Option { device: "virtio-blk", option: "queues".into(), reason });
         }
-        let storage = Storage::open(&cfg.backend, cfg.size)?;
+        let storage = crate::backing::open(&cfg.backend, cfg.size, cfg.create)?;
         let blk = Blk::new(storage, cfg.size, "iopath-virtio-blk");
         let st = Stats { queue_requests: vec![0; n as usize], ..Stats::default() };
         let e = BlkEngine { cfg, blk, st, polling: false, thread: None, kick: None };

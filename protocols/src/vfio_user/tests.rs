@@ -92,7 +92,7 @@ fn ioregionfd_regions_carry_sync_and_posted_accesses() {
         assert_eq!(p.regions.len(), 2);
         assert!(p.regions.iter().all(|(_, r)| r.posted_writes == posted));
         place(&mut p);
-        let before = p.requests;
+        let before = p.chan.requests;
         p.bar_write(0, 0, &[0]);
         for _ in 0..50 {
             p.bar_write(0, 2048, &[0xfa]);
@@ -100,7 +100,7 @@ fn ioregionfd_regions_carry_sync_and_posted_accesses() {
         let mut c = [0u8; 4];
         p.bar_read(0, 12, &mut c);
         assert_eq!(u32::from_le_bytes(c), 50);
-        assert_eq!(p.requests, before, "no REGION_READ/WRITE message: the region fds carried them");
+        assert_eq!(p.chan.requests, before, "no REGION_READ/WRITE message: the region fds carried them");
         assert_eq!(counter(&p.counters(), "ioregionfd.commands"), Some(52));
         drop(p);
         let (r, c) = h.join().unwrap();
@@ -197,11 +197,11 @@ fn the_client_answers_dma_fallback_requests_within_guest_ram_only() {
     let h = server(IoFds::IoEventFds, vec![b]);
     let mut p = VfioUserProxy::connect(a, None).unwrap();
     let mem = iopath_devices::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap();
-    p.mem = Some(mem.clone().into());
+    p.chan.dma.mem = Some(mem.clone().into());
     let hdr = |cmd: Command| Header { msg_id: 9, cmd: cmd as u16, msg_size: 0, flags: 0, error_no: 0 };
     let w =
         Received { hdr: hdr(Command::DmaWrite), payload: DmaAccess::to_bytes_with_data(0x100, b"hello"), fds: vec![] };
-    let (rh, _) = parse_message(&p.serve_dma(&w)).map(|(h, p)| (h, p.to_vec())).unwrap();
+    let (rh, _) = parse_message(&p.chan.dma.serve(&w)).map(|(h, p)| (h, p.to_vec())).unwrap();
     assert!(!rh.is_error());
     let mut got = [0u8; 5];
     mem.read_slice(&mut got, GuestAddress(0x100)).unwrap();
@@ -211,7 +211,7 @@ fn the_client_answers_dma_fallback_requests_within_guest_ram_only() {
         payload: DmaAccess { address: 0x100, count: 5 }.to_bytes(),
         fds: vec![],
     };
-    let reply = p.serve_dma(&r);
+    let reply = p.chan.dma.serve(&r);
     let (_, payload) = parse_message(&reply).unwrap();
     assert_eq!(DmaAccess::parse_with_data(payload).unwrap().1, b"hello");
     let out = Received {
@@ -219,7 +219,7 @@ fn the_client_answers_dma_fallback_requests_within_guest_ram_only() {
         payload: DmaAccess { address: 0xfffe, count: 4 }.to_bytes(),
         fds: vec![],
     };
-    let (eh, _) = parse_message(&p.serve_dma(&out)).unwrap();
+    let (eh, _) = parse_message(&p.chan.dma.serve(&out)).unwrap();
     assert_eq!((eh.is_error(), eh.error_no), (true, libc::EFAULT as u32), "straddles the end of guest RAM");
     drop(p);
     h.join().unwrap().0.unwrap();
@@ -237,7 +237,7 @@ fn set_irqs_hands_intx_to_the_device_process_and_dma_map_its_ram() {
     let mut ctx = ctx;
     ctx.ioevents = recorder.clone();
     p.attach(ctx);
-    assert!(p.peer.dead.is_none(), "{:?}", p.peer.dead);
+    assert!(p.chan.peer.dead.is_none(), "{:?}", p.chan.peer.dead);
     assert_eq!(recorder.0.lock().unwrap().len(), 4, "the announced ioeventfds went to KVM's registrar");
     // pci-testdev has no Interrupt Pin: the server offers no INTx, the proxy hands none over.
     assert!(irq.intx_eventfds().is_none(), "INTx fds for a device without INTx");
@@ -253,7 +253,7 @@ fn set_irqs_hands_intx_to_the_device_process_and_dma_map_its_ram() {
     let mut p = VfioUserProxy::connect(a, None).unwrap();
     let (ctx, trigger) = vmm_context();
     p.attach(ctx);
-    assert!(p.peer.dead.is_none(), "{:?}", p.peer.dead);
+    assert!(p.chan.peer.dead.is_none(), "{:?}", p.chan.peer.dead);
     device_intx_reaches(&irq, &trigger);
     drop(p);
     h.join().unwrap().unwrap();
@@ -311,7 +311,7 @@ fn msix_vectors_are_routed_in_the_vmm_and_their_eventfds_handed_over_once() {
     let host = Arc::new(MsixHost::default());
     ctx.irq = host.clone();
     p.attach(ctx);
-    let (bar, cap) = p.msix.as_ref().map(|m| (m.bar(), m.cap_offset())).expect("the controller has MSI-X");
+    let (bar, cap) = p.msix.as_ref().map(|m| (m.table.bar(), m.table.cap_offset())).expect("the controller has MSI-X");
     let mut t = [0u8; 4];
     assert!(p.config_read(cap + 4, &mut t));
     let table = (u32::from_le_bytes(t) & !7) as u64;
@@ -335,7 +335,7 @@ fn msix_vectors_are_routed_in_the_vmm_and_their_eventfds_handed_over_once() {
     p.bar_write(bar, table + 28, &0u32.to_le_bytes());
     assert_eq!(host.routes.lock().unwrap().last(), Some(&(1, Some((0xfee0_0000, 0x46)))));
     assert_eq!(host.given.lock().unwrap().len(), 1);
-    assert!(p.peer.dead.is_none(), "{:?}", p.peer.dead);
+    assert!(p.chan.peer.dead.is_none(), "{:?}", p.chan.peer.dead);
     drop(p);
     h.join().unwrap().unwrap();
 }

@@ -62,7 +62,6 @@ pub use worker::POLL_IDLE;
 
 use crate::{Error, Result};
 use dev::Dev;
-use iopath_devices::block::Storage;
 use iopath_devices::virtio::blk::{self, Blk};
 use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig};
 use iopath_devices::Counter;
@@ -114,7 +113,7 @@ impl BlkBackend {
         if !(1..=NUM_QUEUES).contains(&queues) {
             return Err(Error::Config(format!("virtio-blk: {queues} queues (1 ..= {NUM_QUEUES})")));
         }
-        let storage = Storage::open(&cfg.backend, cfg.size)?;
+        let storage = iopath_devices::backing::open(&cfg.backend, cfg.size, cfg.create)?;
         let b = Blk::new(storage, cfg.size, "iopath-vhost-user-blk");
         Ok(BlkBackend { dev: Arc::new(Mutex::new(Dev::new(b, queues))), notify: cfg.notify })
     }

@@ -8,7 +8,7 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::{mpsc, OnceLock};
 use std::time::{Duration, Instant};
 use vfio_user::Client;
 
@@ -42,13 +42,34 @@ pub fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'sta
     }
 }
 
+/// This test process's scratch root, `$TMPDIR/iopath-tests-PID`.
+static SCRATCH: OnceLock<PathBuf> = OnceLock::new();
+
+extern "C" fn remove_scratch() {
+    if let Some(root) = SCRATCH.get() {
+        let _ = std::fs::remove_dir_all(root);
+    }
+}
+
+/// An empty directory `name` for a test's sockets and files, under a root
+/// that is removed when the test process exits (libtest returns from main or
+/// calls exit(3) either way, so the atexit hook runs on success and failure).
+pub fn scratch(name: &str) -> PathBuf {
+    let root = SCRATCH.get_or_init(|| {
+        // SAFETY: registers a plain extern "C" fn with no captured state.
+        assert_eq!(unsafe { libc::atexit(remove_scratch) }, 0);
+        std::env::temp_dir().join(format!("iopath-tests-{}", std::process::id()))
+    });
+    let dir = root.join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 /// `iopath serve DEVICE --transport vfio-user --socket PATH`, one client,
 /// in a thread of this process.
 pub fn serve(device: &str, name: &str) -> (PathBuf, std::thread::JoinHandle<()>) {
-    let dir = std::env::temp_dir().join(format!("iopath-peer-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("vfio-user.sock");
+    let path = scratch(name).join("vfio-user.sock");
     let o = ServeOptions {
         device: device.parse().unwrap(),
         transport: iopath_protocols::transport("vfio-user").unwrap(),

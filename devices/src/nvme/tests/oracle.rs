@@ -27,6 +27,7 @@ fn on(mut c: NvmeConfig, backend: u64, file: &std::path::Path) -> NvmeConfig {
         1 => StorageKind::File(file.to_path_buf()),
         _ => StorageKind::Null,
     };
+    c.create = backend == 1;
     c
 }
 

@@ -30,13 +30,19 @@
 //! not made again for 1, 2, 4 .. 64 gaps. Irregular gaps (quartiles too far
 //! apart for those bounds) get no forecast: the poller sleeps until its
 //! doorbell, as without one.
+//!
+//! After a timed wake-up the poller polls for the command until
+//! [`Forecast::poll_until`] ([`Expect`]); it is a hit if a pass that found
+//! nothing came before it (found at the first look, the command came
+//! before the timer woke the poller). Everything here is arithmetic on
+//! durations the poller measured: no clock is read here.
 
 use std::time::Duration;
 
 /// The longest a forecast polls before the median gap (and twice that in
 /// all, if the command does not come): the adaptive pollers' longest idle
 /// interval, so a forecast costs no more CPU per gap than a busy idle does.
-pub const MAX_MARGIN: Duration = super::ADAPTIVE_IDLE;
+pub const MAX_MARGIN: Duration = super::super::ADAPTIVE_IDLE;
 
 /// How late a timed wake-up is taken to be before one was measured.
 const LATE_INIT: Duration = Duration::from_micros(50);
@@ -201,6 +207,26 @@ impl Forecast {
     }
 }
 
+/// A poller woken by a forecast's timer (or whose forecast was due
+/// already), polling for the command. Times are the poller's clock
+/// readings (durations since it started).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Expect {
+    /// When the gap began, and until when to poll.
+    pub start: Duration,
+    pub until: Duration,
+    /// A pass has found nothing since the wake-up: a command found now came
+    /// while the poller polled for it (a hit).
+    pub looked: bool,
+}
+
+impl Expect {
+    /// Polling for the command of the gap that began at `start`.
+    pub fn new(start: Duration, f: &Forecast) -> Self {
+        Expect { start, until: start + f.poll_until(), looked: false }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,5 +332,59 @@ mod tests {
         assert_eq!(f.wake_at(), None);
         f.seen(1000 * US, Seen::Polled);
         assert!(f.wake_at().is_some());
+    }
+
+    #[test]
+    fn over_random_gaps_lateness_hits_and_misses_a_forecast_stays_within_its_bounds() {
+        use super::super::super::oracle::Rng;
+        for seed in 0..4 {
+            let mut r = Rng::new(seed);
+            let mut f = Forecast::default();
+            // The last GAPS gaps as measured (before a lateness is taken off), and
+            // the misses since the last hit.
+            let mut last = std::collections::VecDeque::new();
+            let (mut seen, mut misses, mut skip, mut made) = (0u32, 0u32, 0u32, 0u32);
+            let mut base = 1000 * US;
+            for step in 0..100_000u32 {
+                if r.chance(1) {
+                    base = US * r.range(10, 20_000) as u32;
+                }
+                match r.below(100) {
+                    0..=79 => {
+                        let spread = US * r.pick(&[0u32, 2, 20, 300]);
+                        let g = base + spread * r.below(2) as u32;
+                        f.seen(g, if r.chance(70) { Seen::Polled } else { Seen::Kicked });
+                        last.push_back(g);
+                        if last.len() > GAPS {
+                            last.pop_front();
+                        }
+                        seen += 1;
+                        skip = skip.saturating_sub(1);
+                    }
+                    80..=87 => {
+                        let most = if r.chance(90) { 60 } else { 2000 };
+                        f.woke(US * r.range(0, most) as u32)
+                    }
+                    88..=94 => {
+                        f.hit();
+                        misses = 0;
+                    }
+                    _ => {
+                        f.missed();
+                        skip = 1 << misses.min(6);
+                        misses += 1;
+                    }
+                }
+                let Some(at) = f.wake_at() else { continue };
+                made += 1;
+                let ctx = format!("seed {seed} step {step}: {f:?}");
+                assert!(seen as usize >= GAPS / 2 && skip == 0, "a forecast too early or while backing off: {ctx}");
+                assert!(at >= MIN_SLEEP, "{at:?}: {ctx}");
+                assert!(at <= *last.iter().max().unwrap(), "{at:?} after the longest gap: {ctx}");
+                let until = f.poll_until();
+                assert!(until >= at && until - at <= 2 * MAX_MARGIN, "poll {at:?}..{until:?}: {ctx}");
+            }
+            assert!(made > 1000, "seed {seed}: only {made} forecasts");
+        }
     }
 }

@@ -1,0 +1,323 @@
+//! The VMM side of vfio-user: a device in another process as a
+//! [`DeviceModel`](iopath_devices::DeviceModel) the VMM hosts.
+//!
+//! [`VfioUserProxy`] composes one part per concern, each in its file:
+//! - `channel`: the request/reply exchange and its failure policy;
+//! - `discovery` (and `io_fds`): what `connect` learns — version, identity,
+//!   BARs, sparse mmap areas, MSI-X placement, the io fds offered;
+//! - `msix`: the MSI-X table and PBA, emulated here, never forwarded;
+//! - `dma`: guest RAM for the device process (DMA_MAP at attach, and
+//!   DMA_READ/WRITE answered while a reply is awaited).
+//!
+//! This file owns the attach and the forwarding of accesses. At attach the
+//! proxy maps guest RAM into the device process, installs the ioeventfds the
+//! server announced, and hands over the INTx eventfds if the device has
+//! INTx. BAR accesses go on a region fd if one covers them, else as
+//! REGION_READ/WRITE; configuration writes are forwarded without the bytes
+//! of a capability's ID and next pointer (libvfio-user refuses a write that
+//! touches them: MSI-X Enable goes as Message Control alone, 16 bits at
+//! cap + 2).
+//!
+//! An error reply is the answer to one request (a BAR read gives all-ones,
+//! a write is dropped; both are counted) or, to an optional step of the
+//! attach, a log line; any other error ends the peer (the run stops,
+//! accesses read all-ones).
+//!
+//! Deployed servers differ from the spec and from each other; each part
+//! says what it does about it (GET_REGION_IO_FDS only at minor >= 1 in
+//! `discovery`, both io fd entry layouts in `io_fds`, the capability
+//! headers here).
+
+mod channel;
+mod discovery;
+mod dma;
+mod io_fds;
+mod msix;
+
+use super::ioregionfd::{RegionClient, COMMANDS};
+use super::wire::*;
+use crate::peer::Peer;
+use crate::process::DeviceProcess;
+use crate::{Error, Result};
+use channel::Channel;
+use discovery::Device;
+use iopath_devices::{
+    le_fill, le_value, BarSpec, Counter, DeviceContext, DeviceModelMut, IoEventSpec, MappedArea, PciIds, SharedDevice,
+};
+use msix::MsixEmulation;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
+use vmm_sys_util::eventfd::EventFd;
+
+/// The proxy counter of requests sent (one per access that crossed as a message).
+pub const REQUESTS: &str = "vfio-user.requests";
+
+/// A device in another process over vfio-user (or its ioregionfd extension).
+pub struct VfioUserProxy {
+    /// The socket to the server, with the DMA service run while it waits.
+    pub(super) chan: Channel,
+    /// The device as `connect` found it.
+    dev: Device,
+    /// Ioeventfds the server announced: installed as KVM ioeventfds at attach.
+    pub(super) ioevents: Vec<(IoEventSpec, EventFd)>,
+    /// ioregionfd regions the server announced, by BAR.
+    pub(super) regions: Vec<(u8, RegionClient)>,
+    /// The device's MSI-X, if it has one, emulated here.
+    pub(super) msix: Option<MsixEmulation>,
+    /// ioregionfd commands of regions already closed.
+    region_commands: u64,
+    /// Error replies to BAR accesses (each read as all-ones, or a dropped write).
+    error_replies: u64,
+}
+
+/// The runs of a configuration write at `offset` that touch no
+/// capability's first two bytes: (offset, bytes) each. An aligned access
+/// leaves one run at most (a capability starts a dword).
+fn without_cap_headers<'a>(headers: &[usize], offset: usize, data: &'a [u8]) -> Vec<(usize, &'a [u8])> {
+    let header = |i: &usize| headers.iter().any(|&h| (h..h + 2).contains(&(offset + i)));
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < data.len() {
+        if header(&i) {
+            i += 1;
+            continue;
+        }
+        let end = (i..data.len()).find(header).unwrap_or(data.len());
+        runs.push((offset + i, &data[i..end]));
+        i = end;
+    }
+    runs
+}
+
+impl VfioUserProxy {
+    /// Negotiates the version, reads the device's regions, identity and
+    /// announced io fds.
+    pub fn connect(sock: UnixStream, child: Option<DeviceProcess>) -> Result<Self> {
+        let mut chan = Channel::new(Peer::new(sock, "vfio-user", child));
+        let found = discovery::discover(&mut chan)?;
+        Ok(VfioUserProxy {
+            chan,
+            dev: found.device,
+            ioevents: found.io.ioevents,
+            regions: found.io.regions,
+            msix: found.msix.map(MsixEmulation::new),
+            region_commands: 0,
+            error_replies: 0,
+        })
+    }
+
+    /// [`connect`](Self::connect), named `name` in reports, as the VMM hosts it.
+    pub fn shared(sock: UnixStream, child: Option<DeviceProcess>, name: &str) -> Result<SharedDevice> {
+        let mut p = Self::connect(sock, child)?;
+        p.set_name(name);
+        Ok(Arc::new(Mutex::new(p)))
+    }
+
+    pub fn set_name(&mut self, name: &str) {
+        self.chan.peer.name = name.to_string();
+    }
+
+    /// A BAR access that failed: an error reply is the answer to that access
+    /// (logged, counted; a read gives all-ones), anything else ends the peer.
+    fn access_failed(&mut self, e: Error) {
+        if !matches!(e, Error::Remote { .. }) {
+            return self.chan.peer.die(&e);
+        }
+        self.error_replies += 1;
+        if self.error_replies.is_power_of_two() {
+            let (name, n) = (&self.chan.peer.name, self.error_replies);
+            log::warn!("{name}: {e} ({n} error replies to BAR accesses so far)");
+        }
+    }
+
+    fn region_of(&mut self, bar: u8, offset: u64, len: usize) -> Option<&mut RegionClient> {
+        self.regions.iter_mut().find(|(b, r)| *b == bar && r.covers(offset, len)).map(|(_, r)| r)
+    }
+
+    /// What the attach does: guest RAM to the device process, the announced
+    /// ioeventfds into KVM, the INTx eventfds to a device that has INTx. An
+    /// error reply to any of these steps is logged and the attach goes on
+    /// (a server may have no use for DMA, or take no resample fd); a broken
+    /// channel ends it.
+    fn setup(&mut self, ctx: &DeviceContext) -> Result<()> {
+        dma::map_guest_ram(&mut self.chan, &ctx.mem)?;
+        for (spec, fd) in &self.ioevents {
+            ctx.ioevents.register(*spec, fd).map_err(|e| Error::from(e).context(format!("installing {spec:?}")))?;
+        }
+        self.hand_over_intx(ctx)
+    }
+
+    /// INTx's trigger and resample eventfds to the device process, only if
+    /// the device has INTx (GET_IRQ_INFO), as QEMU asks first.
+    fn hand_over_intx(&mut self, ctx: &DeviceContext) -> Result<()> {
+        let Some((t, r)) = ctx.irq.intx_eventfds() else { return Ok(()) };
+        if discovery::irq_count(&mut self.chan, PCI_INTX_IRQ_INDEX)? < 1 {
+            return Ok(());
+        }
+        for (action, fd, what) in [
+            (IRQ_SET_ACTION_TRIGGER, &t, "SET_IRQS INTx trigger"),
+            (IRQ_SET_ACTION_UNMASK, &r, "SET_IRQS INTx resample (unmask)"),
+        ] {
+            let flags = IRQ_SET_DATA_EVENTFD | action;
+            let q = IrqSet { flags, index: PCI_INTX_IRQ_INDEX, start: 0, count: 1, data: vec![] };
+            if !self.chan.optional(what, Command::DeviceSetIrqs, &q.to_bytes(), &[fd.as_raw_fd()])? {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl DeviceModelMut for VfioUserProxy {
+    fn name(&self) -> String {
+        self.chan.peer.name.clone()
+    }
+    /// DMA_MAP passes guest RAM's fds.
+    fn shares_guest_ram(&self) -> bool {
+        true
+    }
+    fn ids(&self) -> PciIds {
+        self.dev.ids
+    }
+    fn bars(&self) -> Vec<BarSpec> {
+        self.dev.bars.clone()
+    }
+
+    fn attach(&mut self, ctx: DeviceContext) {
+        self.chan.peer.fail = Some(ctx.fail.clone());
+        self.chan.dma.mem = Some(ctx.mem.clone());
+        if let Some(m) = &mut self.msix {
+            m.attach(ctx.irq.clone());
+        }
+        match self.setup(&ctx) {
+            Ok(()) => self.chan.peer.watch(),
+            Err(e) => self.chan.peer.die(&e),
+        }
+    }
+
+    fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) {
+        if self.msix.as_mut().is_some_and(|m| m.bar_read(bar, offset, data)) {
+            return;
+        }
+        let n = data.len();
+        let v = match self.region_of(bar, offset, n) {
+            Some(r) => r.read(offset, n),
+            None => self.chan.region_read(bar as u32, offset, n as u32).map(|d| le_value(&d)),
+        };
+        match v {
+            Ok(v) => le_fill(data, v),
+            Err(e) => {
+                self.access_failed(e);
+                data.fill(0xff);
+            }
+        }
+    }
+
+    fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]) {
+        if self.msix.as_mut().is_some_and(|m| m.bar_write(&mut self.chan, bar, offset, data)) {
+            return;
+        }
+        let r = match self.region_of(bar, offset, data.len()) {
+            Some(r) => r.write(offset, data.len(), le_value(data)),
+            None => self.chan.region_write(bar as u32, offset, data),
+        };
+        if let Err(e) = r {
+            self.access_failed(e);
+        }
+    }
+
+    fn mapped_areas(&self) -> Vec<MappedArea> {
+        self.dev
+            .areas
+            .iter()
+            .filter_map(|a| {
+                let fd = a.fd.try_clone().ok()?;
+                Some(MappedArea { bar: a.bar, offset: a.offset, size: a.size, fd, fd_offset: a.fd_offset })
+            })
+            .collect()
+    }
+
+    fn config_read(&mut self, offset: usize, data: &mut [u8]) -> bool {
+        // The BARs and the expansion ROM BAR are the VMM's, as QEMU emulates
+        // them: its header sizes and places them as it maps them, whatever
+        // the server's configuration space does with a sizing write (writes
+        // still go to the server). A configuration access stays within one
+        // dword, so it is all BAR or none.
+        if (0x10..0x28).contains(&offset) || (0x30..0x34).contains(&offset) {
+            return false;
+        }
+        match self.chan.region_read(PCI_CONFIG_REGION_INDEX, offset as u64, data.len() as u32) {
+            Ok(d) => data.copy_from_slice(&d),
+            Err(_) => data.fill(0xff),
+        }
+        if let Some(m) = &self.msix {
+            m.config_read(offset, data);
+        }
+        true
+    }
+
+    fn config_write(&mut self, offset: usize, data: &[u8]) {
+        if let Some(m) = &mut self.msix {
+            m.config_write(&mut self.chan, offset, data);
+        }
+        // Without the bytes of a capability's ID and next pointer (a guest
+        // that enables MSI-X with a dword write at the capability sends its
+        // Message Control alone, 16 bits at cap + 2, as libvfio-user takes it).
+        for (at, bytes) in without_cap_headers(&self.dev.cap_headers, offset, data) {
+            let _ = self.chan.region_write(PCI_CONFIG_REGION_INDEX, at as u64, bytes);
+        }
+    }
+
+    fn reset(&mut self) {
+        let _ = self.chan.request(Command::DeviceReset, &[], &[]);
+        if let Some(m) = &mut self.msix {
+            m.reset();
+        }
+    }
+
+    fn quiesce(&mut self) {
+        self.region_commands += self.regions.iter().map(|(_, r)| r.commands).sum::<u64>();
+        self.regions.clear();
+        self.chan.peer.end();
+    }
+
+    fn counters(&self) -> Vec<Counter> {
+        let mut c = self.chan.peer.remote.clone();
+        c.push(Counter { name: REQUESTS.into(), value: self.chan.requests });
+        c.push(Counter { name: "vfio-user.dma-requests".into(), value: self.chan.dma.requests });
+        c.push(Counter { name: "vfio-user.error-replies".into(), value: self.error_replies });
+        let cmds: u64 = self.regions.iter().map(|(_, r)| r.commands).sum();
+        c.push(Counter { name: COMMANDS.into(), value: self.region_commands + cmds });
+        c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_cap_headers;
+
+    #[test]
+    fn configuration_writes_lose_exactly_the_bytes_of_capability_headers() {
+        let headers = [0x40, 0x50, 0x52];
+        let data = [1u8, 2, 3, 4, 5, 6, 7, 8];
+        for offset in 0x3c..0x58 {
+            for len in 1..=data.len() {
+                let runs = without_cap_headers(&headers, offset, &data[..len]);
+                // The oracle: each byte on its own, kept unless a header's.
+                let kept: Vec<(usize, u8)> = (0..len)
+                    .filter(|i| !headers.iter().any(|&h| h == offset + i || h + 1 == offset + i))
+                    .map(|i| (offset + i, data[i]))
+                    .collect();
+                let got: Vec<(usize, u8)> =
+                    runs.iter().flat_map(|(at, b)| b.iter().enumerate().map(move |(i, &v)| (at + i, v))).collect();
+                assert_eq!(got, kept, "offset {offset:#x} len {len}");
+                // Runs are maximal: two in a row never touch.
+                assert!(runs.windows(2).all(|w| w[0].0 + w[0].1.len() < w[1].0), "{runs:?}");
+            }
+        }
+        // MSI-X Enable as a dword write at the capability: Message Control alone.
+        let enable = 0x8000_0011u32.to_le_bytes();
+        assert_eq!(without_cap_headers(&[0x40], 0x40, &enable), [(0x42, &enable[2..])]);
+    }
+}
