@@ -9,7 +9,9 @@
 //!   pushed, submitted and their completions reaped), on the guest's pages
 //!   in place where O_DIRECT's alignment allows ([`guest`]), otherwise one
 //!   whole transfer per operation in a bounce buffer of its own; where
-//!   O_DIRECT or io_uring is refused, synchronous pread/pwrite.
+//!   O_DIRECT or io_uring is refused, synchronous pread/pwrite. The file
+//!   is used as it is, never made or resized here ([`crate::backing`]
+//!   checks it, and lays out a missing one with `create=on`).
 //!
 //! Operations ([`Storage`]): read, write, flush, discard and write zeroes
 //! (with or without deallocation). Discarded and deallocated ranges read
