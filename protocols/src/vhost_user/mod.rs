@@ -6,5 +6,3 @@
 
 pub mod backend;
 pub mod frontend;
-mod frontend_deadline;
-mod frontend_ring;

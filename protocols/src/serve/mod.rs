@@ -30,7 +30,7 @@
 //! The last two end the session with [`Error::Timeout`]. On a listening
 //! socket the thread `serve-acceptor` takes every connection and holds the
 //! ones that wait, each against its own deadlines, all at once
-//! (`serve_acceptor.rs`): the first bound above, and the refusal of a
+//! (`acceptor.rs`): the first bound above, and the refusal of a
 //! client that comes while another is served ([`Transport::refuse`]:
 //! vfio-user answers its first message with EBUSY). It hands the serving
 //! thread only a connection that has spoken. Neither a dropped nor a
@@ -38,13 +38,10 @@
 //!
 //! The socket file: what may be at PATH before (nothing, or a stale
 //! socket; never a regular file, which is refused), and its removal however
-//! the process ends: `serve_listen.rs` and `serve_janitor.rs`.
+//! the process ends: `listen.rs` and `janitor.rs`.
 
-#[path = "serve_acceptor.rs"]
 mod acceptor;
-#[path = "serve_janitor.rs"]
 mod janitor;
-#[path = "serve_listen.rs"]
 mod listen;
 
 pub use acceptor::MAX_PENDING;
