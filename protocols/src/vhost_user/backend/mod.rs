@@ -91,12 +91,12 @@ pub fn config_space(size: u64, queues: usize) -> [u8; blk::CONFIG_LEN] {
 }
 
 /// The device a vhost-user device process serves, kept across sessions.
-pub struct BlkBackend {
+pub struct VhostUserBackend {
     dev: Arc<Mutex<Dev>>,
     notify: NotifyMode,
 }
 
-impl BlkBackend {
+impl VhostUserBackend {
     /// A virtio-blk on `cfg`'s backend and size, with its `queues`
     /// (default [`NUM_QUEUES`]); `notify=poll` polls the rings, any other
     /// mode serves them on kicks.
@@ -110,7 +110,7 @@ impl BlkBackend {
         }
         let backend = Backend::open(&cfg.backend, cfg.size)?;
         let b = Blk::new(backend, cfg.size, "iopath-vhost-user-blk");
-        Ok(BlkBackend { dev: Arc::new(Mutex::new(Dev::new(b, queues))), notify: cfg.notify })
+        Ok(VhostUserBackend { dev: Arc::new(Mutex::new(Dev::new(b, queues))), notify: cfg.notify })
     }
 
     /// Serves one frontend on `sock` until it leaves (`Ok`) or a request

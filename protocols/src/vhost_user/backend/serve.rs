@@ -4,7 +4,7 @@
 //! one frontend at a time (another one that comes is closed), the device's
 //! counters as one JSON line on stdout after each, the disk kept.
 
-use super::BlkBackend;
+use super::VhostUserBackend;
 use crate::process::disconnect_report;
 use crate::serve::{bind, check_timeouts, clients, handshake, Listen, Timeouts};
 use crate::Result;
@@ -30,7 +30,7 @@ pub struct VhostUserServeOptions {
 pub fn run(o: &VhostUserServeOptions) -> Result<()> {
     check_timeouts(&o.timeouts)?;
     let bound = bind(&o.listen)?;
-    let dev = BlkBackend::new(&o.device)?;
+    let dev = VhostUserBackend::new(&o.device)?;
     let spec = iopath_devices::DeviceConfig::VirtioBlk(o.device.clone());
     let banner = format!("{spec} over {TRANSPORT}");
     let refuse = Box::new(|_: &std::os::unix::net::UnixStream| Ok(()));
