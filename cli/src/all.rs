@@ -31,9 +31,11 @@ pub fn matrix(a: &AllArgs, qemu: bool) -> Matrix {
     let mut exits = ExitsOptions { rounds, vs_qemu: qemu, progress, cpls: vec![0, 3], ..ExitsOptions::default() };
     let mut floor = FloorOptions { rounds, cpus: pin.map(|p| p.pair()), progress, ..FloorOptions::default() };
     // In the VMM and over each transport that carries NVMe, every doorbell mode.
-    let transports: Vec<Option<&'static dyn iopath_protocols::Transport>> = std::iter::once(None)
+    let transports: Vec<Option<&'static dyn iopath_protocols::FunctionTransport>> = std::iter::once(None)
         .chain(
-            ["vfio-user", "mpqemu", "ioregionfd"].iter().filter_map(|t| iopath_protocols::transport(t).ok().map(Some)),
+            ["vfio-user", "mpqemu", "ioregionfd"]
+                .iter()
+                .filter_map(|t| iopath_protocols::transport(t).ok().and_then(|t| t.function()).map(Some)),
         )
         .collect();
     let sweep: &[u32] = if a.quick { &SWEEP_QUICK } else { &SWEEP };

@@ -660,12 +660,16 @@ pub struct AllArgs {
     pub pin: iopath_bench::pin::PinChoice,
 }
 
-fn parse_transports(s: &str) -> anyhow::Result<Vec<Option<&'static dyn iopath_protocols::Transport>>> {
+fn parse_transports(s: &str) -> anyhow::Result<Vec<Option<&'static dyn iopath_protocols::FunctionTransport>>> {
     let v = s
         .split(',')
         .map(|t| match t.trim() {
             "vmm" => Ok(None),
-            t => iopath_protocols::transport(t).map(Some).map_err(anyhow::Error::from),
+            // The controller is a whole PCI function: a queue transport is refused.
+            t => iopath_protocols::transport(t)
+                .and_then(|t| t.function_for("nvme"))
+                .map(Some)
+                .map_err(anyhow::Error::from),
         })
         .collect::<anyhow::Result<_>>()?;
     each_once("--transport", v, |t| t.map_or("vmm", |t| t.name()))

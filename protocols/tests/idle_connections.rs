@@ -203,20 +203,23 @@ fn a_second_client_is_refused_promptly_behind_idle_and_trickling_connections() {
 fn a_vhost_user_frontend_is_served_while_50_idle_connections_are_held() {
     use iopath_devices::nvme::backend::BackendKind;
     use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig};
-    use iopath_protocols::vhost_user::backend::{run, VhostUserServeOptions, FEATURES};
+    use iopath_protocols::serve::{run, ServeOptions};
+    use iopath_protocols::vhost_user::backend::FEATURES;
     use vhost::vhost_user::Frontend;
     use vhost::VhostBackend;
     let path = std::env::temp_dir().join(format!("iopath-idle-{}-vhost.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
-    let o = VhostUserServeOptions {
-        device: VirtioBlkConfig {
+    let o = ServeOptions {
+        device: iopath_devices::DeviceConfig::VirtioBlk(VirtioBlkConfig {
             backend: BackendKind::Null,
             size: 1 << 20,
             notify: NotifyMode::Ioeventfd,
             queues: None,
-        },
+        }),
+        transport: iopath_protocols::transport("vhost-user").unwrap(),
         listen: Listen::Socket(path.clone()),
         once: true,
+        keep_state: false,
         timeouts: Timeouts::default(),
         seccomp: false,
     };

@@ -51,7 +51,7 @@ mod watchdog;
 mod worker;
 
 pub use mem::MAX_REGIONS;
-pub use serve::{run, VhostUserServeOptions, TRANSPORT};
+pub(super) use serve::serve;
 pub use worker::POLL_IDLE;
 
 use crate::{Error, Result};
