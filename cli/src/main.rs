@@ -441,8 +441,8 @@ mod help_tests {
     #[test]
     fn bench_helps_state_what_runs() {
         let blk = help(&["bench", "blk"]);
-        for t in iopath_bench::blk::TARGETS {
-            assert!(blk.contains(t), "bench blk --help lacks target {t}");
+        for t in iopath_bench::blk::Target::all() {
+            assert!(blk.contains(&t.to_string()), "bench blk --help lacks target {t}");
         }
         let serve = help(&["serve"]);
         for t in iopath_protocols::TRANSPORTS {
