@@ -341,7 +341,27 @@ fn run_guest(a: RunArgs) -> anyhow::Result<i32> {
     Ok(if r.status == 1 { 0 } else { 1 })
 }
 
+/// A panic in any thread is a bug, and the state it was changing (a
+/// device's registers, a queue, a VM's bus) may be half updated: the process
+/// ends rather than go on serving or running on it. The default hook prints
+/// the message (and a backtrace with RUST_BACKTRACE), then the process ends
+/// with 101, the status of a panicking `main`, without unwinding or running
+/// destructors (which would act on that state). A mutex is therefore only
+/// seen poisoned after a panic in the same process, which is ending:
+/// `iopath_devices::lock` takes it as it is. `iopath serve`'s seccomp setup
+/// replaces this hook with one that prints no backtrace and ends the same way.
+fn end_on_panic() {
+    let print = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        print(info);
+        // SAFETY: _exit(2) ends the process at once; it touches no memory
+        // of ours and is async-signal-safe.
+        unsafe { libc::_exit(101) };
+    }));
+}
+
 fn main() {
+    end_on_panic();
     logging::init();
     let cli = Cli::parse();
     let r = match cli.cmd {
