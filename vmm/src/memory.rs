@@ -45,14 +45,19 @@ pub enum RamKind {
     Hugetlb,
 }
 
+/// A guest RAM kind that is none of [`RamKind`]'s.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("guest RAM {0:?}: auto, memfd or hugetlb")]
+pub struct UnknownRamKind(pub String);
+
 impl std::str::FromStr for RamKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownRamKind;
+    fn from_str(s: &str) -> Result<Self, UnknownRamKind> {
         match s {
             "auto" => Ok(RamKind::Auto),
             "memfd" => Ok(RamKind::Memfd),
             "hugetlb" => Ok(RamKind::Hugetlb),
-            _ => Err(format!("guest RAM {s:?}: auto, memfd or hugetlb")),
+            _ => Err(UnknownRamKind(s.to_string())),
         }
     }
 }
