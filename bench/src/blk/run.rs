@@ -74,7 +74,7 @@ pub struct Ctx<'a> {
     /// The disk's size in bytes.
     pub(super) size: u64,
     /// QEMU and the drive it stands on, found once (None: the reason).
-    pub(super) qemu: Result<(PathBuf, QemuBacking), String>,
+    pub(super) qemu: anyhow::Result<(PathBuf, QemuBacking)>,
 }
 
 impl<'a> Ctx<'a> {
@@ -84,12 +84,10 @@ impl<'a> Ctx<'a> {
         let size = disk_size(o);
         let wants_qemu = o.targets.iter().any(|t| t.is_qemu());
         let qemu = match wants_qemu {
-            true => crate::qemu::find().map_err(|e| format!("{e:#}")).and_then(|q| {
-                QemuBacking::for_backend(&o.backend, size, Path::new(crate::qemu::SHM_DIR))
-                    .map(|b| (q, b))
-                    .map_err(|e| format!("{e:#}"))
+            true => crate::qemu::find().and_then(|q| {
+                QemuBacking::for_backend(&o.backend, size, Path::new(crate::qemu::SHM_DIR)).map(|b| (q, b))
             }),
-            false => Err("not asked for".into()),
+            false => Err(anyhow::anyhow!("not asked for")),
         };
         let iopath = match &o.iopath_exe {
             Some(p) => p.clone(),
