@@ -4,6 +4,7 @@
 //! thread ran, in ns, and it is readable for other processes' threads too.
 //! Where schedstat is missing, `stat`'s utime+stime (clock ticks) stand in.
 
+use iopath_devices::lock;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -135,18 +136,18 @@ impl Window {
     pub fn on_line(&self, line: &str) {
         let snap = || Snapshot::take(&self_and_children(), self.names);
         if line.starts_with(self.open) {
-            let mut st = self.state.lock().unwrap();
+            let mut st = lock(&self.state);
             if st.start.is_none() {
                 st.start = Some(snap());
             }
         } else if line.starts_with(self.close) {
-            if self.state.lock().unwrap().end.is_some() {
+            if lock(&self.state).end.is_some() {
                 return;
             }
             let end = snap();
             std::thread::sleep(self.idle);
             let idle_end = snap();
-            let mut st = self.state.lock().unwrap();
+            let mut st = lock(&self.state);
             st.end = Some(end);
             st.idle_end = Some(idle_end);
         }
@@ -154,7 +155,7 @@ impl Window {
 
     /// The window's figures; None unless both lines were seen.
     pub fn result(&self) -> Option<WindowCpu> {
-        let st = self.state.lock().unwrap();
+        let st = lock(&self.state);
         let (start, end, idle_end) = (st.start.as_ref()?, st.end.as_ref()?, st.idle_end.as_ref()?);
         let idle_wall = idle_end.at.duration_since(end.at).as_nanos().max(1) as f64;
         Some(WindowCpu {

@@ -46,14 +46,19 @@ pub enum Format {
 /// The values `--output-format` takes, as its help lists them.
 pub const FORMATS: [&str; 3] = ["normal", "json", "json+"];
 
+/// An `--output-format` that is none of [`FORMATS`].
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not an output format ({formats})", formats = FORMATS.join(", "))]
+pub struct UnknownFormat(pub String);
+
 impl std::str::FromStr for Format {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownFormat;
+    fn from_str(s: &str) -> Result<Self, UnknownFormat> {
         match s {
             "normal" => Ok(Format::Normal),
             "json" => Ok(Format::Json),
             "json+" => Ok(Format::JsonPlus),
-            _ => Err(format!("{s:?} is not an output format ({})", FORMATS.join(", "))),
+            _ => Err(UnknownFormat(s.to_string())),
         }
     }
 }

@@ -138,8 +138,8 @@ fn ticks() -> u64 {
 }
 
 /// Pins the calling thread to `cpu`.
-fn pin(cpu: usize) -> Result<(), String> {
-    crate::pin::set_affinity(0, cpu).map_err(|e| format!("pinning to CPU {cpu}: {e}"))
+fn pin(cpu: usize) -> anyhow::Result<()> {
+    crate::pin::set_affinity(0, cpu).map_err(|e| anyhow::anyhow!("pinning to CPU {cpu}: {e}"))
 }
 
 fn cpu_now() -> i32 {
@@ -428,7 +428,7 @@ fn run_on(ring: Arc<Ring>, qd: u32, limit: Limit, cpus: Option<(usize, usize)>) 
     };
     let poll = poll.join();
     let (s, p) = match (sub, poll) {
-        (Ok(s), Ok(p)) => (s.map_err(anyhow::Error::msg)?, p.map_err(anyhow::Error::msg)?),
+        (Ok(s), Ok(p)) => (s?, p?),
         _ => anyhow::bail!("a ring thread panicked"),
     };
     let mut errors = s.errors;

@@ -51,22 +51,35 @@ impl std::fmt::Display for Placement {
     }
 }
 
+/// A `--pin` value that does not parse or cannot be had.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BadPin {
+    #[error("{0:?}: auto, off or VCPU,DEVICE")]
+    Syntax(String),
+    #[error("{0:?} is not a CPU number")]
+    NotACpu(String),
+    #[error("{0:?}: the vCPU and the device threads need two CPUs")]
+    SameCpu(String),
+    #[error("{0:?}: CPU beyond CPU_SETSIZE")]
+    BeyondSetSize(String),
+}
+
 /// `--pin`: `auto` (the first two allowed CPUs), `off`, or `VCPU,DEVICE`.
 impl std::str::FromStr for PinChoice {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = BadPin;
+    fn from_str(s: &str) -> Result<Self, BadPin> {
         match s {
             "auto" => Ok(PinChoice::Auto),
             "off" => Ok(PinChoice::Off),
             _ => {
-                let (a, b) = s.split_once(',').ok_or_else(|| format!("{s:?}: auto, off or VCPU,DEVICE"))?;
-                let n = |v: &str| v.trim().parse::<usize>().map_err(|_| format!("{v:?} is not a CPU number"));
+                let (a, b) = s.split_once(',').ok_or_else(|| BadPin::Syntax(s.to_string()))?;
+                let n = |v: &str| v.trim().parse::<usize>().map_err(|_| BadPin::NotACpu(v.to_string()));
                 let (vcpu, device) = (n(a)?, n(b)?);
                 if vcpu == device {
-                    return Err(format!("{s:?}: the vCPU and the device threads need two CPUs"));
+                    return Err(BadPin::SameCpu(s.to_string()));
                 }
                 if vcpu.max(device) >= libc::CPU_SETSIZE as usize {
-                    return Err(format!("{s:?}: CPU beyond CPU_SETSIZE"));
+                    return Err(BadPin::BeyondSetSize(s.to_string()));
                 }
                 Ok(PinChoice::Cpus(Placement { vcpu, device }))
             }
@@ -212,9 +225,9 @@ mod tests {
         assert_eq!("off".parse::<PinChoice>(), Ok(PinChoice::Off));
         assert_eq!("auto".parse::<PinChoice>(), Ok(PinChoice::Auto));
         assert_eq!("0,1".parse::<PinChoice>(), Ok(PinChoice::Cpus(Placement { vcpu: 0, device: 1 })));
-        assert!("1,1".parse::<PinChoice>().unwrap_err().contains("two CPUs"));
+        assert!("1,1".parse::<PinChoice>().unwrap_err().to_string().contains("two CPUs"));
         assert!("x".parse::<PinChoice>().is_err());
-        assert!("0,99999".parse::<PinChoice>().unwrap_err().contains("CPU_SETSIZE"));
+        assert!("0,99999".parse::<PinChoice>().unwrap_err().to_string().contains("CPU_SETSIZE"));
     }
 
     #[test]

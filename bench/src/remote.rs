@@ -16,7 +16,7 @@ use crate::record::GuestOutput;
 use crate::stats::{ns, summarize};
 use indicatif::ProgressBar;
 use iopath_protocols::attach::{instantiate, Device, DeviceSpec, Endpoint, Programs};
-use iopath_protocols::{Transport, TRANSPORTS};
+use iopath_protocols::{function_transports, FunctionTransport};
 use iopath_vmm::{run, VmConfig};
 use serde_json::{json, Value};
 use std::fmt::Write as _;
@@ -46,12 +46,12 @@ fn rows_of(t: Target) -> &'static [&'static str] {
 
 /// The transport a target runs pci-testdev over: the one of the same name,
 /// or for QEMU's x-remote the one QEMU speaks.
-fn transport_of(t: Target) -> Option<&'static dyn Transport> {
+fn transport_of(t: Target) -> Option<&'static dyn FunctionTransport> {
     if t == Target::QemuRemote {
-        return TRANSPORTS.iter().copied().find(|x| x.qemu_speaks());
+        return function_transports().find(|x| x.qemu_speaks());
     }
     match t {
-        Target::Remote(name) => TRANSPORTS.iter().copied().find(|x| x.name() == name),
+        Target::Remote(name) => function_transports().find(|x| x.name() == name),
         _ => None,
     }
 }
@@ -60,7 +60,8 @@ fn transport_of(t: Target) -> Option<&'static dyn Transport> {
 pub fn targets(o: &ExitsOptions, with_qemu: bool) -> anyhow::Result<Vec<Target>> {
     let mut v = Vec::new();
     for name in &o.transports {
-        v.push(Target::Remote(iopath_protocols::transport(name)?.name()));
+        // pci-testdev is a whole PCI function: a queue transport is refused.
+        v.push(Target::Remote(iopath_protocols::transport(name)?.function_for("pci-testdev")?.name()));
     }
     if with_qemu && !o.transports.is_empty() {
         v.push(Target::QemuRemote);
@@ -102,7 +103,7 @@ impl Round<'_> {
         let transport = transport_of(t).ok_or_else(|| anyhow::anyhow!("{} is not out of process", t.name()))?;
         Ok(DeviceSpec {
             device: Device::Model(iopath_devices::DeviceConfig::PciTestDev),
-            remote: Some((transport, ep)),
+            remote: Some((transport.into(), ep)),
         })
     }
 

@@ -8,6 +8,7 @@ use iopath_bench::exits::{run_exits, ExitsOptions};
 use iopath_bench::floor::{run_floor, FloorOptions};
 use iopath_bench::nvme::{run_nvme, Job, NvmeOptions};
 use iopath_bench::report;
+use iopath_devices::virtio::pci::NotifyMode;
 use std::time::Instant;
 
 /// Queue depths of the NVMe sweep (IOPS and p99 against iodepth).
@@ -31,9 +32,11 @@ pub fn matrix(a: &AllArgs, qemu: bool) -> Matrix {
     let mut exits = ExitsOptions { rounds, vs_qemu: qemu, progress, cpls: vec![0, 3], ..ExitsOptions::default() };
     let mut floor = FloorOptions { rounds, cpus: pin.map(|p| p.pair()), progress, ..FloorOptions::default() };
     // In the VMM and over each transport that carries NVMe, every doorbell mode.
-    let transports: Vec<Option<&'static dyn iopath_protocols::Transport>> = std::iter::once(None)
+    let transports: Vec<Option<&'static dyn iopath_protocols::FunctionTransport>> = std::iter::once(None)
         .chain(
-            ["vfio-user", "mpqemu", "ioregionfd"].iter().filter_map(|t| iopath_protocols::transport(t).ok().map(Some)),
+            ["vfio-user", "mpqemu", "ioregionfd"]
+                .iter()
+                .filter_map(|t| iopath_protocols::transport(t).ok().and_then(|t| t.function()).map(Some)),
         )
         .collect();
     let sweep: &[u32] = if a.quick { &SWEEP_QUICK } else { &SWEEP };
@@ -43,7 +46,7 @@ pub fn matrix(a: &AllArgs, qemu: bool) -> Matrix {
     let mut nvme = NvmeOptions { jobs, transports, rounds, vs_qemu: qemu, progress, pin, ..NvmeOptions::default() };
     // Every path to a guest's disk on the null backend (QEMU's only with QEMU).
     let mut blk = BlkOptions { rounds, progress, pin, time_ms: 1000, ..BlkOptions::default() };
-    blk.targets.retain(|t| qemu || !t.starts_with("qemu"));
+    blk.targets.retain(|t| qemu || !t.is_qemu());
     if a.quick {
         blk.time_ms = 300;
         (exits.batches, exits.batch_us) = (5, 5000);
@@ -64,7 +67,7 @@ pub fn matrix(a: &AllArgs, qemu: bool) -> Matrix {
         nvme.transports.truncate(2);
         nvme.time_ms = 200;
         nvme.floor_ms = 50;
-        blk.targets = vec!["virtio-exit".into(), "virtio-ioeventfd".into()];
+        blk.targets = [NotifyMode::Exit, NotifyMode::Ioeventfd].map(iopath_bench::blk::Target::Virtio).into();
         blk.time_ms = 100;
     }
     Matrix { exits, floor, nvme, blk }

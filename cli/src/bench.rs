@@ -435,7 +435,7 @@ pub struct BlkArgs {
     #[arg(long, conflicts_with_all = ["rounds", "runtime"])]
     pub quick: bool,
     /// The target the ratio column divides by.
-    #[arg(long, default_value = iopath_bench::blk::DEFAULT_REFERENCE)]
+    #[arg(long, default_value_t = iopath_bench::blk::DEFAULT_REFERENCE.to_string())]
     pub reference: String,
     /// Guest RAM in MiB.
     #[arg(long, default_value_t = 256)]
@@ -471,11 +471,11 @@ impl BlkArgs {
             time_ms: if self.quick { 300 } else { (self.runtime * 1000.0).max(10.0) as u64 },
             rounds: if self.quick { 1 } else { self.rounds.max(1) },
             reference: match iopath_bench::blk::parse_targets(&self.reference) {
-                Ok(t) if t.len() == 1 => t[0].clone(),
+                Ok(t) if t.len() == 1 => t[0],
                 _ => anyhow::bail!(
                     "--reference: {:?} is not one target of {}",
                     self.reference,
-                    iopath_bench::blk::TARGETS.join(", ")
+                    iopath_bench::blk::Target::all().iter().map(|t| t.to_string()).collect::<Vec<_>>().join(", ")
                 ),
             },
             mem_mb: self.mem,
@@ -660,12 +660,16 @@ pub struct AllArgs {
     pub pin: iopath_bench::pin::PinChoice,
 }
 
-fn parse_transports(s: &str) -> anyhow::Result<Vec<Option<&'static dyn iopath_protocols::Transport>>> {
+fn parse_transports(s: &str) -> anyhow::Result<Vec<Option<&'static dyn iopath_protocols::FunctionTransport>>> {
     let v = s
         .split(',')
         .map(|t| match t.trim() {
             "vmm" => Ok(None),
-            t => iopath_protocols::transport(t).map(Some).map_err(anyhow::Error::from),
+            // The controller is a whole PCI function: a queue transport is refused.
+            t => iopath_protocols::transport(t)
+                .and_then(|t| t.function_for("nvme"))
+                .map(Some)
+                .map_err(anyhow::Error::from),
         })
         .collect::<anyhow::Result<_>>()?;
     each_once("--transport", v, |t| t.map_or("vmm", |t| t.name()))
@@ -1058,15 +1062,20 @@ mod tests {
             }
         };
         let o = blk(&[]).unwrap();
-        assert_eq!((o.targets.len(), o.rounds, o.time_ms, o.tput_qd), (iopath_bench::blk::TARGETS.len(), 3, 2000, 16));
+        assert_eq!(
+            (o.targets.len(), o.rounds, o.time_ms, o.tput_qd),
+            (iopath_bench::blk::Target::all().len(), 3, 2000, 16)
+        );
+        assert_eq!(o.reference.to_string(), "virtio-ioeventfd");
         assert_eq!(o.backend.to_string(), "null");
         let o = blk(&["--quick", "--targets", "nvme-bar,virtio-poll", "--backend", "ram", "--iodepth", "8"]).unwrap();
-        assert_eq!(
-            (o.targets, o.rounds, o.time_ms, o.tput_qd),
-            (vec!["nvme-bar".into(), "virtio-poll".into()], 1, 300, 8)
-        );
+        let names: Vec<String> = o.targets.iter().map(|t| t.to_string()).collect();
+        assert_eq!((names, o.rounds, o.time_ms, o.tput_qd), (vec!["nvme-bar".into(), "virtio-poll".into()], 1, 300, 8));
         assert!(blk(&["--targets", "nvme-foo"]).unwrap_err().to_string().contains("nvme-foo"));
-        assert_eq!(blk(&["--reference", "nvme-bar"]).unwrap().reference, "nvme-bar");
+        let o = blk(&["--targets", "vhost-user,virtio@vfio-user,qemu-vhost-user-blk-pci"]).unwrap();
+        let names: Vec<String> = o.targets.iter().map(|t| t.to_string()).collect();
+        assert_eq!(names, ["vhost-user", "virtio@vfio-user", "qemu-vhost-user-blk-pci"], "the spellings users type");
+        assert_eq!(blk(&["--reference", "nvme-bar"]).unwrap().reference.to_string(), "nvme-bar");
         assert!(blk(&["--reference", "nvme-bar,virtio-poll"]).is_err());
         assert!(blk(&["--reference", "qemu"]).is_err());
         assert!(parse(&["blk", "--quick", "--rounds", "2"]).is_err());

@@ -104,7 +104,7 @@ impl Log for RateLimited {
             return;
         }
         let site = (r.module_path_static().or(r.file_static()).unwrap_or("?"), r.line().unwrap_or(0));
-        let admitted = self.limiter.lock().unwrap_or_else(|e| e.into_inner()).admit(site, Instant::now());
+        let admitted = iopath_devices::lock(&self.limiter).admit(site, Instant::now());
         match admitted {
             None => {}
             Some(0) => self.inner.log(r),

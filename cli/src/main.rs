@@ -74,8 +74,7 @@ struct ServeArgs {
     /// virtio-blk's queues to a vhost-user frontend, notify=ioeventfd|poll,
     /// the disk kept across frontends, --keep-state has nothing more to keep).
     #[arg(long, default_value = "vfio-user",
-          value_parser = clap::builder::PossibleValuesParser::new(
-              iopath_protocols::TRANSPORTS.iter().map(|t| t.name()).chain([iopath_protocols::vhost_user::backend::TRANSPORT])))]
+          value_parser = clap::builder::PossibleValuesParser::new(iopath_protocols::TRANSPORTS.iter().map(|t| t.name())))]
     transport: String,
     /// Listen on this UNIX socket path: nothing may be there but a stale
     /// socket (replaced); any other file, or a socket a live server listens
@@ -156,32 +155,12 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
         (None, Some(p)) => Listen::Socket(p),
         (None, None) => anyhow::bail!("give --socket PATH or --fd N"),
     };
-    if a.transport == iopath_protocols::vhost_user::backend::TRANSPORT {
-        let iopath_devices::DeviceConfig::VirtioBlk(device) = a.device else {
-            anyhow::bail!("--transport vhost-user serves virtio-blk, not {}", a.device.name());
-        };
-        use iopath_protocols::vhost_user::backend::{run, VhostUserServeOptions};
-        if a.keep_state {
-            anyhow::bail!(
-                "--keep-state does not apply to --transport vhost-user: a vhost-user frontend sets the rings up again when it reconnects"
-            );
-        }
-        if a.spin_us != 0 {
-            // Not an error: the VMM's spawn path (`virtio-blk@vhost-user`)
-            // passes its own --spin-us to every device process it starts.
-            eprintln!("iopath serve: --spin-us has no effect with --transport vhost-user (the rings are served by their own threads)");
-        }
-        let o = VhostUserServeOptions {
-            device,
-            listen,
-            once: a.once,
-            timeouts: Timeouts::default(),
-            seccomp: !a.no_seccomp,
-        };
-        run(&o)?;
-        return Ok(0);
-    }
     let transport = iopath_protocols::transport(&a.transport)?;
+    if a.spin_us != 0 && matches!(transport, iopath_protocols::Transport::Queues(_)) {
+        // Not an error: the VMM's spawn path (`virtio-blk@vhost-user`)
+        // passes its own --spin-us to every device process it starts.
+        eprintln!("iopath serve: --spin-us has no effect with --transport {transport} (the rings are served by their own threads)");
+    }
     iopath_protocols::socket::set_spin(Duration::from_micros(a.spin_us));
     let o = ServeOptions {
         device: a.device,
@@ -362,7 +341,27 @@ fn run_guest(a: RunArgs) -> anyhow::Result<i32> {
     Ok(if r.status == 1 { 0 } else { 1 })
 }
 
+/// A panic in any thread is a bug, and the state it was changing (a
+/// device's registers, a queue, a VM's bus) may be half updated: the process
+/// ends rather than go on serving or running on it. The default hook prints
+/// the message (and a backtrace with RUST_BACKTRACE), then the process ends
+/// with 101, the status of a panicking `main`, without unwinding or running
+/// destructors (which would act on that state). A mutex is therefore only
+/// seen poisoned after a panic in the same process, which is ending:
+/// `iopath_devices::lock` takes it as it is. `iopath serve`'s seccomp setup
+/// replaces this hook with one that prints no backtrace and ends the same way.
+fn end_on_panic() {
+    let print = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        print(info);
+        // SAFETY: _exit(2) ends the process at once; it touches no memory
+        // of ours and is async-signal-safe.
+        unsafe { libc::_exit(101) };
+    }));
+}
+
 fn main() {
+    end_on_panic();
     logging::init();
     let cli = Cli::parse();
     let r = match cli.cmd {
@@ -466,8 +465,12 @@ mod help_tests {
     #[test]
     fn bench_helps_state_what_runs() {
         let blk = help(&["bench", "blk"]);
-        for t in iopath_bench::blk::TARGETS {
-            assert!(blk.contains(t), "bench blk --help lacks target {t}");
+        for t in iopath_bench::blk::Target::all() {
+            assert!(blk.contains(&t.to_string()), "bench blk --help lacks target {t}");
+        }
+        let serve = help(&["serve"]);
+        for t in iopath_protocols::TRANSPORTS {
+            assert!(serve.contains(t.name()), "serve --help lacks transport {t}");
         }
         let all = help(&["bench", "all"]);
         let quick: Vec<String> = crate::all::SWEEP_QUICK.iter().map(|d| d.to_string()).collect();
@@ -479,7 +482,7 @@ mod help_tests {
             }
         }
         let transports = help(&["bench", "exits"]);
-        for t in iopath_protocols::TRANSPORTS {
+        for t in iopath_protocols::function_transports() {
             assert!(transports.contains(t.name()), "bench exits --help lacks transport {}", t.name());
         }
     }

@@ -136,8 +136,9 @@ fn sigint_in_the_middle_of_a_perf_run_leaves_nothing_behind() {
     };
     let names: Vec<&str> = kids.iter().map(|c| c.comm.as_str()).collect();
     assert!(names.len() >= 3, "iopath serve, nvmf_tgt (its reactor) and perf under the bench: {kids:?}");
-    std::thread::sleep(Duration::from_secs(2)); // perf is doing I/O by now
-                                                // SAFETY: kill(2) on our own child, not yet reaped.
+    // perf is doing I/O by now.
+    std::thread::sleep(Duration::from_secs(2));
+    // SAFETY: kill(2) on our own child, not yet reaped (its pid cannot name another process).
     unsafe { libc::kill(pid as libc::pid_t, libc::SIGINT) };
     let t1 = Instant::now();
     while child.try_wait().unwrap().is_none() {

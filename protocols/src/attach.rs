@@ -1,29 +1,34 @@
 //! How the VMM gets a device: `--device NAME[@TRANSPORT[:WHERE]]` or
-//! `--device TRANSPORT:PATH`.
+//! `--device TRANSPORT:PATH`. TRANSPORT is a name in
+//! [`TRANSPORTS`](crate::TRANSPORTS), and what it carries
+//! ([`Transport::carries`]) is checked as the spec is parsed.
 //!
+//! Over a function transport (vfio-user, mpqemu, ioregionfd):
 //! - `pci-testdev`: the model in the VMM (exits and KVM ioeventfds).
-//! - `pci-testdev@TRANSPORT` (a name in [`TRANSPORTS`](crate::TRANSPORTS)):
-//!   the model in a device process the VMM starts (`iopath serve`, over a
-//!   socketpair); its counters come back when the run ends.
+//! - `pci-testdev@TRANSPORT`: the model in a device process the VMM starts
+//!   (`iopath serve`, over a socketpair); its counters come back when the
+//!   run ends.
 //! - `...@TRANSPORT:PATH`: connect to a device process already serving on
 //!   the UNIX socket PATH (`iopath serve ... --socket PATH`).
 //! - `pci-testdev@mpqemu:qemu`: QEMU's own model, in `qemu-system-x86_64
 //!   -machine x-remote` started by the VMM (interoperability), for a
 //!   transport QEMU speaks.
-//! - `vfio-user:PATH` (any transport name): whatever device the server on
-//!   the UNIX socket PATH serves, iopath's or not (libvfio-user's samples,
-//!   SPDK's NVMe target, QEMU's x-vfio-user-server, a rust-vmm
+//! - `vfio-user:PATH` (any function transport's name): whatever device the
+//!   server on the UNIX socket PATH serves, iopath's or not (libvfio-user's
+//!   samples, SPDK's NVMe target, QEMU's x-vfio-user-server, a rust-vmm
 //!   `vfio_user::Server`): the proxy takes its identity, BARs and
 //!   capabilities from the server.
-//! - `vhost-user-blk:PATH`: a virtio-blk function of the VMM's transport
-//!   whose queue the vhost-user-blk backend on the UNIX socket PATH serves
-//!   (iopath's, qemu-storage-daemon's, any): see
-//!   [`vhost_user::frontend`](crate::vhost_user::frontend).
-//! - `virtio-blk[,OPTS]@vhost-user`: the same, with iopath's backend
-//!   (`iopath serve virtio-blk,OPTS --transport vhost-user --fd 3`) started
-//!   by the VMM on a socketpair; `...@vhost-user:PATH` connects to one
-//!   already listening on PATH (of OPTS only `queues=N` counts there).
-//!   The function has the `queues=N` of OPTS (default 1).
+//!
+//! Over a queue transport (vhost-user), the function in the VMM:
+//! - `virtio-blk[,OPTS]@vhost-user`: a virtio-blk function of the VMM's
+//!   transport whose queues iopath's backend (`iopath serve
+//!   virtio-blk,OPTS --transport vhost-user --fd 3`) serves, started by the
+//!   VMM on a socketpair (see [`vhost_user::frontend`](crate::vhost_user::frontend)).
+//! - `virtio-blk[,queues=N]@vhost-user:PATH`: the same with whatever backend
+//!   listens on PATH (iopath's, qemu-storage-daemon's, any); of OPTS only
+//!   `queues=N` counts there. `vhost-user-blk:PATH` (the transport's
+//!   [`any_backend`](crate::QueueTransport::any_backend) name) is that with
+//!   one queue. The function has the `queues=N` of OPTS (default 1).
 
 use crate::process::{DeviceProcess, CHILD_SOCKET_FD};
 use crate::transport::{transport, Transport};
@@ -46,32 +51,19 @@ pub enum Endpoint {
 /// What a spec attaches.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Device {
-    /// One of iopath's models: in the VMM, or served by `iopath serve` or QEMU.
+    /// One of iopath's models: in the VMM, served by `iopath serve` or QEMU
+    /// (a function transport), or served by iopath's backend (a queue
+    /// transport, [`Endpoint::Spawn`]).
     Model(DeviceConfig),
     /// Whatever the server on the socket serves (`TRANSPORT:PATH`, with
-    /// `remote` a [`Endpoint::Socket`]): its identity, BARs and capabilities
-    /// come from the server.
+    /// `remote` a function transport's [`Endpoint::Socket`]): its identity,
+    /// BARs and capabilities come from the server.
     Server,
-    /// virtio-blk whose queue a vhost-user backend serves (`remote` is None).
-    VhostUser(VhostUser),
+    /// The function a queue transport's frontend makes in the VMM, with this
+    /// many queues, which whatever backend listens on the socket serves
+    /// (`remote` a queue transport's [`Endpoint::Socket`]).
+    Frontend { queues: u16 },
 }
-
-/// Where a vhost-user-blk device's backend is.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum VhostUser {
-    /// Any backend listening on this UNIX socket (`vhost-user-blk:PATH`),
-    /// serving this many queues (`virtio-blk,queues=N@vhost-user:PATH`; 1).
-    Socket(PathBuf, u16),
-    /// iopath's backend serving this virtio-blk, started by the VMM
-    /// (`virtio-blk,OPTS@vhost-user`).
-    Spawn(DeviceConfig),
-}
-
-/// The `@TRANSPORT` name of vhost-user (not a [`Transport`]: no PCI function
-/// goes over it, only the queues).
-pub const VHOST_USER: &str = "vhost-user";
-/// The `NAME:PATH` prefix of a vhost-user-blk backend on a socket.
-pub const VHOST_USER_BLK: &str = "vhost-user-blk";
 
 /// A device and where it runs: `CONFIG[@TRANSPORT[:PATH|:qemu]]` or
 /// `TRANSPORT:PATH`, parsed and validated once (the device options
@@ -79,68 +71,87 @@ pub const VHOST_USER_BLK: &str = "vhost-user-blk";
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceSpec {
     pub device: Device,
-    pub remote: Option<(&'static dyn Transport, Endpoint)>,
+    pub remote: Option<(Transport, Endpoint)>,
 }
 
 impl DeviceSpec {
-    /// Whatever device the server on the UNIX socket `path` serves over `transport`.
-    pub fn server(transport: &'static dyn Transport, path: impl Into<PathBuf>) -> Self {
-        DeviceSpec { device: Device::Server, remote: Some((transport, Endpoint::Socket(path.into()))) }
-    }
-
-    /// `TRANSPORT:PATH`, if `s` is that: no device name comes first (no
-    /// device name is a transport name), and the path is taken as it is.
-    fn parse_server(s: &str) -> Result<Option<Self>> {
-        let Some(t) = crate::TRANSPORTS.iter().find(|t| s.strip_prefix(t.name()).is_some_and(|r| r.starts_with(':')))
-        else {
-            return Ok(None);
-        };
-        match &s[t.name().len() + 1..] {
-            "" => Err(Error::Config(format!("{s:?}: the socket path of the {} server is missing", t.name()))),
-            path => Ok(Some(DeviceSpec::server(*t, path))),
+    /// Whatever device the server on the UNIX socket `path` serves over the
+    /// function transport `transport`.
+    pub fn server(transport: &'static dyn crate::FunctionTransport, path: impl Into<PathBuf>) -> Self {
+        DeviceSpec {
+            device: Device::Server,
+            remote: Some((Transport::Function(transport), Endpoint::Socket(path.into()))),
         }
     }
-}
 
-impl DeviceSpec {
-    /// `vhost-user-blk:PATH`, or `CONFIG@vhost-user[:PATH]` (CONFIG a
-    /// virtio-blk), if `s` is one of those.
-    fn parse_vhost_user(s: &str) -> Result<Option<Self>> {
-        let spec = |v| Ok(Some(DeviceSpec { device: Device::VhostUser(v), remote: None }));
-        if let Some(path) = s.strip_prefix(VHOST_USER_BLK).and_then(|r| r.strip_prefix(':')) {
-            if path.is_empty() {
-                return Err(Error::Config(format!("{s:?}: the vhost-user backend's socket path is missing")));
+    /// `model` over `t` at `ep`, checked as a spec's text is: `t` carries
+    /// the model, QEMU speaks `t` for [`Endpoint::Qemu`], a socket has a
+    /// path. Over a queue transport on a socket the model is the function's
+    /// queue count only (the backend there has its own disk).
+    pub fn remote(model: DeviceConfig, t: Transport, ep: Endpoint) -> Result<Self> {
+        t.carries(&model)?;
+        match &ep {
+            Endpoint::Qemu if !t.qemu_speaks() => {
+                return Err(Error::Config(format!("QEMU's x-remote does not speak {}", t.name())))
             }
-            return spec(VhostUser::Socket(path.into(), 1));
+            Endpoint::Socket(p) if p.as_os_str().is_empty() => {
+                return Err(Error::Config(format!("{model}@{t}: the socket path is missing")))
+            }
+            _ => {}
         }
-        let Some(i) = iopath_devices::spec::find_unescaped_at(s) else { return Ok(None) };
-        let place = match s[i + 1..].strip_prefix(VHOST_USER) {
-            Some("") => None,
-            Some(r) if r.starts_with(':') => Some(&r[1..]),
-            _ => return Ok(None),
+        let device = match (t, &ep) {
+            (Transport::Queues(_), Endpoint::Socket(_)) => Device::Frontend { queues: queues_of(&model) },
+            _ => Device::Model(model),
         };
-        let model: DeviceConfig = s[..i].parse()?;
-        if !matches!(model, DeviceConfig::VirtioBlk(_)) {
-            return Err(Error::Config(format!("{s:?}: only virtio-blk has its queues served over vhost-user")));
+        Ok(DeviceSpec { device, remote: Some((t, ep)) })
+    }
+
+    /// `TRANSPORT:PATH` or a queue transport's `ANY_BACKEND:PATH`, if `s` is
+    /// one: no device name comes first (no device name is a transport
+    /// name), and the path is taken as it is.
+    fn parse_server(s: &str) -> Result<Option<Self>> {
+        let after = |name: &str| s.strip_prefix(name).and_then(|r| r.strip_prefix(':'));
+        for &t in crate::TRANSPORTS {
+            let (path, device) = match t {
+                Transport::Function(_) => match after(t.name()) {
+                    Some(p) => (p, Device::Server),
+                    None => continue,
+                },
+                Transport::Queues(q) => match (after(q.any_backend()), after(q.name())) {
+                    (Some(p), _) => (p, Device::Frontend { queues: 1 }),
+                    (None, Some(_)) => {
+                        return Err(Error::Config(format!(
+                            "{s:?}: a {} backend serves the queues of a function the VMM makes: \
+                             name it ({}:PATH, {}[,queues=N]@{}:PATH)",
+                            q.name(),
+                            q.any_backend(),
+                            q.device(),
+                            q.name()
+                        )))
+                    }
+                    (None, None) => continue,
+                },
+            };
+            if path.is_empty() {
+                return Err(Error::Config(format!("{s:?}: the socket path of the {} server is missing", t.name())));
+            }
+            return Ok(Some(DeviceSpec { device, remote: Some((t, Endpoint::Socket(path.into()))) }));
         }
-        let queues = match &model {
-            DeviceConfig::VirtioBlk(c) => c.num_queues(),
-            _ => 1,
-        };
-        match place {
-            None => spec(VhostUser::Spawn(model)),
-            Some("") => Err(Error::Config(format!("{s:?}: the vhost-user backend's socket path is missing"))),
-            Some(p) => spec(VhostUser::Socket(p.into(), queues)),
-        }
+        Ok(None)
+    }
+}
+
+/// The queues a model's function has (`queues=N`, default 1).
+fn queues_of(model: &DeviceConfig) -> u16 {
+    match model {
+        DeviceConfig::VirtioBlk(c) => c.num_queues(),
+        _ => 1,
     }
 }
 
 impl FromStr for DeviceSpec {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        if let Some(spec) = Self::parse_vhost_user(s)? {
-            return Ok(spec);
-        }
         if let Some(spec) = Self::parse_server(s)? {
             return Ok(spec);
         }
@@ -148,48 +159,42 @@ impl FromStr for DeviceSpec {
             Some(i) => (&s[..i], Some(&s[i + 1..])),
             None => (s, None),
         };
-        let device = Device::Model(device.parse()?);
-        let remote = match rest {
-            None => None,
-            Some(r) => {
-                let (t, place) = match r.split_once(':') {
-                    Some((t, p)) => (t, Some(p)),
-                    None => (r, None),
-                };
-                let t = transport(t)?;
-                let ep = match place {
-                    None | Some("") => Endpoint::Spawn,
-                    Some("qemu") if t.qemu_speaks() => Endpoint::Qemu,
-                    Some("qemu") => return Err(Error::Config(format!("QEMU's x-remote does not speak {}", t.name()))),
-                    Some(p) => Endpoint::Socket(PathBuf::from(p)),
-                };
-                Some((t, ep))
-            }
+        let model: DeviceConfig = device.parse()?;
+        let Some(r) = rest else { return Ok(DeviceSpec { device: Device::Model(model), remote: None }) };
+        let (t, place) = match r.split_once(':') {
+            Some((t, p)) => (t, Some(p)),
+            None => (r, None),
         };
-        Ok(DeviceSpec { device, remote })
+        let ep = match place {
+            None => Endpoint::Spawn,
+            Some("qemu") => Endpoint::Qemu,
+            Some(p) => Endpoint::Socket(PathBuf::from(p)),
+        };
+        Self::remote(model, transport(t)?, ep)
     }
 }
 
 impl std::fmt::Display for DeviceSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let model = match (&self.device, &self.remote) {
-            (Device::VhostUser(VhostUser::Socket(p, 1)), _) => return write!(f, "{VHOST_USER_BLK}:{}", p.display()),
-            (Device::VhostUser(VhostUser::Socket(p, n)), _) => {
-                return write!(f, "virtio-blk,queues={n}@{VHOST_USER}:{}", p.display())
-            }
-            (Device::VhostUser(VhostUser::Spawn(m)), _) => return write!(f, "{m}@{VHOST_USER}"),
             (Device::Model(m), _) => m,
-            (Device::Server, Some((t, Endpoint::Socket(p)))) => return write!(f, "{}:{}", t.name(), p.display()),
-            // Not a spec FromStr makes (instantiate refuses it).
-            (Device::Server, Some((t, _))) => return write!(f, "{}:?", t.name()),
-            (Device::Server, None) => return f.write_str("server:?"),
+            (Device::Server, Some((t, Endpoint::Socket(p)))) => return write!(f, "{t}:{}", p.display()),
+            (Device::Frontend { queues: 1 }, Some((Transport::Queues(q), Endpoint::Socket(p)))) => {
+                return write!(f, "{}:{}", q.any_backend(), p.display())
+            }
+            (Device::Frontend { queues }, Some((Transport::Queues(q), Endpoint::Socket(p)))) => {
+                return write!(f, "{},queues={queues}@{}:{}", q.device(), q.name(), p.display())
+            }
+            // Not specs FromStr makes (instantiate refuses them).
+            (Device::Server | Device::Frontend { .. }, Some((t, _))) => return write!(f, "{t}:?"),
+            (Device::Server | Device::Frontend { .. }, None) => return f.write_str("server:?"),
         };
         write!(f, "{model}")?;
         match &self.remote {
             None => Ok(()),
-            Some((t, Endpoint::Spawn)) => write!(f, "@{}", t.name()),
-            Some((t, Endpoint::Qemu)) => write!(f, "@{}:qemu", t.name()),
-            Some((t, Endpoint::Socket(p))) => write!(f, "@{}:{}", t.name(), p.display()),
+            Some((t, Endpoint::Spawn)) => write!(f, "@{t}"),
+            Some((t, Endpoint::Qemu)) => write!(f, "@{t}:qemu"),
+            Some((t, Endpoint::Socket(p))) => write!(f, "@{t}:{}", p.display()),
         }
     }
 }
@@ -226,43 +231,69 @@ fn socketpair() -> Result<(UnixStream, UnixStream)> {
 }
 
 /// Starts (or connects to) what the spec names and returns the model the
-/// VMM hosts: the device itself, or its transport's proxy for it.
+/// VMM hosts: the device itself, its function transport's proxy for it, or
+/// its queue transport's frontend.
 pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> {
+    let label = spec.to_string();
     let (model, transport, ep) = match (&spec.device, &spec.remote) {
-        (Device::VhostUser(v), _) => return vhost_user(v, progs).map_err(|e| e.context(spec.to_string())),
         (Device::Model(m), None) => return Ok(m.build()?),
         (Device::Model(m), Some((t, ep))) => (m, *t, ep),
-        (Device::Server, Some((t, Endpoint::Socket(path)))) => {
-            let label = spec.to_string();
-            let sock =
-                connect(path).map_err(|e| Error::io(format!("{label}: cannot connect to {}", path.display()), e))?;
+        (Device::Server, Some((Transport::Function(t), Endpoint::Socket(path)))) => {
+            let sock = connect_to(path, &label)?;
             return t.connect(sock, None, &label).map_err(|e| e.context(label));
+        }
+        (Device::Frontend { queues }, Some((Transport::Queues(q), Endpoint::Socket(path)))) => {
+            let sock = connect_to(path, &label)?;
+            return q.connect(sock, None, *queues).map_err(|e| e.context(label));
         }
         (Device::Server, _) => {
             return Err(Error::Config(format!("{spec}: a server's device needs the server's socket (TRANSPORT:PATH)")))
         }
+        (Device::Frontend { .. }, _) => {
+            return Err(Error::Config(format!("{spec}: a frontend needs its backend's socket (a queue transport's)")))
+        }
     };
-    let label = format!("{model}@{}", transport.name());
+    match transport {
+        Transport::Function(t) => function(model, t, ep, progs),
+        Transport::Queues(q) => {
+            // iopath's backend started by the VMM (a socket is a Frontend).
+            let (mine, child) = spawn_serve(progs, model, q.name()).map_err(|e| e.context(label.clone()))?;
+            q.connect(mine, Some(child), queues_of(model)).map_err(|e| e.context(label))
+        }
+    }
+}
+
+/// `model` in a device process over the function transport `t`: started by
+/// the VMM (iopath's or QEMU's) or listening on a socket.
+fn function(
+    model: &DeviceConfig,
+    t: &'static dyn crate::FunctionTransport,
+    ep: &Endpoint,
+    progs: &Programs,
+) -> Result<SharedDevice> {
+    let label = format!("{model}@{}", t.name());
     let (sock, child) = match ep {
         Endpoint::Spawn => {
-            let (mine, child) = spawn_serve(progs, model, transport.name())?;
+            let (mine, child) = spawn_serve(progs, model, t.name())?;
             (mine, Some(child))
         }
-        Endpoint::Socket(path) => {
-            let s =
-                connect(path).map_err(|e| Error::io(format!("{label}: cannot connect to {}", path.display()), e))?;
-            (s, None)
-        }
+        Endpoint::Socket(path) => (connect_to(path, &label)?, None),
         Endpoint::Qemu => {
-            let qemu = progs.qemu.as_deref().ok_or_else(|| {
-                Error::Config(format!("QEMU is needed for @{}:qemu but was not found", transport.name()))
-            })?;
+            let qemu = progs
+                .qemu
+                .as_deref()
+                .ok_or_else(|| Error::Config(format!("QEMU is needed for @{}:qemu but was not found", t.name())))?;
             let (mine, theirs) = socketpair()?;
             let child = DeviceProcess::spawn_qemu(qemu_remote(qemu, qemu_device(model)?), theirs.into(), QEMU_START)?;
             (mine, Some(child))
         }
     };
-    transport.connect(sock, child, model.name()).map_err(|e| e.context(label))
+    t.connect(sock, child, model.name()).map_err(|e| e.context(label))
+}
+
+/// [`connect`] with the error a spec reports (`label`: the spec).
+fn connect_to(path: &Path, label: &str) -> Result<UnixStream> {
+    connect(path).map_err(|e| Error::io(format!("{label}: cannot connect to {}", path.display()), e))
 }
 
 /// `iopath serve MODEL --transport TRANSPORT --fd N` (and the programs'
@@ -279,33 +310,6 @@ fn spawn_serve(progs: &Programs, model: &DeviceConfig, transport: &str) -> Resul
             .collect();
     let child = DeviceProcess::spawn(&progs.iopath, &args, theirs.into())?;
     Ok((mine, child))
-}
-
-/// A virtio-blk function whose queue the vhost-user backend `v` serves.
-fn vhost_user(v: &VhostUser, progs: &Programs) -> Result<SharedDevice> {
-    use crate::vhost_user::frontend;
-    match v {
-        VhostUser::Socket(path, queues) => {
-            let sock = connect(path).map_err(|e| Error::io(format!("cannot connect to {}", path.display()), e))?;
-            frontend::connect(sock, None, VHOST_USER_BLK, *queues)
-        }
-        VhostUser::Spawn(model) => {
-            // A backend is always kicked through an eventfd: notify=exit (the
-            // default) means nothing there and is sent as ioeventfd.
-            let mut model = model.clone();
-            if let DeviceConfig::VirtioBlk(c) = &mut model {
-                if c.notify == iopath_devices::virtio::pci::NotifyMode::Exit {
-                    c.notify = iopath_devices::virtio::pci::NotifyMode::Ioeventfd;
-                }
-            }
-            let queues = match &model {
-                DeviceConfig::VirtioBlk(c) => c.num_queues(),
-                _ => 1,
-            };
-            let (mine, child) = spawn_serve(progs, &model, VHOST_USER)?;
-            frontend::connect(mine, Some(child), VHOST_USER_BLK, queues)
-        }
-    }
 }
 
 /// How long connecting to a server's socket may take: a listener whose
@@ -378,6 +382,7 @@ mod tests {
         assert!("nvme9".parse::<DeviceSpec>().is_err());
         assert!("pci-testdev@carrier-pigeon".parse::<DeviceSpec>().is_err());
         assert!("pci-testdev@vfio-user:qemu".parse::<DeviceSpec>().is_err());
+        assert!("pci-testdev@vfio-user:".parse::<DeviceSpec>().is_err(), "a socket path is missing");
         let e = "nvme,doorbell=shmm@vfio-user".parse::<DeviceSpec>().unwrap_err().to_string();
         assert!(e.contains("doorbell"), "a bad option is named before anything starts: {e}");
         for s in [
@@ -392,17 +397,19 @@ mod tests {
 
     #[test]
     fn vhost_user_specs_parse() {
+        let vu = transport("vhost-user").unwrap();
+        let socket = |p: &str| Some((vu, Endpoint::Socket(p.into())));
         let s: DeviceSpec = "vhost-user-blk:/tmp/vu.sock".parse().unwrap();
-        assert_eq!(s.device, Device::VhostUser(VhostUser::Socket("/tmp/vu.sock".into(), 1)));
-        assert_eq!(s.remote, None);
+        assert_eq!(s, DeviceSpec { device: Device::Frontend { queues: 1 }, remote: socket("/tmp/vu.sock") });
         let s: DeviceSpec = "virtio-blk,backend=null,size_mb=8@vhost-user".parse().unwrap();
-        let Device::VhostUser(VhostUser::Spawn(m)) = &s.device else { panic!("{s:?}") };
+        assert_eq!(s.remote, Some((vu, Endpoint::Spawn)));
+        let Device::Model(m) = &s.device else { panic!("{s:?}") };
         assert_eq!(m.to_string(), "virtio-blk,backend=null,size_mb=8,notify=exit");
         let s: DeviceSpec = "virtio-blk@vhost-user:/tmp/a,b@c".parse().unwrap();
-        assert_eq!(s.device, Device::VhostUser(VhostUser::Socket("/tmp/a,b@c".into(), 1)), "a path as it is");
+        assert_eq!((s.device, s.remote), (Device::Frontend { queues: 1 }, socket("/tmp/a,b@c")), "a path as it is");
         // queues=N is the function's, on a socket too (the other options are the backend's own).
         let s: DeviceSpec = "virtio-blk,backend=null,queues=4@vhost-user:/tmp/vu.sock".parse().unwrap();
-        assert_eq!(s.device, Device::VhostUser(VhostUser::Socket("/tmp/vu.sock".into(), 4)));
+        assert_eq!((s.device, s.remote), (Device::Frontend { queues: 4 }, socket("/tmp/vu.sock")));
         let s: DeviceSpec = "virtio-blk,queues=1@vhost-user:/tmp/vu.sock".parse().unwrap();
         assert_eq!(s.to_string(), "vhost-user-blk:/tmp/vu.sock");
         for s in [
@@ -416,14 +423,20 @@ mod tests {
         }
         for bad in [
             "vhost-user-blk:",
-            "nvme@vhost-user",
-            "pci-testdev@vhost-user:/tmp/s",
+            "vhost-user:/tmp/vu.sock",
             "virtio-blk@vhost-user:",
+            "virtio-blk@vhost-user:qemu",
             "virtio-blk,notify=never@vhost-user",
             "virtio-blk,queues=17@vhost-user",
             "virtio-blk,queues=0@vhost-user:/tmp/s",
         ] {
             assert!(bad.parse::<DeviceSpec>().is_err(), "{bad}");
+        }
+        // A device the transport does not carry: a typed error that says what it carries.
+        for (bad, device) in [("nvme@vhost-user", "nvme"), ("pci-testdev@vhost-user:/tmp/s", "pci-testdev")] {
+            let e = bad.parse::<DeviceSpec>().unwrap_err();
+            assert!(matches!(&e, Error::Carry { transport: "vhost-user", device: d, .. } if d == device), "{e:?}");
+            assert!(e.to_string().contains("virtio-blk@vhost-user"), "{e}");
         }
         // The spawn path needs the program; nobody listens on the socket path.
         let progs = Programs { iopath: "/nonexistent".into(), qemu: None, serve_args: Vec::new() };
@@ -431,6 +444,9 @@ mod tests {
         assert!(e.contains("virtio-blk") && e.contains("/nonexistent"), "{e}");
         let e = instantiate(&"vhost-user-blk:/nonexistent/vu.sock".parse().unwrap(), &progs).err().unwrap().to_string();
         assert!(e.contains("vhost-user-blk:/nonexistent/vu.sock"), "{e}");
+        // Typed specs are checked as text ones are.
+        let nvme: DeviceConfig = "nvme".parse().unwrap();
+        assert!(matches!(DeviceSpec::remote(nvme, vu, Endpoint::Spawn), Err(Error::Carry { .. })));
     }
 
     #[test]

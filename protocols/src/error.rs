@@ -35,6 +35,11 @@ pub enum Error {
     /// a program that is missing).
     #[error("{0}")]
     Config(String),
+    /// A device named over a transport that cannot carry it
+    /// (`nvme@vhost-user`, `bench nvme --transport vhost-user`); `why` says
+    /// what the transport carries and what would carry the device.
+    #[error("{transport} cannot carry {device}: {why}")]
+    Carry { transport: &'static str, device: String, why: String },
     /// The device model or its PCI header.
     #[error(transparent)]
     Device(#[from] iopath_devices::Error),

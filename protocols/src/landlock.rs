@@ -55,8 +55,19 @@ fn handled(abi: u32) -> RulesetAttr {
     }
 }
 
+/// Why the kernel offers no Landlock.
+#[derive(Debug, thiserror::Error)]
+pub enum NoLandlock {
+    #[error("this kernel has no Landlock (Linux 5.13, CONFIG_SECURITY_LANDLOCK)")]
+    NotBuilt,
+    #[error("Landlock is off on this kernel (not in the lsm= boot parameter)")]
+    Off,
+    #[error("Landlock: {0}")]
+    Refused(std::io::Error),
+}
+
 /// The kernel's Landlock ABI version, or why there is none.
-pub fn abi() -> std::result::Result<u32, String> {
+pub fn abi() -> std::result::Result<u32, NoLandlock> {
     // SAFETY: with a null attribute and size 0 the call only returns the version.
     let v = unsafe {
         libc::syscall(libc::SYS_landlock_create_ruleset, std::ptr::null::<RulesetAttr>(), 0, CREATE_RULESET_VERSION)
@@ -66,9 +77,9 @@ pub fn abi() -> std::result::Result<u32, String> {
     }
     let e = std::io::Error::last_os_error();
     Err(match e.raw_os_error() {
-        Some(libc::ENOSYS) => "this kernel has no Landlock (Linux 5.13, CONFIG_SECURITY_LANDLOCK)".into(),
-        Some(libc::EOPNOTSUPP) => "Landlock is off on this kernel (not in the lsm= boot parameter)".into(),
-        _ => format!("Landlock: {e}"),
+        Some(libc::ENOSYS) => NoLandlock::NotBuilt,
+        Some(libc::EOPNOTSUPP) => NoLandlock::Off,
+        _ => NoLandlock::Refused(e),
     })
 }
 

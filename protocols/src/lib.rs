@@ -1,16 +1,22 @@
 //! Out-of-process device protocols: how a guest's BAR access reaches a
 //! device model that runs in another process.
 //!
-//! Each protocol is a folder with its wire codec, its proxy (the VMM side: a
-//! `DeviceModel` the VMM hosts) and its server (the device side, in
-//! `iopath serve`):
+//! Each protocol is a folder with both its sides: the VMM's (a
+//! `DeviceModel` the VMM hosts) and the device process's (in `iopath serve`).
+//! The function transports carry a whole PCI function (a wire codec, a
+//! proxy, a server):
 //! - [`mpqemu`]: QEMU's multi-process protocol.
 //! - [`vfio_user`]: vfio-user, and [`vfio_user::ioregionfd`], its extension
 //!   that carries BAR accesses on ioregionfd region fds.
 //!
-//! Each one is a [`Transport`] with one entry in [`TRANSPORTS`]; [`attach`]
-//! (the VMM side), [`serve`] (the device process) and the benches find it
-//! there by name. Shared by all: [`socket`] (messages with SCM_RIGHTS fds),
+//! The queue transports carry a device's queues, its function staying in
+//! the VMM (a frontend, a backend):
+//! - [`vhost_user`]: vhost-user, virtio-blk's queues.
+//!
+//! Each one is a [`Transport`] ([`FunctionTransport`] or
+//! [`QueueTransport`]) with one entry in [`TRANSPORTS`]; [`attach`] (the VMM
+//! side), [`serve`] (the device process) and the benches find it there by
+//! name. Shared by all: [`socket`] (messages with SCM_RIGHTS fds),
 //! [`peer`] (what a proxy keeps about its device process), [`process`]
 //! (starting one, reading its report), [`function`] (a model and its
 //! configuration space, as a device process hosts it).
@@ -38,4 +44,4 @@ pub mod vhost_user;
 mod testing;
 
 pub use error::{Error, Result};
-pub use transport::{transport, Server, Transport, TRANSPORTS};
+pub use transport::{function_transports, transport, FunctionTransport, QueueTransport, Server, Transport, TRANSPORTS};

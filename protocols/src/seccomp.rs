@@ -28,7 +28,7 @@
 //! What the runtime would otherwise do by path or on a terminal after
 //! setup is done or decided before it: glibc's heap trimming and arena
 //! limit (below), the host's shmem settings, the panic message (no
-//! backtrace), and the logger's colours (decided once when it is made, in
+//! backtrace; a panic then ends the process with 101), and the logger's colours (decided once when it is made, in
 //! the binary: no terminal check per line).
 //!
 //! A forbidden call raises SIGSYS: the handler writes one line
@@ -312,11 +312,17 @@ pub fn install() -> Result<()> {
         }
     }
     // The default panic hook's backtrace (RUST_BACKTRACE) opens files: a
-    // thread that panics says why and ends alone, as it would unconfined.
+    // thread that panics says why, without one. Then the process ends (101,
+    // a panicking main's status; exit_group is in every role's list), as the
+    // binary's own hook ends it unconfined: a panic is a bug, and the device
+    // state it was changing may be half updated, so nothing serves on it
+    // (nor unwinds through it: no lock is left poisoned for a live thread).
     std::panic::set_hook(Box::new(|info| {
         let t = std::thread::current();
         let name = t.name().unwrap_or("<unnamed>");
         let _ = writeln!(std::io::stderr(), "thread '{name}' {info} (no backtrace under seccomp)");
+        // SAFETY: _exit(2) ends the process at once; it touches no memory of ours.
+        unsafe { libc::_exit(101) };
     }));
     let apply = |bpf: &BpfProgram| {
         seccompiler::apply_filter_all_threads(bpf).map_err(|e| Error::io("seccomp", std::io::Error::other(e)))

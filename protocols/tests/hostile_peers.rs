@@ -231,8 +231,8 @@ fn dma_maps_child() {
         assert!(accepted <= advertised, "{accepted} maps accepted, more than the {advertised} advertised");
         let f = memfd();
         f.set_len(4096).unwrap();
-        // SAFETY: F_ADD_SEALS on an fd we own.
         let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        // SAFETY: F_ADD_SEALS on the memfd `f` owns; the argument is an integer.
         assert_eq!(unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, seals) }, 0);
         let flags = DMA_MAP_FLAG_READ | DMA_MAP_FLAG_WRITE;
         let m = DmaMap { flags, offset: 0, address: (accepted as u64) << 12, size: 4096 };

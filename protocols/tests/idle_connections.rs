@@ -20,8 +20,6 @@ use std::time::{Duration, Instant};
 /// (the old acceptor kept a client out 9 s behind 5 idle connections).
 const HUNG: Duration = Duration::from_secs(10);
 
-/// A server in a thread on a socket in the test process's scratch root
-/// (removed at exit, with a server that never ends).
 fn serve(name: &str, transport: &str, once: bool, timeouts: Timeouts) -> (PathBuf, JoinHandle<()>) {
     let path = common::scratch(&format!("idle-{name}")).join("dev.sock");
     let o = ServeOptions {
@@ -204,20 +202,23 @@ fn a_second_client_is_refused_promptly_behind_idle_and_trickling_connections() {
 fn a_vhost_user_frontend_is_served_while_50_idle_connections_are_held() {
     use iopath_devices::block::StorageKind;
     use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig};
-    use iopath_protocols::vhost_user::backend::{run, VhostUserServeOptions, FEATURES};
+    use iopath_protocols::serve::{run, ServeOptions};
+    use iopath_protocols::vhost_user::backend::FEATURES;
     use vhost::vhost_user::Frontend;
     use vhost::VhostBackend;
     let path = common::scratch("idle-vhost").join("vhost.sock");
-    let o = VhostUserServeOptions {
-        device: VirtioBlkConfig {
+    let o = ServeOptions {
+        device: iopath_devices::DeviceConfig::VirtioBlk(VirtioBlkConfig {
             backend: StorageKind::Null,
             size: 1 << 20,
             notify: NotifyMode::Ioeventfd,
             queues: None,
             create: false,
-        },
+        }),
+        transport: iopath_protocols::transport("vhost-user").unwrap(),
         listen: Listen::Socket(path.clone()),
         once: true,
+        keep_state: false,
         timeouts: Timeouts::default(),
         seccomp: false,
     };

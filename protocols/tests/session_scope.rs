@@ -579,7 +579,7 @@ fn a_departed_clients_virtio_notify_eventfd_wakes_nobody() {
 fn set_nonblocking(e: &EventFd) -> std::io::Result<()> {
     // SAFETY: fcntl on an fd the EventFd owns.
     let fl = unsafe { libc::fcntl(e.as_raw_fd(), libc::F_GETFL) };
-    // SAFETY: as above.
+    // SAFETY: F_SETFL with integer flags on the fd the EventFd owns.
     if unsafe { libc::fcntl(e.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK) } < 0 {
         return Err(std::io::Error::last_os_error());
     }

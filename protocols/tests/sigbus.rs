@@ -111,8 +111,10 @@ impl Ram {
 
     fn read(&self, off: u64, out: &mut [u8]) {
         assert!(off as usize + out.len() <= RAM);
-        // SAFETY: as in `write`; volatile: the device writes concurrently.
+        // Volatile: the device writes concurrently.
         for (i, b) in out.iter_mut().enumerate() {
+            // SAFETY: inside the mapping (checked above), which lives as long as
+            // the Ram; a byte read has no alignment to keep.
             *b = unsafe { std::ptr::read_volatile(self.ptr.add(off as usize + i)) };
         }
     }

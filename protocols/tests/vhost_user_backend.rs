@@ -9,7 +9,7 @@
 
 use iopath_devices::block::StorageKind;
 use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig, F_VERSION_1};
-use iopath_protocols::vhost_user::backend::{BlkBackend, F_PROTOCOL_FEATURES, MAX_REGIONS, NUM_QUEUES};
+use iopath_protocols::vhost_user::backend::{VhostUserBackend, F_PROTOCOL_FEATURES, MAX_REGIONS, NUM_QUEUES};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
@@ -126,7 +126,7 @@ fn mappings() -> usize {
 /// A backend serving one frontend session on a socket pair, in a thread.
 struct Rig {
     fe: Frontend,
-    be: Arc<BlkBackend>,
+    be: Arc<VhostUserBackend>,
     session: JoinHandle<iopath_protocols::Result<()>>,
     guard: Guard,
 }
@@ -169,7 +169,12 @@ impl Drop for Guard {
 
 impl Rig {
     /// The frontend on `a` (believing in `queues` queues), the backend's session thread.
-    fn new(a: UnixStream, queues: u64, be: Arc<BlkBackend>, session: JoinHandle<iopath_protocols::Result<()>>) -> Rig {
+    fn new(
+        a: UnixStream,
+        queues: u64,
+        be: Arc<VhostUserBackend>,
+        session: JoinHandle<iopath_protocols::Result<()>>,
+    ) -> Rig {
         let guard = Guard::new(&a);
         Rig { fe: Frontend::from_stream(a, queues), be, session, guard }
     }
@@ -188,7 +193,7 @@ fn rig_with_queues(backend: StorageKind, notify: NotifyMode, queues: u64) -> Rig
     // A file disk is made (create=on) by the first rig on it.
     let create = matches!(backend, StorageKind::File(_));
     let cfg = VirtioBlkConfig { backend, size: MEM as u64, notify, queues: None, create };
-    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+    let be = Arc::new(VhostUserBackend::new(&cfg).unwrap());
     let (a, b) = UnixStream::pair().unwrap();
     b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let be2 = be.clone();
@@ -243,7 +248,7 @@ impl Rig {
     }
 
     /// The session's result once the frontend is gone (bounded wait).
-    fn end(self) -> (Arc<BlkBackend>, iopath_protocols::Result<()>) {
+    fn end(self) -> (Arc<VhostUserBackend>, iopath_protocols::Result<()>) {
         drop(self.guard); // its copy of the socket first: the backend must see the end
         drop(self.fe);
         let t0 = Instant::now();
@@ -295,7 +300,7 @@ fn wait_used(g: &Guest, call: &EventFd, n: u16) {
     }
 }
 
-fn counter(be: &BlkBackend, name: &str) -> u64 {
+fn counter(be: &VhostUserBackend, name: &str) -> u64 {
     be.counters().iter().find(|c| c.name == name).map(|c| c.value).unwrap()
 }
 
@@ -472,7 +477,7 @@ fn a_queue_index_past_the_device_is_refused() {
         queues: None,
         create: false,
     };
-    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+    let be = Arc::new(VhostUserBackend::new(&cfg).unwrap());
     let be2 = be.clone();
     let session = std::thread::spawn(move || be2.session(&b));
     // A frontend that believes in more queues than GET_QUEUE_NUM says.
@@ -482,7 +487,7 @@ fn a_queue_index_past_the_device_is_refused() {
     refused(r, res, &format!("queue index {NUM_QUEUES}"));
     // With queues=2 the device has 2: GET_QUEUE_NUM, num_queues and the bound say so.
     let (a, b) = UnixStream::pair().unwrap();
-    let be = Arc::new(BlkBackend::new(&VirtioBlkConfig { queues: Some(2), ..cfg }).unwrap());
+    let be = Arc::new(VhostUserBackend::new(&VirtioBlkConfig { queues: Some(2), ..cfg }).unwrap());
     let be2 = be.clone();
     let session = std::thread::spawn(move || be2.session(&b));
     let mut r = Rig::new(a, 2 * NUM_QUEUES as u64, be, session);
@@ -563,7 +568,7 @@ fn get_config_is_the_pci_devices_configuration_space() {
             *b = x[0];
         }
         let (a, b) = UnixStream::pair().unwrap();
-        let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+        let be = Arc::new(VhostUserBackend::new(&cfg).unwrap());
         let be2 = be.clone();
         let session = std::thread::spawn(move || be2.session(&b));
         let mut r = Rig::new(a, 1, be, session);
@@ -605,7 +610,7 @@ fn a_ring_stopped_right_after_it_was_disabled_answers() {
         queues: None,
         create: false,
     };
-    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+    let be = Arc::new(VhostUserBackend::new(&cfg).unwrap());
     let (a, b) = UnixStream::pair().unwrap();
     // A reply that never comes: the rig's guard shuts the socket down
     // (the crate retries a timed-out read for ever: a socket timeout would not do).
@@ -824,7 +829,7 @@ fn a_refused_check_device_state_ends_the_session() {
         queues: None,
         create: false,
     };
-    let be = Arc::new(BlkBackend::new(&cfg).unwrap());
+    let be = Arc::new(VhostUserBackend::new(&cfg).unwrap());
     let (mut a, b) = UnixStream::pair().unwrap();
     b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let be2 = be.clone();

@@ -1,15 +1,16 @@
 //! `iopath serve virtio-blk --transport vhost-user --socket PATH --once`'s
-//! loop (`vhost_user::backend::run`): one frontend at a time (another that
+//! loop (`serve::run` over the registry's `vhost-user`): one frontend at a time (another that
 //! comes meanwhile is closed), a connection that sends nothing within the
 //! handshake bound is dropped and is not the one client `--once` waits for.
 
 use iopath_devices::block::StorageKind;
 use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig};
-use iopath_protocols::serve::{Listen, Timeouts};
-use iopath_protocols::vhost_user::backend::{run, VhostUserServeOptions, FEATURES};
+use iopath_devices::DeviceConfig;
+use iopath_protocols::serve::{run, Listen, ServeOptions, Timeouts};
+use iopath_protocols::vhost_user::backend::FEATURES;
 use std::io::Read;
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use vhost::vhost_user::Frontend;
 use vhost::VhostBackend;
@@ -20,21 +21,30 @@ fn sock(tag: &str) -> PathBuf {
     common::scratch(tag).join("vhost-user.sock")
 }
 
+/// `iopath serve virtio-blk,backend=null,size_mb=1,notify=ioeventfd
+/// --transport vhost-user --socket PATH`, found in the registry by name.
+fn options(path: &Path, once: bool, timeouts: Timeouts) -> ServeOptions {
+    let device = VirtioBlkConfig {
+        backend: StorageKind::Null,
+        size: 1 << 20,
+        notify: NotifyMode::Ioeventfd,
+        queues: None,
+        create: false,
+    };
+    ServeOptions {
+        device: DeviceConfig::VirtioBlk(device),
+        transport: iopath_protocols::transport("vhost-user").unwrap(),
+        listen: Listen::Socket(path.to_path_buf()),
+        once,
+        keep_state: false,
+        timeouts,
+        seccomp: false,
+    }
+}
+
 fn start(path: &PathBuf, handshake: Duration) -> std::thread::JoinHandle<iopath_protocols::Result<()>> {
     let _ = std::fs::remove_file(path);
-    let o = VhostUserServeOptions {
-        device: VirtioBlkConfig {
-            backend: StorageKind::Null,
-            size: 1 << 20,
-            notify: NotifyMode::Ioeventfd,
-            queues: None,
-            create: false,
-        },
-        listen: Listen::Socket(path.clone()),
-        once: true,
-        timeouts: Timeouts { handshake, ..Timeouts::default() },
-        seccomp: false,
-    };
+    let o = options(path, true, Timeouts { handshake, ..Timeouts::default() });
     let t = std::thread::spawn(move || run(&o));
     let t0 = Instant::now();
     while !path.exists() {
@@ -92,19 +102,7 @@ fn a_silent_connection_is_dropped_and_once_waits_for_a_frontend() {
 /// loop's thread is left running when the test ends.
 fn start_bounded(path: &PathBuf, message: Duration) {
     let _ = std::fs::remove_file(path);
-    let o = VhostUserServeOptions {
-        device: VirtioBlkConfig {
-            backend: StorageKind::Null,
-            size: 1 << 20,
-            notify: NotifyMode::Ioeventfd,
-            queues: None,
-            create: false,
-        },
-        listen: Listen::Socket(path.clone()),
-        once: false,
-        timeouts: Timeouts { message, send: message, ..Timeouts::default() },
-        seccomp: false,
-    };
+    let o = options(path, false, Timeouts { message, send: message, ..Timeouts::default() });
     std::thread::spawn(move || run(&o));
     let t0 = Instant::now();
     while !path.exists() {
@@ -200,4 +198,25 @@ fn a_frontend_that_leaves_inside_a_header_is_dropped_at_once() {
     gone.write_all(&[1, 0, 0, 0, 1]).unwrap();
     drop(gone);
     next_frontend_served(&path, None);
+}
+
+/// A device vhost-user does not carry, or --keep-state, is refused before
+/// anything is bound: typed errors, and no socket file at PATH.
+#[test]
+fn what_vhost_user_cannot_serve_is_refused_before_the_socket_is_bound() {
+    let path = sock("refused");
+    let _ = std::fs::remove_file(&path);
+    for device in ["nvme", "pci-testdev"] {
+        let o = ServeOptions { device: device.parse().unwrap(), ..options(&path, true, Timeouts::default()) };
+        let e = run(&o).unwrap_err();
+        assert!(
+            matches!(&e, iopath_protocols::Error::Carry { transport: "vhost-user", device: d, .. } if d == device),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("virtio-blk@vhost-user"), "{e}");
+    }
+    let o = ServeOptions { keep_state: true, ..options(&path, true, Timeouts::default()) };
+    let e = run(&o).unwrap_err().to_string();
+    assert!(e.contains("--keep-state does not apply to --transport vhost-user"), "{e}");
+    assert!(!path.exists(), "nothing bound");
 }

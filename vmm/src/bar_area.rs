@@ -9,6 +9,7 @@
 //! the next doorbell store. The PCI host moves the areas with their BAR; a
 //! trapped area stays out wherever its BAR goes until the device lets it go.
 
+use iopath_devices::lock;
 use iopath_devices::pci::BarPlacement;
 use kvm_bindings::kvm_userspace_memory_region as Region;
 use kvm_ioctls::VmFd;
@@ -48,7 +49,7 @@ impl BarAreas {
 
     /// The PCI host calls this when BAR `bar` starts or stops decoding or moves.
     pub fn bar_moved(&self, bar: u8, placement: Option<BarPlacement>) {
-        let mut areas = self.areas.lock().unwrap();
+        let mut areas = lock(&self.areas);
         for a in areas.iter_mut().filter(|a| a.bar == bar) {
             a.at = placement.map(|p| p.addr + a.offset);
             apply(&self.vm, a);
@@ -59,7 +60,7 @@ impl BarAreas {
     /// it back where its BAR is. False if there is no such area or KVM
     /// refused (the area then stays as it was).
     pub fn set_trap(&self, bar: u8, offset: u64, trap: bool) -> bool {
-        let mut areas = self.areas.lock().unwrap();
+        let mut areas = lock(&self.areas);
         let Some(a) = areas.iter_mut().find(|a| a.bar == bar && a.offset == offset) else { return false };
         a.trapped = trap;
         apply(&self.vm, a) == a.wanted()
@@ -67,7 +68,7 @@ impl BarAreas {
 
     /// Where the area at (`bar`, `offset`) is mapped in the guest now.
     pub fn placed(&self, bar: u8, offset: u64) -> Option<u64> {
-        let areas = self.areas.lock().unwrap();
+        let areas = lock(&self.areas);
         areas.iter().find(|a| a.bar == bar && a.offset == offset).and_then(|a| a.placed)
     }
 }
@@ -147,6 +148,8 @@ mod tests {
         match unsafe { vm.set_user_memory_region(r) } {
             Ok(()) => {
                 let gone = Region { memory_size: 0, ..r };
+                // SAFETY: a zero-sized region deletes the probe slot just made; KVM
+                // keeps no pointer into `page` after it.
                 unsafe { vm.set_user_memory_region(gone) }.unwrap();
                 false
             }

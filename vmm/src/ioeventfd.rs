@@ -9,6 +9,7 @@
 //! through its faster FAST_MMIO bus and would not be the same measurement.
 
 use crate::bar_area::BarAreas;
+use iopath_devices::lock;
 use iopath_devices::pci::BarPlacement;
 use iopath_devices::{BarKind, Error as DevError, IoEventSpec, IoEvents};
 use kvm_bindings::kvm_ioeventfd;
@@ -121,7 +122,7 @@ impl KvmIoEvents {
 
     /// The PCI host calls this when a BAR starts or stops decoding or moves.
     pub fn bar_moved(&self, bar: u8, placement: Option<BarPlacement>) {
-        let mut st = self.state.lock().unwrap();
+        let mut st = lock(&self.state);
         if let Some(slot) = st.bars.get_mut(bar as usize) {
             *slot = placement;
         }
@@ -148,7 +149,7 @@ impl KvmIoEvents {
 
 impl IoEvents for KvmIoEvents {
     fn register(&self, spec: IoEventSpec, fd: &EventFd) -> iopath_devices::Result<()> {
-        let mut st = self.state.lock().unwrap();
+        let mut st = lock(&self.state);
         let at = Self::target(&st.bars, &spec).map_err(|e| DevError::Host(e.to_string()))?;
         let at = match at {
             Some((addr, pio)) => {
@@ -164,7 +165,7 @@ impl IoEvents for KvmIoEvents {
     }
 
     fn unregister(&self, spec: IoEventSpec, _fd: &EventFd) -> iopath_devices::Result<()> {
-        let mut st = self.state.lock().unwrap();
+        let mut st = lock(&self.state);
         // KVM refuses two assignments of one spec, so the spec names the registration.
         let pos = st.regs.iter().position(|r| r.spec == spec).ok_or_else(|| {
             DevError::Host(format!("no ioeventfd registered at BAR{} offset {:#x}", spec.bar, spec.offset))

@@ -10,6 +10,7 @@
 //! into KVM and a signal that waited is delivered once.
 
 use iopath_devices::irq::IrqLines;
+use iopath_devices::lock;
 use iopath_devices::Interrupts;
 use kvm_bindings::{
     kvm_irq_routing_entry, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
@@ -34,7 +35,7 @@ impl GsiRouter {
 
     /// Sets (Some) or removes (None) the MSI route of `gsi`.
     pub fn set(&self, gsi: u32, msg: Option<(u64, u32)>) -> Result<(), crate::VmmError> {
-        let mut msi = self.msi.lock().unwrap();
+        let mut msi = lock(&self.msi);
         match msg {
             Some(m) => msi.insert(gsi, m),
             None => msi.remove(&gsi),
@@ -107,7 +108,7 @@ impl Interrupts for VmIrq {
     }
 
     fn signal_msix(&self, vector: u16) -> bool {
-        match self.vectors.lock().unwrap().get(vector as usize) {
+        match lock(&self.vectors).get(vector as usize) {
             Some(Some(Vector { fd, routed: true })) => fd.write(1).is_ok(),
             _ => false,
         }
@@ -118,7 +119,7 @@ impl Interrupts for VmIrq {
     }
 
     fn msix_eventfd(&self, vector: u16) -> Option<EventFd> {
-        self.vectors.lock().unwrap().get(vector as usize)?.as_ref()?.fd.try_clone().ok()
+        lock(&self.vectors).get(vector as usize)?.as_ref()?.fd.try_clone().ok()
     }
 
     /// Routes vector `vector` to `msg`, or masks it (None): its irqfd leaves
@@ -129,7 +130,7 @@ impl Interrupts for VmIrq {
             return;
         }
         let gsi = self.base_gsi + vector as u32;
-        let mut v = self.vectors.lock().unwrap();
+        let mut v = lock(&self.vectors);
         if v.len() <= vector as usize {
             v.resize_with(vector as usize + 1, || None);
         }

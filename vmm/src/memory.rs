@@ -45,14 +45,19 @@ pub enum RamKind {
     Hugetlb,
 }
 
+/// A guest RAM kind that is none of [`RamKind`]'s.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("guest RAM {0:?}: auto, memfd or hugetlb")]
+pub struct UnknownRamKind(pub String);
+
 impl std::str::FromStr for RamKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownRamKind;
+    fn from_str(s: &str) -> Result<Self, UnknownRamKind> {
         match s {
             "auto" => Ok(RamKind::Auto),
             "memfd" => Ok(RamKind::Memfd),
             "hugetlb" => Ok(RamKind::Hugetlb),
-            _ => Err(format!("guest RAM {s:?}: auto, memfd or hugetlb")),
+            _ => Err(UnknownRamKind(s.to_string())),
         }
     }
 }
@@ -120,10 +125,11 @@ pub fn create(size: u64, kind: RamKind) -> std::io::Result<GuestRam> {
     }
     // Its size is final: no process it is handed to can shrink it under
     // the VM or a device (SIGBUS).
-    // SAFETY: F_ADD_SEALS on an fd we own; no memory is passed.
     // F_SEAL_SEAL: and no process it is handed to can seal it further (a
     // device process's F_SEAL_FUTURE_WRITE would refuse the others' mappings).
     let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS on the memfd `memfd` owns (made with MFD_ALLOW_SEALING);
+    // the argument is an integer, no memory is passed.
     if unsafe { libc::fcntl(memfd.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
         return Err(std::io::Error::last_os_error());
     }

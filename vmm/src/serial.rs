@@ -2,6 +2,7 @@
 //! split into lines, kept, and handed to an optional per-line callback.
 
 use crate::bus::BusDeviceMut;
+use iopath_devices::lock;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use vm_superio::{Serial, Trigger};
@@ -53,7 +54,7 @@ impl LineSink {
         if let Some(cb) = self.on_line.as_mut() {
             cb(&line);
         }
-        self.lines.lock().unwrap().push(line);
+        lock(&self.lines).push(line);
     }
 
     pub fn flush_partial(&mut self) {

@@ -9,6 +9,7 @@
 use crate::bus::Bus;
 use crate::debug_exit::ExitStatus;
 use crate::VmmError;
+use iopath_devices::lock;
 use kvm_bindings::kvm_segment;
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -79,26 +80,26 @@ impl ExitMarks {
     /// Called by the console for each line (`bytes` with its newline).
     pub fn on_line(&self, line: &str, bytes: u64) {
         if self.prefixes.iter().any(|p| line.starts_with(p.as_str())) && self.len() < MAX_MARKS {
-            *self.waiting.lock().unwrap() = Some((line.to_string(), bytes));
+            *lock(&self.waiting) = Some((line.to_string(), bytes));
             self.pending.store(true, Ordering::Release);
         }
     }
 
     fn take(&self, exits: &ExitStats) {
         if self.pending.swap(false, Ordering::Acquire) {
-            if let Some((line, bytes)) = self.waiting.lock().unwrap().take() {
-                self.taken.lock().unwrap().push(ExitMark { line, bytes, exits: *exits });
+            if let Some((line, bytes)) = lock(&self.waiting).take() {
+                lock(&self.taken).push(ExitMark { line, bytes, exits: *exits });
             }
         }
     }
 
     fn len(&self) -> usize {
-        self.taken.lock().unwrap().len()
+        lock(&self.taken).len()
     }
 
     /// The marks taken, in order.
     pub fn marks(&self) -> Vec<ExitMark> {
-        self.taken.lock().unwrap().clone()
+        lock(&self.taken).clone()
     }
 }
 

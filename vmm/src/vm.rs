@@ -9,6 +9,7 @@ use crate::pci::PciHost;
 use crate::serial::{LineCallback, LineSink, Uart};
 use crate::vcpu::{self, ExitStats};
 use iopath_devices::irq::IrqLines;
+use iopath_devices::lock;
 use iopath_devices::pci::BarPlacement;
 use iopath_devices::SharedDevice;
 use iopath_devices::{Counter, DeviceContext, FailFn};
@@ -160,7 +161,7 @@ pub(crate) fn watched<R: Send + 'static>(
     let t0 = Instant::now();
     while !h.is_finished() {
         std::thread::sleep(Duration::from_millis(5));
-        let failed = fatal.as_ref().is_some_and(|f| f.lock().unwrap().is_some());
+        let failed = fatal.as_ref().is_some_and(|f| lock(f).is_some());
         let cancelled = cancel.is_some_and(|c| c.load(Ordering::Relaxed));
         if t0.elapsed() > timeout || failed || cancelled {
             stop.store(true, Ordering::Release);
@@ -224,14 +225,14 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
     pio.insert(crate::serial::PORT, crate::serial::LEN, uart.clone())?;
     pio.insert(crate::debug_exit::PORT, 1, Arc::new(DebugExit(status.clone())))?;
     let host = Arc::new(Mutex::new(PciHost::new(pio.clone(), mmio.clone())));
-    host.lock().unwrap().set_vm(m.vm.clone());
+    lock(&host).set_vm(m.vm.clone());
     pio.insert(crate::pci::CONFIG_ADDRESS, 8, host.clone())?;
     let fatal: Fatal = Arc::new(Mutex::new(None));
     let fatal2 = fatal.clone();
     // The first failure stops the run and is its error (printed once, by
     // whoever gets it); a later one is only logged.
     let fail: FailFn = Arc::new(move |msg: String| {
-        let mut f = fatal2.lock().unwrap();
+        let mut f = lock(&fatal2);
         match f.as_ref() {
             Some(first) if *first != msg => log::error!("{msg} (after: {first})"),
             Some(_) => {}
@@ -246,13 +247,13 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
         let irq = Arc::new(crate::irq::VmIrq::new(m.vm.clone(), router.clone(), intx_lines(&m.vm, gsi)?, i as u32));
         let mem = iopath_devices::GuestMem::from(m.ram.mem.clone()).with_huge_pages(m.ram.huge);
         d.attach(DeviceContext { mem, ioevents: ioevents.clone(), irq, fail: fail.clone() });
-        let mut h = host.lock().unwrap();
+        let mut h = lock(&host);
         let slot = h.add(d.clone(), Some(ioevents))?;
         h.set_intx_line(slot as usize, gsi as u8);
         devices.push((slot, d));
     }
     if cfg.place_bars {
-        host.lock().unwrap().place_bars()?;
+        lock(&host).place_bars()?;
     }
     let Machine { vm, ram, mut vcpu, tsc_khz } = m;
     let (pio2, mmio2, status2, marks2) = (pio.clone(), mmio.clone(), status.clone(), marks.clone());
@@ -267,7 +268,7 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
         }
         return Err(VmmError::Cancelled);
     }
-    if let Some(msg) = fatal.lock().unwrap().take() {
+    if let Some(msg) = lock(&fatal).take() {
         for (_, d) in &devices {
             d.quiesce();
         }
@@ -279,18 +280,18 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
         reports.push(DeviceReport {
             name: d.name().to_string(),
             slot: *slot,
-            bars: host.lock().unwrap().placements(*slot as usize),
+            bars: lock(&host).placements(*slot as usize),
             counters: d.counters(),
         });
     }
-    uart.lock().unwrap().0.writer_mut().flush_partial();
+    lock(&uart).0.writer_mut().flush_partial();
     drop(vcpu);
     drop(vm);
     drop(ram);
     let exits = match r {
         Ok(s) => s,
         Err(e) => {
-            let tail: Vec<String> = lines.lock().unwrap().iter().rev().take(5).rev().cloned().collect();
+            let tail: Vec<String> = lock(&lines).iter().rev().take(5).rev().cloned().collect();
             return Err(match e {
                 VmmError::Guest { reason, rip } => {
                     VmmError::Guest { reason: format!("{reason}; last guest output: {tail:?}"), rip }
@@ -299,8 +300,8 @@ pub fn run(mut cfg: VmConfig) -> Result<RunReport, VmmError> {
             });
         }
     };
-    let lines = std::mem::take(&mut *lines.lock().unwrap());
-    let pci_absent_accesses = host.lock().unwrap().absent_accesses;
+    let lines = std::mem::take(&mut *lock(&lines));
+    let pci_absent_accesses = lock(&host).absent_accesses;
     Ok(RunReport {
         status: status.get().unwrap_or(-1),
         lines,

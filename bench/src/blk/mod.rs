@@ -18,6 +18,7 @@
 use crate::host::HostInfo;
 use crate::nvme::{Job, LatHist};
 use iopath_devices::block::StorageKind;
+use iopath_devices::virtio::pci::NotifyMode;
 use serde::Serialize;
 use std::time::Duration;
 
@@ -25,35 +26,22 @@ pub mod check;
 mod qemu;
 mod run;
 mod table;
+pub mod target;
 
 pub use run::DEVICE_THREADS;
 pub use table::Record;
-
-/// Every target, in the order a round runs them. Names say the path:
-/// `nvme`, `virtio`, `vfio-user`, `vhost-user`, `qemu`.
-pub const TARGETS: &[&str] = &[
-    "nvme-mmio",
-    "nvme-shm",
-    "nvme-bar",
-    "virtio-exit",
-    "virtio-ioeventfd",
-    "virtio-poll",
-    "virtio@vfio-user",
-    "vhost-user",
-    "qemu-virtio-blk-pci",
-    "qemu-vhost-user-blk-pci",
-];
+pub use target::{QemuBlk, Target, UnknownTarget};
 
 /// The device-assignment line: never run, never faked.
 pub const VFIO_TARGET: &str = "vfio (device assignment)";
 
 /// The target the ratio column divides by, unless `--reference` says otherwise.
-pub const DEFAULT_REFERENCE: &str = "virtio-ioeventfd";
+pub const DEFAULT_REFERENCE: Target = Target::Virtio(NotifyMode::Ioeventfd);
 
 #[derive(Clone, Debug, Serialize)]
 pub struct BlkOptions {
-    /// Targets to run, from `TARGETS`, in that order.
-    pub targets: Vec<String>,
+    /// Targets to run, in that order (by default [`Target::all`]).
+    pub targets: Vec<Target>,
     #[serde(serialize_with = "as_string")]
     pub backend: StorageKind,
     /// Disk size in MiB on null and ram backends (each device's, and the
@@ -71,7 +59,7 @@ pub struct BlkOptions {
     pub timeout_s: u64,
     pub progress: bool,
     /// The target every other is divided by in the ratio column.
-    pub reference: String,
+    pub reference: Target,
     /// A target that failed this many times without a good run is not run again.
     pub max_failures: u32,
     /// Where the vCPU and the device threads run (`--pin`); None leaves them to the scheduler.
@@ -87,7 +75,7 @@ fn as_string<T: std::fmt::Display, S: serde::Serializer>(v: &T, s: S) -> Result<
 impl Default for BlkOptions {
     fn default() -> Self {
         BlkOptions {
-            targets: TARGETS.iter().map(|t| t.to_string()).collect(),
+            targets: Target::all(),
             backend: StorageKind::Null,
             size_mb: 64,
             time_ms: 2000,
@@ -98,7 +86,7 @@ impl Default for BlkOptions {
             mem_mb: 256,
             timeout_s: 120,
             progress: true,
-            reference: DEFAULT_REFERENCE.into(),
+            reference: DEFAULT_REFERENCE,
             max_failures: 2,
             pin: crate::pin::Placement::auto(),
             iopath_exe: None,
@@ -226,19 +214,30 @@ pub fn vfio_reason() -> String {
     }
 }
 
-/// Checks target names against `TARGETS` (the VFIO line is always shown).
-pub fn parse_targets(s: &str) -> Result<Vec<String>, String> {
+/// What is wrong with a list of targets.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TargetsError {
+    #[error(transparent)]
+    Unknown(#[from] UnknownTarget),
+    #[error("no target given")]
+    Empty,
+}
+
+/// Targets from their comma-separated names, each once, in the given order
+/// (the VFIO line, `vfio`, is always shown and runs nothing).
+pub fn parse_targets(s: &str) -> Result<Vec<Target>, TargetsError> {
     let mut v = Vec::new();
-    for t in s.split(',').map(str::trim).filter(|t| !t.is_empty()) {
-        match TARGETS.iter().find(|x| **x == t) {
-            Some(x) if !v.iter().any(|y: &String| y == x) => v.push(x.to_string()),
-            Some(_) => {}
-            None if t == "vfio" || t == VFIO_TARGET => {}
-            None => return Err(format!("{t:?} is not a target; the targets: {}", TARGETS.join(", "))),
+    for name in s.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+        if name == "vfio" || name == VFIO_TARGET {
+            continue;
+        }
+        let t: Target = name.parse()?;
+        if !v.contains(&t) {
+            v.push(t);
         }
     }
     if v.is_empty() {
-        return Err("no target given".into());
+        return Err(TargetsError::Empty);
     }
     Ok(v)
 }
@@ -262,12 +261,12 @@ pub fn run_blk(o: &BlkOptions) -> anyhow::Result<BlkResult> {
                 }
                 pb.set_message(format!("round {}/{} {} {t}", round + 1, o.rounds, j.name));
                 let fail =
-                    |error: String| Failure { target: t.clone(), job_index: ji, job: j.name.clone(), round, error };
+                    |error: String| Failure { target: t.to_string(), job_index: ji, job: j.name.clone(), round, error };
                 let (n, ok, first) = &mut failed[ti];
                 if !*ok && *n >= o.max_failures {
                     failures.push(fail(format!("not run: it failed {n} times without a good run, first: {first}")));
                 } else {
-                    match ctx.run(t, ji, round) {
+                    match ctx.run(*t, ji, round) {
                         Ok(r) => {
                             *ok = true;
                             runs.push(r)
@@ -327,10 +326,16 @@ mod tests {
 
     #[test]
     fn targets_are_checked_and_kept_in_the_given_order() {
-        assert_eq!(parse_targets("nvme-bar,virtio-exit").unwrap(), ["nvme-bar", "virtio-exit"]);
-        assert_eq!(parse_targets("virtio-exit, nvme-bar,virtio-exit,vfio").unwrap(), ["virtio-exit", "nvme-bar"]);
-        assert!(parse_targets("nvme-foo").unwrap_err().contains("nvme-foo"));
-        assert!(parse_targets("").is_err());
-        assert!(parse_targets("vfio").is_err(), "the VFIO line alone runs nothing");
+        use iopath_devices::nvme::DoorbellMode;
+        let (bar, exit) = (Target::Nvme(DoorbellMode::Bar), Target::Virtio(NotifyMode::Exit));
+        assert_eq!(parse_targets("nvme-bar,virtio-exit").unwrap(), [bar, exit]);
+        assert_eq!(parse_targets("virtio-exit, nvme-bar,virtio-exit,vfio").unwrap(), [exit, bar]);
+        let vu = Target::Remote(iopath_protocols::transport("vhost-user").unwrap());
+        assert_eq!(parse_targets("vhost-user,virtio@vfio-user").unwrap()[0], vu);
+        let e = parse_targets("nvme-foo").unwrap_err();
+        assert!(matches!(&e, TargetsError::Unknown(u) if u.name == "nvme-foo"), "{e:?}");
+        assert!(e.to_string().contains("nvme-foo") && e.to_string().contains("qemu-vhost-user-blk-pci"), "{e}");
+        assert_eq!(parse_targets(""), Err(TargetsError::Empty));
+        assert_eq!(parse_targets("vfio"), Err(TargetsError::Empty), "the VFIO line alone runs nothing");
     }
 }

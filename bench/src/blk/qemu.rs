@@ -23,7 +23,7 @@ const PEER_WAIT: Duration = Duration::from_secs(5);
 
 impl Ctx<'_> {
     fn qemu(&self) -> anyhow::Result<&(PathBuf, QemuBacking)> {
-        self.qemu.as_ref().map_err(|e| anyhow::anyhow!("no QEMU: {e}"))
+        self.qemu.as_ref().map_err(|e| anyhow::anyhow!("no QEMU: {e:#}"))
     }
 
     /// QEMU's own virtio-blk-pci (modern only) on the same backend kind.
@@ -41,13 +41,13 @@ impl Ctx<'_> {
         // then, and the guest is still printing (isa-debug-exit ends QEMU
         // at once, -no-shutdown or not).
         let mut qmp: Option<anyhow::Result<crate::qmp::Qmp>> = None;
-        let mut stats: Option<Result<(u64, u64), String>> = None;
+        let mut stats: Option<anyhow::Result<(u64, u64)>> = None;
         let mut on_line = |l: &str| {
             let qmp = qmp.get_or_insert_with(|| crate::qmp::Qmp::connect(&qmp_path, PEER_WAIT));
             if l == WINDOW_END && stats.is_none() {
                 stats = Some(match qmp {
-                    Ok(m) => m.blockstats("nvm0").map_err(|e| format!("{e:#}")),
-                    Err(e) => Err(format!("{e:#}")),
+                    Ok(m) => m.blockstats("nvm0"),
+                    Err(e) => Err(anyhow::anyhow!("{e:#}")),
                 });
             }
         };
@@ -65,8 +65,9 @@ impl Ctx<'_> {
         let mut r = to_run(t, &self.jobs[ji], ji, round, &qr.lines, self.tsc_khz)
             .map_err(|e| anyhow::anyhow!("{e}; stderr: {}", qr.stderr.trim()))?;
         let g = Guest { ios: r.ios, notifies: r.guest_notifies.unwrap_or(0) };
-        let stats = stats.unwrap_or_else(|| Err(format!("the guest printed no {WINDOW_END:?}")));
-        let v = check::qemu_virtio(stats.as_ref().map(|s| *s).map_err(|e| e.as_str()), g);
+        let stats = stats.unwrap_or_else(|| Err(anyhow::anyhow!("the guest printed no {WINDOW_END:?}")));
+        let why = stats.as_ref().err().map(|e| format!("{e:#}"));
+        let v = check::qemu_virtio(stats.as_ref().map(|s| *s).map_err(|_| why.as_deref().unwrap_or_default()), g);
         r.routing = format!("QEMU virtio-blk-pci on {drive}; exit status {:?}; {}", qr.status, v.text);
         r.routing_ok = qr.status == Some(1) && v.ok;
         guest_checks(&mut r);

@@ -2,13 +2,14 @@
 //! of its routing against the device's counters:
 //! - `nvme-*`: as `bench nvme` checks them (every guest I/O a controller
 //!   command; MMIO doorbells exited, shm/bar ones did not).
-//! - virtio targets, `vhost-user` and the `qemu-*` ones (`qemu.rs`): the
-//!   rules of `check.rs`, one per path.
+//! - virtio targets, in the VMM or over a transport (`virtio@vfio-user`,
+//!   `vhost-user`), and the `qemu-*` ones (`qemu.rs`): the rules of
+//!   `check.rs`, one per path.
 //!
 //! Every run also needs the guest's own verdict (I/O done, 0 errors).
 
 use super::check::{self, Guest, VirtioPath};
-use super::{BlkJob, BlkOptions, BlkRun};
+use super::{BlkJob, BlkOptions, BlkRun, QemuBlk, Target};
 use crate::host::{host_info, HostInfo};
 use crate::nvme::{LatHist, NvmeOptions, NvmeRun, Runner};
 use crate::pin::Pinner;
@@ -17,7 +18,8 @@ use indicatif::ProgressBar;
 use iopath_devices::nvme::DoorbellMode;
 use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig};
 use iopath_devices::DeviceConfig;
-use iopath_protocols::attach::{instantiate, DeviceSpec, Programs};
+use iopath_protocols::attach::{instantiate, Device, DeviceSpec, Endpoint, Programs};
+use iopath_protocols::Transport;
 use iopath_vmm::{run, VmConfig};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -72,7 +74,7 @@ pub struct Ctx<'a> {
     /// The disk's size in bytes.
     pub(super) size: u64,
     /// QEMU and the drive it stands on, found once (None: the reason).
-    pub(super) qemu: Result<(PathBuf, QemuBacking), String>,
+    pub(super) qemu: anyhow::Result<(PathBuf, QemuBacking)>,
 }
 
 impl<'a> Ctx<'a> {
@@ -80,14 +82,12 @@ impl<'a> Ctx<'a> {
         let nvme = Runner::new(nvme)?;
         let tsc_khz = nvme.tsc_khz();
         let size = disk_size(o);
-        let wants_qemu = o.targets.iter().any(|t| t.starts_with("qemu"));
+        let wants_qemu = o.targets.iter().any(|t| t.is_qemu());
         let qemu = match wants_qemu {
-            true => crate::qemu::find().map_err(|e| format!("{e:#}")).and_then(|q| {
-                QemuBacking::for_backend(&o.backend, size, Path::new(crate::qemu::SHM_DIR))
-                    .map(|b| (q, b))
-                    .map_err(|e| format!("{e:#}"))
+            true => crate::qemu::find().and_then(|q| {
+                QemuBacking::for_backend(&o.backend, size, Path::new(crate::qemu::SHM_DIR)).map(|b| (q, b))
             }),
-            false => Err("not asked for".into()),
+            false => Err(anyhow::anyhow!("not asked for")),
         };
         let iopath = match &o.iopath_exe {
             Some(p) => p.clone(),
@@ -106,23 +106,19 @@ impl<'a> Ctx<'a> {
         })
     }
 
-    /// One run of target `t` (a name from `TARGETS`) for job `ji` in `round`.
-    pub fn run(&self, t: &str, ji: usize, round: u32) -> anyhow::Result<BlkRun> {
+    /// One run of target `t` for job `ji` in `round`.
+    pub fn run(&self, t: Target, ji: usize, round: u32) -> anyhow::Result<BlkRun> {
         // nvme's runner places its own threads.
-        let _pinned = self.o.pin.filter(|_| !t.starts_with("nvme")).map(|p| Pinner::start(p, DEVICE_THREADS));
-        let virtio = |notify, remote| self.virtio(t, notify, remote, ji, round);
+        let nvme = matches!(t, Target::Nvme(_));
+        let _pinned = self.o.pin.filter(|_| !nvme).map(|p| Pinner::start(p, DEVICE_THREADS));
+        let name = t.to_string();
         match t {
-            "nvme-mmio" => self.nvme(t, DoorbellMode::Mmio, ji, round),
-            "nvme-shm" => self.nvme(t, DoorbellMode::Shm, ji, round),
-            "nvme-bar" => self.nvme(t, DoorbellMode::Bar, ji, round),
-            "virtio-exit" => virtio(NotifyMode::Exit, None),
-            "virtio-ioeventfd" => virtio(NotifyMode::Ioeventfd, None),
-            "virtio-poll" => virtio(NotifyMode::Poll, None),
-            "virtio@vfio-user" => virtio(NotifyMode::Ioeventfd, Some("vfio-user")),
-            "vhost-user" => virtio(NotifyMode::Ioeventfd, Some("vhost-user")),
-            "qemu-virtio-blk-pci" => self.qemu_virtio(t, ji, round),
-            "qemu-vhost-user-blk-pci" => self.qemu_vhost_user(t, ji, round),
-            _ => anyhow::bail!("unknown target {t:?}"),
+            Target::Nvme(db) => self.nvme(&name, db, ji, round),
+            Target::Virtio(notify) => self.virtio(&name, notify, None, ji, round),
+            // A transport's device thread or backend is kicked through an eventfd.
+            Target::Remote(tr) => self.virtio(&name, NotifyMode::Ioeventfd, Some(tr), ji, round),
+            Target::Qemu(QemuBlk::VirtioBlkPci) => self.qemu_virtio(&name, ji, round),
+            Target::Qemu(QemuBlk::VhostUserBlkPci) => self.qemu_vhost_user(&name, ji, round),
         }
     }
 
@@ -148,20 +144,22 @@ impl<'a> Ctx<'a> {
         VirtioBlkConfig { backend: self.o.backend.clone(), size: self.size, notify, queues: None, create: false }
     }
 
-    /// iopath's virtio-blk in the VMM, or in a device process over `remote`.
+    /// iopath's virtio-blk in the VMM, or over the transport `remote`
+    /// (started by the VMM, as `--device virtio-blk,...@TRANSPORT`).
     fn virtio(
         &self,
         t: &str,
         notify: NotifyMode,
-        remote: Option<&str>,
+        remote: Option<Transport>,
         ji: usize,
         round: u32,
     ) -> anyhow::Result<BlkRun> {
-        // Through the spec parser, as `--device` takes it: `@vhost-user` is
-        // no Transport of the registry but a spec of its own.
         let config = DeviceConfig::VirtioBlk(self.blk_config(notify));
-        let text = remote.map_or_else(|| config.to_string(), |r| format!("{config}@{r}"));
-        let spec: DeviceSpec = text.parse().map_err(|e| anyhow::anyhow!("--device {text}: {e}"))?;
+        let spec = match remote {
+            None => DeviceSpec { device: Device::Model(config), remote: None },
+            // Checked as `--device` checks it: the transport carries virtio-blk.
+            Some(tr) => DeviceSpec::remote(config, tr, Endpoint::Spawn)?,
+        };
         let mut cfg = VmConfig::new(iopath_guest::IMAGE, &self.cmdline(ji));
         cfg.devices = vec![instantiate(&spec, &self.progs).map_err(|e| anyhow::anyhow!("{spec}: {e}"))?];
         cfg.mem_size = self.o.mem_mb << 20;
@@ -176,8 +174,8 @@ impl<'a> Ctx<'a> {
         r.exits_per_io = Some(in_window as f64 / r.ios.max(1) as f64);
         let counters = &rep.devices.first().ok_or_else(|| anyhow::anyhow!("no device report"))?.counters;
         let c = |n: &str| counters.iter().find(|c| c.name == n).map(|c| c.value);
-        let path = match (t, notify) {
-            ("vhost-user", _) => VirtioPath::VhostUser,
+        let path = match (remote, notify) {
+            (Some(Transport::Queues(_)), _) => VirtioPath::VhostUser,
             (_, NotifyMode::Exit) => VirtioPath::Exit,
             (_, NotifyMode::Ioeventfd) => VirtioPath::Ioeventfd,
             (_, NotifyMode::Poll) => VirtioPath::Poll,

@@ -68,8 +68,10 @@ impl BlkResult {
     pub fn records(&self) -> Vec<Record> {
         let o = &self.options;
         let mut out = Vec::new();
+        // Runs and failures carry their target's name.
+        let names: Vec<String> = o.targets.iter().map(|t| t.to_string()).collect();
         for (ji, j) in self.jobs.iter().enumerate() {
-            for t in &o.targets {
+            for t in &names {
                 let rs: Vec<&BlkRun> = self.runs.iter().filter(|r| r.job_index == ji && &r.target == t).collect();
                 let fails: Vec<_> = self.failures.iter().filter(|f| f.job_index == ji && &f.target == t).collect();
                 let iops = median(rs.iter().map(|r| r.iops));
@@ -113,8 +115,9 @@ impl BlkResult {
         }
         // Each against the reference's record of its job; only records
         // whose every run held its routing check are divided or divide.
+        let reference = o.reference.to_string();
         let refs: Vec<(usize, Option<f64>)> =
-            out.iter().filter(|r| r.target == o.reference && r.routing_ok).map(|r| (r.job_index, key(r))).collect();
+            out.iter().filter(|r| r.target == reference && r.routing_ok).map(|r| (r.job_index, key(r))).collect();
         for r in out.iter_mut().filter(|r| r.routing_ok) {
             let base = refs.iter().find(|x| x.0 == r.job_index).and_then(|x| x.1).filter(|&b| b > 0.0);
             r.ratio = key(r).zip(base).map(|(v, b)| v / b);
@@ -144,7 +147,7 @@ impl BlkResult {
             o.tput_qd,
             o.lat_bs,
             if o.targets.contains(&o.reference) {
-                o.reference.clone()
+                o.reference.to_string()
             } else {
                 format!("{} (not run: no ratios)", o.reference)
             }
@@ -175,7 +178,7 @@ impl BlkResult {
                 let mut line = format!("{t:<25}");
                 let mut ok = true;
                 for &j in &jobs {
-                    let r = recs.iter().find(|r| r.job_index == j && &r.target == t);
+                    let r = recs.iter().find(|r| r.job_index == j && r.target == t.to_string());
                     ok &= r.is_some_and(|r| r.routing_ok);
                     let _ = write!(line, " {:>26}", r.map_or("-".into(), |r| cell(m, r)));
                 }
@@ -198,7 +201,7 @@ impl BlkResult {
         for t in &o.targets {
             let mut line = format!("{t:<25}");
             for ji in 0..self.jobs.len() {
-                let r = recs.iter().find(|r| r.job_index == ji && &r.target == t);
+                let r = recs.iter().find(|r| r.job_index == ji && r.target == t.to_string());
                 let _ =
                     write!(line, " {:>8}", r.and_then(|r| r.exits_per_io).map_or("-".into(), |x| format!("{x:.3}")));
             }
@@ -308,7 +311,7 @@ mod tests {
     fn result(ref_ok: bool) -> BlkResult {
         let targets = ["virtio-ioeventfd", "virtio-exit", "virtio-poll"];
         let options = BlkOptions {
-            targets: targets.iter().map(|t| t.to_string()).collect(),
+            targets: targets.iter().map(|t| t.parse().unwrap()).collect(),
             size_mb: 64,
             pin: None,
             ..Default::default()

@@ -76,7 +76,7 @@ impl Default for ExitsOptions {
             floor: true,
             timeout_s: 300,
             progress: true,
-            transports: iopath_protocols::TRANSPORTS.iter().map(|t| t.name().to_string()).collect(),
+            transports: iopath_protocols::function_transports().map(|t| t.name().to_string()).collect(),
             iopath_exe: None,
             spin_us: 0,
             contend: 0,
@@ -87,7 +87,7 @@ impl Default for ExitsOptions {
 }
 
 /// Where one run of the exit rows runs. Out-of-process targets come from the
-/// transport registry: a transport added there is a bench target too.
+/// registry's function transports: a function transport added there is a bench target too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Target {
     Iopath,
@@ -109,7 +109,7 @@ impl Target {
     /// Every target, in table order: the VMM, its floor, QEMU, each transport, QEMU's x-remote.
     pub fn all() -> Vec<Target> {
         let mut v = vec![Target::Iopath, Target::Floor, Target::Qemu];
-        v.extend(iopath_protocols::TRANSPORTS.iter().map(|t| Target::Remote(t.name())));
+        v.extend(iopath_protocols::function_transports().map(|t| Target::Remote(t.name())));
         v.push(Target::QemuRemote);
         v
     }

@@ -11,6 +11,7 @@ use super::{floor_qd, Job, NvmeRun};
 use crate::floor::FloorRun;
 use crate::guard::{GuardConfig, Mark};
 use crate::stats::summarize;
+use anyhow::Context;
 use indicatif::ProgressBar;
 
 /// A run's own marks against the floors it was measured with. A
@@ -117,7 +118,7 @@ pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar
                         v
                     };
                     tried.push(v.clone());
-                    Ok::<_, String>(v)
+                    Ok::<_, anyhow::Error>(v)
                 },
                 |v| twins_marks(g, twins, v, j),
             );
@@ -127,7 +128,7 @@ pub fn apply(ctx: &Ctx, targets: &[Target], runs: Vec<NvmeRun>, pb: &ProgressBar
                 Err(_) if crate::interrupt::interrupted() => tried.len() as u32,
                 Err(e) => {
                     let names: Vec<&str> = twins.iter().map(|t| t.name.as_str()).collect();
-                    out.errors.push(format!("{} {}: re-run: {e}", names.join(", "), j.label()));
+                    out.errors.push(format!("{} {}: re-run: {e:#}", names.join(", "), j.label()));
                     tried.len() as u32
                 }
             };
@@ -174,15 +175,15 @@ fn rerun(
     ji: usize,
     attempt: u32,
     pb: &ProgressBar,
-) -> Result<(Vec<NvmeRun>, Vec<FloorRun>), String> {
+) -> anyhow::Result<(Vec<NvmeRun>, Vec<FloorRun>)> {
     let (o, j) = (ctx.o, &ctx.o.jobs[ji]);
     let pin = o.pin.map(|p| p.pair());
     let (mut runs, mut floors) = (Vec::new(), Vec::new());
     let say = |round: u32, t: &Target| {
         pb.set_message(format!("re-run {attempt} round {}/{} {} {}", round + 1, o.rounds, j.label(), t.name))
     };
-    let run = |round: u32, t: &Target| -> Result<NvmeRun, String> {
-        let mut r = ctx.run_target(t, ji, round).map_err(|e| format!("{} round {round}: {e}", t.name))?;
+    let run = |round: u32, t: &Target| -> anyhow::Result<NvmeRun> {
+        let mut r = ctx.run_target(t, ji, round).with_context(|| format!("{} round {round}", t.name))?;
         r.attempt = attempt;
         Ok(r)
     };
@@ -196,14 +197,14 @@ fn rerun(
             say(round, t);
             let (mut f, e) = crate::floor::measure_round(&[floor_qd(j)], round, o.floor_ms, pin);
             if !e.is_empty() {
-                return Err(e.join("; "));
+                anyhow::bail!("{}", e.join("; "));
             }
             for x in f.iter_mut() {
                 x.attempt = attempt;
             }
             let wake = if j.thinktime_us > 0 {
                 let w = crate::wake::run_wake(crate::wake::WAKES, crate::wake::IDLE, pin, round);
-                Some(w.map_err(|e| format!("wake: {e}"))?.p50_ns)
+                Some(w.context("wake")?.p50_ns)
             } else {
                 None
             };

@@ -17,7 +17,7 @@
 use crate::host::HostInfo;
 use iopath_devices::block::StorageKind;
 use iopath_devices::nvme::{DoorbellMode, InPlace, NvmeConfig};
-use iopath_protocols::Transport;
+use iopath_protocols::FunctionTransport;
 use serde::Serialize;
 use std::time::Duration;
 
@@ -109,7 +109,10 @@ fn as_strings<T: std::fmt::Display, S: serde::Serializer>(v: &[T], s: S) -> Resu
     s.collect_seq(v.iter().map(|x| x.to_string()))
 }
 
-fn transport_names<S: serde::Serializer>(t: &[Option<&'static dyn Transport>], s: S) -> Result<S::Ok, S::Error> {
+fn transport_names<S: serde::Serializer>(
+    t: &[Option<&'static dyn FunctionTransport>],
+    s: S,
+) -> Result<S::Ok, S::Error> {
     s.collect_seq(t.iter().map(|t| t.map_or("vmm", |t| t.name())))
 }
 
@@ -142,7 +145,7 @@ pub struct NvmeOptions {
     /// Where the controller runs, each in every round, interleaved: None in
     /// the VMM, or a device process over that transport.
     #[serde(serialize_with = "transport_names")]
-    pub transports: Vec<Option<&'static dyn Transport>>,
+    pub transports: Vec<Option<&'static dyn FunctionTransport>>,
     pub lba: u32,
     /// The namespace size in MiB on a null or ram backend (None: the
     /// controller's default); a file backend's is the file's.

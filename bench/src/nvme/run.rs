@@ -14,7 +14,7 @@ use iopath_devices::block::StorageKind;
 use iopath_devices::nvme::{DoorbellMode, InPlace, NvmeConfig};
 use iopath_devices::DeviceConfig;
 use iopath_protocols::attach::{instantiate, Device, DeviceSpec, Endpoint, Programs};
-use iopath_protocols::Transport;
+use iopath_protocols::FunctionTransport;
 use iopath_vmm::vcpu::ExitMark;
 use iopath_vmm::{run, RamKind, VmConfig};
 use std::path::PathBuf;
@@ -50,7 +50,7 @@ impl Setup {
 #[derive(Clone, Copy)]
 pub enum Kind {
     /// iopath's controller: in the VMM (None) or a device process, set up so.
-    Iopath(Option<&'static dyn Transport>, Setup),
+    Iopath(Option<&'static dyn FunctionTransport>, Setup),
     Qemu,
     /// The host's fio on the file; `busy`: beside one busy thread on the
     /// vCPU's CPU, fio on the device threads' ([`FIO_BUSY_TARGET`]).
@@ -77,7 +77,7 @@ impl Target {
 /// doorbells are kicks (ioeventfd, adaptive) serve only drivers with shadow
 /// doorbells (Create I/O SQ is refused before Doorbell Buffer Config: a kick
 /// carries no value).
-fn refused(t: Option<&'static dyn Transport>, s: &Setup) -> bool {
+fn refused(t: Option<&'static dyn FunctionTransport>, s: &Setup) -> bool {
     t.is_some() && s.db.kicked() && !s.dbbuf
 }
 
@@ -156,7 +156,7 @@ impl<'a> Ctx<'a> {
     /// every contention level, one right after the other.
     pub fn targets(&self) -> Vec<Target> {
         let o = self.o;
-        let mut t: Vec<(String, Option<&'static dyn Transport>, Kind)> = o
+        let mut t: Vec<(String, Option<&'static dyn FunctionTransport>, Kind)> = o
             .transports
             .iter()
             .flat_map(|&t| o.doorbells.iter().flat_map(move |&db| o.pollers.iter().map(move |&p| (t, db, p))))
@@ -273,7 +273,7 @@ impl<'a> Ctx<'a> {
     fn iopath(
         &self,
         target: &str,
-        tr: Option<&'static dyn Transport>,
+        tr: Option<&'static dyn FunctionTransport>,
         Setup { db, pollers, forecast, in_place, submit_batch, dbbuf }: Setup,
         contend: u32,
         ji: usize,
@@ -291,8 +291,10 @@ impl<'a> Ctx<'a> {
             submit_batch,
             ..NvmeConfig::default()
         };
-        let spec =
-            DeviceSpec { device: Device::Model(DeviceConfig::Nvme(config)), remote: tr.map(|t| (t, Endpoint::Spawn)) };
+        let spec = DeviceSpec {
+            device: Device::Model(DeviceConfig::Nvme(config)),
+            remote: tr.map(|t| (t.into(), Endpoint::Spawn)),
+        };
         let _contention = contenders(o, contend)?;
         let _pinned = pinner(o);
         let window = Window::new(NVME_DEVICE_THREADS, WINDOW_START, WINDOW_END, IDLE_WINDOW);

@@ -198,7 +198,7 @@ pub(super) fn markdown(input: &Input, s: &mut String) {
 /// One dot plot per job: MB/s (throughput, min..max over rounds) or p50
 /// with a whisker to p99 (latency) per target; failed targets say so; a
 /// null backend's throughput says no data moved.
-pub(super) fn plots(input: &Input, figs: &[Figure], keep: &mut dyn FnMut(String, Result<String, String>)) {
+pub(super) fn plots(input: &Input, figs: &[Figure], keep: &mut dyn FnMut(String, Result<String, plot::PlotError>)) {
     let Some(d) = docs(input, "blk").next() else { return };
     let null = d["options"]["backend"].as_str() == Some("null");
     let failed: Vec<&str> = d["failures"]

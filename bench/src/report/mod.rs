@@ -626,7 +626,7 @@ fn slug(s: &str) -> String {
 /// reported in `errors` and left out.
 pub fn plots(input: &Input, figs: &[Figure], errors: &mut Vec<String>) -> Vec<(String, String)> {
     let mut out = Vec::new();
-    let mut keep = |name: String, r: Result<String, String>| match r {
+    let mut keep = |name: String, r: Result<String, plot::PlotError>| match r {
         Ok(svg) => out.push((name, svg)),
         Err(e) => errors.push(format!("plot {name}: {e}")),
     };

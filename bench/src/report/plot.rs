@@ -49,8 +49,19 @@ pub fn text_width(chars: usize, size: f64) -> f64 {
     chars as f64 * size * 0.62
 }
 
-fn err<E: std::fmt::Display>(e: E) -> String {
-    e.to_string()
+/// Why a plot was not drawn.
+#[derive(Debug, thiserror::Error)]
+pub enum PlotError {
+    /// Nothing to draw: every figure failed or is not a positive number.
+    #[error("no {0}")]
+    Empty(&'static str),
+    /// plotters refused to draw (its message).
+    #[error("{0}")]
+    Draw(String),
+}
+
+fn err<E: std::fmt::Display>(e: E) -> PlotError {
+    PlotError::Draw(e.to_string())
 }
 
 /// The palette's colour `i` (cycled).
@@ -156,10 +167,10 @@ pub struct DotPlot<'a> {
     pub floor: Option<(f64, String)>,
 }
 
-pub fn dots(p: &DotPlot, bars: &[Bar]) -> Result<String, String> {
+pub fn dots(p: &DotPlot, bars: &[Bar]) -> Result<String, PlotError> {
     let ok: Vec<&Bar> = bars.iter().filter(|b| !b.failed && b.median.is_finite() && b.median > 0.0).collect();
     if ok.is_empty() {
-        return Err("no figures".into());
+        return Err(PlotError::Empty("figures"));
     }
     let vals =
         || ok.iter().flat_map(|b| [b.min, b.median, b.max]).chain(p.floor.iter().map(|f| f.0)).filter(|v| *v > 0.0);
@@ -323,7 +334,7 @@ pub enum Legend {
 
 /// Lines with points (and whiskers, marks, floors) and a legend naming
 /// each series, failed ones too.
-pub fn lines(a: &Axes, series: &[Series]) -> Result<String, String> {
+pub fn lines(a: &Axes, series: &[Series]) -> Result<String, PlotError> {
     let fin = |&(x, y): &(f64, f64)| x.is_finite() && y.is_finite() && (!a.log_x || x > 0.0);
     let pts = || {
         series
@@ -332,7 +343,7 @@ pub fn lines(a: &Axes, series: &[Series]) -> Result<String, String> {
             .filter(fin)
     };
     if pts().next().is_none() {
-        return Err("no points".into());
+        return Err(PlotError::Empty("points"));
     }
     let (mut x0, mut x1) = pts().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), (x, _)| (a.min(x), b.max(x)));
     let (mut y0, mut y1) = pts().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), (_, y)| (a.min(y), b.max(y)));
@@ -400,7 +411,7 @@ fn draw<X, Y>(
     series: &[Series],
     x: X,
     y: Y,
-) -> Result<(), String>
+) -> Result<(), PlotError>
 where
     X: AsRangedCoord<Value = f64>,
     Y: AsRangedCoord<Value = f64>,

@@ -301,7 +301,7 @@ fn run_one(
     let figures = match (ran.status.success(), perf::parse(&ran.stdout), perf::error_line(&ran.stderr)) {
         (true, Ok(f), None) => Ok(f),
         (false, _, _) => Err(format!("spdk_nvme_perf exited with {}", ran.status)),
-        (_, Err(e), _) => Err(e),
+        (_, Err(e), _) => Err(e.to_string()),
         (_, _, Some(l)) => Err(format!("spdk_nvme_perf: {l}")),
     };
     let io = s.io_delta(if s.kind == Kind::Iopath { REPORT_WAIT } else { Duration::ZERO });

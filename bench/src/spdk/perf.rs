@@ -62,32 +62,50 @@ pub fn error_line(out: &str) -> Option<&str> {
     out.lines().find(|l| l.contains("completed with error") || l.contains("*ERROR*")).map(str::trim)
 }
 
+/// Why perf's output is no number.
+#[derive(Debug, thiserror::Error)]
+pub enum PerfError {
+    #[error("perf reported an error: {0}")]
+    Reported(String),
+    #[error("perf printed no Total line (it attached no controller?)")]
+    NoTotal,
+    #[error("Total line {line:?}: {word:?} is no number")]
+    NotANumber { line: String, word: String },
+    #[error("Total line {0:?}: want IOPS MiB/s Average min max")]
+    ShortTotal(String),
+    #[error("no {0}% percentile (perf runs with -L)")]
+    NoPercentile(&'static str),
+    #[error("{pct}%: {value:?} is no latency")]
+    NotALatency { pct: &'static str, value: String },
+    #[error("perf's figures do not hold together: {0:?}")]
+    Inconsistent(Box<PerfOut>),
+}
+
 /// Reads perf's stdout. An output without the figures, or with a
 /// completion error, is an error: such a run is no number.
-pub fn parse(out: &str) -> Result<PerfOut, String> {
+pub fn parse(out: &str) -> Result<PerfOut, PerfError> {
     if let Some(l) = error_line(out) {
-        return Err(format!("perf reported an error: {l}"));
+        return Err(PerfError::Reported(l.to_string()));
     }
-    let total = out
-        .lines()
-        .find_map(|l| l.strip_prefix("Total"))
-        .ok_or_else(|| "perf printed no Total line (it attached no controller?)".to_string())?;
+    let total = out.lines().find_map(|l| l.strip_prefix("Total")).ok_or(PerfError::NoTotal)?;
     let nums: Vec<f64> = total
         .trim_start()
         .trim_start_matches(':')
         .split_whitespace()
-        .map(|w| w.parse::<f64>().map_err(|_| format!("Total line {total:?}: {w:?} is no number")))
+        .map(|w| w.parse::<f64>().map_err(|_| PerfError::NotANumber { line: total.to_string(), word: w.to_string() }))
         .collect::<Result<_, _>>()?;
     let [iops, mib_s, avg_us, min_us, max_us] = nums[..] else {
-        return Err(format!("Total line {total:?}: want IOPS MiB/s Average min max"));
+        return Err(PerfError::ShortTotal(total.to_string()));
     };
-    let pct = |p: &str| -> Result<f64, String> {
+    let pct = |p: &'static str| -> Result<f64, PerfError> {
         let key = format!("{p}% :");
-        let v = out
-            .lines()
-            .find_map(|l| l.trim_start().strip_prefix(key.as_str()))
-            .ok_or_else(|| format!("no {p}% percentile (perf runs with -L)"))?;
-        v.trim().trim_end_matches("us").trim().parse::<f64>().map_err(|_| format!("{p}%: {v:?} is no latency"))
+        let v =
+            out.lines().find_map(|l| l.trim_start().strip_prefix(key.as_str())).ok_or(PerfError::NoPercentile(p))?;
+        v.trim()
+            .trim_end_matches("us")
+            .trim()
+            .parse::<f64>()
+            .map_err(|_| PerfError::NotALatency { pct: p, value: v.to_string() })
     };
     let r = PerfOut {
         iops,
@@ -101,7 +119,7 @@ pub fn parse(out: &str) -> Result<PerfOut, String> {
     };
     let finite = [r.iops, r.avg_us, r.p50_us, r.p99_us].iter().all(|v| v.is_finite() && *v > 0.0);
     if !finite || r.p50_us > r.p99_us || r.p99_us > r.p999_us {
-        return Err(format!("perf's figures do not hold together: {r:?}"));
+        return Err(PerfError::Inconsistent(Box::new(r)));
     }
     Ok(r)
 }
@@ -142,13 +160,13 @@ Summary latency data for VFIOUSER (/tmp/spdkprobe/ctrl) NSID 1       from core 0
 
     #[test]
     fn an_output_without_figures_or_with_errors_is_no_number() {
-        assert!(parse("Initializing NVMe Controllers\n").unwrap_err().contains("no Total"));
+        assert!(parse("Initializing NVMe Controllers\n").unwrap_err().to_string().contains("no Total"));
         let no_pct: String = OUT.lines().filter(|l| !l.contains('%')).map(|l| format!("{l}\n")).collect();
-        assert!(parse(&no_pct).unwrap_err().contains("-L"));
+        assert!(parse(&no_pct).unwrap_err().to_string().contains("-L"));
         let err = format!("{OUT}starting I/O failed\nread completed with error (sct=0, sc=2)\n");
-        assert!(parse(&err).unwrap_err().contains("completed with error"));
+        assert!(parse(&err).unwrap_err().to_string().contains("completed with error"));
         let short = OUT.replace("283.46       2.85   80020.19\n\nSummary", "283.46\n\nSummary");
-        assert!(parse(&short).unwrap_err().contains("want IOPS"));
+        assert!(parse(&short).unwrap_err().to_string().contains("want IOPS"));
         let zero = OUT.replace("Total                                             :   57293.06", "Total : 0.00");
         assert!(parse(&zero).is_err());
     }

@@ -20,17 +20,17 @@ pub use server::MpqemuServer;
 
 use crate::function::PciFunction;
 use crate::process::DeviceProcess;
-use crate::transport::{Server, Transport};
+use crate::transport::{FunctionTransport, Server};
 use crate::Result;
 use iopath_devices::irq::IrqLines;
 use iopath_devices::SharedDevice;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 
-/// The mpqemu [`Transport`].
+/// The mpqemu [`FunctionTransport`].
 pub struct Mpqemu;
 
-impl Transport for Mpqemu {
+impl FunctionTransport for Mpqemu {
     fn name(&self) -> &'static str {
         "mpqemu"
     }

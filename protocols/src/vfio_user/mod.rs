@@ -30,7 +30,7 @@ pub use server::{IoFds, VfioUserServer};
 
 use crate::function::PciFunction;
 use crate::process::DeviceProcess;
-use crate::transport::{Server, Transport};
+use crate::transport::{FunctionTransport, Server};
 use crate::{socket, Error, Result};
 use iopath_devices::irq::IrqLines;
 use iopath_devices::SharedDevice;
@@ -45,11 +45,11 @@ const CONFIG_REGION_SIZE: u64 = 256;
 /// Most fds this side takes with one message (its `max_msg_fds`).
 const MAX_FDS: u32 = 16;
 
-/// The vfio-user [`Transport`]: accesses as messages, and the ioeventfds the
+/// The vfio-user [`FunctionTransport`]: accesses as messages, and the ioeventfds the
 /// device registers announced to the client.
 pub struct VfioUser;
 
-impl Transport for VfioUser {
+impl FunctionTransport for VfioUser {
     fn name(&self) -> &'static str {
         "vfio-user"
     }

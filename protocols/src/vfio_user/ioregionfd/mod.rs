@@ -35,7 +35,7 @@ pub(crate) use server::Region;
 use super::{IoFds, VfioUserProxy, VfioUserServer};
 use crate::function::PciFunction;
 use crate::process::DeviceProcess;
-use crate::transport::{Server, Transport};
+use crate::transport::{FunctionTransport, Server};
 use crate::Result;
 use iopath_devices::irq::IrqLines;
 use iopath_devices::SharedDevice;
@@ -51,7 +51,7 @@ pub struct IoRegionFd {
     pub posted: bool,
 }
 
-impl Transport for IoRegionFd {
+impl FunctionTransport for IoRegionFd {
     fn name(&self) -> &'static str {
         if self.posted {
             "ioregionfd-posted"

@@ -42,14 +42,14 @@ impl IoFdOffers {
                 }
             };
             if let Err(why) = self.take(b, &e, fd) {
-                skip(&name, b, &e, &why);
+                skip(&name, b, &e, &why.to_string());
             }
         }
         Ok(())
     }
 
     /// Takes entry `e` with its fd, or says why it cannot.
-    fn take(&mut self, b: BarSpec, e: &IoFdEntry, fd: File) -> std::result::Result<(), String> {
+    fn take(&mut self, b: BarSpec, e: &IoFdEntry, fd: File) -> std::result::Result<(), Untaken> {
         let io = b.kind == BarKind::Io;
         match *e {
             IoFdEntry::IoEventFd { offset, size, flags, datamatch, .. } => {
@@ -57,7 +57,7 @@ impl IoFdOffers {
                     || (flags & KVM_IOEVENTFD_FLAG_PIO != 0) != io
                     || !matches!(size, 0 | 1 | 2 | 4 | 8)
                 {
-                    return Err("outside the BAR, the wrong space or an access size KVM does not match".into());
+                    return Err(Untaken::BadIoEventFd);
                 }
                 let dm = (flags & KVM_IOEVENTFD_FLAG_DATAMATCH != 0).then_some(datamatch);
                 let spec = IoEventSpec { bar: b.index, offset, len: size as u32, datamatch: dm };
@@ -65,19 +65,30 @@ impl IoFdOffers {
             }
             IoFdEntry::IoRegionFd { offset, size, flags, user_data, .. } => {
                 if offset.checked_add(size).is_none_or(|x| x > b.size) || (flags & KVM_IOREGION_PIO != 0) != io {
-                    return Err("outside the BAR or the wrong space".into());
+                    return Err(Untaken::BadIoRegionFd);
                 }
                 let posted = flags & KVM_IOREGION_POSTED_WRITES != 0;
                 let s = UnixStream::from(std::os::fd::OwnedFd::from(fd));
                 self.regions.push((b.index, RegionClient::new(s, offset, size, user_data, posted)));
             }
-            IoFdEntry::ShadowIoEventFd { .. } => {
-                return Err("a shadow ioeventfd (libvfio-user's; it needs a patched KVM, which this one is not)".into())
-            }
-            IoFdEntry::Other { ty, flags, .. } => return Err(format!("type {ty} with flags {flags:#x} is unknown")),
+            IoFdEntry::ShadowIoEventFd { .. } => return Err(Untaken::Shadow),
+            IoFdEntry::Other { ty, flags, .. } => return Err(Untaken::Unknown { ty, flags }),
         }
         Ok(())
     }
+}
+
+/// Why an io fd sub-region the server offers is not taken (it is skipped).
+#[derive(Debug, thiserror::Error)]
+enum Untaken {
+    #[error("outside the BAR, the wrong space or an access size KVM does not match")]
+    BadIoEventFd,
+    #[error("outside the BAR or the wrong space")]
+    BadIoRegionFd,
+    #[error("a shadow ioeventfd (libvfio-user's; it needs a patched KVM, which this one is not)")]
+    Shadow,
+    #[error("type {ty} with flags {flags:#x} is unknown")]
+    Unknown { ty: u32, flags: u32 },
 }
 
 /// GET_REGION_IO_FDS of BAR `b`, asked again with the size a truncated

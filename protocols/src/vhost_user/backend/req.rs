@@ -5,7 +5,7 @@
 //! it), feature bits (only those offered), memory tables
 //! ([`MemTable::map`]). A refused request is an `Err`: the crate answers it
 //! with an error reply where the frontend asked for one (REPLY_ACK), and the
-//! session ends with a log line ([`BlkBackend::session`](super::BlkBackend::session)).
+//! session ends with a log line ([`VhostUserBackend::session`](super::VhostUserBackend::session)).
 //!
 //! Everything the frontend gave lives here or in [`Dev`] only while the
 //! session does: [`Session::end`] (also on drop) stops the ring threads,

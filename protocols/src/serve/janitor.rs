@@ -245,42 +245,52 @@ extern "C" fn on_signal(sig: libc::c_int) {
 /// Only in the child of a fork; makes only async-signal-safe calls on
 /// what the parent prepared, and never returns.
 unsafe fn janitor(path: &CString, dev: u64, ino: u64, wake: RawFd, done: RawFd, max_fd: u32) -> ! {
-    let pid = libc::fork();
-    if pid != 0 {
-        libc::_exit(if pid > 0 { 0 } else { 1 });
-    }
-    libc::setsid();
-    for sig in [
-        libc::SIGINT,
-        libc::SIGTERM,
-        libc::SIGHUP,
-        libc::SIGQUIT,
-        libc::SIGPIPE,
-        libc::SIGTSTP,
-        libc::SIGTTIN,
-        libc::SIGTTOU,
-        libc::SIGUSR1,
-        libc::SIGUSR2,
-    ] {
-        libc::signal(sig, libc::SIG_IGN);
-    }
-    libc::prctl(libc::PR_SET_NAME, c"serve-janitor".as_ptr());
-    close_all_but(wake, done, max_fd);
-    let mut b = [0u8; 1];
-    loop {
-        let r = libc::read(wake, b.as_mut_ptr().cast(), 1);
-        if r == 0 || (r < 0 && *libc::__errno_location() != libc::EINTR) {
-            break;
+    // SAFETY: (the caller's contract) this is the child of a fork, alone in
+    // its process: the calls below are async-signal-safe and act on what the
+    // parent prepared: `path`, a NUL-terminated string the parent made
+    // before the fork (this copy of its memory is ours), the fds `wake` and
+    // `done`, which this process holds, and a zeroed `stat` on this stack
+    // (plain data, every bit pattern valid) that lstat fills; errno's
+    // address is this thread's, valid while it runs. `close_all_but`'s
+    // contract holds: this is the janitor.
+    unsafe {
+        let pid = libc::fork();
+        if pid != 0 {
+            libc::_exit(if pid > 0 { 0 } else { 1 });
         }
+        libc::setsid();
+        for sig in [
+            libc::SIGINT,
+            libc::SIGTERM,
+            libc::SIGHUP,
+            libc::SIGQUIT,
+            libc::SIGPIPE,
+            libc::SIGTSTP,
+            libc::SIGTTIN,
+            libc::SIGTTOU,
+            libc::SIGUSR1,
+            libc::SIGUSR2,
+        ] {
+            libc::signal(sig, libc::SIG_IGN);
+        }
+        libc::prctl(libc::PR_SET_NAME, c"serve-janitor".as_ptr());
+        close_all_but(wake, done, max_fd);
+        let mut b = [0u8; 1];
+        loop {
+            let r = libc::read(wake, b.as_mut_ptr().cast(), 1);
+            if r == 0 || (r < 0 && *libc::__errno_location() != libc::EINTR) {
+                break;
+            }
+        }
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::lstat(path.as_ptr(), &mut st) == 0
+            && st.st_mode & libc::S_IFMT == libc::S_IFSOCK
+            && (st.st_dev, st.st_ino) == (dev, ino)
+        {
+            libc::unlink(path.as_ptr());
+        }
+        libc::_exit(0)
     }
-    let mut st: libc::stat = std::mem::zeroed();
-    if libc::lstat(path.as_ptr(), &mut st) == 0
-        && st.st_mode & libc::S_IFMT == libc::S_IFSOCK
-        && (st.st_dev, st.st_ino) == (dev, ino)
-    {
-        libc::unlink(path.as_ptr());
-    }
-    libc::_exit(0)
 }
 
 /// Closes every fd but `a` and `b`.
@@ -297,9 +307,14 @@ unsafe fn close_all_but(a: RawFd, b: RawFd, max_fd: u32) {
         if first > last {
             continue;
         }
-        if libc::syscall(libc::SYS_close_range, first, last, 0) != 0 {
-            for fd in first..=last.min(max_fd) {
-                libc::close(fd as RawFd);
+        // SAFETY: (the caller's contract) in the janitor, whose fds but `a`
+        // and `b` no code of this process uses: closing them (or a number
+        // that is no open fd, EBADF) frees no memory and breaks no owner.
+        unsafe {
+            if libc::syscall(libc::SYS_close_range, first, last, 0) != 0 {
+                for fd in first..=last.min(max_fd) {
+                    libc::close(fd as RawFd);
+                }
             }
         }
     }

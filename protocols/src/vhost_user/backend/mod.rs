@@ -3,10 +3,10 @@
 //! process: `iopath serve virtio-blk[,opts] --transport vhost-user`.
 //!
 //! The `vhost` crate's `BackendReqHandler` reads and checks the messages
-//! (header, size, fds) and dispatches them to `Session` (`backend_req.rs`),
+//! (header, size, fds) and dispatches them to `Session` (`req.rs`),
 //! this module's `VhostUserBackendReqHandlerMut`; the device behind it is
 //! the one every other host serves: requests by
-//! [`Blk`](iopath_devices::virtio::blk::Blk) on the block layer's storage,
+//! [`Blk`](iopath_devices::virtio::blk::Blk) on the NVMe backends' storage,
 //! rings by [`Queue`](iopath_devices::virtio::queue::Queue) over
 //! [`GuestMem`](iopath_devices::GuestMem) (EVENT_IDX, indirect tables,
 //! every index and address checked). Not the `vhost-user-backend` daemon
@@ -20,7 +20,7 @@
 //! configuration space, [`blk::config_space`](iopath_devices::virtio::blk::config_space)
 //! with num_queues), MQ (GET_QUEUE_NUM: `queues=N` of the device's options,
 //! or by default [`NUM_QUEUES`], since QEMU's vhost-user-blk-pci asks for
-//! one per vCPU unless told `num-queues`) and REPLY_ACK (the crate's). Each started ring has a thread (`backend_worker.rs`) that serves it on
+//! one per vCPU unless told `num-queues`) and REPLY_ACK (the crate's). Each started ring has a thread (`worker.rs`) that serves it on
 //! kicks or polls it (`notify=poll`), and signals the call fd as the driver
 //! asks; the rings share the disk behind one lock.
 //!
@@ -43,21 +43,15 @@
 //! timeout, or a watchdog shuts the socket down: the crate retries
 //! timed-out reads and writes for ever.
 
-#[path = "backend_dev.rs"]
 mod dev;
-#[path = "backend_mem.rs"]
 mod mem;
-#[path = "backend_req.rs"]
 mod req;
-#[path = "backend_serve.rs"]
 mod serve;
-#[path = "backend_watchdog.rs"]
 mod watchdog;
-#[path = "backend_worker.rs"]
 mod worker;
 
 pub use mem::MAX_REGIONS;
-pub use serve::{run, VhostUserServeOptions, TRANSPORT};
+pub(super) use serve::serve;
 pub use worker::POLL_IDLE;
 
 use crate::{Error, Result};
@@ -96,12 +90,12 @@ pub fn config_space(size: u64, queues: usize) -> [u8; blk::CONFIG_LEN] {
 }
 
 /// The device a vhost-user device process serves, kept across sessions.
-pub struct BlkBackend {
+pub struct VhostUserBackend {
     dev: Arc<Mutex<Dev>>,
     notify: NotifyMode,
 }
 
-impl BlkBackend {
+impl VhostUserBackend {
     /// A virtio-blk on `cfg`'s backend and size, with its `queues`
     /// (default [`NUM_QUEUES`]); `notify=poll` polls the rings, any other
     /// mode serves them on kicks.
@@ -113,9 +107,9 @@ impl BlkBackend {
         if !(1..=NUM_QUEUES).contains(&queues) {
             return Err(Error::Config(format!("virtio-blk: {queues} queues (1 ..= {NUM_QUEUES})")));
         }
-        let storage = iopath_devices::backing::open(&cfg.backend, cfg.size, cfg.create)?;
-        let b = Blk::new(storage, cfg.size, "iopath-vhost-user-blk");
-        Ok(BlkBackend { dev: Arc::new(Mutex::new(Dev::new(b, queues))), notify: cfg.notify })
+        let backend = iopath_devices::backing::open(&cfg.backend, cfg.size, cfg.create)?;
+        let b = Blk::new(backend, cfg.size, "iopath-vhost-user-blk");
+        Ok(VhostUserBackend { dev: Arc::new(Mutex::new(Dev::new(b, queues))), notify: cfg.notify })
     }
 
     /// Serves one frontend on `sock` until it leaves (`Ok`) or a request

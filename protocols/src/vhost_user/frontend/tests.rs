@@ -604,5 +604,4 @@ fn a_backend_that_hangs_up_at_a_call_fd_change_needs_reset_and_a_reset_sends_it_
     rig.d.quiesce();
 }
 
-#[path = "frontend_mq_tests.rs"]
 mod mq;

@@ -11,9 +11,11 @@
 //! channel with a log line naming the client and the message; the process
 //! goes on.
 //!
-//! vhost-user, which serves virtio queues rather than a PCI function, has
-//! its own loop body (`vhost_user::backend::run`) on the same `clients`
-//! loop, `handshake` and stall bounds.
+//! That is the loop of a function transport. A queue transport
+//! (vhost-user), which serves a device's queues rather than a PCI function,
+//! has its own loop body ([`QueueTransport::serve`](crate::QueueTransport::serve))
+//! on the same `clients` loop, `handshake` and stall bounds; [`run`] finds
+//! which from the transport.
 //!
 //! # Stalled clients
 //! A client may be idle between messages for as long as it likes (a VMM
@@ -30,28 +32,25 @@
 //! The last two end the session with [`Error::Timeout`]. On a listening
 //! socket the thread `serve-acceptor` takes every connection and holds the
 //! ones that wait, each against its own deadlines, all at once
-//! (`serve_acceptor.rs`): the first bound above, and the refusal of a
-//! client that comes while another is served ([`Transport::refuse`]:
+//! (`acceptor.rs`): the first bound above, and the refusal of a
+//! client that comes while another is served ([`FunctionTransport::refuse`]:
 //! vfio-user answers its first message with EBUSY). It hands the serving
 //! thread only a connection that has spoken. Neither a dropped nor a
 //! refused connection prints a counters line.
 //!
 //! The socket file: what may be at PATH before (nothing, or a stale
 //! socket; never a regular file, which is refused), and its removal however
-//! the process ends: `serve_listen.rs` and `serve_janitor.rs`.
+//! the process ends: `listen.rs` and `janitor.rs`.
 
-#[path = "serve_acceptor.rs"]
 mod acceptor;
-#[path = "serve_janitor.rs"]
 mod janitor;
-#[path = "serve_listen.rs"]
 mod listen;
 
 pub use acceptor::MAX_PENDING;
 
 use crate::function::PciFunction;
 use crate::process::disconnect_report;
-use crate::transport::{Server, Transport};
+use crate::transport::{FunctionTransport, Server, Transport};
 use crate::{Error, Result};
 use iopath_devices::irq::IrqLines;
 use iopath_devices::pci::{ConfigSpace, CONFIG_SIZE, PCI_COMMAND};
@@ -102,9 +101,11 @@ impl Default for Timeouts {
     }
 }
 
+/// What `iopath serve` was asked.
 pub struct ServeOptions {
+    /// The model (one the transport carries: [`Transport::carries`]).
     pub device: iopath_devices::DeviceConfig,
-    pub transport: &'static dyn Transport,
+    pub transport: Transport,
     pub listen: Listen,
     /// Exit after the first client served (with a listening socket; a
     /// connection dropped at the handshake or refused does not count).
@@ -119,15 +120,25 @@ pub struct ServeOptions {
 }
 
 /// Serves until the inherited socket closes, or forever on a listening
-/// socket (until the first client with `once`).
+/// socket (until the first client with `once`): the function transport's
+/// loop below, or the queue transport's own. A device the transport does
+/// not carry is refused before anything is bound.
 pub fn run(o: &ServeOptions) -> Result<()> {
+    o.transport.carries(&o.device)?;
+    match o.transport {
+        Transport::Function(t) => function(o, t),
+        Transport::Queues(q) => q.serve(o),
+    }
+}
+
+/// The loop of the function transport `transport`.
+fn function(o: &ServeOptions, transport: &'static dyn FunctionTransport) -> Result<()> {
     check_timeouts(&o.timeouts)?;
     let bound = bind(&o.listen)?;
     let f = Arc::new(Mutex::new(PciFunction::new(o.device.build()?)?));
     let irq = IrqLines::new();
-    let server = o.transport.server(f.clone(), irq.clone())?;
-    let mut host = Host { o, f, irq, server };
-    let transport = o.transport;
+    let server = transport.server(f.clone(), irq.clone())?;
+    let mut host = Host { o, transport, f, irq, server };
     let banner = format!("{} over {}", o.device, transport.name());
     let refuse = Box::new(move |s: &UnixStream| transport.refuse(s));
     clients(&o.listen, bound, &banner, o.once, o.seccomp, &o.timeouts, refuse, |sock, peer, free| {
@@ -154,7 +165,7 @@ pub(crate) fn bind(listen: &Listen) -> Result<Option<listen::Bound>> {
     }
 }
 
-/// What a client is refused with when another one is served ([`Transport::refuse`]).
+/// What a client is refused with when another one is served ([`FunctionTransport::refuse`]).
 pub(crate) type Refuse = Box<dyn Fn(&UnixStream) -> Result<()> + Send>;
 
 /// Serves the clients of `listen` one at a time with `client(sock, peer,
@@ -266,6 +277,7 @@ pub(crate) fn handshake(sock: &UnixStream, t: &Timeouts, what: &str) -> bool {
 /// What serves one client after another.
 struct Host<'a> {
     o: &'a ServeOptions,
+    transport: &'static dyn FunctionTransport,
     f: Arc<Mutex<PciFunction>>,
     irq: Arc<IrqLines>,
     server: Box<dyn Server>,
@@ -277,7 +289,7 @@ impl Host<'_> {
     /// False if the connection was dropped before its first message.
     fn client(&mut self, sock: UnixStream, peer: &str, free: &dyn Fn()) -> bool {
         let o = self.o;
-        let what = format!("{} over {}: {peer}", o.device, o.transport.name());
+        let what = format!("{} over {}: {peer}", o.device, self.transport.name());
         if !handshake(&sock, &o.timeouts, &what) {
             free();
             return false;
@@ -290,7 +302,7 @@ impl Host<'_> {
         self.irq.clear_intx();
         self.irq.clear_msix();
         let mut f = iopath_devices::lock(&self.f);
-        let line = disconnect_report(o.transport.name(), o.device.name(), &f.counters());
+        let line = disconnect_report(self.transport.name(), o.device.name(), &f.counters());
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "{line}");
         let _ = out.flush();

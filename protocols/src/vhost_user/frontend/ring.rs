@@ -2,7 +2,7 @@
 //! ring set up at DRIVER_OK and stopped at reset, and the relay of backend
 //! calls that have no irqfd.
 
-use super::frontend::VhostUserBlk;
+use super::VhostUserBlk;
 use crate::{Error, Result};
 use iopath_devices::virtio::transport::{State, Transport, NO_VECTOR};
 use iopath_devices::DeviceContext;

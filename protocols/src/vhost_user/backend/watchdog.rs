@@ -3,7 +3,7 @@
 //! not bound a reply to a frontend that reads nothing: a watchdog thread
 //! shuts the socket down when a request outlives its bound, which ends the
 //! crate's wait with an error. Unlike the frontend's deadline
-//! (`frontend_deadline.rs`), which outlives its owner for a moment, this
+//! (`frontend/deadline.rs`), which outlives its owner for a moment, this
 //! one is joined when dropped: the session gives back every fd it held,
 //! its copy of the socket too, before it returns.
 

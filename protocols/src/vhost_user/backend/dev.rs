@@ -61,17 +61,28 @@ pub(super) struct Dev {
     pub(super) st: Stats,
 }
 
+/// Why a kick, call or error fd the frontend gave is refused.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum BadEventFd {
+    #[error("fstat: {0}")]
+    Fstat(std::io::Error),
+    #[error("not an eventfd (file type {0:#o})")]
+    NotAnEventFd(u32),
+    #[error("O_NONBLOCK: {0}")]
+    NonBlocking(std::io::Error),
+}
+
 /// Checks that `f`, a kick, call or error fd the frontend gave, is an
 /// eventfd (an anonymous inode: no file type), and makes it non-blocking.
 /// A pipe, a socket or a file would block the ring's thread once full, or
 /// grow without bound; a signal that finds the eventfd full is dropped.
-pub(super) fn eventfd(f: &File) -> Result<(), String> {
+pub(super) fn eventfd(f: &File) -> Result<(), BadEventFd> {
     let fd = f.as_raw_fd();
     // The raw fstat: glibc's is newfstatat, which the sandbox refuses.
-    let st = crate::nopath::fstat(f).map_err(|e| format!("fstat: {e}"))?;
+    let st = crate::nopath::fstat(f).map_err(BadEventFd::Fstat)?;
     let kind = st.st_mode & libc::S_IFMT;
     if kind != 0 {
-        return Err(format!("not an eventfd (file type {kind:#o})"));
+        return Err(BadEventFd::NotAnEventFd(kind));
     }
     // SAFETY: fcntl on an fd we own.
     let ok = unsafe {
@@ -79,7 +90,7 @@ pub(super) fn eventfd(f: &File) -> Result<(), String> {
         fl >= 0 && libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) == 0
     };
     if !ok {
-        return Err(format!("O_NONBLOCK: {}", std::io::Error::last_os_error()));
+        return Err(BadEventFd::NonBlocking(std::io::Error::last_os_error()));
     }
     Ok(())
 }

@@ -14,7 +14,7 @@
 //! - While a client is served, one that comes is given `refusal` from its
 //!   connect for the serving thread to free (a VMM that reconnects at once
 //!   is often faster than the server's read of its end of stream), then is
-//!   refused: the transport says so if it spoke ([`Transport::refuse`]:
+//!   refused: the transport says so if it spoke ([`FunctionTransport::refuse`]:
 //!   vfio-user answers its first message with EBUSY), and the connection is
 //!   closed and logged; one that has said nothing is just closed. A refusal
 //!   reads a first message that is there (it waits [`SETTLE`] after its
@@ -32,7 +32,7 @@
 //! connection; log lines: one per connection dropped or refused, which the
 //! process's logger rate-limits.
 //!
-//! [`Transport::refuse`]: crate::Transport::refuse
+//! [`FunctionTransport::refuse`]: crate::FunctionTransport::refuse
 
 use super::Refuse;
 use std::io;

@@ -26,7 +26,7 @@
 //! alone and the error says to remove it if it is stale.
 //!
 //! The socket file is removed when the process ends, however it ends: see
-//! the janitor (`serve_janitor.rs`), started as soon as the socket is bound.
+//! the janitor (`janitor.rs`), started as soon as the socket is bound.
 
 use super::janitor::Janitor;
 use crate::{Error, Result};

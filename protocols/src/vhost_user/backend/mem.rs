@@ -28,6 +28,20 @@ struct Region {
     uva: u64,
 }
 
+/// Why a SET_MEM_TABLE is refused.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum BadMemTable {
+    #[error("{0} memory regions (1 ..= {MAX_REGIONS})")]
+    Count(usize),
+    #[error("{fds} fds for {regions} memory regions")]
+    Fds { fds: usize, regions: usize },
+    #[error("memory region at {gpa:#x}: size {size:#x} at address {uva:#x}")]
+    Region { gpa: u64, size: u64, uva: u64 },
+    /// Mapping a region (or building guest memory over them) failed.
+    #[error("{0}")]
+    Map(#[from] crate::Error),
+}
+
 /// A session's guest RAM: the mapping and the address translation.
 pub(super) struct MemTable {
     regions: Vec<Region>,
@@ -39,25 +53,29 @@ impl MemTable {
     /// Checks and maps `regions`, each from its fd in `files`, registered
     /// for `owner` with the SIGBUS handler; a clear reason for the first
     /// thing refused.
-    pub(super) fn map(regions: &[VhostUserMemoryRegion], files: Vec<File>, owner: &Arc<Owner>) -> Result<Self, String> {
+    pub(super) fn map(
+        regions: &[VhostUserMemoryRegion],
+        files: Vec<File>,
+        owner: &Arc<Owner>,
+    ) -> Result<Self, BadMemTable> {
         if regions.is_empty() || regions.len() > MAX_REGIONS {
-            return Err(format!("{} memory regions (1 ..= {MAX_REGIONS})", regions.len()));
+            return Err(BadMemTable::Count(regions.len()));
         }
         if files.len() != regions.len() {
-            return Err(format!("{} fds for {} memory regions", files.len(), regions.len()));
+            return Err(BadMemTable::Fds { fds: files.len(), regions: regions.len() });
         }
         let mut table = Vec::with_capacity(regions.len());
         let mut mapped = Vec::with_capacity(regions.len());
         for (r, file) in regions.iter().zip(files) {
             let (gpa, size, uva, offset) = (r.guest_phys_addr, r.memory_size, r.user_addr, r.mmap_offset);
             if size == 0 || uva.checked_add(size).is_none() {
-                return Err(format!("memory region at {gpa:#x}: size {size:#x} at address {uva:#x}"));
+                return Err(BadMemTable::Region { gpa, size, uva });
             }
-            let m = map_region(SharedRegion { gpa, size, offset, file }, owner).map_err(|e| e.to_string())?;
+            let m = map_region(SharedRegion { gpa, size, offset, file }, owner)?;
             mapped.push(m);
             table.push(Region { gpa, size, uva });
         }
-        let (mem, keep) = guest_memory(mapped.clone()).map_err(|e| e.to_string())?;
+        let (mem, keep) = guest_memory(mapped.clone())?;
         Ok(MemTable { regions: table, mem: GuestMem::from(mem).keeping(keep), mapped })
     }
 

@@ -16,7 +16,7 @@
 //!   MQ is passed to the driver whenever the backend offers it, with
 //!   num_queues = N in the configuration (the backend's own count is its
 //!   bound, not what this function has).
-//! - **DRIVER_OK** (`frontend_ring.rs`): SET_FEATURES
+//! - **DRIVER_OK** (`ring.rs`): SET_FEATURES
 //!   (the driver's choice), SET_MEM_TABLE (the VMM's RAM memfd), then for
 //!   each queue the driver enabled: SET_VRING_NUM/ADDR/BASE,
 //!   SET_VRING_CALL (its MSI-X vector's irqfd, or an eventfd the VMM
@@ -34,16 +34,18 @@
 //! REPLY_ACK is negotiated where the backend offers it, so every request
 //! is answered. Each sequence of requests (connect, DRIVER_OK, reset, a
 //! call fd change) is bounded as a whole by [`BACKEND_TIMEOUT`] (a
-//! watchdog shuts the socket down: `frontend_deadline.rs`). A backend that
+//! watchdog shuts the socket down: `deadline.rs`). A backend that
 //! does not answer, answers nonsense or hangs up puts the device in
 //! DEVICE_NEEDS_RESET with a log line and stops the run (the context's
 //! fail hook), as a device process that dies does.
 
-use super::frontend_deadline::Deadline;
-use super::frontend_ring::Session;
+mod deadline;
+mod ring;
+
 use crate::peer::Peer;
 use crate::process::DeviceProcess;
 use crate::{Error, Result};
+use deadline::Deadline;
 use iopath_devices::virtio::blk::NUM_QUEUES_AT;
 use iopath_devices::virtio::pci::F_MQ;
 use iopath_devices::virtio::transport::{
@@ -51,6 +53,7 @@ use iopath_devices::virtio::transport::{
     F_VERSION_1, MAX_QUEUES,
 };
 use iopath_devices::{Counter, DeviceContext, IoEventSpec, SharedDevice};
+use ring::Session;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -415,5 +418,4 @@ impl QueueEngine for VhostUserBlk {
 }
 
 #[cfg(test)]
-#[path = "frontend_tests.rs"]
 mod tests;
