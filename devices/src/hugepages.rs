@@ -39,8 +39,12 @@ pub enum Backing {
 
 /// `file`'s file system: its `statfs`, or None if the call fails.
 fn statfs(file: &File) -> Option<libc::statfs> {
-    // SAFETY: fstatfs writes one statfs into the zeroed struct we pass.
+    // SAFETY: `libc::statfs` is a plain C struct of integers (and integer
+    // arrays), for which all-zero bytes are a valid value.
     let mut s: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: the fd is open for as long as `file` is borrowed; `&mut s` is a
+    // writable, properly sized and aligned `statfs` that the kernel fills and
+    // keeps no pointer to after the call returns.
     (unsafe { libc::fstatfs(file.as_raw_fd(), &mut s) } == 0).then_some(s)
 }
 
@@ -174,7 +178,7 @@ mod tests {
         // SAFETY: memfd_create with a valid C string; the fd is owned by the File below.
         let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_HUGETLB) };
         assert!(fd >= 0, "memfd_create(MFD_HUGETLB): {}", std::io::Error::last_os_error());
-        // SAFETY: a fresh fd we own.
+        // SAFETY: a fresh, open fd (checked above) that nothing else owns.
         let f = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
         assert_eq!(backing(&f), Backing::Hugetlb);
         assert!(file_in_huge_pages(&f, false));
@@ -182,8 +186,10 @@ mod tests {
         let plain = tempfile_in(std::path::Path::new(env!("CARGO_MANIFEST_DIR")));
         assert_eq!(backing(&plain), Backing::Other);
         assert!(!file_in_huge_pages(&plain, true));
-        // SAFETY: as above.
+        // SAFETY: memfd_create with a valid C string; the fd is owned by the File below.
         let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+        // SAFETY: a fresh, open fd (checked above) that nothing else owns.
         let m = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
         assert_eq!(backing(&m), Backing::Shmem);
     }

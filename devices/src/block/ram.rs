@@ -12,11 +12,17 @@ pub struct Ram {
     len: usize,
 }
 
-// SAFETY: the mapping lives as long as the value and is only reached
-// through `read`, `write` and `zero`, which copy within its bounds; what
-// concurrent commands on the same blocks leave there is the host's concern
-// (bytes, never memory outside the mapping).
+// SAFETY: a `Ram` owns its mapping outright (private, anonymous, tied to no
+// thread): moving the value moves that ownership, and `Drop` unmaps it from
+// whichever thread holds the value last.
 unsafe impl Send for Ram {}
+// SAFETY: through `&self` the mapping is only reached by `read`, `write`,
+// `zero` and `deallocate`, which check every range against `len` first and
+// copy through the raw pointer, never forming a Rust reference into the
+// mapping; `ptr` and `len` never change after `new`. So shared use never
+// touches memory outside the mapping. Two commands copying the same bytes at
+// once (the host's concern, as on any disk) leave those bytes unspecified;
+// nothing `Ram` relies on lives in the mapping.
 unsafe impl Sync for Ram {}
 
 impl Ram {

@@ -983,8 +983,10 @@ pub(super) fn bar_memory() -> Result<(GuestMemoryMmap, std::fs::File)> {
     // Its size is final; a client that maps it must not see it shrink (a
     // truncated mapping is SIGBUS), and no client may add seals of its own
     // (F_SEAL_FUTURE_WRITE would refuse the next client's writable mapping).
-    // SAFETY: F_ADD_SEALS on an fd we own; no memory is passed.
     let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: `fd` stays open while `f` owns it (until this function returns
+    // or hands `f` on); F_ADD_SEALS takes an integer argument, so no memory
+    // is passed to the kernel.
     if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, seals) } < 0 {
         return Err(Error::io("nvme: sealing BAR0", std::io::Error::last_os_error()));
     }
