@@ -120,7 +120,7 @@ impl IrqLines {
     /// ([`mask_intx`](Self::mask_intx)), which re-asserts.
     pub fn connect_intx(self: &Arc<Self>, trigger: EventFd, resample: Option<EventFd>) {
         let has_resample = resample.is_some();
-        let mut g = self.intx.lock().unwrap();
+        let mut g = crate::lock(&self.intx);
         g.line = Some(Arc::new(Intx { trigger, resample }));
         if !has_resample {
             let r = g.resampler.take();
@@ -155,18 +155,18 @@ impl IrqLines {
 
     /// Masks INTx (the host's ACTION_MASK): assertions wait for the unmask.
     pub fn mask_intx(&self) {
-        self.intx.lock().unwrap().masked = true;
+        crate::lock(&self.intx).masked = true;
     }
 
     /// Unmasks INTx (the host's ACTION_UNMASK, or its resample eventfd): a
     /// line that is still high asserts again and stays masked.
     pub fn unmask_intx(&self) {
-        self.intx.lock().unwrap().unmask(&self.signalled);
+        crate::lock(&self.intx).unmask(&self.signalled);
     }
 
     /// True while INTx is masked (by the host, or automasked).
     pub fn intx_masked(&self) -> bool {
-        self.intx.lock().unwrap().masked
+        crate::lock(&self.intx).masked
     }
 
     /// Disconnects INTx and unmasks it (the next connection starts
@@ -174,7 +174,7 @@ impl IrqLines {
     /// before this returns.
     pub fn clear_intx(&self) {
         let r = {
-            let mut g = self.intx.lock().unwrap();
+            let mut g = crate::lock(&self.intx);
             g.masked = false;
             g.line = None;
             g.resampler.take()
@@ -186,7 +186,7 @@ impl IrqLines {
 
     /// Copies of the INTx (trigger, resample) fds, to hand to another process.
     pub fn intx_fds(&self) -> Option<(EventFd, EventFd)> {
-        let g = self.intx.lock().unwrap();
+        let g = crate::lock(&self.intx);
         let i = g.line.as_ref()?;
         Some((i.trigger.try_clone().ok()?, i.resample.as_ref()?.try_clone().ok()?))
     }
@@ -195,7 +195,7 @@ impl IrqLines {
     /// first eventfd makes the table the client's; a vector held while it
     /// had none is signalled now.
     pub fn set_msix(&self, start: usize, fds: Vec<Option<EventFd>>) {
-        let mut m = self.msix.lock().unwrap();
+        let mut m = crate::lock(&self.msix);
         let end = start + fds.len();
         if m.fds.len() < end {
             m.fds.resize_with(end, || None);
@@ -217,7 +217,7 @@ impl IrqLines {
 
     /// Drops every MSI-X eventfd and held vector: the table is the device's again.
     pub fn clear_msix(&self) {
-        *self.msix.lock().unwrap() = Msix::default();
+        *crate::lock(&self.msix) = Msix::default();
     }
 }
 
@@ -240,7 +240,7 @@ fn resample_loop(lines: Weak<IrqLines>, wake: EventFd, stop: Arc<AtomicBool>) {
     let mut broken: Option<Arc<Intx>> = None;
     while !stop.load(Ordering::Acquire) {
         let Some(l) = lines.upgrade() else { return };
-        let current = l.intx.lock().unwrap().line.clone();
+        let current = crate::lock(&l.intx).line.clone();
         drop(l);
         let Some(intx) = current else { return };
         if broken.as_ref().is_some_and(|b| !Arc::ptr_eq(b, &intx)) {
@@ -271,7 +271,7 @@ fn resample_loop(lines: Weak<IrqLines>, wake: EventFd, stop: Arc<AtomicBool>) {
             continue;
         }
         let Some(lines) = lines.upgrade() else { return };
-        let mut g = lines.intx.lock().unwrap();
+        let mut g = crate::lock(&lines.intx);
         // Only the resample fd of the line connected now unmasks it.
         if g.line.as_ref().is_some_and(|l| Arc::ptr_eq(l, &intx)) {
             g.unmask(&lines.signalled);
@@ -287,7 +287,7 @@ fn poll_in(fd: &EventFd, timeout_ms: i32) -> bool {
 
 impl Interrupts for IrqLines {
     fn set_intx(&self, level: bool) {
-        let mut g = self.intx.lock().unwrap();
+        let mut g = crate::lock(&self.intx);
         let rising = level && !g.level;
         g.level = level;
         // Automasked: asserted, the line waits for the host's unmask.
@@ -297,7 +297,7 @@ impl Interrupts for IrqLines {
     }
 
     fn signal_msix(&self, vector: u16) -> bool {
-        let mut m = self.msix.lock().unwrap();
+        let mut m = crate::lock(&self.msix);
         let v = vector as usize;
         if let Some(Some(fd)) = m.fds.get(v) {
             let ok = fd.write(1).is_ok();
@@ -315,7 +315,7 @@ impl Interrupts for IrqLines {
     }
 
     fn msix_host_owned(&self) -> bool {
-        self.msix.lock().unwrap().host_owned
+        crate::lock(&self.msix).host_owned
     }
 
     fn intx_eventfds(&self) -> Option<(EventFd, EventFd)> {

@@ -340,10 +340,28 @@ impl<T: DeviceModelMut> DeviceModel for std::sync::Mutex<T> {
     }
 }
 
-/// Locks a device's state; a panic on another thread poisoned nothing a
-/// register access cannot go on with, so the state is used as it is.
+/// Locks a `Mutex`: the one way non-test code of the workspace takes one.
+///
+/// The lock-poison policy: a panic is a bug that may leave the state behind
+/// a lock half updated, so that state is never used again. In iopath's own
+/// processes the panic hook (`cli`'s `end_on_panic`, docs/TRUST.md) ends the
+/// process with status 101 on the panicking thread, before it unwinds and
+/// poisons anything, so no live thread ever meets a poisoned lock there. In
+/// a process without that hook (a library user's, a test), a thread that
+/// finds the lock poisoned panics in turn rather than go on with the
+/// half-updated state.
 pub fn lock<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
+    m.lock().unwrap_or_else(|_| panic!("a Mutex was poisoned by a panic on another thread"))
+}
+
+/// Read-locks an `RwLock`, with [`lock`]'s poison policy.
+pub fn read<T: ?Sized>(m: &std::sync::RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(|_| panic!("an RwLock was poisoned by a panic on another thread"))
+}
+
+/// Write-locks an `RwLock`, with [`lock`]'s poison policy.
+pub fn write<T: ?Sized>(m: &std::sync::RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    m.write().unwrap_or_else(|_| panic!("an RwLock was poisoned by a panic on another thread"))
 }
 
 /// A device model shared by its host's bus entries and threads.

@@ -52,7 +52,7 @@ impl Bus {
     pub fn insert(&self, base: u64, len: u64, dev: SharedBusDevice) -> Result<(), Overlap> {
         let err = Overlap { base, len };
         let end = base.checked_add(len).filter(|_| len > 0).ok_or(Overlap { base, len })?;
-        let mut m = self.map.write().unwrap();
+        let mut m = iopath_devices::write(&self.map);
         if let Some((b, (l, _))) = m.range(..end).next_back() {
             if b + l > base {
                 return Err(err);
@@ -65,17 +65,17 @@ impl Bus {
     /// Removes every range: the bus lets go of its devices (and whatever
     /// they hold: the PCI host holds the buses, so this breaks that cycle).
     pub fn clear(&self) {
-        let map = std::mem::take(&mut *self.map.write().unwrap());
+        let map = std::mem::take(&mut *iopath_devices::write(&self.map));
         drop(map); // outside the lock: a device's drop may look at the bus
     }
 
     pub fn remove(&self, base: u64) -> bool {
-        self.map.write().unwrap().remove(&base).is_some()
+        iopath_devices::write(&self.map).remove(&base).is_some()
     }
 
     /// The device whose range holds all of `addr..addr+len`, with the offset.
     pub fn resolve(&self, addr: u64, len: usize) -> Option<(u64, SharedBusDevice)> {
-        let m = self.map.read().unwrap();
+        let m = iopath_devices::read(&self.map);
         let (base, (size, dev)) = m.range(..=addr).next_back()?;
         let off = addr - base;
         (off.checked_add(len as u64)? <= *size).then(|| (off, dev.clone()))

@@ -39,7 +39,7 @@ impl Nvme {
     /// idle (see `spawn_adaptive`).
     pub(super) fn start_adaptive(&self, t: &mut Threads) {
         let (shards, statics) = {
-            let c = self.core.lock().unwrap();
+            let c = crate::lock(&self.core);
             (c.shards.clone(), c.static_ioevents())
         };
         if !shards.is_empty() && statics {
@@ -51,8 +51,8 @@ impl Nvme {
         let stop = Arc::new(AtomicBool::new(false));
         let Some(kick) = kick_fd(&self.core, t) else { return };
         // Another group's event wakes group 0 to deliver it.
-        self.core.lock().unwrap().raised.set_wake(Some(kick.clone()));
-        let done = self.core.lock().unwrap().io_completion_fd();
+        crate::lock(&self.core).raised.set_wake(Some(kick.clone()));
+        let done = crate::lock(&self.core).io_completion_fd();
         let forecast = self.cfg.forecast;
         match spawn_adaptive(self.core.clone(), kick, done, forecast, stop.clone()) {
             Ok(h) => t.worker = Some((stop.clone(), h)),
@@ -94,7 +94,7 @@ fn spawn_adaptive(
         crate::sandbox::enter(crate::sandbox::Role::Device);
         // The page is the doorbells' for the controller's life (a device
         // process's next client gets a new one with no thread running).
-        let page = core.lock().unwrap().db.bar_page.is_some();
+        let page = crate::lock(&core).db.bar_page.is_some();
         Carrier { core: &core, kick: &kick, done: done.as_deref(), stop: &stop, epoch: Instant::now() }
             .run(Poller::new(PollerConfig { page, forecast }));
     })
@@ -187,7 +187,7 @@ impl Carrier<'_> {
                 Action::Sleep { timeout } => {
                     drop(held.take());
                     let r = wait_either(self.kick, self.done, timeout);
-                    let mut c = self.core.lock().unwrap();
+                    let mut c = crate::lock(self.core);
                     let (kicked, completed) = match r {
                         Ok(r) => r,
                         Err(e) => {
@@ -206,13 +206,13 @@ impl Carrier<'_> {
                     Observation::Woke { kicked, completed, now: self.now() }
                 }
                 Action::LookAsleep => {
-                    let c = held.get_or_insert_with(|| self.core.lock().unwrap());
+                    let c = held.get_or_insert_with(|| crate::lock(self.core));
                     c.st.polls += 1;
                     let found = c.poll_doorbells() || c.commands_held();
                     Observation::LookedAsleep { found, now: self.now() }
                 }
                 Action::Trap => {
-                    let c = held.get_or_insert_with(|| self.core.lock().unwrap());
+                    let c = held.get_or_insert_with(|| crate::lock(self.core));
                     Observation::Trapped(match c.trap_bar() {
                         Some(true) => Trap::Set,
                         Some(false) => Trap::Cannot,
@@ -250,7 +250,7 @@ impl Carrier<'_> {
 
     /// The core lock: the one held since a sleep ended, or taken now.
     fn lock<'g>(&'g self, held: &mut Option<std::sync::MutexGuard<'g, Core>>) -> std::sync::MutexGuard<'g, Core> {
-        held.take().unwrap_or_else(|| self.core.lock().unwrap())
+        held.take().unwrap_or_else(|| crate::lock(self.core))
     }
 }
 

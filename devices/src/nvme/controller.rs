@@ -388,7 +388,7 @@ impl Core {
                     #[cfg(any(test, feature = "oracle"))]
                     if let Some(log) = &self.oplog {
                         let r = super::oracle::OpRecord { sqid: qid as u16, cid: c.cid, tag: c.cdw2, opcode: c.opcode };
-                        log.lock().unwrap().push(r);
+                        crate::lock(log).push(r);
                     }
                     match self.io_start(qid, &c) {
                         Some(st) => (0, st),

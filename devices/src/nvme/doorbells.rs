@@ -147,7 +147,7 @@ impl Nvme {
         if !matches!(self.cfg.doorbell, DoorbellMode::Shm | DoorbellMode::Bar) {
             return;
         }
-        let shards = self.core.lock().unwrap().shards.clone();
+        let shards = crate::lock(&self.core).shards.clone();
         self.start_polling(t, &shards);
     }
 
@@ -173,7 +173,7 @@ impl Nvme {
     /// operations on the vCPU thread; this thread sleeps on the ring's
     /// completion eventfd and posts what completed.
     fn start_reaper(&self, t: &mut Threads) {
-        let Some(done) = self.core.lock().unwrap().io_completion_fd() else { return };
+        let Some(done) = crate::lock(&self.core).io_completion_fd() else { return };
         let stop = Arc::new(AtomicBool::new(false));
         let (core, stop2) = (self.core.clone(), stop.clone());
         let mut retry = Retry::default();
@@ -183,15 +183,15 @@ impl Nvme {
                 // poll, then read what it found: a signal (EINTR) is retried there.
                 let (ready, _) = match wait_either(&done, None, retry.after()) {
                     Ok(r) => r,
-                    Err(e) => return core.lock().unwrap().thread_failed("io_uring", &e),
+                    Err(e) => return crate::lock(&core).thread_failed("io_uring", &e),
                 };
                 if stop2.load(Ordering::Relaxed) {
                     return;
                 }
                 if let Some(Err(e)) = ready.then(|| read_eventfd(&done)) {
-                    return core.lock().unwrap().thread_failed("io_uring", &e);
+                    return crate::lock(&core).thread_failed("io_uring", &e);
                 }
-                let mut c = core.lock().unwrap();
+                let mut c = crate::lock(&core);
                 c.io_progress();
                 c.flush_coalesced_untimed();
                 retry.next(c.io_stalled());
@@ -208,17 +208,17 @@ impl Nvme {
     fn start_kicked(&self, t: &mut Threads) {
         let Some(kick) = kick_fd(&self.core, t) else { return };
         // Kicks drained when the last thread stopped: look at the shadow once.
-        self.core.lock().unwrap().serve_kicked();
+        crate::lock(&self.core).serve_kicked();
         let stop = Arc::new(AtomicBool::new(false));
         let (core, stop2) = (self.core.clone(), stop.clone());
-        let done = self.core.lock().unwrap().io_completion_fd();
+        let done = crate::lock(&self.core).io_completion_fd();
         let mut retry = Retry::default();
         let h = std::thread::Builder::new().name("nvme-ioeventfd".into()).spawn(move || {
             crate::sandbox::enter(crate::sandbox::Role::Device);
             while !stop2.load(Ordering::Relaxed) {
                 let (kicked, completed) = match wait_either(&kick, done.as_deref(), retry.after()) {
                     Ok(r) => r,
-                    Err(e) => return core.lock().unwrap().thread_failed("ioeventfd", &e),
+                    Err(e) => return crate::lock(&core).thread_failed("ioeventfd", &e),
                 };
                 if stop2.load(Ordering::Relaxed) {
                     return; // woken to stop (that write is not a doorbell)
@@ -227,7 +227,7 @@ impl Nvme {
                 if let (true, Some(done)) = (completed, done.as_deref()) {
                     let _ = read_eventfd(done);
                 }
-                let mut c = core.lock().unwrap();
+                let mut c = crate::lock(&core);
                 c.st.kicks += n;
                 if kicked && c.db.shadow.is_none() {
                     // Only a static host's doorbells are ioeventfds this early.
@@ -252,7 +252,7 @@ impl Nvme {
 /// may take its count first), registered for the queues it holds. A static
 /// host's was made and announced at attach: it stays.
 pub(super) fn kick_fd(core: &std::sync::Mutex<Core>, t: &mut Threads) -> Option<Arc<EventFd>> {
-    let mut c = core.lock().unwrap();
+    let mut c = crate::lock(core);
     let kick = match c.db.kick.clone().map_or_else(|| EventFd::new(libc::EFD_NONBLOCK).map(Arc::new), Ok) {
         Ok(k) => k,
         Err(e) => {
@@ -278,11 +278,11 @@ impl Nvme {
             stop.store(true, Ordering::Relaxed);
             // Every queue group's eventfds (the other groups' pollers share
             // the flag); no core lock is held while a thread is joined.
-            let shards = self.core.lock().unwrap().shards.clone();
+            let shards = crate::lock(&self.core).shards.clone();
             let mut wake = Vec::new();
             let mut kicks = Vec::new();
             for (g, core) in std::iter::once(&self.core).chain(shards.iter()).enumerate() {
-                let mut c = core.lock().unwrap();
+                let mut c = crate::lock(core);
                 let kept = c.static_ioevents();
                 if !kept {
                     c.unregister_all();
@@ -308,7 +308,7 @@ impl Nvme {
             // already serving that submission). Those kicks are counted; the
             // rest is not a doorbell. A kept eventfd is then empty for the
             // next thread, which looks at the shadow when it starts.
-            let mut c = self.core.lock().unwrap();
+            let mut c = crate::lock(&self.core);
             let other_wakes = c.raised.take_wakes();
             for (g, k) in kicks {
                 let n = match wait_either(&k, None, Some(std::time::Duration::ZERO)) {
@@ -772,7 +772,7 @@ impl Core {
         self.db.set_bar_page(Some(page));
         for s in self.shards.clone() {
             // The other queue groups poll the same page (`shards.rs`).
-            let mut s = s.lock().unwrap();
+            let mut s = crate::lock(&s);
             let p = self.db.bar_page.clone();
             s.db.set_bar_page(p);
         }
@@ -876,7 +876,7 @@ pub(super) fn spawn_poller(
             let (busy, unused) = if looks.only_look() {
                 (false, false)
             } else {
-                let mut c = core.lock().unwrap();
+                let mut c = crate::lock(&core);
                 c.st.polls += 1;
                 let busy = if c.db.bar_page.is_some() { c.poll_bar() } else { c.poll_shadow() };
                 // File backend completions; busy (no idling) while operations are in flight.

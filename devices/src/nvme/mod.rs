@@ -470,10 +470,10 @@ impl Nvme {
     /// Starts the log of fetched I/O commands the queue oracle checks.
     pub fn oracle_log(&self) -> Arc<Mutex<Vec<oracle::OpRecord>>> {
         let log: Arc<Mutex<Vec<oracle::OpRecord>>> = Arc::default();
-        let mut c = self.core.lock().unwrap();
+        let mut c = crate::lock(&self.core);
         c.oplog = Some(log.clone());
         for s in &c.shards {
-            s.lock().unwrap().oplog = Some(log.clone());
+            crate::lock(s).oplog = Some(log.clone());
         }
         log
     }
@@ -502,7 +502,7 @@ impl DeviceModel for Nvme {
 
     fn attach(&self, ctx: DeviceContext) {
         let ready = {
-            let mut c = self.core.lock().unwrap();
+            let mut c = crate::lock(&self.core);
             let gone = ctx.mem.is_empty();
             // The file operations on the old memory's pages end first.
             c.settle_guest_io();
@@ -529,12 +529,12 @@ impl DeviceModel for Nvme {
         // one left it only with `iopath serve --keep-state` (otherwise the
         // device is reset between clients): enabled, its queues served again.
         if ready {
-            self.start_threads(&mut self.threads.lock().unwrap());
+            self.start_threads(&mut crate::lock(&self.threads));
         }
     }
 
     fn mapped_areas(&self) -> Vec<crate::MappedArea> {
-        let fd = self.bar_fd.lock().unwrap();
+        let fd = crate::lock(&self.bar_fd);
         let Some(fd) = fd.as_ref() else { return Vec::new() };
         match fd.try_clone() {
             Ok(fd) => vec![crate::MappedArea { bar: 0, offset: DOORBELLS, size: 0x1000, fd, fd_offset: DOORBELLS }],
@@ -546,12 +546,12 @@ impl DeviceModel for Nvme {
     }
 
     fn capabilities(&self) -> Vec<crate::pci::Capability> {
-        let msix = self.core.lock().unwrap().intr.msix.capability();
+        let msix = crate::lock(&self.core).intr.msix.capability();
         vec![msix, crate::pci::caps::power_management(PM_CAP), crate::pci::caps::express_endpoint(EXP_CAP)]
     }
 
     fn config_write(&self, offset: usize, data: &[u8]) {
-        let mut c = self.core.lock().unwrap();
+        let mut c = crate::lock(&self.core);
         if c.intr.msix.config_write(offset, data) {
             for v in 0..MSIX_VECTORS {
                 c.msix_update(v);
@@ -565,7 +565,7 @@ impl DeviceModel for Nvme {
             le_fill(data, if bar != 0 { u64::MAX } else { 0 });
             return;
         }
-        let mut c = self.core.lock().unwrap();
+        let mut c = crate::lock(&self.core);
         if c.intr.msix.claims(bar, offset) {
             c.sync_vectors(); // the other queue groups' pending bits, for the PBA
         }
@@ -592,7 +592,7 @@ impl DeviceModel for Nvme {
         if (offset, data.len()) == (REG_CC, 4) {
             return self.write_cc(v as u32);
         }
-        let mut c = self.core.lock().unwrap();
+        let mut c = crate::lock(&self.core);
         if c.intr.msix.claims(bar, offset) {
             if let Some(vector) = c.intr.msix.write(bar, offset, data) {
                 c.intr.client_table = true;
@@ -611,9 +611,9 @@ impl DeviceModel for Nvme {
     }
 
     fn reset(&self) {
-        let mut t = self.threads.lock().unwrap();
+        let mut t = crate::lock(&self.threads);
         self.stop_threads(&mut t);
-        let mut c = self.core.lock().unwrap();
+        let mut c = crate::lock(&self.core);
         c.reset_queues();
         c.intr.client_table = false;
         c.regs.cc = 0;
@@ -624,7 +624,7 @@ impl DeviceModel for Nvme {
     }
 
     fn quiesce(&self) {
-        self.stop_threads(&mut self.threads.lock().unwrap());
+        self.stop_threads(&mut crate::lock(&self.threads));
     }
 
     /// A new doorbell page (its doorbells as the old one holds them) and,
@@ -632,16 +632,16 @@ impl DeviceModel for Nvme {
     /// eventfd announced for them: a client that left keeps a mapping of the
     /// old page and copies of the old eventfd, which nobody reads any more.
     fn new_client(&self) {
-        let mut t = self.threads.lock().unwrap();
+        let mut t = crate::lock(&self.threads);
         self.stop_threads(&mut t);
         let ready = {
-            let mut c = self.core.lock().unwrap();
+            let mut c = crate::lock(&self.core);
             c.renew_ioevents();
             if self.cfg.doorbell.bar_page() {
                 match doorbells::bar_memory() {
                     Ok((page, fd)) => {
                         c.replace_bar_page(page);
-                        *self.bar_fd.lock().unwrap() = Some(fd);
+                        *crate::lock(&self.bar_fd) = Some(fd);
                     }
                     Err(e) => {
                         log::error!("nvme: a new doorbell page for the next client: {e}; it keeps the last one's")
@@ -659,9 +659,9 @@ impl DeviceModel for Nvme {
     fn counters(&self) -> Vec<Counter> {
         // While a device thread runs, the kicks it has not drained yet are
         // not counted: reading its eventfd here could take its wake-up.
-        let running = self.threads.lock().unwrap().running();
+        let running = crate::lock(&self.threads).running();
         let (v, failed) = {
-            let mut c = self.core.lock().unwrap();
+            let mut c = crate::lock(&self.core);
             if !running {
                 c.drain_kicks();
             }
@@ -670,7 +670,7 @@ impl DeviceModel for Nvme {
         if let Some(e) = failed {
             log::warn!("{e}");
         }
-        if let Some(e) = &self.threads.lock().unwrap().error {
+        if let Some(e) = &crate::lock(&self.threads).error {
             log::warn!("{e}");
         }
         v

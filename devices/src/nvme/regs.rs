@@ -78,15 +78,15 @@ impl Nvme {
     /// CC: EN 0 -> 1 enables (and starts the device thread), 1 -> 0 stops
     /// the thread and drops every queue; SHN reports shutdown complete.
     pub(super) fn write_cc(&self, v: u32) {
-        let mut threads = self.threads.lock().unwrap();
-        let was = self.core.lock().unwrap().regs.cc & 1;
+        let mut threads = crate::lock(&self.threads);
+        let was = crate::lock(&self.core).regs.cc & 1;
         let en = v & 1;
         let disable = was == 1 && en == 0;
         if disable {
             self.stop_threads(&mut threads);
         }
         let started = {
-            let mut c = self.core.lock().unwrap();
+            let mut c = crate::lock(&self.core);
             if disable {
                 c.reset_queues();
             }
@@ -169,7 +169,7 @@ impl Core {
         self.regs.csts = if idle { 0 } else { 2 };
         // The other queue groups' queues, aggregation and events (their pollers are stopped).
         for s in self.shards.clone() {
-            let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
+            let mut s = crate::lock(&s);
             s.queues.clear_sqs();
             s.queues.cqs.iter_mut().for_each(|q| *q = None);
             s.db.shadow = None;

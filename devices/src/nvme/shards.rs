@@ -74,12 +74,12 @@ impl Raised {
 
     /// Group 0's adaptive poller sleeps on `kick` (None: it stopped).
     pub fn set_wake(&self, kick: Option<std::sync::Arc<vmm_sys_util::eventfd::EventFd>>) {
-        *self.wake.lock().unwrap_or_else(|p| p.into_inner()) = kick;
+        *crate::lock(&self.wake) = kick;
     }
 
     /// Drops what waits (a controller reset).
     pub fn take_all(&self) {
-        self.events.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        crate::lock(&self.events).clear();
         self.any.store(false, Ordering::Release);
     }
 }
@@ -104,7 +104,7 @@ impl Core {
             return f(self);
         }
         let s = self.shards[g - 1].clone();
-        let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = crate::lock(&s);
         f(&mut s)
     }
 
@@ -131,7 +131,7 @@ impl Core {
     /// doorbells, interrupt lines, coalescing and features.
     pub fn sync_shards(&mut self) {
         for s in self.shards.clone() {
-            let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
+            let mut s = crate::lock(&s);
             s.mem = self.mem.clone();
             let s = &mut *s;
             s.queues.resolve(&s.mem);
@@ -192,7 +192,7 @@ impl Core {
 
     /// A group other than 0 raises an asynchronous event: kept for group 0.
     pub fn shard_event(&mut self, kind: u32, info: u32, log_page: u32) {
-        let mut q = self.raised.events.lock().unwrap_or_else(|p| p.into_inner());
+        let mut q = crate::lock(&self.raised.events);
         if q.iter().any(|&(k, i, _)| (k, i) == (kind, info)) {
             self.events.dropped += 1;
             return;
@@ -200,7 +200,7 @@ impl Core {
         q.push((kind, info, log_page));
         self.raised.any.store(true, Ordering::Release);
         drop(q);
-        if let Some(k) = &*self.raised.wake.lock().unwrap_or_else(|p| p.into_inner()) {
+        if let Some(k) = &*crate::lock(&self.raised.wake) {
             // Group 0 may sleep (adaptive); this write is no doorbell kick.
             if k.write(1).is_ok() {
                 self.raised.wakes.fetch_add(1, Ordering::Relaxed);
@@ -214,7 +214,7 @@ impl Core {
             return;
         }
         let q = {
-            let mut q = self.raised.events.lock().unwrap_or_else(|p| p.into_inner());
+            let mut q = crate::lock(&self.raised.events);
             self.raised.any.store(false, Ordering::Release);
             std::mem::take(&mut *q)
         };
@@ -229,7 +229,7 @@ impl Core {
         let (mut st, mut smart, mut dropped) = (self.st.clone(), self.smart.clone(), self.events.dropped);
         let mut per = vec![self.st.io];
         for s in self.shards.clone() {
-            let s = s.lock().unwrap_or_else(|p| p.into_inner());
+            let s = crate::lock(&s);
             st.add(&s.st);
             smart.read_units += s.smart.read_units;
             smart.write_units += s.smart.write_units;

@@ -23,11 +23,11 @@ pub struct LocalHost {
 impl IoEvents for LocalHost {
     fn register(&self, spec: IoEventSpec, fd: &EventFd) -> Result<()> {
         let fd = fd.try_clone().map_err(|e| crate::Error::io("eventfd clone", e))?;
-        self.events.lock().unwrap().push((spec, fd));
+        crate::lock(&self.events).push((spec, fd));
         Ok(())
     }
     fn unregister(&self, spec: IoEventSpec, _: &EventFd) -> Result<()> {
-        self.events.lock().unwrap().retain(|(s, _)| *s != spec);
+        crate::lock(&self.events).retain(|(s, _)| *s != spec);
         Ok(())
     }
     fn static_only(&self) -> bool {
@@ -38,7 +38,7 @@ impl IoEvents for LocalHost {
             return false;
         }
         // Waits for a store in progress, as KVM's memslot change does.
-        *self.trapped.write().unwrap() = trap;
+        *crate::write(&self.trapped) = trap;
         true
     }
 }
@@ -98,7 +98,7 @@ impl Port for LocalPort {
     }
     fn doorbell(&self, off: u64, value: u32) {
         if let Some(page) = &self.page {
-            let trapped = self.host.trapped.read().unwrap();
+            let trapped = crate::read(&self.host.trapped);
             if !*trapped && (0x1000..0x2000).contains(&off) {
                 // SAFETY: the page maps 4 KiB from BAR0 + 0x1000 and `off` is a
                 // 4-byte aligned doorbell inside it; the device reads it
@@ -108,7 +108,7 @@ impl Port for LocalPort {
                 return;
             }
         }
-        let kick = self.host.events.lock().unwrap().iter().find_map(|(s, fd)| {
+        let kick = crate::lock(&self.host.events).iter().find_map(|(s, fd)| {
             let hit = s.bar == 0 && s.offset == off && s.len == 4 && s.datamatch.is_none_or(|d| d == value as u64);
             hit.then(|| fd.try_clone().ok()).flatten()
         });
@@ -124,7 +124,7 @@ impl Port for LocalPort {
         self.dev.counters()
     }
     fn take_ops(&self) -> Option<Vec<OpRecord>> {
-        Some(std::mem::take(&mut *self.ops.as_ref()?.lock().unwrap()))
+        Some(std::mem::take(&mut *crate::lock(self.ops.as_ref()?)))
     }
 }
 
