@@ -10,7 +10,7 @@
 mod common;
 use common::TempDir;
 
-use iopath_devices::nvme::oracle::{Driver, LocalPort, OpRecord, Port, Rng, Shape, RAM};
+use iopath_devices::nvme::oracle::{Driver, LocalPort, OpRecord, Port, RestartError, Rng, Shape, RAM};
 use iopath_devices::{Counter, SharedDevice};
 use iopath_protocols::function::{map_guest_memory, SharedRegion};
 use iopath_protocols::vfio_user::VfioUserProxy;
@@ -128,14 +128,14 @@ impl Port for CrashPort {
     fn take_ops(&self) -> Option<Vec<OpRecord>> {
         None
     }
-    fn restart(&self) -> Option<Result<(), String>> {
+    fn restart(&self) -> Option<Result<(), RestartError>> {
         let mut now = self.now.lock().unwrap();
         if let Some(mut d) = now.take() {
             // SIGKILL, and reaped: the kernel ends its io_uring's operations before.
             let _ = d.child.kill();
             let _ = d.child.wait();
         }
-        Some(self.start().map(|d| *now = Some(d)))
+        Some(self.start().map(|d| *now = Some(d)).map_err(RestartError::from))
     }
 }
 

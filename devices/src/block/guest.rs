@@ -59,14 +59,26 @@ pub enum InPlace {
     Off,
 }
 
+/// An `in_place=` value that is none of `auto`, `on` and `off`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} (auto, on or off)")]
+pub struct BadInPlace(pub String);
+
+/// For `spec.rs`'s option errors, which carry their reason as text.
+impl From<BadInPlace> for String {
+    fn from(e: BadInPlace) -> String {
+        e.to_string()
+    }
+}
+
 impl std::str::FromStr for InPlace {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = BadInPlace;
+    fn from_str(s: &str) -> Result<Self, BadInPlace> {
         match s {
             "auto" => Ok(InPlace::Auto),
             "on" => Ok(InPlace::On),
             "off" => Ok(InPlace::Off),
-            _ => Err(format!("{s:?} (auto, on or off)")),
+            _ => Err(BadInPlace(s.to_string())),
         }
     }
 }

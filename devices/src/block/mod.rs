@@ -29,7 +29,7 @@ mod reap;
 pub mod uring;
 
 pub use file::{backing_bytes, path_bytes, FileStorage};
-pub use guest::{InPlace, Placed};
+pub use guest::{BadInPlace, InPlace, Placed};
 pub use ram::Ram;
 pub use uring::{FileOp, FILE_SLOTS, IORING_REGISTER_BUFFERS_UPDATE};
 

@@ -2,7 +2,7 @@
 //! of submissions, doorbells, reaps, queue deletions and resets, and checks
 //! each completion as it comes (see the module documentation).
 
-use super::model::{canary, Content, Image, Lbas, Violation};
+use super::model::{canary, Content, Failure, Image, Lbas, Violation};
 use super::rng::Rng;
 use super::{OpRecord, Port};
 use crate::Counter;
@@ -325,16 +325,14 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
     }
 
     /// Runs the schedule; the first violation ends it, with where it was.
-    pub fn run(mut self) -> Result<Report, String> {
+    pub fn run(mut self) -> Result<Report, Failure> {
         let r = self.run_inner();
-        r.map_err(|v| {
-            format!(
-                "step {} of {:?}: {v}\n  outstanding: {}\n  counters: {}",
-                self.step,
-                self.shape,
-                self.outstanding_summary(),
-                self.port.counters().iter().map(|c| c.to_string()).collect::<Vec<_>>().join(" ")
-            )
+        r.map_err(|violation| Failure {
+            step: self.step,
+            shape: Box::new(self.shape.clone()),
+            violation,
+            outstanding: self.outstanding_summary(),
+            counters: self.port.counters().iter().map(|c| c.to_string()).collect::<Vec<_>>().join(" "),
         })
     }
 

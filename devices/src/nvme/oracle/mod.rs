@@ -43,7 +43,7 @@ mod rng;
 pub use driver::{Driver, Report, Shape, RAM};
 // (OpRecord and Port are defined here.)
 pub use local::{LocalHost, LocalPort};
-pub use model::Violation;
+pub use model::{Failure, Violation, WrongData};
 pub use rng::Rng;
 
 use crate::Counter;
@@ -58,6 +58,9 @@ pub struct OpRecord {
     pub tag: u32,
     pub opcode: u8,
 }
+
+/// Why a [`Port`] could not bring up a new device (the port's own error).
+pub type RestartError = Box<dyn std::error::Error + Send + Sync>;
 
 /// How the reference driver reaches a controller.
 pub trait Port {
@@ -79,7 +82,7 @@ pub trait Port {
     /// Kills the device (its process, with SIGKILL) with whatever it has
     /// in flight and brings up a new one on the same storage, reached
     /// through this port; None if this port cannot.
-    fn restart(&self) -> Option<Result<(), String>> {
+    fn restart(&self) -> Option<Result<(), RestartError>> {
         None
     }
 }

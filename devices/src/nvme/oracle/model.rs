@@ -24,6 +24,35 @@ pub enum Violation {
     Controller(String),
 }
 
+/// A block read back that holds none of what its LBA may hold.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("LBA {lba} holds none of {can_be:?} (first words {})", hex_words(.first_words))]
+pub struct WrongData {
+    pub lba: u64,
+    /// What the LBA may hold.
+    pub can_be: Vec<Content>,
+    /// The first words of the block read back.
+    pub first_words: Vec<u64>,
+}
+
+fn hex_words(w: &[u64]) -> String {
+    w.iter().map(|x| format!("{x:#x}")).collect::<Vec<_>>().join(" ")
+}
+
+/// A schedule that ended in a violation: where it was and what was
+/// outstanding then.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("step {step} of {shape:?}: {violation}\n  outstanding: {outstanding}\n  counters: {counters}")]
+pub struct Failure {
+    pub step: u32,
+    pub shape: Box<super::Shape>,
+    pub violation: Violation,
+    /// The commands in flight, per queue.
+    pub outstanding: String,
+    /// The device's counters then.
+    pub counters: String,
+}
+
 /// What an LBA may hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Content {
@@ -104,7 +133,7 @@ impl Lbas {
 
     /// Checks a block read back (`words`) against what `lba` may hold; the
     /// content found is what it holds from now on.
-    pub fn observe(&mut self, lba: u64, words: &[u64]) -> Result<(), String> {
+    pub fn observe(&mut self, lba: u64, words: &[u64]) -> Result<(), WrongData> {
         let v = &mut self.can_be[lba as usize];
         let found = v.iter().copied().find(|c| words.iter().enumerate().all(|(i, &w)| w == c.word(lba, i as u64)));
         match found {
@@ -112,10 +141,7 @@ impl Lbas {
                 *v = vec![c];
                 Ok(())
             }
-            None => {
-                let seen = (0..4u64).map(|i| format!("{:#x}", words[i as usize])).collect::<Vec<_>>().join(" ");
-                Err(format!("LBA {lba} holds none of {v:?} (first words {seen})"))
-            }
+            None => Err(WrongData { lba, can_be: v.clone(), first_words: words.iter().take(4).copied().collect() }),
         }
     }
 }

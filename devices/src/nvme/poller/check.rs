@@ -16,6 +16,20 @@ use std::time::Duration;
 /// [`MAX_MARGIN`] past the timer, a late one's lateness added).
 pub const BUDGET: Duration = ADAPTIVE_IDLE.saturating_add(MIN_SLEEP).saturating_add(MAX_MARGIN.saturating_mul(3));
 
+/// An invariant a poller broke.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Broken {
+    /// Awake past its idle budget without arming.
+    #[error("idle {0:?} (over {BUDGET:?}) and still polling")]
+    PollsPastBudget(Duration),
+    /// More spins between clock readings than an idle allows.
+    #[error("{0} spins without a look at the clock")]
+    SpinsWithoutClock(u32),
+    /// An action its state or the observation does not allow.
+    #[error("{why}: {seen:?} -> {act:?}")]
+    Transition { why: &'static str, seen: Observation, act: Action },
+}
+
 /// What the checker knows of the poller (see the module documentation).
 pub struct Checker {
     cfg: Config,
@@ -45,20 +59,20 @@ impl Checker {
     }
 
     /// The poller answered `seen` with `act`: an error names the invariant it broke.
-    pub fn check(&mut self, seen: Observation, act: Action) -> Result<(), String> {
+    pub fn check(&mut self, seen: Observation, act: Action) -> Result<(), Broken> {
         self.saw(seen);
         self.may(seen, act)?;
         // Idle beyond the budget, an awake poller arms (a polling thread must earn its core).
         if let (Observation::Now(t), Some(s), false) = (seen, self.stretch, self.gap_clock) {
             if t.saturating_sub(s) > BUDGET && act != Action::Arm {
-                return Err(format!("idle {:?} (over {BUDGET:?}) and still polling", t - s));
+                return Err(Broken::PollsPastBudget(t - s));
             }
         }
         match act {
             Action::Spin => {
                 self.spins += 1;
                 if self.spins > IDLE_CLOCK_PASSES {
-                    return Err(format!("{} spins without a look at the clock", self.spins));
+                    return Err(Broken::SpinsWithoutClock(self.spins));
                 }
             }
             Action::Clock => {
@@ -88,9 +102,9 @@ impl Checker {
     }
 
     /// Whether the poller may answer `seen` with `act`.
-    fn may(&self, seen: Observation, act: Action) -> Result<(), String> {
+    fn may(&self, seen: Observation, act: Action) -> Result<(), Broken> {
         use Observation as O;
-        let bad = |why: &str| Err(format!("{why}: {seen:?} -> {act:?}"));
+        let bad = |why: &'static str| Err(Broken::Transition { why, seen, act });
         if let O::Woke { .. } = seen {
             if !matches!(act, Action::LookAsleep | Action::Wake { .. }) {
                 return bad("woken, it must look at the page or wake up (disarm) first");

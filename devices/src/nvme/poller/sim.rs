@@ -14,7 +14,7 @@
 
 use super::super::oracle::Rng;
 use super::super::BAR_IDLE_MAX;
-use super::check::{Checker, BUDGET};
+use super::check::{Broken, Checker, BUDGET};
 use super::{Action, Config, Observation, Poller, Trap};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Duration;
@@ -32,6 +32,56 @@ pub enum Doorbells {
     /// `auto` with shadow doorbells configured: armed, a ring is a store
     /// to the page (silent unless trapped).
     Auto,
+}
+
+/// A rule of the world the poller broke: a lost wake-up, a sleep nothing
+/// can end, a submission served late, a poll where it must sleep.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Lost {
+    #[error("polls asleep or with the page trapped")]
+    PollsAsleep,
+    #[error("awake with nothing to do for {0:?}")]
+    AwakeIdle(Duration),
+    #[error("sleeps without being armed")]
+    SleepsUnarmed,
+    #[error("a lost wake-up: sleeps until woken on {0} submissions")]
+    SleepsOnWork(usize),
+    #[error("sleeps until woken where the next store wakes nobody")]
+    SleepsUnwakeable,
+    #[error("a lost wake-up: asleep for 1 s with {0} submissions")]
+    AsleepOnWork(usize),
+    #[error("a submission waited {waited:?} (bound {bound:?})")]
+    WaitedTooLong { waited: Duration, bound: Duration },
+}
+
+/// What broke first: a checker's invariant or the world's rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Cause {
+    #[error(transparent)]
+    Broken(#[from] Broken),
+    #[error(transparent)]
+    Lost(#[from] Lost),
+}
+
+/// A run that broke a rule: its setup and seed, the step (None: at the
+/// end) and the steps before it.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{setup:?} seed {seed}{}: {cause}{}", at_step(.step), trail(.last))]
+pub struct Failure {
+    pub setup: Setup,
+    pub seed: u64,
+    pub step: Option<u64>,
+    pub cause: Cause,
+    /// The last (observation, action) pairs, one a line.
+    pub last: Vec<String>,
+}
+
+fn at_step(step: &Option<u64>) -> String {
+    step.map(|i| format!(", step {i}")).unwrap_or_default()
+}
+
+fn trail(last: &[String]) -> String {
+    last.iter().map(|l| format!("\n  {l}")).collect()
 }
 
 /// One simulated setup.
@@ -237,16 +287,16 @@ impl World {
     }
 
     /// Carries out `act`: what the poller's thread would see.
-    pub fn carry(&mut self, act: Action) -> Result<Observation, String> {
+    pub fn carry(&mut self, act: Action) -> Result<Observation, Lost> {
         let awake = !matches!(act, Action::Sleep { .. } | Action::LookAsleep | Action::Trap | Action::Wake { .. });
         if awake && (self.sleeping || self.trapped) {
-            return Err("polls asleep or with the page trapped".into());
+            return Err(Lost::PollsAsleep);
         }
         if awake && self.pending.is_empty() && self.ops.is_empty() {
             let idle = self.now.saturating_sub(self.last_work);
             // Twice 64 passes between clock readings (the first, and the one past the budget).
             if idle > BUDGET + 400 * US {
-                return Err(format!("awake with nothing to do for {idle:?}"));
+                return Err(Lost::AwakeIdle(idle));
             }
         }
         Ok(match act {
@@ -341,9 +391,9 @@ impl World {
         Observation::Armed(Some(self.now))
     }
 
-    fn sleep(&mut self, timeout: Option<Duration>) -> Result<Observation, String> {
+    fn sleep(&mut self, timeout: Option<Duration>) -> Result<Observation, Lost> {
         if !self.sleeping {
-            return Err("sleeps without being armed".into());
+            return Err(Lost::SleepsUnarmed);
         }
         let rings = match self.s.doorbells {
             Doorbells::Shadow => self.evidx,
@@ -352,10 +402,10 @@ impl World {
         };
         if timeout.is_none() && !self.kick && !self.done_fd {
             if !self.pending.is_empty() {
-                return Err(format!("a lost wake-up: sleeps until woken on {} submissions", self.pending.len()));
+                return Err(Lost::SleepsOnWork(self.pending.len()));
             }
             if !rings {
-                return Err("sleeps until woken where the next store wakes nobody".into());
+                return Err(Lost::SleepsUnwakeable);
             }
         }
         let deadline = timeout.map(|t| self.now + t);
@@ -371,7 +421,7 @@ impl World {
                 break;
             }
             if self.now - start > Duration::from_secs(1) && !self.pending.is_empty() {
-                return Err(format!("a lost wake-up: asleep for 1 s with {} submissions", self.pending.len()));
+                return Err(Lost::AsleepOnWork(self.pending.len()));
             }
         }
         let (kicked, completed) = (self.kick, self.done_fd);
@@ -403,13 +453,13 @@ impl World {
     }
 
     /// At the end: nothing waited longer than the bound.
-    fn finish(&mut self) -> Result<(), String> {
+    fn finish(&mut self) -> Result<(), Lost> {
         let bound = self.wait_bound();
         if let Some(&oldest) = self.pending.first() {
             self.stats.max_wait = self.stats.max_wait.max(self.now - oldest);
         }
         if self.stats.max_wait > bound {
-            return Err(format!("a submission waited {:?} (bound {bound:?})", self.stats.max_wait));
+            return Err(Lost::WaitedTooLong { waited: self.stats.max_wait, bound });
         }
         Ok(())
     }
@@ -424,7 +474,7 @@ pub struct Report {
 
 /// Runs a poller of `setup` for `steps` steps in a world of `seed`; the
 /// first broken invariant, with the steps before it.
-pub fn run(setup: Setup, seed: u64, steps: u64) -> Result<Report, String> {
+pub fn run(setup: Setup, seed: u64, steps: u64) -> Result<Report, Failure> {
     let mut w = World::new(setup, seed);
     let mut m = Poller::new(setup.config());
     let mut check = Checker::new(m.config());
@@ -437,14 +487,17 @@ pub fn run(setup: Setup, seed: u64, steps: u64) -> Result<Report, String> {
         if last.len() > 24 {
             last.pop_front();
         }
-        let at = |e: String, last: &std::collections::VecDeque<String>| {
-            let trail: Vec<&str> = last.iter().map(|s| s.as_str()).collect();
-            format!("{setup:?} seed {seed}, step {i}: {e}\n  {}", trail.join("\n  "))
+        let at = |cause: Cause, last: &std::collections::VecDeque<String>| Failure {
+            setup,
+            seed,
+            step: Some(i),
+            cause,
+            last: last.iter().cloned().collect(),
         };
-        check.check(seen, act).map_err(|e| at(e, &last))?;
+        check.check(seen, act).map_err(|e| at(e.into(), &last))?;
         (seen, act).hash(&mut h);
-        seen = w.carry(act).map_err(|e| at(e, &last))?;
+        seen = w.carry(act).map_err(|e| at(e.into(), &last))?;
     }
-    w.finish().map_err(|e| format!("{setup:?} seed {seed}: {e}"))?;
+    w.finish().map_err(|e| Failure { setup, seed, step: None, cause: e.into(), last: Vec::new() })?;
     Ok(Report { trace: h.finish(), stats: w.stats })
 }
