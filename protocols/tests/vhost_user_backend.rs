@@ -184,6 +184,17 @@ fn rig(notify: NotifyMode) -> Rig {
     rig_on(StorageKind::Ram, notify)
 }
 
+/// A `null` disk of [`MEM`] bytes, one queue, kicks as ioeventfds.
+fn null_config() -> VirtioBlkConfig {
+    VirtioBlkConfig {
+        backend: StorageKind::Null,
+        size: MEM as u64,
+        notify: NotifyMode::Ioeventfd,
+        queues: None,
+        create: false,
+    }
+}
+
 fn rig_on(backend: StorageKind, notify: NotifyMode) -> Rig {
     rig_with_queues(backend, notify, 1)
 }
@@ -470,13 +481,7 @@ fn more_regions_than_the_bound_are_refused() {
 fn a_queue_index_past_the_device_is_refused() {
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (a, b) = UnixStream::pair().unwrap();
-    let cfg = VirtioBlkConfig {
-        backend: StorageKind::Null,
-        size: MEM as u64,
-        notify: NotifyMode::Ioeventfd,
-        queues: None,
-        create: false,
-    };
+    let cfg = null_config();
     let be = Arc::new(VhostUserBackend::new(&cfg).unwrap());
     let be2 = be.clone();
     let session = std::thread::spawn(move || be2.session(&b));
@@ -553,13 +558,7 @@ fn get_config_is_the_pci_devices_configuration_space() {
     use iopath_devices::DeviceModel;
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     for queues in [Some(2), None] {
-        let cfg = VirtioBlkConfig {
-            backend: StorageKind::Null,
-            size: 3 << 20,
-            notify: NotifyMode::Ioeventfd,
-            queues,
-            create: false,
-        };
+        let cfg = VirtioBlkConfig { size: 3 << 20, queues, ..null_config() };
         let pci = VirtioBlk::new(cfg.clone()).unwrap();
         let mut want = vec![0u8; DEVCFG_LEN as usize];
         for (k, b) in want.iter_mut().enumerate() {
@@ -603,13 +602,7 @@ fn a_ring_stopped_right_after_it_was_disabled_answers() {
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let g = Guest::new(true);
     let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
-    let cfg = VirtioBlkConfig {
-        backend: StorageKind::Null,
-        size: MEM as u64,
-        notify: NotifyMode::Ioeventfd,
-        queues: None,
-        create: false,
-    };
+    let cfg = null_config();
     let be = Arc::new(VhostUserBackend::new(&cfg).unwrap());
     let (a, b) = UnixStream::pair().unwrap();
     // A reply that never comes: the rig's guard shuts the socket down
@@ -822,13 +815,7 @@ fn ring_addresses_before_the_ring_size_are_checked_at_that_size() {
 fn a_refused_check_device_state_ends_the_session() {
     use std::io::{Read, Write};
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let cfg = VirtioBlkConfig {
-        backend: StorageKind::Null,
-        size: MEM as u64,
-        notify: NotifyMode::Ioeventfd,
-        queues: None,
-        create: false,
-    };
+    let cfg = null_config();
     let be = Arc::new(VhostUserBackend::new(&cfg).unwrap());
     let (mut a, b) = UnixStream::pair().unwrap();
     b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();

@@ -4,12 +4,47 @@
 use super::uring::{Arena, SLOT_BYTES, SUBMIT_BYTES};
 use super::*;
 use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+/// A scratch image under the temp directory, named by this process and a
+/// counter (tests run in parallel), removed on drop: also when a test fails.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(what: &str) -> Scratch {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("iopath-block-{what}-{}-{n}.img", std::process::id()));
+        let _ = std::fs::remove_file(&path); // ours: a run of this pid left it
+        Scratch(path)
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+
+    fn kind(&self) -> StorageKind {
+        StorageKind::File(self.0.clone())
+    }
+
+    /// Laid out at `bytes` (create=on) and opened as a file namespace.
+    fn open(&self, bytes: u64) -> FileStorage {
+        crate::backing::prepare(&self.kind(), bytes, true).unwrap();
+        FileStorage::open(&self.0, bytes).unwrap()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
 
 #[test]
 fn ram_and_file_keep_data_null_keeps_none() {
-    let path = std::env::temp_dir().join(format!("iopath-block-{}.img", std::process::id()));
-    for kind in [StorageKind::Ram, StorageKind::File(path.clone()), StorageKind::Null] {
-        let mut b = crate::backing::open(&kind, 1 << 20, kind == StorageKind::File(path.clone())).unwrap();
+    let file = Scratch::new("kinds");
+    for kind in [StorageKind::Ram, file.kind(), StorageKind::Null] {
+        let mut b = crate::backing::open(&kind, 1 << 20, kind == file.kind()).unwrap();
         b.write(4096, b"abcd").unwrap();
         let mut r = [0u8; 4];
         b.read(4096, &mut r).unwrap();
@@ -28,7 +63,7 @@ fn ram_and_file_keep_data_null_keeps_none() {
         b.read(4096, &mut r).unwrap();
         assert_eq!(r, [0; 4]);
     }
-    let _ = std::fs::remove_file(path);
+    drop(file);
     assert!("floppy".parse::<StorageKind>().is_err());
     assert_eq!("file:/x".parse::<StorageKind>().unwrap(), StorageKind::File("/x".into()));
     for s in ["null", "ram", "file:/x/y z.img"] {
@@ -56,12 +91,10 @@ fn reap_all(f: &mut FileStorage, n: usize) {
 
 #[test]
 fn pushed_operations_go_to_the_kernel_once_they_add_up_to_submit_bytes() {
-    let path = std::env::temp_dir().join(format!("iopath-block-batch-{}.img", std::process::id()));
-    crate::backing::prepare(&StorageKind::File(path.clone()), 1 << 20, true).unwrap();
-    let mut f = FileStorage::open(&path, 1 << 20).unwrap();
+    let file = Scratch::new("batch");
+    let mut f = file.open(1 << 20);
     if !f.is_async() {
         eprintln!("no O_DIRECT io_uring here: nothing to check");
-        let _ = std::fs::remove_file(&path);
         return;
     }
     let per = SUBMIT_BYTES / 4;
@@ -78,17 +111,14 @@ fn pushed_operations_go_to_the_kernel_once_they_add_up_to_submit_bytes() {
     f.submit();
     assert_eq!(unsent(&mut f), 0);
     reap_all(&mut f, 5);
-    let _ = std::fs::remove_file(&path);
 }
 
 #[test]
 fn with_a_submit_batch_pushed_reads_go_to_the_kernel_every_that_many() {
-    let path = std::env::temp_dir().join(format!("iopath-block-sbatch-{}.img", std::process::id()));
-    crate::backing::prepare(&StorageKind::File(path.clone()), 1 << 20, true).unwrap();
-    let mut f = FileStorage::open(&path, 1 << 20).unwrap();
+    let file = Scratch::new("sbatch");
+    let mut f = file.open(1 << 20);
     if !f.is_async() {
         eprintln!("no O_DIRECT io_uring here: nothing to check");
-        let _ = std::fs::remove_file(&path);
         return;
     }
     let unsent = |f: &mut FileStorage| f.uring.as_mut().unwrap().ring.submission().len();
@@ -112,7 +142,6 @@ fn with_a_submit_batch_pushed_reads_go_to_the_kernel_every_that_many() {
     read(&mut f, 5);
     assert_eq!(unsent(&mut f), 0);
     reap_all(&mut f, 6);
-    let _ = std::fs::remove_file(&path);
 }
 
 /// The ring does this namespace's operations and nothing else: an open,
@@ -121,10 +150,9 @@ fn with_a_submit_batch_pushed_reads_go_to_the_kernel_every_that_many() {
 #[test]
 fn the_ring_refuses_every_operation_but_the_namespaces_own() {
     use io_uring::{opcode, types};
-    let path = std::env::temp_dir().join(format!("iopath-block-restrict-{}.img", std::process::id()));
-    crate::backing::prepare(&StorageKind::File(path.clone()), 1 << 20, true).unwrap();
-    let mut f = FileStorage::open(&path, 1 << 20).unwrap();
-    let _ = std::fs::remove_file(&path);
+    let file = Scratch::new("restrict");
+    let mut f = file.open(1 << 20);
+    drop(file); // the namespace keeps its fd
     if !f.is_async() {
         eprintln!("no O_DIRECT io_uring here: nothing to check");
         return;
@@ -156,9 +184,8 @@ fn the_ring_refuses_every_operation_but_the_namespaces_own() {
 
 #[test]
 fn operations_in_flight_on_a_file_complete_with_their_data_through_fixed_buffers() {
-    let path = std::env::temp_dir().join(format!("iopath-block-uring-{}.img", std::process::id()));
-    crate::backing::prepare(&StorageKind::File(path.clone()), 1 << 20, true).unwrap();
-    let mut f = FileStorage::open(&path, 1 << 20).unwrap();
+    let file = Scratch::new("uring");
+    let mut f = file.open(1 << 20);
     if !f.is_async() {
         eprintln!("no O_DIRECT io_uring here: nothing to check");
         return;
@@ -238,7 +265,6 @@ fn operations_in_flight_on_a_file_complete_with_their_data_through_fixed_buffers
     let flags = smaps.split('\n').skip_while(|l| !l.starts_with(&base)).find(|l| l.starts_with("VmFlags:"));
     let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").is_ok();
     assert!(!thp || flags.is_some_and(|f| f.contains(" hg")), "MADV_HUGEPAGE: {flags:?}");
-    let _ = std::fs::remove_file(path);
 }
 
 /// The bytes of `f` on disk (st_blocks counts 512-byte units).
@@ -253,26 +279,26 @@ fn allocated(f: &std::path::Path) -> u64 {
 #[test]
 fn discard_punches_a_hole_in_a_file_and_write_zeroes_keeps_blocks_unless_deallocating() {
     const MIB: u64 = 1 << 20;
-    let path = std::env::temp_dir().join(format!("iopath-block-holes-{}.img", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let mut s = crate::backing::open(&StorageKind::File(path.clone()), 4 * MIB, true).unwrap();
+    let file = Scratch::new("holes");
+    let path = file.path();
+    let mut s = crate::backing::open(&file.kind(), 4 * MIB, true).unwrap();
     for i in 0..4 {
         s.write(i * MIB, &vec![0x5a; MIB as usize]).unwrap();
     }
     s.flush().unwrap();
-    let full = allocated(&path);
+    let full = allocated(path);
     assert!(full >= 4 * MIB, "written: {full} bytes allocated");
     s.discard(MIB, MIB).unwrap();
-    let after_discard = allocated(&path);
+    let after_discard = allocated(path);
     s.write_zeroes(2 * MIB, MIB, false).unwrap();
-    let after_zeroes = allocated(&path);
+    let after_zeroes = allocated(path);
     s.write_zeroes(3 * MIB, MIB, true).unwrap();
-    let after_dealloc = allocated(&path);
+    let after_dealloc = allocated(path);
     // Unaligned: the whole blocks inside become a hole, the edges are zeroed.
     s.discard(1000, 100_000).unwrap();
     let mut back = vec![0xffu8; (4 * MIB) as usize];
     s.read(0, &mut back).unwrap();
-    let _ = std::fs::remove_file(&path);
+    drop(file);
     eprintln!("allocated: {full} written, {after_discard} after a 1 MiB discard, {after_zeroes} after write zeroes, {after_dealloc} after write zeroes with deallocation");
     assert!(after_discard <= full - MIB, "a discard punched no hole: {full} -> {after_discard}");
     assert_eq!(after_zeroes, after_discard, "write zeroes without deallocation kept the blocks");

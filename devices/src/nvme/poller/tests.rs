@@ -89,6 +89,28 @@ impl Probe {
             (O::Awake { stalled: false, now }, A::Pass { hit: false }),
         ]);
     }
+
+    /// From a fresh poller, the gaps that train a forecast: 8 of `gap`, one
+    /// every `every` from 1 ms, each a sleep that a kick ends; returns when
+    /// the next gap begins.
+    fn steady_gaps(&mut self, gap: Duration, every: Duration) -> Duration {
+        self.step(O::Done);
+        let mut t = MS;
+        for _ in 0..8 {
+            self.kicked_sleep(t, gap);
+            t += every;
+        }
+        t
+    }
+
+    /// 8 kicked 1 ms gaps 2 ms apart, then idle to arm in the next gap:
+    /// returns when that gap began and when the poller armed.
+    fn trained_then_armed(&mut self) -> (Duration, Duration) {
+        let t = self.steady_gaps(MS, 2 * MS);
+        let w = self.m.window.get();
+        self.idle_to_arm(t, w);
+        (t, t + w)
+    }
 }
 
 #[test]
@@ -302,16 +324,8 @@ fn a_host_that_cannot_trap_keeps_the_steps_and_a_store_found_or_raced_wakes_it()
 #[test]
 fn steady_gaps_get_a_timer_and_the_command_polled_for_is_a_hit() {
     let mut p = Probe::new(FORECAST);
-    p.step(O::Done);
     // Gaps of 1 ms, each ended by a kick: after 8, a forecast.
-    let mut t = MS;
-    for _ in 0..8 {
-        p.kicked_sleep(t, MS);
-        t += 2 * MS;
-    }
-    let w = p.m.window.get();
-    p.idle_to_arm(t, w);
-    let armed = t + w;
+    let (t, armed) = p.trained_then_armed();
     let Action::Sleep { timeout: Some(timer) } = p.step(O::Armed(Some(armed))) else { panic!("no timer") };
     let wake_at = armed + timer;
     assert!(wake_at > t + MS / 2 && wake_at < t + MS, "the timer {:?} after the gap began", wake_at - t);
@@ -333,16 +347,9 @@ fn steady_gaps_get_a_timer_and_the_command_polled_for_is_a_hit() {
 #[test]
 fn a_forecast_whose_command_does_not_come_is_a_miss_and_the_next_gap_gets_none() {
     let mut p = Probe::new(FORECAST);
-    p.step(O::Done);
-    let mut t = MS;
-    for _ in 0..8 {
-        p.kicked_sleep(t, MS);
-        t += 2 * MS;
-    }
-    let w = p.m.window.get();
-    p.idle_to_arm(t, w);
-    let Action::Sleep { timeout: Some(timer) } = p.step(O::Armed(Some(t + w))) else { panic!("no timer") };
-    let now = t + w + timer;
+    let (t, armed) = p.trained_then_armed();
+    let Action::Sleep { timeout: Some(timer) } = p.step(O::Armed(Some(armed))) else { panic!("no timer") };
+    let now = armed + timer;
     p.expect(&[
         (O::Woke { kicked: false, completed: false, now }, A::Wake { kicked: false, completed: false, forecast: true }),
         (O::Awake { stalled: false, now }, A::Pass { hit: false }),
@@ -360,14 +367,9 @@ fn a_forecast_whose_command_does_not_come_is_a_miss_and_the_next_gap_gets_none()
 #[test]
 fn a_forecast_due_within_min_sleep_is_polled_for_without_a_sleep() {
     let mut p = Probe::new(FORECAST);
-    p.step(O::Done);
     // Gaps of 300 us, each ended by a kick 100 us into a sleep (taken as 250 us: a
     // wake-up's lateness off): the forecast's timer would be due 195 us into the gap.
-    let mut t = MS;
-    for _ in 0..8 {
-        p.kicked_sleep(t, 300 * US);
-        t += MS;
-    }
+    let t = p.steady_gaps(300 * US, MS);
     assert_eq!(p.m.window.get(), ADAPTIVE_IDLE, "short sleeps keep the window whole");
     assert_eq!(p.step(O::Passed { busy: true, in_flight: false }), A::Pass { hit: false });
     p.idle_until_clock(false);
