@@ -351,17 +351,36 @@ impl<T: DeviceModelMut> DeviceModel for std::sync::Mutex<T> {
 /// finds the lock poisoned panics in turn rather than go on with the
 /// half-updated state.
 pub fn lock<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|_| panic!("a Mutex was poisoned by a panic on another thread"))
+    m.lock().unwrap_or_else(|_| poisoned("a Mutex"))
+}
+
+/// The poison policy's panic (see [`lock`]).
+#[cold]
+fn poisoned(what: &str) -> ! {
+    panic!("{what} was poisoned by a panic on another thread")
+}
+
+/// Waits on `cv` with `g` (at most `timeout`, if given), with [`lock`]'s
+/// poison policy for the lock it takes again.
+pub fn wait<'a, T>(
+    cv: &std::sync::Condvar,
+    g: std::sync::MutexGuard<'a, T>,
+    timeout: Option<std::time::Duration>,
+) -> std::sync::MutexGuard<'a, T> {
+    match timeout {
+        None => cv.wait(g).unwrap_or_else(|_| poisoned("a Mutex")),
+        Some(t) => cv.wait_timeout(g, t).unwrap_or_else(|_| poisoned("a Mutex")).0,
+    }
 }
 
 /// Read-locks an `RwLock`, with [`lock`]'s poison policy.
 pub fn read<T: ?Sized>(m: &std::sync::RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    m.read().unwrap_or_else(|_| panic!("an RwLock was poisoned by a panic on another thread"))
+    m.read().unwrap_or_else(|_| poisoned("an RwLock"))
 }
 
 /// Write-locks an `RwLock`, with [`lock`]'s poison policy.
 pub fn write<T: ?Sized>(m: &std::sync::RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    m.write().unwrap_or_else(|_| panic!("an RwLock was poisoned by a panic on another thread"))
+    m.write().unwrap_or_else(|_| poisoned("an RwLock"))
 }
 
 /// A device model shared by its host's bus entries and threads.
@@ -410,5 +429,29 @@ mod tests {
         assert_eq!(r, [2, 3, 0xff, 0xff]);
         read_regs(&[1, 2, 3], u64::MAX, &mut r);
         assert_eq!(r, [0xff; 4]);
+    }
+
+    /// The poison policy: a lock a panic left poisoned is never used again;
+    /// `lock`, `read` and `write` panic where `std` would hand out the state.
+    #[test]
+    fn a_poisoned_lock_panics_rather_than_hand_out_its_state() {
+        use std::panic::{catch_unwind, AssertUnwindSafe};
+        use std::sync::{Mutex, RwLock};
+        let (m, rw) = (Mutex::new(1), RwLock::new(1));
+        assert_eq!(*lock(&m), 1);
+        assert_eq!(*read(&rw), 1);
+        assert_eq!(*write(&rw), 1);
+        std::thread::scope(|s| {
+            let _ = s
+                .spawn(|| {
+                    let (_g, _w) = (lock(&m), write(&rw));
+                    panic!("a bug while holding both (this panic is the test's)");
+                })
+                .join();
+        });
+        assert!(m.is_poisoned() && rw.is_poisoned());
+        assert!(catch_unwind(AssertUnwindSafe(|| drop(lock(&m)))).is_err(), "lock");
+        assert!(catch_unwind(AssertUnwindSafe(|| drop(read(&rw)))).is_err(), "read");
+        assert!(catch_unwind(AssertUnwindSafe(|| drop(write(&rw)))).is_err(), "write");
     }
 }

@@ -64,12 +64,12 @@ fn watch((m, cv): &Shared, sock: &UnixStream) {
     let mut st = iopath_devices::lock(m);
     while !st.stop {
         let Some(at) = st.until else {
-            st = cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            st = iopath_devices::wait(cv, st, None);
             continue;
         };
         let now = Instant::now();
         if now < at {
-            st = cv.wait_timeout(st, at - now).unwrap_or_else(|e| e.into_inner()).0;
+            st = iopath_devices::wait(cv, st, Some(at - now));
             continue;
         }
         st.fired = true;

@@ -80,12 +80,12 @@ fn watch(s: &Shared, sock: &UnixStream, name: &str, watching: &AtomicBool) {
             return;
         }
         let Some((what, at)) = a.current.clone() else {
-            a = s.cv.wait(a).unwrap_or_else(|e| e.into_inner());
+            a = iopath_devices::wait(&s.cv, a, None);
             continue;
         };
         let now = Instant::now();
         if now < at {
-            a = s.cv.wait_timeout(a, at - now).unwrap_or_else(|e| e.into_inner()).0;
+            a = iopath_devices::wait(&s.cv, a, Some(at - now));
             continue;
         }
         s.fired.store(true, Ordering::Release);
