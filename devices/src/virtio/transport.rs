@@ -21,7 +21,8 @@
 //! writable once it is enabled or after DRIVER_OK), MSI-X, ISR and INTx.
 //! A reset forgets every queue. A [`QueueEngine`] serves the queues:
 //! iopath's own virtio-blk ([`pci`](super::pci), requests served in the
-//! VMM) or a vhost-user backend (`iopath_protocols::vhost_user::frontend`).
+//! VMM) or a vhost-user backend (`iopath_protocols::vhost_user::frontend`);
+//! another device type is one more engine (`cli/tests/recipe_virtio_rng.rs`).
 //! The transport tells it about DRIVER_OK, notify writes that exit, and
 //! reset, and asks it for the device's PCI ids and class, its features and
 //! its device configuration.
