@@ -10,10 +10,8 @@
 mod scratch;
 
 use iopath_devices::irq::{eventfd_from, IrqLines};
-use iopath_devices::{
-    le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModelMut, PciIds, SharedDevice,
-};
-use iopath_protocols::function::{no_memory, PciFunction};
+use iopath_devices::{le_fill, le_value, BarSpec, Counter, DeviceContext, DeviceModelMut, PciIds, SharedDevice};
+use iopath_protocols::function::{no_memory, probe, PciFunction};
 use iopath_protocols::peer::Peer;
 use iopath_protocols::process::DeviceProcess;
 use iopath_protocols::{socket, Error, FunctionTransport, Result, Server};
@@ -160,7 +158,7 @@ impl FunctionTransport for Tiny {
 
 /// The VMM side: a model that forwards every configuration and BAR access and waits for its
 /// reply. What it describes to the VMM (IDs, BARs) it learns at connect with configuration
-/// requests, as firmware sizes BARs.
+/// requests (`function::probe`, as firmware sizes BARs).
 struct TinyProxy {
     peer: Peer,
     ids: PciIds,
@@ -171,54 +169,14 @@ struct TinyProxy {
 
 impl TinyProxy {
     fn connect(sock: UnixStream, child: Option<DeviceProcess>, name: &str) -> Result<Self> {
-        let ids = PciIds {
-            vendor: 0xffff,
-            device: 0xffff,
-            class: 0,
-            revision: 0,
-            subsystem_vendor: 0,
-            subsystem: 0,
-            interrupt_pin: 0,
-        };
+        let ids =
+            PciIds { vendor: 0, device: 0, class: 0, revision: 0, subsystem_vendor: 0, subsystem: 0, interrupt_pin: 0 };
         let mut p =
             TinyProxy { peer: Peer::new(sock, name, child), ids, bars: Vec::new(), messages: 0, bar_messages: 0 };
-        let id = p.cfg_read(0)?;
-        if id as u16 == 0xffff {
-            return Err(Error::protocol(format!("tiny: the remote answers vendor id {:#x}: no device", id as u16)));
-        }
-        let (class, sub) = (p.cfg_read(8)?, p.cfg_read(0x2c)?);
-        p.ids = PciIds {
-            vendor: id as u16,
-            device: (id >> 16) as u16,
-            class: class >> 8,
-            revision: class as u8,
-            subsystem_vendor: sub as u16,
-            subsystem: (sub >> 16) as u16,
-            interrupt_pin: 0, // the VMM routes INTx of every slot
-        };
-        let mut i = 0;
-        while i < 6 {
-            let mask = p.size(0x10 + 4 * i as u64)?;
-            let kind = match mask & 7 {
-                _ if mask == 0 => None,
-                m if m & 1 == 1 => Some(BarKind::Io),
-                4 if i < 5 => Some(BarKind::Mem64),
-                _ => Some(BarKind::Mem32),
-            };
-            let size = match kind {
-                None => 0,
-                Some(BarKind::Io) => u64::from(!(mask & !3)).wrapping_add(1) & 0xffff,
-                Some(BarKind::Mem64) => {
-                    let high = u64::from(p.size(0x14 + 4 * i as u64)?);
-                    (!(high << 32 | u64::from(mask & !0xf))).wrapping_add(1)
-                }
-                Some(BarKind::Mem32) => u64::from((!(mask & !0xf)).wrapping_add(1)),
-            };
-            if let Some(kind) = kind {
-                p.bars.push(BarSpec { index: i, kind, size });
-            }
-            i += if kind == Some(BarKind::Mem64) { 2 } else { 1 };
-        }
+        (p.ids, p.bars) = probe(|offset, write| {
+            let (op, value) = write.map_or((Op::CfgRead, 0), |v| (Op::CfgWrite, v));
+            p.call(Request::new(op, 0, offset.into(), 4, value.into()), &[]).map(|v| v as u32)
+        })?;
         Ok(p)
     }
 
@@ -234,19 +192,6 @@ impl TinyProxy {
             Err(e) => self.peer.die(e),
         }
         r
-    }
-
-    fn cfg_read(&mut self, offset: u64) -> Result<u32> {
-        self.call(Request::new(Op::CfgRead, 0, offset, 4, 0), &[]).map(|v| v as u32)
-    }
-
-    /// A BAR register's size mask (all ones written, read back, the original restored).
-    fn size(&mut self, reg: u64) -> Result<u32> {
-        let orig = self.cfg_read(reg)?;
-        self.call(Request::new(Op::CfgWrite, 0, reg, 4, 0xffff_ffff), &[])?;
-        let mask = self.cfg_read(reg)?;
-        self.call(Request::new(Op::CfgWrite, 0, reg, 4, orig.into()), &[])?;
-        Ok(mask)
     }
 }
 
