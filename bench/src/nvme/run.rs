@@ -678,6 +678,51 @@ mod tests {
         assert_eq!(v["marks"], serde_json::json!([]));
     }
 
+    /// A randrw run from fixed guest records: its JSON as the bench writes it
+    /// (through `serde_json::Value`, keys sorted), the text taken before the
+    /// direction's figures became one struct.
+    fn golden_run() -> NvmeRun {
+        let l = lines(&[
+            "@nvme rw=randrw ios=6 cycles=3000000 wait_cycles=600000 lat_sum=9000 lat_min=700 lat_max=2600 errors=0 io_doorbell_writes=9",
+            "@nvme-hist 105:4 120:2",
+            "@nvme-hist-end buckets=2 lines=1",
+            "@nvme-read ios=4 lat_sum=5000 lat_min=700 lat_max=1900",
+            "@nvme-read-hist 105:3 120:1",
+            "@nvme-read-hist-end buckets=2 lines=1",
+            "@nvme-write ios=2 lat_sum=4000 lat_min=1500 lat_max=2600",
+            "@nvme-write-hist 105:1 120:1",
+            "@nvme-write-hist-end buckets=2 lines=1",
+        ]);
+        let j = Job { rw: "randrw".into(), rwmixread: 70, ..Job::randread(4096, 2) };
+        to_run("iopath-shm", 1, 0, &j, &l, 1_500_000).unwrap()
+    }
+
+    #[test]
+    fn a_runs_json_is_the_text_it_always_was() {
+        let r = golden_run();
+        let text = serde_json::to_string(&serde_json::to_value(&r).unwrap()).unwrap();
+        assert_eq!(text, GOLDEN);
+    }
+
+    const GOLDEN: &str = concat!(
+        r#"{"attempt":0,"contend":0,"cpu_ns_per_io":null,"cycles":3000000,"device_threads":0,"errors":0,"#,
+        r#""exits_per_io":null,"fio_busy_ratio":null,"fio_ratio":null,"floor_ops_s":null,"floor_p50_ns":null,"#,
+        r#""floor_ratio":null,"guest_dbbuf":null,"guest_irqs":null,"guest_line_ns":null,"guest_line_ratio":null,"#,
+        r#""guest_sleeps":null,"guest_wait_pct":20.0,"hist":[[68.66666666666667,4],[132.66666666666666,"#,
+        r#"2]],"idle_cpu_pct":null,"io_doorbell_writes":9,"iops":3000.0,"ios":6,"job":1,"lat_avg_ns":1000.0,"#,
+        r#""lat_max_ns":1733.3333333333333,"lat_min_ns":466.6666666666667,"marks":[],"mb_s":12.288,"mismatches":null,"#,
+        r#""p50_ns":68.16666666666667,"p90_ns":131.26666666666668,"p999_ns":132.65266666666665,"p99_ns":132.52666666666667,"#,
+        r#""poller_ios":[],"pollers":1,"quiet_floor_ratio":null,"quiet_ratio":null,"read":{"hist":[[68.66666666666667,"#,
+        r#"3],[132.66666666666666,1]],"iops":2000.0,"ios":4,"lat_avg_ns":833.3333333333334,"lat_max_ns":1266.6666666666667,"#,
+        r#""lat_min_ns":466.6666666666667,"mb_s":8.192,"p50_ns":68.0,"p90_ns":130.8,"p999_ns":132.648,"#,
+        r#""p99_ns":132.48},"round":0,"routing":"","routing_ok":true,"setup":"","setup_exits":null,"target":"iopath-shm","#,
+        r#""vcpu_ns_per_io":null,"verified_blocks":null,"vm_exits":null,"vmm_floor_ratio":null,"vmm_ratio":null,"#,
+        r#""wake_p50_ns":null,"wake_ratio":null,"window_exits":null,"write":{"hist":[[68.66666666666667,"#,
+        r#"1],[132.66666666666666,1]],"iops":1000.0,"ios":2,"lat_avg_ns":1333.3333333333333,"lat_max_ns":1733.3333333333333,"#,
+        r#""lat_min_ns":1000.0,"mb_s":4.096,"p50_ns":68.66666666666667,"p90_ns":131.73333333333332,"p999_ns":132.65733333333333,"#,
+        r#""p99_ns":132.57333333333332}}"#,
+    );
+
     #[test]
     fn a_record_without_a_good_histogram_is_an_error() {
         let rec = "@nvme ios=4 cycles=2000 lat_sum=4000 errors=0";
