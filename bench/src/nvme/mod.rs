@@ -21,12 +21,14 @@ use iopath_protocols::FunctionTransport;
 use serde::Serialize;
 use std::time::Duration;
 
+mod args;
 mod guard;
 pub mod hist;
 mod run;
 pub mod split;
 mod table;
 
+pub use args::NvmeArgs;
 pub use hist::LatHist;
 pub use split::IoFigures;
 
