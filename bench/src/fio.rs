@@ -18,6 +18,7 @@
 //! 9-11 k IOPS against 15-18 k from huge pages), and the row would then
 //! measure fio's allocator, not the file.
 
+use crate::nvme::IoFigures;
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -64,19 +65,9 @@ pub struct FioJob {
 /// One fio run's figures (all jobs together).
 #[derive(Clone, Debug, PartialEq)]
 pub struct FioResult {
-    pub ios: u64,
-    pub iops: f64,
-    /// Decimal MB/s, as nvmeperf's rows.
-    pub mb_s: f64,
-    /// Total latency (submission to completion), as nvmeperf measures it.
-    pub lat_avg_ns: f64,
-    /// The shortest and longest total latency of any job and direction.
-    pub lat_min_ns: Option<f64>,
-    pub lat_max_ns: Option<f64>,
-    pub p50_ns: f64,
-    pub p90_ns: f64,
-    pub p99_ns: f64,
-    pub p999_ns: f64,
+    /// Both directions together: the mean latency over both, percentiles
+    /// from the direction with more I/Os (`hist` empty, `lat` None).
+    pub io: IoFigures,
     /// Jobs that ended with an error.
     pub errors: u64,
     /// fio's CPU time (user and system, its jobs' threads) per I/O, from
@@ -95,17 +86,8 @@ pub struct FioResult {
 /// added (latency mean and percentiles from the job with the most I/Os).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct FioDir {
-    pub ios: u64,
-    pub iops: f64,
-    /// Decimal MB/s.
-    pub mb_s: f64,
-    pub lat_avg_ns: f64,
-    pub lat_min_ns: Option<f64>,
-    pub lat_max_ns: Option<f64>,
-    pub p50_ns: f64,
-    pub p90_ns: f64,
-    pub p99_ns: f64,
-    pub p999_ns: f64,
+    /// `hist` empty, `lat` None: see `IoFigures::from_fio`.
+    pub io: IoFigures,
     /// json+ `lat_ns.bins` (ns, count); empty unless they add up to `ios`.
     pub lat_bins: Vec<(u64, u64)>,
 }
@@ -131,9 +113,9 @@ fn add_dir(
     if ios == 0 {
         return Ok(());
     }
-    acc.ios += ios;
-    acc.iops += num(&d["iops"])?;
-    acc.mb_s += num(&d["bw_bytes"])? / 1e6;
+    acc.io.ios += ios;
+    acc.io.iops += num(&d["iops"])?;
+    acc.io.mb_s += num(&d["bw_bytes"])? / 1e6;
     for (k, c) in d["lat_ns"]["bins"].as_object().into_iter().flatten() {
         let (Ok(v), Some(c)) = (k.parse::<u64>(), c.as_u64()) else {
             anyhow::bail!("fio's JSON: a latency bin {k:?}: {c}");
@@ -143,14 +125,14 @@ fn add_dir(
         *e = e.saturating_add(c);
     }
     if let (Some(lo), Some(hi)) = (d["lat_ns"]["min"].as_f64(), d["lat_ns"]["max"].as_f64()) {
-        acc.lat_min_ns = combine(acc.lat_min_ns, Some(lo), f64::min);
-        acc.lat_max_ns = combine(acc.lat_max_ns, Some(hi), f64::max);
+        acc.io.lat_min_ns = combine(acc.io.lat_min_ns, Some(lo), f64::min);
+        acc.io.lat_max_ns = combine(acc.io.lat_max_ns, Some(hi), f64::max);
     }
     if ios > *most {
         *most = ios;
         let lat = &d["lat_ns"];
         let p = |k: &str| num(&lat["percentile"][k]);
-        (acc.lat_avg_ns, acc.p50_ns, acc.p90_ns, acc.p99_ns, acc.p999_ns) =
+        (acc.io.lat_avg_ns, acc.io.p50_ns, acc.io.p90_ns, acc.io.p99_ns, acc.io.p999_ns) =
             (num(&lat["mean"])?, p("50.000000")?, p("90.000000")?, p("99.000000")?, p("99.900000")?);
     }
     Ok(())
@@ -278,7 +260,7 @@ pub fn parse(out: &str) -> anyhow::Result<FioResult> {
         }
     }
     let [mut read, mut write] = dirs;
-    let ios = read.ios + write.ios;
+    let ios = read.io.ios + write.io.ios;
     if ios == 0 {
         anyhow::bail!("fio did no I/O");
     }
@@ -290,22 +272,26 @@ pub fn parse(out: &str) -> anyhow::Result<FioResult> {
     }
     let holds = |b: &BTreeMap<u64, u64>, n: u64| b.values().fold(0u64, |a, &c| a.saturating_add(c)) == n;
     for (d, b) in [(&mut read, &bins[0]), (&mut write, &bins[1])] {
-        if holds(b, d.ios) {
+        if holds(b, d.io.ios) {
             d.lat_bins = b.iter().map(|(&v, &c)| (v, c)).collect();
         }
     }
-    let busier = if write.ios > read.ios { &write } else { &read };
+    let busier = if write.io.ios > read.io.ios { &write } else { &read };
     Ok(FioResult {
-        ios,
-        iops: read.iops + write.iops,
-        mb_s: read.mb_s + write.mb_s,
-        lat_avg_ns: (read.lat_avg_ns * read.ios as f64 + write.lat_avg_ns * write.ios as f64) / ios as f64,
-        lat_min_ns: combine(read.lat_min_ns, write.lat_min_ns, f64::min),
-        lat_max_ns: combine(read.lat_max_ns, write.lat_max_ns, f64::max),
-        p50_ns: busier.p50_ns,
-        p90_ns: busier.p90_ns,
-        p99_ns: busier.p99_ns,
-        p999_ns: busier.p999_ns,
+        io: IoFigures {
+            ios,
+            iops: read.io.iops + write.io.iops,
+            mb_s: read.io.mb_s + write.io.mb_s,
+            lat_avg_ns: (read.io.lat_avg_ns * read.io.ios as f64 + write.io.lat_avg_ns * write.io.ios as f64)
+                / ios as f64,
+            lat_min_ns: combine(read.io.lat_min_ns, write.io.lat_min_ns, f64::min),
+            lat_max_ns: combine(read.io.lat_max_ns, write.io.lat_max_ns, f64::max),
+            p50_ns: busier.io.p50_ns,
+            p90_ns: busier.io.p90_ns,
+            p99_ns: busier.io.p99_ns,
+            p999_ns: busier.io.p999_ns,
+            ..IoFigures::default()
+        },
         errors,
         cpu_ns_per_io: cpu_ns.map(|n| n / ios as f64),
         lat_bins: if holds(&all, ios) { all.into_iter().collect() } else { Vec::new() },
@@ -329,12 +315,12 @@ mod tests {
     #[test]
     fn fio_json_gives_the_groups_figures() {
         let r = parse(SAMPLE).unwrap();
-        assert_eq!(r.ios, 191129);
-        assert!((r.iops - 63688.437188).abs() < 1e-6, "{r:?}");
-        assert!((r.mb_s - 260.867838).abs() < 1e-6, "{r:?}");
-        assert_eq!((r.p50_ns, r.p99_ns, r.p999_ns), (432128.0, 3489792.0, 7307264.0));
+        assert_eq!(r.io.ios, 191129);
+        assert!((r.io.iops - 63688.437188).abs() < 1e-6, "{r:?}");
+        assert!((r.io.mb_s - 260.867838).abs() < 1e-6, "{r:?}");
+        assert_eq!((r.io.p50_ns, r.io.p99_ns, r.io.p999_ns), (432128.0, 3489792.0, 7307264.0));
         assert_eq!(r.errors, 0);
-        assert_eq!((r.lat_min_ns, r.lat_max_ns), (Some(64556.0), Some(8629109.0)));
+        assert_eq!((r.io.lat_min_ns, r.io.lat_max_ns), (Some(64556.0), Some(8629109.0)));
         // (3.266667 + 35.3) % of 3000 ms over the I/Os.
         let cpu = r.cpu_ns_per_io.unwrap();
         assert!((cpu - 0.38566667 * 3e9 / 191129.0).abs() < 1.0, "{cpu}");
@@ -346,10 +332,16 @@ mod tests {
               "lat_ns":{"mean":9.0,"percentile":{"50.000000":5,"90.000000":6,"99.000000":7,"99.900000":8}}}},
             {"error":5,"read":{"total_ios":0},"write":{"total_ios":0}}]}"#;
         let r = parse(two).unwrap();
-        assert_eq!((r.ios, r.iops, r.mb_s, r.p99_ns, r.lat_avg_ns, r.errors), (40, 20.0, 8.0, 7.0, 8.5, 1));
+        assert_eq!(
+            (r.io.ios, r.io.iops, r.io.mb_s, r.io.p99_ns, r.io.lat_avg_ns, r.errors),
+            (40, 20.0, 8.0, 7.0, 8.5, 1)
+        );
         // Each direction on its own: a randrw row's reads and writes.
-        assert_eq!((r.read.ios, r.read.iops, r.read.mb_s, r.read.p99_ns, r.read.lat_avg_ns), (10, 5.0, 2.0, 3.0, 7.0));
-        assert_eq!((r.write.ios, r.write.iops, r.write.mb_s, r.write.p50_ns), (30, 15.0, 6.0, 5.0));
+        assert_eq!(
+            (r.read.io.ios, r.read.io.iops, r.read.io.mb_s, r.read.io.p99_ns, r.read.io.lat_avg_ns),
+            (10, 5.0, 2.0, 3.0, 7.0)
+        );
+        assert_eq!((r.write.io.ios, r.write.io.iops, r.write.io.mb_s, r.write.io.p50_ns), (30, 15.0, 6.0, 5.0));
         assert_eq!(r.cpu_ns_per_io, None, "no CPU figures in that output");
         assert!(r.lat_bins.is_empty(), "no bins in that output");
     }

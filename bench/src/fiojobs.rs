@@ -3,7 +3,7 @@
 //! `bench spdk` one per perf run.
 
 use crate::fioout::{self, bs_text, Figures, LatFigures, Measured, Output};
-use crate::nvme::{DirRun, LatHist};
+use crate::nvme::{IoFigures, LatHist};
 use std::collections::BTreeMap;
 
 /// Runs grouped by (job index, target): jobs in index order, targets in
@@ -50,7 +50,7 @@ fn measured(parts: &[Part], bs: u64, tsc_khz: u64, is_clat: bool) -> Measured {
 }
 
 /// A direction's part of a run (its window is the run's: `secs`).
-fn dir_part(d: &DirRun, secs: f64) -> Part<'_> {
+fn dir_part(d: &IoFigures, secs: f64) -> Part<'_> {
     // A direction without I/O has no mean (NaN), and weighs nothing.
     let mean = if d.ios > 0 { d.lat_avg_ns } else { 0.0 };
     Part { ios: d.ios, secs, lat: d.lat.as_ref(), mean, min: d.lat_min_ns, max: d.lat_max_ns }
@@ -64,7 +64,8 @@ fn split_measured(
     tsc_khz: u64,
     is_clat: bool,
 ) -> Option<(Measured, Measured)> {
-    let dirs: Option<Vec<(&DirRun, &DirRun)>> = runs.iter().map(|r| r.read.as_ref().zip(r.write.as_ref())).collect();
+    let dirs: Option<Vec<(&IoFigures, &IoFigures)>> =
+        runs.iter().map(|r| r.read.as_ref().zip(r.write.as_ref())).collect();
     let dirs = dirs.filter(|d| !d.is_empty())?;
     let of = |read: bool| {
         let p: Vec<Part> =
@@ -91,21 +92,21 @@ impl crate::nvme::NvmeResult {
                 let parts: Vec<Part> = runs
                     .iter()
                     .map(|r| Part {
-                        ios: r.ios,
+                        ios: r.io.ios,
                         // fio's rows have no guest window: their time is fio's own.
                         secs: if fio {
-                            if r.iops > 0.0 {
-                                r.ios as f64 / r.iops
+                            if r.io.iops > 0.0 {
+                                r.io.ios as f64 / r.io.iops
                             } else {
                                 0.0
                             }
                         } else {
                             r.cycles as f64 / (self.tsc_khz.max(1) as f64 * 1000.0)
                         },
-                        lat: r.lat.as_ref(),
-                        mean: r.lat_avg_ns,
-                        min: r.lat_min_ns,
-                        max: r.lat_max_ns,
+                        lat: r.io.lat.as_ref(),
+                        mean: r.io.lat_avg_ns,
+                        min: r.io.lat_min_ns,
+                        max: r.io.lat_max_ns,
                     })
                     .collect();
                 let mut options = opts(&[
@@ -234,14 +235,14 @@ mod tests {
         let tsc = 1_000_000;
         let run = |reads: u64, writes: u64| {
             let mut r = crate::nvme::NvmeRun::new("iopath-shm", "", 0, 0, reads + writes, 1_000_000);
-            let d = |n, b| DirRun::new(n, 4096, 1.0, Some(LatHist { counts: [(b, n)].into() }), tsc);
+            let d = |n, b| IoFigures::new(n, 4096, 1.0, Some(LatHist { counts: [(b, n)].into() }), tsc);
             (r.read, r.write) = (Some(d(reads, 105)), Some(d(writes, 180)));
             r
         };
         let runs = [run(70, 30), run(68, 32)];
         let rs: Vec<&crate::nvme::NvmeRun> = runs.iter().collect();
         let part =
-            |r: &crate::nvme::NvmeRun| Part { ios: r.ios, secs: 1.0, lat: None, mean: 0.0, min: None, max: None };
+            |r: &crate::nvme::NvmeRun| Part { ios: r.io.ios, secs: 1.0, lat: None, mean: 0.0, min: None, max: None };
         let parts: Vec<Part> = runs.iter().map(part).collect();
         let (r, w) = split_measured(&rs, &parts, 4096, tsc, true).unwrap();
         assert_eq!((r.ios, r.secs, w.ios, w.bytes), (138, 2.0, 62, 62 * 4096));

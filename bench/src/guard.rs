@@ -16,17 +16,24 @@ use serde_json::{json, Value};
 /// 3: `bench nvme`'s `options.contend` is a list of levels.
 pub const JSON_SCHEMA_VERSION: u32 = 3;
 
-/// Thresholds and the re-run budget.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// Thresholds and the re-run budget; `bench exits` and `bench nvme` take
+/// `--reruns` and `--max-spread` (the field's doc is the option's help, its
+/// default the one of [`GuardConfig::default`]).
+#[derive(Clone, Copy, Debug, PartialEq, clap::Args)]
 pub struct GuardConfig {
-    /// A cost under this fraction of its floor is marked.
-    pub min_floor_ratio: f64,
-    /// Rounds whose max/min exceeds this are marked.
-    pub max_spread: f64,
-    /// How many times a marked row is run again before the mark stays.
+    /// A row marked by the guard (a figure below its floor, or rounds spread
+    /// over --max-spread) is run again up to this many times before the mark stays.
+    #[arg(long, default_value_t = GuardConfig::default().reruns, value_parser = clap::value_parser!(u32).range(0..=5))]
     pub reruns: u32,
+    /// The guard marks rows whose rounds' max/min is above this.
+    #[arg(long, default_value_t = GuardConfig::default().max_spread)]
+    pub max_spread: f64,
+    /// A cost under this fraction of its floor is marked.
+    #[arg(skip = GuardConfig::default().min_floor_ratio)]
+    pub min_floor_ratio: f64,
     /// A round this many times (or more) away from the median of its row's
     /// other rounds, either way, is marked as an outlier.
+    #[arg(skip = GuardConfig::default().max_outlier)]
     pub max_outlier: f64,
 }
 

@@ -55,6 +55,7 @@
 //! row's others, one round unguarded; `below_floor` against the run's shm round trip and ring floor)
 //! on top of the benches' own marks; each `Figure` carries them to the tables, the CSV and the plots.
 
+pub mod args;
 pub mod backing;
 pub mod blk;
 pub mod contend;

@@ -348,6 +348,19 @@ pub fn run_args(
     if let Some(fd) = &fd3 {
         iopath_protocols::process::inherit_as_fd3(&mut cmd, fd);
     }
+    // QEMU dies with this thread, which waits for it below: a bench that
+    // ends at once (a panic's `_exit`, SIGKILL) leaves no QEMU running.
+    // SAFETY: between fork and exec only async-signal-safe calls (prctl, getppid).
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        let parent = libc::getpid();
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 || libc::getppid() != parent {
+                return Err(std::io::Error::other("the bench is gone"));
+            }
+            Ok(())
+        });
+    }
     let mut child = cmd
         .args(args)
         .stdin(Stdio::null())

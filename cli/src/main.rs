@@ -61,13 +61,8 @@ enum Cmd {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// The device model and its options: pci-testdev, iopath-doorbell,
-    /// nvme[,doorbell=auto|adaptive|bar-adaptive|shm|bar|ioeventfd|mmio][,backend=null|ram|file:PATH][,create=on][,size_mb=N][,lba=512|4096][,pollers=N][,forecast=on|off][,in_place=auto|on|off][,submit_batch=N][,serial=S][,nqn=S][,cntlid=N],
-    /// virtio-blk[,backend=null|ram|file:PATH][,create=on][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N]
-    /// (queues: 1..=16, default 1; over vhost-user 16) (a `,` or `@` inside a value is written twice).
-    /// file:PATH: an existing file or block device that holds size_mb, used as it is (never
-    /// truncated or extended); a missing PATH is an error unless create=on, which makes it and
-    /// writes all its bytes (synced) before it is served.
+    // Every device and option, from the devices' tables.
+    #[arg(help = serve_device_help(), next_line_help = true)]
     device: iopath_devices::DeviceConfig,
     /// The transport (ioregionfd: vfio-user control and a region fd for each
     /// BAR; ioregionfd-posted: the same with writes posted; vhost-user:
@@ -129,23 +124,30 @@ struct RunArgs {
     ram: iopath_vmm::RamKind,
     #[arg(long, default_value_t = 300)]
     timeout: u64,
-    /// Devices (repeatable): NAME, NAME@TRANSPORT (a device process the VMM
-    /// starts), NAME@TRANSPORT:PATH (one serving on PATH),
-    /// pci-testdev@mpqemu:qemu (QEMU's own model in -machine x-remote), or
-    /// vfio-user:PATH: whatever device the vfio-user server on PATH serves,
-    /// iopath's or not (libvfio-user's samples, SPDK's NVMe target, QEMU's
-    /// x-vfio-user-server...); its identity, BARs and capabilities come from
-    /// the server. NAME: pci-testdev, iopath-doorbell,
-    /// nvme[,doorbell=..][,backend=..][,create=on][,size_mb=N][,lba=N],
-    /// virtio-blk[,backend=null|ram|file:PATH][,create=on][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N]
-    /// (file:PATH must exist and hold size_mb; create=on makes a missing one, every byte written).
-    /// Default: pci-testdev and iopath-doorbell in the VMM.
-    #[arg(long = "device", value_name = "SPEC")]
+    // Every device and option, from the devices' tables.
+    #[arg(long = "device", value_name = "SPEC", help = run_device_help())]
     devices: Vec<iopath_protocols::attach::DeviceSpec>,
     /// Poll a socket this long for a reply or request before sleeping
     /// (client and the device processes it starts); 0 sleeps at once, as QEMU.
     #[arg(long, default_value_t = 0, value_name = "US")]
     spin_us: u64,
+}
+
+/// `serve`'s DEVICE help: every device and option (`iopath_devices::spec::help`).
+fn serve_device_help() -> String {
+    format!("The device model and its options, NAME[,KEY=VALUE...]:\n{}", iopath_devices::spec::help())
+}
+
+/// `run --device`'s help: the forms of a spec, then every device and option.
+fn run_device_help() -> String {
+    format!(
+        "Devices (repeatable): NAME, NAME@TRANSPORT (a device process the VMM starts), NAME@TRANSPORT:PATH \
+         (one serving on PATH), pci-testdev@mpqemu:qemu (QEMU's own model in -machine x-remote), or \
+         vfio-user:PATH: whatever device the vfio-user server on PATH serves, iopath's or not (libvfio-user's \
+         samples, SPDK's NVMe target, QEMU's x-vfio-user-server...); its identity, BARs and capabilities come \
+         from the server. Default: pci-testdev and iopath-doorbell in the VMM. NAME[,KEY=VALUE...]:\n{}",
+        iopath_devices::spec::help()
+    )
 }
 
 fn serve(a: ServeArgs) -> anyhow::Result<i32> {
@@ -445,6 +447,30 @@ mod help_tests {
         for m in &modes {
             assert!(nvme.contains(m.as_str()), "bench nvme --help lacks {m}");
             assert!(m.parse::<iopath_devices::nvme::DoorbellMode>().is_ok());
+        }
+    }
+
+    #[test]
+    fn serve_and_run_list_every_device_and_option_of_the_tables() {
+        for path in [&["serve"][..], &["run"]] {
+            let h = help(path);
+            for d in iopath_devices::spec::DEVICES {
+                assert!(h.contains(d.name) && h.contains(d.summary), "{path:?} --help lacks {}", d.name);
+                for o in d.options.map(|o| o.docs()).unwrap_or_default() {
+                    assert!(
+                        h.contains(&format!("[,{}={}]", o.key, o.values)),
+                        "{path:?} --help: {}'s {}",
+                        d.name,
+                        o.key
+                    );
+                    assert!(
+                        h.contains(&format!("{}: {}", o.key, o.help)),
+                        "{path:?} --help: {}'s {} help",
+                        d.name,
+                        o.key
+                    );
+                }
+            }
         }
     }
 

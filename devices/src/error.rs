@@ -15,7 +15,7 @@ pub enum Error {
     #[error(transparent)]
     Backing(#[from] crate::backing::BackingError),
     /// A device name nobody implements.
-    #[error("unknown device {0:?} (one of pci-testdev, iopath-doorbell, nvme, virtio-blk)")]
+    #[error("unknown device {0:?} (one of {names})", names = crate::spec::DEVICE_NAMES.join(", "))]
     UnknownDevice(String),
     /// A host resource the device needs (memfd, eventfd, thread, file).
     #[error("{what}: {source}")]

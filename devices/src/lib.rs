@@ -15,6 +15,7 @@ pub mod hugepages;
 pub mod irq;
 pub mod mem;
 pub mod nvme;
+pub mod options;
 pub mod pci;
 pub mod sandbox;
 pub mod spec;

@@ -6,17 +6,81 @@
 //! value that holds `,` writes it `,,` (QEMU's option escaping), and `@`
 //! (which separates a device from its transport in a device spec) `@@`:
 //! `nvme,backend=file:/data/a,,b@@c.img` names the file `/data/a,b@c.img`.
+//!
+//! [`DEVICES`] is the table of devices: each name with its summary and its
+//! options table (`crate::options`); parsing, `Display`, [`DEVICE_NAMES`]
+//! and the CLI's [`help`] come from it.
 
-use crate::block::StorageKind;
-use crate::nvme::{DoorbellMode, NvmeConfig};
+use crate::nvme::{self, NvmeConfig};
+use crate::options::Docs;
+use crate::virtio::options::BLK_OPTIONS;
 use crate::virtio::pci::{VirtioBlk, VirtioBlkConfig};
-use crate::{doorbell, nvme, testdev, Error, Result, SharedDevice};
+use crate::{doorbell, testdev, Error, Result, SharedDevice};
 use std::fmt;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
+/// A device model as `iopath serve` and `--device` name it.
+pub struct Device {
+    pub name: &'static str,
+    /// What it is, for the help.
+    pub summary: &'static str,
+    /// Its options, or None: it takes none.
+    pub options: Option<&'static dyn Docs>,
+    /// The config from its `KEY=VALUE` pairs: its table's parse, then the
+    /// checks across options.
+    parse: fn(&[(String, String)]) -> Result<DeviceConfig>,
+}
+
+const PCI_TESTDEV: Device = Device {
+    name: "pci-testdev",
+    summary: "QEMU's pci-testdev (1b36:0005)",
+    options: None,
+    parse: |_| Ok(DeviceConfig::PciTestDev),
+};
+
+const DOORBELL: Device = Device {
+    name: "iopath-doorbell",
+    summary: "iopath's doorbell round-trip device",
+    options: None,
+    parse: |_| Ok(DeviceConfig::Doorbell),
+};
+
+const NVME: Device = Device {
+    name: "nvme",
+    summary: "the NVMe controller",
+    options: Some(&nvme::options::OPTIONS),
+    parse: |kvs| {
+        let c = nvme::options::OPTIONS.parse(kvs)?;
+        c.validate()?;
+        Ok(DeviceConfig::Nvme(c))
+    },
+};
+
+const VIRTIO_BLK: Device = Device {
+    name: "virtio-blk",
+    summary: "virtio-blk on the modern PCI transport",
+    options: Some(&BLK_OPTIONS),
+    parse: |kvs| {
+        let c = BLK_OPTIONS.parse(kvs)?;
+        c.validate()?;
+        Ok(DeviceConfig::VirtioBlk(c))
+    },
+};
+
+/// Device models, in the order the help lists them.
+pub const DEVICES: &[Device] = &[PCI_TESTDEV, DOORBELL, NVME, VIRTIO_BLK];
+
 /// Device models by name, as `iopath serve` and `--device` name them.
-pub const DEVICE_NAMES: &[&str] = &["pci-testdev", "iopath-doorbell", "nvme", "virtio-blk"];
+pub const DEVICE_NAMES: &[&str] = &{
+    let mut names = [""; DEVICES.len()];
+    let mut i = 0;
+    while i < DEVICES.len() {
+        names[i] = DEVICES[i].name;
+        i += 1;
+    }
+    names
+};
 
 /// One device model with its options.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,13 +96,18 @@ pub enum DeviceConfig {
 }
 
 impl DeviceConfig {
-    pub fn name(&self) -> &'static str {
+    /// Its entry in [`DEVICES`].
+    pub fn device(&self) -> &'static Device {
         match self {
-            DeviceConfig::PciTestDev => "pci-testdev",
-            DeviceConfig::Doorbell => "iopath-doorbell",
-            DeviceConfig::Nvme(_) => "nvme",
-            DeviceConfig::VirtioBlk(_) => "virtio-blk",
+            DeviceConfig::PciTestDev => &PCI_TESTDEV,
+            DeviceConfig::Doorbell => &DOORBELL,
+            DeviceConfig::Nvme(_) => &NVME,
+            DeviceConfig::VirtioBlk(_) => &VIRTIO_BLK,
         }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.device().name
     }
 
     /// Checks the `file:PATH` backend this device stands on, and with
@@ -106,19 +175,6 @@ pub fn escape(v: &str) -> String {
     v.replace(',', ",,").replace('@', "@@")
 }
 
-fn option(device: &'static str, key: &str, reason: impl Into<String>) -> Error {
-    Error::Option { device, option: key.to_string(), reason: reason.into() }
-}
-
-/// A switch's value: `on` or `off`.
-pub fn on_off(device: &'static str, key: &str, v: &str) -> Result<bool> {
-    match v {
-        "on" => Ok(true),
-        "off" => Ok(false),
-        _ => Err(option(device, key, format!("{v:?} (on or off)"))),
-    }
-}
-
 impl FromStr for DeviceConfig {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -131,119 +187,54 @@ impl FromStr for DeviceConfig {
                 None => Err(Error::Option { device: "device", option: kv.clone(), reason: "is not KEY=VALUE".into() }),
             })
             .collect::<Result<_>>()?;
-        let no_opts = |c: DeviceConfig| match opts.first() {
-            None => Ok(c),
-            Some((k, _)) => Err(option(c.name(), k, "this device takes no options")),
-        };
-        match name {
-            "pci-testdev" => no_opts(DeviceConfig::PciTestDev),
-            "iopath-doorbell" => no_opts(DeviceConfig::Doorbell),
-            "nvme" => {
-                let mut c = NvmeConfig::default();
-                for (k, v) in &opts {
-                    let num = || v.parse::<u64>().map_err(|_| option("nvme", k, format!("{v:?} is not a number")));
-                    match k.as_str() {
-                        "doorbell" => c.doorbell = v.parse::<DoorbellMode>()?,
-                        "backend" => c.backend = v.parse::<StorageKind>()?,
-                        "size_mb" => {
-                            let mb = num()?;
-                            if mb == 0 || mb > 1 << 20 {
-                                return Err(option("nvme", k, format!("{mb} MiB (1 .. 1048576)")));
-                            }
-                            c.size = mb << 20;
-                        }
-                        "lba" => {
-                            c.lba_size = match num()? {
-                                512 => 512,
-                                4096 => 4096,
-                                n => return Err(option("nvme", k, format!("{n} (512 or 4096)"))),
-                            }
-                        }
-                        "pollers" => {
-                            c.pollers = match num()? {
-                                n if (1..=nvme::MAX_POLLERS as u64).contains(&n) => n as u8,
-                                n => return Err(option("nvme", k, format!("{n} (1 ..= {})", nvme::MAX_POLLERS))),
-                            }
-                        }
-                        "forecast" => c.forecast = on_off("nvme", k, v)?,
-                        "in_place" => c.in_place = v.parse().map_err(|e| option("nvme", k, e))?,
-                        "create" => c.create = on_off("nvme", k, v)?,
-                        "submit_batch" => {
-                            c.submit_batch = match num()? {
-                                n if n <= nvme::MAX_SUBMIT_BATCH as u64 => n as u16,
-                                n => return Err(option("nvme", k, format!("{n} (0 ..= {})", nvme::MAX_SUBMIT_BATCH))),
-                            }
-                        }
-                        "serial" => c.id.serial = Some(v.clone()),
-                        "nqn" => c.id.nqn = Some(v.clone()),
-                        "cntlid" => c.id.cntlid = Some(num()?.try_into().unwrap_or(0)),
-                        _ => {
-                            return Err(option(
-                                "nvme",
-                                k,
-                                "unknown option (doorbell, backend, create, size_mb, lba, pollers, forecast, \
-                                 in_place, submit_batch, serial, nqn, cntlid)",
-                            ))
-                        }
-                    }
-                }
-                c.validate()?;
-                Ok(DeviceConfig::Nvme(c))
-            }
-            "virtio-blk" => crate::virtio::parse_blk(&opts).map(DeviceConfig::VirtioBlk),
-            _ => Err(Error::UnknownDevice(name.to_string())),
+        let device = DEVICES.iter().find(|d| d.name == name).ok_or_else(|| Error::UnknownDevice(name.to_string()))?;
+        if let (None, Some((k, _))) = (device.options, opts.first()) {
+            let reason = "this device takes no options".into();
+            return Err(Error::Option { device: device.name, option: k.clone(), reason });
         }
+        (device.parse)(&opts)
     }
 }
 
 impl fmt::Display for DeviceConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.name())?;
-        if let DeviceConfig::Nvme(c) = self {
-            // Paths may hold the separators: escaped, unlike StorageKind's own Display.
-            let backend = escape(&c.backend.to_string());
-            write!(f, ",doorbell={},backend={backend},size_mb={},lba={}", c.doorbell, c.size >> 20, c.lba_size)?;
-            if c.create {
-                write!(f, ",create=on")?;
-            }
-            if c.pollers != 1 {
-                write!(f, ",pollers={}", c.pollers)?;
-            }
-            if !c.forecast {
-                write!(f, ",forecast=off")?;
-            }
-            if c.in_place != nvme::InPlace::Auto {
-                write!(f, ",in_place={}", c.in_place)?;
-            }
-            if c.submit_batch != 0 {
-                write!(f, ",submit_batch={}", c.submit_batch)?;
-            }
-            if let Some(s) = &c.id.serial {
-                write!(f, ",serial={}", escape(s))?;
-            }
-            if let Some(n) = &c.id.nqn {
-                write!(f, ",nqn={}", escape(n))?;
-            }
-            if let Some(id) = c.id.cntlid {
-                write!(f, ",cntlid={id}")?;
-            }
+        f.write_str(self.name())?;
+        match self {
+            DeviceConfig::PciTestDev | DeviceConfig::Doorbell => Ok(()),
+            DeviceConfig::Nvme(c) => nvme::options::OPTIONS.write(c, f),
+            DeviceConfig::VirtioBlk(c) => BLK_OPTIONS.write(c, f),
         }
-        if let DeviceConfig::VirtioBlk(c) = self {
-            write!(f, ",backend={},size_mb={},notify={}", escape(&c.backend.to_string()), c.size >> 20, c.notify)?;
-            if let Some(n) = c.queues {
-                write!(f, ",queues={n}")?;
-            }
-            if c.create {
-                write!(f, ",create=on")?;
-            }
-        }
-        Ok(())
     }
+}
+
+/// Every device with its options, for the CLI's help: a line for each
+/// device (`NAME[,KEY=VALUES]...: summary`), one for each of its options
+/// (`  KEY: help`).
+pub fn help() -> String {
+    let mut out = String::new();
+    for d in DEVICES {
+        let docs = d.options.map(|o| o.docs()).unwrap_or_default();
+        out.push_str(d.name);
+        for o in &docs {
+            out.push_str(&format!("[,{}={}]", o.key, o.values));
+        }
+        out.push_str(&format!(": {}", d.summary));
+        if docs.is_empty() {
+            out.push_str(", no options");
+        }
+        out.push('\n');
+        for o in &docs {
+            out.push_str(&format!("  {}: {}\n", o.key, o.help));
+        }
+    }
+    out.push_str("A `,` or `@` inside a value is written twice.");
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::block::StorageKind;
 
     #[test]
     fn configs_round_trip_through_their_text() {
@@ -338,6 +329,36 @@ mod tests {
         ] {
             assert!(e(&format!("virtio-blk,{bad}")).contains(bad.split('=').next().unwrap()), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_tables_name_every_device_and_key() {
+        assert_eq!(DEVICE_NAMES, ["pci-testdev", "iopath-doorbell", "nvme", "virtio-blk"]);
+        let h = help();
+        for d in DEVICES {
+            // Each device parses by its name alone, to a config of that name...
+            let c: DeviceConfig = d.name.parse().unwrap();
+            assert_eq!(c.name(), d.name);
+            assert!(h.contains(&format!("{}: {}", d.name, d.summary)) || h.contains(&format!("]: {}", d.summary)));
+            // ...the help lists each of its keys with its values and its help line,
+            // and the parser names them all when it meets one it does not know.
+            let unknown = format!("{},zz=1", d.name).parse::<DeviceConfig>().unwrap_err().to_string();
+            let docs = d.options.map(|o| o.docs()).unwrap_or_default();
+            for o in &docs {
+                assert!(h.contains(&format!("[,{}={}]", o.key, o.values)), "{}: {}", d.name, o.key);
+                assert!(h.contains(&format!("\n  {}: {}\n", o.key, o.help)), "{}: {}", d.name, o.key);
+            }
+            let keys: Vec<&str> = docs.iter().map(|o| o.key).collect();
+            match keys.is_empty() {
+                true => assert!(unknown.ends_with("zz: this device takes no options"), "{unknown}"),
+                false => assert!(unknown.ends_with(&format!("zz: unknown option ({})", keys.join(", "))), "{unknown}"),
+            }
+        }
+        assert!(e_unknown().ends_with("(one of pci-testdev, iopath-doorbell, nvme, virtio-blk)"), "{}", e_unknown());
+    }
+
+    fn e_unknown() -> String {
+        "nvme9".parse::<DeviceConfig>().unwrap_err().to_string()
     }
 
     #[test]

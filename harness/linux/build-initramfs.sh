@@ -2,7 +2,7 @@
 # Build (or reuse) the guest kernel + initramfs from the cached trixie root (build-root.sh runs
 # first if needed). Prints the output directory on stdout; it holds:
 #   vmlinuz             the trixie kernel
-#   initramfs.cpio.gz   busybox-static, fio, nvme-cli, e2fsprogs, NVMe + virtio-blk + ext4 modules,
+#   initramfs.cpio.gz   busybox-static, fio, nvme-cli, e2fsprogs, NVMe + virtio-blk + virtio-rng + ext4 modules,
 #                       /init, /lib.sh (= guest-lib.sh), /check.sh (= guest-check.sh),
 #                       /check-vblk.sh (= guest-vblk.sh)
 #   kver                the kernel version
@@ -70,8 +70,8 @@ log "copied ${#BINS[@]} binaries and $n libraries"
     [[ -e "$S/$a" || -L "$S/$a" ]] || ln -s /usr/bin/busybox "$S/$a"
 done
 
-# --- kernel modules: NVMe and virtio-blk over PCI (MSI-X is built in) and ext4, with their dependencies ---
-MODS=(nvme virtio_pci virtio_blk ext4 crc32c-intel crc32c_generic libcrc32c crc16 jbd2 mbcache)
+# --- kernel modules: NVMe, virtio-blk and virtio-rng over PCI (MSI-X is built in) and ext4, with their dependencies ---
+MODS=(nvme virtio_pci virtio_blk virtio_rng ext4 crc32c-intel crc32c_generic libcrc32c crc16 jbd2 mbcache)
 : >"$TMP/modlist"
 for m in "${MODS[@]}"; do
     in_root "$ROOT" modprobe -S "$KVER" --show-depends "$m" >"$TMP/dep.$m" 2>&1 \

@@ -37,7 +37,9 @@
 use crate::sigbus::{Guarded, Owner};
 use crate::{Error, Result};
 use iopath_devices::pci::ConfigSpace;
-use iopath_devices::{BarKind, Counter, DeviceContext, GuestMem, GuestMemoryMmap, Keeper, SharedDevice};
+use iopath_devices::{
+    BarKind, BarSpec, Counter, DeviceContext, GuestMem, GuestMemoryMmap, Keeper, PciIds, SharedDevice,
+};
 use std::fs::File;
 use std::sync::Arc;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryRegion, GuestRegionMmap};
@@ -289,6 +291,53 @@ pub fn guest_memory(mut regions: Vec<MappedRegion>) -> Result<(GuestMemoryMmap, 
     Ok((mem, keep))
 }
 
+/// What a proxy tells its VMM of a remote function, learnt with configuration accesses only,
+/// as firmware does: the IDs of its header, and each BAR sized (all ones written, read back,
+/// the original written back). `cfg(offset, None)` reads the 4 bytes at `offset`,
+/// `cfg(offset, Some(v))` writes them. A vendor id of 0xffff is no device. The interrupt pin
+/// is left 0: the VMM routes INTx of every slot (`vmm::pci`).
+pub fn probe(mut cfg: impl FnMut(u32, Option<u32>) -> Result<u32>) -> Result<(PciIds, Vec<BarSpec>)> {
+    let id = cfg(0, None)?;
+    if id as u16 == 0xffff {
+        return Err(Error::protocol(format!("the remote device answers vendor id {:#x}: no device", id as u16)));
+    }
+    let (class, sub) = (cfg(8, None)?, cfg(0x2c, None)?);
+    let ids = PciIds {
+        vendor: id as u16,
+        device: (id >> 16) as u16,
+        class: class >> 8,
+        revision: class as u8,
+        subsystem_vendor: sub as u16,
+        subsystem: (sub >> 16) as u16,
+        interrupt_pin: 0,
+    };
+    let mut size = |reg: u32| -> Result<u32> {
+        let orig = cfg(reg, None)?;
+        cfg(reg, Some(0xffff_ffff))?;
+        let mask = cfg(reg, None)?;
+        cfg(reg, Some(orig))?;
+        Ok(mask)
+    };
+    let (mut bars, mut i) = (Vec::new(), 0u8);
+    while i < 6 {
+        let reg = 0x10 + 4 * u32::from(i);
+        let mask = size(reg)?;
+        let spec = if mask == 0 {
+            None
+        } else if mask & 1 == 1 {
+            Some(BarSpec { index: i, kind: BarKind::Io, size: u64::from((!(mask & !3)).wrapping_add(1) & 0xffff) })
+        } else if (mask >> 1) & 3 == 2 && i < 5 {
+            let m = u64::from(size(reg + 4)?) << 32 | u64::from(mask & !0xf);
+            Some(BarSpec { index: i, kind: BarKind::Mem64, size: (!m).wrapping_add(1) })
+        } else {
+            Some(BarSpec { index: i, kind: BarKind::Mem32, size: u64::from((!(mask & !0xf)).wrapping_add(1)) })
+        };
+        i += if spec.is_some_and(|b| b.kind == BarKind::Mem64) { 2 } else { 1 };
+        bars.extend(spec);
+    }
+    Ok((ids, bars))
+}
+
 /// An empty guest memory (before a client shared any).
 pub fn no_memory() -> GuestMemoryMmap {
     GuestMemoryMmap::from_regions(Vec::new()).unwrap_or_default()
@@ -298,6 +347,7 @@ pub fn no_memory() -> GuestMemoryMmap {
 mod tests {
     use super::*;
     use iopath_devices::testdev::PciTestDev;
+    use iopath_devices::DeviceModelMut;
     use std::io::Write;
     use vm_memory::{Bytes, GuestMemoryBackend};
 
@@ -325,6 +375,74 @@ mod tests {
         assert_eq!(u32::from_le_bytes(id), 0x0005_1b36);
         f.config_read(usize::MAX - 1, &mut id);
         assert_eq!(id, [0xff; 4]);
+    }
+
+    /// BARs of every kind, with gaps: 64-bit at 0, I/O at 3, 32-bit at 4.
+    struct Bars;
+
+    impl DeviceModelMut for Bars {
+        fn name(&self) -> String {
+            "bars".into()
+        }
+        fn ids(&self) -> PciIds {
+            PciIds {
+                vendor: 0x1234,
+                device: 0xbeef,
+                class: 0x01_08_02,
+                revision: 7,
+                subsystem_vendor: 0x5678,
+                subsystem: 0x9abc,
+                interrupt_pin: 1,
+            }
+        }
+        fn bars(&self) -> Vec<BarSpec> {
+            vec![
+                BarSpec { index: 0, kind: BarKind::Mem64, size: 1 << 33 },
+                BarSpec { index: 3, kind: BarKind::Io, size: 0x40 },
+                BarSpec { index: 4, kind: BarKind::Mem32, size: 0x2000 },
+            ]
+        }
+        fn attach(&mut self, _: DeviceContext) {}
+        fn bar_read(&mut self, _: u8, _: u64, data: &mut [u8]) {
+            data.fill(0xff)
+        }
+        fn bar_write(&mut self, _: u8, _: u64, _: &[u8]) {}
+        fn counters(&self) -> Vec<Counter> {
+            Vec::new()
+        }
+    }
+
+    #[test]
+    fn probe_learns_the_ids_and_bars_of_a_function_and_leaves_its_bars_as_they_were() {
+        let mut f = PciFunction::new(std::sync::Arc::new(std::sync::Mutex::new(Bars))).unwrap();
+        f.config_write(0x10, &0xe000_000cu32.to_le_bytes());
+        f.config_write(0x1c, &0xc001u32.to_le_bytes());
+        let header = |f: &mut PciFunction| {
+            let mut b = [0u8; 64];
+            f.config_read(0, &mut b[..4]);
+            (0x10..0x28).for_each(|o| f.config_read(o, &mut b[o..o + 1]));
+            b
+        };
+        let before = header(&mut f);
+        let mut accesses = 0;
+        let (ids, bars) = probe(|off, w| {
+            accesses += 1;
+            let mut b = [0u8; 4];
+            match w {
+                Some(v) => f.config_write(off as usize, &v.to_le_bytes()),
+                None => f.config_read(off as usize, &mut b),
+            }
+            Ok(u32::from_le_bytes(b))
+        })
+        .unwrap();
+        assert_eq!(ids, PciIds { interrupt_pin: 0, ..Bars.ids() });
+        assert_eq!(bars, Bars.bars());
+        assert_eq!(header(&mut f), before, "a BAR was left sized");
+        assert_eq!(accesses, 3 + 4 * 6, "ids, then 4 accesses per BAR register");
+        let absent = probe(|_, _| Ok(u32::MAX)).unwrap_err();
+        assert!(absent.to_string().contains("no device"), "{absent}");
+        let broken = probe(|off, _| if off < 0x10 { Ok(0x1234) } else { Err(Error::protocol("gone")) });
+        assert_eq!(broken.unwrap_err().to_string(), "gone");
     }
 
     #[test]

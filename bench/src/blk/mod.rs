@@ -22,12 +22,14 @@ use iopath_devices::virtio::pci::NotifyMode;
 use serde::Serialize;
 use std::time::Duration;
 
+mod args;
 pub mod check;
 mod qemu;
 mod run;
 mod table;
 pub mod target;
 
+pub use args::BlkArgs;
 pub use run::DEVICE_THREADS;
 pub use table::Record;
 pub use target::{QemuBlk, Target, UnknownTarget};

@@ -9,10 +9,12 @@
 //! QEMU. Figures below their floor or rounds that disagree are marked and
 //! their rows run again (`rerun.rs`); `report.rs` makes the table and JSON.
 
+mod args;
 mod report;
 mod rerun;
 mod verify;
 
+pub use args::ExitsArgs;
 pub(crate) use report::fmt_ns;
 pub use report::{RowStats, TargetStats};
 pub use rerun::{guard_rows, marks};

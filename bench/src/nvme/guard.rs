@@ -21,17 +21,17 @@ pub fn run_marks(g: &GuardConfig, r: &NvmeRun, j: &Job) -> Vec<Mark> {
     let qd = floor_qd(j);
     let mut m = Vec::new();
     if let (Some(f), 1) = (r.floor_ops_s, r.pollers) {
-        m.extend(g.above_floor_rate(r.iops, f, &format!("ring floor qd{qd} ops/s")));
+        m.extend(g.above_floor_rate(r.io.iops, f, &format!("ring floor qd{qd} ops/s")));
     }
     if let (Some(p), 1) = (r.floor_p50_ns, qd) {
-        m.extend(g.below_floor(r.p50_ns, p, "ring floor qd1 p50"));
+        m.extend(g.below_floor(r.io.p50_ns, p, "ring floor qd1 p50"));
     }
     m
 }
 
 /// The spread mark of a target's rounds (IOPS max/min), if any.
 fn spread(g: &GuardConfig, runs: &[NvmeRun]) -> Option<Mark> {
-    summarize(&runs.iter().map(|r| r.iops).collect::<Vec<_>>()).and_then(|s| g.spread(&s))
+    summarize(&runs.iter().map(|r| r.io.iops).collect::<Vec<_>>()).and_then(|s| g.spread(&s))
 }
 
 /// A target's marks: the worst of its runs' for each floor, and its spread.
@@ -244,7 +244,7 @@ mod tests {
 
     fn run(round: u32, iops: f64, p50_ns: f64, floor_ops_s: f64, floor_p50_ns: f64) -> NvmeRun {
         let mut r = NvmeRun::new("iopath-shm", "iopath ram", 0, round, 1000, 1000);
-        (r.iops, r.p50_ns, r.floor_ops_s, r.floor_p50_ns) = (iops, p50_ns, Some(floor_ops_s), Some(floor_p50_ns));
+        (r.io.iops, r.io.p50_ns, r.floor_ops_s, r.floor_p50_ns) = (iops, p50_ns, Some(floor_ops_s), Some(floor_p50_ns));
         r
     }
 

@@ -11,7 +11,7 @@
 //! guest's own (I/Os done, no I/O error, verify clean). Exits per I/O count
 //! the guest's timed window only (`@nvme-window` marks; setup apart).
 //! Latency percentiles over rounds come from the rounds' merged histograms
-//! (`hist`). Figures the ring floor says cannot be true, or rounds that
+//! (`hist`). IoFigures the ring floor says cannot be true, or rounds that
 //! disagree, are marked and their target run again (`guard`).
 
 use crate::host::HostInfo;
@@ -21,14 +21,16 @@ use iopath_protocols::FunctionTransport;
 use serde::Serialize;
 use std::time::Duration;
 
+mod args;
 mod guard;
 pub mod hist;
 mod run;
 pub mod split;
 mod table;
 
+pub use args::NvmeArgs;
 pub use hist::LatHist;
-pub use split::DirRun;
+pub use split::IoFigures;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Job {
@@ -233,34 +235,17 @@ pub struct NvmeRun {
     /// one per re-run in the bench, whatever its target, so that runs of the
     /// same number ran together: a target, its twins and fio).
     pub attempt: u32,
-    /// I/Os the guest completed in its timed window.
-    pub ios: u64,
     /// The window's length in guest TSC cycles (nvmeperf's `cycles`).
     pub cycles: u64,
-    pub iops: f64,
-    pub mb_s: f64,
-    pub lat_avg_ns: f64,
-    /// The shortest and longest latency of the run (the guest's `lat_min`,
-    /// `lat_max`; fio's `lat_ns` min and max for fio), where known.
-    pub lat_min_ns: Option<f64>,
-    pub lat_max_ns: Option<f64>,
-    /// This run's percentiles: from its histogram, interpolated within the
-    /// bucket (`LatHist::quantile_cycles`); fio's own for fio.
-    pub p50_ns: f64,
-    pub p90_ns: f64,
-    pub p99_ns: f64,
-    pub p999_ns: f64,
-    /// The guest's latency histogram: `[upper_edge_ns, count]` pairs,
-    /// non-empty buckets only; for fio, its json+ bins in the same buckets
-    /// (empty if fio gave none).
-    pub hist: Vec<(f64, u64)>,
-    #[serde(skip)]
-    pub lat: Option<LatHist>,
+    /// The run's figures, both directions together (its JSON has them at
+    /// its top level).
+    #[serde(flatten)]
+    pub io: IoFigures,
     /// A randrw run's reads and writes apart (`split`); None for other jobs.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub read: Option<DirRun>,
+    pub read: Option<IoFigures>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub write: Option<DirRun>,
+    pub write: Option<IoFigures>,
     pub errors: u64,
     pub mismatches: Option<u64>,
     pub verified_blocks: Option<u64>,
@@ -356,19 +341,21 @@ impl NvmeRun {
             job,
             round,
             attempt: 0,
-            ios,
             cycles,
-            iops: f64::NAN,
-            mb_s: f64::NAN,
-            lat_avg_ns: f64::NAN,
-            lat_min_ns: None,
-            lat_max_ns: None,
-            p50_ns: f64::NAN,
-            p90_ns: f64::NAN,
-            p99_ns: f64::NAN,
-            p999_ns: f64::NAN,
-            hist: Vec::new(),
-            lat: None,
+            io: IoFigures {
+                ios,
+                iops: f64::NAN,
+                mb_s: f64::NAN,
+                lat_avg_ns: f64::NAN,
+                lat_min_ns: None,
+                lat_max_ns: None,
+                p50_ns: f64::NAN,
+                p90_ns: f64::NAN,
+                p99_ns: f64::NAN,
+                p999_ns: f64::NAN,
+                hist: Vec::new(),
+                lat: None,
+            },
             read: None,
             write: None,
             errors: 0,
@@ -409,9 +396,9 @@ impl NvmeRun {
 
     /// floor_ratio and wake_ratio from the floors this run is judged against.
     fn fill_floor_ratios(&mut self, j: &Job) {
-        self.floor_ratio = self.floor_ops_s.filter(|&f| f > 0.0).map(|f| self.iops / f);
+        self.floor_ratio = self.floor_ops_s.filter(|&f| f > 0.0).map(|f| self.io.iops / f);
         self.wake_ratio =
-            if j.thinktime_us > 0 { self.wake_p50_ns.filter(|&w| w > 0.0).map(|w| self.p50_ns / w) } else { None };
+            if j.thinktime_us > 0 { self.wake_p50_ns.filter(|&w| w > 0.0).map(|w| self.io.p50_ns / w) } else { None };
     }
 }
 
@@ -673,7 +660,7 @@ pub fn run_nvme(o: &NvmeOptions) -> anyhow::Result<NvmeResult> {
     errors.extend(g.errors);
     for r in runs.iter_mut().filter(|r| !is_fio_target(&r.target) && guest_line_job(&o.jobs[r.job])) {
         r.guest_line_ns = crate::guestline::of_run(&guest_line, r.round, &r.target);
-        r.guest_line_ratio = r.guest_line_ns.map(|g| r.p50_ns / g);
+        r.guest_line_ratio = r.guest_line_ns.map(|g| r.io.p50_ns / g);
     }
     relate(&mut runs);
     for r in &runs {
@@ -715,7 +702,7 @@ fn over_twin(pool: &[Twin], base: &str, r: &NvmeRun) -> (Option<f64>, Option<f64
         pool.iter()
             .find(|t| t.1 == base && (t.0 .0, t.0 .1) == (r.job, r.round) && (!same_attempt || t.0 .2 == r.attempt))
     };
-    let iops = twin(true).map(|t| t.2).filter(|&v| v > 0.0).map(|v| r.iops / v);
+    let iops = twin(true).map(|t| t.2).filter(|&v| v > 0.0).map(|v| r.io.iops / v);
     let own = twin(false).and_then(|t| t.3).filter(|&f| f > 0.0);
     (iops, own.zip(r.floor_ratio).map(|(t, f)| f / t))
 }
@@ -730,17 +717,17 @@ fn over_twin(pool: &[Twin], base: &str, r: &NvmeRun) -> (Option<f64>, Option<f64
 /// several run, so an in-VMM twin is always at the run's own level.)
 fn relate(runs: &mut [NvmeRun]) {
     let key = |r: &NvmeRun| -> RunKey { (r.job, r.round, r.attempt, r.contend) };
-    let of = |t: &str| runs.iter().filter(|r| base_target(r) == t).map(|r| (key(r), r.iops)).collect::<Vec<_>>();
+    let of = |t: &str| runs.iter().filter(|r| base_target(r) == t).map(|r| (key(r), r.io.iops)).collect::<Vec<_>>();
     let (fio, fio_busy) = (of(FIO_TARGET), of(FIO_BUSY_TARGET));
     let twins = |keep: &dyn Fn(&NvmeRun) -> bool| -> Vec<Twin> {
-        runs.iter().filter(|r| keep(r)).map(|r| (key(r), r.target.clone(), r.iops, r.floor_ratio)).collect()
+        runs.iter().filter(|r| keep(r)).map(|r| (key(r), r.target.clone(), r.io.iops, r.floor_ratio)).collect()
     };
     let in_vmm = twins(&|r| r.target.starts_with("iopath-") && !r.target.contains('@'));
     let quiet = twins(&|r| r.contend == 0);
     for r in runs.iter_mut() {
         if !is_fio_target(&r.target) {
             let over = |f: &[(RunKey, f64)]| {
-                f.iter().find(|f| f.0 == key(r)).map(|f| f.1).filter(|&f| f > 0.0).map(|f| r.iops / f)
+                f.iter().find(|f| f.0 == key(r)).map(|f| f.1).filter(|&f| f > 0.0).map(|f| r.io.iops / f)
             };
             (r.fio_ratio, r.fio_busy_ratio) = (over(&fio), over(&fio_busy));
         }
@@ -759,7 +746,7 @@ mod relate_tests {
 
     fn run(target: &str, round: u32, iops: f64, floor_ratio: Option<f64>) -> NvmeRun {
         let mut r = NvmeRun::new(target, "", 0, round, 1000, 1000);
-        (r.iops, r.floor_ratio) = (iops, floor_ratio);
+        (r.io.iops, r.floor_ratio) = (iops, floor_ratio);
         r
     }
 

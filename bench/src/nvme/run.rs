@@ -2,8 +2,8 @@
 //! host's fio) for one job and round, and what the guest's output says.
 
 use super::{
-    busy_threads, cmdline, contenders, pinner, Job, LatHist, NvmeOptions, NvmeRun, FIO_BUSY_TARGET, FIO_TARGET,
-    IDLE_WINDOW,
+    busy_threads, cmdline, contenders, pinner, IoFigures, Job, LatHist, NvmeOptions, NvmeRun, FIO_BUSY_TARGET,
+    FIO_TARGET, IDLE_WINDOW,
 };
 use crate::cpu::{Window, WindowCpu, NVME_DEVICE_THREADS};
 use crate::host::{host_info, HostInfo};
@@ -316,12 +316,12 @@ impl<'a> Ctx<'a> {
         let rep = run(cfg)?;
         let mut r = to_run(target, ji, round, j, &rep.lines, self.tsc_khz)?;
         r.pollers = pollers;
-        if let Some((w, ns)) = per_io(&window, r.ios) {
+        if let Some((w, ns)) = per_io(&window, r.io.ios) {
             r.device_threads = w.threads;
             r.cpu_ns_per_io = Some(ns);
             r.idle_cpu_pct = Some(w.idle_pct);
         }
-        r.vcpu_ns_per_io = per_io(&vcpu, r.ios).map(|(_, ns)| ns);
+        r.vcpu_ns_per_io = per_io(&vcpu, r.io.ios).map(|(_, ns)| ns);
         let dev = rep.devices.first().ok_or_else(|| anyhow::anyhow!("no device report"))?;
         let c = |n: &str| dev.counters.iter().find(|c| c.name == n).map(|c| c.value);
         let exits = rep.exits.mmio_write + rep.exits.mmio_read + rep.exits.io_out + rep.exits.io_in;
@@ -330,7 +330,7 @@ impl<'a> Ctx<'a> {
         r.vm_exits = Some(exits);
         r.window_exits = Some(in_window);
         r.setup_exits = Some(exits.saturating_sub(in_window));
-        r.exits_per_io = Some(in_window as f64 / r.ios.max(1) as f64);
+        r.exits_per_io = Some(in_window as f64 / r.io.ios.max(1) as f64);
         if pollers > 1 {
             r.poller_ios = (0..pollers).filter_map(|k| c(&format!("poller{k}.ios"))).collect();
         }
@@ -342,7 +342,7 @@ impl<'a> Ctx<'a> {
         r.routing = format!(
             "controller io.commands={} of {} guest I/Os; guest doorbell writes {} = {} exits + {kicks} ioeventfd kicks",
             fmt_opt(cmds),
-            r.ios,
+            r.io.ios,
             r.io_doorbell_writes,
             fmt_opt(io_exits),
         );
@@ -409,7 +409,7 @@ impl<'a> Ctx<'a> {
             }
             _ => true,
         };
-        r.routing_ok = cmds == Some(r.ios) && dbs_ok && exits_ok && driver_ok && split_ok;
+        r.routing_ok = cmds == Some(r.io.ios) && dbs_ok && exits_ok && driver_ok && split_ok;
         guest_checks(&mut r, j);
         if rep.status != 1 {
             anyhow::bail!("{}; routing: {}", crate::record::exit_failure(rep.status, &rep.lines), r.routing);
@@ -447,11 +447,11 @@ impl<'a> Ctx<'a> {
         let mut r = to_run(target, ji, round, j, &qr.lines, self.tsc_khz)
             .map_err(|e| anyhow::anyhow!("{e}; stderr: {}", qr.stderr.trim()))?;
         r.routing = format!("QEMU nvme on {drive}");
-        if let Some((w, ns)) = per_io(&device, r.ios) {
+        if let Some((w, ns)) = per_io(&device, r.io.ios) {
             r.device_threads = w.threads;
             r.cpu_ns_per_io = Some(ns);
         }
-        r.vcpu_ns_per_io = per_io(&vcpu, r.ios).map(|(_, ns)| ns);
+        r.vcpu_ns_per_io = per_io(&vcpu, r.io.ios).map(|(_, ns)| ns);
         // Not on its exit status alone: the guest's own counts too.
         r.routing_ok = qr.status == Some(1);
         if qr.status != Some(1) {
@@ -484,22 +484,13 @@ impl<'a> Ctx<'a> {
         let vcpu = o.pin.map(|p| p.vcpu);
         let _vcpu = busy.then(|| busy_threads(o, 1, vcpu)).transpose()?;
         let f = crate::fio::run(fio, &fj, Duration::from_secs(o.timeout_s))?;
-        let mut r = NvmeRun::new(target, "", ji, round, f.ios, 0);
-        r.iops = f.iops;
-        r.mb_s = f.mb_s;
-        r.lat_avg_ns = f.lat_avg_ns;
-        (r.lat_min_ns, r.lat_max_ns) = (f.lat_min_ns, f.lat_max_ns);
-        (r.p50_ns, r.p90_ns, r.p99_ns, r.p999_ns) = (f.p50_ns, f.p90_ns, f.p99_ns, f.p999_ns);
+        let mut r = NvmeRun::new(target, "", ji, round, f.io.ios, 0);
+        // fio's bins in the guest's buckets: its row's percentiles over rounds merge as the guest's do.
+        r.io = IoFigures::from_fio(&f.io, &f.lat_bins, self.tsc_khz);
         r.errors = f.errors;
         if j.split() {
-            let d = |d: &crate::fio::FioDir| Some(super::DirRun::from_fio(d, self.tsc_khz));
+            let d = |d: &crate::fio::FioDir| Some(IoFigures::from_fio(&d.io, &d.lat_bins, self.tsc_khz));
             (r.read, r.write) = (d(&f.read), d(&f.write));
-        }
-        // fio's bins in the guest's buckets: its row's percentiles over rounds merge as the guest's do.
-        if !f.lat_bins.is_empty() {
-            let lat = LatHist::from_ns_points(&f.lat_bins, self.tsc_khz);
-            r.hist = lat.pairs_ns(self.tsc_khz);
-            r.lat = Some(lat);
         }
         r.routing = format!(
             "fio on the host: io_uring, O_DIRECT, buffers in huge pages, numjobs={} x iodepth={}",
@@ -542,7 +533,7 @@ pub fn window_exits_between(marks: &[ExitMark], start: &str, end: &str) -> Optio
 /// makes the run's check wrong and says why.
 pub fn guest_checks(r: &mut NvmeRun, j: &Job) {
     let mut bad = Vec::new();
-    if r.ios == 0 {
+    if r.io.ios == 0 {
         bad.push("the guest did no I/O".to_string());
     }
     if r.errors > 0 {
@@ -565,7 +556,7 @@ pub fn guest_checks(r: &mut NvmeRun, j: &Job) {
         }
     };
     if bad.is_empty() {
-        r.routing = format!("{}; guest: {} I/Os, 0 errors{irqs}", r.routing, r.ios);
+        r.routing = format!("{}; guest: {} I/Os, 0 errors{irqs}", r.routing, r.io.ios);
     } else {
         r.routing_ok = false;
         r.routing = format!("{}; guest: {}", r.routing, bad.join(", "));
@@ -595,18 +586,18 @@ pub fn to_run(
     let secs = cycles as f64 / (tsc_khz as f64 * 1000.0);
     let ns = |c: u64| crate::stats::ns(c as f64, tsc_khz);
     let mut r = NvmeRun::new(target, "", job, round, ios, cycles);
-    r.iops = ios as f64 / secs;
-    r.mb_s = ios as f64 * j.bs as f64 / secs / 1e6;
-    r.lat_avg_ns = ns(g("lat_sum")?) / ios.max(1) as f64;
+    r.io.iops = ios as f64 / secs;
+    r.io.mb_s = ios as f64 * j.bs as f64 / secs / 1e6;
+    r.io.lat_avg_ns = ns(g("lat_sum")?) / ios.max(1) as f64;
     if ios > 0 {
-        (r.lat_min_ns, r.lat_max_ns) = (g("lat_min").ok().map(ns), g("lat_max").ok().map(ns));
+        (r.io.lat_min_ns, r.io.lat_max_ns) = (g("lat_min").ok().map(ns), g("lat_max").ok().map(ns));
     }
-    r.p50_ns = lat.quantile_ns(0.5, tsc_khz);
-    r.p90_ns = lat.quantile_ns(0.9, tsc_khz);
-    r.p99_ns = lat.quantile_ns(0.99, tsc_khz);
-    r.p999_ns = lat.quantile_ns(0.999, tsc_khz);
-    r.hist = lat.pairs_ns(tsc_khz);
-    r.lat = Some(lat);
+    r.io.p50_ns = lat.quantile_ns(0.5, tsc_khz);
+    r.io.p90_ns = lat.quantile_ns(0.9, tsc_khz);
+    r.io.p99_ns = lat.quantile_ns(0.99, tsc_khz);
+    r.io.p999_ns = lat.quantile_ns(0.999, tsc_khz);
+    r.io.hist = lat.pairs_ns(tsc_khz);
+    r.io.lat = Some(lat);
     if j.split() {
         let [read, write] = super::split::from_guest(lines, "nvme", (ios, g("lat_sum")?), j.bs, secs, tsc_khz)?;
         (r.read, r.write) = (Some(read), Some(write));
@@ -667,16 +658,61 @@ mod tests {
         ]);
         // 1 GHz: 2 M cycles are 2 ms.
         let r = to_run("qemu", 0, 0, &job(false), &l, 1_000_000).unwrap();
-        assert_eq!((r.ios, r.cycles, r.iops), (4, 2_000_000, 2000.0));
+        assert_eq!((r.io.ios, r.cycles, r.io.iops), (4, 2_000_000, 2000.0));
         assert_eq!(r.guest_wait_pct, Some(25.0), "a quarter of the window found nothing to reap");
-        assert_eq!(r.hist, vec![(103.0, 4)]);
+        assert_eq!(r.io.hist, vec![(103.0, 4)]);
         // The record's own p50 (1 cycle, a bucket's upper edge) is not used: the host's, interpolated.
-        assert_eq!(r.p50_ns, 101.5);
+        assert_eq!(r.io.p50_ns, 101.5);
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v["hist"], serde_json::json!([[103.0, 4]]));
         assert_eq!((v["ios"].as_u64(), v["cycles"].as_u64()), (Some(4), Some(2_000_000)));
         assert_eq!(v["marks"], serde_json::json!([]));
     }
+
+    /// A randrw run from fixed guest records: its JSON as the bench writes it
+    /// (through `serde_json::Value`, keys sorted), the text taken before the
+    /// direction's figures became one struct.
+    fn golden_run() -> NvmeRun {
+        let l = lines(&[
+            "@nvme rw=randrw ios=6 cycles=3000000 wait_cycles=600000 lat_sum=9000 lat_min=700 lat_max=2600 errors=0 io_doorbell_writes=9",
+            "@nvme-hist 105:4 120:2",
+            "@nvme-hist-end buckets=2 lines=1",
+            "@nvme-read ios=4 lat_sum=5000 lat_min=700 lat_max=1900",
+            "@nvme-read-hist 105:3 120:1",
+            "@nvme-read-hist-end buckets=2 lines=1",
+            "@nvme-write ios=2 lat_sum=4000 lat_min=1500 lat_max=2600",
+            "@nvme-write-hist 105:1 120:1",
+            "@nvme-write-hist-end buckets=2 lines=1",
+        ]);
+        let j = Job { rw: "randrw".into(), rwmixread: 70, ..Job::randread(4096, 2) };
+        to_run("iopath-shm", 1, 0, &j, &l, 1_500_000).unwrap()
+    }
+
+    #[test]
+    fn a_runs_json_is_the_text_it_always_was() {
+        let r = golden_run();
+        let text = serde_json::to_string(&serde_json::to_value(&r).unwrap()).unwrap();
+        assert_eq!(text, GOLDEN);
+    }
+
+    const GOLDEN: &str = concat!(
+        r#"{"attempt":0,"contend":0,"cpu_ns_per_io":null,"cycles":3000000,"device_threads":0,"errors":0,"#,
+        r#""exits_per_io":null,"fio_busy_ratio":null,"fio_ratio":null,"floor_ops_s":null,"floor_p50_ns":null,"#,
+        r#""floor_ratio":null,"guest_dbbuf":null,"guest_irqs":null,"guest_line_ns":null,"guest_line_ratio":null,"#,
+        r#""guest_sleeps":null,"guest_wait_pct":20.0,"hist":[[68.66666666666667,4],[132.66666666666666,"#,
+        r#"2]],"idle_cpu_pct":null,"io_doorbell_writes":9,"iops":3000.0,"ios":6,"job":1,"lat_avg_ns":1000.0,"#,
+        r#""lat_max_ns":1733.3333333333333,"lat_min_ns":466.6666666666667,"marks":[],"mb_s":12.288,"mismatches":null,"#,
+        r#""p50_ns":68.16666666666667,"p90_ns":131.26666666666668,"p999_ns":132.65266666666665,"p99_ns":132.52666666666667,"#,
+        r#""poller_ios":[],"pollers":1,"quiet_floor_ratio":null,"quiet_ratio":null,"read":{"hist":[[68.66666666666667,"#,
+        r#"3],[132.66666666666666,1]],"iops":2000.0,"ios":4,"lat_avg_ns":833.3333333333334,"lat_max_ns":1266.6666666666667,"#,
+        r#""lat_min_ns":466.6666666666667,"mb_s":8.192,"p50_ns":68.0,"p90_ns":130.8,"p999_ns":132.648,"#,
+        r#""p99_ns":132.48},"round":0,"routing":"","routing_ok":true,"setup":"","setup_exits":null,"target":"iopath-shm","#,
+        r#""vcpu_ns_per_io":null,"verified_blocks":null,"vm_exits":null,"vmm_floor_ratio":null,"vmm_ratio":null,"#,
+        r#""wake_p50_ns":null,"wake_ratio":null,"window_exits":null,"write":{"hist":[[68.66666666666667,"#,
+        r#"1],[132.66666666666666,1]],"iops":1000.0,"ios":2,"lat_avg_ns":1333.3333333333333,"lat_max_ns":1733.3333333333333,"#,
+        r#""lat_min_ns":1000.0,"mb_s":4.096,"p50_ns":68.66666666666667,"p90_ns":131.73333333333332,"p999_ns":132.65733333333333,"#,
+        r#""p99_ns":132.57333333333332}}"#,
+    );
 
     #[test]
     fn a_record_without_a_good_histogram_is_an_error() {

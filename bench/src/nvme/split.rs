@@ -12,33 +12,43 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use std::fmt::Write as _;
 
-/// One direction's figures of a run.
-#[derive(Clone, Debug, Serialize)]
-pub struct DirRun {
+/// A run's figures: one direction's of a randrw run (`NvmeRun::read`,
+/// `write`), a whole run's (`NvmeRun::io`, flattened into its JSON), fio's
+/// (`crate::fio::FioResult`, `FioDir`: there `hist` is empty and `lat` None
+/// until [`IoFigures::from_fio`] puts fio's bins in the guest's buckets).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct IoFigures {
+    /// I/Os completed in the timed window.
     pub ios: u64,
     pub iops: f64,
+    /// Decimal MB/s.
     pub mb_s: f64,
-    /// NaN without I/O.
+    /// Total latency (submission to completion); NaN without I/O.
     pub lat_avg_ns: f64,
+    /// The shortest and longest latency (the guest's `lat_min`, `lat_max`;
+    /// fio's `lat_ns` min and max for fio), where known.
     pub lat_min_ns: Option<f64>,
     pub lat_max_ns: Option<f64>,
-    /// From `lat` (interpolated within the bucket); fio's own for fio.
+    /// From `lat` (interpolated within the bucket, `LatHist::quantile_ns`);
+    /// fio's own for fio.
     pub p50_ns: f64,
     pub p90_ns: f64,
     pub p99_ns: f64,
     pub p999_ns: f64,
-    /// `[upper_edge_ns, count]` pairs, as the run's `hist`.
+    /// The latency histogram: `[upper_edge_ns, count]` pairs, non-empty
+    /// buckets only; for fio, its json+ bins in the same buckets (empty if
+    /// fio gave none).
     pub hist: Vec<(f64, u64)>,
     #[serde(skip)]
     pub lat: Option<LatHist>,
 }
 
-impl DirRun {
+impl IoFigures {
     /// `ios` of `bs` bytes in `secs`, their percentiles from `lat`.
-    pub fn new(ios: u64, bs: u64, secs: f64, lat: Option<LatHist>, tsc_khz: u64) -> DirRun {
+    pub fn new(ios: u64, bs: u64, secs: f64, lat: Option<LatHist>, tsc_khz: u64) -> IoFigures {
         let per_s = |v: f64| if secs > 0.0 { v / secs } else { f64::NAN };
         let q = |x: f64| lat.as_ref().map_or(f64::NAN, |h| h.quantile_ns(x, tsc_khz));
-        DirRun {
+        IoFigures {
             ios,
             iops: per_s(ios as f64),
             mb_s: per_s(ios as f64 * bs as f64) / 1e6,
@@ -54,14 +64,11 @@ impl DirRun {
         }
     }
 
-    /// fio's figures of one direction; its bins put in the guest's buckets.
-    pub fn from_fio(d: &crate::fio::FioDir, tsc_khz: u64) -> DirRun {
-        let lat = (!d.lat_bins.is_empty()).then(|| LatHist::from_ns_points(&d.lat_bins, tsc_khz));
-        let mut r = DirRun::new(d.ios, 0, 0.0, lat, tsc_khz);
-        (r.iops, r.mb_s, r.lat_avg_ns, r.lat_min_ns, r.lat_max_ns) =
-            (d.iops, d.mb_s, d.lat_avg_ns, d.lat_min_ns, d.lat_max_ns);
-        (r.p50_ns, r.p90_ns, r.p99_ns, r.p999_ns) = (d.p50_ns, d.p90_ns, d.p99_ns, d.p999_ns);
-        r
+    /// fio's figures (`fio`, its `hist` and `lat` unset) with its json+
+    /// `bins` (ns, count) put in the guest's buckets.
+    pub fn from_fio(fio: &IoFigures, bins: &[(u64, u64)], tsc_khz: u64) -> IoFigures {
+        let lat = (!bins.is_empty()).then(|| LatHist::from_ns_points(bins, tsc_khz));
+        IoFigures { hist: lat.as_ref().map(|h| h.pairs_ns(tsc_khz)).unwrap_or_default(), lat, ..fio.clone() }
     }
 }
 
@@ -75,10 +82,10 @@ pub fn from_guest<S: AsRef<str>>(
     bs: u64,
     secs: f64,
     tsc_khz: u64,
-) -> anyhow::Result<[DirRun; 2]> {
+) -> anyhow::Result<[IoFigures; 2]> {
     let ns = |c: u64| crate::stats::ns(c as f64, tsc_khz);
     let (mut n, mut sum) = (0u64, 0u64);
-    let mut dir = |d: &str| -> anyhow::Result<DirRun> {
+    let mut dir = |d: &str| -> anyhow::Result<IoFigures> {
         let k = format!("{kind}-{d}");
         let f = crate::record::find_record(lines, &k)
             .ok_or_else(|| anyhow::anyhow!("a randrw run without its @{k} record"))?;
@@ -89,7 +96,7 @@ pub fn from_guest<S: AsRef<str>>(
         n = n.checked_add(dios).ok_or_else(|| anyhow::anyhow!("@{k}: ios={dios} overflows"))?;
         sum = sum.checked_add(dsum).ok_or_else(|| anyhow::anyhow!("@{k}: lat_sum={dsum} overflows"))?;
         let lat = LatHist::parse_kind(lines, &k, dios)?.ok_or_else(|| anyhow::anyhow!("no @{k}-hist lines"))?;
-        let mut r = DirRun::new(dios, bs, secs, Some(lat), tsc_khz);
+        let mut r = IoFigures::new(dios, bs, secs, Some(lat), tsc_khz);
         if dios > 0 {
             r.lat_avg_ns = ns(dsum) / dios as f64;
             (r.lat_min_ns, r.lat_max_ns) = (g("lat_min").ok().map(ns), g("lat_max").ok().map(ns));
@@ -105,29 +112,29 @@ pub fn from_guest<S: AsRef<str>>(
 }
 
 /// A direction's runs of one target and job, over rounds.
-fn of<'a>(rs: &[&'a NvmeRun], read: bool) -> Option<Vec<&'a DirRun>> {
+fn of<'a>(rs: &[&'a NvmeRun], read: bool) -> Option<Vec<&'a IoFigures>> {
     rs.iter().map(|r| if read { r.read.as_ref() } else { r.write.as_ref() }).collect::<Option<Vec<_>>>()
 }
 
 /// The direction's p50, p99 and p99.9 (ns) over rounds: from the rounds'
 /// merged histogram, or (fio without bins) the median of the rounds' own.
-fn percentiles(ds: &[&DirRun], tsc_khz: u64) -> [f64; 3] {
+fn percentiles(ds: &[&IoFigures], tsc_khz: u64) -> [f64; 3] {
     let qs = [0.5, 0.99, 0.999];
     if ds.iter().all(|d| d.lat.is_some()) {
         let m = LatHist::merged(ds.iter().filter_map(|d| d.lat.as_ref()));
         return qs.map(|q| m.quantile_ns(q, tsc_khz));
     }
-    let med = |f: fn(&DirRun) -> f64| median(ds, f);
+    let med = |f: fn(&IoFigures) -> f64| median(ds, f);
     [med(|d| d.p50_ns), med(|d| d.p99_ns), med(|d| d.p999_ns)]
 }
 
-fn median(ds: &[&DirRun], f: impl Fn(&DirRun) -> f64) -> f64 {
+fn median(ds: &[&IoFigures], f: impl Fn(&IoFigures) -> f64) -> f64 {
     summarize(&ds.iter().map(|d| f(d)).collect::<Vec<_>>()).map_or(f64::NAN, |s| s.median)
 }
 
 /// The I/Os of all rounds (saturating: the counts come from the guest) and
 /// their mean latency.
-fn ios_and_mean(ds: &[&DirRun]) -> (u64, f64) {
+fn ios_and_mean(ds: &[&IoFigures]) -> (u64, f64) {
     let ios = ds.iter().fold(0u64, |a, d| a.saturating_add(d.ios));
     let sum: f64 = ds.iter().filter(|d| d.ios > 0).map(|d| d.lat_avg_ns * d.ios as f64).sum();
     (ios, if ios > 0 { sum / ios as f64 } else { f64::NAN })
@@ -138,7 +145,7 @@ fn ios_and_mean(ds: &[&DirRun]) -> (u64, f64) {
 /// percentiles over every round's I/Os; nothing for other jobs.
 pub fn rows(rs: &[&NvmeRun], target: &str, tsc_khz: u64) -> String {
     let mut s = String::new();
-    let total = rs.iter().fold(0u64, |a, r| a.saturating_add(r.ios));
+    let total = rs.iter().fold(0u64, |a, r| a.saturating_add(r.io.ios));
     for (read, name) in [(true, "read"), (false, "write")] {
         let Some(ds) = of(rs, read) else { return String::new() };
         let (ios, mean) = ios_and_mean(&ds);
@@ -231,7 +238,7 @@ mod tests {
             .map(|round| {
                 let mut r = NvmeRun::new("iopath-shm", "", 0, round, 1000, 1_000_000);
                 let d = |n, b| {
-                    let mut d = DirRun::new(n, 4096, 0.001, Some(LatHist { counts: [(b, n)].into() }), tsc);
+                    let mut d = IoFigures::new(n, 4096, 0.001, Some(LatHist { counts: [(b, n)].into() }), tsc);
                     d.lat_avg_ns = 1000.0;
                     d
                 };

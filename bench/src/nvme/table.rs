@@ -26,7 +26,7 @@ pub(super) fn fmt_ns(v: f64) -> String {
 /// The share of a CPU (percent) the guest's vCPU thread got in a run's
 /// timed window: its CPU time per I/O times the I/Os per second.
 fn vcpu_pct(r: &NvmeRun) -> Option<f64> {
-    r.vcpu_ns_per_io.filter(|_| r.iops.is_finite()).map(|ns| ns * r.iops / 1e7)
+    r.vcpu_ns_per_io.filter(|_| r.io.iops.is_finite()).map(|ns| ns * r.io.iops / 1e7)
 }
 
 /// Contention levels as given: "0,2".
@@ -47,19 +47,19 @@ fn show_ratio(x: Option<crate::stats::Summary>) -> String {
 /// bins) take the median of their rounds' own percentiles.
 pub fn percentiles(rs: &[&NvmeRun], tsc_khz: u64) -> [f64; 3] {
     let qs = [0.5, 0.99, 0.999];
-    if rs.iter().all(|r| r.lat.is_some()) {
-        let m = LatHist::merged(rs.iter().filter_map(|r| r.lat.as_ref()));
+    if rs.iter().all(|r| r.io.lat.is_some()) {
+        let m = LatHist::merged(rs.iter().filter_map(|r| r.io.lat.as_ref()));
         return qs.map(|q| m.quantile_ns(q, tsc_khz));
     }
     let med = |f: fn(&NvmeRun) -> f64| NvmeResult::median(rs, f);
-    [med(|r| r.p50_ns), med(|r| r.p99_ns), med(|r| r.p999_ns)]
+    [med(|r| r.io.p50_ns), med(|r| r.io.p99_ns), med(|r| r.io.p999_ns)]
 }
 
 /// The mean latency over all rounds' I/Os.
 fn lat_avg(rs: &[&NvmeRun]) -> f64 {
     // Counts come from the guest: added without overflow.
-    let ios = rs.iter().fold(0u64, |a, r| a.saturating_add(r.ios));
-    rs.iter().map(|r| r.lat_avg_ns * r.ios as f64).sum::<f64>() / ios.max(1) as f64
+    let ios = rs.iter().fold(0u64, |a, r| a.saturating_add(r.io.ios));
+    rs.iter().map(|r| r.io.lat_avg_ns * r.io.ios as f64).sum::<f64>() / ios.max(1) as f64
 }
 
 impl NvmeResult {
@@ -166,10 +166,10 @@ impl NvmeResult {
                 j.label(),
                 target,
                 rs[0].pollers,
-                fmt_rate(Self::median(&rs, |r| r.iops)),
+                fmt_rate(Self::median(&rs, |r| r.io.iops)),
                 fr,
                 ff,
-                Self::median(&rs, |r| r.mb_s),
+                Self::median(&rs, |r| r.io.mb_s),
                 fmt_ns(lat_avg(&rs)),
                 fmt_ns(p50),
                 fmt_ns(p99),
@@ -232,7 +232,7 @@ impl NvmeResult {
                 let side = |t: &str| {
                     let t = format!("{t}{sfx}");
                     let rs: Vec<&NvmeRun> = self.runs.iter().filter(|r| r.job == ji && r.target == t).collect();
-                    (!rs.is_empty()).then(|| (Self::median(&rs, |r| r.iops), rs[0].setup.clone()))
+                    (!rs.is_empty()).then(|| (Self::median(&rs, |r| r.io.iops), rs[0].setup.clone()))
                 };
                 for ours in ["iopath-adaptive", "iopath-shm"] {
                     let Some((a, sa)) = side(ours) else { continue };
@@ -411,20 +411,21 @@ impl NvmeResult {
                 Some(false) => "registers",
                 None => "-",
             };
-            let merged = LatHist::merged(rs.iter().filter_map(|r| r.lat.as_ref()));
+            let merged = LatHist::merged(rs.iter().filter_map(|r| r.io.lat.as_ref()));
             let q = |x: f64| fmt_ns(merged.quantile_ns(x, self.tsc_khz));
             let idle = summarize(&rs.iter().filter_map(|r| r.idle_cpu_pct).collect::<Vec<_>>())
                 .map_or("-".into(), |x| format!("{:.2} % [{:.2} .. {:.2}]", x.median, x.min, x.max));
-            let window =
-                summarize(&rs.iter().filter_map(|r| r.cpu_ns_per_io.map(|ns| ns * r.iops / 1e7)).collect::<Vec<_>>())
-                    .map_or("-".into(), |x| format!("{:.2} %", x.median));
+            let window = summarize(
+                &rs.iter().filter_map(|r| r.cpu_ns_per_io.map(|ns| ns * r.io.iops / 1e7)).collect::<Vec<_>>(),
+            )
+            .map_or("-".into(), |x| format!("{:.2} %", x.median));
             let _ = writeln!(
                 s,
                 "{:<34} {:<30} {:<9} {:>5} {:>10} {:>10} {:>10} {:>22} {:>10}",
                 self.options.jobs[ji].label(),
                 target,
                 driver,
-                rs.iter().fold(0u64, |a, r| a.saturating_add(r.ios)),
+                rs.iter().fold(0u64, |a, r| a.saturating_add(r.io.ios)),
                 q(0.5),
                 q(0.99),
                 q(1.0),
@@ -440,7 +441,7 @@ impl NvmeResult {
             .into_iter()
             .map(|((ji, target), rs)| {
                 let [p50, p99, p999] = percentiles(&rs, self.tsc_khz);
-                let merged = LatHist::merged(rs.iter().filter_map(|r| r.lat.as_ref()));
+                let merged = LatHist::merged(rs.iter().filter_map(|r| r.io.lat.as_ref()));
                 let runs: Vec<NvmeRun> = rs.iter().map(|r| (*r).clone()).collect();
                 let marks = match self.reruns.iter().find(|x| x.0 == ji && x.1 == target) {
                     Some((_, _, _, m)) => m.clone(),
@@ -452,13 +453,13 @@ impl NvmeResult {
                     "setup": rs[0].setup,
                     "rounds": rs.len(),
                     "attempts": self.reruns.iter().find(|x| x.0 == ji && x.1 == target).map_or(1, |x| x.2),
-                    "iops": summarize(&rs.iter().map(|r| r.iops).collect::<Vec<_>>()),
-                    "ios": rs.iter().fold(0u64, |a, r| a.saturating_add(r.ios)),
+                    "iops": summarize(&rs.iter().map(|r| r.io.iops).collect::<Vec<_>>()),
+                    "ios": rs.iter().fold(0u64, |a, r| a.saturating_add(r.io.ios)),
                     "lat_avg_ns": lat_avg(&rs),
                     "p50_ns": p50,
                     "p99_ns": p99,
                     "p999_ns": p999,
-                    "percentiles": if rs.iter().all(|r| r.lat.is_some()) { "merged histogram, interpolated" } else { "median of rounds" },
+                    "percentiles": if rs.iter().all(|r| r.io.lat.is_some()) { "merged histogram, interpolated" } else { "median of rounds" },
                     "hist": merged.pairs_ns(self.tsc_khz),
                     "marks": crate::guard::marks_json(&marks),
                 });
@@ -498,8 +499,8 @@ mod tests {
     fn run(round: u32, counts: &[(u32, u64)], p50_ns: f64) -> NvmeRun {
         let lat = LatHist { counts: counts.iter().copied().collect() };
         let mut r = NvmeRun::new("iopath-shm", "iopath ram", 0, round, lat.total(), 1);
-        r.p50_ns = p50_ns;
-        r.lat = Some(lat);
+        r.io.p50_ns = p50_ns;
+        r.io.lat = Some(lat);
         r
     }
 
@@ -515,7 +516,7 @@ mod tests {
         // Without histograms (fio's rows): the median of the rounds' own.
         let mut fio = rs.clone();
         for r in &mut fio {
-            r.lat = None;
+            r.io.lat = None;
         }
         let refs: Vec<&NvmeRun> = fio.iter().collect();
         assert_eq!(percentiles(&refs, 1_000_000)[0], 100.0);
@@ -532,7 +533,7 @@ mod tests {
                 let mut r = run(round, &[(170, ios)], 1e6);
                 r.target = target.into();
                 (r.guest_dbbuf, r.idle_cpu_pct) = (Some(dbbuf), Some(idle + round as f64 / 10.0));
-                (r.cpu_ns_per_io, r.iops) = (Some(5e6), 1.0);
+                (r.cpu_ns_per_io, r.io.iops) = (Some(5e6), 1.0);
                 runs.push(r);
             }
         }

@@ -17,6 +17,7 @@
 //! DIR` names an install directory instead); `proc` keeps every child
 //! bounded and leaves nothing behind, Ctrl-C included.
 
+mod args;
 pub mod perf;
 pub mod proc;
 mod table;
@@ -24,6 +25,7 @@ mod targets;
 
 use crate::host::HostInfo;
 use crate::pin::Placement;
+pub use args::SpdkArgs;
 use perf::{PerfJob, PerfOut};
 use proc::{check, run_bounded, Interrupted};
 use serde::Serialize;

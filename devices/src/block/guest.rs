@@ -64,10 +64,10 @@ pub enum InPlace {
 #[error("{0:?} (auto, on or off)")]
 pub struct BadInPlace(pub String);
 
-/// For `spec.rs`'s option errors, which carry their reason as text.
-impl From<BadInPlace> for String {
-    fn from(e: BadInPlace) -> String {
-        e.to_string()
+/// The option table's reason (`nvme/options.rs`: the table names device and key).
+impl From<BadInPlace> for crate::options::Reason {
+    fn from(e: BadInPlace) -> Self {
+        crate::options::Reason(e.to_string())
     }
 }
 

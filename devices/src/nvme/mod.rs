@@ -147,6 +147,7 @@ mod doorbells;
 pub mod identity;
 mod interrupts;
 mod io;
+pub mod options;
 #[cfg(any(test, feature = "oracle"))]
 pub mod oracle;
 mod poller;

@@ -38,6 +38,8 @@ use vmm_sys_util::eventfd::EventFd;
 
 pub const VENDOR: u16 = 0x1af4;
 pub const DEVICE: u16 = 0x1042;
+/// PCI class: mass storage (0x01), SCSI (0x00), as QEMU's virtio-blk-pci shows.
+pub const CLASS: u32 = 0x01_00_00;
 /// Feature bits (6, 5.2.3).
 pub const F_SEG_MAX: u64 = 1 << 2;
 pub const F_BLK_SIZE: u64 = 1 << 6;
@@ -252,6 +254,10 @@ impl QueueEngine for BlkEngine {
 
     fn device_id(&self) -> u16 {
         DEVICE
+    }
+
+    fn class(&self) -> u32 {
+        CLASS
     }
 
     fn features(&self) -> u64 {

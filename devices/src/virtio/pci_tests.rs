@@ -217,6 +217,11 @@ fn capabilities_fit_the_header() {
     let mut b = [0u8; 4];
     c.read(0, &mut b);
     assert_eq!(u32::from_le_bytes(b), (DEVICE as u32) << 16 | VENDOR as u32);
+    // The engine's class and subsystem: what QEMU's virtio-blk-pci shows (mass storage, 0x1100).
+    c.read(0x08, &mut b);
+    assert_eq!(u32::from_le_bytes(b) >> 8, 0x01_00_00);
+    c.read(0x2c, &mut b);
+    assert_eq!(u32::from_le_bytes(b), 0x1100 << 16 | VENDOR as u32);
 }
 
 /// Keeps a copy of each eventfd registered, as KVM would.

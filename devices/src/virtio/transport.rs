@@ -21,9 +21,11 @@
 //! writable once it is enabled or after DRIVER_OK), MSI-X, ISR and INTx.
 //! A reset forgets every queue. A [`QueueEngine`] serves the queues:
 //! iopath's own virtio-blk ([`pci`](super::pci), requests served in the
-//! VMM) or a vhost-user backend (`iopath_protocols::vhost_user::frontend`).
+//! VMM) or a vhost-user backend (`iopath_protocols::vhost_user::frontend`);
+//! another device type is one more engine (`cli/tests/recipe_virtio_rng.rs`).
 //! The transport tells it about DRIVER_OK, notify writes that exit, and
-//! reset, and asks it for the device features and device configuration.
+//! reset, and asks it for the device's PCI ids and class, its features and
+//! its device configuration.
 
 use super::queue::{Queue, MAX_QUEUE_SIZE};
 use crate::pci::{Capability, MsixTable};
@@ -85,6 +87,17 @@ pub trait QueueEngine: Send + Sized + 'static {
     fn name(&self) -> String;
     /// The PCI device id: 0x1040 + the virtio device type (4.1.2.1).
     fn device_id(&self) -> u16;
+    /// The PCI class code (base, sub, prog-if in bits 23:0) the function
+    /// shows: what a driver that matches by class, or a person reading
+    /// lspci, takes it for (virtio-blk: 0x010000, mass storage; a device
+    /// with no fitting class: 0xff0000).
+    fn class(&self) -> u32;
+    /// The PCI subsystem id (the subsystem vendor is 0x1af4): 0x40 or
+    /// higher for a non-transitional device (4.1.2.1). By default 0x1100,
+    /// the one QEMU's virtio devices show.
+    fn subsystem(&self) -> u16 {
+        0x1100
+    }
     /// The feature bits the device offers the driver.
     fn features(&self) -> u64;
     /// The device configuration area (read by the driver at any time).

@@ -10,13 +10,14 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
     }
 
     fn ids(&self) -> PciIds {
+        let s = self.state();
         PciIds {
             vendor: crate::virtio::pci::VENDOR,
-            device: self.state().e.device_id(),
-            class: 0x01_00_00,
+            device: s.e.device_id(),
+            class: s.e.class(),
             revision: 1,
             subsystem_vendor: crate::virtio::pci::VENDOR,
-            subsystem: 0x1100,
+            subsystem: s.e.subsystem(),
             interrupt_pin: 1, // INTx while MSI-X is off (`transport.rs`)
         }
     }

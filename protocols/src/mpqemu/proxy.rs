@@ -3,6 +3,7 @@
 //! hosts. Every access is synchronous: the vCPU waits for RET.
 
 use super::wire::{recv_reply, send, Msg, SysmemRegion, MAX_FDS};
+use crate::function::probe;
 use crate::peer::Peer;
 use crate::process::DeviceProcess;
 use crate::{Error, Result};
@@ -33,7 +34,7 @@ const NO_IDS: PciIds =
 
 impl MpqemuProxy {
     /// Probes the remote device's identity and BARs over `sock`, the way
-    /// QEMU's proxy does (configuration reads, BAR sizing).
+    /// QEMU's proxy does (configuration reads, BAR sizing: [`probe`]).
     pub fn connect(sock: UnixStream, child: Option<DeviceProcess>) -> Result<Self> {
         let mut p = MpqemuProxy {
             peer: Peer::new(sock, "mpqemu", child),
@@ -42,48 +43,10 @@ impl MpqemuProxy {
             shadow: ConfigSpace::new(NO_IDS, &[])?,
             requests: 0,
         };
-        let id = p.cfg_read(0, 4)?;
-        if id & 0xffff == 0xffff {
-            return Err(Error::protocol(format!("the remote device answers vendor id {:#x}: no device", id & 0xffff)));
-        }
-        let class = p.cfg_read(8, 4)?;
-        let sub = p.cfg_read(0x2c, 4)?;
-        p.ids = PciIds {
-            vendor: id as u16,
-            device: (id >> 16) as u16,
-            class: class >> 8,
-            revision: class as u8,
-            subsystem_vendor: sub as u16,
-            subsystem: (sub >> 16) as u16,
-            interrupt_pin: 0, // the VMM routes INTx of every slot (`vmm::pci`)
-        };
-        let mut i = 0u8;
-        while i < 6 {
-            let reg = 0x10 + 4 * i as u32;
-            let orig = p.cfg_read(reg, 4)?;
-            p.cfg_write(reg, 0xffff_ffff, 4)?;
-            let mask = p.cfg_read(reg, 4)?;
-            p.cfg_write(reg, orig, 4)?;
-            if mask == 0 {
-                i += 1;
-                continue;
-            }
-            let spec = if mask & 1 == 1 {
-                BarSpec { index: i, kind: BarKind::Io, size: ((!(mask & !3)).wrapping_add(1) & 0xffff) as u64 }
-            } else if (mask >> 1) & 3 == 2 && i < 5 {
-                let hi_reg = reg + 4;
-                let orig_hi = p.cfg_read(hi_reg, 4)?;
-                p.cfg_write(hi_reg, 0xffff_ffff, 4)?;
-                let hi = p.cfg_read(hi_reg, 4)?;
-                p.cfg_write(hi_reg, orig_hi, 4)?;
-                let m = ((hi as u64) << 32) | (mask & !0xf) as u64;
-                BarSpec { index: i, kind: BarKind::Mem64, size: (!m).wrapping_add(1) }
-            } else {
-                BarSpec { index: i, kind: BarKind::Mem32, size: (!(mask & !0xf)).wrapping_add(1) as u64 }
-            };
-            i += if spec.kind == BarKind::Mem64 { 2 } else { 1 };
-            p.bars.push(spec);
-        }
+        (p.ids, p.bars) = probe(|reg, write| match write {
+            None => p.cfg_read(reg, 4),
+            Some(v) => p.cfg_write(reg, v, 4).map(|()| 0),
+        })?;
         p.shadow = ConfigSpace::new(p.ids, &p.bars).map_err(|e| Error::from(e).context("the remote's BARs"))?;
         p.peer.name = format!("mpqemu:{:04x}:{:04x}", p.ids.vendor, p.ids.device);
         Ok(p)

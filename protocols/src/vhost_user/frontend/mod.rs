@@ -301,6 +301,11 @@ impl QueueEngine for VhostUserBlk {
         DEVICE_ID
     }
 
+    /// The same function as iopath's own virtio-blk shows.
+    fn class(&self) -> u32 {
+        iopath_devices::virtio::pci::CLASS
+    }
+
     fn features(&self) -> u64 {
         self.backend_features & PASSED_FEATURES
     }

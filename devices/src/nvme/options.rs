@@ -1,0 +1,197 @@
+//! The controller's options (`nvme,KEY=VALUE,...`) as one table: what
+//! each key takes, its help line, how it sets [`NvmeConfig`] and how it is
+//! written back (`crate::options`). Checks across options are
+//! [`NvmeConfig::validate`]'s.
+
+use super::{InPlace, NvmeConfig, MAX_POLLERS, MAX_SUBMIT_BATCH};
+use crate::options::{num, on_if, on_off, Opt, Options, BACKEND_HELP, CREATE_HELP};
+
+/// `nvme`'s options, in the order its `Display` writes them.
+pub const OPTIONS: Options<NvmeConfig> = Options {
+    device: "nvme",
+    opts: &[
+        Opt {
+            key: "doorbell",
+            values: "auto|adaptive|bar-adaptive|shm|bar|ioeventfd|mmio",
+            help: "how the guest's doorbell writes reach the controller (default auto; README.md lists the modes)",
+            parse: |c, v| {
+                c.doorbell = v.parse()?;
+                Ok(())
+            },
+            show: |c| Some(c.doorbell.to_string()),
+        },
+        Opt {
+            key: "backend",
+            values: "null|ram|file:PATH",
+            help: BACKEND_HELP,
+            parse: |c, v| {
+                c.backend = v.parse()?;
+                Ok(())
+            },
+            show: |c| Some(c.backend.to_string()),
+        },
+        Opt {
+            key: "size_mb",
+            values: "N",
+            help: "the namespace's size in MiB, 1 ..= 1048576 (default 64)",
+            parse: |c, v| match num(v)? {
+                mb if mb == 0 || mb > 1 << 20 => Err(format!("{mb} MiB (1 .. 1048576)").into()),
+                mb => {
+                    c.size = mb << 20;
+                    Ok(())
+                }
+            },
+            show: |c| Some((c.size >> 20).to_string()),
+        },
+        Opt {
+            key: "lba",
+            values: "512|4096",
+            help: "the LBA size in bytes (default 512)",
+            parse: |c, v| {
+                c.lba_size = match num(v)? {
+                    512 => 512,
+                    4096 => 4096,
+                    n => return Err(format!("{n} (512 or 4096)").into()),
+                };
+                Ok(())
+            },
+            show: |c| Some(c.lba_size.to_string()),
+        },
+        Opt {
+            key: "create",
+            values: "on|off",
+            help: CREATE_HELP,
+            parse: |c, v| {
+                c.create = on_off(v)?;
+                Ok(())
+            },
+            show: |c| on_if(c.create),
+        },
+        Opt {
+            key: "pollers",
+            values: "N",
+            help: "poller threads, 1 ..= 16 (default 1); more than one: doorbell=shm, bar or adaptive, \
+                   backend=null or ram, the I/O queues spread over them",
+            parse: |c, v| match num(v)? {
+                n if (1..=MAX_POLLERS as u64).contains(&n) => {
+                    c.pollers = n as u8;
+                    Ok(())
+                }
+                n => Err(format!("{n} (1 ..= {MAX_POLLERS})").into()),
+            },
+            show: |c| (c.pollers != 1).then(|| c.pollers.to_string()),
+        },
+        Opt {
+            key: "forecast",
+            values: "on|off",
+            help: "doorbell=adaptive: poll for the command that ends a steady gap instead of waiting \
+                   for its doorbell (default on)",
+            parse: |c, v| {
+                c.forecast = on_off(v)?;
+                Ok(())
+            },
+            show: |c| (!c.forecast).then(|| "off".to_string()),
+        },
+        Opt {
+            key: "in_place",
+            values: "auto|on|off",
+            help: "file:PATH only: reads and writes work on the guest's pages in place instead of \
+                   through bounce buffers (default auto)",
+            parse: |c, v| {
+                c.in_place = v.parse()?;
+                Ok(())
+            },
+            show: |c| (c.in_place != InPlace::Auto).then(|| c.in_place.to_string()),
+        },
+        Opt {
+            key: "submit_batch",
+            values: "N",
+            help: "file:PATH only: operations go to the kernel every N, 0 ..= 256 (default 0: all a \
+                   queue pass fetched at once; fio's iodepth_batch_submit)",
+            parse: |c, v| match num(v)? {
+                n if n <= MAX_SUBMIT_BATCH as u64 => {
+                    c.submit_batch = n as u16;
+                    Ok(())
+                }
+                n => Err(format!("{n} (0 ..= {MAX_SUBMIT_BATCH})").into()),
+            },
+            show: |c| (c.submit_batch != 0).then(|| c.submit_batch.to_string()),
+        },
+        Opt {
+            key: "serial",
+            values: "S",
+            help: "the serial number, 1-20 printable ASCII (default: drawn per controller, IOPATH...)",
+            parse: |c, v| {
+                c.id.serial = Some(v.to_string());
+                Ok(())
+            },
+            show: |c| c.id.serial.clone(),
+        },
+        Opt {
+            key: "nqn",
+            values: "S",
+            help: "the subsystem NQN, nqn.YYYY-MM.domain[:name], at most 223 bytes (default: \
+                   nqn.2026-11.io.iopath:nvme:SERIAL)",
+            parse: |c, v| {
+                c.id.nqn = Some(v.to_string());
+                Ok(())
+            },
+            show: |c| c.id.nqn.clone(),
+        },
+        Opt {
+            key: "cntlid",
+            values: "N",
+            help: "the controller id, 1 ..= 65519 (default: drawn per controller)",
+            parse: |c, v| {
+                // Out of u16: 0, which validate() refuses with the range.
+                c.id.cntlid = Some(num(v)?.try_into().unwrap_or(0));
+                Ok(())
+            },
+            show: |c| c.id.cntlid.map(|n| n.to_string()),
+        },
+    ],
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block::StorageKind;
+    use crate::nvme::{identity::IdentityOptions, DoorbellMode};
+
+    #[test]
+    fn every_key_takes_back_what_it_printed() {
+        let c = NvmeConfig {
+            backend: StorageKind::File("/tmp/a,b@c.img".into()),
+            size: 8 << 20,
+            lba_size: 4096,
+            doorbell: DoorbellMode::BarAdaptive,
+            pollers: 3,
+            forecast: false,
+            in_place: InPlace::Off,
+            submit_batch: 7,
+            create: true,
+            id: IdentityOptions {
+                serial: Some("SN 1,2@3".into()),
+                nqn: Some("nqn.2014-08.com.example:a".into()),
+                cntlid: Some(65519),
+            },
+        };
+        crate::options::tests::keys_round_trip(&OPTIONS, &c);
+    }
+
+    #[test]
+    fn the_doorbell_values_are_every_mode() {
+        let modes: Vec<String> = DoorbellMode::ALL.iter().map(|m| m.to_string()).collect();
+        assert_eq!(OPTIONS.opts[0].values, modes.join("|"));
+    }
+
+    #[test]
+    fn the_help_states_the_limits() {
+        let help = |k: &str| OPTIONS.opts.iter().find(|o| o.key == k).unwrap().help;
+        assert!(help("pollers").contains(&format!("1 ..= {MAX_POLLERS}")));
+        assert!(help("submit_batch").contains(&format!("0 ..= {MAX_SUBMIT_BATCH}")));
+        assert!(help("cntlid").contains(&format!("1 ..= {}", crate::nvme::identity::CNTLID_MAX)));
+        assert!(help("serial").contains(&format!("1-{}", crate::nvme::identity::SERIAL_LEN)));
+        assert!(help("nqn").contains(&format!("at most {}", crate::nvme::identity::NQN_MAX)));
+    }
+}

@@ -1,0 +1,166 @@
+//! A device's options as one table ([`Options`]): each key with the values
+//! it takes, its help line, how a value sets it in the device's config and
+//! how the config writes it back. Parsing a `KEY=VALUE` list, the options
+//! part of `DeviceConfig`'s `Display`, the "unknown option (...)" error and
+//! the CLI's help all read the table; checks across options (a device's
+//! `validate`) run after it. `crate::spec` holds the table of devices.
+
+use crate::spec::escape;
+use crate::{Error, Result};
+use std::fmt;
+
+/// Why a value does not fit its key; the table names the device and the
+/// key ([`Error::Option`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reason(pub String);
+
+impl From<String> for Reason {
+    fn from(s: String) -> Self {
+        Reason(s)
+    }
+}
+
+impl From<&str> for Reason {
+    fn from(s: &str) -> Self {
+        Reason(s.to_string())
+    }
+}
+
+/// A value type's own parse error: its reason (the table names device and key).
+impl From<Error> for Reason {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Option { reason, .. } => Reason(reason),
+            e => Reason(e.to_string()),
+        }
+    }
+}
+
+/// One option of a device whose config is `C`.
+pub struct Opt<C> {
+    pub key: &'static str,
+    /// The values it takes, as the help writes them (`on|off`, `N`, `file:PATH`).
+    pub values: &'static str,
+    /// One line: what it does, its range and its default.
+    pub help: &'static str,
+    /// Sets the option in the config from its value.
+    pub parse: fn(&mut C, &str) -> Result<(), Reason>,
+    /// The value as `parse` takes it back, or None: the default, not written.
+    pub show: fn(&C) -> Option<String>,
+}
+
+/// A device's options, in the order `Display` writes them.
+pub struct Options<C: 'static> {
+    pub device: &'static str,
+    pub opts: &'static [Opt<C>],
+}
+
+impl<C> Options<C> {
+    /// The config from `KEY=VALUE` pairs, each set over `C::default()` in
+    /// turn (a key given twice: the last one counts). No checks across options.
+    pub fn parse(&self, kvs: &[(String, String)]) -> Result<C>
+    where
+        C: Default,
+    {
+        let mut c = C::default();
+        for (k, v) in kvs {
+            let opt = self.opts.iter().find(|o| o.key == k).ok_or_else(|| self.unknown(k))?;
+            (opt.parse)(&mut c, v).map_err(|r| self.error(k, r))?;
+        }
+        Ok(c)
+    }
+
+    /// `,KEY=VALUE` for each option that is not at its default, in table
+    /// order, with `,` and `@` in values doubled.
+    pub fn write(&self, c: &C, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for o in self.opts {
+            if let Some(v) = (o.show)(c) {
+                write!(f, ",{}={}", o.key, escape(&v))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// An [`Error::Option`] of this device.
+    pub fn error(&self, key: &str, reason: impl Into<Reason>) -> Error {
+        Error::Option { device: self.device, option: key.to_string(), reason: reason.into().0 }
+    }
+
+    fn unknown(&self, key: &str) -> Error {
+        let keys: Vec<&str> = self.opts.iter().map(|o| o.key).collect();
+        self.error(key, format!("unknown option ({})", keys.join(", ")))
+    }
+}
+
+/// One option as the help shows it.
+#[derive(Clone, Copy, Debug)]
+pub struct Doc {
+    pub key: &'static str,
+    pub values: &'static str,
+    pub help: &'static str,
+}
+
+/// What the help needs of an options table, whatever config it fills.
+pub trait Docs: Sync {
+    fn docs(&self) -> Vec<Doc>;
+}
+
+impl<C> Docs for Options<C> {
+    fn docs(&self) -> Vec<Doc> {
+        self.opts.iter().map(|o| Doc { key: o.key, values: o.values, help: o.help }).collect()
+    }
+}
+
+/// A switch's value: `on` or `off`.
+pub fn on_off(v: &str) -> Result<bool, Reason> {
+    match v {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{v:?} (on or off)").into()),
+    }
+}
+
+/// A decimal number.
+pub fn num(v: &str) -> Result<u64, Reason> {
+    v.parse().map_err(|_| format!("{v:?} is not a number").into())
+}
+
+/// `on` for a switch that is on; None (not written) when off, its default.
+pub fn on_if(on: bool) -> Option<String> {
+    on.then(|| "on".to_string())
+}
+
+/// `backend=`'s help, for every block device.
+pub const BACKEND_HELP: &str = "where the data is kept (default ram); file:PATH: an existing file or block device \
+     that holds size_mb, used as it is (never truncated or extended); a missing PATH is an error unless create=on";
+
+/// `create=`'s help, for every block device.
+pub const CREATE_HELP: &str =
+    "file:PATH only: make a missing PATH and write all its bytes (synced) before it is served (default off)";
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// Every key of `t` takes back what its `show` printed for `c` (each
+    /// key alone over the default config), and prints it again the same.
+    pub(crate) fn keys_round_trip<C: Default>(t: &Options<C>, c: &C) {
+        for o in t.opts {
+            let v = (o.show)(c).unwrap_or_else(|| panic!("{}: {} is at its default in the sample", t.device, o.key));
+            let mut d = C::default();
+            (o.parse)(&mut d, &v).unwrap_or_else(|r| panic!("{}: {}={v}: {r:?}", t.device, o.key));
+            assert_eq!((o.show)(&d).as_deref(), Some(v.as_str()), "{}: {}", t.device, o.key);
+        }
+    }
+
+    #[test]
+    fn switches_and_numbers() {
+        assert_eq!(on_off("on"), Ok(true));
+        assert_eq!(on_off("off"), Ok(false));
+        assert_eq!(on_off("1"), Err(Reason("\"1\" (on or off)".into())));
+        assert_eq!(num("12"), Ok(12));
+        assert_eq!(num("-1"), Err(Reason("\"-1\" is not a number".into())));
+        assert_eq!(on_if(true).as_deref(), Some("on"));
+        assert_eq!(on_if(false), None);
+    }
+}

@@ -1,0 +1,108 @@
+//! virtio-blk's options (`virtio-blk,KEY=VALUE,...`) as one table: what
+//! each key takes, its help line, how it sets [`VirtioBlkConfig`] and how
+//! it is written back (`crate::options`); then
+//! [`VirtioBlkConfig::validate`], the check across options.
+
+use super::pci::VirtioBlkConfig;
+use super::transport::MAX_QUEUES;
+use crate::block::StorageKind;
+use crate::options::{on_if, on_off, Opt, Options, BACKEND_HELP, CREATE_HELP};
+use crate::Result;
+
+/// `virtio-blk`'s options, in the order its `Display` writes them.
+pub const BLK_OPTIONS: Options<VirtioBlkConfig> = Options {
+    device: "virtio-blk",
+    opts: &[
+        Opt {
+            key: "backend",
+            values: "null|ram|file:PATH",
+            help: BACKEND_HELP,
+            parse: |c, v| {
+                c.backend = v.parse()?;
+                Ok(())
+            },
+            show: |c| Some(c.backend.to_string()),
+        },
+        Opt {
+            key: "size_mb",
+            values: "N",
+            help: "the disk's size in MiB, 1 ..= 1048576 (default 64)",
+            parse: |c, v| match v.parse::<u64>() {
+                Ok(mb) if (1..=1 << 20).contains(&mb) => {
+                    c.size = mb << 20;
+                    Ok(())
+                }
+                _ => Err(format!("{v:?} MiB (1 ..= 1048576)").into()),
+            },
+            show: |c| Some((c.size >> 20).to_string()),
+        },
+        Opt {
+            key: "notify",
+            values: "exit|ioeventfd|poll",
+            help: "how queue notifications reach the device: a VMM exit served on the vCPU thread, \
+                   an ioeventfd a device thread serves, or a thread that polls (default exit)",
+            parse: |c, v| {
+                c.notify = v.parse()?;
+                Ok(())
+            },
+            show: |c| Some(c.notify.to_string()),
+        },
+        Opt {
+            key: "queues",
+            values: "N",
+            help: "request queues, 1 ..= 16 (default 1; over vhost-user 16)",
+            parse: |c, v| match v.parse::<u16>() {
+                Ok(n) if (1..=MAX_QUEUES).contains(&n) => {
+                    c.queues = Some(n);
+                    Ok(())
+                }
+                _ => Err(format!("{v:?} (1 ..= {MAX_QUEUES})").into()),
+            },
+            show: |c| c.queues.map(|n| n.to_string()),
+        },
+        Opt {
+            key: "create",
+            values: "on|off",
+            help: CREATE_HELP,
+            parse: |c, v| {
+                c.create = on_off(v)?;
+                Ok(())
+            },
+            show: |c| on_if(c.create),
+        },
+    ],
+};
+
+impl VirtioBlkConfig {
+    /// Checks across options: `create=on` only with `backend=file:PATH`.
+    pub fn validate(&self) -> Result<()> {
+        if self.create && !matches!(self.backend, StorageKind::File(_)) {
+            return Err(BLK_OPTIONS.error("create", "create=on needs backend=file:PATH"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::virtio::pci::NotifyMode;
+
+    #[test]
+    fn every_key_takes_back_what_it_printed() {
+        let c = VirtioBlkConfig {
+            backend: StorageKind::File("/tmp/v,b@c.img".into()),
+            size: 8 << 20,
+            notify: NotifyMode::Poll,
+            queues: Some(MAX_QUEUES),
+            create: true,
+        };
+        crate::options::tests::keys_round_trip(&BLK_OPTIONS, &c);
+    }
+
+    #[test]
+    fn the_help_states_the_limits() {
+        let queues = BLK_OPTIONS.opts.iter().find(|o| o.key == "queues").unwrap();
+        assert!(queues.help.contains(&format!("1 ..= {MAX_QUEUES}")));
+    }
+}
