@@ -268,3 +268,18 @@ fn buffered(f: &File, op: FileOp, iov: &[libc::iovec], mut off: u64) -> std::io:
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{BadInPlace, InPlace};
+
+    #[test]
+    fn in_place_takes_auto_on_off_and_names_a_bad_value() {
+        for v in ["auto", "on", "off"] {
+            assert_eq!(v.parse::<InPlace>().unwrap().to_string(), v);
+        }
+        assert_eq!("sometimes".parse::<InPlace>(), Err(BadInPlace("sometimes".into())));
+        let e = "nvme,in_place=sometimes".parse::<crate::DeviceConfig>().unwrap_err().to_string();
+        assert!(e.contains(r#"in_place: "sometimes" (auto, on or off)"#), "{e}");
+    }
+}
