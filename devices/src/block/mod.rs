@@ -26,6 +26,7 @@ pub mod file;
 pub mod guest;
 pub mod ram;
 mod reap;
+pub mod timing;
 pub mod uring;
 
 pub use file::{backing_bytes, path_bytes, FileStorage};
