@@ -21,5 +21,7 @@
 //! (a timerfd for long waits, spinning for the last microseconds).
 
 pub mod spec;
+pub mod wheel;
 
 pub use spec::{Latency, OpKind, TimingError, TimingSpec};
+pub use wheel::{TimerWheel, WheelFull};
