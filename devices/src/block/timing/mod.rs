@@ -20,8 +20,10 @@
 //! completions; when it would sleep it sleeps no longer than `next_due()`
 //! (a timerfd for long waits, spinning for the last microseconds).
 
+pub mod model;
 pub mod spec;
 pub mod wheel;
 
+pub use model::{Admission, TimingModel};
 pub use spec::{Latency, OpKind, TimingError, TimingSpec};
 pub use wheel::{TimerWheel, WheelFull};
