@@ -69,8 +69,11 @@ impl TimingModel {
         TimingModel {
             latency: spec.latency,
             channels: spec.channels.map(|n| (0..n).map(|_| Reverse(0)).collect()),
-            iops: spec.iops.map(|n| (Line::default(), (PS_PER_S / n as u128).max(1))),
-            bw: spec.bw.map(|b| (Line::default(), b as u128)),
+            iops: spec.iops.map(|n| {
+                let slot = (PS_PER_S / n as u128).max(1);
+                (Line::new(slot), slot)
+            }),
+            bw: spec.bw.map(|b| (Line::new(u128::MAX), b as u128)),
             rng: SplitMix64(spec.seed.unwrap_or(DEFAULT_SEED)),
             spare_normal: None,
             last_now: 0,
@@ -134,6 +137,7 @@ impl TimingModel {
             line.reserve(t - slot_iops, t);
         }
         if let Some((line, _)) = &mut self.bw {
+            line.min_gap = line.min_gap.min(slot_bw.max(1));
             line.reserve(t - slot_bw, t);
         }
         u64::try_from(t.div_ceil(1000)).unwrap_or(u64::MAX)
@@ -186,15 +190,26 @@ impl SplitMix64 {
     }
 }
 
-/// A ceiling's busy intervals (ps), start -> end, disjoint, touching ones
-/// merged; those that ended before the latest arrival are forgotten, so
-/// it holds at most one interval per command in flight.
-#[derive(Default)]
-struct Line(BTreeMap<u128, u128>);
+/// A ceiling's busy intervals (ps), start -> end, disjoint; those that
+/// ended before the latest arrival are forgotten, so it holds at most one
+/// interval per command in flight. A gap narrower than `min_gap` (the
+/// IOPS slot; the shortest transfer seen so far) could hold no slot, so
+/// its neighbours merge over it: `fit` then skips a whole busy run in one
+/// step instead of walking its fragments (for the IOPS line this loses
+/// nothing; for bandwidth, only a later transfer shorter than any before
+/// it could have used such a gap).
+struct Line {
+    busy: BTreeMap<u128, u128>,
+    min_gap: u128,
+}
 
 impl Line {
+    fn new(min_gap: u128) -> Self {
+        Line { busy: BTreeMap::new(), min_gap }
+    }
+
     fn forget_before(&mut self, now: u128) {
-        while let Some(e) = self.0.first_entry() {
+        while let Some(e) = self.busy.first_entry() {
             if *e.get() > now {
                 break;
             }
@@ -210,39 +225,43 @@ impl Line {
         }
         let mut s = t.saturating_sub(d).max(floor);
         loop {
-            if let Some((_, &end)) = self.0.range(..=s).next_back() {
+            if let Some((_, &end)) = self.busy.range(..=s).next_back() {
                 if end > s {
                     s = end;
                     continue;
                 }
             }
-            match self.0.range((Bound::Excluded(s), Bound::Unbounded)).next() {
+            match self.busy.range((Bound::Excluded(s), Bound::Unbounded)).next() {
                 Some((&next, &end)) if next < s + d => s = end,
                 _ => return s + d,
             }
         }
     }
 
-    /// Marks `[s, e)` busy (free, as `fit` found it).
+    /// Marks `[s, e)` busy (free, as `fit` found it), merged with a
+    /// neighbour less than `min_gap` away.
     fn reserve(&mut self, mut s: u128, mut e: u128) {
         if s == e {
             return;
         }
-        if let Some((&ps, &pe)) = self.0.range(..s).next_back() {
-            if pe == s {
-                self.0.remove(&ps);
+        if let Some((&ps, &pe)) = self.busy.range(..s).next_back() {
+            if s - pe < self.min_gap {
+                self.busy.remove(&ps);
                 s = ps;
             }
         }
-        if let Some(ne) = self.0.remove(&e) {
-            e = ne;
+        if let Some((&ns, &ne)) = self.busy.range(e..).next() {
+            if ns - e < self.min_gap {
+                self.busy.remove(&ns);
+                e = ne;
+            }
         }
-        self.0.insert(s, e);
+        self.busy.insert(s, e);
     }
 
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.0.len()
+        self.busy.len()
     }
 }
 

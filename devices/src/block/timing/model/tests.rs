@@ -230,7 +230,7 @@ fn an_arrival_back_in_time_counts_as_the_latest() {
 
 #[test]
 fn line_fits_the_first_gap_and_merges() {
-    let mut l = Line::default();
+    let mut l = Line::new(1);
     l.reserve(10, 20);
     l.reserve(30, 40);
     assert_eq!(l.fit(15, 5, 0), 25, "after [10,20)");
@@ -244,6 +244,15 @@ fn line_fits_the_first_gap_and_merges() {
     assert_eq!(l.fit(11, 1, 0), 41);
     l.forget_before(40);
     assert_eq!(l.len(), 0);
+    // Gaps narrower than min_gap merge: [0,10) [14,24) [30,40) with min_gap 5.
+    let mut l = Line::new(5);
+    l.reserve(0, 10);
+    l.reserve(30, 40);
+    assert_eq!(l.len(), 2, "a 20-wide gap stays");
+    l.reserve(14, 24);
+    assert_eq!(l.len(), 2, "the 4-wide gap merges ([0,24)), the 6-wide one stays");
+    assert_eq!(l.fit(0, 5, 0), 29, "[24,29) is the first free 5");
+    assert_eq!(l.fit(0, 7, 0), 47, "after [30,40)");
 }
 
 /// Not a test: the cost of `admit` and of a wheel's insert and expire per
@@ -254,10 +263,10 @@ fn microbench_admit_and_wheel() {
     let n = 2_000_000;
     for s in [
         "read:10us",
-        "read:ln:80us:300us",
         "read:ln:80us:300us+channels:8",
-        "read:ln:80us:300us+iops:500k",
-        "read:ln:80us:300us+bw:3g",
+        "read:ln:80us:300us+channels:8+iops:500k",
+        "read:ln:80us:300us+channels:8+bw:3g",
+        "read:ln:80us:300us+iops:500k+bw:3g",
         "read:ln:80us:300us+channels:8+iops:500k+bw:3g",
     ] {
         let mut m = TimingModel::new(&spec(s));
