@@ -81,7 +81,9 @@ impl TimingModel {
     }
 
     /// The due time (ns) of a command of kind `op` moving `bytes` of data
-    /// (0 for a flush or a discard) that arrives at `now_ns`.
+    /// (0 for a flush or a discard; at most the front end's largest
+    /// transfer, as it holds the bandwidth line for bytes/bw) that arrives
+    /// at `now_ns`.
     pub fn admit(&mut self, now_ns: u64, op: OpKind, bytes: u64) -> u64 {
         self.admit_full(now_ns, op, bytes).due_ns
     }
