@@ -35,6 +35,11 @@ impl FileStorage {
         self.uring.as_ref().is_none_or(|u| !u.free.is_empty())
     }
 
+    /// Slots free now (0 without an io_uring).
+    pub fn free_slots(&self) -> usize {
+        self.uring.as_ref().map_or(0, |u| u.free.len())
+    }
+
     /// Gives a slot back; its operation must have been reaped (or never pushed).
     pub fn release(&mut self, slot: u16) {
         if let Some(u) = self.uring.as_mut() {
