@@ -359,6 +359,23 @@ impl QueueEngine for BlkEngine {
                     .enumerate()
                     .map(|(q, &value)| Counter { name: format!("q{q}.requests"), value }),
             )
+            .chain(self.file_counters())
+            .collect()
+    }
+}
+
+impl BlkEngine {
+    /// A file disk on io_uring: transfers done through it (O_DIRECT), the
+    /// most operations in flight at once, and times a chain waited for slots.
+    fn file_counters(&self) -> Vec<Counter> {
+        let Storage::File(f) = &self.blk.storage else { return Vec::new() };
+        if !f.is_async() {
+            return Vec::new();
+        }
+        [("backend.direct-ops", f.direct_ops), ("backend.inflight-max", f.max_in_flight)]
+            .into_iter()
+            .chain([("backend.slot-waits", self.flight.slot_waits)])
+            .map(|(n, value)| Counter { name: n.into(), value })
             .collect()
     }
 }
