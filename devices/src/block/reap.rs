@@ -1,7 +1,8 @@
 //! A file namespace's operations in flight: slots taken, operations
 //! pushed onto its io_uring (a queue pass pushes many, then submits once),
 //! waited for, and their completions reaped, each with its slot and result.
-//! A front end (NVMe's `io.rs`) maps slots to its commands.
+//! A front end maps slots to its commands (NVMe's `io.rs`) or to the
+//! pieces of its requests (virtio-blk's `blk_async.rs`).
 
 use super::uring::{FileOp, SUBMIT_BYTES};
 use super::FileStorage;
