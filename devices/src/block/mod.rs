@@ -19,8 +19,8 @@
 //! gives the pages back. Every range is checked against the size (an
 //! error, never an access outside); front ends check theirs first and
 //! answer in their own terms (NVMe's LBA Out of Range, virtio's IOERR).
-//! NVMe (`nvme/io.rs`) and virtio-blk (`virtio/blk.rs`) are the two front
-//! ends.
+//! NVMe (`nvme/io.rs`) and virtio-blk (`virtio/blk.rs`; its io_uring side
+//! `virtio/blk_async.rs`) are the two front ends.
 
 pub mod file;
 pub mod guest;
