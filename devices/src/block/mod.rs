@@ -20,10 +20,12 @@
 //! error, never an access outside); front ends check theirs first and
 //! answer in their own terms (NVMe's LBA Out of Range, virtio's IOERR).
 //! NVMe (`nvme/io.rs`) and virtio-blk (`virtio/blk.rs`) are the two front
-//! ends.
+//! ends. [`inject`] holds error injection's rules (pure code: which
+//! commands, what happens to them, when), which front ends ask per command.
 
 pub mod file;
 pub mod guest;
+pub mod inject;
 pub mod ram;
 mod reap;
 pub mod uring;
