@@ -231,6 +231,11 @@ fn every_bad_json_names_its_field() {
     assert_eq!(qid.to_string(), "match.qid: 65536 is larger than 65535");
     assert!(matches!(Rule::from_json("{\"action\":"), Err(RuleError::Json(_))));
     assert!(matches!(Rule::from_json("drop"), Err(RuleError::Json(_))));
+    // Nesting within the length bound stops at serde_json's depth limit, not the stack.
+    let deep = format!("{}{}", "[".repeat(2000), "]".repeat(2000));
+    assert!(matches!(Rule::from_json(&deep), Err(RuleError::Json(_))));
+    let deep = format!(r#"{{"action":{}}}"#, r#"{"a":"#.repeat(600) + "1" + &"}".repeat(600));
+    assert!(deep.len() <= MAX_JSON_LINE && matches!(Rule::from_json(&deep), Err(RuleError::Json(_))));
     let long = format!(r#"{{"action":"drop","match":{{"nsid":1{}}}}}"#, " ".repeat(MAX_JSON_LINE));
     assert_eq!(
         Rule::from_json(&long),
