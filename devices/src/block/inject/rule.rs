@@ -135,6 +135,15 @@ pub struct Status {
     pub more: bool,
 }
 
+impl Status {
+    /// The completion's 15-bit Status Field as `nvme::queue::post_cqe`
+    /// takes it (DW3 bits 31:17): SC in bits 7:0, SCT 10:8, CRD 12:11 (0),
+    /// More 13, DNR 14.
+    pub fn field(&self) -> u16 {
+        u16::from(self.sc) | u16::from(self.sct & 7) << 8 | u16::from(self.more) << 13 | u16::from(self.dnr) << 14
+    }
+}
+
 /// Which bytes of a read's data to flip: `bytes` distinct offsets, each
 /// XORed with a non-zero value, all drawn from `seed` (the same seed and
 /// length flip the same bytes every time).

@@ -686,3 +686,25 @@ fn corruption_flips_exactly_its_bytes_and_repeats_with_its_seed() {
     assert_eq!(c.flips(4096).len(), 4096);
     assert_eq!(c.flips(0), []);
 }
+
+#[test]
+fn a_status_is_placed_in_the_status_field_as_nvme_lays_it_out() {
+    // Unrecovered Read Error (SCT 2h, SC 81h) with DNR: 0x4281 (DW3 bits 31:17).
+    let s = |sct, sc, dnr, more| Status { sct, sc, dnr, more }.field();
+    assert_eq!(s(2, 0x81, true, false), 0x4281);
+    assert_eq!(s(2, 0x81, false, false), 0x0281);
+    assert_eq!(s(0, 0x06, false, true), 0x2006);
+    assert_eq!(s(7, 0xff, true, true), 0x67ff);
+    // Every valid status: its pieces read back from the field, CRD 0.
+    for sct in 0..8u8 {
+        for sc in 0..=255u8 {
+            for (dnr, more) in [(false, false), (true, false), (false, true), (true, true)] {
+                let f = s(sct, sc, dnr, more);
+                assert_eq!(
+                    (f & 0xff, f >> 8 & 7, f >> 11 & 3, f >> 13 & 1, f >> 14 & 1, f >> 15),
+                    (sc.into(), sct.into(), 0, more.into(), dnr.into(), 0)
+                );
+            }
+        }
+    }
+}
