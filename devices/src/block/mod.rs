@@ -20,10 +20,13 @@
 //! error, never an access outside); front ends check theirs first and
 //! answer in their own terms (NVMe's LBA Out of Range, virtio's IOERR).
 //! NVMe (`nvme/io.rs`) and virtio-blk (`virtio/blk.rs`; its io_uring side
-//! `virtio/blk_async.rs`) are the two front ends.
+//! `virtio/blk_async.rs`) are the two front ends. [`inject`] holds error
+//! injection's rules (pure code: which commands, what happens to them,
+//! when), which front ends are to ask per command (not wired yet).
 
 pub mod file;
 pub mod guest;
+pub mod inject;
 pub mod ram;
 mod reap;
 pub mod uring;
