@@ -19,11 +19,14 @@
 //! gives the pages back. Every range is checked against the size (an
 //! error, never an access outside); front ends check theirs first and
 //! answer in their own terms (NVMe's LBA Out of Range, virtio's IOERR).
-//! NVMe (`nvme/io.rs`) and virtio-blk (`virtio/blk.rs`) are the two front
-//! ends.
+//! NVMe (`nvme/io.rs`) and virtio-blk (`virtio/blk.rs`; its io_uring side
+//! `virtio/blk_async.rs`) are the two front ends. [`inject`] holds error
+//! injection's rules (pure code: which commands, what happens to them,
+//! when), which front ends are to ask per command (not wired yet).
 
 pub mod file;
 pub mod guest;
+pub mod inject;
 pub mod ram;
 mod reap;
 pub mod timing;

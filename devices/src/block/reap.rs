@@ -1,7 +1,8 @@
 //! A file namespace's operations in flight: slots taken, operations
 //! pushed onto its io_uring (a queue pass pushes many, then submits once),
 //! waited for, and their completions reaped, each with its slot and result.
-//! A front end (NVMe's `io.rs`) maps slots to its commands.
+//! A front end maps slots to its commands (NVMe's `io.rs`) or to the
+//! pieces of its requests (virtio-blk's `blk_async.rs`).
 
 use super::uring::{FileOp, SUBMIT_BYTES};
 use super::FileStorage;
@@ -33,6 +34,11 @@ impl FileStorage {
     /// True if a slot is free (or commands are served synchronously).
     pub fn has_room(&self) -> bool {
         self.uring.as_ref().is_none_or(|u| !u.free.is_empty())
+    }
+
+    /// Slots free now (0 without an io_uring).
+    pub fn free_slots(&self) -> usize {
+        self.uring.as_ref().map_or(0, |u| u.free.len())
     }
 
     /// Gives a slot back; its operation must have been reaped (or never pushed).

@@ -54,13 +54,13 @@ pub struct Done {
 }
 
 /// A view of a chain's readable or writable buffers as one byte range.
-struct Part<'a> {
+pub(super) struct Part<'a> {
     descs: Vec<&'a Desc>,
-    len: u64,
+    pub(super) len: u64,
 }
 
 impl<'a> Part<'a> {
-    fn new(descs: impl Iterator<Item = &'a Desc>) -> Self {
+    pub(super) fn new(descs: impl Iterator<Item = &'a Desc>) -> Self {
         let descs: Vec<&Desc> = descs.collect();
         let len = descs.iter().map(|d| d.len as u64).sum();
         Part { descs, len }
@@ -87,13 +87,23 @@ impl<'a> Part<'a> {
         left == 0
     }
 
-    fn read(&self, mem: &GuestMem, off: u64, buf: &mut [u8]) -> bool {
+    pub(super) fn read(&self, mem: &GuestMem, off: u64, buf: &mut [u8]) -> bool {
         self.each(off, buf.len() as u64, |gpa, o, n| mem.read_slice(&mut buf[o..o + n], gpa).is_ok())
     }
 
-    fn write(&self, mem: &GuestMem, off: u64, data: &[u8]) -> bool {
+    pub(super) fn write(&self, mem: &GuestMem, off: u64, data: &[u8]) -> bool {
         self.each(off, data.len() as u64, |gpa, o, n| mem.write_slice(&data[o..o + n], gpa).is_ok())
     }
+}
+
+/// An IN, OUT or FLUSH request as one file transfer ([`Blk::plan`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Transfer {
+    /// T_IN, T_OUT or T_FLUSH.
+    pub(super) kind: u32,
+    /// Byte offset on the disk and length (0 for FLUSH).
+    pub(super) off: u64,
+    pub(super) len: u64,
 }
 
 /// The block device's request engine: its storage and capacity.
@@ -188,6 +198,30 @@ impl Blk {
         Done { written: (written + 1) as u32, status: Some(status), kind }
     }
 
+    /// The transfer a chain asks for, if it is one the file disk's io_uring
+    /// can serve as [`handle`](Self::handle) would: an IN or OUT of one
+    /// sector or more inside the disk, or a FLUSH, each with room for the
+    /// status. None: anything else (GET_ID, DISCARD, an error, ...), which
+    /// [`handle`](Self::handle) serves.
+    pub(super) fn plan(&self, mem: &GuestMem, descs: &[Desc]) -> Option<Transfer> {
+        let r = Part::new(descs.iter().filter(|d| !d.write));
+        let w = Part::new(descs.iter().filter(|d| d.write));
+        let mut hdr = [0u8; 16];
+        if r.len < 16 || w.len == 0 || !r.read(mem, 0, &mut hdr) {
+            return None;
+        }
+        let kind = u32::from_le_bytes(hdr[0..4].try_into().unwrap());
+        let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap());
+        let len = match kind {
+            T_IN => w.len - 1,
+            T_OUT => r.len - 16,
+            T_FLUSH => return Some(Transfer { kind, off: 0, len: 0 }),
+            _ => return None,
+        };
+        let off = self.range(sector, len).filter(|_| len > 0)?;
+        Some(Transfer { kind, off, len })
+    }
+
     /// DISCARD and WRITE_ZEROES (5.2.6.2): segments of {sector, num_sectors,
     /// flags} after the header, every one checked before any is done.
     /// DISCARD and WRITE_ZEROES with VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP
@@ -241,6 +275,20 @@ impl Blk {
         let off = sector.checked_mul(SECTOR)?;
         (off.checked_add(len)? <= self.size).then_some(off)
     }
+}
+
+/// Ends a request served in pieces: its status byte written as the last
+/// writable byte (S_OK if `ok`, else S_IOERR), and what [`Blk::handle`]
+/// would have answered: the used length counts an IN's data (when `ok`)
+/// and the status; 0 if the status could not be written.
+pub(super) fn finish(mem: &GuestMem, descs: &[Desc], kind: u32, ok: bool) -> Done {
+    let w = Part::new(descs.iter().filter(|d| d.write));
+    let status = if ok { S_OK } else { S_IOERR };
+    let data = if ok && kind == T_IN { w.len.saturating_sub(1) } else { 0 };
+    if w.len == 0 || !w.write(mem, w.len - 1, &[status]) {
+        return Done { written: 0, status: None, kind };
+    }
+    Done { written: (data + 1) as u32, status: Some(status), kind }
 }
 
 /// Where num_queues sits in the configuration space (after the

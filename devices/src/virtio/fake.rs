@@ -25,7 +25,12 @@ pub struct Driver {
 
 impl Driver {
     pub fn new(num: u16) -> Self {
-        let ram = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), RAM as usize)]).unwrap();
+        Self::with_ram(num, RAM)
+    }
+
+    /// A driver with `bytes` of guest RAM (at least [`RAM`]).
+    pub fn with_ram(num: u16, bytes: u64) -> Self {
+        let ram = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), bytes.max(RAM) as usize)]).unwrap();
         Driver { mem: ram.clone().into(), ram, num, avail_idx: 0, desc: DESC, avail: AVAIL, used: USED }
     }
 

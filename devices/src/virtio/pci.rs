@@ -23,14 +23,21 @@
 //! one kept full. One eventfd for all: a vfio-user client takes the fds a
 //! server announces once, and one fd per queue would cost an fd each.
 //!
-//! A `file:PATH` disk is read and written synchronously (pread, pwrite,
-//! fdatasync) on the thread that serves the queue. Not yet: io_uring with
-//! O_DIRECT and several requests in flight (the block layer's `FileStorage`
-//! slots, which NVMe uses).
+//! A `file:PATH` disk served by the `virtio-blk` thread (ioeventfd, poll)
+//! goes through the block layer's io_uring, as NVMe's does: IN, OUT and
+//! FLUSH requests of every queue are pushed in a pass, submitted once,
+//! and completed as the thread reaps them (it also waits on the ring's
+//! completion eventfd), many in flight ([`aio`]). DISCARD, WRITE_ZEROES
+//! and GET_ID are served at once, synchronously. A reset, and the end of
+//! a run or a client, cancels the requests in flight and waits for their
+//! operations: no completion reaches the guest after it. notify=exit
+//! serves a file disk synchronously (pread, pwrite, fdatasync) on the
+//! vCPU thread, which has nothing to wait for completions on; so does a
+//! file whose filesystem refuses O_DIRECT or io_uring.
 
-use super::blk::{self, Blk};
+use super::blk::{self, Blk, Done};
 use super::transport::{DeviceConfigBytes, QueueEngine, Shared, State, Transport, VirtioPci};
-use crate::block::StorageKind;
+use crate::block::{Storage, StorageKind};
 use crate::{Counter, DeviceContext, Error, IoEventSpec, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -163,6 +170,13 @@ pub struct BlkEngine {
     /// its next clients get that same fd, so a later session must be woken
     /// through it, not through a new one nobody writes.
     kick: Option<Arc<EventFd>>,
+    /// A file disk's requests go through its io_uring (the device thread
+    /// serves the queues and reaps): set while that thread runs.
+    pub(super) aio: bool,
+    flight: aio::Flight,
+    /// The queue a pass starts at (turns, so that none waits for slots
+    /// behind another one kept full).
+    first: usize,
 }
 
 /// The virtio-blk PCI function served in the VMM.
@@ -187,7 +201,17 @@ impl VirtioPci<BlkEngine> {
         let storage = crate::backing::open(&cfg.backend, cfg.size, cfg.create)?;
         let blk = Blk::new(storage, cfg.size, "iopath-virtio-blk");
         let st = Stats { queue_requests: vec![0; n as usize], ..Stats::default() };
-        let e = BlkEngine { cfg, blk, st, polling: false, thread: None, kick: None };
+        let e = BlkEngine {
+            cfg,
+            blk,
+            st,
+            polling: false,
+            thread: None,
+            kick: None,
+            aio: false,
+            flight: aio::Flight::default(),
+            first: 0,
+        };
         Ok(VirtioPci::with_engine(e))
     }
 }
@@ -227,16 +251,25 @@ fn start_thread(dev: &Shared<BlkEngine>, ctx: &DeviceContext) {
     let stop = Arc::new(AtomicBool::new(false));
     let (k, st, state) = (kick.clone(), stop.clone(), dev.clone());
     let poll = s.e.cfg.notify == NotifyMode::Poll;
+    let done = match &s.e.blk.storage {
+        Storage::File(f) if f.is_async() => f.completion_fd(),
+        _ => None,
+    };
+    let d = done.clone();
     let handle = std::thread::Builder::new().name("virtio-blk".into()).spawn(move || {
         crate::sandbox::enter(crate::sandbox::Role::Device);
+        let w = super::worker::Wake { kick: &k, done: d.as_deref(), stop: &st };
         if poll {
-            super::worker::poll_loop(&state, &k, &st)
+            super::worker::poll_loop(&state, &w)
         } else {
-            super::worker::kick_loop(&state, &k, &st)
+            super::worker::kick_loop(&state, &w)
         }
     });
     match handle {
-        Ok(handle) => s.e.thread = Some(Worker { kick, stop, handle }),
+        Ok(handle) => {
+            s.e.thread = Some(Worker { kick, stop, handle });
+            s.e.aio = done.is_some();
+        }
         Err(e) => {
             for q in 0..queues {
                 let _ = ctx.ioevents.unregister(notify_spec(q), &kick);
@@ -285,6 +318,11 @@ impl QueueEngine for BlkEngine {
             let _ = w.kick.write(1);
             let _ = w.handle.join();
         }
+        // No completion after the run (or the client) ended.
+        let mut s = crate::lock(dev);
+        let e = &mut s.e;
+        e.flight.cancel(&mut e.blk);
+        e.aio = false;
     }
 
     fn new_client(dev: &Shared<Self>, ctx: &DeviceContext) {
@@ -306,6 +344,14 @@ impl QueueEngine for BlkEngine {
     fn notify(&mut self, t: &mut Transport, queue: u16) {
         // The vCPU that wrote is waiting here: nothing else adds to the ring.
         while serve_queue(t, self, queue as usize) {}
+        if self.aio {
+            submit(self); // the device thread reaps
+        }
+    }
+
+    fn reset(&mut self, _t: &mut Transport) {
+        // Before the transport forgets the queues: nothing completes after this.
+        self.flight.cancel(&mut self.blk);
     }
 
     fn counters(&self) -> Vec<Counter> {
@@ -319,18 +365,85 @@ impl QueueEngine for BlkEngine {
                     .enumerate()
                     .map(|(q, &value)| Counter { name: format!("q{q}.requests"), value }),
             )
+            .chain(self.file_counters())
+            .collect()
+    }
+}
+
+impl BlkEngine {
+    /// A file disk on io_uring: transfers done through it (O_DIRECT), the
+    /// most operations in flight at once, and times a chain waited for slots.
+    fn file_counters(&self) -> Vec<Counter> {
+        let Storage::File(f) = &self.blk.storage else { return Vec::new() };
+        if !f.is_async() {
+            return Vec::new();
+        }
+        [("backend.direct-ops", f.direct_ops), ("backend.inflight-max", f.max_in_flight)]
+            .into_iter()
+            .chain([("backend.slot-waits", self.flight.slot_waits)])
+            .map(|(n, value)| Counter { name: n.into(), value })
             .collect()
     }
 }
 
 /// One pass over every queue: each served as [`serve_queue`] does, in
 /// turn. True if one stopped with more to do.
+/// With io_uring ([`BlkEngine::aio`]): reaps first (freeing slots), starts
+/// at the next queue each pass, and submits what the pass pushed.
 pub(super) fn serve(t: &mut Transport, e: &mut BlkEngine) -> bool {
     let mut more = false;
-    for i in 0..t.queues.len() {
-        more |= serve_queue(t, e, i);
+    let n = t.queues.len();
+    if e.aio {
+        reap(t, e);
+    }
+    let first = if e.aio { e.first % n.max(1) } else { 0 };
+    for k in 0..n {
+        more |= serve_queue(t, e, (first + k) % n);
+    }
+    if e.aio {
+        e.first = first + 1;
+        submit(e);
     }
     more
+}
+
+/// Sends what a pass pushed to the file's io_uring.
+fn submit(e: &mut BlkEngine) {
+    if let Storage::File(f) = &mut e.blk.storage {
+        f.submit();
+    }
+}
+
+/// Reaps the file's completions and puts each request completed in its
+/// queue's used ring, then raises the interrupts the driver asked for.
+/// True if anything completed.
+pub(super) fn reap(t: &mut Transport, e: &mut BlkEngine) -> bool {
+    let Some(mem) = t.ctx.as_ref().map(|c| c.mem.clone()) else { return false };
+    let done = e.flight.reap(&mut e.blk, &mem, |q| t.queue_live(q as usize));
+    let mut irq = vec![false; t.queues.len()];
+    for &(q, head, d) in &done {
+        let i = q as usize;
+        if !t.queue_live(i) {
+            continue; // broken by an earlier one in this batch
+        }
+        count(e, i, &d);
+        match t.queues[i].ring.push_used(&mem, head, d.written) {
+            Ok(x) => irq[i] |= x,
+            Err(err) => t.broken(&format!("used ring: {err}")),
+        }
+    }
+    for (i, _) in irq.iter().enumerate().filter(|(_, &x)| x) {
+        t.queue_interrupt(i);
+    }
+    !done.is_empty()
+}
+
+fn count(e: &mut BlkEngine, i: usize, done: &Done) {
+    e.st.requests += 1;
+    e.st.queue_requests[i] += 1;
+    if done.status != Some(blk::S_OK) {
+        e.st.errors += 1;
+    }
 }
 
 /// Serves queue `i`'s available requests, at most a ring's worth, then
@@ -350,12 +463,21 @@ pub(super) fn serve_queue(t: &mut Transport, e: &mut BlkEngine, i: usize) -> boo
         more = true;
         match q.pop(&mem) {
             Ok(Some(c)) => {
-                let done = e.blk.handle(&mem, &c.descs);
-                e.st.requests += 1;
-                e.st.queue_requests[i] += 1;
-                if done.status != Some(blk::S_OK) {
-                    e.st.errors += 1;
-                }
+                let done = if e.aio {
+                    match e.flight.start(&mut e.blk, &mem, i as u16, c.head, c.descs) {
+                        aio::Started::Done(d) => d,
+                        aio::Started::InFlight => continue,
+                        aio::Started::NoRoom => {
+                            // Left available until a reap frees slots (the thread wakes on it).
+                            q.unpop();
+                            more = false;
+                            break;
+                        }
+                    }
+                } else {
+                    e.blk.handle(&mem, &c.descs)
+                };
+                count(e, i, &done);
                 match q.push_used(&mem, c.head, done.written) {
                     Ok(i) => irq |= i,
                     Err(err) => {
@@ -393,6 +515,11 @@ impl State<BlkEngine> {
         serve(&mut self.t, &mut self.e)
     }
 
+    /// Requests on the file's io_uring not yet completed.
+    pub(super) fn in_flight(&self) -> usize {
+        self.e.flight.requests()
+    }
+
     /// True if a queue is live and the driver has made chains available
     /// on it the device has not taken.
     pub(super) fn has_work(&self) -> bool {
@@ -424,6 +551,9 @@ impl State<BlkEngine> {
         waiting
     }
 }
+#[path = "blk_async.rs"]
+pub(super) mod aio;
+
 #[cfg(test)]
 #[path = "pci_tests.rs"]
 mod tests;

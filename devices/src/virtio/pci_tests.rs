@@ -357,5 +357,7 @@ fn the_pci_cfg_window_reaches_the_bar() {
     assert!(!r.dev.config_read(body + 6, &mut d));
 }
 
+#[path = "blk_async_tests.rs"]
+mod aio;
 #[path = "pci_mq_tests.rs"]
 mod mq;

@@ -153,6 +153,13 @@ impl Queue {
         Ok(Some(Chain { head, descs }))
     }
 
+    /// Gives back the chain the last [`pop`](Self::pop) took: it stays
+    /// available, and the next pop takes it again (a device that cannot
+    /// start it yet). Nothing was written to the guest for it.
+    pub fn unpop(&mut self) {
+        self.next_avail = self.next_avail.wrapping_sub(1);
+    }
+
     fn read_desc(mem: &GuestMem, gpa: u64) -> Result<(u64, u32, u16, u16), QueueError> {
         let mut b = [0u8; 16];
         mem.read_slice(&mut b, gpa).map_err(|_| mem_err(gpa, 16))?;

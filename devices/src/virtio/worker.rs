@@ -2,6 +2,8 @@
 //! (`notify=ioeventfd`), or polling the available ring with the driver's
 //! notifications suppressed (`notify=poll`), so a driver that honours
 //! EVENT_IDX (or NO_NOTIFY) makes no exit while requests keep coming.
+//! On a file disk with io_uring it also wakes on the ring's completion
+//! eventfd and reaps (`pci.rs`: each pass reaps before it serves).
 
 use super::pci::BlkEngine;
 use super::transport::State;
@@ -14,44 +16,69 @@ use vmm_sys_util::eventfd::EventFd;
 /// How long the poller spins on an empty ring before it sleeps.
 pub const POLL_IDLE: Duration = Duration::from_micros(200);
 
-/// Waits up to 1 s for a kick; the number of kicks read (0: none, or a stop).
-fn wait_kick(kick: &EventFd, stop: &AtomicBool) -> u64 {
-    let mut fds = [libc::pollfd { fd: kick.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
-    // SAFETY: one valid pollfd; a bounded wait so a stop is seen.
-    unsafe { libc::poll(fds.as_mut_ptr(), 1, 1000) };
-    if stop.load(Ordering::Acquire) {
-        return 0; // the stop's own kick is not the guest's
-    }
-    kick.read().unwrap_or(0)
+/// What wakes the thread: the queues' ioeventfd, the file's io_uring
+/// completions (a file disk with io_uring), and the stop flag.
+pub(super) struct Wake<'a> {
+    pub(super) kick: &'a EventFd,
+    pub(super) done: Option<&'a EventFd>,
+    pub(super) stop: &'a AtomicBool,
 }
 
-/// `notify=ioeventfd`: serve the queue on each kick.
-pub(super) fn kick_loop(state: &Mutex<State<BlkEngine>>, kick: &EventFd, stop: &AtomicBool) {
-    while !stop.load(Ordering::Acquire) {
-        let n = wait_kick(kick, stop);
-        if n > 0 {
+/// Waits up to 1 s for a kick or a completion: the number of kicks read
+/// (0: none, or a stop) and whether completions were signalled.
+fn wait_kick(w: &Wake) -> (u64, bool) {
+    let mut fds = [libc::pollfd { fd: w.kick.as_raw_fd(), events: libc::POLLIN, revents: 0 }; 2];
+    let n = match w.done {
+        Some(d) => {
+            fds[1].fd = d.as_raw_fd();
+            2
+        }
+        None => 1,
+    };
+    // SAFETY: `n` valid pollfds; a bounded wait so a stop is seen.
+    unsafe { libc::poll(fds.as_mut_ptr(), n, 1000) };
+    if w.stop.load(Ordering::Acquire) {
+        return (0, false); // the stop's own kick is not the guest's
+    }
+    // The completion eventfd blocks on read: read only when it is readable.
+    let done = n == 2 && fds[1].revents & libc::POLLIN != 0 && w.done.is_some_and(|d| d.read().is_ok());
+    (w.kick.read().unwrap_or(0), done)
+}
+
+/// `notify=ioeventfd`: serve the queues on each kick, and reap on each completion.
+pub(super) fn kick_loop(state: &Mutex<State<BlkEngine>>, w: &Wake) {
+    while !w.stop.load(Ordering::Acquire) {
+        let (n, done) = wait_kick(w);
+        // With requests in flight, a quiet second also makes a pass: it
+        // retries what a refused submit left in the ring.
+        if n > 0 || done || crate::lock(state).in_flight() > 0 {
             {
                 let mut st = crate::lock(state);
                 st.e.st.kicks = st.e.st.kicks.saturating_add(n);
             }
             // A driver that keeps the queue full keeps this going: the
             // stop is looked at between passes, the lock let go of.
-            while !stop.load(Ordering::Acquire) && crate::lock(state).serve() {}
+            while !w.stop.load(Ordering::Acquire) && crate::lock(state).serve() {}
         }
     }
 }
 
 /// `notify=poll`: poll with notifications off; after [`POLL_IDLE`] without
 /// work, turn them on, look once more (a request that came in between is
-/// served at once), and sleep on the ioeventfd.
-pub(super) fn poll_loop(state: &Mutex<State<BlkEngine>>, kick: &EventFd, stop: &AtomicBool) {
+/// served at once), and sleep on the ioeventfd (and the completions).
+pub(super) fn poll_loop(state: &Mutex<State<BlkEngine>>, w: &Wake) {
     crate::lock(state).e.polling = false; // notifications on until the first kick
     let mut idle = Instant::now();
     let mut awake = false;
-    while !stop.load(Ordering::Acquire) {
+    while !w.stop.load(Ordering::Acquire) {
         if !awake {
-            let n = wait_kick(kick, stop);
+            let (n, done) = wait_kick(w);
             if n == 0 {
+                if done || crate::lock(state).in_flight() > 0 {
+                    // Completions only (or a quiet second with requests in flight):
+                    // reaped, and what they freed room for served.
+                    while !w.stop.load(Ordering::Acquire) && crate::lock(state).serve() {}
+                }
                 continue;
             }
             let mut st = crate::lock(state);
@@ -59,13 +86,22 @@ pub(super) fn poll_loop(state: &Mutex<State<BlkEngine>>, kick: &EventFd, stop: &
             st.set_polling(true);
             (awake, idle) = (true, Instant::now());
         }
-        let worked = crate::lock(state).has_work();
-        if worked {
+        let (worked, in_flight) = {
+            let st = crate::lock(state);
+            (st.has_work(), st.in_flight() > 0)
+        };
+        if worked || in_flight {
             // One pass per lock hold: a full queue starves neither the
-            // BAR accesses nor the stop.
-            while !stop.load(Ordering::Acquire) && crate::lock(state).serve() {}
-            idle = Instant::now();
-        } else if idle.elapsed() >= POLL_IDLE {
+            // BAR accesses nor the stop. A pass reaps first.
+            while !w.stop.load(Ordering::Acquire) && crate::lock(state).serve() {}
+            if worked {
+                idle = Instant::now();
+            }
+        }
+        if worked {
+            continue;
+        }
+        if idle.elapsed() >= POLL_IDLE {
             let mut st = crate::lock(state);
             if !st.set_polling(false) {
                 st.e.st.sleeps += 1;
