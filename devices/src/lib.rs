@@ -17,6 +17,7 @@ pub mod mem;
 pub mod nvme;
 pub mod options;
 pub mod pci;
+pub mod rng;
 pub mod sandbox;
 pub mod spec;
 pub mod testdev;

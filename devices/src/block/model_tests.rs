@@ -12,22 +12,8 @@
 
 use super::*;
 
-/// splitmix64: a fixed sequence per seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in 0..n (n > 0).
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+/// A fixed sequence per seed.
+use crate::rng::SplitMix64 as Rng;
 
 /// Not a multiple of a page: the ends of ram's page-wise deallocation and
 /// of a file's last block are reached.
@@ -90,7 +76,7 @@ fn through_the_ring(f: &mut FileStorage, rng: &mut Rng, model: &mut [u8]) {
     let (w, r) = (align * rng.below(blocks - n + 1), align * rng.below(blocks - n + 1));
     let len = (n * align) as usize;
     let sw = f.take_slot().unwrap();
-    let fill = rng.next() as u8;
+    let fill = rng.next_u64() as u8;
     f.buffer(sw, len).fill(fill);
     assert!(f.push(sw, FileOp::Write { dsync: rng.below(4) == 0 }, w, len));
     f.submit();
@@ -137,7 +123,7 @@ fn run(s: &mut Storage, seed: u64, ops: usize) -> Vec<u8> {
             0 | 1 => {
                 // A buffer that fits; one past the end is only described, never allocated.
                 let n = if inside(off, len) { len } else { len.min(MAX_LEN) };
-                let canary = rng.next() as u8;
+                let canary = rng.next_u64() as u8;
                 let mut buf = vec![canary; n as usize];
                 let r = s.read(off, &mut buf);
                 expect(r, off, n, &format!("{what}: read"));
@@ -149,7 +135,7 @@ fn run(s: &mut Storage, seed: u64, ops: usize) -> Vec<u8> {
             }
             2 | 3 => {
                 let n = if inside(off, len) { len } else { len.min(MAX_LEN) };
-                let data: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+                let data: Vec<u8> = (0..n).map(|_| rng.next_u64() as u8).collect();
                 expect(s.write(off, &data), off, n, &format!("{what}: write"));
                 if inside(off, n) {
                     model[off as usize..(off + n) as usize].copy_from_slice(&data);

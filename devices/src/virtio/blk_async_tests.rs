@@ -25,19 +25,7 @@ const DATA_AT: u64 = 0x1000;
 /// The gap between a request's two data buffers (never written).
 const GAP: u64 = 0x200;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+use crate::rng::SplitMix64 as Rng;
 
 /// A request the driver made available and has not seen complete.
 struct Out {
@@ -80,7 +68,7 @@ impl Sched {
         let path = std::env::temp_dir().join(format!("iopath-vblk-aio-{}-{seed}.img", std::process::id()));
         let _ = std::fs::remove_file(&path);
         let mut rng = Rng(seed);
-        let image: Vec<u8> = (0..DISK).map(|_| rng.next() as u8).collect();
+        let image: Vec<u8> = (0..DISK).map(|_| rng.next_u64() as u8).collect();
         std::fs::write(&path, &image).unwrap();
         let cfg = VirtioBlkConfig {
             backend: StorageKind::File(path.clone()),
@@ -204,7 +192,7 @@ impl Sched {
         let data_at = |k: u64| if k < split { DATA_AT + k } else { DATA_AT + GAP + k } as usize;
         let mut old = Vec::new();
         if kind == T_OUT {
-            let data: Vec<u8> = (0..len).map(|_| self.rng.next() as u8).collect();
+            let data: Vec<u8> = (0..len).map(|_| self.rng.next_u64() as u8).collect();
             old = self.image[off as usize..(off + len) as usize].to_vec();
             for k in 0..len {
                 before[data_at(k)] = data[k as usize];

@@ -1,9 +1,11 @@
 //! virtio 1.x devices: split virtqueues ([`queue`]), the block device
 //! ([`blk`]), the modern PCI transport ([`transport`]: up to 16 queues, a
 //! [`QueueEngine`](transport::QueueEngine) serving them) and virtio-blk
-//! served in the VMM ([`pci`]) with its options ([`options`]).
+//! served in the VMM ([`pci`]; a file disk's io_uring side in `blk_async`)
+//! with its options ([`options`]).
 
 pub mod blk;
+mod blk_async;
 pub mod options;
 pub mod pci;
 pub mod queue;

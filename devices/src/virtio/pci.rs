@@ -36,6 +36,7 @@
 //! file whose filesystem refuses O_DIRECT or io_uring.
 
 use super::blk::{self, Blk, Done};
+use super::blk_async as aio;
 use super::transport::{DeviceConfigBytes, QueueEngine, Shared, State, Transport, VirtioPci};
 use crate::block::{Storage, StorageKind};
 use crate::{Counter, DeviceContext, Error, IoEventSpec, Result};
@@ -551,9 +552,6 @@ impl State<BlkEngine> {
         waiting
     }
 }
-#[path = "blk_async.rs"]
-pub(super) mod aio;
-
 #[cfg(test)]
 #[path = "pci_tests.rs"]
 mod tests;

@@ -1,5 +1,5 @@
 //! The timing model: [`TimingModel::admit`] turns a command's arrival into
-//! its due time. Deterministic (a seeded SplitMix64 of its own, no clock,
+//! its due time. Deterministic (a seeded `crate::rng::SplitMix64`, no clock,
 //! no thread: time is an argument) so a run can be replayed exactly.
 //!
 //! A command arriving at `now`:
@@ -31,6 +31,7 @@
 //! clock reads racing for the model's lock) counts as the latest seen.
 
 use super::spec::{Latency, OpKind, TimingSpec, DEFAULT_SEED, MAX_DURATION_NS};
+use crate::rng::SplitMix64;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 use std::ops::Bound;
@@ -151,7 +152,7 @@ impl TimingModel {
             Latency::Constant(d) => d,
             Latency::Uniform { lo, hi } => {
                 let span = (hi - lo) as u128 + 1;
-                lo + ((self.rng.next() as u128 * span) >> 64) as u64
+                lo + ((self.rng.next_u64() as u128 * span) >> 64) as u64
             }
             Latency::LogNormal { .. } => {
                 let (mu, sigma) = l.lognormal_params().expect("a log-normal");
@@ -171,24 +172,6 @@ impl TimingModel {
         let a = std::f64::consts::TAU * u2;
         self.spare_normal = Some(r * a.sin());
         r * a.cos()
-    }
-}
-
-/// SplitMix64 (Steele, Lea, Flood 2014): small, fast, passes BigCrush.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in (0, 1]: never 0, so its logarithm is finite.
-    fn unit(&mut self) -> f64 {
-        ((self.next() >> 11) + 1) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 }
 

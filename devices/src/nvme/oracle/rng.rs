@@ -32,11 +32,7 @@ impl Rng {
             }
             return u64::from_le_bytes(w);
         }
-        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        crate::rng::next(&mut self.state)
     }
 
     /// A value in `0..n` (n > 0).

@@ -176,7 +176,7 @@ fn bandwidth_ceiling_holds_over_every_window_of_1000() {
     for (s, ceiling) in [("read:20us+bw:3g", 3e9), ("read:ln:30us:90us+bw:1500m+channels:32", 1.5e9)] {
         let mut m = TimingModel::new(&spec(s));
         let mut r = SplitMix64(9);
-        let pick: Vec<u64> = (0..100_000 + 64).map(|_| sizes[(r.next() % 4) as usize]).collect();
+        let pick: Vec<u64> = (0..100_000 + 64).map(|_| sizes[r.below(4) as usize]).collect();
         let done = closed_loop(&mut m, 64, 100_000, |i| pick[i]);
         let (_, (lo, hi)) = window_rates(&done, 1000);
         eprintln!("{s}: windows of 1000 completions: {:.4} ..= {:.4} GB/s", lo / 1e9, hi / 1e9);
