@@ -199,10 +199,29 @@ impl FileStorage {
             _ => {
                 let e = std::io::Error::last_os_error();
                 if e.kind() != std::io::ErrorKind::Interrupted {
-                    log::warn!("nvme: io_uring wait: {e}");
+                    log::warn!("block: io_uring wait: {e}");
                     return false;
                 }
                 true // the caller looks again (and checks its deadline)
+            }
+        }
+    }
+
+    /// Reaps and frees every operation in flight, waiting at most `timeout`
+    /// for the last of them (a front end that forgot its commands: a reset,
+    /// the end of a run). True if none is left in flight.
+    pub fn drain(&mut self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            while let Some((slot, _)) = self.reap() {
+                self.release(slot);
+            }
+            if self.in_flight() == 0 {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() || !self.wait_for(left) {
+                return false;
             }
         }
     }

@@ -317,19 +317,9 @@ impl Core {
         self.ns.pending.slot_wait = false;
         let Storage::File(f) = &mut self.ns.storage else { return true };
         let timeout = Duration::from_millis((cap() >> 24 & 0xff) * 500 / 2);
-        let deadline = Instant::now() + timeout;
-        loop {
-            // Every operation in flight is an aborted one: freed as it is reaped.
-            while let Some((slot, _)) = f.reap() {
-                f.release(slot);
-            }
-            if f.in_flight() == 0 {
-                return true;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || !f.wait_for(left) {
-                break;
-            }
+        // Every operation in flight is an aborted one: freed as it is reaped.
+        if f.drain(timeout) {
+            return true;
         }
         log::error!("nvme: {} file operations still in flight {timeout:?} after a reset", f.in_flight());
         false

@@ -25,7 +25,7 @@ use crate::block::{FileOp, Storage, FILE_SLOTS, MAX_IO};
 use crate::virtio::blk::{self, Blk, Done, Part, T_IN, T_OUT};
 use crate::virtio::queue::Desc;
 use crate::GuestMem;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 // Every request fits in the slots at once, so one always starts once the
 // slots are free.
@@ -196,22 +196,10 @@ impl Flight {
         self.free.clear();
         self.slots.iter_mut().for_each(|s| *s = None);
         let Storage::File(f) = &mut b.storage else { return true };
-        let deadline = Instant::now() + CANCEL_WAIT;
-        loop {
-            while let Some((slot, _)) = f.reap() {
-                f.release(slot);
-            }
-            if f.in_flight() == 0 {
-                return true;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || !f.wait_for(left) && Instant::now() >= deadline {
-                log::error!(
-                    "virtio-blk: {} file operations still in flight {CANCEL_WAIT:?} after a reset",
-                    f.in_flight()
-                );
-                return false;
-            }
+        if f.drain(CANCEL_WAIT) {
+            return true;
         }
+        log::error!("virtio-blk: {} file operations still in flight {CANCEL_WAIT:?} after a reset", f.in_flight());
+        false
     }
 }
