@@ -94,28 +94,61 @@ fn a_device_with_four_queues_serves_a_one_queue_driver_in_the_vmm_and_over_vfio_
 }
 
 #[test]
+fn without_queues_the_vmm_gives_virtio_blk_one_queue_per_vcpu_in_the_vmm_and_in_a_device_process_it_starts() {
+    // iopath's VMM has one vCPU: one queue, in the VMM and in the device process the VMM
+    // starts (told queues=1 on its command line), whatever `iopath serve` offers by itself.
+    for spec in ["virtio-blk,backend=ram,notify=ioeventfd", "virtio-blk,backend=ram,notify=ioeventfd@vfio-user"] {
+        let (r, err) = vblk(spec, "verify=1 bs=4096 iodepth=4 size_mb=4");
+        assert_eq!((r["errors"], r["mismatches"], r["verified_blocks"]), (0, 0, 1024), "{spec}: {r:?}");
+        assert_eq!(counter(&err, "q0.requests"), r["ios"], "{spec}: {err}");
+        assert!(!err.contains("q1.requests="), "{spec}: more than one queue: {err}");
+    }
+}
+
+#[test]
 fn a_device_process_serves_a_second_client_through_the_notify_eventfd_it_announced() {
     // One `iopath serve` (vfio-user, notify=ioeventfd), two clients in turn:
     // the second one's notifications must still reach the device thread.
+    // Without queues=N it offers 16 (it cannot know its client's vCPUs); the
+    // guest's driver enables queue 0 only, and the others cost nothing.
     let dir = std::env::temp_dir().join(format!("iopath-vblk-serve-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let sock = dir.join("vfio-user.sock");
     let mut server = Command::new(env!("CARGO_BIN_EXE_iopath"))
         .args(["serve", "virtio-blk,notify=ioeventfd,backend=ram", "--transport", "vfio-user", "--socket"])
         .arg(&sock)
-        .stdout(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    let reports = server.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for l in std::io::BufReader::new(reports).lines().map_while(Result::ok) {
+            if l.contains("\"disconnected\"") && tx.send(l).is_err() {
+                return;
+            }
+        }
+    });
     let t0 = std::time::Instant::now();
     while !sock.exists() && t0.elapsed() < std::time::Duration::from_secs(10) {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let spec = format!("vfio-user:{}", sock.display());
     let result = std::panic::catch_unwind(|| {
+        let mut ios = 0; // the counters add up across clients
         for client in 1..=2 {
             // A lost notification leaves the guest waiting: its run times out (vblk's --timeout 120).
             let (r, _) = vblk(&spec, "rw=randread bs=4096 iodepth=4 time_ms=100");
             assert!(r["ios"] > 0 && r["errors"] == 0, "client {client}: {r:?}");
+            // The device's counters when the client left: 16 queues, queue 0 took every request.
+            let report = rx.recv_timeout(std::time::Duration::from_secs(20)).expect("a counters line");
+            let v: serde_json::Value = serde_json::from_str(&report).unwrap();
+            let c = |n: &str| v["counters"][n].as_u64().unwrap_or_else(|| panic!("no {n}: {report}"));
+            ios += r["ios"];
+            assert_eq!(c("q0.requests"), ios, "client {client}: {report}");
+            assert_eq!((c("q15.requests"), c("errors"), c("ring_errors")), (0, 0, 0), "client {client}: {report}");
+            assert!(v["counters"].get("q16.requests").is_none(), "client {client}: {report}");
         }
     });
     let _ = server.kill();

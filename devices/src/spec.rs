@@ -122,6 +122,19 @@ impl DeviceConfig {
         Ok(crate::backing::prepare(backend, bytes, create)?)
     }
 
+    /// This device with its queue count settled: virtio-blk's `queues=N`
+    /// if given, else `default` (the host's choice: iopath's VMM one per
+    /// vCPU, a device process [`MAX_QUEUES`](crate::virtio::transport::MAX_QUEUES));
+    /// other devices as they are.
+    pub fn with_default_queues(&self, default: u16) -> DeviceConfig {
+        match self {
+            DeviceConfig::VirtioBlk(c) => {
+                DeviceConfig::VirtioBlk(VirtioBlkConfig { queues: Some(c.queues.unwrap_or(default)), ..c.clone() })
+            }
+            d => d.clone(),
+        }
+    }
+
     /// A new device model with these options.
     pub fn build(&self) -> Result<SharedDevice> {
         Ok(match self {
@@ -235,6 +248,24 @@ pub fn help() -> String {
 mod tests {
     use super::*;
     use crate::block::StorageKind;
+
+    #[test]
+    fn a_default_queue_count_fills_only_a_virtio_blk_without_queues() {
+        let q = |s: &str, n| match s.parse::<DeviceConfig>().unwrap().with_default_queues(n) {
+            DeviceConfig::VirtioBlk(c) => c.queues,
+            d => panic!("{d}"),
+        };
+        assert_eq!(q("virtio-blk", 16), Some(16));
+        assert_eq!(q("virtio-blk,queues=2", 16), Some(2));
+        assert_eq!(q("virtio-blk,queues=16", 1), Some(16));
+        // Written back, the count a device process is started with is explicit.
+        let d = "virtio-blk,backend=null".parse::<DeviceConfig>().unwrap().with_default_queues(1);
+        assert_eq!(d.to_string(), "virtio-blk,backend=null,size_mb=64,notify=exit,queues=1");
+        for s in ["pci-testdev", "nvme,backend=null"] {
+            let d = s.parse::<DeviceConfig>().unwrap();
+            assert_eq!(d.with_default_queues(16), d, "{s}");
+        }
+    }
 
     #[test]
     fn configs_round_trip_through_their_text() {

@@ -28,7 +28,15 @@
 //!   listens on PATH (iopath's, qemu-storage-daemon's, any); of OPTS only
 //!   `queues=N` counts there. `vhost-user-blk:PATH` (the transport's
 //!   [`any_backend`](crate::QueueTransport::any_backend) name) is that with
-//!   one queue. The function has the `queues=N` of OPTS (default 1).
+//!   one queue. The function has the `queues=N` of OPTS.
+//!
+//! virtio-blk's queues without `queues=N` ([`queues_of`]): one per vCPU of
+//! the VMM ([`VCPUS`]), whether the function is in the VMM, in a device
+//! process the VMM starts (which is told `queues=N` in its argv) or a
+//! queue transport's frontend. A device process started on its own does
+//! not know its client's vCPUs and offers
+//! [`MAX_QUEUES`](iopath_devices::virtio::transport::MAX_QUEUES)
+//! (`serve`), of which Linux's virtio_blk takes one per CPU.
 
 use crate::process::{DeviceProcess, CHILD_SOCKET_FD};
 use crate::transport::{transport, Transport};
@@ -141,10 +149,14 @@ impl DeviceSpec {
     }
 }
 
-/// The queues a model's function has (`queues=N`, default 1).
-fn queues_of(model: &DeviceConfig) -> u16 {
+/// The vCPUs of iopath's VMM (`iopath_vmm` makes vCPU 0 only).
+pub const VCPUS: u16 = 1;
+
+/// The queues a model's function has in this VMM: `queues=N`, else one per
+/// vCPU ([`VCPUS`]); 1 for a device without queues of its own to count.
+pub fn queues_of(model: &DeviceConfig) -> u16 {
     match model {
-        DeviceConfig::VirtioBlk(c) => c.num_queues(),
+        DeviceConfig::VirtioBlk(c) => c.queues.unwrap_or(VCPUS),
         _ => 1,
     }
 }
@@ -236,7 +248,7 @@ fn socketpair() -> Result<(UnixStream, UnixStream)> {
 pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> {
     let label = spec.to_string();
     let (model, transport, ep) = match (&spec.device, &spec.remote) {
-        (Device::Model(m), None) => return Ok(m.build()?),
+        (Device::Model(m), None) => return Ok(m.with_default_queues(VCPUS).build()?),
         (Device::Model(m), Some((t, ep))) => (m, *t, ep),
         (Device::Server, Some((Transport::Function(t), Endpoint::Socket(path)))) => {
             let sock = connect_to(path, &label)?;
@@ -298,11 +310,14 @@ fn connect_to(path: &Path, label: &str) -> Result<UnixStream> {
 
 /// `iopath serve MODEL --transport TRANSPORT --fd N` (and the programs'
 /// serve arguments) on a new socket pair: our end and the device process.
+/// MODEL has its queue count written out ([`queues_of`]): the process,
+/// which cannot know this VMM's vCPUs, would otherwise offer its own default.
 /// A backing file is checked (and with `create=on` made) here first, so
 /// that a missing one is one error, not a device process that dies.
 fn spawn_serve(progs: &Programs, model: &DeviceConfig, transport: &str) -> Result<(UnixStream, DeviceProcess)> {
     model.prepare_backing()?;
     let (mine, theirs) = socketpair()?;
+    let model = model.with_default_queues(queues_of(model));
     let args: Vec<String> =
         [model.to_string(), "--transport".into(), transport.into(), "--fd".into(), CHILD_SOCKET_FD.to_string()]
             .into_iter()
@@ -447,6 +462,17 @@ mod tests {
         // Typed specs are checked as text ones are.
         let nvme: DeviceConfig = "nvme".parse().unwrap();
         assert!(matches!(DeviceSpec::remote(nvme, vu, Endpoint::Spawn), Err(Error::Carry { .. })));
+    }
+
+    #[test]
+    fn a_function_of_this_vmm_has_a_queue_per_vcpu_unless_told() {
+        let m = |s: &str| s.parse::<DeviceConfig>().unwrap();
+        assert_eq!(queues_of(&m("virtio-blk,backend=null")), VCPUS);
+        assert_eq!(queues_of(&m("virtio-blk,queues=4")), 4);
+        assert_eq!(queues_of(&m("nvme")), 1);
+        // A device process the VMM starts is told the count (it would offer 16 by itself).
+        let spawned = m("virtio-blk,backend=null").with_default_queues(queues_of(&m("virtio-blk,backend=null")));
+        assert!(spawned.to_string().ends_with(&format!(",queues={VCPUS}")), "{spawned}");
     }
 
     #[test]

@@ -50,7 +50,8 @@ pub const BLK_OPTIONS: Options<VirtioBlkConfig> = Options {
         Opt {
             key: "queues",
             values: "N",
-            help: "request queues, 1 ..= 16 (default 1; over vhost-user 16)",
+            help: "request queues, 1 ..= 16 (default: one per vCPU of iopath's VMM, which has 1; \
+                   16 in `iopath serve`, of which Linux's driver takes one per CPU)",
             parse: |c, v| match v.parse::<u16>() {
                 Ok(n) if (1..=MAX_QUEUES).contains(&n) => {
                     c.queues = Some(n);

@@ -116,9 +116,12 @@ pub struct VirtioBlkConfig {
     pub size: u64,
     pub notify: NotifyMode,
     /// Request queues (`queues=N`, 1 ..= [`MAX_QUEUES`]). None: the host's
-    /// default, 1 for the device on the PCI transport (in the VMM or a
-    /// device process); iopath's vhost-user backend then has
-    /// [`MAX_QUEUES`], since QEMU's vhost-user-blk-pci asks one per vCPU.
+    /// default, which it settles before building the device
+    /// ([`DeviceConfig::with_default_queues`](crate::DeviceConfig::with_default_queues)):
+    /// one per vCPU in iopath's VMM (and in a device process it starts),
+    /// [`MAX_QUEUES`] in a device process started on its own, which does
+    /// not know its client's vCPUs (Linux's virtio_blk takes one per CPU;
+    /// QEMU's vhost-user-blk-pci asks one per vCPU).
     pub queues: Option<u16>,
     /// A file disk: make a missing file, `size` bytes written through
     /// (`create=on`; otherwise a missing file is an error, `crate::backing`).
@@ -138,7 +141,8 @@ impl Default for VirtioBlkConfig {
 }
 
 impl VirtioBlkConfig {
-    /// The queues of the device on the PCI transport: `queues=N`, else 1.
+    /// The queues of the device on the PCI transport: `queues=N`, else 1
+    /// (hosts settle None first: see `queues`).
     pub fn num_queues(&self) -> u16 {
         self.queues.unwrap_or(1)
     }

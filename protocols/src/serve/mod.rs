@@ -54,6 +54,7 @@ use crate::transport::{FunctionTransport, Server, Transport};
 use crate::{Error, Result};
 use iopath_devices::irq::IrqLines;
 use iopath_devices::pci::{ConfigSpace, CONFIG_SIZE, PCI_COMMAND};
+use iopath_devices::virtio::transport::MAX_QUEUES;
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
@@ -135,11 +136,15 @@ pub fn run(o: &ServeOptions) -> Result<()> {
 fn function(o: &ServeOptions, transport: &'static dyn FunctionTransport) -> Result<()> {
     check_timeouts(&o.timeouts)?;
     let bound = bind(&o.listen)?;
-    let f = Arc::new(Mutex::new(PciFunction::new(o.device.build()?)?));
+    // A device process does not know its client's vCPUs: without
+    // `queues=N` virtio-blk offers them all, and the driver takes what it
+    // uses (Linux's virtio_blk one per CPU, iopath's guest queue 0).
+    let device = o.device.with_default_queues(MAX_QUEUES);
+    let f = Arc::new(Mutex::new(PciFunction::new(device.build()?)?));
     let irq = IrqLines::new();
     let server = transport.server(f.clone(), irq.clone())?;
     let mut host = Host { o, transport, f, irq, server };
-    let banner = format!("{} over {}", o.device, transport.name());
+    let banner = format!("{device} over {}", transport.name());
     let refuse = Box::new(move |s: &UnixStream| transport.refuse(s));
     clients(&o.listen, bound, &banner, o.once, o.seccomp, &o.timeouts, refuse, |sock, peer, free| {
         host.client(sock, peer, free)
