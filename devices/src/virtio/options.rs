@@ -6,23 +6,14 @@
 use super::pci::VirtioBlkConfig;
 use super::transport::MAX_QUEUES;
 use crate::block::StorageKind;
-use crate::options::{on_if, on_off, Opt, Options, BACKEND_HELP, CREATE_HELP};
+use crate::options::{self, BlockConfig, Opt, Options};
 use crate::Result;
 
 /// `virtio-blk`'s options, in the order its `Display` writes them.
 pub const BLK_OPTIONS: Options<VirtioBlkConfig> = Options {
     device: "virtio-blk",
     opts: &[
-        Opt {
-            key: "backend",
-            values: "null|ram|file:PATH",
-            help: BACKEND_HELP,
-            parse: |c, v| {
-                c.backend = v.parse()?;
-                Ok(())
-            },
-            show: |c| Some(c.backend.to_string()),
-        },
+        options::backend(),
         Opt {
             key: "size_mb",
             values: "N",
@@ -60,16 +51,7 @@ pub const BLK_OPTIONS: Options<VirtioBlkConfig> = Options {
             },
             show: |c| c.queues.map(|n| n.to_string()),
         },
-        Opt {
-            key: "create",
-            values: "on|off",
-            help: CREATE_HELP,
-            parse: |c, v| {
-                c.create = on_off(v)?;
-                Ok(())
-            },
-            show: |c| on_if(c.create),
-        },
+        options::create(),
     ],
 };
 
@@ -80,6 +62,21 @@ impl VirtioBlkConfig {
             return Err(BLK_OPTIONS.error("create", "create=on needs backend=file:PATH"));
         }
         Ok(())
+    }
+}
+
+impl BlockConfig for VirtioBlkConfig {
+    fn backend(&self) -> &crate::block::StorageKind {
+        &self.backend
+    }
+    fn backend_mut(&mut self) -> &mut crate::block::StorageKind {
+        &mut self.backend
+    }
+    fn create(&self) -> bool {
+        self.create
+    }
+    fn create_mut(&mut self) -> &mut bool {
+        &mut self.create
     }
 }
 
