@@ -4,7 +4,8 @@
 //! - `null`: no data, dispatch cost only;
 //! - `ram` ([`ram`]): data in an anonymous mapping;
 //! - `file:PATH` ([`file`](mod@file)): a regular file or a block device; reads,
-//!   writes and flushes go O_DIRECT through io_uring, many in flight
+//!   writes and flushes go O_DIRECT (virtio-blk's `direct=off`: buffered,
+//!   through the page cache) through io_uring, many in flight
 //!   ([`uring`]: the ring and its bounce buffers; `reap.rs`: operations
 //!   pushed, submitted and their completions reaped), on the guest's pages
 //!   in place where O_DIRECT's alignment allows ([`guest`]), otherwise one
@@ -127,10 +128,16 @@ impl Bounce {
 
 impl Storage {
     pub fn open(kind: &StorageKind, bytes: u64) -> Result<Self> {
+        Self::open_with(kind, bytes, true)
+    }
+
+    /// As [`open`](Self::open); a file's io_uring works O_DIRECT if
+    /// `direct` (`direct=on`, the default), else through the page cache.
+    pub fn open_with(kind: &StorageKind, bytes: u64, direct: bool) -> Result<Self> {
         Ok(match kind {
             StorageKind::Null => Storage::Null { bytes },
             StorageKind::Ram => Storage::Ram(std::sync::Arc::new(Ram::new(bytes)?)),
-            StorageKind::File(p) => Storage::File(Box::new(FileStorage::open(p, bytes)?)),
+            StorageKind::File(p) => Storage::File(Box::new(FileStorage::open(p, bytes, direct)?)),
         })
     }
 

@@ -52,14 +52,30 @@ pub const BLK_OPTIONS: Options<VirtioBlkConfig> = Options {
             show: |c| c.queues.map(|n| n.to_string()),
         },
         options::create(),
+        Opt {
+            key: "direct",
+            values: "on|off",
+            help: "file:PATH only: on: reads and writes bypass the host's page cache (O_DIRECT); off: \
+                   they go through it, buffered (default on)",
+            parse: |c, v| {
+                c.direct = options::on_off(v)?;
+                Ok(())
+            },
+            show: |c| (!c.direct).then(|| "off".to_string()),
+        },
     ],
 };
 
 impl VirtioBlkConfig {
-    /// Checks across options: `create=on` only with `backend=file:PATH`.
+    /// Checks across options: `create=on` and `direct=off` only with
+    /// `backend=file:PATH`.
     pub fn validate(&self) -> Result<()> {
-        if self.create && !matches!(self.backend, StorageKind::File(_)) {
+        let file = matches!(self.backend, StorageKind::File(_));
+        if self.create && !file {
             return Err(BLK_OPTIONS.error("create", "create=on needs backend=file:PATH"));
+        }
+        if !self.direct && !file {
+            return Err(BLK_OPTIONS.error("direct", "direct=off needs backend=file:PATH"));
         }
         Ok(())
     }
@@ -93,6 +109,7 @@ mod tests {
             notify: NotifyMode::Poll,
             queues: Some(MAX_QUEUES),
             create: true,
+            direct: false,
         };
         crate::options::tests::keys_round_trip(&BLK_OPTIONS, &c);
     }

@@ -123,6 +123,9 @@ pub struct VirtioBlkConfig {
     /// A file disk: make a missing file, `size` bytes written through
     /// (`create=on`; otherwise a missing file is an error, `crate::backing`).
     pub create: bool,
+    /// A file disk: its io_uring works O_DIRECT (`direct=on`, the default)
+    /// or through the page cache (`direct=off`).
+    pub direct: bool,
 }
 
 impl Default for VirtioBlkConfig {
@@ -133,6 +136,7 @@ impl Default for VirtioBlkConfig {
             notify: NotifyMode::Exit,
             queues: None,
             create: false,
+            direct: true,
         }
     }
 }
@@ -199,7 +203,7 @@ impl VirtioPci<BlkEngine> {
             let reason = format!("{n} (1 ..= {MAX_QUEUES})");
             return Err(Error::Option { device: "virtio-blk", option: "queues".into(), reason });
         }
-        let storage = crate::backing::open(&cfg.backend, cfg.size, cfg.create)?;
+        let storage = crate::backing::open_with(&cfg.backend, cfg.size, cfg.create, cfg.direct)?;
         let blk = Blk::new(storage, cfg.size, "iopath-virtio-blk");
         let st = Stats { queue_requests: vec![0; n as usize], ..Stats::default() };
         let e = BlkEngine {

@@ -96,7 +96,7 @@ impl Rig {
 }
 
 fn cfg(backend: StorageKind) -> VirtioBlkConfig {
-    VirtioBlkConfig { backend, size: 1 << 20, notify: NotifyMode::Exit, queues: None, create: false }
+    VirtioBlkConfig { backend, size: 1 << 20, notify: NotifyMode::Exit, ..VirtioBlkConfig::default() }
 }
 
 #[test]

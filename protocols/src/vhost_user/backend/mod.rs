@@ -107,7 +107,7 @@ impl VhostUserBackend {
         if !(1..=NUM_QUEUES).contains(&queues) {
             return Err(Error::Config(format!("virtio-blk: {queues} queues (1 ..= {NUM_QUEUES})")));
         }
-        let backend = iopath_devices::backing::open(&cfg.backend, cfg.size, cfg.create)?;
+        let backend = iopath_devices::backing::open_with(&cfg.backend, cfg.size, cfg.create, cfg.direct)?;
         let b = Blk::new(backend, cfg.size, "iopath-vhost-user-blk");
         Ok(VhostUserBackend { dev: Arc::new(Mutex::new(Dev::new(b, queues))), notify: cfg.notify })
     }
