@@ -3,9 +3,14 @@
 //! it is written back (`crate::options`); then
 //! [`VirtioBlkConfig::validate`], the check across options.
 
+use super::blk_emu::check_rule;
+use super::pci::NotifyMode;
 use super::pci::VirtioBlkConfig;
 use super::transport::MAX_QUEUES;
+use crate::block::inject::{parse_rules, write_rules, Action};
+use crate::block::timing::TimingSpec;
 use crate::block::StorageKind;
+use crate::options::Reason;
 use crate::options::{self, BlockConfig, Opt, Options};
 use crate::Result;
 
@@ -63,6 +68,34 @@ pub const BLK_OPTIONS: Options<VirtioBlkConfig> = Options {
             },
             show: |c| (!c.direct).then(|| "off".to_string()),
         },
+        Opt {
+            key: "timing",
+            values: "SPEC",
+            help: "a device timing model: each completion is posted at its due time, e.g. \
+                   read:80us+write:lognormal:20us:200us+channels:8+iops:100000 \
+                   (devices/src/block/timing; notify=ioeventfd or poll; default none)",
+            parse: |c, v| {
+                c.timing = Some(Box::new(v.parse::<TimingSpec>().map_err(|e| Reason(e.to_string()))?));
+                Ok(())
+            },
+            show: |c| c.timing.as_ref().map(|t| t.to_string()),
+        },
+        Opt {
+            key: "inject",
+            values: "RULES",
+            help: "error injection rules joined by +, e.g. op=read/lba=0-7/status=2:0x81/once \
+                   (devices/src/block/inject; no event; a delay needs notify=ioeventfd or poll; \
+                   devices/src/virtio/blk_emu.rs maps them to virtio-blk; default none)",
+            parse: |c, v| {
+                let rules = parse_rules(v).map_err(|e| Reason(e.to_string()))?;
+                for r in &rules {
+                    check_rule(r).map_err(|e| Reason(e.to_string()))?;
+                }
+                c.inject = rules;
+                Ok(())
+            },
+            show: |c| (!c.inject.is_empty()).then(|| write_rules(&c.inject)),
+        },
     ],
 };
 
@@ -76,6 +109,15 @@ impl VirtioBlkConfig {
         }
         if !self.direct && !file {
             return Err(BLK_OPTIONS.error("direct", "direct=off needs backend=file:PATH"));
+        }
+        // Held completions are posted by the device thread, which notify=exit has none of.
+        if self.notify == NotifyMode::Exit {
+            if self.timing.is_some() {
+                return Err(BLK_OPTIONS.error("timing", "timing= needs notify=ioeventfd or poll"));
+            }
+            if self.inject.iter().any(|r| matches!(r.action, Action::Delay { .. })) {
+                return Err(BLK_OPTIONS.error("inject", "a delay rule needs notify=ioeventfd or poll"));
+            }
         }
         Ok(())
     }
@@ -99,7 +141,6 @@ impl BlockConfig for VirtioBlkConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::virtio::pci::NotifyMode;
 
     #[test]
     fn every_key_takes_back_what_it_printed() {
@@ -110,6 +151,8 @@ mod tests {
             queues: Some(MAX_QUEUES),
             create: true,
             direct: false,
+            timing: Some(Box::new("read:80us+write:lognormal:20us:200us+channels:8+iops:100000".parse().unwrap())),
+            inject: parse_rules("op=read/lba=0-7/status=2:0x81/once+op=write/nsid=1/delay=2ms/p=0.5:9").unwrap(),
         };
         crate::options::tests::keys_round_trip(&BLK_OPTIONS, &c);
     }
