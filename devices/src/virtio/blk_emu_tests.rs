@@ -79,6 +79,21 @@ impl Disk {
     }
 }
 
+/// Serves as the device thread does until no request is on the file's
+/// io_uring (waiting on the ring between passes).
+fn settle(r: &Rig) {
+    for _ in 0..10_000 {
+        let mut s = crate::lock(r.dev.shared());
+        s.serve();
+        if s.e.flight.requests() == 0 {
+            return;
+        }
+        let Storage::File(f) = &mut s.e.blk.storage else { panic!("a file disk") };
+        f.wait();
+    }
+    panic!("requests never left the io_uring");
+}
+
 fn counter(r: &Rig, name: &str) -> u64 {
     r.dev.counters().iter().find(|c| c.name == name).map_or(0, |c| c.value)
 }
@@ -249,4 +264,84 @@ fn events_and_threadless_timing_are_refused_when_given() {
         "virtio-blk,notify=poll,timing=read:80us,inject=op=read/status=2:0x81/once+op=write/drop".parse().unwrap();
     assert_eq!(ok.to_string().parse::<crate::DeviceConfig>().unwrap(), ok);
     assert!(ok.to_string().contains(",timing=read:80us,inject=op=read/status=2:0x81/once+op=write/drop"), "{ok}");
+}
+
+/// On a file disk's io_uring (`blk_async.rs`) too: a read is corrupted as
+/// it is reaped, and its completion held until its due time.
+#[test]
+fn on_io_uring_a_read_is_corrupted_when_reaped_and_held_until_due() {
+    let path = std::env::temp_dir().join(format!("iopath-vblk-emu-{}.img", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let c = VirtioBlkConfig {
+        notify: NotifyMode::Ioeventfd,
+        create: true,
+        inject: parse_rules("op=read/lba=0-7/corrupt=3:5").unwrap(),
+        timing: Some(Box::new("read:50us".parse().unwrap())),
+        ..cfg(StorageKind::File(path.clone()))
+    };
+    let mut r = rig(c);
+    let clock = Arc::new(AtomicU64::new(0));
+    {
+        let k = clock.clone();
+        let mut s = crate::lock(r.dev.shared());
+        s.e.emu.clock = Arc::new(move || k.load(Ordering::SeqCst));
+        let Storage::File(f) = &s.e.blk.storage else { panic!("a file disk") };
+        assert!(f.is_async(), "{} refuses O_DIRECT or io_uring: this test needs both", path.display());
+        s.e.aio = true; // as the device thread sets it; the test is that thread here
+    }
+    assert!(r.init(F_VERSION_1));
+    let pattern: Vec<u8> = (0..LEN).map(|i| (i * 13) as u8).collect();
+    r.d.ram.write_slice(&pattern, GuestAddress(BUF)).unwrap();
+    r.request(0, T_OUT, 0, BUF, LEN);
+    settle(&r);
+    assert_eq!(r.d.used_idx(), 1, "no write latency: posted when reaped");
+    r.d.ram.write_slice(&[0u8; LEN as usize], GuestAddress(BUF)).unwrap();
+    r.request(0, T_IN, 0, BUF, LEN);
+    settle(&r);
+    assert_eq!((r.d.used_idx(), crate::lock(r.dev.shared()).in_flight()), (1, 1), "reaped and held");
+    clock.store(49_999, Ordering::SeqCst);
+    crate::lock(r.dev.shared()).serve();
+    assert_eq!(r.d.used_idx(), 1, "not before its due time");
+    clock.store(50_000, Ordering::SeqCst);
+    crate::lock(r.dev.shared()).serve();
+    assert_eq!(r.d.used_idx(), 2, "at its due time");
+    assert_eq!(r.d.used_elem(1), (0, LEN + 1));
+    let mut want = pattern.clone();
+    Corrupt { bytes: 3, seed: 5 }.apply(&mut want);
+    let mut back = vec![0u8; LEN as usize];
+    r.d.ram.read_slice(&mut back, GuestAddress(BUF)).unwrap();
+    assert_eq!(back, want);
+    assert_eq!(back.iter().zip(&pattern).filter(|(a, b)| a != b).count(), 3);
+    r.dev.quiesce();
+    let _ = std::fs::remove_file(&path);
+}
+
+/// The device thread (ioeventfd, poll) posts held completions by itself,
+/// on the real clock: a kick serves the request, and its completion comes
+/// at its due time with no further kick (liveness only, bounded wait).
+#[test]
+fn the_device_thread_posts_held_completions_without_a_kick() {
+    for notify in [NotifyMode::Ioeventfd, NotifyMode::Poll] {
+        let d = Driver::new(8);
+        let c =
+            VirtioBlkConfig { notify, timing: Some(Box::new("read:3ms".parse().unwrap())), ..cfg(StorageKind::Ram) };
+        let dev = VirtioBlk::new(c).unwrap();
+        let io = Arc::new(FakeIoEvents::default());
+        let mut ctx = DeviceContext::detached(d.mem.clone());
+        ctx.ioevents = io.clone();
+        dev.attach(ctx);
+        let (_, kick) = io.0.lock().unwrap().pop().expect("notify registered as an ioeventfd");
+        let mut r = Rig { dev, d, irqs: Arc::new(Irqs::default()) };
+        assert!(r.init(F_VERSION_1));
+        let at = DATA;
+        let mut hdr = [0u8; 16];
+        hdr[0..4].copy_from_slice(&T_IN.to_le_bytes());
+        r.d.ram.write_slice(&hdr, GuestAddress(at)).unwrap();
+        r.d.chain(0, &[(at, 16, false), (BUF, LEN, true), (at + 0x80, 1, true)]);
+        r.d.publish(0);
+        kick.write(1).unwrap();
+        eventually("the held read is posted", || r.d.used_idx() == 1);
+        assert_eq!(r.d.ram.read_obj::<u8>(GuestAddress(at + 0x80)).unwrap(), S_OK, "{notify}");
+        r.dev.quiesce();
+    }
 }

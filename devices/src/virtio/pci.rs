@@ -368,6 +368,9 @@ impl QueueEngine for BlkEngine {
 
     fn notify(&mut self, t: &mut Transport, queue: u16) {
         // The vCPU that wrote is waiting here: nothing else adds to the ring.
+        // Held completions due by now go first (notify=exit has no thread
+        // to post them: a delay rule added at run time waits for a notify).
+        post_due(t, self);
         while serve_queue(t, self, queue as usize) {}
         if self.aio {
             submit(self); // the device thread reaps
