@@ -23,7 +23,9 @@
 //! NVMe (`nvme/io.rs`) and virtio-blk (`virtio/blk.rs`; its io_uring side
 //! `virtio/blk_async.rs`) are the two front ends. [`inject`] holds error
 //! injection's rules (pure code: which commands, what happens to them,
-//! when), which front ends are to ask per command (not wired yet).
+//! when), which front ends ask per command, and [`timing`] the device
+//! timing model (due times, the timer wheel); virtio-blk asks both
+//! (`virtio/blk_emu.rs`), NVMe not yet.
 
 pub mod file;
 pub mod guest;
