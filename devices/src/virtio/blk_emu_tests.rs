@@ -345,3 +345,55 @@ fn the_device_thread_posts_held_completions_without_a_kick() {
         r.dev.quiesce();
     }
 }
+
+/// How each request type looks to a rule (the module doc's mapping).
+#[test]
+fn requests_look_to_rules_as_the_mapping_says() {
+    use crate::block::inject::{CommandView, Kind, Lbas};
+    use crate::virtio::blk_emu::view;
+    use crate::virtio::queue::Desc;
+    let d = Driver::new(8);
+    let hdr = |kind: u32, sector: u64| {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&kind.to_le_bytes());
+        h[8..16].copy_from_slice(&sector.to_le_bytes());
+        d.ram.write_slice(&h, GuestAddress(DATA)).unwrap();
+    };
+    let seg = |sector: u64, n: u32| {
+        let mut s = [0u8; 16];
+        s[0..8].copy_from_slice(&sector.to_le_bytes());
+        s[8..12].copy_from_slice(&n.to_le_bytes());
+        d.ram.write_slice(&s, GuestAddress(DATA + 16)).unwrap();
+    };
+    let desc = |addr, len, write| Desc { addr, len, write };
+    let status = desc(DATA + 0x80, 1, true);
+    let cv = |opcode, kind, lba: Option<(u64, u32)>, qid| CommandView {
+        opcode,
+        kind,
+        nsid: 1,
+        lba: lba.map(|(slba, nlb)| Lbas { slba, nlb }),
+        qid,
+    };
+    hdr(T_IN, 40);
+    let v = view(&d.mem, &[desc(DATA, 16, false), desc(BUF, 4096, true), status], 0).unwrap();
+    assert_eq!(v, (cv(0x02, Kind::Read, Some((40, 7)), 1), T_IN, 4096));
+    hdr(T_OUT, 7);
+    let v = view(&d.mem, &[desc(DATA, 16, false), desc(BUF, 1024, false), status], 3).unwrap();
+    assert_eq!(v, (cv(0x01, Kind::Write, Some((7, 1)), 4), T_OUT, 1024));
+    hdr(blk::T_FLUSH, 99);
+    let v = view(&d.mem, &[desc(DATA, 16, false), status], 1).unwrap();
+    assert_eq!(v, (cv(0x00, Kind::Flush, None, 2), blk::T_FLUSH, 0));
+    for (kind, k, op) in [(blk::T_DISCARD, Kind::Discard, 0x09), (blk::T_WRITE_ZEROES, Kind::WriteZeroes, 0x08)] {
+        hdr(kind, 0);
+        seg(100, 16);
+        let v = view(&d.mem, &[desc(DATA, 32, false), status], 0).unwrap();
+        assert_eq!(v, (cv(op, k, Some((100, 15)), 1), kind, 0));
+    }
+    hdr(blk::T_GET_ID, 0);
+    let v = view(&d.mem, &[desc(DATA, 16, false), desc(BUF, 20, true), status], 0).unwrap();
+    assert_eq!(v, (cv(0xff, Kind::Other, None, 1), blk::T_GET_ID, 0));
+    hdr(T_IN, 0);
+    let v = view(&d.mem, &[desc(DATA, 16, false), status], 0).unwrap();
+    assert_eq!(v.0.lba, None, "no data, no LBAs");
+    assert!(view(&d.mem, &[desc(DATA, 8, false), status], 0).is_none(), "no whole header: not shown");
+}
