@@ -34,6 +34,11 @@
 //! serves a file disk synchronously (pread, pwrite, fdatasync) on the
 //! vCPU thread, which has nothing to wait for completions on; so does a
 //! file whose filesystem refuses O_DIRECT or io_uring.
+//!
+//! Error injection (`inject=`) and the timing model (`timing=`) sit
+//! between the rings and the storage (`blk_emu.rs`): every chain taken is
+//! shown to the rules first, and every completion may wait in the timer
+//! wheel, which each pass of the device thread empties of what is due.
 
 use super::blk::{self, Blk, Done};
 use super::blk_async as aio;
