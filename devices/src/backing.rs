@@ -74,8 +74,14 @@ pub fn prepare(backend: &StorageKind, bytes: u64, create: bool) -> Result<Prepar
 /// Opens `kind` for a disk of `bytes` ([`prepare`] first: a missing file
 /// is made only with `create`).
 pub fn open(kind: &StorageKind, bytes: u64, create: bool) -> crate::Result<Storage> {
+    open_with(kind, bytes, create, true)
+}
+
+/// As [`open`]; a file is served O_DIRECT if `direct`, else buffered
+/// ([`Storage::open_with`]).
+pub fn open_with(kind: &StorageKind, bytes: u64, create: bool, direct: bool) -> crate::Result<Storage> {
     prepare(kind, bytes, create)?;
-    Storage::open(kind, bytes)
+    Storage::open_with(kind, bytes, direct)
 }
 
 /// Opens `p` to read and write a disk of `bytes` on it: it must be there

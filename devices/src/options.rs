@@ -5,6 +5,7 @@
 //! the CLI's help all read the table; checks across options (a device's
 //! `validate`) run after it. `crate::spec` holds the table of devices.
 
+use crate::block::StorageKind;
 use crate::spec::escape;
 use crate::{Error, Result};
 use std::fmt;
@@ -130,13 +131,57 @@ pub fn on_if(on: bool) -> Option<String> {
     on.then(|| "on".to_string())
 }
 
-/// `backend=`'s help, for every block device.
-pub const BACKEND_HELP: &str = "where the data is kept (default ram); file:PATH: an existing file or block device \
-     that holds size_mb, used as it is (never truncated or extended); a missing PATH is an error unless create=on";
+/// A block device's config, as the options every block device shares
+/// ([`backend`], [`create`]) set and show it.
+pub trait BlockConfig {
+    fn backend(&self) -> &StorageKind;
+    fn backend_mut(&mut self) -> &mut StorageKind;
+    fn create(&self) -> bool;
+    fn create_mut(&mut self) -> &mut bool;
+}
 
-/// `create=`'s help, for every block device.
-pub const CREATE_HELP: &str =
-    "file:PATH only: make a missing PATH and write all its bytes (synced) before it is served (default off)";
+/// `backend=null|ram|file:PATH`, the same entry in every block device's table.
+pub const fn backend<C: BlockConfig>() -> Opt<C> {
+    Opt {
+        key: "backend",
+        values: "null|ram|file:PATH",
+        help: "where the data is kept (default ram); file:PATH: an existing file or block device \
+               that holds size_mb, used as it is (never truncated or extended); a missing PATH is an \
+               error unless create=on",
+        parse: parse_backend::<C>,
+        show: show_backend::<C>,
+    }
+}
+
+/// `create=on|off`, the same entry in every block device's table.
+pub const fn create<C: BlockConfig>() -> Opt<C> {
+    Opt {
+        key: "create",
+        values: "on|off",
+        help: "file:PATH only: make a missing PATH and write all its bytes (synced) before it is served \
+               (default off)",
+        parse: parse_create::<C>,
+        show: show_create::<C>,
+    }
+}
+
+fn parse_backend<C: BlockConfig>(c: &mut C, v: &str) -> Result<(), Reason> {
+    *c.backend_mut() = v.parse()?;
+    Ok(())
+}
+
+fn show_backend<C: BlockConfig>(c: &C) -> Option<String> {
+    Some(c.backend().to_string())
+}
+
+fn parse_create<C: BlockConfig>(c: &mut C, v: &str) -> Result<(), Reason> {
+    *c.create_mut() = on_off(v)?;
+    Ok(())
+}
+
+fn show_create<C: BlockConfig>(c: &C) -> Option<String> {
+    on_if(c.create())
+}
 
 #[cfg(test)]
 pub(crate) mod tests {
@@ -162,5 +207,26 @@ pub(crate) mod tests {
         assert_eq!(num("-1"), Err(Reason("\"-1\" is not a number".into())));
         assert_eq!(on_if(true).as_deref(), Some("on"));
         assert_eq!(on_if(false), None);
+    }
+
+    #[test]
+    fn the_block_entries_are_the_same_in_both_tables() {
+        let v = crate::virtio::options::BLK_OPTIONS.docs();
+        let n = crate::nvme::options::OPTIONS.docs();
+        for key in ["backend", "create"] {
+            let (a, b) = (v.iter().find(|d| d.key == key).unwrap(), n.iter().find(|d| d.key == key).unwrap());
+            assert_eq!((a.values, a.help), (b.values, b.help), "{key}");
+        }
+        let backend = v.iter().find(|d| d.key == "backend").unwrap().help;
+        assert_eq!(
+            backend,
+            "where the data is kept (default ram); file:PATH: an existing file or block device that holds size_mb, \
+             used as it is (never truncated or extended); a missing PATH is an error unless create=on"
+        );
+        let create = v.iter().find(|d| d.key == "create").unwrap().help;
+        assert_eq!(
+            create,
+            "file:PATH only: make a missing PATH and write all its bytes (synced) before it is served (default off)"
+        );
     }
 }

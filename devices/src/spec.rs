@@ -290,6 +290,7 @@ mod tests {
             "virtio-blk,backend=null,size_mb=8,notify=ioeventfd,queues=1",
             "virtio-blk,backend=null,size_mb=8,notify=exit,queues=16",
             "virtio-blk,backend=file:/tmp/v@@.img,size_mb=8,notify=poll,queues=2,create=on",
+            "virtio-blk,backend=file:/tmp/v.img,size_mb=8,notify=exit,direct=off",
         ] {
             let c: DeviceConfig = s.parse().unwrap();
             assert_eq!(c.to_string(), s);
@@ -357,6 +358,9 @@ mod tests {
             "queues=0",
             "queues=17",
             "queues=x",
+            "direct=off",
+            "backend=ram,direct=off",
+            "direct=0,backend=file:/x",
         ] {
             assert!(e(&format!("virtio-blk,{bad}")).contains(bad.split('=').next().unwrap()), "{bad}");
         }

@@ -212,8 +212,7 @@ fn a_vhost_user_frontend_is_served_while_50_idle_connections_are_held() {
             backend: StorageKind::Null,
             size: 1 << 20,
             notify: NotifyMode::Ioeventfd,
-            queues: None,
-            create: false,
+            ..VirtioBlkConfig::default()
         }),
         transport: iopath_protocols::transport("vhost-user").unwrap(),
         listen: Listen::Socket(path.clone()),

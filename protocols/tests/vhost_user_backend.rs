@@ -190,8 +190,7 @@ fn null_config() -> VirtioBlkConfig {
         backend: StorageKind::Null,
         size: MEM as u64,
         notify: NotifyMode::Ioeventfd,
-        queues: None,
-        create: false,
+        ..VirtioBlkConfig::default()
     }
 }
 
@@ -203,7 +202,7 @@ fn rig_on(backend: StorageKind, notify: NotifyMode) -> Rig {
 fn rig_with_queues(backend: StorageKind, notify: NotifyMode, queues: u64) -> Rig {
     // A file disk is made (create=on) by the first rig on it.
     let create = matches!(backend, StorageKind::File(_));
-    let cfg = VirtioBlkConfig { backend, size: MEM as u64, notify, queues: None, create };
+    let cfg = VirtioBlkConfig { backend, size: MEM as u64, notify, create, ..VirtioBlkConfig::default() };
     let be = Arc::new(VhostUserBackend::new(&cfg).unwrap());
     let (a, b) = UnixStream::pair().unwrap();
     b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();

@@ -28,8 +28,7 @@ fn options(path: &Path, once: bool, timeouts: Timeouts) -> ServeOptions {
         backend: StorageKind::Null,
         size: 1 << 20,
         notify: NotifyMode::Ioeventfd,
-        queues: None,
-        create: false,
+        ..VirtioBlkConfig::default()
     };
     ServeOptions {
         device: DeviceConfig::VirtioBlk(device),

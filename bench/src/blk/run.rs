@@ -141,7 +141,7 @@ impl<'a> Ctx<'a> {
     }
 
     pub(super) fn blk_config(&self, notify: NotifyMode) -> VirtioBlkConfig {
-        VirtioBlkConfig { backend: self.o.backend.clone(), size: self.size, notify, queues: None, create: false }
+        VirtioBlkConfig { backend: self.o.backend.clone(), size: self.size, notify, ..VirtioBlkConfig::default() }
     }
 
     /// iopath's virtio-blk in the VMM, or over the transport `remote`

@@ -2,7 +2,8 @@
 //! buffered (synchronous pread/pwrite, fdatasync, fallocate) and, where the
 //! file system and kernel allow, O_DIRECT through an io_uring
 //! ([`uring`](super::uring)) with up to [`FILE_SLOTS`](super::FILE_SLOTS)
-//! operations in flight (`reap.rs`: pushed by a front end, submitted in
+//! operations in flight (or, `direct=off`, the same io_uring on a second
+//! buffered fd: through the page cache, no alignment asked of anything) (`reap.rs`: pushed by a front end, submitted in
 //! batches, reaped from the ring's completions). Discard and write zeroes
 //! with deallocation punch holes (a thin image stays thin); write zeroes
 //! without it keeps the blocks allocated.
@@ -19,7 +20,8 @@ use std::os::unix::fs::FileExt;
 pub struct FileStorage {
     pub(super) file: File,
     pub(super) uring: Option<Uring>,
-    /// Operations that completed through io_uring with O_DIRECT.
+    /// Operations that completed through io_uring (with O_DIRECT unless
+    /// [`is_direct`](Self::is_direct) says not).
     pub direct_ops: u64,
     /// Of those, the ones on guest pages in place.
     pub in_place_ops: u64,
@@ -43,6 +45,8 @@ pub struct FileStorage {
     pub(super) unsent_bytes: usize,
     /// The namespace's size: no operation reaches past it.
     bytes: u64,
+    /// The ring's fd was asked for O_DIRECT (`direct=on`, the default).
+    direct: bool,
     /// fallocate refused (EOPNOTSUPP) to punch holes here ...
     no_punch: bool,
     /// ... or to zero a range: the slower way is taken at once from then on.
@@ -85,8 +89,10 @@ fn open_backing(p: &std::path::Path, bytes: u64) -> Result<File> {
 
 impl FileStorage {
     /// Opens `p` for a namespace of `bytes` ([`open_backing`]), and its
-    /// O_DIRECT io_uring where the file system and kernel allow.
-    pub(super) fn open(p: &std::path::Path, bytes: u64) -> Result<Self> {
+    /// io_uring where the file system and kernel allow: on an O_DIRECT fd
+    /// if `direct`, else on a buffered one (the page cache; O_DIRECT's
+    /// alignment is then asked of no address, offset or length).
+    pub(super) fn open(p: &std::path::Path, bytes: u64, direct: bool) -> Result<Self> {
         let f = open_backing(p, bytes)?;
         use std::os::unix::fs::OpenOptionsExt;
         // O_NOATIME: every read of a block device (or of a file mounted
@@ -94,16 +100,17 @@ impl FileStorage {
         // 5 % of the device thread's CPU per 4 KiB read on a loop device.
         // Only the file's owner (or CAP_FOWNER) may ask for it.
         let open_direct = |flags| std::fs::OpenOptions::new().read(true).write(true).custom_flags(flags).open(p);
-        let direct = match open_direct(libc::O_DIRECT | libc::O_NOATIME) {
-            Err(e) if e.raw_os_error() == Some(libc::EPERM) => open_direct(libc::O_DIRECT),
+        let o_direct = if direct { libc::O_DIRECT } else { 0 };
+        let ring_fd = match open_direct(o_direct | libc::O_NOATIME) {
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => open_direct(o_direct),
             r => r,
         };
-        let uring = match direct {
+        let uring = match ring_fd {
             Err(e) => {
                 log::info!("{}: no O_DIRECT here ({e}); using pread/pwrite", p.display());
                 None
             }
-            Ok(d) => match Uring::new(d) {
+            Ok(d) => match Uring::new(d, direct) {
                 Ok(u) => Some(u),
                 Err(e) => {
                     log::info!("io_uring unavailable ({e}); using pread/pwrite");
@@ -122,6 +129,7 @@ impl FileStorage {
             stalled: false,
             unsent_bytes: 0,
             bytes,
+            direct,
             no_punch: false,
             no_zero_range: false,
             #[cfg(test)]
@@ -132,6 +140,19 @@ impl FileStorage {
     /// The namespace's size in bytes.
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// False for `direct=off`: the ring's operations go through the page cache.
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Tests: the open flags (F_GETFL) of the fd the io_uring works on.
+    #[cfg(test)]
+    pub fn ring_fd_flags(&self) -> Option<i32> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: F_GETFL on our own open fd; no memory is passed.
+        self.uring.as_ref().map(|u| unsafe { libc::fcntl(u._direct.as_raw_fd(), libc::F_GETFL) })
     }
 
     /// Reads `buf.len()` bytes at `off` with the buffered fd (the caller

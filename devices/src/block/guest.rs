@@ -49,7 +49,8 @@ unsafe impl Send for Iovecs {}
 pub enum InPlace {
     /// Those within one 4 KiB page, which reach the disk as one segment
     /// either way, and larger ones where guest memory is in huge pages;
-    /// the others go through a bounce buffer.
+    /// the others go through a bounce buffer. Buffered (`direct=off`):
+    /// every one, as `On`.
     #[default]
     Auto,
     /// Every one O_DIRECT's alignment allows (for storage that does not
@@ -138,7 +139,7 @@ impl FileStorage {
         mem: &GuestMem,
     ) -> Placed {
         use io_uring::{opcode, types};
-        let (mode, size) = (self.in_place, self.bytes());
+        let (mode, size, direct) = (self.in_place, self.bytes(), self.is_direct());
         let Some(u) = self.uring.as_mut() else { return Placed::Bounce };
         let (ma, la) = u.dio_align;
         if mode == InPlace::Off || op == FileOp::Flush || !off.is_multiple_of(la as u64) {
@@ -162,7 +163,9 @@ impl FileStorage {
         }
         let Some(first) = iov.first() else { return Placed::Bounce };
         let one_page = iov.len() == 1 && (first.iov_base as usize % 4096) + len <= 4096;
-        if mode == InPlace::Auto && !one_page && !mem.in_huge_pages() {
+        // Buffered (direct=off), the kernel copies into its page cache
+        // either way: in place saves the bounce copy whatever the pages.
+        if mode == InPlace::Auto && direct && !one_page && !mem.in_huge_pages() {
             return Placed::Bounce;
         }
         let fd = types::Fixed(0);

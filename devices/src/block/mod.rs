@@ -4,7 +4,8 @@
 //! - `null`: no data, dispatch cost only;
 //! - `ram` ([`ram`]): data in an anonymous mapping;
 //! - `file:PATH` ([`file`](mod@file)): a regular file or a block device; reads,
-//!   writes and flushes go O_DIRECT through io_uring, many in flight
+//!   writes and flushes go O_DIRECT (virtio-blk's `direct=off`: buffered,
+//!   through the page cache) through io_uring, many in flight
 //!   ([`uring`]: the ring and its bounce buffers; `reap.rs`: operations
 //!   pushed, submitted and their completions reaped), on the guest's pages
 //!   in place where O_DIRECT's alignment allows ([`guest`]), otherwise one
@@ -22,7 +23,9 @@
 //! NVMe (`nvme/io.rs`) and virtio-blk (`virtio/blk.rs`; its io_uring side
 //! `virtio/blk_async.rs`) are the two front ends. [`inject`] holds error
 //! injection's rules (pure code: which commands, what happens to them,
-//! when), which front ends are to ask per command (not wired yet).
+//! when), which front ends ask per command, and [`timing`] the device
+//! timing model (due times, the timer wheel); virtio-blk asks both
+//! (`virtio/blk_emu.rs`), NVMe not yet.
 
 pub mod file;
 pub mod guest;
@@ -127,10 +130,16 @@ impl Bounce {
 
 impl Storage {
     pub fn open(kind: &StorageKind, bytes: u64) -> Result<Self> {
+        Self::open_with(kind, bytes, true)
+    }
+
+    /// As [`open`](Self::open); a file's io_uring works O_DIRECT if
+    /// `direct` (`direct=on`, the default), else through the page cache.
+    pub fn open_with(kind: &StorageKind, bytes: u64, direct: bool) -> Result<Self> {
         Ok(match kind {
             StorageKind::Null => Storage::Null { bytes },
             StorageKind::Ram => Storage::Ram(std::sync::Arc::new(Ram::new(bytes)?)),
-            StorageKind::File(p) => Storage::File(Box::new(FileStorage::open(p, bytes)?)),
+            StorageKind::File(p) => Storage::File(Box::new(FileStorage::open(p, bytes, direct)?)),
         })
     }
 

@@ -138,7 +138,8 @@ pub(super) struct Uring {
     /// flight (one, unless the controller gave a memory up while its
     /// operations were still out).
     pub(super) keep: Vec<crate::GuestMem>,
-    /// O_DIRECT's alignment of memory addresses and of each piece's length.
+    /// O_DIRECT's alignment of memory addresses and of each piece's length
+    /// ((1, 1) on a buffered fd, `direct=off`).
     pub(super) dio_align: (usize, usize),
 }
 
@@ -188,7 +189,9 @@ fn disabled_ring(entries: u32) -> std::io::Result<(io_uring::IoUring, bool)> {
 }
 
 impl Uring {
-    pub(super) fn new(file: File) -> std::io::Result<Uring> {
+    /// A ring on `file`, opened with O_DIRECT if `direct` (whose
+    /// alignment is then the file's, statx), else buffered (none asked).
+    pub(super) fn new(file: File, direct: bool) -> std::io::Result<Uring> {
         use std::os::fd::AsRawFd;
         let (ring, disabled) = disabled_ring(FILE_SLOTS as u32)?;
         ring.submitter().register_files(&[file.as_raw_fd()])?;
@@ -202,7 +205,7 @@ impl Uring {
         let slots = vec![Slot { op: FileOp::Read, off: 0, len: 0, registered: false, guest: false }; FILE_SLOTS];
         let arena = Arena::new()?;
         let free = (0..FILE_SLOTS as u16).rev().collect();
-        let dio_align = guest::dio_align(&file);
+        let dio_align = if direct { guest::dio_align(&file) } else { (1, 1) };
         Ok(Uring {
             _direct: file,
             ring,

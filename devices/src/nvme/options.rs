@@ -4,7 +4,7 @@
 //! [`NvmeConfig::validate`]'s.
 
 use super::{InPlace, NvmeConfig, MAX_POLLERS, MAX_SUBMIT_BATCH};
-use crate::options::{num, on_if, on_off, Opt, Options, BACKEND_HELP, CREATE_HELP};
+use crate::options::{self, num, on_off, BlockConfig, Opt, Options};
 
 /// `nvme`'s options, in the order its `Display` writes them.
 pub const OPTIONS: Options<NvmeConfig> = Options {
@@ -20,16 +20,7 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
             },
             show: |c| Some(c.doorbell.to_string()),
         },
-        Opt {
-            key: "backend",
-            values: "null|ram|file:PATH",
-            help: BACKEND_HELP,
-            parse: |c, v| {
-                c.backend = v.parse()?;
-                Ok(())
-            },
-            show: |c| Some(c.backend.to_string()),
-        },
+        options::backend(),
         Opt {
             key: "size_mb",
             values: "N",
@@ -57,16 +48,7 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
             },
             show: |c| Some(c.lba_size.to_string()),
         },
-        Opt {
-            key: "create",
-            values: "on|off",
-            help: CREATE_HELP,
-            parse: |c, v| {
-                c.create = on_off(v)?;
-                Ok(())
-            },
-            show: |c| on_if(c.create),
-        },
+        options::create(),
         Opt {
             key: "pollers",
             values: "N",
@@ -151,6 +133,21 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
         },
     ],
 };
+
+impl BlockConfig for NvmeConfig {
+    fn backend(&self) -> &crate::block::StorageKind {
+        &self.backend
+    }
+    fn backend_mut(&mut self) -> &mut crate::block::StorageKind {
+        &mut self.backend
+    }
+    fn create(&self) -> bool {
+        self.create
+    }
+    fn create_mut(&mut self) -> &mut bool {
+        &mut self.create
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -291,6 +291,16 @@ pub(super) fn finish(mem: &GuestMem, descs: &[Desc], kind: u32, ok: bool) -> Don
     Done { written: (data + 1) as u32, status: Some(status), kind }
 }
 
+/// Ends a request that was not carried out (an injected status): `status`
+/// as its last writable byte, used length 1; 0 if it has no room for it.
+pub(super) fn status_only(mem: &GuestMem, descs: &[Desc], kind: u32, status: u8) -> Done {
+    let w = Part::new(descs.iter().filter(|d| d.write));
+    if w.len == 0 || !w.write(mem, w.len - 1, &[status]) {
+        return Done { written: 0, status: None, kind };
+    }
+    Done { written: 1, status: Some(status), kind }
+}
+
 /// Where num_queues sits in the configuration space (after the
 /// geometry, blk_size, topology and writeback fields; 5.2.4).
 pub const NUM_QUEUES_AT: usize = 34;

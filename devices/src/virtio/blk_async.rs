@@ -19,10 +19,13 @@
 //! on guest pages in place, so the kernel writes no guest memory: a
 //! request cancelled by a reset or the end of a run ([`Flight::cancel`])
 //! writes nothing to the guest when its operations are reaped, and
-//! `cancel` waits (bounded) until none is in flight.
+//! `cancel` waits (bounded) until none is in flight. Each request carries
+//! its [`Plan`] (`blk_emu.rs`): an IN's data is corrupted, if a rule said
+//! so, when its last piece is reaped, and its due time goes back with it.
 
 use crate::block::{FileOp, Storage, FILE_SLOTS, MAX_IO};
 use crate::virtio::blk::{self, Blk, Done, Part, T_IN, T_OUT};
+use crate::virtio::blk_emu::{self, Plan};
 use crate::virtio::queue::Desc;
 use crate::GuestMem;
 use std::time::Duration;
@@ -44,6 +47,7 @@ struct Req {
     left: u32,
     /// A piece failed (or could not be started).
     failed: bool,
+    plan: Plan,
 }
 
 /// What [`Flight::start`] did with a chain.
@@ -56,8 +60,8 @@ pub(super) enum Started {
     NoRoom,
 }
 
-/// A request a reap completed: its queue, head and result.
-pub(super) type Completed = (u16, u16, Done);
+/// A request a reap completed: its queue, head, result and due time.
+pub(super) type Completed = (u16, u16, Done, Option<u64>);
 
 /// The requests in flight on a file disk's io_uring.
 pub(super) struct Flight {
@@ -87,16 +91,27 @@ impl Flight {
     /// is served by [`Blk::handle`].
     ///
     /// [`FileStorage::submit`]: crate::block::FileStorage::submit
-    pub(super) fn start(&mut self, b: &mut Blk, mem: &GuestMem, queue: u16, head: u16, descs: Vec<Desc>) -> Started {
-        let plan = b.plan(mem, &descs);
-        let (Some(io), Storage::File(f)) = (plan, &mut b.storage) else { return Started::Done(b.handle(mem, &descs)) };
+    /// `plan`'s corruption is applied to an IN's data before it completes.
+    pub(super) fn start(
+        &mut self,
+        b: &mut Blk,
+        mem: &GuestMem,
+        (queue, head): (u16, u16),
+        descs: Vec<Desc>,
+        plan: Plan,
+    ) -> Started {
+        let transfer = b.plan(mem, &descs);
+        let (Some(io), Storage::File(f)) = (transfer, &mut b.storage) else {
+            return Started::Done(blk_emu::corrupted(mem, &descs, b.handle(mem, &descs), &plan));
+        };
         if !f.is_async() {
-            return Started::Done(b.handle(mem, &descs));
+            return Started::Done(blk_emu::corrupted(mem, &descs, b.handle(mem, &descs), &plan));
         }
         let pieces = io.len.div_ceil(MAX_IO as u64).max(1) as usize;
         if f.free_slots() < pieces {
             if f.in_flight() == 0 {
-                return Started::Done(b.handle(mem, &descs)); // cannot be: every slot would be free
+                return Started::Done(blk_emu::corrupted(mem, &descs, b.handle(mem, &descs), &plan));
+                // cannot be: every slot would be free
             }
             self.slot_waits += 1;
             return Started::NoRoom;
@@ -139,7 +154,7 @@ impl Flight {
             self.free.push(id);
             return Started::Done(blk::finish(mem, &descs, io.kind, false));
         }
-        self.reqs[id as usize] = Some(Req { queue, head, kind: io.kind, descs, left, failed });
+        self.reqs[id as usize] = Some(Req { queue, head, kind: io.kind, descs, left, failed, plan });
         Started::InFlight
     }
 
@@ -182,7 +197,11 @@ impl Flight {
             let req = self.reqs[id as usize].take().expect("the request just looked at");
             self.free.push(id);
             if live {
-                out.push((req.queue, req.head, blk::finish(mem, &req.descs, req.kind, !req.failed)));
+                let ok = match req.plan.corrupt {
+                    Some(c) if !req.failed && req.kind == T_IN => blk_emu::corrupt(mem, &req.descs, &c),
+                    _ => !req.failed,
+                };
+                out.push((req.queue, req.head, blk::finish(mem, &req.descs, req.kind, ok), req.plan.due));
             }
         }
         out

@@ -34,9 +34,15 @@
 //! serves a file disk synchronously (pread, pwrite, fdatasync) on the
 //! vCPU thread, which has nothing to wait for completions on; so does a
 //! file whose filesystem refuses O_DIRECT or io_uring.
+//!
+//! Error injection (`inject=`) and the timing model (`timing=`) sit
+//! between the rings and the storage (`blk_emu.rs`): every chain taken is
+//! shown to the rules first, and every completion may wait in the timer
+//! wheel, which each pass of the device thread empties of what is due.
 
 use super::blk::{self, Blk, Done};
 use super::blk_async as aio;
+use super::blk_emu::{self, Decision, Emu};
 use super::transport::{DeviceConfigBytes, QueueEngine, Shared, State, Transport, VirtioPci};
 use crate::block::{Storage, StorageKind};
 use crate::{Counter, DeviceContext, Error, IoEventSpec, Result};
@@ -108,7 +114,7 @@ impl std::fmt::Display for NotifyMode {
     }
 }
 
-/// Options of `--device virtio-blk[,backend=null|ram|file:PATH][,create=on][,size_mb=N][,notify=exit|ioeventfd|poll][,queues=N]`.
+/// Options of `--device virtio-blk[,OPTIONS]` (`options.rs` lists them).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VirtioBlkConfig {
     pub backend: StorageKind,
@@ -126,6 +132,15 @@ pub struct VirtioBlkConfig {
     /// A file disk: make a missing file, `size` bytes written through
     /// (`create=on`; otherwise a missing file is an error, `crate::backing`).
     pub create: bool,
+    /// A file disk: its io_uring works O_DIRECT (`direct=on`, the default)
+    /// or through the page cache (`direct=off`).
+    pub direct: bool,
+    /// The timing model (`timing=`; `blk_emu.rs`): completions posted at
+    /// their due time. None: as soon as done. (Boxed: a device config stays small.)
+    pub timing: Option<Box<crate::block::timing::TimingSpec>>,
+    /// Error injection's rules at start (`inject=`; `blk_emu.rs`); more
+    /// can be added at run time ([`VirtioBlk::inject_rules`]).
+    pub inject: Vec<crate::block::inject::Rule>,
 }
 
 impl Default for VirtioBlkConfig {
@@ -136,6 +151,9 @@ impl Default for VirtioBlkConfig {
             notify: NotifyMode::Exit,
             queues: None,
             create: false,
+            direct: true,
+            timing: None,
+            inject: Vec::new(),
         }
     }
 }
@@ -179,6 +197,8 @@ pub struct BlkEngine {
     /// serves the queues and reaps): set while that thread runs.
     pub(super) aio: bool,
     flight: aio::Flight,
+    /// Error injection and the timing model (`blk_emu.rs`).
+    pub(super) emu: Emu,
     /// The queue a pass starts at (turns, so that none waits for slots
     /// behind another one kept full).
     first: usize,
@@ -203,10 +223,12 @@ impl VirtioPci<BlkEngine> {
             let reason = format!("{n} (1 ..= {MAX_QUEUES})");
             return Err(Error::Option { device: "virtio-blk", option: "queues".into(), reason });
         }
-        let storage = crate::backing::open(&cfg.backend, cfg.size, cfg.create)?;
+        let storage = crate::backing::open_with(&cfg.backend, cfg.size, cfg.create, cfg.direct)?;
         let blk = Blk::new(storage, cfg.size, "iopath-virtio-blk");
         let st = Stats { queue_requests: vec![0; n as usize], ..Stats::default() };
+        let emu = Emu::new(n, cfg.timing.as_deref(), &cfg.inject);
         let e = BlkEngine {
+            emu,
             cfg,
             blk,
             st,
@@ -218,6 +240,12 @@ impl VirtioPci<BlkEngine> {
             first: 0,
         };
         Ok(VirtioPci::with_engine(e))
+    }
+
+    /// The device's injection rules, to add, list and clear at run time
+    /// (each added must pass [`blk_emu::check_rule`]).
+    pub fn inject_rules(&self) -> blk_emu::Rules {
+        crate::lock(self.shared()).e.emu.rules.clone()
     }
 }
 
@@ -327,6 +355,7 @@ impl QueueEngine for BlkEngine {
         let mut s = crate::lock(dev);
         let e = &mut s.e;
         e.flight.cancel(&mut e.blk);
+        e.emu.reset();
         e.aio = false;
     }
 
@@ -348,6 +377,9 @@ impl QueueEngine for BlkEngine {
 
     fn notify(&mut self, t: &mut Transport, queue: u16) {
         // The vCPU that wrote is waiting here: nothing else adds to the ring.
+        // Held completions due by now go first (notify=exit has no thread
+        // to post them: a delay rule added at run time waits for a notify).
+        post_due(t, self);
         while serve_queue(t, self, queue as usize) {}
         if self.aio {
             submit(self); // the device thread reaps
@@ -357,6 +389,7 @@ impl QueueEngine for BlkEngine {
     fn reset(&mut self, _t: &mut Transport) {
         // Before the transport forgets the queues: nothing completes after this.
         self.flight.cancel(&mut self.blk);
+        self.emu.reset();
     }
 
     fn counters(&self) -> Vec<Counter> {
@@ -371,11 +404,27 @@ impl QueueEngine for BlkEngine {
                     .map(|(q, &value)| Counter { name: format!("q{q}.requests"), value }),
             )
             .chain(self.file_counters())
+            .chain(self.emu_counters())
             .collect()
     }
 }
 
 impl BlkEngine {
+    /// Error injection and timing, when either is set: requests a rule
+    /// fired on, dropped, completions held for their due time, the most
+    /// held at once.
+    fn emu_counters(&self) -> Vec<Counter> {
+        let injected = crate::lock(&self.emu.rules).stats().injected;
+        if injected == 0 && self.emu.delayed == 0 {
+            return Vec::new();
+        }
+        let e = &self.emu;
+        [("inject.fired", injected), ("inject.dropped", e.dropped), ("held", e.delayed), ("held-max", e.held_max)]
+            .into_iter()
+            .map(|(n, value)| Counter { name: n.into(), value })
+            .collect()
+    }
+
     /// A file disk on io_uring: transfers done through it (O_DIRECT), the
     /// most operations in flight at once, and times a chain waited for slots.
     fn file_counters(&self) -> Vec<Counter> {
@@ -398,6 +447,7 @@ impl BlkEngine {
 pub(super) fn serve(t: &mut Transport, e: &mut BlkEngine) -> bool {
     let mut more = false;
     let n = t.queues.len();
+    post_due(t, e);
     if e.aio {
         reap(t, e);
     }
@@ -426,12 +476,15 @@ pub(super) fn reap(t: &mut Transport, e: &mut BlkEngine) -> bool {
     let Some(mem) = t.ctx.as_ref().map(|c| c.mem.clone()) else { return false };
     let done = e.flight.reap(&mut e.blk, &mem, |q| t.queue_live(q as usize));
     let mut irq = vec![false; t.queues.len()];
-    for &(q, head, d) in &done {
+    for &(q, head, d, due) in &done {
         let i = q as usize;
         if !t.queue_live(i) {
             continue; // broken by an earlier one in this batch
         }
         count(e, i, &d);
+        if e.emu.hold(q, head, d, due) {
+            continue;
+        }
         match t.queues[i].ring.push_used(&mem, head, d.written) {
             Ok(x) => irq[i] |= x,
             Err(err) => t.broken(&format!("used ring: {err}")),
@@ -441,6 +494,30 @@ pub(super) fn reap(t: &mut Transport, e: &mut BlkEngine) -> bool {
         t.queue_interrupt(i);
     }
     !done.is_empty()
+}
+
+/// Posts the held completions that are due (`blk_emu.rs`), each to its
+/// queue's used ring while that queue is live, and raises the interrupts.
+fn post_due(t: &mut Transport, e: &mut BlkEngine) {
+    let due = e.emu.expire();
+    if due.is_empty() {
+        return;
+    }
+    let Some(mem) = t.ctx.as_ref().map(|c| c.mem.clone()) else { return };
+    let mut irq = vec![false; t.queues.len()];
+    for (q, head, d) in due {
+        let i = q as usize;
+        if !t.queue_live(i) {
+            continue;
+        }
+        match t.queues[i].ring.push_used(&mem, head, d.written) {
+            Ok(x) => irq[i] |= x,
+            Err(err) => t.broken(&format!("used ring: {err}")),
+        }
+    }
+    for (i, _) in irq.iter().enumerate().filter(|(_, &x)| x) {
+        t.queue_interrupt(i);
+    }
 }
 
 fn count(e: &mut BlkEngine, i: usize, done: &Done) {
@@ -468,21 +545,38 @@ pub(super) fn serve_queue(t: &mut Transport, e: &mut BlkEngine, i: usize) -> boo
         more = true;
         match q.pop(&mem) {
             Ok(Some(c)) => {
-                let done = if e.aio {
-                    match e.flight.start(&mut e.blk, &mem, i as u16, c.head, c.descs) {
-                        aio::Started::Done(d) => d,
-                        aio::Started::InFlight => continue,
-                        aio::Started::NoRoom => {
-                            // Left available until a reap frees slots (the thread wakes on it).
-                            q.unpop();
-                            more = false;
-                            break;
-                        }
+                let (done, due) = match e.emu.decide(&mem, &c.descs, i as u16) {
+                    Decision::Run(plan) => {
+                        let done = if e.aio {
+                            match e.flight.start(&mut e.blk, &mem, (i as u16, c.head), c.descs, plan) {
+                                aio::Started::Done(d) => d,
+                                aio::Started::InFlight => continue,
+                                aio::Started::NoRoom => {
+                                    // Left available until a reap frees slots (the thread
+                                    // wakes on it); decided already, it keeps its plan.
+                                    q.unpop();
+                                    e.emu.park(i as u16, plan);
+                                    more = false;
+                                    break;
+                                }
+                            }
+                        } else {
+                            let d = e.blk.handle(&mem, &c.descs);
+                            blk_emu::corrupted(&mem, &c.descs, d, &plan)
+                        };
+                        (done, plan.due)
                     }
-                } else {
-                    e.blk.handle(&mem, &c.descs)
+                    Decision::Complete(done, due) => (done, due),
+                    Decision::Drop => continue,
+                    Decision::Fatal => {
+                        t.broken("inject: fatal");
+                        return false;
+                    }
                 };
                 count(e, i, &done);
+                if e.emu.hold(i as u16, c.head, done, due) {
+                    continue;
+                }
                 match q.push_used(&mem, c.head, done.written) {
                     Ok(i) => irq |= i,
                     Err(err) => {
@@ -515,14 +609,21 @@ pub(super) fn serve_queue(t: &mut Transport, e: &mut BlkEngine, i: usize) -> boo
 }
 
 impl State<BlkEngine> {
+    /// How long the device thread may sleep before a held completion is
+    /// due (None: none is held).
+    pub(super) fn until_due(&self) -> Option<u64> {
+        self.e.emu.until_due()
+    }
+
     /// See [`serve`].
     pub(super) fn serve(&mut self) -> bool {
         serve(&mut self.t, &mut self.e)
     }
 
-    /// Requests on the file's io_uring not yet completed.
+    /// Requests on the file's io_uring not yet completed, and completions
+    /// held for their due time.
     pub(super) fn in_flight(&self) -> usize {
-        self.e.flight.requests()
+        self.e.flight.requests() + self.e.emu.held()
     }
 
     /// True if a queue is live and the driver has made chains available

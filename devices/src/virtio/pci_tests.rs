@@ -96,7 +96,7 @@ impl Rig {
 }
 
 fn cfg(backend: StorageKind) -> VirtioBlkConfig {
-    VirtioBlkConfig { backend, size: 1 << 20, notify: NotifyMode::Exit, queues: None, create: false }
+    VirtioBlkConfig { backend, size: 1 << 20, notify: NotifyMode::Exit, ..VirtioBlkConfig::default() }
 }
 
 #[test]
@@ -359,5 +359,7 @@ fn the_pci_cfg_window_reaches_the_bar() {
 
 #[path = "blk_async_tests.rs"]
 mod aio;
+#[path = "blk_emu_tests.rs"]
+mod emu;
 #[path = "pci_mq_tests.rs"]
 mod mq;

@@ -3,7 +3,9 @@
 //! notifications suppressed (`notify=poll`), so a driver that honours
 //! EVENT_IDX (or NO_NOTIFY) makes no exit while requests keep coming.
 //! On a file disk with io_uring it also wakes on the ring's completion
-//! eventfd and reaps (`pci.rs`: each pass reaps before it serves).
+//! eventfd and reaps (`pci.rs`: each pass reaps before it serves). With
+//! completions held for their due time (`blk_emu.rs`) it sleeps no longer
+//! than until the first is due; each pass posts those due first.
 
 use super::pci::BlkEngine;
 use super::transport::State;
@@ -24,9 +26,15 @@ pub(super) struct Wake<'a> {
     pub(super) stop: &'a AtomicBool,
 }
 
-/// Waits up to 1 s for a kick or a completion: the number of kicks read
+/// The longest a wait lasts: a stop is seen within it.
+const MAX_WAIT: Duration = Duration::from_secs(1);
+
+/// Waits for a kick or a completion, at most [`MAX_WAIT`] and no longer
+/// than until the first held completion is due: the number of kicks read
 /// (0: none, or a stop) and whether completions were signalled.
-fn wait_kick(w: &Wake) -> (u64, bool) {
+fn wait_kick(state: &Mutex<State<BlkEngine>>, w: &Wake) -> (u64, bool) {
+    let wait = crate::lock(state).until_due().map_or(MAX_WAIT, |ns| Duration::from_nanos(ns).min(MAX_WAIT));
+    let ts = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
     let mut fds = [libc::pollfd { fd: w.kick.as_raw_fd(), events: libc::POLLIN, revents: 0 }; 2];
     let n = match w.done {
         Some(d) => {
@@ -35,8 +43,9 @@ fn wait_kick(w: &Wake) -> (u64, bool) {
         }
         None => 1,
     };
-    // SAFETY: `n` valid pollfds; a bounded wait so a stop is seen.
-    unsafe { libc::poll(fds.as_mut_ptr(), n, 1000) };
+    // SAFETY: `n` valid pollfds and a timespec that outlive the call; a
+    // bounded wait so a stop is seen.
+    unsafe { libc::ppoll(fds.as_mut_ptr(), n as libc::nfds_t, &ts, std::ptr::null()) };
     if w.stop.load(Ordering::Acquire) {
         return (0, false); // the stop's own kick is not the guest's
     }
@@ -48,9 +57,10 @@ fn wait_kick(w: &Wake) -> (u64, bool) {
 /// `notify=ioeventfd`: serve the queues on each kick, and reap on each completion.
 pub(super) fn kick_loop(state: &Mutex<State<BlkEngine>>, w: &Wake) {
     while !w.stop.load(Ordering::Acquire) {
-        let (n, done) = wait_kick(w);
+        let (n, done) = wait_kick(state, w);
         // With requests in flight, a quiet second also makes a pass: it
-        // retries what a refused submit left in the ring.
+        // retries what a refused submit left in the ring (and a held
+        // completion's due time is such an end of the wait).
         if n > 0 || done || crate::lock(state).in_flight() > 0 {
             {
                 let mut st = crate::lock(state);
@@ -72,7 +82,7 @@ pub(super) fn poll_loop(state: &Mutex<State<BlkEngine>>, w: &Wake) {
     let mut awake = false;
     while !w.stop.load(Ordering::Acquire) {
         if !awake {
-            let (n, done) = wait_kick(w);
+            let (n, done) = wait_kick(state, w);
             if n == 0 {
                 if done || crate::lock(state).in_flight() > 0 {
                     // Completions only (or a quiet second with requests in flight):

@@ -10,7 +10,7 @@
 //! - [`wheel`]: [`TimerWheel`], the due times of the commands in flight,
 //!   expired in due order by the device's own threads.
 //!
-//! Intended wiring (not done here): a front end (NVMe's queue poller,
+//! Wiring (virtio-blk's: `virtio/blk_emu.rs`; NVMe's still to come): a front end (NVMe's queue poller,
 //! virtio-blk's) carries a command out on the storage as today, then,
 //! instead of posting its completion, calls `admit(now, op, bytes)` on
 //! the namespace's model (one per namespace, behind the namespace's lock or

@@ -107,7 +107,14 @@ impl VhostUserBackend {
         if !(1..=NUM_QUEUES).contains(&queues) {
             return Err(Error::Config(format!("virtio-blk: {queues} queues (1 ..= {NUM_QUEUES})")));
         }
-        let backend = iopath_devices::backing::open(&cfg.backend, cfg.size, cfg.create)?;
+        if cfg.timing.is_some() || !cfg.inject.is_empty() {
+            return Err(Error::Config(
+                "virtio-blk over vhost-user: timing= and inject= are served in the VMM's \
+                 and the PCI device process's virtio-blk only"
+                    .into(),
+            ));
+        }
+        let backend = iopath_devices::backing::open_with(&cfg.backend, cfg.size, cfg.create, cfg.direct)?;
         let b = Blk::new(backend, cfg.size, "iopath-vhost-user-blk");
         Ok(VhostUserBackend { dev: Arc::new(Mutex::new(Dev::new(b, queues))), notify: cfg.notify })
     }

@@ -158,10 +158,7 @@ impl Rig {
         w(d, 0x16, 0, 2);
         w(d, 0x18, 8, 2);
         w(d, 0x1a, vector as u64, 2);
-        w(d, 0x20, 0x1000, 8);
-        w(d, 0x28, 0x2000, 8);
-        w(d, 0x30, 0x3000, 8);
-        w(d, 0x1c, 1, 2);
+        start_queue(d, 0);
         w(d, 0x14, 3 | 8 | 4, 1);
     }
 
@@ -235,17 +232,59 @@ fn counter(d: &SharedDevice, name: &str) -> u64 {
     d.counters().iter().find(|c| c.name == name).map_or(0, |c| c.value)
 }
 
+/// The selected queue's rings at `base` + 0x1000 (descriptors), + 0x2000
+/// (available) and + 0x3000 (used), then the queue enabled.
+fn start_queue(d: &SharedDevice, base: u64) {
+    w(d, 0x20, base + 0x1000, 8);
+    w(d, 0x28, base + 0x2000, 8);
+    w(d, 0x30, base + 0x3000, 8);
+    w(d, 0x1c, 1, 2);
+}
+
+/// The driver's least before DRIVER_OK: ACKNOWLEDGE | DRIVER, VERSION_1
+/// (high feature word 1), FEATURES_OK.
+fn features_ok(d: &SharedDevice) {
+    w(d, 0x14, 3, 1);
+    w(d, 0x08, 1, 4);
+    w(d, 0x0c, 1, 4);
+    w(d, 0x14, 3 | 8, 1);
+}
+
+/// A device as the VMM makes it ([`connect`]) against a fake backend
+/// acting as `o`, attached: its log, the call fds it was given and the
+/// run's failures.
+struct Attached {
+    d: SharedDevice,
+    log: Log,
+    calls: Calls,
+    failed: Arc<Mutex<Vec<String>>>,
+}
+
+/// [`Attached`] to guest RAM, with interrupts `irq` (None: none), the
+/// VMM's ioeventfds if `ioevents` (else none) and failures recorded.
+fn attached(o: Opts, irq: Option<Arc<dyn Interrupts>>, ioevents: bool) -> Attached {
+    let (mine, theirs) = UnixStream::pair().unwrap();
+    let (log, calls): (Log, Calls) = Default::default();
+    let (l, c) = (log.clone(), calls.clone());
+    std::thread::spawn(move || fake_backend(theirs, l, o, c));
+    let d = connect(mine, None, "vhost-user-blk", 1).unwrap();
+    let failed: Arc<Mutex<Vec<String>>> = Arc::default();
+    let f = failed.clone();
+    let mut ctx = DeviceContext::detached(ram());
+    if ioevents {
+        ctx.ioevents = Arc::new(IoEvents);
+    }
+    if let Some(irq) = irq {
+        ctx.irq = irq;
+    }
+    ctx.fail = Arc::new(move |m| iopath_devices::lock(&f).push(m));
+    d.attach(ctx);
+    Attached { d, log, calls, failed }
+}
+
 #[test]
 fn nothing_reaches_the_backend_before_driver_ok_which_sets_up_ring_kick_and_irqfd() {
-    let (mine, theirs) = UnixStream::pair().unwrap();
-    let log: Log = Arc::default();
-    let l = log.clone();
-    std::thread::spawn(move || fake_backend(theirs, l, Opts::default(), Calls::default()));
-    let d = connect(mine, None, "vhost-user-blk", 1).unwrap();
-    let mut ctx = DeviceContext::detached(ram());
-    ctx.ioevents = Arc::new(IoEvents);
-    ctx.irq = Arc::new(Irqs(EventFd::new(0).unwrap()));
-    d.attach(ctx);
+    let Attached { d, log, .. } = attached(Opts::default(), Some(Arc::new(Irqs(EventFd::new(0).unwrap()))), true);
     let reqs = |from: usize| iopath_devices::lock(&log)[from..].iter().map(|x| x.0).collect::<Vec<_>>();
     // Connect: owner, features, protocol features, configuration.
     assert_eq!(reqs(0), [3, 1, 15, 16, 24]);
@@ -270,10 +309,7 @@ fn nothing_reaches_the_backend_before_driver_ok_which_sets_up_ring_kick_and_irqf
     w(&d, 0x16, 0, 2);
     w(&d, 0x18, 8, 2);
     w(&d, 0x1a, 1, 2);
-    w(&d, 0x20, 0x1000, 8);
-    w(&d, 0x28, 0x2000, 8);
-    w(&d, 0x30, 0x3000, 8);
-    w(&d, 0x1c, 1, 2);
+    start_queue(&d, 0);
     assert_eq!(reqs(5), [] as [u32; 0], "nothing is sent before DRIVER_OK");
 
     w(&d, 0x14, 3 | 8 | 4, 1);
@@ -297,24 +333,9 @@ fn nothing_reaches_the_backend_before_driver_ok_which_sets_up_ring_kick_and_irqf
 
 #[test]
 fn a_backend_that_hangs_up_before_driver_ok_makes_the_device_need_reset_and_stops_the_run() {
-    let (mine, theirs) = UnixStream::pair().unwrap();
-    let log: Log = Arc::default();
-    let l = log.clone();
-    std::thread::spawn(move || fake_backend(theirs, l, Opts { last: Some(24), ..Opts::default() }, Calls::default()));
-    let d = connect(mine, None, "vhost-user-blk", 1).unwrap();
-    let failed: Arc<Mutex<Vec<String>>> = Arc::default();
-    let f = failed.clone();
-    let mut ctx = DeviceContext::detached(ram());
-    ctx.fail = Arc::new(move |m| iopath_devices::lock(&f).push(m));
-    d.attach(ctx);
-    w(&d, 0x14, 3, 1);
-    w(&d, 0x08, 1, 4);
-    w(&d, 0x0c, 1, 4);
-    w(&d, 0x14, 3 | 8, 1);
-    w(&d, 0x20, 0x1000, 8);
-    w(&d, 0x28, 0x2000, 8);
-    w(&d, 0x30, 0x3000, 8);
-    w(&d, 0x1c, 1, 2);
+    let Attached { d, failed, .. } = attached(Opts { last: Some(24), ..Opts::default() }, None, false);
+    features_ok(&d);
+    start_queue(&d, 0);
     w(&d, 0x14, 3 | 8 | 4, 1);
     assert_eq!(r(&d, 0x14, 1) & 64, 64, "DEVICE_NEEDS_RESET");
     assert_eq!((counter(&d, "ring_errors"), counter(&d, "backend_errors"), counter(&d, "activations")), (1, 1, 0));
@@ -340,23 +361,10 @@ impl Interrupts for Intx {
 
 #[test]
 fn without_ioeventfd_or_msix_the_vmm_passes_kicks_on_and_relays_calls_as_intx() {
-    let (mine, theirs) = UnixStream::pair().unwrap();
-    let (log, calls): (Log, Calls) = Default::default();
-    let (l, c) = (log.clone(), calls.clone());
-    std::thread::spawn(move || fake_backend(theirs, l, Opts::default(), c));
-    let d = connect(mine, None, "vhost-user-blk", 1).unwrap();
     let intx = Arc::new(Intx::default());
-    let mut ctx = DeviceContext::detached(ram()); // no ioeventfds
-    ctx.irq = intx.clone();
-    d.attach(ctx);
-    w(&d, 0x14, 3, 1);
-    w(&d, 0x08, 1, 4);
-    w(&d, 0x0c, 1, 4);
-    w(&d, 0x14, 3 | 8, 1);
-    w(&d, 0x20, 0x1000, 8);
-    w(&d, 0x28, 0x2000, 8);
-    w(&d, 0x30, 0x3000, 8);
-    w(&d, 0x1c, 1, 2);
+    let Attached { d, calls, .. } = attached(Opts::default(), Some(intx.clone()), false); // no ioeventfds
+    features_ok(&d);
+    start_queue(&d, 0);
     w(&d, 0x14, 3 | 8 | 4, 1);
     assert_eq!((counter(&d, "kick_ioeventfd"), counter(&d, "call_irqfd"), counter(&d, "activations")), (0, 0, 1));
     // A notify write exits to the VMM, which kicks the backend's eventfd.
@@ -377,20 +385,8 @@ fn without_ioeventfd_or_msix_the_vmm_passes_kicks_on_and_relays_calls_as_intx() 
 
 #[test]
 fn driver_ok_without_the_queue_enabled_needs_reset_but_sends_nothing_and_runs_on() {
-    let (mine, theirs) = UnixStream::pair().unwrap();
-    let log: Log = Arc::default();
-    let l = log.clone();
-    std::thread::spawn(move || fake_backend(theirs, l, Opts::default(), Calls::default()));
-    let d = connect(mine, None, "vhost-user-blk", 1).unwrap();
-    let failed: Arc<Mutex<Vec<String>>> = Arc::default();
-    let f = failed.clone();
-    let mut ctx = DeviceContext::detached(ram());
-    ctx.fail = Arc::new(move |m| iopath_devices::lock(&f).push(m));
-    d.attach(ctx);
-    w(&d, 0x14, 3, 1);
-    w(&d, 0x08, 1, 4);
-    w(&d, 0x0c, 1, 4);
-    w(&d, 0x14, 3 | 8, 1);
+    let Attached { d, log, failed, .. } = attached(Opts::default(), None, false);
+    features_ok(&d);
     w(&d, 0x14, 3 | 8 | 4, 1);
     assert_eq!(r(&d, 0x14, 1) & 64, 64, "DEVICE_NEEDS_RESET");
     assert_eq!(iopath_devices::lock(&log).len(), 5, "only the connect handshake was sent");

@@ -34,10 +34,7 @@ fn up(rig: &Rig, vectors: &[Option<u16>]) {
         w(d, 0x16, q as u64, 2);
         w(d, 0x18, 8, 2);
         w(d, 0x1a, *v as u64, 2);
-        w(d, 0x20, base + 0x1000, 8);
-        w(d, 0x28, base + 0x2000, 8);
-        w(d, 0x30, base + 0x3000, 8);
-        w(d, 0x1c, 1, 2);
+        start_queue(d, base);
     }
     w(d, 0x14, 3 | 8 | 4, 1);
 }
