@@ -87,6 +87,16 @@ impl FileStorage {
     /// Opens `p` for a namespace of `bytes` ([`open_backing`]), and its
     /// O_DIRECT io_uring where the file system and kernel allow.
     pub(super) fn open(p: &std::path::Path, bytes: u64) -> Result<Self> {
+        Self::open_signalling(p, bytes, None)
+    }
+
+    /// As [`open`](Self::open), its io_uring signalling `done` (None: an
+    /// eventfd of its own) on each completion.
+    pub(super) fn open_signalling(
+        p: &std::path::Path,
+        bytes: u64,
+        done: Option<std::sync::Arc<vmm_sys_util::eventfd::EventFd>>,
+    ) -> Result<Self> {
         let f = open_backing(p, bytes)?;
         use std::os::unix::fs::OpenOptionsExt;
         // O_NOATIME: every read of a block device (or of a file mounted
@@ -103,7 +113,7 @@ impl FileStorage {
                 log::info!("{}: no O_DIRECT here ({e}); using pread/pwrite", p.display());
                 None
             }
-            Ok(d) => match Uring::new(d) {
+            Ok(d) => match Uring::new(d, done) {
                 Ok(u) => Some(u),
                 Err(e) => {
                     log::info!("io_uring unavailable ({e}); using pread/pwrite");

@@ -188,11 +188,16 @@ fn disabled_ring(entries: u32) -> std::io::Result<(io_uring::IoUring, bool)> {
 }
 
 impl Uring {
-    pub(super) fn new(file: File) -> std::io::Result<Uring> {
+    /// A ring on `file` whose completions signal `done`, or an eventfd of
+    /// its own (several rings may signal one: a controller's file namespaces).
+    pub(super) fn new(file: File, done: Option<Arc<EventFd>>) -> std::io::Result<Uring> {
         use std::os::fd::AsRawFd;
         let (ring, disabled) = disabled_ring(FILE_SLOTS as u32)?;
         ring.submitter().register_files(&[file.as_raw_fd()])?;
-        let done = EventFd::new(libc::EFD_CLOEXEC)?;
+        let done = match done {
+            Some(d) => d,
+            None => Arc::new(EventFd::new(libc::EFD_CLOEXEC)?),
+        };
         ring.submitter().register_eventfd(done.as_raw_fd())?;
         let fixed_bufs = ring.submitter().register_buffers_sparse(FILE_SLOTS as u32).is_ok();
         if disabled {
@@ -206,7 +211,7 @@ impl Uring {
         Ok(Uring {
             _direct: file,
             ring,
-            done: Arc::new(done),
+            done,
             slots,
             arena,
             free,
