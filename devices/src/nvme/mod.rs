@@ -1,10 +1,11 @@
-//! An NVMe controller (NVMe 1.4 subset) with one namespace.
+//! An NVMe controller (NVMe 1.4 subset) with up to 32 namespaces
+//! (`namespaces.rs` their options, `ns_admin.rs` their admin commands).
 //!
 //! BAR0 (64-bit memory, 16 KiB) holds the controller registers (CAP, VS,
 //! INTMS/INTMC, CC, CSTS, AQA, ASQ, ACQ) and, from 0x1000, the doorbells
 //! (stride 4: SQ y tail at 0x1000 + 8y, CQ y head at 0x1000 + 8y + 4).
-//! Admin: Identify (controller, namespace, active namespace list, namespace
-//! identification descriptors), Create/Delete I/O SQ and CQ, Get/Set
+//! Admin: Identify (controller, namespace, active and allocated namespace
+//! lists, namespace identification descriptors), Format NVM, Create/Delete I/O SQ and CQ, Get/Set
 //! Features (number of queues, interrupt coalescing, volatile write cache,
 //! arbitration...), Get Log Page (error, SMART, firmware, commands supported
 //! and effects; with offsets), Abort, Asynchronous Event Request, Doorbell

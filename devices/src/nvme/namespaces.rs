@@ -8,6 +8,10 @@
 //! namespaces may share one `ns=` value, separated by `+` (that is how
 //! `Display` writes them all back). A `;` or `+` inside a value is written
 //! twice. At most [`MAX_NAMESPACES`] in all.
+//!
+//! `iopath serve nvme --namespace SPEC` (repeatable) takes each namespace
+//! in the device-option syntax instead (`,` between its keys):
+//! [`NvmeConfig::with_namespaces`](super::NvmeConfig::with_namespaces).
 
 use crate::block::StorageKind;
 use crate::options::num;
@@ -59,8 +63,19 @@ impl NsConfig {
     /// One SPEC: `KEY=VALUE` pairs separated by `;` (keys `backend`,
     /// `size_mb`, `lba`, `create`), each over the defaults.
     pub fn parse_spec(spec: &str) -> Result<NsConfig> {
+        NsConfig::parse_pairs(split(spec, ';'))
+    }
+
+    /// One namespace in the device-option syntax (`iopath serve nvme
+    /// --namespace backend=ram,size_mb=16,lba=4096`): `,` between its keys,
+    /// a `,` inside a value written twice.
+    pub fn parse_options(spec: &str) -> Result<NsConfig> {
+        NsConfig::parse_pairs(split(spec, ','))
+    }
+
+    fn parse_pairs(pairs: Vec<String>) -> Result<NsConfig> {
         let mut c = NsConfig::default();
-        for kv in split(spec, ';') {
+        for kv in pairs {
             let Some((k, v)) = kv.split_once('=') else {
                 return Err(bad(format!("{kv:?} is not KEY=VALUE (backend, size_mb, lba, create)")));
             };
@@ -127,6 +142,24 @@ impl NsConfig {
     }
 }
 
+impl super::NvmeConfig {
+    /// The controller with exactly `specs` as its namespaces, in order
+    /// (`--namespace`, [`NsConfig::parse_options`]): the first is namespace
+    /// 1 (its backend=, size_mb=, lba=, create= replace the device
+    /// options'), the others follow; checked as a whole. No specs: as it is.
+    pub fn with_namespaces(mut self, specs: &[String]) -> Result<super::NvmeConfig> {
+        let Some((first, rest)) = specs.split_first() else { return Ok(self) };
+        if self.namespaces != 1 || !self.ns.is_empty() {
+            return Err(bad("--namespace gives every namespace: not with namespaces= or ns=".into()));
+        }
+        let n1 = NsConfig::parse_options(first)?;
+        (self.backend, self.size, self.lba_size, self.create) = (n1.backend, n1.size, n1.lba_size, n1.create);
+        self.ns = rest.iter().map(|s| NsConfig::parse_options(s)).collect::<Result<_>>()?;
+        self.validate()?;
+        Ok(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,7 +175,11 @@ mod tests {
         let b = NsConfig { backend: StorageKind::Null, size: 1 << 30, lba_size: 512, create: false };
         let v = NsConfig::write_list(&[a.clone(), b.clone()]).unwrap();
         assert_eq!(v, "backend=file:/tmp/a;;b++c.img;size_mb=8;lba=4096;create=on+backend=null;size_mb=1024;lba=512");
-        assert_eq!(NsConfig::parse_list(&v).unwrap(), [a, b]);
+        assert_eq!(NsConfig::parse_list(&v).unwrap(), [a.clone(), b]);
+        // The same namespace in the device-option syntax (`--namespace`).
+        assert_eq!(NsConfig::parse_options("backend=file:/tmp/a;b+c.img,size_mb=8,lba=4096,create=on").unwrap(), a);
+        let c = NsConfig::parse_options("backend=file:/tmp/x,,y.img").unwrap();
+        assert_eq!(c.backend, StorageKind::File("/tmp/x,y.img".into()));
         assert_eq!(NsConfig::write_list(&[]), None);
         // Keys left out take the defaults.
         assert_eq!(NsConfig::parse_spec("lba=4096").unwrap(), NsConfig { lba_size: 4096, ..Default::default() });
