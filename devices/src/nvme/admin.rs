@@ -258,6 +258,7 @@ impl Core {
                 d[513] = 0x44; // CQES: 16 bytes
                 d[516..520].copy_from_slice(&(self.ns.len() as u32).to_le_bytes()); // NN
                 d[524] = 0; // FNA: Format NVM per namespace, no cryptographic erase
+                d[92..96].copy_from_slice(&(1u32 << 8).to_le_bytes()); // OAES: Namespace Attribute Notices
                 let oncs: u16 = (1 << 2) | (1 << 3); // DSM, Write Zeroes
                 d[520..522].copy_from_slice(&oncs.to_le_bytes());
                 d[525] = 1; // VWC present (Set Features 06h turns it off)
@@ -362,7 +363,8 @@ impl Core {
                 ok
             }
             0x0b => {
-                f.async_events = v & 0xff;
+                // SMART warnings (7:0), Namespace Attribute Notices (8).
+                f.async_events = v & 0x1ff;
                 ok
             }
             _ => return invalid,
@@ -440,6 +442,7 @@ impl Core {
                 f[8..16].copy_from_slice(FIRMWARE);
                 f
             }
+            0x04 => self.changed_ns_log(true),
             0x05 => self.effects_log(),
             _ => return status::INVALID_LOG_PAGE,
         };

@@ -29,6 +29,9 @@ pub(super) struct Core {
     pub ns: Vec<Namespace>,
     /// Completions owed per CQ across the namespaces, slot waits (`io.rs`).
     pub flight: InFlight,
+    /// NSIDs attached or detached since the Changed Namespace List log
+    /// was last read (`ns_admin.rs`; at most 1024, then overflowed).
+    pub changed_ns: Vec<u32>,
     pub scratch: Scratch,
     pub db: Doorbells,
     pub intr: IrqState,
@@ -234,6 +237,7 @@ impl Core {
             events: Events::default(),
             ns: storages.into_iter().zip(cfg.ns_list()).map(|(s, n)| Namespace::new(s, &n)).collect(),
             flight: InFlight::new(),
+            changed_ns: Vec::new(),
             scratch: Scratch { segs: Vec::with_capacity(64), buf: Vec::new(), bounce: Bounce::new(0) },
             db: Doorbells::new(cfg.doorbell, bar_page),
             intr: IrqState::new(),

@@ -57,12 +57,15 @@ pub(super) struct Namespace {
     pub nlbas: u64,
     /// Commands out on the file namespace's io_uring.
     pub pending: Pending,
+    /// Attached to the controller (active); detached, it is allocated only:
+    /// I/O to it gets Invalid Namespace or Format (`ns_admin.rs`).
+    pub attached: bool,
 }
 
 impl Namespace {
     pub fn new(storage: Storage, cfg: &super::namespaces::NsConfig) -> Namespace {
         let (nlbas, lba_size) = (cfg.size / cfg.lba_size as u64, cfg.lba_size);
-        Namespace { storage, lba_shift: lba_size.trailing_zeros(), nlbas, pending: Pending::new() }
+        Namespace { storage, lba_shift: lba_size.trailing_zeros(), nlbas, pending: Pending::new(), attached: true }
     }
 
     /// True if `n` LBAs from `slba` lie outside the namespace.
@@ -118,8 +121,14 @@ impl Pending {
 }
 
 impl Core {
-    /// The index of namespace `nsid` in `ns` (None: no such namespace).
+    /// The index of active namespace `nsid` in `ns` (None: no such
+    /// namespace, or detached).
     pub(super) fn ns_index(&self, nsid: u32) -> Option<usize> {
+        self.ns_allocated(nsid).filter(|&i| self.ns[i].attached)
+    }
+
+    /// The index of namespace `nsid`, attached or not.
+    pub(super) fn ns_allocated(&self, nsid: u32) -> Option<usize> {
         let i = (nsid as usize).checked_sub(1)?;
         (i < self.ns.len()).then_some(i)
     }

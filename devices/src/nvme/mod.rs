@@ -541,6 +541,16 @@ impl Nvme {
     }
 }
 
+impl Nvme {
+    /// Attaches (`true`) or detaches namespace `nsid` at run time, as a
+    /// control socket asks (`ns_admin.rs`): the host is told with a
+    /// Namespace Attribute Changed event where it enabled them. Ok(false):
+    /// it was so already; an error: no such namespace.
+    pub fn set_attached(&self, nsid: u32, attached: bool) -> Result<bool> {
+        crate::lock(&self.core).set_attached(nsid, attached)
+    }
+}
+
 #[cfg(any(test, feature = "oracle"))]
 impl Nvme {
     /// Starts the log of fetched I/O commands the queue oracle checks.

@@ -1,13 +1,22 @@
 //! The admin commands about namespaces: Identify Namespace (CNS 00h, and
 //! 11h for an allocated NSID), the active and allocated namespace ID lists
-//! (02h, 10h: every namespace is allocated and active), the Namespace
+//! (02h, 10h: every namespace is allocated; attached ones are active), the Namespace
 //! Identification Descriptor list (03h: each namespace's NGUID and UUID,
 //! `identity.rs`), and Format NVM (80h), which switches a namespace
 //! between the two LBA formats Identify Namespace lists (0: 512 bytes, 1:
 //! 4096; no metadata, no protection information) and erases its data (it
 //! reads as zeros after; Secure Erase Settings 000b and 001b, user data
 //! erase, do the same; cryptographic erase is not offered: FNA bit 2).
-//! An NSID that names no namespace gets Invalid Namespace or Format.
+//! An NSID that names no namespace gets Invalid Namespace or Format; a
+//! detached (inactive) one gets zeros from Identify Namespace (00h).
+//!
+//! Attach and detach at run time ([`Nvme::set_attached`](super::Nvme::set_attached),
+//! the API a control socket calls; no Namespace Attachment command, which
+//! comes with Namespace Management): the namespace leaves (or joins) the
+//! active list, I/O to it gets Invalid Namespace or Format, its NSID goes
+//! to the Changed Namespace List log (04h) and, where Set Features 0Bh
+//! enabled Namespace Attribute Notices (OAES bit 8), an asynchronous event
+//! (notice, namespace attribute changed, log 04h) tells the host to rescan.
 
 use super::controller::Core;
 use super::queue::{status, Sqe};
@@ -21,8 +30,11 @@ impl Core {
     pub(super) fn identify_ns(&mut self, c: &Sqe, cns: u32, d: &mut [u8]) -> Result<(), u16> {
         match cns {
             0x00 | 0x11 => {
-                let i = self.ns_index(c.nsid).ok_or(status::INVALID_NAMESPACE)?;
+                let i = self.ns_allocated(c.nsid).ok_or(status::INVALID_NAMESPACE)?;
                 let ns = &self.ns[i];
+                if cns == 0x00 && !ns.attached {
+                    return Ok(()); // inactive: zeros
+                }
                 let nlbas = ns.nlbas;
                 d[0..8].copy_from_slice(&nlbas.to_le_bytes()); // NSZE
                 d[8..16].copy_from_slice(&nlbas.to_le_bytes()); // NCAP
@@ -44,13 +56,15 @@ impl Core {
                 if c.nsid >= 0xffff_fffe {
                     return Err(status::INVALID_NAMESPACE);
                 }
-                let ids = (c.nsid.saturating_add(1)..=self.ns.len() as u32).take(1024);
+                let ids = (c.nsid.saturating_add(1)..=self.ns.len() as u32)
+                    .filter(|&n| cns == 0x10 || self.ns[n as usize - 1].attached)
+                    .take(1024);
                 for (k, id) in ids.enumerate() {
                     d[4 * k..4 * k + 4].copy_from_slice(&id.to_le_bytes());
                 }
             }
             0x03 => {
-                self.ns_index(c.nsid).ok_or(status::INVALID_NAMESPACE)?;
+                self.ns_allocated(c.nsid).ok_or(status::INVALID_NAMESPACE)?;
                 // Namespace Identification Descriptors: NIDT, NIDL, 2 reserved, NID.
                 let (nguid, uuid) = self.ident.namespace_ids(c.nsid);
                 let mut p = 0;
@@ -114,5 +128,47 @@ impl Core {
             }
         }
         status::SUCCESS
+    }
+}
+
+/// Most NSIDs the Changed Namespace List log holds.
+const CHANGED_MAX: usize = 1024;
+
+impl Core {
+    /// Attaches (or detaches) namespace `nsid` in every queue group; if that
+    /// changed it, logs it and raises the notice. Group 0 only.
+    pub(super) fn set_attached(&mut self, nsid: u32, attached: bool) -> crate::Result<bool> {
+        let Some(i) = self.ns_allocated(nsid) else {
+            let reason = format!("no namespace {nsid} (1 ..= {})", self.ns.len());
+            return Err(crate::Error::Option { device: "nvme", option: "nsid".into(), reason });
+        };
+        if self.ns[i].attached == attached {
+            return Ok(false);
+        }
+        for g in 0..self.groups.max(1) {
+            self.with_group(g, |k| k.ns[i].attached = attached);
+        }
+        if self.changed_ns.len() <= CHANGED_MAX && !self.changed_ns.contains(&nsid) {
+            self.changed_ns.push(nsid); // one past the limit: overflowed
+        }
+        if self.feat.async_events & 1 << 8 != 0 {
+            self.event(2, 0, 0x04); // notice: namespace attribute changed
+        }
+        Ok(true)
+    }
+
+    /// Changed Namespace List (log 04h): the NSIDs changed since it was last
+    /// read, ascending (more than 1024: FFFFFFFFh alone); `clear` as it is read.
+    pub(super) fn changed_ns_log(&mut self, clear: bool) -> Vec<u8> {
+        let mut page = vec![0u8; 4096];
+        let mut ids = if clear { std::mem::take(&mut self.changed_ns) } else { self.changed_ns.clone() };
+        if ids.len() > CHANGED_MAX {
+            ids = vec![0xffff_ffff];
+        }
+        ids.sort_unstable();
+        for (k, id) in ids.iter().enumerate() {
+            page[4 * k..4 * k + 4].copy_from_slice(&id.to_le_bytes());
+        }
+        page
     }
 }

@@ -273,3 +273,63 @@ fn namespace_options_are_checked_across_each_other() {
     };
     assert!(e(pollers).contains("pollers"));
 }
+
+/// Detach and attach at run time: the namespace leaves and rejoins the
+/// active list (the allocated list keeps it), I/O to it gets 0x0b while
+/// detached and finds its data again after, the Changed Namespace List log
+/// names it (once, cleared as read), and an AER completes with the notice
+/// once the host enabled Namespace Attribute Notices.
+#[test]
+fn a_namespace_detached_at_run_time_leaves_the_active_list_and_the_host_is_told() {
+    const BUF: u64 = 0x40000;
+    for pollers in [1u8, 2] {
+        let cfg = NvmeConfig {
+            doorbell: if pollers > 1 { DoorbellMode::Shm } else { DoorbellMode::Mmio },
+            pollers,
+            ..four()
+        };
+        let mut d = Drv::new(cfg);
+        d.io_queues(16);
+        let (_, c) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
+        assert_eq!(u32::from_le_bytes(c[92..96].try_into().unwrap()) & 1 << 8, 1 << 8, "OAES: namespace notices");
+        d.mem.write_slice(&[0x22; 512], GuestAddress(BUF)).unwrap();
+        assert_eq!(d.io_ns(0x01, 2, 3, 0, BUF, 16), 0);
+        let active = |d: &mut Drv, cns: u32| {
+            let (_, l) = d.admin_data(0x06, 0, [cns, 0, 0, 0], 4096);
+            l.chunks(4).map(|w| u32::from_le_bytes(w.try_into().unwrap())).take_while(|&n| n != 0).collect::<Vec<_>>()
+        };
+        let changed = |d: &mut Drv| {
+            let (st, l) = d.admin_data(0x02, 0xffff_ffff, [4 | 1 << 15 | 1023 << 16, 0, 0, 0], 4096);
+            assert_eq!(st, 0);
+            l.chunks(4).map(|w| u32::from_le_bytes(w.try_into().unwrap())).take_while(|&n| n != 0).collect::<Vec<_>>()
+        };
+        // Notices off (the default): logged, no event.
+        assert!(d.n.set_attached(2, false).unwrap());
+        assert!(!d.n.set_attached(2, false).unwrap(), "detached already");
+        assert!(d.n.set_attached(9, false).is_err());
+        assert_eq!(active(&mut d, 2), [1, 3, 4]);
+        assert_eq!(active(&mut d, 0x10), [1, 2, 3, 4], "still allocated");
+        let (st, n) = d.admin_data(0x06, 2, [0, 0, 0, 0], 4096);
+        assert!(st == 0 && n.iter().all(|&b| b == 0), "inactive: Identify Namespace is zeros");
+        assert_eq!(le64(&d.admin_data(0x06, 2, [0x11, 0, 0, 0], 4096).1), 2048, "11h: allocated, its size");
+        assert_eq!(d.io_ns(0x02, 2, 3, 0, BUF, 16), status::INVALID_NAMESPACE);
+        assert_eq!(changed(&mut d), [2]);
+        assert_eq!(changed(&mut d), Vec::<u32>::new(), "cleared as read");
+        // Notices on: the attach raises one.
+        assert_eq!(d.admin(0x09, 0, 0, 0, [0x0b, 1 << 8, 0, 0]).1, 0);
+        let aer = d.submit_aer();
+        assert!(d.reap(ACQ, 32, true).is_none(), "no event yet");
+        assert!(d.n.set_attached(2, true).unwrap());
+        let (dw0, st) = d.reap(ACQ, 32, true).expect("the notice completes the AER");
+        d.w32(DOORBELLS + 4, d.ahead as u32);
+        assert_eq!((dw0, st), (2 | 4 << 16, 0), "notice, namespace attribute changed, log 04h (AER cid {aer})");
+        assert_eq!(changed(&mut d), [2]);
+        assert_eq!(active(&mut d, 2), [1, 2, 3, 4]);
+        d.mem.write_slice(&[0; 512], GuestAddress(BUF)).unwrap();
+        assert_eq!(d.io_ns(0x02, 2, 3, 0, BUF, 16), 0);
+        let mut got = [0u8; 512];
+        d.mem.read_slice(&mut got, GuestAddress(BUF)).unwrap();
+        assert!(got.iter().all(|&b| b == 0x22), "pollers={pollers}: its data kept");
+        d.n.quiesce();
+    }
+}
