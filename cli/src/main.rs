@@ -101,6 +101,12 @@ struct ServeArgs {
     /// SIGSYS at a system call its thread's role does not make).
     #[arg(long)]
     no_seccomp: bool,
+    /// nvme: one namespace, in the device-option syntax
+    /// (backend=ram,size_mb=64,lba=4096,create=on); repeatable, NSIDs in
+    /// order of appearance (the first is namespace 1, replacing the device's
+    /// backend=, size_mb=, lba=, create=). Without it: the device's namespaces.
+    #[arg(long = "namespace", value_name = "SPEC")]
+    namespaces: Vec<String>,
 }
 
 #[derive(Args)]
@@ -164,8 +170,13 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
         eprintln!("iopath serve: --spin-us has no effect with --transport {transport} (the rings are served by their own threads)");
     }
     iopath_protocols::socket::set_spin(Duration::from_micros(a.spin_us));
+    let device = match a.device {
+        iopath_devices::DeviceConfig::Nvme(c) => iopath_devices::DeviceConfig::Nvme(c.with_namespaces(&a.namespaces)?),
+        d if a.namespaces.is_empty() => d,
+        d => anyhow::bail!("--namespace is an nvme option, not {}'s", d.name()),
+    };
     let o = ServeOptions {
-        device: a.device,
+        device,
         transport,
         listen,
         once: a.once,

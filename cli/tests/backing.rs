@@ -188,3 +188,73 @@ fn create_on_leaves_an_existing_file_as_it_was_and_refuses_a_short_one() {
         assert!(std::fs::read(&p).unwrap() == data, "the user's file changed");
     }
 }
+
+/// `iopath serve nvme --namespace SPEC ...`: each SPEC a namespace in the device-option syntax,
+/// its file checked (or, with create=on, laid out) before the socket is served; a bad SPEC, or
+/// `--namespace` beside `namespaces=`/`ns=` or for another device, is refused by name.
+#[test]
+fn serve_takes_each_namespace_from_a_namespace_flag_and_lays_out_their_files() {
+    let d = TempDir::new("backing-cli-namespaces");
+    let sock = d.join("s.sock");
+    let sock_s = sock.to_str().unwrap().to_string();
+    let missing = d.join("none.img");
+    let bad: [(Vec<String>, String); 5] = [
+        (
+            [
+                "serve",
+                "nvme",
+                "--namespace",
+                "backend=ram",
+                "--namespace",
+                &format!("backend=file:{}", missing.display()),
+            ]
+            .map(String::from)
+            .into(),
+            format!("backend file:{}: {MISSING}", missing.display()),
+        ),
+        (["serve", "nvme", "--namespace", "colour=blue"].map(String::from).into(), "ns: unknown key".into()),
+        (["serve", "nvme", "--namespace", "lba=1024"].map(String::from).into(), "ns: lba: 1024".into()),
+        (
+            ["serve", "nvme,namespaces=2", "--namespace", "backend=ram"].map(String::from).into(),
+            "not with namespaces= or ns=".into(),
+        ),
+        (
+            ["serve", "virtio-blk", "--namespace", "backend=ram"].map(String::from).into(),
+            "--namespace is an nvme option".into(),
+        ),
+    ];
+    for (mut args, want) in bad {
+        args.extend(["--socket".to_string(), sock_s.clone()]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = iopath(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(&want), "{args:?}: {stderr}");
+        let left: Vec<_> = std::fs::read_dir(&*d).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert!(left.is_empty(), "{args:?} left {left:?}");
+    }
+    // Two file namespaces made and laid out, then the socket served.
+    let (a, b) = (d.join("a,1.img"), d.join("b.img"));
+    let spec = |p: &Path, mb: u32, lba: u32| {
+        format!("backend=file:{},create=on,size_mb={mb},lba={lba}", p.display().to_string().replace(',', ",,"))
+    };
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["serve", "nvme", "--once", "--no-seccomp", "--namespace", &spec(&a, 4, 512)])
+        .args(["--namespace", &spec(&b, 2, 4096), "--socket", &sock_s])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while !sock.exists() {
+        if let Some(st) = serve.try_wait().unwrap() {
+            panic!("iopath serve ended ({st}) before it served: {:?}", serve.wait_with_output().unwrap());
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(20), "no socket from iopath serve");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    laid_out(&a, 4 << 20);
+    laid_out(&b, 2 << 20);
+    let _ = serve.kill();
+    let _ = serve.wait();
+}

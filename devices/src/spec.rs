@@ -115,7 +115,22 @@ impl DeviceConfig {
     /// device is built here or in a device process.
     pub fn prepare_backing(&self) -> Result<crate::backing::Prepared> {
         let (backend, bytes, create) = match self {
-            DeviceConfig::Nvme(c) => (&c.backend, c.size, c.create),
+            DeviceConfig::Nvme(c) => {
+                // Every namespace's file; what was made, added up.
+                let mut made = 0;
+                for n in c.ns_list() {
+                    if let crate::backing::Prepared::Created { bytes } =
+                        crate::backing::prepare(&n.backend, n.size, n.create)?
+                    {
+                        made += bytes;
+                    }
+                }
+                return Ok(if made > 0 {
+                    crate::backing::Prepared::Created { bytes: made }
+                } else {
+                    crate::backing::Prepared::AsIs
+                });
+            }
             DeviceConfig::VirtioBlk(c) => (&c.backend, c.size, c.create),
             _ => return Ok(crate::backing::Prepared::AsIs),
         };
@@ -282,6 +297,9 @@ mod tests {
             "nvme,doorbell=shm,backend=file:/tmp/a,,b.img,size_mb=8,lba=4096,create=on,in_place=off",
             "nvme,doorbell=adaptive,backend=ram,size_mb=8,lba=512,serial=SN 1,,2@@3",
             "nvme,doorbell=adaptive,backend=ram,size_mb=8,lba=512,nqn=nqn.2014-08.com.example:a@@b,,c,cntlid=65519",
+            "nvme,doorbell=auto,backend=ram,size_mb=64,lba=512,namespaces=4",
+            "nvme,doorbell=auto,backend=file:/tmp/a.img,size_mb=8,lba=512,ns=backend=ram;size_mb=16;lba=4096+backend=file:/tmp/b,,;;c.img;size_mb=8;lba=512;create=on",
+            "nvme,doorbell=auto,backend=null,size_mb=8,lba=4096,namespaces=2,ns=backend=null;size_mb=1024;lba=512",
             "virtio-blk,backend=null,size_mb=64,notify=ioeventfd",
             "virtio-blk,backend=ram,size_mb=1,notify=poll",
             "virtio-blk,backend=file:/tmp/v,,b@@c.img,size_mb=8,notify=exit",

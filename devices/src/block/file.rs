@@ -93,6 +93,17 @@ impl FileStorage {
     /// if `direct`, else on a buffered one (the page cache; O_DIRECT's
     /// alignment is then asked of no address, offset or length).
     pub(super) fn open(p: &std::path::Path, bytes: u64, direct: bool) -> Result<Self> {
+        Self::open_signalling(p, bytes, direct, None)
+    }
+
+    /// As [`open`](Self::open), its io_uring signalling `done` (None: an
+    /// eventfd of its own) on each completion.
+    pub(super) fn open_signalling(
+        p: &std::path::Path,
+        bytes: u64,
+        direct: bool,
+        done: Option<std::sync::Arc<vmm_sys_util::eventfd::EventFd>>,
+    ) -> Result<Self> {
         let f = open_backing(p, bytes)?;
         use std::os::unix::fs::OpenOptionsExt;
         // O_NOATIME: every read of a block device (or of a file mounted
@@ -110,7 +121,7 @@ impl FileStorage {
                 log::info!("{}: no O_DIRECT here ({e}); using pread/pwrite", p.display());
                 None
             }
-            Ok(d) => match Uring::new(d, direct) {
+            Ok(d) => match Uring::new(d, direct, done) {
                 Ok(u) => Some(u),
                 Err(e) => {
                     log::info!("io_uring unavailable ({e}); using pread/pwrite");

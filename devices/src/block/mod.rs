@@ -143,6 +143,21 @@ impl Storage {
         })
     }
 
+    /// As [`open`](Self::open); a file's io_uring signals `done` on each
+    /// completion (one eventfd for several namespaces of a controller).
+    pub fn open_signalling(
+        kind: &StorageKind,
+        bytes: u64,
+        done: &std::sync::Arc<vmm_sys_util::eventfd::EventFd>,
+    ) -> Result<Self> {
+        Ok(match kind {
+            StorageKind::File(p) => {
+                Storage::File(Box::new(FileStorage::open_signalling(p, bytes, true, Some(done.clone()))?))
+            }
+            k => Storage::open(k, bytes)?,
+        })
+    }
+
     /// Another handle on the same data, for another thread of the same
     /// device: `null` and `ram` (None for a file, whose io_uring is one
     /// thread's).

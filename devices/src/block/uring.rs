@@ -190,12 +190,17 @@ fn disabled_ring(entries: u32) -> std::io::Result<(io_uring::IoUring, bool)> {
 
 impl Uring {
     /// A ring on `file`, opened with O_DIRECT if `direct` (whose
-    /// alignment is then the file's, statx), else buffered (none asked).
-    pub(super) fn new(file: File, direct: bool) -> std::io::Result<Uring> {
+    /// alignment is then the file's, statx), else buffered (none asked);
+    /// its completions signal `done`, or an eventfd of its own (several
+    /// rings may signal one: a controller's file namespaces).
+    pub(super) fn new(file: File, direct: bool, done: Option<Arc<EventFd>>) -> std::io::Result<Uring> {
         use std::os::fd::AsRawFd;
         let (ring, disabled) = disabled_ring(FILE_SLOTS as u32)?;
         ring.submitter().register_files(&[file.as_raw_fd()])?;
-        let done = EventFd::new(libc::EFD_CLOEXEC)?;
+        let done = match done {
+            Some(d) => d,
+            None => Arc::new(EventFd::new(libc::EFD_CLOEXEC)?),
+        };
         ring.submitter().register_eventfd(done.as_raw_fd())?;
         let fixed_bufs = ring.submitter().register_buffers_sparse(FILE_SLOTS as u32).is_ok();
         if disabled {
@@ -209,7 +214,7 @@ impl Uring {
         Ok(Uring {
             _direct: file,
             ring,
-            done: Arc::new(done),
+            done,
             slots,
             arena,
             free,

@@ -1,5 +1,6 @@
 //! Admin commands: queue creation and deletion, Identify, Get/Set Features,
 //! Get Log Page, Abort, Asynchronous Event Request, Doorbell Buffer Config.
+//! Identify's namespace structures and Format NVM: `ns_admin.rs`.
 
 use super::controller::Core;
 use super::queue::{self, prp_segments, queue_in_ram, status, Cq, Sq, Sqe, CQE_SIZE, PAGE, SQE_SIZE};
@@ -12,7 +13,7 @@ const AERL: usize = 4;
 const FIRMWARE: &[u8; 8] = b"1.0     ";
 /// Admin opcodes implemented (Doorbell Buffer Config, 0x7c, only where shadow
 /// doorbells are served): what `admin` dispatches and the effects log lists.
-const ADMIN_OPCODES: [u8; 10] = [0x00, 0x01, 0x02, 0x04, 0x05, 0x06, 0x08, 0x09, 0x0a, 0x0c];
+const ADMIN_OPCODES: [u8; 11] = [0x00, 0x01, 0x02, 0x04, 0x05, 0x06, 0x08, 0x09, 0x0a, 0x0c, 0x80];
 /// I/O opcodes implemented (`io`), and those that change LBA contents.
 const IO_OPCODES: [u8; 5] = [0x00, 0x01, 0x02, 0x08, 0x09];
 pub(super) const IO_LBA_CHANGING: [u8; 3] = [0x01, 0x08, 0x09];
@@ -87,6 +88,7 @@ impl Core {
                 None
             }
             0x7c => r(self.dbbuf_config(c)),
+            0x80 => r(self.format_nvm(c)),
             // Anything else is not implemented: not in ADMIN_OPCODES (the effects log).
             _ => r(status::INVALID_OPCODE),
         }
@@ -209,7 +211,7 @@ impl Core {
     }
 
     /// Copies `data` to the command's PRPs.
-    fn copy_to_guest(&mut self, c: &Sqe, data: &[u8]) -> u16 {
+    pub(super) fn copy_to_guest(&mut self, c: &Sqe, data: &[u8]) -> u16 {
         let mut segs = std::mem::take(&mut self.scratch.segs);
         let r = match prp_segments(&self.mem, c.prp1, c.prp2, data.len() as u64, &mut segs) {
             Ok(()) => {
@@ -234,22 +236,6 @@ impl Core {
         let cns = c.cdw10 & 0xff;
         let mut d = vec![0u8; 4096];
         match cns {
-            0x00 => {
-                if c.nsid != 1 {
-                    return status::INVALID_NAMESPACE;
-                }
-                let nlbas = self.ns.nlbas;
-                d[0..8].copy_from_slice(&nlbas.to_le_bytes()); // NSZE
-                d[8..16].copy_from_slice(&nlbas.to_le_bytes()); // NCAP
-                d[16..24].copy_from_slice(&nlbas.to_le_bytes()); // NUSE
-                d[25] = 0; // NLBAF: one format
-                d[26] = 0; // FLBAS: format 0
-                           // DLFEAT: deallocated blocks read as zeros (001b); Write Zeroes may
-                           // deallocate (bit 3, DEAC: Linux then sets it unless told not to unmap).
-                d[33] = 0b1001;
-                d[104..120].copy_from_slice(&self.ident.nguid); // NGUID; EUI64 (120..128) not reported
-                d[128 + 2] = self.ns.lba_shift as u8; // LBAF0: MS 0, LBADS, RP 0
-            }
             0x01 => {
                 d[0..2].copy_from_slice(&VENDOR.to_le_bytes());
                 d[2..4].copy_from_slice(&VENDOR.to_le_bytes());
@@ -270,7 +256,9 @@ impl Core {
                 d[268..270].copy_from_slice(&CCTEMP.to_le_bytes());
                 d[512] = 0x66; // SQES: 64 bytes
                 d[513] = 0x44; // CQES: 16 bytes
-                d[516..520].copy_from_slice(&1u32.to_le_bytes()); // NN
+                d[516..520].copy_from_slice(&(self.ns.len() as u32).to_le_bytes()); // NN
+                d[524] = 0; // FNA: Format NVM per namespace, no cryptographic erase
+                d[92..96].copy_from_slice(&(1u32 << 8).to_le_bytes()); // OAES: Namespace Attribute Notices
                 let oncs: u16 = (1 << 2) | (1 << 3); // DSM, Write Zeroes
                 d[520..522].copy_from_slice(&oncs.to_le_bytes());
                 d[525] = 1; // VWC present (Set Features 06h turns it off)
@@ -278,25 +266,12 @@ impl Core {
                 let n = nqn.len().min(super::identity::NQN_MAX); // validated: never cut
                 d[768..768 + n].copy_from_slice(&nqn[..n]); // SUBNQN, NUL-terminated
             }
-            0x02 => {
-                if c.nsid >= 0xffff_fffe {
-                    return status::INVALID_NAMESPACE;
-                }
-                if c.nsid < 1 {
-                    d[0..4].copy_from_slice(&1u32.to_le_bytes());
-                }
-            }
-            0x03 => {
-                if c.nsid != 1 {
-                    return status::INVALID_NAMESPACE;
-                }
-                // Namespace Identification Descriptors: NIDT, NIDL, 2 reserved, NID.
-                let mut p = 0;
-                for (nidt, nid) in [(2u8, self.ident.nguid), (3, self.ident.uuid)] {
-                    d[p] = nidt;
-                    d[p + 1] = nid.len() as u8;
-                    d[p + 4..p + 4 + nid.len()].copy_from_slice(&nid);
-                    p += 4 + nid.len();
+            // Namespace structures: Identify Namespace (00h, and 11h for an
+            // allocated NSID), the active and allocated lists (02h, 10h), the
+            // descriptors (03h).
+            0x00 | 0x02 | 0x03 | 0x10 | 0x11 => {
+                if let Err(st) = self.identify_ns(c, cns, &mut d) {
+                    return st;
                 }
             }
             _ => return status::INVALID_FIELD,
@@ -304,13 +279,14 @@ impl Core {
         self.copy_to_guest(c, &d)
     }
 
-    /// Optional Admin Command Support: Doorbell Buffer Config only where
-    /// shadow doorbells are served.
+    /// Optional Admin Command Support: Format NVM; Doorbell Buffer Config
+    /// only where shadow doorbells are served.
     fn oacs(&self) -> u16 {
+        let format = 1 << 1;
         if self.shadow_mode() {
-            1 << 8
+            format | 1 << 8
         } else {
-            0
+            format
         }
     }
 
@@ -387,7 +363,8 @@ impl Core {
                 ok
             }
             0x0b => {
-                f.async_events = v & 0xff;
+                // SMART warnings (7:0), Namespace Attribute Notices (8).
+                f.async_events = v & 0x1ff;
                 ok
             }
             _ => return invalid,
@@ -438,6 +415,10 @@ impl Core {
         let page = match lid {
             0x01 => vec![0u8; 64], // error information: no entries kept
             0x02 => {
+                // Controller-wide only (LPA bit 0 clear): NSID 0h or FFFFFFFFh.
+                if !matches!(c.nsid, 0 | 0xffff_ffff) {
+                    return status::INVALID_FIELD;
+                }
                 let mut s = vec![0u8; 512];
                 let f = &self.feat;
                 if TEMPERATURE > f.temp_over || TEMPERATURE < f.temp_under {
@@ -461,6 +442,7 @@ impl Core {
                 f[8..16].copy_from_slice(FIRMWARE);
                 f
             }
+            0x04 => self.changed_ns_log(true),
             0x05 => self.effects_log(),
             _ => return status::INVALID_LOG_PAGE,
         };
@@ -486,6 +468,9 @@ impl Core {
         for op in ADMIN_OPCODES {
             set(op as usize, 1);
         }
+        // Format NVM: changes LBA contents and the namespace's capability (its
+        // LBA size); no other command to the namespace while it runs (CSE 001b).
+        set(0x80, 0b111 | 1 << 16);
         if self.shadow_mode() {
             set(0x7c, 1);
         }

@@ -10,7 +10,7 @@
 use super::admin::Features;
 use super::doorbells::Doorbells;
 use super::interrupts::IrqState;
-use super::io::{Namespace, Pending};
+use super::io::{InFlight, Namespace};
 use super::queue::{self, post_cqe, read_sqe, status, Cq, Sq};
 use super::regs::Regs;
 use super::{DoorbellMode, NvmeConfig, MAX_IO_QUEUES};
@@ -25,7 +25,13 @@ pub(super) struct Core {
     pub regs: Regs,
     pub queues: Queues,
     pub events: Events,
-    pub ns: Namespace,
+    /// The namespaces (index = NSID - 1).
+    pub ns: Vec<Namespace>,
+    /// Completions owed per CQ across the namespaces, slot waits (`io.rs`).
+    pub flight: InFlight,
+    /// NSIDs attached or detached since the Changed Namespace List log
+    /// was last read (`ns_admin.rs`; at most 1024, then overflowed).
+    pub changed_ns: Vec<u32>,
     pub scratch: Scratch,
     pub db: Doorbells,
     pub intr: IrqState,
@@ -214,7 +220,8 @@ pub(super) struct Smart {
 }
 
 impl Core {
-    pub fn new(cfg: &NvmeConfig, storage: Storage, bar_page: Option<GuestMemoryMmap>) -> Core {
+    /// A core with namespaces on `storages` (one per `cfg.ns_list()` entry, in order).
+    pub fn new(cfg: &NvmeConfig, storages: Vec<Storage>, bar_page: Option<GuestMemoryMmap>) -> Core {
         let n = MAX_IO_QUEUES as usize + 1;
         Core {
             mem: GuestMem::default(),
@@ -228,12 +235,9 @@ impl Core {
                 created: false,
             },
             events: Events::default(),
-            ns: Namespace {
-                storage,
-                lba_shift: cfg.lba_size.trailing_zeros(),
-                nlbas: cfg.size / cfg.lba_size as u64,
-                pending: Pending::new(),
-            },
+            ns: storages.into_iter().zip(cfg.ns_list()).map(|(s, n)| Namespace::new(s, &n)).collect(),
+            flight: InFlight::new(),
+            changed_ns: Vec::new(),
             scratch: Scratch { segs: Vec::with_capacity(64), buf: Vec::new(), bounce: Bounce::new(0) },
             db: Doorbells::new(cfg.doorbell, bar_page),
             intr: IrqState::new(),
@@ -328,10 +332,10 @@ impl Core {
         // Each round fetches something or ends (the tails do not move here);
         // bounded all the same.
         for _ in 0..self.queues.sqs.len() {
-            if !self.ns.pending.slot_wait || !self.io_room() {
+            if !self.flight.slot_wait || !self.io_room() {
                 return;
             }
-            self.ns.pending.slot_wait = false;
+            self.flight.slot_wait = false;
             for qid in self.queues.io_sq_ids() {
                 if self.queues.sqs[qid].is_some_and(|s| s.head != s.tail) {
                     self.serve_sq(qid);
@@ -357,13 +361,13 @@ impl Core {
             // Room for this command's completion besides those owed already.
             // (No division: this is per command.)
             let used = if cq.tail >= cq.head { cq.tail - cq.head } else { cq.tail + cq.size - cq.head };
-            if cq.size - 1 - used <= self.ns.pending.owed[cqid] {
+            if cq.size - 1 - used <= self.flight.owed[cqid] {
                 self.st.cq_full_waits += 1;
                 return did;
             }
             if qid > 0 && !self.io_room() {
-                self.ns.pending.slot_waits += 1;
-                self.ns.pending.slot_wait = true;
+                self.flight.slot_waits += 1;
+                self.flight.slot_wait = true;
                 return did;
             }
             let sq = self.queues.sqs[qid].as_mut().unwrap();
@@ -409,12 +413,13 @@ impl Core {
         }
     }
 
-    /// A file namespace slot is free (or the storage completes at once).
+    /// Every file namespace has a free slot (or completes at once): the
+    /// next command's NSID is known only once it is fetched.
     fn io_room(&self) -> bool {
-        match &self.ns.storage {
+        self.ns.iter().all(|ns| match &ns.storage {
             Storage::File(f) => f.has_room(),
             _ => true,
-        }
+        })
     }
 
     /// The device thread's turn for the file namespace: reaps and posts what
@@ -449,29 +454,30 @@ impl Core {
         (true, self.io_in_flight() > 0)
     }
 
-    /// The file namespace's completion eventfd (io_uring signals it).
+    /// The file namespaces' completion eventfd (every ring signals the one
+    /// `Nvme::new` gave them).
     pub fn io_completion_fd(&self) -> Option<std::sync::Arc<vmm_sys_util::eventfd::EventFd>> {
-        match &self.ns.storage {
+        self.ns.iter().find_map(|ns| match &ns.storage {
             Storage::File(f) => f.completion_fd(),
             _ => None,
-        }
+        })
     }
 
-    /// File namespace operations wait in the ring for a submit the kernel
+    /// File namespace operations wait in a ring for a submit the kernel
     /// refused: the device thread retries after a while.
     pub fn io_stalled(&self) -> bool {
-        match &self.ns.storage {
-            Storage::File(f) => f.stalled(),
-            _ => false,
-        }
+        self.ns.iter().any(|ns| matches!(&ns.storage, Storage::File(f) if f.stalled()))
     }
 
-    /// File namespace operations in flight.
+    /// File namespace operations in flight, over the namespaces.
     pub fn io_in_flight(&self) -> usize {
-        match &self.ns.storage {
-            Storage::File(f) => f.in_flight(),
-            _ => 0,
-        }
+        self.ns
+            .iter()
+            .map(|ns| match &ns.storage {
+                Storage::File(f) => f.in_flight(),
+                _ => 0,
+            })
+            .sum()
     }
 
     /// Posts a completion for a command of SQ `sqid` and signals its CQ's vector.
@@ -524,15 +530,26 @@ impl Core {
             // I/O commands each poller served (group k's poller: `poller{k}.ios`).
             v.extend(per.iter().enumerate().map(|(k, &n)| Counter { name: format!("poller{k}.ios"), value: n }));
         }
-        let backend = self.ns.storage.name();
-        v.push(Counter { name: format!("backend.{backend}"), value: 1 });
-        if let Storage::File(f) = &self.ns.storage {
-            v.push(Counter { name: "backend.direct-ops".into(), value: f.direct_ops });
+        // Each backend kind the namespaces use; the file counters summed over them.
+        for kind in ["null", "ram", "file"] {
+            if self.ns.iter().any(|ns| ns.storage.name() == kind) {
+                v.push(Counter { name: format!("backend.{kind}"), value: 1 });
+            }
+        }
+        if self.ns.len() > 1 {
+            v.push(Counter { name: "namespaces".into(), value: self.ns.len() as u64 });
+        }
+        let files: Vec<_> =
+            self.ns.iter().filter_map(|ns| if let Storage::File(f) = &ns.storage { Some(f) } else { None }).collect();
+        if !files.is_empty() {
+            let sum = |g: fn(&crate::block::FileStorage) -> u64| files.iter().map(|f| g(f)).sum::<u64>();
+            v.push(Counter { name: "backend.direct-ops".into(), value: sum(|f| f.direct_ops) });
             // Of those, the ones that moved data to or from the guest's pages in place.
-            v.push(Counter { name: "backend.in-place-ops".into(), value: f.in_place_ops });
-            // The queue depth that reached the file: the most operations in flight at once.
-            v.push(Counter { name: "backend.inflight-max".into(), value: f.max_in_flight });
-            v.push(Counter { name: "backend.slot-waits".into(), value: self.ns.pending.slot_waits });
+            v.push(Counter { name: "backend.in-place-ops".into(), value: sum(|f| f.in_place_ops) });
+            // The queue depth that reached a file: the most operations in flight at once.
+            let max = files.iter().map(|f| f.max_in_flight).max().unwrap_or(0);
+            v.push(Counter { name: "backend.inflight-max".into(), value: max });
+            v.push(Counter { name: "backend.slot-waits".into(), value: self.flight.slot_waits });
         }
         v
     }

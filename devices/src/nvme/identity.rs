@@ -1,7 +1,8 @@
 //! The controller's identity: its serial number (Identify Controller SN),
 //! the subsystem's NQN (SUBNQN) and its controller id (CNTLID), as the
 //! options `serial=`, `nqn=` and `cntlid=` give them, and the namespace's
-//! NGUID and UUID, derived from the serial number and the NQN.
+//! NGUID and UUID, derived from the serial number and the NQN (and, past
+//! namespace 1, the NSID).
 //!
 //! A host keys controllers by these: Linux groups controllers into a
 //! subsystem by SUBNQN (plus SN and MN), refuses a second controller of one
@@ -146,6 +147,23 @@ impl Identity {
     }
 }
 
+impl Identity {
+    /// Namespace `nsid`'s NGUID and UUID: namespace 1's are [`Identity`]'s
+    /// own (as before there were several), the others' are derived from the
+    /// same serial number and NQN and the NSID, so each is unique.
+    pub fn namespace_ids(&self, nsid: u32) -> ([u8; 16], [u8; 16]) {
+        if nsid == 1 {
+            return (self.nguid, self.uuid);
+        }
+        let sn = std::str::from_utf8(&self.serial).unwrap_or("").trim_end_matches(' ');
+        let key = [self.nqn.as_bytes(), b"\0", sn.as_bytes(), b"\0", &nsid.to_le_bytes()].concat();
+        let mut uuid = derived_id(&key, b"uuid");
+        uuid[6] = (uuid[6] & 0x0f) | 0x80;
+        uuid[8] = (uuid[8] & 0x3f) | 0x80;
+        (derived_id(&key, b"nguid"), uuid)
+    }
+}
+
 /// 128 bits derived from `key` and a label, with no randomness (FNV-1a,
 /// then two SplitMix64 finalisers).
 fn derived_id(key: &[u8], label: &[u8]) -> [u8; 16] {
@@ -254,5 +272,18 @@ mod tests {
         let s = IdentityOptions { serial: Some("S9".into()), ..Default::default() };
         let (p, q) = (Identity::new(&s), Identity::new(&s));
         assert_eq!((&p.nqn, p.nguid, p.uuid), (&q.nqn, q.nguid, q.uuid));
+        // Each namespace its own ids, the same for the same controller identity.
+        let ids: Vec<_> = (1..=32).map(|n| p.namespace_ids(n)).collect();
+        assert_eq!(ids[0], (p.nguid, p.uuid));
+        assert_eq!(ids, (1..=32).map(|n| q.namespace_ids(n)).collect::<Vec<_>>());
+        let mut all: Vec<[u8; 16]> = ids.iter().flat_map(|&(g, u)| [g, u]).collect();
+        all.extend((2..=32).flat_map(|n| <[[u8; 16]; 2]>::from(x.namespace_ids(n))));
+        let k = all.len();
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len(), k, "no two namespaces share an id");
+        for (_, u) in ids {
+            assert_eq!((u[6] >> 4, u[8] >> 6), (8, 0b10));
+        }
     }
 }

@@ -84,10 +84,10 @@ impl Core {
     /// io_uring blocks on each operation inside the pass, so it signals each
     /// completion at once.
     pub(super) fn batched<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
-        let batch = match &self.ns.storage {
+        let batch = self.ns.iter().all(|ns| match &ns.storage {
             crate::block::Storage::File(b) => b.is_async(),
             _ => true,
-        };
+        });
         let outer = self.intr.batching;
         self.intr.batching = outer || batch;
         let r = f(self);

@@ -1,5 +1,7 @@
-//! I/O commands on namespace 1 (Flush, Read, Write, Write Zeroes, Dataset
-//! Management) and the data movement between guest pages (PRPs) and the
+//! I/O commands (Flush, Read, Write, Write Zeroes, Dataset Management),
+//! routed by NSID to the controller's namespaces (an NSID that names none:
+//! Invalid Namespace or Format, nothing touched; a Flush to FFFFFFFFh
+//! flushes every namespace), and the data movement between guest pages (PRPs) and the
 //! storage ([`crate::block`]). The opcodes are listed once, for the effects
 //! log, in `admin.rs`. Write Zeroes (DEAC: deallocate) and Dataset
 //! Management's deallocate (AD) are the storage's write zeroes and discard
@@ -21,10 +23,14 @@
 //! submitted before it completed, and its completion is reaped after
 //! theirs, so it completes after the writes fetched before it.
 //! Bounds: at most [`FILE_SLOTS`](crate::block::FILE_SLOTS) commands are
-//! out (the queues stop being fetched until one completes), and an SQ is
-//! fetched only while its CQ has room for every completion already owed to
-//! it, so a completion never waits for room (unless the host moves its CQ
-//! head back; it is then held until there is room, or dropped by a reset).
+//! out per file namespace (the queues stop being fetched until each file
+//! namespace has a free slot: a command's NSID is known only once it is
+//! fetched), and an SQ is fetched only while its CQ has room for every
+//! completion already owed to it, whatever namespace owes it ([`InFlight`]
+//! is the controller's, a namespace's [`Pending`] its own slots), so a
+//! completion never waits for room (unless the host moves its CQ head back;
+//! it is then held until there is room, or dropped by a reset). Several
+//! file namespaces' rings signal one eventfd: a wake-up reaps them all.
 
 use super::admin::IO_LBA_CHANGING;
 use super::controller::Core;
@@ -42,7 +48,7 @@ const DEAC: u32 = 1 << 25;
 /// Attribute - Deallocate, in CDW11 of a Dataset Management.
 const AD: u32 = 1 << 2;
 
-/// The namespace: its storage and geometry.
+/// A namespace: its storage and geometry.
 pub(super) struct Namespace {
     pub storage: Storage,
     /// log2 of the LBA size.
@@ -51,6 +57,38 @@ pub(super) struct Namespace {
     pub nlbas: u64,
     /// Commands out on the file namespace's io_uring.
     pub pending: Pending,
+    /// Attached to the controller (active); detached, it is allocated only:
+    /// I/O to it gets Invalid Namespace or Format (`ns_admin.rs`).
+    pub attached: bool,
+}
+
+impl Namespace {
+    pub fn new(storage: Storage, cfg: &super::namespaces::NsConfig) -> Namespace {
+        let (nlbas, lba_size) = (cfg.size / cfg.lba_size as u64, cfg.lba_size);
+        Namespace { storage, lba_shift: lba_size.trailing_zeros(), nlbas, pending: Pending::new(), attached: true }
+    }
+
+    /// True if `n` LBAs from `slba` lie outside the namespace.
+    fn out_of_range(&self, slba: u64, n: u64) -> bool {
+        slba.checked_add(n).is_none_or(|e| e > self.nlbas)
+    }
+}
+
+/// What the controller owes across its namespaces.
+pub(super) struct InFlight {
+    /// Per CQ: completions owed (commands fetched and not yet posted), from
+    /// every namespace: an SQ is fetched only while its CQ has room for them.
+    pub owed: Vec<u16>,
+    /// Times fetching stopped because a file namespace's slots were all taken.
+    pub slot_waits: u64,
+    /// An I/O SQ stopped for want of a slot and was not served since.
+    pub slot_wait: bool,
+}
+
+impl InFlight {
+    pub fn new() -> Self {
+        InFlight { owed: vec![0; MAX_IO_QUEUES as usize + 1], slot_waits: 0, slot_wait: false }
+    }
 }
 
 /// The command a file namespace slot serves (index = slot).
@@ -69,66 +107,69 @@ struct Op {
     status: Option<u16>,
 }
 
-/// Commands out on the file namespace, and the completions owed to each CQ.
+/// Commands out on a file namespace (index = its slot).
 pub(super) struct Pending {
     ops: Vec<Op>,
     /// Reaped, waiting for room in their CQ (in reap order).
     held: VecDeque<u16>,
-    /// Per CQ: completions owed (commands fetched and not yet posted).
-    pub owed: Vec<u16>,
-    /// Times fetching stopped because every slot was taken.
-    pub slot_waits: u64,
-    /// An I/O SQ stopped for want of a slot and was not served since.
-    pub slot_wait: bool,
 }
 
 impl Pending {
     pub fn new() -> Self {
-        Pending {
-            ops: (0..FILE_SLOTS).map(|_| Op::default()).collect(),
-            held: VecDeque::new(),
-            owed: vec![0; MAX_IO_QUEUES as usize + 1],
-            slot_waits: 0,
-            slot_wait: false,
-        }
+        Pending { ops: (0..FILE_SLOTS).map(|_| Op::default()).collect(), held: VecDeque::new() }
     }
 }
 
 impl Core {
-    /// Starts I/O command `c` of SQ `qid`: on the file namespace's io_uring
+    /// The index of active namespace `nsid` in `ns` (None: no such
+    /// namespace, or detached).
+    pub(super) fn ns_index(&self, nsid: u32) -> Option<usize> {
+        self.ns_allocated(nsid).filter(|&i| self.ns[i].attached)
+    }
+
+    /// The index of namespace `nsid`, attached or not.
+    pub(super) fn ns_allocated(&self, nsid: u32) -> Option<usize> {
+        let i = (nsid as usize).checked_sub(1)?;
+        (i < self.ns.len()).then_some(i)
+    }
+
+    /// Starts I/O command `c` of SQ `qid`: on a file namespace's io_uring
     /// (Read, Write, Flush; None: its completion comes when it is reaped)
     /// or at once (Some(status)).
     pub(super) fn io_start(&mut self, qid: usize, c: &Sqe) -> Option<u16> {
-        let Storage::File(f) = &mut self.ns.storage else { return Some(self.io(c)) };
-        if c.nsid != 1 || !matches!(c.opcode, 0x00..=0x02) || !f.is_async() {
+        let Some(i) = self.ns_index(c.nsid) else { return Some(self.io(c)) };
+        let Storage::File(f) = &mut self.ns[i].storage else { return Some(self.io(c)) };
+        if !matches!(c.opcode, 0x00..=0x02) || !f.is_async() {
             return Some(self.io(c));
         }
+        let ns = &self.ns[i];
         let (op, off, bytes) = match c.opcode {
             0x00 => (FileOp::Flush, 0, 0),
             _ => {
                 let slba = c.cdw10 as u64 | (c.cdw11 as u64) << 32;
                 let n = (c.cdw12 & 0xffff) as u64 + 1;
-                if slba.checked_add(n).is_none_or(|e| e > self.ns.nlbas) {
+                if ns.out_of_range(slba, n) {
                     return Some(status::LBA_OUT_OF_RANGE);
                 }
-                let bytes = n << self.ns.lba_shift;
+                let bytes = n << ns.lba_shift;
                 if bytes > PAGE << MDTS {
                     return Some(status::INVALID_FIELD);
                 }
                 // Force Unit Access (CDW12 bit 30), or no volatile write cache: stable before it completes.
                 let dsync = !self.feat.write_cache || c.cdw12 & FUA != 0;
                 let op = if c.opcode == 0x01 { FileOp::Write { dsync } } else { FileOp::Read };
-                (op, slba << self.ns.lba_shift, bytes)
+                (op, slba << ns.lba_shift, bytes)
             }
         };
+        let ns = &mut self.ns[i];
+        let Storage::File(f) = &mut ns.storage else { unreachable!() };
         // The caller fetched this command because a slot was free.
         let Some(slot) = f.take_slot() else { return Some(status::INTERNAL) };
-        let mut segs = std::mem::take(&mut self.ns.pending.ops[slot as usize].segs);
+        let mut segs = std::mem::take(&mut ns.pending.ops[slot as usize].segs);
         let mut st = match prp_segments(&self.mem, c.prp1, c.prp2, bytes, &mut segs) {
             Err(st) => st,
             Ok(()) => status::SUCCESS,
         };
-        let Storage::File(f) = &mut self.ns.storage else { unreachable!() };
         let mut placed = Placed::Bounce;
         if st == status::SUCCESS && op != FileOp::Flush {
             placed = f.push_guest(slot, op, off, runs(&segs), &self.mem);
@@ -152,7 +193,7 @@ impl Core {
             st = status::INTERNAL;
         }
         let cqid = self.queues.sqs[qid].as_ref().map_or(0, |s| s.cqid);
-        let o = &mut self.ns.pending.ops[slot as usize];
+        let o = &mut ns.pending.ops[slot as usize];
         o.segs = segs;
         if st != status::SUCCESS {
             f.release(slot);
@@ -160,18 +201,20 @@ impl Core {
         }
         (o.live, o.sqid, o.cid, o.cqid, o.opcode, o.bytes, o.status) =
             (true, qid as u16, c.cid, cqid, c.opcode, bytes, None);
-        self.ns.pending.owed[cqid as usize] += 1;
+        self.flight.owed[cqid as usize] += 1;
         None
     }
 
     /// Sends the operations pushed by a queue pass.
     pub(super) fn io_submit(&mut self) {
-        if let Storage::File(f) = &mut self.ns.storage {
-            f.submit();
+        for ns in &mut self.ns {
+            if let Storage::File(f) = &mut ns.storage {
+                f.submit();
+            }
         }
     }
 
-    /// Reaps what the file namespace completed, without waiting, and posts
+    /// Reaps what the file namespaces completed, without waiting, and posts
     /// the completions (or holds them while their CQ is full). True if
     /// anything was reaped or posted. Nothing while the controller has no
     /// memory (a client left; the next may keep the state): the completions
@@ -182,15 +225,27 @@ impl Core {
     }
 
     fn reap_pass(&mut self) -> bool {
-        let Storage::File(f) = &mut self.ns.storage else { return false };
-        if !f.is_async() || self.mem.is_empty() {
+        if self.mem.is_empty() {
+            return false;
+        }
+        let mut did = false;
+        for i in 0..self.ns.len() {
+            did |= self.reap_ns(i);
+        }
+        did | self.post_reaped()
+    }
+
+    fn reap_ns(&mut self, i: usize) -> bool {
+        let ns = &mut self.ns[i];
+        let Storage::File(f) = &mut ns.storage else { return false };
+        if !f.is_async() {
             return false;
         }
         f.submit(); // what an earlier submit left in the ring
         let mut did = false;
         while let Some((slot, r)) = f.reap() {
             did = true;
-            let o = &mut self.ns.pending.ops[slot as usize];
+            let o = &mut ns.pending.ops[slot as usize];
             if !o.live {
                 f.release(slot); // aborted by a reset: nothing to deliver
                 continue;
@@ -228,101 +283,117 @@ impl Core {
                 }
             }
             o.status = Some(st);
-            self.ns.pending.held.push_back(slot);
-        }
-        did | self.post_reaped()
-    }
-
-    /// Posts the reaped completions whose CQ has room, in reap order.
-    fn post_reaped(&mut self) -> bool {
-        let mut did = false;
-        let mut i = 0;
-        while i < self.ns.pending.held.len() {
-            let slot = self.ns.pending.held[i];
-            let o = &self.ns.pending.ops[slot as usize];
-            let (sqid, cid, cqid, st) = (o.sqid as usize, o.cid, o.cqid as usize, o.status.unwrap_or(0));
-            if self.queues.cqs[cqid].is_some_and(|q| q.full()) {
-                i += 1;
-                continue;
-            }
-            self.ns.pending.held.remove(i);
-            self.retire(slot);
-            self.complete(sqid, cid, 0, st);
-            did = true;
+            ns.pending.held.push_back(slot);
         }
         did
     }
 
-    /// Frees a live slot whose completion is posted or dropped.
-    fn retire(&mut self, slot: u16) {
-        let o = &mut self.ns.pending.ops[slot as usize];
+    /// Posts the reaped completions whose CQ has room, in reap order (per
+    /// namespace).
+    fn post_reaped(&mut self) -> bool {
+        let mut did = false;
+        for n in 0..self.ns.len() {
+            let mut i = 0;
+            while i < self.ns[n].pending.held.len() {
+                let slot = self.ns[n].pending.held[i];
+                let o = &self.ns[n].pending.ops[slot as usize];
+                let (sqid, cid, cqid, st) = (o.sqid as usize, o.cid, o.cqid as usize, o.status.unwrap_or(0));
+                if self.queues.cqs[cqid].is_some_and(|q| q.full()) {
+                    i += 1;
+                    continue;
+                }
+                self.ns[n].pending.held.remove(i);
+                self.retire(n, slot);
+                self.complete(sqid, cid, 0, st);
+                did = true;
+            }
+        }
+        did
+    }
+
+    /// Frees a live slot of namespace index `n` whose completion is posted or dropped.
+    fn retire(&mut self, n: usize, slot: u16) {
+        let ns = &mut self.ns[n];
+        let o = &mut ns.pending.ops[slot as usize];
         o.live = false;
-        let owed = &mut self.ns.pending.owed[o.cqid as usize];
+        let owed = &mut self.flight.owed[o.cqid as usize];
         *owed = owed.saturating_sub(1);
-        if let Storage::File(f) = &mut self.ns.storage {
+        if let Storage::File(f) = &mut ns.storage {
             f.release(slot);
         }
     }
 
-    /// Delete I/O SQ `sqid`: waits for its commands on the file namespace and
+    /// Delete I/O SQ `sqid`: waits for its commands on the file namespaces and
     /// posts their completions, so none is left to a queue that is gone
     /// (one the CQ has no room for, or one the wait failed for, is dropped).
     pub(super) fn drain_sq(&mut self, sqid: u16) {
         let mine = |p: &Pending| p.ops.iter().any(|o| o.live && o.sqid == sqid && o.status.is_none());
-        while mine(&self.ns.pending) && !self.mem.is_empty() {
-            self.reap_io();
-            let Storage::File(f) = &mut self.ns.storage else { break };
-            if mine(&self.ns.pending) && !f.wait() {
-                break;
+        for n in 0..self.ns.len() {
+            while mine(&self.ns[n].pending) && !self.mem.is_empty() {
+                self.reap_io();
+                let left = mine(&self.ns[n].pending);
+                let Storage::File(f) = &mut self.ns[n].storage else { break };
+                if left && !f.wait() {
+                    break;
+                }
             }
         }
         self.reap_io();
-        for slot in 0..FILE_SLOTS as u16 {
-            let o = &self.ns.pending.ops[slot as usize];
-            if o.live && o.sqid == sqid {
-                self.ns.pending.held.retain(|&s| s != slot);
-                self.retire_dropped(slot);
+        for n in 0..self.ns.len() {
+            for slot in 0..FILE_SLOTS as u16 {
+                let o = &self.ns[n].pending.ops[slot as usize];
+                if o.live && o.sqid == sqid {
+                    self.ns[n].pending.held.retain(|&s| s != slot);
+                    self.retire_dropped(n, slot);
+                }
             }
         }
     }
 
     /// A live command whose completion will never be posted: reaped, its
     /// slot is free now; still in flight, it is freed when reaped.
-    fn retire_dropped(&mut self, slot: u16) {
-        if self.ns.pending.ops[slot as usize].status.is_some() {
-            self.retire(slot);
+    fn retire_dropped(&mut self, n: usize, slot: u16) {
+        if self.ns[n].pending.ops[slot as usize].status.is_some() {
+            self.retire(n, slot);
         } else {
-            let o = &mut self.ns.pending.ops[slot as usize];
+            let o = &mut self.ns[n].pending.ops[slot as usize];
             o.live = false;
-            let owed = &mut self.ns.pending.owed[o.cqid as usize];
+            let owed = &mut self.flight.owed[o.cqid as usize];
             *owed = owed.saturating_sub(1);
         }
     }
 
     /// Controller reset or disable (the device thread is stopped): every
-    /// command out on the file namespace is aborted without a completion, and
+    /// command out on a file namespace is aborted without a completion, and
     /// this waits until none is in flight, so an aborted read on guest
     /// pages in place cannot land after the host moved on (and reused
     /// them), nor an aborted write after the host wrote those blocks anew.
     /// The wait is bounded by half of CAP.TO, the time the host gives the
-    /// controller; false if operations are still in flight then.
+    /// controller (for all namespaces together); false if operations are
+    /// still in flight then.
     pub(super) fn abort_io(&mut self) -> bool {
-        for slot in 0..FILE_SLOTS as u16 {
-            if self.ns.pending.ops[slot as usize].live {
-                self.retire_dropped(slot);
+        for n in 0..self.ns.len() {
+            for slot in 0..FILE_SLOTS as u16 {
+                if self.ns[n].pending.ops[slot as usize].live {
+                    self.retire_dropped(n, slot);
+                }
+            }
+            self.ns[n].pending.held.clear();
+        }
+        self.flight.owed.iter_mut().for_each(|o| *o = 0);
+        self.flight.slot_wait = false;
+        let timeout = Duration::from_millis((cap() >> 24 & 0xff) * 500 / 2);
+        let deadline = Instant::now() + timeout;
+        let mut ok = true;
+        for ns in &mut self.ns {
+            let Storage::File(f) = &mut ns.storage else { continue };
+            // Every operation in flight is an aborted one: freed as it is reaped.
+            if !f.drain(deadline.saturating_duration_since(Instant::now())) {
+                log::error!("nvme: {} file operations still in flight {timeout:?} after a reset", f.in_flight());
+                ok = false;
             }
         }
-        self.ns.pending.held.clear();
-        self.ns.pending.owed.iter_mut().for_each(|o| *o = 0);
-        self.ns.pending.slot_wait = false;
-        let Storage::File(f) = &mut self.ns.storage else { return true };
-        let timeout = Duration::from_millis((cap() >> 24 & 0xff) * 500 / 2);
-        // Every operation in flight is an aborted one: freed as it is reaped.
-        if f.drain(timeout) {
-            return true;
-        }
-        log::error!("nvme: {} file operations still in flight {timeout:?} after a reset", f.in_flight());
-        false
+        ok
     }
 
     /// Before the controller lets its memory go (another is attached): waits
@@ -333,29 +404,31 @@ impl Core {
     pub(super) fn settle_guest_io(&mut self) {
         let timeout = Duration::from_millis((cap() >> 24 & 0xff) * 500 / 2);
         let deadline = Instant::now() + timeout;
-        loop {
-            self.reap_io();
-            let Storage::File(f) = &mut self.ns.storage else { return };
-            let n = f.guest_in_flight();
-            if n == 0 {
-                return;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || !f.wait_for(left) {
-                log::error!(
-                    "nvme: {n} file operations on guest pages still in flight {timeout:?} after the memory went"
-                );
-                return;
+        for n in 0..self.ns.len() {
+            loop {
+                self.reap_io();
+                let Storage::File(f) = &mut self.ns[n].storage else { break };
+                let k = f.guest_in_flight();
+                if k == 0 {
+                    break;
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() || !f.wait_for(left) {
+                    log::error!(
+                        "nvme: {k} file operations on guest pages still in flight {timeout:?} after the memory went"
+                    );
+                    return;
+                }
             }
         }
     }
 
     /// Waits until no file namespace operation is in flight (their
     /// completions posted, or held for CQ room): before a write through the
-    /// buffered fd (Write Zeroes, deallocate), which must not race O_DIRECT
-    /// writes of the same blocks (the page cache they invalidate could be
-    /// written back over them). Gives up if waiting fails.
-    fn settle_io(&mut self) {
+    /// buffered fd (Write Zeroes, deallocate, Format NVM), which must not
+    /// race O_DIRECT writes of the same blocks (the page cache they
+    /// invalidate could be written back over them). Gives up if waiting fails.
+    pub(super) fn settle_io(&mut self) {
         loop {
             self.reap_io();
             if self.io_in_flight() == 0 || self.mem.is_empty() {
@@ -363,7 +436,11 @@ impl Core {
             }
             // What the pass posted so far is not held while it waits.
             self.signal_due();
-            let Storage::File(f) = &mut self.ns.storage else { return };
+            let busy = self.ns.iter_mut().find_map(|ns| match &mut ns.storage {
+                Storage::File(f) if f.in_flight() > 0 => Some(f),
+                _ => None,
+            });
+            let Some(f) = busy else { return };
             if !f.wait() {
                 return;
             }
@@ -372,24 +449,28 @@ impl Core {
 
     /// Executes an I/O command; returns its status.
     pub(super) fn io(&mut self, c: &Sqe) -> u16 {
-        if c.nsid != 1 {
+        let Some(i) = self.ns_index(c.nsid) else {
+            if c.nsid == 0xffff_ffff && c.opcode == 0x00 {
+                return self.flush_all();
+            }
             return status::INVALID_NAMESPACE;
-        }
+        };
         let st = match c.opcode {
-            0x00 => match self.ns.storage.flush() {
+            0x00 => match self.ns[i].storage.flush() {
                 Ok(()) => status::SUCCESS,
                 Err(_) => status::INTERNAL,
             },
-            0x01 | 0x02 => self.rw(c, c.opcode == 0x01),
+            0x01 | 0x02 => self.rw(i, c, c.opcode == 0x01),
             0x08 => {
                 let (slba, n) = (c.cdw10 as u64 | (c.cdw11 as u64) << 32, (c.cdw12 & 0xffff) as u64 + 1);
-                if slba.checked_add(n).is_none_or(|e| e > self.ns.nlbas) {
+                if self.ns[i].out_of_range(slba, n) {
                     return status::LBA_OUT_OF_RANGE;
                 }
                 self.settle_io();
                 // DEAC: the blocks may be deallocated (DLFEAT bit 3 says so; a file gets a hole).
                 let deac = c.cdw12 & DEAC != 0;
-                match self.ns.storage.write_zeroes(slba << self.ns.lba_shift, n << self.ns.lba_shift, deac) {
+                let ns = &mut self.ns[i];
+                match ns.storage.write_zeroes(slba << ns.lba_shift, n << ns.lba_shift, deac) {
                     Ok(()) => status::SUCCESS,
                     Err(e) => {
                         log::warn!("nvme: write zeroes: {e}");
@@ -397,14 +478,14 @@ impl Core {
                     }
                 }
             }
-            0x09 => self.dsm(c),
+            0x09 => self.dsm(i, c),
             _ => status::INVALID_OPCODE,
         };
         // Volatile write cache off (Set Features 06h), or a Write or Write
         // Zeroes with Force Unit Access: what changed is stable before it completes.
         let fua = matches!(c.opcode, 0x01 | 0x08) && c.cdw12 & FUA != 0;
         if st == status::SUCCESS && (!self.feat.write_cache && IO_LBA_CHANGING.contains(&c.opcode) || fua) {
-            if let Err(e) = self.ns.storage.flush() {
+            if let Err(e) = self.ns[i].storage.flush() {
                 log::warn!("nvme: flush with the write cache off: {e}");
                 return status::INTERNAL;
             }
@@ -412,20 +493,34 @@ impl Core {
         st
     }
 
-    fn rw(&mut self, c: &Sqe, write: bool) -> u16 {
+    /// Flush to NSID FFFFFFFFh: every namespace's data stable (a file
+    /// namespace's fdatasync, after the operations in flight completed).
+    fn flush_all(&mut self) -> u16 {
+        self.settle_io();
+        for ns in &mut self.ns {
+            if let Err(e) = ns.storage.flush() {
+                log::warn!("nvme: flush: {e}");
+                return status::INTERNAL;
+            }
+        }
+        status::SUCCESS
+    }
+
+    fn rw(&mut self, i: usize, c: &Sqe, write: bool) -> u16 {
         let slba = c.cdw10 as u64 | (c.cdw11 as u64) << 32;
         let n = (c.cdw12 & 0xffff) as u64 + 1;
-        if slba.checked_add(n).is_none_or(|e| e > self.ns.nlbas) {
+        if self.ns[i].out_of_range(slba, n) {
             return status::LBA_OUT_OF_RANGE;
         }
-        let bytes = n << self.ns.lba_shift;
+        let shift = self.ns[i].lba_shift;
+        let bytes = n << shift;
         if bytes > PAGE << MDTS {
             return status::INVALID_FIELD;
         }
         let mut segs = std::mem::take(&mut self.scratch.segs);
         let st = match prp_segments(&self.mem, c.prp1, c.prp2, bytes, &mut segs) {
             Err(st) => st,
-            Ok(()) => self.transfer(&segs, slba << self.ns.lba_shift, write),
+            Ok(()) => self.transfer(i, &segs, slba << shift, write),
         };
         self.scratch.segs = segs;
         if st == status::SUCCESS {
@@ -440,15 +535,16 @@ impl Core {
         st
     }
 
-    /// Moves data between the storage and the guest pages: a run of pages
-    /// that follow each other in guest memory is one access (one message
-    /// each way where the host reaches that memory by message).
-    fn transfer(&mut self, segs: &[(u64, u64)], mut off: u64, write: bool) -> u16 {
-        if matches!(self.ns.storage, Storage::Null { .. }) {
+    /// Moves data between namespace index `i`'s storage and the guest
+    /// pages: a run of pages that follow each other in guest memory is one
+    /// access (one message each way where the host reaches that memory by
+    /// message).
+    fn transfer(&mut self, i: usize, segs: &[(u64, u64)], mut off: u64, write: bool) -> u16 {
+        if matches!(self.ns[i].storage, Storage::Null { .. }) {
             return status::SUCCESS;
         }
-        if matches!(self.ns.storage, Storage::File(_)) {
-            return self.transfer_whole(segs, off, write);
+        if matches!(self.ns[i].storage, Storage::File(_)) {
+            return self.transfer_whole(i, segs, off, write);
         }
         for (a, n) in runs(segs) {
             let n = n as usize;
@@ -456,7 +552,7 @@ impl Core {
                 self.scratch.buf.resize(n, 0);
             }
             let buf = &mut self.scratch.buf[..n];
-            let (mem, storage) = (&self.mem, &mut self.ns.storage);
+            let (mem, storage) = (&self.mem, &mut self.ns[i].storage);
             let r = if write {
                 mem.read_slice(buf, a).map_err(|_| ()).and_then(|()| storage.write(off, buf).map_err(|_| ()))
             } else {
@@ -472,9 +568,9 @@ impl Core {
 
     /// A file transfer as one aligned storage operation (O_DIRECT-able),
     /// gathered from or scattered to the guest pages.
-    fn transfer_whole(&mut self, segs: &[(u64, u64)], off: u64, write: bool) -> u16 {
+    fn transfer_whole(&mut self, i: usize, segs: &[(u64, u64)], off: u64, write: bool) -> u16 {
         let len: u64 = segs.iter().map(|s| s.1).sum();
-        let (mem, storage) = (&self.mem, &mut self.ns.storage);
+        let (mem, storage) = (&self.mem, &mut self.ns[i].storage);
         let buf = self.scratch.bounce.get(len as usize);
         let mut pos = 0usize;
         let mut ok = true;
@@ -505,7 +601,7 @@ impl Core {
     /// asked (AD): they read as zeros after (DLFEAT), a file's blocks
     /// become holes. A range outside the namespace fails the command
     /// before any is touched.
-    fn dsm(&mut self, c: &Sqe) -> u16 {
+    fn dsm(&mut self, i: usize, c: &Sqe) -> u16 {
         let nr = (c.cdw10 & 0xff) as usize + 1;
         let mut ranges = vec![0u8; nr * 16];
         let mut segs = std::mem::take(&mut self.scratch.segs);
@@ -532,15 +628,16 @@ impl Core {
             let n = u32::from_le_bytes(r[4..8].try_into().unwrap()) as u64;
             (u64::from_le_bytes(r[8..16].try_into().unwrap()), n)
         };
-        if ranges.chunks(16).map(range).any(|(slba, n)| slba.checked_add(n).is_none_or(|e| e > self.ns.nlbas)) {
+        if ranges.chunks(16).map(range).any(|(slba, n)| self.ns[i].out_of_range(slba, n)) {
             return status::LBA_OUT_OF_RANGE;
         }
         if c.cdw11 & AD == 0 {
             return status::SUCCESS; // attributes only: hints
         }
         self.settle_io();
+        let ns = &mut self.ns[i];
         for (slba, n) in ranges.chunks(16).map(range) {
-            if let Err(e) = self.ns.storage.discard(slba << self.ns.lba_shift, n << self.ns.lba_shift) {
+            if let Err(e) = ns.storage.discard(slba << ns.lba_shift, n << ns.lba_shift) {
                 log::warn!("nvme: deallocate: {e}");
                 return status::INTERNAL;
             }

@@ -1,10 +1,11 @@
-//! An NVMe controller (NVMe 1.4 subset) with one namespace.
+//! An NVMe controller (NVMe 1.4 subset) with up to 32 namespaces
+//! (`namespaces.rs` their options, `ns_admin.rs` their admin commands).
 //!
 //! BAR0 (64-bit memory, 16 KiB) holds the controller registers (CAP, VS,
 //! INTMS/INTMC, CC, CSTS, AQA, ASQ, ACQ) and, from 0x1000, the doorbells
 //! (stride 4: SQ y tail at 0x1000 + 8y, CQ y head at 0x1000 + 8y + 4).
-//! Admin: Identify (controller, namespace, active namespace list, namespace
-//! identification descriptors), Create/Delete I/O SQ and CQ, Get/Set
+//! Admin: Identify (controller, namespace, active and allocated namespace
+//! lists, namespace identification descriptors), Format NVM, Create/Delete I/O SQ and CQ, Get/Set
 //! Features (number of queues, interrupt coalescing, volatile write cache,
 //! arbitration...), Get Log Page (error, SMART, firmware, commands supported
 //! and effects; with offsets), Abort, Asynchronous Event Request, Doorbell
@@ -147,6 +148,8 @@ mod doorbells;
 pub mod identity;
 mod interrupts;
 mod io;
+pub mod namespaces;
+mod ns_admin;
 pub mod options;
 #[cfg(any(test, feature = "oracle"))]
 pub mod oracle;
@@ -346,6 +349,11 @@ pub struct NvmeConfig {
     /// `serial=`, `nqn=`, `cntlid=`; what is unset is drawn per controller
     /// instance (`identity.rs`).
     pub id: identity::IdentityOptions,
+    /// `namespaces=N`: namespaces 1..=N, each with the options above
+    /// (its own data: a `null` or `ram` backend).
+    pub namespaces: u32,
+    /// `ns=SPEC`: namespaces after those, in order (`namespaces.rs`).
+    pub ns: Vec<namespaces::NsConfig>,
 }
 
 /// Most operations `submit_batch=` may gather: the io_uring's size.
@@ -367,11 +375,31 @@ impl Default for NvmeConfig {
             submit_batch: 0,
             create: false,
             id: identity::IdentityOptions::default(),
+            namespaces: 1,
+            ns: Vec::new(),
         }
     }
 }
 
 impl NvmeConfig {
+    /// Every namespace's options, namespace 1 first (index = NSID - 1).
+    pub fn ns_list(&self) -> Vec<namespaces::NsConfig> {
+        let first = namespaces::NsConfig {
+            backend: self.backend.clone(),
+            size: self.size,
+            lba_size: self.lba_size,
+            create: self.create,
+        };
+        let mut v = vec![first; self.namespaces.max(1) as usize];
+        v.extend(self.ns.iter().cloned());
+        v
+    }
+
+    /// A file namespace is among them.
+    pub fn any_file(&self) -> bool {
+        self.ns_list().iter().any(|n| matches!(n.backend, StorageKind::File(_)))
+    }
+
     /// Checks the namespace geometry (LBA size 512 or 4096, size a non-zero
     /// multiple of it) and the pollers (1 ..= [`MAX_POLLERS`]; more than one
     /// only in `shm`, `bar` and `adaptive` mode, on a `null` or `ram` namespace).
@@ -400,10 +428,10 @@ impl NvmeConfig {
             // make the others' stores exit while they are busy.
             return bad("pollers", format!("doorbell={} takes one poller (the doorbell page is one)", self.doorbell));
         }
-        if self.in_place != InPlace::Auto && !matches!(self.backend, StorageKind::File(_)) {
+        if self.in_place != InPlace::Auto && !self.any_file() {
             return bad("in_place", format!("in_place={} needs backend=file:PATH", self.in_place));
         }
-        if self.submit_batch != 0 && !matches!(self.backend, StorageKind::File(_)) {
+        if self.submit_batch != 0 && !self.any_file() {
             return bad("submit_batch", format!("submit_batch={} needs backend=file:PATH", self.submit_batch));
         }
         if self.submit_batch > MAX_SUBMIT_BATCH {
@@ -412,7 +440,38 @@ impl NvmeConfig {
         if self.create && !matches!(self.backend, StorageKind::File(_)) {
             return bad("create", "create=on needs backend=file:PATH".into());
         }
-        if self.pollers > 1 && matches!(self.backend, StorageKind::File(_)) {
+        let n = self.namespaces as u64 + self.ns.len() as u64;
+        if self.namespaces == 0 || n > namespaces::MAX_NAMESPACES as u64 {
+            return bad(
+                "namespaces",
+                format!(
+                    "{n} namespaces (namespaces={} and {} ns=; 1 ..= {})",
+                    self.namespaces,
+                    self.ns.len(),
+                    namespaces::MAX_NAMESPACES
+                ),
+            );
+        }
+        if self.namespaces > 1 && matches!(self.backend, StorageKind::File(_)) {
+            return bad(
+                "namespaces",
+                "namespaces=N clones namespace 1: a file would be one disk N times; give each file namespace with ns="
+                    .into(),
+            );
+        }
+        for (i, ns) in self.ns.iter().enumerate() {
+            ns.validate(&format!("namespace {}", self.namespaces as usize + 1 + i))?;
+        }
+        let mut files: Vec<_> = self
+            .ns_list()
+            .into_iter()
+            .filter_map(|n| if let StorageKind::File(p) = n.backend { Some(p) } else { None })
+            .collect();
+        files.sort();
+        if let Some(w) = files.windows(2).find(|w| w[0] == w[1]) {
+            return bad("ns", format!("file:{} backs two namespaces", w[0].display()));
+        }
+        if self.pollers > 1 && self.any_file() {
             return bad(
                 "pollers",
                 "several pollers need backend=null or ram (a file namespace has one io_uring)".into(),
@@ -440,10 +499,26 @@ impl Nvme {
         cfg.validate()?;
         // One identity for the controller's life, its queue groups included.
         cfg.id = cfg.id.resolved();
-        let mut storage = crate::backing::open(&cfg.backend, cfg.size, cfg.create)?;
-        if let Storage::File(f) = &mut storage {
-            f.in_place = cfg.in_place;
-            f.submit_batch = cfg.submit_batch as usize;
+        // The file namespaces' rings signal one eventfd: the device thread sleeps on it.
+        let done = match cfg.any_file() {
+            true => Some(Arc::new(
+                vmm_sys_util::eventfd::EventFd::new(libc::EFD_CLOEXEC)
+                    .map_err(|e| Error::io("nvme: completion eventfd", e))?,
+            )),
+            false => None,
+        };
+        let mut storages = Vec::new();
+        for n in cfg.ns_list() {
+            crate::backing::prepare(&n.backend, n.size, n.create)?;
+            let mut storage = match &done {
+                Some(d) => Storage::open_signalling(&n.backend, n.size, d)?,
+                None => Storage::open(&n.backend, n.size)?,
+            };
+            if let Storage::File(f) = &mut storage {
+                f.in_place = cfg.in_place;
+                f.submit_batch = cfg.submit_batch as usize;
+            }
+            storages.push(storage);
         }
         let (bar_page, bar_fd) = match cfg.doorbell.bar_page() {
             true => {
@@ -454,15 +529,25 @@ impl Nvme {
         };
         let core = if cfg.pollers > 1 {
             // Queue groups (`shards.rs`), each with a handle on the one namespace.
-            let mut c0 = Core::new(&cfg, storage, bar_page);
+            let mut c0 = Core::new(&cfg, storages, bar_page);
             c0.groups = cfg.pollers as usize;
             c0.shards = (1..c0.groups).map(|g| Arc::new(Mutex::new(Core::new_shard(&c0, &cfg, g)))).collect();
             c0
         } else {
-            Core::new(&cfg, storage, bar_page)
+            Core::new(&cfg, storages, bar_page)
         };
         let bar_fd = Mutex::new(bar_fd);
         Ok(Nvme { cfg, core: Arc::new(Mutex::new(core)), threads: Mutex::new(Threads::default()), bar_fd })
+    }
+}
+
+impl Nvme {
+    /// Attaches (`true`) or detaches namespace `nsid` at run time, as a
+    /// control socket asks (`ns_admin.rs`): the host is told with a
+    /// Namespace Attribute Changed event where it enabled them. Ok(false):
+    /// it was so already; an error: no such namespace.
+    pub fn set_attached(&self, nsid: u32, attached: bool) -> Result<bool> {
+        crate::lock(&self.core).set_attached(nsid, attached)
     }
 }
 

@@ -3,6 +3,7 @@
 //! written back (`crate::options`). Checks across options are
 //! [`NvmeConfig::validate`]'s.
 
+use super::namespaces::{NsConfig, MAX_NAMESPACES};
 use super::{InPlace, NvmeConfig, MAX_POLLERS, MAX_SUBMIT_BATCH};
 use crate::options::{self, num, on_off, BlockConfig, Opt, Options};
 
@@ -131,6 +132,32 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
             },
             show: |c| c.id.cntlid.map(|n| n.to_string()),
         },
+        Opt {
+            key: "namespaces",
+            values: "N",
+            help: "namespaces 1..=N, each as backend=, size_mb=, lba= give namespace 1 (its own data; not \
+                   with a file), 1 ..= 32 with the ns= ones (default 1)",
+            parse: |c, v| match num(v)? {
+                n if (1..=MAX_NAMESPACES as u64).contains(&n) => {
+                    c.namespaces = n as u32;
+                    Ok(())
+                }
+                n => Err(format!("{n} (1 ..= {MAX_NAMESPACES})").into()),
+            },
+            show: |c| (c.namespaces != 1).then(|| c.namespaces.to_string()),
+        },
+        Opt {
+            key: "ns",
+            values: "SPEC",
+            help: "one more namespace (repeatable, NSIDs in order after namespaces=): SPEC is \
+                   backend=...;size_mb=...;lba=...;create=... with ; between its keys (defaults as \
+                   namespace 1's), several joined by +",
+            parse: |c, v| {
+                c.ns.extend(NsConfig::parse_list(v)?);
+                Ok(())
+            },
+            show: |c| NsConfig::write_list(&c.ns),
+        },
     ],
 };
 
@@ -172,6 +199,16 @@ mod tests {
                 nqn: Some("nqn.2014-08.com.example:a".into()),
                 cntlid: Some(65519),
             },
+            namespaces: 4,
+            ns: vec![
+                NsConfig { backend: StorageKind::Null, size: 1 << 30, lba_size: 4096, create: false },
+                NsConfig {
+                    backend: StorageKind::File("/tmp/n;+,@.img".into()),
+                    size: 8 << 20,
+                    lba_size: 512,
+                    create: true,
+                },
+            ],
         };
         crate::options::tests::keys_round_trip(&OPTIONS, &c);
     }

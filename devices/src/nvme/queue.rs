@@ -29,6 +29,7 @@ pub mod status {
     pub const AER_LIMIT_EXCEEDED: u16 = 0x105;
     pub const INVALID_INTERRUPT_VECTOR: u16 = 0x108;
     pub const INVALID_LOG_PAGE: u16 = 0x109;
+    pub const INVALID_FORMAT: u16 = 0x10a;
     pub const INVALID_QUEUE_DELETION: u16 = 0x10c;
     pub const FEATURE_NOT_SAVEABLE: u16 = 0x10d;
 }

@@ -87,10 +87,13 @@ impl Raised {
 impl Core {
     /// A core for queue group `group` (1..N) of controller core `c0`.
     pub fn new_shard(c0: &Core, cfg: &super::NvmeConfig, group: usize) -> Core {
-        // The namespace's data is one (`null` or `ram`: several pollers never serve a file).
-        let bytes = c0.ns.storage.bytes();
-        let storage = c0.ns.storage.share().unwrap_or(crate::block::Storage::Null { bytes });
-        let mut c = Core::new(cfg, storage, c0.db.bar_page.clone());
+        // Each namespace's data is one (`null` or `ram`: several pollers never serve a file).
+        let storages = c0
+            .ns
+            .iter()
+            .map(|ns| ns.storage.share().unwrap_or(crate::block::Storage::Null { bytes: ns.storage.bytes() }))
+            .collect();
+        let mut c = Core::new(cfg, storages, c0.db.bar_page.clone());
         c.group = group;
         c.groups = c0.groups;
         c.vectors = c0.vectors.clone();

@@ -12,6 +12,7 @@ use vm_memory::{Bytes, GuestAddress};
 mod bar_adaptive;
 mod deallocate;
 mod forecast;
+mod namespaces;
 mod oracle;
 mod pollers;
 
@@ -883,7 +884,10 @@ fn the_effects_log_marks_exactly_the_commands_the_controller_implements() {
             let st = d.io(op, 0, 0, 0, 0, 16);
             assert_eq!(iocs & 1 == 1, st != status::INVALID_OPCODE, "{mode}: I/O {op:#04x}: {st:#x}");
             assert_eq!(iocs & 2 != 0, matches!(op, 0x01 | 0x08 | 0x09), "{mode}: LBCC of {op:#04x}");
-            assert_eq!(acs & !1, 0, "{mode}: admin {op:#04x} changes nothing the host must know");
+            // Format NVM alone changes LBA contents and the namespace's capability, and
+            // wants no other command to the namespace while it runs (CSE 001b).
+            let effects = if op == 0x80 { 0b110 | 1 << 16 } else { 0 };
+            assert_eq!(acs & !1, effects, "{mode}: admin {op:#04x}'s effects");
         }
         let acs = |op: usize| dword(op) & 1;
         assert_eq!((acs(0x0c), acs(0x7c)), (1, (mode == DoorbellMode::Shm) as u32), "{mode}: AER, DBBC");
@@ -918,7 +922,8 @@ fn identify_controller_advertises_only_what_the_controller_implements() {
         let mut d = Drv::new(cfg);
         let (_, c) = d.admin_data(0x06, 0, [1, 0, 0, 0], 4096);
         let shadow = matches!(mode, DoorbellMode::Shm | DoorbellMode::Ioeventfd);
-        assert_eq!(u16::from_le_bytes([c[256], c[257]]), (shadow as u16) << 8, "{mode}: OACS: DBBC only");
+        let oacs = (shadow as u16) << 8 | 1 << 1;
+        assert_eq!(u16::from_le_bytes([c[256], c[257]]), oacs, "{mode}: OACS: Format NVM, DBBC where offered");
         d.n.quiesce();
     }
     let mut d = Drv::new(mmio(StorageKind::Ram));
@@ -1487,7 +1492,7 @@ fn a_write_in_flight_at_reset_or_disable_is_in_the_file_before_either_returns() 
 
 /// Reads and writes of a file namespace through the bounce buffers only.
 fn bounce_only(d: &Drv) {
-    if let crate::block::Storage::File(f) = &mut d.n.core.lock().unwrap().ns.storage {
+    if let crate::block::Storage::File(f) = &mut d.n.core.lock().unwrap().ns[0].storage {
         f.in_place = InPlace::Off;
     }
 }
@@ -1498,7 +1503,7 @@ fn a_transfer_o_direct_cannot_take_in_place_bounces_with_its_data() {
     let mut d = Drv::new(NvmeConfig { in_place: InPlace::On, ..img.cfg(DoorbellMode::Mmio) });
     d.io_queues(64);
     // A dword-aligned PRP (valid NVMe) that O_DIRECT's alignment here refuses.
-    let align = match &d.n.core.lock().unwrap().ns.storage {
+    let align = match &d.n.core.lock().unwrap().ns[0].storage {
         crate::block::Storage::File(f) => f.dio_align().expect("O_DIRECT io_uring on the test file"),
         _ => unreachable!(),
     };
@@ -1665,7 +1670,7 @@ fn commands_a_refused_submit_left_in_the_ring_are_retried_by_the_device_thread()
         }
         // The kernel refuses the next 5 submits (EAGAIN, ENOMEM): the reads
         // stay in the ring with nothing in the kernel to signal a completion.
-        match &mut d.n.core.lock().unwrap().ns.storage {
+        match &mut d.n.core.lock().unwrap().ns[0].storage {
             crate::block::Storage::File(f) => f.fail_submits = 5,
             _ => unreachable!(),
         }
@@ -1699,7 +1704,7 @@ fn a_write_with_force_unit_access_is_a_dsync_write_on_a_file_namespace() {
         d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
         d.iotail += 1;
         d.w32(DOORBELLS + 8, d.iotail as u32);
-        let ops = match &d.n.core.lock().unwrap().ns.storage {
+        let ops = match &d.n.core.lock().unwrap().ns[0].storage {
             crate::block::Storage::File(f) => f.taken_ops(),
             _ => unreachable!(),
         };
@@ -1901,7 +1906,7 @@ fn a_batch_completes_in_order_across_cq_lines_errors_and_a_wrap_off_a_line_bound
 #[test]
 fn the_pollers_walk_exactly_the_sqs_that_exist_in_ascending_order() {
     let cfg = NvmeConfig { doorbell: DoorbellMode::Shm, ..mmio(StorageKind::Null) };
-    let mut c = controller::Core::new(&cfg, crate::block::Storage::Null { bytes: cfg.size }, None);
+    let mut c = controller::Core::new(&cfg, vec![crate::block::Storage::Null { bytes: cfg.size }], None);
     let q = &mut c.queues;
     assert_eq!(q.sq_ids().count(), 0);
     let sq = queue::Sq { size: 2, ..Default::default() };
@@ -1923,7 +1928,7 @@ fn the_watched_doorbell_words_change_with_every_tail_and_head_the_poller_has_not
     for mode in [DoorbellMode::Shm, DoorbellMode::Bar] {
         let cfg = NvmeConfig { doorbell: mode, ..mmio(StorageKind::Null) };
         let page = (mode == DoorbellMode::Bar).then(|| doorbells::bar_memory().unwrap().0);
-        let mut c = controller::Core::new(&cfg, crate::block::Storage::Null { bytes: cfg.size }, page.clone());
+        let mut c = controller::Core::new(&cfg, vec![crate::block::Storage::Null { bytes: cfg.size }], page.clone());
         let ram = crate::GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
         c.mem = crate::GuestMem::from(ram.clone());
         // SQ 1 on CQ 1, SQ 2 on CQ 3: three words, one of them holding a CQ head alone.

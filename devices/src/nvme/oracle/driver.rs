@@ -181,12 +181,17 @@ enum Op {
     Deallocate,
     /// An invalid opcode or an LBA range past the end: (opcode, status).
     Bad(u8, u16),
+    /// A read or write (the opcode) to an NSID that names no namespace:
+    /// Invalid Namespace or Format, its buffer (canary) untouched.
+    BadNs(u8),
 }
 
 /// A command the driver submitted and has not seen complete.
 struct Cmd {
     sqid: u16,
     cid: u16,
+    /// Its namespace's index (NSID - 1; for `BadNs`, 0: it has none).
+    ns: usize,
     /// Its place in its SQ, counted from the queue's creation (the slot is
     /// this modulo the size): a slot is reused while an older command in it
     /// may still be out.
@@ -255,8 +260,9 @@ pub struct Driver<'a, P: Port + ?Sized> {
     rng: Rng,
     shape: Shape,
     img: Image,
-    lbas: Lbas,
-    lba: u64,
+    /// Per namespace (index NSID - 1): the model of its blocks, its LBA size.
+    lbas: Vec<Lbas>,
+    lba: Vec<u64>,
     mqes: u16,
     dbbc: bool,
     shadow: bool,
@@ -298,8 +304,8 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             rng,
             shape,
             img: Image::new(RAM),
-            lbas: Lbas::new(0),
-            lba: 512,
+            lbas: Vec::new(),
+            lba: Vec::new(),
             mqes: 2,
             dbbc: false,
             shadow: false,
@@ -480,15 +486,20 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         let mut id = vec![0u8; 4096];
         self.ram().read_slice(&mut id, GuestAddress(ADMIN_DATA)).unwrap();
         self.dbbc = u16::from_le_bytes([id[256], id[257]]) & 1 << 8 != 0;
-        self.admin_ok(0x06, 1, ADMIN_DATA, [0, 0, 0])?;
-        self.ram().read_slice(&mut id, GuestAddress(ADMIN_DATA)).unwrap();
-        let nsze = u64::from_le_bytes(id[0..8].try_into().unwrap());
-        let flbas = id[26] & 0xf;
-        let lbads = id[128 + 4 * flbas as usize + 2];
-        self.lba = 1 << lbads;
-        if self.lbas.len() == 0 {
-            // The namespace keeps its data over resets: the model only starts once.
-            self.lbas = Lbas::new(nsze.min(4096));
+        // NN: every namespace gets commands (up to 32).
+        let nn = le32(&id, 516).clamp(1, 32);
+        self.lba.clear();
+        for nsid in 1..=nn {
+            self.admin_ok(0x06, nsid, ADMIN_DATA, [0, 0, 0])?;
+            self.ram().read_slice(&mut id, GuestAddress(ADMIN_DATA)).unwrap();
+            let nsze = u64::from_le_bytes(id[0..8].try_into().unwrap());
+            let flbas = id[26] & 0xf;
+            let lbads = id[128 + 4 * flbas as usize + 2];
+            self.lba.push(1 << lbads);
+            if self.lbas.len() < nsid as usize {
+                // A namespace keeps its data over resets: its model only starts once.
+                self.lbas.push(Lbas::new(nsze.min(4096)));
+            }
         }
         let q = self.shape.sqs as u32 - 1;
         self.admin_ok(0x09, 0, 0, [7, q | q << 16, 0])?;
@@ -619,13 +630,13 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         self.pages.push(p);
     }
 
-    /// Picks an LBA range that may go out now, or None.
-    fn lbas_for(&mut self, write: bool) -> Option<(u64, u64)> {
-        let max = (MAX_BYTES / self.lba).max(1);
+    /// Picks an LBA range of namespace index `ns` that may go out now, or None.
+    fn lbas_for(&mut self, ns: usize, write: bool) -> Option<(u64, u64)> {
+        let max = (MAX_BYTES / self.lba[ns]).max(1);
         for _ in 0..8 {
             let n = self.rng.range(1, max);
-            let slba = self.rng.below(self.lbas.len() - n + 1);
-            if self.lbas.free(slba, n, write) {
+            let slba = self.rng.below(self.lbas[ns].len() - n + 1);
+            if self.lbas[ns].free(slba, n, write) {
                 return Some((slba, n));
             }
         }
@@ -645,12 +656,22 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             80..=84 => Op::Flush,
             85..=89 => Op::Zeroes,
             90..=94 => Op::Deallocate,
-            95..=97 => Op::Bad(0x7f, 0x001),
+            95 => Op::BadNs(self.rng.pick(&[0x01, 0x02])),
+            96..=97 => Op::Bad(0x7f, 0x001),
             _ => Op::Bad(0x02, 0x080),
         };
+        // Commands spread over the namespaces; a bad NSID names none.
+        let nn = self.lbas.len() as u32;
+        let ns = self.rng.below(nn as u64) as usize;
+        let mut nsid = ns as u32 + 1;
+        if let Op::BadNs(_) = op {
+            nsid = self.rng.pick(&[0, nn + 1, 0xffff_fffe, 0xffff_ffff]);
+        } else if op == Op::Flush && self.rng.chance(20) {
+            nsid = 0xffff_ffff; // every namespace
+        }
         let (mut slba, mut nlb) = (0, 0);
         if matches!(op, Op::Read | Op::Write | Op::Zeroes | Op::Deallocate) {
-            match self.lbas_for(op != Op::Read) {
+            match self.lbas_for(ns, op != Op::Read) {
                 Some((s, n)) => (slba, nlb) = (s, n),
                 None => op = Op::Flush,
             }
@@ -658,9 +679,13 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         if let Op::Bad(0x02, _) = op {
             (slba, nlb) = (u32::MAX as u64, 1);
         }
+        if let Op::BadNs(_) = op {
+            nlb = 1;
+        }
         let mut cmd = Cmd {
             sqid: qid,
             cid: 0,
+            ns: if let Op::BadNs(_) = op { 0 } else { ns },
             at: 0,
             op,
             slba,
@@ -673,7 +698,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         };
         let (mut prp1, mut prp2) = (0, 0);
         if matches!(op, Op::Read | Op::Write) {
-            let bytes = cmd.bytes(self.lba);
+            let bytes = cmd.bytes(self.lba[ns]);
             // PRP1 may start inside a page (dword aligned; the driver keeps 8).
             let offset = if self.rng.chance(30) { self.rng.below((PAGE - 8) / 8) * 8 } else { 0 };
             let npages = (offset + bytes).div_ceil(PAGE);
@@ -700,10 +725,15 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
                 self.scatter(&cmd, &data);
             } else {
                 // The transfer's bytes are the device's; the rest of its pages stay canary.
-                for (a, n) in segments(&cmd, self.lba) {
+                for (a, n) in segments(&cmd, self.lba[ns]) {
                     self.img.release(a, n, true);
                 }
             }
+        } else if let Op::BadNs(_) = op {
+            // A page of canary the controller must not touch (the sweep checks it).
+            let Some(p) = self.take_page() else { return Ok(false) };
+            cmd.extra = Some(p);
+            prp1 = p;
         } else if op == Op::Deallocate {
             let Some(p) = self.take_page() else { return Ok(false) };
             let mut range = [0u8; 16];
@@ -714,7 +744,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             prp1 = p;
         }
         if cmd.touches_lbas() {
-            self.lbas.claim(slba, nlb, cmd.writes(), true);
+            self.lbas[ns].claim(slba, nlb, cmd.writes(), true);
         }
         let tag = self.next_tag;
         self.next_tag += 1;
@@ -725,14 +755,14 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             Op::Flush => 0x00,
             Op::Zeroes => 0x08,
             Op::Deallocate => 0x09,
-            Op::Bad(o, _) => o,
+            Op::Bad(o, _) | Op::BadNs(o) => o,
         };
         let cdw = match op {
             Op::Deallocate => [0, 4, 0],
             Op::Flush | Op::Bad(0x7f, _) => [0, 0, 0],
             _ => [slba as u32, (slba >> 32) as u32, nlb as u32 - 1],
         };
-        let e = sqe(opcode, cmd.cid, 1, tag, prp1, prp2, cdw);
+        let e = sqe(opcode, cmd.cid, nsid, tag, prp1, prp2, cdw);
         let sq = self.sqs[qid as usize].as_mut().unwrap();
         let slot = sq.slot(sq.tail);
         cmd.at = sq.tail;
@@ -763,7 +793,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
 
     /// A write's data: each block the pattern of (lba, seq).
     fn payload(&self, c: &Cmd) -> Vec<u8> {
-        let words = self.lba / 8;
+        let words = self.lba[c.ns] / 8;
         (0..c.nlb)
             .flat_map(|b| (0..words).map(move |w| (c.slba + b, w)))
             .flat_map(|(lba, w)| Content::Data(c.seq).word(lba, w).to_le_bytes())
@@ -772,16 +802,16 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
 
     fn scatter(&mut self, c: &Cmd, data: &[u8]) {
         let mut at = 0usize;
-        for (a, n) in segments(c, self.lba) {
+        for (a, n) in segments(c, self.lba[c.ns]) {
             self.put(a, &data[at..at + n as usize]);
             at += n as usize;
         }
     }
 
     fn gather(&self, c: &Cmd) -> Vec<u8> {
-        let mut out = vec![0u8; c.bytes(self.lba) as usize];
+        let mut out = vec![0u8; c.bytes(self.lba[c.ns]) as usize];
         let mut at = 0usize;
-        for (a, n) in segments(c, self.lba) {
+        for (a, n) in segments(c, self.lba[c.ns]) {
             self.ram().read_slice(&mut out[at..at + n as usize], GuestAddress(a)).unwrap();
             at += n as usize;
         }
@@ -937,6 +967,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         self.report.completed += 1;
         let want = match c.op {
             Op::Bad(_, st) => st,
+            Op::BadNs(_) => 0x00b,
             _ => 0,
         };
         if st & 0x7ff != want {
@@ -950,7 +981,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
 
     /// A command done: checks its data (completed) and gives its pages back.
     fn retire(&mut self, c: Cmd, completed: bool) -> Result<(), Violation> {
-        let lba = self.lba;
+        let (lba, ns) = (self.lba[c.ns], c.ns);
         let mut result = Ok(());
         match c.op {
             Op::Read if completed && self.shape.data => {
@@ -958,8 +989,12 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
                 for (b, block) in data.chunks_exact(lba as usize).enumerate() {
                     let words: Vec<u64> =
                         block.chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().unwrap())).collect();
-                    if let Err(e) = self.lbas.observe(c.slba + b as u64, &words) {
-                        result = Err(Violation::Data(format!("read of SQ {} cid {}: {e}", c.sqid, c.cid)));
+                    if let Err(e) = self.lbas[ns].observe(c.slba + b as u64, &words) {
+                        let nsid = ns + 1;
+                        result = Err(Violation::Data(format!(
+                            "read of SQ {} cid {} (namespace {nsid}): {e}",
+                            c.sqid, c.cid
+                        )));
                         break;
                     }
                 }
@@ -968,14 +1003,14 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
                 if self.gather(&c) != self.payload(&c) {
                     result = Err(Violation::Memory(format!("the data of write SQ {} cid {} changed", c.sqid, c.cid)));
                 }
-                self.lbas.set(c.slba, c.nlb, c.content());
+                self.lbas[ns].set(c.slba, c.nlb, c.content());
             }
-            Op::Zeroes | Op::Deallocate if completed => self.lbas.set(c.slba, c.nlb, Content::Zero),
-            Op::Write | Op::Zeroes | Op::Deallocate => self.lbas.maybe(c.slba, c.nlb, c.content()),
+            Op::Zeroes | Op::Deallocate if completed => self.lbas[ns].set(c.slba, c.nlb, Content::Zero),
+            Op::Write | Op::Zeroes | Op::Deallocate => self.lbas[ns].maybe(c.slba, c.nlb, c.content()),
             _ => {}
         }
         if c.touches_lbas() {
-            self.lbas.claim(c.slba, c.nlb, c.writes(), false);
+            self.lbas[ns].claim(c.slba, c.nlb, c.writes(), false);
         }
         for p in c.pages.iter().copied().chain(c.extra) {
             self.free_page(p);

@@ -94,3 +94,39 @@ fn random_schedules_with_two_pollers() {
         }
     }
 }
+
+/// Four namespaces (ram 512, a file at 4096, ram 4096, a second file at
+/// 512, whose rings share the controller's eventfd): commands spread over
+/// the NSIDs, each namespace with its own model, bad NSIDs answered 0x0b
+/// with their buffers untouched, Flush to FFFFFFFFh now and then; resets
+/// and queue deletions mid-flight as the shape draws them.
+#[test]
+fn random_schedules_over_four_namespaces_in_every_doorbell_mode() {
+    use crate::nvme::namespaces::NsConfig;
+    let dir = std::env::temp_dir();
+    let (a, b) = (
+        dir.join(format!("iopath-oracle-ns-{}-a.img", std::process::id())),
+        dir.join(format!("iopath-oracle-ns-{}-b.img", std::process::id())),
+    );
+    for mode in MODES {
+        for seed in 0..seeds() / 2 {
+            let _ = (std::fs::remove_file(&a), std::fs::remove_file(&b));
+            let file = |p: &std::path::Path, lba_size| NsConfig {
+                backend: StorageKind::File(p.to_path_buf()),
+                size: 2 << 20,
+                lba_size,
+                create: true,
+            };
+            let c = NvmeConfig {
+                ns: vec![
+                    file(&a, 4096),
+                    NsConfig { backend: StorageKind::Ram, size: 2 << 20, lba_size: 4096, create: false },
+                    file(&b, 512),
+                ],
+                ..cfg(mode, 1, 512)
+            };
+            run(c, seed % 2 == 1, 4000 + seed, |r| Shape::random(r, 600));
+        }
+    }
+    let _ = (std::fs::remove_file(&a), std::fs::remove_file(&b));
+}

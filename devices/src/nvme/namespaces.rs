@@ -1,0 +1,193 @@
+//! The controller's namespaces as configured: namespace 1 from the
+//! top-level options (`backend=`, `size_mb=`, `lba=`, `create=`, as before
+//! there were several), `namespaces=N` clones it into namespaces 1..=N, and
+//! each `ns=SPEC` adds one after those, in order of appearance.
+//!
+//! A SPEC is the namespace's own options in the device-option syntax with
+//! `;` between them (`ns=backend=ram;size_mb=16;lba=4096`); several
+//! namespaces may share one `ns=` value, separated by `+` (that is how
+//! `Display` writes them all back). A `;` or `+` inside a value is written
+//! twice. At most [`MAX_NAMESPACES`] in all.
+//!
+//! `iopath serve nvme --namespace SPEC` (repeatable) takes each namespace
+//! in the device-option syntax instead (`,` between its keys):
+//! [`NvmeConfig::with_namespaces`](super::NvmeConfig::with_namespaces).
+
+use crate::block::StorageKind;
+use crate::options::num;
+use crate::{Error, Result};
+
+/// Namespaces a controller may have (Identify Controller NN).
+pub const MAX_NAMESPACES: u32 = 32;
+
+/// One namespace's options.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NsConfig {
+    pub backend: StorageKind,
+    /// Size in bytes.
+    pub size: u64,
+    /// 512 or 4096.
+    pub lba_size: u32,
+    /// `file:PATH`: make a missing file (`crate::backing`).
+    pub create: bool,
+}
+
+impl Default for NsConfig {
+    fn default() -> Self {
+        NsConfig { backend: StorageKind::Ram, size: 64 << 20, lba_size: 512, create: false }
+    }
+}
+
+fn bad(reason: String) -> Error {
+    Error::Option { device: "nvme", option: "ns".into(), reason }
+}
+
+/// Splits at every `sep` that is not doubled; a doubled one is kept single.
+fn split(s: &str, sep: char) -> Vec<String> {
+    let mut out = vec![String::new()];
+    let mut it = s.chars().peekable();
+    while let Some(c) = it.next() {
+        if c == sep && it.peek() == Some(&sep) {
+            it.next();
+            out.last_mut().unwrap().push(c);
+        } else if c == sep {
+            out.push(String::new());
+        } else {
+            out.last_mut().unwrap().push(c);
+        }
+    }
+    out
+}
+
+impl NsConfig {
+    /// One SPEC: `KEY=VALUE` pairs separated by `;` (keys `backend`,
+    /// `size_mb`, `lba`, `create`), each over the defaults.
+    pub fn parse_spec(spec: &str) -> Result<NsConfig> {
+        NsConfig::parse_pairs(split(spec, ';'))
+    }
+
+    /// One namespace in the device-option syntax (`iopath serve nvme
+    /// --namespace backend=ram,size_mb=16,lba=4096`): `,` between its keys,
+    /// a `,` inside a value written twice.
+    pub fn parse_options(spec: &str) -> Result<NsConfig> {
+        NsConfig::parse_pairs(split(spec, ','))
+    }
+
+    fn parse_pairs(pairs: Vec<String>) -> Result<NsConfig> {
+        let mut c = NsConfig::default();
+        for kv in pairs {
+            let Some((k, v)) = kv.split_once('=') else {
+                return Err(bad(format!("{kv:?} is not KEY=VALUE (backend, size_mb, lba, create)")));
+            };
+            let r = |e: crate::options::Reason| bad(format!("{k}: {}", e.0));
+            match k {
+                "backend" => c.backend = v.parse().map_err(|e: Error| r(e.into()))?,
+                "size_mb" => match num(v).map_err(r)? {
+                    mb if mb == 0 || mb > 1 << 20 => return Err(bad(format!("size_mb: {mb} MiB (1 .. 1048576)"))),
+                    mb => c.size = mb << 20,
+                },
+                "lba" => {
+                    c.lba_size = match num(v).map_err(r)? {
+                        512 => 512,
+                        4096 => 4096,
+                        n => return Err(bad(format!("lba: {n} (512 or 4096)"))),
+                    }
+                }
+                "create" => c.create = crate::options::on_off(v).map_err(r)?,
+                _ => return Err(bad(format!("unknown key {k:?} (backend, size_mb, lba, create)"))),
+            }
+        }
+        Ok(c)
+    }
+
+    /// The SPEC [`parse_spec`](Self::parse_spec) takes back (`;` and `+`
+    /// in values doubled).
+    pub fn spec(&self) -> String {
+        let esc = |v: String| v.replace(';', ";;").replace('+', "++");
+        let mut s =
+            format!("backend={};size_mb={};lba={}", esc(self.backend.to_string()), self.size >> 20, self.lba_size);
+        if self.create {
+            s.push_str(";create=on");
+        }
+        s
+    }
+
+    /// Every SPEC of an `ns=` value (`+` between namespaces).
+    pub fn parse_list(v: &str) -> Result<Vec<NsConfig>> {
+        split(v, '+').iter().map(|s| NsConfig::parse_spec(s)).collect()
+    }
+
+    /// An `ns=` value for `list` (None: empty).
+    pub fn write_list(list: &[NsConfig]) -> Option<String> {
+        if list.is_empty() {
+            return None;
+        }
+        // `+` inside a spec is doubled already; the separator is single.
+        Some(list.iter().map(|n| n.spec()).collect::<Vec<_>>().join("+"))
+    }
+
+    /// Its geometry: LBA size 512 or 4096, the size a non-zero multiple of
+    /// it; create=on only with a file.
+    pub fn validate(&self, what: &str) -> Result<()> {
+        if self.lba_size != 512 && self.lba_size != 4096 {
+            return Err(bad(format!("{what}: LBA size {} (512 or 4096)", self.lba_size)));
+        }
+        if self.size < self.lba_size as u64 || !self.size.is_multiple_of(self.lba_size as u64) {
+            return Err(bad(format!("{what}: size {} is not a multiple of the LBA size", self.size)));
+        }
+        if self.create && !matches!(self.backend, StorageKind::File(_)) {
+            return Err(bad(format!("{what}: create=on needs backend=file:PATH")));
+        }
+        Ok(())
+    }
+}
+
+impl super::NvmeConfig {
+    /// The controller with exactly `specs` as its namespaces, in order
+    /// (`--namespace`, [`NsConfig::parse_options`]): the first is namespace
+    /// 1 (its backend=, size_mb=, lba=, create= replace the device
+    /// options'), the others follow; checked as a whole. No specs: as it is.
+    pub fn with_namespaces(mut self, specs: &[String]) -> Result<super::NvmeConfig> {
+        let Some((first, rest)) = specs.split_first() else { return Ok(self) };
+        if self.namespaces != 1 || !self.ns.is_empty() {
+            return Err(bad("--namespace gives every namespace: not with namespaces= or ns=".into()));
+        }
+        let n1 = NsConfig::parse_options(first)?;
+        (self.backend, self.size, self.lba_size, self.create) = (n1.backend, n1.size, n1.lba_size, n1.create);
+        self.ns = rest.iter().map(|s| NsConfig::parse_options(s)).collect::<Result<_>>()?;
+        self.validate()?;
+        Ok(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_round_trip_and_bad_ones_are_named() {
+        let a = NsConfig {
+            backend: StorageKind::File("/tmp/a;b+c.img".into()),
+            size: 8 << 20,
+            lba_size: 4096,
+            create: true,
+        };
+        let b = NsConfig { backend: StorageKind::Null, size: 1 << 30, lba_size: 512, create: false };
+        let v = NsConfig::write_list(&[a.clone(), b.clone()]).unwrap();
+        assert_eq!(v, "backend=file:/tmp/a;;b++c.img;size_mb=8;lba=4096;create=on+backend=null;size_mb=1024;lba=512");
+        assert_eq!(NsConfig::parse_list(&v).unwrap(), [a.clone(), b]);
+        // The same namespace in the device-option syntax (`--namespace`).
+        assert_eq!(NsConfig::parse_options("backend=file:/tmp/a;b+c.img,size_mb=8,lba=4096,create=on").unwrap(), a);
+        let c = NsConfig::parse_options("backend=file:/tmp/x,,y.img").unwrap();
+        assert_eq!(c.backend, StorageKind::File("/tmp/x,y.img".into()));
+        assert_eq!(NsConfig::write_list(&[]), None);
+        // Keys left out take the defaults.
+        assert_eq!(NsConfig::parse_spec("lba=4096").unwrap(), NsConfig { lba_size: 4096, ..Default::default() });
+        for bad in ["lba=1024", "size_mb=0", "backend=disk", "colour=blue", "ram", "create=yes"] {
+            let e = NsConfig::parse_spec(bad).unwrap_err().to_string();
+            assert!(e.starts_with("nvme: ns: "), "{bad}: {e}");
+        }
+        let e = NsConfig::parse_spec("backend=ram;create=on").unwrap().validate("namespace 2").unwrap_err();
+        assert!(e.to_string().contains("namespace 2: create=on needs"), "{e}");
+    }
+}
