@@ -346,6 +346,12 @@ pub struct NvmeConfig {
     /// `serial=`, `nqn=`, `cntlid=`; what is unset is drawn per controller
     /// instance (`identity.rs`).
     pub id: identity::IdentityOptions,
+    /// `timing=`: the namespace's device timing model (None: off, the
+    /// default); `timing.rs`.
+    pub timing: Option<crate::block::timing::TimingSpec>,
+    /// `inject=`: error injection rules the controller starts with (more
+    /// come and go at run time through [`Nvme::injector`]); `inject.rs`.
+    pub inject: Vec<crate::block::inject::Rule>,
 }
 
 /// Most operations `submit_batch=` may gather: the io_uring's size.
@@ -367,6 +373,8 @@ impl Default for NvmeConfig {
             submit_batch: 0,
             create: false,
             id: identity::IdentityOptions::default(),
+            timing: None,
+            inject: Vec::new(),
         }
     }
 }
@@ -416,6 +424,12 @@ impl NvmeConfig {
             return bad(
                 "pollers",
                 "several pollers need backend=null or ram (a file namespace has one io_uring)".into(),
+            );
+        }
+        if self.timing.is_some() && self.doorbell == DoorbellMode::Mmio {
+            return bad(
+                "timing",
+                "timing= needs a device thread to post completions at their due time (not doorbell=mmio)".into(),
             );
         }
         self.id.validate()
