@@ -9,6 +9,7 @@
 
 use super::admin::Features;
 use super::doorbells::Doorbells;
+use super::inject::{Ext, Extra, Verdict};
 use super::interrupts::IrqState;
 use super::io::{Namespace, Pending};
 use super::queue::{self, post_cqe, read_sqe, status, Cq, Sq};
@@ -42,6 +43,8 @@ pub(super) struct Core {
     /// Shared by the groups: MSI-X vector states, events they raised.
     pub vectors: std::sync::Arc<super::shards::Vectors>,
     pub raised: std::sync::Arc<super::shards::Raised>,
+    /// Error injection and timed completions (`inject.rs`, `timing.rs`).
+    pub ext: Ext,
     /// The queue oracle's log of the I/O commands fetched (`oracle.rs`).
     #[cfg(any(test, feature = "oracle"))]
     pub oplog: Option<std::sync::Arc<std::sync::Mutex<Vec<super::oracle::OpRecord>>>>,
@@ -246,6 +249,7 @@ impl Core {
             shards: Vec::new(),
             vectors: std::sync::Arc::new(super::shards::Vectors::new()),
             raised: std::sync::Arc::default(),
+            ext: Ext::new(std::sync::Arc::new(super::inject::Shared::new(cfg))),
             #[cfg(any(test, feature = "oracle"))]
             oplog: None,
         }
@@ -370,6 +374,19 @@ impl Core {
             let sqe = read_sqe(&self.mem, sq, head);
             sq.head = queue::next(head, sq.size);
             did = true;
+            // Error injection and completion timing (`inject.rs`, `timing.rs`).
+            let mut x = Extra { arrival: self.arrival(qid), ..Extra::default() };
+            if let Some(c) = sqe.as_ref().filter(|_| self.ext.injector.armed()) {
+                match self.inject(qid, c) {
+                    Verdict::Go(e) => (x.delay, x.corrupt) = (e.delay, e.corrupt),
+                    Verdict::Fail(st) => {
+                        self.complete(qid, c.cid, 0, st);
+                        continue;
+                    }
+                    Verdict::Withhold => continue,
+                }
+            }
+            let timed = x.any() || self.ext.timing;
             let (dw0, st) = match sqe {
                 None => (0, status::DATA_TRANSFER_ERROR),
                 Some(c) if qid == 0 => {
@@ -390,13 +407,29 @@ impl Core {
                         let r = super::oracle::OpRecord { sqid: qid as u16, cid: c.cid, tag: c.cdw2, opcode: c.opcode };
                         crate::lock(log).push(r);
                     }
-                    match self.io_start(qid, &c) {
+                    if timed {
+                        self.ext.next = x; // what a file slot carries
+                    }
+                    let r = self.io_start(qid, &c);
+                    if timed {
+                        self.ext.next = Extra::default();
+                    }
+                    match r {
                         Some(st) => (0, st),
                         None => continue, // on the file namespace: completed when reaped
                     }
                 }
             };
             let cid = sqe.map(|c| c.cid).unwrap_or(0);
+            if let Some(c) = sqe.filter(|_| timed) {
+                if let Some(k) = x.corrupt.filter(|_| st == status::SUCCESS) {
+                    self.corrupt_read(k, c.prp1, c.prp2, c.cdw12 & 0xffff, c.nsid);
+                }
+                let bytes = self.io_bytes(&c);
+                if self.finish(qid, cid, c.opcode, bytes, dw0, st, x) {
+                    continue; // posted by the wheel
+                }
+            }
             self.complete(qid, cid, dw0, st);
             if qid == 0 {
                 // An event a log page read let go.
@@ -437,16 +470,26 @@ impl Core {
         if self.mem.is_empty() {
             return (false, false); // no client: its completions wait for its memory
         }
+        let timed = self.expire_timed();
         if !self.reap_io() {
             self.serve_slot_waiters();
-            return (false, self.io_in_flight() > 0);
+            if timed {
+                // CQ room the wheel owed is free: SQs stopped for it go on.
+                self.serve_io_sqs();
+            }
+            return (timed, self.io_in_flight() > 0 || self.timed_held());
         }
+        self.serve_io_sqs();
+        (true, self.io_in_flight() > 0 || self.timed_held())
+    }
+
+    /// Serves every I/O SQ with commands waiting (CQ room or slots were freed).
+    fn serve_io_sqs(&mut self) {
         for qid in self.queues.io_sq_ids() {
             if self.queues.sqs[qid].is_some_and(|s| s.head != s.tail) {
                 self.process_sq(qid);
             }
         }
-        (true, self.io_in_flight() > 0)
     }
 
     /// The file namespace's completion eventfd (io_uring signals it).

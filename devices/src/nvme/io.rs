@@ -67,6 +67,8 @@ struct Op {
     segs: Vec<(u64, u64)>,
     /// Set when reaped: the status its completion carries.
     status: Option<u16>,
+    /// Injection and timing (`inject.rs`): its corruption, due time.
+    extra: super::inject::Extra,
 }
 
 /// Commands out on the file namespace, and the completions owed to each CQ.
@@ -160,6 +162,7 @@ impl Core {
         }
         (o.live, o.sqid, o.cid, o.cqid, o.opcode, o.bytes, o.status) =
             (true, qid as u16, c.cid, cqid, c.opcode, bytes, None);
+        o.extra = self.ext.next;
         self.ns.pending.owed[cqid as usize] += 1;
         None
     }
@@ -246,6 +249,20 @@ impl Core {
                 continue;
             }
             self.ns.pending.held.remove(i);
+            let o = &self.ns.pending.ops[slot as usize];
+            let (x, opcode, bytes) = (o.extra, o.opcode, o.bytes);
+            if x.any() || self.ext.timing {
+                if let Some(k) = x.corrupt.filter(|_| st == status::SUCCESS) {
+                    super::inject::corrupt_segments(&self.mem, &o.segs, k, bytes as usize);
+                }
+                self.retire(slot);
+                did = true;
+                if self.finish(sqid, cid, opcode, bytes, 0, st, x) {
+                    continue; // posted by the wheel
+                }
+                self.complete(sqid, cid, 0, st);
+                continue;
+            }
             self.retire(slot);
             self.complete(sqid, cid, 0, st);
             did = true;

@@ -145,6 +145,7 @@ mod admin;
 mod controller;
 mod doorbells;
 pub mod identity;
+mod inject;
 mod interrupts;
 mod io;
 pub mod options;
@@ -154,12 +155,14 @@ mod poller;
 pub mod queue;
 mod regs;
 mod shards;
+mod timing;
 
 pub use crate::block::InPlace;
 use crate::block::{Storage, StorageKind};
 use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, Error, PciIds, Result};
 use controller::Core;
 use doorbells::Threads;
+pub use inject::TimedRecord;
 use regs::REG_CC;
 use std::sync::{Arc, Mutex};
 
@@ -426,6 +429,12 @@ impl NvmeConfig {
                 "several pollers need backend=null or ram (a file namespace has one io_uring)".into(),
             );
         }
+        if self.inject.len() > crate::block::inject::MAX_RULES {
+            return bad("inject", format!("{} rules (at most {})", self.inject.len(), crate::block::inject::MAX_RULES));
+        }
+        if let Some(e) = self.inject.iter().find_map(|r| r.validate().err()) {
+            return bad("inject", e.to_string());
+        }
         if self.timing.is_some() && self.doorbell == DoorbellMode::Mmio {
             return bad(
                 "timing",
@@ -581,6 +590,7 @@ impl DeviceModel for Nvme {
             return;
         }
         let mut c = crate::lock(&self.core);
+        c.fold_fatal(); // CSTS.CFS an injection set on another queue group
         if c.intr.msix.claims(bar, offset) {
             c.sync_vectors(); // the other queue groups' pending bits, for the PBA
         }
