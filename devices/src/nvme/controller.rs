@@ -374,6 +374,11 @@ impl Core {
             let sqe = read_sqe(&self.mem, sq, head);
             sq.head = queue::next(head, sq.size);
             did = true;
+            #[cfg(any(test, feature = "oracle"))]
+            if let (Some(log), Some(c), true) = (&self.oplog, &sqe, qid > 0) {
+                let r = super::oracle::OpRecord { sqid: qid as u16, cid: c.cid, tag: c.cdw2, opcode: c.opcode };
+                crate::lock(log).push(r);
+            }
             // Error injection and completion timing (`inject.rs`, `timing.rs`).
             let mut x = Extra { arrival: self.arrival(qid), ..Extra::default() };
             if let Some(c) = sqe.as_ref().filter(|_| self.ext.injector.armed()) {
@@ -402,11 +407,6 @@ impl Core {
                 }
                 Some(c) => {
                     self.st.io += 1;
-                    #[cfg(any(test, feature = "oracle"))]
-                    if let Some(log) = &self.oplog {
-                        let r = super::oracle::OpRecord { sqid: qid as u16, cid: c.cid, tag: c.cdw2, opcode: c.opcode };
-                        crate::lock(log).push(r);
-                    }
                     if timed {
                         self.ext.next = x; // what a file slot carries
                     }

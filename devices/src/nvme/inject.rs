@@ -212,6 +212,9 @@ impl Core {
     pub(super) fn inject(&mut self, qid: usize, c: &Sqe) -> Verdict {
         let view = command_view(qid, c);
         let Some(action) = self.ext.injector.decide(&view) else { return Verdict::Go(Extra::default()) };
+        if qid > 0 && matches!(action, Action::Status(_) | Action::Drop | Action::Fatal) {
+            self.st.io += 1; // fetched, not executed
+        }
         match action {
             Action::Status(s) => {
                 self.log_error(qid as u16, c, &view, s.field());

@@ -350,8 +350,8 @@ pub struct NvmeConfig {
     /// instance (`identity.rs`).
     pub id: identity::IdentityOptions,
     /// `timing=`: the namespace's device timing model (None: off, the
-    /// default); `timing.rs`.
-    pub timing: Option<crate::block::timing::TimingSpec>,
+    /// default; boxed: it is large and rarely set); `timing.rs`.
+    pub timing: Option<Box<crate::block::timing::TimingSpec>>,
     /// `inject=`: error injection rules the controller starts with (more
     /// come and go at run time through [`Nvme::injector`]); `inject.rs`.
     pub inject: Vec<crate::block::inject::Rule>,

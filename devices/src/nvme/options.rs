@@ -155,7 +155,7 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
             help: "the namespace's device timing model, items joined by + (e.g. read:80us+write:ln:20us:90us+\
                    channels:8+iops:500k+bw:3g; default off); not with doorbell=mmio",
             parse: |c, v| {
-                c.timing = Some(v.parse().map_err(|e: crate::block::timing::TimingError| e.to_string())?);
+                c.timing = Some(Box::new(v.parse().map_err(|e: crate::block::timing::TimingError| e.to_string())?));
                 Ok(())
             },
             show: |c| c.timing.as_ref().map(|t| t.to_string()),
@@ -197,7 +197,7 @@ mod tests {
                 nqn: Some("nqn.2014-08.com.example:a".into()),
                 cntlid: Some(65519),
             },
-            timing: Some("read:ln:80us:300us+write:20us+channels:8+iops:500k+bw:3g+seed:7".parse().unwrap()),
+            timing: Some(Box::new("read:ln:80us:300us+write:20us+channels:8+iops:500k+bw:3g+seed:7".parse().unwrap())),
             inject: crate::block::inject::parse_rules(
                 "op=read/lba=0-7/status=2:0x81:dnr/once+op=write/nsid=1/delay=2ms/p=0.5:9+op=read/corrupt=4:7+qid=2/drop/every=3",
             )

@@ -75,12 +75,33 @@ impl Core {
         }
         let Some(cqid) = self.queues.sqs[qid].as_ref().map(|s| s.cqid) else { return false };
         let t = Timed { due, sqid: qid as u16, cid, cqid, dw0, st };
+        let first = self.ext.wheel.as_ref().and_then(|w| w.next_due()).is_none_or(|d| due < d);
         if !self.wheel_insert(t) {
             log::warn!("nvme: timer wheel full; the completion of cid {cid} on SQ {qid} is posted now");
             return false;
         }
         self.ns.pending.owed[cqid as usize] += 1;
+        if first {
+            self.wake_for_timed();
+        }
         true
+    }
+
+    /// The group's device thread may sleep past a completion just put in the
+    /// wheel (served on another thread: a doorbell that exited): woken, it
+    /// looks again and sleeps no longer than the wheel's next due time.
+    fn wake_for_timed(&mut self) {
+        match self.mode() {
+            m if m.adaptive() && self.db.sleeping => self.wake_poller(),
+            super::DoorbellMode::Ioeventfd => {
+                if let Some(k) = &self.db.kick {
+                    if k.write(1).is_ok() {
+                        self.db.own_wakes += 1;
+                    }
+                }
+            }
+            _ => {} // shm, bar: the pollers never sleep
+        }
     }
 
     /// Into the wheel, made or grown to the group's CQ entries if needed.
