@@ -12,6 +12,7 @@ use vm_memory::{Bytes, GuestAddress};
 mod bar_adaptive;
 mod deallocate;
 mod forecast;
+mod inject;
 mod oracle;
 mod pollers;
 
