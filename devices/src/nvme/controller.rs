@@ -9,7 +9,7 @@
 
 use super::admin::Features;
 use super::doorbells::Doorbells;
-use super::inject::{Ext, Extra, Verdict};
+use super::inject::{Ext, Extra};
 use super::interrupts::IrqState;
 use super::io::{Namespace, Pending};
 use super::queue::{self, post_cqe, read_sqe, status, Cq, Sq};
@@ -379,19 +379,16 @@ impl Core {
                 let r = super::oracle::OpRecord { sqid: qid as u16, cid: c.cid, tag: c.cdw2, opcode: c.opcode };
                 crate::lock(log).push(r);
             }
-            // Error injection and completion timing (`inject.rs`, `timing.rs`).
-            let mut x = Extra { arrival: self.arrival(qid), ..Extra::default() };
-            if let Some(c) = sqe.as_ref().filter(|_| self.ext.injector.armed()) {
-                match self.inject(qid, c) {
-                    Verdict::Go(e) => (x.delay, x.corrupt) = (e.delay, e.corrupt),
-                    Verdict::Fail(st) => {
-                        self.complete(qid, c.cid, 0, st);
-                        continue;
-                    }
-                    Verdict::Withhold => continue,
+            // Error injection and completion timing (`inject.rs`, `timing.rs`):
+            // off (no rule, no timing model), this branch is all they cost.
+            let hooked = self.ext.timing || self.ext.injector.armed();
+            let mut x = Extra::default();
+            if hooked {
+                match self.fetched(qid, sqe.as_ref()) {
+                    Some(e) => x = e,
+                    None => continue, // completed with an injected status, or withheld
                 }
             }
-            let timed = x.any() || self.ext.timing;
             let (dw0, st) = match sqe {
                 None => (0, status::DATA_TRANSFER_ERROR),
                 Some(c) if qid == 0 => {
@@ -407,11 +404,11 @@ impl Core {
                 }
                 Some(c) => {
                     self.st.io += 1;
-                    if timed {
+                    if hooked {
                         self.ext.next = x; // what a file slot carries
                     }
                     let r = self.io_start(qid, &c);
-                    if timed {
+                    if hooked {
                         self.ext.next = Extra::default();
                     }
                     match r {
@@ -421,14 +418,8 @@ impl Core {
                 }
             };
             let cid = sqe.map(|c| c.cid).unwrap_or(0);
-            if let Some(c) = sqe.filter(|_| timed) {
-                if let Some(k) = x.corrupt.filter(|_| st == status::SUCCESS) {
-                    self.corrupt_read(k, c.prp1, c.prp2, c.cdw12 & 0xffff, c.nsid);
-                }
-                let bytes = self.io_bytes(&c);
-                if self.finish(qid, cid, c.opcode, bytes, dw0, st, x) {
-                    continue; // posted by the wheel
-                }
+            if hooked && self.executed(qid, sqe.as_ref(), dw0, st, x) {
+                continue; // posted by the wheel
             }
             self.complete(qid, cid, dw0, st);
             if qid == 0 {

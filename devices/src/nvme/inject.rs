@@ -175,7 +175,7 @@ impl Ext {
 }
 
 /// What `serve_sq` does with a command after the rules saw it.
-pub(super) enum Verdict {
+enum Verdict {
     /// Execute it, with this extra.
     Go(Extra),
     /// Complete it now with this status, not executed.
@@ -207,9 +207,39 @@ pub(super) fn command_view(qid: usize, c: &Sqe) -> CommandView {
 }
 
 impl Core {
+    /// `serve_sq`, a command fetched while a rule or a timing model is
+    /// set: its extra (arrival time, delay, corruption) to execute it
+    /// with, or None if injection completed or withheld it.
+    #[inline(never)]
+    pub(super) fn fetched(&mut self, qid: usize, sqe: Option<&Sqe>) -> Option<Extra> {
+        let mut x = Extra { arrival: self.arrival(qid), ..Extra::default() };
+        let Some(c) = sqe.filter(|_| self.ext.injector.armed()) else { return Some(x) };
+        match self.inject(qid, c) {
+            Verdict::Go(e) => (x.delay, x.corrupt) = (e.delay, e.corrupt),
+            Verdict::Fail(st) => {
+                self.complete(qid, c.cid, 0, st);
+                return None;
+            }
+            Verdict::Withhold => return None,
+        }
+        Some(x)
+    }
+
+    /// `serve_sq`, the command carried out with (dw0, st): its read data
+    /// corrupted if asked; true if its completion went into the wheel.
+    #[inline(never)]
+    pub(super) fn executed(&mut self, qid: usize, sqe: Option<&Sqe>, dw0: u32, st: u16, x: Extra) -> bool {
+        let Some(c) = sqe else { return false };
+        if let Some(k) = x.corrupt.filter(|_| st == status::SUCCESS) {
+            self.corrupt_read(k, c.prp1, c.prp2, c.cdw12 & 0xffff, c.nsid);
+        }
+        let bytes = self.io_bytes(c);
+        self.finish(qid, c.cid, c.opcode, bytes, dw0, st, x)
+    }
+
     /// Asks the rules about command `c` of SQ `qid` (only while they hold
     /// one) and carries out what does not wait for its execution.
-    pub(super) fn inject(&mut self, qid: usize, c: &Sqe) -> Verdict {
+    fn inject(&mut self, qid: usize, c: &Sqe) -> Verdict {
         let view = command_view(qid, c);
         let Some(action) = self.ext.injector.decide(&view) else { return Verdict::Go(Extra::default()) };
         if qid > 0 && matches!(action, Action::Status(_) | Action::Drop | Action::Fatal) {

@@ -6,8 +6,8 @@
 //! Admin: Identify (controller, namespace, active namespace list, namespace
 //! identification descriptors), Create/Delete I/O SQ and CQ, Get/Set
 //! Features (number of queues, interrupt coalescing, volatile write cache,
-//! arbitration...), Get Log Page (error, SMART, firmware, commands supported
-//! and effects; with offsets), Abort, Asynchronous Event Request, Doorbell
+//! arbitration...), Get Log Page (error information, SMART, firmware,
+//! changed namespace list, commands supported and effects; with offsets), Abort, Asynchronous Event Request, Doorbell
 //! Buffer Config. Identify advertises only what is implemented.
 //! I/O: Read, Write, Flush, Write Zeroes, Dataset Management, with PRP1/PRP2
 //! and PRP lists. Completions carry phase tags for polling drivers; a CQ
@@ -137,7 +137,9 @@
 //! steady gaps); `interrupts.rs` MSI-X (the shared
 //! [`MsixTable`](crate::pci::MsixTable)) and interrupt coalescing;
 //! `queue.rs` queue entries and PRPs in guest memory; `shards.rs` queue
-//! groups for several pollers. The namespace's storage is the block layer's
+//! groups for several pollers; `inject.rs` error injection (`inject=`,
+//! [`Nvme::injector`]) and the Error Information log; `timing.rs`
+//! completions posted at their due time (`timing=`, injected delays). The namespace's storage is the block layer's
 //! ([`crate::block`]), which virtio-blk shares.
 
 mod adaptive;
@@ -679,6 +681,10 @@ impl DeviceModel for Nvme {
         if ready {
             self.start_threads(&mut t);
         }
+    }
+
+    fn injector(&self) -> Option<Arc<crate::block::inject::Injector>> {
+        Some(Nvme::injector(self))
     }
 
     fn counters(&self) -> Vec<Counter> {

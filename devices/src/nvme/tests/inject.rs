@@ -174,3 +174,26 @@ fn a_corrupted_read_differs_in_exactly_the_bytes_its_seed_names() {
         d.n.quiesce();
     }
 }
+
+#[test]
+fn rules_added_and_cleared_at_run_time_apply_from_the_next_command() {
+    let dev =
+        crate::DeviceConfig::build(&"nvme,doorbell=mmio,backend=null,inject=op=write/drop".parse().unwrap()).unwrap();
+    let inj = dev.injector().expect("an nvme controller has an injector");
+    assert_eq!(inj.list().len(), 1, "inject= rules are there from the start");
+    let mut d = Drv::new(mmio(StorageKind::Null));
+    let inj = d.n.injector();
+    d.io_queues(8);
+    assert_eq!(d.io(0x02, 0, 0, DATA, 0, 8), 0);
+    let id = inj.add(parse_rules("op=read/status=0:0x06").unwrap()[0]).unwrap();
+    assert_eq!(d.io(0x02, 0, 0, DATA, 0, 8), 0x006, "Internal Error");
+    inj.remove(id).unwrap();
+    assert_eq!(d.io(0x02, 0, 0, DATA, 0, 8), 0);
+    inj.add(parse_rules("qid=1/status=0:0x06/every=2").unwrap()[0]).unwrap();
+    let st: Vec<u16> = (0..4).map(|_| d.io(0x00, 0, 0, 0, 0, 8)).collect();
+    assert_eq!(st, [0, 6, 0, 6]);
+    assert_eq!(inj.clear(), 1);
+    assert_eq!(d.io(0x00, 0, 0, 0, 0, 8), 0);
+    let s = inj.stats();
+    assert_eq!((s.commands, s.injected), (5, 3), "only commands while armed are counted");
+}
