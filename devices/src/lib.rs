@@ -238,6 +238,11 @@ pub trait DeviceModel: Send + Sync {
     /// stays as it is (the host resets it separately, unless told to keep it).
     fn new_client(&self) {}
     fn counters(&self) -> Vec<Counter>;
+    /// The device's error injection rules, shared (a control socket holds
+    /// the same handle); None for a device without error injection.
+    fn injector(&self) -> Option<std::sync::Arc<crate::block::inject::Injector>> {
+        None
+    }
     /// Configuration-space read. A model that keeps its own configuration
     /// space (a proxy for a device in another process) answers and returns
     /// true; the default leaves it to the host's header built from

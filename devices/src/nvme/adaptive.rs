@@ -284,6 +284,9 @@ impl Core {
     /// comes as a message wakes the poller, and bar-adaptive's timed looks
     /// see a store in the page.
     pub(super) fn arm_wakeup(&mut self) -> bool {
+        if self.timed_held() {
+            return false; // a timed completion came since the last pass: it is due soon
+        }
         let Some((db, ei)) = self.db.shadow else {
             self.db.sleeping = true;
             return true;

@@ -76,7 +76,8 @@ impl Core {
             0x04 => r(self.delete_cq(c.cdw10 as u16)),
             0x05 => r(self.create_cq(c)),
             0x06 => r(self.identify(c)),
-            0x08 => Some((1, status::SUCCESS)), // Abort: the command was not aborted
+            // Abort: a command injection withheld is aborted; any other was not.
+            0x08 => self.abort_withheld(c).or(Some((1, status::SUCCESS))),
             0x09 => self.set_features(c),
             0x0a => self.get_features(c),
             0x0c => {
@@ -182,6 +183,7 @@ impl Core {
         }
         let Some(g) = self.sq_group(q) else { return status::INVALID_QID };
         self.with_group(g, |c| {
+            c.forget_queue(Some(qid)); // injected drops, timed completions
             c.queues.set_sq(q, None);
             c.zero_bar_doorbell(q, false);
             c.unregister_doorbell(q, false);
@@ -251,7 +253,7 @@ impl Core {
                 d[259] = (AERL - 1) as u8; // AERL (0-based)
                 d[260] = 0b11; // FRMW: one slot, read-only (no Firmware Download or Commit)
                 d[261] = 0b110; // LPA: Commands Supported and Effects log, extended data (NUMDU, LPOL/LPOU)
-                d[262] = 0; // ELPE: one error log entry
+                d[262] = super::inject::ERROR_LOG_ENTRIES as u8 - 1; // ELPE (0's based)
                 d[266..268].copy_from_slice(&WCTEMP.to_le_bytes());
                 d[268..270].copy_from_slice(&CCTEMP.to_le_bytes());
                 d[512] = 0x66; // SQES: 64 bytes
@@ -413,7 +415,7 @@ impl Core {
             return status::INVALID_FIELD;
         }
         let page = match lid {
-            0x01 => vec![0u8; 64], // error information: no entries kept
+            0x01 => self.error_log_page(), // the injected errors (`inject.rs`)
             0x02 => {
                 // Controller-wide only (LPA bit 0 clear): NSID 0h or FFFFFFFFh.
                 if !matches!(c.nsid, 0 | 0xffff_ffff) {
@@ -424,6 +426,7 @@ impl Core {
                 if TEMPERATURE > f.temp_over || TEMPERATURE < f.temp_under {
                     s[0] |= 1 << 1; // critical warning: temperature
                 }
+                s[0] |= self.injected_warning();
                 s[1..3].copy_from_slice(&TEMPERATURE.to_le_bytes()); // composite temperature, K
                 s[3] = 100; // available spare
                 s[4] = 10; // threshold
@@ -434,6 +437,7 @@ impl Core {
                 s[48..56].copy_from_slice(&smart.write_units.div_ceil(1000).to_le_bytes());
                 s[64..72].copy_from_slice(&st.reads.to_le_bytes());
                 s[80..88].copy_from_slice(&st.writes.to_le_bytes());
+                s[176..184].copy_from_slice(&self.error_count().to_le_bytes()); // error log entries, lifetime
                 s
             }
             0x03 => {
@@ -442,7 +446,7 @@ impl Core {
                 f[8..16].copy_from_slice(FIRMWARE);
                 f
             }
-            0x04 => self.changed_ns_log(true),
+            0x04 => self.changed_ns_page(c.cdw10 & 1 << 15 == 0),
             0x05 => self.effects_log(),
             _ => return status::INVALID_LOG_PAGE,
         };

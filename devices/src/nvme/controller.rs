@@ -9,6 +9,7 @@
 
 use super::admin::Features;
 use super::doorbells::Doorbells;
+use super::inject::{Ext, Extra};
 use super::interrupts::IrqState;
 use super::io::{InFlight, Namespace};
 use super::queue::{self, post_cqe, read_sqe, status, Cq, Sq};
@@ -29,9 +30,6 @@ pub(super) struct Core {
     pub ns: Vec<Namespace>,
     /// Completions owed per CQ across the namespaces, slot waits (`io.rs`).
     pub flight: InFlight,
-    /// NSIDs attached or detached since the Changed Namespace List log
-    /// was last read (`ns_admin.rs`; at most 1024, then overflowed).
-    pub changed_ns: Vec<u32>,
     pub scratch: Scratch,
     pub db: Doorbells,
     pub intr: IrqState,
@@ -48,6 +46,8 @@ pub(super) struct Core {
     /// Shared by the groups: MSI-X vector states, events they raised.
     pub vectors: std::sync::Arc<super::shards::Vectors>,
     pub raised: std::sync::Arc<super::shards::Raised>,
+    /// Error injection and timed completions (`inject.rs`, `timing.rs`).
+    pub ext: Ext,
     /// The queue oracle's log of the I/O commands fetched (`oracle.rs`).
     #[cfg(any(test, feature = "oracle"))]
     pub oplog: Option<std::sync::Arc<std::sync::Mutex<Vec<super::oracle::OpRecord>>>>,
@@ -237,7 +237,6 @@ impl Core {
             events: Events::default(),
             ns: storages.into_iter().zip(cfg.ns_list()).map(|(s, n)| Namespace::new(s, &n)).collect(),
             flight: InFlight::new(),
-            changed_ns: Vec::new(),
             scratch: Scratch { segs: Vec::with_capacity(64), buf: Vec::new(), bounce: Bounce::new(0) },
             db: Doorbells::new(cfg.doorbell, bar_page),
             intr: IrqState::new(),
@@ -250,6 +249,7 @@ impl Core {
             shards: Vec::new(),
             vectors: std::sync::Arc::new(super::shards::Vectors::new()),
             raised: std::sync::Arc::default(),
+            ext: Ext::new(std::sync::Arc::new(super::inject::Shared::new(cfg))),
             #[cfg(any(test, feature = "oracle"))]
             oplog: None,
         }
@@ -374,6 +374,21 @@ impl Core {
             let sqe = read_sqe(&self.mem, sq, head);
             sq.head = queue::next(head, sq.size);
             did = true;
+            #[cfg(any(test, feature = "oracle"))]
+            if let (Some(log), Some(c), true) = (&self.oplog, &sqe, qid > 0) {
+                let r = super::oracle::OpRecord { sqid: qid as u16, cid: c.cid, tag: c.cdw2, opcode: c.opcode };
+                crate::lock(log).push(r);
+            }
+            // Error injection and completion timing (`inject.rs`, `timing.rs`):
+            // off (no rule, no timing model), this branch is all they cost.
+            let hooked = self.ext.timing || self.ext.injector.armed();
+            let mut x = Extra::default();
+            if hooked {
+                match self.fetched(qid, sqe.as_ref()) {
+                    Some(e) => x = e,
+                    None => continue, // completed with an injected status, or withheld
+                }
+            }
             let (dw0, st) = match sqe {
                 None => (0, status::DATA_TRANSFER_ERROR),
                 Some(c) if qid == 0 => {
@@ -389,18 +404,23 @@ impl Core {
                 }
                 Some(c) => {
                     self.st.io += 1;
-                    #[cfg(any(test, feature = "oracle"))]
-                    if let Some(log) = &self.oplog {
-                        let r = super::oracle::OpRecord { sqid: qid as u16, cid: c.cid, tag: c.cdw2, opcode: c.opcode };
-                        crate::lock(log).push(r);
+                    if hooked {
+                        self.ext.next = x; // what a file slot carries
                     }
-                    match self.io_start(qid, &c) {
+                    let r = self.io_start(qid, &c);
+                    if hooked {
+                        self.ext.next = Extra::default();
+                    }
+                    match r {
                         Some(st) => (0, st),
                         None => continue, // on the file namespace: completed when reaped
                     }
                 }
             };
             let cid = sqe.map(|c| c.cid).unwrap_or(0);
+            if hooked && self.executed(qid, sqe.as_ref(), dw0, st, x) {
+                continue; // posted by the wheel
+            }
             self.complete(qid, cid, dw0, st);
             if qid == 0 {
                 // An event a log page read let go.
@@ -442,16 +462,26 @@ impl Core {
         if self.mem.is_empty() {
             return (false, false); // no client: its completions wait for its memory
         }
+        let timed = self.expire_timed();
         if !self.reap_io() {
             self.serve_slot_waiters();
-            return (false, self.io_in_flight() > 0);
+            if timed {
+                // CQ room the wheel owed is free: SQs stopped for it go on.
+                self.serve_io_sqs();
+            }
+            return (timed, self.io_in_flight() > 0 || self.timed_held());
         }
+        self.serve_io_sqs();
+        (true, self.io_in_flight() > 0 || self.timed_held())
+    }
+
+    /// Serves every I/O SQ with commands waiting (CQ room or slots were freed).
+    fn serve_io_sqs(&mut self) {
         for qid in self.queues.io_sq_ids() {
             if self.queues.sqs[qid].is_some_and(|s| s.head != s.tail) {
                 self.process_sq(qid);
             }
         }
-        (true, self.io_in_flight() > 0)
     }
 
     /// The file namespaces' completion eventfd (every ring signals the one

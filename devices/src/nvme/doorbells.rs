@@ -213,10 +213,16 @@ impl Nvme {
         let (core, stop2) = (self.core.clone(), stop.clone());
         let done = crate::lock(&self.core).io_completion_fd();
         let mut retry = Retry::default();
+        // The next timed completion's wait (`timing.rs`), from the last pass.
+        let mut timed: Option<std::time::Duration> = None;
         let h = std::thread::Builder::new().name("nvme-ioeventfd".into()).spawn(move || {
             crate::sandbox::enter(crate::sandbox::Role::Device);
             while !stop2.load(Ordering::Relaxed) {
-                let (kicked, completed) = match wait_either(&kick, done.as_deref(), retry.after()) {
+                let after = match (retry.after(), timed) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                let (kicked, completed) = match wait_either(&kick, done.as_deref(), after) {
                     Ok(r) => r,
                     Err(e) => return crate::lock(&core).thread_failed("ioeventfd", &e),
                 };
@@ -228,7 +234,8 @@ impl Nvme {
                     let _ = read_eventfd(done);
                 }
                 let mut c = crate::lock(&core);
-                c.st.kicks += n;
+                // Less the wake-ups a timed completion wrote (`timing.rs`).
+                c.st.kicks += n.saturating_sub(std::mem::take(&mut c.db.own_wakes));
                 if kicked && c.db.shadow.is_none() {
                     // Only a static host's doorbells are ioeventfds this early.
                     c.lost_doorbells(n);
@@ -239,6 +246,7 @@ impl Nvme {
                 // No timer here: what the aggregation threshold holds goes out now.
                 c.flush_coalesced_untimed();
                 retry.next(c.io_stalled());
+                timed = c.timed_wait();
             }
         });
         match h {
@@ -645,9 +653,11 @@ impl Core {
         }
     }
 
-    /// Commands read from an SQ but not completed for want of CQ room.
+    /// Commands read from an SQ but not completed for want of CQ room, or
+    /// completions the timer wheel holds (`timing.rs`: the poller does not
+    /// sleep past their due time).
     pub(super) fn commands_held(&self) -> bool {
-        self.queues.sq_ids().filter_map(|q| self.queues.sqs[q].as_ref()).any(|s| s.head != s.tail)
+        self.timed_held() || self.queues.sq_ids().filter_map(|q| self.queues.sqs[q].as_ref()).any(|s| s.head != s.tail)
     }
 
     /// Adds what the doorbells' eventfd counted to the kicks, less the

@@ -105,6 +105,8 @@ struct Op {
     segs: Vec<(u64, u64)>,
     /// Set when reaped: the status its completion carries.
     status: Option<u16>,
+    /// Injection and timing (`inject.rs`): its corruption, due time.
+    extra: super::inject::Extra,
 }
 
 /// Commands out on a file namespace (index = its slot).
@@ -201,6 +203,7 @@ impl Core {
         }
         (o.live, o.sqid, o.cid, o.cqid, o.opcode, o.bytes, o.status) =
             (true, qid as u16, c.cid, cqid, c.opcode, bytes, None);
+        o.extra = self.ext.next;
         self.flight.owed[cqid as usize] += 1;
         None
     }
@@ -303,6 +306,19 @@ impl Core {
                     continue;
                 }
                 self.ns[n].pending.held.remove(i);
+                let o = &self.ns[n].pending.ops[slot as usize];
+                let (x, opcode, bytes) = (o.extra, o.opcode, o.bytes);
+                if x.any() || self.ext.timing {
+                    if let Some(k) = x.corrupt.filter(|_| st == status::SUCCESS) {
+                        super::inject::corrupt_segments(&self.mem, &o.segs, k, bytes as usize);
+                    }
+                    self.retire(n, slot);
+                    did = true;
+                    if !self.finish(sqid, cid, opcode, bytes, 0, st, x) {
+                        self.complete(sqid, cid, 0, st);
+                    } // else posted by the wheel
+                    continue;
+                }
                 self.retire(n, slot);
                 self.complete(sqid, cid, 0, st);
                 did = true;

@@ -7,8 +7,8 @@
 //! Admin: Identify (controller, namespace, active and allocated namespace
 //! lists, namespace identification descriptors), Format NVM, Create/Delete I/O SQ and CQ, Get/Set
 //! Features (number of queues, interrupt coalescing, volatile write cache,
-//! arbitration...), Get Log Page (error, SMART, firmware, commands supported
-//! and effects; with offsets), Abort, Asynchronous Event Request, Doorbell
+//! arbitration...), Get Log Page (error information, SMART, firmware,
+//! changed namespace list, commands supported and effects; with offsets), Abort, Asynchronous Event Request, Doorbell
 //! Buffer Config. Identify advertises only what is implemented.
 //! I/O: Read, Write, Flush, Write Zeroes, Dataset Management, with PRP1/PRP2
 //! and PRP lists. Completions carry phase tags for polling drivers; a CQ
@@ -138,7 +138,9 @@
 //! steady gaps); `interrupts.rs` MSI-X (the shared
 //! [`MsixTable`](crate::pci::MsixTable)) and interrupt coalescing;
 //! `queue.rs` queue entries and PRPs in guest memory; `shards.rs` queue
-//! groups for several pollers. The namespace's storage is the block layer's
+//! groups for several pollers; `inject.rs` error injection (`inject=`,
+//! [`Nvme::injector`]) and the Error Information log; `timing.rs`
+//! completions posted at their due time (`timing=`, injected delays). The namespace's storage is the block layer's
 //! ([`crate::block`]), which virtio-blk shares.
 
 mod adaptive;
@@ -146,6 +148,7 @@ mod admin;
 mod controller;
 mod doorbells;
 pub mod identity;
+mod inject;
 mod interrupts;
 mod io;
 pub mod namespaces;
@@ -157,12 +160,14 @@ mod poller;
 pub mod queue;
 mod regs;
 mod shards;
+mod timing;
 
 pub use crate::block::InPlace;
 use crate::block::{Storage, StorageKind};
 use crate::{le_fill, le_value, BarKind, BarSpec, Counter, DeviceContext, DeviceModel, Error, PciIds, Result};
 use controller::Core;
 use doorbells::Threads;
+pub use inject::TimedRecord;
 use regs::REG_CC;
 use std::sync::{Arc, Mutex};
 
@@ -354,6 +359,12 @@ pub struct NvmeConfig {
     pub namespaces: u32,
     /// `ns=SPEC`: namespaces after those, in order (`namespaces.rs`).
     pub ns: Vec<namespaces::NsConfig>,
+    /// `timing=`: the namespace's device timing model (None: off, the
+    /// default; boxed: it is large and rarely set); `timing.rs`.
+    pub timing: Option<Box<crate::block::timing::TimingSpec>>,
+    /// `inject=`: error injection rules the controller starts with (more
+    /// come and go at run time through [`Nvme::injector`]); `inject.rs`.
+    pub inject: Vec<crate::block::inject::Rule>,
 }
 
 /// Most operations `submit_batch=` may gather: the io_uring's size.
@@ -377,6 +388,8 @@ impl Default for NvmeConfig {
             id: identity::IdentityOptions::default(),
             namespaces: 1,
             ns: Vec::new(),
+            timing: None,
+            inject: Vec::new(),
         }
     }
 }
@@ -475,6 +488,18 @@ impl NvmeConfig {
             return bad(
                 "pollers",
                 "several pollers need backend=null or ram (a file namespace has one io_uring)".into(),
+            );
+        }
+        if self.inject.len() > crate::block::inject::MAX_RULES {
+            return bad("inject", format!("{} rules (at most {})", self.inject.len(), crate::block::inject::MAX_RULES));
+        }
+        if let Some(e) = self.inject.iter().find_map(|r| r.validate().err()) {
+            return bad("inject", e.to_string());
+        }
+        if self.timing.is_some() && self.doorbell == DoorbellMode::Mmio {
+            return bad(
+                "timing",
+                "timing= needs a device thread to post completions at their due time (not doorbell=mmio)".into(),
             );
         }
         self.id.validate()
@@ -652,6 +677,7 @@ impl DeviceModel for Nvme {
             return;
         }
         let mut c = crate::lock(&self.core);
+        c.fold_fatal(); // CSTS.CFS an injection set on another queue group
         if c.intr.msix.claims(bar, offset) {
             c.sync_vectors(); // the other queue groups' pending bits, for the PBA
         }
@@ -740,6 +766,10 @@ impl DeviceModel for Nvme {
         if ready {
             self.start_threads(&mut t);
         }
+    }
+
+    fn injector(&self) -> Option<Arc<crate::block::inject::Injector>> {
+        Some(Nvme::injector(self))
     }
 
     fn counters(&self) -> Vec<Counter> {

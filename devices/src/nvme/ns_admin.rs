@@ -132,7 +132,6 @@ impl Core {
 }
 
 /// Most NSIDs the Changed Namespace List log holds.
-const CHANGED_MAX: usize = 1024;
 
 impl Core {
     /// Attaches (or detaches) namespace `nsid` in every queue group; if that
@@ -148,27 +147,10 @@ impl Core {
         for g in 0..self.groups.max(1) {
             self.with_group(g, |k| k.ns[i].attached = attached);
         }
-        if self.changed_ns.len() <= CHANGED_MAX && !self.changed_ns.contains(&nsid) {
-            self.changed_ns.push(nsid); // one past the limit: overflowed
-        }
+        self.note_ns_changed(nsid);
         if self.feat.async_events & 1 << 8 != 0 {
             self.event(2, 0, 0x04); // notice: namespace attribute changed
         }
         Ok(true)
-    }
-
-    /// Changed Namespace List (log 04h): the NSIDs changed since it was last
-    /// read, ascending (more than 1024: FFFFFFFFh alone); `clear` as it is read.
-    pub(super) fn changed_ns_log(&mut self, clear: bool) -> Vec<u8> {
-        let mut page = vec![0u8; 4096];
-        let mut ids = if clear { std::mem::take(&mut self.changed_ns) } else { self.changed_ns.clone() };
-        if ids.len() > CHANGED_MAX {
-            ids = vec![0xffff_ffff];
-        }
-        ids.sort_unstable();
-        for (k, id) in ids.iter().enumerate() {
-            page[4 * k..4 * k + 4].copy_from_slice(&id.to_le_bytes());
-        }
-        page
     }
 }

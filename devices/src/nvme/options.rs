@@ -158,6 +158,28 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
             },
             show: |c| NsConfig::write_list(&c.ns),
         },
+        Opt {
+            key: "timing",
+            values: "SPEC",
+            help: "the namespace's device timing model, items joined by + (e.g. read:80us+write:ln:20us:90us+\
+                   channels:8+iops:500k+bw:3g; default off); not with doorbell=mmio",
+            parse: |c, v| {
+                c.timing = Some(Box::new(v.parse().map_err(|e: crate::block::timing::TimingError| e.to_string())?));
+                Ok(())
+            },
+            show: |c| c.timing.as_ref().map(|t| t.to_string()),
+        },
+        Opt {
+            key: "inject",
+            values: "RULES",
+            help: "error injection rules from the start, items joined by /, rules by + (e.g. \
+                   op=read/lba=0-7/status=2:0x81/once+op=write/delay=2ms/every=10; README.md lists them)",
+            parse: |c, v| {
+                c.inject = crate::block::inject::parse_rules(v).map_err(|e| e.to_string())?;
+                Ok(())
+            },
+            show: |c| (!c.inject.is_empty()).then(|| crate::block::inject::write_rules(&c.inject)),
+        },
     ],
 };
 
@@ -209,6 +231,11 @@ mod tests {
                     create: true,
                 },
             ],
+            timing: Some(Box::new("read:ln:80us:300us+write:20us+channels:8+iops:500k+bw:3g+seed:7".parse().unwrap())),
+            inject: crate::block::inject::parse_rules(
+                "op=read/lba=0-7/status=2:0x81:dnr/once+op=write/nsid=1/delay=2ms/p=0.5:9+op=read/corrupt=4:7+qid=2/drop/every=3",
+            )
+            .unwrap(),
         };
         crate::options::tests::keys_round_trip(&OPTIONS, &c);
     }

@@ -151,6 +151,7 @@ impl Core {
     /// again) rather than a controller that looks idle.
     pub(super) fn reset_queues(&mut self) {
         let idle = self.abort_io();
+        self.forget_queue(None); // injected drops, timed completions
         if let Some(page) = &self.db.bar_page {
             let _ = page.write_slice(&[0u8; 4096], GuestAddress(DOORBELLS));
         }
@@ -174,6 +175,8 @@ impl Core {
             s.queues.cqs.iter_mut().for_each(|q| *q = None);
             s.db.shadow = None;
             s.intr.clear_held();
+            s.forget_queue(None);
+            s.flight.owed.iter_mut().for_each(|o| *o = 0);
         }
         self.raised.take_all();
         self.sync_shards();

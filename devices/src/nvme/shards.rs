@@ -98,6 +98,7 @@ impl Core {
         c.groups = c0.groups;
         c.vectors = c0.vectors.clone();
         c.raised = c0.raised.clone();
+        c.ext = super::inject::Ext::new(c0.ext.shared.clone());
         c
     }
 

@@ -13,6 +13,7 @@ mod bar_adaptive;
 mod deallocate;
 mod forecast;
 mod namespaces;
+mod inject;
 mod oracle;
 mod pollers;
 

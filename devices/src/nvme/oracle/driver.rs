@@ -5,6 +5,7 @@
 use super::model::{canary, Content, Failure, Image, Lbas, Violation};
 use super::rng::Rng;
 use super::{OpRecord, Port};
+use crate::block::inject::{Action, CommandView, Kind, Lbas as LbaSpan, Rule};
 use crate::Counter;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{fence, Ordering};
@@ -71,6 +72,29 @@ pub struct Shape {
     /// The namespace keeps data (false: a null namespace, whose reads
     /// leave the buffer as it was; their data is not checked).
     pub data: bool,
+    /// The error injection rules the controller was given (`inject=`),
+    /// each triggered always: the driver expects each command's fate from
+    /// the first that matches it ([`injection_rules`]).
+    pub rules: Vec<Rule>,
+}
+
+/// Rules for the oracle over a namespace of `nlbas` LBAs (the model's
+/// first 4096 at most): reads of one range fail with Unrecovered Read
+/// Error, reads of another are dropped (the driver aborts them), reads of
+/// a third come back with `seed`'s bytes flipped, writes of a fourth are
+/// delayed 200 us, flushes raise a SMART event (no AER is outstanding: it
+/// waits), all triggered always.
+pub fn injection_rules(nlbas: u64, seed: u64) -> Vec<Rule> {
+    let n = nlbas.min(4096);
+    let r = |a: u64, len: u64| format!("{}-{}", a, (a + len - 1).min(n - 1));
+    let text = format!(
+        "op=read/lba={}/status=2:0x81+op=read/lba={}/drop+op=read/lba={}/corrupt=5:{seed}+op=write/lba={}/delay=200us+op=flush/event=smart:0x04",
+        r(n / 8, 8),
+        r(n / 2, 2),
+        r(n / 4, n / 16),
+        r(3 * n / 4, n / 8)
+    );
+    crate::block::inject::parse_rules(&text).expect("the oracle's rules")
 }
 
 impl Shape {
@@ -94,6 +118,7 @@ impl Shape {
             resets: rng.chance(50),
             crashes: false,
             data: true,
+            rules: Vec::new(),
         }
     }
 
@@ -118,6 +143,7 @@ impl Shape {
             resets: false,
             crashes: false,
             data: true,
+            rules: Vec::new(),
         }
     }
 
@@ -168,6 +194,12 @@ pub struct Report {
     pub crashes: u64,
     pub sweeps: u64,
     pub idles: u64,
+    /// Completions posted by a timer wheel (delays, a timing model).
+    pub timed: u64,
+    /// Completions with an injected status, aborted withheld commands.
+    pub injected: u64,
+    /// Reads checked with their injected corruption flipped back.
+    pub corrupted: u64,
     /// The controller offered shadow doorbells and the driver used them.
     pub shadowed: bool,
 }
@@ -206,6 +238,8 @@ struct Cmd {
     extra: Option<u64>,
     seq: u64,
     published: bool,
+    /// What the injection rules do to it (`Shape::rules`).
+    action: Option<Action>,
 }
 
 impl Cmd {
@@ -695,6 +729,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             extra: None,
             seq: 0,
             published: false,
+            action: None,
         };
         let (mut prp1, mut prp2) = (0, 0);
         if matches!(op, Op::Read | Op::Write) {
@@ -762,6 +797,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             Op::Flush | Op::Bad(0x7f, _) => [0, 0, 0],
             _ => [slba as u32, (slba >> 32) as u32, nlb as u32 - 1],
         };
+        cmd.action = self.predict(qid, opcode, nsid, &cmd);
         let e = sqe(opcode, cmd.cid, nsid, tag, prp1, prp2, cdw);
         let sq = self.sqs[qid as usize].as_mut().unwrap();
         let slot = sq.slot(sq.tail);
@@ -780,6 +816,25 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             self.publish_sq(qid);
         }
         Ok(true)
+    }
+
+    /// What the injection rules do to command `c` (opcode `opcode`) of SQ
+    /// `qid`: the first rule that matches (all trigger always).
+    fn predict(&self, qid: u16, opcode: u8, nsid: u32, c: &Cmd) -> Option<Action> {
+        // The controller's view is the SQE's fields as given (its NSID,
+        // named namespace or not; the LBAs of CDW10-12).
+        let kind = match c.op {
+            Op::Read | Op::Bad(0x02, _) | Op::BadNs(0x02) => Kind::Read,
+            Op::Write | Op::BadNs(0x01) => Kind::Write,
+            Op::Flush => Kind::Flush,
+            Op::Zeroes => Kind::WriteZeroes,
+            Op::Deallocate => Kind::Discard,
+            Op::Bad(..) | Op::BadNs(_) => Kind::Other,
+        };
+        let lba = matches!(kind, Kind::Read | Kind::Write | Kind::WriteZeroes)
+            .then(|| LbaSpan { slba: c.slba, nlb: c.nlb.max(1) as u32 - 1 });
+        let view = CommandView { opcode, kind, nsid, lba, qid };
+        self.shape.rules.iter().find(|r| r.matcher.matches(&view)).map(|r| r.action)
     }
 
     fn alloc_cid(&mut self, qid: u16) -> u16 {
@@ -965,9 +1020,12 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         self.by_cid.remove(&(sqid, cid));
         self.completed.insert(tag);
         self.report.completed += 1;
-        let want = match c.op {
-            Op::Bad(_, st) => st,
-            Op::BadNs(_) => 0x00b,
+        let want = match (c.action, c.op) {
+            (Some(Action::Status(s)), _) => s.field() & 0x7ff,
+            // Withheld, then aborted: Command Abort Requested.
+            (Some(Action::Drop), _) => 0x007,
+            (_, Op::Bad(_, st)) => st,
+            (_, Op::BadNs(_)) => 0x00b,
             _ => 0,
         };
         if st & 0x7ff != want {
@@ -976,7 +1034,10 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
                 c.op, c.slba, c.nlb
             )));
         }
-        self.retire(c, true)
+        // Failed or withheld by injection: not executed.
+        let executed = !matches!(c.action, Some(Action::Status(_) | Action::Drop));
+        self.report.injected += u64::from(!executed);
+        self.retire(c, executed)
     }
 
     /// A command done: checks its data (completed) and gives its pages back.
@@ -985,7 +1046,12 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         let mut result = Ok(());
         match c.op {
             Op::Read if completed && self.shape.data => {
-                let data = self.gather(&c);
+                let mut data = self.gather(&c);
+                if let Some(Action::Corrupt(k)) = c.action {
+                    // Exactly the flipped bytes differ: flipped back, it is the data.
+                    k.apply(&mut data);
+                    self.report.corrupted += 1;
+                }
                 for (b, block) in data.chunks_exact(lba as usize).enumerate() {
                     let words: Vec<u64> =
                         block.chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().unwrap())).collect();
@@ -1021,7 +1087,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
     /// Waits for at least one completion, everything published first; a
     /// controller that posts none within [`PATIENCE`] lost one.
     fn wait_some(&mut self) -> Result<(), Violation> {
-        if !self.cmds.values().any(|c| c.published) {
+        if !self.cmds.values().any(|c| c.published && c.action != Some(Action::Drop)) {
             return Ok(());
         }
         let t0 = Instant::now();
@@ -1051,8 +1117,15 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
     /// Drains: everything published, every command completed.
     fn drain(&mut self) -> Result<(), Violation> {
         let t0 = Instant::now();
+        let mut aborted = Instant::now() - Duration::from_secs(1);
         while !self.cmds.is_empty() {
             self.publish_all()?;
+            if aborted.elapsed() > Duration::from_millis(2) {
+                // Commands injection withholds complete only when aborted
+                // (one not fetched yet is not aborted: asked again later).
+                self.abort_withheld()?;
+                aborted = Instant::now();
+            }
             if !self.reap_all(true)? {
                 std::thread::yield_now();
             }
@@ -1061,6 +1134,24 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             }
         }
         self.publish_all()
+    }
+
+    /// Aborts the published commands injection withholds: each completes
+    /// with Command Abort Requested, if the controller fetched it.
+    fn abort_withheld(&mut self) -> Result<(), Violation> {
+        let w: Vec<(u16, u16)> = self
+            .cmds
+            .values()
+            .filter(|c| c.published && c.action == Some(Action::Drop))
+            .map(|c| (c.sqid, c.cid))
+            .collect();
+        for (sqid, cid) in w {
+            if !self.by_cid.contains_key(&(sqid, cid)) {
+                continue; // completed (aborted) meanwhile
+            }
+            self.admin_ok(0x08, 0, 0, [sqid as u32 | (cid as u32) << 16, 0, 0])?;
+        }
+        Ok(())
     }
 
     /// Deletes an SQ (and its CQ when it is the CQ's only one), with its
@@ -1184,6 +1275,14 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
                     return Err(Violation::Execution(format!("tag {tag} fetched but never completed")));
                 }
             }
+        }
+        // Timed completions (injected delays, a timing model): none posted
+        // before its due time, on the controller's own clock.
+        if let Some(t) = self.port.take_timed() {
+            if let Some(r) = t.iter().find(|r| r.posted_ns < r.due_ns) {
+                return Err(Violation::Controller(format!("a timed completion posted early: {r:?}")));
+            }
+            self.report.timed += t.len() as u64;
         }
         let c = self.port.counters();
         let get = |n: &str| c.iter().find(|c: &&Counter| c.name == n).map(|c| c.value);

@@ -52,6 +52,7 @@ pub struct LocalPort {
     /// The doorbell page as the guest has it mapped (bar modes).
     page: Option<vm_memory::mmap::MmapRegion>,
     ops: Option<Arc<Mutex<Vec<OpRecord>>>>,
+    timed: Option<Arc<Mutex<Vec<crate::nvme::TimedRecord>>>>,
 }
 
 impl LocalPort {
@@ -62,8 +63,10 @@ impl LocalPort {
             .map_err(|e| crate::Error::Host(format!("oracle RAM: {e}")))?;
         let nvme = Arc::new(Nvme::new(cfg)?);
         let ops = nvme.oracle_log();
+        let timed = nvme.timed_log();
         let mut port = LocalPort::hosting(nvme, ram.clone(), ram.into(), static_host)?;
         port.ops = Some(ops);
+        port.timed = Some(timed);
         Ok(port)
     }
 
@@ -83,7 +86,7 @@ impl LocalPort {
             ),
             None => None,
         };
-        Ok(LocalPort { dev, ram, host, page, ops: None })
+        Ok(LocalPort { dev, ram, host, page, ops: None, timed: None })
     }
 }
 
@@ -125,6 +128,9 @@ impl Port for LocalPort {
     }
     fn take_ops(&self) -> Option<Vec<OpRecord>> {
         Some(std::mem::take(&mut *crate::lock(self.ops.as_ref()?)))
+    }
+    fn take_timed(&self) -> Option<Vec<crate::nvme::TimedRecord>> {
+        Some(std::mem::take(&mut *crate::lock(self.timed.as_ref()?)))
     }
 }
 

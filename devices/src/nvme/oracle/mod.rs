@@ -19,6 +19,12 @@
 //!   tail the driver published;
 //! - data: every write carries a pattern of its own, every read returns
 //!   what the last completed write (or write zeroes, or deallocate) left;
+//! - with error injection rules (`Shape::rules`): a matching command gets
+//!   the injected status (and is not executed), a dropped one completes
+//!   only when the driver aborts it (a reset or a deletion forgets it), a
+//!   corrupted read differs from the data in exactly the flipped bytes, and
+//!   no timed completion (a delay, a timing model) is posted before its
+//!   due time on the controller's clock;
 //! - guest memory is written only inside the command's data pointers: free
 //!   data pages, write buffers, the bytes past a read's length, SQ rings
 //!   and the shadow doorbells keep what the driver put there.
@@ -40,7 +46,7 @@ mod local;
 mod model;
 mod rng;
 
-pub use driver::{Driver, Report, Shape, RAM};
+pub use driver::{injection_rules, Driver, Report, Shape, RAM};
 // (OpRecord and Port are defined here.)
 pub use local::{LocalHost, LocalPort};
 pub use model::{Failure, Violation, WrongData};
@@ -79,6 +85,11 @@ pub trait Port {
     /// The operations the controller fetched since the last call, if this
     /// port can see them (a controller in this process).
     fn take_ops(&self) -> Option<Vec<OpRecord>>;
+    /// The timed completions the controller posted since the last call
+    /// (due and posted times on its clock), if this port can see them.
+    fn take_timed(&self) -> Option<Vec<crate::nvme::TimedRecord>> {
+        None
+    }
     /// Kills the device (its process, with SIGKILL) with whatever it has
     /// in flight and brings up a new one on the same storage, reached
     /// through this port; None if this port cannot.

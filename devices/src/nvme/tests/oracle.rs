@@ -2,7 +2,7 @@
 //! doorbell mode, with one and two pollers, hosted as the VMM hosts the
 //! controller and as a device process's client does.
 
-use super::super::oracle::{Driver, LocalPort, Rng, Shape};
+use super::super::oracle::{Driver, LocalPort, Report, Rng, Shape};
 use super::super::{DoorbellMode, NvmeConfig};
 use crate::block::StorageKind;
 
@@ -32,7 +32,7 @@ fn on(mut c: NvmeConfig, backend: u64, file: &std::path::Path) -> NvmeConfig {
 }
 
 /// Runs `shape` from `seed` against a fresh controller; panics with the violation.
-fn run(c: NvmeConfig, static_host: bool, seed: u64, shape: impl FnOnce(&mut Rng) -> Shape) {
+fn run(c: NvmeConfig, static_host: bool, seed: u64, shape: impl FnOnce(&mut Rng) -> Shape) -> Report {
     let port = LocalPort::new(c.clone(), static_host).unwrap();
     let mut rng = Rng::new(seed);
     let mut shape = shape(&mut rng);
@@ -40,8 +40,25 @@ fn run(c: NvmeConfig, static_host: bool, seed: u64, shape: impl FnOnce(&mut Rng)
     // Out of process, ioeventfd and adaptive serve only drivers with shadow
     // doorbells (Create I/O SQ is refused otherwise: a test of its own).
     shape.shadow |= static_host && c.doorbell.kicked();
-    if let Err(e) = Driver::new(&port, rng, shape).run() {
-        panic!("{} pollers={} static={static_host} seed={seed}: {e}", c.doorbell, c.pollers);
+    match Driver::new(&port, rng, shape).run() {
+        Ok(r) => r,
+        Err(e) => panic!("{} pollers={} static={static_host} seed={seed}: {e}", c.doorbell, c.pollers),
+    }
+}
+
+/// What injection the schedules met, summed.
+#[derive(Default, Debug)]
+struct Met {
+    injected: u64,
+    corrupted: u64,
+    timed: u64,
+}
+
+impl Met {
+    fn add(&mut self, r: Report) {
+        self.injected += r.injected;
+        self.corrupted += r.corrupted;
+        self.timed += r.timed;
     }
 }
 
@@ -129,4 +146,64 @@ fn random_schedules_over_four_namespaces_in_every_doorbell_mode() {
         }
     }
     let _ = (std::fs::remove_file(&a), std::fs::remove_file(&b));
+}
+
+/// Injection rules (`oracle::injection_rules`) on the namespace a config gives.
+fn with_rules(mut c: NvmeConfig, seed: u64) -> (NvmeConfig, Vec<crate::block::inject::Rule>) {
+    let rules = super::super::oracle::injection_rules(c.size / c.lba_size as u64, seed);
+    c.inject = rules.clone();
+    (c, rules)
+}
+
+#[test]
+fn injected_errors_in_random_schedules_in_every_doorbell_mode() {
+    let mut met = Met::default();
+    let file = std::env::temp_dir().join(format!("iopath-oracle-inject-{}.img", std::process::id()));
+    for mode in MODES {
+        for seed in 0..seeds().div_ceil(3) {
+            let lba = if seed % 2 == 1 { 4096 } else { 512 };
+            let _ = std::fs::remove_file(&file);
+            let (c, rules) = with_rules(on(cfg(mode, 1, lba), seed % 2, &file), 7 + seed);
+            met.add(run(c, seed % 2 == 1, 5000 + seed, |r| Shape { rules, ..Shape::random(r, 600) }));
+        }
+    }
+    let _ = std::fs::remove_file(&file);
+    eprintln!("met: {met:?}");
+    // The schedules met every action the oracle predicts (statuses, aborted drops, corruptions, delays).
+    assert!(met.injected > 0 && met.corrupted > 0 && met.timed > 0, "{met:?}");
+}
+
+#[test]
+fn injected_errors_with_two_pollers() {
+    let mut met = Met::default();
+    for mode in [DoorbellMode::Shm, DoorbellMode::Bar, DoorbellMode::Adaptive] {
+        for seed in 0..seeds().div_ceil(4) {
+            let (c, rules) = with_rules(cfg(mode, 2, 512), seed);
+            met.add(run(c, seed % 2 == 1, 6000 + seed, |r| Shape { rules, ..Shape::random(r, 600) }));
+        }
+    }
+    eprintln!("met: {met:?}");
+    assert!(met.injected > 0 && met.timed > 0, "{met:?}");
+}
+
+#[test]
+fn a_timing_model_in_random_schedules() {
+    let file = std::env::temp_dir().join(format!("iopath-oracle-timing-{}.img", std::process::id()));
+    let spec = "read:u:5us:60us+write:20us+flush:50us+discard:10us+channels:4+iops:200k";
+    for mode in MODES.into_iter().filter(|&m| m != DoorbellMode::Mmio) {
+        for seed in 0..seeds().div_ceil(4) {
+            let _ = std::fs::remove_file(&file);
+            let mut c = on(cfg(mode, 1, 512), seed % 2, &file);
+            c.timing = Some(Box::new(spec.parse().unwrap()));
+            let r = run(c, seed % 2 == 1, 7000 + seed, |r| Shape::random(r, 600));
+            assert!(r.timed > 0 || r.completed == 0, "{mode} seed {seed}: {r:?}");
+        }
+    }
+    for mode in [DoorbellMode::Shm, DoorbellMode::Adaptive] {
+        let mut c = cfg(mode, 2, 512);
+        c.timing = Some(Box::new(spec.parse().unwrap()));
+        let (c, rules) = with_rules(c, 3);
+        run(c, false, 7100, |r| Shape { rules, ..Shape::random(r, 600) });
+    }
+    let _ = std::fs::remove_file(&file);
 }
