@@ -43,6 +43,7 @@
 //! the process ends: `listen.rs` and `janitor.rs`.
 
 mod acceptor;
+pub mod control;
 mod janitor;
 mod listen;
 
