@@ -1,7 +1,8 @@
 //! Error injection's rules engine, pure code: rules ([`rule`]), their
 //! JSON form (the control socket's, `json.rs`) and text form (the
 //! `inject=` device option's, [`text`]), and the set a device asks once per
-//! command ([`set`]). Nothing here touches a controller, a queue, a clock
+//! command ([`set`]), and the handle a device and its control socket share
+//! ([`injector`]). Nothing here touches a controller, a queue, a clock
 //! or a socket: front ends build a [`CommandView`], call
 //! [`RuleSet::decide`] and carry out the [`Action`].
 //!
@@ -56,11 +57,13 @@
 //! Errors ([`RuleError`]) name the piece: `action.status.sct: 9 is out of
 //! range (0 to 7)`.
 
+pub mod injector;
 pub mod json;
 pub mod rule;
 pub mod set;
 pub mod text;
 
+pub use injector::Injector;
 pub use json::MAX_JSON_LINE;
 pub use rule::{
     Action, CommandView, Corrupt, Event, Kind, LbaRange, Lbas, Matcher, Op, Rule, RuleError, Status, Trigger,
