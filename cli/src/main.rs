@@ -98,6 +98,11 @@ struct ServeArgs {
     /// device, not the queues and DMA of the last one.
     #[arg(long)]
     keep_state: bool,
+    /// A control socket at PATH (bound as --socket's is): `iopath ctl PATH
+    /// list|stats|inject RULE|remove ID|clear` changes the device's error
+    /// injection while it runs (JSON lines; see `iopath ctl --help`).
+    #[arg(long, value_name = "PATH")]
+    control: Option<PathBuf>,
     /// Poll the socket this long for the next request before sleeping.
     #[arg(long, default_value_t = 0, value_name = "US")]
     spin_us: u64,
@@ -177,6 +182,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
         keep_state: a.keep_state,
         timeouts: Timeouts::default(),
         seccomp: !a.no_seccomp,
+        control: a.control,
     };
     iopath_protocols::serve::run(&o)?;
     Ok(0)

@@ -264,6 +264,11 @@ pub trait DeviceModel: Send + Sync {
     fn shares_guest_ram(&self) -> bool {
         false
     }
+    /// The error injection rules the model asks per command, if it takes
+    /// any (a control socket shares them: `iopath serve --control`).
+    fn injector(&self) -> Option<std::sync::Arc<block::inject::Injector>> {
+        None
+    }
 }
 
 /// The same methods as [`DeviceModel`] with `&mut self`, for a model whose

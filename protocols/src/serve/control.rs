@@ -36,14 +36,14 @@
 
 use super::listen::Bound;
 use crate::{Error, Result};
-use iopath_devices::block::inject::{Rule, RuleError, RuleSet, Stats};
+use iopath_devices::block::inject::{Injector, Rule, RuleError};
 use serde_json::{json, Map, Value};
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -57,42 +57,13 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a client may leave a reply untaken.
 pub const SEND_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// What the control socket acts on: a device's injection rules. The
-/// device's threads ask the same rules per command.
-pub trait Controlled: Send + Sync {
-    /// Adds `rule` last; its id.
-    fn inject(&self, rule: Rule) -> std::result::Result<u64, RuleError>;
-    fn remove(&self, id: u64) -> std::result::Result<Rule, RuleError>;
-    /// Removes every rule; how many there were.
-    fn clear(&self) -> usize;
-    fn list(&self) -> Vec<Rule>;
-    fn stats(&self) -> Stats;
-}
-
-impl Controlled for Mutex<RuleSet> {
-    fn inject(&self, rule: Rule) -> std::result::Result<u64, RuleError> {
-        iopath_devices::lock(self).add(rule)
-    }
-    fn remove(&self, id: u64) -> std::result::Result<Rule, RuleError> {
-        iopath_devices::lock(self).remove(id)
-    }
-    fn clear(&self) -> usize {
-        iopath_devices::lock(self).clear()
-    }
-    fn list(&self) -> Vec<Rule> {
-        iopath_devices::lock(self).list()
-    }
-    fn stats(&self) -> Stats {
-        iopath_devices::lock(self).stats()
-    }
-}
-
 /// A request's answer: the reply's fields besides `"ok":true`, or the
 /// error.
 type Answer = std::result::Result<Map<String, Value>, (String, Option<&'static str>)>;
 
-/// Answers one request line (pure but for `target`).
-pub fn answer(target: &dyn Controlled, line: &str) -> Value {
+/// Answers one request line on the device's rules `target` (the same
+/// [`Injector`] its threads ask per command).
+pub fn answer(target: &Injector, line: &str) -> Value {
     match request(target, line) {
         Ok(mut m) => {
             let mut r = Map::new();
@@ -115,7 +86,7 @@ fn rule_error(e: RuleError) -> (String, Option<&'static str>) {
     (e.to_string(), f)
 }
 
-fn request(target: &dyn Controlled, line: &str) -> Answer {
+fn request(target: &Injector, line: &str) -> Answer {
     let plain = |s: &str| (s.to_string(), None);
     let v: Value = serde_json::from_str(line).map_err(|e| (format!("not JSON: {e}"), None))?;
     let Value::Object(m) = v else { return Err(plain("a request is a JSON object with \"cmd\"")) };
@@ -155,7 +126,7 @@ fn request(target: &dyn Controlled, line: &str) -> Answer {
         "inject" => {
             let v = m.get("rule").ok_or(("rule: missing".to_string(), Some("rule")))?;
             let rule = Rule::from_value(v).map_err(rule_error)?;
-            r.insert("id".into(), target.inject(rule).map_err(rule_error)?.into());
+            r.insert("id".into(), target.add(rule).map_err(rule_error)?.into());
         }
         "remove" => {
             let id =
@@ -178,7 +149,7 @@ pub struct Control {
 impl Control {
     /// Binds `path` (nothing there, or a stale socket) and serves it on a
     /// thread of its own.
-    pub fn start(path: &Path, target: Arc<dyn Controlled>) -> Result<Control> {
+    pub fn start(path: &Path, target: Arc<Injector>) -> Result<Control> {
         let bound = Bound::new(path)?;
         let what = || format!("the control socket {}", path.display());
         bound.listener.set_nonblocking(true).map_err(|e| Error::io(what(), e))?;
@@ -214,7 +185,7 @@ struct Server {
     bound: Bound,
     wake: Arc<EventFd>,
     stop: Arc<AtomicBool>,
-    target: Arc<dyn Controlled>,
+    target: Arc<Injector>,
     where_: String,
     clients: Vec<Client>,
 }
@@ -252,7 +223,7 @@ impl Server {
             self.clients.retain_mut(|c| {
                 let r = ready[i];
                 i += 1;
-                let turn = if r { serve(c, &*self.target) } else { Turn::Keep };
+                let turn = if r { serve(c, &self.target) } else { Turn::Keep };
                 match turn {
                     Turn::Keep if c.last.elapsed() < IDLE_TIMEOUT => true,
                     Turn::Keep => {
@@ -329,7 +300,7 @@ fn reply(sock: &UnixStream, v: &Value) -> io::Result<()> {
 }
 
 /// Reads what client `c` sent and answers each whole line.
-fn serve(c: &mut Client, target: &dyn Controlled) -> Turn {
+fn serve(c: &mut Client, target: &Injector) -> Turn {
     let mut chunk = [0u8; 4096];
     loop {
         let mut s = &c.sock;

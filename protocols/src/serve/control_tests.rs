@@ -6,7 +6,7 @@ use std::path::PathBuf;
 const READ_ERROR: &str =
     r#"{"match":{"op":"read","lba":[100,199]},"action":{"status":{"sct":2,"sc":129}},"trigger":{"every":2}}"#;
 
-fn ask(t: &dyn Controlled, line: &str) -> Value {
+fn ask(t: &Injector, line: &str) -> Value {
     answer(t, line)
 }
 
@@ -16,15 +16,15 @@ fn read_at(slba: u64) -> CommandView {
 
 #[test]
 fn each_command_changes_or_reads_the_rules_the_device_decides_with() {
-    let set = Mutex::new(RuleSet::new());
+    let set = Injector::new();
     assert_eq!(ask(&set, r#"{"cmd":"list"}"#), json!({"ok": true, "rules": []}));
     let r = ask(&set, &format!(r#"{{"cmd":"inject","rule":{READ_ERROR}}}"#));
     assert_eq!(r, json!({"ok": true, "id": 1}));
     // The device's side: every second matching read fails, others pass.
-    let got: Vec<Option<Action>> = (0..4).map(|_| iopath_devices::lock(&set).decide(&read_at(96))).collect();
+    let got: Vec<Option<Action>> = (0..4).map(|_| set.decide(&read_at(96))).collect();
     let st = Action::Status(Status { sct: 2, sc: 0x81, dnr: false, more: false });
     assert_eq!(got, [None, Some(st), None, Some(st)]);
-    assert_eq!(iopath_devices::lock(&set).decide(&read_at(200)), None, "outside the LBA range");
+    assert_eq!(set.decide(&read_at(200)), None, "outside the LBA range");
     let listed = ask(&set, r#"{"cmd":"list"}"#);
     assert_eq!(listed["rules"][0]["id"], 1);
     assert_eq!(Rule::from_value(&listed["rules"][0]).unwrap().action, st, "the list gives the rule back");
@@ -33,17 +33,17 @@ fn each_command_changes_or_reads_the_rules_the_device_decides_with() {
         json!({"ok": true, "stats": {"commands": 5, "injected": 2, "rules": [{"id": 1, "matched": 4, "fired": 2}]}})
     );
     assert_eq!(ask(&set, r#"{"cmd":"remove","id":1}"#)["rule"]["id"], 1);
-    assert_eq!(iopath_devices::lock(&set).decide(&read_at(96)), None, "removed");
+    assert_eq!(set.decide(&read_at(96)), None, "removed");
     assert_eq!(ask(&set, r#"{"cmd":"remove","id":1}"#), json!({"ok": false, "error": "no rule 1"}));
     ask(&set, &format!(r#"{{"cmd":"inject","rule":{READ_ERROR}}}"#));
     ask(&set, &format!(r#"{{"cmd":"inject","rule":{READ_ERROR}}}"#));
     assert_eq!(ask(&set, r#"{"cmd":"clear"}"#), json!({"ok": true, "removed": 2}));
-    assert!(iopath_devices::lock(&set).is_empty());
+    assert!(set.list().is_empty());
 }
 
 #[test]
 fn bad_requests_get_an_error_naming_what_is_wrong_and_change_nothing() {
-    let set = Mutex::new(RuleSet::new());
+    let set = Injector::new();
     let cases = [
         ("not json", None),
         (r#"[1]"#, None),
@@ -62,13 +62,13 @@ fn bad_requests_get_an_error_naming_what_is_wrong_and_change_nothing() {
         assert!(r["error"].as_str().is_some_and(|e| !e.is_empty()), "{line}: {r}");
         assert_eq!(r.get("field").and_then(Value::as_str), field, "{line}: {r}");
     }
-    assert!(iopath_devices::lock(&set).is_empty());
-    assert_eq!(iopath_devices::lock(&set).stats().commands, 0);
+    assert!(set.list().is_empty());
+    assert_eq!(set.stats().commands, 0);
 }
 
 #[test]
 fn the_set_bound_holds_over_the_socket_protocol() {
-    let set = Mutex::new(RuleSet::new());
+    let set = Injector::new();
     let add = format!(r#"{{"cmd":"inject","rule":{READ_ERROR}}}"#);
     for _ in 0..iopath_devices::block::inject::MAX_RULES {
         assert_eq!(ask(&set, &add)["ok"], true);
@@ -104,7 +104,7 @@ fn line(r: &mut impl BufRead) -> Value {
 fn the_socket_answers_each_line_in_order_and_is_gone_when_dropped() {
     let d = dir("order");
     let p = d.0.join("ctl.sock");
-    let set = Arc::new(Mutex::new(RuleSet::new()));
+    let set = Arc::new(Injector::new());
     let c = Control::start(&p, set.clone()).unwrap();
     let mut s = UnixStream::connect(&p).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -114,7 +114,7 @@ fn the_socket_answers_each_line_in_order_and_is_gone_when_dropped() {
     let mut r = BufReader::new(s.try_clone().unwrap());
     assert_eq!(line(&mut r), json!({"ok": true, "id": 1}));
     assert_eq!(line(&mut r)["rules"][0]["id"], 1);
-    assert_eq!(iopath_devices::lock(&set).len(), 1, "the device's own set changed");
+    assert_eq!(set.list().len(), 1, "the device's own set changed");
     drop(c);
     assert!(!p.exists(), "the socket file is removed when the control socket stops");
 }
@@ -123,7 +123,7 @@ fn the_socket_answers_each_line_in_order_and_is_gone_when_dropped() {
 fn a_long_line_and_one_connection_too_many_are_refused_and_the_rest_go_on() {
     let d = dir("bounds");
     let p = d.0.join("ctl.sock");
-    let set = Arc::new(Mutex::new(RuleSet::new()));
+    let set = Arc::new(Injector::new());
     let _c = Control::start(&p, set.clone()).unwrap();
     let mut held: Vec<UnixStream> = (0..MAX_CLIENTS).map(|_| UnixStream::connect(&p).unwrap()).collect();
     // Each held connection is served (so all are accepted before the next).
@@ -152,7 +152,7 @@ fn a_long_line_and_one_connection_too_many_are_refused_and_the_rest_go_on() {
     let s = &mut held[0];
     s.write_all(b"{\"cmd\":\"stats\"}\n").unwrap();
     assert_eq!(line(&mut BufReader::new(s.try_clone().unwrap()))["ok"], true);
-    assert!(iopath_devices::lock(&set).is_empty());
+    assert!(set.list().is_empty());
 }
 
 #[test]
@@ -160,7 +160,7 @@ fn a_file_at_the_path_is_refused_and_left_alone() {
     let d = dir("file");
     let p = d.0.join("image.raw");
     std::fs::write(&p, b"precious").unwrap();
-    let set: Arc<dyn Controlled> = Arc::new(Mutex::new(RuleSet::new()));
+    let set = Arc::new(Injector::new());
     assert!(Control::start(&p, set).is_err());
     assert_eq!(std::fs::read(&p).unwrap(), b"precious");
 }

@@ -118,6 +118,9 @@ pub struct ServeOptions {
     pub timeouts: Timeouts,
     /// Confine the process with seccomp once it is set up ([`crate::seccomp`]).
     pub seccomp: bool,
+    /// Serve the device's error injection rules on this socket path
+    /// (`control.rs`) for as long as the process serves.
+    pub control: Option<PathBuf>,
 }
 
 /// Serves until the inherited socket closes, or forever on a listening
@@ -136,7 +139,9 @@ pub fn run(o: &ServeOptions) -> Result<()> {
 fn function(o: &ServeOptions, transport: &'static dyn FunctionTransport) -> Result<()> {
     check_timeouts(&o.timeouts)?;
     let bound = bind(&o.listen)?;
-    let f = Arc::new(Mutex::new(PciFunction::new(o.device.build()?)?));
+    let device = o.device.build()?;
+    let _control = control(o, &device)?;
+    let f = Arc::new(Mutex::new(PciFunction::new(device)?));
     let irq = IrqLines::new();
     let server = transport.server(f.clone(), irq.clone())?;
     let mut host = Host { o, transport, f, irq, server };
@@ -145,6 +150,16 @@ fn function(o: &ServeOptions, transport: &'static dyn FunctionTransport) -> Resu
     clients(&o.listen, bound, &banner, o.once, o.seccomp, &o.timeouts, refuse, |sock, peer, free| {
         host.client(sock, peer, free)
     })
+}
+
+/// The control socket of `o.control`, on `device`'s rules; served until
+/// the value is dropped. A device that takes no rules is refused.
+pub(crate) fn control(o: &ServeOptions, device: &iopath_devices::SharedDevice) -> Result<Option<control::Control>> {
+    let Some(path) = &o.control else { return Ok(None) };
+    let Some(rules) = device.injector() else {
+        return Err(Error::Config(format!("--control: {} takes no error injection rules", o.device)));
+    };
+    control::Control::start(path, rules).map(Some)
 }
 
 /// Every timeout must be more than 0.
