@@ -9,9 +9,11 @@
 //!   iopath run [--workload exits] [--append ARGS]    boot the guest, show its console
 //!   iopath image --out PATH                          write the guest image (for QEMU)
 //!   iopath serve DEVICE --transport T --socket PATH  a device process (mpqemu, vfio-user, ioregionfd, vhost-user)
+//!   iopath ctl PATH list|stats|inject RULE|remove ID|clear   a device process's control socket
 
 mod all;
 mod bench;
+mod ctl;
 mod logging;
 
 use anyhow::Context;
@@ -57,6 +59,9 @@ enum Cmd {
     /// Serve a device model from this process to a VMM (iopath's, or QEMU's
     /// x-pci-proxy-dev for mpqemu) over a UNIX socket.
     Serve(ServeArgs),
+    /// Talk to a device process's control socket (`serve ... --control PATH`):
+    /// list, add and remove error injection rules while it runs, read its counters.
+    Ctl(ctl::CtlArgs),
 }
 
 #[derive(Args)]
@@ -93,6 +98,11 @@ struct ServeArgs {
     /// device, not the queues and DMA of the last one.
     #[arg(long)]
     keep_state: bool,
+    /// A control socket at PATH (bound as --socket's is): `iopath ctl PATH
+    /// list|stats|inject RULE|remove ID|clear` changes the device's error
+    /// injection while it runs (JSON lines; see `iopath ctl --help`).
+    #[arg(long, value_name = "PATH")]
+    control: Option<PathBuf>,
     /// Poll the socket this long for the next request before sleeping.
     #[arg(long, default_value_t = 0, value_name = "US")]
     spin_us: u64,
@@ -183,6 +193,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
         keep_state: a.keep_state,
         timeouts: Timeouts::default(),
         seccomp: !a.no_seccomp,
+        control: a.control,
     };
     iopath_protocols::serve::run(&o)?;
     Ok(0)
@@ -381,6 +392,7 @@ fn main() {
         Cmd::Bench(a) => bench(*a),
         Cmd::Run(a) => run_guest(a),
         Cmd::Serve(a) => serve(a),
+        Cmd::Ctl(a) => ctl::ctl(a),
         Cmd::Report { from, out } => all::rerender(&from, &out),
         Cmd::Image { out } => {
             iopath_guest::write_image(&out).map(|_| 0).with_context(|| format!("writing {}", out.display()))

@@ -80,6 +80,7 @@ fn serve(path: &Path) -> ! {
         keep_state: false,
         timeouts: Timeouts::default(),
         seccomp: true,
+        control: None,
     };
     match run(&o) {
         Ok(()) => std::process::exit(0),

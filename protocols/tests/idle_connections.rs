@@ -30,6 +30,7 @@ fn serve(name: &str, transport: &str, once: bool, timeouts: Timeouts) -> (PathBu
         keep_state: false,
         timeouts,
         seccomp: false, // in a thread of the test process
+        control: None,
     };
     let h = std::thread::spawn(move || run(&o).unwrap());
     let t0 = Instant::now();
@@ -220,6 +221,7 @@ fn a_vhost_user_frontend_is_served_while_50_idle_connections_are_held() {
         keep_state: false,
         timeouts: Timeouts::default(),
         seccomp: false,
+        control: None,
     };
     let h = std::thread::spawn(move || run(&o).unwrap());
     let t0 = Instant::now();

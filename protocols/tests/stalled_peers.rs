@@ -48,6 +48,7 @@ fn serve(device: &str, transport: &str, name: &str, once: bool, keep_state: bool
         keep_state,
         timeouts: T,
         seccomp: false, // in a thread of the test process
+        control: None,
     };
     (path, std::thread::spawn(move || run(&o).unwrap()))
 }

@@ -38,6 +38,7 @@ fn options(path: &Path, once: bool, timeouts: Timeouts) -> ServeOptions {
         keep_state: false,
         timeouts,
         seccomp: false,
+        control: None,
     }
 }
 

@@ -12,8 +12,8 @@ use vm_memory::{Bytes, GuestAddress};
 mod bar_adaptive;
 mod deallocate;
 mod forecast;
-mod namespaces;
 mod inject;
+mod namespaces;
 mod oracle;
 mod pollers;
 

@@ -43,6 +43,7 @@
 //! the process ends: `listen.rs` and `janitor.rs`.
 
 mod acceptor;
+pub mod control;
 mod janitor;
 mod listen;
 
@@ -118,6 +119,9 @@ pub struct ServeOptions {
     pub timeouts: Timeouts,
     /// Confine the process with seccomp once it is set up ([`crate::seccomp`]).
     pub seccomp: bool,
+    /// Serve the device's error injection rules on this socket path
+    /// (`control.rs`) for as long as the process serves.
+    pub control: Option<PathBuf>,
 }
 
 /// Serves until the inherited socket closes, or forever on a listening
@@ -139,16 +143,28 @@ fn function(o: &ServeOptions, transport: &'static dyn FunctionTransport) -> Resu
     // A device process does not know its client's vCPUs: without
     // `queues=N` virtio-blk offers them all, and the driver takes what it
     // uses (Linux's virtio_blk one per CPU, iopath's guest queue 0).
-    let device = o.device.with_default_queues(MAX_QUEUES);
-    let f = Arc::new(Mutex::new(PciFunction::new(device.build()?)?));
+    let config = o.device.with_default_queues(MAX_QUEUES);
+    let device = config.build()?;
+    let _control = control(o, &device)?;
+    let f = Arc::new(Mutex::new(PciFunction::new(device)?));
     let irq = IrqLines::new();
     let server = transport.server(f.clone(), irq.clone())?;
     let mut host = Host { o, transport, f, irq, server };
-    let banner = format!("{device} over {}", transport.name());
+    let banner = format!("{config} over {}", transport.name());
     let refuse = Box::new(move |s: &UnixStream| transport.refuse(s));
     clients(&o.listen, bound, &banner, o.once, o.seccomp, &o.timeouts, refuse, |sock, peer, free| {
         host.client(sock, peer, free)
     })
+}
+
+/// The control socket of `o.control`, on `device`'s rules; served until
+/// the value is dropped. A device that takes no rules is refused.
+pub(crate) fn control(o: &ServeOptions, device: &iopath_devices::SharedDevice) -> Result<Option<control::Control>> {
+    let Some(path) = &o.control else { return Ok(None) };
+    let Some(rules) = device.injector() else {
+        return Err(Error::Config(format!("--control: {} takes no error injection rules", o.device)));
+    };
+    control::Control::start(path, rules).map(Some)
 }
 
 /// Every timeout must be more than 0.

@@ -78,6 +78,7 @@ pub fn serve(device: &str, name: &str) -> (PathBuf, std::thread::JoinHandle<()>)
         keep_state: false,
         timeouts: Default::default(),
         seccomp: false, // in a thread of the test process
+        control: None,
     };
     (path, std::thread::spawn(move || run(&o).unwrap()))
 }

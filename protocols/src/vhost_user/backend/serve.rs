@@ -25,6 +25,9 @@ pub fn serve(t: &dyn QueueTransport, o: &ServeOptions) -> Result<()> {
             "--keep-state does not apply to --transport {name}: a {name} frontend sets the rings up again when it reconnects"
         )));
     }
+    if o.control.is_some() {
+        return Err(Error::Config(format!("--control: virtio-blk over {name} takes no error injection rules yet")));
+    }
     check_timeouts(&o.timeouts)?;
     // A backend is always kicked through an eventfd: notify=exit (the
     // default) means nothing here and is served, and shown, as ioeventfd.
