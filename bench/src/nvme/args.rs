@@ -130,6 +130,13 @@ pub struct NvmeArgs {
     /// device threads on the others; off: the scheduler's; or VCPU,DEVICE.
     #[arg(long, default_value = "auto", value_name = "auto|off|VCPU,DEVICE")]
     pub pin: crate::pin::PinChoice,
+    /// The controller's device timing model (its `timing=`, e.g. read:10us,
+    /// read:ln:80us:300us+channels:32, read:20us+iops:100k): each iopath target
+    /// also runs with it (`-timed`) right after itself, and a table sets the
+    /// configured latency against the observed one (the timed run's
+    /// percentiles less its twin's p50) and the ceilings against the IOPS.
+    #[arg(long, value_name = "SPEC")]
+    pub timing: Option<iopath_devices::block::timing::TimingSpec>,
     #[command(flatten)]
     pub guard: GuardConfig,
     #[command(flatten)]
@@ -165,6 +172,7 @@ impl NvmeArgs {
             in_place: parse_in_place(&self.in_place)?,
             submit_batch: parse_submit_batch(&self.submit_batch)?,
             guard: self.guard,
+            timing: self.timing.clone(),
             ..NvmeOptions::default()
         };
         let custom = self.rw.is_some()

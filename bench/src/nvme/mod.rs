@@ -27,6 +27,7 @@ pub mod hist;
 mod run;
 pub mod split;
 mod table;
+pub mod timing;
 
 pub use args::NvmeArgs;
 pub use hist::LatHist;
@@ -178,6 +179,17 @@ pub struct NvmeOptions {
     /// The guard's thresholds and re-run budget (in the JSON as `guard`).
     #[serde(skip)]
     pub guard: crate::guard::GuardConfig,
+    /// The controller's device timing model (`--timing`): each iopath
+    /// target also runs with it (`-timed`), right after itself; `timing.rs`.
+    #[serde(serialize_with = "opt_string")]
+    pub timing: Option<iopath_devices::block::timing::TimingSpec>,
+}
+
+fn opt_string<T: std::fmt::Display, S: serde::Serializer>(v: &Option<T>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(v) => s.serialize_str(&v.to_string()),
+        None => s.serialize_none(),
+    }
 }
 
 impl Default for NvmeOptions {
@@ -214,6 +226,7 @@ impl Default for NvmeOptions {
             floor_ms: 300,
             iopath_exe: None,
             guard: crate::guard::GuardConfig::default(),
+            timing: None,
         }
     }
 }

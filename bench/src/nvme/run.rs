@@ -37,12 +37,14 @@ pub struct Setup {
     pub submit_batch: u16,
     /// The guest driver asks for shadow doorbells (nvmeperf's `dbbuf=1`).
     pub dbbuf: bool,
+    /// With the options' device timing model (`--timing`; `-timed`).
+    pub timing: bool,
 }
 
 impl Setup {
     /// `db`, one poller, forecast on, in place and submission as the device defaults.
     pub fn plain(db: DoorbellMode) -> Setup {
-        Setup { db, pollers: 1, forecast: true, in_place: InPlace::Auto, submit_batch: 0, dbbuf: true }
+        Setup { db, pollers: 1, forecast: true, in_place: InPlace::Auto, submit_batch: 0, dbbuf: true, timing: false }
     }
 }
 
@@ -169,9 +171,13 @@ impl<'a> Ctx<'a> {
             .flat_map(|(t, db, pollers, forecast)| {
                 o.in_place.iter().flat_map(move |&in_place| {
                     o.submit_batch.iter().flat_map(move |&submit_batch| {
-                        o.dbbuf
-                            .iter()
-                            .map(move |&dbbuf| (t, Setup { db, pollers, forecast, in_place, submit_batch, dbbuf }))
+                        o.dbbuf.iter().flat_map(move |&dbbuf| {
+                            // With --timing each target runs as itself and with the model, in turn.
+                            let timed: &[bool] = if o.timing.is_some() { &[false, true] } else { &[false] };
+                            timed.iter().map(move |&timing| {
+                                (t, Setup { db, pollers, forecast, in_place, submit_batch, dbbuf, timing })
+                            })
+                        })
                     })
                 })
             })
@@ -189,6 +195,7 @@ impl<'a> Ctx<'a> {
                 };
                 let name = if s.submit_batch == 0 { name } else { format!("{name}-sb{}", s.submit_batch) };
                 let name = if s.dbbuf { name } else { format!("{name}-dbbuf0") };
+                let name = if s.timing { format!("{name}{}", super::timing::TIMED) } else { name };
                 (name, tr, Kind::Iopath(tr, s))
             })
             .collect();
@@ -274,7 +281,7 @@ impl<'a> Ctx<'a> {
         &self,
         target: &str,
         tr: Option<&'static dyn FunctionTransport>,
-        Setup { db, pollers, forecast, in_place, submit_batch, dbbuf }: Setup,
+        Setup { db, pollers, forecast, in_place, submit_batch, dbbuf, timing }: Setup,
         contend: u32,
         ji: usize,
         round: u32,
@@ -289,6 +296,7 @@ impl<'a> Ctx<'a> {
             forecast,
             in_place,
             submit_batch,
+            timing: o.timing.clone().filter(|_| timing).map(Box::new),
             ..NvmeConfig::default()
         };
         let spec = DeviceSpec {

@@ -208,6 +208,7 @@ impl NvmeResult {
         self.cpu_table(&mut s);
         self.think_table(&mut s);
         self.ratio_lines(&mut s);
+        s.push_str(&super::timing::table(self, &super::timing::rows(self)));
         if !self.skipped.is_empty() {
             let _ = writeln!(s, "\nskipped:");
             for e in &self.skipped {
@@ -488,6 +489,7 @@ impl NvmeResult {
             "floor": {"placement": crate::floor::placement(self.options.pin.map(|p| p.pair())), "runs": self.floor, "wake": self.wake, "guest_line": self.guest_line, "reruns": self.refloor},
             "errors": self.errors,
             "skipped": self.skipped,
+            "timing": super::timing::rows(self),
         })
     }
 }
