@@ -246,17 +246,14 @@ impl Server {
 
     fn accept(&mut self) {
         loop {
-            match self.bound.listener.accept() {
-                Ok((sock, _)) => {
-                    let _ = sock.set_write_timeout(Some(SEND_TIMEOUT));
+            match accept_nonblocking(&self.bound.listener) {
+                Ok(sock) => {
                     if self.clients.len() >= MAX_CLIENTS {
                         let r = json!({"ok": false, "error": format!("the control socket serves at most {MAX_CLIENTS} connections at once")});
                         let _ = reply(&sock, &r);
                         continue;
                     }
-                    if sock.set_nonblocking(true).is_ok() {
-                        self.clients.push(Client { sock, buf: Vec::new(), last: Instant::now() });
-                    }
+                    self.clients.push(Client { sock, buf: Vec::new(), last: Instant::now() });
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -270,9 +267,29 @@ impl Server {
     }
 }
 
-/// Writes `v` as one line. The socket is non-blocking for reads; a
-/// reply is small, and a client that takes none of it within
-/// [`SEND_TIMEOUT`] is closed.
+/// A connection from `l`, non-blocking from the start: accept4 with
+/// SOCK_NONBLOCK, since a confined process may not make the ioctl
+/// (FIONBIO) that `set_nonblocking` is (`crate::seccomp`).
+fn accept_nonblocking(l: &std::os::unix::net::UnixListener) -> io::Result<UnixStream> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: a listening socket's fd; no address asked for.
+    let fd = unsafe {
+        libc::accept4(
+            l.as_raw_fd(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: accept4 returned a new fd this process owns.
+    Ok(unsafe { UnixStream::from_raw_fd(fd) })
+}
+
+/// Writes `v` as one line on a non-blocking socket: a reply is small, and
+/// a client that takes none of it within [`SEND_TIMEOUT`] is closed.
 fn reply(sock: &UnixStream, v: &Value) -> io::Result<()> {
     let mut line = v.to_string().into_bytes();
     line.push(b'\n');

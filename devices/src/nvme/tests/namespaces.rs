@@ -299,7 +299,7 @@ fn a_namespace_detached_at_run_time_leaves_the_active_list_and_the_host_is_told(
             l.chunks(4).map(|w| u32::from_le_bytes(w.try_into().unwrap())).take_while(|&n| n != 0).collect::<Vec<_>>()
         };
         let changed = |d: &mut Drv| {
-            let (st, l) = d.admin_data(0x02, 0xffff_ffff, [4 | 1 << 15 | 1023 << 16, 0, 0, 0], 4096);
+            let (st, l) = d.admin_data(0x02, 0xffff_ffff, [4 | 1023 << 16, 0, 0, 0], 4096); // RAE clear: read and cleared
             assert_eq!(st, 0);
             l.chunks(4).map(|w| u32::from_le_bytes(w.try_into().unwrap())).take_while(|&n| n != 0).collect::<Vec<_>>()
         };
