@@ -480,7 +480,8 @@ fn ctl(socket: &Path, args: &[&str]) -> String {
 
 /// Linux's nvme driver against errors iopath injects (guest-inject.sh), two rules given at start
 /// and two added at run time through `iopath serve --control` (with the process confined by
-/// seccomp, as it always is): an error with DNR reaches the reader as EIO on that LBA only; one
+/// seccomp, as it always is): an error with DNR reaches the reader on that LBA only (a media error:
+/// Linux gives ENODATA, not EIO); one
 /// without DNR is retried and the retry reads; a command never completed is timed out, aborted
 /// and retried; controller fatal status makes the driver reset it; fio verify passes after all
 /// that. The device's own counters (`iopath ctl stats`) say each rule fired once per attempt.
