@@ -134,7 +134,7 @@ pub struct NvmeArgs {
     /// read:ln:80us:300us+channels:32, read:20us+iops:100k): each iopath target
     /// also runs with it (`-timed`) right after itself, and a table sets the
     /// configured latency against the observed one (the timed run's
-    /// percentiles less its twin's p50) and the ceilings against the IOPS.
+    /// percentiles less its twin's p1) and the ceilings against the IOPS.
     #[arg(long, value_name = "SPEC")]
     pub timing: Option<iopath_devices::block::timing::TimingSpec>,
     #[command(flatten)]
