@@ -131,8 +131,6 @@ impl Core {
     }
 }
 
-/// Most NSIDs the Changed Namespace List log holds.
-
 impl Core {
     /// Attaches (or detaches) namespace `nsid` in every queue group; if that
     /// changed it, logs it and raises the notice. Group 0 only.
