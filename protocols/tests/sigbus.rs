@@ -310,7 +310,8 @@ impl<'a, R: Regs> Nvme<'a, R> {
         self.ram.read(IDC, &mut vid);
         assert_eq!(u16::from_le_bytes(vid), 0x1234, "Identify data written through the mapping");
         assert_eq!(self.command(0, 0x06, 1, (BASE + IDN, 0), [0, 0, 0]), 0, "Identify Namespace");
-        let mut ns = [0u8; 132];
+        // Up to the LBA format FLBAS picks (the controller lists two: 512 and 4096).
+        let mut ns = [0u8; 192];
         self.ram.read(IDN, &mut ns);
         let lba = 1usize << ns[128 + 4 * (ns[26] & 0xf) as usize + 2];
         assert!((512..=4096).contains(&lba), "LBA size {lba}");
