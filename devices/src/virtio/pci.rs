@@ -45,7 +45,7 @@ use super::blk_async as aio;
 use super::blk_emu::{self, Decision, Emu};
 use super::transport::{DeviceConfigBytes, QueueEngine, Shared, State, Transport, VirtioPci};
 use crate::block::{Storage, StorageKind};
-use crate::{Counter, DeviceContext, Error, IoEventSpec, Result};
+use crate::{Counter, DeviceContext, Error, GuestMem, IoEventSpec, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use vmm_sys_util::eventfd::EventFd;
@@ -485,14 +485,9 @@ pub(super) fn reap(t: &mut Transport, e: &mut BlkEngine) -> bool {
         if e.emu.hold(q, head, d, due) {
             continue;
         }
-        match t.queues[i].ring.push_used(&mem, head, d.written) {
-            Ok(x) => irq[i] |= x,
-            Err(err) => t.broken(&format!("used ring: {err}")),
-        }
+        push_used(t, &mem, i, head, d.written, &mut irq);
     }
-    for (i, _) in irq.iter().enumerate().filter(|(_, &x)| x) {
-        t.queue_interrupt(i);
-    }
+    raise(t, &irq);
     !done.is_empty()
 }
 
@@ -510,11 +505,23 @@ fn post_due(t: &mut Transport, e: &mut BlkEngine) {
         if !t.queue_live(i) {
             continue;
         }
-        match t.queues[i].ring.push_used(&mem, head, d.written) {
-            Ok(x) => irq[i] |= x,
-            Err(err) => t.broken(&format!("used ring: {err}")),
-        }
+        push_used(t, &mem, i, head, d.written, &mut irq);
     }
+    raise(t, &irq);
+}
+
+/// Puts chain `head` of queue `i` in its used ring (`written` bytes),
+/// noting in `irq` whether the driver asked for an interrupt; a used ring
+/// that cannot be written breaks the device.
+fn push_used(t: &mut Transport, mem: &GuestMem, i: usize, head: u16, written: u32, irq: &mut [bool]) {
+    match t.queues[i].ring.push_used(mem, head, written) {
+        Ok(x) => irq[i] |= x,
+        Err(err) => t.broken(&format!("used ring: {err}")),
+    }
+}
+
+/// Raises the interrupt of each queue `irq` marks.
+fn raise(t: &mut Transport, irq: &[bool]) {
     for (i, _) in irq.iter().enumerate().filter(|(_, &x)| x) {
         t.queue_interrupt(i);
     }
