@@ -1,6 +1,6 @@
 //! What happens to a virtio-blk request between the ring and the storage,
 //! and between the storage and the used ring: error injection (`inject=`,
-//! the block layer's [`RuleSet`], asked once per request before it runs)
+//! the block layer's [`Injector`], asked once per request before it runs)
 //! and the timing model (`timing=`, [`TimingModel`]: the request runs on
 //! the storage as before, and its completion waits in a [`TimerWheel`]
 //! until its due time). Both are off unless asked; the engine (`pci.rs`)
@@ -48,15 +48,16 @@
 
 use super::blk::{self, Done, Part, SECTOR, T_DISCARD, T_FLUSH, T_IN, T_OUT, T_WRITE_ZEROES};
 use super::queue::{Desc, MAX_QUEUE_SIZE};
-use crate::block::inject::{Action, CommandView, Corrupt, Kind, Lbas, Rule, RuleSet};
+use crate::block::inject::{Action, CommandView, Corrupt, Injector, Kind, Lbas, Rule};
 use crate::block::timing::{OpKind, TimerWheel, TimingModel, TimingSpec};
 use crate::GuestMem;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// The rules a device asks per request, shared with whoever adds, lists
 /// and clears them at run time (a control socket). Rules put in must pass
-/// [`check_rule`].
-pub type Rules = Arc<Mutex<RuleSet>>;
+/// [`check_rule`]. While it holds no rule, a request costs one relaxed
+/// load ([`Injector::armed`]), no lock.
+pub type Rules = Arc<Injector>;
 
 /// The device's clock, in ns from any fixed point (tests give a fake one).
 pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
@@ -136,14 +137,14 @@ impl Emu {
     /// For a device of `queues` queues, with `timing` and the rules `rules`
     /// (each checked with [`check_rule`] by the options).
     pub(super) fn new(queues: u16, timing: Option<&TimingSpec>, rules: &[Rule]) -> Emu {
-        let mut set = RuleSet::new();
+        let set = Injector::new();
         for r in rules {
             if let Err(e) = set.add(*r) {
                 log::warn!("virtio-blk: inject rule {r}: {e}"); // validated when parsed: cannot be
             }
         }
         Emu {
-            rules: Arc::new(Mutex::new(set)),
+            rules: Arc::new(set),
             model: timing.map(TimingModel::new),
             wheel: None,
             capacity: usize::from(queues) * usize::from(MAX_QUEUE_SIZE),
@@ -169,18 +170,11 @@ impl Emu {
             return Decision::Run(plan);
         }
         // Neither asked for (the usual case): the chain is not even looked at.
-        if self.model.is_none() && crate::lock(&self.rules).is_empty() {
+        if self.model.is_none() && !self.rules.armed() {
             return Decision::Run(Plan::default());
         }
         let Some((view, kind, bytes)) = view(mem, descs, queue) else { return Decision::Run(Plan::default()) };
-        let action = {
-            let mut rules = crate::lock(&self.rules);
-            if rules.is_empty() {
-                None
-            } else {
-                rules.decide(&view)
-            }
-        };
+        let action = self.rules.decide(&view);
         let now = (self.clock)();
         let op = match kind {
             T_IN => Some(OpKind::Read),

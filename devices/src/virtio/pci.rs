@@ -414,7 +414,7 @@ impl BlkEngine {
     /// fired on, dropped, completions held for their due time, the most
     /// held at once.
     fn emu_counters(&self) -> Vec<Counter> {
-        let injected = crate::lock(&self.emu.rules).stats().injected;
+        let injected = self.emu.rules.stats().injected;
         if injected == 0 && self.emu.delayed == 0 {
             return Vec::new();
         }
