@@ -48,14 +48,14 @@
 
 use super::blk::{self, Done, Part, SECTOR, T_DISCARD, T_FLUSH, T_IN, T_OUT, T_WRITE_ZEROES};
 use super::queue::{Desc, MAX_QUEUE_SIZE};
-use crate::block::inject::{Action, CommandView, Corrupt, Injector, Kind, Lbas, Rule};
+use crate::block::inject::{Action, CommandView, Corrupt, Injector, Kind, Lbas, Rule, RuleError};
 use crate::block::timing::{OpKind, TimerWheel, TimingModel, TimingSpec};
 use crate::GuestMem;
 use std::sync::Arc;
 
 /// The rules a device asks per request, shared with whoever adds, lists
-/// and clears them at run time (a control socket). Rules put in must pass
-/// [`check_rule`]. While it holds no rule, a request costs one relaxed
+/// and clears them at run time (a control socket). The injector refuses a
+/// rule that fails [`check_rule`]. While it holds no rule, a request costs one relaxed
 /// load ([`Injector::armed`]), no lock.
 pub type Rules = Arc<Injector>;
 
@@ -82,6 +82,12 @@ pub fn check_rule(rule: &Rule) -> Result<(), RuleRefused> {
         Action::Event(_) => Err(RuleRefused::Event(rule.to_string())),
         _ => Ok(()),
     }
+}
+
+/// [`check_rule`] as the device's [`Injector`] asks it of every rule added
+/// (a control socket's too).
+fn injector_check(rule: &Rule) -> Result<(), RuleError> {
+    check_rule(rule).map_err(|e| RuleError::Refused(e.to_string()))
 }
 
 /// What [`Emu::decide`] says to do with a chain.
@@ -137,7 +143,7 @@ impl Emu {
     /// For a device of `queues` queues, with `timing` and the rules `rules`
     /// (each checked with [`check_rule`] by the options).
     pub(super) fn new(queues: u16, timing: Option<&TimingSpec>, rules: &[Rule]) -> Emu {
-        let set = Injector::new();
+        let set = Injector::checked(injector_check);
         for r in rules {
             if let Err(e) = set.add(*r) {
                 log::warn!("virtio-blk: inject rule {r}: {e}"); // validated when parsed: cannot be

@@ -126,6 +126,22 @@ fn a_read_rule_fails_exactly_the_reads_of_its_lbas_and_nothing_else() {
 }
 
 #[test]
+fn a_rule_added_through_the_devices_injector_applies_to_the_next_request() {
+    let clock = Arc::default();
+    let mut d = Disk::new(emu_rig("", None, &clock));
+    assert_eq!(d.write(0, 0x5a), Some(S_OK));
+    // The handle a control socket holds (`DeviceModel::injector`) is the one the device asks.
+    let rules = d.r.dev.injector().expect("virtio-blk takes rules");
+    let id = rules.add(parse_rules("op=read/lba=0-7/status=2:0x81").unwrap()[0]).unwrap();
+    assert_eq!(d.read(0).0, Some(S_IOERR));
+    assert!(rules.add(parse_rules("event=smart:0x01").unwrap()[0]).is_err(), "an event is refused");
+    rules.remove(id).unwrap();
+    let (st, data) = d.read(0);
+    assert_eq!((st, data.as_slice() == d.want(0)), (Some(S_OK), true));
+    assert_eq!(counter(&d.r, "inject.fired"), 1);
+}
+
+#[test]
 fn every_n_fires_on_the_nth_matching_request() {
     let clock = Arc::default();
     let mut d = Disk::new(emu_rig("op=read/status=2:0x81/every=3", None, &clock));

@@ -139,7 +139,7 @@ pub struct VirtioBlkConfig {
     /// their due time. None: as soon as done. (Boxed: a device config stays small.)
     pub timing: Option<Box<crate::block::timing::TimingSpec>>,
     /// Error injection's rules at start (`inject=`; `blk_emu.rs`); more
-    /// can be added at run time ([`VirtioBlk::inject_rules`]).
+    /// can be added at run time (`DeviceModel::injector`, which refuses what [`blk_emu::check_rule`] does).
     pub inject: Vec<crate::block::inject::Rule>,
 }
 
@@ -240,12 +240,6 @@ impl VirtioPci<BlkEngine> {
             first: 0,
         };
         Ok(VirtioPci::with_engine(e))
-    }
-
-    /// The device's injection rules, to add, list and clear at run time
-    /// (each added must pass [`blk_emu::check_rule`]).
-    pub fn inject_rules(&self) -> blk_emu::Rules {
-        crate::lock(self.shared()).e.emu.rules.clone()
     }
 }
 
@@ -390,6 +384,10 @@ impl QueueEngine for BlkEngine {
         // Before the transport forgets the queues: nothing completes after this.
         self.flight.cancel(&mut self.blk);
         self.emu.reset();
+    }
+
+    fn injector(&self) -> Option<std::sync::Arc<crate::block::inject::Injector>> {
+        Some(self.emu.rules.clone())
     }
 
     fn counters(&self) -> Vec<Counter> {

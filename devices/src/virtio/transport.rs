@@ -136,6 +136,11 @@ pub trait QueueEngine: Send + Sized + 'static {
     /// The engine's own counters (the transport adds notifies, interrupts,
     /// ring_errors and resets).
     fn counters(&self) -> Vec<Counter>;
+    /// Its error injection rules, shared with a control socket (None: it
+    /// takes none).
+    fn injector(&self) -> Option<std::sync::Arc<crate::block::inject::Injector>> {
+        None
+    }
     /// The engine hands guest RAM to another process (a vhost-user backend).
     fn shares_guest_ram(&self) -> bool {
         false

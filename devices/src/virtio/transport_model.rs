@@ -26,6 +26,10 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
         vec![BarSpec { index: 0, kind: BarKind::Mem64, size: BAR_SIZE }]
     }
 
+    fn injector(&self) -> Option<std::sync::Arc<crate::block::inject::Injector>> {
+        self.state().e.injector()
+    }
+
     fn shares_guest_ram(&self) -> bool {
         self.state().e.shares_guest_ram()
     }

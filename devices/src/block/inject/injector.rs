@@ -1,23 +1,42 @@
 //! [`Injector`]: a device's rule set as its threads and its control socket
 //! share it (an `Arc`). The per-command cost while it holds no rule is one
-//! relaxed load ([`Injector::armed`]); with rules, the set's lock.
+//! relaxed load ([`Injector::armed`]); with rules, the set's lock. A
+//! device that cannot carry out every action gives a check
+//! ([`Injector::checked`]) that every rule added passes, at start or at run
+//! time.
 
 use super::rule::{Action, CommandView, Rule, RuleError};
 use super::set::{RuleSet, Stats};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
+/// A device's test of a rule it is given: Err([`RuleError::Refused`]) for
+/// one it cannot carry out.
+pub type Check = fn(&Rule) -> Result<(), RuleError>;
+
 /// See the module doc.
-#[derive(Default)]
 pub struct Injector {
     /// True while the set holds a rule (written under the lock).
     armed: AtomicBool,
     set: Mutex<RuleSet>,
+    check: Check,
+}
+
+impl Default for Injector {
+    fn default() -> Self {
+        Injector::checked(|_| Ok(()))
+    }
 }
 
 impl Injector {
+    /// An injector that takes every valid rule.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An injector that takes only the rules `check` passes.
+    pub fn checked(check: Check) -> Self {
+        Injector { armed: AtomicBool::new(false), set: Mutex::new(RuleSet::default()), check }
     }
 
     /// An injector holding `rules` (an `inject=` option), ids from 1.
@@ -36,8 +55,9 @@ impl Injector {
         self.armed.load(Ordering::Relaxed)
     }
 
-    /// Adds a rule last (validated); its id.
+    /// Adds a rule last (validated, and passed by the device's check); its id.
     pub fn add(&self, rule: Rule) -> Result<u64, RuleError> {
+        (self.check)(&rule)?;
         let mut s = crate::lock(&self.set);
         let id = s.add(rule)?;
         self.armed.store(true, Ordering::Relaxed);
@@ -97,6 +117,21 @@ mod tests {
             lba: Some(crate::block::inject::Lbas { slba, nlb: 0 }),
             qid: 1,
         }
+    }
+
+    #[test]
+    fn a_check_refuses_a_rule_at_start_and_at_run_time() {
+        let no_drop: Check = |r| match r.action {
+            Action::Drop => Err(RuleError::Refused(format!("rule {r}: no drops here"))),
+            _ => Ok(()),
+        };
+        let rules = parse_rules("op=read/drop+op=write/fatal").unwrap();
+        let i = Injector::checked(no_drop);
+        let e = i.add(rules[0]).unwrap_err();
+        assert_eq!((e.field(), e.to_string().contains("no drops here")), (Some("action"), true));
+        assert!(!i.armed() && i.list().is_empty(), "a refused rule is not held");
+        assert!(i.add(rules[1]).is_ok());
+        assert_eq!(i.list().len(), 1);
     }
 
     #[test]

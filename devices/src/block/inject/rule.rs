@@ -268,6 +268,9 @@ pub enum RuleError {
     TooManyRules { max: usize },
     #[error("no rule {id}")]
     NoSuchRule { id: u64 },
+    /// A valid rule this device cannot carry out (virtio-blk: an event).
+    #[error("{0}")]
+    Refused(String),
 }
 
 impl RuleError {
@@ -281,6 +284,7 @@ impl RuleError {
             | RuleError::TooLarge { field, .. }
             | RuleError::Duplicate { field, .. }
             | RuleError::Invalid { field, .. } => Some(field),
+            RuleError::Refused(_) => Some("action"),
             _ => None,
         }
     }
