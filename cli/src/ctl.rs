@@ -34,6 +34,11 @@ enum CtlCmd {
     Remove { id: u64 },
     /// Removes every rule.
     Clear,
+    /// Attaches NVMe namespace NSID (the host gets a Namespace Attribute
+    /// Changed event where it enabled them, and rescans).
+    Attach { nsid: u32 },
+    /// Detaches NVMe namespace NSID (its data is kept for a later attach).
+    Detach { nsid: u32 },
 }
 
 /// The requests `what` stands for (a text form with `+` is several).
@@ -43,6 +48,8 @@ fn requests(what: &CtlCmd) -> anyhow::Result<Vec<Value>> {
         CtlCmd::Stats => vec![json!({"cmd": "stats"})],
         CtlCmd::Clear => vec![json!({"cmd": "clear"})],
         CtlCmd::Remove { id } => vec![json!({"cmd": "remove", "id": id})],
+        CtlCmd::Attach { nsid } => vec![json!({"cmd": "attach", "nsid": nsid})],
+        CtlCmd::Detach { nsid } => vec![json!({"cmd": "detach", "nsid": nsid})],
         CtlCmd::Inject { rule } if rule.trim_start().starts_with('{') => {
             // Parsed here too: a bad rule is reported before it is sent.
             let r = Rule::from_json(rule.trim())?;

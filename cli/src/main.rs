@@ -9,7 +9,7 @@
 //!   iopath run [--workload exits] [--append ARGS]    boot the guest, show its console
 //!   iopath image --out PATH                          write the guest image (for QEMU)
 //!   iopath serve DEVICE --transport T --socket PATH  a device process (mpqemu, vfio-user, ioregionfd, vhost-user)
-//!   iopath ctl PATH list|stats|inject RULE|remove ID|clear   a device process's control socket
+//!   iopath ctl PATH list|stats|inject RULE|remove ID|clear|attach NSID|detach NSID   a device process's control socket
 
 mod all;
 mod bench;

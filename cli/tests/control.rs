@@ -107,3 +107,39 @@ fn a_device_without_error_injection_refuses_a_control_socket() {
     assert!(err.contains("--control") && err.contains("no error injection"), "{err}");
     assert!(!d.join("ctl.sock").exists());
 }
+
+#[test]
+fn a_virtio_blk_device_process_takes_rules_at_run_time_and_refuses_what_it_cannot_do() {
+    let d = TempDir::new("control-virtio");
+    let _s = serve(&d, "virtio-blk,backend=ram,size_mb=16,inject=op=read/lba=0-7/status=2:0x81/once");
+    assert_eq!(ok(&d, &["inject", "op=write/delay=1ms/every=2"])[0]["id"], 2);
+    // An NVMe asynchronous event means nothing to virtio-blk: refused, the action named, nothing added.
+    let ev = ctl(&d, &["inject", "event=smart:0x01"]);
+    assert_eq!(ev.status.code(), Some(1));
+    let out = String::from_utf8_lossy(&ev.stdout);
+    assert!(out.contains("\"field\":\"action\"") && out.contains("virtio-blk"), "{out}");
+    let ids: Vec<u64> =
+        ok(&d, &["list"])[0]["rules"].as_array().unwrap().iter().map(|r| r["id"].as_u64().unwrap()).collect();
+    assert_eq!(ids, [1, 2]);
+    // No namespaces to attach or detach.
+    let det = ctl(&d, &["detach", "1"]);
+    assert_eq!(det.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&det.stderr).contains("no namespaces"), "{}", String::from_utf8_lossy(&det.stderr));
+    assert_eq!(ok(&d, &["clear"])[0]["removed"], 2);
+}
+
+#[test]
+fn namespaces_are_detached_and_attached_through_the_control_socket() {
+    let d = TempDir::new("control-attach");
+    let _s = serve(&d, "nvme,backend=ram,size_mb=16,namespaces=3");
+    assert_eq!(ok(&d, &["detach", "2"])[0], serde_json::json!({"ok": true, "nsid": 2, "changed": true}));
+    assert_eq!(ok(&d, &["detach", "2"])[0]["changed"], false, "detached already");
+    assert_eq!(ok(&d, &["attach", "2"])[0]["changed"], true);
+    let none = ctl(&d, &["attach", "4"]);
+    assert_eq!(none.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&none.stderr).contains("no namespace 4"),
+        "{}",
+        String::from_utf8_lossy(&none.stderr)
+    );
+}

@@ -243,6 +243,13 @@ pub trait DeviceModel: Send + Sync {
     fn injector(&self) -> Option<std::sync::Arc<crate::block::inject::Injector>> {
         None
     }
+    /// Attaches (`true`) or detaches namespace `nsid` at run time, as a
+    /// control socket asks: Ok(true) if that changed it, Ok(false) if it was
+    /// so already; an error for a device without namespaces or no such one.
+    fn set_namespace_attached(&self, nsid: u32, _attached: bool) -> Result<bool> {
+        let reason = format!("{} has no namespaces to attach or detach (asked for {nsid})", self.name());
+        Err(Error::Option { device: "control", option: "nsid".into(), reason })
+    }
     /// Configuration-space read. A model that keeps its own configuration
     /// space (a proxy for a device in another process) answers and returns
     /// true; the default leaves it to the host's header built from

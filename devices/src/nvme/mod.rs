@@ -772,6 +772,10 @@ impl DeviceModel for Nvme {
         Some(Nvme::injector(self))
     }
 
+    fn set_namespace_attached(&self, nsid: u32, attached: bool) -> Result<bool> {
+        self.set_attached(nsid, attached)
+    }
+
     fn counters(&self) -> Vec<Counter> {
         // While a device thread runs, the kicks it has not drained yet are
         // not counted: reading its eventfd here could take its wake-up.

@@ -15,9 +15,14 @@
 //! | `{"cmd":"inject","rule":RULE}` | `{"ok":true,"id":N}` (the rule is tried after those already there) |
 //! | `{"cmd":"remove","id":N}` | `{"ok":true,"rule":RULE}` |
 //! | `{"cmd":"clear"}` | `{"ok":true,"removed":N}` |
+//! | `{"cmd":"attach","nsid":N}` | `{"ok":true,"nsid":N,"changed":BOOL}` (false: it was attached) |
+//! | `{"cmd":"detach","nsid":N}` | `{"ok":true,"nsid":N,"changed":BOOL}` (false: it was detached) |
 //!
 //! RULE is the JSON form of `iopath_devices::block::inject` (its module
-//! doc has the grammar). Unknown commands and fields are errors.
+//! doc has the grammar). Unknown commands and fields are errors. `attach`
+//! and `detach` change an NVMe namespace as a namespace management tool
+//! would: the host is told with a Namespace Attribute Changed event where
+//! it enabled them, and rescans; a device without namespaces refuses them.
 //!
 //! # Bounds (a client is a peer like any other)
 //! One thread (`serve-control`) serves every connection with `poll`: at
@@ -37,6 +42,7 @@
 use super::listen::Bound;
 use crate::{Error, Result};
 use iopath_devices::block::inject::{Injector, Rule, RuleError};
+use iopath_devices::{DeviceModel, SharedDevice};
 use serde_json::{json, Map, Value};
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
@@ -62,9 +68,10 @@ pub const SEND_TIMEOUT: Duration = Duration::from_secs(2);
 type Answer = std::result::Result<Map<String, Value>, (String, Option<&'static str>)>;
 
 /// Answers one request line on the device's rules `target` (the same
-/// [`Injector`] its threads ask per command).
-pub fn answer(target: &Injector, line: &str) -> Value {
-    match request(target, line) {
+/// [`Injector`] its threads ask per command) and, for `attach` and
+/// `detach`, on `device` (None: refused).
+pub fn answer(target: &Injector, device: Option<&dyn DeviceModel>, line: &str) -> Value {
+    match request(target, device, line) {
         Ok(mut m) => {
             let mut r = Map::new();
             r.insert("ok".into(), true.into());
@@ -86,7 +93,7 @@ fn rule_error(e: RuleError) -> (String, Option<&'static str>) {
     (e.to_string(), f)
 }
 
-fn request(target: &Injector, line: &str) -> Answer {
+fn request(target: &Injector, device: Option<&dyn DeviceModel>, line: &str) -> Answer {
     let plain = |s: &str| (s.to_string(), None);
     let v: Value = serde_json::from_str(line).map_err(|e| (format!("not JSON: {e}"), None))?;
     let Value::Object(m) = v else { return Err(plain("a request is a JSON object with \"cmd\"")) };
@@ -99,10 +106,11 @@ fn request(target: &Injector, line: &str) -> Answer {
         "list" | "stats" | "clear" => &["cmd"],
         "inject" => &["cmd", "rule"],
         "remove" => &["cmd", "id"],
+        "attach" | "detach" => &["cmd", "nsid"],
         _ => {
             let shown: String = cmd.chars().take(40).collect();
             return Err((
-                format!("cmd: unknown command {shown:?} (one of list, stats, inject, remove, clear)"),
+                format!("cmd: unknown command {shown:?} (one of list, stats, inject, remove, clear, attach, detach)"),
                 Some("cmd"),
             ));
         }
@@ -133,6 +141,18 @@ fn request(target: &Injector, line: &str) -> Answer {
                 m.get("id").and_then(Value::as_u64).ok_or(("id: missing or not a rule id".to_string(), Some("id")))?;
             r.insert("rule".into(), target.remove(id).map_err(rule_error)?.to_value());
         }
+        "attach" | "detach" => {
+            let nsid = m
+                .get("nsid")
+                .and_then(Value::as_u64)
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or(("nsid: missing or not a namespace id".to_string(), Some("nsid")))?;
+            let device = device.ok_or(("nsid: this device has no namespaces".to_string(), Some("nsid")))?;
+            let changed =
+                device.set_namespace_attached(nsid, cmd == "attach").map_err(|e| (e.to_string(), Some("nsid")))?;
+            r.insert("nsid".into(), nsid.into());
+            r.insert("changed".into(), changed.into());
+        }
         _ => unreachable!("commands are listed above"),
     }
     Ok(r)
@@ -148,8 +168,8 @@ pub struct Control {
 
 impl Control {
     /// Binds `path` (nothing there, or a stale socket) and serves it on a
-    /// thread of its own.
-    pub fn start(path: &Path, target: Arc<Injector>) -> Result<Control> {
+    /// thread of its own, on `target`'s rules and `device`'s namespaces.
+    pub fn start(path: &Path, target: Arc<Injector>, device: Option<SharedDevice>) -> Result<Control> {
         let bound = Bound::new(path)?;
         let what = || format!("the control socket {}", path.display());
         bound.listener.set_nonblocking(true).map_err(|e| Error::io(what(), e))?;
@@ -158,7 +178,7 @@ impl Control {
         let (w, s, where_) = (wake.clone(), stop.clone(), path.display().to_string());
         let thread = std::thread::Builder::new()
             .name("serve-control".into())
-            .spawn(move || Server { bound, wake: w, stop: s, target, where_, clients: Vec::new() }.run())
+            .spawn(move || Server { bound, wake: w, stop: s, target, device, where_, clients: Vec::new() }.run())
             .map_err(|e| Error::io("the control socket's thread", e))?;
         Ok(Control { stop, wake, thread: Some(thread) })
     }
@@ -186,6 +206,7 @@ struct Server {
     wake: Arc<EventFd>,
     stop: Arc<AtomicBool>,
     target: Arc<Injector>,
+    device: Option<SharedDevice>,
     where_: String,
     clients: Vec<Client>,
 }
@@ -223,7 +244,7 @@ impl Server {
             self.clients.retain_mut(|c| {
                 let r = ready[i];
                 i += 1;
-                let turn = if r { serve(c, &self.target) } else { Turn::Keep };
+                let turn = if r { serve(c, &self.target, self.device.as_deref()) } else { Turn::Keep };
                 match turn {
                     Turn::Keep if c.last.elapsed() < IDLE_TIMEOUT => true,
                     Turn::Keep => {
@@ -317,7 +338,7 @@ fn reply(sock: &UnixStream, v: &Value) -> io::Result<()> {
 }
 
 /// Reads what client `c` sent and answers each whole line.
-fn serve(c: &mut Client, target: &Injector) -> Turn {
+fn serve(c: &mut Client, target: &Injector, device: Option<&dyn DeviceModel>) -> Turn {
     let mut chunk = [0u8; 4096];
     loop {
         let mut s = &c.sock;
@@ -340,7 +361,7 @@ fn serve(c: &mut Client, target: &Injector) -> Turn {
         } else {
             match std::str::from_utf8(&line[..nl]) {
                 Ok(l) if l.trim().is_empty() => continue,
-                Ok(l) => answer(target, l),
+                Ok(l) => answer(target, device, l),
                 Err(_) => json!({"ok": false, "error": "a request is UTF-8 JSON"}),
             }
         };

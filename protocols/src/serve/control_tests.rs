@@ -7,7 +7,7 @@ const READ_ERROR: &str =
     r#"{"match":{"op":"read","lba":[100,199]},"action":{"status":{"sct":2,"sc":129}},"trigger":{"every":2}}"#;
 
 fn ask(t: &Injector, line: &str) -> Value {
-    answer(t, line)
+    answer(t, None, line)
 }
 
 fn read_at(slba: u64) -> CommandView {
@@ -105,7 +105,7 @@ fn the_socket_answers_each_line_in_order_and_is_gone_when_dropped() {
     let d = dir("order");
     let p = d.0.join("ctl.sock");
     let set = Arc::new(Injector::new());
-    let c = Control::start(&p, set.clone()).unwrap();
+    let c = Control::start(&p, set.clone(), None).unwrap();
     let mut s = UnixStream::connect(&p).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     // Two requests in one write, the second split over two writes.
@@ -124,7 +124,7 @@ fn a_long_line_and_one_connection_too_many_are_refused_and_the_rest_go_on() {
     let d = dir("bounds");
     let p = d.0.join("ctl.sock");
     let set = Arc::new(Injector::new());
-    let _c = Control::start(&p, set.clone()).unwrap();
+    let _c = Control::start(&p, set.clone(), None).unwrap();
     let mut held: Vec<UnixStream> = (0..MAX_CLIENTS).map(|_| UnixStream::connect(&p).unwrap()).collect();
     // Each held connection is served (so all are accepted before the next).
     for s in &mut held {
@@ -161,6 +161,35 @@ fn a_file_at_the_path_is_refused_and_left_alone() {
     let p = d.0.join("image.raw");
     std::fs::write(&p, b"precious").unwrap();
     let set = Arc::new(Injector::new());
-    assert!(Control::start(&p, set).is_err());
+    assert!(Control::start(&p, set, None).is_err());
     assert_eq!(std::fs::read(&p).unwrap(), b"precious");
+}
+
+#[test]
+fn attach_and_detach_change_an_nvme_namespace_and_a_device_without_namespaces_refuses_them() {
+    let cfg: iopath_devices::DeviceConfig = "nvme,backend=null,namespaces=2".parse().unwrap();
+    let nvme = cfg.build().unwrap();
+    let rules = nvme.injector().unwrap();
+    let ask = |line: &str| answer(&rules, Some(&*nvme), line);
+    assert_eq!(ask(r#"{"cmd":"detach","nsid":2}"#), json!({"ok": true, "nsid": 2, "changed": true}));
+    assert_eq!(ask(r#"{"cmd":"detach","nsid":2}"#), json!({"ok": true, "nsid": 2, "changed": false}));
+    assert_eq!(ask(r#"{"cmd":"attach","nsid":2}"#), json!({"ok": true, "nsid": 2, "changed": true}));
+    assert_eq!(ask(r#"{"cmd":"attach","nsid":2}"#)["changed"], false);
+    for bad in [
+        r#"{"cmd":"attach","nsid":3}"#,
+        r#"{"cmd":"attach"}"#,
+        r#"{"cmd":"detach","nsid":-1}"#,
+        r#"{"cmd":"detach","nsid":4294967296}"#,
+    ] {
+        let r = ask(bad);
+        assert_eq!((r["ok"].clone(), r["field"].clone()), (json!(false), json!("nsid")), "{bad}: {r}");
+    }
+    assert_eq!(ask(r#"{"cmd":"attach","nsid":1,"x":0}"#)["ok"], false, "unknown field");
+    // No device given (or one without namespaces): refused, the rules untouched.
+    let r = answer(&rules, None, r#"{"cmd":"detach","nsid":1}"#);
+    assert_eq!(r["ok"], false);
+    let pci: iopath_devices::DeviceConfig = "pci-testdev".parse().unwrap();
+    let pci = pci.build().unwrap();
+    let r = answer(&rules, Some(&*pci), r#"{"cmd":"detach","nsid":1}"#);
+    assert!(r["error"].as_str().unwrap().contains("no namespaces"), "{r}");
 }

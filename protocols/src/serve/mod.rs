@@ -164,7 +164,7 @@ pub(crate) fn control(o: &ServeOptions, device: &iopath_devices::SharedDevice) -
     let Some(rules) = device.injector() else {
         return Err(Error::Config(format!("--control: {} takes no error injection rules", o.device)));
     };
-    control::Control::start(path, rules).map(Some)
+    control::Control::start(path, rules, Some(device.clone())).map(Some)
 }
 
 /// Every timeout must be more than 0.
