@@ -753,3 +753,65 @@ fn linux_fio_figures_iopath_nvme_vs_qemu_nvme_under_tcg() {
     }
     assert_eq!(qemu.len(), 4, "{qemu:?}");
 }
+
+/// Waits (bounded) until rule `id` of the control socket's set has matched a command, the
+/// guest's cue (`guest-attach.sh`); false if `stop` is set or the bound passed first.
+fn cued(control: &Path, id: u64, stop: &std::sync::atomic::AtomicBool) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(1200) && !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let stats: serde_json::Value = serde_json::from_str(ctl(control, &["stats"]).trim()).unwrap();
+        let rules = stats["stats"]["rules"].as_array().cloned().unwrap_or_default();
+        if rules.iter().any(|r| r["id"] == id && r["matched"].as_u64() >= Some(1)) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    false
+}
+
+/// `iopath ctl detach|attach` while Linux runs: the driver gets the Namespace Attribute Changed
+/// AER, reads the Changed Namespace List and rescans, so the block device goes and comes back
+/// with its data; namespace 1 works on meanwhile.
+#[test]
+fn linux_nvme_driver_rescans_when_a_namespace_is_detached_and_attached_through_the_control_socket() {
+    kvm();
+    let serve =
+        Serve::start_with("nvme,backend=ram,size_mb=64,namespaces=2", "vfio-user", &["--control", "{dir}/ctl.sock"]);
+    let control = serve.socket.parent().unwrap().join("ctl.sock");
+    // The guest's cues (a harmless 1 us delay each: only their match counters matter).
+    for r in ["nsid=2/op=read/lba=99991-99991/delay=1us", "nsid=1/op=read/lba=99992-99992/delay=1us"] {
+        assert!(ctl(&control, &["inject", r]).contains("\"ok\":true"));
+    }
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let host = {
+        let (control, stop) = (control.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut said = Vec::new();
+            for (id, cmd) in [(1, "detach"), (2, "attach")] {
+                if !cued(&control, id, &stop) {
+                    break;
+                }
+                said.push(serde_json::from_str::<serde_json::Value>(ctl(&control, &[cmd, "2"]).trim()).unwrap());
+            }
+            said
+        })
+    };
+    let sock = serve.socket.to_str().unwrap().to_string();
+    let script = harness("guest-attach.sh");
+    let log = serve.stderr.clone();
+    let text = linux_with(&["--vfio-user", sock.as_str(), "--script", script.to_str().unwrap()], &|| {
+        log.lock().unwrap().join("\n")
+    });
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let said = host.join().unwrap();
+    let changed = serde_json::json!({"ok": true, "nsid": 2, "changed": true});
+    assert_eq!(said, [changed.clone(), changed], "the host's detach and attach");
+    let c = checks(&text);
+    for want in ["probe", "detach", "ns1-during", "attach", "kept"] {
+        assert!(
+            c.iter().any(|l| l.starts_with(&format!("@check {want} ok"))),
+            "{want} did not pass:\n{}",
+            c.join("\n")
+        );
+    }
+}
