@@ -849,3 +849,24 @@ fn a_block_device_backs_a_namespace_up_to_its_own_size() {
     let kind = iopath_devices::block::StorageKind::File(dev.0.clone().into());
     assert_eq!(iopath_bench::nvme::namespace_size(&kind, None), 16 << 20);
 }
+
+/// iopath's guest driver meets injected statuses: every 50th read fails (Unrecovered Read
+/// Error), and the driver's record, the device's errors counter and the reads it served agree
+/// exactly (the oracle: errors = read commands / 50; a failed read is not carried out, so
+/// `io.reads` counts the others), in a polled and a kicked doorbell mode.
+#[test]
+fn the_guest_driver_counts_each_injected_error_once() {
+    kvm();
+    for db in ["shm", "ioeventfd"] {
+        let spec = format!("nvme,doorbell={db},backend=ram,size_mb=8,inject=op=read/status=2:0x81:dnr/every=50");
+        let r = nvmeperf_run(&spec, "rw=randrw bs=4096 iodepth=8 time_ms=300", 128, RamKind::Auto);
+        let rec = nvme_record(&r.lines);
+        let c: std::collections::BTreeMap<String, u64> =
+            r.devices[0].counters.iter().map(|c| (c.name.clone(), c.value)).collect();
+        assert_ne!(r.status, 1, "{spec}: a run with I/O errors does not pass");
+        assert!(c["errors"] >= 10, "{spec}: too few reads to tell: {c:?}");
+        assert_eq!(c["errors"], (c["io.reads"] + c["errors"]) / 50, "{spec}: {c:?}");
+        assert_eq!(num(&rec, "errors"), c["errors"], "{spec}: the driver saw each injected error once: {rec:?}");
+        assert_eq!(num(&rec, "ios"), c["io.commands"], "{spec}: every command completed once: {rec:?}");
+    }
+}

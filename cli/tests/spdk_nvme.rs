@@ -291,11 +291,20 @@ struct Target {
     reports: Option<Receiver<String>>,
     rpc_sock: PathBuf,
     last: Io,
+    /// More device options for iopath (`,inject=...`); with any, iopath also serves its
+    /// control socket ([`Target::control`]).
+    more: &'static str,
     dir: TempDir,
 }
 
 impl Target {
     fn start(place: Place, backend: Backend) -> Target {
+        Target::start_with(place, backend, "")
+    }
+
+    /// iopath's controller with the device options `more` besides the usual ones, and its
+    /// control socket.
+    fn start_with(place: Place, backend: Backend, more: &'static str) -> Target {
         let dir = TempDir::new(&format!("spdk-{place:?}-{backend:?}").to_lowercase());
         std::fs::create_dir_all(dir.0.join("ctrl")).unwrap();
         let mut t = Target {
@@ -305,6 +314,7 @@ impl Target {
             reports: None,
             rpc_sock: dir.0.join("spdk.sock"),
             last: Io::default(),
+            more,
             dir,
         };
         match place {
@@ -346,6 +356,20 @@ impl Target {
         }
     }
 
+    fn control(&self) -> PathBuf {
+        self.dir.0.join("ctl.sock")
+    }
+
+    /// `iopath ctl stats` of iopath's control socket: (matched, fired) of each rule.
+    fn rule_stats(&self) -> Vec<(u64, u64)> {
+        let o =
+            Command::new(env!("CARGO_BIN_EXE_iopath")).arg("ctl").arg(self.control()).arg("stats").output().unwrap();
+        assert!(o.status.success(), "iopath ctl stats: {}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("ctl prints JSON");
+        let rules = v["stats"]["rules"].as_array().cloned().unwrap_or_default();
+        rules.iter().map(|r| (r["matched"].as_u64().unwrap(), r["fired"].as_u64().unwrap())).collect()
+    }
+
     fn backing_file(&self) -> PathBuf {
         self.dir.0.join("ns.img")
     }
@@ -365,9 +389,13 @@ impl Target {
             }
             .as_str(),
         );
+        dev.push_str(self.more);
         let sock = self.traddr().join("cntrl");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_iopath"));
         cmd.args(["serve", &dev, "--transport", "vfio-user", "--socket"]).arg(&sock);
+        if !self.more.is_empty() {
+            cmd.arg("--control").arg(self.control());
+        }
         let mut p = Proc::spawn("iopath-serve", &mut cmd, &self.dir.0, false, true);
         let (tx, rx) = channel();
         let out = p.child.stdout.take().unwrap();
@@ -996,4 +1024,71 @@ fn iopath_vmm_guest_driver_against_nvmf_tgt() {
     let io = t.nvmf_io();
     assert!(io.reads + io.writes >= n("ios"), "nvmf_tgt's bdev saw {io:?} for the guest's {rec:?}");
     eprintln!("iopath VMM + guest driver against nvmf_tgt: {rec:?}; bdev {io:?}");
+}
+
+/// SPDK's stock tools count the errors a rule injects, as many as the device injected: every
+/// 97th read fails with Unrecovered Read Error and DNR (so neither SPDK's NVMe driver nor
+/// bdev_nvme retries it). The oracle: the rule (its counters through `iopath ctl stats`) fired
+/// on exactly each 97th of the reads it matched, those are all the device's read commands (a
+/// failed read is not carried out, so `io.reads` counts the others), and the device completed
+/// that many with an error. spdk_nvme_perf with `-Q 1` (go on after errors, log each) logs each
+/// one; bdevperf with `-f` (go on after failures) reports them as Fail/s over its run time.
+#[test]
+fn spdk_perf_and_bdevperf_count_the_errors_iopath_injects() {
+    let _one = ONE.lock().unwrap_or_else(|p| p.into_inner());
+    let mut t = Target::start_with(Place::IopathBar, Backend::Ram, ",inject=op=read/status=2:0x81:dnr/every=97");
+    let mut last = (0, 0);
+    // (I/O errors the device completed, the reads it saw) since the last call, checked.
+    let mut injected = |t: &mut Target, what: &str| -> (u64, u64) {
+        let io = t.io_delta();
+        let (m, f) = t.rule_stats()[0];
+        let (matched, fired) = (m - last.0, f - last.1);
+        assert_eq!(f, m / 97, "{what}: the trigger: fired {f} of {m} matched");
+        assert_eq!(matched, io.reads + fired, "{what}: every read matched the rule once: {io:?}");
+        assert!(io.errors >= fired, "{what}: the device completed {fired} injected errors: {io:?}");
+        assert!(fired >= 10, "{what}: too few reads to tell: {io:?}");
+        last = (m, f);
+        (fired, io.reads)
+    };
+    let j = Job { secs: 2, ..job("randread", 512, 16, 1) };
+    let mut args = perf_args(&t, j);
+    args.extend(["-Q".into(), "1".into()]);
+    let r = spdk_tool(&mut t, "spdk_nvme_perf", &args, j.secs);
+    let logged = r.stderr.lines().filter(|l| l.contains("Read completed with error (sct=2, sc=129)")).count() as u64;
+    let (fired, reads) = injected(&mut t, "perf");
+    assert_eq!(logged, fired, "perf logged {logged} errors, the device injected {fired}:\n{}", r.log);
+    eprintln!("spdk_nvme_perf -Q 1: {logged} errors logged; device: {reads} reads carried out, {fired} injected");
+
+    let secs = 2;
+    let cfg = serde_json::json!({"subsystems": [{"subsystem": "bdev", "config": [
+        {"method": "bdev_nvme_attach_controller", "params": {
+            "name": "Nvme0", "trtype": "VFIOUSER", "traddr": t.traddr(), "subnqn": t.nqn()}},
+        {"method": "bdev_wait_for_examine"}]}]});
+    let path = t.dir.0.join("bdevperf.json");
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let mut args: Vec<String> =
+        ["--json", path.to_str().unwrap(), "-q", "16", "-o", "4096", "-w", "randread", "-f", "-m", "0x1", "-g", "-u"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    args.extend(["-t".into(), secs.to_string(), "-s".into(), TOOL_MEM_MB.to_string()]);
+    let r = spdk_tool(&mut t, "bdevperf", &args, secs);
+    let out = r.stdout.replace('\r', "\n");
+    // The job's line: runtime(s) IOPS MiB/s Fail/s TO/s Average min max.
+    let line = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("Nvme0n1") && l.contains(':'))
+        .unwrap_or_else(|| panic!("bdevperf printed no job line:\n{}", r.log));
+    let nums: Vec<f64> = line.split(':').nth(1).unwrap().split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    assert_eq!(nums.len(), 8, "bdevperf job line '{line}'");
+    let failed = nums[0] * nums[3];
+    let (fired, reads) = injected(&mut t, "bdevperf");
+    // Fail/s and the run time are printed to 2 decimals; the examine reads before the job may
+    // have met the rule too (the device's, not the job's).
+    let slack = 0.01 * nums[0] + 0.01 * nums[3] + 2.0;
+    assert!(
+        (failed - fired as f64).abs() <= slack,
+        "bdevperf: {failed:.1} failed (line '{line}'), the device injected {fired}"
+    );
+    eprintln!("bdevperf -f: {failed:.1} failed ({}); device: {reads} reads carried out, {fired} injected", line.trim());
 }
