@@ -69,13 +69,23 @@ pub fn thread_cpu_ns(pid: u32, tid: u32) -> Option<u64> {
             return Some(ns);
         }
     }
-    let s = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
+    stat_cpu_ns(&std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?)
+}
+
+/// utime+stime of a `stat` file's text, in ns.
+fn stat_cpu_ns(s: &str) -> Option<u64> {
     // Fields after the comm's closing parenthesis: state is field 3, utime 14, stime 15.
     let f: Vec<&str> = s.get(s.rfind(')')? + 1..)?.split_whitespace().collect();
     let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
     // SAFETY: sysconf has no memory effects.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
     Some(ticks * (1_000_000_000 / hz))
+}
+
+/// A whole process's CPU time in ns: `stat`'s utime+stime, which also hold
+/// its threads that ended (clock ticks: 10 ms steps where HZ is 100).
+pub fn process_cpu_ns(pid: u32) -> Option<u64> {
+    stat_cpu_ns(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
 }
 
 /// This process and its children (a device process it spawned).

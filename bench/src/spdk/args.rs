@@ -19,6 +19,12 @@ pub struct SpdkArgs {
     #[arg(long, default_value = "1,16,64,128", value_delimiter = ',',
           value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub iodepth: Vec<u32>,
+    /// Controller counts, comma-separated (1..=32): for each N, one `iopath serve --controllers N`
+    /// process against one nvmf_tgt with N subsystems, perf driving all N (a qpair each at
+    /// --iodepth) from its one core; the table adds each target's CPU per I/O.
+    #[arg(long, default_value = "1", value_delimiter = ',',
+          value_parser = clap::value_parser!(u32).range(1..=32))]
+    pub controllers: Vec<u32>,
     /// Length of each perf run in whole seconds (perf's -t).
     #[arg(long, alias = "time", default_value_t = SpdkOptions::default().runtime_s, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub runtime: u64,
@@ -78,6 +84,7 @@ impl SpdkArgs {
         }
         Ok(SpdkOptions {
             jobs,
+            controllers: each_once("--controllers", self.controllers.clone(), |&n| n)?,
             runtime_s: if self.quick { 1 } else { self.runtime },
             rounds: if self.quick { 1 } else { self.rounds },
             size_mb: match self.size {

@@ -2,8 +2,12 @@
 //! `iopath serve nvme,backend=null` in the default doorbell mode over
 //! vfio-user and against SPDK's own `nvmf_tgt` (VFIOUSER transport, a null
 //! bdev of the same size and block size), side by side in one run.
+//! `--controllers N,...`: for each N, one iopath process serving N
+//! controllers (`iopath serve --controllers N`) against one nvmf_tgt with N
+//! subsystems, perf driving all N at once from its one core; each run also
+//! records the target process's CPU time, so the table gives CPU per I/O.
 //!
-//! Both servers start once and stop at the end; every job runs a fresh perf
+//! Both servers start once for each N and stop after its runs; every job runs a fresh perf
 //! process (its hugepage files removed when it is reaped) against each,
 //! rounds interleaved (even rounds iopath first, odd rounds nvmf_tgt first).
 //! Every run is checked against the device's own counters (iopath's report
@@ -46,6 +50,8 @@ const REPORT_WAIT: Duration = Duration::from_secs(20);
 #[derive(Clone, Debug, Serialize)]
 pub struct SpdkOptions {
     pub jobs: Vec<PerfJob>,
+    /// Controller counts: for each, a pair of targets serving that many.
+    pub controllers: Vec<u32>,
     /// perf's `-t`, whole seconds.
     pub runtime_s: u64,
     pub rounds: u32,
@@ -74,6 +80,7 @@ impl Default for SpdkOptions {
             .collect();
         SpdkOptions {
             jobs,
+            controllers: vec![1],
             runtime_s: 2,
             rounds: 3,
             size_mb: 64,
@@ -98,11 +105,16 @@ fn mode_name<S: serde::Serializer>(m: &Option<iopath_devices::nvme::DoorbellMode
 #[derive(Clone, Debug, Serialize)]
 pub struct SpdkRun {
     pub target: Kind,
+    /// The controllers the target served, perf drove them all.
+    pub controllers: u32,
     pub job: usize,
     pub round: u32,
     pub perf: PerfOut,
-    /// What the device did during the run (its counters' difference).
+    /// What the devices did during the run (their counters' difference).
     pub device: Io,
+    /// The target process's CPU time during the run (perf's start and exit
+    /// included), ns.
+    pub target_cpu_ns: u64,
     pub check: String,
     /// perf's process id (its DPDK files are `spdk_pid<PID>*`).
     pub perf_pid: u32,
@@ -235,35 +247,40 @@ fn run(o: &SpdkOptions) -> anyhow::Result<SpdkResult> {
         Some(p) => p.clone(),
         None => std::env::current_exe()?,
     };
-    let dir = proc::TempDir::new("spdk")?;
-    let pb = progress_bar(o.progress, (o.jobs.len() * 2) as u64 * o.rounds as u64);
-    pb.set_message("starting iopath serve and nvmf_tgt");
-    // Both servers once, each on the targets' CPU; dropped (stopped) on every way out.
-    let mut servers = [
-        targets::Server::iopath(o, &iopath, &peers.rpc_py, &dir.0, o.pin.device)?,
-        targets::Server::nvmf(o, &peers.nvmf_tgt, &peers.rpc_py, &dir.0, o.pin.device)?,
-    ];
-    let server_pids = servers.iter().map(|s| (s.kind, s.pid())).collect();
-    let (mut runs, mut errors) = (Vec::new(), Vec::new());
-    'rounds: for round in 0..o.rounds {
-        for (ji, j) in o.jobs.iter().enumerate() {
-            let order: [usize; 2] = if round % 2 == 0 { [0, 1] } else { [1, 0] };
-            for ti in order {
-                let s = &mut servers[ti];
-                pb.set_message(format!("round {}/{} {} {}", round + 1, o.rounds, j.label(), s.kind.name()));
-                match run_one(o, &peers, &dir.0, s, ji, round) {
-                    Ok(r) => runs.push(r),
-                    Err(e) if e.is::<Interrupted>() || proc::interrupted() => break 'rounds,
-                    Err(e) => errors.push(format!("{} {} round {round}: {e:#}", s.kind.name(), j.label())),
+    anyhow::ensure!(!o.controllers.is_empty(), "bench spdk: no controller count");
+    let pb = progress_bar(o.progress, (o.jobs.len() * 2 * o.controllers.len()) as u64 * o.rounds as u64);
+    let (mut runs, mut errors, mut server_pids) = (Vec::new(), Vec::new(), Vec::new());
+    'counts: for &n in &o.controllers {
+        // Both servers once per count, each on the targets' CPU, in a directory of their own;
+        // dropped (stopped) on every way out.
+        let dir = proc::TempDir::new("spdk")?;
+        pb.set_message(format!("starting iopath serve and nvmf_tgt with {n} controller(s)"));
+        let mut servers = [
+            targets::Server::iopath(o, n, &iopath, &peers.rpc_py, &dir.0, o.pin.device)?,
+            targets::Server::nvmf(o, n, &peers.nvmf_tgt, &peers.rpc_py, &dir.0, o.pin.device)?,
+        ];
+        server_pids.extend(servers.iter().map(|s| (s.kind, s.pid())));
+        for round in 0..o.rounds {
+            for (ji, j) in o.jobs.iter().enumerate() {
+                let order: [usize; 2] = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+                for ti in order {
+                    let s = &mut servers[ti];
+                    let what = format!("{} {} x{n} round {round}", s.kind.name(), j.label());
+                    pb.set_message(format!("round {}/{} {} x{n} {}", round + 1, o.rounds, j.label(), s.kind.name()));
+                    match run_one(o, &peers, &dir.0, s, ji, round) {
+                        Ok(r) => runs.push(r),
+                        Err(e) if e.is::<Interrupted>() || proc::interrupted() => break 'counts,
+                        Err(e) => errors.push(format!("{what}: {e:#}")),
+                    }
+                    pb.inc(1);
                 }
-                pb.inc(1);
             }
+        }
+        for s in &mut servers {
+            s.stop();
         }
     }
     pb.finish_and_clear();
-    for s in &mut servers {
-        s.stop();
-    }
     Ok(SpdkResult {
         partial: proc::interrupted(),
         host: crate::host::host_info(tsc_khz),
@@ -288,9 +305,11 @@ fn run_one(
     check()?;
     s.alive()?;
     let mut cmd = Command::new(&p.perf);
-    cmd.args(perf::args(&s.trid(), j, o.runtime_s, o.pin.vcpu));
+    cmd.args(perf::args(&s.trids(), j, o.runtime_s, o.pin.vcpu));
     let limit = Duration::from_secs(o.runtime_s) + PERF_SLACK;
+    let cpu0 = s.cpu_ns();
     let ran = run_bounded("spdk_nvme_perf", &mut cmd, dir, limit, None);
+    let cpu1 = s.cpu_ns();
     let ran = match ran {
         Ok(r) => r,
         Err(e) => {
@@ -310,7 +329,8 @@ fn run_one(
     s.alive()?;
     let f = figures.map_err(|e| anyhow::anyhow!("{e}:\n{}", ran.log))?;
     let io = io?;
-    let (ok, check) = verdict(j, o.runtime_s, &f, &io);
+    let n = s.controllers() as u32;
+    let (ok, check) = verdict(j, n, o.runtime_s, &f, &io);
     if !ok {
         anyhow::bail!(
             "perf's figures and the device's counters disagree: {check} (fewer: I/O perf counted that the device \
@@ -318,16 +338,21 @@ fn run_one(
              or the device served I/O perf did not send)"
         );
     }
-    Ok(SpdkRun { target: s.kind, job: ji, round, perf: f, device: io, check, perf_pid })
+    let target_cpu_ns = match (cpu0, cpu1) {
+        (Some(a), Some(b)) => b.saturating_sub(a),
+        _ => anyhow::bail!("{}'s CPU time could not be read from /proc", s.kind.name()),
+    };
+    Ok(SpdkRun { target: s.kind, controllers: n, job: ji, round, perf: f, device: io, target_cpu_ns, check, perf_pid })
 }
 
-/// Whether the device's counters account for perf's I/O: at least the I/Os
+/// Whether the devices' counters account for perf's I/O: at least the I/Os
 /// perf counted (IOPS x its run time: it measures a little longer), at most
-/// what it could have issued in one more second plus its queue, reads only
-/// for a read job (writes only for a write job), and no error.
-fn verdict(j: &PerfJob, secs: u64, f: &PerfOut, io: &Io) -> (bool, String) {
+/// what it could have issued in one more second plus its queues (one per
+/// controller), reads only for a read job (writes only for a write job), and
+/// no error.
+fn verdict(j: &PerfJob, controllers: u32, secs: u64, f: &PerfOut, io: &Io) -> (bool, String) {
     let done = (f.iops * secs as f64) as u64;
-    let most = (f.iops * (secs as f64 + 1.0)) as u64 + u64::from(j.iodepth);
+    let most = (f.iops * (secs as f64 + 1.0)) as u64 + u64::from(j.iodepth) * u64::from(controllers);
     let (same, other) = match j.rw.as_str() {
         "read" | "randread" => (io.reads, io.writes),
         "write" | "randwrite" => (io.writes, io.reads),
@@ -353,14 +378,14 @@ mod tests {
     fn a_run_counts_only_if_the_device_served_every_io_perf_counted_and_no_more() {
         let j = PerfJob { rw: "randread".into(), bs: 4096, iodepth: 16 };
         let io = |commands, reads, writes, errors| Io { commands, reads, writes, errors, sleeps: 0 };
-        assert!(verdict(&j, 2, &out(1000.0), &io(2010, 2010, 0, 0)).0);
-        assert!(!verdict(&j, 2, &out(1000.0), &io(1999, 1999, 0, 0)).0, "fewer than perf counted");
-        assert!(!verdict(&j, 2, &out(1000.0), &io(3100, 3100, 0, 0)).0, "more than perf could issue");
-        assert!(!verdict(&j, 2, &out(1000.0), &io(2010, 2000, 10, 0)).0, "writes in a read job");
-        let (ok, why) = verdict(&j, 2, &out(1000.0), &io(2010, 2010, 0, 1));
+        assert!(verdict(&j, 1, 2, &out(1000.0), &io(2010, 2010, 0, 0)).0);
+        assert!(!verdict(&j, 1, 2, &out(1000.0), &io(1999, 1999, 0, 0)).0, "fewer than perf counted");
+        assert!(!verdict(&j, 1, 2, &out(1000.0), &io(3100, 3100, 0, 0)).0, "more than perf could issue");
+        assert!(!verdict(&j, 1, 2, &out(1000.0), &io(2010, 2000, 10, 0)).0, "writes in a read job");
+        let (ok, why) = verdict(&j, 1, 2, &out(1000.0), &io(2010, 2010, 0, 1));
         assert!(!ok && why.contains("1 errors"), "{why}");
         let w = PerfJob { rw: "randwrite".into(), ..j };
-        assert!(verdict(&w, 1, &out(10.0), &io(10, 0, 10, 0)).0);
+        assert!(verdict(&w, 1, 1, &out(10.0), &io(10, 0, 10, 0)).0);
     }
 
     #[test]

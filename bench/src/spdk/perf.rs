@@ -21,11 +21,16 @@ impl PerfJob {
     }
 }
 
-/// perf's arguments: `trid`, the job for `secs` seconds on one qpair, on
+/// perf's arguments: a `-r` for each of `trids`, the job for `secs` seconds on
+/// one qpair per controller's namespace (each at the job's queue depth), on
 /// core `core` (`-c`), with `-g` (one hugetlbfs file per memory segment list,
 /// which SPDK's vfio-user client needs) and `-L` (latency percentiles).
-pub fn args(trid: &str, j: &PerfJob, secs: u64, core: usize) -> Vec<String> {
-    let mut a = vec!["-r".to_string(), trid.to_string()];
+pub fn args(trids: &[String], j: &PerfJob, secs: u64, core: usize) -> Vec<String> {
+    let mut a = Vec::new();
+    for t in trids {
+        a.push("-r".to_string());
+        a.push(t.clone());
+    }
     for (k, v) in [
         ("-q", j.iodepth.to_string()),
         ("-o", j.bs.to_string()),
@@ -174,8 +179,10 @@ Summary latency data for VFIOUSER (/tmp/spdkprobe/ctrl) NSID 1       from core 0
     #[test]
     fn the_command_line_names_one_qpair_its_core_and_latency_tracking() {
         let j = PerfJob { rw: "randread".into(), bs: 512, iodepth: 64 };
-        let a = args("trtype:VFIOUSER traddr:/x", &j, 2, 1).join(" ");
+        let a = args(&["trtype:VFIOUSER traddr:/x".into()], &j, 2, 1).join(" ");
         assert_eq!(a, "-r trtype:VFIOUSER traddr:/x -q 64 -o 512 -w randread -t 2 -P 1 -c 0x2 -s 16 -g -L");
+        let two = args(&["trtype:VFIOUSER traddr:/x/0".into(), "trtype:VFIOUSER traddr:/x/1".into()], &j, 2, 1);
+        assert!(two.join(" ").starts_with("-r trtype:VFIOUSER traddr:/x/0 -r trtype:VFIOUSER traddr:/x/1 -q 64"));
         assert_eq!(j.label(), "randread 512 qd64");
         assert_eq!(PerfJob { bs: 4096, ..j }.label(), "randread 4k qd64");
     }

@@ -1,8 +1,10 @@
-//! The two controllers `bench spdk` runs perf against, each started once:
-//! `iopath serve nvme,backend=null` (no doorbell option: the default mode)
-//! over vfio-user, and SPDK's `nvmf_tgt` with the VFIOUSER transport and a
-//! null bdev of the same size and block size, configured with rpc.py. Each
-//! reports what its device did, so every perf run is checked against it.
+//! The two targets `bench spdk` runs perf against, each started once per
+//! controller count N: `iopath serve nvme,backend=null` (no doorbell option:
+//! the default mode) over vfio-user, with `--controllers N` (a socket each)
+//! when N > 1, and SPDK's `nvmf_tgt` with the VFIOUSER transport and N
+//! subsystems, each a null bdev of the same size and block size and a
+//! listener of its own, configured with rpc.py. Each reports what its
+//! devices did, so every perf run is checked against it.
 
 use super::proc::{run_bounded, Proc};
 use super::SpdkOptions;
@@ -51,6 +53,16 @@ pub struct Io {
 }
 
 impl Io {
+    fn plus(self, o: Io) -> Io {
+        Io {
+            commands: self.commands + o.commands,
+            reads: self.reads + o.reads,
+            writes: self.writes + o.writes,
+            errors: self.errors + o.errors,
+            sleeps: self.sleeps + o.sleeps,
+        }
+    }
+
     /// What happened since `before`; counters that went back (a device reset
     /// between clients) count from zero.
     fn since(self, before: Io) -> Io {
@@ -71,11 +83,12 @@ impl Io {
     }
 }
 
-/// A running controller serving on `DIR/ctrl/cntrl`.
+/// A running target serving its controllers, each on `TRADDR/cntrl`.
 pub struct Server {
     pub kind: Kind,
     proc: Proc,
-    ctrl: PathBuf,
+    /// Each controller's directory (SPDK's traddr), in order.
+    ctrls: Vec<PathBuf>,
     rpc_sock: PathBuf,
     rpc_py: PathBuf,
     dir: PathBuf,
@@ -85,18 +98,29 @@ pub struct Server {
 
 impl Server {
     /// `iopath serve nvme,backend=null,...` (no doorbell option unless `--doorbell`) on
-    /// `dir/iopath/cntrl`, on CPU `cpu`.
-    pub fn iopath(o: &SpdkOptions, iopath: &Path, rpc_py: &Path, dir: &Path, cpu: usize) -> anyhow::Result<Server> {
-        let ctrl = dir.join("iopath");
-        std::fs::create_dir_all(&ctrl)?;
-        let sock = ctrl.join("cntrl");
+    /// `dir/iopath/cntrl`, or with `n` controllers on `dir/iopath/K/cntrl` (K from 0), on CPU `cpu`.
+    pub fn iopath(
+        o: &SpdkOptions,
+        n: u32,
+        iopath: &Path,
+        rpc_py: &Path,
+        dir: &Path,
+        cpu: usize,
+    ) -> anyhow::Result<Server> {
+        let base = dir.join("iopath");
+        let ctrls = ctrl_dirs(&base, n)?;
         let mut dev =
             format!("nvme,backend=null,size_mb={},lba={},serial={SERIAL_IOPATH},nqn={NQN_IOPATH}", o.size_mb, o.lba);
         if let Some(db) = o.doorbell {
             dev.push_str(&format!(",doorbell={db}"));
         }
         let mut cmd = Command::new(iopath);
-        cmd.args(["serve", &dev, "--transport", "vfio-user", "--socket"]).arg(&sock);
+        cmd.args(["serve", &dev, "--transport", "vfio-user", "--socket"]);
+        if n == 1 {
+            cmd.arg(ctrls[0].join("cntrl"));
+        } else {
+            cmd.arg(base.join("{}").join("cntrl")).args(["--controllers", &n.to_string()]);
+        }
         let mut proc = Proc::spawn("iopath-serve", &mut cmd, dir, false, true, Some(cpu))?;
         let (tx, rx) = channel();
         let out = proc.child.stdout.take().ok_or_else(|| anyhow::anyhow!("iopath serve: no stdout pipe"))?;
@@ -108,15 +132,15 @@ impl Server {
             }
         })?;
         let t0 = Instant::now();
-        while !sock.exists() {
+        while let Some(c) = ctrls.iter().find(|c| !c.join("cntrl").exists()) {
             if proc.wait_for(Duration::from_millis(20))?.is_some() || t0.elapsed() > Duration::from_secs(10) {
-                anyhow::bail!("iopath serve {dev} made no socket at {}:\n{}", sock.display(), proc.log());
+                anyhow::bail!("iopath serve {dev} made no socket at {}/cntrl:\n{}", c.display(), proc.log());
             }
         }
         Ok(Server {
             kind: Kind::Iopath,
             proc,
-            ctrl,
+            ctrls,
             rpc_sock: PathBuf::new(),
             rpc_py: rpc_py.into(),
             dir: dir.into(),
@@ -125,10 +149,17 @@ impl Server {
         })
     }
 
-    /// nvmf_tgt on core `cpu` (`-m`), its VFIOUSER listener on `dir/nvmf/cntrl`.
-    pub fn nvmf(o: &SpdkOptions, nvmf_tgt: &Path, rpc_py: &Path, dir: &Path, cpu: usize) -> anyhow::Result<Server> {
-        let ctrl = dir.join("nvmf");
-        std::fs::create_dir_all(&ctrl)?;
+    /// nvmf_tgt on core `cpu` (`-m`), its VFIOUSER listener on `dir/nvmf/cntrl`, or with `n`
+    /// subsystems (bdevs NsK, NQNs ending in -K) their listeners on `dir/nvmf/K/cntrl`.
+    pub fn nvmf(
+        o: &SpdkOptions,
+        n: u32,
+        nvmf_tgt: &Path,
+        rpc_py: &Path,
+        dir: &Path,
+        cpu: usize,
+    ) -> anyhow::Result<Server> {
+        let ctrls = ctrl_dirs(&dir.join("nvmf"), n)?;
         let rpc_sock = dir.join("spdk.sock");
         let mut cmd = Command::new(nvmf_tgt);
         cmd.args(["-m", &format!("{:#x}", 1u64 << cpu), "-u", "-s", &TGT_MEM_MB.to_string(), "-r"]).arg(&rpc_sock);
@@ -136,7 +167,7 @@ impl Server {
         let mut s = Server {
             kind: Kind::Nvmf,
             proc,
-            ctrl,
+            ctrls,
             rpc_sock,
             rpc_py: rpc_py.into(),
             dir: dir.into(),
@@ -150,18 +181,22 @@ impl Server {
             }
         }
         let (mb, bs) = (o.size_mb.to_string(), o.lba.to_string());
-        let traddr = s.ctrl.to_string_lossy().into_owned();
-        for args in [
-            &["framework_wait_init"][..],
-            &["nvmf_create_transport", "-t", "VFIOUSER"],
-            &["bdev_null_create", "Ns0", &mb, &bs],
-            &["nvmf_create_subsystem", NQN_NVMF, "-a", "-s", SERIAL_NVMF, "-d", "SPDK bdev Controller", "-m", "1"],
-            &["nvmf_subsystem_add_ns", NQN_NVMF, "Ns0"],
-            &["nvmf_subsystem_add_listener", NQN_NVMF, "-t", "VFIOUSER", "-a", &traddr, "-s", "0"],
-        ] {
-            s.rpc(args)?;
+        s.rpc(&["framework_wait_init"])?;
+        s.rpc(&["nvmf_create_transport", "-t", "VFIOUSER"])?;
+        for k in 0..n as usize {
+            let (bdev, nqn, serial) = (format!("Ns{k}"), s.nqn(k), format!("{SERIAL_NVMF}-{k}"));
+            let traddr = s.ctrls[k].to_string_lossy().into_owned();
+            for args in [
+                &["bdev_null_create", &bdev, &mb, &bs][..],
+                &["nvmf_create_subsystem", &nqn, "-a", "-s", &serial, "-d", "SPDK bdev Controller", "-m", "1"],
+                &["nvmf_subsystem_add_ns", &nqn, &bdev],
+                &["nvmf_subsystem_add_listener", &nqn, "-t", "VFIOUSER", "-a", &traddr, "-s", "0"],
+            ] {
+                s.rpc(args)?;
+            }
+            let sock = s.ctrls[k].join("cntrl");
+            anyhow::ensure!(sock.exists(), "nvmf_tgt's listener made no {}", sock.display());
         }
-        anyhow::ensure!(s.ctrl.join("cntrl").exists(), "nvmf_tgt's listener made no {}/cntrl", s.ctrl.display());
         s.last = s.nvmf_io()?; // the bdev's examine reads at creation
         Ok(s)
     }
@@ -170,10 +205,30 @@ impl Server {
         self.proc.pid()
     }
 
-    /// SPDK's transport ID of this controller.
-    pub fn trid(&self) -> String {
-        let nqn = if self.kind == Kind::Iopath { NQN_IOPATH } else { NQN_NVMF };
-        format!("trtype:VFIOUSER traddr:{} subnqn:{nqn}", self.ctrl.display())
+    /// How many controllers it serves.
+    pub fn controllers(&self) -> usize {
+        self.ctrls.len()
+    }
+
+    /// Controller `k`'s subsystem NQN (iopath's controllers share theirs: one device option).
+    fn nqn(&self, k: usize) -> String {
+        match (self.kind, self.ctrls.len()) {
+            (Kind::Iopath, _) => NQN_IOPATH.into(),
+            (Kind::Nvmf, 1) => NQN_NVMF.into(),
+            (Kind::Nvmf, _) => format!("{NQN_NVMF}-{k}"),
+        }
+    }
+
+    /// SPDK's transport IDs of its controllers, in order.
+    pub fn trids(&self) -> Vec<String> {
+        (0..self.ctrls.len())
+            .map(|k| format!("trtype:VFIOUSER traddr:{} subnqn:{}", self.ctrls[k].display(), self.nqn(k)))
+            .collect()
+    }
+
+    /// The process's CPU time so far, in ns (None once it is gone).
+    pub fn cpu_ns(&self) -> Option<u64> {
+        crate::cpu::process_cpu_ns(self.pid())
     }
 
     /// rpc.py against nvmf_tgt, bounded; its stdout.
@@ -187,34 +242,43 @@ impl Server {
         Ok(r.stdout)
     }
 
+    /// The sum over its bdevs.
     fn nvmf_io(&mut self) -> anyhow::Result<Io> {
-        let out = self.rpc(&["bdev_get_iostat", "-b", "Ns0"])?;
-        parse_iostat(&out)
+        let out = self.rpc(&["bdev_get_iostat"])?;
+        parse_iostat(&out, self.ctrls.len())
     }
 
-    /// What the device did since the last call: iopath's report of the client
-    /// that just left (within `wait`), nvmf_tgt's bdev counters now.
+    /// What the devices did since the last call: iopath's reports of the
+    /// client that just left each controller (within `wait`), the sum; nvmf_tgt's
+    /// bdev counters now.
     pub fn io_delta(&mut self, wait: Duration) -> anyhow::Result<Io> {
-        let now = match &self.reports {
-            None => self.nvmf_io()?,
-            Some(rx) => {
-                let t0 = Instant::now();
-                let line = loop {
-                    super::proc::check()?;
-                    match rx.recv_timeout(Duration::from_millis(50)) {
-                        Ok(l) => break l,
-                        Err(RecvTimeoutError::Timeout) if t0.elapsed() < wait => {}
-                        Err(_) => anyhow::bail!(
-                            "iopath serve printed no counters within {wait:?} of its client leaving:\n{}",
-                            self.proc.log()
-                        ),
-                    }
-                };
-                parse_report(&line)?
-            }
+        let Some(rx) = &self.reports else {
+            let now = self.nvmf_io()?;
+            let d = now.since(self.last);
+            self.last = now;
+            return Ok(d);
         };
-        let d = now.since(self.last);
-        self.last = now;
+        // Each controller is its own device: its report holds its counters since it started.
+        let t0 = Instant::now();
+        let mut sum = Io::default();
+        for got in 0..self.ctrls.len() {
+            let line = loop {
+                super::proc::check()?;
+                match rx.recv_timeout(Duration::from_millis(50)) {
+                    Ok(l) => break l,
+                    Err(RecvTimeoutError::Timeout) if t0.elapsed() < wait => {}
+                    Err(_) => anyhow::bail!(
+                        "iopath serve printed {got} of its {} controllers' counters within {wait:?} of its client \
+                         leaving:\n{}",
+                        self.ctrls.len(),
+                        self.proc.log()
+                    ),
+                }
+            };
+            sum = sum.plus(parse_report(&line)?);
+        }
+        let d = sum.since(self.last);
+        self.last = sum;
         Ok(d)
     }
 
@@ -239,6 +303,17 @@ impl Drop for Server {
     }
 }
 
+/// The controllers' directories under `base`: `base` itself for one, else `base/K`, made.
+fn ctrl_dirs(base: &Path, n: u32) -> anyhow::Result<Vec<PathBuf>> {
+    anyhow::ensure!(n >= 1, "no controller");
+    let dirs: Vec<PathBuf> =
+        if n == 1 { vec![base.into()] } else { (0..n).map(|k| base.join(k.to_string())).collect() };
+    for d in &dirs {
+        std::fs::create_dir_all(d)?;
+    }
+    Ok(dirs)
+}
+
 /// iopath's disconnect report: its NVMe counters.
 fn parse_report(line: &str) -> anyhow::Result<Io> {
     let c = iopath_protocols::process::parse_report(line)
@@ -250,15 +325,26 @@ fn parse_report(line: &str) -> anyhow::Result<Io> {
     Ok(Io { commands: n("io.commands")?, reads: n("io.reads")?, writes: n("io.writes")?, errors: n("errors")?, sleeps })
 }
 
-/// `bdev_get_iostat -b Ns0`: reads, writes and unmaps, and the I/O error counts.
-fn parse_iostat(out: &str) -> anyhow::Result<Io> {
+/// `bdev_get_iostat`: reads, writes and unmaps, and the I/O error counts, summed over the
+/// bdevs Ns0 .. Ns(n-1), each of which must be there.
+fn parse_iostat(out: &str, n: usize) -> anyhow::Result<Io> {
     let v: serde_json::Value =
         serde_json::from_str(out).map_err(|e| anyhow::anyhow!("bdev_get_iostat printed no JSON ({e}): {out}"))?;
-    let b = &v["bdevs"][0];
-    let n = |k: &str| b[k].as_u64().ok_or_else(|| anyhow::anyhow!("no {k} in bdev_get_iostat: {out}"));
-    let (reads, writes) = (n("num_read_ops")?, n("num_write_ops")?);
-    let errors = b["io_error"].as_object().map_or(0, |m| m.values().filter_map(|x| x.as_u64()).sum());
-    Ok(Io { commands: reads + writes + n("num_unmap_ops")?, reads, writes, errors, sleeps: 0 })
+    let bdevs = v["bdevs"].as_array().cloned().unwrap_or_default();
+    let mut sum = Io::default();
+    for k in 0..n {
+        let name = format!("Ns{k}");
+        let b = bdevs
+            .iter()
+            .find(|b| b["name"] == name.as_str())
+            .ok_or_else(|| anyhow::anyhow!("no bdev {name} in bdev_get_iostat: {out}"))?;
+        let c = |f: &str| b[f].as_u64().ok_or_else(|| anyhow::anyhow!("no {f} of {name} in bdev_get_iostat: {out}"));
+        let (reads, writes) = (c("num_read_ops")?, c("num_write_ops")?);
+        let errors = b["io_error"].as_object().map_or(0, |m| m.values().filter_map(|x| x.as_u64()).sum());
+        let io = Io { commands: reads + writes + c("num_unmap_ops")?, reads, writes, errors, sleeps: 0 };
+        sum = sum.plus(io);
+    }
+    Ok(sum)
 }
 
 #[cfg(test)]
@@ -273,9 +359,14 @@ mod tests {
         assert!(parse_report(r#"{"event":"disconnected","counters":{"io.reads":1}}"#).is_err());
         let st = r#"{"tick_rate": 1, "bdevs": [{"name": "Ns0", "num_read_ops": 57893, "num_write_ops": 2,
                    "num_unmap_ops": 1, "io_error": {"read": 3}}]}"#;
-        assert_eq!(parse_iostat(st).unwrap(), Io { commands: 57896, reads: 57893, writes: 2, errors: 3, sleeps: 0 });
-        assert!(parse_iostat("not json").is_err());
-        assert!(parse_iostat(r#"{"bdevs": []}"#).is_err());
+        assert_eq!(parse_iostat(st, 1).unwrap(), Io { commands: 57896, reads: 57893, writes: 2, errors: 3, sleeps: 0 });
+        assert!(parse_iostat("not json", 1).is_err());
+        assert!(parse_iostat(r#"{"bdevs": []}"#, 1).is_err());
+        let two = r#"{"bdevs": [{"name": "Ns1", "num_read_ops": 10, "num_write_ops": 0, "num_unmap_ops": 0},
+                     {"name": "Other", "num_read_ops": 99, "num_write_ops": 0, "num_unmap_ops": 0},
+                     {"name": "Ns0", "num_read_ops": 5, "num_write_ops": 1, "num_unmap_ops": 0}]}"#;
+        assert_eq!(parse_iostat(two, 2).unwrap(), Io { commands: 16, reads: 15, writes: 1, errors: 0, sleeps: 0 });
+        assert!(parse_iostat(two, 3).is_err(), "Ns2 is missing");
         let a = Io { commands: 10, reads: 10, writes: 0, errors: 0, sleeps: 2 };
         let b = Io { commands: 25, reads: 25, writes: 0, errors: 1, sleeps: 5 };
         assert_eq!(b.since(a), Io { commands: 15, reads: 15, writes: 0, errors: 1, sleeps: 3 });
