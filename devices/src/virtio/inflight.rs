@@ -208,13 +208,13 @@ impl InflightRing {
         let last = self.u16_at(LAST_BATCH_AT).load(Ordering::Relaxed);
         self.u16_at(Self::entry(head) + NEXT_AT).store(last, Ordering::Relaxed);
         self.u16_at(LAST_BATCH_AT).store(head, Ordering::Release);
-        fence(Ordering::SeqCst); // before the used-ring write
+        fence(Ordering::Release); // before the used-ring write (a no-op on x86, whose stores stay in order)
     }
 
     /// The chain at `head` is in the used ring and the used index `used_idx`
     /// is published.
     pub fn used_after(&self, head: u16, used_idx: u16) {
-        fence(Ordering::SeqCst); // after the used index's store
+        fence(Ordering::Release); // after the used index's store (push_used ends with a full fence)
         if head < self.desc_num {
             self.clear(head);
         }

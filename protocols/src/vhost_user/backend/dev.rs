@@ -33,6 +33,11 @@ pub(super) struct Ring {
     /// Heads an earlier device process took and did not complete, oldest
     /// first: served before any new chain (at most the queue size).
     pub(super) resubmit: VecDeque<u16>,
+    /// Resumed from a region an earlier device process used: the driver is
+    /// owed one signal on the call fd (that process may have died between
+    /// publishing used entries and signalling them; a driver waiting on
+    /// those would wait for ever). Paid once a call fd is there.
+    pub(super) owe_call: bool,
 }
 
 impl Ring {
@@ -58,6 +63,8 @@ pub(super) struct Stats {
     /// Chains resubmitted from the in-flight region (taken by a device
     /// process that died before completing them).
     pub(super) resubmitted: u64,
+    /// In-flight regions the frontend set (SET_INFLIGHT_FD accepted).
+    pub(super) inflight_regions: u64,
     /// Requests served on each ring.
     pub(super) ring_requests: [u64; super::NUM_QUEUES],
 }
@@ -262,6 +269,7 @@ impl Dev {
             ("refused", st.refused),
             ("socket_errors", st.socket_errors),
             ("mem_tables", st.mem_tables),
+            ("inflight_regions", st.inflight_regions),
             ("inflight_resubmits", st.resubmitted),
         ]
         .into_iter()

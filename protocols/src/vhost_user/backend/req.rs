@@ -171,7 +171,22 @@ impl Session {
         }
         r.resubmit = res.resubmit.into();
         r.inflight = Some(view);
+        // An earlier process noted in this region (a used index came before):
+        // the driver is owed a signal, paid below or at SET_VRING_CALL.
+        r.owe_call = res.next_avail.is_some();
         Ok(())
+    }
+
+    /// Signals ring `i`'s call fd if the driver is owed a signal (see
+    /// [`Ring::owe_call`](super::dev::Ring)) and there is one: a spurious
+    /// interrupt costs the driver a look at its used ring, a lost one a hang.
+    fn pay_call(&mut self, i: usize) {
+        let mut d = self.dev();
+        let r = &mut d.rings[i];
+        if let (true, Some(c)) = (r.owe_call, &r.call) {
+            super::dev::signal(c);
+            r.owe_call = false;
+        }
     }
 
     /// Ends the session: stops the ring threads, drops the memory and
@@ -318,6 +333,7 @@ impl VhostUserBackendReqHandlerMut for Session {
             r.broken = false;
         }
         let poll = self.notify == NotifyMode::Poll;
+        self.pay_call(i);
         match Worker::start(self.dev.clone(), i, kick, poll) {
             Ok(w) => {
                 w.nudge(); // requests made before the kick fd came
@@ -337,6 +353,7 @@ impl VhostUserBackendReqHandlerMut for Session {
             return self.refuse(format!("queue {i}: the call fd: {why}"));
         }
         self.dev().rings[i].call = fd.map(Arc::new);
+        self.pay_call(i);
         Ok(())
     }
 
@@ -417,6 +434,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         match Region::map(m, file, queues, &self.owner) {
             Ok(r) => {
                 self.inflight = Some(r);
+                self.dev().st.inflight_regions += 1;
                 Ok(())
             }
             Err(why) => self.refuse(format!("SET_INFLIGHT_FD: {why}")),
