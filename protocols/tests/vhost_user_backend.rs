@@ -5,7 +5,9 @@
 //! hostile frontends: a ring outside the
 //! memory, too many regions, a bad queue index, a frontend that leaves in
 //! the middle of I/O. After every session the process holds no more fds
-//! and no more mappings of the frontend's memory than before it.
+//! and no more mappings of the frontend's memory than before it. In-flight
+//! tracking: a region left as a killed backend leaves it is resubmitted in
+//! counter order, each chain once; numbers past the device are refused.
 
 use iopath_devices::block::StorageKind;
 use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig, F_VERSION_1};
