@@ -18,6 +18,8 @@ usage: run-linux.sh (--device qemu-nvme|qemu-virtio-blk | --vfio-user SOCKET | -
                          directory is bound into the QEMU root); repeatable: one device each
   --vhost-user SOCKET    -device vhost-user-blk-pci on SOCKET (a vhost-user-blk backend; implies
                          --check vblk; needs the shared memfd RAM, so not with --no-share)
+  --vhost-reconnect MS   the vhost-user chardev reconnects MS ms after its backend goes away
+                         (reconnect-ms=MS: a backend killed and started again on SOCKET)
   --check nvme|vblk      the checks the guest runs: guest-check.sh (NVMe, the default) or
                          guest-vblk.sh (virtio-blk)
   --root-port            each vfio-user device behind a pcie-root-port of its own (q35's root
@@ -39,7 +41,7 @@ USAGE
     exit 4
 }
 
-MODE= CHECK=nvme SOCK= SOCKS=() ROOT_PORT=0 SHARE=1 HUGETLB=0 TIMEOUT=300 NVME_TO= APPEND= SCRIPT= MEM=512 SMP=1 LOG= RUN= QUIET=0
+MODE= CHECK=nvme SOCK= SOCKS=() ROOT_PORT=0 SHARE=1 HUGETLB=0 TIMEOUT=300 NVME_TO= APPEND= SCRIPT= MEM=512 SMP=1 LOG= RUN= QUIET=0 RECONNECT=
 EXTRA=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -52,6 +54,7 @@ while [[ $# -gt 0 ]]; do
             MODE=$2; shift 2 ;;
         --vfio-user) MODE=vfio-user; SOCK=${2:?}; SOCKS+=("$2"); shift 2 ;;
         --vhost-user) MODE=vhost-user; CHECK=vblk; SOCK=${2:?}; shift 2 ;;
+        --vhost-reconnect) RECONNECT=${2:?}; shift 2 ;;
         --check) [[ ${2:-} == nvme || ${2:-} == vblk ]] || die "--check takes nvme or vblk"; CHECK=$2; shift 2 ;;
         --no-share) SHARE=0; shift ;;
         --root-port) ROOT_PORT=1; shift ;;
@@ -141,7 +144,8 @@ case "$MODE" in
                 n=$((n + 1))
             else
                 [[ $SHARE == 1 ]] || die "--vhost-user needs the shared memfd RAM (drop --no-share)"
-                Q+=(-chardev "socket,id=vu0,path=$SOCK" -device vhost-user-blk-pci,chardev=vu0)
+                Q+=(-chardev "socket,id=vu0,path=$SOCK${RECONNECT:+,reconnect-ms=$RECONNECT}"
+                    -device vhost-user-blk-pci,chardev=vu0)
             fi
         done
         SOCK=$(IFS=' '; echo "${SOCKS[*]}")

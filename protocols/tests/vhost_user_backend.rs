@@ -5,7 +5,9 @@
 //! hostile frontends: a ring outside the
 //! memory, too many regions, a bad queue index, a frontend that leaves in
 //! the middle of I/O. After every session the process holds no more fds
-//! and no more mappings of the frontend's memory than before it.
+//! and no more mappings of the frontend's memory than before it. In-flight
+//! tracking: a region left as a killed backend leaves it is resubmitted in
+//! counter order, each chain once; numbers past the device are refused.
 
 use iopath_devices::block::StorageKind;
 use iopath_devices::virtio::pci::{NotifyMode, VirtioBlkConfig, F_VERSION_1};
@@ -833,4 +835,177 @@ fn a_refused_check_device_state_ends_the_session() {
     let e = session.join().unwrap().unwrap_err().to_string();
     assert!(e.contains("CHECK_DEVICE_STATE"), "{e}");
     assert_eq!(counter(&be, "refused"), 1);
+}
+
+/// Request `k`'s status byte (0: S_OK; 0xff: not written).
+fn status(g: &Guest, k: u16) -> u8 {
+    let mut st = [0u8; 1];
+    g.read(0x9000 + k as u64, &mut st);
+    st[0]
+}
+
+/// The in-flight region as the frontend holds it (its memfd, mapped here).
+struct Inflight {
+    p: *mut u8,
+    len: usize,
+}
+
+impl Inflight {
+    fn map(f: &File, len: usize) -> Inflight {
+        // SAFETY: a fresh shared mapping of the region's memfd, as long as it.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        Inflight { p: p.cast(), len }
+    }
+    fn at<const N: usize>(&self, off: usize) -> [u8; N] {
+        assert!(off + N <= self.len);
+        // SAFETY: inside the mapping.
+        unsafe { std::ptr::read_volatile(self.p.add(off).cast::<[u8; N]>()) }
+    }
+    fn put(&self, off: usize, b: &[u8]) {
+        assert!(off + b.len() <= self.len);
+        // SAFETY: inside the mapping.
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.p.add(off), b.len()) }
+    }
+    fn u16(&self, off: usize) -> u16 {
+        u16::from_le_bytes(self.at(off))
+    }
+    /// Descriptor `i`'s entry: in flight or not, its counter.
+    fn mark(&self, i: u16, inflight: bool, counter: u64) {
+        let e = 16 + 16 * i as usize;
+        self.put(e, &[inflight as u8]);
+        self.put(e + 8, &counter.to_le_bytes());
+    }
+    fn inflight(&self, i: u16) -> bool {
+        self.at::<1>(16 + 16 * i as usize)[0] == 1
+    }
+}
+
+impl Drop for Inflight {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`.
+        unsafe { libc::munmap(self.p.cast(), self.len) };
+    }
+}
+
+/// A session on `be` (kept across sessions, as `iopath serve` keeps it), negotiated with
+/// INFLIGHT_SHMFD as QEMU's vhost-user-blk does.
+fn session_on(be: &Arc<VhostUserBackend>) -> Rig {
+    let (a, b) = UnixStream::pair().unwrap();
+    b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let be2 = be.clone();
+    let session = std::thread::spawn(move || be2.session(&b));
+    let mut r = Rig::new(a, 1, be.clone(), session);
+    let fe = &mut r.fe;
+    fe.set_owner().unwrap();
+    assert_ne!(fe.get_features().unwrap() & F_PROTOCOL_FEATURES, 0);
+    fe.set_features(F_VERSION_1 | F_PROTOCOL_FEATURES).unwrap();
+    let pf = fe.get_protocol_features().unwrap();
+    assert!(pf.contains(VhostUserProtocolFeatures::INFLIGHT_SHMFD), "{pf:?}");
+    fe.set_protocol_features(VhostUserProtocolFeatures::REPLY_ACK | VhostUserProtocolFeatures::INFLIGHT_SHMFD).unwrap();
+    fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+    r
+}
+
+/// In-flight tracking across a backend's death, driven by the `vhost` crate's frontend: a
+/// first session writes through a region it got with GET_INFLIGHT_FD (the region then says
+/// nothing is in flight, used_idx 2). The test then leaves the region as a backend killed at
+/// two points would: chains of requests 3 and 2 (avail entries 2 and 3) taken, request 3
+/// first by counter; and request 1's entry still set though its used index was published
+/// (the region's used_idx lags: a death between the used index and the clear). A second
+/// session with the same region (SET_INFLIGHT_FD) and QEMU's base after a lost backend (the
+/// used index) must serve 3 then 2 (both write sector 16: 2's data must win), never request
+/// 1 again, then take only the new request 4 (a read of sector 16) from the avail ring: used
+/// index 5, not 7.
+#[test]
+fn chains_a_dead_backend_left_in_flight_are_resubmitted_in_counter_order_once() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = Guest::new(true);
+    let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
+    let cfg = VirtioBlkConfig { backend: StorageKind::Ram, size: MEM as u64, ..null_config() };
+    let be = Arc::new(VhostUserBackend::new(&cfg).unwrap());
+    let mut r = session_on(&be);
+    let (info, region) =
+        r.fe.get_inflight_fd(&vhost::vhost_user::message::VhostUserInflight::new(0, 0, 1, QSIZE)).unwrap();
+    assert!(info.mmap_size >= 16 + 16 * QSIZE as u64, "{}", info.mmap_size);
+    r.fe.set_inflight_fd(&info, region.as_raw_fd()).unwrap();
+    r.start(&g, &kick, &call);
+    let (a, b, c): (Vec<u8>, Vec<u8>, Vec<u8>) =
+        ((0..4096u32).map(|i| i as u8).collect(), vec![0xbb; 4096], vec![0xcc; 4096]);
+    g.write(0x10000, &a);
+    submit(&g, 0, 1, 8, 0x10000);
+    submit(&g, 1, 1, 9, 0x10000);
+    kick.write(1).unwrap();
+    wait_used(&g, &call, 2);
+    assert_eq!(r.fe.get_vring_base(0).unwrap(), 2);
+    let inf = Inflight::map(&region, info.mmap_size as usize);
+    assert_eq!((inf.u16(8), inf.u16(10), inf.u16(14)), (1, QSIZE, 2), "version, desc_num, used_idx");
+    assert!((0..QSIZE).all(|i| !inf.inflight(i)), "nothing in flight after both completed");
+    let (_, res) = r.end();
+    res.unwrap();
+
+    // What a backend killed in the middle leaves: requests 2 (head 6) and 3 (head 9) taken,
+    // 3 first; request 1 (head 3) completed but its entry not cleared (region used_idx 1).
+    g.write(0x11000, &b);
+    g.write(0x12000, &c);
+    submit(&g, 2, 1, 16, 0x11000);
+    submit(&g, 3, 1, 16, 0x12000);
+    inf.mark(9, true, 10);
+    inf.mark(6, true, 11);
+    inf.mark(3, true, 9);
+    inf.put(12, &3u16.to_le_bytes()); // last_batch_head: request 1's head
+    inf.put(14, &1u16.to_le_bytes()); // used_idx one behind the used ring's
+    submit(&g, 4, 0, 16, 0x13000); // a new request: read sector 16
+
+    let mut r = session_on(&be);
+    r.fe.set_inflight_fd(&info, region.as_raw_fd()).unwrap();
+    r.start(&g, &kick, &call); // base 0 as sent by start(): the region's count decides
+    kick.write(1).unwrap();
+    wait_used(&g, &call, 5);
+    assert_eq!(r.fe.get_vring_base(0).unwrap(), 5, "the next available index after the one new chain");
+    assert_eq!(g.u16_at(USED + 2), 5, "a chain completed twice");
+    let used: Vec<u16> = (2..5).map(|k| g.u16_at(USED + 4 + 8 * k)).collect();
+    assert_eq!(used, [9, 6, 12], "the resubmitted chains by counter, then the new one");
+    assert_eq!((status(&g, 2), status(&g, 3), status(&g, 4)), (0, 0, 0));
+    let mut back = vec![0u8; 4096];
+    g.read(0x13000, &mut back);
+    assert!(back == b, "request 2 (counter 11) wrote last: sector 16 holds its data");
+    assert!((0..QSIZE).all(|i| !inf.inflight(i)) && inf.u16(14) == 5, "the region after");
+    let (be, res) = r.end();
+    res.unwrap();
+    assert_eq!(counter(&be, "inflight_resubmits"), 2);
+    assert_eq!(counter(&be, "requests"), 5);
+}
+
+/// GET_INFLIGHT_FD for more queues than the device has, or a size it does not serve, ends the
+/// session (the crate has no error reply for it); SET_INFLIGHT_FD with an mmap_size too small
+/// for its queues gets an error reply.
+#[test]
+fn inflight_numbers_past_the_device_are_refused() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    use vhost::vhost_user::message::VhostUserInflight;
+    let be = Arc::new(VhostUserBackend::new(&null_config()).unwrap());
+    let mut r = session_on(&be);
+    let (info, f) = r.fe.get_inflight_fd(&VhostUserInflight::new(0, 0, 1, QSIZE)).unwrap();
+    let small = VhostUserInflight::new(64, 0, 1, QSIZE);
+    assert!(r.fe.set_inflight_fd(&small, f.as_raw_fd()).is_err(), "a region too small for its queue");
+    drop(r.end());
+    let mut r = session_on(&be);
+    let big = VhostUserInflight::new(0, 0, (NUM_QUEUES + 1) as u16, QSIZE);
+    assert!(r.fe.get_inflight_fd(&big).is_err());
+    let (_, res) = r.end();
+    assert!(res.unwrap_err().to_string().contains("queues"));
+    let mut r = session_on(&be);
+    assert!(r.fe.get_inflight_fd(&VhostUserInflight::new(0, 0, 1, 1024)).is_err());
+    drop(r.end());
+    assert!(info.mmap_size > 0);
 }

@@ -8,6 +8,7 @@
 pub mod blk;
 mod blk_async;
 pub mod blk_emu;
+pub mod inflight;
 pub mod options;
 pub mod pci;
 pub mod queue;

@@ -160,6 +160,21 @@ impl Queue {
         self.next_avail = self.next_avail.wrapping_sub(1);
     }
 
+    /// The chain at `head`, walked as [`pop`](Self::pop) walks one, without
+    /// taking anything from the available ring: a chain taken by an earlier
+    /// device process and resubmitted (vhost-user's in-flight tracking).
+    pub fn chain(&self, mem: &GuestMem, head: u16) -> Result<Chain, QueueError> {
+        if !self.ready || self.num == 0 {
+            return Err(QueueError::NotReady);
+        }
+        Ok(Chain { head, descs: self.walk(mem, head)? })
+    }
+
+    /// The used index the used ring holds (what the driver has been given).
+    pub fn used_idx(&self, mem: &GuestMem) -> Result<u16, QueueError> {
+        Self::read_u16(mem, self.used + 2)
+    }
+
     fn read_desc(mem: &GuestMem, gpa: u64) -> Result<(u64, u32, u16, u16), QueueError> {
         let mut b = [0u8; 16];
         mem.read_slice(&mut b, gpa).map_err(|_| mem_err(gpa, 16))?;

@@ -5,8 +5,10 @@
 //! ring's worth of requests), as the in-VMM device's thread does.
 
 use iopath_devices::virtio::blk::{self, Blk};
+use iopath_devices::virtio::inflight::InflightRing;
 use iopath_devices::virtio::queue::{Queue, MAX_QUEUE_SIZE};
 use iopath_devices::{Counter, GuestMem};
+use std::collections::VecDeque;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -26,6 +28,16 @@ pub(super) struct Ring {
     pub(super) broken: bool,
     /// A poller serves the ring: notifications stay suppressed.
     pub(super) polling: bool,
+    /// Its part of the in-flight region (SET_INFLIGHT_FD), if the frontend set one.
+    pub(super) inflight: Option<InflightRing>,
+    /// Heads an earlier device process took and did not complete, oldest
+    /// first: served before any new chain (at most the queue size).
+    pub(super) resubmit: VecDeque<u16>,
+    /// Resumed from a region an earlier device process used: the driver is
+    /// owed one signal on the call fd (that process may have died between
+    /// publishing used entries and signalling them; a driver waiting on
+    /// those would wait for ever). Paid once a call fd is there.
+    pub(super) owe_call: bool,
 }
 
 impl Ring {
@@ -48,6 +60,11 @@ pub(super) struct Stats {
     /// Sessions ended by the channel: a broken message, a request late.
     pub(super) socket_errors: u64,
     pub(super) mem_tables: u64,
+    /// Chains resubmitted from the in-flight region (taken by a device
+    /// process that died before completing them).
+    pub(super) resubmitted: u64,
+    /// In-flight regions the frontend set (SET_INFLIGHT_FD accepted).
+    pub(super) inflight_regions: u64,
     /// Requests served on each ring.
     pub(super) ring_requests: [u64; super::NUM_QUEUES],
 }
@@ -144,7 +161,20 @@ impl Dev {
         let mut fault = None;
         for _ in 0..=r.q.num {
             more = true;
-            match r.q.pop(&mem) {
+            // Chains a dead device process left in flight first (already
+            // noted in the region), then the available ring's.
+            let next = match r.resubmit.pop_front() {
+                Some(head) => {
+                    st.resubmitted += 1;
+                    r.q.chain(&mem, head).map(Some)
+                }
+                None => r.q.pop(&mem).inspect(|c| {
+                    if let (Some(c), Some(f)) = (c, &mut r.inflight) {
+                        f.take(c.head);
+                    }
+                }),
+            };
+            match next {
                 Ok(Some(c)) => {
                     let done = blk.handle(&mem, &c.descs);
                     st.requests += 1;
@@ -152,12 +182,18 @@ impl Dev {
                     if done.status != Some(blk::S_OK) {
                         st.errors += 1;
                     }
+                    if let Some(f) = &r.inflight {
+                        f.used_before(c.head);
+                    }
                     match r.q.push_used(&mem, c.head, done.written) {
                         Ok(want) => irq |= want,
                         Err(e) => {
                             fault = Some(format!("used ring: {e}"));
                             break;
                         }
+                    }
+                    if let Some(f) = &r.inflight {
+                        f.used_after(c.head, r.q.next_used);
                     }
                 }
                 Ok(None) => match r.q.set_notify(&mem, !r.polling) {
@@ -190,7 +226,8 @@ impl Dev {
 
     /// True if ring `i` is live and has chains the device has not taken.
     pub(super) fn has_work(&self, i: usize) -> bool {
-        self.live(i) && self.mem.as_ref().is_some_and(|m| self.rings[i].q.has_work(m).unwrap_or(true))
+        let r = &self.rings[i];
+        self.live(i) && (!r.resubmit.is_empty() || self.mem.as_ref().is_some_and(|m| r.q.has_work(m).unwrap_or(true)))
     }
 
     /// Sets whether a poller serves ring `i` and asks the driver for
@@ -232,6 +269,8 @@ impl Dev {
             ("refused", st.refused),
             ("socket_errors", st.socket_errors),
             ("mem_tables", st.mem_tables),
+            ("inflight_regions", st.inflight_regions),
+            ("inflight_resubmits", st.resubmitted),
         ]
         .into_iter()
         .map(|(n, value)| Counter { name: n.into(), value })

@@ -20,7 +20,12 @@
 //! configuration space, [`blk::config_space`](iopath_devices::virtio::blk::config_space)
 //! with num_queues), MQ (GET_QUEUE_NUM: `queues=N` of the device's options,
 //! or by default [`NUM_QUEUES`], since QEMU's vhost-user-blk-pci asks for
-//! one per vCPU unless told `num-queues`) and REPLY_ACK (the crate's). Each started ring has a thread (`worker.rs`) that serves it on
+//! one per vCPU unless told `num-queues`), INFLIGHT_SHMFD (GET/SET_INFLIGHT_FD,
+//! `inflight.rs`: each ring notes the chains it took and has not completed
+//! in a region the frontend keeps, so a device process started after one
+//! that died resubmits them, in order, each once; QEMU's vhost-user-blk
+//! with a reconnecting chardev survives a `kill -9` of the backend) and
+//! REPLY_ACK (the crate's). Each started ring has a thread (`worker.rs`) that serves it on
 //! kicks or polls it (`notify=poll`), and signals the call fd as the driver
 //! asks; the rings share the disk behind one lock.
 //!
@@ -44,6 +49,7 @@
 //! timed-out reads and writes for ever.
 
 mod dev;
+mod inflight;
 mod mem;
 mod req;
 mod serve;
@@ -80,8 +86,9 @@ pub const F_PROTOCOL_FEATURES: u64 = 1 << 30;
 /// Virtio features offered: the device's, MQ and PROTOCOL_FEATURES.
 pub const FEATURES: u64 = iopath_devices::virtio::pci::FEATURES | F_MQ | F_PROTOCOL_FEATURES;
 /// Protocol features offered (the crate adds REPLY_ACK).
-pub const PROTOCOL_FEATURES: VhostUserProtocolFeatures =
-    VhostUserProtocolFeatures::CONFIG.union(VhostUserProtocolFeatures::MQ);
+pub const PROTOCOL_FEATURES: VhostUserProtocolFeatures = VhostUserProtocolFeatures::CONFIG
+    .union(VhostUserProtocolFeatures::MQ)
+    .union(VhostUserProtocolFeatures::INFLIGHT_SHMFD);
 
 /// The configuration space GET_CONFIG serves: the device's
 /// ([`blk::config_space`]) with its `queues` as num_queues.

@@ -12,6 +12,7 @@
 //! which hold the kick fds, and drops the memory and the call and error fds.
 
 use super::dev::{eventfd, Dev};
+use super::inflight::{self, Region};
 use super::mem::MemTable;
 use super::worker::Worker;
 use super::{FEATURES, F_PROTOCOL_FEATURES, NUM_QUEUES};
@@ -35,6 +36,9 @@ pub(super) struct Session {
     workers: [Option<Worker>; NUM_QUEUES],
     /// SET_VRING_NUM came for the ring: its addresses can be checked.
     sized: [bool; NUM_QUEUES],
+    /// The in-flight region (SET_INFLIGHT_FD): each ring that starts takes
+    /// its part, resubmits what it names and notes what it takes.
+    inflight: Option<Region>,
     /// Why the last request was refused, for the session's log line.
     pub(super) refusal: Option<String>,
     /// What the frontend's memory is registered under with the SIGBUS handler.
@@ -52,6 +56,7 @@ impl Session {
             addrs: Default::default(),
             workers: Default::default(),
             sized: [false; NUM_QUEUES],
+            inflight: None,
             refusal: None,
             owner,
         }
@@ -59,7 +64,7 @@ impl Session {
 
     /// Why the session ends if the frontend shrank memory of its table.
     pub(super) fn shrunk(&self) -> Option<crate::Error> {
-        self.table.as_ref().and_then(|t| t.shrunk())
+        self.table.as_ref().and_then(|t| t.shrunk()).or_else(|| self.inflight.as_ref().and_then(|r| r.shrunk()))
     }
 
     fn dev(&self) -> std::sync::MutexGuard<'_, Dev> {
@@ -125,6 +130,65 @@ impl Session {
         Ok(())
     }
 
+    /// Ring `i` starts on its part of the in-flight region, if there is
+    /// one: the region set up (new) or repaired, the used index taken from
+    /// the used ring, the next available one from the region (the chains
+    /// in flight follow the used ones), and those chains queued for
+    /// resubmission. Without a region the ring takes the vring base.
+    fn resume(&mut self, i: usize) -> VuResult<()> {
+        let view = self.inflight.as_ref().and_then(|r| r.ring(i));
+        let mut d = self.dev();
+        let Some(mut view) = view else {
+            d.rings[i].inflight = None;
+            d.rings[i].resubmit.clear();
+            return Ok(());
+        };
+        let Some(mem) = d.mem.clone() else {
+            drop(d);
+            return self.refuse(format!("queue {i} started before any memory"));
+        };
+        let r = &mut d.rings[i];
+        let resumed =
+            r.q.used_idx(&mem)
+                .map_err(|e| e.to_string())
+                .and_then(|used| view.start(r.q.num, used).map(|res| (used, res)).map_err(|e| e.to_string()));
+        let (used, res) = match resumed {
+            Ok(x) => x,
+            Err(why) => {
+                drop(d);
+                return self.refuse(format!("queue {i}: in-flight region: {why}"));
+            }
+        };
+        r.q.next_used = used;
+        if let Some(a) = res.next_avail {
+            r.q.next_avail = a;
+        }
+        if !res.resubmit.is_empty() {
+            log::warn!(
+                "vhost-user-blk: queue {i}: resubmitting {} request(s) a previous device process left in flight",
+                res.resubmit.len()
+            );
+        }
+        r.resubmit = res.resubmit.into();
+        r.inflight = Some(view);
+        // An earlier process noted in this region (a used index came before):
+        // the driver is owed a signal, paid below or at SET_VRING_CALL.
+        r.owe_call = res.next_avail.is_some();
+        Ok(())
+    }
+
+    /// Signals ring `i`'s call fd if the driver is owed a signal (see
+    /// [`Ring::owe_call`](super::dev::Ring)) and there is one: a spurious
+    /// interrupt costs the driver a look at its used ring, a lost one a hang.
+    fn pay_call(&mut self, i: usize) {
+        let mut d = self.dev();
+        let r = &mut d.rings[i];
+        if let (true, Some(c)) = (r.owe_call, &r.call) {
+            super::dev::signal(c);
+            r.owe_call = false;
+        }
+    }
+
     /// Ends the session: stops the ring threads, drops the memory and
     /// every fd the frontend gave. Idempotent.
     pub(super) fn end(&mut self) {
@@ -132,6 +196,7 @@ impl Session {
             self.stop(i);
         }
         self.table = None;
+        self.inflight = None;
         self.addrs = Default::default();
         self.sized = [false; NUM_QUEUES];
         self.features = 0;
@@ -260,6 +325,7 @@ impl VhostUserBackendReqHandlerMut for Session {
         }
         self.stop(i);
         self.place(i)?;
+        self.resume(i)?;
         {
             let mut d = self.dev();
             let r = &mut d.rings[i];
@@ -267,6 +333,7 @@ impl VhostUserBackendReqHandlerMut for Session {
             r.broken = false;
         }
         let poll = self.notify == NotifyMode::Poll;
+        self.pay_call(i);
         match Worker::start(self.dev.clone(), i, kick, poll) {
             Ok(w) => {
                 w.nudge(); // requests made before the kick fd came
@@ -286,6 +353,7 @@ impl VhostUserBackendReqHandlerMut for Session {
             return self.refuse(format!("queue {i}: the call fd: {why}"));
         }
         self.dev().rings[i].call = fd.map(Arc::new);
+        self.pay_call(i);
         Ok(())
     }
 
@@ -350,12 +418,27 @@ impl VhostUserBackendReqHandlerMut for Session {
         self.refuse("GET_SHARED_OBJECT: not offered".into())
     }
 
-    fn get_inflight_fd(&mut self, _inflight: &VhostUserInflight) -> VuResult<(VhostUserInflight, File)> {
-        self.refuse("GET_INFLIGHT_FD: not offered".into())
+    fn get_inflight_fd(&mut self, m: &VhostUserInflight) -> VuResult<(VhostUserInflight, File)> {
+        let queues = self.dev().rings.len();
+        match inflight::create(m, queues) {
+            Ok(r) => Ok(r),
+            Err(why) => self.refuse(format!("GET_INFLIGHT_FD: {why}")),
+        }
     }
 
-    fn set_inflight_fd(&mut self, _inflight: &VhostUserInflight, _file: File) -> VuResult<()> {
-        self.refuse("SET_INFLIGHT_FD: not offered".into())
+    fn set_inflight_fd(&mut self, m: &VhostUserInflight, file: File) -> VuResult<()> {
+        if let Some(i) = self.workers.iter().position(Option::is_some) {
+            return self.refuse(format!("SET_INFLIGHT_FD while queue {i} runs"));
+        }
+        let queues = self.dev().rings.len();
+        match Region::map(m, file, queues, &self.owner) {
+            Ok(r) => {
+                self.inflight = Some(r);
+                self.dev().st.inflight_regions += 1;
+                Ok(())
+            }
+            Err(why) => self.refuse(format!("SET_INFLIGHT_FD: {why}")),
+        }
     }
 
     fn get_max_mem_slots(&mut self) -> VuResult<u64> {
