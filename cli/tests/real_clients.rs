@@ -813,6 +813,8 @@ fn linux_nvme_driver_rescans_when_a_namespace_is_detached_and_attached_through_t
             "{want} did not pass:\n{}",
             c.join("\n")
         );
+    }
+}
 
 /// An `iopath serve` on a given socket, which it may replace (a killed one's is stale); its
 /// stderr kept. Started again on the same socket after a `kill -9`.
