@@ -141,9 +141,15 @@ impl NsConfig {
 
     /// One namespace in the device-option syntax (`iopath serve nvme
     /// --namespace backend=ram,size_mb=16,lba=4096`): `,` between its keys,
-    /// a `,` inside a value written twice.
+    /// a `,` inside a value written twice. A spec with no `,` but a `;`
+    /// is taken as a SPEC ([`parse_spec`](Self::parse_spec): `--namespace
+    /// backend=ram;size_mb=64;lba=512;ms=8;pi=1` works too).
     pub fn parse_options(spec: &str) -> Result<NsConfig> {
-        NsConfig::parse_pairs(split(spec, ','))
+        let pairs = split(spec, ',');
+        if pairs.len() == 1 && spec.contains(';') {
+            return NsConfig::parse_spec(spec);
+        }
+        NsConfig::parse_pairs(pairs)
     }
 
     fn parse_pairs(pairs: Vec<String>) -> Result<NsConfig> {
@@ -285,6 +291,8 @@ mod tests {
         assert_eq!(e.meta, NsMeta { ms: 16, ext: true, pi: 0, pi_first: false });
         assert_eq!(e.spec(), "backend=ram;size_mb=64;lba=4096;ms=16;ext=on");
         assert_eq!(NsConfig::parse_spec(&m.spec()).unwrap(), m);
+        // `--namespace` takes the `;` form as well.
+        assert_eq!(NsConfig::parse_options("backend=ram;size_mb=64;lba=512;ms=8;pi=1").unwrap(), m);
         for bad in ["ms=4", "ms=9", "pi=1", "pi=2;ms=8", "ext=on", "ms=100000"] {
             let c = NsConfig::parse_spec(bad).unwrap();
             let e = c.validate("namespace 3").unwrap_err().to_string();
