@@ -310,7 +310,7 @@ impl<'a, R: Regs> Nvme<'a, R> {
         self.ram.read(IDC, &mut vid);
         assert_eq!(u16::from_le_bytes(vid), 0x1234, "Identify data written through the mapping");
         assert_eq!(self.command(0, 0x06, 1, (BASE + IDN, 0), [0, 0, 0]), 0, "Identify Namespace");
-        // Up to the LBA format FLBAS picks (the controller lists two: 512 and 4096).
+        // Up to the LBA format FLBAS picks (the controller lists eight: LBAF 0 and 1 are 512 and 4096 without metadata).
         let mut ns = [0u8; 192];
         self.ram.read(IDN, &mut ns);
         let lba = 1usize << ns[128 + 4 * (ns[26] & 0xf) as usize + 2];

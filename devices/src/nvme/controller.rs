@@ -581,6 +581,7 @@ impl Core {
             v.push(Counter { name: "backend.inflight-max".into(), value: max });
             v.push(Counter { name: "backend.slot-waits".into(), value: self.flight.slot_waits });
         }
+        v.extend(self.pi_counters()); // `meta.rs`
         v
     }
 }

@@ -60,12 +60,35 @@ pub(super) struct Namespace {
     /// Attached to the controller (active); detached, it is allocated only:
     /// I/O to it gets Invalid Namespace or Format (`ns_admin.rs`).
     pub attached: bool,
+    /// Its metadata format (`ms` 0: none, the fast path) (`meta.rs`).
+    pub meta: super::meta::MetaFmt,
+    /// Protection information tuples checked, and the checks that failed.
+    pub pi_checks: u64,
+    pub pi_errors: u64,
 }
 
 impl Namespace {
     pub fn new(storage: Storage, cfg: &super::namespaces::NsConfig) -> Namespace {
         let (nlbas, lba_size) = (cfg.size / cfg.lba_size as u64, cfg.lba_size);
-        Namespace { storage, lba_shift: lba_size.trailing_zeros(), nlbas, pending: Pending::new(), attached: true }
+        let m = &cfg.meta;
+        let meta = super::meta::MetaFmt {
+            ms: m.ms,
+            ext: m.ext,
+            pi: m.pi,
+            pi_first: m.pi_first,
+            base: cfg.size,
+            area: m.area(&cfg.backend, cfg.size),
+        };
+        Namespace {
+            storage,
+            lba_shift: lba_size.trailing_zeros(),
+            nlbas,
+            pending: Pending::new(),
+            attached: true,
+            meta,
+            pi_checks: 0,
+            pi_errors: 0,
+        }
     }
 
     /// True if `n` LBAs from `slba` lie outside the namespace.
@@ -140,8 +163,9 @@ impl Core {
     /// or at once (Some(status)).
     pub(super) fn io_start(&mut self, qid: usize, c: &Sqe) -> Option<u16> {
         let Some(i) = self.ns_index(c.nsid) else { return Some(self.io(c)) };
+        let sync = self.ns[i].meta.ms != 0; // metadata: the synchronous way (`meta.rs`)
         let Storage::File(f) = &mut self.ns[i].storage else { return Some(self.io(c)) };
-        if !matches!(c.opcode, 0x00..=0x02) || !f.is_async() {
+        if !matches!(c.opcode, 0x00..=0x02) || !f.is_async() || sync {
             return Some(self.io(c));
         }
         let ns = &self.ns[i];
@@ -487,7 +511,7 @@ impl Core {
                 let deac = c.cdw12 & DEAC != 0;
                 let ns = &mut self.ns[i];
                 match ns.storage.write_zeroes(slba << ns.lba_shift, n << ns.lba_shift, deac) {
-                    Ok(()) => status::SUCCESS,
+                    Ok(()) => self.zero_meta(i, slba, n, Some(c)),
                     Err(e) => {
                         log::warn!("nvme: write zeroes: {e}");
                         status::INTERNAL
@@ -527,6 +551,9 @@ impl Core {
         let n = (c.cdw12 & 0xffff) as u64 + 1;
         if self.ns[i].out_of_range(slba, n) {
             return status::LBA_OUT_OF_RANGE;
+        }
+        if self.ns[i].meta.ms != 0 {
+            return self.rw_meta(i, c, slba, n, write);
         }
         let shift = self.ns[i].lba_shift;
         let bytes = n << shift;
@@ -656,6 +683,14 @@ impl Core {
             if let Err(e) = ns.storage.discard(slba << ns.lba_shift, n << ns.lba_shift) {
                 log::warn!("nvme: deallocate: {e}");
                 return status::INTERNAL;
+            }
+        }
+        if self.ns[i].meta.ms != 0 {
+            for (slba, n) in ranges.chunks(16).map(range) {
+                let st = self.zero_meta(i, slba, n, None);
+                if st != status::SUCCESS {
+                    return st;
+                }
             }
         }
         status::SUCCESS

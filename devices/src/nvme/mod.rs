@@ -151,6 +151,7 @@ pub mod identity;
 mod inject;
 mod interrupts;
 mod io;
+mod meta;
 pub mod namespaces;
 mod ns_admin;
 pub mod options;
@@ -359,6 +360,8 @@ pub struct NvmeConfig {
     pub namespaces: u32,
     /// `ns=SPEC`: namespaces after those, in order (`namespaces.rs`).
     pub ns: Vec<namespaces::NsConfig>,
+    /// `ms=`, `ext=`, `pi=`: namespace 1's metadata format (`meta.rs`).
+    pub meta: namespaces::NsMeta,
     /// `timing=`: the namespace's device timing model (None: off, the
     /// default; boxed: it is large and rarely set); `timing.rs`.
     pub timing: Option<Box<crate::block::timing::TimingSpec>>,
@@ -388,6 +391,7 @@ impl Default for NvmeConfig {
             id: identity::IdentityOptions::default(),
             namespaces: 1,
             ns: Vec::new(),
+            meta: namespaces::NsMeta::default(),
             timing: None,
             inject: Vec::new(),
         }
@@ -402,6 +406,7 @@ impl NvmeConfig {
             size: self.size,
             lba_size: self.lba_size,
             create: self.create,
+            meta: self.meta,
         };
         let mut v = vec![first; self.namespaces.max(1) as usize];
         v.extend(self.ns.iter().cloned());
@@ -472,6 +477,7 @@ impl NvmeConfig {
                     .into(),
             );
         }
+        self.meta.validate("namespace 1")?;
         for (i, ns) in self.ns.iter().enumerate() {
             ns.validate(&format!("namespace {}", self.namespaces as usize + 1 + i))?;
         }
@@ -534,10 +540,12 @@ impl Nvme {
         };
         let mut storages = Vec::new();
         for n in cfg.ns_list() {
-            crate::backing::prepare(&n.backend, n.size, n.create)?;
+            // The data, then the metadata area, if any (`meta.rs`).
+            let bytes = n.size + n.meta.area(&n.backend, n.size);
+            crate::backing::prepare(&n.backend, bytes, n.create)?;
             let mut storage = match &done {
-                Some(d) => Storage::open_signalling(&n.backend, n.size, d)?,
-                None => Storage::open(&n.backend, n.size)?,
+                Some(d) => Storage::open_signalling(&n.backend, bytes, d)?,
+                None => Storage::open(&n.backend, bytes)?,
             };
             if let Storage::File(f) = &mut storage {
                 f.in_place = cfg.in_place;

@@ -30,11 +30,84 @@ pub struct NsConfig {
     pub lba_size: u32,
     /// `file:PATH`: make a missing file (`crate::backing`).
     pub create: bool,
+    /// `ms=`, `ext=`, `pi=`: metadata and protection information (`meta.rs`).
+    pub meta: NsMeta,
+}
+
+/// A namespace's metadata format: `ms=0|8|16|64` bytes per block,
+/// `ext=on` (extended LBAs: inline after each block's data) or off (a
+/// separate buffer, MPTR), `pi=0|1` (protection information type 1 in the
+/// metadata's last 8 bytes; Format NVM may put it in the first, PIL).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NsMeta {
+    pub ms: u16,
+    pub ext: bool,
+    pub pi: u8,
+    /// PI in the first 8 bytes of the metadata (Format NVM's PIL; DPS bit 3).
+    pub pi_first: bool,
+}
+
+impl NsMeta {
+    /// Bytes a namespace of `size` data bytes keeps after them for
+    /// metadata: an eighth (64 bytes per 512-byte block, the most any
+    /// format takes) where it has metadata, or may be formatted to (`null`
+    /// and `ram` always: the memory is taken only when written); none for
+    /// a file without `ms=` (its file holds the data only, as before).
+    pub fn area(&self, backend: &StorageKind, size: u64) -> u64 {
+        if self.ms == 0 && matches!(backend, StorageKind::File(_)) {
+            0
+        } else {
+            size / 8
+        }
+    }
+
+    /// Checks ms 0/8/16/64, pi 0/1 (with ms >= 8), ext with ms.
+    pub fn validate(&self, what: &str) -> Result<()> {
+        if !matches!(self.ms, 0 | 8 | 16 | 64) {
+            return Err(bad(format!("{what}: ms={} (0, 8, 16 or 64)", self.ms)));
+        }
+        if self.pi > 1 {
+            return Err(bad(format!("{what}: pi={} (0 or 1: protection information type 1)", self.pi)));
+        }
+        if self.pi == 1 && self.ms < 8 {
+            return Err(bad(format!("{what}: pi=1 needs ms=8, 16 or 64")));
+        }
+        if self.ext && self.ms == 0 {
+            return Err(bad(format!("{what}: ext=on needs ms=8, 16 or 64")));
+        }
+        Ok(())
+    }
+
+    /// Sets key `k` (ms, ext, pi); false if `k` is none of them.
+    pub fn set(&mut self, k: &str, v: &str) -> std::result::Result<bool, crate::options::Reason> {
+        match k {
+            "ms" => self.ms = num(v)?.try_into().unwrap_or(u16::MAX),
+            "ext" => self.ext = crate::options::on_off(v)?,
+            "pi" => self.pi = num(v)?.try_into().unwrap_or(u8::MAX),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// `;ms=..` (`;ext=on`, `;pi=1`) as a SPEC writes them; empty for none.
+    pub fn spec(&self) -> String {
+        let mut s = String::new();
+        if self.ms != 0 {
+            s.push_str(&format!(";ms={}", self.ms));
+        }
+        if self.ext {
+            s.push_str(";ext=on");
+        }
+        if self.pi != 0 {
+            s.push_str(&format!(";pi={}", self.pi));
+        }
+        s
+    }
 }
 
 impl Default for NsConfig {
     fn default() -> Self {
-        NsConfig { backend: StorageKind::Ram, size: 64 << 20, lba_size: 512, create: false }
+        NsConfig { backend: StorageKind::Ram, size: 64 << 20, lba_size: 512, create: false, meta: NsMeta::default() }
     }
 }
 
@@ -68,18 +141,27 @@ impl NsConfig {
 
     /// One namespace in the device-option syntax (`iopath serve nvme
     /// --namespace backend=ram,size_mb=16,lba=4096`): `,` between its keys,
-    /// a `,` inside a value written twice.
+    /// a `,` inside a value written twice. A spec with no `,` but a `;`
+    /// is taken as a SPEC ([`parse_spec`](Self::parse_spec): `--namespace
+    /// backend=ram;size_mb=64;lba=512;ms=8;pi=1` works too).
     pub fn parse_options(spec: &str) -> Result<NsConfig> {
-        NsConfig::parse_pairs(split(spec, ','))
+        let pairs = split(spec, ',');
+        if pairs.len() == 1 && spec.contains(';') {
+            return NsConfig::parse_spec(spec);
+        }
+        NsConfig::parse_pairs(pairs)
     }
 
     fn parse_pairs(pairs: Vec<String>) -> Result<NsConfig> {
         let mut c = NsConfig::default();
         for kv in pairs {
             let Some((k, v)) = kv.split_once('=') else {
-                return Err(bad(format!("{kv:?} is not KEY=VALUE (backend, size_mb, lba, create)")));
+                return Err(bad(format!("{kv:?} is not KEY=VALUE (backend, size_mb, lba, create, ms, ext, pi)")));
             };
             let r = |e: crate::options::Reason| bad(format!("{k}: {}", e.0));
+            if c.meta.set(k, v).map_err(r)? {
+                continue;
+            }
             match k {
                 "backend" => c.backend = v.parse().map_err(|e: Error| r(e.into()))?,
                 "size_mb" => match num(v).map_err(r)? {
@@ -109,6 +191,7 @@ impl NsConfig {
         if self.create {
             s.push_str(";create=on");
         }
+        s.push_str(&self.meta.spec());
         s
     }
 
@@ -138,7 +221,7 @@ impl NsConfig {
         if self.create && !matches!(self.backend, StorageKind::File(_)) {
             return Err(bad(format!("{what}: create=on needs backend=file:PATH")));
         }
-        Ok(())
+        self.meta.validate(what)
     }
 }
 
@@ -154,6 +237,7 @@ impl super::NvmeConfig {
         }
         let n1 = NsConfig::parse_options(first)?;
         (self.backend, self.size, self.lba_size, self.create) = (n1.backend, n1.size, n1.lba_size, n1.create);
+        self.meta = n1.meta;
         self.ns = rest.iter().map(|s| NsConfig::parse_options(s)).collect::<Result<_>>()?;
         self.validate()?;
         Ok(self)
@@ -171,8 +255,15 @@ mod tests {
             size: 8 << 20,
             lba_size: 4096,
             create: true,
+            meta: NsMeta::default(),
         };
-        let b = NsConfig { backend: StorageKind::Null, size: 1 << 30, lba_size: 512, create: false };
+        let b = NsConfig {
+            backend: StorageKind::Null,
+            size: 1 << 30,
+            lba_size: 512,
+            create: false,
+            meta: NsMeta::default(),
+        };
         let v = NsConfig::write_list(&[a.clone(), b.clone()]).unwrap();
         assert_eq!(v, "backend=file:/tmp/a;;b++c.img;size_mb=8;lba=4096;create=on+backend=null;size_mb=1024;lba=512");
         assert_eq!(NsConfig::parse_list(&v).unwrap(), [a.clone(), b]);
@@ -189,5 +280,28 @@ mod tests {
         }
         let e = NsConfig::parse_spec("backend=ram;create=on").unwrap().validate("namespace 2").unwrap_err();
         assert!(e.to_string().contains("namespace 2: create=on needs"), "{e}");
+    }
+
+    #[test]
+    fn metadata_keys_round_trip_and_are_checked() {
+        let m = NsConfig::parse_options("backend=ram,size_mb=64,lba=512,ms=8,pi=1").unwrap();
+        assert_eq!(m.meta, NsMeta { ms: 8, ext: false, pi: 1, pi_first: false });
+        m.validate("namespace 1").unwrap();
+        let e = NsConfig::parse_spec("lba=4096;ms=16;ext=on").unwrap();
+        assert_eq!(e.meta, NsMeta { ms: 16, ext: true, pi: 0, pi_first: false });
+        assert_eq!(e.spec(), "backend=ram;size_mb=64;lba=4096;ms=16;ext=on");
+        assert_eq!(NsConfig::parse_spec(&m.spec()).unwrap(), m);
+        // `--namespace` takes the `;` form as well.
+        assert_eq!(NsConfig::parse_options("backend=ram;size_mb=64;lba=512;ms=8;pi=1").unwrap(), m);
+        for bad in ["ms=4", "ms=9", "pi=1", "pi=2;ms=8", "ext=on", "ms=100000"] {
+            let c = NsConfig::parse_spec(bad).unwrap();
+            let e = c.validate("namespace 3").unwrap_err().to_string();
+            assert!(e.contains("namespace 3: "), "{bad}: {e}");
+        }
+        assert!(NsConfig::parse_spec("ms=x").is_err());
+        let file = StorageKind::File("/tmp/x".into());
+        assert_eq!(NsMeta::default().area(&file, 8 << 20), 0);
+        assert_eq!(m.meta.area(&file, 8 << 20), 1 << 20);
+        assert_eq!(NsMeta::default().area(&StorageKind::Ram, 8 << 20), 1 << 20);
     }
 }

@@ -21,8 +21,15 @@
 use super::controller::Core;
 use super::queue::{status, Sqe};
 
-/// The LBA formats Identify Namespace lists, by index: log2 of the data size.
-pub(super) const LBA_FORMATS: [u32; 2] = [9, 12];
+/// The LBA formats Identify Namespace lists, by index: log2 of the data
+/// size, metadata bytes.
+pub(super) const LBA_FORMATS: [(u32, u16); 8] =
+    [(9, 0), (12, 0), (9, 8), (9, 16), (9, 64), (12, 8), (12, 16), (12, 64)];
+
+/// MC: metadata as part of an extended LBA (bit 0) or a separate buffer (bit 1).
+const MC: u8 = 0b11;
+/// DPC: protection information type 1 (bit 0), in the first (bit 3) or last (bit 4) 8 bytes.
+const DPC: u8 = 1 | 1 << 3 | 1 << 4;
 
 impl Core {
     /// Fills `d` with the namespace structure `cns` asks for (Err: the
@@ -40,15 +47,22 @@ impl Core {
                 d[8..16].copy_from_slice(&nlbas.to_le_bytes()); // NCAP
                 d[16..24].copy_from_slice(&nlbas.to_le_bytes()); // NUSE
                 d[25] = LBA_FORMATS.len() as u8 - 1; // NLBAF (0-based)
-                                                     // FLBAS: the format in use (metadata: none).
-                d[26] = LBA_FORMATS.iter().position(|&s| s == ns.lba_shift).unwrap_or(0) as u8;
-                // DLFEAT: deallocated blocks read as zeros (001b); Write Zeroes may
-                // deallocate (bit 3, DEAC: Linux then sets it unless told not to unmap).
+                let m = ns.meta;
+                // FLBAS: the format in use, bit 4 extended LBAs.
+                let f = LBA_FORMATS.iter().position(|&f| f == (ns.lba_shift, m.ms)).unwrap_or(0) as u8;
+                d[26] = f | (m.ext as u8) << 4;
+                d[27] = MC;
+                d[28] = DPC;
+                d[29] = m.pi | (m.pi_first as u8) << 3; // DPS
+                                                        // DLFEAT: deallocated blocks read as zeros (001b); Write Zeroes may
+                                                        // deallocate (bit 3, DEAC: Linux then sets it unless told not to unmap).
                 d[33] = 0b1001;
                 let (nguid, _) = self.ident.namespace_ids(c.nsid);
                 d[104..120].copy_from_slice(&nguid); // NGUID; EUI64 (120..128) not reported
-                for (k, &shift) in LBA_FORMATS.iter().enumerate() {
-                    d[128 + 4 * k + 2] = shift as u8; // LBAFk: MS 0, LBADS, RP 0
+                for (k, &(shift, ms)) in LBA_FORMATS.iter().enumerate() {
+                    // LBAFk: MS, LBADS, RP 0.
+                    d[128 + 4 * k..128 + 4 * k + 2].copy_from_slice(&ms.to_le_bytes());
+                    d[128 + 4 * k + 2] = shift as u8;
                 }
             }
             0x02 | 0x10 => {
@@ -81,11 +95,13 @@ impl Core {
     }
 
     /// Format NVM: namespace NSID (FFFFFFFFh: every namespace) to LBA
-    /// format CDW10 bits 3:0, its data erased. The commands in flight on
+    /// format CDW10 bits 3:0 (MSET bit 4, PI bits 7:5, PIL bit 8), its
+    /// data and metadata erased. The commands in flight on
     /// the file namespaces complete first; every queue group takes the new
     /// geometry.
     pub(super) fn format_nvm(&mut self, c: &Sqe) -> u16 {
         let (lbaf, mset, pi, ses) = (c.cdw10 & 0xf, c.cdw10 >> 4 & 1, c.cdw10 >> 5 & 7, c.cdw10 >> 9 & 7);
+        let pil = c.cdw10 >> 8 & 1 != 0;
         let targets: Vec<usize> = match c.nsid {
             0xffff_ffff => (0..self.ns.len()).collect(),
             n => match self.ns_index(n) {
@@ -93,12 +109,13 @@ impl Core {
                 None => return status::INVALID_NAMESPACE,
             },
         };
-        let Some(&shift) = LBA_FORMATS.get(lbaf as usize) else { return status::INVALID_FORMAT };
-        if pi != 0 {
-            return status::INVALID_FORMAT; // no metadata, so no protection information
+        let Some(&(shift, ms)) = LBA_FORMATS.get(lbaf as usize) else { return status::INVALID_FORMAT };
+        // Protection information: type 1 only, in metadata that holds it.
+        if pi > 1 || pi == 1 && ms < 8 {
+            return status::INVALID_FORMAT;
         }
         // MSET (metadata as part of the LBA) means nothing without metadata.
-        let _ = mset;
+        let ext = mset != 0 && ms != 0;
         if ses > 1 {
             return status::INVALID_FIELD;
         }
@@ -112,11 +129,16 @@ impl Core {
             if !bytes.is_multiple_of(1 << shift) {
                 return status::INVALID_FORMAT;
             }
+            // Metadata needs the area (`meta.rs`): its blocks' MS bytes each.
+            if ms != 0 && (bytes >> shift) * ms as u64 > self.ns[i].meta.area {
+                return status::INVALID_FORMAT;
+            }
         }
         for i in targets {
             let ns = &mut self.ns[i];
             let bytes = ns.nlbas << ns.lba_shift;
-            if let Err(e) = ns.storage.write_zeroes(0, bytes, true).and_then(|()| ns.storage.flush()) {
+            let all = bytes + ns.meta.area;
+            if let Err(e) = ns.storage.write_zeroes(0, all, true).and_then(|()| ns.storage.flush()) {
                 log::warn!("nvme: format: erasing namespace {}: {e}", i + 1);
                 return status::INTERNAL;
             }
@@ -124,6 +146,8 @@ impl Core {
                 self.with_group(g, |k| {
                     k.ns[i].lba_shift = shift;
                     k.ns[i].nlbas = bytes >> shift;
+                    let m = &mut k.ns[i].meta;
+                    (m.ms, m.ext, m.pi, m.pi_first) = (ms, ext, pi as u8, pil && pi != 0);
                 });
             }
         }

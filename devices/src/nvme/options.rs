@@ -51,6 +51,36 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
         },
         options::create(),
         Opt {
+            key: "ms",
+            values: "0|8|16|64",
+            help: "metadata bytes per block (default 0); file:PATH then holds an eighth more after the data",
+            parse: |c, v| {
+                c.meta.set("ms", v)?;
+                Ok(())
+            },
+            show: |c| (c.meta.ms != 0).then(|| c.meta.ms.to_string()),
+        },
+        Opt {
+            key: "ext",
+            values: "on|off",
+            help: "with ms=: extended LBAs, the metadata inline after each block (default off: a separate buffer)",
+            parse: |c, v| {
+                c.meta.set("ext", v)?;
+                Ok(())
+            },
+            show: |c| c.meta.ext.then(|| "on".to_string()),
+        },
+        Opt {
+            key: "pi",
+            values: "0|1",
+            help: "protection information type 1 in the metadata (needs ms=8, 16 or 64; default 0)",
+            parse: |c, v| {
+                c.meta.set("pi", v)?;
+                Ok(())
+            },
+            show: |c| (c.meta.pi != 0).then(|| c.meta.pi.to_string()),
+        },
+        Opt {
             key: "pollers",
             values: "N",
             help: "poller threads, 1 ..= 16 (default 1); more than one: doorbell=shm, bar or adaptive, \
@@ -223,14 +253,16 @@ mod tests {
             },
             namespaces: 4,
             ns: vec![
-                NsConfig { backend: StorageKind::Null, size: 1 << 30, lba_size: 4096, create: false },
+                NsConfig { backend: StorageKind::Null, size: 1 << 30, lba_size: 4096, ..Default::default() },
                 NsConfig {
                     backend: StorageKind::File("/tmp/n;+,@.img".into()),
                     size: 8 << 20,
                     lba_size: 512,
                     create: true,
+                    meta: crate::nvme::namespaces::NsMeta { ms: 16, ext: true, pi: 1, pi_first: false },
                 },
             ],
+            meta: crate::nvme::namespaces::NsMeta { ms: 8, ext: true, pi: 1, pi_first: false },
             timing: Some(Box::new("read:ln:80us:300us+write:20us+channels:8+iops:500k+bw:3g+seed:7".parse().unwrap())),
             inject: crate::block::inject::parse_rules(
                 "op=read/lba=0-7/status=2:0x81:dnr/once+op=write/nsid=1/delay=2ms/p=0.5:9+op=read/corrupt=4:7+qid=2/drop/every=3",

@@ -113,6 +113,11 @@ pub struct Sqe {
     pub cdw11: u32,
     pub cdw12: u32,
     pub cdw13: u32,
+    /// MPTR: a Read's or Write's separate metadata buffer (`meta.rs`).
+    pub mptr: u64,
+    /// EILBRT, and ELBAT/ELBATM (protection information, `meta.rs`).
+    pub cdw14: u32,
+    pub cdw15: u32,
 }
 
 impl Sqe {
@@ -141,6 +146,9 @@ impl Sqe {
             cdw11: (w[5] >> 32) as u32,
             cdw12: w[6] as u32,
             cdw13: (w[6] >> 32) as u32,
+            mptr: w[2],
+            cdw14: w[7] as u32,
+            cdw15: (w[7] >> 32) as u32,
         }
     }
 }

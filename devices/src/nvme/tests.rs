@@ -13,6 +13,7 @@ mod bar_adaptive;
 mod deallocate;
 mod forecast;
 mod inject;
+mod meta;
 mod namespaces;
 mod oracle;
 mod pollers;

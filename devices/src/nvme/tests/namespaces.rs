@@ -1,7 +1,7 @@
 //! Several namespaces: Identify (NN, the active and allocated lists, each
 //! namespace's structure and descriptors), I/O routed by NSID with each
 //! namespace's own data (an NSID that names none: 0x0b, nothing touched),
-//! Format NVM between the two LBA formats, and file namespaces whose rings
+//! Format NVM between the two LBA formats without metadata, and file namespaces whose rings
 //! share one completion eventfd.
 
 use super::*;
@@ -28,7 +28,7 @@ impl Drv {
 }
 
 fn ns(backend: StorageKind, size: u64, lba_size: u32) -> NsConfig {
-    NsConfig { backend, size, lba_size, create: false }
+    NsConfig { backend, size, lba_size, ..Default::default() }
 }
 
 /// Namespaces 1-2 ram (512, cloned), 3 null (4096), 4 ram (4096).
@@ -67,10 +67,10 @@ fn identify_lists_every_namespace_with_its_geometry_and_ids_of_its_own() {
             assert_eq!(st, 0, "namespace {nsid}");
             let nlbas = bytes >> shift;
             assert_eq!((le64(&n[0..]), le64(&n[8..]), le64(&n[16..])), (nlbas, nlbas, nlbas), "{nsid}: NSZE NCAP NUSE");
-            assert_eq!(n[25], 1, "NLBAF: two formats");
+            assert_eq!(n[25], 7, "NLBAF: eight formats (those with metadata: tests/meta.rs)");
             assert_eq!(n[26], (shift == 12) as u8, "{nsid}: FLBAS");
             assert_eq!((n[128 + 2], n[132 + 2]), (9, 12), "LBAF0 512, LBAF1 4096");
-            assert_eq!((&n[128..130], &n[132..134]), (&[0u8, 0][..], &[0u8, 0][..]), "no metadata");
+            assert_eq!((&n[128..130], &n[132..134]), (&[0u8, 0][..], &[0u8, 0][..]), "LBAF0 and 1: no metadata");
         }
         let (_, n) = d.admin_data(0x06, nsid, [0, 0, 0, 0], 4096);
         let (st, l) = d.admin_data(0x06, nsid, [3, 0, 0, 0], 4096);
@@ -153,8 +153,8 @@ fn format_nvm_switches_a_namespace_between_512_and_4096_and_erases_it_alone() {
         let (_, n) = d.admin_data(0x06, nsid, [0, 0, 0, 0], 4096);
         (n[26], le64(&n[0..]))
     };
-    // Refused: a format not listed, protection information, cryptographic erase, no such namespace.
-    assert_eq!(d.admin(0x80, 2, 0, 0, [2, 0, 0, 0]).1, status::INVALID_FORMAT);
+    // Refused: a format not listed, protection information without metadata, cryptographic erase, no such namespace.
+    assert_eq!(d.admin(0x80, 2, 0, 0, [8, 0, 0, 0]).1, status::INVALID_FORMAT);
     assert_eq!(d.admin(0x80, 2, 0, 0, [1 | 1 << 5, 0, 0, 0]).1, status::INVALID_FORMAT);
     assert_eq!(d.admin(0x80, 2, 0, 0, [1 | 2 << 9, 0, 0, 0]).1, status::INVALID_FIELD);
     assert_eq!(d.admin(0x80, 9, 0, 0, [1, 0, 0, 0]).1, status::INVALID_NAMESPACE);
@@ -194,7 +194,13 @@ fn file_namespaces_each_keep_their_own_file_and_share_one_completion_eventfd() {
         let (a, b) = (TempImage::new("nsa"), TempImage::new("nsb"));
         let cfg = NvmeConfig {
             ns: vec![
-                NsConfig { backend: StorageKind::File(b.0.clone()), size: 1 << 20, lba_size: 4096, create: true },
+                NsConfig {
+                    backend: StorageKind::File(b.0.clone()),
+                    size: 1 << 20,
+                    lba_size: 4096,
+                    create: true,
+                    ..Default::default()
+                },
                 ns(StorageKind::Ram, 1 << 20, 512),
             ],
             ..a.cfg(mode)
