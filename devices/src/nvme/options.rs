@@ -150,8 +150,8 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
             key: "ns",
             values: "SPEC",
             help: "one more namespace (repeatable, NSIDs in order after namespaces=): SPEC is \
-                   backend=...;size_mb=...;lba=...;create=... with ; between its keys (defaults as \
-                   namespace 1's), several joined by +",
+                   backend=...;size_mb=...;lba=...;create=...;timing=... with ; between its keys (defaults as \
+                   namespace 1's; timing= as the device option's, ++ for its +), several joined by +",
             parse: |c, v| {
                 c.ns.extend(NsConfig::parse_list(v)?);
                 Ok(())
@@ -161,7 +161,7 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
         Opt {
             key: "timing",
             values: "SPEC",
-            help: "the namespace's device timing model, items joined by + (e.g. read:80us+write:ln:20us:90us+\
+            help: "the namespaces' device timing model (the default of each without a timing= of its own), items joined by + (e.g. read:80us+write:ln:20us:90us+\
                    channels:8+iops:500k+bw:3g; default off); not with doorbell=mmio",
             parse: |c, v| {
                 c.timing = Some(Box::new(v.parse().map_err(|e: crate::block::timing::TimingError| e.to_string())?));
@@ -223,12 +223,13 @@ mod tests {
             },
             namespaces: 4,
             ns: vec![
-                NsConfig { backend: StorageKind::Null, size: 1 << 30, lba_size: 4096, create: false },
+                NsConfig { backend: StorageKind::Null, size: 1 << 30, lba_size: 4096, create: false, timing: None },
                 NsConfig {
                     backend: StorageKind::File("/tmp/n;+,@.img".into()),
                     size: 8 << 20,
                     lba_size: 512,
                     create: true,
+                    timing: Some(Box::new("read:u:10us:30us+iops:10k".parse().unwrap())),
                 },
             ],
             timing: Some(Box::new("read:ln:80us:300us+write:20us+channels:8+iops:500k+bw:3g+seed:7".parse().unwrap())),

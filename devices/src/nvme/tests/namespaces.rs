@@ -28,7 +28,7 @@ impl Drv {
 }
 
 fn ns(backend: StorageKind, size: u64, lba_size: u32) -> NsConfig {
-    NsConfig { backend, size, lba_size, create: false }
+    NsConfig { backend, size, lba_size, create: false, timing: None }
 }
 
 /// Namespaces 1-2 ram (512, cloned), 3 null (4096), 4 ram (4096).
@@ -194,7 +194,13 @@ fn file_namespaces_each_keep_their_own_file_and_share_one_completion_eventfd() {
         let (a, b) = (TempImage::new("nsa"), TempImage::new("nsb"));
         let cfg = NvmeConfig {
             ns: vec![
-                NsConfig { backend: StorageKind::File(b.0.clone()), size: 1 << 20, lba_size: 4096, create: true },
+                NsConfig {
+                    backend: StorageKind::File(b.0.clone()),
+                    size: 1 << 20,
+                    lba_size: 4096,
+                    create: true,
+                    timing: None,
+                },
                 ns(StorageKind::Ram, 1 << 20, 512),
             ],
             ..a.cfg(mode)

@@ -133,11 +133,12 @@ fn random_schedules_over_four_namespaces_in_every_doorbell_mode() {
                 size: 2 << 20,
                 lba_size,
                 create: true,
+                timing: None,
             };
             let c = NvmeConfig {
                 ns: vec![
                     file(&a, 4096),
-                    NsConfig { backend: StorageKind::Ram, size: 2 << 20, lba_size: 4096, create: false },
+                    NsConfig { backend: StorageKind::Ram, size: 2 << 20, lba_size: 4096, create: false, timing: None },
                     file(&b, 512),
                 ],
                 ..cfg(mode, 1, 512)
