@@ -9,15 +9,22 @@
 # write and read-back on each namespace (fio-nvme0nY-w, fio-nvme0nY-r), then format (nvme format
 # of namespace 1 to LBA format 1, 4096 bytes: the block device follows) and fio on it again
 # (fio-formatted-w, fio-formatted-r), no-timeout. Knobs: as guest-lib.sh, and harness.ns_count=N,
-# harness.ns_lba=A,B,... (each namespace's LBA size, in NSID order).
+# harness.ns_lba=A,B,... (each namespace's LBA size, in NSID order); harness.ns_timed=NSID and
+# harness.ns_timed_us=US (that namespace has a timing model of US per read): check ns-timing, a QD1
+# fio randread on each namespace, the timed one's minimum completion latency at least US, every
+# other's mean below it.
 . /lib.sh
 
 NS_COUNT=4
 NS_LBA=
+NS_TIMED=
+NS_TIMED_US=
 for t in $(cat /proc/cmdline); do
     case "$t" in
         harness.ns_count=*) NS_COUNT=${t#*=} ;;
         harness.ns_lba=*) NS_LBA=${t#*=} ;;
+        harness.ns_timed=*) NS_TIMED=${t#*=} ;;
+        harness.ns_timed_us=*) NS_TIMED_US=${t#*=} ;;
     esac
 done
 
@@ -79,6 +86,27 @@ for b in $(nss); do
     else check "fio-$b-r" fail "rc=$rc errs=$errs"; fi
 done
 new_dmesg 'nvme|timeout|error'
+
+# The timing model of one namespace: fio's completion latency (terse v3: field 14 clat min,
+# 16 clat mean, in us) at QD1 shows it there and only there.
+if [ -n "$NS_TIMED" ] && [ -n "$NS_TIMED_US" ]; then
+    k=0; bad=; seen=
+    for b in $(nss); do
+        k=$((k + 1))
+        bounded $STEP $W/lat.$b fio --name=lat-$b --filename=/dev/$b --rw=randread --bs=4k --ioengine=libaio \
+            --direct=1 --iodepth=1 --size=16M --runtime=1 --time_based --output-format=terse --terse-version=3
+        line=$(grep -E '^3;' $W/lat.$b | head -n 1)
+        min=$(echo "$line" | cut -d';' -f14 | cut -d. -f1)
+        mean=$(echo "$line" | cut -d';' -f16 | cut -d. -f1)
+        seen="$seen $b(nsid $k): clat min ${min}us mean ${mean}us;"
+        if [ -z "$min" ] || [ -z "$mean" ]; then bad="$bad $b: no fio figures;"
+        elif [ "$k" = "$NS_TIMED" ] && [ "$min" -lt "$NS_TIMED_US" ]; then bad="$bad $b: min ${min}us < ${NS_TIMED_US}us;"
+        elif [ "$k" != "$NS_TIMED" ] && [ "$mean" -ge "$NS_TIMED_US" ]; then bad="$bad $b: mean ${mean}us >= ${NS_TIMED_US}us;"
+        fi
+    done
+    if [ -z "$bad" ]; then check ns-timing ok "namespace $NS_TIMED at >= ${NS_TIMED_US}us, the others below:$seen"
+    else check ns-timing fail "$bad all:$seen"; fi
+fi
 
 # Format NVM: namespace 1 to LBA format 1 (4096 bytes); the block device follows, fio verifies on it.
 skipped format || {
