@@ -6,12 +6,17 @@
 use super::*;
 use crate::nvme::namespaces::NsConfig;
 
-/// One read of namespace `nsid` through the shadow doorbells (QD1); its status.
-fn read(d: &mut Drv, nsid: u32, slba: u64) -> u16 {
+/// One read of namespace `nsid` (QD1): through the shadow doorbells, else
+/// the doorbell register; its status.
+fn read(d: &mut Drv, nsid: u32, slba: u64, shadow: bool) -> u16 {
     let e = d.sqe(0x02, nsid, DATA, 0, [slba as u32, 0, 0, 0]);
     d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
     d.iotail = (d.iotail + 1) % 8;
-    d.mem.store(d.iotail as u32, GuestAddress(DBBUF + 8), Ordering::Release).unwrap();
+    if shadow {
+        d.mem.store(d.iotail as u32, GuestAddress(DBBUF + 8), Ordering::Release).unwrap();
+    } else {
+        d.w32(DOORBELLS + 8, d.iotail as u32);
+    }
     let t0 = std::time::Instant::now();
     let r = loop {
         if let Some(r) = d.reap(IOCQ, 8, false) {
@@ -21,12 +26,22 @@ fn read(d: &mut Drv, nsid: u32, slba: u64) -> u16 {
         assert!(t0.elapsed() < std::time::Duration::from_secs(10), "the poller did not post the completion");
         std::thread::yield_now();
     };
-    d.mem.store(d.iohead as u32, GuestAddress(DBBUF + 12), Ordering::Release).unwrap();
+    if shadow {
+        d.mem.store(d.iohead as u32, GuestAddress(DBBUF + 12), Ordering::Release).unwrap();
+    } else {
+        d.w32(DOORBELLS + 12, d.iohead as u32);
+    }
     r.1
 }
 
 #[test]
 fn each_namespace_completes_at_its_own_models_due_time() {
+    for (mode, shadow) in [(DoorbellMode::Shm, true), (DoorbellMode::Auto, true), (DoorbellMode::Auto, false)] {
+        own_due_times(mode, shadow);
+    }
+}
+
+fn own_due_times(mode: DoorbellMode, shadow: bool) {
     let ns = |timing: Option<&str>| NsConfig {
         backend: StorageKind::Ram,
         size: 1 << 20,
@@ -38,21 +53,23 @@ fn each_namespace_completes_at_its_own_models_due_time() {
     let cfg = NvmeConfig {
         backend: StorageKind::Ram,
         size: 1 << 20,
-        doorbell: DoorbellMode::Shm,
+        doorbell: mode,
         timing: Some(Box::new("read:300us".parse().unwrap())),
         ns: vec![ns(Some("read:40us+write:10us")), ns(None)],
         ..NvmeConfig::default()
     };
     let mut d = Drv::new(cfg);
     let log = d.n.timed_log();
-    assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
+    if shadow {
+        assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
+    }
     d.io_queues(8);
     let order = [1u32, 2, 3, 2, 1, 2, 2, 3, 1, 2];
     for (i, &nsid) in order.iter().enumerate() {
-        assert_eq!(read(&mut d, nsid, i as u64), 0, "read {i} of namespace {nsid}");
+        assert_eq!(read(&mut d, nsid, i as u64, shadow), 0, "{mode}: read {i} of namespace {nsid}");
     }
     let recs = crate::lock(&log).clone();
-    assert_eq!(recs.len(), order.len(), "every read timed: {recs:?}");
+    assert_eq!(recs.len(), order.len(), "{mode}: every read timed: {recs:?}");
     for (r, &nsid) in recs.iter().zip(&order) {
         let want = if nsid == 2 { 40_000 } else { 300_000 };
         assert!(r.arrival_ns > 0, "{r:?}");
