@@ -410,22 +410,29 @@ fn linux_nvme_driver_against_two_iopath_controllers_in_one_guest() {
 /// 4096) whose io_urings share the controller's one completion eventfd. Linux's `nvme list` shows
 /// all four, `nvme list-ns` (active and `--all`) gives NSIDs 1-4, each has NGUID and UUID of its own
 /// and the LBA size configured, fio verifies a write and its read-back on each, and `nvme format
-/// --lbaf=1` turns namespace 1 into a 4096-byte one that fio verifies again.
+/// --lbaf=1` turns namespace 1 into a 4096-byte one that fio verifies again. Namespace 2 has a
+/// timing model of its own (`timing=read:500us` in its `ns=` SPEC): fio's QD1 reads there take at
+/// least 500 us (total latency: submission and completion), the other namespaces' minimum is more
+/// than 250 us below that, and the device's own counters say the same.
 #[test]
 fn linux_nvme_driver_sees_four_iopath_namespaces_with_two_lba_formats_and_formats_one() {
+    const NS_TIMED_US: u64 = 500;
     let dir = std::env::temp_dir().join(format!("iopath-ns-{}-{}", std::process::id(), unique()));
     std::fs::create_dir_all(&dir).unwrap();
     let (a, b) = (dir.join("ns3.img"), dir.join("ns4.img"));
+    // Namespace 2 has a timing model of its own (500 us a read): fio sees it there only.
     let device = format!(
-        "nvme,backend=ram,size_mb=64,ns=backend=ram;size_mb=64;lba=4096,ns=backend=file:{};size_mb=64;lba=512;create=on,\
-         ns=backend=file:{};size_mb=64;lba=4096;create=on",
+        "nvme,backend=ram,size_mb=64,ns=backend=ram;size_mb=64;lba=4096;timing=read:{NS_TIMED_US}us,\
+         ns=backend=file:{};size_mb=64;lba=512;create=on,ns=backend=file:{};size_mb=64;lba=4096;create=on",
         a.display(),
         b.display()
     );
     let mut serve = Serve::start(&device);
     let sock = serve.socket.to_str().unwrap().to_string();
     let script = harness("guest-ns.sh");
-    let append = "harness.ns_count=4 harness.ns_lba=512,4096,512,4096";
+    let append = format!(
+        "harness.ns_count=4 harness.ns_lba=512,4096,512,4096 harness.ns_timed=2 harness.ns_timed_us={NS_TIMED_US}"
+    );
     let args = [
         "--vfio-user",
         sock.as_str(),
@@ -434,13 +441,15 @@ fn linux_nvme_driver_sees_four_iopath_namespaces_with_two_lba_formats_and_format
         "--script",
         script.to_str().unwrap(),
         "--append",
-        append,
+        append.as_str(),
     ];
     let log = serve.stderr.clone();
     let text = linux_with(&args, &|| log.lock().unwrap().join("\n"));
     let c = checks(&text);
     let passed = |name: &str| c.iter().any(|l| l.starts_with(&format!("@check {name} ok")));
-    for want in ["ns-probe", "nvme-list", "list-ns", "list-ns--all", "ns-ids", "ns-lba", "format", "no-timeout"] {
+    for want in
+        ["ns-probe", "nvme-list", "list-ns", "list-ns--all", "ns-ids", "ns-lba", "ns-timing", "format", "no-timeout"]
+    {
         assert!(passed(want), "check {want} did not pass:\n{}", c.join("\n"));
     }
     let fio: Vec<_> = c.iter().filter(|l| l.starts_with("@check fio-nvme") && l.contains(" ok")).collect();
@@ -453,6 +462,9 @@ fn linux_nvme_driver_sees_four_iopath_namespaces_with_two_lba_formats_and_format
     let report = serve.report();
     assert_eq!(counter(&report, "namespaces"), 4, "{report}");
     assert!(counter(&report, "backend.direct-ops") > 0, "the file namespaces were served: {report}");
+    // The device's own view: every timed completion (namespace 2's reads) at least its 500 us.
+    assert!(counter(&report, "timing.posted") > 0, "{report}");
+    assert!(counter(&report, "timing.device-p50-ns") >= NS_TIMED_US * 1000 * 98 / 100, "{report}");
     // The file namespaces hold fio's data: each file was written (not all zeros).
     for f in [&a, &b] {
         let data = std::fs::read(f).unwrap();

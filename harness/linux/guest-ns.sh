@@ -9,15 +9,22 @@
 # write and read-back on each namespace (fio-nvme0nY-w, fio-nvme0nY-r), then format (nvme format
 # of namespace 1 to LBA format 1, 4096 bytes: the block device follows) and fio on it again
 # (fio-formatted-w, fio-formatted-r), no-timeout. Knobs: as guest-lib.sh, and harness.ns_count=N,
-# harness.ns_lba=A,B,... (each namespace's LBA size, in NSID order).
+# harness.ns_lba=A,B,... (each namespace's LBA size, in NSID order); harness.ns_timed=NSID and
+# harness.ns_timed_us=US (that namespace has a timing model of US per read): check ns-timing, a QD1
+# fio randread on each namespace, the timed one's minimum total latency at least US, every other's
+# minimum more than US/2 below the timed one's.
 . /lib.sh
 
 NS_COUNT=4
 NS_LBA=
+NS_TIMED=
+NS_TIMED_US=
 for t in $(cat /proc/cmdline); do
     case "$t" in
         harness.ns_count=*) NS_COUNT=${t#*=} ;;
         harness.ns_lba=*) NS_LBA=${t#*=} ;;
+        harness.ns_timed=*) NS_TIMED=${t#*=} ;;
+        harness.ns_timed_us=*) NS_TIMED_US=${t#*=} ;;
     esac
 done
 
@@ -79,6 +86,37 @@ for b in $(nss); do
     else check "fio-$b-r" fail "rc=$rc errs=$errs"; fi
 done
 new_dmesg 'nvme|timeout|error'
+
+# The timing model of one namespace: fio's total latency (submission + completion: this guest's
+# io_submit takes hundreds of us, and the device works meanwhile, so clat alone can be shorter than
+# the device's time) at QD1, terse v3 field 38 (lat min, us), shows it there and only there: the
+# timed namespace's minimum at least US, every other's minimum more than US/2 below it.
+if [ -n "$NS_TIMED" ] && [ -n "$NS_TIMED_US" ]; then
+    bad=; seen=; tmin=
+    for b in $(nss); do
+        k=$(cat /sys/block/$b/nsid 2>/dev/null || echo "?")
+        bounded $STEP $W/lat.$b fio --name=lat-$b --filename=/dev/$b --rw=randread --bs=4k --ioengine=libaio \
+            --direct=1 --iodepth=1 --size=16M --runtime=1 --time_based --output-format=terse --terse-version=3
+        line=$(grep -E '^3;' $W/lat.$b | head -n 1)
+        min=$(echo "$line" | cut -d';' -f38 | cut -d. -f1)
+        mean=$(echo "$line" | cut -d';' -f40 | cut -d. -f1)
+        seen="$seen $b(nsid $k): lat min ${min}us mean ${mean}us;"
+        echo "$k $min" >>$W/lat.min
+        [ "$k" = "$NS_TIMED" ] && tmin=$min
+    done
+    if [ -z "$tmin" ]; then bad="no figures for namespace $NS_TIMED;"
+    elif [ "$tmin" -lt "$NS_TIMED_US" ]; then bad="namespace $NS_TIMED: min ${tmin}us < ${NS_TIMED_US}us;"
+    else
+        while read -r k min; do
+            [ "$k" = "$NS_TIMED" ] && continue
+            if [ -z "$min" ] || [ $((min + NS_TIMED_US / 2)) -gt "$tmin" ]; then
+                bad="$bad namespace $k: min ${min}us not ${NS_TIMED_US}/2 us below ${tmin}us;"
+            fi
+        done <$W/lat.min
+    fi
+    if [ -z "$bad" ]; then check ns-timing ok "namespace $NS_TIMED at >= ${NS_TIMED_US}us, the others below:$seen"
+    else check ns-timing fail "$bad all:$seen"; fi
+fi
 
 # Format NVM: namespace 1 to LBA format 1 (4096 bytes); the block device follows, fio verifies on it.
 skipped format || {

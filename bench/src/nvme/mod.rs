@@ -333,6 +333,10 @@ pub struct NvmeRun {
     /// The same over each run's own floor (`floor_ratio` over the twin's),
     /// pairing the rounds of the same number whatever their attempts.
     pub quiet_floor_ratio: Option<f64>,
+    /// `--timing`, a `-timed` run: the device's own view of its timing
+    /// model (its `timing.*` counters).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_timing: Option<timing::DeviceTiming>,
     /// The guard's marks on this run (its own against the floor, and its
     /// target's spread over rounds), as `guard::marks_json`.
     #[serde(serialize_with = "marks_ser")]
@@ -398,6 +402,7 @@ impl NvmeRun {
             wake_ratio: None,
             guest_line_ns: None,
             guest_line_ratio: None,
+            device_timing: None,
             vmm_ratio: None,
             vmm_floor_ratio: None,
             contend: 0,

@@ -342,6 +342,7 @@ impl<'a> Ctx<'a> {
         if pollers > 1 {
             r.poller_ios = (0..pollers).filter_map(|k| c(&format!("poller{k}.ios"))).collect();
         }
+        r.device_timing = super::timing::DeviceTiming::from_counters(c);
         let (cmds, dbw, admin) = (c("io.commands"), c("doorbell.writes"), c("admin.commands"));
         // The guest's I/O doorbell writes either exited (the
         // controller saw them as MMIO) or were KVM ioeventfd kicks.

@@ -8,12 +8,21 @@
 //! depth above 1 is mostly that wait, which a timed command, parallel in
 //! the model, does not have), from the histograms of all rounds merged.
 //!
+//! The device's own view comes beside it: its `timing.*` counters
+//! ([`DeviceTiming`]), each timed completion's device time (posted −
+//! fetched) and lateness (posted − due) on the controller's clock, medians
+//! over the rounds. Where the guest's figure is off and the device's is
+//! not, the time was lost between the device and the guest's histogram
+//! (the vCPU not running, the guest's own queueing), not in the model.
+//!
 //! A row is within bounds when the observed p50 and p99 are within 2 % or
 //! 1 us of the configured ones (whichever is larger), and the IOPS and
 //! bandwidth ceilings, where configured and reached, within 2 %. Where the
 //! job keeps more commands in flight than the model has channels, commands
 //! wait for a channel: the observed time then includes that queueing and
-//! the row says `queued` instead of judging the latency.
+//! the row says `queued` instead of judging the latency; where the IOPS
+//! ceiling is below what the latency allows at the job's depth, commands
+//! wait for their slot (`paced`), and only the ceiling is judged.
 
 use super::table::percentiles;
 use super::{Job, NvmeResult, NvmeRun};
@@ -27,6 +36,31 @@ pub const TIMED: &str = "-timed";
 pub const REL: f64 = 0.02;
 /// Absolute bound on the latencies, ns.
 pub const ABS_NS: f64 = 1000.0;
+
+/// A timed run's device-side figures (ns), from its counters.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq)]
+pub struct DeviceTiming {
+    pub posted: u64,
+    pub device_p50_ns: u64,
+    pub device_p99_ns: u64,
+    pub late_p50_ns: u64,
+    pub late_p99_ns: u64,
+    pub late_max_ns: u64,
+}
+
+impl DeviceTiming {
+    /// From the device's counters (`c(name)`); None without them.
+    pub fn from_counters(c: impl Fn(&str) -> Option<u64>) -> Option<DeviceTiming> {
+        Some(DeviceTiming {
+            posted: c("timing.posted")?,
+            device_p50_ns: c("timing.device-p50-ns")?,
+            device_p99_ns: c("timing.device-p99-ns")?,
+            late_p50_ns: c("timing.late-p50-ns")?,
+            late_p99_ns: c("timing.late-p99-ns")?,
+            late_max_ns: c("timing.late-max-ns")?,
+        })
+    }
+}
 
 /// One job and target, configured against observed.
 #[derive(Clone, Debug, Serialize)]
@@ -43,9 +77,20 @@ pub struct TimingRow {
     pub timed_p99_ns: f64,
     pub observed_p50_ns: f64,
     pub observed_p99_ns: f64,
+    /// The device's own p50 / p99 (posted − fetched) and lateness p99
+    /// (posted − due), medians over the rounds (NaN: no counters).
+    pub device_p50_ns: f64,
+    pub device_p99_ns: f64,
+    pub late_p99_ns: f64,
+    pub late_max_ns: f64,
     /// More commands in flight than channels: latency not judged.
     pub queued: bool,
+    /// The IOPS ceiling is below what the latency alone allows at this
+    /// depth: commands wait for their slot, latency not judged.
+    pub paced: bool,
     pub latency_ok: Option<bool>,
+    /// The same judgement of the device's own figures.
+    pub device_ok: Option<bool>,
     /// The timed run's median IOPS and MB/s over rounds.
     pub iops: f64,
     pub mb_s: f64,
@@ -130,6 +175,10 @@ fn row(spec: &TimingSpec, j: &Job, ji: usize, base: &str, tr: &[&NvmeRun], br: &
     let (o50, o99) = (t50 - b1, t99 - b1);
     let in_flight = j.iodepth as u64 * j.queues as u64;
     let queued = spec.channels.is_some_and(|c| in_flight > c as u64);
+    let dev = |f: fn(&DeviceTiming) -> u64| {
+        median(tr.iter().filter_map(|r| r.device_timing.as_ref()).map(|d| f(d) as f64).collect())
+    };
+    let (d50, d99) = (dev(|d| d.device_p50_ns), dev(|d| d.device_p99_ns));
     let iops = median(tr.iter().map(|r| r.io.iops).collect());
     let mb_s = median(tr.iter().map(|r| r.io.mb_s).collect());
     let iops_ceiling = spec.iops.map(|v| v as f64);
@@ -138,6 +187,8 @@ fn row(spec: &TimingSpec, j: &Job, ji: usize, base: &str, tr: &[&NvmeRun], br: &
     // path is faster than it, and the model's latency alone would allow more.
     let base_iops = median(br.iter().map(|r| r.io.iops).collect());
     let latency_bound = if c50 > 0.0 { in_flight as f64 / (c50 / 1e9) } else { f64::INFINITY };
+    let paced = iops_ceiling.is_some_and(|c| latency_bound < f64::INFINITY && latency_bound > c);
+    let judged = !queued && !paced && spec.latency(op).is_some();
     let ceiling = |cap: Option<f64>, got: f64, per_io: f64| {
         cap.filter(|&c| base_iops * per_io > c && latency_bound * per_io > c).map(|c| (got - c).abs() <= c * REL)
     };
@@ -156,8 +207,14 @@ fn row(spec: &TimingSpec, j: &Job, ji: usize, base: &str, tr: &[&NvmeRun], br: &
         timed_p99_ns: t99,
         observed_p50_ns: o50,
         observed_p99_ns: o99,
+        device_p50_ns: d50,
+        device_p99_ns: d99,
+        late_p99_ns: dev(|d| d.late_p99_ns),
+        late_max_ns: dev(|d| d.late_max_ns),
         queued,
-        latency_ok: (!queued && spec.latency(op).is_some()).then(|| close(o50, c50) && close(o99, c99)),
+        paced,
+        latency_ok: judged.then(|| close(o50, c50) && close(o99, c99)),
+        device_ok: (judged && d50.is_finite()).then(|| close(d50, c50) && close(d99, c99)),
         iops,
         mb_s,
         iops_ceiling,
@@ -172,15 +229,24 @@ pub fn table(res: &NvmeResult, rows: &[TimingRow]) -> String {
     let Some(spec) = &res.options.timing else { return s };
     let _ = writeln!(
         s,
-        "\ndevice timing model: timing={spec}; observed = the -timed run's percentile less its untimed twin's p1, all rounds' I/Os; \
-         within {:.0} % or {:.0} us",
+        "\ndevice timing model: timing={spec}; guest = the -timed run's percentile less its untimed twin's p1, all rounds' I/Os; \
+         dev = the device's own (posted - fetched; late = posted - due), median of rounds; within {:.0} % or {:.0} us",
         REL * 100.0,
         ABS_NS / 1000.0
     );
     let _ = writeln!(
         s,
-        "{:<24} {:<24} {:>6} {:>19} {:>19} {:>9} {:>8} {:>10} {:>12}",
-        "job", "target", "op", "p50 conf/obs us", "p99 conf/obs us", "twin p1", "latency", "IOPS", "ceiling"
+        "{:<24} {:<20} {:>5} {:>26} {:>26} {:>9} {:>17} {:>11} {:>9} {:>8}",
+        "job",
+        "target",
+        "op",
+        "p50 conf/guest/dev us",
+        "p99 conf/guest/dev us",
+        "twin p1",
+        "late p99/max us",
+        "guest/dev",
+        "IOPS",
+        "ceiling"
     );
     let us = |ns: f64| ns / 1000.0;
     for r in rows {
@@ -190,18 +256,28 @@ pub fn table(res: &NvmeResult, rows: &[TimingRow]) -> String {
             Some(false) => "OFF".to_string(),
             None => none.to_string(),
         };
-        let lat = if r.queued { "queued".to_string() } else { verdict(r.latency_ok, "-") };
+        let lat = if r.queued {
+            "queued".to_string()
+        } else if r.paced {
+            "paced".to_string()
+        } else {
+            format!("{}/{}", verdict(r.latency_ok, "-"), verdict(r.device_ok, "-"))
+        };
         let _ = writeln!(
             s,
-            "{:<24} {:<24} {:>6} {:>9.2}/{:<9.2} {:>9.2}/{:<9.2} {:>9.2} {:>8} {:>10.0} {:>12}",
+            "{:<24} {:<20} {:>5} {:>8.2}/{:>8.2}/{:>8.2} {:>8.2}/{:>8.2}/{:>8.2} {:>9.2} {:>8.2}/{:>8.2} {:>11} {:>9.0} {:>8}",
             j.label(),
             r.target,
             r.op,
             us(r.configured_p50_ns),
             us(r.observed_p50_ns),
+            us(r.device_p50_ns),
             us(r.configured_p99_ns),
             us(r.observed_p99_ns),
+            us(r.device_p99_ns),
             us(r.base_p1_ns),
+            us(r.late_p99_ns),
+            us(r.late_max_ns),
             lat,
             r.iops,
             verdict(r.ceiling_ok, "-"),

@@ -569,6 +569,10 @@ impl Core {
         if self.ns.len() > 1 {
             v.push(Counter { name: "namespaces".into(), value: self.ns.len() as u64 });
         }
+        // The timing models' device time and lateness (`block::timing::hist`).
+        if let Some(h) = &self.ext.shared.hist {
+            v.extend(h.counters("timing").into_iter().map(|(name, value)| Counter { name, value }));
+        }
         let files: Vec<_> =
             self.ns.iter().filter_map(|ns| if let Storage::File(f) = &ns.storage { Some(f) } else { None }).collect();
         if !files.is_empty() {

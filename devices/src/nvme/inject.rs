@@ -29,7 +29,7 @@
 use super::controller::Core;
 use super::queue::{prp_segments, status, Sqe};
 use crate::block::inject::{Action, CommandView, Corrupt, Event, Injector, Kind, Lbas};
-use crate::block::timing::{TimerWheel, TimingModel};
+use crate::block::timing::{DeviceHist, TimerWheel, TimingModel};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -62,8 +62,13 @@ pub(super) struct Shared {
     pub fatal: AtomicBool,
     /// The controller's clock: ns since this.
     pub epoch: Instant,
-    /// The namespace's timing model (`timing=`), shared by the groups.
-    pub timing: Option<Mutex<TimingModel>>,
+    /// Each namespace's timing model (index = NSID - 1; None: off), shared
+    /// by the groups: its own `timing=`, else the controller's, one model
+    /// for all the namespaces that take it (their ceilings are one device's).
+    pub timing: Vec<Option<Arc<Mutex<TimingModel>>>>,
+    /// What the device saw of the models' due times (counters `timing.*`);
+    /// made with the first model.
+    pub hist: Option<DeviceHist>,
 }
 
 /// A command fetched whose completion injection withheld (drop, fatal).
@@ -80,6 +85,8 @@ pub(super) struct Dropped {
 pub(super) struct Extra {
     /// The controller's clock when it was fetched (timing on), ns.
     pub arrival: u64,
+    /// Its NSID (timing on): which namespace's model times it.
+    pub nsid: u32,
     pub delay: u64,
     pub corrupt: Option<Corrupt>,
 }
@@ -95,6 +102,8 @@ impl Extra {
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Timed {
     pub due: u64,
+    /// When it was fetched (0: not timed by a model, a delay only).
+    pub arrival: u64,
     pub sqid: u16,
     pub cid: u16,
     pub cqid: u16,
@@ -128,6 +137,8 @@ pub(super) struct Ext {
 pub struct TimedRecord {
     pub sqid: u16,
     pub cid: u16,
+    /// When it was fetched (0: not timed by a model, a delay only).
+    pub arrival_ns: u64,
     pub due_ns: u64,
     pub posted_ns: u64,
 }
@@ -139,6 +150,11 @@ impl Shared {
             log::error!("nvme: inject=: {e}");
             Injector::new()
         });
+        let model = |t: &crate::block::timing::TimingSpec| Arc::new(Mutex::new(TimingModel::new(t)));
+        let default = cfg.timing.as_deref().map(model);
+        let timing: Vec<_> =
+            cfg.ns_list().iter().map(|n| n.timing.as_deref().map(model).or_else(|| default.clone())).collect();
+        let hist = timing.iter().any(Option::is_some).then(DeviceHist::default);
         Shared {
             injector: Arc::new(injector),
             errors: Mutex::default(),
@@ -146,7 +162,8 @@ impl Shared {
             smart_warning: AtomicU8::new(0),
             fatal: AtomicBool::new(false),
             epoch: Instant::now(),
-            timing: cfg.timing.as_ref().map(|t| Mutex::new(TimingModel::new(t))),
+            timing,
+            hist,
         }
     }
 }
@@ -155,7 +172,7 @@ impl Ext {
     pub fn new(shared: Arc<Shared>) -> Ext {
         Ext {
             injector: shared.injector.clone(),
-            timing: shared.timing.is_some(),
+            timing: shared.timing.iter().any(Option::is_some),
             shared,
             dropped: Vec::new(),
             wheel: None,
@@ -212,7 +229,7 @@ impl Core {
     /// with, or None if injection completed or withheld it.
     #[inline(never)]
     pub(super) fn fetched(&mut self, qid: usize, sqe: Option<&Sqe>) -> Option<Extra> {
-        let mut x = Extra { arrival: self.arrival(qid), ..Extra::default() };
+        let mut x = Extra { arrival: self.arrival(qid), nsid: sqe.map_or(0, |c| c.nsid), ..Extra::default() };
         let Some(c) = sqe.filter(|_| self.ext.injector.armed()) else { return Some(x) };
         match self.inject(qid, c) {
             Verdict::Go(e) => (x.delay, x.corrupt) = (e.delay, e.corrupt),

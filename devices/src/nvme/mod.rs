@@ -407,6 +407,7 @@ impl NvmeConfig {
             lba_size: self.lba_size,
             create: self.create,
             meta: self.meta,
+            timing: None,
         };
         let mut v = vec![first; self.namespaces.max(1) as usize];
         v.extend(self.ns.iter().cloned());
@@ -502,7 +503,8 @@ impl NvmeConfig {
         if let Some(e) = self.inject.iter().find_map(|r| r.validate().err()) {
             return bad("inject", e.to_string());
         }
-        if self.timing.is_some() && self.doorbell == DoorbellMode::Mmio {
+        if (self.timing.is_some() || self.ns.iter().any(|n| n.timing.is_some())) && self.doorbell == DoorbellMode::Mmio
+        {
             return bad(
                 "timing",
                 "timing= needs a device thread to post completions at their due time (not doorbell=mmio)".into(),

@@ -32,6 +32,9 @@ pub struct NsConfig {
     pub create: bool,
     /// `ms=`, `ext=`, `pi=`: metadata and protection information (`meta.rs`).
     pub meta: NsMeta,
+    /// `timing=`: this namespace's own device timing model (None: the
+    /// controller's `timing=`, if any).
+    pub timing: Option<Box<crate::block::timing::TimingSpec>>,
 }
 
 /// A namespace's metadata format: `ms=0|8|16|64` bytes per block,
@@ -107,7 +110,14 @@ impl NsMeta {
 
 impl Default for NsConfig {
     fn default() -> Self {
-        NsConfig { backend: StorageKind::Ram, size: 64 << 20, lba_size: 512, create: false, meta: NsMeta::default() }
+        NsConfig {
+            backend: StorageKind::Ram,
+            size: 64 << 20,
+            lba_size: 512,
+            create: false,
+            meta: NsMeta::default(),
+            timing: None,
+        }
     }
 }
 
@@ -156,7 +166,9 @@ impl NsConfig {
         let mut c = NsConfig::default();
         for kv in pairs {
             let Some((k, v)) = kv.split_once('=') else {
-                return Err(bad(format!("{kv:?} is not KEY=VALUE (backend, size_mb, lba, create, ms, ext, pi)")));
+                return Err(bad(format!(
+                    "{kv:?} is not KEY=VALUE (backend, size_mb, lba, create, ms, ext, pi, timing)"
+                )));
             };
             let r = |e: crate::options::Reason| bad(format!("{k}: {}", e.0));
             if c.meta.set(k, v).map_err(r)? {
@@ -176,7 +188,12 @@ impl NsConfig {
                     }
                 }
                 "create" => c.create = crate::options::on_off(v).map_err(r)?,
-                _ => return Err(bad(format!("unknown key {k:?} (backend, size_mb, lba, create)"))),
+                "timing" => {
+                    c.timing = Some(Box::new(
+                        v.parse().map_err(|e: crate::block::timing::TimingError| bad(format!("timing: {e}")))?,
+                    ))
+                }
+                _ => return Err(bad(format!("unknown key {k:?} (backend, size_mb, lba, create, timing)"))),
             }
         }
         Ok(c)
@@ -192,6 +209,9 @@ impl NsConfig {
             s.push_str(";create=on");
         }
         s.push_str(&self.meta.spec());
+        if let Some(t) = &self.timing {
+            s.push_str(&format!(";timing={}", esc(t.to_string())));
+        }
         s
     }
 
@@ -236,6 +256,12 @@ impl super::NvmeConfig {
             return Err(bad("--namespace gives every namespace: not with namespaces= or ns=".into()));
         }
         let n1 = NsConfig::parse_options(first)?;
+        if n1.timing.is_some() {
+            // Namespace 1 is the device options' own: its model is the controller's.
+            return Err(bad("--namespace: namespace 1's timing model is the device option timing= \
+                 (the default of every namespace without a timing= of its own)"
+                .into()));
+        }
         (self.backend, self.size, self.lba_size, self.create) = (n1.backend, n1.size, n1.lba_size, n1.create);
         self.meta = n1.meta;
         self.ns = rest.iter().map(|s| NsConfig::parse_options(s)).collect::<Result<_>>()?;
@@ -256,6 +282,7 @@ mod tests {
             lba_size: 4096,
             create: true,
             meta: NsMeta::default(),
+            timing: None,
         };
         let b = NsConfig {
             backend: StorageKind::Null,
@@ -263,9 +290,14 @@ mod tests {
             lba_size: 512,
             create: false,
             meta: NsMeta::default(),
+            timing: Some(Box::new("read:20us+write:ln:20us:90us".parse().unwrap())),
         };
         let v = NsConfig::write_list(&[a.clone(), b.clone()]).unwrap();
-        assert_eq!(v, "backend=file:/tmp/a;;b++c.img;size_mb=8;lba=4096;create=on+backend=null;size_mb=1024;lba=512");
+        assert_eq!(
+            v,
+            "backend=file:/tmp/a;;b++c.img;size_mb=8;lba=4096;create=on+\
+             backend=null;size_mb=1024;lba=512;timing=read:20us++write:lognormal:20us:90us"
+        );
         assert_eq!(NsConfig::parse_list(&v).unwrap(), [a.clone(), b]);
         // The same namespace in the device-option syntax (`--namespace`).
         assert_eq!(NsConfig::parse_options("backend=file:/tmp/a;b+c.img,size_mb=8,lba=4096,create=on").unwrap(), a);
@@ -274,7 +306,7 @@ mod tests {
         assert_eq!(NsConfig::write_list(&[]), None);
         // Keys left out take the defaults.
         assert_eq!(NsConfig::parse_spec("lba=4096").unwrap(), NsConfig { lba_size: 4096, ..Default::default() });
-        for bad in ["lba=1024", "size_mb=0", "backend=disk", "colour=blue", "ram", "create=yes"] {
+        for bad in ["lba=1024", "size_mb=0", "backend=disk", "colour=blue", "ram", "create=yes", "timing=read:fast"] {
             let e = NsConfig::parse_spec(bad).unwrap_err().to_string();
             assert!(e.starts_with("nvme: ns: "), "{bad}: {e}");
         }

@@ -180,8 +180,8 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
             key: "ns",
             values: "SPEC",
             help: "one more namespace (repeatable, NSIDs in order after namespaces=): SPEC is \
-                   backend=...;size_mb=...;lba=...;create=... with ; between its keys (defaults as \
-                   namespace 1's), several joined by +",
+                   backend=...;size_mb=...;lba=...;create=...;timing=... with ; between its keys (defaults as \
+                   namespace 1's; timing= as the device option's, ++ for its +), several joined by +",
             parse: |c, v| {
                 c.ns.extend(NsConfig::parse_list(v)?);
                 Ok(())
@@ -191,7 +191,7 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
         Opt {
             key: "timing",
             values: "SPEC",
-            help: "the namespace's device timing model, items joined by + (e.g. read:80us+write:ln:20us:90us+\
+            help: "the namespaces' device timing model (the default of each without a timing= of its own), items joined by + (e.g. read:80us+write:ln:20us:90us+\
                    channels:8+iops:500k+bw:3g; default off); not with doorbell=mmio",
             parse: |c, v| {
                 c.timing = Some(Box::new(v.parse().map_err(|e: crate::block::timing::TimingError| e.to_string())?));
@@ -260,6 +260,7 @@ mod tests {
                     lba_size: 512,
                     create: true,
                     meta: crate::nvme::namespaces::NsMeta { ms: 16, ext: true, pi: 1, pi_first: false },
+                    timing: Some(Box::new("read:u:10us:30us+iops:10k".parse().unwrap())),
                 },
             ],
             meta: crate::nvme::namespaces::NsMeta { ms: 8, ext: true, pi: 1, pi_first: false },

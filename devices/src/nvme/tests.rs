@@ -17,6 +17,7 @@ mod meta;
 mod namespaces;
 mod oracle;
 mod pollers;
+mod timing;
 
 const ASQ: u64 = 0x10000;
 const ACQ: u64 = 0x11000;

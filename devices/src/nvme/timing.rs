@@ -58,7 +58,7 @@ impl Core {
     pub(super) fn finish(&mut self, qid: usize, cid: u16, opcode: u8, bytes: u64, dw0: u32, st: u16, x: Extra) -> bool {
         let mut due = 0;
         if self.ext.timing && qid > 0 {
-            if let (Some(op), Some(m)) = (op_kind(opcode), self.ext.shared.timing.as_ref()) {
+            if let (Some(op), Some(m)) = (op_kind(opcode), self.model(x.nsid)) {
                 due = crate::lock(m).admit(x.arrival, op, bytes);
             }
         }
@@ -70,7 +70,7 @@ impl Core {
         }
         let now = self.ext.now();
         if due <= now && x.delay == 0 {
-            self.log_timed(qid as u16, cid, due, now);
+            self.log_timed(qid as u16, cid, x.arrival, due, now);
             return false;
         }
         if self.mode() == super::DoorbellMode::Mmio {
@@ -78,7 +78,7 @@ impl Core {
             return false;
         }
         let Some(cqid) = self.queues.sqs[qid].as_ref().map(|s| s.cqid) else { return false };
-        let t = Timed { due, sqid: qid as u16, cid, cqid, dw0, st };
+        let t = Timed { due, arrival: x.arrival, sqid: qid as u16, cid, cqid, dw0, st };
         let first = self.ext.wheel.as_ref().and_then(|w| w.next_due()).is_none_or(|d| due < d);
         if !self.wheel_insert(t) {
             log::warn!("nvme: timer wheel full; the completion of cid {cid} on SQ {qid} is posted now");
@@ -152,7 +152,7 @@ impl Core {
             }
             let owed = &mut self.flight.owed[t.cqid as usize];
             *owed = owed.saturating_sub(1);
-            self.log_timed(t.sqid, t.cid, t.due, self.ext.now());
+            self.log_timed(t.sqid, t.cid, t.arrival, t.due, self.ext.now());
             self.complete(t.sqid as usize, t.cid, t.dw0, t.st);
             did = true;
         }
@@ -195,11 +195,21 @@ impl Core {
         }
     }
 
+    /// Namespace `nsid`'s timing model, if it has one.
+    fn model(&self, nsid: u32) -> Option<&std::sync::Mutex<crate::block::timing::TimingModel>> {
+        self.ext.shared.timing.get(self.ns_index(nsid)?)?.as_deref()
+    }
+
+    /// A timed completion posted: into the device's histograms (a model's:
+    /// `arrival` set) and the tests' log.
     #[cfg_attr(not(any(test, feature = "oracle")), allow(unused_variables))]
-    fn log_timed(&self, sqid: u16, cid: u16, due_ns: u64, posted_ns: u64) {
+    fn log_timed(&self, sqid: u16, cid: u16, arrival: u64, due_ns: u64, posted_ns: u64) {
+        if let (Some(h), true) = (&self.ext.shared.hist, arrival != 0) {
+            h.record(arrival, due_ns, posted_ns);
+        }
         #[cfg(any(test, feature = "oracle"))]
         if let Some(l) = &self.ext.timelog {
-            crate::lock(l).push(super::inject::TimedRecord { sqid, cid, due_ns, posted_ns });
+            crate::lock(l).push(super::inject::TimedRecord { sqid, cid, arrival_ns: arrival, due_ns, posted_ns });
         }
     }
 }

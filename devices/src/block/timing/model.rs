@@ -15,7 +15,10 @@
 //! of busy intervals that never overlap; a command holds `1/iops` of the
 //! IOPS line and `bytes/bw` of the bandwidth line (the controller's slot
 //! and its data transfer), both ending at its due time `t` and starting
-//! no earlier than its arrival. As intervals are disjoint, any K
+//! no earlier than the end of the last interval forgotten (an absolute
+//! schedule: idle time before that is not banked, and a command that
+//! arrives late still gets the slot right after the previous one, so
+//! lateness does not accumulate). As intervals are disjoint, any K
 //! consecutive completions span at least K-1 slots (rate <= iops·K/(K-1):
 //! 0.1% over for K = 1000) and the bytes completing in a window exceed
 //! `bw × window` by at most one command's transfer. Why not the usual
@@ -127,10 +130,10 @@ impl TimingModel {
         loop {
             let before = t;
             if let Some((line, _)) = &self.iops {
-                t = line.fit(t, slot_iops, now_ps);
+                t = line.fit(t, slot_iops, line.floor);
             }
             if let Some((line, _)) = &self.bw {
-                t = line.fit(t, slot_bw, now_ps);
+                t = line.fit(t, slot_bw, line.floor);
             }
             if t == before {
                 break;
@@ -177,7 +180,13 @@ impl TimingModel {
 
 /// A ceiling's busy intervals (ps), start -> end, disjoint; those that
 /// ended before the latest arrival are forgotten, so it holds at most one
-/// interval per command in flight. A gap narrower than `min_gap` (the
+/// interval per command in flight, and `floor` is the end of the last one
+/// forgotten: a new interval starts there or later (so it overlaps none,
+/// forgotten or not), possibly before its command's arrival. That is an
+/// absolute schedule: a command arriving at most one slot after the
+/// previous one's due time is due exactly one slot after it (at QD1 the
+/// ceiling is reached, not 1 / (slot + the path's time)), while any K
+/// consecutive completions still span K-1 slots. A gap narrower than `min_gap` (the
 /// IOPS slot; the shortest transfer seen so far) could hold no slot, so
 /// its neighbours merge over it: `fit` then skips a whole busy run in one
 /// step instead of walking its fragments (for the IOPS line this loses
@@ -186,11 +195,12 @@ impl TimingModel {
 struct Line {
     busy: BTreeMap<u128, u128>,
     min_gap: u128,
+    floor: u128,
 }
 
 impl Line {
     fn new(min_gap: u128) -> Self {
-        Line { busy: BTreeMap::new(), min_gap }
+        Line { busy: BTreeMap::new(), min_gap, floor: 0 }
     }
 
     fn forget_before(&mut self, now: u128) {
@@ -198,7 +208,7 @@ impl Line {
             if *e.get() > now {
                 break;
             }
-            e.remove();
+            self.floor = self.floor.max(e.remove());
         }
     }
 

@@ -171,6 +171,25 @@ fn iops_ceiling_holds_over_every_window_of_1000() {
 }
 
 #[test]
+fn at_qd1_the_iops_ceiling_is_an_absolute_schedule() {
+    // Each command arrives 5 us after the previous one's due time (the
+    // path's time): due exactly one slot (1 ms) after it, not 1.005 ms.
+    let mut m = TimingModel::new(&spec("read:20us+iops:1k"));
+    let mut due = m.admit(0, OpKind::Read, 4096);
+    assert_eq!(due, 1_000_000, "the first slot starts at 0");
+    for k in 0..1000 {
+        let next = m.admit(due + 5_000, OpKind::Read, 4096);
+        assert_eq!(next - due, 1_000_000, "command {k}");
+        due = next;
+    }
+    // An idle second is not banked: the next two are a slot apart.
+    let a = m.admit(due + 1_000_000_000, OpKind::Read, 4096);
+    let b = m.admit(due + 1_000_000_000, OpKind::Read, 4096);
+    assert_eq!(b - a, 1_000_000);
+    assert!(a >= due + 1_000_000_000 + 20_000, "not before its arrival + service");
+}
+
+#[test]
 fn bandwidth_ceiling_holds_over_every_window_of_1000() {
     let sizes = [4096u64, 16384, 65536, 131072];
     for (s, ceiling) in [("read:20us+bw:3g", 3e9), ("read:ln:30us:90us+bw:1500m+channels:32", 1.5e9)] {
