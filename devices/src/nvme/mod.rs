@@ -157,6 +157,7 @@ pub mod options;
 #[cfg(any(test, feature = "oracle"))]
 pub mod oracle;
 mod poller;
+pub mod pool;
 pub mod queue;
 mod regs;
 mod shards;
