@@ -309,6 +309,13 @@ fn bench_caught(b: bench::BenchCmd) -> anyhow::Result<i32> {
     match b.which {
         None => bench_exits(&b.exits),
         Some(Which::Exits(a)) => bench_exits(&a),
+        Some(Which::Nvme(a)) if a.controllers.is_some() => {
+            let o = a.options()?;
+            let counts = iopath_bench::nvme::controllers::parse_counts(a.controllers.as_deref().unwrap_or("1"))?;
+            let r = iopath_bench::nvme::controllers::run_controllers(&o, &counts, a.pool_pollers as usize)?;
+            emit(&r.table(), &r.json(), &a.out)?;
+            Ok(status(&r.failures()))
+        }
         Some(Which::Nvme(a)) => {
             let o = a.options()?;
             a.format.check(&a.out)?;
