@@ -312,7 +312,12 @@ fn bench_caught(b: bench::BenchCmd) -> anyhow::Result<i32> {
         Some(Which::Nvme(a)) if a.controllers.is_some() => {
             let o = a.options()?;
             let counts = iopath_bench::nvme::controllers::parse_counts(a.controllers.as_deref().unwrap_or("1"))?;
-            let r = iopath_bench::nvme::controllers::run_controllers(&o, &counts, a.pool_pollers as usize)?;
+            let r = iopath_bench::nvme::controllers::run_controllers(
+                &o,
+                &counts,
+                a.pool_pollers as usize,
+                a.controllers_vs_spdk.as_deref(),
+            )?;
             emit(&r.table(), &r.json(), &a.out)?;
             Ok(status(&r.failures()))
         }

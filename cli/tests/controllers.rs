@@ -301,3 +301,28 @@ fn several_controllers_are_refused_without_a_placeholder_or_with_control() {
     assert!(e.contains("doorbell=shm or bar"), "{e}");
     assert!(!d.path("c0.sock").exists() && !d.path("c1.sock").exists(), "nothing bound");
 }
+
+/// `bench nvme --controllers 1,2 --quick`: a row per N, the guests' I/Os all
+/// counted by their own controllers (the routing check), IOPS and CPU per
+/// I/O figures present (not judged: speed belongs to the bench).
+#[test]
+fn bench_nvme_controllers_rows_route_every_guest_to_its_controller() {
+    common::kvm();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["bench", "nvme", "--controllers", "1,2", "--quick", "--rw", "randread", "--bs", "4k"])
+        .args(["--iodepth", "4", "--quiet", "--json", "-"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{}: {err}", o.status);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {err}"));
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.iter().map(|r| r["controllers"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2], "{v}");
+    for r in rows {
+        assert_eq!(r["routing_ok"], true, "{r}");
+        assert_eq!(r["target"], "iopath", "{r}");
+        assert!(r["ios"].as_u64().unwrap() > 0 && r["iops"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["total_us_per_io"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert!(v["errors"].as_array().unwrap().is_empty(), "{v}");
+}

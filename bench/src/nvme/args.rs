@@ -86,6 +86,11 @@ pub struct NvmeArgs {
     #[arg(long, default_value_t = 1, value_name = "M",
           value_parser = clap::value_parser!(u64).range(1..=iopath_devices::nvme::pool::MAX_THREADS as u64))]
     pub pool_pollers: u64,
+    /// With --controllers: also each N against one SPDK nvmf_tgt with N
+    /// subsystems (VFIOUSER, null bdevs), from this install directory of
+    /// harness/spdk/build.sh (bin/nvmf_tgt, bin/rpc.py).
+    #[arg(long, value_name = "DIR", requires = "controllers")]
+    pub controllers_vs_spdk: Option<std::path::PathBuf>,
     /// A short run: 1 round of 0.5 s runs.
     #[arg(long, conflicts_with_all = ["rounds", "runtime"])]
     pub quick: bool,

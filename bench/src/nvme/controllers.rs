@@ -14,6 +14,11 @@
 //! short runs they are an upper bound. Routing: each controller's counters
 //! line (`"controller": K`) counts exactly its guest's I/Os (io.commands).
 //!
+//! `--controllers-vs-spdk DIR`: each N also against one SPDK nvmf_tgt
+//! (one reactor, on CPU 1, as the harness runs it) with N subsystems, each
+//! a null bdev and a VFIOUSER listener, the same guests attached as
+//! `vfio-user:DIR/sK/cntrl`; its routing from each bdev's iostat.
+//!
 //! Doorbell mode: the first of `--doorbell` the pool serves (shm, bar; shm
 //! if none). Backend: ram or null (each controller its own namespace data).
 //! One round; `--rounds` is not applied here.
@@ -35,6 +40,9 @@ pub const MAX_CONTROLLERS: usize = 64;
 /// One (job, N) run.
 #[derive(Clone, Debug, Serialize)]
 pub struct CtrlRow {
+    /// `iopath` (one `iopath serve --controllers N`) or `nvmf_tgt` (one
+    /// SPDK nvmf_tgt with N subsystems, each a VFIOUSER listener).
+    pub target: String,
     pub job: String,
     pub controllers: usize,
     pub pool_pollers: usize,
@@ -107,7 +115,14 @@ fn self_cpu_s() -> f64 {
 }
 
 /// Runs every job at every count in `counts`, a pool of `pool` pollers.
-pub fn run_controllers(o: &NvmeOptions, counts: &[usize], pool: usize) -> anyhow::Result<CtrlResult> {
+/// With `spdk` (an install directory of harness/spdk/build.sh), each count
+/// also against one SPDK nvmf_tgt with as many subsystems, right after.
+pub fn run_controllers(
+    o: &NvmeOptions,
+    counts: &[usize],
+    pool: usize,
+    spdk: Option<&Path>,
+) -> anyhow::Result<CtrlResult> {
     anyhow::ensure!(
         matches!(o.backend, iopath_devices::block::StorageKind::Null | iopath_devices::block::StorageKind::Ram),
         "--controllers: backend null or ram (each controller its own namespace data)"
@@ -119,9 +134,16 @@ pub fn run_controllers(o: &NvmeOptions, counts: &[usize], pool: usize) -> anyhow
     let (mut rows, mut errors) = (Vec::new(), Vec::new());
     for j in &o.jobs {
         for &n in counts {
-            match one(o, j, n, pool, db, tsc_khz, &progs) {
-                Ok(r) => rows.push(r),
-                Err(e) => errors.push(format!("{} x{n}: {e:#}", j.label())),
+            let servers = std::iter::once(None).chain(spdk.map(Some));
+            for sp in servers {
+                match one(o, j, n, pool, db, tsc_khz, &progs, sp) {
+                    Ok(r) => rows.push(r),
+                    Err(e) => errors.push(format!(
+                        "{} x{n} {}: {e:#}",
+                        j.label(),
+                        if sp.is_some() { "nvmf_tgt" } else { "iopath" }
+                    )),
+                }
             }
         }
     }
@@ -140,6 +162,7 @@ fn scratch() -> anyhow::Result<PathBuf> {
     Ok(d)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn one(
     o: &NvmeOptions,
     j: &Job,
@@ -148,6 +171,7 @@ fn one(
     db: DoorbellMode,
     tsc_khz: u64,
     progs: &Programs,
+    spdk: Option<&Path>,
 ) -> anyhow::Result<CtrlRow> {
     let config = NvmeConfig {
         doorbell: db,
@@ -158,10 +182,15 @@ fn one(
     };
     let model = DeviceConfig::Nvme(config);
     let dir = scratch()?;
-    let r = served_run(o, j, n, pool, &model, &dir, tsc_khz, progs);
+    let r = match spdk {
+        None => Server::iopath(&model, n, pool, &dir, progs)
+            .and_then(|s| served_run(o, j, n, &model, &dir, tsc_khz, progs, &s)),
+        Some(sp) => Server::nvmf(sp, o, n, &dir).and_then(|s| served_run(o, j, n, &model, &dir, tsc_khz, progs, &s)),
+    };
     let _ = std::fs::remove_dir_all(&dir);
     let mut r = r?;
-    r.doorbell = db.to_string();
+    r.pool_pollers = if spdk.is_some() { 1 } else { pool };
+    r.doorbell = if spdk.is_some() { "reactor".into() } else { db.to_string() };
     Ok(r)
 }
 
@@ -170,42 +199,33 @@ fn served_run(
     o: &NvmeOptions,
     j: &Job,
     n: usize,
-    pool: usize,
     model: &DeviceConfig,
     dir: &Path,
     tsc_khz: u64,
     progs: &Programs,
+    server: &Server,
 ) -> anyhow::Result<CtrlRow> {
-    let (out, err) = (dir.join("serve.out"), dir.join("serve.err"));
-    let child = Command::new(&progs.iopath)
-        .arg("serve")
-        .arg(model.to_string())
-        .args(["--controllers", &n.to_string(), "--pollers", &pool.to_string(), "--socket"])
-        .arg(dir.join("c{}.sock"))
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out)?)
-        .stderr(std::fs::File::create(&err)?)
-        .spawn()?;
-    let mut served = Served(child);
-    let pid = served.0.id();
-    let t0 = Instant::now();
-    let banner = if n == 1 { " on ".to_string() } else { "controller ".to_string() };
-    while std::fs::read_to_string(&err).unwrap_or_default().matches(&banner).count() < n {
-        if let Some(s) = served.0.try_wait()? {
-            anyhow::bail!("iopath serve ended ({s}): {}", std::fs::read_to_string(&err).unwrap_or_default());
-        }
-        anyhow::ensure!(t0.elapsed() < Duration::from_secs(30), "iopath serve never listened");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let pid = server.pid();
     let transport = iopath_protocols::transport("vfio-user")?;
-    let socket = |k: usize| if n == 1 { dir.join("c{}.sock") } else { dir.join(format!("c{k}.sock")) };
+    let socket = |k: usize| server.socket(dir, n, k);
     let line = format!("{} dbbuf=1", cmdline(j, o, tsc_khz));
+    // nvmf_tgt's bdevs count reads of their own (the examine at creation).
+    let before = match server {
+        Server::Nvmf { rpc, .. } => counters_nvmf(rpc, dir, n),
+        Server::Iopath(_) => Vec::new(),
+    };
     let (dev0, me0) = (proc_cpu_s(pid)?, self_cpu_s());
     let results: Vec<anyhow::Result<super::NvmeRun>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|k| {
-                let (line, spec) =
-                    (line.clone(), DeviceSpec::remote(model.clone(), transport, Endpoint::Socket(socket(k))));
+                let spec = match server {
+                    Server::Iopath(_) => DeviceSpec::remote(model.clone(), transport, Endpoint::Socket(socket(k))),
+                    Server::Nvmf { .. } => match transport {
+                        iopath_protocols::Transport::Function(t) => Ok(DeviceSpec::server(t, socket(k))),
+                        _ => unreachable!("vfio-user is a function transport"),
+                    },
+                };
+                let line = line.clone();
                 s.spawn(move || -> anyhow::Result<super::NvmeRun> {
                     let mut cfg = VmConfig::new(iopath_guest::IMAGE, &line);
                     cfg.devices = vec![instantiate(&spec?, progs)?];
@@ -220,24 +240,67 @@ fn served_run(
             .collect();
         hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a guest thread panicked")))).collect()
     });
-    let me1 = self_cpu_s();
-    // Each controller's counters line, printed as its guest leaves.
+    let (me1, dev1) = (self_cpu_s(), proc_cpu_s(pid)?);
+    let counters = match server {
+        // nvmf_tgt prints no counters line: each subsystem's bdev's operations.
+        Server::Nvmf { rpc, .. } => less(counters_nvmf(rpc, dir, n), &before),
+        Server::Iopath(_) => counters_lines(&dir.join("serve.out"), n),
+    };
+    finish(j, n, runs_of(results)?, dev1 - dev0, me1 - me0, counters, server)
+}
+
+/// Each controller's counters line, printed as its guest leaves (waited for up to 10 s).
+fn counters_lines(out: &Path, n: usize) -> Vec<serde_json::Value> {
     let t0 = Instant::now();
-    let counters = loop {
-        let s = std::fs::read_to_string(&out).unwrap_or_default();
+    loop {
+        let s = std::fs::read_to_string(out).unwrap_or_default();
         let v: Vec<serde_json::Value> =
             s.lines().filter(|l| l.contains("\"disconnected\"")).filter_map(|l| serde_json::from_str(l).ok()).collect();
         if v.len() >= n || t0.elapsed() > Duration::from_secs(10) {
-            break v;
+            return v;
         }
         std::thread::sleep(Duration::from_millis(10));
-    };
-    let dev1 = proc_cpu_s(pid)?;
-    let runs = results.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    }
+}
+
+/// `after`'s io.commands less `before`'s, controller by controller.
+fn less(mut after: Vec<serde_json::Value>, before: &[serde_json::Value]) -> Vec<serde_json::Value> {
+    let io = |v: &serde_json::Value| v["counters"]["io.commands"].as_u64().unwrap_or(0);
+    for (a, b) in after.iter_mut().zip(before) {
+        a["counters"]["io.commands"] = io(a).saturating_sub(io(b)).into();
+    }
+    after
+}
+
+fn runs_of(r: Vec<anyhow::Result<super::NvmeRun>>) -> anyhow::Result<Vec<super::NvmeRun>> {
+    r.into_iter().collect()
+}
+
+/// nvmf_tgt's bdev read counts, as counters lines (`"controller": K`, io.commands).
+fn counters_nvmf(rpc: &Path, dir: &Path, n: usize) -> Vec<serde_json::Value> {
+    (0..n)
+        .filter_map(|k| {
+            let out = rpc_call(rpc, dir, &["bdev_get_iostat", "-b", &format!("Ns{k}")]).ok()?;
+            let v: serde_json::Value = serde_json::from_str(&out).ok()?;
+            let b = v["bdevs"].get(0)?;
+            let ios = b["num_read_ops"].as_u64()? + b["num_write_ops"].as_u64()?;
+            Some(serde_json::json!({"controller": k, "counters": {"io.commands": ios}}))
+        })
+        .collect()
+}
+
+fn finish(
+    j: &Job,
+    n: usize,
+    runs: Vec<super::NvmeRun>,
+    device_cpu_s: f64,
+    vmm_cpu_s: f64,
+    counters: Vec<serde_json::Value>,
+    server: &Server,
+) -> anyhow::Result<CtrlRow> {
     let ios: u64 = runs.iter().map(|r| r.io.ios).sum();
     let iops: f64 = runs.iter().map(|r| r.io.iops).sum();
     let each = |f: fn(f64, f64) -> f64, init| runs.iter().map(|r| r.io.iops).fold(init, f);
-    let (device_cpu_s, vmm_cpu_s) = (dev1 - dev0, me1 - me0);
     let mut routing = String::new();
     let mut routing_ok = counters.len() == n;
     for c in &counters {
@@ -248,9 +311,10 @@ fn served_run(
         let _ = write!(routing, "c{k} io.commands={cmds:?} of {want:?}; ");
     }
     Ok(CtrlRow {
+        target: server.name().into(),
         job: j.label(),
         controllers: n,
-        pool_pollers: pool,
+        pool_pollers: 0,
         doorbell: String::new(),
         ios,
         iops,
@@ -265,14 +329,150 @@ fn served_run(
     })
 }
 
+/// The device side of a run, stopped on drop.
+enum Server {
+    /// `iopath serve --controllers N`.
+    Iopath(Served),
+    /// nvmf_tgt with N subsystems; `rpc` its rpc.py.
+    Nvmf { tgt: Served, rpc: PathBuf },
+}
+
+impl Server {
+    fn name(&self) -> &'static str {
+        match self {
+            Server::Iopath(_) => "iopath",
+            Server::Nvmf { .. } => "nvmf_tgt",
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        match self {
+            Server::Iopath(s) | Server::Nvmf { tgt: s, .. } => s.0.id(),
+        }
+    }
+
+    /// Controller `k`'s socket of `n`.
+    fn socket(&self, dir: &Path, n: usize, k: usize) -> PathBuf {
+        match self {
+            Server::Iopath(_) if n == 1 => dir.join("c{}.sock"),
+            Server::Iopath(_) => dir.join(format!("c{k}.sock")),
+            Server::Nvmf { .. } => dir.join(format!("s{k}")).join("cntrl"),
+        }
+    }
+
+    /// `iopath serve MODEL --controllers n --pollers pool --socket DIR/c{}.sock`, listening.
+    fn iopath(model: &DeviceConfig, n: usize, pool: usize, dir: &Path, progs: &Programs) -> anyhow::Result<Server> {
+        let (out, err) = (dir.join("serve.out"), dir.join("serve.err"));
+        let child = Command::new(&progs.iopath)
+            .arg("serve")
+            .arg(model.to_string())
+            .args(["--controllers", &n.to_string(), "--pollers", &pool.to_string(), "--socket"])
+            .arg(dir.join("c{}.sock"))
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&out)?)
+            .stderr(std::fs::File::create(&err)?)
+            .spawn()?;
+        let mut served = Served(child);
+        let t0 = Instant::now();
+        let banner = if n == 1 { " on " } else { "controller " };
+        while std::fs::read_to_string(&err).unwrap_or_default().matches(banner).count() < n {
+            if let Some(s) = served.0.try_wait()? {
+                anyhow::bail!("iopath serve ended ({s}): {}", std::fs::read_to_string(&err).unwrap_or_default());
+            }
+            anyhow::ensure!(t0.elapsed() < Duration::from_secs(30), "iopath serve never listened");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(Server::Iopath(served))
+    }
+
+    /// SPDK's nvmf_tgt (`spdk`/bin, one reactor on CPU 1, as the harness
+    /// runs it) with the VFIOUSER transport and N subsystems, each a null
+    /// bdev of the namespace's size and a listener at DIR/sK/cntrl.
+    fn nvmf(spdk: &Path, o: &NvmeOptions, n: usize, dir: &Path) -> anyhow::Result<Server> {
+        let rpc = spdk.join("bin/rpc.py");
+        let sock = dir.join("spdk.sock");
+        let log = std::fs::File::create(dir.join("nvmf_tgt.log"))?;
+        let child = Command::new(spdk.join("bin/nvmf_tgt"))
+            .args(["-m", "0x2", "-u", "--disable-cpumask-locks", "-s", "64", "-r"])
+            .arg(&sock)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        let mut tgt = Served(child);
+        let t0 = Instant::now();
+        while !sock.exists() {
+            if let Some(s) = tgt.0.try_wait()? {
+                anyhow::bail!("nvmf_tgt ended ({s}): see {}", dir.join("nvmf_tgt.log").display());
+            }
+            anyhow::ensure!(t0.elapsed() < Duration::from_secs(30), "nvmf_tgt made no RPC socket");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let mb = (namespace_size(&o.backend, o.size_mb) >> 20).to_string();
+        let bs = o.lba.to_string();
+        rpc_call(&rpc, dir, &["framework_wait_init"])?;
+        rpc_call(&rpc, dir, &["nvmf_create_transport", "-t", "VFIOUSER"])?;
+        for k in 0..n {
+            let (ns, nqn) = (format!("Ns{k}"), format!("nqn.2026-11.io.iopath:ctrls{k}"));
+            let l = dir.join(format!("s{k}"));
+            std::fs::create_dir_all(&l)?;
+            rpc_call(&rpc, dir, &["bdev_null_create", &ns, &mb, &bs])?;
+            rpc_call(
+                &rpc,
+                dir,
+                &["nvmf_create_subsystem", &nqn, "-a", "-s", &format!("IOPATHCTRLS{k:05}"), "-m", "1"],
+            )?;
+            rpc_call(&rpc, dir, &["nvmf_subsystem_add_ns", &nqn, &ns])?;
+            let a = l.to_string_lossy().to_string();
+            rpc_call(&rpc, dir, &["nvmf_subsystem_add_listener", &nqn, "-t", "VFIOUSER", "-a", &a, "-s", "0"])?;
+        }
+        Ok(Server::Nvmf { tgt, rpc })
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Server::Nvmf { tgt, .. } = self {
+            // SIGINT: nvmf_tgt shuts down and frees its hugepages; then its
+            // hugetlbfs files, which DPDK leaves (harness/spdk/README.md).
+            let pid = tgt.0.id();
+            // SAFETY: a signal to our own child.
+            unsafe { libc::kill(pid as i32, libc::SIGINT) };
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(10) && matches!(tgt.0.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = tgt.0.kill();
+            let _ = tgt.0.wait();
+            if let Ok(d) = std::fs::read_dir("/dev/hugepages") {
+                let mine = format!("spdk_pid{pid}map_");
+                for e in d.flatten() {
+                    if e.file_name().to_string_lossy().starts_with(&mine) {
+                        let _ = std::fs::remove_file(e.path());
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// rpc.py against nvmf_tgt's socket in `dir` (bounded by its own timeout); its stdout.
+fn rpc_call(rpc: &Path, dir: &Path, args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new(rpc).arg("-s").arg(dir.join("spdk.sock")).args(["-t", "30"]).args(args).output()?;
+    anyhow::ensure!(out.status.success(), "rpc.py {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    Ok(String::from_utf8_lossy(&out.stdout).to_string())
+}
+
 impl CtrlResult {
     pub fn table(&self) -> String {
         let mut s = String::from(
-            "controllers: N guests, N controllers in one `iopath serve --controllers N --pollers M` (CPU over each guest's life)\n",
+            "controllers: N guests at once, N controllers in one device process (iopath serve --controllers N \
+             --pollers M, or nvmf_tgt with N subsystems); CPU over each guest's whole life\n",
         );
         let _ = writeln!(
             s,
-            "{:<28} {:>3} {:>2} {:>6} {:>11} {:>19} {:>8} {:>8} {:>9} {:>9} {:>7}",
+            "{:<9} {:<22} {:>3} {:>2} {:>7} {:>11} {:>19} {:>8} {:>8} {:>9} {:>9} {:>7}",
+            "target",
             "job",
             "N",
             "M",
@@ -288,7 +488,8 @@ impl CtrlResult {
         for r in &self.rows {
             let _ = writeln!(
                 s,
-                "{:<28} {:>3} {:>2} {:>6} {:>11.0} {:>19} {:>7.2}s {:>7.2}s {:>9.2} {:>9.2} {:>7}",
+                "{:<9} {:<22} {:>3} {:>2} {:>7} {:>11.0} {:>19} {:>7.2}s {:>7.2}s {:>9.2} {:>9.2} {:>7}",
+                r.target,
                 r.job,
                 r.controllers,
                 r.pool_pollers,
@@ -303,7 +504,7 @@ impl CtrlResult {
             );
         }
         for r in self.rows.iter().filter(|r| !r.routing_ok) {
-            let _ = writeln!(s, "routing x{}: {}", r.controllers, r.routing);
+            let _ = writeln!(s, "routing {} x{}: {}", r.target, r.controllers, r.routing);
         }
         for e in &self.errors {
             let _ = writeln!(s, "error: {e}");
