@@ -107,8 +107,9 @@ fn proc_cpu_s(pid: u32) -> anyhow::Result<f64> {
 
 /// This process's user + system CPU seconds, all threads.
 fn self_cpu_s() -> f64 {
-    // SAFETY: getrusage fills the struct it is given.
+    // SAFETY: an all-zero rusage is valid.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage fills the struct it is given.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
     let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
     t(u.ru_utime) + t(u.ru_stime)
