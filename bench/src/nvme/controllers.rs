@@ -4,8 +4,10 @@
 //! `--pool-pollers`), for each N given; a row per (job, N).
 //!
 //! What a row holds: the guests' IOPS summed (each guest's own timed
-//! window; the windows overlap, they start together), the spread between
-//! guests, and CPU time per I/O: the device process's (utime + stime from
+//! window; they start together, but on a loaded host their windows need not
+//! overlap, and the sum then overstates), the guests' I/Os over the wall
+//! time from their start to the last one's end (boot included: understates),
+//! the spread between guests, and CPU time per I/O: the device process's (utime + stime from
 //! /proc/PID/stat, from the moment every socket listens to the moment every
 //! guest has left) and this process's (getrusage: the N VMMs' vCPU and
 //! device threads, from the guests' start to their end; the bench's own
@@ -50,6 +52,11 @@ pub struct CtrlRow {
     /// The guests' I/Os and IOPS, summed.
     pub ios: u64,
     pub iops: f64,
+    /// The guests' I/Os over the wall time from their start to the last
+    /// one's end (boot included: a lower bound where `iops`, the sum of
+    /// each guest's own window, overstates when the windows do not overlap).
+    pub wall_iops: f64,
+    pub wall_s: f64,
     /// The lowest and highest guest's IOPS.
     pub iops_min: f64,
     pub iops_max: f64,
@@ -215,7 +222,7 @@ fn served_run(
         Server::Nvmf { rpc, .. } => counters_nvmf(rpc, dir, n),
         Server::Iopath(_) => Vec::new(),
     };
-    let (dev0, me0) = (proc_cpu_s(pid)?, self_cpu_s());
+    let (dev0, me0, wall0) = (proc_cpu_s(pid)?, self_cpu_s(), Instant::now());
     let results: Vec<anyhow::Result<super::NvmeRun>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..n)
             .map(|k| {
@@ -241,13 +248,15 @@ fn served_run(
             .collect();
         hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a guest thread panicked")))).collect()
     });
-    let (me1, dev1) = (self_cpu_s(), proc_cpu_s(pid)?);
+    let (me1, dev1, wall_s) = (self_cpu_s(), proc_cpu_s(pid)?, wall0.elapsed().as_secs_f64());
     let counters = match server {
         // nvmf_tgt prints no counters line: each subsystem's bdev's operations.
         Server::Nvmf { rpc, .. } => less(counters_nvmf(rpc, dir, n), &before),
         Server::Iopath(_) => counters_lines(&dir.join("serve.out"), n),
     };
-    finish(j, n, runs_of(results)?, dev1 - dev0, me1 - me0, counters, server)
+    let mut r = finish(j, n, runs_of(results)?, dev1 - dev0, me1 - me0, counters, server)?;
+    (r.wall_s, r.wall_iops) = (wall_s, r.ios as f64 / wall_s.max(1e-9));
+    Ok(r)
 }
 
 /// Each controller's counters line, printed as its guest leaves (waited for up to 10 s).
@@ -319,6 +328,8 @@ fn finish(
         doorbell: String::new(),
         ios,
         iops,
+        wall_iops: 0.0,
+        wall_s: 0.0,
         iops_min: each(f64::min, f64::INFINITY),
         iops_max: each(f64::max, 0.0),
         device_cpu_s,
@@ -472,13 +483,14 @@ impl CtrlResult {
         );
         let _ = writeln!(
             s,
-            "{:<9} {:<22} {:>3} {:>2} {:>7} {:>11} {:>19} {:>8} {:>8} {:>9} {:>9} {:>7}",
+            "{:<9} {:<22} {:>3} {:>2} {:>7} {:>11} {:>15} {:>19} {:>8} {:>8} {:>9} {:>9} {:>7}",
             "target",
             "job",
             "N",
             "M",
             "mode",
             "total IOPS",
+            "wall IOPS (s)",
             "per guest min..max",
             "dev CPU",
             "VMM CPU",
@@ -489,13 +501,14 @@ impl CtrlResult {
         for r in &self.rows {
             let _ = writeln!(
                 s,
-                "{:<9} {:<22} {:>3} {:>2} {:>7} {:>11.0} {:>19} {:>7.2}s {:>7.2}s {:>9.2} {:>9.2} {:>7}",
+                "{:<9} {:<22} {:>3} {:>2} {:>7} {:>11.0} {:>15} {:>19} {:>7.2}s {:>7.2}s {:>9.2} {:>9.2} {:>7}",
                 r.target,
                 r.job,
                 r.controllers,
                 r.pool_pollers,
                 r.doorbell,
                 r.iops,
+                format!("{:.0} ({:.1})", r.wall_iops, r.wall_s),
                 format!("{:.0}..{:.0}", r.iops_min, r.iops_max),
                 r.device_cpu_s,
                 r.vmm_cpu_s,
