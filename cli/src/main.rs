@@ -81,7 +81,8 @@ struct ServeArgs {
     /// on, is refused and left alone. Removed when the process ends. One
     /// client at a time; one that comes while another is served is refused
     /// (vfio-user answers EBUSY). Between clients the device is reset, unless
-    /// --keep-state.
+    /// --keep-state. With --controllers N > 1 the path holds a {}, replaced
+    /// by 0..N-1: a socket per controller.
     #[arg(long, value_name = "PATH", conflicts_with = "fd", required_unless_present = "fd")]
     socket: Option<PathBuf>,
     /// Serve the connected socket inherited as this fd, then exit.
@@ -106,6 +107,18 @@ struct ServeArgs {
     /// Poll the socket this long for the next request before sleeping.
     #[arg(long, default_value_t = 0, value_name = "US")]
     spin_us: u64,
+    /// Serve N controllers (1..=64), each a device of its own built from the
+    /// same options (its own namespace data) on its own socket (--socket's
+    /// {} replaced by its index), each with its own client. Not with --fd,
+    /// --control or vhost-user.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    controllers: usize,
+    /// nvme with doorbell=shm or bar: M poller threads (1..=64) serve the
+    /// queue groups of every controller of the process (a thread serves
+    /// several; one whose queues are all idle sleeps). Without it every
+    /// queue group has a poller thread of its own.
+    #[arg(long, value_name = "M")]
+    pollers: Option<usize>,
     /// Do not confine the process once it is set up (otherwise Landlock
     /// refuses every file access by path, and seccomp ends the process with
     /// SIGSYS at a system call its thread's role does not make).
@@ -194,6 +207,8 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
         timeouts: Timeouts::default(),
         seccomp: !a.no_seccomp,
         control: a.control,
+        controllers: a.controllers,
+        pollers: a.pollers,
     };
     iopath_protocols::serve::run(&o)?;
     Ok(0)
@@ -294,6 +309,18 @@ fn bench_caught(b: bench::BenchCmd) -> anyhow::Result<i32> {
     match b.which {
         None => bench_exits(&b.exits),
         Some(Which::Exits(a)) => bench_exits(&a),
+        Some(Which::Nvme(a)) if a.controllers.is_some() => {
+            let o = a.options()?;
+            let counts = iopath_bench::nvme::controllers::parse_counts(a.controllers.as_deref().unwrap_or("1"))?;
+            let r = iopath_bench::nvme::controllers::run_controllers(
+                &o,
+                &counts,
+                a.pool_pollers as usize,
+                a.controllers_vs_spdk.as_deref(),
+            )?;
+            emit(&r.table(), &r.json(), &a.out)?;
+            Ok(status(&r.failures()))
+        }
         Some(Which::Nvme(a)) => {
             let o = a.options()?;
             a.format.check(&a.out)?;

@@ -81,6 +81,8 @@ fn serve(path: &Path) -> ! {
         timeouts: Timeouts::default(),
         seccomp: true,
         control: None,
+        controllers: 1,
+        pollers: None,
     };
     match run(&o) {
         Ok(()) => std::process::exit(0),

@@ -31,6 +31,8 @@ fn serve(name: &str, transport: &str, once: bool, timeouts: Timeouts) -> (PathBu
         timeouts,
         seccomp: false, // in a thread of the test process
         control: None,
+        controllers: 1,
+        pollers: None,
     };
     let h = std::thread::spawn(move || run(&o).unwrap());
     let t0 = Instant::now();
@@ -222,6 +224,8 @@ fn a_vhost_user_frontend_is_served_while_50_idle_connections_are_held() {
         timeouts: Timeouts::default(),
         seccomp: false,
         control: None,
+        controllers: 1,
+        pollers: None,
     };
     let h = std::thread::spawn(move || run(&o).unwrap());
     let t0 = Instant::now();

@@ -49,6 +49,8 @@ fn serve(device: &str, transport: &str, name: &str, once: bool, keep_state: bool
         timeouts: T,
         seccomp: false, // in a thread of the test process
         control: None,
+        controllers: 1,
+        pollers: None,
     };
     (path, std::thread::spawn(move || run(&o).unwrap()))
 }

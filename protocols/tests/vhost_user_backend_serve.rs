@@ -39,6 +39,8 @@ fn options(path: &Path, once: bool, timeouts: Timeouts) -> ServeOptions {
         timeouts,
         seccomp: false,
         control: None,
+        controllers: 1,
+        pollers: None,
     }
 }
 

@@ -76,6 +76,21 @@ pub struct NvmeArgs {
     /// Rounds; each round runs every target once (A/B interleaving; odd rounds in reverse order, A B then B A).
     #[arg(long, default_value_t = 3)]
     pub rounds: u32,
+    /// N guests at once, each with its own controller, all N in one device
+    /// process (`iopath serve --controllers N --pollers M`), for each N
+    /// given (e.g. 1,2,4,8,16): total IOPS and CPU per I/O (`controllers.rs`).
+    /// Runs that scenario instead of the targets.
+    #[arg(long, value_name = "N[,N..]")]
+    pub controllers: Option<String>,
+    /// With --controllers: the device process's poller threads (its --pollers M).
+    #[arg(long, default_value_t = 1, value_name = "M",
+          value_parser = clap::value_parser!(u64).range(1..=iopath_devices::nvme::pool::MAX_THREADS as u64))]
+    pub pool_pollers: u64,
+    /// With --controllers: also each N against one SPDK nvmf_tgt with N
+    /// subsystems (VFIOUSER, null bdevs), from this install directory of
+    /// harness/spdk/build.sh (bin/nvmf_tgt, bin/rpc.py).
+    #[arg(long, value_name = "DIR", requires = "controllers")]
+    pub controllers_vs_spdk: Option<std::path::PathBuf>,
     /// A short run: 1 round of 0.5 s runs.
     #[arg(long, conflicts_with_all = ["rounds", "runtime"])]
     pub quick: bool,

@@ -22,6 +22,7 @@ use serde::Serialize;
 use std::time::Duration;
 
 mod args;
+pub mod controllers;
 mod guard;
 pub mod hist;
 mod run;

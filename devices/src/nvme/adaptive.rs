@@ -55,20 +55,20 @@ impl Nvme {
         let done = crate::lock(&self.core).io_completion_fd();
         let forecast = self.cfg.forecast;
         match spawn_adaptive(self.core.clone(), kick, done, forecast, stop.clone()) {
-            Ok(h) => t.worker = Some((stop.clone(), h)),
+            Ok(h) => t.worker = Some((stop.clone(), h.into())),
             Err(e) => return t.error = Some(format!("nvme: cannot start the adaptive poller: {e}")),
         }
         for s in shards {
             let Some(kick) = kick_fd(&s, t) else {
                 // No eventfd to sleep on: this group polls without sleeping.
                 match super::doorbells::spawn_poller(s, stop.clone()) {
-                    Ok(h) => t.pollers.push(h),
+                    Ok(h) => t.pollers.push(h.into()),
                     Err(e) => t.error = Some(format!("nvme: cannot start a poller: {e}")),
                 }
                 continue;
             };
             match spawn_adaptive(s, kick, None, forecast, stop.clone()) {
-                Ok(h) => t.pollers.push(h),
+                Ok(h) => t.pollers.push(h.into()),
                 Err(e) => t.error = Some(format!("nvme: cannot start an adaptive poller: {e}")),
             }
         }

@@ -109,12 +109,38 @@ impl Doorbells {
     }
 }
 
+/// What serves a queue group: a thread of its own, or a place on a
+/// process-wide pool thread (`pool.rs`).
+pub(super) enum Worker {
+    Thread(std::thread::JoinHandle<()>),
+    Pooled(super::pool::Ticket),
+}
+
+impl Worker {
+    /// Waits until it has stopped (its `stop` set): after this no thread
+    /// touches the core for it.
+    pub(super) fn join(self) {
+        match self {
+            Worker::Thread(h) => {
+                let _ = h.join();
+            }
+            Worker::Pooled(t) => t.join(),
+        }
+    }
+}
+
+impl From<std::thread::JoinHandle<()>> for Worker {
+    fn from(h: std::thread::JoinHandle<()>) -> Self {
+        Worker::Thread(h)
+    }
+}
+
 /// The device thread (poller or ioeventfd server), if one runs.
 #[derive(Default)]
 pub(super) struct Threads {
-    pub(super) worker: Option<(Arc<AtomicBool>, std::thread::JoinHandle<()>)>,
+    pub(super) worker: Option<(Arc<AtomicBool>, Worker)>,
     /// Several pollers: those of queue groups 1..N (`shards.rs`).
-    pub(super) pollers: Vec<std::thread::JoinHandle<()>>,
+    pub(super) pollers: Vec<Worker>,
     /// Why a thread could not be started (reported with the counters).
     pub error: Option<String>,
 }
@@ -151,19 +177,33 @@ impl Nvme {
         self.start_polling(t, &shards);
     }
 
-    /// shm, bar: one poller per queue group, group 0 (this core) first.
+    /// shm, bar: one poller per queue group, group 0 (this core) first; or,
+    /// with a process-wide pool (`pool.rs`), a place for each on its threads.
     pub(super) fn start_polling(&self, t: &mut Threads, shards: &[Arc<std::sync::Mutex<Core>>]) {
         let stop = Arc::new(AtomicBool::new(false));
+        if let Some(pool) = super::pool::get() {
+            if let Some(w) = pool.add(self.core.clone(), stop.clone()) {
+                t.worker = Some((stop.clone(), Worker::Pooled(w)));
+                for s in shards {
+                    // The pool runs: a thread that took group 0 takes these.
+                    match pool.add(s.clone(), stop.clone()) {
+                        Some(w) => t.pollers.push(Worker::Pooled(w)),
+                        None => t.error = Some("nvme: the poller pool took no queue group".into()),
+                    }
+                }
+                return;
+            }
+        }
         let h = spawn_poller(self.core.clone(), stop.clone());
         match h {
-            Ok(h) => t.worker = Some((stop.clone(), h)),
+            Ok(h) => t.worker = Some((stop.clone(), h.into())),
             // The other groups' pollers are stopped through this one's entry:
             // without it none starts (they could not be stopped).
             Err(e) => return t.error = Some(format!("nvme: cannot start the poller: {e}")),
         }
         for s in shards {
             match spawn_poller(s.clone(), stop.clone()) {
-                Ok(h) => t.pollers.push(h),
+                Ok(h) => t.pollers.push(h.into()),
                 Err(e) => t.error = Some(format!("nvme: cannot start a poller: {e}")),
             }
         }
@@ -198,7 +238,7 @@ impl Nvme {
             }
         });
         match h {
-            Ok(h) => t.worker = Some((stop, h)),
+            Ok(h) => t.worker = Some((stop, h.into())),
             Err(e) => t.error = Some(format!("nvme: cannot start the io_uring thread: {e}")),
         }
     }
@@ -250,7 +290,7 @@ impl Nvme {
             }
         });
         match h {
-            Ok(h) => t.worker = Some((stop, h)),
+            Ok(h) => t.worker = Some((stop, h.into())),
             Err(e) => t.error = Some(format!("nvme: cannot start the ioeventfd thread: {e}")),
         }
     }
@@ -307,9 +347,9 @@ impl Nvme {
                 let _ = fd.write(1);
             }
             for p in t.pollers.drain(..) {
-                let _ = p.join();
+                p.join();
             }
-            let _ = h.join();
+            h.join();
             // What the stopped pollers left in their doorbell eventfds: the
             // stop's own write, wake-ups this side wrote, and kicks of the
             // guest not drained yet (one rung while its poller, awake, was
@@ -871,6 +911,54 @@ impl Looks {
     }
 }
 
+/// What one poller pass over a queue group's core found ([`poll_pass`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Pass {
+    /// Work was done (or file operations are in flight): no idling.
+    pub busy: bool,
+    /// A queue group with no queue to poll, idle for a while (`shards.rs`).
+    pub unused: bool,
+    /// From a locked pass: when the next timed completion is due, as a
+    /// wait from now (`timing.rs`); None on a look-only pass or with none held.
+    pub timed: Option<std::time::Duration>,
+}
+
+/// A poller's state for one queue group's core, kept between its passes.
+#[derive(Default)]
+pub(super) struct PassState {
+    /// Passes in a row that found nothing.
+    pub idle: u32,
+    looks: Looks,
+}
+
+/// Idle passes after which a poller stops spinning and gives up its CPU.
+pub(super) const IDLE_PASSES: u32 = 4096;
+
+/// One pass of a poller (`shm`, `bar`) over a queue group's core: a look at
+/// the doorbell words, or a locked pass (doorbells, file backend
+/// completions, coalesced interrupts, group 0's raised events). The same
+/// for a poller thread of its own ([`spawn_poller`]) and a pool thread
+/// (`pool.rs`) that serves several cores.
+pub(super) fn poll_pass(core: &std::sync::Mutex<Core>, s: &mut PassState) -> Pass {
+    let pass = if s.looks.only_look() {
+        Pass::default()
+    } else {
+        let mut c = crate::lock(core);
+        c.st.polls += 1;
+        let busy = if c.db.bar_page.is_some() { c.poll_bar() } else { c.poll_shadow() };
+        // File backend completions; busy (no idling) while operations are in flight.
+        let busy = c.io_progress() | busy;
+        c.flush_coalesced();
+        c.take_raised();
+        s.looks.passed(&c, !busy);
+        // Looked at only once idle (it walks the group's queues).
+        let unused = !busy && s.idle >= IDLE_PASSES && c.group_unused();
+        Pass { busy, unused, timed: c.timed_wait() }
+    };
+    s.idle = if pass.busy { 0 } else { s.idle.saturating_add(1) };
+    pass
+}
+
 /// A poller (`shm`, `bar`) of one queue group's core, until `stop`. Group 0's
 /// also delivers the asynchronous events the other groups raised.
 pub(super) fn spawn_poller(
@@ -879,38 +967,19 @@ pub(super) fn spawn_poller(
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new().name("nvme-poller".into()).spawn(move || {
         crate::sandbox::enter(crate::sandbox::Role::Device);
-        let mut idle = 0u32;
-        // As the adaptive poller: idle passes between locked ones only look at the doorbell words.
-        let mut looks = Looks::default();
+        let mut s = PassState::default();
         while !stop.load(Ordering::Relaxed) {
-            let (busy, unused) = if looks.only_look() {
-                (false, false)
+            let p = poll_pass(&core, &mut s);
+            if p.busy {
+            } else if s.idle <= IDLE_PASSES {
+                std::hint::spin_loop();
+            } else if p.unused {
+                // A queue group with no queue to poll: leave the core to the others;
+                // a queue created meanwhile waits at most this long.
+                std::thread::sleep(std::time::Duration::from_millis(1));
             } else {
-                let mut c = crate::lock(&core);
-                c.st.polls += 1;
-                let busy = if c.db.bar_page.is_some() { c.poll_bar() } else { c.poll_shadow() };
-                // File backend completions; busy (no idling) while operations are in flight.
-                let busy = c.io_progress() | busy;
-                c.flush_coalesced();
-                c.take_raised();
-                looks.passed(&c, !busy);
-                // Looked at only once idle (it walks the group's queues).
-                (busy, !busy && idle >= 4096 && c.group_unused())
-            };
-            if busy {
-                idle = 0;
-            } else {
-                idle = idle.saturating_add(1);
-                if idle > 4096 && unused {
-                    // A queue group with no queue to poll: leave the core to the others;
-                    // a queue created meanwhile waits at most this long.
-                    std::thread::sleep(std::time::Duration::from_millis(1));
-                } else if idle > 4096 {
-                    // Nothing for a while: let the other threads run.
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
+                // Nothing for a while: let the other threads run.
+                std::thread::yield_now();
             }
         }
     })

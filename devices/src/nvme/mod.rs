@@ -158,6 +158,7 @@ pub mod options;
 #[cfg(any(test, feature = "oracle"))]
 pub mod oracle;
 mod poller;
+pub mod pool;
 pub mod queue;
 mod regs;
 mod shards;

@@ -46,6 +46,7 @@ mod acceptor;
 pub mod control;
 mod janitor;
 mod listen;
+mod many;
 
 pub use acceptor::MAX_PENDING;
 
@@ -122,6 +123,13 @@ pub struct ServeOptions {
     /// Serve the device's error injection rules on this socket path
     /// (`control.rs`) for as long as the process serves.
     pub control: Option<PathBuf>,
+    /// Controllers served, each a device of its own on a socket of its own
+    /// (1 ..= [`many::MAX_CONTROLLERS`]; more than one: `many.rs`).
+    pub controllers: usize,
+    /// nvme `shm`/`bar`: a pool of this many poller threads serves every
+    /// controller's queue groups (`iopath_devices::nvme::pool`); None: each
+    /// queue group has a poller thread of its own.
+    pub pollers: Option<usize>,
 }
 
 /// Serves until the inherited socket closes, or forever on a listening
@@ -130,6 +138,12 @@ pub struct ServeOptions {
 /// not carry is refused before anything is bound.
 pub fn run(o: &ServeOptions) -> Result<()> {
     o.transport.carries(&o.device)?;
+    if let Some(m) = o.pollers {
+        many::pool(o, m)?;
+    }
+    if o.controllers != 1 {
+        return many::run(o);
+    }
     match o.transport {
         Transport::Function(t) => function(o, t),
         Transport::Queues(q) => q.serve(o),
@@ -149,7 +163,7 @@ fn function(o: &ServeOptions, transport: &'static dyn FunctionTransport) -> Resu
     let f = Arc::new(Mutex::new(PciFunction::new(device)?));
     let irq = IrqLines::new();
     let server = transport.server(f.clone(), irq.clone())?;
-    let mut host = Host { o, transport, f, irq, server };
+    let mut host = Host { o, transport, f, irq, server, index: None };
     let banner = format!("{config} over {}", transport.name());
     let refuse = Box::new(move |s: &UnixStream| transport.refuse(s));
     clients(&o.listen, bound, &banner, o.once, o.seccomp, &o.timeouts, refuse, |sock, peer, free| {
@@ -208,6 +222,23 @@ pub(crate) fn clients(
     seccomp: bool,
     timeouts: &Timeouts,
     refuse: Refuse,
+    client: impl FnMut(UnixStream, &str, &dyn Fn()) -> bool,
+) -> Result<()> {
+    let confine = || if seccomp { crate::seccomp::install() } else { Ok(()) };
+    clients_confined(listen, bound, banner, once, &confine, timeouts, refuse, client)
+}
+
+/// [`clients`], confined by `confine` once set up (several controllers'
+/// loops confine the process once, together: `many.rs`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn clients_confined(
+    listen: &Listen,
+    bound: Option<listen::Bound>,
+    banner: &str,
+    once: bool,
+    confine: &dyn Fn() -> Result<()>,
+    timeouts: &Timeouts,
+    refuse: Refuse,
     mut client: impl FnMut(UnixStream, &str, &dyn Fn()) -> bool,
 ) -> Result<()> {
     // Before any client memory is mapped: a client that shrinks it ends its
@@ -220,9 +251,7 @@ pub(crate) fn clients(
             }
             // SAFETY: the fd was handed to this process to own (see DeviceProcess::spawn).
             let sock = unsafe { UnixStream::from_raw_fd(*fd) };
-            if seccomp {
-                crate::seccomp::install()?;
-            }
+            confine()?;
             client(sock, &format!("fd {fd}"), &|| {});
             Ok(())
         }
@@ -235,9 +264,7 @@ pub(crate) fn clients(
             l.set_nonblocking(true).map_err(|e| Error::io(format!("the listening socket {}", path.display()), e))?;
             let wake = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("the acceptor's eventfd", e))?;
             eprintln!("iopath serve: {banner} on {}", path.display());
-            if seccomp {
-                crate::seccomp::install()?;
-            }
+            confine()?;
             let (tx, rx) = sync_channel(1);
             let (busy, stop) = (AtomicBool::new(false), AtomicBool::new(false));
             let where_ = path.display().to_string();
@@ -302,6 +329,8 @@ struct Host<'a> {
     f: Arc<Mutex<PciFunction>>,
     irq: Arc<IrqLines>,
     server: Box<dyn Server>,
+    /// With several controllers: this one's index, in its counters line.
+    index: Option<usize>,
 }
 
 impl Host<'_> {
@@ -323,7 +352,10 @@ impl Host<'_> {
         self.irq.clear_intx();
         self.irq.clear_msix();
         let mut f = iopath_devices::lock(&self.f);
-        let line = disconnect_report(self.transport.name(), o.device.name(), &f.counters());
+        let mut line = disconnect_report(self.transport.name(), o.device.name(), &f.counters());
+        if let Some(i) = self.index {
+            line = many::with_index(&line, i);
+        }
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "{line}");
         let _ = out.flush();

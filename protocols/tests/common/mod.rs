@@ -79,6 +79,8 @@ pub fn serve(device: &str, name: &str) -> (PathBuf, std::thread::JoinHandle<()>)
         timeouts: Default::default(),
         seccomp: false, // in a thread of the test process
         control: None,
+        controllers: 1,
+        pollers: None,
     };
     (path, std::thread::spawn(move || run(&o).unwrap()))
 }
