@@ -58,7 +58,7 @@ enum Cmd {
     },
     /// Serve a device model from this process to a VMM (iopath's, or QEMU's
     /// x-pci-proxy-dev for mpqemu) over a UNIX socket.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Talk to a device process's control socket (`serve ... --control PATH`):
     /// list, add and remove error injection rules while it runs, read its counters.
     Ctl(ctl::CtlArgs),
@@ -418,7 +418,7 @@ fn main() {
     let r = match cli.cmd {
         Cmd::Bench(a) => bench(*a),
         Cmd::Run(a) => run_guest(a),
-        Cmd::Serve(a) => serve(a),
+        Cmd::Serve(a) => serve(*a),
         Cmd::Ctl(a) => ctl::ctl(a),
         Cmd::Report { from, out } => all::rerender(&from, &out),
         Cmd::Image { out } => {
