@@ -72,18 +72,24 @@ impl Serve {
 
     /// The device's counters from the report `iopath serve` prints when its client leaves.
     fn report(&mut self) -> String {
-        let out = self.child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if l.contains("\"disconnected\"") {
-                    let _ = tx.send(l);
-                    return;
-                }
-            }
-        });
-        rx.recv_timeout(Duration::from_secs(20)).unwrap_or_default()
+        disconnect_report(&mut self.child)
     }
+}
+
+/// The counters line an `iopath serve` child prints on stdout when its client leaves (within
+/// 20 s; empty if none).
+fn disconnect_report(child: &mut Child) -> String {
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            if l.contains("\"disconnected\"") {
+                let _ = tx.send(l);
+                return;
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(20)).unwrap_or_default()
 }
 
 impl Drop for Serve {
@@ -996,17 +1002,7 @@ fn linux_fio_verify_survives_kill_9_of_the_vhost_user_blk_backend() {
 impl Backend {
     /// The report line the last backend prints when QEMU (gone with its guest) leaves.
     fn report_on_exit(&mut self) -> String {
-        let out = self.child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if l.contains("\"disconnected\"") {
-                    let _ = tx.send(l);
-                    return;
-                }
-            }
-        });
-        rx.recv_timeout(Duration::from_secs(20)).unwrap_or_default()
+        disconnect_report(&mut self.child)
     }
 }
 

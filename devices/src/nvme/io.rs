@@ -546,6 +546,17 @@ impl Core {
         status::SUCCESS
     }
 
+    /// Counts a Read or Write of `bytes` carried out (SMART's data units are 512 B here).
+    pub(super) fn count_rw(&mut self, write: bool, bytes: u64) {
+        if write {
+            self.st.writes += 1;
+            self.smart.write_units += bytes / 512;
+        } else {
+            self.st.reads += 1;
+            self.smart.read_units += bytes / 512;
+        }
+    }
+
     fn rw(&mut self, i: usize, c: &Sqe, write: bool) -> u16 {
         let slba = c.cdw10 as u64 | (c.cdw11 as u64) << 32;
         let n = (c.cdw12 & 0xffff) as u64 + 1;
@@ -567,13 +578,7 @@ impl Core {
         };
         self.scratch.segs = segs;
         if st == status::SUCCESS {
-            if write {
-                self.st.writes += 1;
-                self.smart.write_units += bytes / 512;
-            } else {
-                self.st.reads += 1;
-                self.smart.read_units += bytes / 512;
-            }
+            self.count_rw(write, bytes);
         }
         st
     }

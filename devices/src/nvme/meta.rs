@@ -190,14 +190,7 @@ impl Core {
         };
         self.scratch.segs = segs;
         if st == status::SUCCESS {
-            let bytes = (blocks * lbs) as u64;
-            if write {
-                self.st.writes += 1;
-                self.smart.write_units += bytes / 512;
-            } else {
-                self.st.reads += 1;
-                self.smart.read_units += bytes / 512;
-            }
+            self.count_rw(write, (blocks * lbs) as u64);
         }
         st
     }
