@@ -490,6 +490,12 @@ const INJECT_AT_RUN_TIME: [&str; 2] = ["op=read/lba=4096-4096/drop/once", "op=wr
 
 /// `iopath ctl SOCKET ARGS...`: its stdout, and it must succeed.
 fn ctl(socket: &Path, args: &[&str]) -> String {
+    // `iopath serve` binds its control socket after the device's (which Serve::start waits for).
+    let t0 = Instant::now();
+    while !socket.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "iopath serve made no control socket at {}", socket.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let out = Command::new(env!("CARGO_BIN_EXE_iopath")).arg("ctl").arg(socket).args(args).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(out.status.success(), "iopath ctl {args:?}: {text}{}", String::from_utf8_lossy(&out.stderr));
