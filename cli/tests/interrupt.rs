@@ -39,14 +39,16 @@ fn naming(needle: &str) -> Vec<(u32, String)> {
 }
 
 /// Files in /dev/shm and the temp directory whose names carry the bench's
-/// pid the way its files do (`iopath-...-PID...`).
-fn files_of(pid: u32) -> Vec<PathBuf> {
+/// pid the way its files do (`iopath-...-PID...`), made or changed since
+/// `since` (an older one is another process's that had the same pid).
+fn files_of(pid: u32, since: std::time::SystemTime) -> Vec<PathBuf> {
     let mut v = Vec::new();
     for dir in [PathBuf::from("/dev/shm"), std::env::temp_dir()] {
         let Ok(rd) = std::fs::read_dir(&dir) else { continue };
         for e in rd.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            if n.starts_with("iopath") && n.contains(&format!("-{pid}")) {
+            let new = e.metadata().and_then(|m| m.modified()).is_ok_and(|t| t >= since);
+            if n.starts_with("iopath") && n.contains(&format!("-{pid}")) && new {
                 v.push(e.path());
             }
         }
@@ -134,6 +136,8 @@ fn interrupt_while(during: &str, pred: fn(&ProcInfo) -> bool) {
     qemu_installed();
     let json = std::env::temp_dir().join(format!("interrupt-test-{}-{during}.json", std::process::id()));
     let _ = std::fs::remove_file(&json);
+    // (A second back: file times may be coarser than the clock.)
+    let since = std::time::SystemTime::now() - Duration::from_secs(1);
     let mut child = spawn_nvme(&json);
     let pid = child.id();
     let mut seen = Vec::new();
@@ -143,7 +147,10 @@ fn interrupt_while(during: &str, pred: fn(&ProcInfo) -> bool) {
     wait_for(&mut child, &mut seen, "the end of a QEMU run", |k| !k.iter().any(is_qemu));
     wait_for(&mut child, &mut seen, during, |k| k.iter().any(pred));
     let image = format!("iopath-qemu-nvme-{pid}-");
-    assert!(files_of(pid).iter().any(|f| f.to_string_lossy().contains(&image)), "QEMU's /dev/shm image is there");
+    assert!(
+        files_of(pid, since).iter().any(|f| f.to_string_lossy().contains(&image)),
+        "QEMU's /dev/shm image is there"
+    );
     std::thread::sleep(Duration::from_millis(300)); // it is running by now
     let running = children(pid);
     assert!(running.iter().any(pred), "{during} still runs: {running:?}");
@@ -163,7 +170,7 @@ fn interrupt_while(during: &str, pred: fn(&ProcInfo) -> bool) {
     assert!(left.is_empty(), "children of the bench still there: {left:?} (of {seen:?})");
     assert!(seen.iter().any(is_qemu) && seen.iter().any(is_serve), "QEMU and a device process ran: {seen:?}");
     assert_eq!(naming(&image), vec![], "a process still names the bench's image");
-    assert_eq!(files_of(pid), Vec::<PathBuf>::new(), "files of the bench left behind");
+    assert_eq!(files_of(pid, since), Vec::<PathBuf>::new(), "files of the bench left behind");
     // The rounds measured so far: printed, and in the JSON marked partial.
     assert!(stdout.starts_with("PARTIAL: interrupted by a signal"), "{stdout}");
     let text = std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("{}: {e}\n{stdout}\n{stderr}", json.display()));
