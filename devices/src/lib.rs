@@ -20,6 +20,7 @@ pub mod pci;
 pub mod rng;
 pub mod sandbox;
 pub mod spec;
+pub mod state;
 pub mod testdev;
 pub mod virtio;
 
@@ -249,6 +250,21 @@ pub trait DeviceModel: Send + Sync {
     fn set_namespace_attached(&self, nsid: u32, _attached: bool) -> Result<bool> {
         let reason = format!("{} has no namespaces to attach or detach (asked for {nsid})", self.name());
         Err(Error::Option { device: "control", option: "nsid".into(), reason })
+    }
+    /// Bytes of state memory ([`state::StateMemory`]) this device keeps
+    /// what it must not lose in, so that the next process of it resumes
+    /// where a killed one stopped; None for a device that keeps none.
+    fn state_len(&self) -> Option<usize> {
+        None
+    }
+    /// Keeps the device's state in `mem` from now on: `resume` false zeroes
+    /// it and starts recording (a fresh session, before the guest touches
+    /// the device); true resumes from what an earlier process of the same
+    /// device left in it (after the session's DMA maps, interrupts and
+    /// configuration are in place again). `mem` comes from a client: what is
+    /// read from it is validated. An error leaves the device as it was.
+    fn adopt_state(&self, _mem: state::StateMemory, _resume: bool) -> Result<()> {
+        Err(Error::Host(format!("{} keeps no state memory", self.name())))
     }
     /// Configuration-space read. A model that keeps its own configuration
     /// space (a proxy for a device in another process) answers and returns

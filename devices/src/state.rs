@@ -1,0 +1,169 @@
+//! State memory: a shared mapping a device keeps what it must not lose in,
+//! so that the next process of the same device resumes where a killed one
+//! stopped (the client holds the memfd and hands it to the next process).
+//!
+//! Its layout belongs to the device that adopts it
+//! ([`DeviceModel::adopt_state`](crate::DeviceModel::adopt_state)). The
+//! memory comes from a client: everything read from it is validated as guest
+//! input is. It is reached as 64-bit atomic words, the unit a writer that may
+//! be killed between any two stores can publish.
+
+use crate::{Error, Result};
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::atomic::AtomicU64;
+
+/// Largest state memory a device may ask for or a client may hand over.
+pub const MAX_STATE_LEN: usize = 16 << 20;
+
+/// A shared, page-aligned mapping of a memfd, sealed against shrinking.
+pub struct StateMemory {
+    file: File,
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is only reached through `words()`, as atomics.
+unsafe impl Send for StateMemory {}
+// SAFETY: as above; shared access is through atomics only.
+unsafe impl Sync for StateMemory {}
+
+impl StateMemory {
+    /// A new zeroed state memory of `len` bytes (rounded up to 8).
+    pub fn create(len: usize) -> Result<Self> {
+        if len == 0 || len > MAX_STATE_LEN {
+            return Err(Error::Host(format!("state memory of {len} bytes (1..={MAX_STATE_LEN})")));
+        }
+        let len = len.next_multiple_of(8);
+        let name = c"iopath-state";
+        // SAFETY: memfd_create with a NUL-terminated name; the fd is checked, then owned by the File.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        if fd < 0 {
+            return Err(Error::io("state memory: memfd_create", std::io::Error::last_os_error()));
+        }
+        // SAFETY: a fresh descriptor nobody else owns.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(len as u64).map_err(|e| Error::io("state memory: size", e))?;
+        // SAFETY: F_ADD_SEALS on an fd this function owns; integer argument.
+        if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } < 0 {
+            return Err(Error::io("state memory: seal", std::io::Error::last_os_error()));
+        }
+        Self::map(file, len)
+    }
+
+    /// Maps a state memory a client handed over. It must be a memfd sealed
+    /// against shrinking (so no peer can make a later access fault), of at
+    /// least `min_len` bytes and at most [`MAX_STATE_LEN`].
+    pub fn from_fd(fd: OwnedFd, min_len: usize) -> Result<Self> {
+        let file = File::from(fd);
+        // SAFETY: F_GET_SEALS on an fd we own; integer result.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(Error::Host("state memory: not a memfd sealed against shrinking".into()));
+        }
+        let size = file.metadata().map_err(|e| Error::io("state memory: fstat", e))?.len();
+        if size < min_len as u64 || size > MAX_STATE_LEN as u64 || size % 8 != 0 {
+            return Err(Error::Host(format!(
+                "state memory: {size} bytes; this device needs {min_len}..={MAX_STATE_LEN}, a multiple of 8"
+            )));
+        }
+        Self::map(file, size as usize)
+    }
+
+    fn map(file: File, len: usize) -> Result<Self> {
+        // SAFETY: a shared mapping of `len` bytes of a file at least that
+        // long that cannot shrink (sealed); the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::io("state memory: mmap", std::io::Error::last_os_error()));
+        }
+        Ok(StateMemory { file, base: p.cast(), len })
+    }
+
+    /// Its size in bytes (a multiple of 8).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The memfd, to hand to a peer.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+
+    /// A duplicate of the memfd (for a client that keeps one and sends one).
+    pub fn try_clone_fd(&self) -> Result<OwnedFd> {
+        self.file.as_fd().try_clone_to_owned().map_err(|e| Error::io("state memory: dup", e))
+    }
+
+    /// The whole memory as 64-bit words.
+    pub fn words(&self) -> &[AtomicU64] {
+        // SAFETY: `base` is a page-aligned mapping of `len` bytes (a
+        // multiple of 8) that lives as long as `self`; AtomicU64 has the
+        // size and alignment of u64 and every bit pattern is valid.
+        unsafe { std::slice::from_raw_parts(self.base.cast::<AtomicU64>(), self.len / 8) }
+    }
+}
+
+impl Drop for StateMemory {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, unmapped once; no reference
+        // from `words()` outlives `self`.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+impl std::fmt::Debug for StateMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StateMemory({} bytes, fd {})", self.len, self.file.as_raw_fd())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn a_second_mapping_of_the_fd_sees_the_first_ones_words() {
+        let a = StateMemory::create(20).unwrap();
+        assert_eq!(a.len(), 24);
+        a.words()[2].store(0xfeed, Ordering::Release);
+        let b = StateMemory::from_fd(a.try_clone_fd().unwrap(), 24).unwrap();
+        assert_eq!(b.words()[2].load(Ordering::Acquire), 0xfeed);
+    }
+
+    #[test]
+    fn too_small_unsealed_or_oversized_memory_is_refused() {
+        let a = StateMemory::create(16).unwrap();
+        let e = StateMemory::from_fd(a.try_clone_fd().unwrap(), 64).unwrap_err().to_string();
+        assert!(e.contains("16 bytes; this device needs 64"), "{e}");
+        let plain = tempfile_fd();
+        let e = StateMemory::from_fd(plain, 8).unwrap_err().to_string();
+        assert!(e.contains("not a memfd sealed"), "{e}");
+        assert!(StateMemory::create(MAX_STATE_LEN + 1).is_err());
+        assert!(StateMemory::create(0).is_err());
+    }
+
+    fn tempfile_fd() -> OwnedFd {
+        // SAFETY: memfd_create without sealing allowed; checked, then owned.
+        let fd = unsafe { libc::memfd_create(c"plain".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh fd nobody else owns.
+        let f = unsafe { File::from_raw_fd(fd) };
+        f.set_len(64).unwrap();
+        f.into()
+    }
+}
