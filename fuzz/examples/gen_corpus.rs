@@ -39,6 +39,7 @@ fn vfio_user(o: &mut Out) {
         max_dma_maps: 64,
         pgsizes: 4096,
         write_multiple: true,
+        state_memory: None,
     };
     let v = Version { major: VERSION_MAJOR, minor: VERSION_MINOR, capabilities: Some(caps) };
     o.put("version", &message(1, Command::Version, 0, &v.to_bytes()));

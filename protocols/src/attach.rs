@@ -335,7 +335,7 @@ pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(
 /// (SO_SNDTIMEO bounds connect(2) on a Unix socket; past it, EAGAIN, which
 /// is `WouldBlock`, which [`Error::io`] makes a timeout). The socket's own
 /// timeouts are left unset, as `UnixStream::connect` leaves them.
-fn connect(path: &Path) -> std::io::Result<UnixStream> {
+pub(crate) fn connect(path: &Path) -> std::io::Result<UnixStream> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     use std::os::unix::ffi::OsStrExt;
     // SAFETY: sockaddr_un is plain data; all-zero is a valid value.

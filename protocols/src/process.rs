@@ -7,7 +7,7 @@ use crate::{Error, Result};
 use iopath_devices::Counter;
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -22,6 +22,9 @@ pub struct DeviceProcess {
     reports: bool,
     /// QEMU's monitor (QMP on its standard input), kept open for the session.
     _monitor: Option<ChildStdin>,
+    /// How it was started, for an iopath device process: the binary and
+    /// the arguments after `serve` (see [`crate::respawn`]).
+    command: Option<(PathBuf, Vec<String>)>,
 }
 
 /// Most QMP lines read while waiting for QEMU to run (events come between replies).
@@ -71,6 +74,7 @@ impl DeviceProcess {
         cmd.arg("serve").args(args);
         let mut p = Self::spawn_command(cmd, socket)?;
         p.reports = true;
+        p.command = Some((exe.to_path_buf(), args.to_vec()));
         Ok(p)
     }
 
@@ -165,7 +169,30 @@ impl DeviceProcess {
                 }
             })
             .map_err(|e| Error::io("cannot read the device process output", e))?;
-        Ok(DeviceProcess { child, lines: rx, reports: false, _monitor: None })
+        Ok(DeviceProcess { child, lines: rx, reports: false, _monitor: None, command: None })
+    }
+
+    /// The binary and `serve` arguments of an iopath device process
+    /// ([`spawn`](Self::spawn)); None for another program.
+    pub fn command(&self) -> Option<(&Path, &[String])> {
+        self.command.as_ref().map(|(e, a)| (e.as_path(), a.as_slice()))
+    }
+
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Its exit status, waiting up to `wait` for it to end; None if it
+    /// still runs.
+    pub fn exit_status(&mut self, wait: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + wait;
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(s)) => return Some(s),
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                _ => return None,
+            }
+        }
     }
 
     /// Waits for the device's counters after the client disconnected.

@@ -20,6 +20,7 @@ mod dma;
 mod irq;
 mod link;
 mod region;
+mod state;
 
 pub use link::{DmaStats, DMA_TIMEOUT};
 
@@ -67,6 +68,7 @@ const SERVER_CAPS: Capabilities = Capabilities {
     max_dma_maps: 65535,
     pgsizes: !0xfff,
     write_multiple: true,
+    state_memory: None,
 };
 
 /// Fds kept free for everything but DMA maps (sockets, eventfds, the
@@ -368,6 +370,7 @@ impl Session<'_> {
             Some(Command::RegionWrite) => self.region_write(m),
             Some(Command::RegionWriteMulti) => self.region_write_multi(m),
             Some(Command::DeviceReset) => self.reset(m),
+            Some(Command::StateMemory) => self.state_memory(m),
             Some(c) => {
                 log::warn!("vfio-user {}: command {c:?} is not served here", self.peer);
                 Ok(Reply::Error(libc::ENOTSUP))
@@ -393,6 +396,8 @@ impl Session<'_> {
         })?;
         // Each map with an fd holds that fd and a mapping: promise only what fits.
         caps.max_dma_maps = caps.max_dma_maps.min(dma_map_budget()).min(crate::sigbus::CAPACITY as u32);
+        // State memory only to a client that proposed it (`state.rs`).
+        caps.state_memory = self.state_answer(proposed.state_memory);
         (self.versioned, self.client, self.caps) = (true, proposed, caps);
         self.link.set_max_xfer(caps.max_data_xfer_size);
         let mine = Version { major: VERSION_MAJOR, minor: v.minor.min(VERSION_MINOR), capabilities: Some(caps) };

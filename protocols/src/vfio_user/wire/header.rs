@@ -38,6 +38,9 @@ pub enum Command {
     DeviceReset = 13,
     RegionWriteMulti = 15,
     DeviceFeature = 16,
+    /// iopath's extension, outside the spec's numbers: the client hands
+    /// the server the state memory VERSION agreed on (see `state`).
+    StateMemory = STATE_MEMORY_COMMAND,
 }
 
 impl Command {
@@ -59,6 +62,7 @@ impl Command {
             13 => DeviceReset,
             15 => RegionWriteMulti,
             16 => DeviceFeature,
+            STATE_MEMORY_COMMAND => StateMemory,
             _ => return None,
         })
     }
@@ -167,13 +171,18 @@ pub struct Capabilities {
     pub max_dma_maps: u32,
     pub pgsizes: u64,
     pub write_multiple: bool,
+    /// iopath's state memory ([`STATE_MEMORY_CAP`]): in a proposal, the
+    /// most bytes the client will hold; in an answer, the bytes the
+    /// server's device keeps its state in (at most the proposal). Absent
+    /// unless both sides know it.
+    pub state_memory: Option<u64>,
 }
 
 impl Default for Capabilities {
     /// The values the spec says to assume when a capability is absent.
     fn default() -> Self {
         let max_data_xfer_size = DEFAULT_MAX_DATA_XFER_SIZE;
-        Capabilities { max_msg_fds: 1, max_data_xfer_size, max_dma_maps: 65535, pgsizes: 4096, write_multiple: false }
+        Capabilities { max_msg_fds: 1, max_data_xfer_size, max_dma_maps: 65535, pgsizes: 4096, write_multiple: false, state_memory: None }
     }
 }
 
@@ -188,6 +197,9 @@ impl Capabilities {
             // Absent means false; a reply names only what it agrees to.
             caps.insert("write_multiple".into(), true.into());
         }
+        if let Some(n) = self.state_memory {
+            caps.insert(STATE_MEMORY_CAP.into(), n.into());
+        }
         Value::Object(Map::from_iter([("capabilities".to_string(), Value::Object(caps))]))
     }
 
@@ -197,8 +209,9 @@ impl Capabilities {
     /// larger than the server's), the page sizes are those the client
     /// offered that the server maps (QEMU also refuses a reply with a page
     /// size below 4 KiB), and REGION_WRITE_MULTI is on only if both do it.
-    /// Twin sockets and migration are never part of an answer. `None` if no
-    /// page size is left.
+    /// Twin sockets and migration are never part of an answer, nor state
+    /// memory (the server adds it for a device that has some, within the
+    /// proposal). `None` if no page size is left.
     ///
     /// Deployed servers differ: libvfio-user answers with its own limits
     /// whatever the client proposed, and rust-vmm's server with its defaults.
@@ -210,6 +223,7 @@ impl Capabilities {
             max_dma_maps: self.max_dma_maps.min(proposed.max_dma_maps),
             pgsizes,
             write_multiple: self.write_multiple && proposed.write_multiple,
+            state_memory: None,
         })
     }
 
@@ -236,6 +250,10 @@ impl Capabilities {
         c.pgsizes = num("pgsizes", u64::MAX)?.unwrap_or(c.pgsizes);
         if let Some(v) = caps.get("write_multiple") {
             c.write_multiple = v.as_bool().ok_or_else(|| json("\"write_multiple\" is not a boolean".into()))?;
+        }
+        c.state_memory = num(STATE_MEMORY_CAP, MAX_STATE_MEMORY)?;
+        if c.state_memory == Some(0) {
+            return Err(json(format!("\"{STATE_MEMORY_CAP}\" is 0")));
         }
         for key in ["twin_socket", "migration"] {
             if caps.get(key).is_some_and(|v| !v.is_object()) {
@@ -341,6 +359,7 @@ mod tests {
             max_dma_maps: 7,
             pgsizes: 3 << 12,
             write_multiple: true,
+            state_memory: Some(64),
         };
         assert_eq!(Capabilities::from_json(&c2.to_json()).unwrap(), c2);
         for bad in [
@@ -366,6 +385,7 @@ mod tests {
             max_dma_maps: 65535,
             pgsizes: !0xfff,
             write_multiple: true,
+            state_memory: None,
         };
         let a = server.answer(&Capabilities::default()).unwrap();
         assert_eq!(a, Capabilities::default(), "the defaults are the most a client without JSON takes");

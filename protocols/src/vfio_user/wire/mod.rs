@@ -2,7 +2,8 @@
 //! project speaks, as plain structs with `parse` / `to_bytes`, one file per
 //! concern: `header` (header, commands, VERSION), `device` (GET_INFO,
 //! DEVICE_FEATURE), `dma`, `region` (REGION_INFO and region access),
-//! `io_fds` (GET_REGION_IO_FDS), `irq`. This file holds the bounds-checked
+//! `io_fds` (GET_REGION_IO_FDS), `irq`, `state` (iopath's state memory
+//! extension). This file holds the bounds-checked
 //! reader and writer they share.
 //!
 //! The protocol is QEMU's `docs/interop/vfio-user.rst`; layouts were checked
@@ -24,6 +25,7 @@ mod header;
 mod io_fds;
 mod irq;
 mod region;
+mod state;
 
 pub use device::*;
 pub use dma::*;
@@ -31,6 +33,7 @@ pub use header::*;
 pub use io_fds::*;
 pub use irq::*;
 pub use region::*;
+pub use state::*;
 
 /// Size of the `{argsz, flags, index, count}` structs (DEVICE_GET_INFO,
 /// GET_IRQ_INFO, the GET_REGION_IO_FDS head).
