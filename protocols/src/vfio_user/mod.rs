@@ -18,14 +18,14 @@
 //! comes while another is served gets EBUSY to its first message.
 
 pub mod ioregionfd;
-mod proxy;
+pub(crate) mod proxy;
 mod server;
 pub mod wire;
 
 #[cfg(test)]
 mod tests;
 
-pub use proxy::VfioUserProxy;
+pub use proxy::{set_socket_window, VfioUserProxy, RECONNECTS, RESPAWN_WINDOW};
 pub use server::{IoFds, VfioUserServer};
 
 use crate::function::PciFunction;

@@ -18,6 +18,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 mod deployed_clients;
 mod dma_fallback;
+mod reconnect;
 
 type ServerThread = JoinHandle<(Result<()>, Vec<Counter>)>;
 

@@ -26,6 +26,11 @@ pub(in crate::vfio_user) struct Channel {
     pub(in crate::vfio_user) requests: u64,
     /// Guest RAM for the server's DMA requests, served while a reply is awaited.
     pub(in crate::vfio_user) dma: DmaService,
+    /// With reconnect on, a broken channel is not the peer's end: the
+    /// first such error is kept here (the proxy then reconnects) and every
+    /// later request fails at once.
+    pub(super) reconnects: bool,
+    pub(super) broken: Option<String>,
 }
 
 /// A reply payload that does not parse.
@@ -35,23 +40,38 @@ pub(super) fn bad_reply(what: impl std::fmt::Display) -> impl FnOnce(WireError) 
 
 impl Channel {
     pub(super) fn new(peer: Peer) -> Self {
-        Channel { peer, next_id: 0, requests: 0, dma: DmaService::default() }
+        Channel { peer, next_id: 0, requests: 0, dma: DmaService::default(), reconnects: false, broken: None }
     }
 
     /// Sends a command and waits for its reply, serving the server's
     /// DMA_READ/DMA_WRITE commands that arrive meanwhile. An error reply is
-    /// [`Error::Remote`] and leaves the peer up; any other error ends it.
+    /// [`Error::Remote`] and leaves the peer up; any other error ends it
+    /// (or, with reconnect on, marks the channel broken).
     pub(super) fn request(&mut self, cmd: Command, payload: &[u8], fds: &[RawFd]) -> Result<Received> {
         self.peer.alive()?;
+        if let Some(b) = &self.broken {
+            return Err(Error::PeerGone(b.clone()));
+        }
         self.requests += 1;
         self.next_id = self.next_id.wrapping_add(1);
         let id = self.next_id;
         let r = self.exchange(id, cmd, payload, fds);
         match &r {
             Ok(_) | Err(Error::Remote { .. }) => {}
-            Err(e) => self.peer.die(e),
+            Err(e) => self.broke(e),
         }
         r
+    }
+
+    /// A non-reply error on the channel: the peer's end, or with
+    /// reconnect on the cause kept for the proxy's reconnect.
+    pub(super) fn broke(&mut self, e: &Error) {
+        if !self.reconnects {
+            return self.peer.die(e);
+        }
+        if self.broken.is_none() {
+            self.broken = Some(e.to_string());
+        }
     }
 
     fn exchange(&mut self, id: u16, cmd: Command, payload: &[u8], fds: &[RawFd]) -> Result<Received> {

@@ -37,11 +37,13 @@ pub(super) struct Discovered {
     pub(super) msix: Option<MsixTable>,
     /// The io fds the server offered for its BARs.
     pub(super) io: IoFdOffers,
+    /// The bytes of state memory VERSION agreed on, if any (`wire::state`).
+    pub(super) state_len: Option<u64>,
 }
 
 /// Asks the server, in order, all that `connect` learns.
 pub(super) fn discover(chan: &mut Channel) -> Result<Discovered> {
-    let ask_io_fds = negotiate(chan)?;
+    let (ask_io_fds, state_len) = negotiate(chan)?;
     check_pci(chan)?;
     let cfg = chan.region_read(PCI_CONFIG_REGION_INDEX, 0, CONFIG_REGION_SIZE as u32)?;
     let (ids, cap_headers) = (pci_ids(&cfg), capability_offsets(&cfg));
@@ -51,13 +53,16 @@ pub(super) fn discover(chan: &mut Channel) -> Result<Discovered> {
     for b in bars.iter().filter(|_| ask_io_fds) {
         io.ask(chan, *b)?;
     }
-    Ok(Discovered { device: Device { ids, bars, areas, cap_headers }, msix, io })
+    Ok(Discovered { device: Device { ids, bars, areas, cap_headers }, msix, io, state_len })
 }
 
 /// VERSION: agrees on the version and sets the channel's DMA transfer
-/// limit; true if the server may be asked GET_REGION_IO_FDS.
-fn negotiate(chan: &mut Channel) -> Result<bool> {
-    let caps = Capabilities { max_msg_fds: MAX_FDS, ..Capabilities::default() };
+/// limit; true if the server may be asked GET_REGION_IO_FDS, and the
+/// state memory the server's device keeps, if any. Every proposal offers
+/// to hold state memory: a server that does not know the key ignores it.
+fn negotiate(chan: &mut Channel) -> Result<(bool, Option<u64>)> {
+    let state_memory = Some(MAX_STATE_MEMORY);
+    let caps = Capabilities { max_msg_fds: MAX_FDS, state_memory, ..Capabilities::default() };
     let v = Version { major: VERSION_MAJOR, minor: VERSION_MINOR, capabilities: Some(caps) };
     let r = chan.request(Command::Version, &v.to_bytes(), &[])?;
     let theirs = Version::parse(&r.payload).map_err(bad_reply("VERSION reply"))?;
@@ -77,7 +82,12 @@ fn negotiate(chan: &mut Channel) -> Result<bool> {
     // (SPDK, QEMU's x-vfio-user-server) answers min(offered, 2) and
     // iopath's own server likewise. So only a server that agreed to a
     // minor version >= 1 is asked for io fds.
-    Ok(theirs.minor >= 1)
+    let state = theirs.caps().state_memory;
+    if let Some(n) = state.filter(|n| n % 8 != 0) {
+        log::warn!("{}: the server asks for {n} bytes of state memory, not a multiple of 8: none", chan.peer.name);
+        return Ok((theirs.minor >= 1, None));
+    }
+    Ok((theirs.minor >= 1, state))
 }
 
 /// DEVICE_GET_INFO: a PCI device, with a configuration region.

@@ -7,7 +7,9 @@
 //!   BARs, sparse mmap areas, MSI-X placement, the io fds offered;
 //! - `msix`: the MSI-X table and PBA, emulated here, never forwarded;
 //! - `dma`: guest RAM for the device process (DMA_MAP at attach, and
-//!   DMA_READ/WRITE answered while a reply is awaited).
+//!   DMA_READ/WRITE answered while a reply is awaited);
+//! - `reconnect`: a new process of the device when one dies, the session
+//!   replayed on it and its state memory handed back.
 //!
 //! This file owns the attach and the forwarding of accesses. At attach the
 //! proxy maps guest RAM into the device process, installs the ioeventfds the
@@ -20,8 +22,9 @@
 //!
 //! An error reply is the answer to one request (a BAR read gives all-ones,
 //! a write is dropped; both are counted) or, to an optional step of the
-//! attach, a log line; any other error ends the peer (the run stops,
-//! accesses read all-ones).
+//! attach, a log line; any other error reconnects (a device process the
+//! VMM started, or an external socket with a reconnect window: see
+//! `reconnect`) or ends the peer (the run stops, accesses read all-ones).
 //!
 //! Deployed servers differ from the spec and from each other; each part
 //! says what it does about it (GET_REGION_IO_FDS only at minor >= 1 in
@@ -33,6 +36,9 @@ mod discovery;
 mod dma;
 mod io_fds;
 mod msix;
+pub(in crate::vfio_user) mod reconnect;
+
+pub use reconnect::{set_socket_window, RECONNECTS, RESPAWN_WINDOW};
 
 use super::ioregionfd::{RegionClient, COMMANDS};
 use super::wire::*;
@@ -69,6 +75,10 @@ pub struct VfioUserProxy {
     region_commands: u64,
     /// Error replies to BAR accesses (each read as all-ones, or a dropped write).
     error_replies: u64,
+    /// Where a new process of the device comes from, if one dies.
+    source: reconnect::Source,
+    /// What a reconnect replays, and its state memory.
+    session: reconnect::Session,
 }
 
 /// The runs of a configuration write at `offset` that touch no
@@ -92,11 +102,25 @@ fn without_cap_headers<'a>(headers: &[usize], offset: usize, data: &'a [u8]) -> 
 
 impl VfioUserProxy {
     /// Negotiates the version, reads the device's regions, identity and
-    /// announced io fds.
+    /// announced io fds, and hands over fresh state memory if the server's
+    /// device keeps state. A device process the VMM started (an iopath
+    /// one) is started again if it dies; an external socket is waited for
+    /// if [`set_socket_window`] set a window.
     pub fn connect(sock: UnixStream, child: Option<DeviceProcess>) -> Result<Self> {
+        let source = reconnect::Source::of(&sock, child.as_ref());
+        Self::connect_from(sock, child, source)
+    }
+
+    /// [`connect`](Self::connect) with where a new process comes from.
+    pub(in crate::vfio_user) fn connect_from(
+        sock: UnixStream,
+        child: Option<DeviceProcess>,
+        source: reconnect::Source,
+    ) -> Result<Self> {
         let mut chan = Channel::new(Peer::new(sock, "vfio-user", child));
         let found = discovery::discover(&mut chan)?;
-        Ok(VfioUserProxy {
+        chan.reconnects = source.enabled();
+        let mut p = VfioUserProxy {
             chan,
             dev: found.device,
             ioevents: found.io.ioevents,
@@ -104,14 +128,25 @@ impl VfioUserProxy {
             msix: found.msix.map(MsixEmulation::new),
             region_commands: 0,
             error_replies: 0,
-        })
+            source,
+            session: Default::default(),
+        };
+        p.adopt_fresh_state(found.state_len)?;
+        Ok(p)
     }
 
     /// [`connect`](Self::connect), named `name` in reports, as the VMM hosts it.
     pub fn shared(sock: UnixStream, child: Option<DeviceProcess>, name: &str) -> Result<SharedDevice> {
         let mut p = Self::connect(sock, child)?;
         p.set_name(name);
-        Ok(Arc::new(Mutex::new(p)))
+        let p = Arc::new(Mutex::new(p));
+        iopath_devices::lock(&p).session.me = Some(Arc::downgrade(&p));
+        Ok(p)
+    }
+
+    /// Reconnects so far.
+    pub fn reconnects(&self) -> u64 {
+        self.session.reconnects
     }
 
     pub fn set_name(&mut self, name: &str) {
@@ -122,7 +157,7 @@ impl VfioUserProxy {
     /// (logged, counted; a read gives all-ones), anything else ends the peer.
     fn access_failed(&mut self, e: Error) {
         if !matches!(e, Error::Remote { .. }) {
-            return self.chan.peer.die(&e);
+            return self.chan.broke(&e);
         }
         self.error_replies += 1;
         if self.error_replies.is_power_of_two() {
@@ -190,8 +225,16 @@ impl DeviceModelMut for VfioUserProxy {
         if let Some(m) = &mut self.msix {
             m.attach(ctx.irq.clone());
         }
+        self.session.ctx = Some(ctx.clone());
         match self.setup(&ctx) {
+            Ok(()) if self.source.enabled() => self.watch(),
             Ok(()) => self.chan.peer.watch(),
+            // A reconnect replays the whole attach on the new process.
+            Err(e) if self.source.enabled() && !matches!(e, Error::Remote { .. }) => {
+                if self.recover(&e.to_string()) {
+                    self.watch();
+                }
+            }
             Err(e) => self.chan.peer.die(&e),
         }
     }
@@ -201,10 +244,10 @@ impl DeviceModelMut for VfioUserProxy {
             return;
         }
         let n = data.len();
-        let v = match self.region_of(bar, offset, n) {
+        let v = self.retried(|p| match p.region_of(bar, offset, n) {
             Some(r) => r.read(offset, n),
-            None => self.chan.region_read(bar as u32, offset, n as u32).map(|d| le_value(&d)),
-        };
+            None => p.chan.region_read(bar as u32, offset, n as u32).map(|d| le_value(&d)),
+        });
         match v {
             Ok(v) => le_fill(data, v),
             Err(e) => {
@@ -218,10 +261,10 @@ impl DeviceModelMut for VfioUserProxy {
         if self.msix.as_mut().is_some_and(|m| m.bar_write(&mut self.chan, bar, offset, data)) {
             return;
         }
-        let r = match self.region_of(bar, offset, data.len()) {
+        let r = self.retried(|p| match p.region_of(bar, offset, data.len()) {
             Some(r) => r.write(offset, data.len(), le_value(data)),
-            None => self.chan.region_write(bar as u32, offset, data),
-        };
+            None => p.chan.region_write(bar as u32, offset, data),
+        });
         if let Err(e) = r {
             self.access_failed(e);
         }
@@ -247,7 +290,8 @@ impl DeviceModelMut for VfioUserProxy {
         if (0x10..0x28).contains(&offset) || (0x30..0x34).contains(&offset) {
             return false;
         }
-        match self.chan.region_read(PCI_CONFIG_REGION_INDEX, offset as u64, data.len() as u32) {
+        let n = data.len() as u32;
+        match self.retried(|p| p.chan.region_read(PCI_CONFIG_REGION_INDEX, offset as u64, n)) {
             Ok(d) => data.copy_from_slice(&d),
             Err(_) => data.fill(0xff),
         }
@@ -264,19 +308,39 @@ impl DeviceModelMut for VfioUserProxy {
         // Without the bytes of a capability's ID and next pointer (a guest
         // that enables MSI-X with a dword write at the capability sends its
         // Message Control alone, 16 bits at cap + 2, as libvfio-user takes it).
-        for (at, bytes) in without_cap_headers(&self.dev.cap_headers, offset, data) {
-            let _ = self.chan.region_write(PCI_CONFIG_REGION_INDEX, at as u64, bytes);
+        // Kept for a reconnect's replay (before it is sent: a reconnect
+        // this write meets replays it).
+        self.session.config_written(offset, data);
+        let headers = self.dev.cap_headers.clone();
+        let r = self.retried(|p| {
+            for (at, bytes) in without_cap_headers(&headers, offset, data) {
+                match p.chan.region_write(PCI_CONFIG_REGION_INDEX, at as u64, bytes) {
+                    Ok(()) | Err(Error::Remote { .. }) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(())
+        });
+        if let Err(e) = r {
+            self.chan.broke(&e);
         }
     }
 
     fn reset(&mut self) {
-        let _ = self.chan.request(Command::DeviceReset, &[], &[]);
+        // The configuration the guest wrote is gone with the reset.
+        self.session.config.clear();
+        if let Err(e) = self.retried(|p| p.chan.request(Command::DeviceReset, &[], &[])) {
+            if !matches!(e, Error::Remote { .. }) {
+                self.chan.broke(&e);
+            }
+        }
         if let Some(m) = &mut self.msix {
             m.reset();
         }
     }
 
     fn quiesce(&mut self) {
+        self.session.ending.store(true, std::sync::atomic::Ordering::Release);
         self.region_commands += self.regions.iter().map(|(_, r)| r.commands).sum::<u64>();
         self.regions.clear();
         self.chan.peer.end();
@@ -287,6 +351,9 @@ impl DeviceModelMut for VfioUserProxy {
         c.push(Counter { name: REQUESTS.into(), value: self.chan.requests });
         c.push(Counter { name: "vfio-user.dma-requests".into(), value: self.chan.dma.requests });
         c.push(Counter { name: "vfio-user.error-replies".into(), value: self.error_replies });
+        if self.source.enabled() {
+            c.push(Counter { name: RECONNECTS.into(), value: self.session.reconnects });
+        }
         let cmds: u64 = self.regions.iter().map(|(_, r)| r.commands).sum();
         c.push(Counter { name: COMMANDS.into(), value: self.region_commands + cmds });
         c

@@ -144,6 +144,20 @@ impl MsixEmulation {
         }
     }
 
+    /// To a new process of the device (a reconnect): the same eventfd of
+    /// each vector handed over before (SET_IRQS, in vector order), so that
+    /// its signals reach the same KVM irqfd. An error reply is logged; a
+    /// broken channel is the reconnect's failure.
+    pub(super) fn replay(&mut self, chan: &mut Channel) -> crate::Result<()> {
+        for (v, fd) in self.fds.iter().enumerate() {
+            let Some(fd) = fd else { continue };
+            let flags = IRQ_SET_DATA_EVENTFD | IRQ_SET_ACTION_TRIGGER;
+            let q = IrqSet { flags, index: PCI_MSIX_IRQ_INDEX, start: v as u32, count: 1, data: vec![] };
+            chan.optional(&format!("MSI-X vector {v}"), Command::DeviceSetIrqs, &q.to_bytes(), &[fd.as_raw_fd()])?;
+        }
+        Ok(())
+    }
+
     /// Moves the signals of vectors that are out of KVM into the PBA.
     fn collect_pending(&mut self) {
         for (v, fd) in self.fds.iter().enumerate() {

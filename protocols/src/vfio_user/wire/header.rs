@@ -182,7 +182,14 @@ impl Default for Capabilities {
     /// The values the spec says to assume when a capability is absent.
     fn default() -> Self {
         let max_data_xfer_size = DEFAULT_MAX_DATA_XFER_SIZE;
-        Capabilities { max_msg_fds: 1, max_data_xfer_size, max_dma_maps: 65535, pgsizes: 4096, write_multiple: false, state_memory: None }
+        Capabilities {
+            max_msg_fds: 1,
+            max_data_xfer_size,
+            max_dma_maps: 65535,
+            pgsizes: 4096,
+            write_multiple: false,
+            state_memory: None,
+        }
     }
 }
 
@@ -321,7 +328,7 @@ mod tests {
             assert!(Header { msg_size: size, flags, ..h }.payload_len().is_err());
         }
         let known: Vec<u16> = (0..=u16::MAX).filter(|&n| Command::from_u16(n).is_some_and(|c| c as u16 == n)).collect();
-        assert_eq!(known, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 16]);
+        assert_eq!(known, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15, 16, STATE_MEMORY_COMMAND]);
     }
 
     #[test]
