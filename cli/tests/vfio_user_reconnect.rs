@@ -91,3 +91,57 @@ fn a_device_process_killed_during_the_guest_workload_is_replaced_and_the_guest_g
 fn device_process_gone(pid: u32) -> bool {
     !children(std::process::id()).iter().any(|p| p.pid == pid)
 }
+
+/// `iopath serve pci-testdev --transport vfio-user --socket PATH`, listening.
+fn serve_on(path: &std::path::Path) -> std::process::Child {
+    let _ = std::fs::remove_file(path);
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["serve", "pci-testdev", "--transport", "vfio-user", "--socket"])
+        .arg(path)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !path.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "iopath serve did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+#[test]
+fn an_external_device_process_that_dies_is_waited_for_and_its_successor_serves_the_rest() {
+    kvm();
+    let dir = common::TempDir::new("reconnect");
+    let sock = dir.join("td.sock");
+    let mut first = serve_on(&sock);
+    iopath_protocols::vfio_user::set_socket_window(Duration::from_secs(20));
+    let spec: DeviceSpec = format!("pci-testdev@vfio-user:{}", sock.display()).parse().unwrap();
+    let rows = "mmio-no-eventfd,portio-no-eventfd";
+    let mut cfg = VmConfig::new(iopath_guest::IMAGE, &format!("workload=exits batches=40 batch_us=50000 only={rows}"));
+    cfg.devices = vec![instantiate(&spec, &programs()).unwrap()];
+    cfg.timeout = Duration::from_secs(120);
+    let h = std::thread::spawn(move || run(cfg));
+    std::thread::sleep(Duration::from_millis(1000));
+    first.kill().unwrap();
+    first.wait().unwrap();
+    // Gone for a while (accesses wait), then back on the same path.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut second = serve_on(&sock);
+    let r = h.join().unwrap().unwrap();
+    assert_eq!(r.status, 1, "{:?}", r.lines);
+    assert_eq!(counter(&r, "vfio-user.reconnects"), Some(1));
+    let out = GuestOutput::parse(&r.lines);
+    let row = out.row("portio-no-eventfd:pci-io").unwrap();
+    assert_eq!(row.get_u64("count"), Some(row.accesses));
+    // The successor's report when the VMM left: it counted every access of the row after the kill.
+    use std::io::BufRead;
+    let line = std::io::BufReader::new(second.stdout.take().unwrap()).lines().next().unwrap().unwrap();
+    let report = iopath_protocols::process::parse_report(&line).unwrap();
+    let exits = report.iter().find(|c| c.name == "portio-no-eventfd.exits").unwrap().value;
+    eprintln!("portio-no-eventfd: guest accesses {}, the successor counted {exits}", row.accesses);
+    assert_eq!(exits, row.accesses);
+    second.kill().unwrap();
+    second.wait().unwrap();
+}

@@ -344,8 +344,11 @@ impl Host<'_> {
             free();
             return false;
         }
-        if let Err(e) = self.server.session(&sock, peer) {
-            log::error!("{what}: {e}; closing its channel");
+        // The client's departure and its cause (a client that cannot
+        // reconnect, QEMU's vfio-user-pci, leaves for good).
+        match self.server.session(&sock, peer) {
+            Ok(()) => log::info!("{what}: the client left (it closed its socket)"),
+            Err(e) => log::error!("{what}: {e}; closing its channel"),
         }
         drop(sock);
         free();
