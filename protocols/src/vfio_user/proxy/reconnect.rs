@@ -28,6 +28,11 @@
 //! the proxy's lock meanwhile. A watcher thread reconnects at once when the
 //! socket closes, so a guest that only rings ioeventfds is served too.
 //!
+//! Reconnects are bounded: at most [`MAX_BURST`] within [`BURST_WINDOW`]
+//! (a device process that dies whenever it is used stops the run), each
+//! within the source's window ([`RESPAWN_WINDOW`] and [`RESPAWN_ATTEMPTS`]
+//! processes for one the VMM starts; `--reconnect-ms` for a socket).
+//!
 //! A device without state memory (pci-testdev; any peer that does not know
 //! the extension) is reconnected as well, with a warning that its
 //! registers and in-flight work are lost: for a stateless device that is
@@ -57,6 +62,11 @@ pub const RECONNECTS: &str = "vfio-user.reconnects";
 pub const RESPAWN_WINDOW: Duration = Duration::from_secs(10);
 /// Most device processes started for one reconnect.
 const RESPAWN_ATTEMPTS: u32 = 3;
+/// Most reconnects within [`BURST_WINDOW`]: a device process that dies
+/// as soon as it is used (a crash the guest triggers every time) stops the
+/// run instead of being started forever.
+pub const MAX_BURST: usize = 8;
+pub const BURST_WINDOW: Duration = Duration::from_secs(10);
 /// How often a socket that is not back yet is tried again.
 const RETRY_EVERY: Duration = Duration::from_millis(20);
 
@@ -133,6 +143,8 @@ pub(super) struct Session {
     /// The client's copy of the state memory, if VERSION agreed on one.
     pub(super) state: Option<StateMemory>,
     pub(super) reconnects: u64,
+    /// When the latest reconnects were (at most [`MAX_BURST`]).
+    recent: std::collections::VecDeque<Instant>,
     /// Set when the session ends: nothing reconnects after.
     pub(super) ending: Arc<AtomicBool>,
     /// Counts reconnects for the watcher (it reconnects once per break).
@@ -203,6 +215,14 @@ impl VfioUserProxy {
             return false;
         }
         let name = self.chan.peer.name.clone();
+        let now = Instant::now();
+        self.session.recent.retain(|t| now.duration_since(*t) < BURST_WINDOW);
+        if self.session.recent.len() >= MAX_BURST {
+            let e = format!("{cause}; {MAX_BURST} reconnects within {BURST_WINDOW:?} already: no more");
+            self.chan.reconnects = false;
+            self.chan.peer.die(&Error::PeerGone(e));
+            return false;
+        }
         let death = match self.chan.peer.hang_up() {
             Some(mut child) => crate::respawn::cause_of_death(&mut child),
             None => "the server".into(),
@@ -233,6 +253,7 @@ impl VfioUserProxy {
         }
         self.session.reconnects += 1;
         self.session.generation += 1;
+        self.session.recent.push_back(Instant::now());
         let n = self.session.reconnects;
         log::warn!("{name}: reconnected ({n} so far) after {why}");
         if self.session.state.is_none() {

@@ -430,3 +430,26 @@ fn state_memory_that_is_wrong_is_refused_with_an_error_reply() {
     drop(raw);
     h.join().unwrap().unwrap();
 }
+
+#[test]
+fn a_device_that_dies_at_every_use_stops_the_run_after_a_burst_of_reconnects() {
+    use crate::vfio_user::proxy::reconnect::MAX_BURST;
+    let (servers, _) = Servers::start(stateful);
+    let mut p = servers.connect();
+    let failed = Arc::new(Mutex::new(Vec::new()));
+    let (mut ctx, _) = vmm_context();
+    let f = failed.clone();
+    ctx.fail = Arc::new(move |m| f.lock().unwrap().push(m));
+    p.attach(ctx);
+    let mut v = [0u8; 4];
+    for n in 1..=MAX_BURST as u64 {
+        servers.kill();
+        p.bar_read(0, 0, &mut v);
+        assert_eq!((p.reconnects(), v), (n, [0; 4]), "reconnect {n} (the register is in state memory: 0)");
+    }
+    servers.kill();
+    p.bar_read(0, 0, &mut v);
+    assert_eq!((p.reconnects(), v), (MAX_BURST as u64, [0xff; 4]));
+    let f = failed.lock().unwrap();
+    assert!(f.len() == 1 && f[0].contains("reconnects within"), "{f:?}");
+}
