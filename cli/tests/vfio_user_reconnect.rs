@@ -84,7 +84,7 @@ fn a_device_process_killed_during_the_guest_workload_is_replaced_and_the_guest_g
         row.get_u64("count")
     );
     assert!(exits < row.accesses, "the kill came during the first row: {exits} of {}", row.accesses);
-    assert_ne!(device_process_gone(first), false, "the killed process was reaped");
+    assert!(device_process_gone(first), "the killed process was reaped");
 }
 
 /// True once `pid` is no child of ours any more (reaped).

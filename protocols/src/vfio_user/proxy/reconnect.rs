@@ -228,7 +228,8 @@ impl VfioUserProxy {
             None => "the server".into(),
         };
         let why = format!("{death}: {cause}");
-        let deadline = Instant::now() + self.source.window();
+        let began = Instant::now();
+        let deadline = began + self.source.window();
         let mut attempts = 0;
         let last = loop {
             attempts += 1;
@@ -255,7 +256,8 @@ impl VfioUserProxy {
         self.session.generation += 1;
         self.session.recent.push_back(Instant::now());
         let n = self.session.reconnects;
-        log::warn!("{name}: reconnected ({n} so far) after {why}");
+        let took = began.elapsed();
+        log::warn!("{name}: reconnected in {took:?} ({n} so far) after {why}");
         if self.session.state.is_none() {
             log::warn!(
                 "{name}: the device keeps no state memory: its registers and any work in flight at the death are \
