@@ -33,6 +33,11 @@
 //! within the source's window ([`RESPAWN_WINDOW`] and [`RESPAWN_ATTEMPTS`]
 //! processes for one the VMM starts; `--reconnect-ms` for a socket).
 //!
+//! A device that maps BAR pages into the guest (sparse mmap areas, e.g.
+//! NVMe's doorbell=bar page) is not reconnected: the VMM mapped the first
+//! process's pages at attach and has no way to swap them, so the run stops
+//! with that reason.
+//!
 //! A device without state memory (pci-testdev; any peer that does not know
 //! the extension) is reconnected as well, with a warning that its
 //! registers and in-flight work are lost: for a stateless device that is
@@ -214,6 +219,12 @@ impl VfioUserProxy {
             self.chan.peer.die(&Error::PeerGone(cause.to_string()));
             return false;
         }
+        if !self.dev.areas.is_empty() {
+            let e = format!("{cause}; the device maps BAR pages into the guest, which a new process cannot replace");
+            self.chan.reconnects = false;
+            self.chan.peer.die(&Error::PeerGone(e));
+            return false;
+        }
         let name = self.chan.peer.name.clone();
         let now = Instant::now();
         self.session.recent.retain(|t| now.duration_since(*t) < BURST_WINDOW);
@@ -284,11 +295,14 @@ impl VfioUserProxy {
         if found.device.ids != self.dev.ids || found.device.bars != self.dev.bars {
             return Err(Error::protocol("another device came back (its IDs or BARs differ)"));
         }
-        if !found.device.areas.is_empty() {
-            log::warn!(
-                "{}: the new process's memory areas are not mapped (the VMM keeps the first)",
-                self.chan.peer.name
-            );
+        if !found.device.areas.is_empty() || !self.dev.areas.is_empty() {
+            // The VMM mapped the first process's BAR pages into the guest
+            // at attach and cannot swap them: the guest's writes would go
+            // to pages nobody reads. A clean stop, not a device that hangs.
+            return Err(Error::protocol(
+                "the device maps BAR pages into the guest (sparse mmap): a new process's pages cannot \
+                 replace them, so it is not reconnected",
+            ));
         }
         let ctx = self.session.ctx.clone();
         if let Some(ctx) = &ctx {
