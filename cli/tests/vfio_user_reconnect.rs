@@ -145,3 +145,31 @@ fn an_external_device_process_that_dies_is_waited_for_and_its_successor_serves_t
     second.kill().unwrap();
     second.wait().unwrap();
 }
+
+#[test]
+fn a_device_that_maps_bar_pages_into_the_guest_is_not_reconnected_and_the_run_says_why() {
+    kvm();
+    let spec: DeviceSpec = "nvme,doorbell=bar,backend=null@vfio-user".parse().unwrap();
+    let mut cfg = VmConfig::new(iopath_guest::IMAGE, "workload=nvme rw=randread bs=512 iodepth=4 time_ms=4000");
+    cfg.devices = vec![instantiate(&spec, &programs()).unwrap()];
+    cfg.timeout = Duration::from_secs(120);
+    let pid = {
+        let t0 = Instant::now();
+        loop {
+            let found = children(std::process::id())
+                .into_iter()
+                .find(|p| p.cmdline.contains("serve nvme,") && p.cmdline.contains("doorbell=bar"));
+            if let Some(p) = found {
+                break p.pid;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(20), "no device process was started");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    let h = std::thread::spawn(move || run(cfg));
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: kill(2) of our own child, by its pid.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+    let e = h.join().unwrap().err().expect("the run stops").to_string();
+    assert!(e.contains("maps BAR pages into the guest") && e.contains("killed by signal 9"), "{e}");
+}

@@ -219,12 +219,6 @@ impl VfioUserProxy {
             self.chan.peer.die(&Error::PeerGone(cause.to_string()));
             return false;
         }
-        if !self.dev.areas.is_empty() {
-            let e = format!("{cause}; the device maps BAR pages into the guest, which a new process cannot replace");
-            self.chan.reconnects = false;
-            self.chan.peer.die(&Error::PeerGone(e));
-            return false;
-        }
         let name = self.chan.peer.name.clone();
         let now = Instant::now();
         self.session.recent.retain(|t| now.duration_since(*t) < BURST_WINDOW);
@@ -239,6 +233,12 @@ impl VfioUserProxy {
             None => "the server".into(),
         };
         let why = format!("{death}: {cause}");
+        if !self.dev.areas.is_empty() {
+            let e = format!("{why}; the device maps BAR pages into the guest, which a new process cannot replace");
+            self.chan.reconnects = false;
+            self.chan.peer.die(&Error::PeerGone(e));
+            return false;
+        }
         let began = Instant::now();
         let deadline = began + self.source.window();
         let mut attempts = 0;
