@@ -21,12 +21,12 @@ fn counter(r: &iopath_vmm::vm::RunReport, name: &str) -> Option<u64> {
 }
 
 /// The pid of this process's `iopath serve pci-testdev ... --fd 3` child, waited for.
-fn device_process() -> u32 {
+fn device_process(transport: &str) -> u32 {
     let t0 = Instant::now();
     loop {
-        let found = children(std::process::id())
-            .into_iter()
-            .find(|p| p.cmdline.contains("serve pci-testdev") && p.cmdline.contains("--fd 3"));
+        let found = children(std::process::id()).into_iter().find(|p| {
+            p.cmdline.contains("serve pci-testdev") && p.cmdline.contains(&format!("--transport {transport} "))
+        });
         if let Some(p) = found {
             return p.pid;
         }
@@ -37,15 +37,27 @@ fn device_process() -> u32 {
 
 #[test]
 fn a_device_process_killed_during_the_guest_workload_is_replaced_and_the_guest_goes_on() {
-    kvm();
-    let spec: DeviceSpec = "pci-testdev@vfio-user".parse().unwrap();
     // A long message row (on BAR0), then a message row and an ioeventfd
     // row on BAR1, which the guest runs after the BAR0 rows.
-    let rows = "mmio-no-eventfd,portio-no-eventfd,portio-wildcard";
+    killed_and_replaced("vfio-user", &["portio-no-eventfd", "portio-wildcard-eventfd"]);
+}
+
+#[test]
+fn an_ioregionfd_device_process_killed_is_replaced_and_its_regions_relearned() {
+    // Every access on the BARs' region fds (no ioeventfds): new regions after the kill.
+    killed_and_replaced("ioregionfd", &["portio-no-eventfd"]);
+}
+
+/// pci-testdev over `transport` in a device process the VMM starts, killed
+/// during the first row (mmio-no-eventfd); `after` run on the new process.
+fn killed_and_replaced(transport: &str, after: &[&str]) {
+    kvm();
+    let spec: DeviceSpec = format!("pci-testdev@{transport}").parse().unwrap();
+    let rows = format!("mmio-no-eventfd,{}", after.join(","));
     let mut cfg = VmConfig::new(iopath_guest::IMAGE, &format!("workload=exits batches=40 batch_us=50000 only={rows}"));
     cfg.devices = vec![instantiate(&spec, &programs()).unwrap()];
     cfg.timeout = Duration::from_secs(120);
-    let first = device_process();
+    let first = device_process(transport);
     let h = std::thread::spawn(move || run(cfg));
     // Into the first row (its batches take 2 s at least).
     std::thread::sleep(Duration::from_millis(1000));
@@ -54,16 +66,16 @@ fn a_device_process_killed_during_the_guest_workload_is_replaced_and_the_guest_g
     let r = h.join().unwrap().unwrap();
     assert_eq!(r.status, 1, "{:?}", r.lines);
     let out = GuestOutput::parse(&r.lines);
-    assert_eq!(out.rows.len(), 3, "{:?}", r.lines);
+    assert_eq!(out.rows.len(), 1 + after.len(), "{:?}", r.lines);
     assert_eq!(counter(&r, "vfio-user.reconnects"), Some(1));
     // The rows after the kill: the new process counted every access, and
     // the guest read that count from its register.
-    for name in ["portio-no-eventfd", "portio-wildcard-eventfd"] {
+    for &name in after {
         let row = out.row(&format!("{name}:pci-io")).unwrap();
         let exits = counter(&r, &format!("{name}.exits")).unwrap();
         let kicks = counter(&r, &format!("{name}.kicks")).unwrap();
         eprintln!(
-            "{name}: guest accesses {}, count {:?}, new process exits {exits} kicks {kicks}",
+            "{transport} {name}: guest accesses {}, count {:?}, new process exits {exits} kicks {kicks}",
             row.accesses,
             row.get_u64("count")
         );
