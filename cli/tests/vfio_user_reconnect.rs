@@ -68,6 +68,9 @@ fn killed_and_replaced(transport: &str, after: &[&str]) {
     let out = GuestOutput::parse(&r.lines);
     assert_eq!(out.rows.len(), 1 + after.len(), "{:?}", r.lines);
     assert_eq!(counter(&r, "vfio-user.reconnects"), Some(1));
+    let us = counter(&r, "vfio-user.reconnect-us").unwrap();
+    eprintln!("{transport}: the reconnect took {us} us (a new process started, the session replayed)");
+    assert!(us > 0);
     // The rows after the kill: the new process counted every access, and
     // the guest read that count from its register.
     for &name in after {

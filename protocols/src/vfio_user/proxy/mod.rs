@@ -353,6 +353,7 @@ impl DeviceModelMut for VfioUserProxy {
         c.push(Counter { name: "vfio-user.error-replies".into(), value: self.error_replies });
         if self.source.enabled() {
             c.push(Counter { name: RECONNECTS.into(), value: self.session.reconnects });
+            c.push(Counter { name: reconnect::RECONNECT_US.into(), value: self.session.reconnect_us });
         }
         let cmds: u64 = self.regions.iter().map(|(_, r)| r.commands).sum();
         c.push(Counter { name: COMMANDS.into(), value: self.region_commands + cmds });

@@ -62,6 +62,9 @@ use std::time::{Duration, Instant};
 
 /// The proxy counter of reconnects.
 pub const RECONNECTS: &str = "vfio-user.reconnects";
+/// The proxy counter of the time reconnects took, in µs (each from the
+/// death noticed to the session replayed).
+pub const RECONNECT_US: &str = "vfio-user.reconnect-us";
 
 /// How long a reconnect to a device process the VMM starts may take.
 pub const RESPAWN_WINDOW: Duration = Duration::from_secs(10);
@@ -148,6 +151,8 @@ pub(super) struct Session {
     /// The client's copy of the state memory, if VERSION agreed on one.
     pub(super) state: Option<StateMemory>,
     pub(super) reconnects: u64,
+    /// The time the reconnects took, from the death noticed to the replay done (µs).
+    pub(super) reconnect_us: u64,
     /// When the latest reconnects were (at most [`MAX_BURST`]).
     recent: std::collections::VecDeque<Instant>,
     /// Set when the session ends: nothing reconnects after.
@@ -220,7 +225,8 @@ impl VfioUserProxy {
             return false;
         }
         let name = self.chan.peer.name.clone();
-        let now = Instant::now();
+        let began = Instant::now();
+        let now = began;
         self.session.recent.retain(|t| now.duration_since(*t) < BURST_WINDOW);
         if self.session.recent.len() >= MAX_BURST {
             let e = format!("{cause}; {MAX_BURST} reconnects within {BURST_WINDOW:?} already: no more");
@@ -239,7 +245,6 @@ impl VfioUserProxy {
             self.chan.peer.die(&Error::PeerGone(e));
             return false;
         }
-        let began = Instant::now();
         let deadline = began + self.source.window();
         let mut attempts = 0;
         let last = loop {
@@ -268,6 +273,7 @@ impl VfioUserProxy {
         self.session.recent.push_back(Instant::now());
         let n = self.session.reconnects;
         let took = began.elapsed();
+        self.session.reconnect_us += took.as_micros() as u64;
         log::warn!("{name}: reconnected in {took:?} ({n} so far) after {why}");
         if self.session.state.is_none() {
             log::warn!(
