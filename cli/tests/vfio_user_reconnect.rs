@@ -54,13 +54,12 @@ fn killed_and_replaced(transport: &str, after: &[&str]) {
     kvm();
     let spec: DeviceSpec = format!("pci-testdev@{transport}").parse().unwrap();
     let rows = format!("mmio-no-eventfd,{}", after.join(","));
-    let mut cfg = VmConfig::new(iopath_guest::IMAGE, &format!("workload=exits batches=40 batch_us=50000 only={rows}"));
+    let mut cfg = VmConfig::new(iopath_guest::IMAGE, &format!("workload=exits batches=100 batch_us=50000 only={rows}"));
     cfg.devices = vec![instantiate(&spec, &programs()).unwrap()];
     cfg.timeout = Duration::from_secs(120);
     let first = device_process(transport);
     let h = std::thread::spawn(move || run(cfg));
-    // Into the first row (its batches take 2 s at least).
-    std::thread::sleep(Duration::from_millis(1000));
+    into_the_first_row(first);
     // SAFETY: kill(2) of our own child, by its pid.
     assert_eq!(unsafe { libc::kill(first as i32, libc::SIGKILL) }, 0);
     let r = h.join().unwrap().unwrap();
@@ -102,6 +101,24 @@ fn killed_and_replaced(transport: &str, after: &[&str]) {
     assert!(device_process_gone(first), "the killed process was reaped");
 }
 
+/// Waits until device process `pid` has served the guest's first row for a
+/// while: 0.1 s of its CPU time (booting and enumerating costs it far
+/// less; the row's 100 batches of 50 ms keep it busy for 5 s at least).
+fn into_the_first_row(pid: u32) {
+    let ticks = || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let f: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+        f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap() // utime, stime
+    };
+    // SAFETY: sysconf with a constant name.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let t0 = Instant::now();
+    while ticks() * 1000 / hz < 100 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the device process never got busy");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// True once `pid` is no child of ours any more (reaped).
 fn device_process_gone(pid: u32) -> bool {
     !children(std::process::id()).iter().any(|p| p.pid == pid)
@@ -134,11 +151,11 @@ fn an_external_device_process_that_dies_is_waited_for_and_its_successor_serves_t
     iopath_protocols::vfio_user::set_socket_window(Duration::from_secs(20));
     let spec: DeviceSpec = format!("pci-testdev@vfio-user:{}", sock.display()).parse().unwrap();
     let rows = "mmio-no-eventfd,portio-no-eventfd";
-    let mut cfg = VmConfig::new(iopath_guest::IMAGE, &format!("workload=exits batches=40 batch_us=50000 only={rows}"));
+    let mut cfg = VmConfig::new(iopath_guest::IMAGE, &format!("workload=exits batches=100 batch_us=50000 only={rows}"));
     cfg.devices = vec![instantiate(&spec, &programs()).unwrap()];
     cfg.timeout = Duration::from_secs(120);
     let h = std::thread::spawn(move || run(cfg));
-    std::thread::sleep(Duration::from_millis(1000));
+    into_the_first_row(first.id());
     first.kill().unwrap();
     first.wait().unwrap();
     // Gone for a while (accesses wait), then back on the same path.

@@ -239,6 +239,7 @@ impl VfioUserProxy {
             None => "the server".into(),
         };
         let why = format!("{death}: {cause}");
+        let reaped = began.elapsed();
         if !self.dev.areas.is_empty() {
             let e = format!("{why}; the device maps BAR pages into the guest, which a new process cannot replace");
             self.chan.reconnects = false;
@@ -274,7 +275,12 @@ impl VfioUserProxy {
         let n = self.session.reconnects;
         let took = began.elapsed();
         self.session.reconnect_us += took.as_micros() as u64;
-        log::warn!("{name}: reconnected in {took:?} ({n} so far) after {why}");
+        log::warn!(
+            "{name}: reconnected in {took:?} (the death's cause known after {reaped:?}; {n} so far) after {why}"
+        );
+        if std::env::var_os("IOPATH_DEBUG_RECONNECT").is_some() {
+            eprintln!("{name}: reconnected in {took:?} (cause known after {reaped:?}) after {why}");
+        }
         if self.session.state.is_none() {
             log::warn!(
                 "{name}: the device keeps no state memory: its registers and any work in flight at the death are \
