@@ -5,7 +5,7 @@
 
 use super::namespaces::{NsConfig, MAX_NAMESPACES};
 use super::{InPlace, NvmeConfig, MAX_POLLERS, MAX_SUBMIT_BATCH};
-use crate::options::{self, num, on_off, BlockConfig, Opt, Options};
+use crate::options::{self, num, on_off, Opt, Options};
 
 /// `nvme`'s options, in the order its `Display` writes them.
 pub const OPTIONS: Options<NvmeConfig> = Options {
@@ -213,20 +213,7 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
     ],
 };
 
-impl BlockConfig for NvmeConfig {
-    fn backend(&self) -> &crate::block::StorageKind {
-        &self.backend
-    }
-    fn backend_mut(&mut self) -> &mut crate::block::StorageKind {
-        &mut self.backend
-    }
-    fn create(&self) -> bool {
-        self.create
-    }
-    fn create_mut(&mut self) -> &mut bool {
-        &mut self.create
-    }
-}
+crate::block_config!(NvmeConfig);
 
 #[cfg(test)]
 mod tests {
