@@ -22,6 +22,28 @@ fn harness(script: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../harness/linux").join(script)
 }
 
+/// Keeps the first 2000 lines of a child's stderr; `listening` hears once of each line
+/// `iopath serve` prints when it listens.
+fn keep_stderr(
+    child: &mut Child,
+    listening: Option<std::sync::mpsc::Sender<()>>,
+) -> std::sync::Arc<Mutex<Vec<String>>> {
+    let stderr = std::sync::Arc::new(Mutex::new(Vec::new()));
+    let (err, keep) = (child.stderr.take().unwrap(), stderr.clone());
+    std::thread::spawn(move || {
+        for l in BufReader::new(err).lines().map_while(Result::ok) {
+            if let (Some(tx), true) = (&listening, l.starts_with("iopath serve: ")) {
+                let _ = tx.send(());
+            }
+            let mut k = keep.lock().unwrap();
+            if k.len() < 2000 {
+                k.push(l);
+            }
+        }
+    });
+    stderr
+}
+
 /// An `iopath serve DEVICE --transport TRANSPORT` on a fresh socket; killed on drop.
 struct Serve {
     child: Child,
@@ -52,16 +74,7 @@ impl Serve {
             .stderr(Stdio::piped())
             .spawn()
             .expect("start iopath serve");
-        let stderr = std::sync::Arc::new(Mutex::new(Vec::new()));
-        let (err, keep) = (child.stderr.take().unwrap(), stderr.clone());
-        std::thread::spawn(move || {
-            for l in BufReader::new(err).lines().map_while(Result::ok) {
-                let mut k = keep.lock().unwrap();
-                if k.len() < 2000 {
-                    k.push(l);
-                }
-            }
-        });
+        let stderr = keep_stderr(&mut child, None);
         let t0 = Instant::now();
         while !socket.exists() {
             assert!(t0.elapsed() < Duration::from_secs(10), "iopath serve made no socket at {}", socket.display());
@@ -857,20 +870,8 @@ impl Backend {
             .stderr(Stdio::piped())
             .spawn()
             .expect("start iopath serve");
-        let stderr = std::sync::Arc::new(Mutex::new(Vec::new()));
-        let (err, keep) = (child.stderr.take().unwrap(), stderr.clone());
         let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(err).lines().map_while(Result::ok) {
-                if l.starts_with("iopath serve: ") {
-                    let _ = tx.send(());
-                }
-                let mut k = keep.lock().unwrap();
-                if k.len() < 2000 {
-                    k.push(l);
-                }
-            }
-        });
+        let stderr = keep_stderr(&mut child, Some(tx));
         if rx.recv_timeout(Duration::from_secs(20)).is_err() {
             let _ = child.kill();
             panic!("iopath serve did not listen on {}: {:?}", sock.display(), stderr.lock().unwrap());
