@@ -81,6 +81,17 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
             show: |c| (c.meta.pi != 0).then(|| c.meta.pi.to_string()),
         },
         Opt {
+            key: "pil",
+            values: "first|last",
+            help: "with pi=1: the protection information in the metadata's first or last 8 bytes (default last; \
+                   Format NVM's PIL)",
+            parse: |c, v| {
+                c.meta.set("pil", v)?;
+                Ok(())
+            },
+            show: |c| c.meta.pi_first.then(|| "first".to_string()),
+        },
+        Opt {
             key: "pollers",
             values: "N",
             help: "poller threads, 1 ..= 16 (default 1); more than one: doorbell=shm, bar or adaptive, \
