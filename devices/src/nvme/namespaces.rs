@@ -140,19 +140,7 @@ fn bad(reason: String) -> Error {
 
 /// Splits at every `sep` that is not doubled; a doubled one is kept single.
 fn split(s: &str, sep: char) -> Vec<String> {
-    let mut out = vec![String::new()];
-    let mut it = s.chars().peekable();
-    while let Some(c) = it.next() {
-        if c == sep && it.peek() == Some(&sep) {
-            it.next();
-            out.last_mut().unwrap().push(c);
-        } else if c == sep {
-            out.push(String::new());
-        } else {
-            out.last_mut().unwrap().push(c);
-        }
-    }
-    out
+    crate::spec::split_doubled(s, sep, &[sep])
 }
 
 impl NsConfig {

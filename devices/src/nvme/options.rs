@@ -261,7 +261,7 @@ mod tests {
                     timing: Some(Box::new("read:u:10us:30us+iops:10k".parse().unwrap())),
                 },
             ],
-            meta: crate::nvme::namespaces::NsMeta { ms: 8, ext: true, pi: 1, pi_first: false },
+            meta: crate::nvme::namespaces::NsMeta { ms: 8, ext: true, pi: 1, pi_first: true },
             timing: Some(Box::new("read:ln:80us:300us+write:20us+channels:8+iops:500k+bw:3g+seed:7".parse().unwrap())),
             inject: crate::block::inject::parse_rules(
                 "op=read/lba=0-7/status=2:0x81:dnr/once+op=write/nsid=1/delay=2ms/p=0.5:9+op=read/corrupt=4:7+qid=2/drop/every=3",
