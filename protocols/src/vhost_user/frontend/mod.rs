@@ -5,7 +5,7 @@
 //! the rust-vmm `vhost` crate's [`Frontend`].
 //!
 //! - **Connect** ([`connect`]): SET_OWNER, GET_FEATURES, GET/SET_PROTOCOL_FEATURES
-//!   (CONFIG, REPLY_ACK and MQ, those offered), GET_QUEUE_NUM when more
+//!   (CONFIG, REPLY_ACK, MQ and INFLIGHT_SHMFD, those offered), GET_QUEUE_NUM when more
 //!   than one queue is asked for, and GET_CONFIG, because the driver reads
 //!   the device features and the capacity before DRIVER_OK. No ring,
 //!   memory or fd is sent yet.
@@ -17,7 +17,8 @@
 //!   num_queues = N in the configuration (the backend's own count is its
 //!   bound, not what this function has).
 //! - **DRIVER_OK** (`ring.rs`): SET_FEATURES
-//!   (the driver's choice), SET_MEM_TABLE (the VMM's RAM memfd), then for
+//!   (the driver's choice), SET_MEM_TABLE (the VMM's RAM memfd),
+//!   GET_INFLIGHT_FD (once, kept until reset) and SET_INFLIGHT_FD, then for
 //!   each queue the driver enabled: SET_VRING_NUM/ADDR/BASE,
 //!   SET_VRING_CALL (its MSI-X vector's irqfd, or an eventfd the VMM
 //!   relays), SET_VRING_KICK (the eventfd that is the KVM ioeventfd on its
@@ -35,9 +36,12 @@
 //! is answered. Each sequence of requests (connect, DRIVER_OK, reset, a
 //! call fd change) is bounded as a whole by [`BACKEND_TIMEOUT`] (a
 //! watchdog shuts the socket down: `deadline.rs`). A backend that
-//! does not answer, answers nonsense or hangs up puts the device in
+//! does not answer or answers nonsense puts the device in
 //! DEVICE_NEEDS_RESET with a log line and stops the run (the context's
-//! fail hook), as a device process that dies does.
+//! fail hook). One that hangs up (dies) is replaced and its session
+//! replayed, with the in-flight region kept (INFLIGHT_SHMFD), if the
+//! frontend was made with a way back ([`connect_again`]: `reconnect.rs`);
+//! else it stops the run too.
 
 mod deadline;
 mod reconnect;

@@ -73,7 +73,7 @@ unsafe impl Send for Inflight {}
 
 impl Inflight {
     fn map(file: File, msg: VhostUserInflight) -> Result<Self> {
-        if msg.mmap_size == 0 || msg.mmap_size > MAX_INFLIGHT || msg.mmap_offset % 4096 != 0 {
+        if msg.mmap_size == 0 || msg.mmap_size > MAX_INFLIGHT || !msg.mmap_offset.is_multiple_of(4096) {
             return Err(Error::protocol(format!(
                 "GET_INFLIGHT_FD: {:#x} bytes at {:#x} (at most {MAX_INFLIGHT:#x}, page aligned)",
                 msg.mmap_size, msg.mmap_offset
