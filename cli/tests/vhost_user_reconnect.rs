@@ -289,3 +289,124 @@ fn the_guest_verify_workload_survives_kill_9_of_an_external_vhost_user_blk_backe
     let _ = backend.borrow_mut().wait();
     check_file(&img, MB);
 }
+
+/// QEMU 7.2's `vhost-user-blk-pci` on a chardev with `reconnect=1` (7.2's
+/// option, in seconds) and iopath's guest (KVM), against iopath's backend on
+/// a socket that the test kills every 2 s and starts again: QEMU reconnects
+/// and hands the kept in-flight region to the new backend. The same oracles
+/// (the guest's verify, the file read back); the pause is QEMU's (up to its
+/// 1 s reconnect period), not measured here.
+#[test]
+fn qemu_vhost_user_blk_pci_with_reconnect_survives_kill_9_of_iopaths_backend() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    const MB: u64 = 64;
+    common::kvm();
+    let qemu = common::programs().qemu.expect("qemu-system-x86_64 is needed (apt-get install -y qemu-system-x86)");
+    let dir = TempDir::new("vu-reconnect-qemu");
+    let (img, sock) = (dir.join("disk.img"), dir.join("vu.sock"));
+    std::fs::File::create(&img).unwrap().set_len(MB << 20).unwrap();
+    let device = format!("virtio-blk,backend=file:{},size_mb={MB},queues=1", img.display());
+    let start = {
+        let (device, sock) = (device.clone(), sock.clone());
+        move || {
+            let _ = std::fs::remove_file(&sock);
+            let c = Command::new(env!("CARGO_BIN_EXE_iopath"))
+                .args(["serve", &device, "--transport", "vhost-user", "--socket"])
+                .arg(&sock)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("iopath serve");
+            let t = Instant::now();
+            while !sock.exists() {
+                assert!(t.elapsed() < Duration::from_secs(10), "iopath serve never made its socket");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            c
+        }
+    };
+    let first = start();
+    let (window, done, kills) =
+        (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)), Arc::new(AtomicU32::new(0)));
+    let (w, dn, k) = (window.clone(), done.clone(), kills.clone());
+    let killer = std::thread::spawn(move || {
+        let mut backend = first;
+        let mut logs = Vec::new();
+        loop {
+            std::thread::sleep(AIM_AFTER);
+            if dn.load(Ordering::Acquire) {
+                break;
+            }
+            if !w.load(Ordering::Acquire) {
+                continue;
+            }
+            let aim = Instant::now();
+            while aim.elapsed() < KILL_EVERY - AIM_AFTER && !in_io(backend.id()) {}
+            let _ = backend.kill();
+            let _ = backend.wait();
+            let mut e = String::new();
+            let _ = backend.stderr.take().unwrap().read_to_string(&mut e);
+            logs.push(e);
+            k.fetch_add(1, Ordering::AcqRel);
+            backend = start();
+        }
+        (backend, logs)
+    });
+    let image = iopath_guest::image_file().unwrap();
+    let cmdline = format!("workload=vblk verify=1 bs=512 iodepth=16 size_mb={MB} seed={SEED}");
+    let extra: Vec<String> = [
+        "-object",
+        "memory-backend-memfd,id=mem,size=256M,share=on",
+        "-numa",
+        "node,memdev=mem",
+        "-chardev",
+        &format!("socket,id=c0,path={},reconnect=1", sock.display()),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let args = iopath_bench::qemu::args_with(
+        &image,
+        &cmdline,
+        256,
+        &extra,
+        &["vhost-user-blk-pci,chardev=c0,num-queues=1,disable-legacy=on"],
+    );
+    let w = window.clone();
+    let q = iopath_bench::qemu::run_args(&qemu, args, None, Duration::from_secs(400), |l| {
+        if l.starts_with("@vblk-window start") {
+            w.store(true, Ordering::Release);
+        }
+        if l.starts_with("@vblk-window end") {
+            w.store(false, Ordering::Release);
+        }
+    });
+    done.store(true, Ordering::Release);
+    let (mut last, logs) = killer.join().unwrap();
+    let _ = last.kill();
+    let _ = last.wait();
+    let q = q.unwrap();
+    let kills = kills.load(Ordering::Acquire) as u64;
+    let rec = q.lines.iter().find(|l| l.starts_with("@vblk ")).unwrap_or_else(|| panic!("no @vblk: {:?}", q.lines));
+    let num = |k: &str| -> u64 {
+        rec.split_whitespace().find_map(|w| w.strip_prefix(&format!("{k}=")).and_then(|v| v.parse().ok())).unwrap()
+    };
+    let resubmitted: u64 = logs
+        .iter()
+        .flat_map(|e| e.lines())
+        .filter_map(|l| l.split("resubmitting ").nth(1)?.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    eprintln!(
+        "QEMU 7.2 vhost-user-blk-pci reconnect=1: kills={kills} guest: ios={} errors={} verified_blocks={} \
+         mismatches={}; resubmitted by restarted backends (the logs of those killed later): {resubmitted}",
+        num("ios"),
+        num("errors"),
+        num("verified_blocks"),
+        num("mismatches")
+    );
+    assert!(kills >= 2, "only {kills} kills landed in the guest's window");
+    assert!(!q.lines.iter().any(|l| l.starts_with("@vblk-error") || l.contains("mismatch lba")), "{:?}", q.lines);
+    let blocks = (MB << 20) / 512;
+    assert_eq!((num("errors"), num("mismatches"), num("verified_blocks")), (0, 0, blocks), "{rec}");
+    check_file(&img, MB);
+}
