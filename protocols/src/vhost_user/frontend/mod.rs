@@ -171,6 +171,8 @@ pub struct VhostUserBlk {
     pub(super) budget: Budget,
     /// Which socket the session is on (one more at each new one).
     pub(super) generation: u64,
+    /// The socket (generation) a death watcher was started for.
+    pub(super) watched: Option<u64>,
 }
 
 /// Connects to the backend on `sock` (a device process the VMM started,
@@ -244,6 +246,7 @@ impl VhostUserBlk {
             fail: None,
             budget: Budget::new(reconnect::MAX_DEATHS, reconnect::DEATH_WINDOW),
             generation: 0,
+            watched: None,
         };
         e.within(Self::greet)?;
         Ok(e)

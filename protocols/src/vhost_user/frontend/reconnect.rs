@@ -24,9 +24,11 @@
 //!   resubmits what the region holds. Rings that ran without a region
 //!   (the backend does not offer it) cannot be resumed safely: that death
 //!   stops the run, as before.
-//! - **Bounds**: [`ATTEMPTS`] tries per death, at most [`MAX_DEATHS`]
-//!   deaths in [`DEATH_WINDOW`]; past them the device needs reset and the
-//!   run stops with the last error.
+//! - **Bounds**: [`ATTEMPTS`] tries per death (a wait for an external
+//!   socket that ran out is not tried again: the device lock is held for
+//!   at most that wait), at most [`MAX_DEATHS`] deaths in [`DEATH_WINDOW`];
+//!   past them the device needs reset and the run stops with the last
+//!   error.
 //! - **Measure**: `reconnects` counts the sessions made again; after each,
 //!   a thread watches the started rings' used indexes (bounded by
 //!   [`PAUSE_WATCH`]) and logs and counts the pause, from the death seen to
@@ -127,8 +129,13 @@ impl VhostUserBlk {
         self.msg("SET_INFLIGHT_FD", |fe| fe.set_inflight_fd(&msg, fd))
     }
 
-    /// Starts the thread that sees this socket close and starts the session again.
-    pub(super) fn watch_death(&self) {
+    /// Starts the thread that sees this socket close and starts the session
+    /// again (one per socket: attached again, nothing more is started).
+    pub(super) fn watch_death(&mut self) {
+        if self.watched == Some(self.generation) {
+            return;
+        }
+        self.watched = Some(self.generation);
         let Ok(sock) = self.peer.sock.try_clone() else {
             return log::error!("{}: cannot watch the backend's socket: its death will go unseen", self.name);
         };
@@ -177,9 +184,21 @@ impl VhostUserBlk {
 
     /// One try at a new session: connect, handshake, and if the rings ran
     /// (`started`), what DRIVER_OK sent, with the kept in-flight region.
-    fn replay(&mut self, t: &mut Transport, again: &Reconnect, started: bool) -> Result<()> {
-        let (sock, child) = again.again()?;
-        self.adopt(sock, child)?;
+    /// An error says whether another try may help (not after a wait for an
+    /// external socket that already took its whole bound).
+    fn replay(
+        &mut self,
+        t: &mut Transport,
+        again: &Reconnect,
+        started: bool,
+    ) -> std::result::Result<(), (bool, Error)> {
+        let (sock, child) = again.again().map_err(|e| (matches!(again, Reconnect::Respawn { .. }), e))?;
+        self.adopt(sock, child).map_err(|e| (true, e))?;
+        self.resume(t, started).map_err(|e| (true, e))
+    }
+
+    /// The handshake and, if the rings ran, DRIVER_OK's requests again.
+    fn resume(&mut self, t: &mut Transport, started: bool) -> Result<()> {
         let (features, config) = (self.backend_features, self.config);
         self.within(Self::greet)?;
         self.config = config; // what the driver read stays
@@ -190,8 +209,10 @@ impl VhostUserBlk {
             )));
         }
         if started {
-            if !self.inflight_acked || self.inflight.is_none() {
-                return Err(Error::protocol("the backend tracks no in-flight requests: its rings cannot be resumed"));
+            if !self.inflight_acked {
+                return Err(Error::protocol(
+                    "the new backend tracks no in-flight requests: its rings cannot be resumed",
+                ));
             }
             self.within(|s| s.start(t, true))?;
         }
@@ -233,6 +254,11 @@ fn revive(t: &mut Transport, e: &mut VhostUserBlk, seen: Instant, started: bool)
     let cause = death_cause(e.peer.hang_up());
     // The old rings' calls and relays go; a reset during this is not possible (the lock).
     e.session = None;
+    if started && e.inflight.is_none() {
+        // Without the region what the dead backend took is lost: not resumable.
+        let why = format!("{cause}; the backend tracked no in-flight requests, so its rings cannot be resumed");
+        return e.give_up(t, &Error::PeerGone(why));
+    }
     if !e.budget.spend(seen) {
         let why = format!("{cause}; {} deaths within {DEATH_WINDOW:?}: given up", MAX_DEATHS + 1);
         return e.give_up(t, &Error::PeerGone(why));
@@ -244,10 +270,13 @@ fn revive(t: &mut Transport, e: &mut VhostUserBlk, seen: Instant, started: bool)
                 last = None;
                 break;
             }
-            Err(err) => {
+            Err((retry, err)) => {
                 log::warn!("{}: reconnect try {attempt} of {ATTEMPTS} failed: {err}", e.name);
                 e.session = None;
                 last = Some(err);
+                if !retry {
+                    break;
+                }
             }
         }
     }
