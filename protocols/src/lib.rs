@@ -32,6 +32,7 @@ pub mod mpqemu;
 pub mod nopath;
 pub mod peer;
 pub mod process;
+pub mod respawn;
 pub mod seccomp;
 pub mod serve;
 pub mod sigbus;

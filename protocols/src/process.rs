@@ -168,6 +168,26 @@ impl DeviceProcess {
         Ok(DeviceProcess { child, lines: rx, reports: false, _monitor: None })
     }
 
+    /// The process's id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// How the process ended (exit status or signal), waiting for it up
+    /// to `timeout`; None while it still runs.
+    pub fn exit_status(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            if Instant::now() >= end {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// Waits for the device's counters after the client disconnected.
     pub fn counters(&mut self, timeout: Duration) -> Result<Vec<Counter>> {
         if !self.reports {
