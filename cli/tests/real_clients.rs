@@ -22,6 +22,28 @@ fn harness(script: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../harness/linux").join(script)
 }
 
+/// Keeps the first 2000 lines of a child's stderr; `listening` hears once of each line
+/// `iopath serve` prints when it listens.
+fn keep_stderr(
+    child: &mut Child,
+    listening: Option<std::sync::mpsc::Sender<()>>,
+) -> std::sync::Arc<Mutex<Vec<String>>> {
+    let stderr = std::sync::Arc::new(Mutex::new(Vec::new()));
+    let (err, keep) = (child.stderr.take().unwrap(), stderr.clone());
+    std::thread::spawn(move || {
+        for l in BufReader::new(err).lines().map_while(Result::ok) {
+            if let (Some(tx), true) = (&listening, l.starts_with("iopath serve: ")) {
+                let _ = tx.send(());
+            }
+            let mut k = keep.lock().unwrap();
+            if k.len() < 2000 {
+                k.push(l);
+            }
+        }
+    });
+    stderr
+}
+
 /// An `iopath serve DEVICE --transport TRANSPORT` on a fresh socket; killed on drop.
 struct Serve {
     child: Child,
@@ -52,16 +74,7 @@ impl Serve {
             .stderr(Stdio::piped())
             .spawn()
             .expect("start iopath serve");
-        let stderr = std::sync::Arc::new(Mutex::new(Vec::new()));
-        let (err, keep) = (child.stderr.take().unwrap(), stderr.clone());
-        std::thread::spawn(move || {
-            for l in BufReader::new(err).lines().map_while(Result::ok) {
-                let mut k = keep.lock().unwrap();
-                if k.len() < 2000 {
-                    k.push(l);
-                }
-            }
-        });
+        let stderr = keep_stderr(&mut child, None);
         let t0 = Instant::now();
         while !socket.exists() {
             assert!(t0.elapsed() < Duration::from_secs(10), "iopath serve made no socket at {}", socket.display());
@@ -857,20 +870,8 @@ impl Backend {
             .stderr(Stdio::piped())
             .spawn()
             .expect("start iopath serve");
-        let stderr = std::sync::Arc::new(Mutex::new(Vec::new()));
-        let (err, keep) = (child.stderr.take().unwrap(), stderr.clone());
         let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(err).lines().map_while(Result::ok) {
-                if l.starts_with("iopath serve: ") {
-                    let _ = tx.send(());
-                }
-                let mut k = keep.lock().unwrap();
-                if k.len() < 2000 {
-                    k.push(l);
-                }
-            }
-        });
+        let stderr = keep_stderr(&mut child, Some(tx));
         if rx.recv_timeout(Duration::from_secs(20)).is_err() {
             let _ = child.kill();
             panic!("iopath serve did not listen on {}: {:?}", sock.display(), stderr.lock().unwrap());
@@ -1041,4 +1042,67 @@ fn linux_nvme_driver_generates_and_verifies_protection_information_on_iopath_nam
     let report = serve.report();
     assert!(counter(&report, "pi.checks") > 0, "the device checked PI tuples: {report}");
     assert_eq!(counter(&report, "pi.errors"), 0, "{report}");
+}
+
+/// Issue 37, item 4: QEMU 11's vfio-user-pci does not reconnect, so when an `iopath serve`
+/// behind it is killed (SIGKILL) the failure must be clean: the guest's I/O on that controller
+/// fails with an error within the driver's timeout instead of hanging, Linux gives the controller
+/// up, the guest's other controller (another `iopath serve`) keeps its data and its I/O, the guest
+/// powers off and QEMU exits on its own. What QEMU and Linux say about the death is printed.
+#[test]
+fn qemu11_vfio_user_pci_fails_cleanly_when_its_iopath_device_process_is_killed() {
+    let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut gone = Serve::start("nvme,backend=ram,size_mb=16,serial=HARNESS-GONE,cntlid=1");
+    let mut stays = Serve::start("nvme,backend=ram,size_mb=16,serial=HARNESS-STAYS,cntlid=2");
+    let dir = std::env::temp_dir().join(format!("iopath-rc-gone-{}-{}", std::process::id(), unique()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("console.log");
+    let (sg, ss) = (gone.socket.to_str().unwrap().to_string(), stays.socket.to_str().unwrap().to_string());
+    let mut run = Command::new("bash")
+        .arg(harness("run-linux.sh"))
+        .args(["--timeout", "420", "--vfio-user", &sg, "--vfio-user", &ss, "--nvme-timeout", "5"])
+        .args(["--script", harness("guest-gone.sh").to_str().unwrap()])
+        .args(["--log", log.to_str().unwrap(), "--append", "harness.fio_mb=4"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run-linux.sh");
+    let collect = |r: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            use std::io::Read;
+            let mut s = String::new();
+            let _ = BufReader::new(r).read_to_string(&mut s);
+            s
+        })
+    };
+    let out = collect(Box::new(run.stdout.take().unwrap()));
+    let err = collect(Box::new(run.stderr.take().unwrap()));
+    let console = || std::fs::read_to_string(&log).unwrap_or_default();
+    let t0 = Instant::now();
+    while !console().contains("@gone-cue") {
+        if t0.elapsed() > Duration::from_secs(380) || run.try_wait().unwrap().is_some() {
+            let _ = run.kill();
+            panic!("the guest never gave the cue:\n{}", console());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    gone.child.kill().unwrap(); // SIGKILL
+    let status = gone.child.wait().unwrap();
+    let rc = run.wait().unwrap();
+    let text = format!("{}{}", out.join().unwrap(), err.join().unwrap());
+    let c = checks(&text);
+    let qemu = text.lines().filter(|l| l.contains("qemu|") && l.contains("vfio")).take(4);
+    let said: Vec<&str> = qemu.chain(text.lines().filter(|l| l.contains("[dmesg]")).take(12)).collect();
+    eprintln!("{}\nthe killed device process: {status:?}\nQEMU and Linux said:\n{}", c.join("\n"), said.join("\n"));
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(9), "{status:?}");
+    assert!(c.iter().any(|l| l.starts_with("@done ")), "no @done, the guest did not power off ({rc}):\n{text}");
+    assert!(rc.success(), "guest checks failed or QEMU did not exit cleanly ({rc}):\n{}\n{text}", c.join("\n"));
+    for want in ["two-probe", "gone-eio", "gone-given-up", "stays-fio"] {
+        assert!(c.iter().any(|l| l.starts_with(&format!("@check {want} ok"))), "{want}:\n{}", c.join("\n"));
+    }
+    let report = stays.report();
+    assert!(counter(&report, "io.commands") > 1000, "the surviving controller's I/O did not reach it: {report}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

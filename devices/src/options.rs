@@ -140,6 +140,27 @@ pub trait BlockConfig {
     fn create_mut(&mut self) -> &mut bool;
 }
 
+/// `impl BlockConfig` for a config struct with `backend: StorageKind` and `create: bool` fields.
+#[macro_export]
+macro_rules! block_config {
+    ($t:ty) => {
+        impl $crate::options::BlockConfig for $t {
+            fn backend(&self) -> &$crate::block::StorageKind {
+                &self.backend
+            }
+            fn backend_mut(&mut self) -> &mut $crate::block::StorageKind {
+                &mut self.backend
+            }
+            fn create(&self) -> bool {
+                self.create
+            }
+            fn create_mut(&mut self) -> &mut bool {
+                &mut self.create
+            }
+        }
+    };
+}
+
 /// `backend=null|ram|file:PATH`, the same entry in every block device's table.
 pub const fn backend<C: BlockConfig>() -> Opt<C> {
     Opt {

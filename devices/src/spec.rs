@@ -164,10 +164,16 @@ impl DeviceConfig {
 /// Splits `s` at every `sep` that is not doubled; doubled separators (and
 /// doubled `@`) become single characters in the pieces.
 pub fn split_escaped(s: &str, sep: char) -> Vec<String> {
+    split_doubled(s, sep, &[sep, '@', ','])
+}
+
+/// Splits at every `sep` that is not doubled; a doubled character of
+/// `doubled` (which holds `sep`) is kept single.
+pub fn split_doubled(s: &str, sep: char, doubled: &[char]) -> Vec<String> {
     let mut out = vec![String::new()];
     let mut it = s.chars().peekable();
     while let Some(c) = it.next() {
-        if (c == sep || c == '@' || c == ',') && it.peek() == Some(&c) {
+        if doubled.contains(&c) && it.peek() == Some(&c) {
             it.next();
             out.last_mut().unwrap().push(c);
         } else if c == sep {

@@ -148,11 +148,7 @@ skipped rebind || {
 
 # 8. timeouts ------------------------------------------------------------------------------------
 # nvme driver messages only: not the kernel command line, which may carry nvme_core.*_timeout=
-dmesg | grep -i nvme | grep -viE 'command line' | grep -iE 'timeout|timed out' >$W/dm.to
-if [ -s $W/dm.to ]; then
-    check no-timeout fail "$(wc -l <$W/dm.to) nvme timeout lines in dmesg"
-    head -n 20 $W/dm.to | indent timeout
-else check no-timeout ok "no nvme timeout in dmesg"; fi
+no_timeout_check
 say "final /proc/interrupts (nvme):"
 irq_lines | indent irq
 

@@ -165,6 +165,14 @@ fio_checks() { # fio-randwrite, then fio-randread of what it wrote, both verifie
     }
 }
 
+no_timeout_check() { # no-timeout: no nvme timeout line in dmesg since boot
+    dmesg | grep -i nvme | grep -viE 'command line' | grep -iE 'timeout|timed out' >$W/dm.to
+    if [ -s $W/dm.to ]; then
+        check no-timeout fail "$(wc -l <$W/dm.to) nvme timeout lines in dmesg"
+        head -n 20 $W/dm.to | indent timeout
+    else check no-timeout ok "no nvme timeout in dmesg"; fi
+}
+
 finish() { # the verdict line, then power off (by /init if this returns)
     echo "@done passed=$PASS failed=$FAIL"
     sync

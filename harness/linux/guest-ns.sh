@@ -137,7 +137,5 @@ skipped format || {
     else check fio-formatted-r fail "rc=$rc errs=$errs"; fi
 }
 new_dmesg 'nvme|timeout|error'
-dmesg | grep -i nvme | grep -viE 'command line' | grep -iE 'timeout|timed out' >$W/dm.to
-if [ -s $W/dm.to ]; then check no-timeout fail "$(wc -l <$W/dm.to) nvme timeout lines in dmesg"
-else check no-timeout ok "no nvme timeout in dmesg"; fi
+no_timeout_check
 finish

@@ -256,7 +256,8 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> 
         }
         (Device::Frontend { queues }, Some((Transport::Queues(q), Endpoint::Socket(path)))) => {
             let sock = connect_to(path, &label)?;
-            return q.connect(sock, None, *queues).map_err(|e| e.context(label));
+            let again = crate::respawn::Reconnect::socket(path);
+            return q.connect_again(sock, None, *queues, again).map_err(|e| e.context(label));
         }
         (Device::Server, _) => {
             return Err(Error::Config(format!("{spec}: a server's device needs the server's socket (TRANSPORT:PATH)")))
@@ -270,7 +271,9 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> 
         Transport::Queues(q) => {
             // iopath's backend started by the VMM (a socket is a Frontend).
             let (mine, child) = spawn_serve(progs, model, q.name()).map_err(|e| e.context(label.clone()))?;
-            q.connect(mine, Some(child), queues_of(model)).map_err(|e| e.context(label))
+            let args = crate::respawn::serve_args(progs, &model.with_default_queues(queues_of(model)), q.name());
+            let again = crate::respawn::Reconnect::Respawn { exe: progs.iopath.clone(), args };
+            q.connect_again(mine, Some(child), queues_of(model), Some(again)).map_err(|e| e.context(label))
         }
     }
 }
@@ -318,11 +321,7 @@ fn spawn_serve(progs: &Programs, model: &DeviceConfig, transport: &str) -> Resul
     model.prepare_backing()?;
     let (mine, theirs) = socketpair()?;
     let model = model.with_default_queues(queues_of(model));
-    let args: Vec<String> =
-        [model.to_string(), "--transport".into(), transport.into(), "--fd".into(), CHILD_SOCKET_FD.to_string()]
-            .into_iter()
-            .chain(progs.serve_args.iter().cloned())
-            .collect();
+    let args = crate::respawn::serve_args(progs, &model, transport);
     let child = DeviceProcess::spawn(&progs.iopath, &args, theirs.into())?;
     Ok((mine, child))
 }

@@ -178,20 +178,23 @@ impl DeviceProcess {
         self.command.as_ref().map(|(e, a)| (e.as_path(), a.as_slice()))
     }
 
+    /// The process's id.
     pub fn id(&self) -> u32 {
         self.child.id()
     }
 
-    /// Its exit status, waiting up to `wait` for it to end; None if it
-    /// still runs.
-    pub fn exit_status(&mut self, wait: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + wait;
+    /// How the process ended (exit status or signal), waiting for it up
+    /// to `timeout`; None while it still runs.
+    pub fn exit_status(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + timeout;
         loop {
-            match self.child.try_wait() {
-                Ok(Some(s)) => return Some(s),
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-                _ => return None,
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
             }
+            if Instant::now() >= end {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 

@@ -1,104 +1,179 @@
-//! Getting a device process back after it died, for a client that
-//! reconnects (the vfio-user proxy; any transport's client may use it):
-//! why it died ([`cause_of_death`]), a new process of an iopath device
-//! process the VMM started ([`respawn`]: the same binary and arguments, on
-//! a new socket pair), or the socket of an external one once it listens
-//! again ([`reconnect`], bounded).
+//! Getting a device process back after it died, for a VMM-side proxy or
+//! frontend that survives it ([`Reconnect`]): the VMM starts the same
+//! `iopath serve` again on a new socket pair if it started the first, or
+//! waits, bounded, for an external server's socket to accept again. Also
+//! what a death is logged with ([`death_cause`]) and the bound on how
+//! often a device may die before the VMM gives up on it ([`Budget`]).
+//! Generic: nothing here speaks a protocol.
 
-use crate::process::DeviceProcess;
+use crate::attach::Programs;
+use crate::process::{DeviceProcess, CHILD_SOCKET_FD};
 use crate::{Error, Result};
+use iopath_devices::DeviceConfig;
+use std::collections::VecDeque;
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::ExitStatusExt;
-use std::path::Path;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// How long [`cause_of_death`] waits for a process whose socket closed to end.
-pub const REAP_WAIT: Duration = Duration::from_secs(1);
+/// The environment variable that bounds the wait for an external server's
+/// socket to come back, in milliseconds; 0 turns reconnecting to an
+/// external server off (its death stops the run, as before).
+pub const WAIT_ENV: &str = "IOPATH_RECONNECT_WAIT_MS";
+/// The wait for an external server when [`WAIT_ENV`] is not set.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(10);
+/// How often an external server's socket is tried while waiting.
+const RETRY_EVERY: Duration = Duration::from_millis(10);
 
-/// Why `child` went away: its exit status or the signal that killed it,
-/// waiting up to [`REAP_WAIT`]; one still running is said so (its drop kills it).
-pub fn cause_of_death(child: &mut DeviceProcess) -> String {
-    let id = child.id();
-    match child.exit_status(REAP_WAIT) {
-        Some(s) => match (s.code(), s.signal()) {
-            (Some(c), _) => format!("device process {id} exited with status {c}"),
-            (None, Some(sig)) => {
-                // SAFETY: strsignal returns a pointer to a static or
-                // thread-local string (or NULL), read at once.
-                let name = unsafe { libc::strsignal(sig) };
-                let name = if name.is_null() {
-                    String::new()
-                } else {
-                    // SAFETY: a NUL-terminated C string from strsignal.
-                    format!(" ({})", unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy())
-                };
-                format!("device process {id} was killed by signal {sig}{name}")
+/// How the device process comes back.
+#[derive(Clone, Debug)]
+pub enum Reconnect {
+    /// The VMM started it: `exe serve ARGS` again, on a new socket pair.
+    Respawn { exe: PathBuf, args: Vec<String> },
+    /// An external server: connect to `path` again, trying for up to `wait`.
+    Socket { path: PathBuf, wait: Duration },
+}
+
+/// The arguments of `iopath serve` for `model` over `transport` on fd 3
+/// (with the programs' own serve arguments): the first process's and each
+/// respawned one's.
+pub fn serve_args(progs: &Programs, model: &DeviceConfig, transport: &str) -> Vec<String> {
+    [model.to_string(), "--transport".into(), transport.into(), "--fd".into(), CHILD_SOCKET_FD.to_string()]
+        .into_iter()
+        .chain(progs.serve_args.iter().cloned())
+        .collect()
+}
+
+impl Reconnect {
+    /// Reconnecting to the external server at `path`, bounded by
+    /// [`WAIT_ENV`] (None if it is 0: no reconnect).
+    pub fn socket(path: impl Into<PathBuf>) -> Option<Self> {
+        let wait = match std::env::var(WAIT_ENV).ok().map(|v| v.trim().parse::<u64>()) {
+            None => DEFAULT_WAIT,
+            Some(Ok(ms)) => Duration::from_millis(ms),
+            Some(Err(_)) => {
+                log::warn!("{WAIT_ENV} is not a number of milliseconds; waiting {DEFAULT_WAIT:?}");
+                DEFAULT_WAIT
             }
-            _ => format!("device process {id} ended ({s})"),
-        },
-        None => format!("device process {id} closed its socket and still runs (it is killed)"),
+        };
+        (!wait.is_zero()).then(|| Reconnect::Socket { path: path.into(), wait })
+    }
+
+    /// A new session's socket and, if the VMM starts it, its process.
+    pub fn again(&self) -> Result<(UnixStream, Option<DeviceProcess>)> {
+        match self {
+            Reconnect::Respawn { exe, args } => {
+                let (mine, theirs) = UnixStream::pair().map_err(|e| Error::io("socketpair", e))?;
+                let child = DeviceProcess::spawn(exe, args, theirs.into())?;
+                Ok((mine, Some(child)))
+            }
+            Reconnect::Socket { path, wait } => {
+                let end = Instant::now() + *wait;
+                loop {
+                    match crate::attach::connect(path) {
+                        Ok(s) => return Ok((s, None)),
+                        Err(e) if Instant::now() >= end => {
+                            return Err(Error::io(
+                                format!("{} did not accept again within {wait:?}", path.display()),
+                                e,
+                            ))
+                        }
+                        Err(_) => std::thread::sleep(RETRY_EVERY),
+                    }
+                }
+            }
+        }
     }
 }
 
-/// A new process of the iopath device process `old` was (the same binary
-/// and `serve` arguments, with a new socket as its fd 3): our end and it.
-/// None for a process that is not one (QEMU).
-pub fn respawn(old: &DeviceProcess) -> Option<Result<(UnixStream, DeviceProcess)>> {
-    let (exe, args) = old.command()?;
-    Some(spawn(exe, args))
+/// Why the device process went away, for the log: its exit status or
+/// signal (waited for up to 1 s; one still running after its socket closed
+/// is killed), or "an external server" when the VMM did not start it.
+pub fn death_cause(child: Option<DeviceProcess>) -> String {
+    let Some(mut c) = child else { return "an external server closed its socket".into() };
+    let pid = c.id();
+    match c.exit_status(Duration::from_secs(1)) {
+        Some(s) => format!("device process {pid} ended: {s}"),
+        None => format!("device process {pid} closed its socket and still ran (killed)"),
+    }
+    // Dropped: killed if it still runs, and reaped.
 }
 
-fn spawn(exe: &Path, args: &[String]) -> Result<(UnixStream, DeviceProcess)> {
-    let (mine, theirs) = UnixStream::pair().map_err(|e| Error::io("socketpair", e))?;
-    let child = DeviceProcess::spawn(exe, args, theirs.into())?;
-    Ok((mine, child))
+/// At most `max` deaths within any `window`: a device process that dies
+/// over and over (e.g. on a request it is given again each time) is given
+/// up on, not restarted for ever.
+pub struct Budget {
+    max: usize,
+    window: Duration,
+    deaths: VecDeque<Instant>,
 }
 
-/// Connects to the UNIX socket `path` again, trying every `every` until
-/// `deadline` (a server that restarts takes a moment to listen).
-pub fn reconnect(path: &Path, deadline: Instant, every: Duration) -> Result<UnixStream> {
-    loop {
-        match crate::attach::connect(path) {
-            Ok(s) => return Ok(s),
-            Err(e) if Instant::now() + every >= deadline => {
-                return Err(Error::io(format!("reconnecting to {}", path.display()), e))
-            }
-            Err(_) => std::thread::sleep(every),
+impl Budget {
+    pub fn new(max: usize, window: Duration) -> Self {
+        Budget { max, window, deaths: VecDeque::new() }
+    }
+
+    /// Counts a death at `now`; false if it is one more than the budget allows.
+    pub fn spend(&mut self, now: Instant) -> bool {
+        while self.deaths.front().is_some_and(|&t| now.saturating_duration_since(t) >= self.window) {
+            self.deaths.pop_front();
         }
+        if self.deaths.len() >= self.max {
+            return false;
+        }
+        self.deaths.push_back(now);
+        true
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::process::Command;
 
     #[test]
-    fn the_cause_of_death_names_the_status_or_the_signal() {
-        let run = |script: &str| {
-            let (_a, b) = UnixStream::pair().unwrap();
-            let mut cmd = Command::new("/bin/sh");
-            cmd.args(["-c", script]);
-            DeviceProcess::spawn_command(cmd, b.into()).unwrap()
-        };
-        let mut p = run("exit 7");
-        assert!(cause_of_death(&mut p).ends_with("exited with status 7"), "{}", cause_of_death(&mut p));
-        let mut p = run("kill -9 $$");
-        let c = cause_of_death(&mut p);
-        assert!(c.contains("killed by signal 9"), "{c}");
-        let mut p = run("sleep 30");
-        assert!(cause_of_death(&mut p).contains("still runs"));
-        assert!(respawn(&p).is_none(), "not an iopath device process");
+    fn the_budget_allows_max_deaths_per_window() {
+        let mut b = Budget::new(3, Duration::from_secs(10));
+        let t = Instant::now();
+        assert!(b.spend(t) && b.spend(t + Duration::from_secs(1)) && b.spend(t + Duration::from_secs(2)));
+        assert!(!b.spend(t + Duration::from_secs(3)), "a fourth within 10 s");
+        // The first death left the window: room for one more.
+        assert!(b.spend(t + Duration::from_secs(10)));
+        assert!(!b.spend(t + Duration::from_secs(10)));
     }
 
     #[test]
-    fn reconnecting_to_a_socket_that_never_listens_ends_at_the_deadline() {
-        let path = std::env::temp_dir().join(format!("iopath-respawn-{}.sock", std::process::id()));
-        let e = reconnect(&path, Instant::now() + Duration::from_millis(100), Duration::from_millis(20)).unwrap_err();
-        assert!(e.to_string().contains("reconnecting to"), "{e}");
-        let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
-        reconnect(&path, Instant::now() + Duration::from_secs(1), Duration::from_millis(20)).unwrap();
-        drop(l);
-        let _ = std::fs::remove_file(&path);
+    fn an_external_socket_that_never_comes_back_is_waited_for_a_bounded_time() {
+        let dir = std::env::temp_dir().join(format!("iopath-respawn-{}", std::process::id()));
+        let r = Reconnect::Socket { path: dir.join("none.sock"), wait: Duration::from_millis(50) };
+        let e = r.again().err().expect("nobody listens").to_string();
+        assert!(e.contains("did not accept again within 50ms"), "{e}");
+    }
+
+    #[test]
+    fn an_external_socket_that_comes_back_is_connected_to() {
+        let dir = std::env::temp_dir().join(format!("iopath-respawn-back-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.sock");
+        let p = path.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            let l = std::os::unix::net::UnixListener::bind(&p).unwrap();
+            l.accept().unwrap()
+        });
+        let r = Reconnect::Socket { path: path.clone(), wait: Duration::from_secs(10) };
+        let (s, child) = r.again().expect("the listener came back");
+        assert!(child.is_none());
+        drop((s, t.join().unwrap()));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_death_is_told_by_its_signal() {
+        let (_mine, theirs) = UnixStream::pair().unwrap();
+        let mut cmd = std::process::Command::new("/bin/sh");
+        cmd.args(["-c", "kill -9 $$"]);
+        let p = DeviceProcess::spawn_command(cmd, theirs.into()).unwrap();
+        let why = death_cause(Some(p));
+        assert!(why.contains("signal: 9"), "{why}");
+        assert_eq!(death_cause(None), "an external server closed its socket");
     }
 }

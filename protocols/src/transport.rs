@@ -100,6 +100,20 @@ pub trait QueueTransport: Sync {
     /// started it.
     fn connect(&self, sock: UnixStream, child: Option<DeviceProcess>, queues: u16) -> Result<SharedDevice>;
 
+    /// [`connect`](Self::connect), and when the backend dies its session is
+    /// started again as `again` says (a new process or the same socket), if
+    /// the transport can; by default it cannot, and a death stops the run.
+    fn connect_again(
+        &self,
+        sock: UnixStream,
+        child: Option<DeviceProcess>,
+        queues: u16,
+        again: Option<crate::respawn::Reconnect>,
+    ) -> Result<SharedDevice> {
+        let _ = again;
+        self.connect(sock, child, queues)
+    }
+
     /// Device side: `iopath serve`'s loop, iopath's backend of `o.device`
     /// (one [`device`](Self::device) names) to one frontend after another.
     fn serve(&self, o: &ServeOptions) -> Result<()>;

@@ -64,7 +64,7 @@ impl NsMeta {
         }
     }
 
-    /// Checks ms 0/8/16/64, pi 0/1 (with ms >= 8), ext with ms.
+    /// Checks ms 0/8/16/64, pi 0/1 (with ms >= 8), pil=first with pi, ext with ms.
     pub fn validate(&self, what: &str) -> Result<()> {
         if !matches!(self.ms, 0 | 8 | 16 | 64) {
             return Err(bad(format!("{what}: ms={} (0, 8, 16 or 64)", self.ms)));
@@ -75,24 +75,34 @@ impl NsMeta {
         if self.pi == 1 && self.ms < 8 {
             return Err(bad(format!("{what}: pi=1 needs ms=8, 16 or 64")));
         }
+        if self.pi_first && self.pi == 0 {
+            return Err(bad(format!("{what}: pil=first needs pi=1")));
+        }
         if self.ext && self.ms == 0 {
             return Err(bad(format!("{what}: ext=on needs ms=8, 16 or 64")));
         }
         Ok(())
     }
 
-    /// Sets key `k` (ms, ext, pi); false if `k` is none of them.
+    /// Sets key `k` (ms, ext, pi, pil); false if `k` is none of them.
     pub fn set(&mut self, k: &str, v: &str) -> std::result::Result<bool, crate::options::Reason> {
         match k {
             "ms" => self.ms = num(v)?.try_into().unwrap_or(u16::MAX),
             "ext" => self.ext = crate::options::on_off(v)?,
             "pi" => self.pi = num(v)?.try_into().unwrap_or(u8::MAX),
+            "pil" => {
+                self.pi_first = match v {
+                    "first" => true,
+                    "last" => false,
+                    _ => return Err(format!("{v:?} (first or last)").into()),
+                }
+            }
             _ => return Ok(false),
         }
         Ok(true)
     }
 
-    /// `;ms=..` (`;ext=on`, `;pi=1`) as a SPEC writes them; empty for none.
+    /// `;ms=..` (`;ext=on`, `;pi=1`, `;pil=first`) as a SPEC writes them; empty for none.
     pub fn spec(&self) -> String {
         let mut s = String::new();
         if self.ms != 0 {
@@ -103,6 +113,9 @@ impl NsMeta {
         }
         if self.pi != 0 {
             s.push_str(&format!(";pi={}", self.pi));
+        }
+        if self.pi_first {
+            s.push_str(";pil=first");
         }
         s
     }
@@ -127,19 +140,7 @@ fn bad(reason: String) -> Error {
 
 /// Splits at every `sep` that is not doubled; a doubled one is kept single.
 fn split(s: &str, sep: char) -> Vec<String> {
-    let mut out = vec![String::new()];
-    let mut it = s.chars().peekable();
-    while let Some(c) = it.next() {
-        if c == sep && it.peek() == Some(&sep) {
-            it.next();
-            out.last_mut().unwrap().push(c);
-        } else if c == sep {
-            out.push(String::new());
-        } else {
-            out.last_mut().unwrap().push(c);
-        }
-    }
-    out
+    crate::spec::split_doubled(s, sep, &[sep])
 }
 
 impl NsConfig {
@@ -325,7 +326,12 @@ mod tests {
         assert_eq!(NsConfig::parse_spec(&m.spec()).unwrap(), m);
         // `--namespace` takes the `;` form as well.
         assert_eq!(NsConfig::parse_options("backend=ram;size_mb=64;lba=512;ms=8;pi=1").unwrap(), m);
-        for bad in ["ms=4", "ms=9", "pi=1", "pi=2;ms=8", "ext=on", "ms=100000"] {
+        let first = NsConfig::parse_options("ms=16,pi=1,pil=first").unwrap();
+        assert_eq!(first.meta, NsMeta { ms: 16, ext: false, pi: 1, pi_first: true });
+        assert!(first.spec().ends_with(";ms=16;pi=1;pil=first"), "{}", first.spec());
+        assert_eq!(NsConfig::parse_spec(&first.spec()).unwrap(), first);
+        assert!(NsConfig::parse_spec("ms=8;pi=1;pil=middle").is_err());
+        for bad in ["ms=4", "ms=9", "pi=1", "pi=2;ms=8", "ext=on", "ms=100000", "ms=8;pil=first"] {
             let c = NsConfig::parse_spec(bad).unwrap();
             let e = c.validate("namespace 3").unwrap_err().to_string();
             assert!(e.contains("namespace 3: "), "{bad}: {e}");

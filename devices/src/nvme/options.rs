@@ -5,7 +5,7 @@
 
 use super::namespaces::{NsConfig, MAX_NAMESPACES};
 use super::{InPlace, NvmeConfig, MAX_POLLERS, MAX_SUBMIT_BATCH};
-use crate::options::{self, num, on_off, BlockConfig, Opt, Options};
+use crate::options::{self, num, on_off, Opt, Options};
 
 /// `nvme`'s options, in the order its `Display` writes them.
 pub const OPTIONS: Options<NvmeConfig> = Options {
@@ -79,6 +79,17 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
                 Ok(())
             },
             show: |c| (c.meta.pi != 0).then(|| c.meta.pi.to_string()),
+        },
+        Opt {
+            key: "pil",
+            values: "first|last",
+            help: "with pi=1: the protection information in the metadata's first or last 8 bytes (default last; \
+                   Format NVM's PIL)",
+            parse: |c, v| {
+                c.meta.set("pil", v)?;
+                Ok(())
+            },
+            show: |c| c.meta.pi_first.then(|| "first".to_string()),
         },
         Opt {
             key: "pollers",
@@ -213,20 +224,7 @@ pub const OPTIONS: Options<NvmeConfig> = Options {
     ],
 };
 
-impl BlockConfig for NvmeConfig {
-    fn backend(&self) -> &crate::block::StorageKind {
-        &self.backend
-    }
-    fn backend_mut(&mut self) -> &mut crate::block::StorageKind {
-        &mut self.backend
-    }
-    fn create(&self) -> bool {
-        self.create
-    }
-    fn create_mut(&mut self) -> &mut bool {
-        &mut self.create
-    }
-}
+crate::block_config!(NvmeConfig);
 
 #[cfg(test)]
 mod tests {
@@ -263,7 +261,7 @@ mod tests {
                     timing: Some(Box::new("read:u:10us:30us+iops:10k".parse().unwrap())),
                 },
             ],
-            meta: crate::nvme::namespaces::NsMeta { ms: 8, ext: true, pi: 1, pi_first: false },
+            meta: crate::nvme::namespaces::NsMeta { ms: 8, ext: true, pi: 1, pi_first: true },
             timing: Some(Box::new("read:ln:80us:300us+write:20us+channels:8+iops:500k+bw:3g+seed:7".parse().unwrap())),
             inject: crate::block::inject::parse_rules(
                 "op=read/lba=0-7/status=2:0x81:dnr/once+op=write/nsid=1/delay=2ms/p=0.5:9+op=read/corrupt=4:7+qid=2/drop/every=3",

@@ -11,7 +11,7 @@ use crate::block::inject::{parse_rules, write_rules, Action};
 use crate::block::timing::TimingSpec;
 use crate::block::StorageKind;
 use crate::options::Reason;
-use crate::options::{self, BlockConfig, Opt, Options};
+use crate::options::{self, Opt, Options};
 use crate::Result;
 
 /// `virtio-blk`'s options, in the order its `Display` writes them.
@@ -124,20 +124,7 @@ impl VirtioBlkConfig {
     }
 }
 
-impl BlockConfig for VirtioBlkConfig {
-    fn backend(&self) -> &crate::block::StorageKind {
-        &self.backend
-    }
-    fn backend_mut(&mut self) -> &mut crate::block::StorageKind {
-        &mut self.backend
-    }
-    fn create(&self) -> bool {
-        self.create
-    }
-    fn create_mut(&mut self) -> &mut bool {
-        &mut self.create
-    }
-}
+crate::block_config!(VirtioBlkConfig);
 
 #[cfg(test)]
 mod tests {

@@ -39,6 +39,16 @@ impl QueueTransport for VhostUser {
         frontend::connect(sock, child, self.any_backend(), queues)
     }
 
+    fn connect_again(
+        &self,
+        sock: UnixStream,
+        child: Option<DeviceProcess>,
+        queues: u16,
+        again: Option<crate::respawn::Reconnect>,
+    ) -> Result<SharedDevice> {
+        frontend::connect_again(sock, child, self.any_backend(), queues, again)
+    }
+
     fn serve(&self, o: &ServeOptions) -> Result<()> {
         backend::serve(self, o)
     }

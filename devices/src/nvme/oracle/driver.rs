@@ -218,6 +218,33 @@ enum Op {
     BadNs(u8),
 }
 
+/// A namespace's metadata format, as Identify Namespace gives it. The
+/// driver stores a block's metadata words inverted (word `w` of a block
+/// past its data is `!content.word(lba, w)`), so that metadata the
+/// controller reports as never written or deallocated (all FFh) matches the
+/// model's zero content, and a write's metadata is its pattern.
+#[derive(Clone, Copy, Debug)]
+struct Meta {
+    /// Metadata bytes per block (0: none).
+    ms: u64,
+    /// Extended LBAs: inline after each block's data.
+    ext: bool,
+    /// Data bytes per block.
+    data: u64,
+}
+
+impl Meta {
+    /// Word `w` of a block (data, then metadata) as stored, or as the model
+    /// sees a stored one (the inversion is its own inverse).
+    fn stored(self, w: u64, v: u64) -> u64 {
+        if w >= self.data / 8 {
+            !v
+        } else {
+            v
+        }
+    }
+}
+
 /// A command the driver submitted and has not seen complete.
 struct Cmd {
     sqid: u16,
@@ -236,6 +263,9 @@ struct Cmd {
     pages: Vec<u64>,
     /// A PRP list (or a DSM range) page.
     extra: Option<u64>,
+    /// The separate metadata buffer (MPTR) of a read or write on a
+    /// namespace with metadata that is not extended.
+    meta: Option<u64>,
     seq: u64,
     published: bool,
     /// What the injection rules do to it (`Shape::rules`).
@@ -294,9 +324,12 @@ pub struct Driver<'a, P: Port + ?Sized> {
     rng: Rng,
     shape: Shape,
     img: Image,
-    /// Per namespace (index NSID - 1): the model of its blocks, its LBA size.
+    /// Per namespace (index NSID - 1): the model of its blocks, the bytes
+    /// a block takes in a transfer (its LBA size, + MS with extended LBAs),
+    /// and its metadata format.
     lbas: Vec<Lbas>,
     lba: Vec<u64>,
+    meta: Vec<Meta>,
     mqes: u16,
     dbbc: bool,
     shadow: bool,
@@ -340,6 +373,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             img: Image::new(RAM),
             lbas: Vec::new(),
             lba: Vec::new(),
+            meta: Vec::new(),
             mqes: 2,
             dbbc: false,
             shadow: false,
@@ -462,7 +496,9 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
 
     fn describe(&self, gpa: u64) -> String {
         let page = gpa / PAGE * PAGE;
-        if let Some((tag, c)) = self.cmds.iter().find(|(_, c)| c.pages.contains(&page) || c.extra == Some(page)) {
+        if let Some((tag, c)) =
+            self.cmds.iter().find(|(_, c)| c.pages.contains(&page) || c.extra == Some(page) || c.meta == Some(page))
+        {
             return format!("a page of tag {tag}, {:?} on SQ {}", c.op, c.sqid);
         }
         match gpa {
@@ -523,13 +559,17 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         // NN: every namespace gets commands (up to 32).
         let nn = le32(&id, 516).clamp(1, 32);
         self.lba.clear();
+        self.meta.clear();
         for nsid in 1..=nn {
             self.admin_ok(0x06, nsid, ADMIN_DATA, [0, 0, 0])?;
             self.ram().read_slice(&mut id, GuestAddress(ADMIN_DATA)).unwrap();
             let nsze = u64::from_le_bytes(id[0..8].try_into().unwrap());
             let flbas = id[26] & 0xf;
-            let lbads = id[128 + 4 * flbas as usize + 2];
-            self.lba.push(1 << lbads);
+            let lbaf = 128 + 4 * flbas as usize;
+            let (ms, lbads) = (u16::from_le_bytes([id[lbaf], id[lbaf + 1]]) as u64, id[lbaf + 2]);
+            let meta = Meta { ms, ext: ms > 0 && id[26] & 0x10 != 0, data: 1 << lbads };
+            self.lba.push(meta.data + if meta.ext { ms } else { 0 });
+            self.meta.push(meta);
             if self.lbas.len() < nsid as usize {
                 // A namespace keeps its data over resets: its model only starts once.
                 self.lbas.push(Lbas::new(nsze.min(4096)));
@@ -727,6 +767,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             offset: 0,
             pages: Vec::new(),
             extra: None,
+            meta: None,
             seq: 0,
             published: false,
             action: None,
@@ -737,9 +778,14 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             // PRP1 may start inside a page (dword aligned; the driver keeps 8).
             let offset = if self.rng.chance(30) { self.rng.below((PAGE - 8) / 8) * 8 } else { 0 };
             let npages = (offset + bytes).div_ceil(PAGE);
-            let need = npages + u64::from(npages > 2);
+            let separate = self.meta[ns].ms > 0 && !self.meta[ns].ext;
+            let need = npages + u64::from(npages > 2) + u64::from(separate);
             if (self.pages.len() as u64) < need {
                 return Ok(false);
+            }
+            if separate {
+                // nlb * MS <= 32 * 64 bytes: one page, its start as MPTR.
+                cmd.meta = self.take_page();
             }
             cmd.offset = offset;
             cmd.pages = (0..npages).map(|_| self.take_page().unwrap()).collect();
@@ -758,10 +804,17 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
                 self.next_seq += 1;
                 let data = self.payload(&cmd);
                 self.scatter(&cmd, &data);
+                if let Some(p) = cmd.meta {
+                    let meta = self.meta_payload(&cmd);
+                    self.put(p, &meta);
+                }
             } else {
                 // The transfer's bytes are the device's; the rest of its pages stay canary.
                 for (a, n) in segments(&cmd, self.lba[ns]) {
                     self.img.release(a, n, true);
+                }
+                if let Some(p) = cmd.meta {
+                    self.img.release(p, nlb * self.meta[ns].ms, true);
                 }
             }
         } else if let Op::BadNs(_) = op {
@@ -798,7 +851,10 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             _ => [slba as u32, (slba >> 32) as u32, nlb as u32 - 1],
         };
         cmd.action = self.predict(qid, opcode, nsid, &cmd);
-        let e = sqe(opcode, cmd.cid, nsid, tag, prp1, prp2, cdw);
+        let mut e = sqe(opcode, cmd.cid, nsid, tag, prp1, prp2, cdw);
+        if let Some(p) = cmd.meta {
+            e[16..24].copy_from_slice(&p.to_le_bytes()); // MPTR
+        }
         let sq = self.sqs[qid as usize].as_mut().unwrap();
         let slot = sq.slot(sq.tail);
         cmd.at = sq.tail;
@@ -846,13 +902,34 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         }
     }
 
-    /// A write's data: each block the pattern of (lba, seq).
+    /// A write's data: each block the pattern of (lba, seq), its metadata
+    /// words (inline with extended LBAs) inverted ([`Meta`]).
     fn payload(&self, c: &Cmd) -> Vec<u8> {
-        let words = self.lba[c.ns] / 8;
+        let (words, m) = (self.lba[c.ns] / 8, self.meta[c.ns]);
         (0..c.nlb)
             .flat_map(|b| (0..words).map(move |w| (c.slba + b, w)))
-            .flat_map(|(lba, w)| Content::Data(c.seq).word(lba, w).to_le_bytes())
+            .flat_map(|(lba, w)| m.stored(w, Content::Data(c.seq).word(lba, w)).to_le_bytes())
             .collect()
+    }
+
+    /// A write's separate metadata (MPTR): each block's words past its data,
+    /// inverted.
+    fn meta_payload(&self, c: &Cmd) -> Vec<u8> {
+        let m = self.meta[c.ns];
+        let (first, words) = (m.data / 8, m.ms / 8);
+        (0..c.nlb)
+            .flat_map(|b| (first..first + words).map(move |w| (c.slba + b, w)))
+            .flat_map(|(lba, w)| (!Content::Data(c.seq).word(lba, w)).to_le_bytes())
+            .collect()
+    }
+
+    /// The separate metadata buffer of `c` as it is in guest memory (empty
+    /// without one).
+    fn meta_of(&self, c: &Cmd) -> Vec<u8> {
+        let Some(p) = c.meta else { return Vec::new() };
+        let mut out = vec![0u8; (c.nlb * self.meta[c.ns].ms) as usize];
+        self.ram().read_slice(&mut out, GuestAddress(p)).unwrap();
+        out
     }
 
     fn scatter(&mut self, c: &Cmd, data: &[u8]) {
@@ -1052,9 +1129,18 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
                     k.apply(&mut data);
                     self.report.corrupted += 1;
                 }
+                let (m, meta) = (self.meta[ns], self.meta_of(&c));
+                let ms = m.ms as usize;
                 for (b, block) in data.chunks_exact(lba as usize).enumerate() {
-                    let words: Vec<u64> =
-                        block.chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().unwrap())).collect();
+                    // Each block's words with its metadata (inline or from MPTR) after its data,
+                    // stored inverted: what the model's content gives.
+                    let separate = meta.get(b * ms..(b + 1) * ms).unwrap_or(&[]);
+                    let words: Vec<u64> = block
+                        .chunks_exact(8)
+                        .chain(separate.chunks_exact(8))
+                        .enumerate()
+                        .map(|(w, x)| m.stored(w as u64, u64::from_le_bytes(x.try_into().unwrap())))
+                        .collect();
                     if let Err(e) = self.lbas[ns].observe(c.slba + b as u64, &words) {
                         let nsid = ns + 1;
                         result = Err(Violation::Data(format!(
@@ -1066,7 +1152,9 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
                 }
             }
             Op::Write if completed => {
-                if self.gather(&c) != self.payload(&c) {
+                if self.gather(&c) != self.payload(&c)
+                    || (c.meta.is_some() && self.meta_of(&c) != self.meta_payload(&c))
+                {
                     result = Err(Violation::Memory(format!("the data of write SQ {} cid {} changed", c.sqid, c.cid)));
                 }
                 self.lbas[ns].set(c.slba, c.nlb, c.content());
@@ -1078,7 +1166,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         if c.touches_lbas() {
             self.lbas[ns].claim(c.slba, c.nlb, c.writes(), false);
         }
-        for p in c.pages.iter().copied().chain(c.extra) {
+        for p in c.pages.iter().copied().chain(c.extra).chain(c.meta) {
             self.free_page(p);
         }
         result

@@ -19,6 +19,9 @@
 //!   tail the driver published;
 //! - data: every write carries a pattern of its own, every read returns
 //!   what the last completed write (or write zeroes, or deallocate) left;
+//!   on a namespace with metadata the same holds for each block's metadata,
+//!   inline (extended LBAs) or in a separate buffer at MPTR (all FFh where
+//!   nothing was written);
 //! - with error injection rules (`Shape::rules`): a matching command gets
 //!   the injected status (and is not executed), a dropped one completes
 //!   only when the driver aborts it (a reset or a deletion forgets it), a

@@ -385,3 +385,15 @@ fn a_file_namespace_without_ms_takes_only_the_formats_without_metadata() {
 fn le(b: &[u8]) -> u64 {
     u64::from_le_bytes(b.try_into().unwrap())
 }
+
+/// `pil=first` (the option) is what Format NVM's PIL sets: Identify Namespace's DPS says PI
+/// in the first bytes.
+#[test]
+fn pil_first_is_reported_in_dps() {
+    let mut d = Drv::new(cfg(512, NsMeta { ms: 16, ext: false, pi: 1, pi_first: true }, StorageKind::Ram));
+    d.io_queues(16);
+    let (st, n) = d.admin_data(0x06, 1, [0, 0, 0, 0], 4096);
+    assert_eq!((st, n[29]), (0, 1 | 1 << 3), "DPS: type 1, first bytes");
+    let parsed: crate::spec::DeviceConfig = "nvme,ms=16,pi=1,pil=first".parse().unwrap();
+    assert!(parsed.to_string().ends_with(",ms=16,pi=1,pil=first"), "the option round-trips: {parsed}");
+}

@@ -149,6 +149,34 @@ fn random_schedules_over_four_namespaces_in_every_doorbell_mode() {
     let _ = (std::fs::remove_file(&a), std::fs::remove_file(&b));
 }
 
+/// Namespaces with metadata (issue 36): separate buffers (MPTR) and extended LBAs, 8 to 64
+/// bytes per block, with and without PI type 1 (the driver sets no PRINFO: the metadata is
+/// the host's), on ram and on a file. Every write carries metadata of its own, every read
+/// must return the data and the metadata of the last write (all FFh where none was written,
+/// zeroed or deallocated), and nothing outside a command's PRPs and MPTR buffer changes.
+#[test]
+fn random_schedules_over_namespaces_with_metadata_in_every_doorbell_mode() {
+    use crate::nvme::namespaces::{NsConfig, NsMeta};
+    let path = std::env::temp_dir().join(format!("iopath-oracle-meta-{}.img", std::process::id()));
+    let meta = |ms, ext, pi| NsMeta { ms, ext, pi, pi_first: false };
+    let ram =
+        |lba_size, meta| NsConfig { backend: StorageKind::Ram, size: 2 << 20, lba_size, meta, ..Default::default() };
+    for mode in MODES {
+        for seed in 0..seeds() / 2 {
+            let _ = std::fs::remove_file(&path);
+            let file =
+                NsConfig { backend: StorageKind::File(path.clone()), create: true, ..ram(512, meta(16, false, 0)) };
+            let c = NvmeConfig {
+                meta: meta(8, false, 1),
+                ns: vec![ram(512, meta(16, true, 0)), ram(4096, meta(64, false, 1)), ram(4096, meta(8, true, 1)), file],
+                ..cfg(mode, 1, 512)
+            };
+            run(c, seed % 2 == 1, 7000 + seed, |r| Shape::random(r, 500));
+        }
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
 /// Injection rules (`oracle::injection_rules`) on the namespace a config gives.
 fn with_rules(mut c: NvmeConfig, seed: u64) -> (NvmeConfig, Vec<crate::block::inject::Rule>) {
     let rules = super::super::oracle::injection_rules(c.size / c.lba_size as u64, seed);

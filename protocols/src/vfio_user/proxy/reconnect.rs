@@ -49,6 +49,7 @@ use super::channel::Channel;
 use super::{discovery, dma, VfioUserProxy};
 use crate::peer::Peer;
 use crate::process::DeviceProcess;
+use crate::respawn::{death_cause, Budget, Reconnect};
 use crate::vfio_user::wire::*;
 use crate::{Error, Result};
 use iopath_devices::state::StateMemory;
@@ -131,11 +132,11 @@ impl Source {
     fn open(&self, deadline: Instant) -> Result<(UnixStream, Option<DeviceProcess>)> {
         match self {
             Source::None => Err(Error::PeerGone("no reconnect".into())),
-            Source::Spawn { exe, args } => {
-                let (mine, theirs) = UnixStream::pair().map_err(|e| Error::io("socketpair", e))?;
-                Ok((mine, Some(DeviceProcess::spawn(exe, args, theirs.into())?)))
+            Source::Spawn { exe, args } => Reconnect::Respawn { exe: exe.clone(), args: args.clone() }.again(),
+            Source::Socket { path, .. } => {
+                let wait = deadline.saturating_duration_since(Instant::now());
+                Reconnect::Socket { path: path.clone(), wait }.again()
             }
-            Source::Socket { path, .. } => Ok((crate::respawn::reconnect(path, deadline, RETRY_EVERY)?, None)),
         }
     }
 }
@@ -153,8 +154,8 @@ pub(super) struct Session {
     pub(super) reconnects: u64,
     /// The time the reconnects took, from the death noticed to the replay done (µs).
     pub(super) reconnect_us: u64,
-    /// When the latest reconnects were (at most [`MAX_BURST`]).
-    recent: std::collections::VecDeque<Instant>,
+    /// The latest reconnects (at most [`MAX_BURST`] within [`BURST_WINDOW`]).
+    budget: Option<Budget>,
     /// Set when the session ends: nothing reconnects after.
     pub(super) ending: Arc<AtomicBool>,
     /// Counts reconnects for the watcher (it reconnects once per break).
@@ -226,18 +227,14 @@ impl VfioUserProxy {
         }
         let name = self.chan.peer.name.clone();
         let began = Instant::now();
-        let now = began;
-        self.session.recent.retain(|t| now.duration_since(*t) < BURST_WINDOW);
-        if self.session.recent.len() >= MAX_BURST {
+        let budget = self.session.budget.get_or_insert_with(|| Budget::new(MAX_BURST, BURST_WINDOW));
+        if !budget.spend(began) {
             let e = format!("{cause}; {MAX_BURST} reconnects within {BURST_WINDOW:?} already: no more");
             self.chan.reconnects = false;
             self.chan.peer.die(&Error::PeerGone(e));
             return false;
         }
-        let death = match self.chan.peer.hang_up() {
-            Some(mut child) => crate::respawn::cause_of_death(&mut child),
-            None => "the server".into(),
-        };
+        let death = death_cause(self.chan.peer.hang_up());
         let why = format!("{death}: {cause}");
         let reaped = began.elapsed();
         if !self.dev.areas.is_empty() {
@@ -271,7 +268,6 @@ impl VfioUserProxy {
         }
         self.session.reconnects += 1;
         self.session.generation += 1;
-        self.session.recent.push_back(Instant::now());
         let n = self.session.reconnects;
         let took = began.elapsed();
         self.session.reconnect_us += took.as_micros() as u64;

@@ -5,7 +5,7 @@
 //! the rust-vmm `vhost` crate's [`Frontend`].
 //!
 //! - **Connect** ([`connect`]): SET_OWNER, GET_FEATURES, GET/SET_PROTOCOL_FEATURES
-//!   (CONFIG, REPLY_ACK and MQ, those offered), GET_QUEUE_NUM when more
+//!   (CONFIG, REPLY_ACK, MQ and INFLIGHT_SHMFD, those offered), GET_QUEUE_NUM when more
 //!   than one queue is asked for, and GET_CONFIG, because the driver reads
 //!   the device features and the capacity before DRIVER_OK. No ring,
 //!   memory or fd is sent yet.
@@ -17,7 +17,8 @@
 //!   num_queues = N in the configuration (the backend's own count is its
 //!   bound, not what this function has).
 //! - **DRIVER_OK** (`ring.rs`): SET_FEATURES
-//!   (the driver's choice), SET_MEM_TABLE (the VMM's RAM memfd), then for
+//!   (the driver's choice), SET_MEM_TABLE (the VMM's RAM memfd),
+//!   GET_INFLIGHT_FD (once, kept until reset) and SET_INFLIGHT_FD, then for
 //!   each queue the driver enabled: SET_VRING_NUM/ADDR/BASE,
 //!   SET_VRING_CALL (its MSI-X vector's irqfd, or an eventfd the VMM
 //!   relays), SET_VRING_KICK (the eventfd that is the KVM ioeventfd on its
@@ -35,15 +36,20 @@
 //! is answered. Each sequence of requests (connect, DRIVER_OK, reset, a
 //! call fd change) is bounded as a whole by [`BACKEND_TIMEOUT`] (a
 //! watchdog shuts the socket down: `deadline.rs`). A backend that
-//! does not answer, answers nonsense or hangs up puts the device in
+//! does not answer or answers nonsense puts the device in
 //! DEVICE_NEEDS_RESET with a log line and stops the run (the context's
-//! fail hook), as a device process that dies does.
+//! fail hook). One that hangs up (dies) is replaced and its session
+//! replayed, with the in-flight region kept (INFLIGHT_SHMFD), if the
+//! frontend was made with a way back ([`connect_again`]: `reconnect.rs`);
+//! else it stops the run too.
 
 mod deadline;
+mod reconnect;
 mod ring;
 
 use crate::peer::Peer;
 use crate::process::DeviceProcess;
+use crate::respawn::{Budget, Reconnect};
 use crate::{Error, Result};
 use deadline::Deadline;
 use iopath_devices::virtio::blk::NUM_QUEUES_AT;
@@ -52,7 +58,8 @@ use iopath_devices::virtio::transport::{
     notify_offset, DeviceConfigBytes, QueueEngine, Shared, State, Transport, VirtioPci, DEVCFG_LEN, F_EVENT_IDX,
     F_VERSION_1, MAX_QUEUES,
 };
-use iopath_devices::{Counter, DeviceContext, IoEventSpec, SharedDevice};
+use iopath_devices::{Counter, DeviceContext, FailFn, IoEventSpec, SharedDevice};
+use reconnect::Inflight;
 use ring::Session;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, Weak};
@@ -114,6 +121,13 @@ pub(super) struct Stats {
     pub(super) call_changes: u64,
     /// Requests the backend failed or did not answer.
     pub(super) backend_errors: u64,
+    /// Sessions started again after the backend died (`reconnect.rs`).
+    pub(super) reconnects: u64,
+    /// Reconnects after which a completion was seen, and the pauses (from
+    /// the death seen to that completion) added up and the longest, in µs.
+    pub(super) pauses: u64,
+    pub(super) pause_sum_us: u64,
+    pub(super) pause_max_us: u64,
 }
 
 /// A virtio-blk queue served by a vhost-user backend.
@@ -144,13 +158,42 @@ pub struct VhostUserBlk {
     until: Option<Instant>,
     /// Relay threads running (they end within one poll of their session's end).
     pub(super) relays: Arc<std::sync::atomic::AtomicUsize>,
+    /// How the backend comes back when it dies (None: its death stops the run).
+    pub(super) again: Option<Reconnect>,
+    /// The backend offered INFLIGHT_SHMFD and it was acked.
+    pub(super) inflight_acked: bool,
+    /// The in-flight region of the rings started at DRIVER_OK (kept across
+    /// backends until reset).
+    pub(super) inflight: Option<Inflight>,
+    /// The run's fail hook (from attach).
+    pub(super) fail: Option<FailFn>,
+    /// How often the backend may die before it is given up on.
+    pub(super) budget: Budget,
+    /// Which socket the session is on (one more at each new one).
+    pub(super) generation: u64,
+    /// The socket (generation) a death watcher was started for.
+    pub(super) watched: Option<u64>,
 }
 
 /// Connects to the backend on `sock` (a device process the VMM started,
 /// `child`, or one listening on a socket) and makes the PCI function, with
 /// `queues` queues (1 ..= 16) the backend must serve.
 pub fn connect(sock: UnixStream, child: Option<DeviceProcess>, name: &str, queues: u16) -> Result<SharedDevice> {
-    let engine = VhostUserBlk::handshake(sock, child, name, queues)?;
+    connect_again(sock, child, name, queues, None)
+}
+
+/// [`connect`], and when the backend dies (its socket closes) the session
+/// is started again as `again` says (`reconnect.rs`); None: its death
+/// stops the run.
+pub fn connect_again(
+    sock: UnixStream,
+    child: Option<DeviceProcess>,
+    name: &str,
+    queues: u16,
+    again: Option<Reconnect>,
+) -> Result<SharedDevice> {
+    let mut engine = VhostUserBlk::handshake(sock, child, name, queues)?;
+    engine.again = again;
     let dev = Arc::new(VirtioPci::with_engine(engine));
     iopath_devices::lock(dev.shared()).e.me = Arc::downgrade(dev.shared());
     Ok(dev)
@@ -197,6 +240,13 @@ impl VhostUserBlk {
             ended: false,
             until: None,
             relays: Arc::default(),
+            again: None,
+            inflight_acked: false,
+            inflight: None,
+            fail: None,
+            budget: Budget::new(reconnect::MAX_DEATHS, reconnect::DEATH_WINDOW),
+            generation: 0,
+            watched: None,
         };
         e.within(Self::greet)?;
         Ok(e)
@@ -220,8 +270,11 @@ impl VhostUserBlk {
         // backend that stops answering is seen at DRIVER_OK, not never.
         // MQ lets GET_QUEUE_NUM be asked.
         use VhostUserProtocolFeatures as P;
-        let acked = offered & (P::CONFIG | P::REPLY_ACK | P::MQ);
+        // INFLIGHT_SHMFD lets a backend that replaces a dead one resubmit
+        // what the dead one had taken (`reconnect.rs`).
+        let acked = offered & (P::CONFIG | P::REPLY_ACK | P::MQ | P::INFLIGHT_SHMFD);
         e.msg("SET_PROTOCOL_FEATURES", |fe| fe.set_protocol_features(acked))?;
+        e.inflight_acked = acked.contains(P::INFLIGHT_SHMFD);
         e.protocol = true;
         if acked.contains(P::REPLY_ACK) {
             e.fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
@@ -321,8 +374,14 @@ impl QueueEngine for VhostUserBlk {
     fn attach(dev: &Shared<Self>, ctx: &DeviceContext) {
         let mut s = iopath_devices::lock(dev);
         s.e.peer.fail = Some(ctx.fail.clone());
+        s.e.fail = Some(ctx.fail.clone());
         s.e.deadline.set_fail(ctx.fail.clone());
-        s.e.peer.watch(); // one watcher per peer: again, it only takes the new fail hook
+        if s.e.again.is_some() {
+            // A backend that dies is started again (one watcher per socket).
+            s.e.watch_death();
+        } else {
+            s.e.peer.watch(); // one watcher per peer: again, it only takes the new fail hook
+        }
         if !s.e.kicks.is_empty() {
             return;
         }
@@ -372,7 +431,7 @@ impl QueueEngine for VhostUserBlk {
             // The driver's mistake, not the backend's: NEEDS_RESET (the transport's), nothing sent.
             return Err(iopath_devices::Error::Host("DRIVER_OK with no queue enabled".into()));
         }
-        if let Err(e) = self.within(|s| s.start(t)) {
+        if let Err(e) = self.recovering(t, |s, t| s.within(|s| s.start(t, false))) {
             // The backend failed: NEEDS_RESET, and the run stops.
             self.give_up(t, &e);
         }
@@ -390,13 +449,13 @@ impl QueueEngine for VhostUserBlk {
     }
 
     fn reset(&mut self, t: &mut Transport) {
-        if let Err(e) = self.within(|s| s.stop()) {
+        if let Err(e) = self.recovering(t, |s, _| s.within(|s| s.stop())) {
             self.give_up(t, &e);
         }
     }
 
     fn interrupt_changed(&mut self, t: &mut Transport) {
-        if let Err(e) = self.within(|s| s.interrupt_changed(t)) {
+        if let Err(e) = self.recovering(t, |s, t| s.within(|s| s.interrupt_changed(t))) {
             self.give_up(t, &e);
         }
     }
@@ -412,6 +471,11 @@ impl QueueEngine for VhostUserBlk {
             ("calls_relayed", st.calls_relayed),
             ("call_changes", st.call_changes),
             ("backend_errors", st.backend_errors),
+            ("inflight_shmfd", self.inflight_acked as u64),
+            ("reconnects", st.reconnects),
+            ("reconnect_pauses", st.pauses),
+            ("reconnect_pause_sum_us", st.pause_sum_us),
+            ("reconnect_pause_max_us", st.pause_max_us),
         ]
         .into_iter()
         .map(|(n, value)| Counter { name: n.into(), value })

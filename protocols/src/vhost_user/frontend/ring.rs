@@ -26,6 +26,11 @@ impl Session {
     pub(super) fn started(&self, q: u16) -> bool {
         self.rings.iter().any(|(i, _)| *i == q)
     }
+
+    /// The queues whose rings run.
+    pub(super) fn queues(&self) -> Vec<u16> {
+        self.rings.iter().map(|(i, _)| *i).collect()
+    }
 }
 
 /// Where one ring's calls go.
@@ -66,9 +71,12 @@ impl Drop for Relay {
 }
 
 impl VhostUserBlk {
-    /// DRIVER_OK: the driver's features, guest RAM, then each enabled
-    /// queue's ring, kick and call.
-    pub(super) fn start(&mut self, t: &mut Transport) -> Result<()> {
+    /// DRIVER_OK: the driver's features, guest RAM, the in-flight region
+    /// (if negotiated), then each enabled queue's ring, kick and call.
+    /// `replay`: the same for a backend that replaces a dead one
+    /// (`reconnect.rs`): the region kept, each ring's base its used index
+    /// as the guest sees it.
+    pub(super) fn start(&mut self, t: &mut Transport, replay: bool) -> Result<()> {
         let ctx = t.ctx.clone().ok_or_else(|| Error::protocol("DRIVER_OK before the device was attached"))?;
         if self.kicks.len() != t.queues.len() {
             return Err(Error::protocol("no kick eventfds"));
@@ -92,6 +100,9 @@ impl VhostUserBlk {
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| Error::protocol(format!("guest RAM region without an fd: {e}")))?;
         self.msg("SET_MEM_TABLE", |fe| fe.set_mem_table(&regions))?;
+        if self.inflight_acked {
+            self.set_inflight(t)?;
+        }
 
         // Each enabled queue's ring, in this process's addresses (the
         // backend maps them through the table); the others are not started.
@@ -113,13 +124,21 @@ impl VhostUserBlk {
                 avail_ring_addr: hva(i, q.avail, "available ring")?,
                 log_addr: None,
             };
-            rings.push((i, q.num, ring));
+            // A replayed ring goes on from the used index the guest sees:
+            // what the dead backend took and did not complete is in the
+            // in-flight region, which the new one resubmits.
+            let base = if replay {
+                used_idx(&mem, q.used).map_err(|e| Error::protocol(format!("queue {i}: {e}")))?
+            } else {
+                0
+            };
+            rings.push((i, q.num, ring, base));
         }
         let mut started = Vec::new();
-        for (i, num, ring) in rings {
+        for (i, num, ring, base) in rings {
             self.msg("SET_VRING_NUM", |fe| fe.set_vring_num(i, num))?;
             self.msg("SET_VRING_ADDR", |fe| fe.set_vring_addr(i, &ring))?;
-            self.msg("SET_VRING_BASE", |fe| fe.set_vring_base(i, 0))?;
+            self.msg("SET_VRING_BASE", |fe| fe.set_vring_base(i, base))?;
             // The call fd before the kick: a backend never runs the ring without one.
             let call = self.call(t, &ctx, i as u16)?;
             let kick = self.kicks[i].clone();
@@ -127,12 +146,16 @@ impl VhostUserBlk {
             self.msg("SET_VRING_ENABLE", |fe| fe.set_vring_enable(i, true))?;
             started.push((i as u16, call));
         }
-        // Anything the driver made available before DRIVER_OK is looked at now.
+        // Anything the driver made available before DRIVER_OK (or, replayed,
+        // while no backend listened: its kick may have been read by the
+        // dead one) is looked at now.
         for (q, _) in &started {
             let _ = self.kicks[*q as usize].write(1);
         }
         self.session = Some(Session { rings: started });
-        self.st.activations += 1;
+        if !replay {
+            self.st.activations += 1;
+        }
         Ok(())
     }
 
@@ -141,6 +164,8 @@ impl VhostUserBlk {
     /// the backend took all before it), as QEMU's vhost_dev_stop does; the
     /// session's fds go. The first failure ends it.
     pub(super) fn stop(&mut self) -> Result<()> {
+        // The in-flight region ends with the rings: the next DRIVER_OK gets a new one.
+        self.inflight = None;
         let Some(session) = self.session.take() else { return Ok(()) };
         let mut r = Ok(());
         for (q, _) in &session.rings {
@@ -206,6 +231,13 @@ impl VhostUserBlk {
         self.session = Some(session);
         Ok(())
     }
+}
+
+/// The used index of the ring whose used ring is at `used` (guest address).
+pub(super) fn used_idx(mem: &iopath_devices::GuestMem, used: u64) -> std::result::Result<u16, String> {
+    use vm_memory::Bytes;
+    let at = used.checked_add(2).ok_or("used ring address overflows")?;
+    mem.mapped().read_obj::<u16>(GuestAddress(at)).map(u16::from_le).map_err(|e| format!("used index at {at:#x}: {e}"))
 }
 
 /// Starts the relay thread for queue `q`'s `call`.

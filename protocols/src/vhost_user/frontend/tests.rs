@@ -39,6 +39,8 @@ struct Opts {
     queue_num: Option<u64>,
     /// The queues the frontend asks for (0: 1).
     queues: u16,
+    /// Offers INFLIGHT_SHMFD and answers GET_INFLIGHT_FD with a memfd.
+    inflight: bool,
 }
 
 /// Answers as a backend would, as `o` says.
@@ -81,7 +83,26 @@ fn fake_backend(s: UnixStream, log: Log, o: Opts, calls: Calls) {
         };
         match req {
             1 => answer(&BACKEND_FEATURES.to_le_bytes()),
-            15 => answer(&(0x200u64 | 0x8 | o.queue_num.map_or(0, |_| 1)).to_le_bytes()),
+            15 => answer(
+                &(0x200u64 | 0x8 | o.queue_num.map_or(0, |_| 1) | if o.inflight { 1 << 12 } else { 0 }).to_le_bytes(),
+            ),
+            31 => {
+                // The region the frontend asked for, as a memfd of two pages.
+                // SAFETY: a valid C string; the fd is owned by the File.
+                let fd = unsafe { libc::memfd_create(c"vu-inflight".as_ptr(), libc::MFD_CLOEXEC) };
+                assert!(fd >= 0);
+                // SAFETY: just created, owned here.
+                let f = unsafe { std::fs::File::from_raw_fd(fd) };
+                f.set_len(8192).unwrap();
+                let mut b = body.clone();
+                b[..8].copy_from_slice(&8192u64.to_le_bytes());
+                b[8..16].copy_from_slice(&0u64.to_le_bytes());
+                let mut h = Vec::new();
+                for v in [req, 0x5, b.len() as u32] {
+                    h.extend_from_slice(&v.to_le_bytes());
+                }
+                let _ = crate::socket::send(&s, &[&h, &b], &[std::os::fd::AsRawFd::as_raw_fd(&f)]);
+            }
             17 => answer(&o.queue_num.unwrap_or(0).to_le_bytes()),
             24 => {
                 let mut b = body[..12].to_vec();
@@ -601,3 +622,4 @@ fn a_backend_that_hangs_up_at_a_call_fd_change_needs_reset_and_a_reset_sends_it_
 }
 
 mod mq;
+mod reconnect;
