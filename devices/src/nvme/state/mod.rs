@@ -16,9 +16,13 @@
 //! Publication order (the process may die between any two stores; `S_*`
 //! and the word areas are `layout.rs`'s):
 //! 1. fetch: the SQE and sequence number into a free slot, then its state
-//!    word FETCHED (release), then the SQ's head word. Resumed with the
-//!    head word still at the slot's index (the newest slot of that SQ), the
-//!    head is moved past it.
+//!    word FETCHED (release), then the SQ's head word, which carries the
+//!    sequence number of the fetch that moved it. Resumed with a FETCHED
+//!    slot newer than its SQ's head word (its head store did not happen),
+//!    the head is moved past the slot's index. (The index alone would not
+//!    tell: a slow command's entry index comes round again a lap later.)
+//!    Sequence numbers are 48 bits there: 2^48 commands, 9 years at a
+//!    million a second, before they would wrap.
 //! 2. completion: the CQE (dw0, dw2, dw3 with the phase) and its CQ
 //!    position into the slot, then its state POSTING (release), then the
 //!    CQE into guest RAM, then the CQ's tail word, then FREE. Resumed with
@@ -52,7 +56,7 @@
 //! on resume: a spurious MSI-X is harmless, a lost one a hang); error
 //! injection and timed completions (`timing=`, injection rules: refused).
 //!
-//! Cost on the fast path: 10 stores per command fetched and 5 per
+//! Cost on the fast path: 11 stores per command fetched and 5 per
 //! completion into memory already mapped (two cache lines of its slot, a
 //! head and a tail word); no syscall, no lock. Nothing without
 //! `adopt_state`: `Core::rec` is None.

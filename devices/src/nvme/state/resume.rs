@@ -113,11 +113,15 @@ impl Plan {
         for s in 0..SLOTS {
             let b = SLOT0 + s * SLOT_WORDS;
             let meta = w[b + S_META];
+            // Sequence numbers go on from the newest ever recorded.
+            next_seq = next_seq.max(w[b + S_SEQ].saturating_add(1));
             if meta & 3 == FREE {
                 continue;
             }
             let (sqid, idx, seq) = ((meta >> 8 & 0xff) as usize, (meta >> 16) as u16, w[b + S_SEQ]);
-            next_seq = next_seq.max(seq.saturating_add(1));
+            if seq >= 1 << 48 {
+                return Err(bad(format!("has slot {s} with sequence number {seq:#x}")));
+            }
             if !enabled {
                 drop.push(s as u16);
                 continue;
@@ -150,12 +154,13 @@ impl Plan {
                 fetched.push(one);
             }
         }
+        next_seq = next_seq.max(head_seq.iter().max().map_or(1, |h| h + 1));
         // A fetch whose head store did not happen: the newest slot of its SQ,
         // newer than the fetch that recorded the head, still at the head.
         for q in 0..NQ {
             let newest = fetched.iter().filter(|f| f.sqid == q).max_by_key(|f| f.seq);
             if let Some(f) = newest {
-                if f.seq & (u64::MAX >> 16) > head_seq[q] && f.idx == sq_head[q] {
+                if f.seq > head_seq[q] && f.idx == sq_head[q] {
                     let size = cfg.sqs[q].map_or(1, |s| s.size);
                     sq_head[q] = queue::next(sq_head[q], size);
                 }
