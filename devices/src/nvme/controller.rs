@@ -48,6 +48,8 @@ pub(super) struct Core {
     pub raised: std::sync::Arc<super::shards::Raised>,
     /// Error injection and timed completions (`inject.rs`, `timing.rs`).
     pub ext: Ext,
+    /// The state memory's recorder, once `adopt_state` gave one (`state/`).
+    pub rec: Option<Box<super::state::Recorder>>,
     /// The queue oracle's log of the I/O commands fetched (`oracle.rs`).
     #[cfg(any(test, feature = "oracle"))]
     pub oplog: Option<std::sync::Arc<std::sync::Mutex<Vec<super::oracle::OpRecord>>>>,
@@ -250,6 +252,7 @@ impl Core {
             vectors: std::sync::Arc::new(super::shards::Vectors::new()),
             raised: std::sync::Arc::default(),
             ext: Ext::new(std::sync::Arc::new(super::inject::Shared::new(cfg))),
+            rec: None,
             #[cfg(any(test, feature = "oracle"))]
             oplog: None,
         }
@@ -374,61 +377,76 @@ impl Core {
             let sqe = read_sqe(&self.mem, sq, head);
             sq.head = queue::next(head, sq.size);
             did = true;
-            #[cfg(any(test, feature = "oracle"))]
-            if let (Some(log), Some(c), true) = (&self.oplog, &sqe, qid > 0) {
-                let r = super::oracle::OpRecord { sqid: qid as u16, cid: c.cid, tag: c.cdw2, opcode: c.opcode };
-                crate::lock(log).push(r);
+            if let Some(r) = self.rec.as_deref_mut() {
+                r.fetched(qid, head, sq.head, sqe.as_ref()); // `state/`: before it runs
             }
-            // Error injection and completion timing (`inject.rs`, `timing.rs`):
-            // off (no rule, no timing model), this branch is all they cost.
-            let hooked = self.ext.timing || self.ext.injector.armed();
-            let mut x = Extra::default();
-            if hooked {
-                match self.fetched(qid, sqe.as_ref()) {
-                    Some(e) => x = e,
-                    None => continue, // completed with an injected status, or withheld
+            self.run(qid, sqe);
+        }
+    }
+
+    /// Runs a command fetched from SQ `qid` (None: its entry could not be
+    /// read) and completes it, or leaves it in flight (file namespace, AER).
+    /// A resumed controller runs the commands in flight again here (`state/`).
+    #[inline]
+    pub(super) fn run(&mut self, qid: usize, sqe: Option<queue::Sqe>) {
+        #[cfg(any(test, feature = "oracle"))]
+        if let (Some(log), Some(c), true) = (&self.oplog, &sqe, qid > 0) {
+            let r = super::oracle::OpRecord { sqid: qid as u16, cid: c.cid, tag: c.cdw2, opcode: c.opcode };
+            crate::lock(log).push(r);
+        }
+        // Error injection and completion timing (`inject.rs`, `timing.rs`):
+        // off (no rule, no timing model), this branch is all they cost.
+        let hooked = self.ext.timing || self.ext.injector.armed();
+        let mut x = Extra::default();
+        if hooked {
+            match self.fetched(qid, sqe.as_ref()) {
+                Some(e) => x = e,
+                None => return, // completed with an injected status, or withheld
+            }
+        }
+        let (dw0, st) = match sqe {
+            None => (0, status::DATA_TRANSFER_ERROR),
+            Some(c) if qid == 0 => {
+                self.st.admin += 1;
+                if c.opcode == 0x00 {
+                    // Delete I/O SQ: its commands complete first.
+                    self.drain_sq(c.cdw10 as u16);
+                }
+                match self.admin(&c) {
+                    Some(r) => r,
+                    None => return, // AER: completed later
                 }
             }
-            let (dw0, st) = match sqe {
-                None => (0, status::DATA_TRANSFER_ERROR),
-                Some(c) if qid == 0 => {
-                    self.st.admin += 1;
-                    if c.opcode == 0x00 {
-                        // Delete I/O SQ: its commands complete first.
-                        self.drain_sq(c.cdw10 as u16);
-                    }
-                    match self.admin(&c) {
-                        Some(r) => r,
-                        None => continue, // AER: completed later
-                    }
+            Some(c) => {
+                self.st.io += 1;
+                if hooked {
+                    self.ext.next = x; // what a file slot carries
                 }
-                Some(c) => {
-                    self.st.io += 1;
-                    if hooked {
-                        self.ext.next = x; // what a file slot carries
-                    }
-                    let r = self.io_start(qid, &c);
-                    if hooked {
-                        self.ext.next = Extra::default();
-                    }
-                    match r {
-                        Some(st) => (0, st),
-                        None => continue, // on the file namespace: completed when reaped
-                    }
+                let r = self.io_start(qid, &c);
+                if hooked {
+                    self.ext.next = Extra::default();
                 }
-            };
-            let cid = sqe.map(|c| c.cid).unwrap_or(0);
-            if hooked && self.executed(qid, sqe.as_ref(), dw0, st, x) {
-                continue; // posted by the wheel
+                match r {
+                    Some(st) => (0, st),
+                    None => return, // on the file namespace: completed when reaped
+                }
             }
-            self.complete(qid, cid, dw0, st);
-            if qid == 0 {
-                // An event a log page read let go.
-                self.deliver_events();
-                // What the command changed that the other queue groups copy.
-                if !self.shards.is_empty() {
-                    self.sync_shards();
-                }
+        };
+        let cid = sqe.map(|c| c.cid).unwrap_or(0);
+        if hooked && self.executed(qid, sqe.as_ref(), dw0, st, x) {
+            return; // posted by the wheel
+        }
+        if qid == 0 {
+            // Its effect committed with its completion (`state/`).
+            self.commit_state(Some((dw0, st)));
+        }
+        self.complete(qid, cid, dw0, st);
+        if qid == 0 {
+            // An event a log page read let go.
+            self.deliver_events();
+            // What the command changed that the other queue groups copy.
+            if !self.shards.is_empty() {
+                self.sync_shards();
             }
         }
     }
@@ -515,9 +533,23 @@ impl Core {
         if st != status::SUCCESS {
             self.st.errors += 1;
         }
-        let Some((sqhd, cqid)) = self.queues.sqs[sqid].as_ref().map(|s| (s.head, s.cqid as usize)) else { return };
+        let Some((sqhd, cqid)) = self.queues.sqs[sqid].as_ref().map(|s| (s.head, s.cqid as usize)) else {
+            if let Some(r) = self.rec.as_deref_mut() {
+                r.forget(sqid, cid);
+            }
+            return;
+        };
         if let Some(cq) = self.queues.cqs[cqid].as_mut() {
-            if !post_cqe(&self.mem, cq, dw0, sqhd, sqid as u16, cid, st) {
+            // `state/`: the CQE and its place first, the tail after it.
+            let slot = self.rec.as_deref_mut().and_then(|r| {
+                let dw3 = cid as u32 | (!cq.phase as u32) << 16 | (st as u32) << 17;
+                r.posting(sqid, cid, cqid, cq.tail, (dw0, sqhd as u32 | (sqid as u32) << 16, dw3))
+            });
+            let ok = post_cqe(&self.mem, cq, dw0, sqhd, sqid as u16, cid, st);
+            if let Some(r) = self.rec.as_deref_mut() {
+                r.posted(slot, cqid, cq.tail, cq.phase);
+            }
+            if !ok {
                 log::warn!("nvme: CQ {cqid} is outside guest RAM; completion of cid {cid} dropped");
                 return;
             }

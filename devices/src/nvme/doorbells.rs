@@ -451,6 +451,9 @@ impl Core {
             }
             return;
         }
+        if let Some(r) = self.rec.as_deref_mut() {
+            r.doorbell(qid, is_cq, value); // `state/`: before it is served
+        }
         if is_cq {
             self.queues.cqs[qid].as_mut().unwrap().head = value as u16;
             if qid == 0 {

@@ -162,6 +162,7 @@ pub mod pool;
 pub mod queue;
 mod regs;
 mod shards;
+mod state;
 mod timing;
 
 pub use crate::block::InPlace;
@@ -583,7 +584,10 @@ impl Nvme {
     /// Namespace Attribute Changed event where it enabled them. Ok(false):
     /// it was so already; an error: no such namespace.
     pub fn set_attached(&self, nsid: u32, attached: bool) -> Result<bool> {
-        crate::lock(&self.core).set_attached(nsid, attached)
+        let mut c = crate::lock(&self.core);
+        let changed = c.set_attached(nsid, attached)?;
+        c.commit_state(None);
+        Ok(changed)
     }
 }
 
@@ -616,6 +620,14 @@ impl DeviceModel for Nvme {
             subsystem: DEVICE,
             interrupt_pin: 0, // MSI-X only
         }
+    }
+
+    fn state_len(&self) -> Option<usize> {
+        state::supported(&self.cfg).ok().map(|()| state::LEN)
+    }
+
+    fn adopt_state(&self, mem: crate::state::StateMemory, resume: bool) -> Result<()> {
+        self.adopt(mem, resume)
     }
 
     fn bars(&self) -> Vec<BarSpec> {
@@ -679,6 +691,7 @@ impl DeviceModel for Nvme {
                 c.msix_update(v);
             }
             c.sync_vectors();
+            c.record_msix_control();
         }
     }
 
@@ -721,6 +734,8 @@ impl DeviceModel for Nvme {
                 c.intr.client_table = true;
                 c.msix_update(vector);
                 c.sync_vectors();
+                c.record_msix(vector);
+                c.record_msix_control();
             }
             return;
         }
@@ -731,6 +746,7 @@ impl DeviceModel for Nvme {
             return;
         }
         c.regs.write(offset, data.len(), v);
+        c.commit_state(None);
     }
 
     fn reset(&self) {
@@ -744,6 +760,8 @@ impl DeviceModel for Nvme {
         c.regs.asq = 0;
         c.regs.acq = 0;
         c.sync_shards();
+        c.commit_state(None);
+        c.record_msix_control();
     }
 
     fn quiesce(&self) {

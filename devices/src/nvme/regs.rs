@@ -103,6 +103,7 @@ impl Nvme {
                 false
             };
             c.sync_shards();
+            c.commit_state(None); // `state/`
             started
         };
         if started {

@@ -1,0 +1,439 @@
+//! NVMe's state in state memory ([`crate::state::StateMemory`]), so that a
+//! new device process resumes a controller a killed one was serving,
+//! invisibly to the guest (`DeviceModel::adopt_state`, `resume.rs`).
+//!
+//! Design: the fetched SQEs are kept in the state memory. Each command
+//! fetched goes into a slot (its 64-byte entry, SQ id, SQ index and a
+//! sequence number) before the SQ head that passes it is recorded, and a
+//! resumed controller runs it again from the slot: it never reads an SQ
+//! entry the driver may have reused (the CQEs this controller posted
+//! report heads past it). The alternative, reporting no SQ head beyond the
+//! oldest command in flight, would cost nothing to record but hold the
+//! driver's SQ slots for as long as the slowest file operation (a queue as
+//! deep as the guest's is what `file:` namespaces are for), and an AER
+//! outstanding for hours would pin the admin SQ's head.
+//!
+//! Publication order (the process may die between any two stores; `S_*`
+//! and the word areas are `layout.rs`'s):
+//! 1. fetch: the SQE and sequence number into a free slot, then its state
+//!    word FETCHED (release), then the SQ's head word, which carries the
+//!    sequence number of the fetch that moved it. Resumed with a FETCHED
+//!    slot newer than its SQ's head word (its head store did not happen),
+//!    the head is moved past the slot's index. (The index alone would not
+//!    tell: a slow command's entry index comes round again a lap later.)
+//!    Sequence numbers are 48 bits there: 2^48 commands, 9 years at a
+//!    million a second, before they would wrap.
+//! 2. completion: the CQE (dw0, dw2, dw3 with the phase) and its CQ
+//!    position into the slot, then its state POSTING (release), then the
+//!    CQE into guest RAM, then the CQ's tail word, then FREE. Resumed with
+//!    a POSTING slot whose position is the CQ's recorded tail, the same
+//!    CQE is written at the same place again and the tail advanced (the
+//!    bytes are identical, so a guest that saw the first copy sees no
+//!    change); with the tail already past it, only the slot is freed. Only
+//!    one slot is POSTING at a time (completions are posted under the
+//!    core's lock, one queue group).
+//! 3. configuration (registers, queue definitions, shadow doorbell
+//!    addresses, features, namespace formats and attachment, interrupt
+//!    coalescing): written whole into the copy the selector does not name,
+//!    then the selector flips. An admin command that completes now commits
+//!    its configuration together with its completion (`Done`: slot,
+//!    sequence number, dw0, status) before the CQE is posted through 2; a
+//!    resumed controller finds it FETCHED with that `Done` and posts the
+//!    completion without running it again (a Create I/O SQ run twice would
+//!    fail, the queue existing). Without a `Done` it was not committed and
+//!    runs again: Format NVM erases again, Delete drains again, idempotent.
+//!    A disable or reset commits first, then frees the slots (a disabled
+//!    configuration ignores them).
+//! 4. doorbells served as register writes (the admin queue; I/O queues
+//!    without shadow doorbells): the value into the SQ tail or CQ head word
+//!    before it is acted upon. Shadow doorbells are read again from guest
+//!    RAM on resume. MSI-X table entries and Message Control: as written.
+//!
+//! What is not kept, and why: the counters; asynchronous events queued or
+//! outstanding (AER commands are kept and run again; an event lost is
+//! informational, the log pages say the same); the Error Information log;
+//! interrupt coalescing's held counts (every vector with a CQ is signalled
+//! on resume: a spurious MSI-X is harmless, a lost one a hang); error
+//! injection and timed completions (`timing=`, injection rules: refused).
+//!
+//! Cost on the fast path: 11 stores per command fetched and 5 per
+//! completion into memory already mapped (two cache lines of its slot, a
+//! head and a tail word); no syscall, no lock. Nothing without
+//! `adopt_state`: `Core::rec` is None.
+//!
+//! What resumes: `pollers=1`, doorbell modes mmio, ioeventfd, shm and
+//! adaptive, null and file namespaces. Refused (`supported`): the modes
+//! whose doorbells are BAR0's page (bar, bar-adaptive, auto: the page is
+//! a memfd the dead process made, and doorbells stored in it after its last
+//! look would be lost), several pollers, RAM namespaces (their data is the
+//! dead process's memory), timing models and injection rules.
+
+mod layout;
+mod resume;
+#[cfg(test)]
+mod tests;
+
+use super::controller::Core;
+use super::queue::Sqe;
+use super::{DoorbellMode, NvmeConfig, MSIX_TABLE, MSIX_VECTORS};
+use crate::block::StorageKind;
+use crate::state::StateMemory;
+use crate::{Error, Result};
+pub(super) use layout::LEN;
+use layout::*;
+use std::sync::atomic::Ordering;
+
+/// Why this controller's state cannot be kept, if it cannot.
+pub(super) fn supported(cfg: &NvmeConfig) -> Result<()> {
+    let no = |why: String| Err(Error::Host(format!("nvme: no state memory: {why}")));
+    if cfg.doorbell.bar_page() {
+        return no(format!(
+            "doorbell={} keeps its doorbells in a memory page the process makes, which dies with it (use mmio, ioeventfd, shm or adaptive)",
+            cfg.doorbell
+        ));
+    }
+    if cfg.pollers > 1 {
+        return no(format!("pollers={} (one queue group only)", cfg.pollers));
+    }
+    if cfg.ns_list().iter().any(|n| matches!(n.backend, StorageKind::Ram)) {
+        return no("a ram namespace's data dies with its process (use null or file:PATH)".into());
+    }
+    if cfg.timing.is_some() || cfg.ns.iter().any(|n| n.timing.is_some()) || !cfg.inject.is_empty() {
+        return no("timing= and inject= are not recorded".into());
+    }
+    debug_assert!(!matches!(cfg.doorbell, DoorbellMode::Bar));
+    Ok(())
+}
+
+/// The controller's recorder: the state memory and where its slots are.
+pub(super) struct Recorder {
+    mem: StateMemory,
+    /// The next fetch's sequence number.
+    seq: u64,
+    free: Vec<u16>,
+    /// Slots in flight: (sqid << 16 | cid, slot), newest last.
+    busy: Vec<(u32, u16)>,
+    /// The slot of the command fetched last (an admin command commits it).
+    current: Option<(u16, u64)>,
+    select: u64,
+    /// Commands fetched with no slot free (never, slots cover the most in flight).
+    unrecorded: u64,
+    /// Tests: where the "process" dies (a panic at a store).
+    #[cfg(test)]
+    pub kill: Option<std::sync::Arc<tests::Kill>>,
+}
+
+impl Recorder {
+    fn new(mem: StateMemory) -> Recorder {
+        Recorder {
+            mem,
+            seq: 1,
+            free: (0..SLOTS as u16).rev().collect(),
+            busy: Vec::new(),
+            current: None,
+            select: 0,
+            unrecorded: 0,
+            #[cfg(test)]
+            kill: None,
+        }
+    }
+
+    #[inline]
+    fn put(&self, i: usize, v: u64, o: Ordering) {
+        #[cfg(test)]
+        if let Some(k) = &self.kill {
+            k.store();
+        }
+        self.mem.words()[i].store(v, o);
+    }
+
+    fn get(&self, i: usize) -> u64 {
+        self.mem.words()[i].load(Ordering::Acquire)
+    }
+
+    /// Step 1: SQ `qid`'s entry at `idx` was fetched (None: unreadable) and
+    /// the head is `head` now.
+    #[inline]
+    pub fn fetched(&mut self, qid: usize, idx: u16, head: u16, sqe: Option<&Sqe>) {
+        let Some(slot) = self.free.pop() else {
+            self.unrecorded += 1;
+            self.current = None;
+            if self.unrecorded == 1 {
+                log::error!("nvme: no state slot free; a command goes unrecorded");
+            }
+            return;
+        };
+        let base = SLOT0 + slot as usize * SLOT_WORDS;
+        let (w, bad) = match sqe {
+            Some(c) => (sqe_words(c), 0),
+            None => ([0; 8], BAD_SQE),
+        };
+        for (k, v) in w.into_iter().enumerate() {
+            self.put(base + S_SQE + k, v, Ordering::Relaxed);
+        }
+        let seq = self.seq;
+        self.seq += 1;
+        self.put(base + S_SEQ, seq, Ordering::Relaxed);
+        self.put(base + S_META, FETCHED | bad | (qid as u64) << 8 | (idx as u64) << 16, Ordering::Release);
+        self.put(SQ_HEAD + qid, head as u64 | seq << 16, Ordering::Release);
+        let cid = sqe.map_or(0, |c| c.cid);
+        self.busy.push(((qid as u32) << 16 | cid as u32, slot));
+        self.current = Some((slot, seq));
+    }
+
+    /// Step 2, before the CQE goes to guest RAM: the slot of (sqid, cid),
+    /// POSTING with the CQE and its place.
+    #[inline]
+    pub fn posting(&mut self, sqid: usize, cid: u16, cqid: usize, pos: u16, cqe: (u32, u32, u32)) -> Option<u16> {
+        let key = (sqid as u32) << 16 | cid as u32;
+        let i = self.busy.iter().rposition(|b| b.0 == key)?;
+        let (_, slot) = self.busy.swap_remove(i);
+        let base = SLOT0 + slot as usize * SLOT_WORDS;
+        self.put(base + S_CQE_LO, cqe.0 as u64 | (cqe.1 as u64) << 32, Ordering::Relaxed);
+        self.put(base + S_CQE_HI, cqe.2 as u64 | (cqid as u64) << 32 | (pos as u64) << 48, Ordering::Relaxed);
+        let meta = self.get(base + S_META);
+        self.put(base + S_META, meta & !3 | POSTING, Ordering::Release);
+        Some(slot)
+    }
+
+    /// Step 2, after the CQE is in guest RAM: the CQ's tail, then the slot free.
+    #[inline]
+    pub fn posted(&mut self, slot: Option<u16>, cqid: usize, tail: u16, phase: bool) {
+        self.put(CQ_TAIL + cqid, tail as u64 | (phase as u64) << 16, Ordering::Release);
+        if let Some(s) = slot {
+            self.release(s);
+        }
+    }
+
+    fn release(&mut self, slot: u16) {
+        let base = SLOT0 + slot as usize * SLOT_WORDS;
+        self.put(base + S_META, FREE, Ordering::Release);
+        self.free.push(slot);
+    }
+
+    /// A command whose completion will not be posted (its SQ is gone).
+    pub fn forget(&mut self, sqid: usize, cid: u16) {
+        let key = (sqid as u32) << 16 | cid as u32;
+        if let Some(i) = self.busy.iter().rposition(|b| b.0 == key) {
+            let (_, slot) = self.busy.swap_remove(i);
+            self.release(slot);
+        }
+    }
+
+    /// Step 4: a doorbell register write, before it is served.
+    #[inline]
+    pub fn doorbell(&mut self, qid: usize, cq: bool, value: u32) {
+        let at = if cq { CQ_HEAD } else { SQ_TAIL } + qid;
+        self.put(at, value as u64, Ordering::Release);
+    }
+
+    /// An MSI-X table entry (two words) or Message Control's high byte.
+    fn msix(&mut self, v: usize, entry: [u8; 16]) {
+        let lo = u64::from_le_bytes(entry[..8].try_into().unwrap());
+        let hi = u64::from_le_bytes(entry[8..].try_into().unwrap());
+        self.put(MSIX + 2 * v, lo, Ordering::Relaxed);
+        self.put(MSIX + 2 * v + 1, hi, Ordering::Release);
+    }
+
+    /// Step 3: `cfg` into the copy not selected, the moving indices of the
+    /// queues it defines, then the flip; then, for a disabled controller,
+    /// every slot free, else the slots of SQs that no longer exist.
+    fn commit(&mut self, cfg: &Config, moving: &[(usize, u64)]) {
+        // A head word names the newest fetch it has seen (`resume.rs`).
+        let newest = self.seq - 1;
+        for &(i, v) in moving {
+            let v = if (SQ_HEAD..SQ_HEAD + NQ).contains(&i) { v | newest << 16 } else { v };
+            if self.get(i) != v {
+                self.put(i, v, Ordering::Relaxed);
+            }
+        }
+        // The copy not selected, where it differs (it holds the one before last).
+        let mut w = [0u64; CFG_WORDS];
+        cfg.encode(&mut w);
+        let at = config_at(self.select + 1);
+        for (k, v) in w.into_iter().enumerate() {
+            if self.get(at + k) != v {
+                self.put(at + k, v, Ordering::Relaxed);
+            }
+        }
+        self.select += 1;
+        self.put(W_SELECT, self.select, Ordering::Release);
+        let enabled = cfg.csts & 1 == 1;
+        let gone: Vec<u16> = self
+            .busy
+            .iter()
+            .filter(|&&(key, _)| !enabled || cfg.sqs.get((key >> 16) as usize).is_none_or(|s| s.is_none()))
+            .map(|b| b.1)
+            .collect();
+        if !gone.is_empty() {
+            self.busy.retain(|b| !gone.contains(&b.1));
+            for s in gone {
+                self.release(s);
+            }
+        }
+    }
+}
+
+/// An SQE as the eight words `Sqe::from_words` reads (the fields this
+/// controller uses; the others are zero).
+pub(super) fn sqe_words(c: &Sqe) -> [u64; 8] {
+    [
+        c.opcode as u64 | (c.cid as u64) << 16 | (c.nsid as u64) << 32,
+        c.cdw2 as u64,
+        c.mptr,
+        c.prp1,
+        c.prp2,
+        c.cdw10 as u64 | (c.cdw11 as u64) << 32,
+        c.cdw12 as u64 | (c.cdw13 as u64) << 32,
+        c.cdw14 as u64 | (c.cdw15 as u64) << 32,
+    ]
+}
+
+impl Core {
+    /// The configuration as it stands (with `done`, the admin command being completed).
+    fn config(&self, done: Option<Done>) -> Config {
+        let r = &self.regs;
+        let f = &self.feat;
+        Config {
+            cc: r.cc,
+            csts: r.csts,
+            aqa: r.aqa,
+            intms: r.intms,
+            asq: r.asq,
+            acq: r.acq,
+            nsqa: self.queues.nsqa,
+            ncqa: self.queues.ncqa,
+            created: self.queues.created,
+            shadow: self.db.shadow,
+            arbitration: f.arbitration,
+            power: f.power,
+            temp_over: f.temp_over,
+            temp_under: f.temp_under,
+            write_cache: f.write_cache,
+            error_recovery: f.error_recovery,
+            write_atomicity: f.write_atomicity,
+            async_events: f.async_events,
+            coalescing: self.intr.coalescing,
+            coalescing_off: f.coalescing_off.iter().enumerate().fold(0, |m, (v, &off)| m | (off as u128) << v),
+            done,
+            ns: self
+                .ns
+                .iter()
+                .map(|n| NsFmt {
+                    attached: n.attached,
+                    lba_shift: n.lba_shift,
+                    nlbas: n.nlbas,
+                    ms: n.meta.ms,
+                    ext: n.meta.ext,
+                    pi: n.meta.pi,
+                    pi_first: n.meta.pi_first,
+                })
+                .collect(),
+            sqs: self.queues.sqs.iter().map(|s| s.map(|s| SqDef { gpa: s.gpa, size: s.size, cqid: s.cqid })).collect(),
+            cqs: self
+                .queues
+                .cqs
+                .iter()
+                .map(|c| c.map(|c| CqDef { gpa: c.gpa, size: c.size, iv: c.iv, ien: c.ien }))
+                .collect(),
+        }
+    }
+
+    /// Commits the configuration (step 3), if state is kept; `done`: the
+    /// completion of the admin command fetched last, which it holds.
+    pub(super) fn commit_state(&mut self, done: Option<(u32, u16)>) {
+        if self.rec.is_none() {
+            return;
+        }
+        let done = done.and_then(|(dw0, st)| {
+            let (slot, seq) = self.rec.as_ref()?.current?;
+            Some(Done { slot, seq, dw0, st })
+        });
+        let cfg = self.config(done);
+        let mut moving = Vec::new();
+        for (q, s) in self.queues.sqs.iter().enumerate() {
+            if let Some(s) = s {
+                moving.push((SQ_HEAD + q, s.head as u64));
+                moving.push((SQ_TAIL + q, s.tail as u64));
+            }
+        }
+        for (q, c) in self.queues.cqs.iter().enumerate() {
+            if let Some(c) = c {
+                moving.push((CQ_TAIL + q, c.tail as u64 | (c.phase as u64) << 16));
+                moving.push((CQ_HEAD + q, c.head as u64));
+            }
+        }
+        if let Some(r) = self.rec.as_deref_mut() {
+            r.commit(&cfg, &moving);
+        }
+    }
+
+    /// Records MSI-X vector `v`'s entry as the guest wrote it.
+    pub(super) fn record_msix(&mut self, v: usize) {
+        if v >= MSIX_VECTORS {
+            return;
+        }
+        let Some(r) = self.rec.as_deref_mut() else { return };
+        let mut e = [0u8; 16];
+        self.intr.msix.read(self.intr.msix.bar(), MSIX_TABLE + 16 * v as u64, &mut e);
+        r.msix(v, e);
+    }
+
+    /// Records MSI-X Message Control (enable, function mask) and whose table it is.
+    pub(super) fn record_msix_control(&mut self) {
+        let Some(r) = self.rec.as_deref_mut() else { return };
+        let m = &self.intr.msix;
+        let b = (m.enabled() as u64) << 7 | (m.function_masked() as u64) << 6;
+        r.put(MSIX_CTL, b | 1 << 8 | (self.intr.client_table as u64) << 9, Ordering::Release);
+    }
+}
+
+impl super::Nvme {
+    /// `DeviceModel::adopt_state`: fresh (zeroed, then the controller as it
+    /// stands recorded) or resumed (`resume.rs`).
+    pub(super) fn adopt(&self, mem: StateMemory, resume: bool) -> Result<()> {
+        supported(&self.cfg)?;
+        if mem.len() < LEN {
+            return Err(Error::Host(format!("nvme: state memory of {} bytes; it needs {LEN}", mem.len())));
+        }
+        let mut t = crate::lock(&self.threads);
+        let mut c = crate::lock(&self.core);
+        if c.ext.timing || c.ext.injector.armed() {
+            return Err(Error::Host("nvme: no state memory: injection rules are armed".into()));
+        }
+        if !resume {
+            drop(c);
+            self.stop_threads(&mut t);
+            let mut c = crate::lock(&self.core);
+            for w in mem.words().iter().filter(|w| w.load(Ordering::Relaxed) != 0) {
+                w.store(0, Ordering::Relaxed);
+            }
+            mem.words()[W_SHAPE].store(SHAPE, Ordering::Relaxed);
+            mem.words()[W_MAGIC].store(MAGIC, Ordering::Release);
+            c.rec = Some(Box::new(Recorder::new(mem)));
+            for v in 0..MSIX_VECTORS {
+                c.record_msix(v);
+            }
+            c.record_msix_control();
+            c.commit_state(None);
+            let ready = c.regs.csts & 1 == 1;
+            drop(c);
+            if ready {
+                self.start_threads(&mut t);
+            }
+            return Ok(());
+        }
+        if t.running() || c.regs.csts & 1 == 1 || c.rec.is_some() {
+            return Err(Error::Host("nvme: resume: this controller already serves (resume a fresh one)".into()));
+        }
+        let plan = resume::Plan::read(&c, &mem)?;
+        c.rec = Some(Box::new(Recorder::new(mem)));
+        c.apply(plan);
+        let ready = c.regs.csts & 1 == 1;
+        drop(c);
+        if ready {
+            self.start_threads(&mut t);
+        }
+        Ok(())
+    }
+}
