@@ -12,12 +12,11 @@
 //! idle), unless they fall back to plain polling.
 //!
 //! Idle costs: a pool thread whose groups all found nothing for
-//! [`SLEEP_AFTER`] sleeps [`IDLE_SLEEP`] between rounds (less if a group
-//! holds a timed completion due sooner), so controllers nobody uses cost
-//! next to no CPU, and the first doorbell after such an idle waits up to
-//! [`IDLE_SLEEP`]. Until then it spins: it never yields (a yield forfeits
-//! its time slice to the vCPUs it serves). A thread with no group at all
-//! sleeps until one comes.
+//! [`IDLE_PASSES`] rounds yields its CPU after each round; after
+//! [`SLEEP_AFTER`] of that it sleeps [`IDLE_SLEEP`] between rounds (less if
+//! a group holds a timed completion due sooner), so controllers nobody uses
+//! cost next to no CPU, and the first doorbell after such an idle waits up
+//! to [`IDLE_SLEEP`]. A thread with no group at all sleeps until one comes.
 //!
 //! A pool thread that panics ends its groups' [`Ticket`]s with an error
 //! (and takes no group any more) instead of leaving their controllers
@@ -37,7 +36,7 @@ use std::time::{Duration, Instant};
 
 /// Pool threads a process may have.
 pub const MAX_THREADS: usize = 64;
-/// Idle (spinning) this long, a pool thread sleeps between rounds.
+/// Idle (yielding) this long, a pool thread sleeps between rounds.
 pub const SLEEP_AFTER: Duration = Duration::from_millis(20);
 /// How long it then sleeps between rounds.
 pub const IDLE_SLEEP: Duration = Duration::from_millis(1);
@@ -281,16 +280,15 @@ fn run<G, P: Fn(&G, &mut PassState) -> Pass>(slot: &Slot<G>, pass: P) {
             continue;
         }
         idle = idle.saturating_add(1);
+        // Spinning instead of yielding was measured (issue 36): no better
+        // beside N polling vCPUs (the pool waits to run 80-90% of the time
+        // either way), and worse with one guest on a loaded host (the yield
+        // is what gives its vCPU the core).
         if idle <= IDLE_PASSES {
-            idle_since = Instant::now();
-        }
-        // Spin, not sched_yield, while idle for less than SLEEP_AFTER: the
-        // kernel's EEVDF charges a yielding thread the rest of its slice,
-        // and with vCPUs that poll on the same cores the pool then waits
-        // behind all of them (issue 36: it ran 3-9% of the time, waited to
-        // run 80-90%).
-        if idle_since.elapsed() < SLEEP_AFTER || timed.is_some_and(|t| t.is_zero()) {
             std::hint::spin_loop();
+            idle_since = Instant::now();
+        } else if idle_since.elapsed() < SLEEP_AFTER || timed.is_some_and(|t| t.is_zero()) {
+            std::thread::yield_now();
         } else {
             std::thread::sleep(timed.map_or(IDLE_SLEEP, |t| t.min(IDLE_SLEEP)));
         }

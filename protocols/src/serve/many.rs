@@ -17,8 +17,10 @@
 //! controller's queue groups have threads of their own, as in a process of
 //! one controller.
 //!
-//! Not here: a queue transport (vhost-user), an inherited fd (one socket),
-//! and the control socket (it serves one device's rules).
+//! `--control PATH` with a `{}`: a control socket per controller, on that
+//! controller's rules and namespaces only.
+//!
+//! Not here: a queue transport (vhost-user), an inherited fd (one socket).
 
 use super::{bind, check_timeouts, clients_confined, Host, Listen, ServeOptions};
 use crate::function::PciFunction;
@@ -39,10 +41,15 @@ pub const PLACEHOLDER: &str = "{}";
 
 /// `--socket PATH`'s path for controller `i` of several.
 pub fn socket_path(path: &Path, i: usize) -> Result<PathBuf> {
-    let s = path.to_str().ok_or_else(|| Error::Config(format!("--socket {}: not UTF-8", path.display())))?;
+    indexed("--socket", path, i)
+}
+
+/// Option `opt`'s `path` for controller `i` of several (its `{}` replaced).
+fn indexed(opt: &str, path: &Path, i: usize) -> Result<PathBuf> {
+    let s = path.to_str().ok_or_else(|| Error::Config(format!("{opt} {}: not UTF-8", path.display())))?;
     if !s.contains(PLACEHOLDER) {
         return Err(Error::Config(format!(
-            "--socket {s}: several controllers need a {PLACEHOLDER} in the path (replaced by 0, 1, ...)"
+            "{opt} {s}: several controllers need a {PLACEHOLDER} in the path (replaced by 0, 1, ...)"
         )));
     }
     Ok(PathBuf::from(s.replace(PLACEHOLDER, &i.to_string())))
@@ -89,9 +96,6 @@ pub(super) fn run(o: &ServeOptions) -> Result<()> {
     let Listen::Socket(path) = &o.listen else {
         return Err(Error::Config("--controllers: several controllers need --socket PATH, not --fd".into()));
     };
-    if o.control.is_some() {
-        return Err(Error::Config("--control serves one controller's rules: not with --controllers".into()));
-    }
     if let iopath_devices::DeviceConfig::Nvme(c) = &o.device {
         if c.any_file() {
             return Err(Error::Config(
@@ -106,6 +110,17 @@ pub(super) fn run(o: &ServeOptions) -> Result<()> {
             return Err(Error::Config(format!("--socket: {} twice", p.display())));
         }
     }
+    // A control socket per controller: `--control`'s `{}` too.
+    let controls = match &o.control {
+        Some(c) => {
+            let cs = (0..n).map(|i| indexed("--control", c, i)).collect::<Result<Vec<_>>>()?;
+            if let Some(p) = cs.iter().find(|p| paths.contains(p)) {
+                return Err(Error::Config(format!("--control: {} is also a controller's --socket", p.display())));
+            }
+            cs
+        }
+        None => Vec::new(),
+    };
     let mut bound = Vec::with_capacity(n);
     for p in &paths {
         bound.push(bind(&Listen::Socket(p.clone()))?);
@@ -114,8 +129,16 @@ pub(super) fn run(o: &ServeOptions) -> Result<()> {
     crate::sigbus::install()?;
     let config = o.device.with_default_queues(MAX_QUEUES);
     let mut hosts = Vec::with_capacity(n);
+    // Served until the controllers' loops end (dropped after the scope).
+    let mut controlled = Vec::with_capacity(controls.len());
     for i in 0..n {
         let device = config.build()?;
+        if let Some(c) = controls.get(i) {
+            let Some(rules) = device.injector() else {
+                return Err(Error::Config(format!("--control: {} takes no error injection rules", o.device)));
+            };
+            controlled.push(super::control::Control::start(c, rules, Some(device.clone()))?);
+        }
         let f = Arc::new(Mutex::new(PciFunction::new(device)?));
         let irq = IrqLines::new();
         let server = transport.server(f.clone(), irq.clone())?;
