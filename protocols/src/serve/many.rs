@@ -183,7 +183,9 @@ pub(super) fn run(o: &ServeOptions) -> Result<()> {
             let r = j.join().unwrap_or_else(|_| Err(Error::Config(format!("controller {i}'s thread panicked"))));
             if let Err(e) = r {
                 log::error!("controller {i}: {e}");
-                if first.is_ok() {
+                // The failing controller's own error, not another's "not serving" from the gate.
+                let echo = |e: &Error| e.to_string().contains("not serving: ");
+                if first.as_ref().map_or_else(echo, |_| true) && (first.is_ok() || !echo(&e)) {
                     first = Err(e);
                 }
             }
