@@ -101,7 +101,9 @@ struct ServeArgs {
     keep_state: bool,
     /// A control socket at PATH (bound as --socket's is): `iopath ctl PATH
     /// list|stats|inject RULE|remove ID|clear` changes the device's error
-    /// injection while it runs (JSON lines; see `iopath ctl --help`).
+    /// injection while it runs (JSON lines; see `iopath ctl --help`). With
+    /// --controllers N > 1 the path holds a {}, replaced by 0..N-1: a control
+    /// socket per controller, on its rules only.
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
     /// Poll the socket this long for the next request before sleeping.
@@ -109,8 +111,8 @@ struct ServeArgs {
     spin_us: u64,
     /// Serve N controllers (1..=64), each a device of its own built from the
     /// same options (its own namespace data) on its own socket (--socket's
-    /// {} replaced by its index), each with its own client. Not with --fd,
-    /// --control or vhost-user.
+    /// {} replaced by its index), each with its own client. Not with --fd
+    /// or vhost-user.
     #[arg(long, default_value_t = 1, value_name = "N")]
     controllers: usize,
     /// nvme with doorbell=shm or bar: M poller threads (1..=64) serve the

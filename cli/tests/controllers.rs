@@ -276,8 +276,74 @@ fn three_controllers_one_poller_each_its_own_data() {
     let _ = server.0.wait();
 }
 
+/// `iopath ctl PATH ARGS..`: its JSON answer.
+fn ctl(path: &Path, args: &[&str]) -> serde_json::Value {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_iopath")).arg("ctl").arg(path).args(args).output().unwrap();
+    assert!(o.status.success(), "ctl {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("ctl {args:?}: {e}: {}", String::from_utf8_lossy(&o.stdout)))
+}
+
 #[test]
-fn several_controllers_are_refused_without_a_placeholder_or_with_control() {
+fn a_control_socket_per_controller_injects_on_its_controller_only() {
+    let d = TempDir::new("controllers-control");
+    let err = d.path("serve.err");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["serve", "nvme,doorbell=bar,backend=ram,size_mb=1", "--controllers", "3", "--pollers", "1"])
+        .arg("--socket")
+        .arg(d.path("c{}.sock"))
+        .arg("--control")
+        .arg(d.path("ctl{}.sock"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let mut server = Server(child);
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&err).unwrap_or_default().matches("controller ").count() < 3 {
+        if let Some(s) = server.0.try_wait().unwrap() {
+            panic!("serve exited ({s}): {}", std::fs::read_to_string(&err).unwrap_or_default());
+        }
+        assert!(t0.elapsed() < HUNG, "serve never listened: {}", std::fs::read_to_string(&err).unwrap_or_default());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let ctls: Vec<_> = (0..3).map(|i| d.path(&format!("ctl{i}.sock"))).collect();
+    assert!(ctls.iter().all(|c| c.exists()), "a control socket per controller");
+    // Reads of LBA 3 fail with Unrecovered Read Error (SCT 2, SC 0x81), DNR, on controller 2 only.
+    let r = ctl(&ctls[2], &["inject", "op=read/lba=3-3/status=2:0x81:dnr"]);
+    assert_eq!(r["ok"], true, "{r}");
+    for c in &ctls[..2] {
+        assert_eq!(ctl(c, &["list"])["rules"].as_array().map(|r| r.len()), Some(0), "another controller's rules");
+    }
+    let rams: Vec<Ram> = (0..3).map(|_| Ram::new()).collect();
+    let socks: Vec<_> = (0..3).map(|i| d.path(&format!("c{i}.sock"))).collect();
+    let mut cs: Vec<Client> = socks.iter().zip(&rams).map(|(s, r)| Client::connect(s, r)).collect();
+    for (k, c) in cs.iter_mut().enumerate() {
+        c.setup();
+        let status = c.command(1, 0x02, 1, BASE + RBUF, [3, 0, 0]);
+        if k == 2 {
+            assert_eq!(status & 0x7ff, 0x281, "controller 2: the injected status ({status:#x})");
+            assert_ne!(status & 0x4000, 0, "DNR ({status:#x})");
+        } else {
+            assert_eq!(status, 0, "controller {k}: no rule of its own");
+        }
+    }
+    // Each controller's own hit counters.
+    for (k, c) in ctls.iter().enumerate() {
+        let s = ctl(c, &["stats"]);
+        let injected = s["stats"]["injected"].as_u64();
+        assert_eq!(injected, Some(u64::from(k == 2)), "controller {k}: {s}");
+        if k == 2 {
+            assert_eq!(s["stats"]["rules"][0]["fired"], 1, "{s}");
+        }
+    }
+    drop(cs);
+    let _ = server.0.kill();
+    let _ = server.0.wait();
+}
+
+#[test]
+fn several_controllers_are_refused_without_a_placeholder() {
     let d = TempDir::new("controllers-refused");
     let run = |args: &[&str]| {
         let o = std::process::Command::new(env!("CARGO_BIN_EXE_iopath")).args(args).output().unwrap();
@@ -290,10 +356,11 @@ fn several_controllers_are_refused_without_a_placeholder_or_with_control() {
     assert!(e.contains("{}"), "{e}");
     let pat = d.path("c{}.sock");
     let pat = pat.to_str().unwrap();
+    // A control socket per controller: --control needs its {} too.
     let ctl = d.path("ctl.sock");
     let (code, e) = run(&["serve", "nvme", "--controllers", "2", "--socket", pat, "--control", ctl.to_str().unwrap()]);
     assert_eq!(code, Some(2), "{e}");
-    assert!(e.contains("--control"), "{e}");
+    assert!(e.contains("--control") && e.contains("{}"), "{e}");
     let (code, e) = run(&["serve", "nvme", "--controllers", "65", "--socket", pat]);
     assert_eq!(code, Some(2), "{e}");
     let (code, e) = run(&["serve", "nvme,doorbell=mmio", "--pollers", "2", "--socket", pat]);

@@ -117,13 +117,12 @@ pub(super) enum Worker {
 }
 
 impl Worker {
-    /// Waits until it has stopped (its `stop` set): after this no thread
-    /// touches the core for it.
-    pub(super) fn join(self) {
+    /// Waits until it has stopped (its `stop` set) or its thread ended:
+    /// after this no thread touches the core for it. Err: its thread ended
+    /// early (a panic).
+    pub(super) fn join(self) -> std::result::Result<(), String> {
         match self {
-            Worker::Thread(h) => {
-                let _ = h.join();
-            }
+            Worker::Thread(h) => h.join().map_err(|_| "the poller thread panicked".into()),
             Worker::Pooled(t) => t.join(),
         }
     }
@@ -346,10 +345,8 @@ impl Nvme {
             for fd in &wake {
                 let _ = fd.write(1);
             }
-            for p in t.pollers.drain(..) {
-                p.join();
-            }
-            h.join();
+            let ended: Vec<String> =
+                t.pollers.drain(..).chain(std::iter::once(h)).filter_map(|w| w.join().err()).collect();
             // What the stopped pollers left in their doorbell eventfds: the
             // stop's own write, wake-ups this side wrote, and kicks of the
             // guest not drained yet (one rung while its poller, awake, was
@@ -357,6 +354,11 @@ impl Nvme {
             // rest is not a doorbell. A kept eventfd is then empty for the
             // next thread, which looks at the shadow when it starts.
             let mut c = crate::lock(&self.core);
+            if let Some(e) = ended.first() {
+                let m = format!("nvme: a queue group's poller stopped early: {e}");
+                log::error!("{m}");
+                c.db.failed = Some(m);
+            }
             let other_wakes = c.raised.take_wakes();
             for (g, k) in kicks {
                 let n = match wait_either(&k, None, Some(std::time::Duration::ZERO)) {

@@ -17,8 +17,10 @@
 //! controller's queue groups have threads of their own, as in a process of
 //! one controller.
 //!
-//! Not here: a queue transport (vhost-user), an inherited fd (one socket),
-//! and the control socket (it serves one device's rules).
+//! `--control PATH` with a `{}`: a control socket per controller, on that
+//! controller's rules and namespaces only.
+//!
+//! Not here: a queue transport (vhost-user), an inherited fd (one socket).
 
 use super::{bind, check_timeouts, clients_confined, Host, Listen, ServeOptions};
 use crate::function::PciFunction;
@@ -39,10 +41,15 @@ pub const PLACEHOLDER: &str = "{}";
 
 /// `--socket PATH`'s path for controller `i` of several.
 pub fn socket_path(path: &Path, i: usize) -> Result<PathBuf> {
-    let s = path.to_str().ok_or_else(|| Error::Config(format!("--socket {}: not UTF-8", path.display())))?;
+    indexed("--socket", path, i)
+}
+
+/// Option `opt`'s `path` for controller `i` of several (its `{}` replaced).
+fn indexed(opt: &str, path: &Path, i: usize) -> Result<PathBuf> {
+    let s = path.to_str().ok_or_else(|| Error::Config(format!("{opt} {}: not UTF-8", path.display())))?;
     if !s.contains(PLACEHOLDER) {
         return Err(Error::Config(format!(
-            "--socket {s}: several controllers need a {PLACEHOLDER} in the path (replaced by 0, 1, ...)"
+            "{opt} {s}: several controllers need a {PLACEHOLDER} in the path (replaced by 0, 1, ...)"
         )));
     }
     Ok(PathBuf::from(s.replace(PLACEHOLDER, &i.to_string())))
@@ -89,9 +96,6 @@ pub(super) fn run(o: &ServeOptions) -> Result<()> {
     let Listen::Socket(path) = &o.listen else {
         return Err(Error::Config("--controllers: several controllers need --socket PATH, not --fd".into()));
     };
-    if o.control.is_some() {
-        return Err(Error::Config("--control serves one controller's rules: not with --controllers".into()));
-    }
     if let iopath_devices::DeviceConfig::Nvme(c) = &o.device {
         if c.any_file() {
             return Err(Error::Config(
@@ -106,6 +110,17 @@ pub(super) fn run(o: &ServeOptions) -> Result<()> {
             return Err(Error::Config(format!("--socket: {} twice", p.display())));
         }
     }
+    // A control socket per controller: `--control`'s `{}` too.
+    let controls = match &o.control {
+        Some(c) => {
+            let cs = (0..n).map(|i| indexed("--control", c, i)).collect::<Result<Vec<_>>>()?;
+            if let Some(p) = cs.iter().find(|p| paths.contains(p)) {
+                return Err(Error::Config(format!("--control: {} is also a controller's --socket", p.display())));
+            }
+            cs
+        }
+        None => Vec::new(),
+    };
     let mut bound = Vec::with_capacity(n);
     for p in &paths {
         bound.push(bind(&Listen::Socket(p.clone()))?);
@@ -114,29 +129,32 @@ pub(super) fn run(o: &ServeOptions) -> Result<()> {
     crate::sigbus::install()?;
     let config = o.device.with_default_queues(MAX_QUEUES);
     let mut hosts = Vec::with_capacity(n);
+    // Served until the controllers' loops end (dropped after the scope).
+    let mut controlled = Vec::with_capacity(controls.len());
     for i in 0..n {
         let device = config.build()?;
+        if let Some(c) = controls.get(i) {
+            let Some(rules) = device.injector() else {
+                return Err(Error::Config(format!("--control: {} takes no error injection rules", o.device)));
+            };
+            controlled.push(super::control::Control::start(c, rules, Some(device.clone()))?);
+        }
         let f = Arc::new(Mutex::new(PciFunction::new(device)?));
         let irq = IrqLines::new();
         let server = transport.server(f.clone(), irq.clone())?;
         hosts.push(Host { o, transport, f, irq, server, index: Some(i) });
     }
     // Confined once, when every controller's loop is set up (each waits
-    // for the others there, then for the confinement, on every thread).
-    let ready = std::sync::Barrier::new(n);
-    let confined = std::sync::Barrier::new(n);
-    let outcome: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
+    // for the others there, then for the confinement, on every thread). A
+    // controller whose thread ends before it gets there (a setup error, a
+    // panic) fails the gate: the others end too, with that said.
+    let gate = Gate::new(n);
     let confine = || -> Result<()> {
-        if ready.wait().is_leader() {
+        if gate.arrive()? {
             let r = if o.seccomp { crate::seccomp::install().map_err(|e| e.to_string()) } else { Ok(()) };
-            let _ = outcome.set(r);
+            gate.confined(r);
         }
-        confined.wait();
-        match outcome.get() {
-            Some(Ok(())) => Ok(()),
-            Some(Err(e)) => Err(Error::Config(format!("confining the process: {e}"))),
-            None => Err(Error::Config("confining the process: no outcome".into())),
-        }
+        gate.outcome()
     };
     let banner = format!("{config} over {} ({n} controllers)", transport.name());
     let listens: Vec<Listen> = paths.into_iter().map(Listen::Socket).collect();
@@ -145,15 +163,19 @@ pub(super) fn run(o: &ServeOptions) -> Result<()> {
         for (i, ((mut host, b), listen)) in hosts.into_iter().zip(bound).zip(&listens).enumerate() {
             let banner = format!("{banner}: controller {i}");
             let refuse = Box::new(move |s: &UnixStream| transport_refuse(transport, s));
-            let confine = &confine;
+            let (confine, gate) = (&confine, &gate);
             let h = std::thread::Builder::new().name(format!("serve-ctrl-{i}")).spawn_scoped(scope, move || {
+                let _left = Leaving(gate, i);
                 clients_confined(listen, b, &banner, o.once, confine, &o.timeouts, refuse, |sock, peer, free| {
                     host.client(sock, peer, free)
                 })
             });
             match h {
                 Ok(h) => joins.push(h),
-                Err(e) => return Err(Error::io(format!("the thread of controller {i}"), e)),
+                Err(e) => {
+                    gate.fail(format!("controller {i}'s thread did not start: {e}"));
+                    return Err(Error::io(format!("the thread of controller {i}"), e));
+                }
             }
         }
         let mut first = Ok(());
@@ -161,13 +183,104 @@ pub(super) fn run(o: &ServeOptions) -> Result<()> {
             let r = j.join().unwrap_or_else(|_| Err(Error::Config(format!("controller {i}'s thread panicked"))));
             if let Err(e) = r {
                 log::error!("controller {i}: {e}");
-                if first.is_ok() {
+                // The failing controller's own error, not another's "not serving" from the gate.
+                let echo = |e: &Error| e.to_string().contains("not serving: ");
+                if first.as_ref().map_or_else(echo, |_| true) && (first.is_ok() || !echo(&e)) {
                     first = Err(e);
                 }
             }
         }
         first
     })
+}
+
+/// The controllers' meeting point before the confinement: every one
+/// arrives, or one fails and every waiting one ends with why.
+struct Gate {
+    n: usize,
+    st: Mutex<GateState>,
+    cv: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct GateState {
+    arrived: usize,
+    failed: Option<String>,
+    /// The confinement's outcome, set by the last to arrive.
+    confined: Option<std::result::Result<(), String>>,
+}
+
+impl Gate {
+    fn new(n: usize) -> Self {
+        Gate { n, st: Mutex::new(GateState::default()), cv: std::sync::Condvar::new() }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
+        self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits for all `n`; true for the last to arrive (it confines the
+    /// process, then [`Gate::confined`]). Err if one failed first.
+    fn arrive(&self) -> Result<bool> {
+        let mut st = self.lock();
+        if let Some(e) = &st.failed {
+            return Err(Error::Config(format!("not serving: {e}")));
+        }
+        st.arrived += 1;
+        if st.arrived == self.n {
+            return Ok(true);
+        }
+        while st.arrived < self.n && st.failed.is_none() {
+            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        match &st.failed {
+            Some(e) if st.arrived < self.n => Err(Error::Config(format!("not serving: {e}"))),
+            _ => Ok(false),
+        }
+    }
+
+    /// The last to arrive: the confinement's outcome.
+    fn confined(&self, r: std::result::Result<(), String>) {
+        self.lock().confined = Some(r);
+        self.cv.notify_all();
+    }
+
+    /// Waits for the confinement's outcome (or a failure before it).
+    fn outcome(&self) -> Result<()> {
+        let mut st = self.lock();
+        loop {
+            match (&st.confined, &st.failed) {
+                (Some(Ok(())), _) => return Ok(()),
+                (Some(Err(e)), _) => return Err(Error::Config(format!("confining the process: {e}"))),
+                (None, Some(e)) => return Err(Error::Config(format!("not serving: {e}"))),
+                (None, None) => st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner()),
+            }
+        }
+    }
+
+    /// A controller that will not arrive: the others stop waiting.
+    fn fail(&self, why: String) {
+        let mut st = self.lock();
+        if st.failed.is_none() {
+            st.failed = Some(why);
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+}
+
+/// Fails the gate if controller K's thread ends before the confinement
+/// (an error, a panic); after it, a no-op.
+struct Leaving<'a>(&'a Gate, usize);
+
+impl Drop for Leaving<'_> {
+    fn drop(&mut self) {
+        let done = self.0.lock().confined.is_some();
+        if !done {
+            let how = if std::thread::panicking() { "panicked" } else { "failed" };
+            self.0.fail(format!("controller {} {how} while starting", self.1));
+        }
+    }
 }
 
 fn transport_refuse(t: &'static dyn FunctionTransport, s: &UnixStream) -> Result<()> {
@@ -177,6 +290,47 @@ fn transport_refuse(t: &'static dyn FunctionTransport, s: &UnixStream) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_controller_failing_at_startup_ends_the_others_wait() {
+        let gate = Gate::new(3);
+        std::thread::scope(|s| {
+            let waiters: Vec<_> = (0..2).map(|_| s.spawn(|| gate.arrive().map(|_| ()))).collect();
+            s.spawn(|| {
+                // Controller 2 ends before it arrives (its setup failed).
+                let _left = Leaving(&gate, 2);
+            });
+            for w in waiters {
+                let e = w.join().unwrap().unwrap_err().to_string();
+                assert!(e.contains("controller 2 failed while starting"), "{e}");
+            }
+        });
+        // A late one is refused at once, and nobody waits for a confinement.
+        assert!(gate.arrive().is_err());
+        assert!(gate.outcome().is_err());
+    }
+
+    #[test]
+    fn every_controller_arriving_confines_once() {
+        let gate = Gate::new(3);
+        let leaders = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for i in 0..3 {
+                let (gate, leaders) = (&gate, &leaders);
+                s.spawn(move || {
+                    let _left = Leaving(gate, i);
+                    if gate.arrive().unwrap() {
+                        leaders.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        gate.confined(Ok(()));
+                    }
+                    gate.outcome().unwrap();
+                });
+            }
+        });
+        assert_eq!(leaders.into_inner(), 1);
+        // Threads leaving after the confinement do not fail it.
+        assert!(gate.lock().failed.is_none());
+    }
 
     #[test]
     fn socket_paths() {
