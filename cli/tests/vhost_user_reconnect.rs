@@ -15,208 +15,49 @@
 //! kills and starts again on the same socket, which the VMM waits for.
 
 mod common;
+use common::kills::*;
 use common::TempDir;
 
 use std::io::Read;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The disk and the range the guest verifies, in MiB: at 512-byte blocks
 /// the write and read-back passes take long enough (about 30 s here) for
 /// a kill every 2 s to land in both.
 const SIZE_MB: u64 = 320;
-const SEED: u64 = 11;
-/// After this much of each period the kill is aimed (for the rest of it)
-/// at a moment the backend is inside a disk read or write, so that some
-/// kills find a request taken and not completed.
-const AIM_AFTER: Duration = Duration::from_millis(1500);
-const KILL_EVERY: Duration = Duration::from_secs(2);
 
-/// The guest's verify pattern (guest/c/load.c) recomputed: the 8 bytes at
-/// byte `o` are `(o / 512) * K ^ (o % 512) ^ s`, s = the seed's xorshift state.
-fn pattern_word(o: u64) -> u64 {
-    const K: u64 = 0x9e3779b97f4a7c15;
-    let s = SEED.wrapping_mul(K) | 1;
-    (o / 512).wrapping_mul(K) ^ (o % 512) ^ s
-}
-
-/// A counter from `iopath run`'s report (`name=value`; 0 is not printed).
-fn counter(stderr: &str, name: &str) -> u64 {
-    stderr
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{name}=")).and_then(|v| v.parse().ok()))
-        .unwrap_or(0)
-}
-
-/// The processes `pid` started that still run (not zombies).
-fn live_children(pid: u32) -> Vec<u32> {
-    common::children(pid)
-        .into_iter()
-        .filter(|p| {
-            let stat = std::fs::read_to_string(format!("/proc/{}/stat", p.pid)).unwrap_or_default();
-            let state = stat.rfind(')').and_then(|c| stat[c + 1..].split_whitespace().next().map(str::to_string));
-            state.is_some_and(|s| s != "Z")
-        })
-        .map(|p| p.pid)
-        .collect()
-}
-
-/// True if a thread of `pid` runs (in user space: taking, parsing or
-/// completing a request) or is inside a read or write of the disk (pread64,
-/// pwrite64, readv, writev, preadv, pwritev, preadv2, pwritev2), not
-/// waiting for a kick: a SIGKILL now may land with a request taken and not
-/// completed.
-fn in_io(pid: u32) -> bool {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
-    tasks.filter_map(Result::ok).any(|t| {
-        let s = std::fs::read_to_string(t.path().join("syscall")).unwrap_or_default();
-        matches!(s.split(' ').next(), Some("running" | "17" | "18" | "19" | "20" | "295" | "296" | "327" | "328"))
-    })
-}
-
-fn collect(r: impl Read + Send + 'static) -> (Arc<Mutex<String>>, std::thread::JoinHandle<()>) {
-    let buf = Arc::new(Mutex::new(String::new()));
-    let b = buf.clone();
-    let h = std::thread::spawn(move || {
-        let mut r = std::io::BufReader::new(r);
-        let mut line = String::new();
-        while matches!(std::io::BufRead::read_line(&mut r, &mut line), Ok(n) if n > 0) {
-            b.lock().unwrap().push_str(&line);
-            line.clear();
-        }
-    });
-    (buf, h)
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
-/// What the kill loop saw.
-struct Outcome {
-    kills: u64,
-    aimed: u64,
-    killed: Vec<u32>,
-    stdout: String,
-    stderr: String,
-}
-
-/// `iopath run` of the guest's verify workload over `size_mb` MiB of the
-/// disk `spec` names, killing the backend `backend()` finds every 2 s while
-/// the guest's window runs; `after_kill` gets each killed pid.
-fn under_kills(
-    spec: &str,
-    size_mb: u64,
-    mut backend: impl FnMut(u32, &[u32]) -> u32,
-    mut after_kill: impl FnMut(u32),
-) -> Outcome {
-    let append = format!("verify=1 bs=512 iodepth=16 size_mb={size_mb} seed={SEED}");
-    let mut run = Command::new(env!("CARGO_BIN_EXE_iopath"))
-        .args(["run", "--workload", "vblk", "--device", spec, "--append", &append, "--timeout", "600"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (out, out_h) = collect(run.stdout.take().unwrap());
-    let (err, err_h) = collect(run.stderr.take().unwrap());
-    let vmm = run.id();
-    let t0 = Instant::now();
-    let (mut killed, mut kills, mut aimed) = (Vec::<u32>::new(), 0u64, 0u64);
-    loop {
-        std::thread::sleep(AIM_AFTER);
-        let text = out.lock().unwrap().clone();
-        if text.contains("@vblk-window end") || run.try_wait().unwrap().is_some() {
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(500), "the guest never ended its window:\n{text}");
-        if !text.contains("@vblk-window start") {
-            continue;
-        }
-        let pid = backend(vmm, &killed);
-        let aim = Instant::now();
-        let mut hit = false;
-        while aim.elapsed() < KILL_EVERY - AIM_AFTER && !hit {
-            hit = in_io(pid);
-        }
-        // SAFETY: kill(2) of the backend process of this test's VMM.
-        assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
-        killed.push(pid);
-        kills += 1;
-        aimed += hit as u64;
-        after_kill(pid);
-    }
-    let status = run.wait().unwrap();
-    out_h.join().unwrap();
-    err_h.join().unwrap();
-    let (stdout, stderr) = (out.lock().unwrap().clone(), err.lock().unwrap().clone());
-    assert!(status.success(), "the run failed ({status}):\n{stderr}\n{}", &stdout[..stdout.len().min(4000)]);
-    Outcome { kills, aimed, killed, stdout, stderr }
-}
-
-impl Outcome {
-    /// Prints the numbers and checks the guest's and the VMM's oracles.
-    fn check(&self, size_mb: u64) {
-        let Outcome { kills, aimed, stdout, stderr, .. } = self;
-        let rec =
-            stdout.lines().find(|l| l.starts_with("@vblk ")).unwrap_or_else(|| panic!("no @vblk:\n{stdout}\n{stderr}"));
-        let num = |k: &str| -> u64 {
-            rec.split_whitespace().find_map(|w| w.strip_prefix(&format!("{k}=")).and_then(|v| v.parse().ok())).unwrap()
-        };
-        let mut pauses: Vec<f64> = stderr
-            .lines()
-            .filter_map(|l| l.split("first completion ").nth(1)?.split(" ms after the death").next()?.parse().ok())
-            .collect();
-        pauses.sort_by(|a, b| a.total_cmp(b));
-        let resubmitted: u64 = stderr
-            .lines()
-            .filter_map(|l| l.split("resubmitting ").nth(1)?.split_whitespace().next()?.parse::<u64>().ok())
-            .sum();
-        let report = stderr.lines().rev().find(|l| l.contains("reconnects=")).unwrap_or("");
-        for l in stderr.lines().filter(|l| l.contains("reconnect try")) {
-            eprintln!("{l}");
-        }
-        eprintln!(
-            "kills={kills} ({aimed} aimed at a busy backend) reconnects={} guest: ios={} errors={} \
-             verified_blocks={} mismatches={}\nin-flight requests resubmitted by new backends (their log): {resubmitted}\n\
-             pause from the death to the first completion over {} kills: p50={:.1} ms p99={:.1} ms max={:.1} ms\n{report}",
-            counter(stderr, "reconnects"),
-            num("ios"),
-            num("errors"),
-            num("verified_blocks"),
-            num("mismatches"),
-            pauses.len(),
-            percentile(&pauses, 50.0),
-            percentile(&pauses, 99.0),
-            pauses.last().copied().unwrap_or(f64::NAN),
-        );
-        assert!(*kills >= 4, "only {kills} kills landed in the guest's window");
-        assert!(!stdout.contains("@vblk-error") && !stdout.contains("mismatch lba"), "{stdout}");
-        let blocks = (size_mb << 20) / 512;
-        assert_eq!((num("errors"), num("mismatches"), num("verified_blocks")), (0, 0, blocks), "{rec}");
-        assert_eq!(num("ios"), 2 * blocks, "each block written once and read once: {rec}");
-        assert_eq!(counter(stderr, "reconnects"), *kills, "one reconnect per kill:\n{stderr}");
-        assert_eq!(counter(stderr, "inflight_shmfd"), 1, "{stderr}");
-    }
-}
-
-/// The file holds what the guest wrote and got acknowledged: every word of
-/// the range, recomputed here.
-fn check_file(img: &std::path::Path, size_mb: u64) {
-    let data = std::fs::read(img).unwrap();
-    assert_eq!(data.len() as u64, size_mb << 20);
-    let bad: Vec<u64> = (0..data.len())
-        .step_by(8)
-        .filter(|&o| u64::from_le_bytes(data[o..o + 8].try_into().unwrap()) != pattern_word(o as u64))
-        .map(|o| o as u64)
-        .take(5)
+/// Prints the numbers and checks the guest's and the VMM's oracles.
+fn check(o: &Outcome, size_mb: u64) {
+    let Outcome { kills, aimed, stderr, .. } = o;
+    let rec = o.guest("vblk", size_mb);
+    let mut pauses: Vec<f64> = stderr
+        .lines()
+        .filter_map(|l| l.split("first completion ").nth(1)?.split(" ms after the death").next()?.parse().ok())
         .collect();
-    assert!(bad.is_empty(), "the file differs from the pattern at byte offsets {bad:?}");
-    eprintln!("file read back: {size_mb} MiB, every word the guest's pattern");
+    pauses.sort_by(|a, b| a.total_cmp(b));
+    let resubmitted: u64 = stderr
+        .lines()
+        .filter_map(|l| l.split("resubmitting ").nth(1)?.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    let report = stderr.lines().rev().find(|l| l.contains("reconnects=")).unwrap_or("");
+    for l in stderr.lines().filter(|l| l.contains("reconnect try")) {
+        eprintln!("{l}");
+    }
+    eprintln!(
+        "kills={kills} ({aimed} aimed at a busy backend) reconnects={} guest: {rec}\n\
+         in-flight requests resubmitted by new backends (their log): {resubmitted}\n\
+         pause from the death to the first completion over {} kills: p50={:.1} ms p99={:.1} ms max={:.1} ms\n{report}",
+        counter(stderr, "reconnects"),
+        pauses.len(),
+        percentile(&pauses, 50.0),
+        percentile(&pauses, 99.0),
+        pauses.last().copied().unwrap_or(f64::NAN),
+    );
+    assert!(*kills >= 4, "only {kills} kills landed in the guest's window");
+    assert_eq!(counter(stderr, "reconnects"), *kills, "one reconnect per kill:\n{stderr}");
+    assert_eq!(counter(stderr, "inflight_shmfd"), 1, "{stderr}");
 }
 
 #[test]
@@ -232,8 +73,8 @@ fn the_guest_verify_workload_survives_kill_9_of_its_vhost_user_blk_backend_every
         assert_eq!(b.len(), 1, "one backend process runs: {b:?}");
         b[0]
     };
-    let o = under_kills(&spec, SIZE_MB, find, |_| ());
-    o.check(SIZE_MB);
+    let o = under_kills("vblk", &spec, SIZE_MB, find, |_| ());
+    check(&o, SIZE_MB);
     // Each death was logged with its cause, and numbered.
     for (i, pid) in o.killed.iter().enumerate() {
         let line = format!("device process {pid} ended: signal: 9 (SIGKILL); reconnect {}:", i + 1);
@@ -274,6 +115,7 @@ fn the_guest_verify_workload_survives_kill_9_of_an_external_vhost_user_blk_backe
     };
     let backend = std::cell::RefCell::new(start());
     let o = under_kills(
+        "vblk",
         &format!("vhost-user-blk:{}", sock.display()),
         MB,
         |_, _| backend.borrow().id(),
@@ -283,7 +125,7 @@ fn the_guest_verify_workload_survives_kill_9_of_an_external_vhost_user_blk_backe
             *backend.borrow_mut() = start();
         },
     );
-    o.check(MB);
+    check(&o, MB);
     assert_eq!(o.stderr.matches("an external server closed its socket; reconnect").count() as u64, o.kills);
     let _ = backend.borrow_mut().kill();
     let _ = backend.borrow_mut().wait();

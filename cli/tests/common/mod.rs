@@ -2,6 +2,7 @@
 //! Each test binary uses a part of it.
 #![allow(dead_code)]
 
+pub mod kills;
 pub mod nvmeperf;
 mod tempdir;
 #[allow(unused_imports)] // not every test binary makes one
