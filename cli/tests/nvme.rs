@@ -859,12 +859,13 @@ fn the_guest_driver_counts_each_injected_error_once() {
     kvm();
     for db in ["shm", "ioeventfd"] {
         let spec = format!("nvme,doorbell={db},backend=ram,size_mb=8,inject=op=read/status=2:0x81:dnr/every=50");
-        let r = nvmeperf_run(&spec, "rw=randrw bs=4096 iodepth=8 time_ms=300", 128, RamKind::Auto);
+        // 2 s: enough reads for several errors even on a loaded host (a failed run had 150 reads in 0.3 s).
+        let r = nvmeperf_run(&spec, "rw=randrw bs=4096 iodepth=8 time_ms=2000", 128, RamKind::Auto);
         let rec = nvme_record(&r.lines);
         let c: std::collections::BTreeMap<String, u64> =
             r.devices[0].counters.iter().map(|c| (c.name.clone(), c.value)).collect();
         assert_ne!(r.status, 1, "{spec}: a run with I/O errors does not pass");
-        assert!(c["errors"] >= 10, "{spec}: too few reads to tell: {c:?}");
+        assert!(c["errors"] >= 5, "{spec}: too few reads to tell: {c:?}");
         assert_eq!(c["errors"], (c["io.reads"] + c["errors"]) / 50, "{spec}: {c:?}");
         assert_eq!(num(&rec, "errors"), c["errors"], "{spec}: the driver saw each injected error once: {rec:?}");
         assert_eq!(num(&rec, "ios"), c["io.commands"], "{spec}: every command completed once: {rec:?}");

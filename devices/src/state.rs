@@ -70,7 +70,7 @@ impl StateMemory {
             return Err(Error::io("state memory: fstat", std::io::Error::last_os_error()));
         }
         let size = st.st_size as u64;
-        if size < min_len as u64 || size > MAX_STATE_LEN as u64 || size % 8 != 0 {
+        if size < min_len as u64 || size > MAX_STATE_LEN as u64 || !size.is_multiple_of(8) {
             return Err(Error::Host(format!(
                 "state memory: {size} bytes; this device needs {min_len}..={MAX_STATE_LEN}, a multiple of 8"
             )));
