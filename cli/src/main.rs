@@ -162,11 +162,11 @@ struct RunArgs {
     /// (client and the device processes it starts); 0 sleeps at once, as QEMU.
     #[arg(long, default_value_t = 0, value_name = "US")]
     spin_us: u64,
-    /// How long a vfio-user device on an external socket (`...@vfio-user:PATH`,
-    /// `vfio-user:PATH`) is waited for when its server dies or its socket
-    /// breaks: the proxy reconnects and replays its session; 0 (the
-    /// default) stops the run instead. A device process the VMM starts
-    /// itself is always started again.
+    /// How long a device on an external socket (`...@vfio-user:PATH`,
+    /// `vfio-user:PATH`, `vhost-user-blk:PATH`) is waited for when its
+    /// server dies or its socket breaks: the client reconnects and replays
+    /// its session; 0 (the default) stops the run instead. A device process
+    /// the VMM starts itself is always started again.
     #[arg(long, default_value_t = 0, value_name = "MS")]
     reconnect_ms: u64,
 }
@@ -369,7 +369,7 @@ fn bench_exits(a: &bench::ExitsArgs) -> anyhow::Result<i32> {
 fn run_guest(a: RunArgs) -> anyhow::Result<i32> {
     let cmdline = format!("workload={} {}", a.workload, a.append).trim().to_string();
     let mut cfg = iopath_vmm::VmConfig::new(iopath_guest::IMAGE, &cmdline);
-    iopath_protocols::vfio_user::set_socket_window(Duration::from_millis(a.reconnect_ms));
+    iopath_protocols::respawn::set_socket_wait(Duration::from_millis(a.reconnect_ms));
     cfg.devices = devices_of(&a.devices, a.spin_us)?;
     cfg.place_bars = !a.guest_bars;
     cfg.mem_size = a.mem << 20;

@@ -13,14 +13,24 @@ use iopath_devices::DeviceConfig;
 use std::collections::VecDeque;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// The environment variable that bounds the wait for an external server's
-/// socket to come back, in milliseconds; 0 turns reconnecting to an
-/// external server off (its death stops the run, as before).
-pub const WAIT_ENV: &str = "IOPATH_RECONNECT_WAIT_MS";
-/// The wait for an external server when [`WAIT_ENV`] is not set.
-pub const DEFAULT_WAIT: Duration = Duration::from_secs(10);
+/// How long a client of an external server (vfio-user or vhost-user)
+/// waits for its socket to come back, in ms; 0 (the default) is no
+/// reconnect: the server's death stops the run (`iopath run --reconnect-ms`).
+static SOCKET_WAIT_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Sets how long clients of external sockets made from now on wait for
+/// their socket to come back (zero: they do not reconnect).
+pub fn set_socket_wait(d: Duration) {
+    SOCKET_WAIT_MS.store(d.as_millis().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+}
+
+/// The wait [`set_socket_wait`] set (zero: none).
+pub fn socket_wait() -> Duration {
+    Duration::from_millis(SOCKET_WAIT_MS.load(Ordering::Relaxed))
+}
 /// How often an external server's socket is tried while waiting.
 const RETRY_EVERY: Duration = Duration::from_millis(10);
 
@@ -45,16 +55,9 @@ pub fn serve_args(progs: &Programs, model: &DeviceConfig, transport: &str) -> Ve
 
 impl Reconnect {
     /// Reconnecting to the external server at `path`, bounded by
-    /// [`WAIT_ENV`] (None if it is 0: no reconnect).
+    /// [`socket_wait`] (None if it is 0: no reconnect).
     pub fn socket(path: impl Into<PathBuf>) -> Option<Self> {
-        let wait = match std::env::var(WAIT_ENV).ok().map(|v| v.trim().parse::<u64>()) {
-            None => DEFAULT_WAIT,
-            Some(Ok(ms)) => Duration::from_millis(ms),
-            Some(Err(_)) => {
-                log::warn!("{WAIT_ENV} is not a number of milliseconds; waiting {DEFAULT_WAIT:?}");
-                DEFAULT_WAIT
-            }
-        };
+        let wait = socket_wait();
         (!wait.is_zero()).then(|| Reconnect::Socket { path: path.into(), wait })
     }
 

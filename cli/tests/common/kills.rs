@@ -102,6 +102,7 @@ pub fn under_kills(
     let append = format!("verify=1 bs=512 iodepth=16 size_mb={size_mb} seed={SEED}");
     let mut run = Command::new(env!("CARGO_BIN_EXE_iopath"))
         .args(["run", "--workload", workload, "--device", spec, "--append", &append, "--timeout", "600"])
+        .args(["--reconnect-ms", "10000"]) // an external server is waited for (a spawned one is always started again)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -111,8 +112,11 @@ pub fn under_kills(
     let vmm = run.id();
     let t0 = Instant::now();
     let (mut killed, mut kills, mut aimed) = (Vec::<u32>::new(), 0u64, 0u64);
+    // The first kill half a second into the guest's window (a fast host runs the window in a
+    // few seconds), then one every KILL_EVERY.
+    let mut next = None;
     loop {
-        std::thread::sleep(AIM_AFTER);
+        std::thread::sleep(Duration::from_millis(50));
         let text = out.lock().unwrap().clone();
         if text.contains(&format!("@{workload}-window end")) || run.try_wait().unwrap().is_some() {
             break;
@@ -121,6 +125,11 @@ pub fn under_kills(
         if !text.contains(&format!("@{workload}-window start")) {
             continue;
         }
+        let due = *next.get_or_insert_with(|| Instant::now() + KILL_EVERY - AIM_AFTER - Duration::from_millis(100));
+        if Instant::now() < due {
+            continue;
+        }
+        next = Some(due + KILL_EVERY);
         let pid = backend(vmm, &killed);
         let aim = Instant::now();
         let mut hit = false;

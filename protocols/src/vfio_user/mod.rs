@@ -25,7 +25,7 @@ pub mod wire;
 #[cfg(test)]
 mod tests;
 
-pub use proxy::{set_socket_window, VfioUserProxy, RECONNECTS, RESPAWN_WINDOW};
+pub use proxy::{VfioUserProxy, RECONNECTS, RESPAWN_WINDOW};
 pub use server::{IoFds, VfioUserServer};
 
 use crate::function::PciFunction;

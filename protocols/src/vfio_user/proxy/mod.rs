@@ -38,7 +38,7 @@ mod io_fds;
 mod msix;
 pub(in crate::vfio_user) mod reconnect;
 
-pub use reconnect::{set_socket_window, RECONNECTS, RESPAWN_WINDOW};
+pub use reconnect::{RECONNECTS, RESPAWN_WINDOW};
 
 use super::ioregionfd::{RegionClient, COMMANDS};
 use super::wire::*;
@@ -105,7 +105,7 @@ impl VfioUserProxy {
     /// announced io fds, and hands over fresh state memory if the server's
     /// device keeps state. A device process the VMM started (an iopath
     /// one) is started again if it dies; an external socket is waited for
-    /// if [`set_socket_window`] set a window.
+    /// if `respawn::set_socket_wait` set a wait.
     pub fn connect(sock: UnixStream, child: Option<DeviceProcess>) -> Result<Self> {
         let source = reconnect::Source::of(&sock, child.as_ref());
         Self::connect_from(sock, child, source)

@@ -57,7 +57,7 @@ use iopath_devices::DeviceContext;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -79,16 +79,6 @@ pub const BURST_WINDOW: Duration = Duration::from_secs(10);
 /// How often a socket that is not back yet is tried again.
 const RETRY_EVERY: Duration = Duration::from_millis(20);
 
-/// How long a proxy of an external socket waits for it to come back, in
-/// ms; 0 (the default) is no reconnect (`iopath run --reconnect-ms`).
-static SOCKET_WINDOW_MS: AtomicU64 = AtomicU64::new(0);
-
-/// Sets how long proxies of external sockets made from now on wait for
-/// their socket to come back (zero: they do not reconnect).
-pub fn set_socket_window(d: Duration) {
-    SOCKET_WINDOW_MS.store(d.as_millis().min(u64::MAX as u128) as u64, Ordering::Relaxed);
-}
-
 /// Where a new process of the device comes from.
 pub(in crate::vfio_user) enum Source {
     /// No reconnect: a broken channel ends the peer (the run stops).
@@ -109,7 +99,7 @@ impl Source {
                 None => Source::None,
             };
         }
-        let window = Duration::from_millis(SOCKET_WINDOW_MS.load(Ordering::Relaxed));
+        let window = crate::respawn::socket_wait();
         let path = sock.peer_addr().ok().and_then(|a| a.as_pathname().map(PathBuf::from));
         match path {
             Some(path) if !window.is_zero() => Source::Socket { path, window },

@@ -13,7 +13,7 @@
 //!   which keep them), the cause is logged (exit status or signal of a
 //!   process the VMM started) and a new session is made as the
 //!   [`Reconnect`] says: the same `iopath serve` on a new socket pair, or
-//!   the external socket, waited for (bounded, `IOPATH_RECONNECT_WAIT_MS`).
+//!   the external socket, waited for (bounded, `iopath run --reconnect-ms`).
 //! - **Replay**: the connect handshake again (the backend must offer the
 //!   same features; the configuration the driver read is kept), then, if
 //!   the rings ran, what DRIVER_OK sent: SET_FEATURES (the driver's),
