@@ -44,6 +44,16 @@ fn keep_stderr(
     stderr
 }
 
+/// A thread reading all of `r` (a child's stdout or stderr) into a string.
+fn read_all(r: Box<dyn std::io::Read + Send>) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        use std::io::Read;
+        let mut s = String::new();
+        let _ = BufReader::new(r).read_to_string(&mut s);
+        s
+    })
+}
+
 /// An `iopath serve DEVICE --transport TRANSPORT` on a fresh socket; killed on drop.
 struct Serve {
     child: Child,
@@ -948,16 +958,8 @@ fn linux_fio_verify_survives_kill_9_of_the_vhost_user_blk_backend() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("run-linux.sh");
-    let collect = |r: Box<dyn std::io::Read + Send>| {
-        std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = BufReader::new(r).read_to_string(&mut s);
-            s
-        })
-    };
-    use std::io::Read;
-    let out = collect(Box::new(run.stdout.take().unwrap()));
-    let err = collect(Box::new(run.stderr.take().unwrap()));
+    let out = read_all(Box::new(run.stdout.take().unwrap()));
+    let err = read_all(Box::new(run.stderr.take().unwrap()));
     let t0 = Instant::now();
     let console = || std::fs::read_to_string(&log).unwrap_or_default();
     while !console().contains("@fio-start") {
@@ -1067,16 +1069,8 @@ fn qemu11_vfio_user_pci_fails_cleanly_when_its_iopath_device_process_is_killed()
         .stderr(Stdio::piped())
         .spawn()
         .expect("run-linux.sh");
-    let collect = |r: Box<dyn std::io::Read + Send>| {
-        std::thread::spawn(move || {
-            use std::io::Read;
-            let mut s = String::new();
-            let _ = BufReader::new(r).read_to_string(&mut s);
-            s
-        })
-    };
-    let out = collect(Box::new(run.stdout.take().unwrap()));
-    let err = collect(Box::new(run.stderr.take().unwrap()));
+    let out = read_all(Box::new(run.stdout.take().unwrap()));
+    let err = read_all(Box::new(run.stderr.take().unwrap()));
     let console = || std::fs::read_to_string(&log).unwrap_or_default();
     let t0 = Instant::now();
     while !console().contains("@gone-cue") {

@@ -60,6 +60,25 @@ fn check(o: &Outcome, size_mb: u64) {
     assert_eq!(counter(stderr, "inflight_shmfd"), 1, "{stderr}");
 }
 
+/// `iopath serve DEVICE --transport vhost-user --socket SOCK` (a stale socket replaced), once it
+/// listens; its stderr to `stderr`.
+fn serve(device: &str, sock: &std::path::Path, stderr: Stdio) -> std::process::Child {
+    let _ = std::fs::remove_file(sock);
+    let c = Command::new(env!("CARGO_BIN_EXE_iopath"))
+        .args(["serve", device, "--transport", "vhost-user", "--socket"])
+        .arg(sock)
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .expect("iopath serve");
+    let t = Instant::now();
+    while !sock.exists() {
+        assert!(t.elapsed() < Duration::from_secs(10), "iopath serve never made its socket");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    c
+}
+
 #[test]
 fn the_guest_verify_workload_survives_kill_9_of_its_vhost_user_blk_backend_every_2_s() {
     common::kvm();
@@ -97,22 +116,7 @@ fn the_guest_verify_workload_survives_kill_9_of_an_external_vhost_user_blk_backe
     let (img, sock) = (dir.join("disk.img"), dir.join("vu.sock"));
     std::fs::File::create(&img).unwrap().set_len(MB << 20).unwrap();
     let device = format!("virtio-blk,backend=file:{},size_mb={MB},queues=1", img.display());
-    let start = || {
-        let _ = std::fs::remove_file(&sock);
-        let c = Command::new(env!("CARGO_BIN_EXE_iopath"))
-            .args(["serve", &device, "--transport", "vhost-user", "--socket"])
-            .arg(&sock)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("iopath serve");
-        let t = Instant::now();
-        while !sock.exists() {
-            assert!(t.elapsed() < Duration::from_secs(10), "iopath serve never made its socket");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        c
-    };
+    let start = || serve(&device, &sock, Stdio::inherit());
     let backend = std::cell::RefCell::new(start());
     let o = under_kills(
         "vblk",
@@ -150,22 +154,7 @@ fn qemu_vhost_user_blk_pci_with_reconnect_survives_kill_9_of_iopaths_backend() {
     let device = format!("virtio-blk,backend=file:{},size_mb={MB},queues=1", img.display());
     let start = {
         let (device, sock) = (device.clone(), sock.clone());
-        move || {
-            let _ = std::fs::remove_file(&sock);
-            let c = Command::new(env!("CARGO_BIN_EXE_iopath"))
-                .args(["serve", &device, "--transport", "vhost-user", "--socket"])
-                .arg(&sock)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("iopath serve");
-            let t = Instant::now();
-            while !sock.exists() {
-                assert!(t.elapsed() < Duration::from_secs(10), "iopath serve never made its socket");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            c
-        }
+        move || serve(&device, &sock, Stdio::piped())
     };
     let first = start();
     let (window, done, kills) =
