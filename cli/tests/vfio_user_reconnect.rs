@@ -235,8 +235,8 @@ fn nvme_verify_under_kills(doorbell: &str) {
     let spec = format!("nvme,doorbell={doorbell},backend=file:{},size_mb={MB}@vfio-user", img.display());
     let find = |vmm: u32, killed: &[u32]| {
         let b: Vec<u32> = common::kills::live_children(vmm).into_iter().filter(|p| !killed.contains(p)).collect();
-        assert_eq!(b.len(), 1, "one device process runs: {b:?}");
-        b[0]
+        assert!(b.len() <= 1, "one device process runs: {b:?}");
+        b.first().copied()
     };
     let o = common::kills::under_kills("nvme", &spec, MB, find, |_| ());
     let rec = o.guest("nvme", MB);

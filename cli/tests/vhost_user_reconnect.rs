@@ -89,8 +89,8 @@ fn the_guest_verify_workload_survives_kill_9_of_its_vhost_user_blk_backend_every
     // The backend is the VMM's one live child that was not killed yet.
     let find = |vmm: u32, killed: &[u32]| {
         let b: Vec<u32> = live_children(vmm).into_iter().filter(|p| !killed.contains(p)).collect();
-        assert_eq!(b.len(), 1, "one backend process runs: {b:?}");
-        b[0]
+        assert!(b.len() <= 1, "one backend process runs: {b:?}");
+        b.first().copied()
     };
     let o = under_kills("vblk", &spec, SIZE_MB, find, |_| ());
     check(&o, SIZE_MB);
@@ -122,7 +122,7 @@ fn the_guest_verify_workload_survives_kill_9_of_an_external_vhost_user_blk_backe
         "vblk",
         &format!("vhost-user-blk:{}", sock.display()),
         MB,
-        |_, _| backend.borrow().id(),
+        |_, _| Some(backend.borrow().id()),
         |_| {
             let _ = backend.borrow_mut().wait();
             std::thread::sleep(Duration::from_millis(200));
