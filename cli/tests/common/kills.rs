@@ -84,6 +84,8 @@ pub struct Outcome {
     pub kills: u64,
     pub aimed: u64,
     pub killed: Vec<u32>,
+    /// From the last kill to the loop seeing the guest's window end.
+    pub end_after_last_kill: Option<Duration>,
     pub stdout: String,
     pub stderr: String,
 }
@@ -112,6 +114,7 @@ pub fn under_kills(
     let vmm = run.id();
     let t0 = Instant::now();
     let (mut killed, mut kills, mut aimed) = (Vec::<u32>::new(), 0u64, 0u64);
+    let mut last_kill: Option<Instant> = None;
     // The first kill half a second into the guest's window (a fast host runs the window in a
     // few seconds), then one every KILL_EVERY.
     let mut next = None;
@@ -147,16 +150,18 @@ pub fn under_kills(
             continue;
         }
         killed.push(pid);
+        last_kill = Some(Instant::now());
         kills += 1;
         aimed += hit as u64;
         after_kill(pid);
     }
+    let end_after_last_kill = last_kill.map(|k| k.elapsed());
     let status = run.wait().unwrap();
     out_h.join().unwrap();
     err_h.join().unwrap();
     let (stdout, stderr) = (out.lock().unwrap().clone(), err.lock().unwrap().clone());
     assert!(status.success(), "the run failed ({status}):\n{stderr}\n{}", &stdout[..stdout.len().min(4000)]);
-    Outcome { kills, aimed, killed, stdout, stderr }
+    Outcome { kills, aimed, killed, end_after_last_kill, stdout, stderr }
 }
 
 /// The file holds what the guest wrote and got acknowledged: every word of
@@ -175,6 +180,24 @@ pub fn check_file(img: &std::path::Path, size_mb: u64) {
 }
 
 impl Outcome {
+    /// How many reconnects the kills must have caused: one per kill, but the
+    /// last kill may land after the guest's last I/O, as its window ends (seen
+    /// here within a second of it): the run then ends without needing the
+    /// device again. A kill that found I/O pending and was not reconnected
+    /// would leave the guest waiting, and its own oracle fails.
+    pub fn needed_reconnects(&self, reconnects: u64) -> u64 {
+        let late = self.end_after_last_kill.is_some_and(|d| d < Duration::from_secs(1));
+        if late && reconnects + 1 == self.kills {
+            eprintln!(
+                "the last kill came {:?} before the guest's window end was seen, with no reconnect: \
+                 the guest needed the device no more",
+                self.end_after_last_kill.unwrap()
+            );
+            return reconnects;
+        }
+        self.kills
+    }
+
     /// The guest's oracle: its record of `workload` says every block of
     /// `size_mb` MiB written once and read back verified, no error, no
     /// mismatch; returns the record.
