@@ -12,21 +12,18 @@ use crate::{Error, Result};
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use vm_memory::{FileOffset, MmapRegion};
 
 /// Largest state memory a device may ask for or a client may hand over.
 pub const MAX_STATE_LEN: usize = 16 << 20;
 
 /// A shared, page-aligned mapping of a memfd, sealed against shrinking.
+/// (The mapping holds the file; shared access is through atomics only.)
 pub struct StateMemory {
-    file: File,
-    base: *mut u8,
-    len: usize,
+    file: Arc<File>,
+    map: MmapRegion<()>,
 }
-
-// SAFETY: the mapping is only reached through `words()`, as atomics.
-unsafe impl Send for StateMemory {}
-// SAFETY: as above; shared access is through atomics only.
-unsafe impl Sync for StateMemory {}
 
 impl StateMemory {
     /// A new zeroed state memory of `len` bytes (rounded up to 8).
@@ -79,31 +76,21 @@ impl StateMemory {
     }
 
     fn map(file: File, len: usize) -> Result<Self> {
-        // SAFETY: a shared mapping of `len` bytes of a file at least that
-        // long that cannot shrink (sealed); the result is checked.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::io("state memory: mmap", std::io::Error::last_os_error()));
-        }
-        Ok(StateMemory { file, base: p.cast(), len })
+        // A shared mapping of `len` bytes of a file at least that long that
+        // cannot shrink (sealed).
+        let file = Arc::new(file);
+        let map = MmapRegion::from_file(FileOffset::from_arc(file.clone(), 0), len)
+            .map_err(|e| Error::io("state memory: mmap", std::io::Error::other(e)))?;
+        Ok(StateMemory { file, map })
     }
 
     /// Its size in bytes (a multiple of 8).
     pub fn len(&self) -> usize {
-        self.len
+        self.map.size()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
     /// The memfd, to hand to a peer.
@@ -118,24 +105,16 @@ impl StateMemory {
 
     /// The whole memory as 64-bit words.
     pub fn words(&self) -> &[AtomicU64] {
-        // SAFETY: `base` is a page-aligned mapping of `len` bytes (a
+        // SAFETY: `map` is a page-aligned mapping of `len()` bytes (a
         // multiple of 8) that lives as long as `self`; AtomicU64 has the
         // size and alignment of u64 and every bit pattern is valid.
-        unsafe { std::slice::from_raw_parts(self.base.cast::<AtomicU64>(), self.len / 8) }
-    }
-}
-
-impl Drop for StateMemory {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, unmapped once; no reference
-        // from `words()` outlives `self`.
-        unsafe { libc::munmap(self.base.cast(), self.len) };
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().cast::<AtomicU64>(), self.len() / 8) }
     }
 }
 
 impl std::fmt::Debug for StateMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "StateMemory({} bytes, fd {})", self.len, self.file.as_raw_fd())
+        write!(f, "StateMemory({} bytes, fd {})", self.len(), self.file.as_raw_fd())
     }
 }
 

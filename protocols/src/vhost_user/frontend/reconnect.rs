@@ -44,10 +44,11 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
-use std::sync::{Mutex, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 use vhost::vhost_user::message::VhostUserInflight;
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vm_memory::{FileOffset, MmapRegion};
 
 /// Tries to make a new session after one death.
 pub const ATTEMPTS: usize = 3;
@@ -63,15 +64,10 @@ const MAX_INFLIGHT: u64 = 64 << 20;
 /// The in-flight region: its fd, what GET_INFLIGHT_FD said of it, and this
 /// process's mapping of it (kept with the fd until reset).
 pub struct Inflight {
-    file: File,
+    file: Arc<File>,
     msg: VhostUserInflight,
-    map: *mut libc::c_void,
-    len: usize,
+    _map: MmapRegion<()>,
 }
-
-// SAFETY: the mapping is only held (and unmapped on drop), never read
-// through the pointer from several threads.
-unsafe impl Send for Inflight {}
 
 impl Inflight {
     fn map(file: File, msg: VhostUserInflight) -> Result<Self> {
@@ -85,29 +81,10 @@ impl Inflight {
         if msg.mmap_offset.checked_add(msg.mmap_size).is_none_or(|end| end > have) {
             return Err(Error::protocol(format!("GET_INFLIGHT_FD: a region past its fd's {have:#x} bytes")));
         }
-        let len = msg.mmap_size as usize;
-        // SAFETY: a new shared mapping of a checked range of the fd; owned here.
-        let map = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                msg.mmap_offset as libc::off_t,
-            )
-        };
-        if map == libc::MAP_FAILED {
-            return Err(Error::io("in-flight region mmap", std::io::Error::last_os_error()));
-        }
-        Ok(Inflight { file, msg, map, len })
-    }
-}
-
-impl Drop for Inflight {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, unmapped once.
-        unsafe { libc::munmap(self.map, self.len) };
+        let file = Arc::new(file);
+        let map = MmapRegion::from_file(FileOffset::from_arc(file.clone(), msg.mmap_offset), msg.mmap_size as usize)
+            .map_err(|e| Error::io("in-flight region mmap", std::io::Error::other(e)))?;
+        Ok(Inflight { file, msg, _map: map })
     }
 }
 
