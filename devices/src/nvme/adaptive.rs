@@ -143,7 +143,11 @@ impl Carrier<'_> {
                     let mut c = self.lock(&mut held);
                     c.st.polls += 1;
                     let (done, in_flight) = c.io_step();
-                    let busy = c.poll_doorbells() | done | c.commands_held();
+                    // Timed completions held make no work until due: the machine
+                    // sleeps until just before (PassedTimed); one late is work now.
+                    let timed = c.timed_wait();
+                    let late = timed.is_some_and(|w| w.is_zero());
+                    let busy = c.poll_doorbells() | done | c.held_for_room() | late;
                     c.flush_coalesced();
                     c.take_raised();
                     if busy && hit {
@@ -155,7 +159,10 @@ impl Carrier<'_> {
                     if !busy && !in_flight {
                         watch = Some(c.rewatch(watch.take()));
                     }
-                    Observation::Passed { busy, in_flight }
+                    match timed {
+                        Some(due_in) if !busy => Observation::PassedTimed { in_flight, due_in },
+                        _ => Observation::Passed { busy, in_flight },
+                    }
                 }
                 Action::Spin => {
                     std::hint::spin_loop();
@@ -173,7 +180,8 @@ impl Carrier<'_> {
                     // that read EventIdx just before a forecast's timer took it
                     // back) would end the coming sleep at once, taken for a gap.
                     c.drain_kicks();
-                    if !c.arm_wakeup() {
+                    let plan = m.planned_due().map(|d| d.saturating_sub(self.now()));
+                    if !c.arm_wakeup(plan) {
                         Observation::Armed(None)
                     } else {
                         c.st.sleeps += 1;
@@ -208,7 +216,8 @@ impl Carrier<'_> {
                 Action::LookAsleep => {
                     let c = held.get_or_insert_with(|| crate::lock(self.core));
                     c.st.polls += 1;
-                    let found = c.poll_doorbells() || c.commands_held();
+                    // A held timed completion wakes it by the sleep's timeout.
+                    let found = c.poll_doorbells() || c.held_for_room() || c.timed_due_now();
                     Observation::LookedAsleep { found, now: self.now() }
                 }
                 Action::Trap => {
@@ -275,7 +284,8 @@ impl Core {
     /// Arms the wake-up and looks at the doorbells once more. False if a
     /// submission came meanwhile (the poller must serve it, not sleep); true
     /// if the poller may sleep. Commands held by a full CQ keep it polling
-    /// (`commands_held`).
+    /// (`held_for_room`); so does a timed completion due before the sleep
+    /// `plan` ends (from now) and half its margin (`poller::TIMED_MARGIN`).
     ///
     /// Shadow doorbells: every I/O SQ's EventIdx is set to the tail served,
     /// so that the driver's next submission writes the doorbell register.
@@ -283,10 +293,20 @@ impl Core {
     /// which does not offer it) nothing is armed: a doorbell that exits or
     /// comes as a message wakes the poller, and bar-adaptive's timed looks
     /// see a store in the page.
-    pub(super) fn arm_wakeup(&mut self) -> bool {
-        if self.timed_held() {
-            return false; // a timed completion came since the last pass: it is due soon
+    pub(super) fn arm_wakeup(&mut self, plan: Option<std::time::Duration>) -> bool {
+        // A timed completion held that the sleep would end too late for (it
+        // came since the last pass, or none was planned for): back to polling,
+        // whose next pass plans for it.
+        let margin = super::poller::TIMED_MARGIN / 2;
+        if self.timed_wait().is_some_and(|w| plan.is_none_or(|p| w < p + margin)) {
+            return false;
         }
+        self.arm_shadow()
+    }
+
+    /// The arming itself: EventIdx at the tails served, then a look at the
+    /// doorbells again (false: a submission came meanwhile).
+    fn arm_shadow(&mut self) -> bool {
         let Some((db, ei)) = self.db.shadow else {
             self.db.sleeping = true;
             return true;
@@ -316,7 +336,7 @@ impl Core {
         match &self.db.kick {
             Some(k) if k.write(1).is_ok() => self.db.own_wakes += 1,
             _ if self.db.shadow.is_some() => {
-                self.arm_wakeup();
+                self.arm_shadow();
             }
             _ => log::warn!("nvme: no eventfd to wake the poller with; it looks again at its next timed step"),
         }
@@ -348,7 +368,7 @@ impl Core {
         }
         // A store that exits from now on waits for this lock and then wakes
         // the poller; one that landed before the trap is in the page.
-        if self.poll_doorbells() || self.commands_held() {
+        if self.poll_doorbells() || self.held_for_room() || self.timed_due_now() {
             self.db.sleeping = false;
             self.untrap_bar();
             return None;

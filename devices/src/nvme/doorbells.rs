@@ -698,11 +698,12 @@ impl Core {
         }
     }
 
-    /// Commands read from an SQ but not completed for want of CQ room, or
-    /// completions the timer wheel holds (`timing.rs`: the poller does not
-    /// sleep past their due time).
-    pub(super) fn commands_held(&self) -> bool {
-        self.timed_held() || self.queues.sq_ids().filter_map(|q| self.queues.sqs[q].as_ref()).any(|s| s.head != s.tail)
+    /// Commands read from an SQ but not completed for want of CQ room (or
+    /// for a timed completion's room owed): a poller keeps polling for them.
+    /// (Completions the timer wheel holds are `timing.rs`'s: a poller does
+    /// not sleep past their due time.)
+    pub(super) fn held_for_room(&self) -> bool {
+        self.queues.sq_ids().filter_map(|q| self.queues.sqs[q].as_ref()).any(|s| s.head != s.tail)
     }
 
     /// Adds what the doorbells' eventfd counted to the kicks, less the

@@ -5,8 +5,12 @@
 //! instead of its CQ, and counts as owed CQ room (as a file operation in
 //! flight does), so the SQ stops being fetched before the CQ could
 //! overflow. The group's device thread expires the wheel at every turn
-//! (`io_pass`) and does not sleep while it holds anything (`commands_held`):
-//! a due time is never slept past. Capacity: the entries of the group's
+//! (`io_pass`) and never sleeps past a due time: the ioeventfd thread
+//! sleeps until it, an adaptive poller until [`TIMED_MARGIN`] before it
+//! and then polls for it (`poller/`), the pollers of `shm`/`bar` never
+//! sleep, and a pool thread sleeps no longer than it.
+//!
+//! [`TIMED_MARGIN`]: super::poller::TIMED_MARGIN Capacity: the entries of the group's
 //! CQs (owed room bounds what one CQ can have held), grown when a queue is
 //! created. Deleting an SQ, a reset or a disable forgets what the wheel
 //! holds for those queues. Off (no `timing=`, no delay rule fired) the
@@ -163,6 +167,11 @@ impl Core {
     #[inline]
     pub(super) fn timed_held(&self) -> bool {
         self.ext.wheel.as_ref().is_some_and(|w| !w.is_empty()) || !self.ext.late.is_empty()
+    }
+
+    /// A timed completion is due now or past (posted by the next pass).
+    pub(super) fn timed_due_now(&self) -> bool {
+        self.timed_wait().is_some_and(|w| w.is_zero())
     }
 
     /// When the next timed completion is due, as a wait from now.

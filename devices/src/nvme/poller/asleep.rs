@@ -29,6 +29,9 @@ pub(super) struct Nap {
     /// When the idle gap began, and when the forecast's timer is due.
     gap_start: Duration,
     wake_at: Option<Duration>,
+    /// When the wait for a held timed completion ends (its due time less
+    /// [`super::TIMED_MARGIN`]).
+    due: Option<Duration>,
     /// When the poller armed (the sleep's length counts from there), and
     /// the last clock reading since.
     since: Duration,
@@ -40,11 +43,18 @@ pub(super) struct Nap {
     kicked_gap: Option<Duration>,
     late: Option<Duration>,
     timer: bool,
+    /// The wait for a timed completion ended it (a planned wake-up, as a
+    /// forecast's timer: no short sleep for the idle interval).
+    due_woke: bool,
 }
 
 impl Nap {
-    pub(super) fn new(gap_start: Duration, wake_at: Option<Duration>) -> Nap {
-        Nap { gap_start, wake_at, ..Nap::default() }
+    pub(super) fn new(gap_start: Duration, wake_at: Option<Duration>, due: Option<Duration>) -> Nap {
+        Nap { gap_start, wake_at, due, ..Nap::default() }
+    }
+
+    pub(super) fn due(&self) -> Option<Duration> {
+        self.due
     }
 
     /// The next timed step, twice the last, up to the cap.
@@ -61,12 +71,14 @@ impl Poller {
         self.nap.get_or_insert_with(Nap::default)
     }
 
-    /// The sleep until the earliest of: a retry, a timed step, the forecast's timer.
+    /// The sleep until the earliest of: a retry, a timed step, the
+    /// forecast's timer, a held timed completion's due time (less the margin).
     fn sleep(&mut self) -> Action {
         let retry = self.retry.after();
         let n = self.nap();
         let timer = n.wake_at.map(|w| w.saturating_sub(n.now));
-        Action::Sleep { timeout: sooner(sooner(retry, n.step), timer) }
+        let due = n.due.map(|d| d.saturating_sub(n.now));
+        Action::Sleep { timeout: sooner(sooner(retry, n.step), sooner(timer, due)) }
     }
 
     pub(super) fn armed(&mut self, at: Option<Duration>) -> Action {
@@ -90,7 +102,10 @@ impl Poller {
         let n = self.nap();
         n.now = now;
         let timer = !kicked && !completed && n.wake_at.is_some_and(|w| now >= w);
-        if !timer && !kicked && !completed && !retrying && n.step.is_some() {
+        // A held timed completion is near: awake to post it (no forecast's timer).
+        let due = n.due.is_some_and(|d| now >= d);
+        n.due_woke = due;
+        if !timer && !due && !kicked && !completed && !retrying && n.step.is_some() {
             // A timed step ended: a look at the page, still asleep.
             return Action::LookAsleep;
         }
@@ -137,7 +152,7 @@ impl Poller {
         let n = self.nap.take().unwrap_or_default();
         self.retry.next(stalled);
         if !self.in_flight {
-            self.window.slept(if n.timer { ADAPTIVE_IDLE } else { now.saturating_sub(n.since) });
+            self.window.slept(if n.timer || n.due_woke { ADAPTIVE_IDLE } else { now.saturating_sub(n.since) });
         }
         if let Some(gap) = n.kicked_gap {
             self.forecast.seen(gap, Seen::Kicked);

@@ -41,6 +41,12 @@
 //!   timer's lateness feed the forecast, and after a timer the poller
 //!   polls for the forecast command.
 //!
+//! Timed completions (a timing model, an injected delay) held by the
+//! pass are no work until due ([`Observation::PassedTimed`]): the poller
+//! idles and sleeps as without them, its sleep ending [`TIMED_MARGIN`]
+//! before the next is due, and polls for one due sooner than a sleep
+//! could end; the idle such a completion ends teaches the forecast nothing.
+//!
 //! Stopping (CC.EN cleared, a reset, quiesce) is no observation: the
 //! thread ends in whatever state, undoing an arming (the poller marked
 //! awake, the page mapped back); the next thread starts a new machine.
@@ -71,6 +77,11 @@ use forecast::{Expect, Forecast, Seen};
 use idle::{IdleWindow, Yielder};
 use std::time::Duration;
 
+/// How long before a timed completion's due time a sleeping poller wakes
+/// (then polls for it): more than a timed wake-up's lateness on a loaded
+/// nested host (tens of microseconds), less than a forecast's margin.
+pub const TIMED_MARGIN: Duration = Duration::from_micros(50);
+
 /// Idle passes of an adaptive poller between two looks at the clock.
 pub const IDLE_CLOCK_PASSES: u32 = 64;
 
@@ -97,6 +108,9 @@ pub enum Observation {
     /// [`Action::Pass`]: it found work (doorbells, completions, held
     /// commands); file operations are in flight.
     Passed { busy: bool, in_flight: bool },
+    /// [`Action::Pass`]: no work, but timed completions are held (a timing
+    /// model, an injected delay: `timing.rs`), the next due in `due_in`.
+    PassedTimed { in_flight: bool, due_in: Duration },
     /// [`Action::Clock`]: the clock.
     Now(Duration),
     /// [`Action::Yield`]: how long the yield took, and the clock after it.
@@ -190,6 +204,11 @@ pub struct Poller {
     forecast: Forecast,
     /// From preparing to sleep to awake again.
     nap: Option<Nap>,
+    /// The last locked pass's wait for the next timed completion, and
+    /// whether this idle held one (its end is then no submission gap: the
+    /// forecast is not told of it).
+    timed: Option<Duration>,
+    timed_idle: bool,
 }
 
 impl Poller {
@@ -208,7 +227,18 @@ impl Poller {
             retry: Retry::default(),
             forecast: Forecast::default(),
             nap: None,
+            timed: None,
+            timed_idle: false,
         }
+    }
+
+    /// Preparing to sleep: when the sleep ends for the held timed
+    /// completion the last pass saw (its due time less [`TIMED_MARGIN`]);
+    /// None: no timed completion was planned for. The thread refuses to
+    /// arm if one is held that this plan would sleep past (it came since,
+    /// from another thread: a doorbell that exited).
+    pub fn planned_due(&self) -> Option<Duration> {
+        self.nap.as_ref().and_then(|n| n.due())
     }
 
     /// What this poller is (forecast off with the page).
@@ -231,7 +261,14 @@ impl Poller {
                 self.looks = 0;
                 self.pass()
             }
-            Observation::Passed { busy, in_flight } => self.passed(busy, in_flight),
+            Observation::Passed { busy, in_flight } => {
+                self.timed = None;
+                self.passed(busy, in_flight)
+            }
+            Observation::PassedTimed { in_flight, due_in } => {
+                (self.timed, self.timed_idle) = (Some(due_in), true);
+                self.passed(false, in_flight)
+            }
             Observation::Now(t) => match std::mem::replace(&mut self.clock, ClockFor::Idle) {
                 ClockFor::Gap { start, hit } => {
                     self.forecast.seen(t.saturating_sub(start), Seen::Polled);
@@ -272,8 +309,9 @@ impl Poller {
     #[inline]
     fn passed(&mut self, busy: bool, in_flight: bool) -> Action {
         self.in_flight = in_flight;
-        // Built once an idle begins (the thread watches the words as this pass left them).
-        self.watching = !busy && !in_flight;
+        // Built once an idle begins (the thread watches the words as this pass
+        // left them); not while timed completions are held: a look posts none.
+        self.watching = !busy && !in_flight && self.timed.is_none();
         if !busy {
             return self.idle();
         }
@@ -281,8 +319,12 @@ impl Poller {
         // with the next clock reading.
         let gap = match self.expect.take() {
             Some(e) => Some(ClockFor::Gap { start: e.start, hit: e.looked }),
-            None => self.idle_since.filter(|_| !in_flight).map(|start| ClockFor::Gap { start, hit: false }),
+            None => {
+                let submission = !in_flight && !self.timed_idle;
+                self.idle_since.filter(|_| submission).map(|start| ClockFor::Gap { start, hit: false })
+            }
         };
+        self.timed_idle = false;
         (self.idle_since, self.idle_passes) = (None, 0);
         self.window.busy();
         match gap {
@@ -340,6 +382,12 @@ impl Poller {
     /// Idle long enough at `t`: poll on for a forecast command due about
     /// now, or arm and sleep.
     fn prepare(&mut self, t: Duration) -> Action {
+        // A timed completion is posted by a pass at its due time: the sleep
+        // ends TIMED_MARGIN before it; one due sooner than that is polled for.
+        let due = self.timed.map(|w| t + w.saturating_sub(TIMED_MARGIN));
+        if due.is_some_and(|d| d <= t + MIN_SLEEP) {
+            return Action::Spin;
+        }
         let gap_start = *self.idle_since.get_or_insert(t);
         // A forecast wakes the poller before the next command is due.
         let forecasting = self.cfg.forecast && !self.in_flight;
@@ -349,7 +397,7 @@ impl Poller {
             self.expect = Some(Expect::new(gap_start, &self.forecast));
             return Action::CountForecast;
         }
-        self.nap = Some(Nap::new(gap_start, wake_at));
+        self.nap = Some(Nap::new(gap_start, wake_at, due));
         Action::Arm
     }
 }

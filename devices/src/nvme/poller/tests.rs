@@ -494,3 +494,80 @@ fn random_sequences_on_the_page_look_in_steps_and_trap_without_losing_a_store() 
     );
     assert!(s.found_asleep > 0 && s.traps > 0 && s.raced_traps > 0 && s.raced_arms > 0, "{s:?}");
 }
+
+/// Idle passes that hold a timed completion due `due_in` after each pass,
+/// until the poller asks for the clock (it never looks without the lock: a
+/// look posts nothing).
+fn timed_idle_until_clock(p: &mut Probe, due_in: Duration) {
+    let mut act = p.step(O::PassedTimed { in_flight: false, due_in });
+    loop {
+        act = match act {
+            A::Clock => return,
+            A::Spin => p.step(O::Done),
+            A::Pass { .. } => p.step(O::PassedTimed { in_flight: false, due_in }),
+            a => panic!("idle with a timed completion held: {a:?}"),
+        };
+    }
+}
+
+#[test]
+fn a_held_timed_completion_due_later_is_slept_through_until_the_margin_before_it() {
+    for cfg in [SHADOW, FORECAST, PAGE] {
+        let mut p = Probe::new(cfg);
+        let w = p.m.window.get();
+        let t0 = MS;
+        assert_eq!(p.step(O::Done), A::Pass { hit: false });
+        assert_eq!(p.step(O::Passed { busy: true, in_flight: false }), A::Pass { hit: false });
+        // A 1 ms device time held from t0: idle through the window, then a sleep ending
+        // TIMED_MARGIN before it is due (or sooner: a page's first step).
+        let due = t0 + MS;
+        timed_idle_until_clock(&mut p, due - t0);
+        assert_eq!(p.step(O::Now(t0)), A::Spin);
+        timed_idle_until_clock(&mut p, due - (t0 + w));
+        assert_eq!(p.step(O::Now(t0 + w)), A::Arm, "{cfg:?}");
+        let timeout = match p.step(O::Armed(Some(t0 + w))) {
+            A::Sleep { timeout } => timeout,
+            a => panic!("{a:?}"),
+        };
+        let want = due - TIMED_MARGIN - (t0 + w);
+        let want = if cfg.page { BAR_IDLE_STEP.min(want) } else { want };
+        assert_eq!(timeout, Some(want), "{cfg:?}");
+        if cfg.page {
+            continue; // its steps are the page's; `woke` below is the shadow doorbells'
+        }
+        // The timeout ends the sleep: awake, no forecast's timer, and it polls for the completion.
+        let now = due - TIMED_MARGIN;
+        p.expect(&[
+            (
+                O::Woke { kicked: false, completed: false, now },
+                A::Wake { kicked: false, completed: false, forecast: false },
+            ),
+            (O::Awake { stalled: false, now }, A::Pass { hit: false }),
+        ]);
+        // Within the margin: polled for, never a sleep, until the pass that posts it.
+        timed_idle_until_clock(&mut p, TIMED_MARGIN);
+        assert_eq!(p.step(O::Now(now)), A::Spin);
+        for k in 1..=6u32 {
+            timed_idle_until_clock(&mut p, TIMED_MARGIN.saturating_sub(k * 10 * US));
+            assert_eq!(p.step(O::Now(now + w + k * 10 * US)), A::Spin, "{cfg:?} {k}");
+        }
+        // Posted: work, and the idle it ended is no submission gap for the forecast
+        // (a gap is timed with a clock reading: A::Clock here).
+        assert_eq!(p.step(O::Passed { busy: true, in_flight: false }), A::Pass { hit: false }, "{cfg:?}");
+    }
+}
+
+#[test]
+fn a_timed_completion_due_within_the_margin_keeps_the_poller_polling() {
+    let mut p = Probe::new(SHADOW);
+    let w = p.m.window.get();
+    p.step(O::Done);
+    assert_eq!(p.step(O::Passed { busy: true, in_flight: false }), A::Pass { hit: false });
+    timed_idle_until_clock(&mut p, MIN_SLEEP + TIMED_MARGIN);
+    assert_eq!(p.step(O::Now(MS)), A::Spin);
+    timed_idle_until_clock(&mut p, MIN_SLEEP + TIMED_MARGIN);
+    assert_eq!(p.step(O::Now(MS + w)), A::Spin, "a sleep could not end before it is due");
+    // Due a little later: it sleeps.
+    timed_idle_until_clock(&mut p, MIN_SLEEP + TIMED_MARGIN + US);
+    assert_eq!(p.step(O::Now(MS + w + US)), A::Arm);
+}

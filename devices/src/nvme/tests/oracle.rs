@@ -228,6 +228,15 @@ fn a_timing_model_in_random_schedules() {
             assert!(r.timed > 0 || r.completed == 0, "{mode} seed {seed}: {r:?}");
         }
     }
+    // Device times past an adaptive poller's margin: it sleeps until just
+    // before each is due (every decision checked against the machine's invariants).
+    let slow = "read:u:100us:900us+write:400us+flush:200us+discard:150us";
+    for mode in MODES.into_iter().filter(|m| m.adaptive()) {
+        let mut c = cfg(mode, 1, 512);
+        c.timing = Some(Box::new(slow.parse().unwrap()));
+        let r = run(c, false, 7200, |r| Shape::random(r, 300));
+        assert!(r.timed > 0 || r.completed == 0, "{mode} slow: {r:?}");
+    }
     for mode in [DoorbellMode::Shm, DoorbellMode::Adaptive] {
         let mut c = cfg(mode, 2, 512);
         c.timing = Some(Box::new(spec.parse().unwrap()));
