@@ -50,6 +50,7 @@ fn each_namespace_completes_at_its_own_models_due_time() {
         (DoorbellMode::Auto, true),
         (DoorbellMode::Auto, false),
         (DoorbellMode::Adaptive, true),
+        (DoorbellMode::Ioeventfd, true),
     ] {
         own_due_times(mode, shadow);
     }
@@ -100,8 +101,10 @@ fn own_due_times(mode: DoorbellMode, shadow: bool) {
     assert!(get("timing.device-p50-ns").unwrap() >= 40_000 * 98 / 100, "{c:?}");
     if mode == DoorbellMode::Adaptive {
         // The six 300 us reads were slept through (an idle window of at most
-        // 200 us, then a sleep until 50 us before each was due), not polled.
-        assert!(get("adaptive.sleeps").unwrap_or(0) >= 6, "{mode}: {c:?}");
+        // 200 us, then a sleep until 50 us before each was due), not polled:
+        // at least half of them on a loaded host (polling through them, as
+        // before, sleeps at most once: the next read follows each at once).
+        assert!(get("adaptive.sleeps").unwrap_or(0) >= 3, "{mode}: {c:?}");
     }
     d.n.quiesce();
 }
