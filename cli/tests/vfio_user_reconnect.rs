@@ -349,5 +349,5 @@ fn virtio_blk_verify_survives_kill_9_of_its_vfio_user_device_process_every_2_s()
 
 #[test]
 fn virtio_blk_ioeventfd_verify_survives_kill_9_of_its_vfio_user_device_process_every_2_s() {
-    vblk_verify_under_kills("ioeventfd", 24, true);
+    vblk_verify_under_kills("ioeventfd", 16, true);
 }

@@ -378,16 +378,19 @@ impl Transport {
 
     /// Applies a plan [`Plan::read`] validated: the registers, queues and
     /// MSI-X. Returns the chains to run again per queue.
+    /// A reset plan (status 0) applies MSI-X alone: a virtio reset leaves it as it was.
     fn apply(&mut self, p: Plan) -> Vec<Vec<u16>> {
         let dev = p.dev;
-        (self.status, self.generation) = (dev as u8, (dev >> 8) as u8);
-        (self.config_vector, self.queue_sel) = ((dev >> 16) as u16, (dev >> 32) as u16);
-        (self.driver_features, self.dfsel, self.gfsel) = (p.features, p.sel as u32, (p.sel >> 32) as u32);
         let mut again = Vec::new();
-        for (vq, qp) in self.queues.iter_mut().zip(p.queues) {
-            vq.ring = qp.ring;
-            vq.vector = qp.vector;
-            again.push(qp.resubmit);
+        if dev as u8 != 0 {
+            (self.status, self.generation) = (dev as u8, (dev >> 8) as u8);
+            (self.config_vector, self.queue_sel) = ((dev >> 16) as u16, (dev >> 32) as u16);
+            (self.driver_features, self.dfsel, self.gfsel) = (p.features, p.sel as u32, (p.sel >> 32) as u32);
+            for (vq, qp) in self.queues.iter_mut().zip(p.queues) {
+                vq.ring = qp.ring;
+                vq.vector = qp.vector;
+                again.push(qp.resubmit);
+            }
         }
         for (v, e) in p.msix.iter().enumerate() {
             for k in 0..4 {
@@ -465,7 +468,7 @@ impl<E: super::QueueEngine> super::VirtioPci<E> {
             e.reset(t);
             t.forget();
         }
-        let again = if reset { Vec::new() } else { t.apply(plan) };
+        let again = t.apply(plan);
         t.rec = Some(Box::new(rec));
         t.record_all();
         e.resumed(t, again);
