@@ -27,6 +27,12 @@
 //! The region is shared memory a frontend (hostile, like any peer) can
 //! write at any time: every index read from it is checked, and accesses are
 //! plain atomic loads and stores (no reference to the memory is formed).
+//!
+//! virtio-blk over vfio-user keeps the same regions inside its state memory
+//! (`state.rs`): [`InflightRing::reset`] sets one up when the driver enables
+//! the queue, [`InflightRing::untake`] gives back a chain the device left
+//! available after all, and [`InflightRing::check`] reads a region without
+//! changing it, so that a resume can refuse a bad one before it starts any.
 
 use std::any::Any;
 use std::ptr::NonNull;
@@ -88,6 +94,18 @@ pub struct InflightRing {
     counter: u64,
     /// Keeps the mapping alive as long as this view of it.
     _keep: Arc<dyn Any + Send + Sync>,
+    /// Tests: called before every store into the region (where a device dies).
+    #[cfg(test)]
+    pub(crate) hook: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+/// What [`InflightRing::check`] read from a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Noted {
+    /// The used index the region noted last.
+    pub used_idx: u16,
+    /// Chains marked in flight.
+    pub in_flight: u16,
 }
 
 // SAFETY: the region is reached through atomics only, and `_keep` holds
@@ -102,7 +120,23 @@ impl InflightRing {
     /// writable as long as `keep` lives (anyone else may write them).
     pub unsafe fn new(base: NonNull<u8>, desc_num: u16, keep: Arc<dyn Any + Send + Sync>) -> Self {
         debug_assert!(base.as_ptr().align_offset(8) == 0);
-        InflightRing { base, desc_num, counter: 0, _keep: keep }
+        InflightRing {
+            base,
+            desc_num,
+            counter: 0,
+            _keep: keep,
+            #[cfg(test)]
+            hook: None,
+        }
+    }
+
+    /// Before each store (tests: the device may die here).
+    #[inline]
+    fn storing(&self) {
+        #[cfg(test)]
+        if let Some(h) = &self.hook {
+            h();
+        }
     }
 
     fn u8_at(&self, off: usize) -> &AtomicU8 {
@@ -132,7 +166,54 @@ impl InflightRing {
     }
 
     fn clear(&self, i: u16) {
+        self.storing();
         self.u8_at(Self::entry(i) + INFLIGHT_AT).store(0, Ordering::Release);
+    }
+
+    /// Sets the region up for a queue that starts now (its used index
+    /// `used_idx`), whatever it held: no entry in flight, then the version
+    /// (last: a region whose set-up was cut short reads as version 0 or
+    /// with stale entries cleared already).
+    pub fn reset(&mut self, used_idx: u16) {
+        self.storing();
+        self.u16_at(VERSION_AT).store(0, Ordering::Release);
+        for i in 0..self.desc_num {
+            if self.inflight(i) {
+                self.clear(i);
+            }
+        }
+        for (at, v) in [(DESC_NUM_AT, self.desc_num), (LAST_BATCH_AT, 0), (USED_IDX_AT, used_idx)] {
+            if self.u16_at(at).load(Ordering::Relaxed) != v {
+                self.storing();
+                self.u16_at(at).store(v, Ordering::Relaxed);
+            }
+        }
+        self.storing();
+        self.u16_at(VERSION_AT).store(VERSION, Ordering::Release);
+        self.counter = 0;
+    }
+
+    /// Reads a region [`start`](Self::start) would resume a queue of size
+    /// `num` from, changing nothing: an error where `start` would give one,
+    /// and for a region set up before, also one whose version is 0.
+    pub fn check(&self, num: u16) -> Result<Noted, InflightError> {
+        if num > self.desc_num {
+            return Err(InflightError::Size { num, desc_num: self.desc_num });
+        }
+        let version = self.u16_at(VERSION_AT).load(Ordering::Acquire);
+        if version != VERSION {
+            return Err(InflightError::Version(version));
+        }
+        let mut in_flight = 0u16;
+        for i in 0..self.desc_num {
+            if self.inflight(i) {
+                if i >= num {
+                    return Err(InflightError::Index { index: i, num });
+                }
+                in_flight += 1;
+            }
+        }
+        Ok(Noted { used_idx: self.u16_at(USED_IDX_AT).load(Ordering::Acquire), in_flight })
     }
 
     /// The ring starts on this region, its size `num` and the used index
@@ -171,6 +252,7 @@ impl InflightRing {
                 at = self.u16_at(Self::entry(at) + NEXT_AT).load(Ordering::Acquire);
             }
             fence(Ordering::Release);
+            self.storing();
             self.u16_at(USED_IDX_AT).store(used_idx, Ordering::Release);
         }
         let mut taken = Vec::new();
@@ -195,9 +277,19 @@ impl InflightRing {
         if head >= self.desc_num {
             return; // the queue checked it against its size, at most desc_num
         }
+        self.storing();
         self.u64_at(Self::entry(head) + COUNTER_AT).store(self.counter, Ordering::Relaxed);
+        self.storing();
         self.u8_at(Self::entry(head) + INFLIGHT_AT).store(1, Ordering::Release);
         self.counter = self.counter.wrapping_add(1);
+    }
+
+    /// The chain at `head`, taken last, goes back to the available ring
+    /// (the device could not start it yet): no longer in flight.
+    pub fn untake(&mut self, head: u16) {
+        if head < self.desc_num {
+            self.clear(head);
+        }
     }
 
     /// The chain at `head` is about to be put in the used ring (a batch of one).
@@ -206,7 +298,9 @@ impl InflightRing {
             return;
         }
         let last = self.u16_at(LAST_BATCH_AT).load(Ordering::Relaxed);
+        self.storing();
         self.u16_at(Self::entry(head) + NEXT_AT).store(last, Ordering::Relaxed);
+        self.storing();
         self.u16_at(LAST_BATCH_AT).store(head, Ordering::Release);
         fence(Ordering::Release); // before the used-ring write (a no-op on x86, whose stores stay in order)
     }
@@ -218,6 +312,7 @@ impl InflightRing {
         if head < self.desc_num {
             self.clear(head);
         }
+        self.storing();
         self.u16_at(USED_IDX_AT).store(used_idx, Ordering::Release);
     }
 }

@@ -280,3 +280,29 @@ fn sizes_follow_the_queue_size() {
     assert_eq!(queue_region_size(1), 64);
     assert_eq!(region_size(4, 256), 4 * 4160);
 }
+
+/// What virtio-blk's state memory adds (`state.rs`): a region set up at a
+/// queue's enable whatever it held, a chain given back, and a read that
+/// changes nothing and refuses what `start` would.
+#[test]
+fn reset_untake_and_check_as_the_state_memory_uses_them() {
+    let (mem, p) = region(8);
+    let mut r = view(&mem, p, 8);
+    assert_eq!(r.check(8), Err(InflightError::Version(0)), "never set up");
+    r.reset(5);
+    assert_eq!(r.check(8), Ok(Noted { used_idx: 5, in_flight: 0 }));
+    r.take(3);
+    r.take(6);
+    r.untake(6);
+    assert_eq!(r.check(8), Ok(Noted { used_idx: 5, in_flight: 1 }));
+    r.take(6);
+    assert_eq!(r.check(4), Err(InflightError::Index { index: 6, num: 4 }));
+    assert_eq!(r.check(16), Err(InflightError::Size { num: 16, desc_num: 8 }));
+    // check changed nothing: a start resumes both, oldest first.
+    let mut again = view(&mem, p, 8);
+    assert_eq!(again.start(8, 5).unwrap(), Resume { next_avail: Some(7), resubmit: vec![3, 6] });
+    // A reset forgets them (a driver that reset the device abandoned them).
+    again.reset(0);
+    assert_eq!(again.check(8), Ok(Noted { used_idx: 0, in_flight: 0 }));
+    assert_eq!(view(&mem, p, 8).start(8, 0).unwrap(), Resume { next_avail: Some(0), resubmit: vec![] });
+}

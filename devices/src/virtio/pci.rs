@@ -39,13 +39,24 @@
 //! between the rings and the storage (`blk_emu.rs`): every chain taken is
 //! shown to the rules first, and every completion may wait in the timer
 //! wheel, which each pass of the device thread empties of what is due.
+//!
+//! State memory (`transport/state.rs`; a device process over vfio-user):
+//! every chain taken is noted in flight and every completion published in
+//! the order that module documents, so that a new process resumes the
+//! device and runs again exactly the requests the dead one had not
+//! completed ([`BlkEngine::resumed`]: they go first, before anything new).
+//! Null and file disks resume, with any `notify=`; refused (`state_len`
+//! None): a RAM disk (its data dies with the process), `timing=` and
+//! `inject=` (held completions and injected drops are not recorded).
 
 use super::blk::{self, Blk, Done};
 use super::blk_async as aio;
 use super::blk_emu::{self, Decision, Emu};
+use super::queue::{Queue, QueueError};
 use super::transport::{DeviceConfigBytes, QueueEngine, Shared, State, Transport, VirtioPci};
 use crate::block::{Storage, StorageKind};
 use crate::{Counter, DeviceContext, Error, GuestMem, IoEventSpec, Result};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use vmm_sys_util::eventfd::EventFd;
@@ -177,6 +188,9 @@ pub(super) struct Stats {
     errors: u64,
     /// Requests served on each queue.
     queue_requests: Vec<u64>,
+    /// Requests a dead device process had taken and not completed, run
+    /// again after a resume from state memory.
+    resubmitted: u64,
 }
 
 /// The queue engine of iopath's own virtio-blk: requests served in the
@@ -202,6 +216,9 @@ pub struct BlkEngine {
     /// The queue a pass starts at (turns, so that none waits for slots
     /// behind another one kept full).
     first: usize,
+    /// Per queue: chains a dead device process took and did not complete
+    /// (state memory), oldest first, served before the available ring's.
+    resubmit: Vec<VecDeque<u16>>,
 }
 
 /// The virtio-blk PCI function served in the VMM.
@@ -238,6 +255,7 @@ impl VirtioPci<BlkEngine> {
             aio: false,
             flight: aio::Flight::default(),
             first: 0,
+            resubmit: vec![VecDeque::new(); n as usize],
         };
         Ok(VirtioPci::with_engine(e))
     }
@@ -384,6 +402,38 @@ impl QueueEngine for BlkEngine {
         // Before the transport forgets the queues: nothing completes after this.
         self.flight.cancel(&mut self.blk);
         self.emu.reset();
+        self.resubmit.iter_mut().for_each(VecDeque::clear);
+    }
+
+    fn state_supported(&self) -> Result<()> {
+        let no = |why: &str| Err(Error::Host(format!("virtio-blk: no state memory: {why}")));
+        if matches!(self.cfg.backend, StorageKind::Ram) {
+            return no("a ram disk's data dies with its process (use null or file:PATH)");
+        }
+        if self.cfg.timing.is_some() || !self.cfg.inject.is_empty() {
+            return no("timing= and inject= are not recorded (held completions, dropped requests)");
+        }
+        Ok(())
+    }
+
+    fn resumed(&mut self, t: &mut Transport, again: Vec<Vec<u16>>) {
+        let n: usize = again.iter().map(Vec::len).sum();
+        for (q, heads) in again.into_iter().enumerate().take(self.resubmit.len()) {
+            self.resubmit[q] = heads.into();
+        }
+        if n > 0 {
+            let per: Vec<String> = self.resubmit.iter().map(|r| r.len().to_string()).collect();
+            log::warn!(
+                "virtio-blk: resumed from state memory: re-executing {n} request(s) a previous device process                  left in flight (per queue: {})",
+                per.join(",")
+            );
+        } else {
+            log::info!("virtio-blk: resumed from state memory, no request in flight");
+        }
+        while serve(t, self) {}
+        if let Some(w) = &self.thread {
+            let _ = w.kick.write(1); // the device thread reaps what the pass started
+        }
     }
 
     fn injector(&self) -> Option<std::sync::Arc<crate::block::inject::Injector>> {
@@ -394,6 +444,7 @@ impl QueueEngine for BlkEngine {
         let st = &self.st;
         [("kicks", st.kicks), ("sleeps", st.sleeps), ("requests", st.requests), ("errors", st.errors)]
             .into_iter()
+            .chain((st.resubmitted > 0).then_some(("resubmitted", st.resubmitted)))
             .map(|(n, value)| Counter { name: n.into(), value })
             .chain(
                 st.queue_requests
@@ -512,10 +563,32 @@ fn post_due(t: &mut Transport, e: &mut BlkEngine) {
 /// noting in `irq` whether the driver asked for an interrupt; a used ring
 /// that cannot be written breaks the device.
 fn push_used(t: &mut Transport, mem: &GuestMem, i: usize, head: u16, written: u32, irq: &mut [bool]) {
-    match t.queues[i].ring.push_used(mem, head, written) {
+    match complete(&mut t.queues[i].ring, t.rec.as_deref(), i, mem, head, written) {
         Ok(x) => irq[i] |= x,
         Err(err) => t.broken(&format!("used ring: {err}")),
     }
+}
+
+/// Puts chain `head` of queue `i` in the used ring as [`Queue::push_used`]
+/// does, with the state memory's records around it (step 3 of
+/// `transport/state.rs`): the head noted as the last batch before, its
+/// entry cleared after the used index is published.
+fn complete(
+    q: &mut Queue,
+    rec: Option<&super::transport::state::Recorder>,
+    i: usize,
+    mem: &GuestMem,
+    head: u16,
+    written: u32,
+) -> std::result::Result<bool, QueueError> {
+    if let Some(r) = rec {
+        r.used_before(i, head);
+    }
+    let want = q.push_used(mem, head, written)?;
+    if let Some(r) = rec {
+        r.used_after(i, head, q.next_used);
+    }
+    Ok(want)
 }
 
 /// Raises the interrupt of each queue `irq` marks.
@@ -546,9 +619,24 @@ pub(super) fn serve_queue(t: &mut Transport, e: &mut BlkEngine, i: usize) -> boo
     let mut irq = false;
     let mut more = false;
     let q = &mut t.queues[i].ring;
+    let mut rec = t.rec.as_deref_mut();
     for _ in 0..=q.num {
         more = true;
-        match q.pop(&mem) {
+        // Chains a dead device process left in flight first (noted in
+        // flight already), then the available ring's, each noted as taken.
+        let again = e.resubmit.get_mut(i).and_then(VecDeque::pop_front);
+        let next = match again {
+            Some(head) => {
+                e.st.resubmitted += 1;
+                q.chain(&mem, head).map(Some)
+            }
+            None => q.pop(&mem).inspect(|c| {
+                if let (Some(c), Some(r)) = (c, rec.as_deref_mut()) {
+                    r.take(i, c.head, q.next_avail);
+                }
+            }),
+        };
+        match next {
             Ok(Some(c)) => {
                 let (done, due) = match e.emu.decide(&mem, &c.descs, i as u16) {
                     Decision::Run(plan) => {
@@ -559,7 +647,15 @@ pub(super) fn serve_queue(t: &mut Transport, e: &mut BlkEngine, i: usize) -> boo
                                 aio::Started::NoRoom => {
                                     // Left available until a reap frees slots (the thread
                                     // wakes on it); decided already, it keeps its plan.
-                                    q.unpop();
+                                    match again {
+                                        Some(head) => e.resubmit[i].push_front(head),
+                                        None => {
+                                            if let Some(r) = rec.as_deref_mut() {
+                                                r.untake(i, c.head, q.next_avail.wrapping_sub(1));
+                                            }
+                                            q.unpop();
+                                        }
+                                    }
                                     e.emu.park(i as u16, plan);
                                     more = false;
                                     break;
@@ -582,8 +678,8 @@ pub(super) fn serve_queue(t: &mut Transport, e: &mut BlkEngine, i: usize) -> boo
                 if e.emu.hold(i as u16, c.head, done, due) {
                     continue;
                 }
-                match q.push_used(&mem, c.head, done.written) {
-                    Ok(i) => irq |= i,
+                match complete(q, rec.as_deref(), i, &mem, c.head, done.written) {
+                    Ok(x) => irq |= x,
                     Err(err) => {
                         t.broken(&format!("used ring: {err}"));
                         return false;
@@ -628,7 +724,7 @@ impl State<BlkEngine> {
     /// Requests on the file's io_uring not yet completed, and completions
     /// held for their due time.
     pub(super) fn in_flight(&self) -> usize {
-        self.e.flight.requests() + self.e.emu.held()
+        self.e.flight.requests() + self.e.emu.held() + self.e.resubmit.iter().map(VecDeque::len).sum::<usize>()
     }
 
     /// True if a queue is live and the driver has made chains available
@@ -636,7 +732,9 @@ impl State<BlkEngine> {
     pub(super) fn has_work(&self) -> bool {
         let t = &self.t;
         let Some(c) = t.ctx.as_ref() else { return false };
-        (0..t.queues.len()).any(|i| t.queue_live(i) && t.queues[i].ring.has_work(&c.mem).unwrap_or(true))
+        (0..t.queues.len()).any(|i| {
+            t.queue_live(i) && (!self.e.resubmit[i].is_empty() || t.queues[i].ring.has_work(&c.mem).unwrap_or(true))
+        })
     }
 
     /// Sets whether a poller serves the queues, and asks the driver for

@@ -26,6 +26,11 @@
 //! The transport tells it about DRIVER_OK, notify writes that exit, and
 //! reset, and asks it for the device's PCI ids and class, its features and
 //! its device configuration.
+//!
+//! With state memory (`state.rs`; an engine that can resume says so,
+//! [`QueueEngine::state_supported`]) the transport records its registers,
+//! MSI-X and, for the engine, the chains in flight, so that a new process
+//! of the device resumes it.
 
 use super::queue::{Queue, MAX_QUEUE_SIZE};
 use crate::pci::{Capability, MsixTable};
@@ -145,6 +150,15 @@ pub trait QueueEngine: Send + Sized + 'static {
     fn shares_guest_ram(&self) -> bool {
         false
     }
+    /// Whether the engine can keep its state in state memory and resume
+    /// from it (`state.rs`): Ok, or why not.
+    fn state_supported(&self) -> Result<()> {
+        Err(crate::Error::Host(format!("{} keeps no state memory", self.name())))
+    }
+    /// The device resumed from state memory: `again[q]` holds the chains of
+    /// queue q a dead process took and did not complete, oldest first, to
+    /// run before any new one. The engine serves its queues now.
+    fn resumed(&mut self, _t: &mut Transport, _again: Vec<Vec<u16>>) {}
 }
 
 /// The transport's register state (the engine's is beside it in [`State`]).
@@ -170,6 +184,8 @@ pub struct Transport {
     pub interrupts: u64,
     pub ring_errors: u64,
     pub resets: u64,
+    /// The state memory's recorder, once the device adopted one (`state.rs`).
+    pub(super) rec: Option<Box<state::Recorder>>,
 }
 
 /// One virtqueue's transport state.
@@ -227,6 +243,7 @@ impl<E: QueueEngine> VirtioPci<E> {
             interrupts: 0,
             ring_errors: 0,
             resets: 0,
+            rec: None,
         };
         VirtioPci { state: Arc::new(Mutex::new(State { t, e: engine })), pci_cfg: Mutex::new([0u8; PCI_CFG_BODY]) }
     }
@@ -378,6 +395,7 @@ impl Transport {
         if self.status & S_NEEDS_RESET == 0 {
             self.status |= S_NEEDS_RESET;
             self.generation = self.generation.wrapping_add(1);
+            self.record();
             self.interrupt(self.config_vector, 2);
         }
     }
@@ -486,6 +504,7 @@ impl<E: QueueEngine> State<E> {
             }
             _ => log::debug!("{}: common config write {off:#x}/{} dropped", t.name, data.len()),
         }
+        self.t.record();
     }
 
     fn status_write(&mut self, s: u8) {
@@ -513,8 +532,11 @@ impl<E: QueueEngine> State<E> {
     fn reset(&mut self) {
         self.e.reset(&mut self.t);
         self.t.forget();
+        self.t.record();
     }
 }
 
 #[path = "transport_model.rs"]
 mod model;
+#[path = "state.rs"]
+pub mod state;

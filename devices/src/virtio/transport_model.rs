@@ -67,6 +67,7 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
         if s.t.msix.claims(bar, offset) {
             if let Some(v) = s.t.msix.write(bar, offset, data) {
                 s.t.msix_update(v);
+                s.t.record_msix(v);
                 let State { t, e } = &mut *s;
                 e.interrupt_changed(t);
             }
@@ -90,6 +91,18 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
         let mut s = self.state();
         s.reset();
         s.t.msix = new_msix(s.t.num_queues());
+        for v in 0..s.t.msix_vectors() as usize {
+            s.t.record_msix(v);
+        }
+        s.t.record_msix_control();
+    }
+
+    fn state_len(&self) -> Option<usize> {
+        self.state_bytes()
+    }
+
+    fn adopt_state(&self, mem: crate::state::StateMemory, resume: bool) -> Result<()> {
+        self.adopt(mem, resume)
     }
 
     fn new_client(&self) {
@@ -132,6 +145,7 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
             for v in 0..s.t.msix_vectors() as usize {
                 s.t.msix_update(v);
             }
+            s.t.record_msix_control();
             let State { t, e } = &mut *s;
             e.interrupt_changed(t);
         }

@@ -41,7 +41,9 @@
 //! A device without state memory (pci-testdev; any peer that does not know
 //! the extension) is reconnected as well, with a warning that its
 //! registers and in-flight work are lost: for a stateless device that is
-//! harmless. A session that had state memory and whose new process cannot
+//! harmless. iopath's NVMe controller and virtio-blk keep state memory
+//! (where their configuration allows: `DeviceModel::state_len`) and resume
+//! silently. A session that had state memory and whose new process cannot
 //! take it back ends (the run stops): a device that forgot its state
 //! would complete or lose commands the guest cannot know of.
 
