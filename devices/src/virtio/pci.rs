@@ -424,7 +424,7 @@ impl QueueEngine for BlkEngine {
         if n > 0 {
             let per: Vec<String> = self.resubmit.iter().map(|r| r.len().to_string()).collect();
             log::warn!(
-                "virtio-blk: resumed from state memory: re-executing {n} request(s) a previous device process                  left in flight (per queue: {})",
+                "virtio-blk: resumed from state memory: re-executing {n} request(s) a previous device process left in flight (per queue: {})",
                 per.join(",")
             );
         } else {
