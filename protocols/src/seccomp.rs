@@ -138,8 +138,10 @@ fn base(r: &mut Rules, pid: u32) {
     when(r, SYS_prctl, one_of(0, &[PR_GET_NAME as u64, PR_SET_NAME as u64, PR_SET_TIMERSLACK as u64]));
     // abort() and the SIGSYS handler signal their own thread; nobody else.
     when(r, SYS_tgkill, vec![rule(vec![cond(0, Op::Eq, pid as u64)])]);
-    // F_GETFD/F_GETFL (std checks an fd it is handed) and F_DUPFD_CLOEXEC (try_clone).
-    when(r, SYS_fcntl, one_of(1, &[F_GETFD as u64, F_GETFL as u64, F_DUPFD_CLOEXEC as u64]));
+    // F_GETFD/F_GETFL (std checks an fd it is handed), F_DUPFD_CLOEXEC (try_clone),
+    // F_OFD_SETLK (a file storage's lock, which a resumed device waits at:
+    // devices/src/block/fence.rs).
+    when(r, SYS_fcntl, one_of(1, &[F_GETFD as u64, F_GETFL as u64, F_DUPFD_CLOEXEC as u64, F_OFD_SETLK as u64]));
     // The SIGBUS handler (`crate::sigbus`), in whatever thread faults on client
     // memory its client shrank: mmap of zero pages (no PROT_EXEC, above),
     // shutdown of the session socket for reading, write, rt_sigreturn; on a

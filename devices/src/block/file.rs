@@ -18,6 +18,8 @@ use std::os::unix::fs::FileExt;
 /// kernel allow, an O_DIRECT fd driven through io_uring with up to
 /// [`FILE_SLOTS`](super::FILE_SLOTS) operations in flight.
 pub struct FileStorage {
+    /// For messages.
+    path: String,
     pub(super) file: File,
     pub(super) uring: Option<Uring>,
     /// Operations that completed through io_uring (with O_DIRECT unless
@@ -129,7 +131,13 @@ impl FileStorage {
                 }
             },
         };
+        // The fence a resumed device waits at (`fence.rs`): on the description
+        // the ring's operations hold.
+        if let Some(u) = &uring {
+            super::fence::hold(&u._direct, &p.display().to_string());
+        }
         Ok(FileStorage {
+            path: p.display().to_string(),
             file: f,
             uring,
             direct_ops: 0,
@@ -149,6 +157,16 @@ impl FileStorage {
     }
 
     /// The namespace's size in bytes.
+    /// See [`Storage::after_predecessor`](super::Storage::after_predecessor):
+    /// only the ring's operations outlive a process (its synchronous ones
+    /// end with its threads).
+    pub(super) fn after_predecessor(&self) -> Result<()> {
+        match &self.uring {
+            Some(u) => super::fence::after_predecessor(&u._direct, &self.path, super::fence::FENCE_WAIT),
+            None => Ok(()),
+        }
+    }
+
     pub fn bytes(&self) -> u64 {
         self.bytes
     }

@@ -27,6 +27,7 @@
 //! timing model (due times, the timer wheel); virtio-blk asks both
 //! (`virtio/blk_emu.rs`), NVMe not yet.
 
+pub(crate) mod fence;
 pub mod file;
 pub mod guest;
 pub mod inject;
@@ -166,6 +167,17 @@ impl Storage {
             Storage::Null { bytes } => Some(Storage::Null { bytes: *bytes }),
             Storage::Ram(r) => Some(Storage::Ram(r.clone())),
             Storage::File(_) => None,
+        }
+    }
+
+    /// Resuming in a new device process after one was killed: waits (at
+    /// most [`fence::FENCE_WAIT`]) until the file operations the dead
+    /// process left running in the kernel have ended (`fence.rs`), so that
+    /// none lands after what the resumed device writes.
+    pub fn after_predecessor(&self) -> Result<()> {
+        match self {
+            Storage::File(f) => f.after_predecessor(),
+            _ => Ok(()),
         }
     }
 

@@ -416,6 +416,10 @@ impl QueueEngine for BlkEngine {
         Ok(())
     }
 
+    fn after_predecessor(&self) -> Result<()> {
+        self.blk.storage.after_predecessor()
+    }
+
     fn resumed(&mut self, t: &mut Transport, again: Vec<Vec<u16>>) {
         let n: usize = again.iter().map(Vec::len).sum();
         for (q, heads) in again.into_iter().enumerate().take(self.resubmit.len()) {

@@ -462,6 +462,8 @@ impl<E: super::QueueEngine> super::VirtioPci<E> {
         }
         let mut rec = Recorder::new(mem, n);
         let plan = Plan::read(&s.t, &mut rec)?;
+        // Valid: no write of the dead process may land after the re-executed ones.
+        s.e.after_predecessor()?;
         let reset = plan.dev as u8 == 0;
         let super::State { t, e } = &mut *s;
         if reset {

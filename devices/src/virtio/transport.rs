@@ -155,6 +155,11 @@ pub trait QueueEngine: Send + Sized + 'static {
     fn state_supported(&self) -> Result<()> {
         Err(crate::Error::Host(format!("{} keeps no state memory", self.name())))
     }
+    /// Before a resume: waits for the file operations a dead process left
+    /// running in the kernel (`Storage::after_predecessor`).
+    fn after_predecessor(&self) -> Result<()> {
+        Ok(())
+    }
     /// The device resumed from state memory: `again[q]` holds the chains of
     /// queue q a dead process took and did not complete, oldest first, to
     /// run before any new one. The engine serves its queues now.

@@ -427,6 +427,10 @@ impl super::Nvme {
             return Err(Error::Host("nvme: resume: this controller already serves (resume a fresh one)".into()));
         }
         let plan = resume::Plan::read(&c, &mem)?;
+        // Valid: no write of the dead process may land after the re-executed ones.
+        for n in &c.ns {
+            n.storage.after_predecessor()?;
+        }
         c.rec = Some(Box::new(Recorder::new(mem)));
         c.apply(plan);
         let ready = c.regs.csts & 1 == 1;
