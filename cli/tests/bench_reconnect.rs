@@ -12,7 +12,7 @@ use std::process::Command;
 #[test]
 fn bench_reconnect_with_two_kills_counts_a_reconnect_per_kill_and_no_guest_error() {
     common::kvm();
-    let dir = common::TempDir::new("bench-reconnect");
+    let dir = common::TempDir::new("reconnect-json");
     let json = dir.join("r.json");
     let before = leftovers();
     let out = Command::new(env!("CARGO_BIN_EXE_iopath"))

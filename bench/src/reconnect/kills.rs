@@ -25,17 +25,22 @@ pub fn pattern_word(seed: u64, o: u64) -> u64 {
 /// every word of its `size_mb` MiB, recomputed here. The error names the
 /// first differing offsets (at most 5).
 pub fn check_file(img: &Path, size_mb: u64, seed: u64) -> anyhow::Result<()> {
-    let data = std::fs::read(img).with_context(|| format!("reading {} back", img.display()))?;
-    if data.len() as u64 != size_mb << 20 {
-        bail!("{} holds {} bytes, not {} MiB", img.display(), data.len(), size_mb);
+    let mut f = std::fs::File::open(img).with_context(|| format!("reading {} back", img.display()))?;
+    let len = f.metadata()?.len();
+    if len != size_mb << 20 {
+        bail!("{} holds {len} bytes, not {size_mb} MiB", img.display());
     }
-    let bad: Vec<u64> = data
-        .chunks_exact(8)
-        .enumerate()
-        .filter(|(i, w)| u64::from_le_bytes((*w).try_into().unwrap_or_default()) != pattern_word(seed, *i as u64 * 8))
-        .map(|(i, _)| i as u64 * 8)
-        .take(5)
-        .collect();
+    let (mut buf, mut bad) = (vec![0u8; 1 << 20], Vec::new());
+    for mib in 0..size_mb {
+        f.read_exact(&mut buf).with_context(|| format!("reading {} back", img.display()))?;
+        let base = mib << 20;
+        for (i, w) in buf.chunks_exact(8).enumerate() {
+            let o = base + i as u64 * 8;
+            if bad.len() < 5 && u64::from_le_bytes(w.try_into().unwrap_or_default()) != pattern_word(seed, o) {
+                bad.push(o);
+            }
+        }
+    }
     if !bad.is_empty() {
         bail!("the file differs from the pattern at byte offsets {bad:?}");
     }

@@ -169,6 +169,8 @@ impl ReconnectOptions {
 pub struct Row {
     pub target: String,
     pub size_mb: u64,
+    /// Runs under kills: 2 when the first one's window ended before its kills did.
+    pub runs: u32,
     pub kills: u64,
     /// Kills that found the device process inside a disk read or write.
     pub aimed: u64,
@@ -193,6 +195,7 @@ impl Default for Row {
         Row {
             target: String::new(),
             size_mb: 0,
+            runs: 0,
             kills: 0,
             aimed: 0,
             reconnects: None,
@@ -335,14 +338,25 @@ fn run_target(o: &ReconnectOptions, t: Target, step: &mut dyn FnMut(u64)) -> any
     let dir = Scratch::new()?;
     let (rate, quiet_gap_ms) = calibrate(o, t, &dir)?;
     step(2);
-    // The window must outlast the last kill: the kills' span, 3 s more, a quarter to spare
-    // (the pauses themselves only lengthen it).
-    let want = (o.every * o.kills as u32 + Duration::from_secs(3)).as_secs_f64() * 1.25;
-    let size_mb = ((rate * want).ceil() as u64).clamp(8, 16 << 10);
-    log::info!("{}: {rate:.1} MiB/s of verify: a {size_mb} MiB file", t.name());
-    let img = new_file(&dir, &format!("{}.img", t.name()), size_mb)?;
-    let out = kills::under_kills(&plan(o, t, &img, size_mb), kills::spawned_backend, |_| step(1))?;
-    let mut row = Row { target: t.name(), size_mb, kills: out.kills, aimed: out.aimed, quiet_gap_ms, ..Row::default() };
+    // The window must outlast the last kill: the kills' span, 3 s more, half again to spare
+    // (the pauses themselves only lengthen it). A host that got slower than the calibration
+    // saw may still end it first: then once more with twice the file.
+    let want = (o.every * o.kills as u32 + Duration::from_secs(3)).as_secs_f64() * 1.5;
+    let mut size_mb = ((rate * want).ceil() as u64).clamp(8, 16 << 10);
+    let mut runs = 0;
+    let (img, out) = loop {
+        runs += 1;
+        log::info!("{}: {rate:.1} MiB/s of verify: a {size_mb} MiB file", t.name());
+        let img = new_file(&dir, &format!("{}-{runs}.img", t.name()), size_mb)?;
+        let out = kills::under_kills(&plan(o, t, &img, size_mb), kills::spawned_backend, |_| step(1))?;
+        if out.kills >= o.kills || !out.success || runs == 2 || size_mb >= 16 << 10 {
+            break (img, out);
+        }
+        std::fs::remove_file(&img)?;
+        size_mb *= 2;
+    };
+    let mut row =
+        Row { target: t.name(), size_mb, runs, kills: out.kills, aimed: out.aimed, quiet_gap_ms, ..Row::default() };
     let f = &mut row.failures;
     if out.kills < o.kills {
         f.push(format!("only {} of {} kills landed in the guest's window", out.kills, o.kills));
@@ -530,6 +544,7 @@ impl Report {
                 json!({
                     "target": r.target,
                     "size_mb": r.size_mb,
+                    "runs": r.runs,
                     "kills": r.kills,
                     "aimed": r.aimed,
                     "reconnects": r.reconnects,
