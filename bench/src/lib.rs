@@ -42,6 +42,9 @@
 //! (`blk/target.rs`: `Nvme(mode)`, `Virtio(notify)`, `Remote(transport)`, `Qemu(device)`) and named as
 //! users type them; the remote ones come from the registry (virtio@vfio-user, and each queue transport
 //! that carries virtio-blk, named as the transport).
+//! `bench reconnect` (`bench/src/reconnect/`) kills a device process every `--every` under the guest's
+//! verify workload (the kill loop the survival tests share, `reconnect/kills.rs`) and takes the pause
+//! each kill caused from the guest's record of its longest gaps between completions (`gaps=`).
 //! Ctrl-C is one mechanism for every bench (`bench/src/interrupt.rs`): the CLI catches SIGINT, SIGTERM
 //! and SIGHUP into one flag; the VMM takes it as `VmConfig::cancel` (a run ends as at its timeout,
 //! `VmmError::Cancelled`), QEMU's, fio's and perf's waits kill their child on it, and each bench's
@@ -74,6 +77,7 @@ pub mod pin;
 pub mod progress;
 pub mod qemu;
 pub mod qmp;
+pub mod reconnect;
 pub mod record;
 pub mod remote;
 pub mod report;

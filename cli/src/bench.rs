@@ -1,4 +1,4 @@
-//! `iopath bench [exits|nvme|blk|floor|spdk|all]`: the subcommands. Each
+//! `iopath bench [exits|nvme|blk|floor|spdk|reconnect|all]`: the subcommands. Each
 //! bench's options are declared once, in the bench crate next to the
 //! options they become (`iopath_bench::args`); `bench all`'s are here.
 
@@ -7,6 +7,7 @@ pub use iopath_bench::args::{FloorArgs, Output};
 pub use iopath_bench::blk::BlkArgs;
 pub use iopath_bench::exits::ExitsArgs;
 pub use iopath_bench::nvme::NvmeArgs;
+pub use iopath_bench::reconnect::ReconnectArgs;
 pub use iopath_bench::spdk::SpdkArgs;
 use std::path::PathBuf;
 
@@ -34,6 +35,9 @@ pub enum Which {
     /// SPDK's stock spdk_nvme_perf against `iopath serve nvme` (default doorbell mode) and against
     /// SPDK's own nvmf_tgt VFIOUSER target, side by side, rounds interleaved.
     Spdk(SpdkArgs),
+    /// The pause each kill -9 of a device process causes the guest (NVMe over vfio-user in each
+    /// resuming doorbell mode, virtio-blk over vhost-user), over --kills kills; file read back.
+    Reconnect(ReconnectArgs),
     /// Every benchmark in its default matrix; writes report.md, results.json, results.csv and SVG plots to --out.
     All(AllArgs),
 }

@@ -4,6 +4,7 @@
 //!   iopath bench [exits] [--vs qemu] [--json PATH]   the exit-cost table
 //!   iopath bench nvme|floor [OPTIONS]                the NVMe controller, the ring floor
 //!   iopath bench spdk [OPTIONS]                      SPDK's perf: iopath serve against nvmf_tgt
+//!   iopath bench reconnect [--kills N]               the pause each kill -9 of a device process causes
 //!   iopath bench all --out DIR [--quick]             everything, with report.md, CSV, JSON, SVG plots
 //!   iopath report --from results.json --out DIR      the report again from its results.json
 //!   iopath run [--workload exits] [--append ARGS]    boot the guest, show its console
@@ -355,6 +356,12 @@ fn bench_caught(b: bench::BenchCmd) -> anyhow::Result<i32> {
             let fio = (a.format.output_format != Format::Normal).then(|| r.fio_output());
             emit_io(&r.table(), &r.json(), fio, &a.out)?;
             Ok(status(&r.errors))
+        }
+        Some(Which::Reconnect(a)) => {
+            let o = a.options(std::env::current_exe().context("the iopath binary's path")?)?;
+            let r = iopath_bench::reconnect::run_reconnect(&o)?;
+            emit(&r.table(), &r.json(), &a.out)?;
+            Ok(status(&r.errors()))
         }
         Some(Which::All(a)) => all::run(&a).map(|code| if iopath_bench::interrupt::interrupted() { 130 } else { code }),
     }

@@ -209,6 +209,21 @@ int load_parse_rw(const char *prefix, char rw[16])
     return 0;
 }
 
+/* Keeps gap g among r's LOAD_GAPS longest, longest first (most gaps are
+   short: one comparison with the shortest kept). */
+static void gap_add(struct load_result *r, u64 g)
+{
+    u32 n = r->ngaps;
+    if (n == LOAD_GAPS && g <= r->gaps[n - 1])
+        return;
+    u32 i = n < LOAD_GAPS ? n : LOAD_GAPS - 1;
+    for (; i > 0 && r->gaps[i - 1] < g; i--)
+        r->gaps[i] = r->gaps[i - 1];
+    r->gaps[i] = g;
+    if (n < LOAD_GAPS)
+        r->ngaps = n + 1;
+}
+
 int load_run(const struct load_ops *ops, const struct load_job *j, struct load_result *r)
 {
     const char *rw = j->rw, *px = ops->prefix;
@@ -271,6 +286,7 @@ int load_run(const struct load_ops *ops, const struct load_job *j, struct load_r
     /* now: the last clock read. idle_since: when the passes began to find
        nothing (0 while they find completions); wait sums those spans. */
     u64 now = rdtsc(), idle_since = now, wait = 0, idle_passes = 0;
+    u64 last_seen = t_start; /* the last pass that found completions */
     while (inflight) {
         if (!verify && now >= t_end)
             stopping = 1;
@@ -318,6 +334,8 @@ int load_run(const struct load_ops *ops, const struct load_job *j, struct load_r
             }
             const u64 t_seen = now = rdtsc();
             u64 t = t_seen; /* when the next command is issued */
+            gap_add(r, t_seen - last_seen);
+            last_seen = t_seen;
             if (idle_since) {
                 wait += t_seen - idle_since;
                 idle_since = 0;
@@ -424,8 +442,13 @@ void load_print_end(const char *prefix, const struct load_job *j, const struct l
     int split = !j->verify && !strncmp(j->rw, "randrw", 6);
     if (j->think_us)
         printf(" thinktime_us=%lu", j->think_us);
-    if (j->verify)
-        printf(" verified_blocks=%lu mismatches=%lu", r->verified, r->mismatches);
+    if (j->verify) {
+        printf(" verified_blocks=%lu mismatches=%lu gaps=", r->verified, r->mismatches);
+        for (u32 i = 0; i < r->ngaps; i++)
+            printf(i ? ",%lu" : "%lu", r->gaps[i]);
+        if (!r->ngaps)
+            printf("0");
+    }
     if (split)
         printf(" rwmixread=%u", j->mixread);
     printf("\n");

@@ -50,8 +50,17 @@ struct load_job {
 /* The deepest queue a job may keep (nvme's and virtio's limits are lower). */
 #define LOAD_MAX_DEPTH 1024
 
+/* How many of the longest gaps between consecutive completions a job keeps. */
+#define LOAD_GAPS 32
+
 struct load_result {
     u64 ios, cycles, mismatches, verified;
+    /* The LOAD_GAPS longest gaps between consecutive reaping passes that
+       found completions (the first from the window's start), in cycles,
+       longest first: a device that stopped (its process killed and
+       replaced) shows as one of them. */
+    u64 gaps[LOAD_GAPS];
+    u32 ngaps;
     /* Cycles of reaping passes that found no completion: the driver waiting
        for the device (near cycles: the device is the bottleneck). */
     u64 wait_cycles;
@@ -72,7 +81,8 @@ int load_parse_rw(const char *prefix, char rw[16]);
 int load_run(const struct load_ops *ops, const struct load_job *j, struct load_result *r);
 /* " ios=.. cycles=.. wait_cycles=.. sleeps=.. lat_sum=.. lat_min=.. lat_max=.. p50=.. p90=.. p99=.. p999=.." */
 void load_print_lat(const struct load_result *r);
-/* " thinktime_us=.." / " verified_blocks=.. mismatches=.." / " rwmixread=..", the newline,
+/* " thinktime_us=.." / " verified_blocks=.. mismatches=.. gaps=c1,c2,.." (cycles, longest
+   first) / " rwmixread=..", the newline,
    the histogram; a randrw job's read and write records and histograms. */
 void load_print_end(const char *prefix, const struct load_job *j, const struct load_result *r);
 
