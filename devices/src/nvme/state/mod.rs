@@ -83,6 +83,10 @@ pub(super) use layout::LEN;
 use layout::*;
 use std::sync::atomic::Ordering;
 
+/// The counter of the bytes of state memory the controller keeps its
+/// state in (absent: it keeps none).
+pub const STATE_MEMORY_BYTES: &str = "state.memory-bytes";
+
 /// Why this controller's state cannot be kept, if it cannot.
 pub(super) fn supported(cfg: &NvmeConfig) -> Result<()> {
     let no = |why: String| Err(Error::Host(format!("nvme: no state memory: {why}")));
@@ -366,6 +370,18 @@ impl Core {
         if let Some(r) = self.rec.as_deref_mut() {
             r.commit(&cfg, &moving);
         }
+    }
+
+    /// The state counters, only while state is kept (none: the controller
+    /// keeps no state): the bytes of state memory, the commands recorded
+    /// (the sequence numbers given, a resumed controller's predecessors'
+    /// included) and those that found no slot free.
+    pub(super) fn state_counters(&self) -> Vec<crate::Counter> {
+        let Some(r) = self.rec.as_deref() else { return Vec::new() };
+        [(STATE_MEMORY_BYTES, r.mem.len() as u64), ("state.commands", r.seq - 1), ("state.unrecorded", r.unrecorded)]
+            .into_iter()
+            .map(|(n, value)| crate::Counter { name: n.into(), value })
+            .collect()
     }
 
     /// Records MSI-X vector `v`'s entry as the guest wrote it.
