@@ -496,6 +496,8 @@ mod help_tests {
 
     #[test]
     fn run_takes_state_memory_on_or_off_on_by_default() {
+        use super::Cmd;
+        use clap::Parser;
         use iopath_protocols::vfio_user::StateMemoryMode;
         let run = |args: &[&str]| match Cli::try_parse_from([&["iopath", "run"], args].concat()) {
             Ok(Cli { cmd: Cmd::Run(a) }) => Ok(a.state_memory),

@@ -71,7 +71,8 @@ pub(super) fn table(res: &NvmeResult, s: &mut String) {
     let _ = writeln!(
         s,
         "\nstate keeping (state memory on) over none (-nostate), same job, round and attempt: per-round ratios \
-         on/off, median [min .. max]; each side's IOPS and p50 (that round's own) median [min .. max] over rounds"
+         on/off, median [min .. max]; each side's IOPS and p50 (that round's own) median [min .. max] over rounds \
+         (a target the guard ran again has no twin of its attempt: --reruns 0 keeps every pair interleaved)"
     );
     let (k, us) = (|v: f64| format!("{:.1}k", v / 1e3), |v: f64| format!("{:.2}", v / 1e3));
     let _ = writeln!(
@@ -92,5 +93,63 @@ pub(super) fn table(res: &NvmeResult, s: &mut String) {
             range(&r.p50[1], us),
             ratio(&r.p50_ratio)
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Job, NvmeOptions};
+    use super::*;
+
+    fn run(target: &str, round: u32, attempt: u32, iops: f64, p50: f64) -> NvmeRun {
+        let mut r = NvmeRun::new(target, "iopath null", 0, round, 1000, 1000);
+        (r.io.iops, r.io.p50_ns, r.attempt) = (iops, p50, attempt);
+        r
+    }
+
+    fn result(runs: Vec<NvmeRun>) -> NvmeResult {
+        NvmeResult {
+            partial: false,
+            host: crate::host::host_info(1_000_000),
+            options: NvmeOptions { jobs: vec![Job::randread(512, 16)], ..Default::default() },
+            tsc_khz: 1_000_000,
+            runs,
+            superseded: vec![],
+            floor: vec![],
+            refloor: vec![],
+            wake: vec![],
+            guest_line: vec![],
+            reruns: vec![],
+            errors: vec![],
+            skipped: vec![],
+        }
+    }
+
+    #[test]
+    fn each_round_is_over_its_own_twin_and_a_rerun_pairs_with_nothing() {
+        let (on, off) = ("iopath-shm@vfio-user", "iopath-shm-nostate@vfio-user");
+        let runs = vec![
+            run(on, 0, 0, 90.0, 1100.0),
+            run(off, 0, 0, 100.0, 1000.0),
+            // Round 1 is slow for both: the ratio holds.
+            run(on, 1, 0, 45.0, 2200.0),
+            run(off, 1, 0, 50.0, 2000.0),
+            run(on, 2, 0, 99.0, 1000.0),
+            run(off, 2, 0, 100.0, 1000.0),
+            // A re-run of round 2's twin only: no partner of its attempt.
+            run(off, 2, 3, 10.0, 9000.0),
+        ];
+        let rows = rows(&result(runs));
+        assert_eq!(rows.len(), 1);
+        let r = &rows[0];
+        assert_eq!(r.target, on);
+        let ratio = r.iops_ratio.as_ref().unwrap();
+        assert_eq!((ratio.median, ratio.min, ratio.max, ratio.n), (0.9, 0.9, 0.99, 3));
+        let p = r.p50_ratio.as_ref().unwrap();
+        assert!((p.median - 1.1).abs() < 1e-9 && p.min == 1.0 && p.n == 3, "{:?}", (p.median, p.min, p.n));
+        assert_eq!(r.iops[1].as_ref().unwrap().min, 10.0, "the side's own rounds keep the re-run");
+        let mut s = String::new();
+        table(&result(vec![run(on, 0, 0, 1.0, 1.0)]), &mut s);
+        assert!(s.is_empty(), "no twin, no table: {s}");
     }
 }

@@ -81,7 +81,7 @@ use crate::state::StateMemory;
 use crate::{Error, Result};
 pub(super) use layout::LEN;
 use layout::*;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The counter of the bytes of state memory the controller keeps its
 /// state in (absent: it keeps none).
@@ -144,11 +144,27 @@ impl Recorder {
 
     #[inline]
     fn put(&self, i: usize, v: u64, o: Ordering) {
+        self.put_to(&self.mem.words()[i], v, o);
+    }
+
+    /// A store to `w`, a word of the state memory (tests: a death may come first).
+    #[inline(always)]
+    fn put_to(&self, w: &AtomicU64, v: u64, o: Ordering) {
         #[cfg(test)]
         if let Some(k) = &self.kill {
             k.store();
         }
-        self.mem.words()[i].store(v, o);
+        w.store(v, o);
+    }
+
+    /// Slot `slot`'s words: one bounds check for all its stores (the fast
+    /// path's), where each store through `put` would take its own.
+    #[inline(always)]
+    fn slot_words(&self, slot: u16) -> &[AtomicU64; SLOT_WORDS] {
+        let base = SLOT0 + slot as usize * SLOT_WORDS;
+        // `adopt` checked the memory holds every slot (LEN), and a slot
+        // number comes from `free`, below SLOTS.
+        self.mem.words()[base..base + SLOT_WORDS].try_into().expect("a slot lies within the state memory")
     }
 
     fn get(&self, i: usize) -> u64 {
@@ -167,18 +183,18 @@ impl Recorder {
             }
             return;
         };
-        let base = SLOT0 + slot as usize * SLOT_WORDS;
         let (w, bad) = match sqe {
             Some(c) => (sqe_words(c), 0),
             None => ([0; 8], BAD_SQE),
         };
-        for (k, v) in w.into_iter().enumerate() {
-            self.put(base + S_SQE + k, v, Ordering::Relaxed);
-        }
         let seq = self.seq;
         self.seq += 1;
-        self.put(base + S_SEQ, seq, Ordering::Relaxed);
-        self.put(base + S_META, FETCHED | bad | (qid as u64) << 8 | (idx as u64) << 16, Ordering::Release);
+        let s = self.slot_words(slot);
+        for (k, v) in w.into_iter().enumerate() {
+            self.put_to(&s[S_SQE + k], v, Ordering::Relaxed);
+        }
+        self.put_to(&s[S_SEQ], seq, Ordering::Relaxed);
+        self.put_to(&s[S_META], FETCHED | bad | (qid as u64) << 8 | (idx as u64) << 16, Ordering::Release);
         self.put(SQ_HEAD + qid, head as u64 | seq << 16, Ordering::Release);
         let cid = sqe.map_or(0, |c| c.cid);
         self.busy.push(((qid as u32) << 16 | cid as u32, slot));
@@ -192,11 +208,11 @@ impl Recorder {
         let key = (sqid as u32) << 16 | cid as u32;
         let i = self.busy.iter().rposition(|b| b.0 == key)?;
         let (_, slot) = self.busy.swap_remove(i);
-        let base = SLOT0 + slot as usize * SLOT_WORDS;
-        self.put(base + S_CQE_LO, cqe.0 as u64 | (cqe.1 as u64) << 32, Ordering::Relaxed);
-        self.put(base + S_CQE_HI, cqe.2 as u64 | (cqid as u64) << 32 | (pos as u64) << 48, Ordering::Relaxed);
-        let meta = self.get(base + S_META);
-        self.put(base + S_META, meta & !3 | POSTING, Ordering::Release);
+        let s = self.slot_words(slot);
+        self.put_to(&s[S_CQE_LO], cqe.0 as u64 | (cqe.1 as u64) << 32, Ordering::Relaxed);
+        self.put_to(&s[S_CQE_HI], cqe.2 as u64 | (cqid as u64) << 32 | (pos as u64) << 48, Ordering::Relaxed);
+        let meta = s[S_META].load(Ordering::Acquire);
+        self.put_to(&s[S_META], meta & !3 | POSTING, Ordering::Release);
         Some(slot)
     }
 
@@ -210,8 +226,7 @@ impl Recorder {
     }
 
     fn release(&mut self, slot: u16) {
-        let base = SLOT0 + slot as usize * SLOT_WORDS;
-        self.put(base + S_META, FREE, Ordering::Release);
+        self.put_to(&self.slot_words(slot)[S_META], FREE, Ordering::Release);
         self.free.push(slot);
     }
 
