@@ -77,8 +77,8 @@ pub(super) fn table(res: &NvmeResult, s: &mut String) {
     let (k, us) = (|v: f64| format!("{:.1}k", v / 1e3), |v: f64| format!("{:.2}", v / 1e3));
     let _ = writeln!(
         s,
-        "{:<24} {:<26} {:<27} {:<27} {:<24} {:<22} {:<22} {}",
-        "job", "target", "IOPS on", "IOPS off", "IOPS on/off", "p50 on (us)", "p50 off (us)", "p50 on/off"
+        "{:<24} {:<26} {:<27} {:<27} {:<24} {:<22} {:<22} p50 on/off",
+        "job", "target", "IOPS on", "IOPS off", "IOPS on/off", "p50 on (us)", "p50 off (us)"
     );
     for r in rows {
         let _ = writeln!(

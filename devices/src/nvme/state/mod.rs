@@ -58,8 +58,12 @@
 //!
 //! Cost on the fast path: 11 stores per command fetched and 5 per
 //! completion into memory already mapped (two cache lines of its slot, a
-//! head and a tail word); no syscall, no lock. Nothing without
-//! `adopt_state`: `Core::rec` is None.
+//! head and a tail word; a slot's through one bounds check); no syscall,
+//! no lock. Nothing without `adopt_state`: `Core::rec` is None (a client
+//! that offers no state memory, `iopath run --state-memory off`). In the
+//! guest over vfio-user (`bench nvme --state-memory on,off`) 512 B QD16's
+//! p50 is 8-19 % above state off in the polled modes, where the device
+//! thread's time per command bounds the queue; 4 KiB QD1's is within 5 %.
 //!
 //! What resumes: `pollers=1`, doorbell modes mmio, ioeventfd, shm and
 //! adaptive, null and file namespaces. Refused (`supported`): the modes
