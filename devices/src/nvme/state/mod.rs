@@ -63,7 +63,8 @@
 //! that offers no state memory, `iopath run --state-memory off`). In the
 //! guest over vfio-user (`bench nvme --state-memory on,off`) 512 B QD16's
 //! p50 is 8-19 % above state off in the polled modes, where the device
-//! thread's time per command bounds the queue; 4 KiB QD1's is within 5 %.
+//! thread's time per command bounds the queue; 4 KiB QD1's 0.97-1.10x
+//! (the host's noise is as large).
 //!
 //! What resumes: `pollers=1`, doorbell modes mmio, ioeventfd, shm and
 //! adaptive, null and file namespaces. Refused (`supported`): the modes
