@@ -200,6 +200,25 @@ mod tests {
     }
 
     #[test]
+    fn state_memory_is_a_list_for_a_transport_that_offers_it_and_refused_elsewhere() {
+        use iopath_protocols::vfio_user::StateMemoryMode::{Off, On};
+        assert_eq!(nvme(&[]).options().unwrap().state_memory, [On]);
+        let o = nvme(&["--transport", "vfio-user", "--state-memory", "on,off"]).options().unwrap();
+        assert_eq!(o.state_memory, [On, Off]);
+        assert_eq!(
+            nvme(&["--transport", "vmm,ioregionfd", "--state-memory", "off"]).options().unwrap().state_memory,
+            [Off]
+        );
+        for t in ["vmm", "mpqemu"] {
+            let e = nvme(&["--transport", t, "--state-memory", "on,off"]).options().unwrap_err().to_string();
+            assert!(e.contains("--state-memory on,off") && e.contains("--transport vfio-user"), "{t}: {e}");
+        }
+        let e = nvme(&["--transport", "vfio-user", "--state-memory", "off,off"]).options().unwrap_err();
+        assert_eq!(e.to_string(), "--state-memory off given twice");
+        assert!(parse(&["nvme", "--state-memory", "maybe"]).is_err());
+    }
+
+    #[test]
     fn sizes_take_fio_suffixes() {
         assert_eq!(parse_size("512"), Ok(512));
         assert_eq!(parse_size("4k"), Ok(4096));

@@ -170,6 +170,12 @@ struct RunArgs {
     /// the VMM starts itself is always started again.
     #[arg(long, default_value_t = 0, value_name = "MS")]
     reconnect_ms: u64,
+    /// State keeping of a device process over vfio-user or ioregionfd: on
+    /// offers it state memory (`iopath_state_memory`), so that NVMe keeps
+    /// its state there and a new process resumes it after a death; off
+    /// offers none: the device keeps no state, and a death stops the run.
+    #[arg(long, default_value = "on", value_name = "on|off")]
+    state_memory: iopath_protocols::vfio_user::StateMemoryMode,
 }
 
 /// `serve`'s DEVICE help: every device and option (`iopath_devices::spec::help`).
@@ -228,8 +234,9 @@ fn serve(a: ServeArgs) -> anyhow::Result<i32> {
 fn devices_of(
     specs: &[iopath_protocols::attach::DeviceSpec],
     spin_us: u64,
+    proxy: &iopath_protocols::vfio_user::ProxyConfig,
 ) -> anyhow::Result<Vec<iopath_devices::SharedDevice>> {
-    use iopath_protocols::attach::{instantiate, Programs};
+    use iopath_protocols::attach::{instantiate_with, Programs};
     if specs.is_empty() {
         return Ok(exit_devices());
     }
@@ -237,7 +244,7 @@ fn devices_of(
     let mut progs = Programs::current(qemu).map_err(anyhow::Error::msg)?;
     iopath_protocols::socket::set_spin(Duration::from_micros(spin_us));
     progs.serve_args = vec!["--spin-us".into(), spin_us.to_string()];
-    specs.iter().map(|spec| instantiate(spec, &progs).map_err(anyhow::Error::msg)).collect()
+    specs.iter().map(|spec| instantiate_with(spec, &progs, proxy).map_err(anyhow::Error::msg)).collect()
 }
 
 /// The table on stdout (stderr when JSON goes to stdout; nothing then with
@@ -377,7 +384,8 @@ fn run_guest(a: RunArgs) -> anyhow::Result<i32> {
     let cmdline = format!("workload={} {}", a.workload, a.append).trim().to_string();
     let mut cfg = iopath_vmm::VmConfig::new(iopath_guest::IMAGE, &cmdline);
     iopath_protocols::respawn::set_socket_wait(Duration::from_millis(a.reconnect_ms));
-    cfg.devices = devices_of(&a.devices, a.spin_us)?;
+    let proxy = iopath_protocols::vfio_user::ProxyConfig { state_memory: a.state_memory };
+    cfg.devices = devices_of(&a.devices, a.spin_us, &proxy)?;
     cfg.place_bars = !a.guest_bars;
     cfg.mem_size = a.mem << 20;
     cfg.ram = a.ram;
@@ -491,6 +499,23 @@ mod help_tests {
         let e = spec.parse::<iopath_devices::DeviceConfig>().unwrap_err().to_string();
         let list = e.rsplit_once('(').and_then(|(_, l)| l.split_once(')')).map(|(l, _)| l).expect(&e);
         list.split(',').map(|k| k.trim().to_string()).collect()
+    }
+
+    #[test]
+    fn run_takes_state_memory_on_or_off_on_by_default() {
+        use super::Cmd;
+        use clap::Parser;
+        use iopath_protocols::vfio_user::StateMemoryMode;
+        let run = |args: &[&str]| match Cli::try_parse_from([&["iopath", "run"], args].concat()) {
+            Ok(Cli { cmd: Cmd::Run(a) }) => Ok(a.state_memory),
+            Ok(_) => panic!("not run"),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(run(&[]), Ok(StateMemoryMode::On));
+        assert_eq!(run(&["--state-memory", "off"]), Ok(StateMemoryMode::Off));
+        let e = run(&["--state-memory", "maybe"]).unwrap_err();
+        assert!(e.contains("is not on or off"), "{e}");
+        assert!(help(&["run"]).contains("--state-memory <on|off>"));
     }
 
     #[test]

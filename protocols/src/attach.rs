@@ -40,6 +40,7 @@
 
 use crate::process::{DeviceProcess, CHILD_SOCKET_FD};
 use crate::transport::{transport, Transport};
+use crate::vfio_user::ProxyConfig;
 use crate::{Error, Result};
 use iopath_devices::{DeviceConfig, SharedDevice};
 use std::os::unix::net::UnixStream;
@@ -246,13 +247,19 @@ fn socketpair() -> Result<(UnixStream, UnixStream)> {
 /// VMM hosts: the device itself, its function transport's proxy for it, or
 /// its queue transport's frontend.
 pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> {
+    instantiate_with(spec, progs, &ProxyConfig::default())
+}
+
+/// [`instantiate`] with a function transport's proxy configured as `cfg`
+/// says (`iopath run --state-memory`).
+pub fn instantiate_with(spec: &DeviceSpec, progs: &Programs, cfg: &ProxyConfig) -> Result<SharedDevice> {
     let label = spec.to_string();
     let (model, transport, ep) = match (&spec.device, &spec.remote) {
         (Device::Model(m), None) => return Ok(m.with_default_queues(VCPUS).build()?),
         (Device::Model(m), Some((t, ep))) => (m, *t, ep),
         (Device::Server, Some((Transport::Function(t), Endpoint::Socket(path)))) => {
             let sock = connect_to(path, &label)?;
-            return t.connect(sock, None, &label).map_err(|e| e.context(label));
+            return t.connect_with(sock, None, &label, cfg).map_err(|e| e.context(label));
         }
         (Device::Frontend { queues }, Some((Transport::Queues(q), Endpoint::Socket(path)))) => {
             let sock = connect_to(path, &label)?;
@@ -267,7 +274,7 @@ pub fn instantiate(spec: &DeviceSpec, progs: &Programs) -> Result<SharedDevice> 
         }
     };
     match transport {
-        Transport::Function(t) => function(model, t, ep, progs),
+        Transport::Function(t) => function(model, t, ep, progs, cfg),
         Transport::Queues(q) => {
             // iopath's backend started by the VMM (a socket is a Frontend).
             let (mine, child) = spawn_serve(progs, model, q.name()).map_err(|e| e.context(label.clone()))?;
@@ -285,6 +292,7 @@ fn function(
     t: &'static dyn crate::FunctionTransport,
     ep: &Endpoint,
     progs: &Programs,
+    cfg: &ProxyConfig,
 ) -> Result<SharedDevice> {
     let label = format!("{model}@{}", t.name());
     let (sock, child) = match ep {
@@ -303,7 +311,7 @@ fn function(
             (mine, Some(child))
         }
     };
-    t.connect(sock, child, model.name()).map_err(|e| e.context(label))
+    t.connect_with(sock, child, model.name(), cfg).map_err(|e| e.context(label))
 }
 
 /// [`connect`] with the error a spec reports (`label`: the spec).

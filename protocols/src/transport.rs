@@ -34,6 +34,26 @@ pub trait FunctionTransport: Sync {
     /// `sock`, reported as `name`; `child` is the process if the VMM started it.
     fn connect(&self, sock: UnixStream, child: Option<DeviceProcess>, name: &str) -> Result<SharedDevice>;
 
+    /// [`connect`](Self::connect) as `cfg` asks; a transport without
+    /// state memory ([`offers_state_memory`](Self::offers_state_memory)
+    /// false) has no use for it and connects as `connect`.
+    fn connect_with(
+        &self,
+        sock: UnixStream,
+        child: Option<DeviceProcess>,
+        name: &str,
+        cfg: &vfio_user::ProxyConfig,
+    ) -> Result<SharedDevice> {
+        let _ = cfg;
+        self.connect(sock, child, name)
+    }
+
+    /// True if the VMM side offers a device state memory to keep its state
+    /// in over this transport (`ProxyConfig::state_memory` turns it off).
+    fn offers_state_memory(&self) -> bool {
+        false
+    }
+
     /// Device side: the server of `f` in a device process, kept across
     /// clients. `irq` is where the clients' interrupt fds go.
     fn server(&self, f: Arc<Mutex<PciFunction>>, irq: Arc<IrqLines>) -> Result<Box<dyn Server>>;

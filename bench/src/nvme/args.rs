@@ -116,6 +116,12 @@ pub struct NvmeArgs {
     /// adaptive's forecast of steady gaps: on, off, or on,off (both, as two targets).
     #[arg(long, default_value = "on", value_name = "on|off|on,off")]
     pub forecast: String,
+    /// State keeping of a controller in a device process over vfio-user (or
+    /// ioregionfd): on (state memory offered: the controller records every
+    /// command and a death is survived), off (none: a death stops the run),
+    /// or on,off as targets of their own (`-nostate`), to measure its cost.
+    #[arg(long = "state-memory", default_value = "on", value_name = "on|off|on,off", value_delimiter = ',')]
+    pub state_memory: Vec<iopath_protocols::vfio_user::StateMemoryMode>,
     /// The guest driver's doorbells: 1, shadow doorbells where the mode offers them (Doorbell
     /// Buffer Config, as Linux's driver); 0, every doorbell a register store (as SPDK's); 0,1
     /// runs both as targets of their own (`-dbbuf0`).
@@ -186,6 +192,7 @@ impl NvmeArgs {
             dbbuf: each_once("--dbbuf", self.dbbuf.clone(), |&d| d)?.into_iter().map(|d| d == 1).collect(),
             in_place: parse_in_place(&self.in_place)?,
             submit_batch: parse_submit_batch(&self.submit_batch)?,
+            state_memory: each_once("--state-memory", self.state_memory.clone(), |m| m.to_string())?,
             guard: self.guard,
             timing: self.timing.clone(),
             ..NvmeOptions::default()
@@ -217,6 +224,14 @@ impl NvmeArgs {
         let file = matches!(o.backend, iopath_devices::block::StorageKind::File(_));
         if !file && o.in_place != [iopath_devices::nvme::InPlace::Auto] {
             anyhow::bail!("--in-place needs --backend file:PATH (only a file namespace bounces transfers)");
+        }
+        let offers = o.transports.iter().flatten().any(|t| t.offers_state_memory());
+        if o.state_memory != [iopath_protocols::vfio_user::StateMemoryMode::On] && !offers {
+            anyhow::bail!(
+                "--state-memory {}: only a controller in a device process over vfio-user (or ioregionfd) keeps state \
+                 in state memory; give --transport vfio-user (in the VMM and over mpqemu there is none to turn off)",
+                self.state_memory.iter().map(|m| m.to_string()).collect::<Vec<_>>().join(",")
+            );
         }
         if !file && o.submit_batch != [0] {
             anyhow::bail!("--submit-batch needs --backend file:PATH (only a file namespace submits to the kernel)");

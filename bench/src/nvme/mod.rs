@@ -17,6 +17,7 @@
 use crate::host::HostInfo;
 use iopath_devices::block::StorageKind;
 use iopath_devices::nvme::{DoorbellMode, InPlace, NvmeConfig};
+use iopath_protocols::vfio_user::StateMemoryMode;
 use iopath_protocols::FunctionTransport;
 use serde::Serialize;
 use std::time::Duration;
@@ -27,6 +28,7 @@ mod guard;
 pub mod hist;
 mod run;
 pub mod split;
+mod state;
 mod table;
 pub mod timing;
 
@@ -144,6 +146,12 @@ pub struct NvmeOptions {
     /// A file namespace's operations to the kernel every N (`submit_batch=`;
     /// 0: per queue pass): each value its own target (`-sbN`; 0 keeps the name).
     pub submit_batch: Vec<u16>,
+    /// State keeping of a controller in a device process whose transport
+    /// offers state memory (vfio-user, ioregionfd): each value its own
+    /// target (`-nostate` for off; on keeps the name). In the VMM or over
+    /// mpqemu there is none to turn off: those run once.
+    #[serde(serialize_with = "as_strings")]
+    pub state_memory: Vec<StateMemoryMode>,
     #[serde(serialize_with = "as_string")]
     pub backend: StorageKind,
     /// Where the controller runs, each in every round, interleaved: None in
@@ -211,6 +219,7 @@ impl Default for NvmeOptions {
             dbbuf: vec![true],
             in_place: vec![InPlace::Auto],
             submit_batch: vec![0],
+            state_memory: vec![StateMemoryMode::On],
             backend: StorageKind::Ram,
             transports: vec![None],
             lba: 512,
@@ -442,6 +451,9 @@ fn contenders(o: &NvmeOptions, n: u32) -> anyhow::Result<crate::contend::Content
 /// What a target's name carries for contention level `n`: nothing at 0 or
 /// when only one level runs (the table's header says which), else
 /// `+contend{n}`, before any `@transport`.
+/// The suffix of a target whose controller keeps no state (`--state-memory off`).
+pub const NOSTATE: &str = "-nostate";
+
 pub fn contend_suffix(o: &NvmeOptions, n: u32) -> String {
     if n == 0 || o.contend.len() < 2 {
         String::new()

@@ -13,7 +13,8 @@ use indicatif::ProgressBar;
 use iopath_devices::block::StorageKind;
 use iopath_devices::nvme::{DoorbellMode, InPlace, NvmeConfig};
 use iopath_devices::DeviceConfig;
-use iopath_protocols::attach::{instantiate, Device, DeviceSpec, Endpoint, Programs};
+use iopath_protocols::attach::{instantiate_with, Device, DeviceSpec, Endpoint, Programs};
+use iopath_protocols::vfio_user::{ProxyConfig, StateMemoryMode};
 use iopath_protocols::FunctionTransport;
 use iopath_vmm::vcpu::ExitMark;
 use iopath_vmm::{run, RamKind, VmConfig};
@@ -39,12 +40,23 @@ pub struct Setup {
     pub dbbuf: bool,
     /// With the options' device timing model (`--timing`; `-timed`).
     pub timing: bool,
+    /// The proxy offers state memory (`--state-memory`; `-nostate` off).
+    pub state: StateMemoryMode,
 }
 
 impl Setup {
     /// `db`, one poller, forecast on, in place and submission as the device defaults.
     pub fn plain(db: DoorbellMode) -> Setup {
-        Setup { db, pollers: 1, forecast: true, in_place: InPlace::Auto, submit_batch: 0, dbbuf: true, timing: false }
+        Setup {
+            db,
+            pollers: 1,
+            forecast: true,
+            in_place: InPlace::Auto,
+            submit_batch: 0,
+            dbbuf: true,
+            timing: false,
+            state: StateMemoryMode::On,
+        }
     }
 }
 
@@ -168,14 +180,21 @@ impl<'a> Ctx<'a> {
                 let f: &[bool] = if db == DoorbellMode::Adaptive { &o.forecast } else { &[true] };
                 f.iter().map(move |&f| (t, db, p, f))
             })
-            .flat_map(|(t, db, pollers, forecast)| {
+            .flat_map(|(t, db, p, f)| {
+                // State keeping can be turned off only where state memory is offered.
+                let keeps = t.is_some_and(|t| t.offers_state_memory());
+                let st: &[StateMemoryMode] = if keeps { &o.state_memory } else { &[StateMemoryMode::On] };
+                st.iter().map(move |&state| (t, db, p, f, state))
+            })
+            .flat_map(|(t, db, pollers, forecast, state)| {
                 o.in_place.iter().flat_map(move |&in_place| {
                     o.submit_batch.iter().flat_map(move |&submit_batch| {
                         o.dbbuf.iter().flat_map(move |&dbbuf| {
                             // With --timing each target runs as itself and with the model, in turn.
                             let timed: &[bool] = if o.timing.is_some() { &[false, true] } else { &[false] };
                             timed.iter().map(move |&timing| {
-                                (t, Setup { db, pollers, forecast, in_place, submit_batch, dbbuf, timing })
+                                let s = Setup { db, pollers, forecast, in_place, submit_batch, dbbuf, timing, state };
+                                (t, s)
                             })
                         })
                     })
@@ -195,6 +214,7 @@ impl<'a> Ctx<'a> {
                 };
                 let name = if s.submit_batch == 0 { name } else { format!("{name}-sb{}", s.submit_batch) };
                 let name = if s.dbbuf { name } else { format!("{name}-dbbuf0") };
+                let name = if s.state.on() { name } else { format!("{name}{}", super::NOSTATE) };
                 let name = if s.timing { format!("{name}{}", super::timing::TIMED) } else { name };
                 (name, tr, Kind::Iopath(tr, s))
             })
@@ -281,7 +301,7 @@ impl<'a> Ctx<'a> {
         &self,
         target: &str,
         tr: Option<&'static dyn FunctionTransport>,
-        Setup { db, pollers, forecast, in_place, submit_batch, dbbuf, timing }: Setup,
+        Setup { db, pollers, forecast, in_place, submit_batch, dbbuf, timing, state }: Setup,
         contend: u32,
         ji: usize,
         round: u32,
@@ -310,7 +330,8 @@ impl<'a> Ctx<'a> {
         let (w, v) = (window.clone(), vcpu.clone());
         let line = format!("{} dbbuf={}", cmdline(j, o, self.tsc_khz), dbbuf as u8);
         let mut cfg = VmConfig::new(iopath_guest::IMAGE, &line);
-        cfg.devices = vec![instantiate(&spec, &self.progs)?];
+        let proxy = ProxyConfig { state_memory: state };
+        cfg.devices = vec![instantiate_with(&spec, &self.progs, &proxy)?];
         cfg.mem_size = o.mem_mb << 20;
         cfg.timeout = Duration::from_secs(o.timeout_s);
         cfg.cancel = Some(&crate::interrupt::FLAG);

@@ -208,6 +208,7 @@ impl NvmeResult {
         self.cpu_table(&mut s);
         self.think_table(&mut s);
         self.ratio_lines(&mut s);
+        super::state::table(self, &mut s);
         s.push_str(&super::timing::table(self, &super::timing::rows(self)));
         if !self.skipped.is_empty() {
             let _ = writeln!(s, "\nskipped:");

@@ -618,6 +618,7 @@ impl Core {
             v.push(Counter { name: "backend.slot-waits".into(), value: self.flight.slot_waits });
         }
         v.extend(self.pi_counters()); // `meta.rs`
+        v.extend(self.state_counters()); // `state/`
         v
     }
 }

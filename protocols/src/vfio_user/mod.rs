@@ -25,7 +25,7 @@ pub mod wire;
 #[cfg(test)]
 mod tests;
 
-pub use proxy::{VfioUserProxy, RECONNECTS, RESPAWN_WINDOW};
+pub use proxy::{ProxyConfig, StateMemoryMode, VfioUserProxy, RECONNECTS, RESPAWN_WINDOW, STATE_MEMORY_BYTES};
 pub use server::{IoFds, VfioUserServer};
 
 use crate::function::PciFunction;
@@ -56,6 +56,20 @@ impl FunctionTransport for VfioUser {
 
     fn connect(&self, sock: UnixStream, child: Option<DeviceProcess>, name: &str) -> Result<SharedDevice> {
         VfioUserProxy::shared(sock, child, name)
+    }
+
+    fn connect_with(
+        &self,
+        sock: UnixStream,
+        child: Option<DeviceProcess>,
+        name: &str,
+        cfg: &ProxyConfig,
+    ) -> Result<SharedDevice> {
+        VfioUserProxy::shared_with(sock, child, name, *cfg)
+    }
+
+    fn offers_state_memory(&self) -> bool {
+        true
     }
 
     fn server(&self, f: Arc<Mutex<PciFunction>>, irq: Arc<IrqLines>) -> Result<Box<dyn Server>> {

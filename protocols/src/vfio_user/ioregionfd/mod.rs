@@ -32,7 +32,7 @@ pub use client::RegionClient;
 pub use server::spawn_server;
 pub(crate) use server::Region;
 
-use super::{IoFds, VfioUserProxy, VfioUserServer};
+use super::{IoFds, ProxyConfig, VfioUserProxy, VfioUserServer};
 use crate::function::PciFunction;
 use crate::process::DeviceProcess;
 use crate::transport::{FunctionTransport, Server};
@@ -62,6 +62,20 @@ impl FunctionTransport for IoRegionFd {
 
     fn connect(&self, sock: UnixStream, child: Option<DeviceProcess>, name: &str) -> Result<SharedDevice> {
         VfioUserProxy::shared(sock, child, name)
+    }
+
+    fn connect_with(
+        &self,
+        sock: UnixStream,
+        child: Option<DeviceProcess>,
+        name: &str,
+        cfg: &ProxyConfig,
+    ) -> Result<SharedDevice> {
+        VfioUserProxy::shared_with(sock, child, name, *cfg)
+    }
+
+    fn offers_state_memory(&self) -> bool {
+        true
     }
 
     fn server(&self, f: Arc<Mutex<PciFunction>>, irq: Arc<IrqLines>) -> Result<Box<dyn Server>> {

@@ -41,9 +41,15 @@ pub(super) struct Discovered {
     pub(super) state_len: Option<u64>,
 }
 
-/// Asks the server, in order, all that `connect` learns.
+/// Asks the server, in order, all that `connect` learns, offering state
+/// memory (a reconnect: only a session with state memory on reconnects).
 pub(super) fn discover(chan: &mut Channel) -> Result<Discovered> {
-    let (ask_io_fds, state_len) = negotiate(chan)?;
+    discover_offering(chan, true)
+}
+
+/// [`discover`], offering state memory in VERSION only if `state`.
+pub(super) fn discover_offering(chan: &mut Channel, state: bool) -> Result<Discovered> {
+    let (ask_io_fds, state_len) = negotiate(chan, state)?;
     check_pci(chan)?;
     let cfg = chan.region_read(PCI_CONFIG_REGION_INDEX, 0, CONFIG_REGION_SIZE as u32)?;
     let (ids, cap_headers) = (pci_ids(&cfg), capability_offsets(&cfg));
@@ -59,9 +65,11 @@ pub(super) fn discover(chan: &mut Channel) -> Result<Discovered> {
 /// VERSION: agrees on the version and sets the channel's DMA transfer
 /// limit; true if the server may be asked GET_REGION_IO_FDS, and the
 /// state memory the server's device keeps, if any. Every proposal offers
-/// to hold state memory: a server that does not know the key ignores it.
-fn negotiate(chan: &mut Channel) -> Result<(bool, Option<u64>)> {
-    let state_memory = Some(MAX_STATE_MEMORY);
+/// to hold state memory unless `state` is false (`--state-memory off`): a
+/// server that does not know the key ignores it; one that does names
+/// none in its reply to a proposal without it.
+fn negotiate(chan: &mut Channel, state: bool) -> Result<(bool, Option<u64>)> {
+    let state_memory = state.then_some(MAX_STATE_MEMORY);
     let caps = Capabilities { max_msg_fds: MAX_FDS, state_memory, ..Capabilities::default() };
     let v = Version { major: VERSION_MAJOR, minor: VERSION_MINOR, capabilities: Some(caps) };
     let r = chan.request(Command::Version, &v.to_bytes(), &[])?;
@@ -82,7 +90,9 @@ fn negotiate(chan: &mut Channel) -> Result<(bool, Option<u64>)> {
     // (SPDK, QEMU's x-vfio-user-server) answers min(offered, 2) and
     // iopath's own server likewise. So only a server that agreed to a
     // minor version >= 1 is asked for io fds.
-    let state = theirs.caps().state_memory;
+    // A reply that names state memory to a proposal without it is not
+    // taken up: nothing was offered.
+    let state = theirs.caps().state_memory.filter(|_| state);
     if let Some(n) = state.filter(|n| n % 8 != 0) {
         log::warn!("{}: the server asks for {n} bytes of state memory, not a multiple of 8: none", chan.peer.name);
         return Ok((theirs.minor >= 1, None));

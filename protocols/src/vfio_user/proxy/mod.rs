@@ -9,7 +9,8 @@
 //! - `dma`: guest RAM for the device process (DMA_MAP at attach, and
 //!   DMA_READ/WRITE answered while a reply is awaited);
 //! - `reconnect`: a new process of the device when one dies, the session
-//!   replayed on it and its state memory handed back.
+//!   replayed on it and its state memory handed back;
+//! - `config`: what the VMM asks of the proxy (state memory on or off).
 //!
 //! This file owns the attach and the forwarding of accesses. At attach the
 //! proxy maps guest RAM into the device process, installs the ioeventfds the
@@ -32,12 +33,14 @@
 //! headers here).
 
 mod channel;
+mod config;
 mod discovery;
 mod dma;
 mod io_fds;
 mod msix;
 pub(in crate::vfio_user) mod reconnect;
 
+pub use config::{ProxyConfig, StateMemoryMode};
 pub use reconnect::{RECONNECTS, RESPAWN_WINDOW};
 
 use super::ioregionfd::{RegionClient, COMMANDS};
@@ -58,6 +61,9 @@ use vmm_sys_util::eventfd::EventFd;
 
 /// The proxy counter of requests sent (one per access that crossed as a message).
 pub const REQUESTS: &str = "vfio-user.requests";
+/// The proxy counter of the bytes of state memory the device keeps its
+/// state in (absent: none, e.g. `--state-memory off`).
+pub const STATE_MEMORY_BYTES: &str = "vfio-user.state-memory-bytes";
 
 /// A device in another process over vfio-user (or its ioregionfd extension).
 pub struct VfioUserProxy {
@@ -79,6 +85,11 @@ pub struct VfioUserProxy {
     source: reconnect::Source,
     /// What a reconnect replays, and its state memory.
     session: reconnect::Session,
+    /// What the VMM asked of the proxy.
+    cfg: ProxyConfig,
+    /// State memory is off where a death would have been reconnected:
+    /// the run's end says why it was not.
+    stops_for_state_off: bool,
 }
 
 /// The runs of a configuration write at `offset` that touch no
@@ -107,18 +118,29 @@ impl VfioUserProxy {
     /// one) is started again if it dies; an external socket is waited for
     /// if `respawn::set_socket_wait` set a wait.
     pub fn connect(sock: UnixStream, child: Option<DeviceProcess>) -> Result<Self> {
-        let source = reconnect::Source::of(&sock, child.as_ref());
-        Self::connect_from(sock, child, source)
+        Self::connect_with(sock, child, ProxyConfig::default())
     }
 
-    /// [`connect`](Self::connect) with where a new process comes from.
+    /// [`connect`](Self::connect) as `cfg` asks: with state memory off,
+    /// VERSION offers none, and a death stops the run (no reconnect).
+    pub fn connect_with(sock: UnixStream, child: Option<DeviceProcess>, cfg: ProxyConfig) -> Result<Self> {
+        let source = reconnect::Source::of(&sock, child.as_ref());
+        Self::connect_from(sock, child, source, cfg)
+    }
+
+    /// [`connect_with`](Self::connect_with) with where a new process comes from.
     pub(in crate::vfio_user) fn connect_from(
         sock: UnixStream,
         child: Option<DeviceProcess>,
         source: reconnect::Source,
+        cfg: ProxyConfig,
     ) -> Result<Self> {
         let mut chan = Channel::new(Peer::new(sock, "vfio-user", child));
-        let found = discovery::discover(&mut chan)?;
+        let found = discovery::discover_offering(&mut chan, cfg.state_memory.on())?;
+        // Without state memory a new process could not resume a device
+        // with state: nothing is reconnected (the death's message says so).
+        let stops_for_state_off = !cfg.state_memory.on() && source.enabled();
+        let source = if stops_for_state_off { reconnect::Source::None } else { source };
         chan.reconnects = source.enabled();
         let mut p = VfioUserProxy {
             chan,
@@ -130,6 +152,8 @@ impl VfioUserProxy {
             error_replies: 0,
             source,
             session: Default::default(),
+            cfg,
+            stops_for_state_off,
         };
         p.adopt_fresh_state(found.state_len)?;
         Ok(p)
@@ -137,11 +161,26 @@ impl VfioUserProxy {
 
     /// [`connect`](Self::connect), named `name` in reports, as the VMM hosts it.
     pub fn shared(sock: UnixStream, child: Option<DeviceProcess>, name: &str) -> Result<SharedDevice> {
-        let mut p = Self::connect(sock, child)?;
+        Self::shared_with(sock, child, name, ProxyConfig::default())
+    }
+
+    /// [`shared`](Self::shared) as `cfg` asks ([`connect_with`](Self::connect_with)).
+    pub fn shared_with(
+        sock: UnixStream,
+        child: Option<DeviceProcess>,
+        name: &str,
+        cfg: ProxyConfig,
+    ) -> Result<SharedDevice> {
+        let mut p = Self::connect_with(sock, child, cfg)?;
         p.set_name(name);
         let p = Arc::new(Mutex::new(p));
         iopath_devices::lock(&p).session.me = Some(Arc::downgrade(&p));
         Ok(p)
+    }
+
+    /// What the VMM asked of the proxy.
+    pub fn config(&self) -> ProxyConfig {
+        self.cfg
     }
 
     /// Reconnects so far.
@@ -219,7 +258,11 @@ impl DeviceModelMut for VfioUserProxy {
         self.dev.bars.clone()
     }
 
-    fn attach(&mut self, ctx: DeviceContext) {
+    fn attach(&mut self, mut ctx: DeviceContext) {
+        if self.stops_for_state_off {
+            let fail = ctx.fail.clone();
+            ctx.fail = Arc::new(move |m: String| fail(format!("{m}; {}", config::NO_RECONNECT_STATE_OFF)));
+        }
         self.chan.peer.fail = Some(ctx.fail.clone());
         self.chan.dma.mem = Some(ctx.mem.clone());
         if let Some(m) = &mut self.msix {
@@ -351,6 +394,9 @@ impl DeviceModelMut for VfioUserProxy {
         c.push(Counter { name: REQUESTS.into(), value: self.chan.requests });
         c.push(Counter { name: "vfio-user.dma-requests".into(), value: self.chan.dma.requests });
         c.push(Counter { name: "vfio-user.error-replies".into(), value: self.error_replies });
+        if let Some(m) = &self.session.state {
+            c.push(Counter { name: STATE_MEMORY_BYTES.into(), value: m.len() as u64 });
+        }
         if self.source.enabled() {
             c.push(Counter { name: RECONNECTS.into(), value: self.session.reconnects });
             c.push(Counter { name: reconnect::RECONNECT_US.into(), value: self.session.reconnect_us });

@@ -6,6 +6,7 @@
 
 use super::*;
 use crate::vfio_user::proxy::reconnect::Source;
+use crate::vfio_user::{ProxyConfig, StateMemoryMode, STATE_MEMORY_BYTES};
 use iopath_devices::state::StateMemory;
 use iopath_devices::{BarSpec, DeviceContext, DeviceModel, PciIds};
 use std::fs::File;
@@ -63,9 +64,13 @@ impl Servers {
     }
 
     fn connect(&self) -> VfioUserProxy {
+        self.connect_with(ProxyConfig::default())
+    }
+
+    fn connect_with(&self, cfg: ProxyConfig) -> VfioUserProxy {
         let s = crate::attach::connect(&self.path).unwrap();
         let source = Source::Socket { path: self.path.clone(), window: Duration::from_secs(10) };
-        VfioUserProxy::connect_from(s, None, source).unwrap()
+        VfioUserProxy::connect_from(s, None, source, cfg).unwrap()
     }
 
     /// The server dies: its connection closes both ways.
@@ -358,7 +363,7 @@ fn a_server_that_does_not_come_back_ends_the_peer_after_the_window() {
     let (servers, _) = Servers::start(stateful);
     let s = crate::attach::connect(&servers.path).unwrap();
     let source = Source::Socket { path: servers.path.clone(), window: Duration::from_millis(200) };
-    let mut p = VfioUserProxy::connect_from(s, None, source).unwrap();
+    let mut p = VfioUserProxy::connect_from(s, None, source, ProxyConfig::default()).unwrap();
     let failed = Arc::new(Mutex::new(Vec::new()));
     let (mut ctx, _) = vmm_context();
     let f = failed.clone();
@@ -457,4 +462,104 @@ fn a_device_that_dies_at_every_use_stops_the_run_after_a_burst_of_reconnects() {
     assert_eq!((p.reconnects(), v), (MAX_BURST as u64, [0xff; 4]));
     let f = failed.lock().unwrap();
     assert!(f.len() == 1 && f[0].contains("reconnects within"), "{f:?}");
+}
+
+/// The counters of the proxy that name state memory: (name, value).
+fn state_counters(p: &VfioUserProxy) -> Vec<(String, u64)> {
+    p.counters().into_iter().filter(|c| c.name == STATE_MEMORY_BYTES).map(|c| (c.name, c.value)).collect()
+}
+
+#[test]
+fn with_state_memory_off_none_is_offered_or_agreed_and_a_death_stops_the_run_saying_why() {
+    for mode in [StateMemoryMode::On, StateMemoryMode::Off] {
+        let (make, made) = stateful_devices();
+        let (servers, _) = Servers::start(make);
+        let mut p = servers.connect_with(ProxyConfig { state_memory: mode });
+        assert_eq!(p.config().state_memory, mode);
+        let failed = Arc::new(Mutex::new(Vec::new()));
+        let (mut ctx, _) = vmm_context();
+        let f = failed.clone();
+        ctx.fail = Arc::new(move |m| f.lock().unwrap().push(m));
+        p.attach(ctx);
+        p.bar_write(0, 0, &0x55u32.to_le_bytes());
+        let first = servers.session(0);
+        // The proposal: the capability offered only with state memory on.
+        let version = &first.iter().find(|x| x.0 == Command::Version as u16).expect("VERSION").1;
+        let offered = Version::parse(version).unwrap().caps().state_memory;
+        let handed: Vec<_> = first.iter().filter(|x| x.0 == STATE_MEMORY_COMMAND).collect();
+        let adopted = made.lock().unwrap()[0].adopted.lock().unwrap().clone();
+        if mode.on() {
+            assert_eq!(offered, Some(MAX_STATE_MEMORY), "{mode}");
+            assert_eq!(handed.len(), 1, "{mode}: STATE_MEMORY once");
+            assert_eq!(adopted.len(), 1, "{mode}: the device keeps its state");
+            assert_eq!(state_counters(&p), [(STATE_MEMORY_BYTES.to_string(), 64)]);
+        } else {
+            assert_eq!(offered, None, "{mode}: no offer");
+            assert!(!String::from_utf8_lossy(version).contains(STATE_MEMORY_CAP), "{mode}");
+            assert!(handed.is_empty(), "{mode}: no STATE_MEMORY");
+            assert!(adopted.is_empty(), "{mode}: the device keeps no state");
+            assert!(state_counters(&p).is_empty(), "{mode}: {:?}", state_counters(&p));
+        }
+        // A death: resumed with state memory, the run stopped without it.
+        servers.kill();
+        let mut v = [0u8; 4];
+        p.bar_read(0, 0, &mut v);
+        let f = failed.lock().unwrap().clone();
+        if mode.on() {
+            assert_eq!((p.reconnects(), u32::from_le_bytes(v)), (1, 0x55), "{f:?}");
+            assert!(f.is_empty(), "{f:?}");
+        } else {
+            assert_eq!((p.reconnects(), v), (0, [0xff; 4]));
+            // The socket's watcher and the read may both tell it: each says why.
+            assert!(!f.is_empty(), "the run stops");
+            assert!(f.iter().all(|m| m.contains("--state-memory off") && m.contains("the run stops")), "{f:?}");
+            assert_eq!(servers.recs.lock().unwrap().iter().filter(|r| r.session > 0).count(), 0, "no new session");
+        }
+    }
+}
+
+#[test]
+fn nvme_keeps_state_only_with_state_memory_on_as_version_and_its_counters_show() {
+    let counter = |d: &iopath_devices::SharedDevice, n: &str| d.counters().into_iter().find(|c| c.name == n);
+    for mode in [StateMemoryMode::On, StateMemoryMode::Off] {
+        let dev = "nvme,backend=null,size_mb=8,doorbell=mmio".parse::<DeviceConfig>().unwrap().build().unwrap();
+        let d = dev.clone();
+        let (a, b) = UnixStream::pair().unwrap();
+        let h = std::thread::spawn(move || {
+            let f = Arc::new(Mutex::new(PciFunction::new(d).unwrap()));
+            VfioUserServer::new(f, IrqLines::new(), IoFds::IoEventFds).session(&b, "test")
+        });
+        let p = VfioUserProxy::connect_with(a, None, ProxyConfig { state_memory: mode }).unwrap();
+        let len = dev.state_len().expect("nvme,doorbell=mmio keeps state") as u64;
+        let (proxy, device) = (state_counters(&p), counter(&dev, "state.memory-bytes").map(|c| c.value));
+        if mode.on() {
+            assert_eq!(proxy, [(STATE_MEMORY_BYTES.to_string(), len)], "{mode}: the agreed state memory");
+            assert_eq!(device, Some(len), "{mode}: the controller keeps its state");
+            assert!(counter(&dev, "state.commands").is_some(), "{mode}");
+        } else {
+            assert!(proxy.is_empty(), "{mode}: none agreed: {proxy:?}");
+            let names: Vec<String> =
+                dev.counters().into_iter().map(|c| c.name).filter(|n| n.starts_with("state.")).collect();
+            assert!(names.is_empty(), "{mode}: the controller keeps no state: {names:?}");
+        }
+        drop(p);
+        h.join().unwrap().unwrap();
+    }
+    // The server's VERSION reply to a proposal without the capability names none.
+    let dev = "nvme,backend=null,size_mb=8,doorbell=mmio".parse::<DeviceConfig>().unwrap().build().unwrap();
+    let len = dev.state_len().map(|n| n as u64);
+    let (a, b) = UnixStream::pair().unwrap();
+    let h = std::thread::spawn(move || {
+        let f = Arc::new(Mutex::new(PciFunction::new(dev).unwrap()));
+        VfioUserServer::new(f, IrqLines::new(), IoFds::IoEventFds).session(&b, "test")
+    });
+    for (offer, agreed) in [(None, None), (Some(MAX_STATE_MEMORY), len)] {
+        let caps = Capabilities { state_memory: offer, ..Capabilities::default() };
+        let v = Version { major: 0, minor: 2, capabilities: Some(caps) };
+        send(&a, &message(1, Command::Version, 0, &v.to_bytes()), &[]).unwrap();
+        let r = recv(&a).unwrap().unwrap();
+        assert_eq!(Version::parse(&r.payload).unwrap().caps().state_memory, agreed, "offered {offer:?}");
+    }
+    drop(a);
+    let _ = h.join().unwrap();
 }
