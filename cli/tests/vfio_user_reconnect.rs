@@ -222,6 +222,13 @@ fn ms(d: &str) -> Option<f64> {
 /// Issue 37's kill loop for NVMe over vfio-user: the guest's verify workload (every 512-byte
 /// block of a file namespace written once with its pattern, then read back and compared, 16
 /// commands in flight) while the test SIGKILLs the device process the VMM started every 2 s.
+/// The VMM's one live child that was not killed yet: its device process.
+fn live_device_process(vmm: u32, killed: &[u32]) -> Option<u32> {
+    let b: Vec<u32> = common::kills::live_children(vmm).into_iter().filter(|p| !killed.contains(p)).collect();
+    assert!(b.len() <= 1, "one device process runs: {b:?}");
+    b.first().copied()
+}
+
 /// The controller keeps its state in the state memory the proxy holds, and each new process
 /// resumes it: the guest sees no error, no mismatch and no lost block (its record), the proxy
 /// counts one reconnect per kill, and the file read back afterwards holds every word the guest
@@ -233,12 +240,7 @@ fn nvme_verify_under_kills(doorbell: &str) {
     let img = dir.join("ns.img");
     std::fs::File::create(&img).unwrap().set_len(MB << 20).unwrap();
     let spec = format!("nvme,doorbell={doorbell},backend=file:{},size_mb={MB}@vfio-user", img.display());
-    let find = |vmm: u32, killed: &[u32]| {
-        let b: Vec<u32> = common::kills::live_children(vmm).into_iter().filter(|p| !killed.contains(p)).collect();
-        assert!(b.len() <= 1, "one device process runs: {b:?}");
-        b.first().copied()
-    };
-    let o = common::kills::under_kills("nvme", &spec, MB, find, |_| ());
+    let o = common::kills::under_kills("nvme", &spec, MB, live_device_process, |_| ());
     let rec = o.guest("nvme", MB);
     let stderr = &o.stderr;
     let reconnects = common::kills::counter(stderr, "vfio-user.reconnects");
@@ -297,13 +299,8 @@ fn vblk_verify_under_kills(notify: &str, mb: u64, busy: bool) {
     let img = dir.join("disk.img");
     std::fs::File::create(&img).unwrap().set_len(mb << 20).unwrap();
     let spec = format!("virtio-blk,backend=file:{},size_mb={mb},queues=1,notify={notify}@vfio-user", img.display());
-    let find = |vmm: u32, killed: &[u32]| {
-        let b: Vec<u32> = common::kills::live_children(vmm).into_iter().filter(|p| !killed.contains(p)).collect();
-        assert!(b.len() <= 1, "one device process runs: {b:?}");
-        b.first().copied()
-    };
     let t0 = Instant::now();
-    let o = common::kills::under_kills("vblk", &spec, mb, find, |_| ());
+    let o = common::kills::under_kills("vblk", &spec, mb, live_device_process, |_| ());
     let rec = o.guest("vblk", mb);
     let stderr = &o.stderr;
     let reconnects = common::kills::counter(stderr, "vfio-user.reconnects");
