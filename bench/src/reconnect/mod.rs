@@ -92,10 +92,10 @@ impl Target {
     }
 }
 
-/// The vfio-user proxy's bound (protocols/src/vfio_user/proxy/reconnect.rs,
-/// `MAX_BURST` within `BURST_WINDOW`): a 9th reconnect within 10 s stops the run.
-const PROXY_BURST: u32 = 8;
-const PROXY_WINDOW: Duration = Duration::from_secs(10);
+/// The vfio-user proxy's bound: a reconnect past `MAX_BURST` within
+/// `BURST_WINDOW` (8 within 10 s) stops the run.
+const PROXY_BURST: u32 = iopath_protocols::vfio_user::MAX_BURST as u32;
+const PROXY_WINDOW: Duration = iopath_protocols::vfio_user::BURST_WINDOW;
 
 /// `iopath bench reconnect`'s options.
 #[derive(Args, Debug)]

@@ -25,7 +25,10 @@ pub mod wire;
 #[cfg(test)]
 mod tests;
 
-pub use proxy::{ProxyConfig, StateMemoryMode, VfioUserProxy, RECONNECTS, RESPAWN_WINDOW, STATE_MEMORY_BYTES};
+pub use proxy::{
+    ProxyConfig, StateMemoryMode, VfioUserProxy, BURST_WINDOW, MAX_BURST, RECONNECTS, RESPAWN_WINDOW,
+    STATE_MEMORY_BYTES,
+};
 pub use server::{IoFds, VfioUserServer};
 
 use crate::function::PciFunction;

@@ -41,7 +41,7 @@ mod msix;
 pub(in crate::vfio_user) mod reconnect;
 
 pub use config::{ProxyConfig, StateMemoryMode};
-pub use reconnect::{RECONNECTS, RESPAWN_WINDOW};
+pub use reconnect::{BURST_WINDOW, MAX_BURST, RECONNECTS, RESPAWN_WINDOW};
 
 use super::ioregionfd::{RegionClient, COMMANDS};
 use super::wire::*;
