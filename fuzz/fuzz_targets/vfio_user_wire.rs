@@ -57,6 +57,7 @@ fn version(p: &[u8]) {
             max_dma_maps: 65535,
             pgsizes: !0xfff,
             write_multiple: true,
+            state_memory: Some(1 << 20),
         },
     ];
     for s in servers {
@@ -66,6 +67,8 @@ fn version(p: &[u8]) {
             assert!(a.max_dma_maps <= theirs.max_dma_maps.min(s.max_dma_maps));
             assert!(a.pgsizes != 0 && a.pgsizes & !(theirs.pgsizes & s.pgsizes) == 0);
             assert!(!a.write_multiple || (theirs.write_multiple && s.write_multiple));
+            // State memory is the server's device's to answer, never the generic answer's.
+            assert_eq!(a.state_memory, None);
             assert_eq!(Capabilities::from_json(&a.to_json()).ok(), Some(a), "an answer's JSON does not read back");
         } else {
             assert_eq!(theirs.pgsizes & s.pgsizes, 0);
