@@ -22,6 +22,13 @@
 //!   on a namespace with metadata the same holds for each block's metadata,
 //!   inline (extended LBAs) or in a separate buffer at MPTR (all FFh where
 //!   nothing was written);
+//! - protection information type 1 (`pi.rs`): commands carry PRINFO
+//!   (PRACT, PRCHK, the tags of CDW14/15), writes carry tuples right,
+//!   unchecked (application tag FFFFh) or spoiled in one field; each
+//!   command gets the check error predicted from the model's contents (or
+//!   success), a failed one writes nothing, a generated tuple is what a read
+//!   returns, PRACT with 8 bytes of metadata moves none, and the
+//!   controller's `pi.errors` counts each failure;
 //! - with error injection rules (`Shape::rules`): a matching command gets
 //!   the injected status (and is not executed), a dropped one completes
 //!   only when the driver aborts it (a reset or a deletion forgets it), a
@@ -47,6 +54,7 @@
 mod driver;
 mod local;
 mod model;
+mod pi;
 mod rng;
 
 pub use driver::{injection_rules, Driver, Report, Shape, RAM};

@@ -59,6 +59,17 @@ pub enum Content {
     Zero,
     /// The pattern of write number `seq`.
     Data(u64),
+    /// A block whose metadata word `at` is a protection information tuple
+    /// (`tuple`, as the host sees it: `pi.rs`) a write gave or the
+    /// controller generated, over the pattern of write `seq`, or over zeros
+    /// (None: Write Zeroes with PRACT; every other metadata byte of the
+    /// block then reads 0). `data`: the block's data words.
+    Tagged {
+        seq: Option<u64>,
+        data: u16,
+        at: u16,
+        tuple: u64,
+    },
 }
 
 impl Content {
@@ -67,6 +78,17 @@ impl Content {
         match self {
             Content::Zero => 0,
             Content::Data(seq) => pattern_word(lba, seq, i),
+            // Metadata words are kept inverted (the driver's `Meta::stored`):
+            // these give the tuple, and zeros, as the host sees them.
+            Content::Tagged { at, tuple, .. } if i == at as u64 => !tuple,
+            Content::Tagged { seq: Some(seq), .. } => pattern_word(lba, seq, i),
+            Content::Tagged { seq: None, data, .. } => {
+                if i < data as u64 {
+                    0
+                } else {
+                    !0
+                }
+            }
         }
     }
 }
@@ -129,6 +151,11 @@ impl Lbas {
                 v.push(c);
             }
         }
+    }
+
+    /// What `lba` may hold.
+    pub fn can_be(&self, lba: u64) -> &[Content] {
+        &self.can_be[lba as usize]
     }
 
     /// Checks a block read back (`words`) against what `lba` may hold; the

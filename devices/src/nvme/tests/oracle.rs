@@ -150,10 +150,13 @@ fn random_schedules_over_four_namespaces_in_every_doorbell_mode() {
 }
 
 /// Namespaces with metadata (issue 36): separate buffers (MPTR) and extended LBAs, 8 to 64
-/// bytes per block, with and without PI type 1 (the driver sets no PRINFO: the metadata is
-/// the host's), on ram and on a file. Every write carries metadata of its own, every read
-/// must return the data and the metadata of the last write (all FFh where none was written,
-/// zeroed or deallocated), and nothing outside a command's PRPs and MPTR buffer changes.
+/// bytes per block, with and without PI type 1, on ram and on a file. Every write carries
+/// metadata of its own, every read must return the data and the metadata of the last write
+/// (all FFh where none was written, zeroed or deallocated), and nothing outside a command's
+/// PRPs and MPTR buffer changes. On the PI namespaces most commands carry PRINFO: PRACT
+/// (the tuple generated on a write or write zeroes, stripped with 8 bytes of metadata),
+/// PRCHK with tags right or wrong, tuples spoiled in one field: each command gets the check
+/// error the oracle predicts (or success) and a failed one writes nothing.
 #[test]
 fn random_schedules_over_namespaces_with_metadata_in_every_doorbell_mode() {
     use crate::nvme::namespaces::{NsConfig, NsMeta};
@@ -161,6 +164,7 @@ fn random_schedules_over_namespaces_with_metadata_in_every_doorbell_mode() {
     let meta = |ms, ext, pi| NsMeta { ms, ext, pi, pi_first: false };
     let ram =
         |lba_size, meta| NsConfig { backend: StorageKind::Ram, size: 2 << 20, lba_size, meta, ..Default::default() };
+    let (mut prinfo, mut pi_errors) = (0, 0);
     for mode in MODES {
         for seed in 0..seeds() / 2 {
             let _ = std::fs::remove_file(&path);
@@ -168,13 +172,21 @@ fn random_schedules_over_namespaces_with_metadata_in_every_doorbell_mode() {
                 NsConfig { backend: StorageKind::File(path.clone()), create: true, ..ram(512, meta(16, false, 0)) };
             let c = NvmeConfig {
                 meta: meta(8, false, 1),
-                ns: vec![ram(512, meta(16, true, 0)), ram(4096, meta(64, false, 1)), ram(4096, meta(8, true, 1)), file],
+                ns: vec![
+                    ram(512, NsMeta { pi_first: true, ..meta(16, true, 1) }),
+                    ram(4096, meta(64, false, 1)),
+                    ram(4096, meta(8, true, 1)),
+                    file,
+                ],
                 ..cfg(mode, 1, 512)
             };
-            run(c, seed % 2 == 1, 7000 + seed, |r| Shape::random(r, 500));
+            let r = run(c, seed % 2 == 1, 7000 + seed, |r| Shape::random(r, 500));
+            (prinfo, pi_errors) = (prinfo + r.prinfo, pi_errors + r.pi_errors);
         }
     }
     let _ = std::fs::remove_file(&path);
+    eprintln!("PRINFO on {prinfo} commands, {pi_errors} of them failed a check as predicted");
+    assert!(prinfo > 100 && pi_errors > 10, "the schedules met PRINFO: {prinfo}, check errors: {pi_errors}");
 }
 
 /// Injection rules (`oracle::injection_rules`) on the namespace a config gives.

@@ -2,15 +2,22 @@
 //! of submissions, doorbells, reaps, queue deletions and resets, and checks
 //! each completion as it comes (see the module documentation).
 
-use super::model::{canary, Content, Failure, Image, Lbas, Violation};
+use super::model::{canary, Failure, Image, Lbas, Violation};
+use super::pi::Prinfo;
 use super::rng::Rng;
 use super::{OpRecord, Port};
-use crate::block::inject::{Action, CommandView, Kind, Lbas as LbaSpan, Rule};
+use crate::block::inject::{Action, CommandView, Kind, Lbas as LbaSpan};
 use crate::Counter;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 use vm_memory::{Bytes, GuestAddress};
+
+mod data;
+mod shape;
+
+use data::segments;
+pub use shape::{injection_rules, Shape};
 
 /// Guest RAM the driver lays out (`LocalPort` makes this much).
 pub const RAM: u64 = 8 << 20;
@@ -36,152 +43,6 @@ const PATIENCE: Duration = Duration::from_secs(10);
 /// Largest transfer the driver makes.
 const MAX_BYTES: u64 = 16 << 10;
 
-/// A schedule's fixed choices; the rest is drawn step by step.
-#[derive(Clone, Debug)]
-pub struct Shape {
-    pub steps: u32,
-    /// I/O SQs (1..=MAX_QUEUES) and the CQs they share (1..=sqs).
-    pub sqs: u16,
-    pub cqs: u16,
-    /// Admin queue entries (2..=64).
-    pub admin: u16,
-    /// Commands in flight at most, over all SQs.
-    pub inflight: u16,
-    /// Commands per submission batch at most.
-    pub batch: u16,
-    /// Use Doorbell Buffer Config where the controller offers it.
-    pub shadow: bool,
-    /// With shadow doorbells: ring the register only when EventIdx asks
-    /// (Linux); otherwise after every shadow update.
-    pub event_idx: bool,
-    /// Ring the SQ tail every this many entries within a batch (0: only
-    /// after the batch).
-    pub sq_every: u16,
-    /// Percent of batches whose tail is not rung at their end (late).
-    pub sq_late: u64,
-    /// Ring the CQ head every this many completions reaped (0: after a reap).
-    pub cq_every: u16,
-    /// Percent of reaps whose head is not rung at their end (late).
-    pub cq_late: u64,
-    /// Delete and create queues again, reset and shut down the controller.
-    pub deletes: bool,
-    pub resets: bool,
-    /// Kill the device with commands in flight and start a new one on the
-    /// same storage (`Port::restart`).
-    pub crashes: bool,
-    /// The namespace keeps data (false: a null namespace, whose reads
-    /// leave the buffer as it was; their data is not checked).
-    pub data: bool,
-    /// The error injection rules the controller was given (`inject=`),
-    /// each triggered always: the driver expects each command's fate from
-    /// the first that matches it ([`injection_rules`]).
-    pub rules: Vec<Rule>,
-}
-
-/// Rules for the oracle over a namespace of `nlbas` LBAs (the model's
-/// first 4096 at most): reads of one range fail with Unrecovered Read
-/// Error, reads of another are dropped (the driver aborts them), reads of
-/// a third come back with `seed`'s bytes flipped, writes of a fourth are
-/// delayed 200 us, flushes raise a SMART event (no AER is outstanding: it
-/// waits), all triggered always.
-pub fn injection_rules(nlbas: u64, seed: u64) -> Vec<Rule> {
-    let n = nlbas.min(4096);
-    let r = |a: u64, len: u64| format!("{}-{}", a, (a + len - 1).min(n - 1));
-    let text = format!(
-        "op=read/lba={}/status=2:0x81+op=read/lba={}/drop+op=read/lba={}/corrupt=5:{seed}+op=write/lba={}/delay=200us+op=flush/event=smart:0x04",
-        r(n / 8, 8),
-        r(n / 2, 2),
-        r(n / 4, n / 16),
-        r(3 * n / 4, n / 8)
-    );
-    crate::block::inject::parse_rules(&text).expect("the oracle's rules")
-}
-
-impl Shape {
-    /// A schedule drawn from `rng`.
-    pub fn random(rng: &mut Rng, steps: u32) -> Shape {
-        let sqs = rng.range(1, 4) as u16;
-        Shape {
-            steps,
-            sqs,
-            cqs: rng.range(1, sqs as u64) as u16,
-            admin: rng.pick(&[2, 3, 8, 32, 64]),
-            inflight: rng.pick(&[1, 2, 4, 16, 64, 255]),
-            batch: rng.pick(&[1, 2, 4, 16, 64]),
-            shadow: rng.chance(70),
-            event_idx: rng.chance(80),
-            sq_every: rng.pick(&[0, 0, 1, 3, 16]),
-            sq_late: rng.pick(&[0, 0, 20, 60]),
-            cq_every: rng.pick(&[0, 1, 1, 4, 16]),
-            cq_late: rng.pick(&[0, 0, 20, 60]),
-            deletes: rng.chance(50),
-            resets: rng.chance(50),
-            crashes: false,
-            data: true,
-            rules: Vec::new(),
-        }
-    }
-
-    /// The driver that met replayed commands: one 256-entry I/O queue, 4
-    /// writes in flight, its SQ tail rung every 16 entries and after each
-    /// batch, its CQ head rung after each completion it reaps.
-    pub fn replay_case(steps: u32) -> Shape {
-        Shape {
-            steps,
-            sqs: 1,
-            cqs: 1,
-            admin: 32,
-            inflight: 4,
-            batch: 4,
-            shadow: false,
-            event_idx: true,
-            sq_every: 16,
-            sq_late: 0,
-            cq_every: 1,
-            cq_late: 0,
-            deletes: false,
-            resets: false,
-            crashes: false,
-            data: true,
-            rules: Vec::new(),
-        }
-    }
-
-    /// The durability case: many writes in flight (up to 255), the device
-    /// killed now and then and a new one started on the same storage.
-    pub fn durability(rng: &mut Rng, steps: u32) -> Shape {
-        Shape {
-            sqs: rng.range(1, 2) as u16,
-            inflight: 255,
-            batch: 64,
-            sq_every: rng.pick(&[0, 16]),
-            cq_every: rng.pick(&[0, 1]),
-            crashes: true,
-            resets: false,
-            deletes: false,
-            ..Shape::random(rng, steps)
-        }
-    }
-}
-
-impl Shape {
-    /// Several SQs on one small CQ, its head rung late: completions wait
-    /// for room, and the controller must ask for the head (EventIdx) and
-    /// keep asking while any SQ of that CQ holds commands back.
-    pub fn shared_small_cq(steps: u32) -> Shape {
-        Shape {
-            sqs: 3,
-            cqs: 1,
-            inflight: 64,
-            batch: 16,
-            shadow: true,
-            cq_every: 0,
-            cq_late: 60,
-            ..Shape::replay_case(steps)
-        }
-    }
-}
-
 /// What a schedule did.
 #[derive(Clone, Debug, Default)]
 pub struct Report {
@@ -200,6 +61,12 @@ pub struct Report {
     pub injected: u64,
     /// Reads checked with their injected corruption flipped back.
     pub corrupted: u64,
+    /// Commands with PRINFO on a namespace with protection information,
+    /// and those of them that failed a PI check (as predicted).
+    pub prinfo: u64,
+    pub pi_errors: u64,
+    /// Commands submitted whose PI check must fail (completed or not).
+    pub pi_doomed: u64,
     /// The controller offered shadow doorbells and the driver used them.
     pub shadowed: bool,
 }
@@ -231,6 +98,10 @@ struct Meta {
     ext: bool,
     /// Data bytes per block.
     data: u64,
+    /// Protection information type 1 (DPS), in the metadata's first 8
+    /// bytes (else its last 8).
+    pi: bool,
+    pi_first: bool,
 }
 
 impl Meta {
@@ -242,6 +113,11 @@ impl Meta {
         } else {
             v
         }
+    }
+
+    /// The index of the PI tuple's word in a block (data, then metadata).
+    fn pi_word(self) -> u16 {
+        (self.data / 8 + if self.pi_first { 0 } else { self.ms / 8 - 1 }) as u16
     }
 }
 
@@ -270,6 +146,14 @@ struct Cmd {
     published: bool,
     /// What the injection rules do to it (`Shape::rules`).
     action: Option<Action>,
+    /// PRINFO, EILBRT, ELBAT and ELBATM on a namespace with PI (`pi.rs`).
+    prinfo: Option<Prinfo>,
+    /// A write without PRACT on such a namespace: the tuple each block
+    /// carries (empty: its metadata is the pattern's).
+    tuples: Vec<u64>,
+    /// The PI check error the controller must answer (0: none). The
+    /// command then transfers and writes nothing.
+    pi_status: u16,
 }
 
 impl Cmd {
@@ -282,12 +166,9 @@ impl Cmd {
     fn touches_lbas(&self) -> bool {
         matches!(self.op, Op::Read | Op::Write | Op::Zeroes | Op::Deallocate)
     }
-    fn content(&self) -> Content {
-        if self.op == Op::Write {
-            Content::Data(self.seq)
-        } else {
-            Content::Zero
-        }
+    /// PI is generated (write, write zeroes) or stripped (read).
+    fn pract(&self) -> bool {
+        self.prinfo.is_some_and(|p| p.pract)
     }
 }
 
@@ -572,7 +453,8 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             let flbas = id[26] & 0xf;
             let lbaf = 128 + 4 * flbas as usize;
             let (ms, lbads) = (u16::from_le_bytes([id[lbaf], id[lbaf + 1]]) as u64, id[lbaf + 2]);
-            let meta = Meta { ms, ext: ms > 0 && id[26] & 0x10 != 0, data: 1 << lbads };
+            let (ext, dps) = (ms > 0 && id[26] & 0x10 != 0, id[29]);
+            let meta = Meta { ms, ext, data: 1 << lbads, pi: ms >= 8 && dps & 7 == 1, pi_first: dps & 8 != 0 };
             self.lba.push(meta.data + if meta.ext { ms } else { 0 });
             self.meta.push(meta);
             if self.lbas.len() < nsid as usize {
@@ -776,14 +658,27 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             seq: 0,
             published: false,
             action: None,
+            prinfo: None,
+            tuples: Vec::new(),
+            pi_status: 0,
         };
+        let opcode = match op {
+            Op::Read => 0x02,
+            Op::Write => 0x01,
+            Op::Flush => 0x00,
+            Op::Zeroes => 0x08,
+            Op::Deallocate => 0x09,
+            Op::Bad(o, _) | Op::BadNs(o) => o,
+        };
+        cmd.action = self.predict(qid, opcode, nsid, &cmd);
+        self.draw_prinfo(&mut cmd);
         let (mut prp1, mut prp2) = (0, 0);
         if matches!(op, Op::Read | Op::Write) {
-            let bytes = cmd.bytes(self.lba[ns]);
+            let bytes = cmd.bytes(self.host_lba(&cmd));
             // PRP1 may start inside a page (dword aligned; the driver keeps 8).
             let offset = if self.rng.chance(30) { self.rng.below((PAGE - 8) / 8) * 8 } else { 0 };
             let npages = (offset + bytes).div_ceil(PAGE);
-            let separate = self.meta[ns].ms > 0 && !self.meta[ns].ext;
+            let separate = self.meta[ns].ms > 0 && !self.meta[ns].ext && !self.stripped(&cmd);
             let need = npages + u64::from(npages > 2) + u64::from(separate);
             if (self.pages.len() as u64) < need {
                 return Ok(false);
@@ -807,6 +702,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             if op == Op::Write {
                 cmd.seq = self.next_seq;
                 self.next_seq += 1;
+                self.draw_tuples(&mut cmd);
                 let data = self.payload(&cmd);
                 self.scatter(&cmd, &data);
                 if let Some(p) = cmd.meta {
@@ -815,7 +711,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
                 }
             } else {
                 // The transfer's bytes are the device's; the rest of its pages stay canary.
-                for (a, n) in segments(&cmd, self.lba[ns]) {
+                for (a, n) in segments(&cmd, self.host_lba(&cmd)) {
                     self.img.release(a, n, true);
                 }
                 if let Some(p) = cmd.meta {
@@ -842,23 +738,20 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         let tag = self.next_tag;
         self.next_tag += 1;
         cmd.cid = self.alloc_cid(qid);
-        let opcode = match op {
-            Op::Read => 0x02,
-            Op::Write => 0x01,
-            Op::Flush => 0x00,
-            Op::Zeroes => 0x08,
-            Op::Deallocate => 0x09,
-            Op::Bad(o, _) | Op::BadNs(o) => o,
-        };
+        let prinfo = cmd.prinfo.map_or(0, |p| p.cdw12());
         let cdw = match op {
             Op::Deallocate => [0, 4, 0],
             Op::Flush | Op::Bad(0x7f, _) => [0, 0, 0],
-            _ => [slba as u32, (slba >> 32) as u32, nlb as u32 - 1],
+            _ => [slba as u32, (slba >> 32) as u32, (nlb as u32 - 1) | prinfo],
         };
-        cmd.action = self.predict(qid, opcode, nsid, &cmd);
         let mut e = sqe(opcode, cmd.cid, nsid, tag, prp1, prp2, cdw);
         if let Some(p) = cmd.meta {
             e[16..24].copy_from_slice(&p.to_le_bytes()); // MPTR
+        }
+        if let Some(p) = cmd.prinfo {
+            let (cdw14, cdw15) = p.cdw14_15();
+            e[56..60].copy_from_slice(&cdw14.to_le_bytes());
+            e[60..64].copy_from_slice(&cdw15.to_le_bytes());
         }
         let sq = self.sqs[qid as usize].as_mut().unwrap();
         let slot = sq.slot(sq.tail);
@@ -871,6 +764,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         let gpa = SQ_BASE + (qid as u64 - 1) * SQ_STRIDE + slot as u64 * 64;
         self.put(gpa, &e);
         self.by_cid.insert((qid, cmd.cid), tag);
+        self.report.pi_doomed += u64::from(cmd.pi_status != 0);
         self.cmds.insert(tag, cmd);
         self.report.submitted += 1;
         if ring {
@@ -905,54 +799,6 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
                 return self.next_cid;
             }
         }
-    }
-
-    /// A write's data: each block the pattern of (lba, seq), its metadata
-    /// words (inline with extended LBAs) inverted ([`Meta`]).
-    fn payload(&self, c: &Cmd) -> Vec<u8> {
-        let (words, m) = (self.lba[c.ns] / 8, self.meta[c.ns]);
-        (0..c.nlb)
-            .flat_map(|b| (0..words).map(move |w| (c.slba + b, w)))
-            .flat_map(|(lba, w)| m.stored(w, Content::Data(c.seq).word(lba, w)).to_le_bytes())
-            .collect()
-    }
-
-    /// A write's separate metadata (MPTR): each block's words past its data,
-    /// inverted.
-    fn meta_payload(&self, c: &Cmd) -> Vec<u8> {
-        let m = self.meta[c.ns];
-        let (first, words) = (m.data / 8, m.ms / 8);
-        (0..c.nlb)
-            .flat_map(|b| (first..first + words).map(move |w| (c.slba + b, w)))
-            .flat_map(|(lba, w)| (!Content::Data(c.seq).word(lba, w)).to_le_bytes())
-            .collect()
-    }
-
-    /// The separate metadata buffer of `c` as it is in guest memory (empty
-    /// without one).
-    fn meta_of(&self, c: &Cmd) -> Vec<u8> {
-        let Some(p) = c.meta else { return Vec::new() };
-        let mut out = vec![0u8; (c.nlb * self.meta[c.ns].ms) as usize];
-        self.ram().read_slice(&mut out, GuestAddress(p)).unwrap();
-        out
-    }
-
-    fn scatter(&mut self, c: &Cmd, data: &[u8]) {
-        let mut at = 0usize;
-        for (a, n) in segments(c, self.lba[c.ns]) {
-            self.put(a, &data[at..at + n as usize]);
-            at += n as usize;
-        }
-    }
-
-    fn gather(&self, c: &Cmd) -> Vec<u8> {
-        let mut out = vec![0u8; c.bytes(self.lba[c.ns]) as usize];
-        let mut at = 0usize;
-        for (a, n) in segments(c, self.lba[c.ns]) {
-            self.ram().read_slice(&mut out[at..at + n as usize], GuestAddress(a)).unwrap();
-            at += n as usize;
-        }
-        out
     }
 
     /// Makes SQ `qid`'s tail visible to the controller: the register (or
@@ -1108,7 +954,7 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
             (Some(Action::Drop), _) => 0x007,
             (_, Op::Bad(_, st)) => st,
             (_, Op::BadNs(_)) => 0x00b,
-            _ => 0,
+            _ => c.pi_status,
         };
         if st & 0x7ff != want {
             return Err(Violation::Status(format!(
@@ -1119,12 +965,15 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
         // Failed or withheld by injection: not executed.
         let executed = !matches!(c.action, Some(Action::Status(_) | Action::Drop));
         self.report.injected += u64::from(!executed);
+        self.report.prinfo += u64::from(c.prinfo.is_some());
+        self.report.pi_errors += u64::from(c.pi_status != 0);
+        let executed = executed && c.pi_status == 0;
         self.retire(c, executed)
     }
 
     /// A command done: checks its data (completed) and gives its pages back.
     fn retire(&mut self, c: Cmd, completed: bool) -> Result<(), Violation> {
-        let (lba, ns) = (self.lba[c.ns], c.ns);
+        let (lba, ns) = (self.host_lba(&c), c.ns);
         let mut result = Ok(());
         match c.op {
             Op::Read if completed && self.shape.data => {
@@ -1162,10 +1011,24 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
                 {
                     result = Err(Violation::Memory(format!("the data of write SQ {} cid {} changed", c.sqid, c.cid)));
                 }
-                self.lbas[ns].set(c.slba, c.nlb, c.content());
+                for k in 0..c.nlb {
+                    let left = self.left(&c, k);
+                    self.lbas[ns].set(c.slba + k, 1, left);
+                }
             }
-            Op::Zeroes | Op::Deallocate if completed => self.lbas[ns].set(c.slba, c.nlb, Content::Zero),
-            Op::Write | Op::Zeroes | Op::Deallocate => self.lbas[ns].maybe(c.slba, c.nlb, c.content()),
+            Op::Zeroes | Op::Deallocate if completed => {
+                for k in 0..c.nlb {
+                    let left = self.left(&c, k);
+                    self.lbas[ns].set(c.slba + k, 1, left);
+                }
+            }
+            // A failed PI check writes nothing; a command dropped may or may not have run.
+            Op::Write | Op::Zeroes | Op::Deallocate if c.pi_status == 0 => {
+                for k in 0..c.nlb {
+                    let left = self.left(&c, k);
+                    self.lbas[ns].maybe(c.slba + k, 1, left);
+                }
+            }
             _ => {}
         }
         if c.touches_lbas() {
@@ -1385,6 +1248,17 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
                 return Err(Violation::Execution(format!("io.commands {io}: {lo} commands completed, {hi} published")));
             }
         }
+        // The controller counted each PI check that failed: those completed
+        // with it, and perhaps those a reset dropped (a restarted device
+        // counts from zero).
+        if let Some(e) = get("pi.errors").filter(|_| self.report.crashes == 0) {
+            let (lo, hi) = (self.report.pi_errors, self.report.pi_doomed);
+            if e < lo || e > hi {
+                return Err(Violation::Controller(format!(
+                    "pi.errors {e}: {lo} commands completed with a PI check error, {hi} submitted to fail one"
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -1440,18 +1314,6 @@ impl<'a, P: Port + ?Sized> Driver<'a, P> {
 }
 
 /// The (guest address, length) pieces of a command's data.
-fn segments(c: &Cmd, lba: u64) -> Vec<(u64, u64)> {
-    let mut left = c.bytes(lba);
-    let mut out = Vec::new();
-    for (i, &p) in c.pages.iter().enumerate() {
-        let start = if i == 0 { c.offset } else { 0 };
-        let n = (PAGE - start).min(left);
-        out.push((p + start, n));
-        left -= n;
-    }
-    out
-}
-
 /// A submission queue entry.
 fn sqe(op: u8, cid: u16, nsid: u32, tag: u32, prp1: u64, prp2: u64, cdw: [u32; 3]) -> [u8; 64] {
     let mut e = [0u8; 64];
