@@ -9,10 +9,15 @@
 //! caches. The difference between this figure and `bench nvme`'s device CPU
 //! per I/O at QD16 is what those crossings cost.
 //!
+//! `read-null-state` is `read-null` with the controller keeping its state in
+//! state memory (each command's entry into a slot, its completion, the SQ
+//! head and CQ tail words: `nvme/state/`): their difference is that cost.
+//!
 //! `cargo bench -p iopath-devices --bench nvme_commands`
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use iopath_devices::nvme::Nvme;
+use iopath_devices::state::StateMemory;
 use iopath_devices::{DeviceConfig, DeviceContext, DeviceModel, GuestMemoryMmap};
 use std::time::{Duration, Instant};
 use vm_memory::{Bytes, GuestAddress};
@@ -39,13 +44,19 @@ struct Driver {
 }
 
 impl Driver {
-    fn new(config: &str, bs: u64) -> Driver {
+    /// With `state`, the controller keeps its state in state memory (as a
+    /// client that offers it makes it: `nvme/state/`).
+    fn new(config: &str, bs: u64, state: bool) -> Driver {
         let DeviceConfig::Nvme(cfg) = config.parse().expect("a device configuration") else {
             panic!("{config}: not an nvme configuration")
         };
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 4 << 20)]).unwrap();
         let n = Nvme::new(cfg).unwrap();
         n.attach(DeviceContext::detached(mem.clone()));
+        if state {
+            let len = n.state_len().expect("the controller keeps state memory");
+            n.adopt_state(StateMemory::create(len).unwrap(), false).unwrap();
+        }
         let mut d = Driver { n, mem, sq_tail: 0, cq_head: 0, phase: 1, bs };
         d.w32(0x24, 31 << 16 | 31); // AQA: 32-entry admin queues
         d.n.bar_write(0, 0x28, &ASQ.to_le_bytes());
@@ -124,12 +135,14 @@ impl Driver {
 fn commands(c: &mut Criterion) {
     let mut g = c.benchmark_group("nvme-commands");
     g.throughput(Throughput::Elements(BATCH as u64));
-    for (backend, bs) in [("null", 512u64), ("ram", 512), ("ram", 4096)] {
+    // `-state`: the state memory's cost per command (`bench nvme --state-memory on,off` in a guest).
+    for (backend, bs, state) in
+        [("null", 512u64, false), ("null", 512, true), ("ram", 512, false), ("ram", 4096, false)]
+    {
         let config = format!("nvme,doorbell=mmio,backend={backend},size_mb=64");
-        let mut d = Driver::new(&config, bs);
-        g.bench_function(BenchmarkId::new(format!("read-{backend}"), bs), |b| {
-            b.iter_custom(|iters| (0..iters).map(|_| d.batch()).sum())
-        });
+        let mut d = Driver::new(&config, bs, state);
+        let name = format!("read-{backend}{}", if state { "-state" } else { "" });
+        g.bench_function(BenchmarkId::new(name, bs), |b| b.iter_custom(|iters| (0..iters).map(|_| d.batch()).sum()));
     }
     g.finish();
 }
