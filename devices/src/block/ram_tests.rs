@@ -155,8 +155,8 @@ fn a_map_of_any_bits_is_read_as_it_is() {
     let len = 5 * 4096 + 512;
     let (mem, place) = state_with(len);
     let w = mem.words();
-    for i in place.map_at() / 8..place.end() / 8 {
-        w[i].store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+    for word in &w[place.map_at() / 8..place.end() / 8] {
+        word.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
     }
     let ram = Ram::in_state(&mem, place, None).unwrap();
     assert_eq!(ram.written_bytes(), 6 * 4096);

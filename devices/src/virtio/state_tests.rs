@@ -449,12 +449,10 @@ fn random_deaths(make: fn(&std::path::Path) -> VirtioBlkConfig, name: &str) {
 fn configurations_that_cannot_resume_are_refused_with_their_reason() {
     let img = img("refused");
     let timing = "read:80us".parse().unwrap();
-    for (c, why) in [(VirtioBlkConfig { timing: Some(Box::new(timing)), ..cfg(&img) }, "timing= and inject=")] {
-        let dev = VirtioBlk::new(c).unwrap();
-        assert_eq!(dev.state_len(), None);
-        let e = dev.adopt_state(StateMemory::create(len(1)).unwrap(), false).unwrap_err().to_string();
-        assert!(e.contains(why), "{e}");
-    }
+    let dev = VirtioBlk::new(VirtioBlkConfig { timing: Some(Box::new(timing)), ..cfg(&img) }).unwrap();
+    assert_eq!(dev.state_len(), None);
+    let e = dev.adopt_state(StateMemory::create(len(1)).unwrap(), false).unwrap_err().to_string();
+    assert!(e.contains("timing= and inject="), "{e}");
     let dev = VirtioBlk::new(cfg(&img)).unwrap();
     let e = dev.adopt_state(StateMemory::create(4096).unwrap(), false).unwrap_err().to_string();
     assert!(e.contains("it needs"), "{e}");
