@@ -623,7 +623,7 @@ impl DeviceModel for Nvme {
     }
 
     fn state_len(&self) -> Option<usize> {
-        state::supported(&self.cfg).ok().map(|()| state::LEN)
+        state::supported(&self.cfg).ok().and_then(|()| state::len(&crate::lock(&self.core)).ok())
     }
 
     fn adopt_state(&self, mem: crate::state::StateMemory, resume: bool) -> Result<()> {

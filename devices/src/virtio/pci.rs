@@ -45,8 +45,8 @@
 //! the order that module documents, so that a new process resumes the
 //! device and runs again exactly the requests the dead one had not
 //! completed ([`BlkEngine::resumed`]: they go first, before anything new).
-//! Null and file disks resume, with any `notify=`; refused (`state_len`
-//! None): a RAM disk (its data dies with the process), `timing=` and
+//! Null, file and ram disks resume (a ram disk's data lives in the state
+//! memory), with any `notify=`; refused (`state_len` None): `timing=` and
 //! `inject=` (held completions and injected drops are not recorded).
 
 use super::blk::{self, Blk, Done};
@@ -407,13 +407,14 @@ impl QueueEngine for BlkEngine {
 
     fn state_supported(&self) -> Result<()> {
         let no = |why: &str| Err(Error::Host(format!("virtio-blk: no state memory: {why}")));
-        if matches!(self.cfg.backend, StorageKind::Ram) {
-            return no("a ram disk's data dies with its process (use null or file:PATH)");
-        }
         if self.cfg.timing.is_some() || !self.cfg.inject.is_empty() {
             return no("timing= and inject= are not recorded (held completions, dropped requests)");
         }
         Ok(())
+    }
+
+    fn state_ram(&mut self) -> Option<&mut Storage> {
+        matches!(self.blk.storage, Storage::Ram(_)).then_some(&mut self.blk.storage)
     }
 
     fn after_predecessor(&self) -> Result<()> {

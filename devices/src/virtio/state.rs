@@ -51,12 +51,23 @@
 //! needs a reset (the only time it raises that vector). A spurious MSI-X
 //! is harmless, a lost one a hang.
 //!
+//! A ram disk keeps its data in the state memory too, after the words
+//! (`crate::state::place_ram`; where, in `W_RAM`, checked at resume): a
+//! fresh `adopt` moves the data there (the pages written so far copied),
+//! and a resumed device reads and writes it in place (`block/ram.rs`). A
+//! write the driver saw completed reads back after a resume: its data is
+//! copied into the memfd's pages before step 3 starts, and step 3's stores
+//! (the region's, then used->idx with release) come after them in program
+//! order; the stores of a killed process stay in the memfd, which the
+//! client holds. A write not completed is in flight and runs again.
+//!
 //! What is not kept: the counters, ISR (INTx is raised again on resume),
 //! the PCI_CFG window (the client replays configuration writes), MSI-X
 //! pending bits (every vector is signalled instead).
 
 use super::{Transport, MSIX_CAP, MSIX_TABLE, NO_VECTOR, S_DRIVER_OK, S_NEEDS_RESET};
-use crate::state::StateMemory;
+use crate::block::{Ram, Storage};
+use crate::state::{place_ram, RamPlace, StateMemory};
 use crate::virtio::inflight::{queue_region_size, InflightRing};
 use crate::virtio::queue::{Queue, MAX_QUEUE_SIZE};
 use crate::{Error, Result};
@@ -75,6 +86,8 @@ pub(super) const W_FEAT: usize = 3;
 pub(super) const W_SEL: usize = 4;
 /// Message Control's high byte; bit 8: valid.
 pub(super) const W_MSIX_CTL: usize = 5;
+/// A ram disk's data: its byte offset and length (`RamPlace::words`; zeros: none).
+pub(super) const W_RAM: usize = 6;
 /// Two words a vector (the configuration's and one per queue).
 pub(super) const W_MSIX: usize = 8;
 /// Per queue: size | enabled << 16 | vector << 32; desc; avail; used.
@@ -85,7 +98,7 @@ pub(super) const W_AVAIL: usize = W_QUEUE + Q_WORDS * super::MAX_QUEUES as usize
 /// Where the in-flight regions start (bytes), one per queue.
 pub(super) const REGIONS: usize = (W_AVAIL + super::MAX_QUEUES as usize).next_multiple_of(8) * 8;
 
-/// Bytes of state memory a device of `queues` queues asks for.
+/// Bytes of the words of a device of `queues` queues (a ram disk's data after them).
 pub fn len(queues: u16) -> usize {
     REGIONS + queues as usize * queue_region_size(MAX_QUEUE_SIZE) as usize
 }
@@ -283,7 +296,7 @@ impl Plan {
     /// (attached: its guest memory is where the rings must lie). Repairs a
     /// region whose device died inside a completion (step 3) only once
     /// everything else has been found valid.
-    fn read(t: &Transport, rec: &mut Recorder) -> Result<Plan> {
+    fn read(t: &Transport, rec: &mut Recorder, ram: Option<RamPlace>) -> Result<Plan> {
         let n = t.queues.len();
         let w: Vec<u64> = rec.mem.words()[..REGIONS / 8].iter().map(|x| x.load(Ordering::Acquire)).collect();
         if w[W_MAGIC] != MAGIC {
@@ -291,6 +304,11 @@ impl Plan {
         }
         if w[W_SHAPE] != shape(n as u16) {
             return Err(bad(format!("has another layout ({:#x}; this device {:#x})", w[W_SHAPE], shape(n as u16))));
+        }
+        if w[W_RAM..W_RAM + 2] != RamPlace::words(ram) {
+            let want = ram.map_or("none".into(), |p| format!("{} bytes at byte {}", p.len, p.at));
+            let (at, len) = (w[W_RAM], w[W_RAM + 1]);
+            return Err(bad(format!("has ram data at byte {at} ({len} bytes); this device keeps {want} there")));
         }
         let Some(ctx) = &t.ctx else { return Err(bad("cannot be resumed before the device is attached".into())) };
         let dev = w[W_DEV];
@@ -430,8 +448,24 @@ impl Transport {
 impl<E: super::QueueEngine> super::VirtioPci<E> {
     /// `DeviceModel::state_len`: the bytes, if the engine can resume.
     pub(super) fn state_bytes(&self) -> Option<usize> {
-        let s = self.state();
-        s.e.state_supported().ok().map(|_| len(s.t.num_queues()))
+        let mut s = self.state();
+        s.e.state_supported().ok()?;
+        let n = s.t.num_queues();
+        ram_place(&mut s.e, n).ok().map(|(_, len)| len)
+    }
+
+    /// The state counters, only while state is kept: the bytes of state
+    /// memory, and a ram disk's there (`crate::state`'s counters).
+    pub(super) fn state_counters(s: &mut super::State<E>) -> Vec<crate::Counter> {
+        let Some(r) = s.t.rec.as_deref() else { return Vec::new() };
+        let mut c = vec![(crate::state::MEMORY_BYTES, r.mem.len() as u64)];
+        if let Some(Storage::Ram(ram)) = s.e.state_ram() {
+            if ram.in_state_memory() {
+                c.push((crate::state::RAM_BYTES, ram.len()));
+                c.push((crate::state::RAM_WRITTEN_BYTES, ram.written_bytes()));
+            }
+        }
+        c.into_iter().map(|(n, value)| crate::Counter { name: n.into(), value }).collect()
     }
 
     /// `DeviceModel::adopt_state`: fresh (zeroed, then the device as it
@@ -440,17 +474,23 @@ impl<E: super::QueueEngine> super::VirtioPci<E> {
         let mut s = self.state();
         s.e.state_supported()?;
         let n = s.t.num_queues();
-        if mem.len() < len(n) {
-            return Err(Error::Host(format!("virtio: state memory of {} bytes; it needs {}", mem.len(), len(n))));
+        let (place, need) = ram_place(&mut s.e, n)?;
+        if mem.len() < need {
+            return Err(Error::Host(format!("virtio: state memory of {} bytes; it needs {need}", mem.len())));
         }
         if !resume {
             let busy = s.t.queues.iter().position(|q| q.ring.ready && q.ring.next_avail != q.ring.next_used);
             if let Some(q) = busy {
                 return Err(Error::Host(format!("virtio: no state memory: queue {q} has requests in flight")));
             }
-            for w in mem.words().iter().filter(|w| w.load(Ordering::Relaxed) != 0) {
+            for w in mem.words()[..len(n).div_ceil(8)].iter().filter(|w| w.load(Ordering::Relaxed) != 0) {
                 w.store(0, Ordering::Relaxed);
             }
+            // A ram disk's data moves in (the magic, below, comes after it).
+            for (k, v) in RamPlace::words(place).into_iter().enumerate() {
+                mem.words()[W_RAM + k].store(v, Ordering::Relaxed);
+            }
+            move_ram(&mut s.e, &mem, place, false)?;
             mem.words()[W_SHAPE].store(shape(n), Ordering::Relaxed);
             mem.words()[W_MAGIC].store(MAGIC, Ordering::Release);
             s.t.rec = Some(Box::new(Recorder::new(mem, n)));
@@ -461,9 +501,10 @@ impl<E: super::QueueEngine> super::VirtioPci<E> {
             return Err(Error::Host("virtio: resume: this device keeps its state already (resume a fresh one)".into()));
         }
         let mut rec = Recorder::new(mem, n);
-        let plan = Plan::read(&s.t, &mut rec)?;
+        let plan = Plan::read(&s.t, &mut rec, place)?;
         // Valid: no write of the dead process may land after the re-executed ones.
         s.e.after_predecessor()?;
+        move_ram(&mut s.e, &rec.mem, place, true)?;
         let reset = plan.dev as u8 == 0;
         let super::State { t, e } = &mut *s;
         if reset {
@@ -477,6 +518,26 @@ impl<E: super::QueueEngine> super::VirtioPci<E> {
         t.signal_all();
         Ok(())
     }
+}
+
+/// Where the engine's ram disk's data lies (None: no ram disk), after the
+/// words of `queues` queues, and the bytes of state memory it asks for.
+fn ram_place<E: super::QueueEngine>(e: &mut E, queues: u16) -> Result<(Option<RamPlace>, usize)> {
+    let size = e.state_ram().map(|s| s.bytes());
+    let (places, len) = place_ram(len(queues), &[size]).map_err(|e| Error::Host(format!("virtio: {e}")))?;
+    Ok((places[0], len))
+}
+
+/// The engine's ram disk into the state memory at `place`: resumed, the
+/// data there in place; fresh, the data it held copied in.
+fn move_ram<E: super::QueueEngine>(e: &mut E, mem: &StateMemory, place: Option<RamPlace>, resume: bool) -> Result<()> {
+    let (Some(Storage::Ram(old)), Some(p)) = (e.state_ram(), place) else { return Ok(()) };
+    let ram = Ram::in_state(mem, p, (!resume).then_some(&**old))
+        .map_err(|e| Error::Host(format!("virtio: the ram disk's data: {e}")))?;
+    if let Some(s) = e.state_ram() {
+        *s = Storage::Ram(Arc::new(ram));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -89,6 +89,8 @@ struct Drv {
     d: Driver,
     irqs: Arc<Irqs>,
     state: StateMemory,
+    /// Its length (the words, then a ram disk's data).
+    len: usize,
     seen_used: u16,
     /// head -> what it must complete with.
     out: HashMap<u16, Want>,
@@ -113,8 +115,10 @@ impl Drv {
         let d = Driver::new(QS);
         let irqs = Arc::new(Irqs::default());
         let dev = VirtioBlk::new(cfg.clone()).unwrap();
-        let n = len(1);
-        assert_eq!(dev.state_len(), Some(n));
+        let n = dev.state_len().unwrap();
+        if cfg.backend != StorageKind::Ram {
+            assert_eq!(n, len(1));
+        }
         let mut ctx = DeviceContext::detached(d.mem.clone());
         ctx.irq = irqs.clone();
         dev.attach(ctx);
@@ -130,6 +134,7 @@ impl Drv {
             d,
             irqs,
             state,
+            len: n,
             seen_used: 0,
             out: HashMap::new(),
             completed: 0,
@@ -175,7 +180,7 @@ impl Drv {
             let mut ctx = DeviceContext::detached(self.d.mem.clone());
             ctx.irq = self.irqs.clone();
             dev.attach(ctx);
-            let mem = StateMemory::from_fd(self.state.try_clone_fd().unwrap(), len(1)).unwrap();
+            let mem = StateMemory::from_fd(self.state.try_clone_fd().unwrap(), self.len).unwrap();
             let next = self.next_kill();
             let kill = Kill::new(next);
             let k = kill.clone();
@@ -374,25 +379,35 @@ fn img(name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("iopath-vblkstate-{name}-{}.img", std::process::id()))
 }
 
+/// A ram disk of `cfg`'s size (its data in the state memory).
+fn ram(img: &std::path::Path) -> VirtioBlkConfig {
+    VirtioBlkConfig { backend: StorageKind::Ram, create: false, ..cfg(img) }
+}
+
 #[test]
 fn every_request_completes_once_whatever_store_the_process_dies_at() {
     let img = img("every");
-    let _ = std::fs::remove_file(&img);
-    let mut d = Drv::new(cfg(&img), u64::MAX);
-    script(&mut d, 12, 7);
-    let (stores, done) = (d.kill.stores.load(Ordering::Relaxed), d.completed);
-    assert_eq!(d.deaths, 0);
-    assert!(stores > 100, "{stores} stores");
-    let mut resubmitted = 0;
-    for at in 0..stores {
+    for make in [cfg, ram] {
         let _ = std::fs::remove_file(&img);
-        let mut d = Drv::new(cfg(&img), at);
+        let mut d = Drv::new(make(&img), u64::MAX);
         script(&mut d, 12, 7);
-        assert_eq!((d.deaths, d.completed), (1, done), "death at store {at} of {stores}");
-        resubmitted += counter(d.dev(), "resubmitted");
+        let (stores, done) = (d.kill.stores.load(Ordering::Relaxed), d.completed);
+        assert_eq!(d.deaths, 0);
+        assert!(stores > 100, "{stores} stores");
+        let mut resubmitted = 0;
+        for at in 0..stores {
+            let _ = std::fs::remove_file(&img);
+            let mut d = Drv::new(make(&img), at);
+            script(&mut d, 12, 7);
+            assert_eq!((d.deaths, d.completed), (1, done), "death at store {at} of {stores}");
+            resubmitted += counter(d.dev(), "resubmitted");
+        }
+        let b = &d.cfg.backend;
+        eprintln!(
+            "{b:?}: {stores} stores, {done} completions a run; {resubmitted} requests re-executed over {stores} deaths"
+        );
+        assert!(resubmitted > 0, "no death left a request in flight");
     }
-    eprintln!("{stores} stores, {done} completions a run; {resubmitted} requests re-executed over {stores} deaths");
-    assert!(resubmitted > 0, "no death left a request in flight");
     let _ = std::fs::remove_file(&img);
 }
 
@@ -402,13 +417,22 @@ fn counter(dev: &VirtioBlk, name: &str) -> u64 {
 
 #[test]
 fn a_driver_goes_on_across_random_deaths_including_deaths_inside_a_resume() {
-    let img = img("random");
+    random_deaths(cfg, "random");
+}
+
+#[test]
+fn a_driver_goes_on_across_random_deaths_on_a_ram_disk_reading_what_it_wrote_before_each() {
+    random_deaths(ram, "random-ram");
+}
+
+fn random_deaths(make: fn(&std::path::Path) -> VirtioBlkConfig, name: &str) {
+    let img = img(name);
     let (mut deaths, mut in_resume) = (0, 0);
     for seed in 0..24 {
         let _ = std::fs::remove_file(&img);
         let mut r = SplitMix64(seed ^ 0x5eed);
         let first = r.next_u64() % 200;
-        let mut d = Drv::new(cfg(&img), first);
+        let mut d = Drv::new(make(&img), first);
         d.rng = Some((r, 6));
         script(&mut d, 16, seed);
         assert!(d.out.is_empty());
@@ -425,19 +449,76 @@ fn a_driver_goes_on_across_random_deaths_including_deaths_inside_a_resume() {
 fn configurations_that_cannot_resume_are_refused_with_their_reason() {
     let img = img("refused");
     let timing = "read:80us".parse().unwrap();
-    for (c, why) in [
-        (VirtioBlkConfig { backend: StorageKind::Ram, ..VirtioBlkConfig::default() }, "ram disk"),
-        (VirtioBlkConfig { timing: Some(Box::new(timing)), ..cfg(&img) }, "timing= and inject="),
-    ] {
-        let dev = VirtioBlk::new(c).unwrap();
-        assert_eq!(dev.state_len(), None);
-        let e = dev.adopt_state(StateMemory::create(len(1)).unwrap(), false).unwrap_err().to_string();
-        assert!(e.contains(why), "{e}");
-    }
+    let dev = VirtioBlk::new(VirtioBlkConfig { timing: Some(Box::new(timing)), ..cfg(&img) }).unwrap();
+    assert_eq!(dev.state_len(), None);
+    let e = dev.adopt_state(StateMemory::create(len(1)).unwrap(), false).unwrap_err().to_string();
+    assert!(e.contains("timing= and inject="), "{e}");
     let dev = VirtioBlk::new(cfg(&img)).unwrap();
     let e = dev.adopt_state(StateMemory::create(4096).unwrap(), false).unwrap_err().to_string();
     assert!(e.contains("it needs"), "{e}");
+    // A ram disk's data needs room after the words; more than a state memory holds is refused.
+    let dev = VirtioBlk::new(ram(&img)).unwrap();
+    let e = dev.adopt_state(StateMemory::create(len(1)).unwrap(), false).unwrap_err().to_string();
+    assert!(e.contains("it needs"), "{e}");
+    let dev = VirtioBlk::new(VirtioBlkConfig { size: 1 << 40, ..ram(&img) }).unwrap();
+    assert_eq!(dev.state_len(), None);
+    let e = dev.adopt_state(StateMemory::create(len(1)).unwrap(), false).unwrap_err().to_string();
+    assert!(e.contains("do not fit"), "{e}");
     let _ = std::fs::remove_file(&img);
+}
+
+/// A ram disk: its data after the words (`W_RAM` says where), what the
+/// driver wrote reads back across a death, a place of another layout is
+/// refused (the device untouched), a move into another state memory (a
+/// new client's, adopted fresh) copies the data, which survives a death
+/// there; the counters say what the data takes.
+#[test]
+fn a_ram_disk_keeps_its_data_in_place_across_deaths_and_moves_with_a_fresh_state_memory() {
+    let img = img("ram");
+    let mut d = Drv::new(ram(&img), u64::MAX);
+    let (places, n) = crate::state::place_ram(len(1), &[Some(1 << 20)]).unwrap();
+    assert_eq!(d.len, n);
+    d.init();
+    for s in 0..SLOTS as u64 {
+        d.put(s as u16, T_OUT, 2 * s, 0x30 + s as u8);
+    }
+    d.kick_and_reap();
+    let w = d.state.words();
+    assert_eq!([w[W_RAM].load(Ordering::Relaxed), w[W_RAM + 1].load(Ordering::Relaxed)], RamPlace::words(places[0]));
+    let c = |d: &Drv, n| counter(d.dev(), n);
+    assert_eq!((c(&d, crate::state::MEMORY_BYTES), c(&d, crate::state::RAM_BYTES)), (n as u64, 1 << 20));
+    assert_eq!(c(&d, crate::state::RAM_WRITTEN_BYTES), 2 * 4096, "sectors 0..10: pages 0 and 1");
+    for (k, v) in [(W_RAM, 0), (W_RAM + 1, 4096), (W_RAM, 1 << 30)] {
+        let old = w[k].swap(v, Ordering::Relaxed);
+        let dev = VirtioBlk::new(ram(&img)).unwrap();
+        dev.attach(DeviceContext::detached(d.d.mem.clone()));
+        let mem = StateMemory::from_fd(d.state.try_clone_fd().unwrap(), d.len).unwrap();
+        let e = dev.adopt_state(mem, true).unwrap_err().to_string();
+        assert!(e.contains("resume refused") && e.contains("ram data at byte"), "{e}");
+        let s = crate::lock(dev.shared());
+        assert!(s.t.rec.is_none() && s.t.status == 0);
+        drop(s);
+        w[k].store(old, Ordering::Relaxed);
+    }
+    let read_back = |d: &mut Drv| {
+        for s in 0..SLOTS as u64 {
+            d.put(s as u16, T_IN, 2 * s, 0);
+        }
+        d.kick_and_reap();
+    };
+    d.restart();
+    read_back(&mut d);
+    // A new client's state memory, fresh: the data moves in and survives a death there.
+    let next = StateMemory::create(n).unwrap();
+    let mem = StateMemory::from_fd(next.try_clone_fd().unwrap(), n).unwrap();
+    d.dev().adopt_state(mem, false).unwrap();
+    d.state = next;
+    d.restart();
+    read_back(&mut d);
+    assert_eq!(c(&d, crate::state::RAM_WRITTEN_BYTES), 2 * 4096);
+    let taken = d.state.allocated().unwrap();
+    eprintln!("the state memory takes {taken} bytes of its {n}");
+    assert!(taken <= (len(1).next_multiple_of(4096) + 3 * 4096) as u64, "the words, two pages and the map's: {taken}");
 }
 
 /// A state memory a hostile client altered: refused with the reason, and

@@ -155,6 +155,11 @@ pub trait QueueEngine: Send + Sized + 'static {
     fn state_supported(&self) -> Result<()> {
         Err(crate::Error::Host(format!("{} keeps no state memory", self.name())))
     }
+    /// Its storage, if it is a ram disk: state memory then holds its data
+    /// (`state.rs`), which outlives the process.
+    fn state_ram(&mut self) -> Option<&mut crate::block::Storage> {
+        None
+    }
     /// Before a resume: waits for the file operations a dead process left
     /// running in the kernel (`Storage::after_predecessor`).
     fn after_predecessor(&self) -> Result<()> {

@@ -117,11 +117,12 @@ impl<E: QueueEngine> DeviceModel for VirtioPci<E> {
     }
 
     fn counters(&self) -> Vec<Counter> {
-        let s = self.state();
+        let mut s = self.state();
         let c = |n: &str, value| Counter { name: n.into(), value };
         let mut v = vec![c("notifies", s.t.notifies)];
         v.extend(s.e.counters());
         v.extend([c("interrupts", s.t.interrupts), c("ring_errors", s.t.ring_errors), c("resets", s.t.resets)]);
+        v.extend(Self::state_counters(&mut s));
         v
     }
 

@@ -7,7 +7,10 @@
 //! programmed it, the queues' moving indices (SQ head and tail, CQ tail
 //! and phase, CQ head: one word each), the two configuration copies, then
 //! the command slots (`SLOT_WORDS` each: state, the SQE, its sequence
-//! number, the CQE to post and where).
+//! number, the CQE to post and where), then the ram table: per namespace,
+//! where its data lies in the state memory if it is a ram namespace
+//! (`RamPlace::words`; zeros otherwise). The ram data follows the words
+//! (`crate::state::place_ram`).
 
 use super::super::namespaces::MAX_NAMESPACES;
 use super::super::{MAX_IO_QUEUES, MSIX_VECTORS};
@@ -39,11 +42,13 @@ pub const CFG_SQ: usize = CFG_NS + 2 * NNS;
 pub const CFG_CQ: usize = CFG_SQ + 2 * NQ;
 pub const CFG_WORDS: usize = CFG_CQ + 2 * NQ;
 pub const SLOT0: usize = (CFG + 2 * CFG_WORDS).next_multiple_of(SLOT_WORDS);
-pub const WORDS: usize = SLOT0 + SLOTS * SLOT_WORDS;
-/// The bytes NVMe asks for.
+/// Two words a namespace: its ram data's byte offset and length.
+pub const RAM_TABLE: usize = SLOT0 + SLOTS * SLOT_WORDS;
+pub const WORDS: usize = RAM_TABLE + 2 * NNS;
+/// The bytes of NVMe's words (its ram namespaces' data after them).
 pub const LEN: usize = WORDS * 8;
 /// The shape word: what a layout of another build would differ in.
-pub const SHAPE: u64 = 1 | (SLOTS as u64) << 8 | (NQ as u64) << 32 | (NNS as u64) << 48;
+pub const SHAPE: u64 = 2 | (SLOTS as u64) << 8 | (NQ as u64) << 32 | (NNS as u64) << 48;
 
 /// Slot words: state, the SQE (8), sequence number, CQE dw0|dw2, CQE dw3|cqid|position.
 pub const S_META: usize = 0;

@@ -67,11 +67,22 @@
 //! (the host's noise is as large).
 //!
 //! What resumes: `pollers=1`, doorbell modes mmio, ioeventfd, shm and
-//! adaptive, null and file namespaces. Refused (`supported`): the modes
+//! adaptive, null, file and ram namespaces. Refused (`supported`): the modes
 //! whose doorbells are BAR0's page (bar, bar-adaptive, auto: the page is
 //! a memfd the dead process made, and doorbells stored in it after its last
-//! look would be lost), several pollers, RAM namespaces (their data is the
-//! dead process's memory), timing models and injection rules.
+//! look would be lost), several pollers, timing models and injection rules.
+//!
+//! Ram namespaces keep their data in the state memory, after the words
+//! (`crate::state::place_ram`; where, in the ram table, checked at resume):
+//! `adopt` moves each one's data there (fresh: the pages written so far are
+//! copied, before the guest touches the controller), and a resumed
+//! controller reads and writes it in place (`block/ram.rs`). A write
+//! acknowledged before a kill reads back after the resume: its data is
+//! copied into the memfd's pages (`Storage::write` returns) before its
+//! completion goes through step 2, whose POSTING store is a release (the
+//! data stores are ordered before it, and before the CQE in guest RAM);
+//! the stores of a killed process stay in the memfd, which the client
+//! holds. A write not acknowledged is FETCHED in its slot and runs again.
 
 mod layout;
 mod resume;
@@ -81,16 +92,28 @@ mod tests;
 use super::controller::Core;
 use super::queue::Sqe;
 use super::{DoorbellMode, NvmeConfig, MSIX_TABLE, MSIX_VECTORS};
-use crate::block::StorageKind;
-use crate::state::StateMemory;
+use crate::block::{Ram, Storage};
+use crate::state::{place_ram, RamPlace, StateMemory};
 use crate::{Error, Result};
-pub(super) use layout::LEN;
 use layout::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The counter of the bytes of state memory the controller keeps its
 /// state in (absent: it keeps none).
-pub const STATE_MEMORY_BYTES: &str = "state.memory-bytes";
+pub const STATE_MEMORY_BYTES: &str = crate::state::MEMORY_BYTES;
+
+/// Where the ram namespaces' data lies (None: not ram), after the words,
+/// and the bytes of state memory the controller asks for.
+fn ram_places(c: &Core) -> Result<(Vec<Option<RamPlace>>, usize)> {
+    let sizes: Vec<Option<u64>> =
+        c.ns.iter().map(|n| matches!(n.storage, Storage::Ram(_)).then(|| n.storage.bytes())).collect();
+    place_ram(LEN, &sizes).map_err(|e| Error::Host(format!("nvme: {e}")))
+}
+
+/// `DeviceModel::state_len`: the words and the ram namespaces' data.
+pub(super) fn len(c: &Core) -> Result<usize> {
+    ram_places(c).map(|(_, len)| len)
+}
 
 /// Why this controller's state cannot be kept, if it cannot.
 pub(super) fn supported(cfg: &NvmeConfig) -> Result<()> {
@@ -103,9 +126,6 @@ pub(super) fn supported(cfg: &NvmeConfig) -> Result<()> {
     }
     if cfg.pollers > 1 {
         return no(format!("pollers={} (one queue group only)", cfg.pollers));
-    }
-    if cfg.ns_list().iter().any(|n| matches!(n.backend, StorageKind::Ram)) {
-        return no("a ram namespace's data dies with its process (use null or file:PATH)".into());
     }
     if cfg.timing.is_some() || cfg.ns.iter().any(|n| n.timing.is_some()) || !cfg.inject.is_empty() {
         return no("timing= and inject= are not recorded".into());
@@ -398,10 +418,27 @@ impl Core {
     /// included) and those that found no slot free.
     pub(super) fn state_counters(&self) -> Vec<crate::Counter> {
         let Some(r) = self.rec.as_deref() else { return Vec::new() };
-        [(STATE_MEMORY_BYTES, r.mem.len() as u64), ("state.commands", r.seq - 1), ("state.unrecorded", r.unrecorded)]
-            .into_iter()
-            .map(|(n, value)| crate::Counter { name: n.into(), value })
-            .collect()
+        let mut c = vec![
+            (STATE_MEMORY_BYTES, r.mem.len() as u64),
+            ("state.commands", r.seq - 1),
+            ("state.unrecorded", r.unrecorded),
+        ];
+        // Ram namespaces in the state memory: the bytes laid out for their
+        // data (within `state.memory-bytes`, which counts address space: a
+        // memfd takes memory only where written), and those written.
+        let rams: Vec<&Ram> = self
+            .ns
+            .iter()
+            .filter_map(|n| match &n.storage {
+                Storage::Ram(r) if r.in_state_memory() => Some(&**r),
+                _ => None,
+            })
+            .collect();
+        if !rams.is_empty() {
+            c.push((crate::state::RAM_BYTES, rams.iter().map(|r| r.len()).sum()));
+            c.push((crate::state::RAM_WRITTEN_BYTES, rams.iter().map(|r| r.written_bytes()).sum()));
+        }
+        c.into_iter().map(|(n, value)| crate::Counter { name: n.into(), value }).collect()
     }
 
     /// Records MSI-X vector `v`'s entry as the guest wrote it.
@@ -429,11 +466,12 @@ impl super::Nvme {
     /// stands recorded) or resumed (`resume.rs`).
     pub(super) fn adopt(&self, mem: StateMemory, resume: bool) -> Result<()> {
         supported(&self.cfg)?;
-        if mem.len() < LEN {
-            return Err(Error::Host(format!("nvme: state memory of {} bytes; it needs {LEN}", mem.len())));
-        }
         let mut t = crate::lock(&self.threads);
         let mut c = crate::lock(&self.core);
+        let (places, need) = ram_places(&c)?;
+        if mem.len() < need {
+            return Err(Error::Host(format!("nvme: state memory of {} bytes; it needs {need}", mem.len())));
+        }
         if c.ext.timing || c.ext.injector.armed() {
             return Err(Error::Host("nvme: no state memory: injection rules are armed".into()));
         }
@@ -441,9 +479,16 @@ impl super::Nvme {
             drop(c);
             self.stop_threads(&mut t);
             let mut c = crate::lock(&self.core);
-            for w in mem.words().iter().filter(|w| w.load(Ordering::Relaxed) != 0) {
+            for w in mem.words()[..WORDS].iter().filter(|w| w.load(Ordering::Relaxed) != 0) {
                 w.store(0, Ordering::Relaxed);
             }
+            // The ram namespaces' data moves in (the magic, below, comes after it).
+            for (i, p) in places.iter().enumerate() {
+                for (k, v) in RamPlace::words(*p).into_iter().enumerate() {
+                    mem.words()[RAM_TABLE + 2 * i + k].store(v, Ordering::Relaxed);
+                }
+            }
+            move_ram(&mut c, &mem, &places, false)?;
             mem.words()[W_SHAPE].store(SHAPE, Ordering::Relaxed);
             mem.words()[W_MAGIC].store(MAGIC, Ordering::Release);
             c.rec = Some(Box::new(Recorder::new(mem)));
@@ -463,10 +508,12 @@ impl super::Nvme {
             return Err(Error::Host("nvme: resume: this controller already serves (resume a fresh one)".into()));
         }
         let plan = resume::Plan::read(&c, &mem)?;
+        check_ram_table(&mem, &places)?;
         // Valid: no write of the dead process may land after the re-executed ones.
         for n in &c.ns {
             n.storage.after_predecessor()?;
         }
+        move_ram(&mut c, &mem, &places, true)?;
         c.rec = Some(Box::new(Recorder::new(mem)));
         c.apply(plan);
         let ready = c.regs.csts & 1 == 1;
@@ -476,4 +523,42 @@ impl super::Nvme {
         }
         Ok(())
     }
+}
+
+/// The ram table must place each namespace's data where this controller
+/// does (the memory comes from a client: a table of another layout would
+/// have the controller read another namespace's data, or the words).
+fn check_ram_table(mem: &StateMemory, places: &[Option<RamPlace>]) -> Result<()> {
+    for (i, p) in places.iter().enumerate() {
+        let had = [0, 1].map(|k| mem.words()[RAM_TABLE + 2 * i + k].load(Ordering::Acquire));
+        if had != RamPlace::words(*p) {
+            return Err(Error::Host(format!(
+                "nvme: resume refused: state memory has namespace {}'s ram data at byte {} ({} bytes); \
+                 this controller keeps {} there",
+                i + 1,
+                had[0],
+                had[1],
+                p.map_or("none".into(), |p| format!("{} bytes at byte {}", p.len, p.at))
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Each ram namespace's storage into the state memory at its place:
+/// resumed, the data there in place; fresh, the data it held copied in.
+/// All are made before any is swapped in: an error leaves every namespace
+/// as it was.
+fn move_ram(c: &mut Core, mem: &StateMemory, places: &[Option<RamPlace>], resume: bool) -> Result<()> {
+    let mut moved = Vec::new();
+    for (i, (n, p)) in c.ns.iter().zip(places).enumerate() {
+        let (Storage::Ram(old), Some(p)) = (&n.storage, p) else { continue };
+        let ram = Ram::in_state(mem, *p, (!resume).then_some(&**old))
+            .map_err(|e| Error::Host(format!("nvme: namespace {}'s ram data: {e}", i + 1)))?;
+        moved.push((i, ram));
+    }
+    for (i, ram) in moved {
+        c.ns[i].storage = Storage::Ram(std::sync::Arc::new(ram));
+    }
+    Ok(())
 }

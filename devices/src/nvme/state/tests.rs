@@ -62,6 +62,8 @@ struct Drv {
     kill: Arc<Kill>,
     ram: GuestMemoryMmap,
     state: StateMemory,
+    /// Its length (the words, then the ram namespaces' data).
+    len: usize,
     /// (tail, queue gpa, size) per SQ; (head, phase, gpa, size) per CQ.
     sq: [(u16, u64, u16); 2],
     cq: [(u16, u32, u64, u16); 2],
@@ -70,8 +72,8 @@ struct Drv {
     out: HashMap<(u16, u16), Want>,
     completed: u64,
     deaths: u64,
-    /// The LBA -> pattern byte the completed writes left.
-    disk: HashMap<u64, u8>,
+    /// The (namespace, LBA) -> pattern byte the completed writes left.
+    disk: HashMap<(u32, u64), u8>,
     /// Shadow doorbells configured (Doorbell Buffer Config).
     shadow: bool,
     /// Deaths left for `restart` to arm, and where (random).
@@ -81,11 +83,14 @@ struct Drv {
 impl Drv {
     fn new(cfg: NvmeConfig, kill_at: u64) -> Drv {
         let ram = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
-        let state = StateMemory::create(LEN).unwrap();
         let n = Nvme::new(cfg.clone()).unwrap();
+        let len = n.state_len().unwrap();
+        if !cfg.ns_list().iter().any(|n| n.backend == StorageKind::Ram) {
+            assert_eq!(len, LEN);
+        }
+        let state = StateMemory::create(len).unwrap();
         n.attach(DeviceContext::detached(ram.clone()));
-        assert_eq!(n.state_len(), Some(LEN));
-        n.adopt_state(StateMemory::from_fd(state.try_clone_fd().unwrap(), LEN).unwrap(), false).unwrap();
+        n.adopt_state(StateMemory::from_fd(state.try_clone_fd().unwrap(), len).unwrap(), false).unwrap();
         let kill = Arc::new(Kill { left: AtomicU64::new(kill_at), dead: AtomicBool::new(false), stores: 0.into() });
         crate::lock(&n.core).rec.as_mut().unwrap().kill = Some(kill.clone());
         Drv {
@@ -94,6 +99,7 @@ impl Drv {
             kill,
             ram,
             state,
+            len,
             sq: [(0, ASQ, AQ), (0, SQ1, SQS)],
             cq: [(0, 1, ACQ, AQ), (0, 1, CQ1, CQS)],
             cid: 0,
@@ -115,7 +121,7 @@ impl Drv {
         self.deaths += 1;
         let n = Nvme::new(self.cfg.clone()).unwrap();
         n.attach(DeviceContext::detached(self.ram.clone()));
-        let mem = StateMemory::from_fd(self.state.try_clone_fd().unwrap(), LEN).unwrap();
+        let mem = StateMemory::from_fd(self.state.try_clone_fd().unwrap(), self.len).unwrap();
         n.adopt_state(mem, true).unwrap();
         self.kill = Arc::new(Kill { left: AtomicU64::new(next_kill), dead: AtomicBool::new(false), stores: 0.into() });
         crate::lock(&n.core).rec.as_mut().unwrap().kill = Some(self.kill.clone());
@@ -260,18 +266,23 @@ impl Drv {
     /// Write (pattern `pat`) or read (expects what the disk holds) of LBA
     /// `lba`, buffer `buf`.
     fn io(&mut self, write: bool, lba: u64, buf: u64, pat: u8) {
+        self.io_ns(1, write, lba, buf, pat);
+    }
+
+    /// As `io`, on namespace `nsid`.
+    fn io_ns(&mut self, nsid: u32, write: bool, lba: u64, buf: u64, pat: u8) {
         if write {
             self.ram.write_slice(&[pat; 512], GuestAddress(buf)).unwrap();
-            self.put(1, 0x01, 1, buf, [lba as u32, 0, 0, 0], (0, None));
-            self.disk.insert(lba, pat);
+            self.put(1, 0x01, nsid, buf, [lba as u32, 0, 0, 0], (0, None));
+            self.disk.insert((nsid, lba), pat);
         } else {
             self.ram.write_slice(&[0xee; 512], GuestAddress(buf)).unwrap();
-            let want = if self.cfg.backend == StorageKind::Null {
+            let want = if self.cfg.ns_list()[nsid as usize - 1].backend == StorageKind::Null {
                 None
             } else {
-                Some((buf, self.disk.get(&lba).copied().unwrap_or(0)))
+                Some((buf, self.disk.get(&(nsid, lba)).copied().unwrap_or(0)))
             };
-            self.put(1, 0x02, 1, buf, [lba as u32, 0, 0, 0], (0, want));
+            self.put(1, 0x02, nsid, buf, [lba as u32, 0, 0, 0], (0, want));
         }
     }
 }
@@ -314,7 +325,7 @@ fn script(d: &mut Drv) {
 #[test]
 fn every_command_completes_once_whatever_store_the_process_dies_at() {
     let img = std::env::temp_dir().join(format!("iopath-nvstate-every-{}.img", std::process::id()));
-    for backend in [StorageKind::Null, StorageKind::File(img.clone())] {
+    for backend in [StorageKind::Null, StorageKind::File(img.clone()), StorageKind::Ram] {
         let _ = std::fs::remove_file(&img);
         let mut d = Drv::new(cfg(backend.clone()), u64::MAX);
         script(&mut d);
@@ -404,11 +415,115 @@ fn a_driver_goes_on_across_random_deaths_on_null_with_shadow_doorbells() {
 }
 
 #[test]
+fn a_driver_goes_on_across_random_deaths_on_ram_reading_what_it_wrote_before_each() {
+    for mode in [DoorbellMode::Mmio, DoorbellMode::Shm] {
+        let n = transparent_restarts(|| StorageKind::Ram, mode, 10);
+        eprintln!("ram, {mode}: {n} deaths");
+    }
+}
+
+fn counter(d: &Drv, name: &str) -> Option<u64> {
+    d.n.as_ref().unwrap().counters().into_iter().find(|c| c.name == name).map(|c| c.value)
+}
+
+/// Namespaces 1 and 3 ram (of other sizes), 2 null: each ram namespace's
+/// data has its own place in the state memory after the words, and what
+/// the driver wrote to each reads back from it, not the other, across
+/// random deaths; then across a move into another state memory (a new
+/// client's, adopted fresh while the controller serves: the data copied),
+/// and a death after it. The counters say what the data takes.
+#[test]
+fn several_ram_namespaces_keep_their_own_data_across_deaths_and_a_move() {
+    use super::super::namespaces::NsConfig;
+    let ns = |backend, mb: u64| NsConfig { backend, size: mb << 20, lba_size: 512, ..NsConfig::default() };
+    let c = NvmeConfig { ns: vec![ns(StorageKind::Null, 1), ns(StorageKind::Ram, 2)], ..cfg(StorageKind::Ram) };
+    // Data, then an eighth for metadata (`meta.rs`), each.
+    let (places, len) = crate::state::place_ram(LEN, &[Some(9 << 17), None, Some(9 << 18)]).unwrap();
+    assert_eq!(Nvme::new(c.clone()).unwrap().state_len(), Some(len));
+    let mut r = crate::nvme::oracle::Rng::new(5);
+    let first = r.below(300);
+    let mut d = Drv::new(c, first);
+    d.rng = Some((r, 6));
+    d.enable();
+    d.io_queues();
+    for round in 0..40u64 {
+        let (r, _) = d.rng.as_mut().unwrap();
+        let (nsid, lba, pat) = ([1, 3][r.below(2) as usize], r.below(8), r.range(1, 255) as u8);
+        d.io_ns(nsid, round % 3 != 2, lba, DATA, pat);
+        d.ring(1);
+        d.settle(1);
+    }
+    let check = |d: &mut Drv| {
+        for lba in 0..8 {
+            for (k, nsid) in [1, 2, 3].into_iter().enumerate() {
+                d.io_ns(nsid, false, lba, DATA + 0x1000 * k as u64, 0);
+            }
+            d.ring(1);
+            d.settle(1);
+        }
+    };
+    check(&mut d);
+    assert!(d.deaths >= 1, "{} deaths", d.deaths);
+    // The table names each place; the counters what the data takes.
+    let w = d.state.words();
+    for (i, p) in places.iter().enumerate() {
+        let had = [0, 1].map(|k| w[RAM_TABLE + 2 * i + k].load(Ordering::Relaxed));
+        assert_eq!(had, crate::state::RamPlace::words(*p), "namespace {}", i + 1);
+    }
+    assert_eq!(counter(&d, crate::state::MEMORY_BYTES), Some(len as u64));
+    assert_eq!(counter(&d, crate::state::RAM_BYTES), Some((9 << 17) + (9 << 18)));
+    let pages = [1, 3].iter().map(|&n| (0..8).filter(|&l| d.disk.contains_key(&(n, l))).count().min(1)).sum::<usize>();
+    assert_eq!(counter(&d, crate::state::RAM_WRITTEN_BYTES), Some(pages as u64 * 4096), "LBAs 0..8: one page each");
+    // A new client's state memory, fresh: the data moves in, and survives a death there.
+    let next = StateMemory::create(len).unwrap();
+    let mem = StateMemory::from_fd(next.try_clone_fd().unwrap(), len).unwrap();
+    d.n.as_ref().unwrap().adopt_state(mem, false).unwrap();
+    d.state = next;
+    d.restart(u64::MAX);
+    check(&mut d);
+    assert_eq!(counter(&d, crate::state::RAM_WRITTEN_BYTES), Some(pages as u64 * 4096));
+    let taken = d.state.allocated().unwrap();
+    eprintln!("{} deaths; the state memory takes {taken} bytes of its {len}", d.deaths);
+    // The words (read whole at each resume, so every page of them taken),
+    // and of the ram data only the two pages written and a map page each.
+    assert!(taken <= (LEN.next_multiple_of(4096) + 4 * 4096) as u64, "{taken}");
+}
+
+/// A ram table that places a namespace's data elsewhere is refused, the
+/// controller untouched; put back, the data reads back.
+#[test]
+fn a_ram_table_of_another_layout_is_refused() {
+    let mut d = Drv::new(cfg(StorageKind::Ram), u64::MAX);
+    d.enable();
+    d.io_queues();
+    d.io(true, 3, DATA, 0x5a);
+    d.ring(1);
+    d.settle(1);
+    let w = d.state.words();
+    for (k, v) in [(0, 4096u64), (1, 512), (0, 0)] {
+        let old = w[RAM_TABLE + k].swap(v, Ordering::Relaxed);
+        let n = Nvme::new(cfg(StorageKind::Ram)).unwrap();
+        n.attach(DeviceContext::detached(d.ram.clone()));
+        let mem = StateMemory::from_fd(d.state.try_clone_fd().unwrap(), d.len).unwrap();
+        let e = n.adopt_state(mem, true).unwrap_err().to_string();
+        assert!(e.contains("resume refused") && e.contains("namespace 1's ram data"), "{e}");
+        let c = crate::lock(&n.core);
+        assert!(c.rec.is_none() && c.regs.csts == 0);
+        assert!(matches!(&c.ns[0].storage, crate::block::Storage::Ram(r) if !r.in_state_memory()));
+        drop(c);
+        w[RAM_TABLE + k].store(old, Ordering::Relaxed);
+    }
+    d.restart(u64::MAX);
+    d.io(false, 3, DATA, 0);
+    d.ring(1);
+    d.settle(1);
+}
+
+#[test]
 fn modes_and_backends_that_cannot_resume_are_refused_with_their_reason() {
     for (c, why) in [
         (NvmeConfig { doorbell: DoorbellMode::Bar, ..cfg(StorageKind::Null) }, "doorbell=bar"),
         (NvmeConfig { doorbell: DoorbellMode::Auto, ..cfg(StorageKind::Null) }, "doorbell=auto"),
-        (cfg(StorageKind::Ram), "ram namespace"),
     ] {
         let n = Nvme::new(c).unwrap();
         assert_eq!(n.state_len(), None);
@@ -418,6 +533,15 @@ fn modes_and_backends_that_cannot_resume_are_refused_with_their_reason() {
     let n = Nvme::new(cfg(StorageKind::Null)).unwrap();
     let e = n.adopt_state(StateMemory::create(4096).unwrap(), false).unwrap_err().to_string();
     assert!(e.contains("it needs"), "{e}");
+    // A ram namespace's data needs room after the words.
+    let n = Nvme::new(cfg(StorageKind::Ram)).unwrap();
+    let e = n.adopt_state(StateMemory::create(LEN).unwrap(), false).unwrap_err().to_string();
+    assert!(e.contains("it needs"), "{e}");
+    // More ram data than a state memory holds.
+    let n = Nvme::new(NvmeConfig { size: 1 << 40, ..cfg(StorageKind::Ram) }).unwrap();
+    assert_eq!(n.state_len(), None);
+    let e = n.adopt_state(StateMemory::create(LEN).unwrap(), false).unwrap_err().to_string();
+    assert!(e.contains("do not fit"), "{e}");
 }
 
 /// A state memory a hostile client altered: refused, with the reason, and
