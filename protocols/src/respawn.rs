@@ -101,6 +101,45 @@ pub fn death_cause(child: Option<DeviceProcess>) -> String {
     // Dropped: killed if it still runs, and reaped.
 }
 
+/// [`death_cause`] on a thread of its own, so that the new process starts
+/// while the dead one is still being reaped: a killed process becomes a
+/// zombie only once all its threads (io_uring's workers among them) have
+/// ended, which on a loaded host took up to 40 ms after its socket closed,
+/// and nothing of the new session waits for it (the file fence,
+/// `iopath_devices::block::fence`, waits for the dead process's file
+/// operations itself). A process that closed its socket and still runs is
+/// killed there after 1 s, as before: a new one waiting at the fence for it
+/// is then let through.
+pub struct Reaping {
+    began: Instant,
+    thread: std::result::Result<std::thread::JoinHandle<(String, Duration)>, String>,
+}
+
+impl Reaping {
+    /// Starts reaping `child` (None: an external server, nothing to reap).
+    /// If no thread can be started, the child is dropped at once (killed
+    /// and reaped) and its cause is not told.
+    pub fn start(child: Option<DeviceProcess>) -> Reaping {
+        let began = Instant::now();
+        let thread = std::thread::Builder::new()
+            .name("device-reaper".into())
+            .spawn(move || (death_cause(child), began.elapsed()))
+            .map_err(|e| e.to_string());
+        Reaping { began, thread }
+    }
+
+    /// The death's cause for the log, and how long after [`Self::start`] it
+    /// was known (waits for the reaping thread: at most about 1 s).
+    pub fn cause(self) -> (String, Duration) {
+        match self.thread {
+            Ok(h) => h
+                .join()
+                .unwrap_or_else(|_| ("the device process died (its reaper panicked)".into(), self.began.elapsed())),
+            Err(e) => (format!("the device process died (no thread to reap it: {e})"), self.began.elapsed()),
+        }
+    }
+}
+
 /// At most `max` deaths within any `window`: a device process that dies
 /// over and over (e.g. on a request it is given again each time) is given
 /// up on, not restarted for ever.
@@ -167,6 +206,25 @@ mod tests {
         assert!(child.is_none());
         drop((s, t.join().unwrap()));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_death_is_reaped_beside_the_caller_and_told_by_its_signal() {
+        let (_mine, theirs) = UnixStream::pair().unwrap();
+        let mut cmd = std::process::Command::new("/bin/sh");
+        cmd.args(["-c", "kill -9 $$"]);
+        let p = DeviceProcess::spawn_command(cmd, theirs.into()).unwrap();
+        let (why, _) = Reaping::start(Some(p)).cause();
+        assert!(why.contains("signal: 9"), "{why}");
+        assert_eq!(Reaping::start(None).cause().0, "an external server closed its socket");
+        // One that closed its socket and runs on is killed by the reaper (after 1 s).
+        let (_mine, theirs) = UnixStream::pair().unwrap();
+        let mut cmd = std::process::Command::new("/bin/sh");
+        cmd.args(["-c", "exec 3>&-; exec sleep 30"]);
+        let p = DeviceProcess::spawn_command(cmd, theirs.into()).unwrap();
+        let pid = p.id();
+        let (why, _) = Reaping::start(Some(p)).cause();
+        assert!(why.contains(&format!("device process {pid} closed its socket and still ran (killed)")), "{why}");
     }
 
     #[test]

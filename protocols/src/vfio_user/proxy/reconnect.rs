@@ -51,7 +51,7 @@ use super::channel::Channel;
 use super::{discovery, dma, VfioUserProxy};
 use crate::peer::Peer;
 use crate::process::DeviceProcess;
-use crate::respawn::{death_cause, Budget, Reconnect};
+use crate::respawn::{Budget, Reaping, Reconnect};
 use crate::vfio_user::wire::*;
 use crate::{Error, Result};
 use iopath_devices::state::StateMemory;
@@ -226,10 +226,10 @@ impl VfioUserProxy {
             self.chan.peer.die(&Error::PeerGone(e));
             return false;
         }
-        let death = death_cause(self.chan.peer.hang_up());
-        let why = format!("{death}: {cause}");
-        let reaped = began.elapsed();
+        // The new process starts while the dead one is reaped (`Reaping`).
+        let reaping = Reaping::start(self.chan.peer.hang_up());
         if !self.dev.areas.is_empty() {
+            let why = format!("{}: {cause}", reaping.cause().0);
             let e = format!("{why}; the device maps BAR pages into the guest, which a new process cannot replace");
             self.chan.reconnects = false;
             self.chan.peer.die(&Error::PeerGone(e));
@@ -242,7 +242,7 @@ impl VfioUserProxy {
             match self.reconnect_once(deadline) {
                 Ok(()) => break None,
                 Err(e) => {
-                    log::warn!("{name}: reconnect attempt {attempts} ({why}): {e}");
+                    log::warn!("{name}: reconnect attempt {attempts} ({cause}): {e}");
                     let spawned = matches!(self.source, Source::Spawn { .. });
                     if Instant::now() >= deadline || (spawned && attempts >= RESPAWN_ATTEMPTS) {
                         break Some(e);
@@ -251,6 +251,8 @@ impl VfioUserProxy {
                 }
             }
         };
+        let (death, reaped) = reaping.cause();
+        let why = format!("{death}: {cause}");
         if let Some(e) = last {
             let e = Error::PeerGone(format!("{why}; no reconnect after {attempts} attempts: {e}"));
             self.chan.broken = None;
