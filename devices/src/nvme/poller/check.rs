@@ -6,7 +6,7 @@
 
 use super::super::{ADAPTIVE_IDLE, BAR_IDLE_MAX, BAR_TRAP_AFTER};
 use super::forecast::MAX_MARGIN;
-use super::{Action, Config, Observation, Trap, IDLE_CLOCK_PASSES, MIN_SLEEP};
+use super::{Action, Config, Observation, Trap, IDLE_CLOCK_PASSES, MIN_SLEEP, TIMED_MARGIN};
 use std::time::Duration;
 
 /// The longest an awake poller goes on polling without work, from the
@@ -43,6 +43,11 @@ pub struct Checker {
     stretch: Option<Duration>,
     /// The clock was asked for after a pass with work (a gap's end, not an idle).
     gap_clock: bool,
+    /// The last pass held a timed completion due sooner than a sleep could
+    /// end: the poller polls for it, however long the idle has been (a
+    /// thread descheduled past the due time finds it overdue: the next
+    /// pass posts it).
+    timed_soon: bool,
 }
 
 impl Checker {
@@ -55,6 +60,7 @@ impl Checker {
             spins: 0,
             stretch: None,
             gap_clock: false,
+            timed_soon: false,
         }
     }
 
@@ -63,7 +69,7 @@ impl Checker {
         self.saw(seen);
         self.may(seen, act)?;
         // Idle beyond the budget, an awake poller arms (a polling thread must earn its core).
-        if let (Observation::Now(t), Some(s), false) = (seen, self.stretch, self.gap_clock) {
+        if let (Observation::Now(t), Some(s), false, false) = (seen, self.stretch, self.gap_clock, self.timed_soon) {
             if t.saturating_sub(s) > BUDGET && act != Action::Arm {
                 return Err(Broken::PollsPastBudget(t - s));
             }
@@ -86,6 +92,11 @@ impl Checker {
 
     /// What an observation tells of the poller's state.
     fn saw(&mut self, seen: Observation) {
+        match seen {
+            Observation::PassedTimed { due_in, .. } => self.timed_soon = due_in <= MIN_SLEEP + TIMED_MARGIN,
+            Observation::Passed { .. } => self.timed_soon = false,
+            _ => {}
+        }
         match seen {
             Observation::Passed { busy: true, .. } | Observation::Armed(None) => (self.stretch, self.spins) = (None, 0),
             Observation::Armed(Some(t)) => (self.asleep, self.armed_at) = (true, t),

@@ -571,3 +571,31 @@ fn a_timed_completion_due_within_the_margin_keeps_the_poller_polling() {
     timed_idle_until_clock(&mut p, MIN_SLEEP + TIMED_MARGIN + US);
     assert_eq!(p.step(O::Now(MS + w + US)), A::Arm);
 }
+
+/// A thread descheduled for milliseconds between its last pass and its
+/// clock reading (a loaded host) finds the completion its pass held overdue:
+/// it polls on for the pass that posts it, which the checker allows however
+/// long the idle has been; without a completion due, polling past the idle
+/// budget is still a broken invariant.
+#[test]
+fn a_poller_descheduled_past_a_timed_completion_polls_for_it_and_the_checker_allows_it() {
+    let mut p = Probe::new(SHADOW);
+    p.step(O::Done);
+    assert_eq!(p.step(O::Passed { busy: true, in_flight: false }), A::Pass { hit: false });
+    timed_idle_until_clock(&mut p, 30 * US);
+    assert_eq!(p.step(O::Now(MS)), A::Spin);
+    timed_idle_until_clock(&mut p, 10 * US);
+    assert_eq!(p.step(O::Now(MS + 3 * MS)), A::Spin, "overdue: the next pass posts it");
+    assert_eq!(p.step(O::Passed { busy: true, in_flight: false }), A::Pass { hit: false });
+    // The checker alone: the same idle without a timed completion breaks the budget.
+    let mut c = Checker::new(SHADOW);
+    c.check(O::Passed { busy: false, in_flight: false }, A::Clock).unwrap();
+    c.check(O::Now(MS), A::Spin).unwrap();
+    c.check(O::Passed { busy: false, in_flight: false }, A::Clock).unwrap();
+    assert!(c.check(O::Now(MS + 3 * MS), A::Spin).is_err(), "polling past the idle budget");
+    let mut c = Checker::new(SHADOW);
+    c.check(O::PassedTimed { in_flight: false, due_in: 30 * US }, A::Clock).unwrap();
+    c.check(O::Now(MS), A::Spin).unwrap();
+    c.check(O::PassedTimed { in_flight: false, due_in: 30 * US }, A::Clock).unwrap();
+    assert_eq!(c.check(O::Now(MS + 3 * MS), A::Spin), Ok(()));
+}
