@@ -108,7 +108,7 @@ impl BarAreas {
 /// aligned, and within the file (a shorter file would be SIGBUS on access).
 pub fn map_area(fd: std::fs::File, fd_offset: u64, size: u64) -> Result<vm_memory::MmapRegion, String> {
     let long_enough = fd.metadata().is_ok_and(|m| fd_offset.checked_add(size).is_some_and(|e| e <= m.len()));
-    if !long_enough || fd_offset % 4096 != 0 || size % 4096 != 0 || size == 0 {
+    if !long_enough || !fd_offset.is_multiple_of(4096) || !size.is_multiple_of(4096) || size == 0 {
         return Err(format!("{size:#x} bytes at {fd_offset:#x} of its fd cannot be mapped"));
     }
     let fo = vm_memory::FileOffset::new(fd, fd_offset);
