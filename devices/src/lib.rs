@@ -98,6 +98,14 @@ pub trait IoEvents: Send + Sync {
     fn trap_area(&self, _bar: u8, _offset: u64, _trap: bool) -> bool {
         false
     }
+    /// Puts `area`'s memory (its fd) where the area the device shared at
+    /// (`area.bar`, `area.offset`), of the same size, is, in place of the
+    /// memory it had: a device process started again shares a new page.
+    /// The area's trap stays as it was. False if this host cannot (it maps
+    /// no such area, or the new memory does not fit): the old memory stays.
+    fn replace_area(&self, _area: MappedArea) -> bool {
+        false
+    }
 }
 
 /// An [`IoEvents`] for hosts without ioeventfd: every request fails, so the

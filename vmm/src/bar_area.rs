@@ -8,6 +8,13 @@
 //! the whole BAR. That is how a polling device that goes to sleep is woken by
 //! the next doorbell store. The PCI host moves the areas with their BAR; a
 //! trapped area stays out wherever its BAR goes until the device lets it go.
+//!
+//! An area's memory can be replaced (`IoEvents::replace_area`): the
+//! vfio-user proxy, whose device process died, traps the old process's
+//! page, hands what it holds to the new process, and then maps the new
+//! process's page in its place ([`BarAreas::replace`]; the memslot is out
+//! while the mapping changes, so no guest store reaches a mapping that is
+//! gone).
 
 use iopath_devices::lock;
 use iopath_devices::pci::BarPlacement;
@@ -66,11 +73,46 @@ impl BarAreas {
         apply(&self.vm, a) == a.wanted()
     }
 
+    /// Puts `map` behind the area at (`bar`, `offset`), in place of its
+    /// memory (of the same size): the memslot is taken out, the old mapping
+    /// dropped, and the slot put back where it is wanted (not while
+    /// trapped). False if there is no such area, `map` is of another size,
+    /// or KVM refused (then the old memory stays if the slot could not be
+    /// taken out, or the new memory stays out of the guest: its accesses
+    /// exit).
+    pub fn replace(&self, bar: u8, offset: u64, map: vm_memory::MmapRegion) -> bool {
+        let mut areas = lock(&self.areas);
+        let Some(a) = areas.iter_mut().find(|a| a.bar == bar && a.offset == offset) else { return false };
+        if map.size() != a.map.size() {
+            return false;
+        }
+        let trapped = std::mem::replace(&mut a.trapped, true);
+        if apply(&self.vm, a).is_some() {
+            a.trapped = trapped;
+            return false;
+        }
+        // No memslot points at the old mapping any more: it may go.
+        a.map = map;
+        a.trapped = trapped;
+        apply(&self.vm, a) == a.wanted()
+    }
+
     /// Where the area at (`bar`, `offset`) is mapped in the guest now.
     pub fn placed(&self, bar: u8, offset: u64) -> Option<u64> {
         let areas = lock(&self.areas);
         areas.iter().find(|a| a.bar == bar && a.offset == offset).and_then(|a| a.placed)
     }
+}
+
+/// `size` bytes of `fd` from `fd_offset`, mapped shared, for an area: page
+/// aligned, and within the file (a shorter file would be SIGBUS on access).
+pub fn map_area(fd: std::fs::File, fd_offset: u64, size: u64) -> Result<vm_memory::MmapRegion, String> {
+    let long_enough = fd.metadata().is_ok_and(|m| fd_offset.checked_add(size).is_some_and(|e| e <= m.len()));
+    if !long_enough || !fd_offset.is_multiple_of(4096) || !size.is_multiple_of(4096) || size == 0 {
+        return Err(format!("{size:#x} bytes at {fd_offset:#x} of its fd cannot be mapped"));
+    }
+    let fo = vm_memory::FileOffset::new(fd, fd_offset);
+    vm_memory::MmapRegion::from_file(fo, size as usize).map_err(|e| format!("mmap: {e}"))
 }
 
 impl RamArea {
@@ -182,5 +224,65 @@ mod tests {
         assert_eq!(a.placed(0, 0x1000), Some(0xe001_1000));
         drop(a);
         assert!(!occupied(&vm, 0xe001_1000, &probe), "the memslot goes with the areas");
+    }
+
+    /// The host address behind the area at (`bar`, `offset`).
+    fn host(a: &BarAreas, bar: u8, offset: u64) -> *const u8 {
+        lock(&a.areas).iter().find(|x| x.bar == bar && x.offset == offset).unwrap().map.as_ptr() as *const u8
+    }
+
+    #[test]
+    fn an_areas_memory_is_replaced_with_the_slot_out_and_its_trap_kept() {
+        let vm = vm();
+        let page = || vm_memory::MmapRegion::new(4096).unwrap();
+        let probe = page();
+        let a = BarAreas::new(vm.clone(), vec![RamArea::new(0, 0x1000, page(), 1)]);
+        a.bar_moved(0, bar0(0xe000_0000));
+        // Mapped: replaced, and back where its BAR is, on the new memory.
+        let new = page();
+        let at = new.as_ptr() as *const u8;
+        assert!(a.replace(0, 0x1000, new));
+        assert_eq!(host(&a, 0, 0x1000), at);
+        assert_eq!(a.placed(0, 0x1000), Some(0xe000_1000));
+        assert!(occupied(&vm, 0xe000_1000, &probe));
+        // Trapped (as the vfio-user proxy has it while a device process is
+        // replaced): replaced, and still out until let go.
+        assert!(a.set_trap(0, 0x1000, true));
+        let new = page();
+        let at = new.as_ptr() as *const u8;
+        assert!(a.replace(0, 0x1000, new));
+        assert_eq!((host(&a, 0, 0x1000), a.placed(0, 0x1000)), (at, None));
+        assert!(!occupied(&vm, 0xe000_1000, &probe));
+        assert!(a.set_trap(0, 0x1000, false));
+        assert_eq!(a.placed(0, 0x1000), Some(0xe000_1000));
+        // Another size, or no such area: refused, nothing changes.
+        assert!(!a.replace(0, 0x1000, vm_memory::MmapRegion::new(8192).unwrap()));
+        assert!(!a.replace(0, 0x2000, page()));
+        assert_eq!((host(&a, 0, 0x1000), a.placed(0, 0x1000)), (at, Some(0xe000_1000)));
+    }
+
+    #[test]
+    fn an_area_is_mapped_only_page_aligned_and_within_its_file() {
+        let file = tempfile_of(8192);
+        let f = || file.try_clone().unwrap();
+        assert!(map_area(f(), 4096, 4096).is_ok());
+        assert!(map_area(f(), 4096, 8192).is_err(), "past the end of the file");
+        assert!(map_area(f(), 100, 4096).is_err(), "unaligned offset");
+        assert!(map_area(f(), 0, 100).is_err(), "unaligned size");
+        assert!(map_area(f(), 0, 0).is_err(), "empty");
+        assert!(map_area(f(), u64::MAX - 4095, 4096).is_err(), "overflow");
+    }
+
+    /// An anonymous file of `len` bytes.
+    fn tempfile_of(len: u64) -> std::fs::File {
+        use std::os::fd::FromRawFd;
+        let name = std::ffi::CString::new("bar-area-test").unwrap();
+        // SAFETY: memfd_create with a valid name; the fd is owned by the File.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor nobody else owns.
+        let f = unsafe { std::fs::File::from_raw_fd(fd) };
+        f.set_len(len).unwrap();
+        f
     }
 }

@@ -183,6 +183,19 @@ impl IoEvents for KvmIoEvents {
     fn trap_area(&self, bar: u8, offset: u64, trap: bool) -> bool {
         self.areas.get().is_some_and(|a| a.set_trap(bar, offset, trap))
     }
+
+    /// A shared BAR area's memory replaced by `area`'s fd (a new device
+    /// process's page), mapped here first; its trap stays as it was.
+    fn replace_area(&self, area: iopath_devices::MappedArea) -> bool {
+        let Some(areas) = self.areas.get() else { return false };
+        match crate::bar_area::map_area(area.fd, area.fd_offset, area.size) {
+            Ok(map) => areas.replace(area.bar, area.offset, map),
+            Err(e) => {
+                log::warn!("BAR{} area at {:#x}: {e}", area.bar, area.offset);
+                false
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -597,6 +597,29 @@ impl Core {
         }
     }
 
+    /// Whether queue `qid`'s doorbells are BAR0's page: every queue's in
+    /// bar and bar-adaptive; in auto the admin queue's, and the others'
+    /// until the driver configures shadow doorbells.
+    pub(super) fn page_doorbells(&self, qid: usize) -> bool {
+        self.db.bar_page.is_some() && (qid == 0 || self.db.shadow.is_none())
+    }
+
+    /// Resuming (`state/resume.rs`): CQ `qid`'s head as the driver last
+    /// wrote it where its doorbells are memory (BAR0's page, or the shadow
+    /// doorbells of an I/O queue), if inside a queue of `size` entries.
+    /// Recorded only with a configuration, the state memory's may be a lap
+    /// old, and completions posted against it could overrun the driver.
+    pub(super) fn memory_cq_head(&self, qid: usize, size: u16) -> Option<u16> {
+        let off = qid as u64 * 8 + 4;
+        let head = if self.page_doorbells(qid) {
+            self.db.bar_load(DOORBELLS + off)
+        } else {
+            let (db, _) = self.db.shadow.filter(|_| qid > 0)?;
+            self.mem.load_u32(db + off, Ordering::Acquire).ok()
+        };
+        head.filter(|&h| h < size as u32).map(|h| h as u16)
+    }
+
     /// bar mode: the doorbells are the words of the shared page; serve what
     /// they show, admin queue included. (auto, once the driver configured
     /// shadow doorbells: the I/O queues are the shadow's, `poll_shadow`.)

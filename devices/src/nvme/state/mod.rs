@@ -66,11 +66,19 @@
 //! thread's time per command bounds the queue; 4 KiB QD1's 0.97-1.10x
 //! (the host's noise is as large).
 //!
-//! What resumes: `pollers=1`, doorbell modes mmio, ioeventfd, shm and
-//! adaptive, null, file and ram namespaces. Refused (`supported`): the modes
-//! whose doorbells are BAR0's page (bar, bar-adaptive, auto: the page is
-//! a memfd the dead process made, and doorbells stored in it after its last
-//! look would be lost), several pollers, timing models and injection rules.
+//! What resumes: `pollers=1`, every doorbell mode, null, file and ram
+//! namespaces. Refused (`supported`): several pollers, timing models and
+//! injection rules.
+//!
+//! BAR0's doorbell page (bar, bar-adaptive, auto) is a memfd the process
+//! makes, and dies with it; the doorbells stored in it are the guest's, not
+//! recorded here. The client hands the new process what the dead one's page
+//! held, in the new page, before it resumes (the vfio-user proxy: its
+//! `reconnect.rs`, which also keeps every store made after that as a
+//! register write). A resumed controller takes each SQ's tail to be its
+//! recorded head and each CQ's head from the page, then serves what the
+//! page shows: a tail past the head is a submission, fetched once; a tail
+//! at the head fetches nothing, whatever the page held before.
 //!
 //! Ram namespaces keep their data in the state memory, after the words
 //! (`crate::state::place_ram`; where, in the ram table, checked at resume):
@@ -91,7 +99,7 @@ mod tests;
 
 use super::controller::Core;
 use super::queue::Sqe;
-use super::{DoorbellMode, NvmeConfig, MSIX_TABLE, MSIX_VECTORS};
+use super::{NvmeConfig, MSIX_TABLE, MSIX_VECTORS};
 use crate::block::{Ram, Storage};
 use crate::state::{place_ram, RamPlace, StateMemory};
 use crate::{Error, Result};
@@ -118,19 +126,12 @@ pub(super) fn len(c: &Core) -> Result<usize> {
 /// Why this controller's state cannot be kept, if it cannot.
 pub(super) fn supported(cfg: &NvmeConfig) -> Result<()> {
     let no = |why: String| Err(Error::Host(format!("nvme: no state memory: {why}")));
-    if cfg.doorbell.bar_page() {
-        return no(format!(
-            "doorbell={} keeps its doorbells in a memory page the process makes, which dies with it (use mmio, ioeventfd, shm or adaptive)",
-            cfg.doorbell
-        ));
-    }
     if cfg.pollers > 1 {
         return no(format!("pollers={} (one queue group only)", cfg.pollers));
     }
     if cfg.timing.is_some() || cfg.ns.iter().any(|n| n.timing.is_some()) || !cfg.inject.is_empty() {
         return no("timing= and inject= are not recorded".into());
     }
-    debug_assert!(!matches!(cfg.doorbell, DoorbellMode::Bar));
     Ok(())
 }
 

@@ -296,18 +296,22 @@ impl Core {
             (ns.attached, ns.lba_shift, ns.nlbas) = (n.attached, n.lba_shift, n.nlbas);
             (ns.meta.ms, ns.meta.ext, ns.meta.pi, ns.meta.pi_first) = (n.ms, n.ext, n.pi, n.pi_first);
         }
-        // Queues; shadowed I/O SQs take their tails from the shadow below.
+        // Queues; shadowed I/O SQs take their tails from the shadow below,
+        // and those whose doorbells are BAR0's page from the page; CQ heads
+        // from either (`memory_cq_head`) before anything is posted.
         self.db.shadow = cfg.shadow;
         for q in 0..NQ {
+            let in_memory = (q > 0 && cfg.shadow.is_some()) || self.page_doorbells(q);
             let sq = cfg.sqs[q].map(|s| {
-                let tail = if q > 0 && cfg.shadow.is_some() { p.sq_head[q] } else { p.sq_tail[q] };
+                let tail = if in_memory { p.sq_head[q] } else { p.sq_tail[q] };
                 Sq { gpa: s.gpa, size: s.size, head: p.sq_head[q], tail, cqid: s.cqid, ..Default::default() }
             });
             self.queues.set_sq(q, sq);
+            let head = cfg.cqs[q].and_then(|c| self.memory_cq_head(q, c.size)).unwrap_or(p.cq_head[q]);
             self.queues.cqs[q] = cfg.cqs[q].map(|c| Cq {
                 gpa: c.gpa,
                 size: c.size,
-                head: p.cq_head[q],
+                head,
                 tail: p.cq_tail[q].0,
                 phase: p.cq_tail[q].1,
                 ien: c.ien,
@@ -394,7 +398,8 @@ impl Core {
                     self.poll_shadow();
                 }
             }
-            // Interrupts the old process may have owed.
+            self.poll_bar(); // BAR0's page, if the doorbells are there
+                             // Interrupts the old process may have owed.
             for q in 0..NQ {
                 if let Some(cq) = self.queues.cqs[q].filter(|c| c.ien) {
                     self.interrupt(cq.iv);

@@ -9,7 +9,9 @@
 //! - `dma`: guest RAM for the device process (DMA_MAP at attach, and
 //!   DMA_READ/WRITE answered while a reply is awaited);
 //! - `reconnect`: a new process of the device when one dies, the session
-//!   replayed on it and its state memory handed back;
+//!   replayed on it, its state memory handed back and its BAR pages (the
+//!   guest's stores in the dead process's, carried over) mapped in place of
+//!   the old ones;
 //! - `config`: what the VMM asks of the proxy (state memory on or off).
 //!
 //! This file owns the attach and the forwarding of accesses. At attach the

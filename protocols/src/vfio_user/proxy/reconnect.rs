@@ -15,11 +15,15 @@
 //!    offset and width once, its last value; none since the last reset);
 //! 5. SET_IRQS of each MSI-X vector handed over before, with the same
 //!    eventfd (the same KVM irqfd);
-//! 6. STATE_MEMORY with the same memfd and `resume`, if the session had
+//! 6. the BAR pages (sparse mmap areas), if the device maps any into the
+//!    guest: what the old process's pages hold now is written into the new
+//!    process's (see below);
+//! 7. STATE_MEMORY with the same memfd and `resume`, if the session had
 //!    state memory (the device then resumes from it);
-//! 7. then, locally: the KVM ioeventfds move to the new process's
-//!    eventfds (kicks left in an old one are written to its successor) and
-//!    the ioregionfd regions are replaced.
+//! 8. then, locally: the KVM ioeventfds move to the new process's
+//!    eventfds (kicks left in an old one are written to its successor), the
+//!    ioregionfd regions are replaced, and the new process's BAR pages are
+//!    mapped into the guest in place of the old ones.
 //!
 //! The access that met the broken channel waits for all this and is sent
 //! again once (a register write a dead process may or may not have taken
@@ -34,9 +38,40 @@
 //! processes for one the VMM starts; `--reconnect-ms` for a socket).
 //!
 //! A device that maps BAR pages into the guest (sparse mmap areas, e.g.
-//! NVMe's doorbell=bar page) is not reconnected: the VMM mapped the first
-//! process's pages at attach and has no way to swap them, so the run stops
-//! with that reason.
+//! NVMe's doorbell page in `bar`, `bar-adaptive` and `auto`) keeps every
+//! store the guest makes to them across the death. The pages are memory
+//! the dead process made (a memfd); the VMM's mapping, and the proxy's
+//! copy of each fd, outlive it. So:
+//! - on the death, first, the proxy has the VMM take each page out of the
+//!   guest (`IoEvents::trap_area`, the memslot removed): the guest's next
+//!   store to one exits to the MMIO bus and reaches the proxy's
+//!   `bar_write`, which waits on the proxy's lock until the new process is
+//!   up, and is then sent to it as a REGION_WRITE. A store made before the
+//!   trap is in the old page. If the VMM cannot take a page out, the run
+//!   stops (a store would land where nobody looks);
+//! - after the dead process is reaped, and before the new device resumes
+//!   (step 6, before 7: the device starts polling only when it resumes),
+//!   each old page's bytes are written into the new process's page
+//!   (`pwrite` to its fd). The new device thus starts from every store
+//!   made until the trap, and sees the trapped ones, later, as register
+//!   writes. What it takes from the page is the guest's, hence validated
+//!   by the device as any guest store (NVMe checks each tail and head
+//!   against its queue, and a resumed controller takes an SQ's tail to be
+//!   the head its state memory recorded, so a tail it already fetched up
+//!   to fetches nothing again: `devices/src/nvme/state/`);
+//! - once the session is replayed, the VMM maps the new pages where the old
+//!   ones were (`IoEvents::replace_area`, with the memslot out) and puts
+//!   them back into the guest. If it cannot, a page stays out of the guest
+//!   and its stores go on as REGION_WRITEs: slower, never lost.
+//!
+//! The alternative, the old page's fd handed to the new process (an
+//! extension beside STATE_MEMORY), would save the copy and the memslot
+//! change, but a page the dead process made would then be a device's
+//! memory for ever, any client could hand a device any fd as its BAR, and
+//! deployed servers would need the extension; the copy needs nothing of the
+//! server but the sparse mmap it already offers. The pages must be the
+//! same as the dead process's (BAR, offset, size), and a reconnect carries
+//! at most [`MAX_CARRIED`] bytes of them.
 //!
 //! A device without state memory (pci-testdev; any peer that does not know
 //! the extension) is reconnected as well, with a warning that its
@@ -55,7 +90,7 @@ use crate::respawn::{Budget, Reaping, Reconnect};
 use crate::vfio_user::wire::*;
 use crate::{Error, Result};
 use iopath_devices::state::StateMemory;
-use iopath_devices::DeviceContext;
+use iopath_devices::{DeviceContext, MappedArea};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -80,6 +115,10 @@ pub const MAX_BURST: usize = 8;
 pub const BURST_WINDOW: Duration = Duration::from_secs(10);
 /// How often a socket that is not back yet is tried again.
 const RETRY_EVERY: Duration = Duration::from_millis(20);
+/// Most bytes of BAR pages a reconnect copies from the dead process's pages
+/// to the new one's (NVMe's doorbell page is 4 KiB): a server cannot make
+/// the VMM copy gigabytes.
+pub const MAX_CARRIED: u64 = 1 << 20;
 
 /// Where a new process of the device comes from.
 pub(in crate::vfio_user) enum Source {
@@ -226,11 +265,17 @@ impl VfioUserProxy {
             self.chan.peer.die(&Error::PeerGone(e));
             return false;
         }
-        // The new process starts while the dead one is reaped (`Reaping`).
+        // The guest's stores to the BAR pages exit from here on (the module's doc).
+        let trapped = self.trap_areas();
+        // The new process starts while the dead one is reaped (`Reaping`),
+        // unless the device maps BAR pages: those are carried over once the
+        // dead process can no longer store to them, so it is reaped first.
         let reaping = Reaping::start(self.chan.peer.hang_up());
-        if !self.dev.areas.is_empty() {
-            let why = format!("{}: {cause}", reaping.cause().0);
-            let e = format!("{why}; the device maps BAR pages into the guest, which a new process cannot replace");
+        let (reaping, reaped_first) =
+            if self.dev.areas.is_empty() { (Some(reaping), None) } else { (None, Some(reaping.cause())) };
+        if let Err(e) = trapped {
+            let death = reaped_first.map(|c| c.0).or_else(|| reaping.map(|r| r.cause().0)).unwrap_or_default();
+            let e = format!("{death}: {cause}; {e}");
             self.chan.reconnects = false;
             self.chan.peer.die(&Error::PeerGone(e));
             return false;
@@ -251,7 +296,10 @@ impl VfioUserProxy {
                 }
             }
         };
-        let (death, reaped) = reaping.cause();
+        let (death, reaped) = match reaping {
+            Some(r) => r.cause(),
+            None => reaped_first.unwrap_or_default(),
+        };
         let why = format!("{death}: {cause}");
         if let Some(e) = last {
             let e = Error::PeerGone(format!("{why}; no reconnect after {attempts} attempts: {e}"));
@@ -293,18 +341,13 @@ impl VfioUserProxy {
         // From here on the new channel is the proxy's, whatever happens.
         let old = std::mem::replace(&mut self.chan, chan);
         drop(old);
-        let found = found?;
+        let mut found = found?;
         if found.device.ids != self.dev.ids || found.device.bars != self.dev.bars {
             return Err(Error::protocol("another device came back (its IDs or BARs differ)"));
         }
-        if !found.device.areas.is_empty() || !self.dev.areas.is_empty() {
-            // The VMM mapped the first process's BAR pages into the guest
-            // at attach and cannot swap them: the guest's writes would go
-            // to pages nobody reads. A clean stop, not a device that hangs.
-            return Err(Error::protocol(
-                "the device maps BAR pages into the guest (sparse mmap): a new process's pages cannot \
-                 replace them, so it is not reconnected",
-            ));
+        let areas = std::mem::take(&mut found.device.areas);
+        if !same_pages(&areas, &self.dev.areas) {
+            return Err(Error::protocol("another device came back (the BAR pages it maps differ)"));
         }
         let ctx = self.session.ctx.clone();
         if let Some(ctx) = &ctx {
@@ -315,6 +358,7 @@ impl VfioUserProxy {
         if let Some(m) = &mut self.msix {
             m.replay(&mut self.chan)?;
         }
+        carry_pages(&self.dev.areas, &areas)?;
         if let Some(mem) = &self.session.state {
             if found.state_len != Some(mem.len() as u64) {
                 let (had, now) = (mem.len(), found.state_len);
@@ -328,7 +372,57 @@ impl VfioUserProxy {
         if self.chan.broken.is_some() {
             return Err(Error::PeerGone(self.chan.broken.clone().unwrap_or_default()));
         }
+        self.map_new_pages(ctx.as_ref(), areas);
         Ok(())
+    }
+
+    /// On a death: each BAR page the device maps into the guest taken out
+    /// of it (its stores exit to `bar_write` from now on). Err if one could
+    /// not be: the run must stop, a store would be lost.
+    fn trap_areas(&self) -> std::result::Result<(), String> {
+        if self.dev.areas.is_empty() {
+            return Ok(());
+        }
+        let Some(ctx) = &self.session.ctx else {
+            return Err("the device maps BAR pages into the guest and was never attached".into());
+        };
+        for a in &self.dev.areas {
+            if !ctx.ioevents.trap_area(a.bar, a.offset, true) {
+                return Err(format!(
+                    "the VMM could not take the BAR{} page at {:#x} out of the guest: its stores would be lost, \
+                     so the device is not reconnected",
+                    a.bar, a.offset
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The new process's BAR pages into the guest in place of the old ones
+    /// (trapped since the death), and kept as the device's. One the VMM
+    /// cannot map stays out: its stores go on as REGION_WRITEs.
+    fn map_new_pages(&mut self, ctx: Option<&DeviceContext>, new: Vec<MappedArea>) {
+        let name = &self.chan.peer.name;
+        if let Some(ctx) = ctx {
+            for a in &new {
+                let Ok(fd) = a.fd.try_clone() else { continue };
+                let page = MappedArea { bar: a.bar, offset: a.offset, size: a.size, fd, fd_offset: a.fd_offset };
+                if !ctx.ioevents.replace_area(page) {
+                    log::warn!(
+                        "{name}: the new BAR{} page at {:#x} could not be mapped; its stores exit",
+                        a.bar,
+                        a.offset
+                    );
+                } else if !ctx.ioevents.trap_area(a.bar, a.offset, false) {
+                    log::warn!(
+                        "{name}: the BAR{} page at {:#x} did not go back into the guest; its stores exit",
+                        a.bar,
+                        a.offset
+                    );
+                }
+            }
+        }
+        self.dev.areas = new;
     }
 
     /// The guest's configuration writes, in order, as `config_write` sends them.
@@ -405,6 +499,38 @@ fn pending(fd: &vmm_sys_util::eventfd::EventFd) -> u64 {
     } else {
         0
     }
+}
+
+/// True if `new` are the BAR pages `old` were: the same BARs, offsets and sizes, in order.
+fn same_pages(new: &[MappedArea], old: &[MappedArea]) -> bool {
+    new.len() == old.len() && new.iter().zip(old).all(|(n, o)| (n.bar, n.offset, n.size) == (o.bar, o.offset, o.size))
+}
+
+/// What each of the dead process's BAR pages holds, written into the new
+/// process's (`same_pages` checked). At most [`MAX_CARRIED`] bytes in all;
+/// a new page past the end of its fd is refused (a write there would grow
+/// the file, or fail on a sealed memfd).
+pub(in crate::vfio_user) fn carry_pages(old: &[MappedArea], new: &[MappedArea]) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let total = old.iter().fold(0u64, |t, a| t.saturating_add(a.size));
+    if total > MAX_CARRIED {
+        return Err(Error::protocol(format!(
+            "the device maps {total} bytes of BAR pages; a reconnect carries {MAX_CARRIED}"
+        )));
+    }
+    for (o, n) in old.iter().zip(new) {
+        let len = n.fd.metadata().map_err(|e| Error::io("the new process's BAR page", e))?.len();
+        if n.fd_offset.checked_add(n.size).is_none_or(|end| end > len) {
+            let (at, size) = (n.fd_offset, n.size);
+            return Err(Error::protocol(format!(
+                "the new BAR page ({size} bytes at {at:#x}) is past its fd's {len} bytes"
+            )));
+        }
+        let mut bytes = vec![0u8; o.size as usize];
+        o.fd.read_exact_at(&mut bytes, o.fd_offset).map_err(|e| Error::io("reading the dead process's BAR page", e))?;
+        n.fd.write_all_at(&bytes, n.fd_offset).map_err(|e| Error::io("writing the new process's BAR page", e))?;
+    }
+    Ok(())
 }
 
 /// STATE_MEMORY: `mem`'s fd to the server, fresh or to `resume` from.

@@ -563,3 +563,204 @@ fn nvme_keeps_state_only_with_state_memory_on_as_version_and_its_counters_show()
     drop(a);
     let _ = h.join().unwrap();
 }
+
+/// A device whose BAR0 page at 0x1000 is memory it shares (a memfd of its
+/// own, BAR0 at offset 0 of it, as NVMe's doorbell page): a store that
+/// comes as a message lands there too; when it resumes it notes what the
+/// page holds.
+struct Paged {
+    page: File,
+    at_resume: Mutex<Option<[u32; 4]>>,
+}
+impl Paged {
+    fn word(&self, i: u64) -> u32 {
+        use std::os::unix::fs::FileExt;
+        let mut b = [0u8; 4];
+        self.page.read_exact_at(&mut b, 0x1000 + 4 * i).unwrap();
+        u32::from_le_bytes(b)
+    }
+}
+impl DeviceModel for Paged {
+    fn name(&self) -> String {
+        "paged".into()
+    }
+    fn ids(&self) -> PciIds {
+        let (vendor, device, class) = (0x1b36, 0x00ef, 0xff0000);
+        PciIds { vendor, device, class, revision: 0, subsystem_vendor: vendor, subsystem: device, interrupt_pin: 0 }
+    }
+    fn bars(&self) -> Vec<BarSpec> {
+        vec![BarSpec { index: 0, kind: BarKind::Mem32, size: 0x2000 }]
+    }
+    fn attach(&self, _: DeviceContext) {}
+    fn bar_read(&self, _: u8, _: u64, data: &mut [u8]) {
+        data.fill(0);
+    }
+    fn bar_write(&self, _: u8, offset: u64, data: &[u8]) {
+        use std::os::unix::fs::FileExt;
+        if offset >= 0x1000 && offset + data.len() as u64 <= 0x2000 {
+            self.page.write_all_at(data, offset).unwrap();
+        }
+    }
+    fn mapped_areas(&self) -> Vec<iopath_devices::MappedArea> {
+        let fd = self.page.try_clone().unwrap();
+        vec![iopath_devices::MappedArea { bar: 0, offset: 0x1000, size: 0x1000, fd, fd_offset: 0x1000 }]
+    }
+    fn counters(&self) -> Vec<Counter> {
+        Vec::new()
+    }
+    fn state_len(&self) -> Option<usize> {
+        Some(64)
+    }
+    fn adopt_state(&self, _: StateMemory, resume: bool) -> iopath_devices::Result<()> {
+        if resume {
+            *self.at_resume.lock().unwrap() = Some([0, 1, 2, 3].map(|i| self.word(i)));
+        }
+        Ok(())
+    }
+}
+
+/// A VMM's BAR areas, as far as the proxy asks: each trap and replacement
+/// noted, the page it maps now (the guest's stores land there unless trapped).
+struct PageHost {
+    can_trap: bool,
+    events: Mutex<Vec<String>>,
+    mapped: Mutex<Option<File>>,
+    trapped: std::sync::atomic::AtomicBool,
+}
+impl IoEvents for PageHost {
+    fn register(&self, _: IoEventSpec, _: &EventFd) -> iopath_devices::Result<()> {
+        Ok(())
+    }
+    fn unregister(&self, _: IoEventSpec, _: &EventFd) -> iopath_devices::Result<()> {
+        Ok(())
+    }
+    fn trap_area(&self, bar: u8, offset: u64, trap: bool) -> bool {
+        self.events.lock().unwrap().push(format!("trap BAR{bar}+{offset:#x} {trap}"));
+        self.trapped.store(trap && self.can_trap, Ordering::SeqCst);
+        self.can_trap
+    }
+    fn replace_area(&self, a: iopath_devices::MappedArea) -> bool {
+        self.events.lock().unwrap().push(format!("replace BAR{}+{:#x}", a.bar, a.offset));
+        assert_eq!((a.size, a.fd_offset), (0x1000, 0x1000));
+        *self.mapped.lock().unwrap() = Some(a.fd);
+        true
+    }
+}
+
+/// The guest stores `v` at word `i` of the page: into the page the host
+/// maps, or, trapped, as an exit to the proxy's `bar_write`.
+fn guest_store(host: &PageHost, p: &mut VfioUserProxy, i: u64, v: u32) {
+    use std::os::unix::fs::FileExt;
+    if host.trapped.load(Ordering::SeqCst) {
+        p.bar_write(0, 0x1000 + 4 * i, &v.to_le_bytes());
+    } else {
+        host.mapped.lock().unwrap().as_ref().unwrap().write_all_at(&v.to_le_bytes(), 0x1000 + 4 * i).unwrap();
+    }
+}
+
+type MadePaged = Arc<Mutex<Vec<Arc<Paged>>>>;
+
+fn paged_devices() -> (impl Fn() -> iopath_devices::SharedDevice + Send + 'static, MadePaged) {
+    let made: MadePaged = Arc::default();
+    let m = made.clone();
+    let f = move || -> iopath_devices::SharedDevice {
+        let page = crate::testing::memfd("page");
+        page.set_len(0x2000).unwrap();
+        let d = Arc::new(Paged { page, at_resume: Mutex::new(None) });
+        m.lock().unwrap().push(d.clone());
+        d
+    };
+    (f, made)
+}
+
+/// A proxy on `servers`, attached to `host` as a VMM would: the page mapped.
+fn attached_to(servers: &Servers, host: &Arc<PageHost>) -> (VfioUserProxy, Arc<Mutex<Vec<String>>>) {
+    let mut p = servers.connect();
+    let failed = Arc::new(Mutex::new(Vec::new()));
+    let (mut ctx, _) = vmm_context();
+    let f = failed.clone();
+    ctx.fail = Arc::new(move |m| f.lock().unwrap().push(m));
+    ctx.ioevents = host.clone();
+    *host.mapped.lock().unwrap() = Some(p.mapped_areas().remove(0).fd);
+    p.attach(ctx);
+    (p, failed)
+}
+
+#[test]
+fn a_bar_page_is_trapped_at_the_death_carried_before_the_resume_and_the_new_one_mapped() {
+    let (make, made) = paged_devices();
+    let (servers, _) = Servers::start(make);
+    let host = Arc::new(PageHost {
+        can_trap: true,
+        events: Mutex::default(),
+        mapped: Mutex::default(),
+        trapped: false.into(),
+    });
+    let (mut p, failed) = attached_to(&servers, &host);
+    guest_store(&host, &mut p, 0, 0x11);
+    servers.kill();
+    // Before the proxy knows: into the dead process's page.
+    guest_store(&host, &mut p, 1, 0x22);
+    // A store that exits (the page trapped) meets the dead server: the proxy
+    // reconnects, and the store reaches the new process.
+    p.bar_write(0, 0x1008, &0x33u32.to_le_bytes());
+    assert_eq!(p.reconnects(), 1, "{:?}", failed.lock().unwrap());
+    let events = host.events.lock().unwrap().clone();
+    assert_eq!(events, ["trap BAR0+0x1000 true", "replace BAR0+0x1000", "trap BAR0+0x1000 false"]);
+    let devs = made.lock().unwrap().clone();
+    assert_eq!(devs.len(), 2, "two processes of the device");
+    // What the old page held, in the new one before it resumed; then the forwarded store.
+    assert_eq!(*devs[1].at_resume.lock().unwrap(), Some([0x11, 0x22, 0, 0]));
+    assert_eq!([0, 1, 2, 3].map(|i| devs[1].word(i)), [0x11, 0x22, 0x33, 0]);
+    // The host maps the new page, and the proxy calls it its own.
+    let new = ino(&devs[1].page);
+    assert_ne!(new, ino(&devs[0].page));
+    assert_eq!(ino(host.mapped.lock().unwrap().as_ref().unwrap()), new);
+    assert_eq!(ino(&p.mapped_areas()[0].fd), new);
+    guest_store(&host, &mut p, 3, 0x44);
+    assert_eq!(devs[1].word(3), 0x44, "the guest's stores land in the new page");
+    // A second death: the page carried again, from the second process's.
+    servers.kill();
+    p.bar_write(0, 0x1000, &0x55u32.to_le_bytes());
+    assert_eq!(p.reconnects(), 2);
+    let devs = made.lock().unwrap().clone();
+    assert_eq!(*devs[2].at_resume.lock().unwrap(), Some([0x11, 0x22, 0x33, 0x44]));
+    assert_eq!(devs[2].word(0), 0x55);
+    assert!(failed.lock().unwrap().is_empty(), "{:?}", failed.lock().unwrap());
+}
+
+#[test]
+fn a_bar_page_the_vmm_cannot_trap_stops_the_run_saying_why() {
+    let (make, _) = paged_devices();
+    let (servers, _) = Servers::start(make);
+    let host = Arc::new(PageHost {
+        can_trap: false,
+        events: Mutex::default(),
+        mapped: Mutex::default(),
+        trapped: false.into(),
+    });
+    let (mut p, failed) = attached_to(&servers, &host);
+    servers.kill();
+    let mut v = [0u8; 4];
+    p.bar_read(0, 0, &mut v);
+    assert_eq!((p.reconnects(), v), (0, [0xff; 4]));
+    let f = failed.lock().unwrap();
+    assert!(f.len() == 1 && f[0].contains("could not take the BAR0 page at 0x1000 out of the guest"), "{f:?}");
+    assert_eq!(servers.recs.lock().unwrap().iter().filter(|r| r.session > 0).count(), 0, "no new session");
+}
+
+#[test]
+fn carrying_bar_pages_refuses_a_new_page_past_its_fd_and_more_than_the_bound() {
+    use super::super::proxy::reconnect::{carry_pages, MAX_CARRIED};
+    let area = |size: u64, len: u64| {
+        let fd = crate::testing::memfd("page");
+        fd.set_len(len).unwrap();
+        iopath_devices::MappedArea { bar: 0, offset: 0x1000, size, fd, fd_offset: 0 }
+    };
+    assert!(carry_pages(&[area(0x1000, 0x1000)], &[area(0x1000, 0x1000)]).is_ok());
+    let e = carry_pages(&[area(0x1000, 0x1000)], &[area(0x1000, 0x800)]).unwrap_err().to_string();
+    assert!(e.contains("past its fd"), "{e}");
+    let big = MAX_CARRIED + 0x1000;
+    let e = carry_pages(&[area(big, 0)], &[area(big, 0)]).unwrap_err().to_string();
+    assert!(e.contains("a reconnect carries"), "{e}");
+}
