@@ -398,8 +398,9 @@ impl Core {
                     self.poll_shadow();
                 }
             }
-            self.poll_bar(); // BAR0's page, if the doorbells are there
-                             // Interrupts the old process may have owed.
+            // BAR0's page, if the doorbells are there.
+            self.poll_bar();
+            // Interrupts the old process may have owed.
             for q in 0..NQ {
                 if let Some(cq) = self.queues.cqs[q].filter(|c| c.ien) {
                     self.interrupt(cq.iv);
