@@ -340,7 +340,9 @@ fn virtio_blk_verify_survives_kill_9_of_its_vfio_user_device_process_every_2_s()
     vblk_verify_under_kills("exit", 256, false);
 }
 
+/// 48 MiB: the guest's window lasted 9.8 s (5 kills) here; 16 MiB took
+/// 2.3 s once, room for one kill, and some 30 s on a loaded host.
 #[test]
 fn virtio_blk_ioeventfd_verify_survives_kill_9_of_its_vfio_user_device_process_every_2_s() {
-    vblk_verify_under_kills("ioeventfd", 16, true);
+    vblk_verify_under_kills("ioeventfd", 48, true);
 }
