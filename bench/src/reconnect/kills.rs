@@ -168,6 +168,8 @@ pub struct Outcome {
     /// Kills that found the device process inside a disk read or write.
     pub aimed: u64,
     pub killed: Vec<u32>,
+    /// When each kill was sent: CLOCK_MONOTONIC ns, taken just before kill(2).
+    pub kill_ns: Vec<u64>,
     /// From the last kill to the loop seeing the guest's window end.
     pub end_after_last_kill: Option<Duration>,
     /// The run's exit status said success (the guest's rc 0).
@@ -225,6 +227,7 @@ pub fn under_kills(
     let vmm = run.0.id();
     let t0 = Instant::now();
     let (mut killed, mut kills, mut aimed) = (Vec::<u32>::new(), 0u64, 0u64);
+    let mut kill_ns = Vec::new();
     let mut last_kill: Option<Instant> = None;
     // The first kill `aim` into the guest's window (less 0.1 s), then one every `every`.
     let mut next = None;
@@ -254,6 +257,7 @@ pub fn under_kills(
         while aim.elapsed() < plan.aim && !hit {
             hit = in_io(pid);
         }
+        let at = monotonic_ns();
         // SAFETY: kill(2) of the backend process of this loop's VMM.
         if unsafe { libc::kill(pid as i32, libc::SIGKILL) } != 0 {
             // Gone already: the guest's window ended while the kill was aimed and the run is
@@ -266,6 +270,7 @@ pub fn under_kills(
             continue;
         }
         killed.push(pid);
+        kill_ns.push(at);
         last_kill = Some(Instant::now());
         kills += 1;
         aimed += hit as u64;
@@ -281,7 +286,46 @@ pub fn under_kills(
     };
     let _ = (out_h.join(), err_h.join());
     let (stdout, stderr) = (text(&out), text(&err));
-    Ok(Outcome { kills, aimed, killed, end_after_last_kill, success: status.success(), stdout, stderr })
+    Ok(Outcome { kills, aimed, killed, kill_ns, end_after_last_kill, success: status.success(), stdout, stderr })
+}
+
+/// CLOCK_MONOTONIC now, in ns: the clock the device process stamps its
+/// first completion after a resume with (devices/src/nvme/controller.rs).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given, nothing else.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The device processes' times of their first completion after a resume,
+/// CLOCK_MONOTONIC ns, ascending: NVMe logs "resumed: first completion
+/// posted at CLOCK_MONOTONIC N ns" once per resume (to the VMM's stderr,
+/// which the device process shares).
+pub fn first_completions(stderr: &str) -> Vec<u64> {
+    let mut v: Vec<u64> = stderr
+        .lines()
+        .filter_map(|l| {
+            l.split("resumed: first completion posted at CLOCK_MONOTONIC ").nth(1)?.strip_suffix(" ns")?.parse().ok()
+        })
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// Each kill's pause, ms: from the kill to the first completion a device
+/// process posted after it and before the next kill (the process that
+/// resumed after it; it cannot post once killed). A kill with none (the
+/// window ended, or the next kill came first) is `None`.
+pub fn kill_pauses(kill_ns: &[u64], firsts: &[u64]) -> Vec<Option<f64>> {
+    kill_ns
+        .iter()
+        .enumerate()
+        .map(|(i, &k)| {
+            let next = kill_ns.get(i + 1).copied().unwrap_or(u64::MAX);
+            firsts.iter().find(|&&c| c > k && c < next).map(|&c| (c - k) as f64 / 1e6)
+        })
+        .collect()
 }
 
 /// The last 4000 bytes of a text (on a char boundary).
@@ -396,6 +440,7 @@ mod tests {
             kills: 2,
             aimed: 0,
             killed: vec![],
+            kill_ns: vec![],
             end_after_last_kill: None,
             success: true,
             stdout: stdout.into(),
@@ -412,6 +457,21 @@ mod tests {
         let bad = good.replace("errors=0", "errors=2");
         assert_eq!(o(&bad).guest("vblk", 1).unwrap().errors, 2);
         assert_eq!(percentile(&[1.0, 2.0, 3.0], 50.0), 2.0);
+    }
+
+    #[test]
+    fn each_kill_is_matched_to_the_first_completion_before_the_next_kill() {
+        let log = "[W nvme] nvme: resumed: first completion posted at CLOCK_MONOTONIC 5031000000 ns\n\
+                   x: reconnected in 3ms\n[W nvme] nvme: resumed: first completion posted at CLOCK_MONOTONIC 2040000000 ns\n\
+                   nvme: resumed: first completion posted at CLOCK_MONOTONIC 12 ms\n";
+        let firsts = first_completions(log);
+        assert_eq!(firsts, vec![2_040_000_000, 5_031_000_000]);
+        // Kill 2 (at 3.5 s) saw no completion before kill 3; the last saw none at all.
+        let kills = [2_000_000_000, 3_500_000_000, 5_000_000_000, 6_500_000_000];
+        assert_eq!(kill_pauses(&kills, &firsts), vec![Some(40.0), None, Some(31.0), None]);
+        // A completion before the kill is not its.
+        assert_eq!(kill_pauses(&[2_050_000_000], &firsts), vec![Some(2981.0)]);
+        assert!(monotonic_ns() > 0);
         assert!(percentile(&[], 50.0).is_nan());
     }
 }

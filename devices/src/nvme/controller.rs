@@ -50,9 +50,22 @@ pub(super) struct Core {
     pub ext: Ext,
     /// The state memory's recorder, once `adopt_state` gave one (`state/`).
     pub rec: Option<Box<super::state::Recorder>>,
+    /// Set by a resume (`state/resume.rs`); the first completion posted
+    /// after it clears it and logs when it was posted (`bench reconnect`).
+    pub first_since_resume: bool,
     /// The queue oracle's log of the I/O commands fetched (`oracle.rs`).
     #[cfg(any(test, feature = "oracle"))]
     pub oplog: Option<std::sync::Arc<std::sync::Mutex<Vec<super::oracle::OpRecord>>>>,
+}
+
+/// CLOCK_MONOTONIC now, in ns: the host's clock, which `bench reconnect`
+/// reads too, so that it matches a kill to the first completion after it
+/// (the line `complete` logs once per resume; the bench parses it).
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given, nothing else.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// Queue ids, ascending, from a mask copied when the walk began (the
@@ -253,6 +266,7 @@ impl Core {
             raised: std::sync::Arc::default(),
             ext: Ext::new(std::sync::Arc::new(super::inject::Shared::new(cfg))),
             rec: None,
+            first_since_resume: false,
             #[cfg(any(test, feature = "oracle"))]
             oplog: None,
         }
@@ -553,9 +567,13 @@ impl Core {
                 log::warn!("nvme: CQ {cqid} is outside guest RAM; completion of cid {cid} dropped");
                 return;
             }
+            let posted_at = std::mem::take(&mut self.first_since_resume).then(monotonic_ns);
             let (ien, iv) = (cq.ien, cq.iv);
             if ien {
                 self.completion_interrupt(cqid, iv);
+            }
+            if let Some(ns) = posted_at {
+                log::warn!("nvme: resumed: first completion posted at CLOCK_MONOTONIC {ns} ns");
             }
         }
     }

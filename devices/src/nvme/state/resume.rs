@@ -266,6 +266,8 @@ impl Core {
     /// Applies a plan `Plan::read` validated; `rec` is installed already.
     pub(in crate::nvme) fn apply(&mut self, p: Plan) {
         let cfg = &p.cfg;
+        // The first completion posted from here on logs its time (`Core::complete`).
+        self.first_since_resume = true;
         let rec = self.rec.as_deref_mut().expect("apply after the recorder is in place");
         rec.select = p.select;
         rec.seq = p.next_seq;
