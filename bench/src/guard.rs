@@ -14,7 +14,9 @@ use serde_json::{json, Value};
 /// Schema version of every `--json` document the benches write; bumped
 /// when a field changes meaning or goes away (new fields do not bump it).
 /// 3: `bench nvme`'s `options.contend` is a list of levels.
-pub const JSON_SCHEMA_VERSION: u32 = 3;
+/// 4: `bench reconnect`'s `pause_ms` is each kill's pause to the device's
+/// first completion after it (was the guest's longest gaps: `guest_gap_ms`).
+pub const JSON_SCHEMA_VERSION: u32 = 4;
 
 /// Thresholds and the re-run budget; `bench exits` and `bench nvme` take
 /// `--reruns` and `--max-spread` (the field's doc is the option's help, its
