@@ -61,10 +61,12 @@
 //! head and a tail word; a slot's through one bounds check); no syscall,
 //! no lock. Nothing without `adopt_state`: `Core::rec` is None (a client
 //! that offers no state memory, `iopath run --state-memory off`). In the
-//! guest over vfio-user (`bench nvme --state-memory on,off`) 512 B QD16's
-//! p50 is 8-19 % above state off in the polled modes, where the device
-//! thread's time per command bounds the queue; 4 KiB QD1's 0.97-1.10x
-//! (the host's noise is as large).
+//! guest over vfio-user (`bench nvme --state-memory on,off`, an idle
+//! host, 7 rounds) 512 B QD16's IOPS on/off are 0.86x (shm) and 0.91x
+//! (adaptive) at the median, where the device thread's time per command
+//! (about 90 ns) bounds the queue; 4 KiB QD1's p50 1.02x and 1.00x. In
+//! one thread with every line in cache (`cargo bench --bench
+//! nvme_commands`, read-null-state) the stores cost 13 ns a command.
 //!
 //! What resumes: `pollers=1`, every doorbell mode, null, file and ram
 //! namespaces. Refused (`supported`): several pollers, timing models and
