@@ -35,10 +35,12 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 # Guest RAM in hugetlb pages: the Linux-guest tests take up to 144 pages of 2 MiB at once
-# (vm.nr_hugepages), and SPDK's DPDK memory and nvmf_tgt up to 300 in their own test binary;
-# the pool of a fresh machine is empty. hugepages.sh grows it to 300 free (never shrinks it)
-# and mounts hugetlbfs at /dev/hugepages.
-bash harness/spdk/hugepages.sh 300
+# (vm.nr_hugepages), and SPDK's apps in their own test binary about 217 for an nvmf_tgt plus
+# what bdevperf's pools take beside it, two tests at a time: with 300 free, bdevperf beside
+# nvmf_tgt failed to allocate its iobuf pool (ENOMEM). The pool of a fresh machine is empty;
+# hugepages.sh grows it to 600 free (1.2 GiB; never shrinks it) and mounts hugetlbfs at
+# /dev/hugepages.
+bash harness/spdk/hugepages.sh 600
 
 # The real-client harness: a Debian trixie root with QEMU >= 10.1 (vfio-user-pci), the trixie
 # kernel and an initramfs with fio, nvme-cli and e2fsprogs, cached under /var/cache by the

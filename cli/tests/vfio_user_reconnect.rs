@@ -24,8 +24,12 @@ fn counter(r: &iopath_vmm::vm::RunReport, name: &str) -> Option<u64> {
 fn device_process(transport: &str) -> u32 {
     let t0 = Instant::now();
     loop {
+        // The VMM hands its device process the socket as fd 3: no `--socket`, which
+        // tells it from the external servers the other tests start (`serve_on`).
         let found = children(std::process::id()).into_iter().find(|p| {
-            p.cmdline.contains("serve pci-testdev") && p.cmdline.contains(&format!("--transport {transport} "))
+            p.cmdline.contains("serve pci-testdev")
+                && p.cmdline.contains(&format!("--transport {transport} "))
+                && !p.cmdline.contains("--socket")
         });
         if let Some(p) = found {
             return p.pid;
