@@ -42,12 +42,26 @@ pub fn under_kills(
     workload: &str,
     spec: &str,
     size_mb: u64,
+    backend: impl FnMut(u32, &[u32]) -> Option<u32>,
+    after_kill: impl FnMut(u32),
+) -> Outcome {
+    under_kills_aimed(KILL_EVERY - AIM_AFTER, workload, spec, size_mb, backend, after_kill)
+}
+
+/// `under_kills` with each kill aimed for `aim` (the first one `aim` less
+/// 0.1 s into the guest's window, if that is more than nothing): a ram
+/// disk's window can be over in 0.4 s, before the first kill of a 0.5 s aim.
+pub fn under_kills_aimed(
+    aim: Duration,
+    workload: &str,
+    spec: &str,
+    size_mb: u64,
     mut backend: impl FnMut(u32, &[u32]) -> Option<u32>,
     after_kill: impl FnMut(u32),
 ) -> Outcome {
     let mut plan =
         bench::Plan::every_2_s(std::path::Path::new(env!("CARGO_BIN_EXE_iopath")), workload, spec, size_mb, SEED);
-    plan.aim = KILL_EVERY - AIM_AFTER;
+    plan.aim = aim;
     let o = bench::under_kills(&plan, |vmm, killed| Ok(backend(vmm, killed)), after_kill)
         .unwrap_or_else(|e| panic!("the kill loop: {e:#}"));
     assert!(o.success, "the run failed:\n{}\n{}", o.stderr, bench::tail(&o.stdout));
