@@ -48,7 +48,7 @@ pub const WORDS: usize = RAM_TABLE + 2 * NNS;
 /// The bytes of NVMe's words (its ram namespaces' data after them).
 pub const LEN: usize = WORDS * 8;
 /// The shape word: what a layout of another build would differ in.
-pub const SHAPE: u64 = 2 | (SLOTS as u64) << 8 | (NQ as u64) << 32 | (NNS as u64) << 48;
+pub const SHAPE: u64 = 3 | (SLOTS as u64) << 8 | (NQ as u64) << 32 | (NNS as u64) << 48;
 
 /// Slot words: state, the SQE (8), sequence number, CQE dw0|dw2, CQE dw3|cqid|position.
 pub const S_META: usize = 0;
@@ -56,12 +56,15 @@ pub const S_SQE: usize = 1;
 pub const S_SEQ: usize = 9;
 pub const S_CQE_LO: usize = 10;
 pub const S_CQE_HI: usize = 11;
-/// Slot states (meta bits 1:0); bit 2: the SQE could not be read; sqid in
-/// bits 15:8, the SQ index it was fetched at in bits 31:16.
+/// Slot states (meta bits 1:0); bit 2: the SQE could not be read; bit 3:
+/// the SQE is not in the slot but still in the SQ, at its index (an I/O
+/// command no completion has been posted after); sqid in bits 15:8, the SQ
+/// index it was fetched at in bits 31:16.
 pub const FREE: u64 = 0;
 pub const FETCHED: u64 = 1;
 pub const POSTING: u64 = 2;
 pub const BAD_SQE: u64 = 4;
+pub const IN_SQ: u64 = 8;
 
 pub fn config_at(select: u64) -> usize {
     CFG + (select & 1) as usize * CFG_WORDS

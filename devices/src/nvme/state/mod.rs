@@ -3,11 +3,19 @@
 //! invisibly to the guest (`DeviceModel::adopt_state`, `resume.rs`).
 //!
 //! Design: the fetched SQEs are kept in the state memory. Each command
-//! fetched goes into a slot (its 64-byte entry, SQ id, SQ index and a
-//! sequence number) before the SQ head that passes it is recorded, and a
-//! resumed controller runs it again from the slot: it never reads an SQ
-//! entry the driver may have reused (the CQEs this controller posted
-//! report heads past it). The alternative, reporting no SQ head beyond the
+//! fetched goes into a slot (SQ id, SQ index and a sequence number) before
+//! the SQ head that passes it is recorded, and a resumed controller runs it
+//! again: it never reads an SQ entry the driver may have reused. A driver
+//! reuses an entry once a completion says it was consumed: one that reports
+//! an SQ head past it (SPDK's driver goes by that), or any completion of a
+//! command submitted after it (Linux's reuses entries on that alone). So
+//! an I/O command's 64-byte entry is copied into its slot only if another
+//! completion is about to be posted while it is in flight (or another
+//! command fetched, or the configuration committed); until then its slot
+//! says `IN_SQ`, and a resumed controller reads it from the SQ, before it
+//! posts anything. A command that completes before the next is fetched (a
+//! null or ram namespace, always) never has its entry copied. Admin
+//! commands are copied at once. The alternative, reporting no SQ head beyond the
 //! oldest command in flight, would cost nothing to record but hold the
 //! driver's SQ slots for as long as the slowest file operation (a queue as
 //! deep as the guest's is what `file:` namespaces are for), and an AER
@@ -15,8 +23,9 @@
 //!
 //! Publication order (the process may die between any two stores; `S_*`
 //! and the word areas are `layout.rs`'s):
-//! 1. fetch: the SQE and sequence number into a free slot, then its state
-//!    word FETCHED (release), then the SQ's head word, which carries the
+//! 1. fetch: the sequence number (and, copied, the SQE) into a free slot,
+//!    then its state word FETCHED (release; `IN_SQ` if not copied; a copy
+//!    later: the SQE, then the state word without it), then the SQ's head word, which carries the
 //!    sequence number of the fetch that moved it. Resumed with a FETCHED
 //!    slot newer than its SQ's head word (its head store did not happen),
 //!    the head is moved past the slot's index. (The index alone would not
@@ -56,17 +65,19 @@
 //! on resume: a spurious MSI-X is harmless, a lost one a hang); error
 //! injection and timed completions (`timing=`, injection rules: refused).
 //!
-//! Cost on the fast path: 11 stores per command fetched and 5 per
-//! completion into memory already mapped (two cache lines of its slot, a
-//! head and a tail word; a slot's through one bounds check); no syscall,
-//! no lock. Nothing without `adopt_state`: `Core::rec` is None (a client
-//! that offers no state memory, `iopath run --state-memory off`). In the
-//! guest over vfio-user (`bench nvme --state-memory on,off`, an idle
-//! host, 7 rounds) 512 B QD16's IOPS on/off are 0.86x (shm) and 0.91x
-//! (adaptive) at the median, where the device thread's time per command
-//! (about 90 ns) bounds the queue; 4 KiB QD1's p50 1.02x and 1.00x. In
-//! one thread with every line in cache (`cargo bench --bench
-//! nvme_commands`, read-null-state) the stores cost 13 ns a command.
+//! Cost on the fast path: 3 stores per command fetched (9 more if its
+//! entry is copied) and 5 per completion into memory already mapped (a cache
+//! line of its slot, a head and a tail word; a slot's through one bounds
+//! check); no syscall, no lock. Nothing without `adopt_state`: `Core::rec`
+//! is None (a client that offers no state memory, `iopath run
+//! --state-memory off`). In one thread with every line in cache (the
+//! ignored test `fast_path_cost_of_keeping_state`, release, 512 B writes
+//! at QD16 on null through mmio doorbells) the device time per command
+//! goes from 57-58 ns to 68-69 ns with state (it was 71 ns while every
+//! entry was copied). In the guest over vfio-user (`bench nvme
+//! --state-memory on,off`, 7 rounds) 512 B QD16's IOPS on/off are
+//! 0.85-0.92x at the median, where the device thread's time per command
+//! bounds the queue; 4 KiB QD1's p50 1.01-1.04x.
 //!
 //! What resumes: `pollers=1`, every doorbell mode, null, file and ram
 //! namespaces. Refused (`supported`): several pollers, timing models and
@@ -147,6 +158,13 @@ pub(super) struct Recorder {
     busy: Vec<(u32, u16)>,
     /// The slot of the command fetched last (an admin command commits it).
     current: Option<(u16, u64)>,
+    /// The I/O command fetched last, its entry not copied into its slot yet
+    /// (`IN_SQ`): copied before any other completion is posted, any other
+    /// command fetched or the configuration committed, so only if it is
+    /// still in flight then (see the module doc).
+    pending: Option<Pending>,
+    /// Commands whose entry was copied into their slot.
+    copied: u64,
     select: u64,
     /// Commands fetched with no slot free (never, slots cover the most in flight).
     unrecorded: u64,
@@ -163,6 +181,8 @@ impl Recorder {
             free: (0..SLOTS as u16).rev().collect(),
             busy: Vec::new(),
             current: None,
+            pending: None,
+            copied: 0,
             select: 0,
             unrecorded: 0,
             #[cfg(test)]
@@ -200,9 +220,11 @@ impl Recorder {
     }
 
     /// Step 1: SQ `qid`'s entry at `idx` was fetched (None: unreadable) and
-    /// the head is `head` now.
+    /// the head is `head` now. An I/O command's entry stays in the SQ for
+    /// now (`pending`); an admin command's, or an unreadable one, is copied.
     #[inline]
     pub fn fetched(&mut self, qid: usize, idx: u16, head: u16, sqe: Option<&Sqe>) {
+        self.flush();
         let Some(slot) = self.free.pop() else {
             self.unrecorded += 1;
             self.current = None;
@@ -211,22 +233,47 @@ impl Recorder {
             }
             return;
         };
-        let (w, bad) = match sqe {
-            Some(c) => (sqe_words(c), 0),
-            None => ([0; 8], BAD_SQE),
-        };
         let seq = self.seq;
         self.seq += 1;
+        let meta = FETCHED | (qid as u64) << 8 | (idx as u64) << 16;
+        let key = (qid as u32) << 16 | sqe.map_or(0, |c| c.cid) as u32;
         let s = self.slot_words(slot);
-        for (k, v) in w.into_iter().enumerate() {
+        self.put_to(&s[S_SEQ], seq, Ordering::Relaxed);
+        match sqe {
+            Some(c) if qid > 0 => {
+                self.put_to(&s[S_META], meta | IN_SQ, Ordering::Release);
+                self.pending = Some(Pending { slot, key, meta, sqe: *c });
+            }
+            _ => {
+                let (w, bad) = sqe.map_or(([0; 8], BAD_SQE), |c| (sqe_words(c), 0));
+                self.copy(slot, &w, meta | bad);
+                self.busy.push((key, slot));
+            }
+        }
+        self.put(SQ_HEAD + qid, head as u64 | seq << 16, Ordering::Release);
+        self.current = Some((slot, seq));
+    }
+
+    /// `slot`'s entry, then its state `meta` (without `IN_SQ`).
+    #[inline]
+    fn copy(&mut self, slot: u16, w: &[u64; 8], meta: u64) {
+        let s = self.slot_words(slot);
+        for (k, &v) in w.iter().enumerate() {
             self.put_to(&s[S_SQE + k], v, Ordering::Relaxed);
         }
-        self.put_to(&s[S_SEQ], seq, Ordering::Relaxed);
-        self.put_to(&s[S_META], FETCHED | bad | (qid as u64) << 8 | (idx as u64) << 16, Ordering::Release);
-        self.put(SQ_HEAD + qid, head as u64 | seq << 16, Ordering::Release);
-        let cid = sqe.map_or(0, |c| c.cid);
-        self.busy.push(((qid as u32) << 16 | cid as u32, slot));
-        self.current = Some((slot, seq));
+        self.put_to(&s[S_META], meta, Ordering::Release);
+        self.copied += 1;
+    }
+
+    /// The pending command is still in flight: its entry into its slot
+    /// before the driver may reuse the SQ's (a completion posted, which
+    /// reports a head past it or completes a command after it).
+    #[inline]
+    fn flush(&mut self) {
+        if let Some(p) = self.pending.take() {
+            self.copy(p.slot, &sqe_words(&p.sqe), p.meta);
+            self.busy.push((p.key, p.slot));
+        }
     }
 
     /// Step 2, before the CQE goes to guest RAM: the slot of (sqid, cid),
@@ -234,12 +281,21 @@ impl Recorder {
     #[inline]
     pub fn posting(&mut self, sqid: usize, cid: u16, cqid: usize, pos: u16, cqe: (u32, u32, u32)) -> Option<u16> {
         let key = (sqid as u32) << 16 | cid as u32;
-        let i = self.busy.iter().rposition(|b| b.0 == key)?;
-        let (_, slot) = self.busy.swap_remove(i);
+        // The command fetched last, completed before anything else: its
+        // entry is still the driver's to read (the fast path). Any other
+        // completion reports a head past the pending one's: copied first.
+        let (slot, meta) = match self.pending.take_if(|p| p.key == key) {
+            Some(p) => (p.slot, p.meta | IN_SQ),
+            None => {
+                self.flush();
+                let i = self.busy.iter().rposition(|b| b.0 == key)?;
+                let (_, slot) = self.busy.swap_remove(i);
+                (slot, self.slot_words(slot)[S_META].load(Ordering::Acquire))
+            }
+        };
         let s = self.slot_words(slot);
         self.put_to(&s[S_CQE_LO], cqe.0 as u64 | (cqe.1 as u64) << 32, Ordering::Relaxed);
         self.put_to(&s[S_CQE_HI], cqe.2 as u64 | (cqid as u64) << 32 | (pos as u64) << 48, Ordering::Relaxed);
-        let meta = s[S_META].load(Ordering::Acquire);
         self.put_to(&s[S_META], meta & !3 | POSTING, Ordering::Release);
         Some(slot)
     }
@@ -261,7 +317,9 @@ impl Recorder {
     /// A command whose completion will not be posted (its SQ is gone).
     pub fn forget(&mut self, sqid: usize, cid: u16) {
         let key = (sqid as u32) << 16 | cid as u32;
-        if let Some(i) = self.busy.iter().rposition(|b| b.0 == key) {
+        if let Some(p) = self.pending.take_if(|p| p.key == key) {
+            self.release(p.slot);
+        } else if let Some(i) = self.busy.iter().rposition(|b| b.0 == key) {
             let (_, slot) = self.busy.swap_remove(i);
             self.release(slot);
         }
@@ -286,7 +344,8 @@ impl Recorder {
     /// queues it defines, then the flip; then, for a disabled controller,
     /// every slot free, else the slots of SQs that no longer exist.
     fn commit(&mut self, cfg: &Config, moving: &[(usize, u64)]) {
-        // A head word names the newest fetch it has seen (`resume.rs`).
+        self.flush(); // the slots below are `busy`'s
+                      // A head word names the newest fetch it has seen (`resume.rs`).
         let newest = self.seq - 1;
         for &(i, v) in moving {
             let v = if (SQ_HEAD..SQ_HEAD + NQ).contains(&i) { v | newest << 16 } else { v };
@@ -319,6 +378,17 @@ impl Recorder {
             }
         }
     }
+}
+
+/// An I/O command fetched whose entry is not in its slot yet.
+#[derive(Clone, Copy)]
+struct Pending {
+    slot: u16,
+    /// sqid << 16 | cid, as in `busy`.
+    key: u32,
+    /// Its slot's state word, without `IN_SQ`.
+    meta: u64,
+    sqe: Sqe,
 }
 
 /// An SQE as the eight words `Sqe::from_words` reads (the fields this
@@ -418,13 +488,16 @@ impl Core {
     /// The state counters, only while state is kept (none: the controller
     /// keeps no state): the bytes of state memory, the commands recorded
     /// (the sequence numbers given, a resumed controller's predecessors'
-    /// included) and those that found no slot free.
+    /// included), those that found no slot free, and the entries this
+    /// controller copied into slots (admin commands, and I/O commands in
+    /// flight when another completion was posted).
     pub(super) fn state_counters(&self) -> Vec<crate::Counter> {
         let Some(r) = self.rec.as_deref() else { return Vec::new() };
         let mut c = vec![
             (STATE_MEMORY_BYTES, r.mem.len() as u64),
             ("state.commands", r.seq - 1),
             ("state.unrecorded", r.unrecorded),
+            ("state.entries-copied", r.copied),
         ];
         // Ram namespaces in the state memory: the bytes laid out for their
         // data (within `state.memory-bytes`, which counts address space: a

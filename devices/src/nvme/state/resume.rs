@@ -26,6 +26,8 @@ struct Slot {
     sqid: usize,
     idx: u16,
     sqe: Option<Sqe>,
+    /// Its entry was read from the SQ (`IN_SQ`), not from the slot.
+    in_sq: bool,
 }
 
 /// A slot POSTING: its CQE words and place.
@@ -129,12 +131,22 @@ impl Plan {
             let Some(sq) = cfg.sqs.get(sqid).copied().flatten() else {
                 return Err(bad(format!("has slot {s} of SQ {sqid}, which does not exist")));
             };
-            if meta & 3 == 3 || idx >= sq.size || meta >> 32 != 0 || meta & 0xf8 != 0 {
+            let both = meta & (IN_SQ | BAD_SQE) == IN_SQ | BAD_SQE;
+            if meta & 3 == 3 || idx >= sq.size || meta >> 32 != 0 || meta & 0xf0 != 0 || both {
                 return Err(bad(format!("has slot {s} with state {meta:#x}")));
             }
             let words: [u64; 8] = w[b + S_SQE..b + S_SQE + 8].try_into().unwrap();
-            let sqe = (meta & BAD_SQE == 0).then(|| Sqe::from_words(&words));
-            let one = Slot { slot: s as u16, seq, sqid, idx, sqe };
+            let in_sq = meta & IN_SQ != 0;
+            // An entry left in the SQ: no completion was posted after its
+            // fetch, so the driver has not reused it (module doc). Read now,
+            // before anything is posted.
+            let sqe = if in_sq {
+                let mut e = [0u8; SQE_SIZE as usize];
+                c.mem.read_slice(&mut e, sq.gpa + idx as u64 * SQE_SIZE).ok().map(|()| Sqe::parse(&e))
+            } else {
+                (meta & BAD_SQE == 0).then(|| Sqe::from_words(&words))
+            };
+            let one = Slot { slot: s as u16, seq, sqid, idx, sqe, in_sq };
             if meta & 3 == POSTING {
                 let (lo, hi) = (w[b + S_CQE_LO], w[b + S_CQE_HI]);
                 let (cqid, pos) = ((hi >> 32 & 0xffff) as usize, (hi >> 48) as u16);
@@ -279,6 +291,15 @@ impl Core {
         rec.free.retain(|s| !taken.contains(s));
         for &s in &p.drop {
             rec.release(s);
+        }
+        // Entries read from the SQs into their slots, before anything is
+        // posted: from here on the driver may reuse the SQs' slots.
+        for s in p.replay.iter().filter(|s| s.in_sq) {
+            let meta = FETCHED | (s.sqid as u64) << 8 | (s.idx as u64) << 16;
+            match &s.sqe {
+                Some(c) => rec.copy(s.slot, &super::sqe_words(c), meta),
+                None => rec.copy(s.slot, &[0; 8], meta | BAD_SQE),
+            }
         }
         // Registers, features, namespaces.
         (self.regs.cc, self.regs.csts, self.regs.aqa, self.regs.intms) = (cfg.cc, cfg.csts, cfg.aqa, cfg.intms);
