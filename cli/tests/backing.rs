@@ -245,13 +245,22 @@ fn serve_takes_each_namespace_from_a_namespace_flag_and_lays_out_their_files() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let t0 = std::time::Instant::now();
-    while !sock.exists() {
-        if let Some(st) = serve.try_wait().unwrap() {
-            panic!("iopath serve ended ({st}) before it served: {:?}", serve.wait_with_output().unwrap());
+    // The socket is bound before the device is built (a live server there is found before
+    // any file is made): the banner, once it serves, says the files are laid out.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr = serve.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for l in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
         }
-        assert!(t0.elapsed() < std::time::Duration::from_secs(20), "no socket from iopath serve");
-        std::thread::sleep(std::time::Duration::from_millis(20));
+    });
+    let mut said = Vec::new();
+    while !said.iter().any(|l: &String| l.starts_with("iopath serve: ") && l.ends_with(&sock_s)) {
+        match rx.recv_timeout(std::time::Duration::from_secs(20)) {
+            Ok(l) => said.push(l),
+            Err(e) => panic!("no banner from iopath serve ({e}; {:?}): {said:?}", serve.try_wait()),
+        }
     }
     laid_out(&a, 4 << 20);
     laid_out(&b, 2 << 20);
