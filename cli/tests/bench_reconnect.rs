@@ -1,6 +1,6 @@
 //! `iopath bench reconnect` end to end on the real /dev/kvm: two kills of
-//! NVMe's vfio-user device process (doorbell=shm) under the guest's verify
-//! workload. Oracles: the VMM's reconnect counter equals the kills, the
+//! NVMe's vfio-user device process (doorbell=shm), then of virtio-blk's,
+//! under the guest's verify workload. Oracles: the VMM's reconnect counter equals the kills, the
 //! guest's record (no error, no mismatch, every block verified, two gaps),
 //! each kill matched to the device's first completion after it (a pause
 //! above 0 and below the kill interval), the file read back (the bench's
@@ -13,12 +13,13 @@ use std::process::Command;
 
 #[test]
 fn bench_reconnect_with_two_kills_counts_a_reconnect_per_kill_and_no_guest_error() {
+    const TARGETS: [&str; 2] = ["nvme-vfio-user-shm", "vblk-vfio-user"];
     common::kvm();
     let dir = common::TempDir::new("reconnect-json");
     let json = dir.join("r.json");
     let before = leftovers();
     let out = Command::new(env!("CARGO_BIN_EXE_iopath"))
-        .args(["bench", "reconnect", "--kills", "2", "--every", "1.5s", "--target", "nvme-vfio-user-shm", "--json"])
+        .args(["bench", "reconnect", "--kills", "2", "--every", "1.5s", "--target", &TARGETS.join(","), "--json"])
         .arg(&json)
         .output()
         .unwrap();
@@ -28,9 +29,18 @@ fn bench_reconnect_with_two_kills_counts_a_reconnect_per_kill_and_no_guest_error
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!((v["benchmark"].as_str(), v["options"]["kills"].as_u64()), (Some("reconnect"), Some(2)));
     let rows = v["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 1, "{v}");
-    let r = &rows[0];
-    assert_eq!(r["target"], "nvme-vfio-user-shm");
+    assert_eq!(rows.len(), TARGETS.len(), "{v}");
+    for (r, target) in rows.iter().zip(TARGETS) {
+        assert_eq!(r["target"], target);
+        check_row(r);
+        assert!(stdout.contains(target), "{stdout}");
+    }
+    assert!(stdout.contains("p50 ms"), "{stdout}");
+    assert_eq!(leftovers(), before, "the bench's temp dir is gone");
+}
+
+/// A row's oracles (see the module doc).
+fn check_row(r: &serde_json::Value) {
     assert_eq!((r["kills"].as_u64(), r["reconnects"].as_u64()), (Some(2), Some(2)), "{r}");
     assert_eq!((r["errors"].as_u64(), r["mismatches"].as_u64()), (Some(0), Some(0)), "{r}");
     assert_eq!((r["file_ok"].as_bool(), r["failed"].as_bool()), (Some(true), Some(false)), "{r}");
@@ -47,8 +57,6 @@ fn bench_reconnect_with_two_kills_counts_a_reconnect_per_kill_and_no_guest_error
     assert_eq!(gaps.len(), 2, "{r}");
     assert!(gaps.iter().all(|p| p.as_f64().unwrap() > 0.0), "{r}");
     assert_eq!(r["vmm_reconnect_ms"]["samples"].as_array().unwrap().len(), 2, "{r}");
-    assert!(stdout.contains("nvme-vfio-user-shm") && stdout.contains("p50 ms"), "{stdout}");
-    assert_eq!(leftovers(), before, "the bench's temp dir is gone");
 }
 
 /// The bench's temp dirs of this host (its name: iopath-bench-reconnect-PID-N).

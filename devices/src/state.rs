@@ -75,6 +75,21 @@ impl RamPlace {
     }
 }
 
+/// CLOCK_MONOTONIC now, in ns: the host's clock, which `bench reconnect`
+/// reads too, so that it matches a kill to the first completion after it
+/// (the line a resumed device logs once, `RESUMED_FIRST_COMPLETION`; the
+/// bench parses it).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given, nothing else.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// What a resumed device logs when it posts its first completion, before
+/// the CLOCK_MONOTONIC time in ns (then " ns").
+pub const RESUMED_FIRST_COMPLETION: &str = "resumed: first completion posted at CLOCK_MONOTONIC ";
+
 /// The places of a device's ram storages of `sizes` bytes (None: a storage
 /// that is not ram) after `words` bytes of its own state, each at a
 /// multiple of [`RAM_ALIGN`], and the state memory's length (`words` if

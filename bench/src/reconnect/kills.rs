@@ -299,15 +299,14 @@ pub fn monotonic_ns() -> u64 {
 }
 
 /// The device processes' times of their first completion after a resume,
-/// CLOCK_MONOTONIC ns, ascending: NVMe logs "resumed: first completion
-/// posted at CLOCK_MONOTONIC N ns" once per resume (to the VMM's stderr,
-/// which the device process shares).
+/// CLOCK_MONOTONIC ns, ascending: NVMe and virtio-blk over vfio-user log
+/// "resumed: first completion posted at CLOCK_MONOTONIC N ns" once per
+/// resume (to the VMM's stderr, which the device process shares).
 pub fn first_completions(stderr: &str) -> Vec<u64> {
+    use iopath_devices::state::RESUMED_FIRST_COMPLETION;
     let mut v: Vec<u64> = stderr
         .lines()
-        .filter_map(|l| {
-            l.split("resumed: first completion posted at CLOCK_MONOTONIC ").nth(1)?.strip_suffix(" ns")?.parse().ok()
-        })
+        .filter_map(|l| l.split(RESUMED_FIRST_COMPLETION).nth(1)?.strip_suffix(" ns")?.parse().ok())
         .collect();
     v.sort_unstable();
     v

@@ -12,8 +12,10 @@
 //! per resume, on the VMM's stderr, which it shares): each kill's pause is
 //! from the kill to the first such time after it and before the next kill
 //! ([`kills::kill_pauses`]); the goal is judged on these. A kill with none
-//! (the window ended first) is counted as unmatched. vhost-user's backend
-//! logs no such time: its row has no pause figures. The guest's 32 longest
+//! (the window ended first) is counted as unmatched; so does virtio-blk's
+//! over vfio-user. vhost-user's backend logs no such time (it resumes from
+//! QEMU's or iopath's in-flight region, not state memory): its row has no
+//! pause figures. The guest's 32 longest
 //! gaps between consecutive completions (its record's `gaps=`, TSC cycles)
 //! are a second view ("guest gap"): the `kills` longest, which include the
 //! host's own stalls (a run without kills has some, "quiet max"). The VMM's
@@ -48,14 +50,35 @@ pub enum Target {
     /// NVMe over vfio-user, doorbell=adaptive.
     #[value(name = "nvme-vfio-user-adaptive")]
     NvmeAdaptive,
+    /// NVMe over vfio-user, doorbell=bar (BAR0's doorbell page mapped into the guest).
+    #[value(name = "nvme-vfio-user-bar")]
+    NvmeBar,
+    /// NVMe over vfio-user, doorbell=bar-adaptive.
+    #[value(name = "nvme-vfio-user-bar-adaptive")]
+    NvmeBarAdaptive,
+    /// NVMe over vfio-user, doorbell=auto (the default).
+    #[value(name = "nvme-vfio-user-auto")]
+    NvmeAuto,
+    /// virtio-blk over vfio-user (state memory, proxy reconnect).
+    #[value(name = "vblk-vfio-user")]
+    VblkVfioUser,
     /// virtio-blk over vhost-user (in-flight tracking, frontend reconnect).
     #[value(name = "vblk-vhost-user")]
     VblkVhostUser,
 }
 
 impl Target {
-    pub const ALL: [Target; 5] =
-        [Target::NvmeMmio, Target::NvmeIoeventfd, Target::NvmeShm, Target::NvmeAdaptive, Target::VblkVhostUser];
+    pub const ALL: [Target; 9] = [
+        Target::NvmeMmio,
+        Target::NvmeIoeventfd,
+        Target::NvmeShm,
+        Target::NvmeAdaptive,
+        Target::NvmeBar,
+        Target::NvmeBarAdaptive,
+        Target::NvmeAuto,
+        Target::VblkVfioUser,
+        Target::VblkVhostUser,
+    ];
 
     pub fn name(self) -> String {
         self.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default()
@@ -63,22 +86,33 @@ impl Target {
 
     /// The guest workload that drives it.
     fn workload(self) -> &'static str {
-        if self == Target::VblkVhostUser {
-            "vblk"
-        } else {
-            "nvme"
+        match self.doorbell() {
+            Some(_) => "nvme",
+            None => "vblk",
         }
+    }
+
+    /// An NVMe target's `doorbell=` (None: virtio-blk).
+    fn doorbell(self) -> Option<&'static str> {
+        Some(match self {
+            Target::NvmeMmio => "mmio",
+            Target::NvmeIoeventfd => "ioeventfd",
+            Target::NvmeShm => "shm",
+            Target::NvmeAdaptive => "adaptive",
+            Target::NvmeBar => "bar",
+            Target::NvmeBarAdaptive => "bar-adaptive",
+            Target::NvmeAuto => "auto",
+            Target::VblkVfioUser | Target::VblkVhostUser => return None,
+        })
     }
 
     /// `iopath run --device` for a file of `size_mb` MiB.
     fn spec(self, img: &Path, size_mb: u64) -> String {
         let img = img.display();
-        match self {
-            Target::VblkVhostUser => format!("virtio-blk,backend=file:{img},size_mb={size_mb},queues=1@vhost-user"),
-            t => {
-                let mode = t.name().rsplit('-').next().unwrap_or_default().to_string();
-                format!("nvme,doorbell={mode},backend=file:{img},size_mb={size_mb}@vfio-user")
-            }
+        let transport = if self.vfio_user() { "vfio-user" } else { "vhost-user" };
+        match self.doorbell() {
+            Some(mode) => format!("nvme,doorbell={mode},backend=file:{img},size_mb={size_mb}@{transport}"),
+            None => format!("virtio-blk,backend=file:{img},size_mb={size_mb},queues=1@{transport}"),
         }
     }
 
@@ -95,9 +129,10 @@ impl Target {
         self != Target::VblkVhostUser
     }
 
-    /// Its device process logs its first completion after each resume (NVMe).
+    /// Its device process logs its first completion after each resume
+    /// (over vfio-user; vhost-user's backend keeps no state memory).
     fn logs_first_completion(self) -> bool {
-        self != Target::VblkVhostUser
+        self.vfio_user()
     }
 }
 
@@ -636,6 +671,13 @@ mod tests {
         );
         assert_eq!(Target::NvmeMmio.name(), "nvme-vfio-user-mmio");
         assert_eq!(
+            Target::NvmeBarAdaptive.spec(img, 8),
+            "nvme,doorbell=bar-adaptive,backend=file:/d/x.img,size_mb=8@vfio-user"
+        );
+        assert_eq!(Target::VblkVfioUser.spec(img, 8), "virtio-blk,backend=file:/d/x.img,size_mb=8,queues=1@vfio-user");
+        assert_eq!(Target::VblkVfioUser.counter(), "vfio-user.reconnects");
+        assert!(Target::VblkVfioUser.logs_first_completion() && !Target::VblkVhostUser.logs_first_completion());
+        assert_eq!(
             Target::VblkVhostUser.spec(img, 8),
             "virtio-blk,backend=file:/d/x.img,size_mb=8,queues=1@vhost-user"
         );
@@ -667,7 +709,7 @@ mod tests {
     #[test]
     fn options_take_kills_every_and_targets_and_refuse_a_burst_vfio_user_stops() {
         let o = opts(&[]).unwrap();
-        assert_eq!((o.kills, o.every, o.targets.len()), (20, Duration::from_millis(1500), 5));
+        assert_eq!((o.kills, o.every, o.targets.len()), (20, Duration::from_millis(1500), 9));
         let o = opts(&["--kills", "2", "--every", "500ms", "--target", "nvme-vfio-user-shm,vblk-vhost-user"]).unwrap();
         assert_eq!((o.kills, o.targets), (2, vec![Target::NvmeShm, Target::VblkVhostUser]));
         // 20 kills a second apart: the 9th vfio-user reconnect within 10 s would stop the run.
@@ -676,7 +718,8 @@ mod tests {
         assert!(opts(&["--kills", "33"]).is_err(), "the guest keeps 32 gaps");
         assert!(opts(&["--kills", "0"]).is_err());
         assert!(opts(&["--every", "100ms"]).is_err());
-        assert!(opts(&["--target", "nvme-vfio-user-bar"]).is_err());
+        assert!(opts(&["--target", "nvme-vfio-user-bar-adaptive,nvme-vfio-user-auto"]).is_ok());
+        assert!(opts(&["--target", "nvme-vfio-user-doorbell"]).is_err());
         assert!(opts(&["--target", "vblk-vhost-user,vblk-vhost-user"]).is_err());
     }
 

@@ -58,16 +58,6 @@ pub(super) struct Core {
     pub oplog: Option<std::sync::Arc<std::sync::Mutex<Vec<super::oracle::OpRecord>>>>,
 }
 
-/// CLOCK_MONOTONIC now, in ns: the host's clock, which `bench reconnect`
-/// reads too, so that it matches a kill to the first completion after it
-/// (the line `complete` logs once per resume; the bench parses it).
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: clock_gettime writes the timespec it is given, nothing else.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 /// Queue ids, ascending, from a mask copied when the walk began (the
 /// walker may create or delete queues meanwhile, and looks each one up).
 pub(super) struct SqIds(u128);
@@ -567,13 +557,13 @@ impl Core {
                 log::warn!("nvme: CQ {cqid} is outside guest RAM; completion of cid {cid} dropped");
                 return;
             }
-            let posted_at = std::mem::take(&mut self.first_since_resume).then(monotonic_ns);
+            let posted_at = std::mem::take(&mut self.first_since_resume).then(crate::state::monotonic_ns);
             let (ien, iv) = (cq.ien, cq.iv);
             if ien {
                 self.completion_interrupt(cqid, iv);
             }
             if let Some(ns) = posted_at {
-                log::warn!("nvme: resumed: first completion posted at CLOCK_MONOTONIC {ns} ns");
+                log::warn!("nvme: {}{ns} ns", crate::state::RESUMED_FIRST_COMPLETION);
             }
         }
     }

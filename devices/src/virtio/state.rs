@@ -72,7 +72,7 @@ use crate::virtio::inflight::{queue_region_size, InflightRing};
 use crate::virtio::queue::{Queue, MAX_QUEUE_SIZE};
 use crate::{Error, Result};
 use std::ptr::NonNull;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// "iopVblk1", little endian.
@@ -120,6 +120,9 @@ fn bad(why: String) -> Error {
 pub(in crate::virtio) struct Recorder {
     mem: Arc<StateMemory>,
     rings: Vec<InflightRing>,
+    /// Set by a resume: the first used element published after it logs
+    /// its time (`used_after`; `bench reconnect` reads it).
+    first_since_resume: AtomicBool,
     /// Tests: where the "process" dies (a panic at a store).
     #[cfg(test)]
     kill: Option<Arc<dyn Fn() + Send + Sync>>,
@@ -145,6 +148,7 @@ impl Recorder {
         let mut rec = Recorder {
             mem,
             rings,
+            first_since_resume: AtomicBool::new(false),
             #[cfg(test)]
             kill: None,
         };
@@ -207,6 +211,12 @@ impl Recorder {
     #[inline]
     pub(in crate::virtio) fn used_after(&self, q: usize, head: u16, used_idx: u16) {
         self.rings[q].used_after(head, used_idx);
+        // A plain load on the fast path; the swap once per resume.
+        let first = &self.first_since_resume;
+        if first.load(Ordering::Relaxed) && first.swap(false, Ordering::Relaxed) {
+            let ns = crate::state::monotonic_ns();
+            log::warn!("virtio-blk: {}{ns} ns", crate::state::RESUMED_FIRST_COMPLETION);
+        }
     }
 }
 
@@ -512,6 +522,7 @@ impl<E: super::QueueEngine> super::VirtioPci<E> {
             t.forget();
         }
         let again = t.apply(plan);
+        rec.first_since_resume = AtomicBool::new(true);
         t.rec = Some(Box::new(rec));
         t.record_all();
         e.resumed(t, again);
