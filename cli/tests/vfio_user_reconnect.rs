@@ -182,19 +182,6 @@ fn an_external_device_process_that_dies_is_waited_for_and_its_successor_serves_t
     second.wait().unwrap();
 }
 
-/// A `Duration`'s `{:?}` (`12.3ms`, `950µs`, `1.2s`) in milliseconds.
-fn ms(d: &str) -> Option<f64> {
-    let unit = d.find(|c: char| c.is_alphabetic() || c == 'µ')?;
-    let v: f64 = d[..unit].parse().ok()?;
-    Some(match &d[unit..] {
-        "ns" => v / 1e6,
-        "µs" => v / 1e3,
-        "ms" => v,
-        "s" => v * 1e3,
-        _ => return None,
-    })
-}
-
 /// Issue 37's kill loop for NVMe over vfio-user: the guest's verify workload (every 512-byte
 /// block of a file namespace written once with its pattern, then read back and compared, 16
 /// commands in flight) while the test SIGKILLs the device process the VMM started every 2 s.
@@ -220,9 +207,7 @@ fn nvme_verify_under_kills(doorbell: &str) {
     let rec = o.guest("nvme", MB);
     let stderr = &o.stderr;
     let reconnects = common::kills::counter(stderr, "vfio-user.reconnects");
-    let mut took: Vec<f64> =
-        stderr.lines().filter_map(|l| ms(l.split(": reconnected in ").nth(1)?.split(' ').next()?)).collect();
-    took.sort_by(|a, b| a.total_cmp(b));
+    let took = iopath_bench::reconnect::vmm_times(stderr);
     let p = |q| common::kills::percentile(&took, q);
     eprintln!(
         "nvme doorbell={doorbell}: kills={} ({} aimed at a busy device) reconnects={reconnects}\nguest: {rec}\n\
@@ -308,9 +293,7 @@ fn vblk_verify_under_kills(notify: &str, mb: u64, busy: bool) {
         .lines()
         .filter_map(|l| l.split("re-executing ").nth(1)?.split_whitespace().next()?.parse().ok())
         .collect();
-    let mut took: Vec<f64> =
-        stderr.lines().filter_map(|l| ms(l.split(": reconnected in ").nth(1)?.split(' ').next()?)).collect();
-    took.sort_by(|a, b| a.total_cmp(b));
+    let took = iopath_bench::reconnect::vmm_times(stderr);
     let p = |q| common::kills::percentile(&took, q);
     eprintln!(
         "virtio-blk notify={notify}: kills={} ({} aimed at a busy device) reconnects={reconnects} in {:?}\n\
