@@ -547,11 +547,20 @@ impl Core {
             // `state/`: the CQE and its place first, the tail after it.
             let slot = self.rec.as_deref_mut().and_then(|r| {
                 let dw3 = cid as u32 | (!cq.phase as u32) << 16 | (st as u32) << 17;
-                r.posting(sqid, cid, cqid, cq.tail, (dw0, sqhd as u32 | (sqid as u32) << 16, dw3))
+                r.posting(sqid, cid, cq.tail, (dw0, sqhd as u32 | (sqid as u32) << 16, dw3))
             });
+            // The tail and phase after it, from copies taken before: loaded
+            // from `cq` after post_cqe's narrower stores, they could not be
+            // forwarded from the store buffer (a stall of every completion).
+            let (pos, phase, size) = (cq.tail, cq.phase, cq.size);
             let ok = post_cqe(&self.mem, cq, dw0, sqhd, sqid as u16, cid, st);
             if let Some(r) = self.rec.as_deref_mut() {
-                r.posted(slot, cqid, cq.tail, cq.phase);
+                let (tail, phase) = match pos + 1 {
+                    _ if !ok => (pos, phase),
+                    t if t == size => (0, !phase),
+                    t => (t, phase),
+                };
+                r.posted(slot, cqid, tail, phase);
             }
             if !ok {
                 log::warn!("nvme: CQ {cqid} is outside guest RAM; completion of cid {cid} dropped");

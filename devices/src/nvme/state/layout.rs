@@ -6,8 +6,8 @@
 //! Words: a header (magic, shape, selector), the MSI-X table as the guest
 //! programmed it, the queues' moving indices (SQ head and tail, CQ tail
 //! and phase, CQ head: one word each), the two configuration copies, then
-//! the command slots (`SLOT_WORDS` each: state, the SQE, its sequence
-//! number, the CQE to post and where), then the ram table: per namespace,
+//! the command slots (`SLOT_WORDS` each: state, the CQE to post, the
+//! sequence number, the SQE), then the ram table: per namespace,
 //! where its data lies in the state memory if it is a ram namespace
 //! (`RamPlace::words`; zeros otherwise). The ram data follows the words
 //! (`crate::state::place_ram`).
@@ -48,23 +48,30 @@ pub const WORDS: usize = RAM_TABLE + 2 * NNS;
 /// The bytes of NVMe's words (its ram namespaces' data after them).
 pub const LEN: usize = WORDS * 8;
 /// The shape word: what a layout of another build would differ in.
-pub const SHAPE: u64 = 3 | (SLOTS as u64) << 8 | (NQ as u64) << 32 | (NNS as u64) << 48;
+pub const SHAPE: u64 = 4 | (SLOTS as u64) << 8 | (NQ as u64) << 32 | (NNS as u64) << 48;
 
-/// Slot words: state, the SQE (8), sequence number, CQE dw0|dw2, CQE dw3|cqid|position.
+/// Slot words: state, CQE, sequence number, the SQE (8); a completion's
+/// stores (state and CQE) in the slot's first cache line.
 pub const S_META: usize = 0;
-pub const S_SQE: usize = 1;
-pub const S_SEQ: usize = 9;
-pub const S_CQE_LO: usize = 10;
-pub const S_CQE_HI: usize = 11;
-/// Slot states (meta bits 1:0); bit 2: the SQE could not be read; bit 3:
-/// the SQE is not in the slot but still in the SQ, at its index (an I/O
-/// command no completion has been posted after); sqid in bits 15:8, the SQ
-/// index it was fetched at in bits 31:16.
+/// A POSTING slot's CQE: dw0 in bits 31:0, dw3's phase and status (its
+/// bits 31:16) in bits 47:32, the SQ head it reports in bits 63:48.
+pub const S_CQE: usize = 1;
+pub const S_SEQ: usize = 2;
+pub const S_SQE: usize = 3;
+/// Slot states (meta bits 1:0); sqid in bits 15:8, the SQ index the
+/// command was fetched at in bits 31:16 (`AT`). FETCHED: bit 2, the SQE
+/// could not be read; bits 63:32 zero. POSTING: bit 3, `HEAD_AFTER`; the
+/// cid in bits 47:32, the CQ position in bits 63:48.
 pub const FREE: u64 = 0;
 pub const FETCHED: u64 = 1;
 pub const POSTING: u64 = 2;
 pub const BAD_SQE: u64 = 4;
-pub const IN_SQ: u64 = 8;
+/// A POSTING slot whose fetch was never published: the SQ's head word
+/// still names its index until the completion moves it past (resumed, it
+/// is moved past).
+pub const HEAD_AFTER: u64 = 8;
+/// The sqid and SQ index bits of a slot's state word.
+pub const AT: u64 = 0xffff_ff00;
 
 pub fn config_at(select: u64) -> usize {
     CFG + (select & 1) as usize * CFG_WORDS

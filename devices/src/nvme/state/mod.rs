@@ -2,45 +2,51 @@
 //! new device process resumes a controller a killed one was serving,
 //! invisibly to the guest (`DeviceModel::adopt_state`, `resume.rs`).
 //!
-//! Design: the fetched SQEs are kept in the state memory. Each command
-//! fetched goes into a slot (SQ id, SQ index and a sequence number) before
-//! the SQ head that passes it is recorded, and a resumed controller runs it
-//! again: it never reads an SQ entry the driver may have reused. A driver
-//! reuses an entry once a completion says it was consumed: one that reports
-//! an SQ head past it (SPDK's driver goes by that), or any completion of a
-//! command submitted after it (Linux's reuses entries on that alone). So
-//! an I/O command's 64-byte entry is copied into its slot only if another
-//! completion is about to be posted while it is in flight (or another
-//! command fetched, or the configuration committed); until then its slot
-//! says `IN_SQ`, and a resumed controller reads it from the SQ, before it
-//! posts anything. A command that completes before the next is fetched (a
-//! null or ram namespace, always) never has its entry copied. Admin
-//! commands are copied at once. The alternative, reporting no SQ head beyond the
-//! oldest command in flight, would cost nothing to record but hold the
-//! driver's SQ slots for as long as the slowest file operation (a queue as
-//! deep as the guest's is what `file:` namespaces are for), and an AER
-//! outstanding for hours would pin the admin SQ's head.
+//! Design: a resumed controller runs every command fetched and not
+//! completed again, and never reads an SQ entry the driver may have
+//! reused. A driver reuses an entry once a completion says it was
+//! consumed: one that reports an SQ head past it (SPDK's driver goes by
+//! that), or any completion of a command submitted after it (Linux's
+//! reuses entries on that alone). Until then the entry in the SQ is as
+//! good as a copy. So an I/O command is published (its 64-byte entry
+//! copied into a slot, with its SQ id, SQ index and a sequence number, and
+//! the SQ's head word moved past it) only if it is still in flight when
+//! another completion is about to be posted, another command is fetched
+//! or the configuration is committed (`flush`). A command that completes
+//! before that (a null or ram namespace, always) is published by its
+//! completion alone (`HEAD_AFTER`): until then the recorded head still
+//! names its index, and a resumed controller fetches it again from the
+//! SQ. Admin commands are published at once. The alternative, reporting
+//! no SQ head beyond the oldest command in flight, would cost nothing to
+//! record but hold the driver's SQ slots for as long as the slowest file
+//! operation (a queue as deep as the guest's is what `file:` namespaces
+//! are for), and an AER outstanding for hours would pin the admin SQ's
+//! head.
 //!
 //! Publication order (the process may die between any two stores; `S_*`
 //! and the word areas are `layout.rs`'s):
-//! 1. fetch: the sequence number (and, copied, the SQE) into a free slot,
-//!    then its state word FETCHED (release; `IN_SQ` if not copied; a copy
-//!    later: the SQE, then the state word without it), then the SQ's head word, which carries the
-//!    sequence number of the fetch that moved it. Resumed with a FETCHED
-//!    slot newer than its SQ's head word (its head store did not happen),
-//!    the head is moved past the slot's index. (The index alone would not
-//!    tell: a slow command's entry index comes round again a lap later.)
-//!    Sequence numbers are 48 bits there: 2^48 commands, 9 years at a
-//!    million a second, before they would wrap.
-//! 2. completion: the CQE (dw0, dw2, dw3 with the phase) and its CQ
-//!    position into the slot, then its state POSTING (release), then the
-//!    CQE into guest RAM, then the CQ's tail word, then FREE. Resumed with
-//!    a POSTING slot whose position is the CQ's recorded tail, the same
-//!    CQE is written at the same place again and the tail advanced (the
-//!    bytes are identical, so a guest that saw the first copy sees no
-//!    change); with the tail already past it, only the slot is freed. Only
-//!    one slot is POSTING at a time (completions are posted under the
-//!    core's lock, one queue group).
+//! 1. fetch, published: the sequence number and the SQE into a free slot,
+//!    then its state word FETCHED (release), then the SQ's head word,
+//!    which carries the sequence number of the fetch that moved it.
+//!    Resumed with a FETCHED slot newer than its SQ's head word (its head
+//!    store did not happen), the head is moved past the slot's index. (The
+//!    index alone would not tell: a slow command's entry index comes round
+//!    again a lap later.) Sequence numbers are 48 bits there: 2^48
+//!    commands, 9 years at a million a second, before they would wrap.
+//! 2. completion: the CQE (dw0, phase and status, the SQ head it reports)
+//!    into the slot, then its state POSTING with the cid and the CQ
+//!    position (release; `HEAD_AFTER` if its fetch was not published),
+//!    then the CQE into guest RAM, then the CQ's tail word (and with
+//!    `HEAD_AFTER` the SQ's head word), then FREE, which is left out until
+//!    the next store that publishes another slot (the next command takes
+//!    the same slot and overwrites it). Resumed with a POSTING slot whose
+//!    position is the CQ's recorded tail, the same CQE is written at the
+//!    same place again and the tail advanced (the bytes are identical, so
+//!    a guest that saw the first copy sees no change); with the tail
+//!    already past it, only the slot is freed; with `HEAD_AFTER` and the
+//!    SQ's head word still at its index, the head is moved past it. Only
+//!    one slot is POSTING and not free at a time (completions are posted
+//!    under the core's lock, one queue group).
 //! 3. configuration (registers, queue definitions, shadow doorbell
 //!    addresses, features, namespace formats and attachment, interrupt
 //!    coalescing): written whole into the copy the selector does not name,
@@ -65,17 +71,19 @@
 //! on resume: a spurious MSI-X is harmless, a lost one a hang); error
 //! injection and timed completions (`timing=`, injection rules: refused).
 //!
-//! Cost on the fast path: 3 stores per command fetched (9 more if its
-//! entry is copied) and 5 per completion into memory already mapped (a cache
-//! line of its slot, a head and a tail word; a slot's through one bounds
-//! check); no syscall, no lock. Nothing without `adopt_state`: `Core::rec`
-//! is None (a client that offers no state memory, `iopath run
-//! --state-memory off`). In one thread with every line in cache (the
-//! ignored test `fast_path_cost_of_keeping_state`, release, 512 B writes
-//! at QD16 on null through mmio doorbells) the device time per command
-//! goes from 57-58 ns to 68-69 ns with state (it was 71 ns while every
-//! entry was copied). In the guest over vfio-user (`bench nvme
-//! --state-memory on,off`, 7 rounds) 512 B QD16's IOPS on/off are
+//! Cost on the fast path, a command that completes before the next is
+//! fetched: no store at the fetch, 4 at the completion (the CQE and state
+//! words, in one cache line of the slot, the CQ's tail and the SQ's head
+//! words), into memory already mapped; no syscall, no lock. A command left
+//! in flight: 11 more (its slot's sequence number, entry and state, the
+//! head word) and a FREE. Nothing without `adopt_state`: `Core::rec` is
+//! None (a client that offers no state memory, `iopath run --state-memory
+//! off`). In one thread with every line in cache (the ignored test
+//! `fast_path_cost_of_keeping_state`, release, 512 B writes at QD16 on null
+//! through mmio doorbells) the device time per command goes from 57 ns to
+//! 68-69 ns with state, the same as with 16 stores a command: what costs is
+//! not the stores but the work around them. In the guest over vfio-user
+//! (`bench nvme --state-memory on,off`) 512 B QD16's IOPS on/off are
 //! 0.85-0.92x at the median, where the device thread's time per command
 //! bounds the queue; 4 KiB QD1's p50 1.01-1.04x.
 //!
@@ -158,11 +166,13 @@ pub(super) struct Recorder {
     busy: Vec<(u32, u16)>,
     /// The slot of the command fetched last (an admin command commits it).
     current: Option<(u16, u64)>,
-    /// The I/O command fetched last, its entry not copied into its slot yet
-    /// (`IN_SQ`): copied before any other completion is posted, any other
-    /// command fetched or the configuration committed, so only if it is
-    /// still in flight then (see the module doc).
+    /// The I/O command fetched last, not published yet: by its completion
+    /// (`posting`), or, if it is still in flight when another completion is
+    /// posted, another command fetched or the configuration committed,
+    /// with its entry copied into its slot (`flush`; the module doc).
     pending: Option<Pending>,
+    /// A free slot still POSTING in the state memory (`posted`).
+    stale: Option<u16>,
     /// Commands whose entry was copied into their slot.
     copied: u64,
     select: u64,
@@ -182,6 +192,7 @@ impl Recorder {
             busy: Vec::new(),
             current: None,
             pending: None,
+            stale: None,
             copied: 0,
             select: 0,
             unrecorded: 0,
@@ -220,8 +231,9 @@ impl Recorder {
     }
 
     /// Step 1: SQ `qid`'s entry at `idx` was fetched (None: unreadable) and
-    /// the head is `head` now. An I/O command's entry stays in the SQ for
-    /// now (`pending`); an admin command's, or an unreadable one, is copied.
+    /// the head is `head` now. An I/O command is published only when it
+    /// turns out to stay in flight (`flush`) or completes (`posting`);
+    /// an admin command, or an unreadable entry, at once.
     #[inline]
     pub fn fetched(&mut self, qid: usize, idx: u16, head: u16, sqe: Option<&Sqe>) {
         self.flush();
@@ -237,79 +249,106 @@ impl Recorder {
         self.seq += 1;
         let meta = FETCHED | (qid as u64) << 8 | (idx as u64) << 16;
         let key = (qid as u32) << 16 | sqe.map_or(0, |c| c.cid) as u32;
-        let s = self.slot_words(slot);
-        self.put_to(&s[S_SEQ], seq, Ordering::Relaxed);
         match sqe {
-            Some(c) if qid > 0 => {
-                self.put_to(&s[S_META], meta | IN_SQ, Ordering::Release);
-                self.pending = Some(Pending { slot, key, meta, sqe: *c });
-            }
+            Some(c) if qid > 0 => self.pending = Some(Pending { slot, key, meta, sqe: *c, seq, head }),
             _ => {
                 let (w, bad) = sqe.map_or(([0; 8], BAD_SQE), |c| (sqe_words(c), 0));
-                self.copy(slot, &w, meta | bad);
+                self.publish(slot, seq, &w, meta | bad, head);
                 self.busy.push((key, slot));
             }
         }
-        self.put(SQ_HEAD + qid, head as u64 | seq << 16, Ordering::Release);
         self.current = Some((slot, seq));
     }
 
-    /// `slot`'s entry, then its state `meta` (without `IN_SQ`).
+    /// A fetch, published: `slot`'s sequence number and entry, then its
+    /// state `meta` (FETCHED), then its SQ's head word.
     #[inline]
-    fn copy(&mut self, slot: u16, w: &[u64; 8], meta: u64) {
+    fn publish(&mut self, slot: u16, seq: u64, w: &[u64; 8], meta: u64, head: u16) {
+        self.unstale(slot);
         let s = self.slot_words(slot);
+        self.put_to(&s[S_SEQ], seq, Ordering::Relaxed);
         for (k, &v) in w.iter().enumerate() {
             self.put_to(&s[S_SQE + k], v, Ordering::Relaxed);
         }
         self.put_to(&s[S_META], meta, Ordering::Release);
+        let qid = (meta >> 8 & 0xff) as usize;
+        self.put(SQ_HEAD + qid, head as u64 | seq << 16, Ordering::Release);
         self.copied += 1;
     }
 
-    /// The pending command is still in flight: its entry into its slot
-    /// before the driver may reuse the SQ's (a completion posted, which
-    /// reports a head past it or completes a command after it).
+    /// The pending command is still in flight: published (its entry into
+    /// its slot) before the driver may reuse the SQ's: before a completion
+    /// is posted (it reports a head past it, or completes a command after
+    /// it), another command fetched or the configuration committed.
     #[inline]
     fn flush(&mut self) {
         if let Some(p) = self.pending.take() {
-            self.copy(p.slot, &sqe_words(&p.sqe), p.meta);
+            self.publish(p.slot, p.seq, &sqe_words(&p.sqe), p.meta, p.head);
             self.busy.push((p.key, p.slot));
         }
     }
 
-    /// Step 2, before the CQE goes to guest RAM: the slot of (sqid, cid),
-    /// POSTING with the CQE and its place.
+    /// The slot whose FREE store was left out (`posted`), before a store
+    /// publishes another: freed now, unless it is `slot`, which is
+    /// overwritten.
     #[inline]
-    pub fn posting(&mut self, sqid: usize, cid: u16, cqid: usize, pos: u16, cqe: (u32, u32, u32)) -> Option<u16> {
+    fn unstale(&mut self, slot: u16) {
+        if let Some(s) = self.stale.take() {
+            if s != slot {
+                self.put_to(&self.slot_words(s)[S_META], FREE, Ordering::Release);
+            }
+        }
+    }
+
+    /// Step 2, before the CQE goes to guest RAM: the slot of (sqid, cid),
+    /// POSTING with the CQE (`cqe`: dw0, dw2, dw3) and its CQ position.
+    #[inline]
+    pub fn posting(&mut self, sqid: usize, cid: u16, pos: u16, cqe: (u32, u32, u32)) -> Option<Posted> {
         let key = (sqid as u32) << 16 | cid as u32;
-        // The command fetched last, completed before anything else: its
-        // entry is still the driver's to read (the fast path). Any other
-        // completion reports a head past the pending one's: copied first.
-        let (slot, meta) = match self.pending.take_if(|p| p.key == key) {
-            Some(p) => (p.slot, p.meta | IN_SQ),
+        // The command fetched last, completed before anything else was
+        // published: its fetch is published by this (`HEAD_AFTER`: the
+        // SQ's head word moves past it after the CQE). Any other completion
+        // reports a head past the pending one's: that is published first.
+        let (slot, at, head) = match self.pending.take_if(|p| p.key == key) {
+            Some(p) => (p.slot, p.meta & AT | HEAD_AFTER, Some(p.head as u64 | p.seq << 16)),
             None => {
                 self.flush();
                 let i = self.busy.iter().rposition(|b| b.0 == key)?;
                 let (_, slot) = self.busy.swap_remove(i);
-                (slot, self.slot_words(slot)[S_META].load(Ordering::Acquire))
+                (slot, self.slot_words(slot)[S_META].load(Ordering::Acquire) & AT, None)
             }
         };
+        self.unstale(slot);
         let s = self.slot_words(slot);
-        self.put_to(&s[S_CQE_LO], cqe.0 as u64 | (cqe.1 as u64) << 32, Ordering::Relaxed);
-        self.put_to(&s[S_CQE_HI], cqe.2 as u64 | (cqid as u64) << 32 | (pos as u64) << 48, Ordering::Relaxed);
-        self.put_to(&s[S_META], meta & !3 | POSTING, Ordering::Release);
-        Some(slot)
+        let (dw0, dw2, dw3) = cqe;
+        self.put_to(
+            &s[S_CQE],
+            dw0 as u64 | ((dw3 >> 16) as u64) << 32 | (dw2 as u64 & 0xffff) << 48,
+            Ordering::Relaxed,
+        );
+        self.put_to(&s[S_META], POSTING | at | (cid as u64) << 32 | (pos as u64) << 48, Ordering::Release);
+        Some(Posted { slot, sqid, head })
     }
 
-    /// Step 2, after the CQE is in guest RAM: the CQ's tail, then the slot free.
+    /// Step 2, after the CQE is in guest RAM: the CQ's tail, the SQ's head
+    /// if the posting moves it; the slot is free, its FREE store left for
+    /// the next store that publishes something (`unstale`; the next fetch
+    /// takes this slot again and overwrites it).
     #[inline]
-    pub fn posted(&mut self, slot: Option<u16>, cqid: usize, tail: u16, phase: bool) {
+    pub fn posted(&mut self, p: Option<Posted>, cqid: usize, tail: u16, phase: bool) {
         self.put(CQ_TAIL + cqid, tail as u64 | (phase as u64) << 16, Ordering::Release);
-        if let Some(s) = slot {
-            self.release(s);
+        if let Some(p) = p {
+            if let Some(h) = p.head {
+                self.put(SQ_HEAD + p.sqid, h, Ordering::Release);
+            }
+            self.unstale(p.slot);
+            self.stale = Some(p.slot);
+            self.free.push(p.slot);
         }
     }
 
     fn release(&mut self, slot: u16) {
+        self.unstale(slot);
         self.put_to(&self.slot_words(slot)[S_META], FREE, Ordering::Release);
         self.free.push(slot);
     }
@@ -344,8 +383,13 @@ impl Recorder {
     /// queues it defines, then the flip; then, for a disabled controller,
     /// every slot free, else the slots of SQs that no longer exist.
     fn commit(&mut self, cfg: &Config, moving: &[(usize, u64)]) {
-        self.flush(); // the slots below are `busy`'s
-                      // A head word names the newest fetch it has seen (`resume.rs`).
+        // The slots below are `busy`'s; a slot left POSTING may name a
+        // queue this configuration deletes.
+        self.flush();
+        if let Some(s) = self.stale.take() {
+            self.put_to(&self.slot_words(s)[S_META], FREE, Ordering::Release);
+        }
+        // A head word names the newest fetch it has seen (`resume.rs`).
         let newest = self.seq - 1;
         for &(i, v) in moving {
             let v = if (SQ_HEAD..SQ_HEAD + NQ).contains(&i) { v | newest << 16 } else { v };
@@ -386,9 +430,20 @@ struct Pending {
     slot: u16,
     /// sqid << 16 | cid, as in `busy`.
     key: u32,
-    /// Its slot's state word, without `IN_SQ`.
+    /// Its slot's state word once published (FETCHED).
     meta: u64,
     sqe: Sqe,
+    seq: u64,
+    /// The SQ's head after it.
+    head: u16,
+}
+
+/// A completion being posted (`posting`), for `posted`.
+pub(super) struct Posted {
+    slot: u16,
+    sqid: usize,
+    /// The SQ's head word to store after the CQE (`HEAD_AFTER`).
+    head: Option<u64>,
 }
 
 /// An SQE as the eight words `Sqe::from_words` reads (the fields this

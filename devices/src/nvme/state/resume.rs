@@ -26,14 +26,16 @@ struct Slot {
     sqid: usize,
     idx: u16,
     sqe: Option<Sqe>,
-    /// Its entry was read from the SQ (`IN_SQ`), not from the slot.
-    in_sq: bool,
 }
 
 /// A slot POSTING: its CQE words and place.
 #[derive(Clone, Copy, Debug)]
 struct Posting {
     slot: u16,
+    sqid: usize,
+    /// Its SQ index, and whether the SQ's head moves past it (`HEAD_AFTER`).
+    idx: u16,
+    head_after: bool,
     cqid: usize,
     pos: u16,
     dw0: u32,
@@ -131,39 +133,41 @@ impl Plan {
             let Some(sq) = cfg.sqs.get(sqid).copied().flatten() else {
                 return Err(bad(format!("has slot {s} of SQ {sqid}, which does not exist")));
             };
-            let both = meta & (IN_SQ | BAD_SQE) == IN_SQ | BAD_SQE;
-            if meta & 3 == 3 || idx >= sq.size || meta >> 32 != 0 || meta & 0xf0 != 0 || both {
-                return Err(bad(format!("has slot {s} with state {meta:#x}")));
-            }
-            let words: [u64; 8] = w[b + S_SQE..b + S_SQE + 8].try_into().unwrap();
-            let in_sq = meta & IN_SQ != 0;
-            // An entry left in the SQ: no completion was posted after its
-            // fetch, so the driver has not reused it (module doc). Read now,
-            // before anything is posted.
-            let sqe = if in_sq {
-                let mut e = [0u8; SQE_SIZE as usize];
-                c.mem.read_slice(&mut e, sq.gpa + idx as u64 * SQE_SIZE).ok().map(|()| Sqe::parse(&e))
-            } else {
-                (meta & BAD_SQE == 0).then(|| Sqe::from_words(&words))
-            };
-            let one = Slot { slot: s as u16, seq, sqid, idx, sqe, in_sq };
             if meta & 3 == POSTING {
-                let (lo, hi) = (w[b + S_CQE_LO], w[b + S_CQE_HI]);
-                let (cqid, pos) = ((hi >> 32 & 0xffff) as usize, (hi >> 48) as u16);
-                let ok = cfg.cqs.get(cqid).copied().flatten().is_some_and(|cq| pos < cq.size);
-                if !ok {
-                    return Err(bad(format!("has slot {s} posting at CQ {cqid} entry {pos}, not in a CQ")));
+                // CQE and position; its CQ is its SQ's.
+                let (cid, pos, at) = ((meta >> 32) as u16, (meta >> 48) as u16, w[b + S_CQE]);
+                let sqhd = (at >> 48) as u16;
+                let cqid = sq.cqid as usize;
+                let fits = cfg.cqs.get(cqid).copied().flatten().is_some_and(|cq| pos < cq.size);
+                if idx >= sq.size || meta & 0xf4 != 0 || sqhd >= sq.size || !fits {
+                    return Err(bad(format!("has slot {s} posting {meta:#x} (CQE {at:#x}) at CQ {cqid}")));
                 }
                 posting.push(Posting {
                     slot: s as u16,
+                    sqid,
+                    idx,
+                    head_after: meta & HEAD_AFTER != 0,
                     cqid,
                     pos,
-                    dw0: lo as u32,
-                    dw2: (lo >> 32) as u32,
-                    dw3: hi as u32,
+                    dw0: at as u32,
+                    dw2: sqhd as u32 | (sqid as u32) << 16,
+                    dw3: cid as u32 | ((at >> 32) as u32 & 0xffff) << 16,
                 });
-            } else {
-                fetched.push(one);
+                continue;
+            }
+            if meta & 3 == 3 || idx >= sq.size || meta >> 32 != 0 || meta & 0xf8 != 0 {
+                return Err(bad(format!("has slot {s} with state {meta:#x}")));
+            }
+            let words: [u64; 8] = w[b + S_SQE..b + S_SQE + 8].try_into().unwrap();
+            let sqe = (meta & BAD_SQE == 0).then(|| Sqe::from_words(&words));
+            fetched.push(Slot { slot: s as u16, seq, sqid, idx, sqe });
+        }
+        // A completion whose fetch was published with it (`HEAD_AFTER`):
+        // the SQ's head moves past it if its head store did not happen.
+        for x in posting.iter().filter(|x| x.head_after) {
+            if sq_head[x.sqid] == x.idx {
+                let size = cfg.sqs[x.sqid].map_or(1, |s| s.size);
+                sq_head[x.sqid] = queue::next(x.idx, size);
             }
         }
         next_seq = next_seq.max(head_seq.iter().max().map_or(1, |h| h + 1));
@@ -292,15 +296,6 @@ impl Core {
         for &s in &p.drop {
             rec.release(s);
         }
-        // Entries read from the SQs into their slots, before anything is
-        // posted: from here on the driver may reuse the SQs' slots.
-        for s in p.replay.iter().filter(|s| s.in_sq) {
-            let meta = FETCHED | (s.sqid as u64) << 8 | (s.idx as u64) << 16;
-            match &s.sqe {
-                Some(c) => rec.copy(s.slot, &super::sqe_words(c), meta),
-                None => rec.copy(s.slot, &[0; 8], meta | BAD_SQE),
-            }
-        }
         // Registers, features, namespaces.
         (self.regs.cc, self.regs.csts, self.regs.aqa, self.regs.intms) = (cfg.cc, cfg.csts, cfg.aqa, cfg.intms);
         (self.regs.asq, self.regs.acq) = (cfg.asq, cfg.acq);
@@ -388,7 +383,7 @@ impl Core {
                 (cq.tail, cq.phase) = (at.tail, at.phase);
                 let (t, ph) = (cq.tail, cq.phase);
                 if let Some(r) = self.rec.as_deref_mut() {
-                    r.posted(Some(x.slot), x.cqid, t, ph);
+                    r.posted(Some(super::Posted { slot: x.slot, sqid: x.sqid, head: None }), x.cqid, t, ph);
                 }
             } else if let Some(r) = self.rec.as_deref_mut() {
                 r.release(x.slot);

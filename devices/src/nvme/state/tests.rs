@@ -675,14 +675,12 @@ fn a_hostile_state_memory_is_refused_and_the_controller_left_untouched() {
         (CQ_TAIL + 1, 9, "CQ 1 tail 0x9"),
         (SLOT0 + S_META, FETCHED | 7 << 8, "slot 0 of SQ 7"),
         (SLOT0 + S_META, 3 | 1 << 8, "slot 0 with state"),
-        (SLOT0 + SLOT_WORDS + S_CQE_HI, 9 << 32, "posting at CQ 9 entry 0"),
+        // Posting at entry 9 of CQ 1 (8 entries); a state bit no state has.
+        (SLOT0 + SLOT_WORDS + S_META, POSTING | 1 << 8 | 9 << 48, "has slot 1 posting 0x9000000000102"),
+        (SLOT0 + SLOT_WORDS + S_META, POSTING | 1 << 8 | 4, "has slot 1 posting 0x106"),
     ];
     for (at, v, why) in cases {
         let old = w[at].swap(v, Ordering::Relaxed);
-        let posting = at == SLOT0 + SLOT_WORDS + S_CQE_HI;
-        if posting {
-            w[SLOT0 + SLOT_WORDS].store(POSTING | 1 << 8, Ordering::Relaxed);
-        }
         let n = Nvme::new(cfg(StorageKind::Null)).unwrap();
         n.attach(DeviceContext::detached(d.ram.clone()));
         let mem = StateMemory::from_fd(d.state.try_clone_fd().unwrap(), LEN).unwrap();
@@ -692,9 +690,6 @@ fn a_hostile_state_memory_is_refused_and_the_controller_left_untouched() {
         assert!(c.rec.is_none() && c.regs.csts == 0 && c.queues.sqs.iter().all(|q| q.is_none()));
         drop(c);
         w[at].store(old, Ordering::Relaxed);
-        if posting {
-            w[SLOT0 + SLOT_WORDS].store(FREE, Ordering::Relaxed);
-        }
     }
     // Put back, it resumes; a second resume of a serving controller is refused.
     d.restart(u64::MAX);
