@@ -849,7 +849,7 @@ fn killed_client(t: &mut Target) {
     assert_eq!(st.signal(), Some(libc::SIGKILL), "{what}: perf ended by itself ({st}):\n{}", t.server_log());
     eprintln!("{what}: perf killed ({st})");
     let io = t.io_delta();
-    assert!(io.reads > 0 && io.errors == 0, "{what}: the killed client's I/O: {io:?}");
+    assert!(io.reads > 0 && io.errors == 0, "{what}: the killed client's I/O: {io:?}\n{}", t.server_log());
     std::thread::sleep(Duration::from_millis(500));
     t.server_alive();
     let p = perf(t, job("randread", 4096, 32, 2));

@@ -635,7 +635,7 @@ impl DeviceModel for Nvme {
     }
 
     fn attach(&self, ctx: DeviceContext) {
-        let ready = {
+        let (ready, gone) = {
             let mut c = crate::lock(&self.core);
             let gone = ctx.mem.is_empty();
             // The file operations on the old memory's pages end first.
@@ -657,12 +657,13 @@ impl DeviceModel for Nvme {
                 let _ = done.write(1);
             }
             c.sync_shards();
-            c.regs.csts & 1 == 1
+            (c.regs.csts & 1 == 1, gone)
         };
         // A device process's next client finds the controller as the last
         // one left it only with `iopath serve --keep-state` (otherwise the
-        // device is reset between clients): enabled, its queues served again.
-        if ready {
+        // device is reset between clients): enabled, its queues served again
+        // once that client's memory comes (none between clients).
+        if ready && !gone {
             self.start_threads(&mut crate::lock(&self.threads));
         }
     }
