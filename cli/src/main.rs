@@ -450,6 +450,12 @@ fn main() {
             iopath_guest::write_image(&out).map(|_| 0).with_context(|| format!("writing {}", out.display()))
         }
     };
+    // No device process outlives iopath, whatever still held one (a run
+    // cut short by a signal).
+    let left = iopath_protocols::process::kill_leftovers();
+    if !left.is_empty() {
+        log::warn!("killed {} device process(es) still running at exit: {left:?}", left.len());
+    }
     match r {
         Ok(code) => std::process::exit(code),
         Err(e) => {

@@ -15,6 +15,27 @@ use std::time::{Duration, Instant};
 /// The fd number a spawned device process finds its socket on.
 pub const CHILD_SOCKET_FD: i32 = 3;
 
+/// The device processes started and not reaped yet (`Drop` reaps them),
+/// for [`kill_leftovers`].
+static LIVE: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+/// Kills and reaps every device process this process started that is still
+/// unreaped, whatever holds its [`DeviceProcess`] (a thread the process's
+/// exit would end before it drops it): what `iopath` runs on its way out,
+/// so that no device process outlives it. Returns their pids. (A pid here
+/// is an unreaped child's: no other process can have it.)
+pub fn kill_leftovers() -> Vec<u32> {
+    let pids = std::mem::take(&mut *iopath_devices::lock(&LIVE));
+    for &pid in &pids {
+        // SAFETY: kill(2) and waitpid(2) on our own unreaped child.
+        unsafe {
+            libc::kill(pid as libc::pid_t, libc::SIGKILL);
+            libc::waitpid(pid as libc::pid_t, std::ptr::null_mut(), 0);
+        }
+    }
+    pids
+}
+
 pub struct DeviceProcess {
     child: Child,
     lines: mpsc::Receiver<String>,
@@ -155,6 +176,7 @@ impl DeviceProcess {
         inherit_as_fd3(&mut cmd, &socket);
         let mut child =
             cmd.spawn().map_err(|e| Error::io(format!("cannot start the device process {}", exe.display()), e))?;
+        iopath_devices::lock(&LIVE).push(child.id());
         drop(socket);
         let stdout: ChildStdout =
             child.stdout.take().ok_or_else(|| Error::PeerGone("the device process has no stdout".into()))?;
@@ -227,6 +249,10 @@ impl DeviceProcess {
 
 impl Drop for DeviceProcess {
     fn drop(&mut self) {
+        // Out of the list first: `kill_leftovers` then never signals a pid
+        // reaped here (and the lock is not held while a dying process is
+        // waited for, which may take tens of ms).
+        iopath_devices::lock(&LIVE).retain(|&p| p != self.child.id());
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
