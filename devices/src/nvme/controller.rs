@@ -388,7 +388,8 @@ impl Core {
             sq.head = queue::next(head, sq.size);
             did = true;
             if let Some(r) = self.rec.as_deref_mut() {
-                r.fetched(qid, head, sq.head, sqe.as_ref()); // `state/`: before it runs
+                let gpa = sq.gpa + head as u64 * queue::SQE_SIZE;
+                r.fetched(&self.mem, qid, head, gpa, sq.head, sqe.as_ref()); // `state/`: before it runs
             }
             self.run(qid, sqe);
         }
@@ -553,7 +554,7 @@ impl Core {
             // `state/`: the CQE and its place first, the tail after it.
             let slot = self.rec.as_deref_mut().and_then(|r| {
                 let dw3 = cid as u32 | (!cq.phase as u32) << 16 | (st as u32) << 17;
-                r.posting(sqid, cid, cq.tail, (dw0, sqhd as u32 | (sqid as u32) << 16, dw3))
+                r.posting(&self.mem, sqid, cid, cq.tail, (dw0, sqhd as u32 | (sqid as u32) << 16, dw3))
             });
             // The tail and phase after it, from copies taken before: loaded
             // from `cq` after post_cqe's narrower stores, they could not be

@@ -74,18 +74,21 @@
 //! Cost on the fast path, a command that completes before the next is
 //! fetched: no store at the fetch, 4 at the completion (the CQE and state
 //! words, in one cache line of the slot, the CQ's tail and the SQ's head
-//! words), into memory already mapped; no syscall, no lock. A command left
-//! in flight: 11 more (its slot's sequence number, entry and state, the
-//! head word) and a FREE. Nothing without `adopt_state`: `Core::rec` is
-//! None (a client that offers no state memory, `iopath run --state-memory
+//! words), into memory already mapped; no copy of its entry, no syscall, no
+//! lock. A command left in flight: its entry read again from the SQ and 11
+//! more stores (its slot's sequence number, entry and state, the head
+//! word), and a FREE. Nothing without `adopt_state`: `Core::rec` is None
+//! (a client that offers no state memory, `iopath run --state-memory
 //! off`). In one thread with every line in cache (the ignored test
 //! `fast_path_cost_of_keeping_state`, release, 512 B writes at QD16 on null
 //! through mmio doorbells) the device time per command goes from 57 ns to
-//! 68-69 ns with state, the same as with 16 stores a command: what costs is
-//! not the stores but the work around them. In the guest over vfio-user
-//! (`bench nvme --state-memory on,off`) 512 B QD16's IOPS on/off are
-//! 0.85-0.92x at the median, where the device thread's time per command
-//! bounds the queue; 4 KiB QD1's p50 1.01-1.04x.
+//! 67 ns with state (71 ns with the 16 stores and the entry's copy of every
+//! command before; 61 ns with the recorder's calls made and returning at
+//! once: what costs is the work around the stores more than the stores).
+//! In the guest over vfio-user (`bench nvme --state-memory on,off`, 9
+//! rounds) 512 B QD16's IOPS on/off are 0.88x (shm) and 0.83x (adaptive) at
+//! the median, the device thread's CPU per I/O 93 against 81 ns and 95
+//! against 79 ns: the 5% is not met. 4 KiB QD1's p50 0.99x and 1.07x.
 //!
 //! What resumes: `pollers=1`, every doorbell mode, null, file and ram
 //! namespaces. Refused (`supported`): several pollers, timing models and
@@ -123,7 +126,7 @@ use super::queue::Sqe;
 use super::{NvmeConfig, MSIX_TABLE, MSIX_VECTORS};
 use crate::block::{Ram, Storage};
 use crate::state::{place_ram, RamPlace, StateMemory};
-use crate::{Error, Result};
+use crate::{Error, GuestMem, Result};
 use layout::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -230,13 +233,14 @@ impl Recorder {
         self.mem.words()[i].load(Ordering::Acquire)
     }
 
-    /// Step 1: SQ `qid`'s entry at `idx` was fetched (None: unreadable) and
-    /// the head is `head` now. An I/O command is published only when it
-    /// turns out to stay in flight (`flush`) or completes (`posting`);
-    /// an admin command, or an unreadable entry, at once.
+    /// Step 1: SQ `qid`'s entry at `idx`, at `gpa` in guest RAM `mem`, was
+    /// fetched (None: unreadable) and the head is `head` now. An I/O command
+    /// is published only when it turns out to stay in flight (`flush`, which
+    /// reads its entry again from the SQ) or completes (`posting`); an admin
+    /// command, or an unreadable entry, at once.
     #[inline]
-    pub fn fetched(&mut self, qid: usize, idx: u16, head: u16, sqe: Option<&Sqe>) {
-        self.flush();
+    pub fn fetched(&mut self, mem: &GuestMem, qid: usize, idx: u16, gpa: u64, head: u16, sqe: Option<&Sqe>) {
+        self.flush(mem);
         let Some(slot) = self.free.pop() else {
             self.unrecorded += 1;
             self.current = None;
@@ -250,7 +254,7 @@ impl Recorder {
         let meta = FETCHED | (qid as u64) << 8 | (idx as u64) << 16;
         let key = (qid as u32) << 16 | sqe.map_or(0, |c| c.cid) as u32;
         match sqe {
-            Some(c) if qid > 0 => self.pending = Some(Pending { slot, key, meta, sqe: *c, seq, head }),
+            Some(_) if qid > 0 => self.pending = Some(Pending { slot, key, meta, gpa, seq, head }),
             _ => {
                 let (w, bad) = sqe.map_or(([0; 8], BAD_SQE), |c| (sqe_words(c), 0));
                 self.publish(slot, seq, &w, meta | bad, head);
@@ -280,10 +284,18 @@ impl Recorder {
     /// its slot) before the driver may reuse the SQ's: before a completion
     /// is posted (it reports a head past it, or completes a command after
     /// it), another command fetched or the configuration committed.
+    /// Its entry is read again from the SQ in `mem` (no completion since
+    /// its fetch: the driver has not reused it), so the fast path copies
+    /// nothing; unreadable now (the memory gone), it is recorded as such.
     #[inline]
-    fn flush(&mut self) {
+    fn flush(&mut self, mem: &GuestMem) {
         if let Some(p) = self.pending.take() {
-            self.publish(p.slot, p.seq, &sqe_words(&p.sqe), p.meta, p.head);
+            let mut e = [0u8; 64];
+            let (w, bad) = match mem.read_slice(&mut e, p.gpa) {
+                Ok(()) => (sqe_words(&Sqe::parse(&e)), 0),
+                Err(_) => ([0; 8], BAD_SQE),
+            };
+            self.publish(p.slot, p.seq, &w, p.meta | bad, p.head);
             self.busy.push((p.key, p.slot));
         }
     }
@@ -303,7 +315,7 @@ impl Recorder {
     /// Step 2, before the CQE goes to guest RAM: the slot of (sqid, cid),
     /// POSTING with the CQE (`cqe`: dw0, dw2, dw3) and its CQ position.
     #[inline]
-    pub fn posting(&mut self, sqid: usize, cid: u16, pos: u16, cqe: (u32, u32, u32)) -> Option<Posted> {
+    pub fn posting(&mut self, mem: &GuestMem, sqid: usize, cid: u16, pos: u16, cqe: (u32, u32, u32)) -> Option<Posted> {
         let key = (sqid as u32) << 16 | cid as u32;
         // The command fetched last, completed before anything else was
         // published: its fetch is published by this (`HEAD_AFTER`: the
@@ -312,7 +324,7 @@ impl Recorder {
         let (slot, at, head) = match self.pending.take_if(|p| p.key == key) {
             Some(p) => (p.slot, p.meta & AT | HEAD_AFTER, Some(p.head as u64 | p.seq << 16)),
             None => {
-                self.flush();
+                self.flush(mem);
                 let i = self.busy.iter().rposition(|b| b.0 == key)?;
                 let (_, slot) = self.busy.swap_remove(i);
                 (slot, self.slot_words(slot)[S_META].load(Ordering::Acquire) & AT, None)
@@ -382,10 +394,10 @@ impl Recorder {
     /// Step 3: `cfg` into the copy not selected, the moving indices of the
     /// queues it defines, then the flip; then, for a disabled controller,
     /// every slot free, else the slots of SQs that no longer exist.
-    fn commit(&mut self, cfg: &Config, moving: &[(usize, u64)]) {
+    fn commit(&mut self, mem: &GuestMem, cfg: &Config, moving: &[(usize, u64)]) {
         // The slots below are `busy`'s; a slot left POSTING may name a
         // queue this configuration deletes.
-        self.flush();
+        self.flush(mem);
         if let Some(s) = self.stale.take() {
             self.put_to(&self.slot_words(s)[S_META], FREE, Ordering::Release);
         }
@@ -432,7 +444,8 @@ struct Pending {
     key: u32,
     /// Its slot's state word once published (FETCHED).
     meta: u64,
-    sqe: Sqe,
+    /// Where its entry is in guest RAM.
+    gpa: u64,
     seq: u64,
     /// The SQ's head after it.
     head: u16,
@@ -536,7 +549,7 @@ impl Core {
             }
         }
         if let Some(r) = self.rec.as_deref_mut() {
-            r.commit(&cfg, &moving);
+            r.commit(&self.mem, &cfg, &moving);
         }
     }
 
