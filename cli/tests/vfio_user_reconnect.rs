@@ -128,21 +128,31 @@ fn device_process_gone(pid: u32) -> bool {
     !children(std::process::id()).iter().any(|p| p.pid == pid)
 }
 
-/// `iopath serve pci-testdev --transport vfio-user --socket PATH`, listening.
+/// `iopath serve pci-testdev --transport vfio-user --socket PATH`, listening:
+/// its banner said so (the socket file appears at bind(), before listen(),
+/// where a connect is refused). Its stderr goes on to ours.
 fn serve_on(path: &std::path::Path) -> std::process::Child {
     let _ = std::fs::remove_file(path);
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_iopath"))
         .args(["serve", "pci-testdev", "--transport", "vfio-user", "--socket"])
         .arg(path)
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::inherit())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let t0 = Instant::now();
-    while !path.exists() {
-        assert!(t0.elapsed() < Duration::from_secs(10), "iopath serve did not listen");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let banner = format!("iopath serve: pci-testdev over vfio-user on {}", path.display());
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for l in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("{l}");
+            if l == banner {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(10)).expect("iopath serve did not listen");
     child
 }
 
