@@ -352,7 +352,18 @@ impl Core {
         }
     }
 
+    /// Serves SQ `qid` while it has commands and room; what the pass
+    /// changed is recorded at its end (`state/`).
     fn serve_sq(&mut self, qid: usize) -> bool {
+        let did = self.fetch_and_run(qid);
+        if let Some(r) = self.rec.as_deref_mut() {
+            r.record();
+        }
+        did
+    }
+
+    #[inline]
+    fn fetch_and_run(&mut self, qid: usize) -> bool {
         // Between clients (a device process's left, its memory gone) the
         // doorbells it rang last are not served: no entry can be read, and
         // each would fail and count as an error of no client's.
@@ -560,6 +571,9 @@ impl Core {
             // from `cq` after post_cqe's narrower stores, they could not be
             // forwarded from the store buffer (a stall of every completion).
             let (pos, phase, size) = (cq.tail, cq.phase, cq.size);
+            if let Some(r) = self.rec.as_deref() {
+                r.kill_point(); // tests: a death before the CQE is in guest RAM
+            }
             let ok = post_cqe(&self.mem, cq, dw0, sqhd, sqid as u16, cid, st);
             if let Some(r) = self.rec.as_deref_mut() {
                 let (tail, phase) = match pos + 1 {

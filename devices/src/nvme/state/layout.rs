@@ -48,7 +48,7 @@ pub const WORDS: usize = RAM_TABLE + 2 * NNS;
 /// The bytes of NVMe's words (its ram namespaces' data after them).
 pub const LEN: usize = WORDS * 8;
 /// The shape word: what a layout of another build would differ in.
-pub const SHAPE: u64 = 4 | (SLOTS as u64) << 8 | (NQ as u64) << 32 | (NNS as u64) << 48;
+pub const SHAPE: u64 = 5 | (SLOTS as u64) << 8 | (NQ as u64) << 32 | (NNS as u64) << 48;
 
 /// Slot words: state, CQE, sequence number, the SQE (8); a completion's
 /// stores (state and CQE) in the slot's first cache line.
@@ -60,16 +60,12 @@ pub const S_SEQ: usize = 2;
 pub const S_SQE: usize = 3;
 /// Slot states (meta bits 1:0); sqid in bits 15:8, the SQ index the
 /// command was fetched at in bits 31:16 (`AT`). FETCHED: bit 2, the SQE
-/// could not be read; bits 63:32 zero. POSTING: bit 3, `HEAD_AFTER`; the
-/// cid in bits 47:32, the CQ position in bits 63:48.
+/// could not be read; bits 63:32 zero. POSTING: the cid in bits 47:32, the
+/// CQ position in bits 63:48.
 pub const FREE: u64 = 0;
 pub const FETCHED: u64 = 1;
 pub const POSTING: u64 = 2;
 pub const BAD_SQE: u64 = 4;
-/// A POSTING slot whose fetch was never published: the SQ's head word
-/// still names its index until the completion moves it past (resumed, it
-/// is moved past).
-pub const HEAD_AFTER: u64 = 8;
 /// The sqid and SQ index bits of a slot's state word.
 pub const AT: u64 = 0xffff_ff00;
 

@@ -3,50 +3,57 @@
 //! invisibly to the guest (`DeviceModel::adopt_state`, `resume.rs`).
 //!
 //! Design: a resumed controller runs every command fetched and not
-//! completed again, and never reads an SQ entry the driver may have
-//! reused. A driver reuses an entry once a completion says it was
-//! consumed: one that reports an SQ head past it (SPDK's driver goes by
-//! that), or any completion of a command submitted after it (Linux's
-//! reuses entries on that alone). Until then the entry in the SQ is as
-//! good as a copy. So an I/O command is published (its 64-byte entry
-//! copied into a slot, with its SQ id, SQ index and a sequence number, and
-//! the SQ's head word moved past it) only if it is still in flight when
-//! another completion is about to be posted, another command is fetched
-//! or the configuration is committed (`flush`). A command that completes
-//! before that (a null or ram namespace, always) is published by its
-//! completion alone (`HEAD_AFTER`): until then the recorded head still
-//! names its index, and a resumed controller fetches it again from the
-//! SQ. Admin commands are published at once. The alternative, reporting
-//! no SQ head beyond the oldest command in flight, would cost nothing to
-//! record but hold the driver's SQ slots for as long as the slowest file
-//! operation (a queue as deep as the guest's is what `file:` namespaces
-//! are for), and an AER outstanding for hours would pin the admin SQ's
-//! head.
+//! completed again, never one whose completion was posted, and never reads
+//! an SQ entry the driver may have reused. A driver reuses an entry once a
+//! completion says it was consumed: one that reports an SQ head past it
+//! (SPDK's driver goes by that), or any completion of a command submitted
+//! after it (Linux's reuses entries on that alone). Until then the entry in
+//! the SQ is as good as a copy. So an I/O command is published (its 64-byte
+//! entry copied into a slot, with its SQ id, SQ index and a sequence
+//! number, and the SQ's head word moved past it) only if it is still in
+//! flight when another completion is about to be posted, another command is
+//! fetched or the configuration is committed (`flush`). A command that
+//! completes before that (a null or ram namespace, always) is published by
+//! nothing at all: its CQE in guest RAM is the record. The recorder keeps
+//! the SQ's head and the CQ's tail as they stand and stores them once per
+//! pass over an SQ (`record`); a resumed controller reads back, from each
+//! CQ's recorded tail, the entries that carry the lap's phase (`resume.rs`,
+//! `scan_cq`): the dead process posted them after its last record. The tail
+//! moves past them, and each SQ's head to what the newest of them reports.
+//! Admin commands are published at once. The alternative, reporting no SQ
+//! head beyond the oldest command in flight, would cost nothing to record
+//! but hold the driver's SQ slots for as long as the slowest file operation
+//! (a queue as deep as the guest's is what `file:` namespaces are for), and
+//! an AER outstanding for hours would pin the admin SQ's head.
 //!
 //! Publication order (the process may die between any two stores; `S_*`
 //! and the word areas are `layout.rs`'s):
-//! 1. fetch, published: the sequence number and the SQE into a free slot,
-//!    then its state word FETCHED (release), then the SQ's head word,
-//!    which carries the sequence number of the fetch that moved it.
-//!    Resumed with a FETCHED slot newer than its SQ's head word (its head
-//!    store did not happen), the head is moved past the slot's index. (The
-//!    index alone would not tell: a slow command's entry index comes round
-//!    again a lap later.) Sequence numbers are 48 bits there: 2^48
-//!    commands, 9 years at a million a second, before they would wrap.
-//! 2. completion: the CQE (dw0, phase and status, the SQ head it reports)
-//!    into the slot, then its state POSTING with the cid and the CQ
-//!    position (release; `HEAD_AFTER` if its fetch was not published),
-//!    then the CQE into guest RAM, then the CQ's tail word (and with
-//!    `HEAD_AFTER` the SQ's head word), then FREE, which is left out until
-//!    the next store that publishes another slot (the next command takes
-//!    the same slot and overwrites it). Resumed with a POSTING slot whose
-//!    position is the CQ's recorded tail, the same CQE is written at the
-//!    same place again and the tail advanced (the bytes are identical, so
-//!    a guest that saw the first copy sees no change); with the tail
-//!    already past it, only the slot is freed; with `HEAD_AFTER` and the
-//!    SQ's head word still at its index, the head is moved past it. Only
-//!    one slot is POSTING and not free at a time (completions are posted
-//!    under the core's lock, one queue group).
+//! 0. `record`: the SQ's head word, then the CQ's tail word. A head word
+//!    stored after its CQ's tail word could be older than a CQE after that
+//!    tail, which a resumed controller would take to be no newer. It runs
+//!    at the end of each pass, when a CQ wraps (so a resumed controller
+//!    reads back less than a lap; a pass posts less than a lap anyway, the
+//!    CQ's room counted at its start), before a fetch is published, a slot
+//!    freed or the configuration committed.
+//! 1. fetch, published: what stands recorded (0), then the sequence
+//!    number and the SQE into a free slot, then its state word FETCHED
+//!    (release), then the SQ's head word, which carries the sequence number
+//!    of the fetch that moved it. Resumed with a FETCHED slot newer than
+//!    its SQ's head word (its head store did not happen), the head is moved
+//!    past the slot's index. (The index alone would not tell: a slow
+//!    command's entry index comes round again a lap later.) Sequence
+//!    numbers are 48 bits there: 2^48 commands, 9 years at a million a
+//!    second, before they would wrap.
+//! 2. completion of a command in a slot: the CQE (dw0, phase and status,
+//!    the SQ head it reports) into the slot, then its state POSTING with the
+//!    cid and the CQ position (release), then the CQE into guest RAM, then
+//!    what stands (0), then FREE. Resumed with a POSTING slot whose CQE is
+//!    not in the CQ (its position is the tail after the read-back), the
+//!    same CQE is written at the same place and the tail advanced; with the
+//!    CQE found there, only the slot is freed. Only one slot is POSTING at a
+//!    time (completions are posted under the core's lock, one queue group).
+//!    The completion of the pending command (fetched last, unpublished): the
+//!    CQE into guest RAM, nothing else until the next record.
 //! 3. configuration (registers, queue definitions, shadow doorbell
 //!    addresses, features, namespace formats and attachment, interrupt
 //!    coalescing): written whole into the copy the selector does not name,
@@ -71,24 +78,26 @@
 //! on resume: a spurious MSI-X is harmless, a lost one a hang); error
 //! injection and timed completions (`timing=`, injection rules: refused).
 //!
+//! What the read-back relies on: a driver that zeroes a CQ before it
+//! creates it (the phase tags of a new queue are 0: Linux's nvme driver
+//! clears the CQ as it initialises the queue, SPDK's as it resets the queue
+//! pair, iopath's guest driver as it allocates it) and leaves consumed entries as the device
+//! wrote them (the phase tag protocol). An entry it finds that names an SQ
+//! of another CQ, or a head outside its SQ, ends the read-back with a log
+//! line: a hostile guest's CQ contents cost it its own commands, not the
+//! controller's state.
+//!
 //! Cost on the fast path, a command that completes before the next is
-//! fetched: no store at the fetch, 4 at the completion (the CQE and state
-//! words, in one cache line of the slot, the CQ's tail and the SQ's head
-//! words), into memory already mapped; no copy of its entry, no syscall, no
-//! lock. A command left in flight: its entry read again from the SQ and 11
-//! more stores (its slot's sequence number, entry and state, the head
-//! word), and a FREE. Nothing without `adopt_state`: `Core::rec` is None
-//! (a client that offers no state memory, `iopath run --state-memory
-//! off`). In one thread with every line in cache (the ignored test
-//! `fast_path_cost_of_keeping_state`, release, 512 B writes at QD16 on null
-//! through mmio doorbells) the device time per command goes from 57 ns to
-//! 67 ns with state (71 ns with the 16 stores and the entry's copy of every
-//! command before; 61 ns with the recorder's calls made and returning at
-//! once: what costs is the work around the stores more than the stores).
-//! In the guest over vfio-user (`bench nvme --state-memory on,off`, 9
-//! rounds) 512 B QD16's IOPS on/off are 0.88x (shm) and 0.83x (adaptive) at
-//! the median, the device thread's CPU per I/O 93 against 81 ns and 95
-//! against 79 ns: the issue's 5% is not met. 4 KiB QD1's p50 0.99x and 1.07x.
+//! fetched: no store at the fetch or the completion but the CQE's, the SQ
+//! head and CQ tail words kept in the recorder, and two stores a pass; no
+//! copy of its entry, no syscall, no lock. A command left in flight: its
+//! entry read again from the SQ and 11 more stores (its slot's sequence
+//! number, entry and state, the head word), then its slot's CQE and state,
+//! the tail word and FREE at its completion. Nothing without `adopt_state`: `Core::rec` is None (a client that
+//! offers no state memory, `iopath run --state-memory off`). Figures: the
+//! ignored test `fast_path_cost_of_keeping_state` (one thread, every line
+//! in cache) and `bench nvme --state-memory on,off` (the guest over
+//! vfio-user, same run); the closing notes of the issue carry them.
 //!
 //! What resumes: `pollers=1`, every doorbell mode, null, file and ram
 //! namespaces. Refused (`supported`): several pollers, timing models and
@@ -167,15 +176,17 @@ pub(super) struct Recorder {
     free: Vec<u16>,
     /// Slots in flight: (sqid << 16 | cid, slot), newest last.
     busy: Vec<(u32, u16)>,
-    /// The slot of the command fetched last (an admin command commits it).
+    /// The slot of the admin command fetched last (it commits it).
     current: Option<(u16, u64)>,
-    /// The I/O command fetched last, not published yet: by its completion
-    /// (`posting`), or, if it is still in flight when another completion is
-    /// posted, another command fetched or the configuration committed,
-    /// with its entry copied into its slot (`flush`; the module doc).
+    /// The I/O command fetched last, not published yet: by nothing if it
+    /// completes before anything else is posted, fetched or committed;
+    /// else with its entry copied into a slot (`flush`; the module doc).
     pending: Option<Pending>,
-    /// A free slot still POSTING in the state memory (`posted`).
-    stale: Option<u16>,
+    /// The SQ head word and CQ tail word that changed since the last
+    /// `record` (a pass serves one SQ, completing to one CQ): (queue id,
+    /// word), the id `NQ` for none.
+    sq_word: (usize, u64),
+    cq_word: (usize, u64),
     /// Commands whose entry was copied into their slot.
     copied: u64,
     select: u64,
@@ -195,7 +206,8 @@ impl Recorder {
             busy: Vec::new(),
             current: None,
             pending: None,
-            stale: None,
+            sq_word: (NQ, 0),
+            cq_word: (NQ, 0),
             copied: 0,
             select: 0,
             unrecorded: 0,
@@ -212,15 +224,22 @@ impl Recorder {
     /// A store to `w`, a word of the state memory (tests: a death may come first).
     #[inline(always)]
     fn put_to(&self, w: &AtomicU64, v: u64, o: Ordering) {
+        self.kill_point();
+        w.store(v, o);
+    }
+
+    /// Tests: the process may die here (a store, or a CQE about to be
+    /// written to guest RAM); nothing otherwise.
+    #[inline(always)]
+    pub fn kill_point(&self) {
         #[cfg(test)]
         if let Some(k) = &self.kill {
             k.store();
         }
-        w.store(v, o);
     }
 
-    /// Slot `slot`'s words: one bounds check for all its stores (the fast
-    /// path's), where each store through `put` would take its own.
+    /// Slot `slot`'s words: one bounds check for all its stores, where
+    /// each store through `put` would take its own.
     #[inline(always)]
     fn slot_words(&self, slot: u16) -> &[AtomicU64; SLOT_WORDS] {
         let base = SLOT0 + slot as usize * SLOT_WORDS;
@@ -235,40 +254,51 @@ impl Recorder {
 
     /// Step 1: SQ `qid`'s entry at `idx`, at `gpa` in guest RAM `mem`, was
     /// fetched (None: unreadable) and the head is `head` now. An I/O command
-    /// is published only when it turns out to stay in flight (`flush`, which
-    /// reads its entry again from the SQ) or completes (`posting`); an admin
-    /// command, or an unreadable entry, at once.
-    #[inline]
+    /// is published only if it stays in flight (`flush`, which reads its
+    /// entry again from the SQ); an admin command, or an unreadable entry,
+    /// at once.
+    #[inline(always)]
     pub fn fetched(&mut self, mem: &GuestMem, qid: usize, idx: u16, gpa: u64, head: u16, sqe: Option<&Sqe>) {
         self.flush(mem);
-        let Some(slot) = self.free.pop() else {
-            self.unrecorded += 1;
-            self.current = None;
-            if self.unrecorded == 1 {
-                log::error!("nvme: no state slot free; a command goes unrecorded");
-            }
-            return;
-        };
-        let seq = self.seq;
         self.seq += 1;
-        let meta = FETCHED | (qid as u64) << 8 | (idx as u64) << 16;
-        let key = (qid as u32) << 16 | sqe.map_or(0, |c| c.cid) as u32;
         match sqe {
-            Some(_) if qid > 0 => self.pending = Some(Pending { slot, key, meta, gpa, seq, head }),
-            _ => {
-                let (w, bad) = sqe.map_or(([0; 8], BAD_SQE), |c| (sqe_words(c), 0));
-                self.publish(slot, seq, &w, meta | bad, head);
-                self.busy.push((key, slot));
+            Some(c) if qid > 0 => {
+                let key = (qid as u32) << 16 | c.cid as u32;
+                self.pending = Some(Pending { key, idx, head, gpa });
+                self.current = None;
             }
+            _ => self.fetched_now(self.seq - 1, FETCHED | (qid as u64) << 8 | (idx as u64) << 16, head, sqe),
         }
+    }
+
+    /// An admin command, or an entry that could not be read: published at once.
+    #[inline(never)]
+    fn fetched_now(&mut self, seq: u64, meta: u64, head: u16, sqe: Option<&Sqe>) {
+        self.current = None;
+        let Some(slot) = self.take_slot() else { return };
+        let (w, bad) = sqe.map_or(([0; 8], BAD_SQE), |c| (sqe_words(c), 0));
+        self.publish(slot, seq, &w, meta | bad, head);
+        let key = ((meta >> 8 & 0xff) as u32) << 16 | sqe.map_or(0, |c| c.cid) as u32;
+        self.busy.push((key, slot));
         self.current = Some((slot, seq));
     }
 
-    /// A fetch, published: `slot`'s sequence number and entry, then its
-    /// state `meta` (FETCHED), then its SQ's head word.
-    #[inline]
+    fn take_slot(&mut self) -> Option<u16> {
+        let slot = self.free.pop();
+        if slot.is_none() {
+            self.unrecorded += 1;
+            if self.unrecorded == 1 {
+                log::error!("nvme: no state slot free; a command goes unrecorded");
+            }
+        }
+        slot
+    }
+
+    /// A fetch, published: what stands recorded first (`record`), then
+    /// `slot`'s sequence number and entry, its state `meta` (FETCHED), and
+    /// its SQ's head word.
     fn publish(&mut self, slot: u16, seq: u64, w: &[u64; 8], meta: u64, head: u16) {
-        self.unstale(slot);
+        self.record();
         let s = self.slot_words(slot);
         self.put_to(&s[S_SEQ], seq, Ordering::Relaxed);
         for (k, &v) in w.iter().enumerate() {
@@ -281,56 +311,84 @@ impl Recorder {
     }
 
     /// The pending command is still in flight: published (its entry into
-    /// its slot) before the driver may reuse the SQ's: before a completion
+    /// a slot) before the driver may reuse the SQ's: before a completion
     /// is posted (it reports a head past it, or completes a command after
     /// it), another command fetched or the configuration committed.
     /// Its entry is read again from the SQ in `mem` (no completion since
     /// its fetch: the driver has not reused it), so the fast path copies
     /// nothing; unreadable now (the memory gone), it is recorded as such.
-    #[inline]
+    #[inline(always)]
     fn flush(&mut self, mem: &GuestMem) {
+        if self.pending.is_some() {
+            self.publish_pending(mem);
+        }
+    }
+
+    #[inline(never)]
+    fn publish_pending(&mut self, mem: &GuestMem) {
         if let Some(p) = self.pending.take() {
+            let Some(slot) = self.take_slot() else { return };
             let mut e = [0u8; 64];
             let (w, bad) = match mem.read_slice(&mut e, p.gpa) {
                 Ok(()) => (sqe_words(&Sqe::parse(&e)), 0),
                 Err(_) => ([0; 8], BAD_SQE),
             };
-            self.publish(p.slot, p.seq, &w, p.meta | bad, p.head);
-            self.busy.push((p.key, p.slot));
+            let meta = FETCHED | ((p.key >> 16) as u64) << 8 | (p.idx as u64) << 16;
+            self.publish(slot, self.seq - 1, &w, meta | bad, p.head);
+            self.busy.push((p.key, slot));
         }
     }
 
-    /// The slot whose FREE store was left out (`posted`), before a store
-    /// publishes another: freed now, unless it is `slot`, which is
-    /// overwritten.
-    #[inline]
-    fn unstale(&mut self, slot: u16) {
-        if let Some(s) = self.stale.take() {
-            if s != slot {
-                self.put_to(&self.slot_words(s)[S_META], FREE, Ordering::Release);
-            }
+    /// What stands since the last record, stored: the SQs' head words
+    /// first, then the CQs' tail words (a resumed controller reads the
+    /// CQEs posted after a recorded tail back from the CQ, and takes an
+    /// SQ's head from the newest of them: a head word stored after the
+    /// tail word would be older than what the CQ says). Called at the end
+    /// of every pass over an SQ, when a CQ wraps, and before a slot is
+    /// published or freed or the configuration committed.
+    #[inline(always)]
+    pub fn record(&mut self) {
+        if self.sq_word.0 != NQ || self.cq_word.0 != NQ {
+            self.record_now();
         }
     }
 
-    /// Step 2, before the CQE goes to guest RAM: the slot of (sqid, cid),
-    /// POSTING with the CQE (`cqe`: dw0, dw2, dw3) and its CQ position.
-    #[inline]
+    #[inline(never)]
+    fn record_now(&mut self) {
+        let (sq, cq) = (std::mem::replace(&mut self.sq_word, (NQ, 0)), std::mem::replace(&mut self.cq_word, (NQ, 0)));
+        if sq.0 < NQ {
+            self.put(SQ_HEAD + sq.0, sq.1, Ordering::Release);
+        }
+        if cq.0 < NQ {
+            self.put(CQ_TAIL + cq.0, cq.1, Ordering::Release);
+        }
+    }
+
+    /// Step 2, before the CQE goes to guest RAM. The pending command (it
+    /// completes before anything else was published): nothing stored,
+    /// its SQ's head kept for the next `record`. A command in a slot: the
+    /// slot POSTING with the CQE (`cqe`: dw0, dw2, dw3) and its CQ
+    /// position `pos`, after the pending one, if any, is published.
+    #[inline(always)]
     pub fn posting(&mut self, mem: &GuestMem, sqid: usize, cid: u16, pos: u16, cqe: (u32, u32, u32)) -> Option<Posted> {
         let key = (sqid as u32) << 16 | cid as u32;
-        // The command fetched last, completed before anything else was
-        // published: its fetch is published by this (`HEAD_AFTER`: the
-        // SQ's head word moves past it after the CQE). Any other completion
-        // reports a head past the pending one's: that is published first.
-        let (slot, at, head) = match self.pending.take_if(|p| p.key == key) {
-            Some(p) => (p.slot, p.meta & AT | HEAD_AFTER, Some(p.head as u64 | p.seq << 16)),
-            None => {
-                self.flush(mem);
-                let i = self.busy.iter().rposition(|b| b.0 == key)?;
-                let (_, slot) = self.busy.swap_remove(i);
-                (slot, self.slot_words(slot)[S_META].load(Ordering::Acquire) & AT, None)
+        if let Some(p) = self.pending.take_if(|p| p.key == key) {
+            if self.sq_word.0 != sqid && self.sq_word.0 != NQ {
+                self.record_now();
             }
-        };
-        self.unstale(slot);
+            self.sq_word = (sqid, p.head as u64 | (self.seq - 1) << 16);
+            return None;
+        }
+        self.posting_slot(mem, key, pos, cqe)
+    }
+
+    #[inline(never)]
+    fn posting_slot(&mut self, mem: &GuestMem, key: u32, pos: u16, cqe: (u32, u32, u32)) -> Option<Posted> {
+        let cid = key as u16;
+        self.flush(mem);
+        let i = self.busy.iter().rposition(|b| b.0 == key)?;
+        let (_, slot) = self.busy.swap_remove(i);
+        let at = self.slot_words(slot)[S_META].load(Ordering::Acquire) & AT;
         let s = self.slot_words(slot);
         let (dw0, dw2, dw3) = cqe;
         self.put_to(
@@ -339,28 +397,30 @@ impl Recorder {
             Ordering::Relaxed,
         );
         self.put_to(&s[S_META], POSTING | at | (cid as u64) << 32 | (pos as u64) << 48, Ordering::Release);
-        Some(Posted { slot, sqid, head })
+        Some(Posted { slot })
     }
 
-    /// Step 2, after the CQE is in guest RAM: the CQ's tail, the SQ's head
-    /// if the posting moves it; the slot is free, its FREE store left for
-    /// the next store that publishes something (`unstale`; the next fetch
-    /// takes this slot again and overwrites it).
-    #[inline]
+    /// Step 2, after the CQE is in guest RAM: CQ `cqid`'s tail and phase
+    /// now. Recorded at once for a slot's completion (then the slot is
+    /// freed) or when the CQ wraps (a resumed controller reads back at most
+    /// a lap of CQEs); else at the end of the pass.
+    #[inline(always)]
     pub fn posted(&mut self, p: Option<Posted>, cqid: usize, tail: u16, phase: bool) {
-        self.put(CQ_TAIL + cqid, tail as u64 | (phase as u64) << 16, Ordering::Release);
+        if self.cq_word.0 != cqid && self.cq_word.0 != NQ {
+            self.record_now();
+        }
+        self.cq_word = (cqid, tail as u64 | (phase as u64) << 16);
         if let Some(p) = p {
-            if let Some(h) = p.head {
-                self.put(SQ_HEAD + p.sqid, h, Ordering::Release);
-            }
-            self.unstale(p.slot);
-            self.stale = Some(p.slot);
-            self.free.push(p.slot);
+            self.release(p.slot);
+        } else if tail == 0 {
+            self.record();
         }
     }
 
+    /// Slot `slot` freed, after what stands is recorded.
+    #[inline(never)]
     fn release(&mut self, slot: u16) {
-        self.unstale(slot);
+        self.record();
         self.put_to(&self.slot_words(slot)[S_META], FREE, Ordering::Release);
         self.free.push(slot);
     }
@@ -368,9 +428,10 @@ impl Recorder {
     /// A command whose completion will not be posted (its SQ is gone).
     pub fn forget(&mut self, sqid: usize, cid: u16) {
         let key = (sqid as u32) << 16 | cid as u32;
-        if let Some(p) = self.pending.take_if(|p| p.key == key) {
-            self.release(p.slot);
-        } else if let Some(i) = self.busy.iter().rposition(|b| b.0 == key) {
+        if self.pending.take_if(|p| p.key == key).is_some() {
+            return;
+        }
+        if let Some(i) = self.busy.iter().rposition(|b| b.0 == key) {
             let (_, slot) = self.busy.swap_remove(i);
             self.release(slot);
         }
@@ -398,9 +459,7 @@ impl Recorder {
         // The slots below are `busy`'s; a slot left POSTING may name a
         // queue this configuration deletes.
         self.flush(mem);
-        if let Some(s) = self.stale.take() {
-            self.put_to(&self.slot_words(s)[S_META], FREE, Ordering::Release);
-        }
+        self.record();
         // A head word names the newest fetch it has seen (`resume.rs`).
         let newest = self.seq - 1;
         for &(i, v) in moving {
@@ -436,27 +495,22 @@ impl Recorder {
     }
 }
 
-/// An I/O command fetched whose entry is not in its slot yet.
+/// An I/O command fetched whose entry is not in a slot (yet). It is the
+/// command fetched last: its sequence number is the recorder's `seq - 1`.
 #[derive(Clone, Copy)]
 struct Pending {
-    slot: u16,
     /// sqid << 16 | cid, as in `busy`.
     key: u32,
-    /// Its slot's state word once published (FETCHED).
-    meta: u64,
+    /// Its SQ index, and the SQ's head after it.
+    idx: u16,
+    head: u16,
     /// Where its entry is in guest RAM.
     gpa: u64,
-    seq: u64,
-    /// The SQ's head after it.
-    head: u16,
 }
 
-/// A completion being posted (`posting`), for `posted`.
+/// A slot's completion being posted (`posting`), for `posted`.
 pub(super) struct Posted {
     slot: u16,
-    sqid: usize,
-    /// The SQ's head word to store after the CQE (`HEAD_AFTER`).
-    head: Option<u64>,
 }
 
 /// An SQE as the eight words `Sqe::from_words` reads (the fields this

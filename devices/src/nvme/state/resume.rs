@@ -2,9 +2,10 @@
 //! (`adopt_state(mem, true)`): everything is read and validated first
 //! (`Plan::read`: the memory comes from a client, which may be hostile; a
 //! bad one is refused with the reason, the controller untouched), then
-//! applied (`Core::apply`): registers, queues, features, MSI-X; the
-//! completion being posted when the old process died posted again at its
-//! place; the admin command whose effect was committed completed; every
+//! applied (`Core::apply`): registers, queues, features, MSI-X; the CQEs
+//! posted after each CQ's recorded tail read back (`scan_cq`); the
+//! completion being posted when the old process died, if its CQE is not
+//! there, posted again at its place; the admin command whose effect was committed completed; every
 //! other command fetched and not completed run again, oldest first; the
 //! queues served from their recorded tails (or the shadow doorbells); and
 //! every vector with a CQ signalled once.
@@ -32,10 +33,6 @@ struct Slot {
 #[derive(Clone, Copy, Debug)]
 struct Posting {
     slot: u16,
-    sqid: usize,
-    /// Its SQ index, and whether the SQ's head moves past it (`HEAD_AFTER`).
-    idx: u16,
-    head_after: bool,
     cqid: usize,
     pos: u16,
     dw0: u32,
@@ -139,14 +136,11 @@ impl Plan {
                 let sqhd = (at >> 48) as u16;
                 let cqid = sq.cqid as usize;
                 let fits = cfg.cqs.get(cqid).copied().flatten().is_some_and(|cq| pos < cq.size);
-                if idx >= sq.size || meta & 0xf4 != 0 || sqhd >= sq.size || !fits {
+                if idx >= sq.size || meta & 0xfc != 0 || sqhd >= sq.size || !fits {
                     return Err(bad(format!("has slot {s} posting {meta:#x} (CQE {at:#x}) at CQ {cqid}")));
                 }
                 posting.push(Posting {
                     slot: s as u16,
-                    sqid,
-                    idx,
-                    head_after: meta & HEAD_AFTER != 0,
                     cqid,
                     pos,
                     dw0: at as u32,
@@ -162,12 +156,12 @@ impl Plan {
             let sqe = (meta & BAD_SQE == 0).then(|| Sqe::from_words(&words));
             fetched.push(Slot { slot: s as u16, seq, sqid, idx, sqe });
         }
-        // A completion whose fetch was published with it (`HEAD_AFTER`):
-        // the SQ's head moves past it if its head store did not happen.
-        for x in posting.iter().filter(|x| x.head_after) {
-            if sq_head[x.sqid] == x.idx {
-                let size = cfg.sqs[x.sqid].map_or(1, |s| s.size);
-                sq_head[x.sqid] = queue::next(x.idx, size);
+        // The CQEs posted after each CQ's recorded tail, read back from the
+        // CQ: the tail moves past them, and each SQ's head to the newest
+        // one's (`scan_cq`).
+        for (q, tail) in cq_tail.iter_mut().enumerate() {
+            if let Some(cq) = cfg.cqs[q] {
+                *tail = scan_cq(c, &cfg, q, cq, *tail, &mut sq_head);
             }
         }
         next_seq = next_seq.max(head_seq.iter().max().map_or(1, |h| h + 1));
@@ -213,6 +207,46 @@ impl Plan {
             next_seq,
         })
     }
+}
+
+/// CQ `q` (`cq`) from its recorded tail and phase `at`: the entries the
+/// dead process posted after the tail it recorded last (`Recorder::record`)
+/// carry this lap's phase. The tail after them is returned, and each of
+/// their SQs' heads in `sq_head` is the one the newest of them reports:
+/// every command fetched before that CQE was posted is completed by now or
+/// published in a slot (`flush`), so the head word stored before the tail
+/// word is no newer. At most a lap less one is read (the recorder records
+/// the tail when it wraps). This relies on the driver zeroing a CQ before
+/// it creates it (Linux's, SPDK's and iopath's guest do; a stale entry of
+/// this lap's phase would read as posted) and leaving consumed entries as
+/// the device wrote them (the phase tag protocol). An entry naming an SQ
+/// that does not complete to this CQ, or a head outside it, is not one this
+/// controller posted: the scan stops there, with a log line.
+fn scan_cq(c: &Core, cfg: &Config, q: usize, cq: CqDef, at: (u16, bool), sq_head: &mut [u16]) -> (u16, bool) {
+    let (mut tail, mut phase) = at;
+    for _ in 0..cq.size - 1 {
+        let mut e = [0u8; 16];
+        if c.mem.read_slice(&mut e, cq.gpa + tail as u64 * CQE_SIZE).is_err() {
+            break;
+        }
+        let dw2 = u32::from_le_bytes(e[8..12].try_into().unwrap());
+        let dw3 = u32::from_le_bytes(e[12..16].try_into().unwrap());
+        if (dw3 >> 16 & 1 == 1) == phase {
+            break; // not posted this lap
+        }
+        let (sqid, sqhd) = ((dw2 >> 16) as usize, dw2 as u16);
+        let ours = cfg.sqs.get(sqid).copied().flatten().is_some_and(|s| s.cqid as usize == q && sqhd < s.size);
+        if !ours {
+            log::warn!("nvme: resume: CQ {q} entry {tail} names SQ {sqid} head {sqhd}; not posted by this controller");
+            break;
+        }
+        sq_head[sqid] = sqhd;
+        tail += 1;
+        if tail == cq.size {
+            (tail, phase) = (0, !phase);
+        }
+    }
+    (tail, phase)
 }
 
 /// The configuration must describe a controller this one can be: its
@@ -364,6 +398,11 @@ impl Core {
             for q in (0..NQ).filter(|&q| cfg.sqs[q].is_some()) {
                 r.put(SQ_HEAD + q, p.sq_head[q] as u64 | seq << 16, Ordering::Release);
             }
+            // Then the tails past what was read back from the CQs.
+            for q in (0..NQ).filter(|&q| cfg.cqs[q].is_some()) {
+                let (t, ph) = p.cq_tail[q];
+                r.put(CQ_TAIL + q, t as u64 | (ph as u64) << 16, Ordering::Release);
+            }
         }
         // The completion being posted: again, at its place.
         for x in &p.posting {
@@ -383,7 +422,7 @@ impl Core {
                 (cq.tail, cq.phase) = (at.tail, at.phase);
                 let (t, ph) = (cq.tail, cq.phase);
                 if let Some(r) = self.rec.as_deref_mut() {
-                    r.posted(Some(super::Posted { slot: x.slot, sqid: x.sqid, head: None }), x.cqid, t, ph);
+                    r.posted(Some(super::Posted { slot: x.slot }), x.cqid, t, ph);
                 }
             } else if let Some(r) = self.rec.as_deref_mut() {
                 r.release(x.slot);

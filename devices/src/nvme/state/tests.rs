@@ -46,6 +46,8 @@ const ASQ: u64 = 0x10000;
 const ACQ: u64 = 0x11000;
 const SQ1: u64 = 0x12000;
 const CQ1: u64 = 0x13000;
+/// A second I/O SQ, on CQ 1 too (`random_script`).
+const SQ2: u64 = 0x16000;
 const DATA: u64 = 0x40000;
 const DBBUF: u64 = 0x14000;
 const EVIDX: u64 = 0x15000;
@@ -68,7 +70,7 @@ struct Drv {
     /// Its length (the words, then the ram namespaces' data).
     len: usize,
     /// (tail, queue gpa, size) per SQ; (head, phase, gpa, size) per CQ.
-    sq: [(u16, u64, u16); 2],
+    sq: [(u16, u64, u16); 3],
     cq: [(u16, u32, u64, u16); 2],
     cid: u16,
     /// (sqid, cid) -> (expected status, what a read must find: (buffer, pattern)).
@@ -77,7 +79,9 @@ struct Drv {
     at: HashMap<(u16, u16), u16>,
     /// Per SQ, the first entry not known consumed: those before it the
     /// driver overwrites with `POISON` (a command no one submitted).
-    consumed: [u16; 2],
+    consumed: [u16; 3],
+    /// The SQ `io` puts its commands in.
+    io_sq: usize,
     completed: u64,
     deaths: u64,
     /// The (namespace, LBA) -> pattern byte the completed writes left.
@@ -136,12 +140,13 @@ impl Drv {
             ram,
             state,
             len,
-            sq: [(0, ASQ, AQ), (0, SQ1, SQS)],
+            sq: [(0, ASQ, AQ), (0, SQ1, SQS), (0, SQ2, SQS)],
             cq: [(0, 1, ACQ, AQ), (0, 1, CQ1, CQS)],
             cid: 0,
             out: HashMap::new(),
             at: HashMap::new(),
-            consumed: [0; 2],
+            consumed: [0; 3],
+            io_sq: 1,
             completed: 0,
             deaths: 0,
             disk: HashMap::new(),
@@ -197,7 +202,7 @@ impl Drv {
         match &mut self.rng {
             Some((r, left)) if *left > 0 => {
                 *left -= 1;
-                r.below(300)
+                r.below(200)
             }
             _ => u64::MAX,
         }
@@ -356,7 +361,7 @@ impl Drv {
     fn io_ns(&mut self, nsid: u32, write: bool, lba: u64, buf: u64, pat: u8) {
         if write {
             self.ram.write_slice(&[pat; 512], GuestAddress(buf)).unwrap();
-            self.put(1, 0x01, nsid, buf, [lba as u32, 0, 0, 0], (0, None));
+            self.put(self.io_sq, 0x01, nsid, buf, [lba as u32, 0, 0, 0], (0, None));
             self.disk.insert((nsid, lba), pat);
         } else {
             self.ram.write_slice(&[0xee; 512], GuestAddress(buf)).unwrap();
@@ -365,7 +370,7 @@ impl Drv {
             } else {
                 Some((buf, self.disk.get(&(nsid, lba)).copied().unwrap_or(0)))
             };
-            self.put(1, 0x02, nsid, buf, [lba as u32, 0, 0, 0], (0, want));
+            self.put(self.io_sq, 0x02, nsid, buf, [lba as u32, 0, 0, 0], (0, want));
         }
     }
 }
@@ -437,18 +442,25 @@ fn random_script(d: &mut Drv, rounds: u64) {
         d.shadow = true;
     }
     d.io_queues();
+    // A second SQ on the same CQ: their completions interleave in it.
+    d.admin(0x01, SQ2, [2 | ((SQS as u32 - 1) << 16), 1 | 1 << 16, 0, 0], 0);
+    (d.sq[2].0, d.consumed[2]) = (0, 0);
     for _ in 0..rounds {
         let (r, _) = d.rng.as_mut().unwrap();
         let n = r.range(1, SQS as u64 - 1);
         let first = r.below(16);
         let writes: Vec<bool> = (0..n).map(|_| r.chance(60)).collect();
         let pats: Vec<u8> = (0..n).map(|_| r.range(1, 255) as u8).collect();
+        let sqs: Vec<usize> = (0..n).map(|_| r.range(1, 2) as usize).collect();
         for k in 0..n {
+            d.io_sq = sqs[k as usize];
             d.io(writes[k as usize], (first + k) % 16, DATA + 0x1000 * k, pats[k as usize]);
         }
         d.ring(1);
+        d.ring(2);
         d.settle(1);
     }
+    d.io_sq = 1;
     // Everything written reads back.
     for lba in 0..16 {
         d.io(false, lba, DATA, 0);
@@ -461,7 +473,7 @@ fn transparent_restarts(backend: impl Fn() -> StorageKind, doorbell: DoorbellMod
     let mut deaths = 0;
     for seed in 0..seeds {
         let mut r = crate::nvme::oracle::Rng::new(seed);
-        let first = r.below(400);
+        let first = r.below(200);
         let c = NvmeConfig { doorbell, ..cfg(backend()) };
         let mut d = Drv::new(c, first);
         d.rng = Some((r, 4));
