@@ -567,23 +567,20 @@ impl Core {
                 let dw3 = cid as u32 | (!cq.phase as u32) << 16 | (st as u32) << 17;
                 r.posting(&self.mem, sqid, cid, cq.tail, (dw0, sqhd as u32 | (sqid as u32) << 16, dw3))
             });
-            // The tail and phase after it, from copies taken before: loaded
-            // from `cq` after post_cqe's narrower stores, they could not be
-            // forwarded from the store buffer (a stall of every completion).
-            let (pos, phase, size) = (cq.tail, cq.phase, cq.size);
             if let Some(r) = self.rec.as_deref() {
                 r.kill_point(); // tests: a death before the CQE is in guest RAM
             }
-            let ok = post_cqe(&self.mem, cq, dw0, sqhd, sqid as u16, cid, st);
+            let after = post_cqe(&self.mem, cq, dw0, sqhd, sqid as u16, cid, st);
             if let Some(r) = self.rec.as_deref_mut() {
-                let (tail, phase) = match pos + 1 {
-                    _ if !ok => (pos, phase),
-                    t if t == size => (0, !phase),
-                    t => (t, phase),
+                // (Not `unwrap_or`: its eager loads of the tail and phase
+                // would wait on post_cqe's stores.)
+                let (tail, phase) = match after {
+                    Some(a) => a,
+                    None => (cq.tail, cq.phase),
                 };
                 r.posted(slot, cqid, tail, phase);
             }
-            if !ok {
+            if after.is_none() {
                 log::warn!("nvme: CQ {cqid} is outside guest RAM; completion of cid {cid} dropped");
                 return;
             }

@@ -172,9 +172,14 @@ pub fn read_sqe(mem: &GuestMem, sq: &Sq, idx: u16) -> Option<Sqe> {
 
 /// Posts a completion; the dword with the phase tag is stored last, with
 /// release ordering, so a guest that sees the new phase sees the entry.
-pub fn post_cqe(mem: &GuestMem, cq: &mut Cq, dw0: u32, sqhd: u16, sqid: u16, cid: u16, st: u16) -> bool {
+/// Returns the CQ's tail and phase after it (None: the CQ is not in guest
+/// RAM, nothing posted), from copies taken before the stores: a caller
+/// that loaded them back from `cq` right after these narrower stores could
+/// not have them forwarded from the store buffer (a stall per completion).
+pub fn post_cqe(mem: &GuestMem, cq: &mut Cq, dw0: u32, sqhd: u16, sqid: u16, cid: u16, st: u16) -> Option<(u16, bool)> {
+    let (tail, lap, size) = (cq.tail, cq.phase, cq.size);
     // Phase is the value the entry must carry this lap: the inverse of what is there.
-    let phase = !cq.phase as u32;
+    let phase = !lap as u32;
     let dw3 = cid as u32 | phase << 16 | (st as u32) << 17;
     let words = [dw0, 0, sqhd as u32 | (sqid as u32) << 16];
     // The resolved ring, or one lookup for the entry; the phase dword goes
@@ -185,15 +190,12 @@ pub fn post_cqe(mem: &GuestMem, cq: &mut Cq, dw0: u32, sqhd: u16, sqid: u16, cid
             d.copy_from_slice(&w.to_le_bytes());
         }
         if mem.write_then_release_u32(&b, cq.gpa + cq.tail as u64 * CQE_SIZE, dw3).is_err() {
-            return false;
+            return None;
         }
     }
-    cq.tail += 1;
-    if cq.tail == cq.size {
-        cq.tail = 0;
-        cq.phase = !cq.phase;
-    }
-    true
+    let after = if tail + 1 == size { (0, !lap) } else { (tail + 1, lap) };
+    (cq.tail, cq.phase) = after;
+    Some(after)
 }
 
 /// The guest pages of a transfer of `len` bytes described by PRP1/PRP2,
@@ -362,12 +364,12 @@ mod tests {
     fn completions_flip_phase_each_lap() {
         let m = mem();
         let mut cq = Cq { gpa: 0x8000, size: 2, ..Default::default() };
-        assert!(post_cqe(&m, &mut cq, 7, 1, 1, 0x42, 0));
+        assert_eq!(post_cqe(&m, &mut cq, 7, 1, 1, 0x42, 0), Some((1, false)));
         let dw3: u32 = m.mapped().read_obj(GuestAddress(0x8000 + 12)).unwrap();
         assert_eq!(dw3, 0x42 | 1 << 16);
-        assert!(post_cqe(&m, &mut cq, 0, 2, 1, 0x43, status::LBA_OUT_OF_RANGE));
+        assert_eq!(post_cqe(&m, &mut cq, 0, 2, 1, 0x43, status::LBA_OUT_OF_RANGE), Some((0, true)));
         assert_eq!((cq.tail, cq.phase), (0, true));
-        assert!(post_cqe(&m, &mut cq, 0, 3, 1, 0x44, 0));
+        assert!(post_cqe(&m, &mut cq, 0, 3, 1, 0x44, 0).is_some());
         let dw3: u32 = m.mapped().read_obj(GuestAddress(0x8000 + 12)).unwrap();
         assert_eq!(dw3 >> 16 & 1, 0, "second lap carries phase 0");
         let dw3b: u32 = m.mapped().read_obj(GuestAddress(0x8000 + 16 + 12)).unwrap();
