@@ -3,6 +3,8 @@
 //! from `/proc/PID/task/TID/schedstat`: its first field is the time the
 //! thread ran, in ns, and it is readable for other processes' threads too.
 //! Where schedstat is missing, `stat`'s utime+stime (clock ticks) stand in.
+//! Its second field is the time the thread waited on a run queue, runnable
+//! but not running: what other threads took from a polling one.
 
 use iopath_devices::lock;
 use std::sync::{Arc, Mutex};
@@ -18,6 +20,8 @@ pub struct ThreadCpu {
     pub tid: u32,
     pub name: String,
     pub cpu_ns: u64,
+    /// Time spent runnable on a run queue, not running (schedstat; 0 without it).
+    pub wait_ns: u64,
 }
 
 /// The CPU times of the matching threads at one instant.
@@ -41,9 +45,16 @@ impl Snapshot {
                 if !names.contains(&name) {
                     continue;
                 }
-                if let Some(cpu_ns) = thread_cpu_ns(pid, tid) {
-                    threads.push(ThreadCpu { pid, tid, name: name.to_string(), cpu_ns });
-                }
+                let (cpu_ns, wait_ns) = match schedstat(pid, tid) {
+                    Some(s) => s,
+                    None => match stat_cpu_ns(
+                        &std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).unwrap_or_default(),
+                    ) {
+                        Some(ns) => (ns, 0),
+                        None => continue,
+                    },
+                };
+                threads.push(ThreadCpu { pid, tid, name: name.to_string(), cpu_ns, wait_ns });
             }
         }
         Snapshot { at, threads }
@@ -52,22 +63,37 @@ impl Snapshot {
     /// CPU time the threads ran between `earlier` and this snapshot. A
     /// thread new since `earlier` counts from zero; one gone since is lost.
     pub fn cpu_ns_since(&self, earlier: &Snapshot) -> u64 {
+        self.since(earlier, |t| t.cpu_ns)
+    }
+
+    /// Run-queue wait of the threads between `earlier` and this snapshot,
+    /// counted as [`cpu_ns_since`](Self::cpu_ns_since) counts CPU time.
+    pub fn wait_ns_since(&self, earlier: &Snapshot) -> u64 {
+        self.since(earlier, |t| t.wait_ns)
+    }
+
+    fn since(&self, earlier: &Snapshot, f: fn(&ThreadCpu) -> u64) -> u64 {
         self.threads
             .iter()
             .map(|t| {
-                let before = earlier.threads.iter().find(|b| b.pid == t.pid && b.tid == t.tid).map_or(0, |b| b.cpu_ns);
-                t.cpu_ns.saturating_sub(before)
+                let before = earlier.threads.iter().find(|b| b.pid == t.pid && b.tid == t.tid).map_or(0, f);
+                f(t).saturating_sub(before)
             })
             .sum()
     }
 }
 
+/// A thread's (CPU time, run-queue wait) in ns from its schedstat.
+fn schedstat(pid: u32, tid: u32) -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat")).ok()?;
+    let mut f = s.split_whitespace().map(|v| v.parse::<u64>().ok());
+    Some((f.next()??, f.next()??))
+}
+
 /// A thread's CPU time in ns: schedstat, else stat's utime+stime.
 pub fn thread_cpu_ns(pid: u32, tid: u32) -> Option<u64> {
-    if let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat")) {
-        if let Some(ns) = s.split_whitespace().next().and_then(|v| v.parse().ok()) {
-            return Some(ns);
-        }
+    if let Some((ns, _)) = schedstat(pid, tid) {
+        return Some(ns);
     }
     stat_cpu_ns(&std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?)
 }
@@ -92,16 +118,51 @@ pub fn process_cpu_ns(pid: u32) -> Option<u64> {
 pub fn self_and_children() -> Vec<u32> {
     let me = std::process::id();
     let mut pids = vec![me];
-    let Ok(dir) = std::fs::read_dir("/proc") else { return pids };
-    for e in dir.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-        let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-        let ppid = s.rfind(')').and_then(|i| s[i + 1..].split_whitespace().nth(1)?.parse::<u32>().ok());
-        if ppid == Some(me) {
-            pids.push(pid);
-        }
+    match children_of(me) {
+        Some(c) => pids.extend(c),
+        None => pids.extend(children_by_scan(me)),
     }
     pids
+}
+
+/// `pid`'s children from each of its threads' `children` file (a few reads;
+/// the pinner looks every 100 ms while a run goes, and a walk of every
+/// process's `stat` took over a millisecond on a CPU the run polls on).
+/// None where the kernel has no such file (CONFIG_PROC_CHILDREN unset).
+fn children_of(pid: u32) -> Option<Vec<u32>> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.flatten() {
+        let mut path = e.path();
+        path.push("children");
+        match std::fs::read_to_string(&path) {
+            Ok(s) => out.extend(s.split_whitespace().filter_map(|v| v.parse::<u32>().ok())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && out.is_empty() => {
+                // The thread may have ended; the file missing everywhere means no support.
+                if !std::path::Path::new(&format!("/proc/{pid}/task/{pid}/children")).exists() {
+                    return None;
+                }
+            }
+            Err(_) => {}
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    Some(out)
+}
+
+/// `pid`'s children, by each process's parent in `/proc/*/stat`.
+fn children_by_scan(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else { return out };
+    for e in dir.flatten() {
+        let Some(child) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let Ok(s) = std::fs::read_to_string(format!("/proc/{child}/stat")) else { continue };
+        let ppid = s.rfind(')').and_then(|i| s[i + 1..].split_whitespace().nth(1)?.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            out.push(child);
+        }
+    }
+    out
 }
 
 /// What a [`Window`] measured.
@@ -114,6 +175,10 @@ pub struct WindowCpu {
     /// Their CPU time during the idle pause, as a percentage of its length
     /// (one fully busy thread is 100).
     pub idle_pct: f64,
+    /// Their run-queue wait during the window (runnable, another thread on
+    /// their CPU), as a percentage of the window (one thread waiting the
+    /// whole window is 100): time the host took from them.
+    pub waited_pct: f64,
 }
 
 #[derive(Default)]
@@ -168,10 +233,12 @@ impl Window {
         let st = lock(&self.state);
         let (start, end, idle_end) = (st.start.as_ref()?, st.end.as_ref()?, st.idle_end.as_ref()?);
         let idle_wall = idle_end.at.duration_since(end.at).as_nanos().max(1) as f64;
+        let wall = end.at.duration_since(start.at).as_nanos().max(1) as f64;
         Some(WindowCpu {
             threads: end.threads.len(),
             busy_ns: end.cpu_ns_since(start),
             idle_pct: idle_end.cpu_ns_since(end) as f64 * 100.0 / idle_wall,
+            waited_pct: end.wait_ns_since(start) as f64 * 100.0 / wall,
         })
     }
 }
@@ -194,6 +261,23 @@ mod tests {
                 }
             })
             .unwrap()
+    }
+
+    #[test]
+    fn a_spawned_child_is_found_by_the_children_files_and_by_the_scan_alike() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let me = std::process::id();
+        let listed = children_of(me);
+        let scanned = children_by_scan(me);
+        let found = self_and_children();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(scanned.contains(&child.id()), "the scan misses child {}: {scanned:?}", child.id());
+        if let Some(l) = listed {
+            assert!(l.contains(&child.id()), "the children files miss child {}: {l:?}", child.id());
+        }
+        assert_eq!(found[0], me);
+        assert!(found.contains(&child.id()), "{found:?}");
     }
 
     #[test]

@@ -295,6 +295,12 @@ pub struct NvmeRun {
     pub vcpu_ns_per_io: Option<f64>,
     /// Their CPU share (100 = one core) in a pause with no I/O after the window.
     pub idle_cpu_pct: Option<f64>,
+    /// The device threads' run-queue wait in the window, as a share of it
+    /// (100 = one thread runnable and not running throughout): what the
+    /// host's other threads took from them, in the same run.
+    pub device_waited_pct: Option<f64>,
+    /// The same of the vCPU thread.
+    pub vcpu_waited_pct: Option<f64>,
     /// The guest driver's share of its timed window spent in passes that
     /// found no completion (its `wait_cycles` over `cycles`): near 0 the
     /// guest's own work per I/O is the bottleneck, higher the device is.
@@ -399,6 +405,8 @@ impl NvmeRun {
             cpu_ns_per_io: None,
             vcpu_ns_per_io: None,
             idle_cpu_pct: None,
+            device_waited_pct: None,
+            vcpu_waited_pct: None,
             guest_wait_pct: None,
             guest_dbbuf: None,
             guest_sleeps: None,

@@ -349,8 +349,11 @@ impl<'a> Ctx<'a> {
             r.device_threads = w.threads;
             r.cpu_ns_per_io = Some(ns);
             r.idle_cpu_pct = Some(w.idle_pct);
+            r.device_waited_pct = Some(w.waited_pct);
         }
-        r.vcpu_ns_per_io = per_io(&vcpu, r.io.ios).map(|(_, ns)| ns);
+        let v = per_io(&vcpu, r.io.ios);
+        r.vcpu_ns_per_io = v.map(|(_, ns)| ns);
+        r.vcpu_waited_pct = v.map(|(w, _)| w.waited_pct);
         let dev = rep.devices.first().ok_or_else(|| anyhow::anyhow!("no device report"))?;
         let c = |n: &str| dev.counters.iter().find(|c| c.name == n).map(|c| c.value);
         let exits = rep.exits.mmio_write + rep.exits.mmio_read + rep.exits.io_out + rep.exits.io_in;
@@ -726,7 +729,8 @@ mod tests {
     }
 
     const GOLDEN: &str = concat!(
-        r#"{"attempt":0,"contend":0,"cpu_ns_per_io":null,"cycles":3000000,"device_threads":0,"errors":0,"#,
+        r#"{"attempt":0,"contend":0,"cpu_ns_per_io":null,"cycles":3000000,"device_threads":0,"device_waited_pct":null,"#,
+        r#""errors":0,"#,
         r#""exits_per_io":null,"fio_busy_ratio":null,"fio_ratio":null,"floor_ops_s":null,"floor_p50_ns":null,"#,
         r#""floor_ratio":null,"guest_dbbuf":null,"guest_irqs":null,"guest_line_ns":null,"guest_line_ratio":null,"#,
         r#""guest_sleeps":null,"guest_wait_pct":20.0,"hist":[[68.66666666666667,4],[132.66666666666666,"#,
@@ -737,7 +741,7 @@ mod tests {
         r#"3],[132.66666666666666,1]],"iops":2000.0,"ios":4,"lat_avg_ns":833.3333333333334,"lat_max_ns":1266.6666666666667,"#,
         r#""lat_min_ns":466.6666666666667,"mb_s":8.192,"p50_ns":68.0,"p90_ns":130.8,"p999_ns":132.648,"#,
         r#""p99_ns":132.48},"round":0,"routing":"","routing_ok":true,"setup":"","setup_exits":null,"target":"iopath-shm","#,
-        r#""vcpu_ns_per_io":null,"verified_blocks":null,"vm_exits":null,"vmm_floor_ratio":null,"vmm_ratio":null,"#,
+        r#""vcpu_ns_per_io":null,"vcpu_waited_pct":null,"verified_blocks":null,"vm_exits":null,"vmm_floor_ratio":null,"vmm_ratio":null,"#,
         r#""wake_p50_ns":null,"wake_ratio":null,"window_exits":null,"write":{"hist":[[68.66666666666667,"#,
         r#"1],[132.66666666666666,1]],"iops":1000.0,"ios":2,"lat_avg_ns":1333.3333333333333,"lat_max_ns":1733.3333333333333,"#,
         r#""lat_min_ns":1000.0,"mb_s":4.096,"p50_ns":68.66666666666667,"p90_ns":131.73333333333332,"p999_ns":132.65733333333333,"#,

@@ -39,6 +39,12 @@ fn show_ratio(x: Option<crate::stats::Summary>) -> String {
     x.map_or("-".to_string(), |x| format!("{:.2}x [{:.2} .. {:.2}]", x.median, x.min, x.max))
 }
 
+/// Device threads' and vCPU's run-queue wait, % of the window: "1.2/0.4 %".
+pub(crate) fn waited(dev: Option<f64>, vcpu: Option<f64>) -> String {
+    let f = |x: Option<f64>| x.map_or("-".to_string(), |p| format!("{p:.1}"));
+    format!("{}/{} %", f(dev), f(vcpu))
+}
+
 /// A target's latency over its rounds: p50, p99, p99.9 in ns.
 ///
 /// From the rounds' merged histogram (every I/O of every round, each
@@ -343,7 +349,7 @@ impl NvmeResult {
         }
     }
 
-    /// Device threads' CPU per group: per I/O in the window, and idle.
+    /// Device threads' CPU per group: per I/O in the window, idle, and waited.
     fn cpu_table(&self, s: &mut String) {
         let groups = self.groups_where(|r| r.device_threads > 0 || r.vcpu_ns_per_io.is_some());
         if groups.is_empty() {
@@ -353,15 +359,17 @@ impl NvmeResult {
             s,
             "\ndevice threads' CPU ({}; QEMU's {}; fio's own for the fio rows) and the vCPU thread's, per I/O in \
              the guest's timed window, median over rounds (a polling guest's vCPU spins: its figure is the window \
-             over the I/Os); idle CPU: the device threads in a pause after it; contend: {}",
+             over the I/Os); idle CPU: the device threads in a pause after it; waited: the device threads' and the \
+             vCPU's run-queue wait in the window as a share of it (runnable, another thread on their CPU: time the \
+             host took from them); contend: {}",
             crate::cpu::NVME_DEVICE_THREADS.join(", "),
             crate::pin::QEMU_DEVICE_THREADS.join(", "),
             levels(&self.options.contend)
         );
         let _ = writeln!(
             s,
-            "{:<24} {:<22} {:>7} {:>11} {:>11} {:>9}",
-            "job", "target", "threads", "CPU/IO", "vCPU/IO", "idle CPU"
+            "{:<24} {:<22} {:>7} {:>11} {:>11} {:>9} {:>15}",
+            "job", "target", "threads", "CPU/IO", "vCPU/IO", "idle CPU", "waited dev/vCPU"
         );
         for ((ji, target), rs) in groups {
             let med = |f: fn(&NvmeRun) -> Option<f64>| {
@@ -369,13 +377,14 @@ impl NvmeResult {
             };
             let _ = writeln!(
                 s,
-                "{:<24} {:<22} {:>7} {:>11} {:>11} {:>9}",
+                "{:<24} {:<22} {:>7} {:>11} {:>11} {:>9} {:>15}",
                 self.options.jobs[ji].label(),
                 target,
                 rs.iter().map(|r| r.device_threads).max().unwrap_or(0),
                 med(|r| r.cpu_ns_per_io).map_or("-".into(), fmt_ns),
                 med(|r| r.vcpu_ns_per_io).map_or("-".into(), fmt_ns),
                 med(|r| r.idle_cpu_pct).map_or("-".into(), |p| format!("{p:.1} %")),
+                waited(med(|r| r.device_waited_pct), med(|r| r.vcpu_waited_pct)),
             );
         }
     }

@@ -98,6 +98,12 @@ pub struct TimingRow {
     pub mb_s_ceiling: Option<f64>,
     /// Whether the ceiling holds, where the job reached it (None: not configured or not reached).
     pub ceiling_ok: Option<bool>,
+    /// The timed runs' device threads' and vCPU's run-queue wait, % of the
+    /// window, medians (NaN: not measured): the time the host took from the
+    /// two threads a completion's due time depends on. A completion due while
+    /// its poller waits is posted late, one due while the vCPU waits is seen late.
+    pub device_waited_pct: f64,
+    pub vcpu_waited_pct: f64,
 }
 
 /// The operation a job's commands are (a randrw job: its reads).
@@ -220,6 +226,8 @@ fn row(spec: &TimingSpec, j: &Job, ji: usize, base: &str, tr: &[&NvmeRun], br: &
         iops_ceiling,
         mb_s_ceiling,
         ceiling_ok,
+        device_waited_pct: median(tr.iter().filter_map(|r| r.device_waited_pct).collect()),
+        vcpu_waited_pct: median(tr.iter().filter_map(|r| r.vcpu_waited_pct).collect()),
     }
 }
 
@@ -230,13 +238,15 @@ pub fn table(res: &NvmeResult, rows: &[TimingRow]) -> String {
     let _ = writeln!(
         s,
         "\ndevice timing model: timing={spec}; guest = the -timed run's percentile less its untimed twin's p1, all rounds' I/Os; \
-         dev = the device's own (posted - fetched; late = posted - due), median of rounds; within {:.0} % or {:.0} us",
+         dev = the device's own (posted - fetched; late = posted - due), median of rounds; within {:.0} % or {:.0} us; \
+         waited: the timed runs' device threads' and vCPU's run-queue wait as a share of the window (a completion due \
+         while its poller waits is posted late; one posted while the vCPU waits is seen late)",
         REL * 100.0,
         ABS_NS / 1000.0
     );
     let _ = writeln!(
         s,
-        "{:<24} {:<20} {:>5} {:>26} {:>26} {:>9} {:>17} {:>11} {:>9} {:>8}",
+        "{:<24} {:<20} {:>5} {:>26} {:>26} {:>9} {:>17} {:>11} {:>9} {:>8} {:>15}",
         "job",
         "target",
         "op",
@@ -246,7 +256,8 @@ pub fn table(res: &NvmeResult, rows: &[TimingRow]) -> String {
         "late p99/max us",
         "guest/dev",
         "IOPS",
-        "ceiling"
+        "ceiling",
+        "waited dev/vCPU"
     );
     let us = |ns: f64| ns / 1000.0;
     for r in rows {
@@ -265,7 +276,7 @@ pub fn table(res: &NvmeResult, rows: &[TimingRow]) -> String {
         };
         let _ = writeln!(
             s,
-            "{:<24} {:<20} {:>5} {:>8.2}/{:>8.2}/{:>8.2} {:>8.2}/{:>8.2}/{:>8.2} {:>9.2} {:>8.2}/{:>8.2} {:>11} {:>9.0} {:>8}",
+            "{:<24} {:<20} {:>5} {:>8.2}/{:>8.2}/{:>8.2} {:>8.2}/{:>8.2}/{:>8.2} {:>9.2} {:>8.2}/{:>8.2} {:>11} {:>9.0} {:>8} {:>15}",
             j.label(),
             r.target,
             r.op,
@@ -281,6 +292,10 @@ pub fn table(res: &NvmeResult, rows: &[TimingRow]) -> String {
             lat,
             r.iops,
             verdict(r.ceiling_ok, "-"),
+            super::table::waited(
+                Some(r.device_waited_pct).filter(|p| p.is_finite()),
+                Some(r.vcpu_waited_pct).filter(|p| p.is_finite())
+            ),
         );
     }
     s
