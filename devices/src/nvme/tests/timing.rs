@@ -126,3 +126,85 @@ fn a_namespace_timing_needs_a_device_thread_and_the_first_takes_the_controllers(
         .unwrap();
     assert_eq!(c.ns[0].timing.as_ref().unwrap().to_string(), "read:5us");
 }
+
+/// Pins the calling thread to `cpu` (false where it cannot be had).
+fn pin_to(cpu: usize) -> bool {
+    // SAFETY: cpu_set_t is plain data; CPU_SET is given an index below
+    // CPU_SETSIZE (checked); sched_setaffinity only reads the set.
+    unsafe {
+        if cpu >= libc::CPU_SETSIZE as usize {
+            return false;
+        }
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+/// The device's own lateness (posted - due) over `n` QD1 reads with a
+/// `read:LAT` model, driver and `shm` poller in this process (the poller
+/// on CPU 1, the driver spinning on CPU 0): what the device path keeps of
+/// its due times without a VM around it, for a set against `bench nvme
+/// --timing` on the same host. A figure, not a judgement (a shared host's
+/// scheduling decides the tail): `cargo test --release -p iopath-devices
+/// --lib timing_lateness_in_process -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn timing_lateness_in_process() {
+    for lat in ["20us", "100us", "1ms"] {
+        let n = match lat {
+            "1ms" => 2000,
+            "100us" => 20_000,
+            _ => 50_000,
+        };
+        // The poller inherits the affinity of the thread that makes it.
+        let pinned = pin_to(1);
+        let cfg = NvmeConfig {
+            backend: StorageKind::Null,
+            size: 1 << 20,
+            doorbell: DoorbellMode::Shm,
+            timing: Some(Box::new(format!("read:{lat}").parse().unwrap())),
+            ..NvmeConfig::default()
+        };
+        let mut d = Drv::new(cfg);
+        let log = d.n.timed_log();
+        assert_eq!(d.admin(0x7c, 0, DBBUF, EVIDX, [0; 4]).1, 0);
+        d.io_queues(8);
+        let pinned = pinned && pin_to(0);
+        let mut seen = Vec::with_capacity(n);
+        for i in 0..n {
+            let e = d.sqe(0x02, 1, DATA, 0, [i as u32 % 1024, 0, 0, 0]);
+            d.mem.write_slice(&e, GuestAddress(IOSQ + d.iotail as u64 * 64)).unwrap();
+            d.iotail = (d.iotail + 1) % 8;
+            let t0 = std::time::Instant::now();
+            d.mem.store(d.iotail as u32, GuestAddress(DBBUF + 8), Ordering::Release).unwrap();
+            let r = loop {
+                if let Some(r) = d.reap(IOCQ, 8, false) {
+                    break r;
+                }
+                assert!(t0.elapsed() < std::time::Duration::from_secs(10), "the poller did not post the completion");
+                std::hint::spin_loop();
+            };
+            seen.push(t0.elapsed().as_nanos() as u64);
+            assert_eq!(r.1, 0);
+            d.mem.store(d.iohead as u32, GuestAddress(DBBUF + 12), Ordering::Release).unwrap();
+        }
+        let recs = crate::lock(&log).clone();
+        d.n.quiesce();
+        let mut late: Vec<u64> = recs.iter().map(|r| r.posted_ns - r.due_ns).collect();
+        late.sort_unstable();
+        seen.sort_unstable();
+        let q = |v: &[u64], p: f64| v[((v.len() as f64 * p) as usize).min(v.len() - 1)] as f64 / 1000.0;
+        println!(
+            "read:{lat} QD1 x{n} (pinned {pinned}): device lateness p50 {:.2} p99 {:.2} p99.9 {:.2} max {:.2} us; \
+             driver's latency p50 {:.2} p99 {:.2} p99.9 {:.2} us",
+            q(&late, 0.5),
+            q(&late, 0.99),
+            q(&late, 0.999),
+            q(&late, 1.0),
+            q(&seen, 0.5),
+            q(&seen, 0.99),
+            q(&seen, 0.999)
+        );
+    }
+}
