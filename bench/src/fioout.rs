@@ -18,7 +18,7 @@
 //! times them apart); a verify job, whose writes and reads back are phases
 //! of one set, is reported as fio's `unified_rw_reporting=mixed` does, in
 //! one `mixed` object. A stddev is the histogram's (bucket midpoints;
-//! buckets up to 1/16 of their value wide), fio's own is of every latency.
+//! buckets up to 1/64 of their value wide), fio's own is of every latency.
 //!
 //! The header names iopath (`"iopath version"`), never fio: these are not
 //! fio's measurements (the host's own fio rows of `bench nvme` excepted,
@@ -414,7 +414,7 @@ mod tests {
         assert_eq!((r["io_bytes"].as_u64(), r["io_kbytes"].as_u64()), (Some(4096000), Some(4000)));
         let p = &r["clat_ns"]["percentile"];
         assert_eq!(p.as_object().unwrap().len(), PERCENTILES.len());
-        // 900 of 1000 at ~1000 ns: p50 within that bucket (1/16 wide), p99.9 past 5000.
+        // 900 of 1000 at ~1000 ns: p50 within that bucket (1/64 wide), p99.9 past 5000.
         let p50 = p["50.000000"].as_u64().unwrap();
         assert!((960..=1070).contains(&p50), "{p50}");
         assert!(p["99.990000"].as_u64().unwrap() > 90_000);

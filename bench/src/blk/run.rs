@@ -315,7 +315,7 @@ mod tests {
         let l: Vec<String> = [
             "@vblk-dev features=0x1 event_idx=1",
             "@vblk rw=read bs=131072 iodepth=16 event_idx=1 ios=4 cycles=2000000 lat_sum=1 errors=0 kicks=3 notifies=2",
-            "@vblk-hist 105:4",
+            "@vblk-hist 548:4",
             "@vblk-hist-end buckets=1 lines=1",
         ]
         .iter()
@@ -323,11 +323,11 @@ mod tests {
         .collect();
         // 1 GHz: 4 I/Os of 128 KiB in 2 ms.
         let r = to_run("virtio-exit", &jobs[0], 0, 0, &l, 1_000_000).unwrap();
-        assert_eq!((r.ios, r.iops, r.guest_notifies, r.p50_ns), (4, 2000.0, Some(2), 101.5));
+        assert_eq!((r.ios, r.iops, r.guest_notifies, r.p50_ns), (4, 2000.0, Some(2), 401.5));
         assert!((r.mb_s - 262.144).abs() < 1e-9, "{}", r.mb_s);
         // A histogram that does not hold the record's I/Os is refused.
         let mut bad = l.clone();
-        bad[2] = "@vblk-hist 105:3".into();
+        bad[2] = "@vblk-hist 548:3".into();
         assert!(to_run("t", &jobs[0], 0, 0, &bad, 1_000_000).is_err());
         assert!(to_run("t", &jobs[0], 0, 0, &l[..1], 1_000_000).is_err(), "no record");
     }

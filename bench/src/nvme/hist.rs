@@ -2,19 +2,23 @@
 //! (`@nvme-hist` from nvmeperf, `@vblk-hist` from the virtio-blk driver: the
 //! shared load generator prints both), merged over rounds, and read for percentiles.
 //!
-//! The layout is nvmeperf's `hist_add` (guest/c/nvme.c): a latency of `c`
-//! cycles with its highest set bit `m` goes to bucket `16 m + s`, where `s`
-//! is `c`'s four bits below the top one (for `m >= 4`) or `c` itself (for
-//! `c < 16`). A bucket of `m >= 4` holds the cycles `(16 + s) << (m - 4)`
-//! up to `((17 + s) << (m - 4)) - 1`, a sixteenth of a power of two (up to
-//! 6 % of its value); the smaller ones hold one value each.
+//! The layout is the load generator's `hist_add` (guest/c/load.c): a
+//! latency of `c` cycles with its highest set bit `m` goes to bucket
+//! `64 m + s`, where `s` is `c`'s six bits below the top one (for `m >= 6`)
+//! or `c` itself (for `c < 64`). A bucket of `m >= 6` holds the cycles
+//! `(64 + s) << (m - 6)` up to `((65 + s) << (m - 6)) - 1`, a 64th of a
+//! power of two (at most 1.6 % of its value, finer than the 2 % a timing
+//! model is judged by); the smaller ones hold one value each.
 
 use std::collections::BTreeMap;
 
+/// Bits of a latency below its top one that pick its bucket: 64 a power of two.
+const SUB_BITS: u32 = 6;
+const SUB: u32 = 1 << SUB_BITS;
 /// Buckets in the guest's histogram.
-pub const BUCKETS: u32 = 64 * 16;
-/// Most `@KIND-hist` lines one run may print (the guest prints 16 buckets a line).
-pub const MAX_LINES: usize = 64;
+pub const BUCKETS: u32 = 64 * SUB;
+/// Most `@KIND-hist` lines one run may print (the guest prints 32 buckets a line).
+pub const MAX_LINES: usize = 128;
 
 /// A malformed histogram from the guest.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
@@ -41,26 +45,26 @@ pub struct LatHist {
 
 /// Whether nvmeperf's `hist_add` can produce bucket `b`.
 fn valid(b: u32) -> bool {
-    let (m, s) = (b / 16, b % 16);
-    b < BUCKETS && (m >= 4 || (s >> m == 1) || (m == 0 && s == 0))
+    let (m, s) = (b / SUB, b % SUB);
+    b < BUCKETS && (m >= SUB_BITS || (s >> m == 1) || (m == 0 && s == 0))
 }
 
 /// The lowest and highest cycle count of bucket `b` (a valid one).
 pub fn edges(b: u32) -> (f64, f64) {
-    let (m, s) = (b / 16, (b % 16) as u128);
-    if m < 4 {
+    let (m, s) = (b / SUB, (b % SUB) as u128);
+    if m < SUB_BITS {
         return (s as f64, s as f64);
     }
-    let lo = (16 + s) << (m - 4);
-    let hi = ((17 + s) << (m - 4)) - 1;
+    let lo = (SUB as u128 + s) << (m - SUB_BITS);
+    let hi = ((SUB as u128 + 1 + s) << (m - SUB_BITS)) - 1;
     (lo as f64, hi as f64)
 }
 
 /// The bucket of a latency of `c` cycles (nvmeperf's `hist_add`).
 pub fn bucket_of(c: u64) -> u32 {
     let m = 63 - (c | 1).leading_zeros();
-    let s = if m >= 4 { (c >> (m - 4)) as u32 & 15 } else { c as u32 & 15 };
-    m * 16 + s
+    let s = if m >= SUB_BITS { (c >> (m - SUB_BITS)) as u32 & (SUB - 1) } else { c as u32 & (SUB - 1) };
+    m * SUB + s
 }
 
 impl LatHist {
@@ -211,21 +215,22 @@ mod tests {
             }
             prev = Some(hi);
         }
-        assert_eq!((bucket(100), edges(105)), (105, (100.0, 103.0)));
-        assert_eq!((bucket(5), edges(37)), (37, (5.0, 5.0)));
-        assert!(!valid(2) && !valid(17) && !valid(BUCKETS));
+        assert_eq!((bucket(100), edges(420)), (420, (100.0, 100.0)));
+        assert_eq!((bucket(2560), edges(720)), (720, (2560.0, 2591.0)));
+        assert_eq!((bucket(5), edges(133)), (133, (5.0, 5.0)));
+        assert!(!valid(2) && !valid(17) && !valid(100) && !valid(BUCKETS));
     }
 
     #[test]
     fn parses_the_guests_lines() {
         let lines = [
             "@nvme ios=6 cycles=10",
-            "@nvme-hist 37:1 105:2",
-            "@nvme-hist 106:3",
+            "@nvme-hist 133:1 420:2",
+            "@nvme-hist 421:3",
             "@nvme-hist-end buckets=3 lines=2",
             "@done rc=0",
         ];
-        assert_eq!(LatHist::parse(&lines, 6), Ok(Some(h(&[(37, 1), (105, 2), (106, 3)]))));
+        assert_eq!(LatHist::parse(&lines, 6), Ok(Some(h(&[(133, 1), (420, 2), (421, 3)]))));
         assert_eq!(LatHist::parse(&["@nvme ios=0"], 0), Ok(None));
         assert_eq!(LatHist::parse(&["@nvme-hist-end buckets=0 lines=0"], 0), Ok(Some(h(&[]))));
     }
@@ -234,94 +239,94 @@ mod tests {
     fn each_kind_reads_only_its_own_lines() {
         // A run's output may hold another driver's lines (nvmeperf's and vblk's share the format).
         let lines = [
-            "@nvme-hist 105:9",
+            "@nvme-hist 420:9",
             "@nvme-hist-end buckets=1 lines=1",
             "@vblk ios=3 cycles=10",
-            "@vblk-hist 37:1 106:2",
+            "@vblk-hist 133:1 421:2",
             "@vblk-hist-end buckets=2 lines=1",
         ];
-        assert_eq!(LatHist::parse_kind(&lines, "vblk", 3), Ok(Some(h(&[(37, 1), (106, 2)]))));
-        assert_eq!(LatHist::parse_kind(&lines, "nvme", 9), Ok(Some(h(&[(105, 9)]))));
+        assert_eq!(LatHist::parse_kind(&lines, "vblk", 3), Ok(Some(h(&[(133, 1), (421, 2)]))));
+        assert_eq!(LatHist::parse_kind(&lines, "nvme", 9), Ok(Some(h(&[(420, 9)]))));
         assert_eq!(LatHist::parse(&lines, 9), LatHist::parse_kind(&lines, "nvme", 9));
         // vblk's total is checked against vblk's record, not nvme's.
         assert_eq!(LatHist::parse_kind(&lines, "vblk", 9), Err(HistError::Total { got: 3, want: 9 }));
         // An nvme end line does not end a vblk histogram.
-        let cut = ["@vblk-hist 37:1", "@nvme-hist-end buckets=1 lines=1"];
+        let cut = ["@vblk-hist 133:1", "@nvme-hist-end buckets=1 lines=1"];
         assert!(matches!(LatHist::parse_kind(&cut, "vblk", 1), Err(HistError::End(_))));
-        assert_eq!(LatHist::parse_kind(&["@nvme-hist 37:1"], "vblk", 0), Ok(None));
+        assert_eq!(LatHist::parse_kind(&["@nvme-hist 133:1"], "vblk", 0), Ok(None));
     }
 
     #[test]
     fn malformed_histograms_are_errors() {
         let bad = |lines: &[&str], ios| LatHist::parse(lines, ios).unwrap_err();
-        assert_eq!(bad(&["@nvme-hist 100:x", "@nvme-hist-end buckets=1 lines=1"], 1), HistError::Pair("100:x".into()));
-        assert_eq!(bad(&["@nvme-hist 100", "@nvme-hist-end buckets=1 lines=1"], 1), HistError::Pair("100".into()));
+        assert_eq!(bad(&["@nvme-hist 420:x", "@nvme-hist-end buckets=1 lines=1"], 1), HistError::Pair("420:x".into()));
+        assert_eq!(bad(&["@nvme-hist 420", "@nvme-hist-end buckets=1 lines=1"], 1), HistError::Pair("420".into()));
         assert_eq!(bad(&["@nvme-hist 2:1", "@nvme-hist-end buckets=1 lines=1"], 1), HistError::Bucket(2));
         assert_eq!(bad(&["@nvme-hist 5000:1", "@nvme-hist-end buckets=1 lines=1"], 1), HistError::Bucket(5000));
-        assert_eq!(bad(&["@nvme-hist 100:1 100:1", "@nvme-hist-end buckets=1 lines=1"], 2), HistError::Twice(100));
-        assert!(matches!(bad(&["@nvme-hist 100:1"], 1), HistError::End(_)), "a cut-off dump");
-        assert!(matches!(bad(&["@nvme-hist 100:1", "@nvme-hist-end buckets=2 lines=1"], 1), HistError::End(_)));
+        assert_eq!(bad(&["@nvme-hist 420:1 420:1", "@nvme-hist-end buckets=1 lines=1"], 2), HistError::Twice(420));
+        assert!(matches!(bad(&["@nvme-hist 420:1"], 1), HistError::End(_)), "a cut-off dump");
+        assert!(matches!(bad(&["@nvme-hist 420:1", "@nvme-hist-end buckets=2 lines=1"], 1), HistError::End(_)));
         assert_eq!(
-            bad(&["@nvme-hist 100:1 101:2", "@nvme-hist-end buckets=2 lines=1"], 4),
+            bad(&["@nvme-hist 420:1 421:2", "@nvme-hist-end buckets=2 lines=1"], 4),
             HistError::Total { got: 3, want: 4 }
         );
-        let max = format!("@nvme-hist 100:{} 101:1", u64::MAX);
+        let max = format!("@nvme-hist 420:{} 421:1", u64::MAX);
         assert!(matches!(bad(&[&max, "@nvme-hist-end buckets=2 lines=1"], 5), HistError::Total { .. }));
-        let many: Vec<String> = (0..=MAX_LINES).map(|i| format!("@nvme-hist {}:1", 100 + i)).collect();
+        let many: Vec<String> = (0..=MAX_LINES).map(|i| format!("@nvme-hist {}:1", 420 + i)).collect();
         assert_eq!(LatHist::parse(&many, 65), Err(HistError::TooLong));
     }
 
     #[test]
     fn ns_points_land_in_the_guests_buckets() {
-        // At 1 GHz a ns is a cycle: 100 and 103 ns share bucket 105, 2600 ns is in 180.
-        let h = LatHist::from_ns_points(&[(100, 2), (103, 1), (2600, 4), (7, 0)], 1_000_000);
-        assert_eq!(h, LatHist { counts: [(105, 3), (180, 4)].into_iter().collect() });
-        // At 2 GHz, 50 ns is 100 cycles.
-        assert_eq!(LatHist::from_ns_points(&[(50, 1)], 2_000_000).counts.keys().next(), Some(&105));
+        // At 1 GHz a ns is a cycle: 400 and 403 ns share bucket 548, 10300 ns is in 848.
+        let h = LatHist::from_ns_points(&[(400, 2), (403, 1), (10300, 4), (7, 0)], 1_000_000);
+        assert_eq!(h, LatHist { counts: [(548, 3), (848, 4)].into_iter().collect() });
+        // At 2 GHz, 200 ns is 400 cycles.
+        assert_eq!(LatHist::from_ns_points(&[(200, 1)], 2_000_000).counts.keys().next(), Some(&548));
         assert_eq!(LatHist::from_ns_points(&[(u64::MAX, 1)], u64::MAX).total(), 1, "no overflow");
     }
 
     #[test]
     fn merging_adds_counts_bucket_by_bucket() {
-        let mut a = h(&[(105, 2), (106, 1)]);
-        a.merge(&h(&[(106, 4), (200, 1)]));
-        assert_eq!(a, h(&[(105, 2), (106, 5), (200, 1)]));
-        assert_eq!(LatHist::merged([&h(&[(37, 1)]), &h(&[(37, u64::MAX)])]).counts[&37], u64::MAX);
+        let mut a = h(&[(548, 2), (549, 1)]);
+        a.merge(&h(&[(549, 4), (800, 1)]));
+        assert_eq!(a, h(&[(548, 2), (549, 5), (800, 1)]));
+        assert_eq!(LatHist::merged([&h(&[(133, 1)]), &h(&[(133, u64::MAX)])]).counts[&133], u64::MAX);
     }
 
     #[test]
     fn percentiles_interpolate_within_the_bucket() {
-        // Bucket 105 holds 100..=103 cycles: 4 I/Os there, p50 is rank 2 of 4,
-        // halfway: 101.5; the last rank is the upper edge.
-        let one = h(&[(105, 4)]);
-        assert_eq!(one.quantile_cycles(0.5), Some(101.5));
-        assert_eq!(one.quantile_cycles(1.0), Some(103.0));
-        assert_eq!(one.quantile_cycles(0.25), Some(100.75));
-        // Two buckets: 105 (100..=103) x10 and 180 (m=11, s=4: 2560..=2687) x10.
-        let two = h(&[(105, 10), (180, 10)]);
-        assert_eq!(edges(180), (2560.0, 2687.0));
-        assert_eq!(two.quantile_cycles(0.5), Some(103.0));
-        assert_eq!(two.quantile_cycles(0.9), Some(2560.0 + 0.8 * 127.0));
-        assert_eq!(two.quantile_cycles(0.99), Some(2560.0 + 0.98 * 127.0));
+        // Bucket 548 (m=8, s=36) holds 400..=403 cycles: 4 I/Os there, p50 is
+        // rank 2 of 4, halfway: 401.5; the last rank is the upper edge.
+        let one = h(&[(548, 4)]);
+        assert_eq!(one.quantile_cycles(0.5), Some(401.5));
+        assert_eq!(one.quantile_cycles(1.0), Some(403.0));
+        assert_eq!(one.quantile_cycles(0.25), Some(400.75));
+        // Two buckets: 548 (400..=403) x10 and 848 (m=13, s=16: 10240..=10367) x10.
+        let two = h(&[(548, 10), (848, 10)]);
+        assert_eq!(edges(848), (10240.0, 10367.0));
+        assert_eq!(two.quantile_cycles(0.5), Some(403.0));
+        assert_eq!(two.quantile_cycles(0.9), Some(10240.0 + 0.8 * 127.0));
+        assert_eq!(two.quantile_cycles(0.99), Some(10240.0 + 0.98 * 127.0));
         // Single-value buckets are exact.
-        assert_eq!(h(&[(37, 3)]).quantile_cycles(0.5), Some(5.0));
+        assert_eq!(h(&[(133, 3)]).quantile_cycles(0.5), Some(5.0));
         assert_eq!(h(&[]).quantile_cycles(0.5), None);
         assert_eq!(one.quantile_cycles(0.0), None);
         // ns at 2 GHz, and the JSON pairs carry each bucket's upper edge.
-        assert_eq!(one.quantile_ns(1.0, 2_000_000), 51.5);
-        assert_eq!(two.pairs_ns(1_000_000), vec![(103.0, 10), (2687.0, 10)]);
+        assert_eq!(one.quantile_ns(1.0, 2_000_000), 201.5);
+        assert_eq!(two.pairs_ns(1_000_000), vec![(403.0, 10), (10367.0, 10)]);
     }
 
     #[test]
     fn merged_percentiles_are_not_medians_of_percentiles() {
-        // Three rounds: two fast (all in bucket 105, 100..=103 cycles), one slow (all in 180).
-        // The median of per-round p99s is the fast rounds' 103; over the merged
+        // Three rounds: two fast (all in bucket 548, 400..=403 cycles), one slow (all in 848).
+        // The median of per-round p99s is the fast rounds' 403; over the merged
         // I/Os the p99 is in the slow bucket.
-        let rounds = [h(&[(105, 100)]), h(&[(105, 100)]), h(&[(180, 100)])];
+        let rounds = [h(&[(548, 100)]), h(&[(548, 100)]), h(&[(848, 100)])];
         let m = LatHist::merged(&rounds);
         let p99 = m.quantile_cycles(0.99).unwrap();
-        assert!(p99 > 2560.0 && p99 < 2687.0, "{p99}");
-        // p50: rank 150 of the 200 I/Os in bucket 105 (100..=103): 100 + 0.75 * 3.
-        assert_eq!(m.quantile_cycles(0.5), Some(102.25));
+        assert!(p99 > 10240.0 && p99 < 10367.0, "{p99}");
+        // p50: rank 150 of the 200 I/Os in bucket 548 (400..=403): 400 + 0.75 * 3.
+        assert_eq!(m.quantile_cycles(0.5), Some(402.25));
     }
 }

@@ -686,18 +686,18 @@ mod tests {
     fn a_run_keeps_ios_cycles_and_the_histogram() {
         let l = lines(&[
             "@nvme rw=randread ios=4 cycles=2000000 wait_cycles=500000 lat_sum=4000 p50=1 p90=1 p99=1 p999=1 errors=0",
-            "@nvme-hist 105:4",
+            "@nvme-hist 548:4",
             "@nvme-hist-end buckets=1 lines=1",
         ]);
         // 1 GHz: 2 M cycles are 2 ms.
         let r = to_run("qemu", 0, 0, &job(false), &l, 1_000_000).unwrap();
         assert_eq!((r.io.ios, r.cycles, r.io.iops), (4, 2_000_000, 2000.0));
         assert_eq!(r.guest_wait_pct, Some(25.0), "a quarter of the window found nothing to reap");
-        assert_eq!(r.io.hist, vec![(103.0, 4)]);
+        assert_eq!(r.io.hist, vec![(403.0, 4)]);
         // The record's own p50 (1 cycle, a bucket's upper edge) is not used: the host's, interpolated.
-        assert_eq!(r.io.p50_ns, 101.5);
+        assert_eq!(r.io.p50_ns, 401.5);
         let v = serde_json::to_value(&r).unwrap();
-        assert_eq!(v["hist"], serde_json::json!([[103.0, 4]]));
+        assert_eq!(v["hist"], serde_json::json!([[403.0, 4]]));
         assert_eq!((v["ios"].as_u64(), v["cycles"].as_u64()), (Some(4), Some(2_000_000)));
         assert_eq!(v["marks"], serde_json::json!([]));
     }
@@ -708,13 +708,13 @@ mod tests {
     fn golden_run() -> NvmeRun {
         let l = lines(&[
             "@nvme rw=randrw ios=6 cycles=3000000 wait_cycles=600000 lat_sum=9000 lat_min=700 lat_max=2600 errors=0 io_doorbell_writes=9",
-            "@nvme-hist 105:4 120:2",
+            "@nvme-hist 548:4 600:2",
             "@nvme-hist-end buckets=2 lines=1",
             "@nvme-read ios=4 lat_sum=5000 lat_min=700 lat_max=1900",
-            "@nvme-read-hist 105:3 120:1",
+            "@nvme-read-hist 548:3 600:1",
             "@nvme-read-hist-end buckets=2 lines=1",
             "@nvme-write ios=2 lat_sum=4000 lat_min=1500 lat_max=2600",
-            "@nvme-write-hist 105:1 120:1",
+            "@nvme-write-hist 548:1 600:1",
             "@nvme-write-hist-end buckets=2 lines=1",
         ]);
         let j = Job { rw: "randrw".into(), rwmixread: 70, ..Job::randread(4096, 2) };
@@ -729,23 +729,24 @@ mod tests {
     }
 
     const GOLDEN: &str = concat!(
-        r#"{"attempt":0,"contend":0,"cpu_ns_per_io":null,"cycles":3000000,"device_threads":0,"device_waited_pct":null,"#,
-        r#""errors":0,"#,
-        r#""exits_per_io":null,"fio_busy_ratio":null,"fio_ratio":null,"floor_ops_s":null,"floor_p50_ns":null,"#,
-        r#""floor_ratio":null,"guest_dbbuf":null,"guest_irqs":null,"guest_line_ns":null,"guest_line_ratio":null,"#,
-        r#""guest_sleeps":null,"guest_wait_pct":20.0,"hist":[[68.66666666666667,4],[132.66666666666666,"#,
-        r#"2]],"idle_cpu_pct":null,"io_doorbell_writes":9,"iops":3000.0,"ios":6,"job":1,"lat_avg_ns":1000.0,"#,
-        r#""lat_max_ns":1733.3333333333333,"lat_min_ns":466.6666666666667,"marks":[],"mb_s":12.288,"mismatches":null,"#,
-        r#""p50_ns":68.16666666666667,"p90_ns":131.26666666666668,"p999_ns":132.65266666666665,"p99_ns":132.52666666666667,"#,
-        r#""poller_ios":[],"pollers":1,"quiet_floor_ratio":null,"quiet_ratio":null,"read":{"hist":[[68.66666666666667,"#,
-        r#"3],[132.66666666666666,1]],"iops":2000.0,"ios":4,"lat_avg_ns":833.3333333333334,"lat_max_ns":1266.6666666666667,"#,
-        r#""lat_min_ns":466.6666666666667,"mb_s":8.192,"p50_ns":68.0,"p90_ns":130.8,"p999_ns":132.648,"#,
-        r#""p99_ns":132.48},"round":0,"routing":"","routing_ok":true,"setup":"","setup_exits":null,"target":"iopath-shm","#,
-        r#""vcpu_ns_per_io":null,"vcpu_waited_pct":null,"verified_blocks":null,"vm_exits":null,"vmm_floor_ratio":null,"vmm_ratio":null,"#,
-        r#""wake_p50_ns":null,"wake_ratio":null,"window_exits":null,"write":{"hist":[[68.66666666666667,"#,
-        r#"1],[132.66666666666666,1]],"iops":1000.0,"ios":2,"lat_avg_ns":1333.3333333333333,"lat_max_ns":1733.3333333333333,"#,
-        r#""lat_min_ns":1000.0,"mb_s":4.096,"p50_ns":68.66666666666667,"p90_ns":131.73333333333332,"p999_ns":132.65733333333333,"#,
-        r#""p99_ns":132.57333333333332}}"#,
+        r#"{"attempt":0,"contend":0,"cpu_ns_per_io":null,"cycles":3000000,"device_threads":0"#,
+        r#","device_waited_pct":null,"errors":0,"exits_per_io":null,"fio_busy_ratio":null,"fio_ratio":null"#,
+        r#","floor_ops_s":null,"floor_p50_ns":null,"floor_ratio":null,"guest_dbbuf":null,"guest_irqs":null"#,
+        r#","guest_line_ns":null,"guest_line_ratio":null,"guest_sleeps":null,"guest_wait_pct":20.0"#,
+        r#","hist":[[268.6666666666667,4],[474.0,2]],"idle_cpu_pct":null,"io_doorbell_writes":9,"iops":3000.0"#,
+        r#","ios":6,"job":1,"lat_avg_ns":1000.0,"lat_max_ns":1733.3333333333333,"lat_min_ns":466.6666666666667"#,
+        r#","marks":[],"mb_s":12.288,"mismatches":null,"p50_ns":268.1666666666667,"p90_ns":472.6"#,
+        r#","p999_ns":473.986,"p99_ns":473.86,"poller_ios":[],"pollers":1,"quiet_floor_ratio":null"#,
+        r#","quiet_ratio":null,"read":{"hist":[[268.6666666666667,3],[474.0,1]],"iops":2000.0,"ios":4"#,
+        r#","lat_avg_ns":833.3333333333334,"lat_max_ns":1266.6666666666667,"lat_min_ns":466.6666666666667"#,
+        r#","mb_s":8.192,"p50_ns":268.0,"p90_ns":472.1333333333333,"p999_ns":473.98133333333334"#,
+        r#","p99_ns":473.81333333333333},"round":0,"routing":"","routing_ok":true,"setup":"","setup_exits":null"#,
+        r#","target":"iopath-shm","vcpu_ns_per_io":null,"vcpu_waited_pct":null,"verified_blocks":null"#,
+        r#","vm_exits":null,"vmm_floor_ratio":null,"vmm_ratio":null,"wake_p50_ns":null,"wake_ratio":null"#,
+        r#","window_exits":null,"write":{"hist":[[268.6666666666667,1],[474.0,1]],"iops":1000.0,"ios":2"#,
+        r#","lat_avg_ns":1333.3333333333333,"lat_max_ns":1733.3333333333333,"lat_min_ns":1000.0,"mb_s":4.096"#,
+        r#","p50_ns":268.6666666666667,"p90_ns":473.06666666666666,"p999_ns":473.99066666666664"#,
+        r#","p99_ns":473.9066666666667}}"#,
     );
 
     #[test]
@@ -753,9 +754,9 @@ mod tests {
         let rec = "@nvme ios=4 cycles=2000 lat_sum=4000 errors=0";
         for bad in [
             lines(&[rec]),
-            lines(&[rec, "@nvme-hist 105:3", "@nvme-hist-end buckets=1 lines=1"]),
-            lines(&[rec, "@nvme-hist 105:4"]),
-            lines(&["@nvme ios=4 cycles=0 lat_sum=4 errors=0", "@nvme-hist 105:4", "@nvme-hist-end buckets=1 lines=1"]),
+            lines(&[rec, "@nvme-hist 548:3", "@nvme-hist-end buckets=1 lines=1"]),
+            lines(&[rec, "@nvme-hist 548:4"]),
+            lines(&["@nvme ios=4 cycles=0 lat_sum=4 errors=0", "@nvme-hist 548:4", "@nvme-hist-end buckets=1 lines=1"]),
             lines(&["@nvme ios=x cycles=1"]),
         ] {
             assert!(to_run("t", 0, 0, &job(false), &bad, 1_000_000).is_err(), "{bad:?}");

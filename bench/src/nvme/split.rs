@@ -198,35 +198,35 @@ mod tests {
     }
 
     const RUN: [&str; 9] = [
-        "@nvme rw=randrw ios=7 cycles=2000000 lat_sum=1534 lat_min=100 lat_max=383 rwmixread=70",
-        "@nvme-hist 105:4 135:3",
+        "@nvme rw=randrw ios=7 cycles=2000000 lat_sum=6040 lat_min=400 lat_max=1487 rwmixread=70",
+        "@nvme-hist 548:4 668:3",
         "@nvme-hist-end buckets=2 lines=1",
-        "@nvme-read ios=4 lat_sum=406 lat_min=100 lat_max=103 p50=103",
-        "@nvme-read-hist 105:4",
+        "@nvme-read ios=4 lat_sum=1606 lat_min=400 lat_max=403 p50=403",
+        "@nvme-read-hist 548:4",
         "@nvme-read-hist-end buckets=1 lines=1",
-        "@nvme-write ios=3 lat_sum=1128 lat_min=370 lat_max=383 p50=383",
-        "@nvme-write-hist 135:3",
+        "@nvme-write ios=3 lat_sum=4434 lat_min=1472 lat_max=1487 p50=1487",
+        "@nvme-write-hist 668:3",
         "@nvme-write-hist-end buckets=1 lines=1",
     ];
 
     #[test]
     fn reads_and_writes_divide_the_run() {
         // 1 GHz: 2 M cycles are 2 ms.
-        let [r, w] = from_guest(&RUN, "nvme", (7, 1534), 4096, 0.002, 1_000_000).unwrap();
-        assert_eq!((r.ios, r.iops, r.lat_avg_ns, r.lat_min_ns), (4, 2000.0, 101.5, Some(100.0)));
-        assert_eq!((w.ios, w.iops, w.lat_max_ns, w.hist.len()), (3, 1500.0, Some(383.0), 1));
+        let [r, w] = from_guest(&RUN, "nvme", (7, 6040), 4096, 0.002, 1_000_000).unwrap();
+        assert_eq!((r.ios, r.iops, r.lat_avg_ns, r.lat_min_ns), (4, 2000.0, 401.5, Some(400.0)));
+        assert_eq!((w.ios, w.iops, w.lat_max_ns, w.hist.len()), (3, 1500.0, Some(1487.0), 1));
         assert!((r.mb_s - 8.192).abs() < 1e-9, "{}", r.mb_s);
-        assert_eq!(r.p50_ns, 101.5, "interpolated in bucket 105 (100..=103)");
-        assert_eq!(w.p50_ns, 375.5, "interpolated in bucket 135 (368..=383)");
+        assert_eq!(r.p50_ns, 401.5, "interpolated in bucket 548 (400..=403)");
+        assert_eq!(w.p50_ns, 1479.5, "interpolated in bucket 668 (1472..=1487)");
         // A direction without I/O (rwmixread 100): an empty histogram, no latency figures.
         let none = lines(&[
-            "@nvme-read ios=7 lat_sum=1534",
-            "@nvme-read-hist 105:7",
+            "@nvme-read ios=7 lat_sum=6040",
+            "@nvme-read-hist 548:7",
             "@nvme-read-hist-end buckets=1 lines=1",
             "@nvme-write ios=0 lat_sum=0 lat_min=0 lat_max=0",
             "@nvme-write-hist-end buckets=0 lines=0",
         ]);
-        let [_, w] = from_guest(&none, "nvme", (7, 1534), 4096, 0.002, 1_000_000).unwrap();
+        let [_, w] = from_guest(&none, "nvme", (7, 6040), 4096, 0.002, 1_000_000).unwrap();
         assert_eq!((w.ios, w.lat_min_ns, w.hist.len()), (0, None, 0));
         assert!(w.lat_avg_ns.is_nan() && w.p50_ns.is_nan());
     }
@@ -242,7 +242,7 @@ mod tests {
                     d.lat_avg_ns = 1000.0;
                     d
                 };
-                (r.read, r.write) = (Some(d(700, 105)), Some(d(300, 180)));
+                (r.read, r.write) = (Some(d(700, 548)), Some(d(300, 848)));
                 r
             })
             .collect();
@@ -251,10 +251,10 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 2, "{text}");
         assert!(lines[0].starts_with("  read 70.0%") && lines[0].contains("700.0 k"), "{text}");
-        assert!(lines[1].starts_with("  write 30.0%") && lines[1].contains("2.6"), "p50 in bucket 180: {text}");
+        assert!(lines[1].starts_with("  write 30.0%") && lines[1].contains("10.3"), "p50 in bucket 848: {text}");
         let v = summary(&rs, tsc).unwrap();
         assert_eq!((v["read"]["ios"].as_u64(), v["write"]["ios"].as_u64()), (Some(1400), Some(600)));
-        assert_eq!(v["read"]["p50_ns"].as_f64(), Some(101.5));
+        assert_eq!(v["read"]["p50_ns"].as_f64(), Some(401.5));
         // A run without its directions (any other job): no rows, no summary.
         let plain = NvmeRun::new("iopath-shm", "", 0, 0, 1000, 1);
         assert!(rows(&[&plain], "iopath-shm", tsc).is_empty() && summary(&[&plain], tsc).is_none());
@@ -264,15 +264,15 @@ mod tests {
     fn records_that_do_not_add_up_are_errors() {
         let run = |l: &[String], ios, sum| from_guest(l, "nvme", (ios, sum), 4096, 0.002, 1_000_000);
         let good = lines(&RUN);
-        assert!(run(&good, 8, 1534).is_err(), "more I/Os in the run than in its directions");
-        assert!(run(&good, 7, 1535).is_err(), "latency sums apart");
-        assert!(run(&good[..6], 7, 1534).is_err(), "no write record");
+        assert!(run(&good, 8, 6040).is_err(), "more I/Os in the run than in its directions");
+        assert!(run(&good, 7, 6041).is_err(), "latency sums apart");
+        assert!(run(&good[..6], 7, 6040).is_err(), "no write record");
         let bad = |from: &str, to: &str| good.iter().map(|l| l.replacen(from, to, 1)).collect::<Vec<_>>();
-        assert!(run(&bad("@nvme-read-hist 105:4", "@nvme-read-hist 105:5"), 7, 1534).is_err(), "histogram of 5");
-        assert!(run(&bad("ios=3", "ios=x"), 7, 1534).is_err());
+        assert!(run(&bad("@nvme-read-hist 548:4", "@nvme-read-hist 548:5"), 7, 6040).is_err(), "histogram of 5");
+        assert!(run(&bad("ios=3", "ios=x"), 7, 6040).is_err());
         let huge = bad("@nvme-write ios=3", &format!("@nvme-write ios={}", u64::MAX));
-        assert!(run(&huge, 7, 1534).is_err(), "an overflow is an error, not a panic");
+        assert!(run(&huge, 7, 6040).is_err(), "an overflow is an error, not a panic");
         // vblk's records are not nvme's.
-        assert!(from_guest(&good, "vblk", (7, 1534), 4096, 0.002, 1_000_000).is_err());
+        assert!(from_guest(&good, "vblk", (7, 6040), 4096, 0.002, 1_000_000).is_err());
     }
 }

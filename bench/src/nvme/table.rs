@@ -189,7 +189,7 @@ impl NvmeResult {
         let _ = writeln!(
             s,
             "lat avg over every I/O of every round; p50/p99/p99.9 from the rounds' merged latency histogram \
-             (nvmeperf's buckets, 1/16 of a power of two), interpolated linearly within the bucket{}",
+             (nvmeperf's buckets, 1/64 of a power of two), interpolated linearly within the bucket{}",
             if self.runs.iter().any(|r| is_fio_target(&r.target)) {
                 "; fio's from its json+ bins put in the same buckets (or, without them, its own, median over rounds)"
             } else {
@@ -518,20 +518,21 @@ mod tests {
 
     #[test]
     fn the_tables_percentiles_come_from_the_merged_histogram() {
-        // Round p50s 100, 100 and 2600 ns: their median would be 100. The
-        // merged I/Os put p99 in the slow round's bucket and p50 in the fast one.
-        let rs = [run(0, &[(105, 100)], 100.0), run(1, &[(105, 100)], 100.0), run(2, &[(180, 100)], 2600.0)];
+        // Round p50s 400, 400 and 10300 ns: their median would be 400. The
+        // merged I/Os put p99 in the slow round's bucket (848: 10240..=10367)
+        // and p50 in the fast one (548: 400..=403).
+        let rs = [run(0, &[(548, 100)], 400.0), run(1, &[(548, 100)], 400.0), run(2, &[(848, 100)], 10300.0)];
         let refs: Vec<&NvmeRun> = rs.iter().collect();
         let [p50, p99, _] = percentiles(&refs, 1_000_000);
-        assert_eq!(p50, 102.25);
-        assert!(p99 > 2560.0 && p99 <= 2687.0, "{p99}");
+        assert_eq!(p50, 402.25);
+        assert!(p99 > 10240.0 && p99 <= 10367.0, "{p99}");
         // Without histograms (fio's rows): the median of the rounds' own.
         let mut fio = rs.clone();
         for r in &mut fio {
             r.io.lat = None;
         }
         let refs: Vec<&NvmeRun> = fio.iter().collect();
-        assert_eq!(percentiles(&refs, 1_000_000)[0], 100.0);
+        assert_eq!(percentiles(&refs, 1_000_000)[0], 400.0);
     }
 
     #[test]
