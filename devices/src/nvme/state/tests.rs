@@ -431,6 +431,52 @@ fn every_command_completes_once_whatever_store_the_process_dies_at() {
     let _ = std::fs::remove_file(&img);
 }
 
+/// Resume reads the CQ back from its recorded tail, and the CQ is the
+/// driver's memory: an entry there with the lap's phase that this
+/// controller did not post (a hostile or careless guest's) names an SQ not
+/// on this CQ, or a head outside its SQ. It ends the read-back (with a log
+/// line): the resumed controller keeps the CQ tail and SQ head it recorded,
+/// and the driver's commands go on, each completed once.
+#[test]
+fn a_forged_entry_in_the_cq_ends_the_read_back_and_moves_no_head() {
+    // (sqid, sqhd): no such SQ; the admin SQ (on CQ 0); SQ 1 with a head past its end.
+    for (sqid, sqhd) in [(7u16, 0u16), (0, 0), (1, SQS)] {
+        let mut d = Drv::new(cfg(StorageKind::Null), u64::MAX);
+        d.enable();
+        d.io_queues();
+        for k in 0..3 {
+            d.io(true, k, DATA + 0x1000 * k, 1 + k as u8);
+        }
+        d.ring(1);
+        d.settle(1);
+        let (head, phase, gpa, _) = d.cq[1];
+        let at = GuestAddress(gpa + head as u64 * 16);
+        let mut kept = [0u8; 16];
+        d.ram.read_slice(&mut kept, at).unwrap();
+        let mut e = [0u8; 16];
+        e[8..10].copy_from_slice(&sqhd.to_le_bytes());
+        e[10..12].copy_from_slice(&sqid.to_le_bytes());
+        e[12..16].copy_from_slice(&(0x1234 | phase << 16).to_le_bytes());
+        d.ram.write_slice(&e, at).unwrap();
+        let heads = |d: &Drv| {
+            let c = crate::lock(&d.n.as_ref().unwrap().core);
+            let cq = c.queues.cqs[1].as_ref().unwrap();
+            (cq.tail, cq.phase, c.queues.sqs[1].as_ref().unwrap().head)
+        };
+        let before = heads(&d);
+        d.restart(u64::MAX);
+        assert_eq!(heads(&d), before, "forged SQ {sqid} head {sqhd}: the read-back took it");
+        // The driver puts its entry back, and goes on.
+        d.ram.write_slice(&kept, at).unwrap();
+        for k in 0..3 {
+            d.io(false, k, DATA + 0x1000 * k, 0);
+        }
+        d.ring(1);
+        d.settle(1);
+        assert!(d.out.is_empty() && d.completed == 3 + 3 + 2, "{} completed", d.completed);
+    }
+}
+
 /// Random batches of writes and reads (distinct LBAs in flight), the
 /// controller killed at random stores again and again.
 fn random_script(d: &mut Drv, rounds: u64) {
