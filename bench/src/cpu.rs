@@ -126,7 +126,7 @@ pub fn self_and_children() -> Vec<u32> {
 }
 
 /// `pid`'s children from each of its threads' `children` file (a few reads;
-/// the pinner looks every 100 ms while a run goes, and a walk of every
+/// the pinner looks every 100-500 ms while a run goes, and a walk of every
 /// process's `stat` took over a millisecond on a CPU the run polls on).
 /// None where the kernel has no such file (CONFIG_PROC_CHILDREN unset).
 fn children_of(pid: u32) -> Option<Vec<u32>> {

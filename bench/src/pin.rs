@@ -157,8 +157,8 @@ pub struct Pinner {
 impl Pinner {
     /// Looks for the vCPU thread and the threads named `device` in this
     /// process and its children, every 5 ms during the first half second,
-    /// every 100 ms to the second, every 500 ms after, and pins each new one, and each one whose name
-    /// changed: a thread the vCPU thread starts (a poller, at the
+    /// every 100 ms until 2 s, every 500 ms after, and pins each new one, and
+    /// each one whose name changed: a thread the vCPU thread starts (a poller, at the
     /// controller's enable) runs under the vCPU's name, and on its CPU, until
     /// it names itself. A thread that cannot be pinned is skipped (counted no).
     pub fn start(p: Placement, device: &'static [&'static str]) -> Pinner {
