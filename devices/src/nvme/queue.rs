@@ -88,6 +88,17 @@ pub fn next(i: u16, size: u16) -> u16 {
     }
 }
 
+/// A CQ's (tail, phase) after one more entry at `tail`: the phase flips
+/// where the tail wraps (the posting side's and the read-back's step).
+#[inline]
+pub fn cq_after(tail: u16, phase: bool, size: u16) -> (u16, bool) {
+    if tail + 1 >= size {
+        (0, !phase)
+    } else {
+        (tail + 1, phase)
+    }
+}
+
 /// The index before `i` in a queue of `size` entries.
 #[inline]
 pub fn prev(i: u32, size: u32) -> u32 {
@@ -193,7 +204,7 @@ pub fn post_cqe(mem: &GuestMem, cq: &mut Cq, dw0: u32, sqhd: u16, sqid: u16, cid
             return None;
         }
     }
-    let after = if tail + 1 == size { (0, !lap) } else { (tail + 1, lap) };
+    let after = cq_after(tail, lap, size);
     (cq.tail, cq.phase) = after;
     Some(after)
 }

@@ -241,10 +241,7 @@ fn scan_cq(c: &Core, cfg: &Config, q: usize, cq: CqDef, at: (u16, bool), sq_head
             break;
         }
         sq_head[sqid] = sqhd;
-        tail += 1;
-        if tail == cq.size {
-            (tail, phase) = (0, !phase);
-        }
+        (tail, phase) = queue::cq_after(tail, phase, cq.size);
     }
     (tail, phase)
 }
@@ -408,19 +405,10 @@ impl Core {
         for x in &p.posting {
             let Some(cq) = self.queues.cqs[x.cqid].as_mut() else { continue };
             if cq.tail == x.pos {
-                let mut at = *cq;
-                at.phase = x.dw3 >> 16 & 1 == 0;
-                post_cqe(
-                    &self.mem,
-                    &mut at,
-                    x.dw0,
-                    x.dw2 as u16,
-                    (x.dw2 >> 16) as u16,
-                    x.dw3 as u16,
-                    (x.dw3 >> 17) as u16,
-                );
-                (cq.tail, cq.phase) = (at.tail, at.phase);
-                let (t, ph) = (cq.tail, cq.phase);
+                cq.phase = x.dw3 >> 16 & 1 == 0;
+                let (sqhd, sqid, cid, st) = (x.dw2 as u16, (x.dw2 >> 16) as u16, x.dw3 as u16, (x.dw3 >> 17) as u16);
+                let after = post_cqe(&self.mem, cq, x.dw0, sqhd, sqid, cid, st);
+                let (t, ph) = after.unwrap_or((cq.tail, cq.phase));
                 if let Some(r) = self.rec.as_deref_mut() {
                     r.posted(Some(super::Posted { slot: x.slot }), x.cqid, t, ph);
                 }
