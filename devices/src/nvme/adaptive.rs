@@ -396,19 +396,14 @@ mod tests {
 
     /// Pins the calling thread to `cpu`.
     fn pin(cpu: usize) {
-        // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes inside it.
-        unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            libc::CPU_SET(cpu, &mut set);
-            assert_eq!(libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set), 0);
-        }
+        assert!(super::super::tests::pin_to(cpu), "pinning to CPU {cpu}");
     }
 
     #[test]
     fn a_yield_to_a_busy_thread_on_the_same_core_makes_the_poller_sleep_at_once() {
         let cpu = (0..libc::CPU_SETSIZE as usize)
             .find(|&c| {
-                // SAFETY: as in `pin`, reading the calling thread's own mask.
+                // SAFETY: a zeroed cpu_set_t is an empty set, filled with the calling thread's own mask.
                 unsafe {
                     let mut set: libc::cpu_set_t = std::mem::zeroed();
                     libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) == 0 && libc::CPU_ISSET(c, &set)

@@ -19,6 +19,20 @@ mod oracle;
 mod pollers;
 mod timing;
 
+/// Pins the calling thread to `cpu`; false where it cannot be had.
+pub(super) fn pin_to(cpu: usize) -> bool {
+    // SAFETY: cpu_set_t is plain data; CPU_SET is given an index below
+    // CPU_SETSIZE (checked); sched_setaffinity only reads the set.
+    unsafe {
+        if cpu >= libc::CPU_SETSIZE as usize {
+            return false;
+        }
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
 const ASQ: u64 = 0x10000;
 const ACQ: u64 = 0x11000;
 const IOSQ: u64 = 0x12000;

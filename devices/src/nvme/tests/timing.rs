@@ -127,20 +127,6 @@ fn a_namespace_timing_needs_a_device_thread_and_the_first_takes_the_controllers(
     assert_eq!(c.ns[0].timing.as_ref().unwrap().to_string(), "read:5us");
 }
 
-/// Pins the calling thread to `cpu` (false where it cannot be had).
-fn pin_to(cpu: usize) -> bool {
-    // SAFETY: cpu_set_t is plain data; CPU_SET is given an index below
-    // CPU_SETSIZE (checked); sched_setaffinity only reads the set.
-    unsafe {
-        if cpu >= libc::CPU_SETSIZE as usize {
-            return false;
-        }
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
-    }
-}
-
 /// The device's own lateness (posted - due) over `n` QD1 reads with a
 /// `read:LAT` model, driver and `shm` poller in this process (the poller
 /// on CPU 1, the driver spinning on CPU 0): what the device path keeps of
