@@ -130,19 +130,15 @@ pub fn self_and_children() -> Vec<u32> {
 /// process's `stat` took over a millisecond on a CPU the run polls on).
 /// None where the kernel has no such file (CONFIG_PROC_CHILDREN unset).
 fn children_of(pid: u32) -> Option<Vec<u32>> {
+    // The main thread's file is there while the process is, where the kernel has them.
+    if !std::path::Path::new(&format!("/proc/{pid}/task/{pid}/children")).exists() {
+        return None;
+    }
     let mut out = Vec::new();
     for e in std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.flatten() {
-        let mut path = e.path();
-        path.push("children");
-        match std::fs::read_to_string(&path) {
-            Ok(s) => out.extend(s.split_whitespace().filter_map(|v| v.parse::<u32>().ok())),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && out.is_empty() => {
-                // The thread may have ended; the file missing everywhere means no support.
-                if !std::path::Path::new(&format!("/proc/{pid}/task/{pid}/children")).exists() {
-                    return None;
-                }
-            }
-            Err(_) => {}
+        // A thread that ended meanwhile has no file left, and no children.
+        if let Ok(s) = std::fs::read_to_string(e.path().join("children")) {
+            out.extend(s.split_whitespace().filter_map(|v| v.parse::<u32>().ok()));
         }
     }
     out.sort_unstable();
